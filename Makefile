@@ -1,0 +1,63 @@
+# model-triton: the two commands a newcomer runs are `make demo` and `make test`.
+# Both install what they need first (a virtualenv in .venv/, pinned tools in .tools/).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TOOLS  := .tools
+export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
+
+TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
+PYTEST_ARGS ?=
+
+.PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-serving \
+        staging-deploy clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+
+install: venv tools ## create .venv and install the pinned tools (idempotent)
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml scripts/install-venv.sh
+	PYTHON=$(PYTHON) scripts/install-venv.sh $(VENV)
+	touch $@
+
+tools: venv
+	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
+
+test: install ## run every test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv ## check style (ruff)
+	$(BIN)/ruff check loader tests scripts
+	$(BIN)/ruff format --check loader tests scripts
+
+fmt: venv ## fix style (ruff)
+	$(BIN)/ruff check --fix loader tests scripts
+	$(BIN)/ruff format loader tests scripts
+
+demo: install ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
+	$(BIN)/python scripts/demo.py
+
+bench: bench-convert bench-fetch bench-serving ## every benchmark
+
+bench-convert: install ## converter throughput vs cp, and peak memory
+	$(BIN)/python scripts/bench_convert.py
+
+bench-fetch: install ## GCS download: plain single stream vs the loader
+	$(BIN)/python scripts/bench_fetch.py
+
+bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton
+	$(BIN)/python scripts/bench --serving-experiment --output-dir bench/results
+
+staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
+	scripts/staging-deploy.sh
+
+clean: ## remove the virtualenv, tools and work directories
+	rm -rf $(VENV) $(TOOLS) bench/work demo-work

@@ -1,0 +1,3 @@
+from loader.cli import main
+
+raise SystemExit(main())

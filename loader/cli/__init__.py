@@ -1,0 +1,74 @@
+"""Command-line entry point: argument parsing, logging set-up and exit codes; nothing else.
+
+Each sub-command lives in its own module of this package and is listed in :data:`COMMANDS`.
+A module provides ``register(subparsers)`` (adds its parser and sets ``func``) and keeps the
+work itself in the library modules.
+
+Exit codes: 0 success, 2 a user mistake (a :class:`~loader.errors.LoaderError`, printed as an
+error line and a hint, no traceback), 1 an unexpected failure, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from loader import __version__
+from loader.errors import LoaderError
+
+log = logging.getLogger("loader")
+
+#: Sub-command modules, in the order ``--help`` lists them.
+COMMANDS: tuple[str, ...] = (
+    "loader.cli.convert",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="model-loader",
+        description="Fetch, convert and publish LLM checkpoints as Triton model repositories.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-vv for debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def configure_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else logging.DEBUG if verbose >= 2 else logging.INFO
+    env_level = os.environ.get("MODEL_LOADER_LOG_LEVEL")
+    if env_level:
+        level = getattr(logging, env_level.upper(), level)
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose < 2:
+        for noisy in ("urllib3", "google", "filelock", "httpx", "huggingface_hub"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose, args.quiet)
+    try:
+        result = args.func(args)
+    except LoaderError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"hint: {exc.remediation}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        log.exception("unexpected failure (this is a bug; please report it with the log above)")
+        return 1
+    return int(result or 0)

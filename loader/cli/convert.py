@@ -1,0 +1,23 @@
+"""`model-loader convert`: Hugging Face checkpoint directory -> FasterTransformer files."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("convert", help="convert a checkpoint to the FasterTransformer format",
+                              description="Convert a Hugging Face checkpoint directory to "
+                              "OUTPUT_DIR/<T>-gpu/ in the FasterTransformer GPT-J format.")
+    p.add_argument("source_dir", metavar="SOURCE_DIR")
+    p.add_argument("output_dir", metavar="OUTPUT_DIR")
+    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel size T")
+    p.add_argument("--pp-size", type=int, default=1,
+                   help="pipeline-parallel size the model will run with (checked only)")
+    p.add_argument("--dtype", default=None, help="fp16 or fp32 (default: the source's dtype)")
+    p.add_argument("--workers", type=int, default=None, help="worker threads (default: CPU count)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError("the converter is being written")

@@ -1,0 +1,134 @@
+"""Typed errors of the loader.
+
+Every error a user can cause is a :class:`LoaderError`: it carries *what* is wrong and a
+*remediation* sentence saying what to do. The CLI prints ``error: <what>`` and ``hint: <fix>``,
+never a traceback, and exits with code 2. Anything else is a bug and exits with code 1.
+"""
+
+from __future__ import annotations
+
+
+class LoaderError(Exception):
+    """A problem the user can fix. ``remediation`` says how."""
+
+    #: One-sentence default fix for the class; instances may pass a more specific one.
+    default_remediation = "Check the command's arguments (model-loader --help)."
+
+    def __init__(self, message: str, remediation: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.remediation = remediation or self.default_remediation
+
+    def __str__(self) -> str:
+        return f"{self.message} {self.remediation}"
+
+
+# --- checkpoints and conversion ------------------------------------------------------------
+
+
+class CheckpointError(LoaderError):
+    """The source checkpoint is missing, incomplete, corrupt or inconsistent."""
+
+    default_remediation = (
+        "Point the loader at a complete Hugging Face checkpoint directory "
+        "(config.json plus model.safetensors / pytorch_model.bin, or their sharded form with an index)."
+    )
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """config.json names a model_type no converter handles."""
+
+
+class DtypeError(LoaderError):
+    """An unknown or unsupported data type was asked for or found."""
+
+    default_remediation = "Use --dtype fp16 or --dtype fp32."
+
+
+class ParallelismError(LoaderError):
+    """Tensor/pipeline-parallel sizes do not fit the model or the GPUs."""
+
+    default_remediation = "Choose a tensor/pipeline-parallel size that divides the model's dimensions."
+
+
+class PlacementError(ParallelismError):
+    """A configuration breaks the FasterTransformer placement rules or does not fit GPU memory."""
+
+    default_remediation = "Run `model-loader plan` to see which numbers fit this node type."
+
+
+# --- sources -----------------------------------------------------------------------------
+
+
+class SourceError(LoaderError):
+    """A checkpoint source cannot be read."""
+
+    default_remediation = "Check the source URI (file://, gs://bucket/prefix, hf://org/name@revision)."
+
+
+class SourceNotFoundError(SourceError):
+    """The bucket, object, repository, revision or path does not exist."""
+
+
+class SourcePermissionError(SourceError):
+    """The credentials in use may not read the source."""
+
+    default_remediation = (
+        "Check the credentials: GOOGLE_APPLICATION_CREDENTIALS / Workload Identity for gs://, "
+        "HF_TOKEN or --hf-token-file for hf://."
+    )
+
+
+class ChecksumMismatchError(SourceError):
+    """A downloaded file does not match the checksum its source published."""
+
+    default_remediation = "The source object may be corrupt: re-upload it, then run the loader again."
+
+
+class InsufficientDiskSpaceError(SourceError):
+    """Not enough free disk space for a download or conversion."""
+
+    default_remediation = "Free disk space or point the loader at a larger volume, then run it again."
+
+
+class TransientSourceError(SourceError):
+    """A failure worth retrying (connection reset, 429, 5xx); raised after retries ran out."""
+
+    default_remediation = "The source kept failing; check its availability and run the loader again (it resumes)."
+
+
+# --- repository and publishing -----------------------------------------------------------
+
+
+class RepositoryError(LoaderError):
+    """A Triton model repository cannot be written or is invalid."""
+
+    default_remediation = "Check the repository root path and the loader's arguments."
+
+
+class PublishError(RepositoryError):
+    """Publishing a model repository failed; nothing half-written was left where Triton loads."""
+
+
+class LockTimeoutError(PublishError):
+    """Another loader holds the publish lock for the same model key for too long."""
+
+    default_remediation = (
+        "Another loader is publishing the same model key; wait for it, or remove its lock file "
+        "if that loader is gone (locks also expire by themselves)."
+    )
+
+
+# --- serving, benchmarking and tools -----------------------------------------------------
+
+
+class ToolMissingError(LoaderError):
+    """An external program (tritonserver, perf_analyzer, helm) is not installed."""
+
+    default_remediation = "Run `make install` to install the project's pinned tools."
+
+
+class EndpointError(LoaderError):
+    """A Triton endpoint is unreachable or does not serve the expected model."""
+
+    default_remediation = "Check the --url and that the server is up (curl <url>/v2/health/ready)."
