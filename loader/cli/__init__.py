@@ -25,6 +25,7 @@ log = logging.getLogger("loader")
 #: Sub-command modules, in the order ``--help`` lists them.
 COMMANDS: tuple[str, ...] = (
     "loader.cli.convert",
+    "loader.cli.fetch",
 )
 
 

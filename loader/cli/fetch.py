@@ -1,0 +1,77 @@
+"""`model-loader fetch URI DEST`: download a checkpoint (verified, resumable) on its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from loader.progress import human_bytes
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "fetch",
+        help="download a checkpoint from gs://, hf:// or a local path",
+        description="Fetch the checkpoint at URI into DEST: objects under the URI's prefix land "
+        "under DEST with their paths relative to the prefix. Every file is verified before it "
+        "is moved into place; a rerun skips verified files and fetches only what is missing. "
+        "Prints the local checkpoint directory as the last line.",
+    )
+    p.add_argument(
+        "uri",
+        metavar="URI",
+        help="gs://BUCKET/PREFIX, hf://ORG/NAME[@REVISION], file:///PATH or a path",
+    )
+    p.add_argument(
+        "dest",
+        metavar="DEST",
+        nargs="?",
+        default=None,
+        help="destination directory (not needed for a local source used in place)",
+    )
+    p.add_argument(
+        "--copy",
+        action="store_true",
+        help="copy a local source into DEST instead of using it in place",
+    )
+    p.add_argument(
+        "--workers", type=int, default=None, help="parallel downloads (default: chosen per source)"
+    )
+    p.add_argument(
+        "--hf-token-file",
+        default=None,
+        help="file holding a Hugging Face token (default: $HF_TOKEN, $HF_TOKEN_FILE)",
+    )
+    p.add_argument(
+        "--retry-deadline",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="total time to keep retrying transient failures (default: 300)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from loader.sources import fetch
+
+    result = fetch(
+        args.uri,
+        args.dest,
+        copy=args.copy,
+        workers=args.workers,
+        hf_token_file=args.hf_token_file,
+        retry_deadline_s=args.retry_deadline,
+    )
+    log.info(
+        "fetched %s files (%s, %s downloaded now) from %s, revision %s",
+        len(result.files),
+        human_bytes(result.bytes),
+        human_bytes(result.downloaded_bytes),
+        args.uri,
+        result.revision or "-",
+    )
+    print(result.path)
+    return 0

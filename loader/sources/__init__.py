@@ -1,0 +1,187 @@
+"""Checkpoint sources: fetch a checkpoint named by a URI into a local directory.
+
+A registry maps each URI scheme to the module that handles it; a scheme's module (and its SDK)
+is imported only when a URI of that scheme is fetched.
+
+========================  =====================================================================
+URI                       handled by
+========================  =====================================================================
+``/abs/path``, ``rel``    :mod:`loader.sources.local` (returned in place; ``copy=True`` copies)
+``file:///abs/path``      :mod:`loader.sources.local`
+``gs://bucket/prefix``    :mod:`loader.sources.gcs` (google-cloud-storage)
+``hf://org/name@rev``     :mod:`loader.sources.hf` (huggingface_hub)
+========================  =====================================================================
+
+:func:`fetch` is the one entry point: ``fetch(uri, dest) -> FetchResult``. Objects under a
+URI's prefix land under ``dest`` with paths relative to the prefix. Every backend downloads to
+temporary names and moves a file into place only after it was verified, so a rerun skips what
+is complete and fetches only what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from loader.errors import SourceError
+
+#: URI scheme -> module that implements ``fetch_source(uri: SourceURI, dest, options)``.
+SCHEMES: dict[str, str] = {
+    "file": "loader.sources.local",
+    "gs": "loader.sources.gcs",
+    "hf": "loader.sources.hf",
+}
+
+
+@dataclass(frozen=True)
+class SourceURI:
+    """A parsed source URI.
+
+    ``location`` is scheme specific: the absolute path for ``file``, the bucket for ``gs``, the
+    repository id (``org/name``) for ``hf``. ``path`` is the object prefix within a bucket
+    (``""`` for the whole bucket and for other schemes). ``revision`` is the revision written
+    in the URI (``hf://org/name@rev``), else ``None``.
+    """
+
+    raw: str
+    scheme: str
+    location: str
+    path: str = ""
+    revision: str | None = None
+
+
+@dataclass
+class FetchResult:
+    """What a fetch produced.
+
+    ``path`` is the local checkpoint directory; ``revision`` the resolved source revision (a
+    Hugging Face commit, a digest of GCS object generations) or ``None`` for local paths;
+    ``files`` the fetched files as POSIX paths relative to ``path``; ``bytes`` their total size.
+    ``downloaded_bytes`` counts only what was transferred by this call (0 when everything was
+    already present and verified).
+    """
+
+    path: Path
+    revision: str | None
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    downloaded_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    """Options every backend receives; each backend reads the ones that concern it."""
+
+    copy: bool = False
+    workers: int | None = None
+    hf_token: str | None = None
+    hf_token_file: str | None = None
+    check_disk_space: bool = True
+    retry_deadline_s: float = 300.0
+
+
+def parse_uri(uri: str) -> SourceURI:
+    """Parse a source URI (or a plain path) into a :class:`SourceURI`.
+
+    Raises :class:`~loader.errors.SourceError` for an empty URI, an unknown scheme or a URI
+    without the parts its scheme needs.
+    """
+    if not uri or not uri.strip():
+        raise SourceError("The source URI is empty.")
+    if "://" not in uri:
+        return SourceURI(raw=uri, scheme="file", location=str(Path(uri).expanduser().absolute()))
+    scheme = uri.split("://", 1)[0].lower()
+    parser = _PARSERS.get(scheme)
+    if parser is None:
+        raise SourceError(
+            f"Unsupported source URI scheme {scheme!r} in {uri!r}.",
+            f"Use one of: {', '.join(s + '://' for s in sorted(SCHEMES))}, or a plain local path.",
+        )
+    return parser(uri)
+
+
+def _parse_file(uri: str) -> SourceURI:
+    parts = urlsplit(uri)
+    if parts.netloc not in ("", "localhost"):
+        raise SourceError(
+            f"file:// URI {uri!r} names a host ({parts.netloc!r}).",
+            "Write local paths as file:///absolute/path (three slashes) or as a plain path.",
+        )
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise SourceError(
+            f"file:// URI {uri!r} has no absolute path.",
+            "Write local paths as file:///absolute/path (three slashes).",
+        )
+    return SourceURI(raw=uri, scheme="file", location=path)
+
+
+def _parse_gs(uri: str) -> SourceURI:
+    rest = uri.split("://", 1)[1]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise SourceError(
+            f"gs:// URI {uri!r} has no bucket name.",
+            "Write Cloud Storage sources as gs://BUCKET/PREFIX.",
+        )
+    return SourceURI(raw=uri, scheme="gs", location=bucket, path=prefix.strip("/"))
+
+
+def _parse_hf(uri: str) -> SourceURI:
+    rest = uri.split("://", 1)[1]
+    repo_id, at, revision = rest.partition("@")
+    repo_id = repo_id.strip("/")
+    parts = repo_id.split("/")
+    if not repo_id or len(parts) > 2 or not all(parts):
+        raise SourceError(
+            f"hf:// URI {uri!r} does not name a repository.",
+            "Write Hugging Face sources as hf://ORG/NAME or hf://ORG/NAME@REVISION.",
+        )
+    if at and not revision:
+        raise SourceError(
+            f"hf:// URI {uri!r} has an empty revision after '@'.",
+            "Write the revision (branch, tag or commit) after '@', or drop the '@'.",
+        )
+    return SourceURI(raw=uri, scheme="hf", location=repo_id, revision=revision or None)
+
+
+_PARSERS = {"file": _parse_file, "gs": _parse_gs, "hf": _parse_hf}
+
+
+def fetch(
+    uri: str,
+    dest: str | Path | None = None,
+    *,
+    copy: bool = False,
+    workers: int | None = None,
+    hf_token: str | None = None,
+    hf_token_file: str | None = None,
+    check_disk_space: bool = True,
+    retry_deadline_s: float = 300.0,
+) -> FetchResult:
+    """Fetch the checkpoint at ``uri`` into ``dest`` and return where it is.
+
+    Local directories are returned in place (``dest`` unused) unless ``copy`` is true. Remote
+    sources need ``dest``; files there that are already complete and verified are kept.
+    ``workers`` bounds parallel downloads (default: a per-backend choice). Hugging Face tokens
+    come from ``hf_token``, the file ``hf_token_file``, or the ``HF_TOKEN`` / ``HF_TOKEN_FILE``
+    environment variables. ``retry_deadline_s`` bounds the total time spent retrying transient
+    failures.
+    """
+    parsed = parse_uri(uri)
+    options = FetchOptions(
+        copy=copy,
+        workers=workers,
+        hf_token=hf_token,
+        hf_token_file=hf_token_file,
+        check_disk_space=check_disk_space,
+        retry_deadline_s=retry_deadline_s,
+    )
+    backend = importlib.import_module(SCHEMES[parsed.scheme])
+    dest_path = Path(dest).absolute() if dest is not None else None
+    return backend.fetch_source(parsed, dest_path, options)
+
+
+__all__ = ["SCHEMES", "FetchOptions", "FetchResult", "SourceURI", "fetch", "parse_uri"]

@@ -1,0 +1,158 @@
+"""Helpers every source backend shares: temporary names, atomic placement, checksums,
+retries with exponential backoff and a bounded total time, and the free-disk-space check.
+
+A download is written to ``DEST/.partial/<relative path>.<random>`` and renamed to
+``DEST/<relative path>`` only after it was verified, so a complete-looking file under ``DEST``
+is always a verified one and a killed download leaves only files under ``.partial/`` (removed
+by the next run).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import random
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from loader.errors import InsufficientDiskSpaceError, TransientSourceError
+from loader.progress import human_bytes
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Directory under DEST that holds downloads in progress.
+PARTIAL_DIR = ".partial"
+#: Bytes kept free beyond what a download needs (file-system metadata, logs).
+DISK_MARGIN = 64 * 1024 * 1024
+_CHUNK = 8 * 1024 * 1024
+
+
+def partial_path(dest: Path, relpath: str) -> Path:
+    """A unique temporary path for ``relpath`` under ``dest``'s partial directory."""
+    path = dest / PARTIAL_DIR / f"{relpath}.{secrets.token_hex(4)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def clear_partials(dest: Path) -> None:
+    """Remove what killed runs left under ``dest``'s partial directory."""
+    partial = dest / PARTIAL_DIR
+    if partial.exists():
+        log.info("removing unfinished downloads of an earlier run under %s", partial)
+        shutil.rmtree(partial)
+
+
+def place(tmp: Path, final: Path) -> None:
+    """Move a verified temporary file to its final name atomically (same file system)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+
+
+@contextmanager
+def temporary_download(dest: Path, relpath: str) -> Iterator[Path]:
+    """Yield a temporary path for ``relpath``; it is removed if the block raises."""
+    tmp = partial_path(dest, relpath)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def file_crc32c(path: Path) -> str:
+    """The CRC32C of a file as Cloud Storage writes it: base64 of the big-endian 32-bit value."""
+    import google_crc32c
+
+    checksum = google_crc32c.Checksum()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            checksum.update(chunk)
+    return base64.b64encode(checksum.digest()).decode("ascii")
+
+
+def file_md5(path: Path) -> str:
+    """The MD5 of a file as Cloud Storage writes it: base64 of the 16-byte digest."""
+    import hashlib
+
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode("ascii")
+
+
+def ensure_disk_space(dest: Path, needed: int, *, what: str) -> None:
+    """Raise :class:`InsufficientDiskSpaceError` unless ``needed`` bytes fit under ``dest``."""
+    probe = dest
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed + DISK_MARGIN > free:
+        raise InsufficientDiskSpaceError(
+            f"Not enough free disk space under {dest} for {what}: need {human_bytes(needed)} "
+            f"(+{human_bytes(DISK_MARGIN)} margin), {human_bytes(free)} free.",
+        )
+    log.debug("disk space for %s: need %s, %s free", what, human_bytes(needed), human_bytes(free))
+
+
+class Retry:
+    """Exponential backoff with jitter and a bounded total time.
+
+    ``call(fn, what=...)`` runs ``fn`` until it returns, re-raises at once any error for which
+    ``is_transient`` is false, and turns the last transient error into
+    :class:`TransientSourceError` once ``deadline_s`` has passed.
+    """
+
+    def __init__(
+        self,
+        is_transient: Callable[[BaseException], bool],
+        *,
+        deadline_s: float = 300.0,
+        initial_s: float = 0.5,
+        max_delay_s: float = 30.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.is_transient = is_transient
+        self.deadline_s = deadline_s
+        self.initial_s = initial_s
+        self.max_delay_s = max_delay_s
+        self.sleep = sleep
+
+    def call(self, fn: Callable[[], T], *, what: str) -> T:
+        start = time.monotonic()
+        delay = self.initial_s
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not self.is_transient(exc):
+                    raise
+                elapsed = time.monotonic() - start
+                pause = min(delay, self.max_delay_s) * random.uniform(0.5, 1.0)
+                if elapsed + pause > self.deadline_s:
+                    raise TransientSourceError(
+                        f"{what} kept failing for {elapsed:.0f} s ({attempt} attempts); "
+                        f"last error: {type(exc).__name__}: {exc}",
+                    ) from exc
+                log.warning(
+                    "%s failed (attempt %s: %s: %s); retrying in %.1f s",
+                    what,
+                    attempt,
+                    type(exc).__name__,
+                    exc,
+                    pause,
+                )
+                self.sleep(pause)
+                delay *= 2
+                attempt += 1
