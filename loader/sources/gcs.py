@@ -1,0 +1,438 @@
+"""Google Cloud Storage: ``gs://bucket/prefix`` with the official ``google-cloud-storage`` client.
+
+Every object under ``prefix/`` lands under ``dest`` with its path relative to the prefix; a URI
+that names one object (``gs://b/ckpt/model.safetensors``) gives ``dest/model.safetensors``.
+
+How a fetch runs:
+
+* The objects are listed once; their sizes, CRC32C checksums and generations are the plan.
+  Files already in ``dest`` with the same size and CRC32C are kept (a rerun downloads only
+  what is missing).
+* Large objects are split into byte-range slices, and slices of all objects are downloaded
+  by one pool of threads (the technique of ``transfer_manager.download_chunks_concurrently``),
+  into ``dest/.partial/<path>.<generation>``. Each finished slice is appended to a journal
+  beside it, so a killed download resumes with the slices it is missing instead of
+  restarting the object. Downloads pin the generation listed, so an object replaced meanwhile
+  cannot mix two versions.
+* A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
+  compared with the object's metadata; only then is it renamed into place. A mismatch is a
+  :class:`~loader.errors.ChecksumMismatchError`.
+* Transient failures (connection errors, 429, 5xx) are retried per slice with exponential
+  backoff within a total deadline; a missing bucket or object and permission problems fail at
+  once with the URI in the message.
+
+Credentials: Application Default Credentials (GKE Workload Identity, or
+``GOOGLE_APPLICATION_CREDENTIALS``); with ``STORAGE_EMULATOR_HOST`` set (a local emulator),
+anonymous credentials. Nothing secret is logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from loader.errors import (
+    ChecksumMismatchError,
+    SourceError,
+    SourceNotFoundError,
+    SourcePermissionError,
+)
+from loader.progress import Progress, byte_progress, human_bytes
+from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources.transfer import (
+    PARTIAL_DIR,
+    Retry,
+    ensure_disk_space,
+    file_crc32c,
+    file_md5,
+    place,
+)
+
+log = logging.getLogger(__name__)
+
+#: Byte-range slice size for large objects.
+SLICE_BYTES = 32 * 1024 * 1024
+#: Parallel downloads when the caller does not choose.
+DEFAULT_WORKERS = 16
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+# --- plan --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Object:
+    """One object to fetch and its slices, with a journal of the ones already written."""
+
+    blob: Any
+    rel: str
+    final: Path
+    partial: Path
+    slices: list[tuple[int, int]]
+    done: set[int] = field(default_factory=set)
+    resumed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def journal(self) -> Path:
+        return self.partial.with_name(self.partial.name + ".slices")
+
+    @property
+    def size(self) -> int:
+        return int(self.blob.size or 0)
+
+
+def _slices(size: int, slice_bytes: int) -> list[tuple[int, int]]:
+    """Inclusive byte ranges covering ``size`` bytes; one empty range for an empty object."""
+    if size == 0:
+        return [(0, -1)]
+    return [(start, min(start + slice_bytes, size) - 1) for start in range(0, size, slice_bytes)]
+
+
+def _relpath(uri: SourceURI, name: str) -> str:
+    rel = PurePosixPath(name).name if name == uri.path else name[len(uri.path) :].lstrip("/")
+    parts = PurePosixPath(rel).parts
+    if not parts or any(p in ("..", ".") for p in parts) or rel.startswith("/"):
+        raise SourceError(
+            f"Object gs://{uri.location}/{name} has an unsafe name for a local path.",
+            "Rename the object (no '.' or '..' path segments) and run again.",
+        )
+    return rel
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+def _status(exc: BaseException) -> int | None:
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    response = getattr(exc, "response", None)
+    code = getattr(response, "status_code", None)
+    if isinstance(code, int):
+        return code
+    # google-resumable-media InvalidResponse: args = (response, message, status, ...)
+    for arg in getattr(exc, "args", ()):
+        code = getattr(arg, "status_code", None)
+        if isinstance(code, int):
+            return code
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Connection problems, timeouts, 408/429/5xx: worth retrying."""
+    import requests
+
+    if isinstance(
+        exc,
+        requests.exceptions.ConnectionError
+        | requests.exceptions.Timeout
+        | requests.exceptions.ChunkedEncodingError
+        | ConnectionError
+        | TimeoutError,
+    ):
+        return True
+    return _status(exc) in _TRANSIENT_STATUS
+
+
+def _permanent_error(exc: BaseException, what: str) -> SourceError | None:
+    """Turn a permanent storage failure into a typed error naming ``what``; None if unknown."""
+    from google.auth.exceptions import DefaultCredentialsError, RefreshError
+
+    if isinstance(exc, DefaultCredentialsError | RefreshError):
+        return SourcePermissionError(
+            f"No usable Google Cloud credentials to read {what} ({type(exc).__name__}).",
+            "Run inside GKE with Workload Identity bound to a service account that can read the "
+            "bucket, or set GOOGLE_APPLICATION_CREDENTIALS to a key file.",
+        )
+    status = _status(exc)
+    if status == 404:
+        return SourceNotFoundError(
+            f"{what[:1].upper()}{what[1:]} does not exist (404).",
+            "Check the bucket and object names in the gs:// URI.",
+        )
+    if status in (401, 403):
+        return SourcePermissionError(
+            f"Permission denied reading {what} ({status}).",
+            "Grant the loader's service account roles/storage.objectViewer on the bucket "
+            "(Workload Identity in GKE, or the key in GOOGLE_APPLICATION_CREDENTIALS).",
+        )
+    return None
+
+
+class _Funnel:
+    """Runs storage calls with retries and turns permanent failures into typed errors."""
+
+    def __init__(self, options: FetchOptions) -> None:
+        self.retry = Retry(is_transient, deadline_s=options.retry_deadline_s)
+
+    def __call__(self, fn: Any, *, what: str) -> Any:
+        try:
+            return self.retry.call(fn, what=what)
+        except SourceError:
+            raise
+        except Exception as exc:
+            typed = _permanent_error(exc, what)
+            if typed is None:
+                raise
+            raise typed from exc
+
+
+# --- client ------------------------------------------------------------------------------
+
+
+def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
+    """A storage client: anonymous against ``STORAGE_EMULATOR_HOST``, else ADC."""
+    from google.cloud import storage
+    from requests.adapters import HTTPAdapter
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        client = storage.Client(credentials=AnonymousCredentials(), project="emulator")
+    else:
+        client = storage.Client()
+    adapter = HTTPAdapter(pool_connections=pool_size, pool_maxsize=pool_size)
+    client._http.mount("https://", adapter)
+    client._http.mount("http://", adapter)
+    return client
+
+
+def _list_objects(client: Any, uri: SourceURI, funnel: _Funnel) -> list[Any]:
+    bucket_uri = f"gs://{uri.location}"
+    prefix = f"{uri.path}/" if uri.path else ""
+
+    def listing() -> list[Any]:
+        return list(client.list_blobs(uri.location, prefix=prefix, retry=None))
+
+    blobs = [b for b in funnel(listing, what=f"bucket {bucket_uri}") if not b.name.endswith("/")]
+    if blobs or not uri.path:
+        if not blobs:
+            raise SourceNotFoundError(
+                f"Bucket {bucket_uri} holds no objects.",
+                "Upload the checkpoint or fix the gs:// URI.",
+            )
+        return blobs
+    single = funnel(
+        lambda: client.bucket(uri.location).get_blob(uri.path, retry=None), what=f"object {uri.raw}"
+    )
+    if single is None:
+        parent = uri.path.rsplit("/", 1)[0] + "/" if "/" in uri.path else ""
+        raise SourceNotFoundError(
+            f"No object {uri.raw} and no objects under {uri.raw.rstrip('/')}/.",
+            f"Check the prefix: `gcloud storage ls {bucket_uri}/{parent}`.",
+        )
+    return [single]
+
+
+def _revision(blobs: list[Any]) -> str:
+    """A digest of object names and generations: changes when any object is replaced."""
+    digest = hashlib.sha256()
+    for blob in sorted(blobs, key=lambda b: b.name):
+        digest.update(f"{blob.name}\0{blob.generation}\n".encode())
+    return "gen-" + digest.hexdigest()[:16]
+
+
+# --- download ----------------------------------------------------------------------------
+
+
+class _CountingWriter:
+    """File wrapper that writes at the current offset and reports bytes to the progress."""
+
+    def __init__(self, fh: Any, progress: Progress) -> None:
+        self._fh = fh
+        self._progress = progress
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        n = self._fh.write(data)
+        self.written += len(data)
+        self._progress.update(len(data))
+        return n
+
+
+def _verified(path: Path, blob: Any) -> bool:
+    """True if ``path`` holds exactly the object's bytes (size, then CRC32C or MD5)."""
+    if not path.is_file() or path.stat().st_size != int(blob.size or 0):
+        return False
+    if blob.crc32c:
+        return file_crc32c(path) == blob.crc32c
+    if blob.md5_hash:
+        return file_md5(path) == blob.md5_hash
+    return False
+
+
+def _load_journal(obj: _Object) -> None:
+    """Mark slices recorded by an earlier run as done (only if the partial file is intact)."""
+    if not (obj.partial.is_file() and obj.journal.is_file()):
+        obj.partial.unlink(missing_ok=True)
+        obj.journal.unlink(missing_ok=True)
+        return
+    if obj.partial.stat().st_size != obj.size:
+        obj.partial.unlink()
+        obj.journal.unlink()
+        return
+    index = {s: i for i, s in enumerate(obj.slices)}
+    for line in obj.journal.read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 2 and (key := (int(fields[0]), int(fields[1]))) in index:
+            obj.done.add(index[key])
+    obj.resumed = sum(obj.slices[i][1] - obj.slices[i][0] + 1 for i in obj.done)
+
+
+def _prepare(obj: _Object) -> None:
+    obj.partial.parent.mkdir(parents=True, exist_ok=True)
+    _load_journal(obj)
+    if not obj.partial.exists():
+        with open(obj.partial, "wb") as fh:
+            fh.truncate(obj.size)
+        obj.journal.write_text("")
+
+
+def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progress) -> None:
+    start, end = obj.slices[index]
+    what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
+    if end >= start:
+
+        def attempt() -> None:
+            with open(obj.partial, "r+b") as fh:
+                fh.seek(start)
+                writer = _CountingWriter(fh, progress)
+                try:
+                    obj.blob.download_to_file(
+                        writer, start=start, end=end, checksum=None, retry=None
+                    )
+                except BaseException:
+                    progress.update(-writer.written)
+                    raise
+                if writer.written != end - start + 1:
+                    progress.update(-writer.written)
+                    raise ConnectionError(
+                        f"short read: {writer.written} of {end - start + 1} bytes at offset {start}"
+                    )
+                fh.flush()
+                os.fsync(fh.fileno())
+
+        funnel(attempt, what=what)
+    with obj.lock:
+        with open(obj.journal, "a") as journal:
+            journal.write(f"{start} {end}\n")
+        obj.done.add(index)
+
+
+def _finish(obj: _Object) -> None:
+    """Verify the complete temporary file and move it into place."""
+    if not _verified(obj.partial, obj.blob):
+        expected = obj.blob.crc32c or obj.blob.md5_hash
+        obj.partial.unlink(missing_ok=True)
+        obj.journal.unlink(missing_ok=True)
+        message = (
+            f"gs://{obj.blob.bucket.name}/{obj.blob.name}: downloaded bytes do not match "
+            f"the checksum in the object's metadata ({expected}); the download was "
+            "discarded."
+        )
+        if obj.resumed:
+            raise ChecksumMismatchError(
+                message,
+                "Run the loader again: it downloads this object "
+                "from scratch; if that fails too, re-upload the object.",
+            )
+        raise ChecksumMismatchError(message)
+    place(obj.partial, obj.final)
+    obj.journal.unlink(missing_ok=True)
+    log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
+
+
+def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> FetchResult:
+    if dest is None:
+        raise SourceError(
+            f"Fetching {uri.raw} needs a destination directory.",
+            "Pass a destination (model-loader fetch URI DEST).",
+        )
+    workers = options.workers or DEFAULT_WORKERS
+    funnel = _Funnel(options)
+    client = funnel(lambda: make_client(pool_size=workers), what=f"gs://{uri.location}")
+    blobs = _list_objects(client, uri, funnel)
+    dest.mkdir(parents=True, exist_ok=True)
+    partial_root = dest / PARTIAL_DIR
+
+    objects: list[_Object] = []
+    files: list[str] = []
+    for blob in blobs:
+        rel = _relpath(uri, blob.name)
+        files.append(rel)
+        final = dest / rel
+        if _verified(final, blob):
+            log.debug("already present and verified: %s", final)
+            continue
+        partial = partial_root / f"{rel}.{blob.generation}"
+        objects.append(
+            _Object(
+                blob=blob,
+                rel=rel,
+                final=final,
+                partial=partial,
+                slices=_slices(int(blob.size or 0), SLICE_BYTES),
+            )
+        )
+    total = sum(int(b.size or 0) for b in blobs)
+    for obj in objects:
+        _prepare(obj)
+    needed = sum(obj.size - obj.resumed for obj in objects)
+    if options.check_disk_space:
+        ensure_disk_space(dest, needed, what=uri.raw)
+    log.info(
+        "fetching %s: %s objects (%s); %s to download, %s already present",
+        uri.raw,
+        len(blobs),
+        human_bytes(total),
+        human_bytes(needed),
+        len(blobs) - len(objects),
+    )
+
+    with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
+        _run(objects, funnel, progress, workers)
+    shutil.rmtree(partial_root, ignore_errors=True)
+    return FetchResult(
+        path=dest,
+        revision=_revision(blobs),
+        files=sorted(files),
+        bytes=total,
+        downloaded_bytes=needed,
+    )
+
+
+def _run(objects: list[_Object], funnel: _Funnel, progress: Progress, workers: int) -> None:
+    """Download every missing slice with one thread pool; finish each object on its last slice."""
+    remaining = {id(obj): len(obj.slices) - len(obj.done) for obj in objects}
+    counter_lock = threading.Lock()
+
+    def job(obj: _Object, index: int | None) -> None:
+        if index is not None:
+            _download_slice(obj, index, funnel, progress)
+            with counter_lock:
+                remaining[id(obj)] -= 1
+                last = remaining[id(obj)] == 0
+        else:
+            last = True
+        if last:
+            _finish(obj)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs") as pool:
+        futures = []
+        for obj in objects:
+            missing = [i for i in range(len(obj.slices)) if i not in obj.done]
+            futures += [pool.submit(job, obj, i) for i in missing] or [pool.submit(job, obj, None)]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()
+        for future in done:
+            if future.exception() is not None:
+                raise future.exception()
