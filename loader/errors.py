@@ -132,3 +132,20 @@ class EndpointError(LoaderError):
     """A Triton endpoint is unreachable or does not serve the expected model."""
 
     default_remediation = "Check the --url and that the server is up (curl <url>/v2/health/ready)."
+
+
+class ServerStartError(LoaderError):
+    """tritonserver exited or did not become ready (e.g. a model failed to load)."""
+
+    default_remediation = (
+        "Read Triton's message above (a model that fails to load names the file or setting); "
+        "republish the repository with `model-loader run --force` if it is inconsistent."
+    )
+
+
+class InvalidRequestError(LoaderError):
+    """An inference request carries values the model cannot serve (empty prompt, bad length)."""
+
+    default_remediation = (
+        "Send a non-empty prompt, request_output_len >= 1, temperature and repetition_penalty > 0."
+    )

@@ -1,0 +1,308 @@
+"""Run the real ``tritonserver`` bundled in the ``nvidia-pytriton`` wheel, on the CPU.
+
+:class:`TritonServer` is a context manager: it picks free ports on 127.0.0.1 (unless given),
+builds a backend directory for the Python backend, starts the server in its own process
+group with an environment that makes the Python-backend stub work with this interpreter,
+waits for ``/v2/health/ready`` with a deadline, and on exit stops the server (SIGTERM, a short
+``--exit-timeout-secs``, then SIGKILL of the whole group), so no process is left behind.
+
+If the server does not become ready (for example a model fails to load), the error raised
+carries the tail of the server log, which holds Triton's own message.
+
+Environment facts this module encodes (docs/TOOLS.md):
+
+- the stub embeds libpython: the interpreter's ``LIBDIR`` goes first in ``LD_LIBRARY_PATH``,
+  followed by the wheel's ``nvidia_pytriton.libs``;
+- the stub runs the first ``python3`` on ``PATH``: this interpreter's ``bin`` goes first;
+- after SIGTERM the server waits ``--exit-timeout-secs`` for models to unload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from loader.errors import RepositoryError, ServerStartError, ToolMissingError
+
+log = logging.getLogger(__name__)
+
+#: Lines of the server log quoted in a start failure.
+LOG_TAIL_LINES = 60
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where the wheel keeps the server binary, the Python backend and its stubs."""
+
+    binary: Path
+    python_backend: Path
+    stub: Path
+    libs: Path
+
+
+def find_triton(*, python_version: str | None = None) -> TritonInstall:
+    """Locate the ``tritonserver`` of the installed ``nvidia-pytriton`` wheel."""
+    version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise ToolMissingError(
+            "the nvidia-pytriton package (tritonserver) is not installed"
+        ) from exc
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    install = TritonInstall(
+        binary=root / "bin" / "tritonserver",
+        python_backend=root / "backends" / "python",
+        stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+        libs=root.parent.parent / "nvidia_pytriton.libs",
+    )
+    for path in (install.binary, install.python_backend, install.stub):
+        if not path.exists():
+            raise ToolMissingError(f"tritonserver file not found: {path}")
+    return install
+
+
+def build_backend_dir(install: TritonInstall, dest: Path) -> Path:
+    """Create ``dest/python/`` holding the Python backend and the stub for this interpreter."""
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for source in (*sorted(install.python_backend.glob("*.*")), install.stub):
+        if source.is_file():
+            target = python_dir / source.name
+            if not target.exists():
+                shutil.copy2(source, target)
+    return dest
+
+
+def server_environment(
+    install: TritonInstall, *, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment the server and its Python-backend stubs need."""
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    lib_paths = [p for p in (libdir, str(install.libs), env.get("LD_LIBRARY_PATH", "")) if p]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_paths)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in (bin_dir, env.get("PATH", "")) if p)
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+
+
+class TritonServer:
+    """A ``tritonserver`` process serving ``repository`` on 127.0.0.1; use as a context manager."""
+
+    def __init__(
+        self,
+        repository: str | os.PathLike[str],
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 120.0,
+        exit_timeout_secs: int = 3,
+        log_verbose: int = 0,
+        log_path: str | os.PathLike[str] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.repository = Path(repository).resolve()
+        self.host = host
+        self.ports = Ports(
+            http=http_port or free_port(host),
+            grpc=grpc_port or free_port(host),
+            metrics=metrics_port or free_port(host),
+        )
+        self.startup_timeout = startup_timeout
+        self.exit_timeout_secs = exit_timeout_secs
+        self.log_verbose = log_verbose
+        self.extra_args = tuple(extra_args)
+        self._work_dir: Path | None = None
+        self._log_path = Path(log_path) if log_path else None
+        self._log_file = None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    # -- addresses ------------------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint (the form tritonclient expects)."""
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports.metrics}/metrics"
+
+    @property
+    def log_path(self) -> Path:
+        if self._log_path is None:
+            raise RuntimeError("the server has not been started")
+        return self._log_path
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def command(self, backend_dir: Path) -> list[str]:
+        install = find_triton()
+        return [
+            str(install.binary),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.host}",
+            f"--http-port={self.ports.http}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.ports.grpc}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.ports.metrics}",
+            "--allow-gpu-metrics=false",
+            f"--exit-timeout-secs={self.exit_timeout_secs}",
+            f"--log-verbose={self.log_verbose}",
+            *self.extra_args,
+        ]
+
+    def start(self) -> TritonServer:
+        if self.process is not None:
+            raise RuntimeError("the server is already running")
+        if not self.repository.is_dir():
+            raise RepositoryError(
+                f"model repository {self.repository} does not exist",
+                "Pass the directory `model-loader run` printed as its last line.",
+            )
+        install = find_triton()
+        self._work_dir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        backend_dir = build_backend_dir(install, self._work_dir / "backends")
+        if self._log_path is None:
+            self._log_path = self._work_dir / "tritonserver.log"
+        self._log_file = open(self._log_path, "wb")  # noqa: SIM115 (closed in stop())
+        cmd = self.command(backend_dir)
+        log.info(
+            "starting tritonserver on %s (HTTP %s, gRPC %s, metrics %s) for %s",
+            self.host,
+            self.ports.http,
+            self.ports.grpc,
+            self.ports.metrics,
+            self.repository,
+        )
+        log.debug("command: %s", " ".join(cmd))
+        self.process = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=server_environment(install),
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            self.cleanup()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        url = f"http://{self.host}:{self.ports.http}/v2/health/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"tritonserver exited with code {code} before it was ready; its log ends with:\n"
+                    f"{self.log_tail()}"
+                )
+            if self._ready():
+                log.info("tritonserver is ready (pid %s)", self.process.pid)
+                return
+            time.sleep(0.25)
+        raise ServerStartError(
+            f"tritonserver was not ready within {self.startup_timeout:.0f} s; its log ends with:\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_text(self) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        return self._log_path.read_text(encoding="utf-8", errors="replace")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the server and every process of its group; safe to call twice."""
+        process, self.process = self.process, None
+        if process is not None:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=self.exit_timeout_secs + 10)
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "tritonserver (pid %s) did not stop in time; killing it", process.pid
+                    )
+            # Python-backend stubs live in the server's process group; leave none behind.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+            log.info("tritonserver stopped (exit code %s)", process.returncode)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def cleanup(self) -> None:
+        """Remove the temporary backend directory (the log too, unless a path was given)."""
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        self.cleanup()
