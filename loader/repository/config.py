@@ -1,0 +1,217 @@
+"""``config.pbtxt`` builders: Triton's own ``ModelConfig`` protobuf, written with ``text_format``.
+
+One builder per model of a repository, chosen from :data:`BUILDERS` by model role:
+
+* ``ensemble``: platform ``ensemble`` named after the model; ``prompt`` -> ``preprocessing``
+  -> ``fastertransformer`` (plus the request's sampling inputs) -> ``postprocessing``.
+* ``preprocessing`` / ``postprocessing``: Python backend, tokenise / detokenise.
+* ``fastertransformer``: the FasterTransformer backend (FT_FORMAT.md 3.1-3.4), or with
+  ``backend="python"`` the CPU reference model with the same inputs, outputs and parameters.
+
+Optional ensemble inputs feed optional step inputs: Triton's ensemble scheduler (core >= 22.04,
+so the 2.51 server we run) accepts an optional ensemble input and, when a request leaves it out,
+passes nothing to the step input it maps to, so the composing model applies its own default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from loader.parallel import Parallelism
+from loader.repository import tensors
+from loader.repository.key import ServingSettings
+from loader.repository.tensors import Tensor
+
+PREPROCESSING = "preprocessing"
+FASTERTRANSFORMER = "fastertransformer"
+POSTPROCESSING = "postprocessing"
+ENSEMBLE = "ensemble"
+
+#: Internal ensemble tensor names (between steps; never seen by clients).
+_IDS = "_input_ids"
+_LENGTHS = "_input_lengths"
+
+
+@dataclass(frozen=True)
+class RepositorySpec:
+    """Everything the config builders need.
+
+    ``data_type`` is the runtime precision (``fp16``/``fp32``, the weights' dtype);
+    ``checkpoint_path`` the absolute, final path of the ``<T>-gpu`` directory.
+    """
+
+    name: str
+    parallelism: Parallelism
+    settings: ServingSettings
+    data_type: str
+    checkpoint_path: str
+
+
+#: Protocol dtype names that config.pbtxt spells differently (BYTES is TYPE_STRING there).
+_CONFIG_DTYPE = {"BYTES": "STRING"}
+
+
+def _tensor(message: mc.ModelInput | mc.ModelOutput, spec: Tensor) -> None:
+    message.name = spec.name
+    message.data_type = mc.DataType.Value("TYPE_" + _CONFIG_DTYPE.get(spec.dtype, spec.dtype))
+    message.dims.extend(spec.dims)
+    if spec.reshape is not None:
+        message.reshape.SetInParent()
+        message.reshape.shape.extend(spec.reshape)
+
+
+def _add_io(config: mc.ModelConfig, inputs: Iterable[Tensor], outputs: Iterable[Tensor]) -> None:
+    for spec in inputs:
+        _tensor(config.input.add(), spec)
+        if spec.optional:
+            config.input[-1].optional = True
+    for spec in outputs:
+        _tensor(config.output.add(), spec)
+
+
+def _cpu_instances(config: mc.ModelConfig, count: int) -> None:
+    group = config.instance_group.add()
+    group.count = count
+    group.kind = mc.ModelInstanceGroup.KIND_CPU
+
+
+def _python_model(name: str, spec: RepositorySpec, inputs, outputs) -> mc.ModelConfig:
+    config = mc.ModelConfig(
+        name=name, backend="python", max_batch_size=spec.settings.max_batch_size
+    )
+    _add_io(config, inputs, outputs)
+    _cpu_instances(config, spec.parallelism.instance_count)
+    if spec.settings.dynamic_batching:
+        config.dynamic_batching.SetInParent()
+    return config
+
+
+def build_preprocessing(spec: RepositorySpec) -> mc.ModelConfig:
+    return _python_model(
+        PREPROCESSING, spec, tensors.PREPROCESSING_INPUTS, tensors.PREPROCESSING_OUTPUTS
+    )
+
+
+def build_postprocessing(spec: RepositorySpec) -> mc.ModelConfig:
+    return _python_model(
+        POSTPROCESSING, spec, tensors.POSTPROCESSING_INPUTS, tensors.POSTPROCESSING_OUTPUTS
+    )
+
+
+#: Model backend -> the ``backend`` field of the ``fastertransformer`` model.
+FASTERTRANSFORMER_BACKENDS: dict[str, str] = {
+    "fastertransformer": "fastertransformer",
+    "python": "python",
+}
+
+
+def build_fastertransformer(spec: RepositorySpec) -> mc.ModelConfig:
+    settings = spec.settings
+    config = mc.ModelConfig(
+        name=FASTERTRANSFORMER,
+        backend=FASTERTRANSFORMER_BACKENDS[settings.backend],
+        max_batch_size=settings.max_batch_size,
+    )
+    _add_io(config, tensors.FASTERTRANSFORMER_INPUTS, tensors.FASTERTRANSFORMER_OUTPUTS)
+    # FT places instances on GPUs itself and accepts exactly one KIND_CPU group (FT_FORMAT 3.4).
+    _cpu_instances(config, spec.parallelism.instance_count)
+    if settings.dynamic_batching:
+        batching = config.dynamic_batching
+        batching.preferred_batch_size.extend(settings.preferred_batch_sizes)
+        batching.max_queue_delay_microseconds = settings.max_queue_delay_us
+    if settings.streaming:
+        config.model_transaction_policy.decoupled = True
+    parameters = {
+        "model_type": "GPT-J",
+        "tensor_para_size": str(spec.parallelism.tp),
+        "pipeline_para_size": str(spec.parallelism.pp),
+        "data_type": spec.data_type,
+        "model_checkpoint_path": spec.checkpoint_path,
+        "enable_custom_all_reduce": "0",
+    }
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: dict[str, str]):
+    step = config.ensemble_scheduling.step.add()
+    step.model_name = model
+    step.model_version = -1
+    step.input_map.update(inputs)
+    step.output_map.update(outputs)
+
+
+def build_ensemble(spec: RepositorySpec) -> mc.ModelConfig:
+    config = mc.ModelConfig(
+        name=spec.name, platform="ensemble", max_batch_size=spec.settings.max_batch_size
+    )
+    _add_io(config, tensors.ENSEMBLE_INPUTS, tensors.ENSEMBLE_OUTPUTS)
+    _step(
+        config,
+        PREPROCESSING,
+        {"prompt": "prompt"},
+        {"input_ids": _IDS, "input_lengths": _LENGTHS},
+    )
+    ft_inputs = {t.name for t in tensors.FASTERTRANSFORMER_INPUTS}
+    forwarded = [
+        t.name for t in tensors.ENSEMBLE_INPUTS if t.name in ft_inputs and t.name != "prompt"
+    ]
+    _step(
+        config,
+        FASTERTRANSFORMER,
+        {"input_ids": _IDS, "input_lengths": _LENGTHS, **{n: n for n in forwarded}},
+        {t.name: t.name for t in tensors.FASTERTRANSFORMER_OUTPUTS},
+    )
+    _step(
+        config,
+        POSTPROCESSING,
+        {
+            "output_ids": "output_ids",
+            "sequence_length": "sequence_length",
+            "input_lengths": _LENGTHS,
+        },
+        {"completion": "completion"},
+    )
+    return config
+
+
+#: Model role -> builder. The ensemble's directory is named after the model; the others after
+#: their role.
+BUILDERS: dict[str, Callable[[RepositorySpec], mc.ModelConfig]] = {
+    ENSEMBLE: build_ensemble,
+    PREPROCESSING: build_preprocessing,
+    FASTERTRANSFORMER: build_fastertransformer,
+    POSTPROCESSING: build_postprocessing,
+}
+
+
+def build_all(spec: RepositorySpec) -> dict[str, mc.ModelConfig]:
+    """Model directory name -> its config, for every model of the repository."""
+    configs = {}
+    for builder in BUILDERS.values():
+        config = builder(spec)
+        configs[config.name] = config
+    return configs
+
+
+def to_text(config: mc.ModelConfig) -> str:
+    return text_format.MessageToString(config)
+
+
+def write_config(config: mc.ModelConfig, model_dir: Path) -> Path:
+    """Write ``model_dir/config.pbtxt``."""
+    path = Path(model_dir) / "config.pbtxt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_text(config), encoding="utf-8")
+    return path
+
+
+def read_config(path: Path) -> mc.ModelConfig:
+    """Parse a ``config.pbtxt`` back into a ``ModelConfig``."""
+    return text_format.Parse(Path(path).read_text(encoding="utf-8"), mc.ModelConfig())

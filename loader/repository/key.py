@@ -1,0 +1,161 @@
+"""The model key: the name of one published model repository under the repository root.
+
+``{name}@{revision}/tp{T}-pp{P}-i{I}-{variant}``, a two-level path:
+
+* ``revision`` is ``--revision`` if given; else the revision written in the source URI
+  (``hf://org/name@rev`` gives ``rev``); else ``src-`` + the first 10 hex digits of the sha256
+  of the source URI string exactly as given.
+* ``variant`` is the first 8 hex digits of the sha256 of the canonical settings string (UTF-8,
+  no spaces)::
+
+    backend=B;dtype=D;max_batch_size=N;dynamic_batching=0|1;preferred_batch_size=4,8;max_queue_delay_us=100;streaming=0|1
+
+  ``dtype`` is ``auto`` when no ``--dtype`` was given; ``preferred_batch_size`` and
+  ``max_queue_delay_us`` are empty when dynamic batching is off. The Helm chart computes the same
+  string with ``sha256sum | trunc 8``, so any change here must change the chart too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from loader.errors import RepositoryError
+from loader.parallel import Parallelism
+from loader.sources import parse_uri
+
+#: Backends the loader writes the ``fastertransformer`` model for.
+BACKENDS: tuple[str, ...] = ("fastertransformer", "python")
+#: ``--dtype`` values; ``auto`` keeps the source checkpoint's dtype.
+DTYPES: tuple[str, ...] = ("auto", "fp16", "fp32")
+#: Names of the models a repository holds besides the ensemble.
+RESERVED_MODEL_NAMES: frozenset[str] = frozenset(
+    {"preprocessing", "fastertransformer", "postprocessing"}
+)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """The serving settings that change what a repository contains (hashed into the variant)."""
+
+    backend: str = "fastertransformer"
+    dtype: str = "auto"
+    max_batch_size: int = 8
+    dynamic_batching: bool = True
+    preferred_batch_sizes: tuple[int, ...] = field(default_factory=tuple)
+    max_queue_delay_us: int = 100
+    streaming: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise RepositoryError(
+                f"Unknown backend {self.backend!r}.",
+                f"Use --backend with one of: {', '.join(BACKENDS)}.",
+            )
+        if self.dtype not in DTYPES:
+            raise RepositoryError(
+                f"Unknown dtype {self.dtype!r}.",
+                "Use --dtype fp16 or --dtype fp32, or leave it out to keep the source's dtype.",
+            )
+        if self.max_batch_size < 1:
+            raise RepositoryError(
+                f"--max-batch-size must be at least 1, got {self.max_batch_size}.",
+                "Pass --max-batch-size 1 or more (8 is the default).",
+            )
+        for size in self.preferred_batch_sizes:
+            if not 1 <= size <= self.max_batch_size:
+                raise RepositoryError(
+                    f"Preferred batch size {size} is outside 1..{self.max_batch_size} "
+                    "(the max batch size).",
+                    "Pass --preferred-batch-size values between 1 and --max-batch-size.",
+                )
+        if self.max_queue_delay_us < 0:
+            raise RepositoryError(
+                f"--max-queue-delay-us must not be negative, got {self.max_queue_delay_us}.",
+                "Pass --max-queue-delay-us 0 or more (microseconds).",
+            )
+        object.__setattr__(self, "preferred_batch_sizes", tuple(self.preferred_batch_sizes))
+        if not self.dynamic_batching:
+            # Batching settings mean nothing without dynamic batching; the key ignores them too.
+            object.__setattr__(self, "preferred_batch_sizes", ())
+
+    def canonical(self) -> str:
+        """The canonical settings string the variant hashes (see the module docstring)."""
+        if self.dynamic_batching:
+            preferred = ",".join(str(s) for s in self.preferred_batch_sizes)
+            delay = str(self.max_queue_delay_us)
+        else:
+            preferred = delay = ""
+        return (
+            f"backend={self.backend};dtype={self.dtype};max_batch_size={self.max_batch_size};"
+            f"dynamic_batching={int(self.dynamic_batching)};preferred_batch_size={preferred};"
+            f"max_queue_delay_us={delay};streaming={int(self.streaming)}"
+        )
+
+    def variant(self) -> str:
+        return hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()[:8]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "max_batch_size": self.max_batch_size,
+            "dynamic_batching": self.dynamic_batching,
+            "preferred_batch_sizes": list(self.preferred_batch_sizes),
+            "max_queue_delay_us": self.max_queue_delay_us if self.dynamic_batching else None,
+            "streaming": self.streaming,
+            "canonical": self.canonical(),
+        }
+
+
+def check_model_name(name: str) -> str:
+    """A model name usable as a Triton model name and a directory name."""
+    if not _NAME.match(name or ""):
+        raise RepositoryError(
+            f"Model name {name!r} is not usable as a Triton model and directory name.",
+            "Use letters, digits, '.', '_' and '-' only, starting with a letter or digit "
+            "(e.g. --model-name codegen-350m-mono).",
+        )
+    if name in RESERVED_MODEL_NAMES:
+        raise RepositoryError(
+            f"Model name {name!r} clashes with a model the repository already holds.",
+            f"Choose a --model-name other than {', '.join(sorted(RESERVED_MODEL_NAMES))}.",
+        )
+    return name
+
+
+def resolve_revision(source: str, revision: str | None = None) -> str:
+    """The key's revision: ``revision``, else the URI's ``@rev``, else a hash of the URI."""
+    if revision is None:
+        revision = parse_uri(source).revision
+    if revision is None:
+        return "src-" + hashlib.sha256(source.encode("utf-8")).hexdigest()[:10]
+    if not _REVISION.match(revision):
+        raise RepositoryError(
+            f"Revision {revision!r} cannot be part of a model key (a directory name).",
+            "Pass --revision with a commit hash or tag made of letters, digits, '.', '_', '-'.",
+        )
+    return revision
+
+
+def model_key(
+    name: str,
+    source: str,
+    parallelism: Parallelism,
+    settings: ServingSettings,
+    *,
+    revision: str | None = None,
+) -> str:
+    """``{name}@{revision}/tp{T}-pp{P}-i{I}-{variant}`` (see the module docstring)."""
+    check_model_name(name)
+    rev = resolve_revision(source, revision)
+    return f"{name}@{rev}/{parallelism.key()}-{settings.variant()}"
+
+
+def key_filename(key: str) -> str:
+    """A single path component naming ``key`` (for lock and staging names)."""
+    return key.replace("/", "__")
