@@ -1,0 +1,15 @@
+"""CPU reference of FasterTransformer GPT-J: read ``<T>-gpu`` files, run the forward pass.
+
+* :mod:`loader.reference.config`: the ``[gptj]`` section of ``config.ini`` (:class:`FTConfig`).
+* :mod:`loader.reference.weights`: :func:`load_ft_checkpoint` reads a ``<T>-gpu`` directory.
+* :mod:`loader.reference.gptj`: :class:`GptJ`, the batched NumPy forward pass with a KV cache.
+
+Depends on NumPy and :mod:`loader.errors` only (no torch), so it can run inside a Triton
+Python-backend model.
+"""
+
+from .config import FTConfig
+from .gptj import GptJ
+from .weights import FTCheckpoint, load_ft_checkpoint
+
+__all__ = ["FTCheckpoint", "FTConfig", "GptJ", "load_ft_checkpoint"]

@@ -1,0 +1,115 @@
+"""The ``[gptj]`` section of a FasterTransformer ``config.ini``: one dataclass, read and written.
+
+Upstream FasterTransformer (v5.1+, Triton backend v1.2+) reads the model hyper-parameters of a
+GPT-J checkpoint from ``<T>-gpu/config.ini`` (FT_FORMAT.md section 1.7). :class:`FTConfig` is
+that section; :meth:`FTConfig.to_ini` writes it (the converter) and :meth:`FTConfig.from_ini`
+reads it back (the CPU reference model). Depends on the standard library and
+:mod:`loader.errors` only.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from loader.errors import CheckpointError
+
+SECTION = "gptj"
+
+#: Keys FasterTransformer itself requires (it exits when one is missing).
+REQUIRED_KEYS = (
+    "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "rotary_embedding",
+    "vocab_size", "start_id", "end_id", "weight_data_type",
+)  # fmt: skip
+
+WEIGHT_DATA_TYPES = ("fp32", "fp16")
+
+
+_FIX = "Convert the checkpoint again with `model-loader convert` (it writes a complete config.ini)."
+
+
+def _error(message: str) -> CheckpointError:
+    return CheckpointError(message, _FIX)
+
+
+@dataclass(frozen=True)
+class FTConfig:
+    """FasterTransformer GPT-J hyper-parameters (``[gptj]`` of ``config.ini``)."""
+
+    head_num: int
+    size_per_head: int
+    inter_size: int
+    num_layer: int
+    rotary_embedding: int
+    vocab_size: int
+    start_id: int
+    end_id: int
+    layernorm_eps: float = 1e-5
+    tensor_para_size: int = 1
+    weight_data_type: str = "fp32"
+    model_name: str = "gptj"
+    max_pos_seq_len: int = 2048
+
+    @property
+    def hidden_size(self) -> int:
+        return self.head_num * self.size_per_head
+
+    def to_ini(self) -> str:
+        """The text of ``config.ini`` (section ``[gptj]``, keys in FasterTransformer's order)."""
+        names = [f.name for f in dataclasses.fields(self)]
+        ordered = [*REQUIRED_KEYS, *(n for n in names if n not in REQUIRED_KEYS)]
+        lines = [f"[{SECTION}]"]
+        lines += [f"{name} = {_format(getattr(self, name))}" for name in ordered]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_ini(cls, path: Path | str) -> FTConfig:
+        """Read ``config.ini`` (a file, or a ``<T>-gpu`` directory holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.ini"
+        parser = configparser.ConfigParser(interpolation=None)
+        try:
+            with path.open(encoding="utf-8") as fh:
+                parser.read_file(fh)
+        except FileNotFoundError as exc:
+            raise _error(f"{path} does not exist") from exc
+        except configparser.Error as exc:
+            raise _error(f"{path} is not a valid ini file: {exc}") from exc
+        if not parser.has_section(SECTION):
+            raise _error(f"{path} has no [{SECTION}] section")
+        section = parser[SECTION]
+        missing = [k for k in REQUIRED_KEYS if k not in section]
+        if missing:
+            raise _error(f"{path} [{SECTION}] lacks {', '.join(missing)}")
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in section:
+                continue
+            raw = section[field.name]
+            try:
+                values[field.name] = _parse(field.type, raw)
+            except ValueError as exc:
+                raise _error(
+                    f"{path} [{SECTION}] {field.name} = {raw!r} is not a valid {field.type}"
+                ) from exc
+        config = cls(**values)
+        if config.weight_data_type not in WEIGHT_DATA_TYPES:
+            raise _error(
+                f"{path} weight_data_type {config.weight_data_type!r} is not one of "
+                f"{', '.join(WEIGHT_DATA_TYPES)}"
+            )
+        return config
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _parse(type_name: object, raw: str) -> object:
+    kind = {"int": int, "float": float, "str": str}[str(type_name)]
+    return kind(raw.strip())
