@@ -1,0 +1,373 @@
+"""Hugging Face Hub: ``hf://org/name`` and ``hf://org/name@revision`` with ``huggingface_hub``.
+
+* The revision (default ``main``) is resolved to a commit first; everything after that is
+  pinned to the commit, which :class:`~loader.sources.FetchResult` records as ``revision``.
+* Only the files a conversion needs are fetched (:func:`select_files`): ``config.json``, the
+  weights in ONE format (safetensors with its index if present, else PyTorch ``.bin`` with its
+  index) and the tokenizer files. Other formats (``*.msgpack``, ``*.h5``, ``*.onnx``, ...) and
+  sub-folders are left out.
+* ``snapshot_download`` writes into ``dest/.partial/hf/`` (its own metadata there makes a rerun
+  resume); each file is then verified against the Hub's listing (SHA-256 for LFS files, the git
+  blob id otherwise) and only then moved to ``dest/<path>``. Files already in ``dest`` that
+  verify are not downloaded again.
+* Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named by
+  ``$HF_TOKEN_FILE`` (a mounted Kubernetes Secret). It is passed to the Hub, never logged.
+  ``$HF_ENDPOINT`` selects a mirror (``huggingface_hub`` reads it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loader.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    SourceError,
+    SourceNotFoundError,
+    SourcePermissionError,
+)
+from loader.progress import Progress, byte_progress, human_bytes
+from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources.transfer import PARTIAL_DIR, Retry, ensure_disk_space, place
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REVISION = "main"
+DEFAULT_WORKERS = 8
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A weights format: its single-file name, shard pattern and index file."""
+
+    name: str
+    single: str
+    shard_prefix: str
+    shard_suffix: str
+    index: str
+
+    def files(self, names: Iterable[str]) -> list[str]:
+        return sorted(
+            n
+            for n in names
+            if n in (self.single, self.index)
+            or (n.startswith(self.shard_prefix) and n.endswith(self.shard_suffix))
+        )
+
+
+#: Weight formats in order of preference; the first one the repository has is used.
+WEIGHT_FORMATS = (
+    WeightFormat(
+        "safetensors", "model.safetensors", "model-", ".safetensors", "model.safetensors.index.json"
+    ),
+    WeightFormat(
+        "pytorch", "pytorch_model.bin", "pytorch_model-", ".bin", "pytorch_model.bin.index.json"
+    ),
+)
+
+
+def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[str]:
+    """The files of a repository listing that a conversion needs, sorted.
+
+    Raises :class:`~loader.errors.CheckpointError` when there is no ``config.json`` or no
+    weights in a supported format.
+    """
+    top = {n for n in names if "/" not in n}
+    if CONFIG_FILE not in top:
+        raise CheckpointError(f"{repo} has no {CONFIG_FILE}; it is not a transformers checkpoint.")
+    for fmt in WEIGHT_FORMATS:
+        weights = [n for n in fmt.files(top) if n != fmt.index]
+        if weights:
+            chosen = fmt.files(top)
+            break
+    else:
+        raise CheckpointError(
+            f"{repo} has no weights in a supported format (found: {', '.join(sorted(top))}).",
+            "Use a repository with model.safetensors or pytorch_model.bin (or their sharded "
+            "form with an index); Flax, TensorFlow and ONNX weights are not converted.",
+        )
+    log.debug("weights format %s: %s", fmt.name, chosen)
+    return sorted({CONFIG_FILE, *chosen, *(t for t in TOKENIZER_FILES if t in top)})
+
+
+# --- token and errors --------------------------------------------------------------------
+
+
+def resolve_token(options: FetchOptions) -> str | None:
+    """The Hub token from the options or the environment (never logged)."""
+    if options.hf_token:
+        return options.hf_token
+    token_file = options.hf_token_file
+    if not token_file and os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"].strip()
+    token_file = token_file or os.environ.get("HF_TOKEN_FILE")
+    if not token_file:
+        return None
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as exc:
+        raise SourcePermissionError(
+            f"Cannot read the Hugging Face token file {token_file} ({exc.strerror}).",
+            "Check --hf-token-file / HF_TOKEN_FILE and that the Secret is mounted there.",
+        ) from exc
+    if not token:
+        raise SourcePermissionError(
+            f"The Hugging Face token file {token_file} is empty.",
+            "Put the token in the file (or the Kubernetes Secret).",
+        )
+    return token
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    code = getattr(response, "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Connection problems, timeouts, 429 and 5xx: worth retrying."""
+    import httpx2
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(exc, RepositoryNotFoundError | RevisionNotFoundError):
+        return False
+    if isinstance(exc, httpx2.TransportError | ConnectionError | TimeoutError):
+        return True
+    status = _status(exc)
+    return status is not None and (status == 429 or status >= 500)
+
+
+def _typed(exc: BaseException, uri: SourceURI, revision: str) -> SourceError | None:
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo = uri.location
+    if isinstance(exc, GatedRepoError):
+        return SourcePermissionError(
+            f"{uri.raw}: the repository {repo} is gated and the token in use has no access.",
+            "Accept the model's terms on the Hub with the token's account, and pass the token "
+            "(HF_TOKEN, HF_TOKEN_FILE or --hf-token-file).",
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return SourceNotFoundError(
+            f"{uri.raw}: the repository {repo} has no revision {revision!r}.",
+            "Check the branch, tag or commit after '@' in the hf:// URI.",
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return SourceNotFoundError(
+            f"{uri.raw}: repository {repo} at revision {revision!r} was not found, or it is "
+            "private and the token in use may not read it.",
+            "Check the repository id and the revision in the hf:// URI; for a private "
+            "repository pass a token (HF_TOKEN, HF_TOKEN_FILE or --hf-token-file).",
+        )
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return SourceNotFoundError(
+            f"{uri.raw}: a file listed by the Hub is missing ({exc}).",
+            "Check the repository's files at that revision.",
+        )
+    if isinstance(exc, HfHubHTTPError) and _status(exc) in (401, 403):
+        return SourcePermissionError(f"{uri.raw}: permission denied ({_status(exc)}).")
+    return None
+
+
+class _Funnel:
+    def __init__(self, uri: SourceURI, revision: str, options: FetchOptions) -> None:
+        self.uri = uri
+        self.revision = revision
+        self.retry = Retry(is_transient, deadline_s=options.retry_deadline_s)
+
+    def __call__(self, fn: Any, *, what: str) -> Any:
+        try:
+            return self.retry.call(fn, what=what)
+        except SourceError:
+            raise
+        except Exception as exc:
+            typed = _typed(exc, self.uri, self.revision)
+            if typed is None:
+                raise
+            raise typed from exc
+
+
+# --- verification ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file in the Hub's listing: size and the hash it must have."""
+
+    path: str
+    size: int
+    blob_id: str | None
+    sha256: str | None
+
+    def verify(self, local: Path) -> bool:
+        if not local.is_file() or local.stat().st_size != self.size:
+            return False
+        if self.sha256:
+            return _hash_file(local, hashlib.sha256()) == self.sha256
+        if self.blob_id:
+            header = f"blob {self.size}\0".encode()
+            return _hash_file(local, hashlib.sha1(header, usedforsecurity=False)) == self.blob_id
+        return True
+
+
+def _hash_file(path: Path, digest: Any) -> str:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[str, RemoteFile]:
+    files = {}
+    for entry in api.list_repo_tree(uri.location, revision=commit, recursive=True, token=token):
+        if not hasattr(entry, "size") or getattr(entry, "blob_id", None) is None:
+            continue  # a folder
+        lfs = getattr(entry, "lfs", None)
+        sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
+        files[entry.path] = RemoteFile(entry.path, int(entry.size), entry.blob_id, sha256)
+    return files
+
+
+@contextmanager
+def _watch_bytes(root: Path, progress: Progress, *, interval: float = 0.5) -> Iterator[None]:
+    """Report the growth of the files under ``root`` to ``progress`` while the block runs."""
+    stop = threading.Event()
+
+    def size() -> int:
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    base = size()
+    seen = 0
+
+    def loop() -> None:
+        nonlocal seen
+        while not stop.wait(interval):
+            try:
+                now = size() - base
+            except FileNotFoundError:
+                continue
+            if now > seen:
+                progress.update(now - seen)
+                seen = now
+
+    thread = threading.Thread(target=loop, name="hf-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        final = size() - base
+        if final > seen:
+            progress.update(final - seen)
+
+
+# --- fetch -------------------------------------------------------------------------------
+
+
+def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> FetchResult:
+    if dest is None:
+        raise SourceError(
+            f"Fetching {uri.raw} needs a destination directory.",
+            "Pass a destination (model-loader fetch URI DEST).",
+        )
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    token = resolve_token(options)
+    revision = uri.revision or DEFAULT_REVISION
+    funnel = _Funnel(uri, revision, options)
+    api = HfApi()
+    info = funnel(
+        lambda: api.model_info(uri.location, revision=revision, token=token),
+        what=f"{uri.raw} (model info)",
+    )
+    commit = info.sha
+    log.info("%s: revision %s is commit %s", uri.location, revision, commit)
+    remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
+    wanted = select_files(remote, repo=f"{uri.location}@{commit}")
+
+    dest.mkdir(parents=True, exist_ok=True)
+    missing = [f for f in wanted if not remote[f].verify(dest / f)]
+    total = sum(remote[f].size for f in wanted)
+    needed = sum(remote[f].size for f in missing)
+    if options.check_disk_space:
+        ensure_disk_space(dest, needed, what=uri.raw)
+    log.info(
+        "fetching %s@%s: %s files (%s); %s to download, %s already present",
+        uri.location,
+        commit[:12],
+        len(wanted),
+        human_bytes(total),
+        human_bytes(needed),
+        len(wanted) - len(missing),
+    )
+
+    if missing:
+        staging = dest / PARTIAL_DIR / "hf"
+        staging.mkdir(parents=True, exist_ok=True)
+        disable_progress_bars()
+        with (
+            byte_progress(f"hf://{uri.location}", needed) as progress,
+            _watch_bytes(staging, progress),
+        ):
+            funnel(
+                lambda: snapshot_download(
+                    uri.location,
+                    revision=commit,
+                    local_dir=staging,
+                    allow_patterns=missing,
+                    token=token,
+                    max_workers=options.workers or DEFAULT_WORKERS,
+                ),
+                what=f"{uri.raw} (download)",
+            )
+        for rel in missing:
+            _verify_and_place(uri, commit, remote[rel], staging / rel, dest / rel)
+        shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
+    return FetchResult(
+        path=dest, revision=commit, files=wanted, bytes=total, downloaded_bytes=needed
+    )
+
+
+def _verify_and_place(
+    uri: SourceURI, commit: str, remote: RemoteFile, staged: Path, final: Path
+) -> None:
+    if not staged.is_file():
+        raise SourceNotFoundError(
+            f"{uri.raw}: {remote.path} was not downloaded.",
+            "Check the repository's files at that revision.",
+        )
+    if not remote.verify(staged):
+        staged.unlink()
+        raise ChecksumMismatchError(
+            f"hf://{uri.location}@{commit}/{remote.path}: downloaded bytes do not match the "
+            "Hub's hash for the file; the download was discarded.",
+            "Run the loader again; if this repeats, the repository file or a mirror in between "
+            "is corrupt.",
+        )
+    place(staged, final)
