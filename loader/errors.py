@@ -149,3 +149,21 @@ class InvalidRequestError(LoaderError):
     default_remediation = (
         "Send a non-empty prompt, request_output_len >= 1, temperature and repetition_penalty > 0."
     )
+
+
+class ModelNotFoundError(EndpointError):
+    """The endpoint answers but does not serve (or has not loaded) the named model."""
+
+    default_remediation = (
+        "Check --model against the server's models (curl <url>/v2/repository/index -X POST) "
+        "and that the model loaded (its readiness: curl <url>/v2/models/<model>/ready)."
+    )
+
+
+class MeasurementError(LoaderError):
+    """perf_analyzer could not measure (unstable windows everywhere, bad input data, a crash)."""
+
+    default_remediation = (
+        "Read perf_analyzer's message above; for unstable measurements pass a longer "
+        "--measurement-interval-ms or a larger --stability-percentage."
+    )
