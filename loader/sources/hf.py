@@ -258,7 +258,12 @@ def _watch_bytes(root: Path, progress: Progress, *, interval: float = 0.5) -> It
     stop = threading.Event()
 
     def size() -> int:
-        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+        # The downloaded files and the Hub's ``*.incomplete`` files, not its metadata.
+        return sum(
+            p.stat().st_size
+            for p in root.rglob("*")
+            if p.is_file() and (p.suffix == ".incomplete" or ".cache" not in p.parts)
+        )
 
     base = size()
     seen = 0
