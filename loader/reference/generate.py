@@ -127,7 +127,7 @@ class GenerationResult:
         return self.output_ids[self.input_length : self.sequence_length]
 
 
-def _validate(requests: Sequence[GenerationRequest], vocab_size: int) -> None:
+def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int) -> None:
     if not requests:
         raise InvalidRequestError("no requests to generate for")
     for n, req in enumerate(requests):
@@ -211,7 +211,7 @@ class BatchGeneration:
     def __init__(
         self, model: CausalLM, requests: Sequence[GenerationRequest], *, vocab_size: int
     ) -> None:
-        _validate(requests, vocab_size)
+        validate_requests(requests, vocab_size)
         self.model = model
         self.requests = list(requests)
         self.vocab_size = vocab_size

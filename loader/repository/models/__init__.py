@@ -1,0 +1,61 @@
+"""Triton Python-backend models copied into a published repository.
+
+The files of this package are not imported by the loader; they run inside Triton's Python
+backend. :func:`model_files` says which source file goes where inside a model directory, and
+:func:`install_python_model` copies them, so every repository is self-contained (the Python that
+runs Triton needs numpy and tokenizers, not this project):
+
+======================  ==================================================================
+model directory         files (destination relative to the model directory)
+======================  ==================================================================
+``preprocessing``       ``1/model.py``, ``1/tokenization.py`` (+ ``1/tokenizer/*``, the
+                        checkpoint's tokenizer files, copied by the repository writer)
+``postprocessing``      same as ``preprocessing``
+``fastertransformer``   with ``--backend python`` only: ``1/model.py`` (the CPU reference)
+                        and ``1/loader/``: ``__init__.py``, ``errors.py`` and every module of
+                        ``loader/reference/`` (the package the model imports)
+======================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+#: The ``loader`` package directory (the source of the copied modules).
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+MODELS_DIR = Path(__file__).resolve().parent
+
+_TOKENIZING = ("preprocessing", "postprocessing")
+PYTHON_MODELS = (*_TOKENIZING, "fastertransformer")
+
+
+def model_files(model: str) -> list[tuple[Path, str]]:
+    """``(source file, destination relative to the model directory)`` for one model."""
+    if model in _TOKENIZING:
+        return [
+            (MODELS_DIR / model / "model.py", "1/model.py"),
+            (MODELS_DIR / "tokenization.py", "1/tokenization.py"),
+        ]
+    if model == "fastertransformer":
+        files = [
+            (MODELS_DIR / model / "model.py", "1/model.py"),
+            (PACKAGE_ROOT / "__init__.py", "1/loader/__init__.py"),
+            (PACKAGE_ROOT / "errors.py", "1/loader/errors.py"),
+        ]
+        for source in sorted((PACKAGE_ROOT / "reference").glob("*.py")):
+            files.append((source, f"1/loader/reference/{source.name}"))
+        return files
+    raise KeyError(f"no Python-backend model named {model!r}; expected one of {PYTHON_MODELS}")
+
+
+def install_python_model(model: str, model_dir: Path | str) -> list[Path]:
+    """Copy ``model``'s files into ``model_dir`` (a staging directory); returns the copies."""
+    model_dir = Path(model_dir)
+    copied = []
+    for source, relative in model_files(model):
+        target = model_dir / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+        copied.append(target)
+    return copied

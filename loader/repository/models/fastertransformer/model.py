@@ -1,0 +1,171 @@
+"""Triton Python-backend model ``fastertransformer``: the CPU reference of FT GPT-J.
+
+Same name, inputs, outputs and parameters as the FasterTransformer-backend model (FT_FORMAT.md
+3.2), so the ensemble, clients and perf_analyzer cannot tell them apart. At load it reads the
+``<T>-gpu`` directory named by the ``model_checkpoint_path`` parameter (FT's default
+``1/<tensor_para_size>-gpu`` when the parameter is absent) with :mod:`loader.reference`, and
+checks what FasterTransformer would: ``tensor_para_size`` matches the files, ``num_layer`` is
+divisible by ``pipeline_para_size``. A mismatch fails the load with the reason in Triton's log.
+
+``execute`` receives every request of a dynamic batch at once and completes all their rows as
+ONE NumPy batch (:mod:`loader.reference.generate`: FT sampling semantics, padding masks, a shared
+KV cache). Each request gets its own output width, ``max(input_length) + max(request_output_len)``
+over its rows, so a result does not depend on what else was batched with it.
+
+The runtime precision (``data_type``) is float32 on the CPU whatever the parameter says. The
+``loader`` package this file imports is copied next to it by the repository writer
+(``1/loader/``), so the repository is self-contained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from loader.errors import LoaderError
+from loader.reference import GptJ, load_ft_checkpoint
+from loader.reference.generate import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingConfig,
+    generate,
+    validate_requests,
+)
+
+
+def _parameters(model_config: dict) -> dict[str, str]:
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def _optional(request: object, name: str, batch: int, default: float | int) -> np.ndarray:
+    """An optional per-row scalar input (sent as [1] or reshaped to []), or the default."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return np.full(batch, default)
+    return tensor.as_numpy().reshape(batch, -1)[:, 0]
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        params = _parameters(config)
+        tp = int(params.get("tensor_para_size", "1") or 1)
+        pp = int(params.get("pipeline_para_size", "1") or 1)
+        default_path = Path(args["model_repository"]) / args["model_version"] / f"{tp}-gpu"
+        path = Path(params.get("model_checkpoint_path") or default_path)
+        self.checkpoint = load_ft_checkpoint(path)
+        cfg = self.checkpoint.config
+        if self.checkpoint.tensor_para_size != tp:
+            raise ValueError(
+                f"tensor_para_size {tp} in config.pbtxt does not match the checkpoint {path}, "
+                f"converted for tensor_para_size {self.checkpoint.tensor_para_size}; publish the "
+                "repository again with matching --tp-size"
+            )
+        if pp < 1 or cfg.num_layer % pp:
+            raise ValueError(
+                f"pipeline_para_size {pp} does not divide num_layer {cfg.num_layer} of {path}"
+            )
+        decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
+        if decoupled:
+            raise ValueError("the CPU reference model does not stream (decoupled mode) yet")
+        self.model = GptJ(self.checkpoint)
+        self.config = cfg
+        self.logger = pb_utils.Logger
+        self.logger.log_info(
+            f"CPU reference GPT-J loaded from {path}: {cfg.num_layer} layers, "
+            f"{cfg.head_num} heads x {cfg.size_per_head}, vocab {cfg.vocab_size}, tp {tp}, pp {pp}"
+        )
+
+    def _rows(self, request: object) -> list[GenerationRequest]:
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+        batch = ids.shape[0]
+        ids = ids.reshape(batch, -1)
+        lengths = pb_utils.get_input_tensor_by_name(request, "input_lengths").as_numpy()
+        lengths = lengths.reshape(batch, -1)[:, 0]
+        out_lens = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy()
+        out_lens = out_lens.reshape(batch, -1)[:, 0]
+        cfg = self.config
+        end_id = _optional(request, "end_id", batch, cfg.end_id)
+        top_k = _optional(request, "runtime_top_k", batch, 0)
+        top_p = _optional(request, "runtime_top_p", batch, 0.0)
+        temperature = _optional(request, "temperature", batch, 1.0)
+        penalty = _optional(request, "repetition_penalty", batch, 1.0)
+        seed = _optional(request, "random_seed", batch, 0)
+        log_probs = _optional(request, "is_return_log_probs", batch, False)
+        beam_width = _optional(request, "beam_width", batch, 1)
+        if int(beam_width.max()) > 1:
+            raise ValueError("beam search (beam_width > 1) is not supported by the CPU reference")
+        rows = []
+        for i in range(batch):
+            length = int(lengths[i])
+            if not 0 < length <= ids.shape[1]:
+                raise ValueError(f"input_lengths {length} does not fit input_ids of {ids.shape[1]}")
+            sampling = SamplingConfig(
+                top_k=int(top_k[i]),
+                top_p=float(top_p[i]),
+                temperature=float(temperature[i]),
+                repetition_penalty=float(penalty[i]),
+                random_seed=int(seed[i]),
+            )
+            rows.append(
+                GenerationRequest(
+                    input_ids=ids[i, :length].astype(np.int64).tolist(),
+                    output_len=int(out_lens[i]),
+                    end_id=int(end_id[i]),
+                    sampling=sampling,
+                    return_log_probs=bool(log_probs[i]),
+                )
+            )
+        validate_requests(rows, cfg.vocab_size)
+        return rows
+
+    def execute(self, requests: list) -> list:
+        responses: list = [None] * len(requests)
+        batch: list[GenerationRequest] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for n, request in enumerate(requests):
+            try:
+                rows = self._rows(request)
+            except (LoaderError, ValueError) as exc:
+                responses[n] = pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(str(exc))
+                )
+                continue
+            spans[n] = (len(batch), len(batch) + len(rows))
+            batch.extend(rows)
+        if batch:
+            self.logger.log_verbose(
+                f"generating {len(spans)} requests ({len(batch)} rows) as one batch"
+            )
+            results = generate(self.model, batch, vocab_size=self.config.vocab_size)
+            for n, (start, stop) in spans.items():
+                responses[n] = _response(batch[start:stop], results[start:stop])
+        return responses
+
+    def finalize(self) -> None:
+        self.model = None
+
+
+def _response(rows: list[GenerationRequest], results: list[GenerationResult]) -> object:
+    width = max(len(r.input_ids) for r in rows) + max(r.output_len for r in rows)
+    out_width = max(r.output_len for r in rows)
+    n = len(rows)
+    output_ids = np.zeros((n, 1, width), dtype=np.uint32)
+    output_log_probs = np.zeros((n, 1, out_width), dtype=np.float32)
+    for i, (row, result) in enumerate(zip(rows, results, strict=True)):
+        output_ids[i, 0, :] = row.end_id
+        output_ids[i, 0, : result.output_ids.size] = result.output_ids
+        output_log_probs[i, 0, : result.output_log_probs.size] = result.output_log_probs
+    sequence_length = np.array([[r.sequence_length] for r in results], dtype=np.uint32)
+    cum_log_probs = np.array([[r.cum_log_prob] for r in results], dtype=np.float32)
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            pb_utils.Tensor("output_ids", output_ids),
+            pb_utils.Tensor("sequence_length", sequence_length),
+            pb_utils.Tensor("cum_log_probs", cum_log_probs),
+            pb_utils.Tensor("output_log_probs", output_log_probs),
+        ]
+    )
