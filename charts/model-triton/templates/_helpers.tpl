@@ -131,7 +131,7 @@ URI has none.
 
 {{/*
 model-triton.modelRevision: the revision part of the model key: model.revision if set; else the
-`@rev` of an `hf://org/name@rev` source; else `src-` + the first 10 hex digits of the sha256 of
+text after the first `@` of an `hf://org/name@rev` source; else `src-` + the first 10 hex digits of the sha256 of
 the source URI exactly as given.
 */}}
 {{- define "model-triton.modelRevision" -}}
@@ -140,7 +140,7 @@ the source URI exactly as given.
 {{- if .Values.model.revision -}}
 {{- .Values.model.revision -}}
 {{- else if and (hasPrefix "hf://" $source) (contains "@" $repo) -}}
-{{- last (splitList "@" $repo) -}}
+{{- regexReplaceAll "^[^@]*@" $repo "" -}}
 {{- else -}}
 {{- printf "src-%s" (sha256sum $source | trunc 10) -}}
 {{- end -}}
@@ -267,11 +267,16 @@ model-triton.tritonArgs: the `tritonserver` command line (a YAML list).
 {{- end -}}
 
 {{/*
-model-triton.image: an image reference from {repository, tag}, tag defaulting to appVersion.
+model-triton.image: an image reference: repository@digest when a digest is set, else
+repository:tag with the tag defaulting to the chart's appVersion.
 Usage: include "model-triton.image" (dict "image" .Values.loader.image "context" $)
 */}}
 {{- define "model-triton.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .image.repository (default .context.Chart.AppVersion .image.tag | toString) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*

@@ -26,6 +26,12 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- $problems = append $problems (printf "model-triton: model.source %q has an unsupported scheme %q; use gs://bucket/path, hf://org/name[@revision] or file:///path." (toString $m.source) (default "(none)" $scheme)) -}}
 {{- end -}}
 
+{{- /* The revision names a directory: the loader accepts letters, digits, '.', '_', '-'. */ -}}
+{{- $revision := include "model-triton.modelRevision" . -}}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*$" $revision) -}}
+{{- $problems = append $problems (printf "model-triton: model.revision %q (from model.revision or the @revision of model.source) cannot name a directory; use a commit hash or tag of letters, digits, '.', '_' and '-'." $revision) -}}
+{{- end -}}
+
 {{- /* GPU arithmetic (the CPU backend requests no GPU). */ -}}
 {{- if include "model-triton.gpuBackend" . -}}
 {{- $perReplica := include "model-triton.gpusPerReplica" . | int -}}
