@@ -39,6 +39,12 @@ class UnsupportedArchitectureError(CheckpointError):
     """config.json names a model_type no converter handles."""
 
 
+class OutputExistsError(LoaderError):
+    """The output directory already holds a converted checkpoint for this tensor-parallel size."""
+
+    default_remediation = "Pass --force to replace it, or choose another output directory."
+
+
 class DtypeError(LoaderError):
     """An unknown or unsupported data type was asked for or found."""
 
