@@ -1,0 +1,116 @@
+"""Send one completion request to a published ensemble with ``tritonclient`` (HTTP or gRPC).
+
+The request is the one our users send, in perf_analyzer's ``--input-data`` format (the seed's
+``test.json``: ``{"data": [{"prompt": {"content": [...], "shape": [1]}, "temperature": [0.2],
+...}]}``). :func:`load_request` reads its first entry, :func:`complete` turns it into Triton
+inputs typed by the ensemble's contract (:data:`loader.repository.tensors.ENSEMBLE_INPUTS`) and
+returns a :class:`Completion`. The protocol picks the client module from :data:`CLIENTS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader.errors import EndpointError, InvalidRequestError
+from loader.repository.tensors import ENSEMBLE_INPUTS
+
+#: Protocol -> tritonclient module.
+CLIENTS: dict[str, str] = {"http": "tritonclient.http", "grpc": "tritonclient.grpc"}
+
+_DTYPES = {t.name: t.dtype for t in ENSEMBLE_INPUTS}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The ensemble's outputs for one prompt (first row, first beam)."""
+
+    text: str
+    output_ids: np.ndarray
+    sequence_length: int
+    cum_log_prob: float
+    output_log_probs: np.ndarray
+
+
+def load_request(path: Path | str) -> dict[str, list[Any]]:
+    """The first request of a perf_analyzer input-data file, as ``name -> values``."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        entry = document["data"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise InvalidRequestError(
+            f"{path} is not a perf_analyzer input file with a data entry: {exc}",
+            'Use the format {"data": [{"prompt": {"content": ["..."], "shape": [1]}, ...}]}.',
+        ) from exc
+    request = {}
+    for name, value in entry.items():
+        request[name] = list(value["content"] if isinstance(value, dict) else value)
+    return request
+
+
+def _numpy(name: str, values: list[Any]) -> tuple[np.ndarray, str]:
+    from tritonclient.utils import triton_to_np_dtype
+
+    try:
+        dtype = _DTYPES[name]
+    except KeyError as exc:
+        raise InvalidRequestError(
+            f"the ensemble has no input named {name!r}",
+            f"Use only these inputs: {', '.join(_DTYPES)}.",
+        ) from exc
+    if dtype == "BYTES":
+        array = np.array([[str(v).encode("utf-8")] for v in values], dtype=np.object_)
+    else:
+        array = np.array([[v] for v in values], dtype=triton_to_np_dtype(dtype))
+    return array, dtype
+
+
+def build_inputs(client_module: Any, request: dict[str, list[Any]]) -> list[Any]:
+    """``InferInput`` objects of ``client_module`` (tritonclient.http or .grpc) for ``request``."""
+    inputs = []
+    for name, values in request.items():
+        array, dtype = _numpy(name, values)
+        tensor = client_module.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def complete(
+    url: str,
+    model: str,
+    request: dict[str, list[Any]],
+    *,
+    protocol: str = "http",
+    timeout_s: float = 120.0,
+) -> Completion:
+    """Send ``request`` to ``model`` at ``url`` (``host:port``) and return the first completion."""
+    try:
+        module = importlib.import_module(CLIENTS[protocol])
+    except KeyError as exc:
+        raise EndpointError(f"unknown protocol {protocol!r}", "Use http or grpc.") from exc
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        if protocol == "http":
+            client = module.InferenceServerClient(url, network_timeout=timeout_s)
+            result = client.infer(model, build_inputs(module, request))
+        else:
+            client = module.InferenceServerClient(url)
+            result = client.infer(model, build_inputs(module, request), client_timeout=timeout_s)
+        client.close()
+    except InferenceServerException as exc:
+        raise EndpointError(f"{protocol}://{url} model {model!r}: {exc.message()}") from exc
+    text = result.as_numpy("completion").reshape(-1)[0]
+    return Completion(
+        text=text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text),
+        output_ids=result.as_numpy("output_ids")[0, 0].astype(np.int64),
+        sequence_length=int(result.as_numpy("sequence_length").reshape(-1)[0]),
+        cum_log_prob=float(result.as_numpy("cum_log_probs").reshape(-1)[0]),
+        output_log_probs=result.as_numpy("output_log_probs")[0, 0],
+    )
