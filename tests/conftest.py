@@ -1,0 +1,30 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+#: Text the tiny test tokenizers are trained on.
+TOKENIZER_CORPUS = [
+    "def is_even(n: int) -> bool:\n    return n % 2 == 0\n",
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i)\n",
+    "<python>def is_even(na: int) ->",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GPT-J checkpoint (fp32 safetensors, vocab 320) with a trained tokenizer.
+
+    Session-scoped and shared: tests must not modify it.
+    """
+    from loader.demo.tokenizer import train_tokenizer
+    from tests.tinymodels import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gptj") / "ckpt", arch="gptj")
+    train_tokenizer(TOKENIZER_CORPUS, 320, path)
+    return path
