@@ -26,6 +26,7 @@ log = logging.getLogger("loader")
 COMMANDS: tuple[str, ...] = (
     "loader.cli.convert",
     "loader.cli.fetch",
+    "loader.cli.serve",
 )
 
 

@@ -3,21 +3,60 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+from types import FrameType
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("convert", help="convert a checkpoint to the FasterTransformer format",
-                              description="Convert a Hugging Face checkpoint directory to "
-                              "OUTPUT_DIR/<T>-gpu/ in the FasterTransformer GPT-J format.")
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a checkpoint to the FasterTransformer format",
+        description="Convert a Hugging Face checkpoint directory to "
+        "OUTPUT_DIR/<T>-gpu/ in the FasterTransformer GPT-J format.",
+    )
     p.add_argument("source_dir", metavar="SOURCE_DIR")
     p.add_argument("output_dir", metavar="OUTPUT_DIR")
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel size T")
-    p.add_argument("--pp-size", type=int, default=1,
-                   help="pipeline-parallel size the model will run with (checked only)")
+    p.add_argument(
+        "--pp-size",
+        type=int,
+        default=1,
+        help="pipeline-parallel size the model will run with (checked only)",
+    )
     p.add_argument("--dtype", default=None, help="fp16 or fp32 (default: the source's dtype)")
-    p.add_argument("--workers", type=int, default=None, help="worker threads (default: CPU count)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker threads (default: CPU count, at most 4)"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace OUTPUT_DIR/<T>-gpu if it exists (atomically)"
+    )
     p.set_defaults(func=run)
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (Kubernetes stopping the Job) unwinds like Ctrl-C, so temp files are removed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("the converter is being written")
+    from loader.convert import convert_checkpoint
+
+    _interrupt_on_sigterm()
+    result = convert_checkpoint(
+        args.source_dir,
+        args.output_dir,
+        tp_size=args.tp_size,
+        pp_size=args.pp_size,
+        dtype=args.dtype,
+        workers=args.workers,
+        overwrite=args.force,
+    )
+    print(result.output_path.resolve())
+    return 0

@@ -1,0 +1,365 @@
+"""Lazy access to the tensors of a Hugging Face checkpoint directory, one tensor at a time.
+
+A checkpoint directory holds ``config.json`` and its weights in one of these layouts (looked for
+in this order; :data:`WEIGHT_LAYOUTS` is the registry):
+
+* ``model.safetensors.index.json`` + shards, or a single ``model.safetensors``;
+* ``pytorch_model.bin.index.json`` + shards, or a single ``pytorch_model.bin``.
+
+:func:`open_checkpoint` validates the layout and every shard's header up front (a truncated or
+corrupt shard is a :class:`~loader.errors.CheckpointError` naming the file) and returns a
+:class:`Checkpoint` that knows every tensor's name, dtype and shape without reading any data.
+:meth:`Checkpoint.get` then returns one tensor as a NumPy array *viewing a read-only memory map*
+of the file: no tensor is copied into anonymous memory, the page cache holds the bytes. For
+safetensors the (simple, documented) header is parsed here directly so the view can be
+zero-copy; PyTorch files are opened with ``torch.load(mmap=True, weights_only=True)`` (torch is
+imported only for them). bfloat16 tensors come back as their ``uint16`` bit patterns, tagged
+``"bf16"`` in :attr:`TensorInfo.dtype`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from loader.errors import CheckpointError, DtypeError
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+
+#: Our dtype names -> NumPy storage dtype (bf16 is kept as raw uint16 bits).
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "fp32": np.dtype("<f4"),
+    "fp16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),
+    "fp64": np.dtype("<f8"),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
+}
+
+_SAFETENSORS_DTYPES = {
+    "F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, dtype name (``fp16``, ``fp32``, ``bf16``...), shape and file of one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize
+
+
+def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory as a dict."""
+    path = Path(checkpoint_dir) / CONFIG_FILE
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointError(f"{checkpoint_dir} is not a directory.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{path} is missing: not a Hugging Face checkpoint directory."
+        ) from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} cannot be read as JSON: {exc}.") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object.")
+    return config
+
+
+# --- one weight file ----------------------------------------------------------------------
+
+
+class ShardFile(Protocol):
+    path: Path
+
+    def infos(self) -> dict[str, TensorInfo]: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+def _corrupt(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is truncated or corrupt: {what}.",
+        "Download or copy that file again (compare its size and checksum with the source).",
+    )
+
+
+class SafetensorsFile:
+    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._mmap: mmap.mmap | None = None
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as fh:
+                prefix = fh.read(8)
+                if len(prefix) < 8:
+                    raise _corrupt(path, f"{size} bytes, shorter than the 8-byte header length")
+                (header_len,) = struct.unpack("<Q", prefix)
+                if header_len > min(size - 8, _MAX_HEADER):
+                    raise _corrupt(path, f"header length {header_len} exceeds the file size {size}")
+                raw = fh.read(header_len)
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{path} is missing.") from exc
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _corrupt(path, f"header is not valid JSON ({exc})") from exc
+        if not isinstance(header, dict):
+            raise _corrupt(path, "header is not a JSON object")
+        self._data_start = 8 + header_len
+        data_size = size - self._data_start
+        self._infos: dict[str, TensorInfo] = {}
+        self._offsets: dict[str, int] = {}
+        end_max = 0
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                shape = tuple(int(d) for d in entry["shape"])
+                begin, end = (int(x) for x in entry["data_offsets"])
+            except KeyError as exc:
+                if isinstance(entry, dict) and entry.get("dtype") not in _SAFETENSORS_DTYPES:
+                    raise DtypeError(
+                        f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}.",
+                        "Convert the checkpoint to fp16, bf16 or fp32 first.",
+                    ) from exc
+                raise _corrupt(path, f"header entry for {name} is incomplete") from exc
+            except (TypeError, ValueError) as exc:
+                raise _corrupt(path, f"header entry for {name} is malformed") from exc
+            info = TensorInfo(name, dtype, shape, path)
+            if end - begin != info.nbytes or begin < 0:
+                raise _corrupt(path, f"tensor {name} spans {end - begin} bytes, not {info.nbytes}")
+            self._infos[name] = info
+            self._offsets[name] = begin
+            end_max = max(end_max, end)
+        if end_max > data_size:
+            raise _corrupt(
+                path, f"the header needs {end_max} data bytes but the file holds {data_size}"
+            )
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def get(self, name: str) -> np.ndarray:
+        info = self._infos[name]
+        if self._mmap is None:
+            with self.path.open("rb") as fh:
+                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(mmap, "MADV_SEQUENTIAL"):
+                self._mmap.madvise(mmap.MADV_SEQUENTIAL)
+        count = math.prod(info.shape)
+        arr = np.frombuffer(
+            self._mmap,
+            dtype=NUMPY_DTYPES[info.dtype],
+            count=count,
+            offset=self._data_start + self._offsets[name],
+        )
+        return arr.reshape(info.shape)
+
+    def close(self) -> None:
+        # Arrays handed out keep the mapping alive; dropping our reference lets it go with them.
+        self._mmap = None
+
+
+class TorchFile:
+    """A PyTorch ``.bin`` (zip) file, memory-mapped by ``torch.load(mmap=True)``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing.")
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - torch is in requirements.txt
+            raise CheckpointError(
+                f"{path} is a PyTorch file and reading it needs torch.",
+                "Install torch (pip install 'model-triton-loader[torch]') or use safetensors.",
+            ) from exc
+        self._torch = torch
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:
+            raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(state, dict):
+            raise _corrupt(path, "it does not hold a state dict")
+        self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        self._infos = {}
+        for name, tensor in self._state.items():
+            dtype = _torch_dtype_name(tensor.dtype)
+            if dtype is None:
+                raise DtypeError(
+                    f"{path}: tensor {name} has unsupported dtype {tensor.dtype}.",
+                    "Convert the checkpoint to fp16, bf16 or fp32 first.",
+                )
+            self._infos[name] = TensorInfo(name, dtype, tuple(tensor.shape), path)
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def get(self, name: str) -> np.ndarray:
+        tensor = self._state[name]
+        if tensor.dtype == self._torch.bfloat16:
+            return tensor.view(self._torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()
+
+    def close(self) -> None:
+        self._state = {}
+
+
+def _torch_dtype_name(dtype: Any) -> str | None:
+    return {
+        "torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16",
+        "torch.float64": "fp64", "torch.int64": "int64", "torch.int32": "int32",
+        "torch.int16": "int16", "torch.int8": "int8", "torch.uint8": "uint8", "torch.bool": "bool",
+    }.get(str(dtype))  # fmt: skip
+
+
+# --- the directory layout registry -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """One way of storing weights: a single file, or shards named by an index."""
+
+    single: str
+    index: str
+    opener: Callable[[Path], ShardFile]
+
+
+WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = (
+    WeightLayout("model.safetensors", "model.safetensors.index.json", SafetensorsFile),
+    WeightLayout("pytorch_model.bin", "pytorch_model.bin.index.json", TorchFile),
+)
+
+
+def _shard_names(directory: Path) -> tuple[WeightLayout, list[str], dict[str, str] | None]:
+    for layout in WEIGHT_LAYOUTS:
+        index_path = directory / layout.index
+        if index_path.is_file():
+            try:
+                index = json.loads(index_path.read_text(encoding="utf-8"))
+                weight_map = dict(index["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(
+                    f"{index_path} is not a valid index (a JSON object with a weight_map): {exc}."
+                ) from exc
+            files = sorted(set(weight_map.values()))
+            return layout, files, weight_map
+        if (directory / layout.single).is_file():
+            return layout, [layout.single], None
+    present = sorted(p.name for p in directory.iterdir())[:20]
+    looked_for = ", ".join(f"{lay.single} / {lay.index}" for lay in WEIGHT_LAYOUTS)
+    raise CheckpointError(
+        f"{directory} holds no weights: looked for {looked_for}; found {present or 'nothing'}."
+    )
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory, opened lazily (see the module docstring)."""
+
+    def __init__(self, directory: Path, config: dict[str, Any], shards: list[ShardFile]) -> None:
+        self.directory = directory
+        self.config = config
+        self._shards = shards
+        self._where: dict[str, ShardFile] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for shard in shards:
+            for name, info in shard.infos().items():
+                if name in self.tensors:
+                    raise CheckpointError(
+                        f"tensor {name} is stored twice ({self.tensors[name].file.name} and "
+                        f"{shard.path.name})."
+                    )
+                self.tensors[name] = info
+                self._where[name] = shard
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor as a read-only array viewing the file's memory map (no copy)."""
+        try:
+            shard = self._where[name]
+        except KeyError as exc:
+            raise CheckpointError(f"{self.directory} has no tensor {name}.") from exc
+        return shard.get(name)
+
+    def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """``(name, array)`` pairs, one tensor at a time, in file order."""
+        for name in self.tensors:
+            yield name, self.get(name)
+
+    __iter__ = iter_tensors
+
+    @property
+    def files(self) -> list[Path]:
+        return [s.path for s in self._shards]
+
+    def close(self) -> None:
+        for shard in self._shards:
+            shard.close()
+
+
+def open_checkpoint(directory: Path | str) -> Checkpoint:
+    """Open a checkpoint directory: config.json, layout, every shard's header (no tensor data)."""
+    directory = Path(directory)
+    config = read_hf_config(directory)
+    layout, files, weight_map = _shard_names(directory)
+    shards: list[ShardFile] = []
+    for fname in files:
+        path = directory / fname
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path} is listed in {layout.index} but missing.",
+                "Download the missing shard (the index names every file the checkpoint needs).",
+            )
+        shards.append(layout.opener(path))
+    ckpt = Checkpoint(directory, config, shards)
+    for name, fname in (weight_map or {}).items():
+        info = ckpt.tensors.get(name)
+        if info is None or info.file.name != fname:
+            raise CheckpointError(
+                f"{layout.index} places tensor {name} in {fname}, but that file does not hold it.",
+                "The index and the shards do not match: download the checkpoint again.",
+            )
+    log.debug("opened %s: %d tensors in %d file(s)", directory, len(ckpt.tensors), len(shards))
+    return ckpt

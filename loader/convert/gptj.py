@@ -1,0 +1,206 @@
+"""GPT-J (``model_type: gptj``): Hugging Face tensor names -> FasterTransformer files.
+
+Only the mapping lives here (FT_FORMAT.md section 1.3); the split rules are the shared helpers
+of :mod:`loader.convert.layout`. :class:`GptJArchitecture` is also the base of CodeGen, which
+differs only in where Q, K and V come from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loader.errors import CheckpointError
+from loader.parallel import Parallelism
+from loader.reference.config import FTConfig
+
+from .layout import (
+    OutputFile,
+    RowsOf,
+    column_parallel_weight,
+    fused_qkv,
+    replicated,
+    row_parallel_weight,
+    split_vector,
+)
+from .registry import register
+
+#: Activations FasterTransformer's GPT-J computes (GELU, tanh approximation).
+SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+
+#: Non-persistent buffers some checkpoints carry; they are not weights.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attn.causal_mask")
+
+
+def _int(hf: dict[str, Any], key: str) -> int | None:
+    """An integer of config.json, ``None`` when absent or null."""
+    value = hf.get(key)
+    if isinstance(value, list):  # eos_token_id may be a list; FT takes one id
+        value = value[0] if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"config.json {key!r} must be a whole number, got {value!r}.")
+    return value
+
+
+def _required(hf: dict[str, Any], key: str) -> int:
+    """A positive integer config.json must have."""
+    value = _int(hf, key)
+    if not value:
+        raise CheckpointError(
+            f"config.json lacks a positive {key!r} (got {hf.get(key)!r}); the converter needs it.",
+            "Use the checkpoint's original config.json.",
+        )
+    return value
+
+
+class GptJArchitecture:
+    """Maps a GPT-J checkpoint onto the FT GPT-J layout."""
+
+    model_type = "gptj"
+
+    # -- hyper-parameters ------------------------------------------------------------------
+
+    def ft_config(
+        self,
+        hf: dict[str, Any],
+        *,
+        parallelism: Parallelism,
+        weight_data_type: str,
+        model_name: str,
+    ) -> FTConfig:
+        """The ``[gptj]`` hyper-parameters; checks divisibility by T and P."""
+        hidden = _required(hf, "n_embd")
+        heads = _required(hf, "n_head")
+        layers = _required(hf, "n_layer")
+        vocab = _required(hf, "vocab_size")
+        if hidden % heads:
+            raise CheckpointError(
+                f"config.json n_embd {hidden} is not divisible by n_head {heads}."
+            )
+        inter = _int(hf, "n_inner") or 4 * hidden
+        head_dim = hidden // heads
+        rotary = _int(hf, "rotary_dim") or head_dim
+        activation = hf.get("activation_function", "gelu_new")
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise CheckpointError(
+                f"config.json activation_function {activation!r} is not computed by "
+                f"FasterTransformer's GPT-J (it uses {SUPPORTED_ACTIVATIONS[0]}).",
+                "Only GPT-J/CodeGen checkpoints with a tanh-approximated GELU can be served.",
+            )
+        parallelism.split(heads, "n_head (attention heads)")
+        parallelism.split(inter, "inter_size (n_inner)")
+        parallelism.check_layers(layers)
+        eos = _int(hf, "eos_token_id")
+        bos = _int(hf, "bos_token_id")
+        end_id = eos if eos is not None else (bos if bos is not None else 0)
+        start_id = bos if bos is not None else end_id
+        return FTConfig(
+            head_num=heads,
+            size_per_head=head_dim,
+            inter_size=inter,
+            num_layer=layers,
+            rotary_embedding=min(rotary, head_dim),
+            vocab_size=vocab,
+            start_id=start_id,
+            end_id=end_id,
+            layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tensor_para_size=parallelism.tp,
+            weight_data_type=weight_data_type,
+            model_name=model_name,
+            max_pos_seq_len=_int(hf, "n_positions") or 2048,
+        )
+
+    # -- source tensors --------------------------------------------------------------------
+
+    def attention_sources(self, layer: int, cfg: FTConfig) -> dict[str, tuple[int, ...]]:
+        h = cfg.hidden_size
+        p = f"transformer.h.{layer}.attn."
+        return {
+            p + "q_proj.weight": (h, h),
+            p + "k_proj.weight": (h, h),
+            p + "v_proj.weight": (h, h),
+        }
+
+    def qkv(self, layer: int, cfg: FTConfig) -> tuple[RowsOf, RowsOf, RowsOf]:
+        p = f"transformer.h.{layer}.attn."
+        return RowsOf(p + "q_proj.weight"), RowsOf(p + "k_proj.weight"), RowsOf(p + "v_proj.weight")
+
+    def expected_tensors(self, cfg: FTConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its shape."""
+        h, inter, vocab = cfg.hidden_size, cfg.inter_size, cfg.vocab_size
+        expected: dict[str, tuple[int, ...]] = {
+            "transformer.wte.weight": (vocab, h),
+            "transformer.ln_f.weight": (h,),
+            "transformer.ln_f.bias": (h,),
+            "lm_head.weight": (vocab, h),
+            "lm_head.bias": (vocab,),
+        }
+        for layer in range(cfg.num_layer):
+            p = f"transformer.h.{layer}."
+            expected.update(
+                {
+                    p + "ln_1.weight": (h,),
+                    p + "ln_1.bias": (h,),
+                    **self.attention_sources(layer, cfg),
+                    p + "attn.out_proj.weight": (h, h),
+                    p + "mlp.fc_in.weight": (inter, h),
+                    p + "mlp.fc_in.bias": (inter,),
+                    p + "mlp.fc_out.weight": (h, inter),
+                    p + "mlp.fc_out.bias": (h,),
+                }
+            )
+        return expected
+
+    def is_ignored(self, name: str) -> bool:
+        """Tensors a checkpoint may carry that are not weights (causal-mask buffers)."""
+        return name.endswith(IGNORED_SUFFIXES)
+
+    # -- output files ----------------------------------------------------------------------
+
+    def outputs(self, cfg: FTConfig, *, tp: int) -> list[OutputFile]:
+        """Every FT file, in the order they are written (source order, layer by layer)."""
+        h, inter, vocab = cfg.hidden_size, cfg.inter_size, cfg.vocab_size
+        files = [
+            replicated("model.wte", "transformer.wte.weight", (vocab, h)),
+        ]
+        for layer in range(cfg.num_layer):
+            src, dst = f"transformer.h.{layer}.", f"model.layers.{layer}."
+            files += [
+                replicated(dst + "input_layernorm.weight", src + "ln_1.weight", (h,)),
+                replicated(dst + "input_layernorm.bias", src + "ln_1.bias", (h,)),
+            ]
+            q, k, v = self.qkv(layer, cfg)
+            for r in range(tp):
+                files += [
+                    fused_qkv(
+                        dst + "attention.query_key_value.weight", q, k, v, h, tp=tp, rank=r
+                    ),
+                    row_parallel_weight(
+                        dst + "attention.dense.weight", src + "attn.out_proj.weight", h, h,
+                        tp=tp, rank=r,
+                    ),
+                    column_parallel_weight(
+                        dst + "mlp.dense_h_to_4h.weight", src + "mlp.fc_in.weight", inter, h,
+                        tp=tp, rank=r,
+                    ),
+                    split_vector(
+                        dst + "mlp.dense_h_to_4h.bias", src + "mlp.fc_in.bias", inter,
+                        tp=tp, rank=r,
+                    ),
+                    row_parallel_weight(
+                        dst + "mlp.dense_4h_to_h.weight", src + "mlp.fc_out.weight", h, inter,
+                        tp=tp, rank=r,
+                    ),
+                ]  # fmt: skip
+            files.append(replicated(dst + "mlp.dense_4h_to_h.bias", src + "mlp.fc_out.bias", (h,)))
+        files += [
+            replicated("model.final_layernorm.weight", "transformer.ln_f.weight", (h,)),
+            replicated("model.final_layernorm.bias", "transformer.ln_f.bias", (h,)),
+            replicated("model.lm_head.weight", "lm_head.weight", (vocab, h)),
+            replicated("model.lm_head.bias", "lm_head.bias", (vocab,)),
+        ]
+        return files
+
+
+register("gptj")(GptJArchitecture)

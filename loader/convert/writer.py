@@ -1,0 +1,174 @@
+"""The shard writer: every output file written once, in bounded chunks, into a temp directory
+that is renamed into place only when everything succeeded.
+
+* :func:`atomic_directory` creates ``.<name>.partial-<pid>-<random>`` beside the final directory,
+  yields it, and renames it to the final name at the end; on any failure (or interrupt) it is
+  removed, so Triton can never load a half-written ``<T>-gpu``. A run killed with SIGKILL leaves
+  its ``.partial`` directory (never a ``<T>-gpu``); the next run names it in a warning.
+* :func:`write_outputs` writes :class:`~loader.convert.layout.OutputFile` s with a small thread
+  pool (the transposes, casts and writes release the GIL). Each job holds at most one chunk
+  buffer (``chunk_bytes``) plus, for CodeGen's row selections, one gathered block, so the
+  anonymous memory in flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
+  the source tensors are memory-mapped views, not copies.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from loader.checkpoint import Checkpoint
+from loader.errors import InsufficientDiskSpaceError, OutputExistsError
+from loader.progress import Progress
+
+from .dtypes import cast_into
+from .layout import OutputFile
+
+log = logging.getLogger(__name__)
+
+#: Output bytes produced per step of one file.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+
+
+class _Stopped(Exception):
+    """Another job failed or the run was interrupted; stop writing."""
+
+
+def _leftovers(parent: Path, name: str) -> list[Path]:
+    return sorted(parent.glob(f".{name}.partial-*")) + sorted(parent.glob(f".{name}.old-*"))
+
+
+@contextmanager
+def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds."""
+    parent = final.parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in _leftovers(parent, final.name):
+        log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = parent / f".{final.name}.partial-{token}"
+    tmp.mkdir(mode=0o755)
+    try:
+        yield tmp
+        if final.exists():
+            if not overwrite:
+                raise OutputExistsError(f"{final} already exists.")
+            old = parent / f".{final.name}.old-{token}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in created:  # innermost first; only the directories this run created
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _write_all(fh, data: np.ndarray) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = fh.write(view)
+        view = view[written:]
+
+
+def write_file(
+    out: OutputFile,
+    ckpt: Checkpoint,
+    directory: Path,
+    *,
+    dtype: np.dtype,
+    progress: Progress,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    stop: threading.Event | None = None,
+) -> int:
+    """Write one output file in row chunks; returns the bytes written."""
+    tensors = {name: ckpt.get(name) for name in out.sources}
+    source_dtypes = [ckpt.tensors[p.source].dtype for p in out.parts]
+    row_bytes = max(out.row_elements * dtype.itemsize, 1)
+    step = max(1, chunk_bytes // row_bytes)
+    written = 0
+    with open(directory / out.name, "wb", buffering=0) as fh:
+        for start in range(0, out.rows, step):
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            stop_row = min(out.rows, start + step)
+            blocks = out.blocks(tensors, start, stop_row)
+            direct = blocks[0]
+            if (
+                len(blocks) == 1
+                and direct.dtype == dtype
+                and source_dtypes[0] != "bf16"
+                and direct.flags.c_contiguous
+            ):
+                data = direct  # a view of the memory-mapped source: no copy at all
+            else:
+                data = np.empty((stop_row - start, out.row_elements), dtype)
+                col = 0
+                for block, src_dtype in zip(blocks, source_dtypes, strict=True):
+                    width = block.shape[1]
+                    cast_into(data[:, col : col + width], block, source_dtype=src_dtype)
+                    col += width
+            _write_all(fh, data)
+            written += data.nbytes
+            progress.update(data.nbytes)
+            del data, blocks, direct
+    return written
+
+
+def write_outputs(
+    outputs: Sequence[OutputFile],
+    ckpt: Checkpoint,
+    directory: Path,
+    *,
+    dtype: np.dtype,
+    progress: Progress,
+    workers: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> int:
+    """Write every output file (``workers`` at a time, in order); returns the bytes written."""
+    stop = threading.Event()
+    total = 0
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+            futures = [
+                pool.submit(
+                    write_file, out, ckpt, directory, dtype=dtype, progress=progress,
+                    chunk_bytes=chunk_bytes, stop=stop,
+                )
+                for out in outputs
+            ]  # fmt: skip
+            try:
+                wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:
+                stop.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    stop.set()
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise future.exception()  # type: ignore[misc]
+            total = sum(f.result() for f in futures)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise InsufficientDiskSpaceError(
+                f"The disk holding {directory.parent} ran out of space while converting."
+            ) from exc
+        raise
+    return total
