@@ -1,0 +1,57 @@
+"""`model-loader serve`: run the real tritonserver on this machine's CPU for a published repository."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a published repository with the real tritonserver (CPU)",
+        description="Serve REPOSITORY (the directory `model-loader run` printed) with the "
+        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM.",
+    )
+    p.add_argument("repository", type=Path, metavar="REPOSITORY")
+    p.add_argument("--http-port", type=int, help="HTTP port (default: a free one)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default: a free one)")
+    p.add_argument("--metrics-port", type=int, help="metrics port (default: a free one)")
+    p.add_argument(
+        "--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness"
+    )
+    p.add_argument("--triton-verbose", action="store_true", help="Triton's verbose log")
+    p.set_defaults(func=run)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    from loader.serving import TritonServer
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    server = TritonServer(
+        args.repository,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        startup_timeout=args.startup_timeout,
+        log_verbose=1 if args.triton_verbose else 0,
+    )
+    with server:
+        print(f"HTTP    http://{server.http_url}", flush=True)
+        print(f"gRPC    {server.grpc_url}", flush=True)
+        print(f"metrics {server.metrics_url}", flush=True)
+        print(f"log     {server.log_path}", flush=True)
+        print("serving; press Ctrl-C to stop", flush=True)
+        assert server.process is not None
+        code = server.process.wait()
+        print(f"tritonserver exited by itself (code {code}):\n{server.log_tail()}", file=sys.stderr)
+        return 1
