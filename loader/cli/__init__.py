@@ -26,6 +26,8 @@ log = logging.getLogger("loader")
 COMMANDS: tuple[str, ...] = (
     "loader.cli.convert",
     "loader.cli.fetch",
+    "loader.cli.run",
+    "loader.cli.plan",
     "loader.cli.serve",
 )
 

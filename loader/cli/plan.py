@@ -1,0 +1,146 @@
+"""`model-loader plan`: GPUs per replica, replicas per node and GPU memory, as a table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loader.errors import LoaderError, SourceError
+from loader.parallel import Parallelism
+from loader.plan import MODEL_PRESETS, ModelShape, Topology, format_table, plan_row
+
+#: Explicit model numbers: option -> ModelShape field.
+_SHAPE_OPTIONS = {
+    "n_embd": "hidden size",
+    "n_layer": "layers",
+    "n_head": "attention heads",
+    "vocab_size": "vocabulary size",
+    "n_inner": "MLP width (default 4 x n_embd)",
+    "n_positions": "maximum sequence length of the model",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="show how a model fits a GPU node: placement and GPU memory per GPU",
+        description="Evaluate tensor-parallel sizes and instance counts against FasterTransformer's "
+        "placement rules and a GPU's memory, and print one row per candidate.",
+    )
+    model = p.add_argument_group("model (one of --source, --model or the explicit numbers)")
+    model.add_argument("--source", help="checkpoint directory or file:// URI with config.json")
+    model.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a known model's shape")
+    for field, text in _SHAPE_OPTIONS.items():
+        model.add_argument(f"--{field.replace('_', '-')}", type=int, dest=field, help=text)
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="T",
+        help="tensor-parallel sizes to evaluate (default: 1 2 4 8 up to the node)",
+    )
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size P")
+    p.add_argument(
+        "--instance-count",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="I",
+        help="FT instances per replica to evaluate",
+    )
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs of one node")
+    p.add_argument(
+        "--replicas-per-node",
+        type=int,
+        default=None,
+        help="Triton replicas per node (default: as many as fit)",
+    )
+    p.add_argument(
+        "--gpus-per-replica", type=int, default=None, help="GPUs one replica sees (default: T x P)"
+    )
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU")
+    p.add_argument(
+        "--dtype",
+        choices=("fp16", "fp32"),
+        default=None,
+        help="weight dtype (default: config.json's, fp16 for --model)",
+    )
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="tokens per sequence the KV cache holds (default: the model's n_positions)",
+    )
+    p.set_defaults(func=main)
+
+
+def _shape(args: argparse.Namespace) -> tuple[ModelShape, str, str]:
+    """The model's shape, its dtype and a description of where it came from."""
+    explicit = {f: getattr(args, f) for f in _SHAPE_OPTIONS if getattr(args, f) is not None}
+    chosen = [bool(args.source), bool(args.model), bool(explicit)]
+    if sum(chosen) != 1:
+        raise LoaderError(
+            "Give the model exactly one way.",
+            "Pass --source PATH (a checkpoint with config.json), --model NAME, or --n-embd "
+            "--n-layer --n-head --vocab-size [--n-inner] [--n-positions].",
+        )
+    if args.model:
+        return MODEL_PRESETS[args.model], "fp16", f"preset {args.model}"
+    if explicit:
+        config = dict(explicit)
+        config.setdefault("n_positions", 2048)
+        return ModelShape.from_hf_config(config), "fp16", "the numbers given"
+    from loader.sources import parse_uri
+
+    uri = parse_uri(args.source)
+    if uri.scheme != "file":
+        raise SourceError(
+            f"`plan` reads config.json from local checkpoints only, not {uri.scheme}://.",
+            "Download the checkpoint's config.json and pass --source with its directory, "
+            "or pass --model / the model's numbers.",
+        )
+    from loader.checkpoint import read_hf_config
+
+    config = read_hf_config(Path(uri.location))
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    dtype = {"float16": "fp16", "bfloat16": "fp16"}.get(dtype, "fp32")
+    return ModelShape.from_hf_config(config), dtype, str(uri.location)
+
+
+def main(args: argparse.Namespace) -> int:
+    shape, source_dtype, origin = _shape(args)
+    dtype = args.dtype or source_dtype
+    node = args.gpus_per_node
+    tps = args.tp_size or [t for t in (1, 2, 4, 8, 16) if t * args.pp_size <= node]
+    rows = []
+    for tp in tps:
+        for count in args.instance_count:
+            par = Parallelism(tp, args.pp_size, count)
+            per_replica = args.gpus_per_replica or par.gpus_per_instance
+            replicas = args.replicas_per_node or max(node // per_replica, 1)
+            rows.append(
+                plan_row(
+                    shape,
+                    par,
+                    Topology(per_replica, replicas, node),
+                    dtype=dtype,
+                    max_batch_size=args.max_batch_size,
+                    gpu_memory_gib=args.gpu_memory_gib,
+                    max_seq_len=args.max_sequence_length,
+                )
+            )
+    seq = args.max_sequence_length or shape.n_positions
+    print(
+        f"model: {origin}: {shape.parameters() / 1e9:.2f}B parameters "
+        f"(n_embd {shape.n_embd}, n_layer {shape.n_layer}, n_head {shape.n_head}, "
+        f"vocab {shape.vocab_size}, n_inner {shape.n_inner}); weights {dtype}; "
+        f"working memory for batch {args.max_batch_size} x {seq} tokens per instance"
+    )
+    print(
+        f"node: {node} GPUs" + (f" of {args.gpu_memory_gib:g} GiB" if args.gpu_memory_gib else "")
+    )
+    print()
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,135 @@
+"""`model-loader run`: fetch, convert, write and publish one Triton model repository.
+
+The published directory's absolute path is the LAST line of standard output (scripts and the
+chart's Job read it); logs go to standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loader.parallel import Parallelism
+from loader.pipeline import RunRequest, run
+from loader.repository.key import BACKENDS, ServingSettings
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="fetch, convert and publish a model repository for Triton",
+        description="Fetch a checkpoint, convert it for the tensor-parallel size, write a Triton "
+        "model repository (ensemble, pre/post-processing, fastertransformer) and publish it "
+        "atomically as ROOT/<key>. Prints the published path as the last line.",
+    )
+    p.add_argument("--source", required=True, help="checkpoint URI: path, file://, gs://, hf://")
+    p.add_argument(
+        "--repository",
+        required=True,
+        type=Path,
+        metavar="ROOT",
+        help="repository root (the shared volume, e.g. /models)",
+    )
+    p.add_argument("--model-name", required=True, help="Triton model name clients call")
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="revision for the key (default: the URI's @rev, else a hash of the URI)",
+    )
+    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel size T")
+    p.add_argument("--pp-size", type=int, required=True, help="pipeline-parallel size P")
+    p.add_argument("--instance-count", type=int, required=True, help="FT instances I")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="fastertransformer",
+        help="fastertransformer (GPUs) or python (the CPU reference model)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp16", "fp32"),
+        default=None,
+        help="weight file dtype (default: the source's)",
+    )
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--preferred-batch-size", type=int, nargs="+", default=[], metavar="N")
+    p.add_argument("--max-queue-delay-us", type=int, default=100)
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="decoupled fastertransformer model (streaming responses over gRPC)",
+    )
+    p.add_argument(
+        "--gpus-per-replica",
+        type=int,
+        default=None,
+        help="GPUs one Triton replica sees (default: T x P)",
+    )
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="GPU memory per GPU; refuse a configuration that cannot fit",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="publish a fresh copy even if the key is already published",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where remote checkpoints are downloaded (default: ROOT/.work/<key>)",
+    )
+    p.add_argument("--workers", type=int, default=None, help="parallel workers")
+    p.add_argument(
+        "--no-verify-checksums",
+        dest="verify_checksums",
+        action="store_false",
+        help="check an existing repository's file sizes only, not their sha256",
+    )
+    p.add_argument(
+        "--lock-expiry-s",
+        type=float,
+        default=120.0,
+        help="a publish lock without heartbeat for this long is taken over",
+    )
+    p.add_argument(
+        "--lock-timeout-s",
+        type=float,
+        default=6 * 3600.0,
+        help="give up waiting for another loader after this long",
+    )
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    request = RunRequest(
+        source=args.source,
+        repository=args.repository,
+        model_name=args.model_name,
+        parallelism=Parallelism(args.tp_size, args.pp_size, args.instance_count),
+        settings=ServingSettings(
+            backend=args.backend,
+            dtype=args.dtype or "auto",
+            max_batch_size=args.max_batch_size,
+            dynamic_batching=args.dynamic_batching,
+            preferred_batch_sizes=tuple(args.preferred_batch_size),
+            max_queue_delay_us=args.max_queue_delay_us,
+            streaming=args.streaming,
+        ),
+        revision=args.revision,
+        gpus_per_replica=args.gpus_per_replica,
+        gpu_memory_gib=args.gpu_memory_gib,
+        force=args.force,
+        work_dir=args.work_dir,
+        workers=args.workers,
+        verify_checksums=args.verify_checksums,
+        lock_expiry_s=args.lock_expiry_s,
+        lock_timeout_s=args.lock_timeout_s,
+    )
+    result = run(request)
+    print(result.path, flush=True)
+    return 0

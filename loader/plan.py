@@ -1,0 +1,334 @@
+"""Cluster topology x model size -> FasterTransformer placement and GPU-memory plan.
+
+Two jobs, used by ``model-loader run`` (before anything is written) and ``model-loader plan``:
+
+* :func:`check_placement`: the FasterTransformer backend's rules (FT_FORMAT.md 3.4) and the
+  chart's node rule. A Triton replica sees ``G`` GPUs (``--gpus-per-replica``, default T x P);
+  FT needs ``G`` divisible by T x P and ``G <= T x P x I`` (every visible GPU gets an instance),
+  ``n_layer`` divisible by P, and the replicas of a node must fit its GPUs (N x G <= node GPUs).
+* :func:`estimate_memory`: bytes per GPU: the FT weights of one rank (loaded once per GPU and
+  shared by the instances placed on it) plus, per instance placed on the GPU, its working
+  memory: the KV cache for ``max_batch_size`` x ``max_seq_len`` and the context-phase buffers,
+  plus a fixed runtime overhead (CUDA context, cuBLAS workspace, NCCL buffers).
+
+The estimate follows FT's GPT-J allocation (``GptJWeight``, ``ParallelGpt`` buffers): weights
+per rank = layers of its pipeline stage split T ways + the embedding, final norm and lm_head
+(vocabulary padded to a multiple of 8 per rank) on every GPU; KV cache = 2 x layers/P x batch x
+seq x hidden/T elements. It is an estimate for capacity planning, not a guarantee: keep
+headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loader.errors import CheckpointError, ParallelismError, PlacementError
+from loader.parallel import Parallelism
+
+GIB = 2**30
+#: Per-GPU memory the runtime takes besides weights and buffers (CUDA context, cuBLAS
+#: workspace, NCCL buffers). An estimate measured to be between 0.5 and 1 GiB on A100s.
+RUNTIME_OVERHEAD_BYTES = 1 * GIB
+#: A plan with less free memory than this share of the GPU is reported as tight.
+TIGHT_HEADROOM_SHARE = 0.10
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a GPT-J/CodeGen model that size its memory."""
+
+    n_embd: int
+    n_layer: int
+    n_head: int
+    vocab_size: int
+    n_inner: int
+    n_positions: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> ModelShape:
+        """From a Hugging Face ``config.json`` (GPT-J / CodeGen keys)."""
+
+        def pick(*names: str) -> int | None:
+            for name in names:
+                if config.get(name) is not None:
+                    return int(config[name])
+            return None
+
+        values = {
+            "n_embd": pick("n_embd", "hidden_size"),
+            "n_layer": pick("n_layer", "num_hidden_layers"),
+            "n_head": pick("n_head", "num_attention_heads"),
+            "vocab_size": pick("vocab_size"),
+            "n_positions": pick("n_positions", "max_position_embeddings", "n_ctx"),
+        }
+        missing = [k for k, v in values.items() if v is None]
+        if missing:
+            raise CheckpointError(
+                f"config.json lacks {', '.join(missing)}, needed to size the model.",
+                "Use a complete GPT-J/CodeGen config.json, or pass the model's numbers to "
+                "`model-loader plan` explicitly.",
+            )
+        n_inner = pick("n_inner") or 4 * values["n_embd"]
+        return cls(n_inner=n_inner, **values)  # type: ignore[arg-type]
+
+    @property
+    def size_per_head(self) -> int:
+        return self.n_embd // self.n_head
+
+    def parameters(self) -> int:
+        """Parameters of the whole model (as the Hugging Face checkpoint holds them)."""
+        h, inner, v = self.n_embd, self.n_inner, self.vocab_size
+        layer = 2 * h + 4 * h * h + 2 * h * inner + inner + h
+        return self.n_layer * layer + 2 * v * h + v + 2 * h
+
+
+#: Shapes of models we serve, for planning without a checkpoint at hand (fauxpilot's shipped
+#: CodeGen configurations and GPT-J-6B; FT_FORMAT.md section 2).
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "codegen-350m": ModelShape(1024, 20, 16, 51200, 4096, 2048),
+    "codegen-2b": ModelShape(2560, 32, 32, 51200, 10240, 2048),
+    "codegen-6b": ModelShape(4096, 33, 16, 51200, 16384, 2048),
+    "codegen-16b": ModelShape(6144, 34, 24, 51200, 24576, 2048),
+    "gpt-j-6b": ModelShape(4096, 28, 16, 50400, 16384, 2048),
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where replicas run: GPUs each replica sees, replicas per node, GPUs per node."""
+
+    gpus_per_replica: int
+    replicas_per_node: int = 1
+    gpus_per_node: int | None = None
+
+
+def check_placement(
+    parallelism: Parallelism,
+    topology: Topology,
+    *,
+    n_layer: int | None = None,
+) -> None:
+    """Raise :class:`PlacementError` naming the number to change if FT cannot place this."""
+    tp, pp, count = parallelism.tp, parallelism.pp, parallelism.instance_count
+    group = parallelism.gpus_per_instance
+    gpus = topology.gpus_per_replica
+    if gpus < 1:
+        raise PlacementError(
+            f"--gpus-per-replica must be at least 1, got {gpus}.",
+            f"Pass --gpus-per-replica {group} (tensor-parallel x pipeline-parallel size).",
+        )
+    if gpus % group:
+        raise PlacementError(
+            f"A replica sees {gpus} GPUs, not a multiple of tensor-parallel x pipeline-parallel "
+            f"= {tp} x {pp} = {group}; FasterTransformer needs whole GPU groups.",
+            f"Change --gpus-per-replica to a multiple of {group} (e.g. {group}), "
+            "or change --tp-size/--pp-size.",
+        )
+    if group * count < gpus:
+        needed = gpus // group
+        raise PlacementError(
+            f"{count} instance(s) of {group} GPU(s) cover {group * count} of the {gpus} GPUs a "
+            "replica sees; FasterTransformer needs every visible GPU used.",
+            f"Raise --instance-count to {needed}, or lower --gpus-per-replica to {group * count}.",
+        )
+    if n_layer is not None and n_layer % pp:
+        divisors = [d for d in range(1, n_layer + 1) if n_layer % d == 0][:8]
+        raise PlacementError(
+            f"n_layer ({n_layer}) is not divisible by the pipeline-parallel size {pp}.",
+            f"Change --pp-size to a divisor of {n_layer} (e.g. {', '.join(map(str, divisors))}).",
+        )
+    node = topology.gpus_per_node
+    if node is not None:
+        if topology.replicas_per_node < 1:
+            raise PlacementError(
+                f"--replicas-per-node must be at least 1, got {topology.replicas_per_node}.",
+                "Pass --replicas-per-node 1 or more.",
+            )
+        if topology.replicas_per_node * gpus > node:
+            fit = node // gpus
+            raise PlacementError(
+                f"{topology.replicas_per_node} replica(s) x {gpus} GPUs need "
+                f"{topology.replicas_per_node * gpus} GPUs, but a node has {node}.",
+                f"Lower --replicas-per-node to {fit}"
+                + (" or lower --tp-size." if fit else ", lower --tp-size, or use larger nodes."),
+            )
+
+
+def _padded_vocab(vocab: int, tp: int) -> int:
+    local = math.ceil(vocab / tp)
+    return math.ceil(local / 8) * 8 * tp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU of one replica (the busiest GPU)."""
+
+    weights: int
+    working_per_instance: int
+    instances_per_gpu: int
+    overhead: int
+
+    @property
+    def working(self) -> int:
+        return self.working_per_instance * self.instances_per_gpu
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.working + self.overhead
+
+
+def estimate_memory(
+    shape: ModelShape,
+    parallelism: Parallelism,
+    *,
+    dtype: str,
+    max_batch_size: int,
+    gpus_per_replica: int | None = None,
+    max_seq_len: int | None = None,
+) -> MemoryEstimate:
+    """Weights and working memory per GPU for FT GPT-J (see the module docstring)."""
+    if dtype not in DTYPE_BYTES:
+        raise PlacementError(
+            f"Cannot size weights of dtype {dtype!r}.",
+            f"Use one of: {', '.join(DTYPE_BYTES)}.",
+        )
+    size = DTYPE_BYTES[dtype]
+    tp, pp = parallelism.tp, parallelism.pp
+    h, inner, heads = shape.n_embd, shape.n_inner, shape.n_head
+    layers = math.ceil(shape.n_layer / pp)
+    vocab = _padded_vocab(shape.vocab_size, tp)
+    per_layer = 2 * h + (4 * h * h + 2 * h * inner + inner) // tp + h
+    weights = (layers * per_layer + 2 * vocab * h + vocab + 2 * h) * size
+
+    batch = max_batch_size
+    seq = max_seq_len or shape.n_positions
+    kv_cache = 2 * layers * batch * seq * (h // tp) * size
+    # Context phase: hidden states in/out, fused QKV, FFN intermediate, attention scores.
+    context = batch * seq * (2 * h + 3 * h // tp + inner // tp) * size
+    scores = batch * math.ceil(heads / tp) * seq * seq * size
+    logits = 2 * batch * vocab * 4  # fp32 logits and their softmax
+    working = kv_cache + context + scores + logits
+
+    gpus = gpus_per_replica or parallelism.gpus_per_instance
+    per_gpu = math.ceil(parallelism.instance_count * parallelism.gpus_per_instance / gpus)
+    return MemoryEstimate(weights, working, per_gpu, RUNTIME_OVERHEAD_BYTES)
+
+
+def check_memory(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
+    """Raise :class:`PlacementError` if the estimate exceeds the GPU's memory."""
+    capacity = gpu_memory_gib * GIB
+    if estimate.total <= capacity:
+        return
+    raise PlacementError(
+        f"Each GPU needs about {estimate.total / GIB:.1f} GiB (weights "
+        f"{estimate.weights / GIB:.1f} GiB + {estimate.instances_per_gpu} instance(s) x "
+        f"{estimate.working_per_instance / GIB:.1f} GiB working memory + "
+        f"{estimate.overhead / GIB:.1f} GiB runtime), more than its {gpu_memory_gib:g} GiB.",
+        "Raise --tp-size (fewer weights per GPU), lower --max-batch-size or --instance-count "
+        "(less working memory), or use GPUs with more memory; `model-loader plan` shows options.",
+    )
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate configuration and its verdict."""
+
+    parallelism: Parallelism
+    topology: Topology
+    estimate: MemoryEstimate | None
+    gpu_memory_gib: float | None
+    verdict: str
+    problem: str = ""
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        if self.estimate is None or self.gpu_memory_gib is None:
+            return None
+        return int(self.gpu_memory_gib * GIB) - self.estimate.total
+
+
+def plan_row(
+    shape: ModelShape,
+    parallelism: Parallelism,
+    topology: Topology,
+    *,
+    dtype: str,
+    max_batch_size: int,
+    gpu_memory_gib: float | None,
+    max_seq_len: int | None = None,
+) -> PlanRow:
+    """Evaluate one configuration: placement rules first, then memory."""
+    try:
+        check_placement(parallelism, topology, n_layer=shape.n_layer)
+        parallelism.split(shape.n_head, "the attention head count")
+        parallelism.split(shape.n_inner, "the MLP width (n_inner)")
+    except ParallelismError as exc:
+        problem = f"{exc.message} {exc.remediation}"
+        return PlanRow(parallelism, topology, None, gpu_memory_gib, "invalid", problem)
+    estimate = estimate_memory(
+        shape,
+        parallelism,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        gpus_per_replica=topology.gpus_per_replica,
+        max_seq_len=max_seq_len,
+    )
+    if gpu_memory_gib is None:
+        return PlanRow(parallelism, topology, estimate, None, "unchecked")
+    headroom = gpu_memory_gib * GIB - estimate.total
+    if headroom < 0:
+        verdict = "does not fit"
+    elif headroom < TIGHT_HEADROOM_SHARE * gpu_memory_gib * GIB:
+        verdict = "tight"
+    else:
+        verdict = "fits"
+    return PlanRow(parallelism, topology, estimate, gpu_memory_gib, verdict)
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def format_table(rows: list[PlanRow]) -> str:
+    """An aligned text table of plan rows (one line per candidate)."""
+    header = (
+        "TP",
+        "PP",
+        "INST",
+        "GPUS/REPLICA",
+        "REPLICAS/NODE",
+        "WEIGHTS/GPU GiB",
+        "WORKING/GPU GiB",
+        "TOTAL/GPU GiB",
+        "GPU GiB",
+        "HEADROOM GiB",
+        "VERDICT",
+    )
+    lines = [header]
+    for row in rows:
+        est = row.estimate
+        verdict = row.verdict + (f": {row.problem}" if row.problem else "")
+        lines.append(
+            (
+                str(row.parallelism.tp),
+                str(row.parallelism.pp),
+                str(row.parallelism.instance_count),
+                str(row.topology.gpus_per_replica),
+                str(row.topology.replicas_per_node),
+                _gib(est.weights if est else None),
+                _gib(est.working if est else None),
+                _gib(est.total if est else None),
+                "-" if row.gpu_memory_gib is None else f"{row.gpu_memory_gib:g}",
+                _gib(row.headroom_bytes),
+                verdict,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    out = []
+    for line in lines:
+        cells = [cell.rjust(width) for cell, width in zip(line[:-1], widths, strict=True)]
+        out.append("  ".join([*cells, line[-1]]).rstrip())
+    return "\n".join(out)

@@ -1,0 +1,90 @@
+"""Write a Triton model repository's model directories into a staging directory.
+
+::
+
+    <staging>/
+      <NAME>/config.pbtxt, 1/                 the ensemble (version directory empty)
+      preprocessing/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
+      fastertransformer/config.pbtxt, 1/<T>-gpu/*   (+ 1/model.py, 1/loader/ with --backend python)
+      postprocessing/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
+
+The ``<T>-gpu`` weights are converted straight into ``fastertransformer/1/`` by the pipeline
+(written once); this module writes everything else. A model whose config names the Python
+backend gets its files from :mod:`loader.repository.models`; the tokenising models get the
+checkpoint's own tokenizer files.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from loader.errors import CheckpointError
+from loader.repository.config import (
+    FASTERTRANSFORMER,
+    POSTPROCESSING,
+    PREPROCESSING,
+    RepositorySpec,
+    build_all,
+    write_config,
+)
+from loader.repository.models import install_python_model
+
+log = logging.getLogger(__name__)
+
+VERSION = "1"
+TOKENIZER_DIR = "tokenizer"
+#: Tokenizer files copied when the checkpoint has them.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+#: Models that tokenise or detokenise and so need the tokenizer files.
+TOKENIZING_MODELS: tuple[str, ...] = (PREPROCESSING, POSTPROCESSING)
+
+
+def weights_dir(staging: Path) -> Path:
+    """Where the converter writes ``<T>-gpu/`` inside a staging repository."""
+    return Path(staging) / FASTERTRANSFORMER / VERSION
+
+
+def tokenizer_files(checkpoint_dir: Path) -> list[Path]:
+    """The checkpoint's tokenizer files; a :class:`CheckpointError` if it has no tokenizer."""
+    checkpoint_dir = Path(checkpoint_dir)
+    present = [checkpoint_dir / n for n in TOKENIZER_FILES if (checkpoint_dir / n).is_file()]
+    names = {p.name for p in present}
+    if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:
+        raise CheckpointError(
+            f"{checkpoint_dir} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); "
+            "the preprocessing and postprocessing models need it.",
+            "Add the model's tokenizer files to the checkpoint (as save_pretrained writes them), "
+            "then run the loader again.",
+        )
+    return present
+
+
+def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) -> list[Path]:
+    """Write every model directory (configs last) into ``staging``; returns the written files."""
+    staging = Path(staging)
+    written: list[Path] = []
+    configs = build_all(spec)
+    for name, config in configs.items():
+        model_dir = staging / name
+        (model_dir / VERSION).mkdir(parents=True, exist_ok=True)
+        if config.backend == "python":
+            written += install_python_model(name, model_dir)
+        if name in TOKENIZING_MODELS:
+            target = model_dir / VERSION / TOKENIZER_DIR
+            target.mkdir(parents=True, exist_ok=True)
+            for source in tokenizer:
+                shutil.copyfile(source, target / source.name)
+                written.append(target / source.name)
+    for name, config in configs.items():
+        written.append(write_config(config, staging / name))
+    log.info("wrote %d model directories into %s", len(configs), staging)
+    return written

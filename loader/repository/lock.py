@@ -1,0 +1,250 @@
+"""The publish lock: one loader works on a model key, the others wait.
+
+A lock is the file ``ROOT/.locks/<key as one file name>.lock``, created with ``O_CREAT |
+O_EXCL`` (atomic on local filesystems and NFSv3+), holding JSON with the holder's pid, host,
+a random token and a heartbeat counter/time. While held, a heartbeat thread rewrites the file
+through the holder's own open descriptor every ``heartbeat_s`` seconds.
+
+A waiter polls. It takes over a lock that is *stale*:
+
+* the holder runs on this host and its pid no longer exists (a killed loader, at once), or
+* the lock's content has not changed for ``expiry_s`` seconds of the waiter's own clock (a
+  holder on another node that died; comparing against the waiter's clock avoids trusting
+  clocks of other machines).
+
+Take-over renames the stale file to a unique name (atomic: only one waiter wins), checks that
+what it moved is the stale lock it judged, and then competes for ``O_EXCL`` creation like any
+other waiter. A holder whose file was taken over notices (its descriptor no longer names the
+lock path) and :meth:`PublishLock.check_held` raises, so it never publishes without the lock.
+Publishing is safe even then: the final rename never replaces a complete repository.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+from loader.errors import LockTimeoutError, PublishError
+from loader.repository.key import key_filename
+
+log = logging.getLogger(__name__)
+
+LOCKS_DIR = ".locks"
+
+
+def lock_path(root: Path, key: str) -> Path:
+    return Path(root) / LOCKS_DIR / f"{key_filename(key)}.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PublishLock:
+    """Exclusive lock on one model key under ``root``; use as a context manager."""
+
+    def __init__(
+        self,
+        root: Path,
+        key: str,
+        *,
+        expiry_s: float = 120.0,
+        heartbeat_s: float | None = None,
+        timeout_s: float = 6 * 3600.0,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.path = lock_path(root, key)
+        self.key = key
+        self.expiry_s = expiry_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else max(expiry_s / 4, 0.05)
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.token = secrets.token_hex(8)
+        self.host = socket.gethostname()
+        self._fd: int | None = None
+        self._beats = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lost = False
+        self.waited_s = 0.0
+
+    # -- content --------------------------------------------------------------------------
+
+    def _content(self) -> bytes:
+        record = {
+            "key": self.key,
+            "pid": os.getpid(),
+            "host": self.host,
+            "token": self.token,
+            "beats": self._beats,
+            "heartbeat_at": time.time(),
+        }
+        return json.dumps(record).encode()
+
+    def _write(self) -> None:
+        assert self._fd is not None
+        data = self._content()
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
+        os.fsync(self._fd)
+
+    # -- acquire / release ----------------------------------------------------------------
+
+    def acquire(self) -> PublishLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        seen: bytes | None = None
+        seen_since = start
+        announced = False
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            except FileExistsError:
+                pass
+            else:
+                self._fd = fd
+                self._write()
+                self.waited_s = time.monotonic() - start
+                self._start_heartbeat()
+                log.info("holding publish lock %s", self.path)
+                return self
+            now = time.monotonic()
+            content = self._read()
+            if content != seen:
+                seen, seen_since = content, now
+            if content is not None and self._is_stale(content, unchanged_s=now - seen_since):
+                self._take_over(content)
+                continue
+            if not announced:
+                log.info("another loader holds %s (%s); waiting", self.path, _describe(content))
+                announced = True
+            if now - start > self.timeout_s:
+                raise LockTimeoutError(
+                    f"Waited {self.timeout_s:.0f} s for the publish lock {self.path} held by "
+                    f"{_describe(content)}."
+                )
+            time.sleep(self.poll_s)
+
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
+        record = _parse(content)
+        local = record and record.get("host") == self.host and isinstance(record.get("pid"), int)
+        if local and not _pid_alive(record["pid"]):
+            log.warning(
+                "publish lock %s belongs to pid %s, which is gone", self.path, record["pid"]
+            )
+            return True
+        if unchanged_s >= self.expiry_s:
+            log.warning(
+                "publish lock %s has had no heartbeat for %.0f s; taking it over",
+                self.path,
+                unchanged_s,
+            )
+            return True
+        return False
+
+    def _take_over(self, stale: bytes) -> None:
+        moved = self.path.with_name(f"{self.path.name}.stale-{self.token}")
+        try:
+            os.rename(self.path, moved)
+        except FileNotFoundError:
+            return  # someone else removed it first
+        if moved.read_bytes() != stale:
+            # We moved a lock that changed since we judged it: put it back unless a new one
+            # exists already (its holder then notices the loss and stops).
+            with contextlib.suppress(FileExistsError):
+                os.link(moved, self.path)
+        moved.unlink(missing_ok=True)
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._beat, name="publish-lock-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            if not self.held():
+                self._lost = True
+                log.error("publish lock %s was taken over by another loader", self.path)
+                return
+            self._beats += 1
+            try:
+                self._write()
+            except OSError as exc:  # keep beating; a transient NFS error must not kill us
+                log.warning("could not refresh publish lock %s: %s", self.path, exc)
+
+    def held(self) -> bool:
+        """Whether our descriptor still names the lock file at its path."""
+        if self._fd is None:
+            return False
+        try:
+            ours, current = os.fstat(self._fd), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (ours.st_dev, ours.st_ino) == (current.st_dev, current.st_ino)
+
+    def check_held(self) -> None:
+        """Raise :class:`PublishError` if the lock was lost (taken over as stale)."""
+        if self._lost or not self.held():
+            raise PublishError(
+                f"The publish lock {self.path} was taken over by another loader (this one was "
+                "presumed dead); nothing was published by this run.",
+                "Raise the lock expiry (--lock-expiry-s) if loaders stall longer than it, "
+                "then run the loader again.",
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._fd is None:
+            return
+        if self.held():
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+        log.debug("released publish lock %s", self.path)
+
+    def __enter__(self) -> PublishLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _parse(content: bytes | None) -> dict | None:
+    if not content:
+        return None
+    try:
+        record = json.loads(content)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _describe(content: bytes | None) -> str:
+    record = _parse(content)
+    if not record:
+        return "an unknown loader"
+    return f"pid {record.get('pid')} on {record.get('host')}"

@@ -1,0 +1,147 @@
+"""``manifest.json`` (every file of a repository: path, size, sha256) and the ``.ready`` marker.
+
+A published repository is complete when ``.ready`` exists and every file the manifest lists is
+present with its size and sha256, and no other file is. ``.ready`` is written last, after the
+manifest, and both are fsynced, so a reader that sees ``.ready`` sees a complete repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from loader.progress import byte_progress
+
+MANIFEST = "manifest.json"
+READY = ".ready"
+FORMAT_VERSION = 1
+_CHUNK = 8 * 2**20
+
+
+def _files(root: Path) -> list[str]:
+    """Every regular file under ``root`` as a sorted POSIX relative path (manifest and marker
+    excluded)."""
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            rel = path.relative_to(root).as_posix()
+            if rel not in (MANIFEST, READY):
+                found.append(rel)
+    return sorted(found)
+
+
+def _sha256(path: Path, progress) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            progress.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _hash_all(root: Path, rels: Iterable[str], what: str, workers: int | None) -> dict[str, str]:
+    rels = list(rels)
+    total = sum((root / rel).stat().st_size for rel in rels)
+    with (
+        byte_progress(what, total) as progress,
+        ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
+    ):
+        digests = pool.map(lambda rel: _sha256(root / rel, progress), rels)
+        return dict(zip(rels, digests, strict=True))
+
+
+def build_manifest(root: Path, meta: dict, *, workers: int | None = None) -> dict:
+    """Hash every file under ``root``; ``meta`` (key, source, settings...) is stored alongside."""
+    root = Path(root)
+    rels = _files(root)
+    digests = _hash_all(root, rels, "hashing repository", workers)
+    files = [
+        {"path": rel, "size": (root / rel).stat().st_size, "sha256": digests[rel]} for rel in rels
+    ]
+    return {
+        "format": FORMAT_VERSION,
+        **meta,
+        "files": files,
+        "total_bytes": sum(f["size"] for f in files),
+    }
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(root: Path, manifest: dict) -> Path:
+    path = Path(root) / MANIFEST
+    _write_synced(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    return path
+
+
+def write_ready(root: Path, key: str) -> Path:
+    """Write ``.ready`` (last) and fsync the directory so both markers are durable."""
+    path = Path(root) / READY
+    _write_synced(path, f"{key}\n".encode())
+    fsync_dir(Path(root))
+    return path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(root: Path) -> dict | None:
+    try:
+        data = json.loads((Path(root) / MANIFEST).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("files"), list) else None
+
+
+def verify(
+    root: Path, *, key: str | None = None, checksums: bool = True, workers: int | None = None
+) -> list[str]:
+    """Problems that make ``root`` not a complete published repository (empty list: complete).
+
+    Checks ``.ready``, the manifest (and that it names ``key``), every listed file's presence
+    and size, no unlisted files, and with ``checksums`` every file's sha256.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return [f"{root} does not exist"]
+    problems = []
+    if not (root / READY).is_file():
+        problems.append(f"{READY} is missing")
+    manifest = read_manifest(root)
+    if manifest is None:
+        return [*problems, f"{MANIFEST} is missing or unreadable"]
+    if key is not None and manifest.get("key") != key:
+        problems.append(f"{MANIFEST} names key {manifest.get('key')!r}, expected {key!r}")
+    listed = {entry["path"]: entry for entry in manifest["files"]}
+    present = set(_files(root))
+    problems += [f"missing file {rel}" for rel in sorted(set(listed) - present)]
+    problems += [f"unexpected file {rel}" for rel in sorted(present - set(listed))]
+    sized = []
+    for rel in sorted(set(listed) & present):
+        size = (root / rel).stat().st_size
+        if size != listed[rel]["size"]:
+            problems.append(f"{rel} has {size} bytes, manifest says {listed[rel]['size']}")
+        else:
+            sized.append(rel)
+    if checksums and not problems:
+        digests = _hash_all(root, sized, "verifying repository", workers)
+        problems += [
+            f"{rel} sha256 differs from the manifest"
+            for rel in sized
+            if digests[rel] != listed[rel]["sha256"]
+        ]
+    return problems

@@ -1,0 +1,109 @@
+"""The publish lock: one holder at a time across processes; stale locks expire."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from loader.errors import LockTimeoutError, PublishError
+from loader.repository.lock import PublishLock, lock_path
+
+KEY = "m@r/tp1-pp1-i1-abcdef01"
+
+#: A child process that takes the lock, records when it held it, and releases it.
+_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from loader.repository.lock import PublishLock
+    root, key, log, hold = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
+    with PublishLock(root, key, expiry_s=5, heartbeat_s=0.1, poll_s=0.05) as lock:
+        start = time.time()
+        time.sleep(hold)
+        with open(log, "a") as f:
+            f.write(f"{start} {time.time()}\\n")
+    """
+)
+
+
+def _holder(root: Path, log: Path, hold: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _HOLDER, str(root), KEY, str(log), str(hold)])
+
+
+def test_two_concurrent_processes_hold_the_lock_one_after_the_other(tmp_path: Path):
+    log = tmp_path / "held.log"
+    procs = [_holder(tmp_path, log, 0.6) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(spans) == 2
+    (_, end_first), (start_second, _) = spans
+    assert start_second >= end_first  # never both at once
+    assert not lock_path(tmp_path, KEY).exists()
+
+
+def test_a_waiter_takes_over_at_once_when_the_holder_pid_on_this_host_is_gone(tmp_path: Path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    record = {"pid": dead.pid, "host": os.uname().nodename, "token": "x", "beats": 3}
+    path.write_text(json.dumps(record))
+    started = time.monotonic()
+    with PublishLock(tmp_path, KEY, expiry_s=30, poll_s=0.05) as lock:
+        assert lock.held()
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert time.monotonic() - started < 5
+
+
+def test_a_lock_of_another_host_expires_when_its_heartbeat_stops(tmp_path: Path):
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"pid": 1, "host": "other-node", "token": "y", "beats": 7}))
+    started = time.monotonic()
+    with PublishLock(tmp_path, KEY, expiry_s=0.5, poll_s=0.05):
+        waited = time.monotonic() - started
+    assert 0.5 <= waited < 5
+
+
+def test_a_lock_with_a_live_heartbeat_is_not_taken_over(tmp_path: Path):
+    holder = PublishLock(tmp_path, KEY, expiry_s=0.4, heartbeat_s=0.05).acquire()
+    try:
+        waiter = PublishLock(tmp_path, KEY, expiry_s=0.4, timeout_s=1.2, poll_s=0.05)
+        with pytest.raises(LockTimeoutError) as info:
+            waiter.acquire()
+        assert "pid" in info.value.message
+        assert holder.held()
+        holder.check_held()
+    finally:
+        holder.release()
+    assert not lock_path(tmp_path, KEY).exists()
+
+
+def test_a_holder_whose_lock_was_taken_over_knows_it_and_refuses_to_publish(tmp_path: Path):
+    holder = PublishLock(tmp_path, KEY, expiry_s=60, heartbeat_s=0.05).acquire()
+    try:
+        path = lock_path(tmp_path, KEY)
+        os.rename(path, tmp_path / "moved")  # what a waiter does with a lock it judged stale
+        path.write_text(json.dumps({"pid": 1, "host": "other-node", "token": "z"}))
+        assert not holder.held()
+        with pytest.raises(PublishError, match="taken over"):
+            holder.check_held()
+    finally:
+        holder.release()
+    # Releasing a lost lock leaves the new holder's file alone.
+    assert json.loads(lock_path(tmp_path, KEY).read_text())["token"] == "z"
+
+
+def test_heartbeat_rewrites_the_lock_file(tmp_path: Path):
+    with PublishLock(tmp_path, KEY, expiry_s=60, heartbeat_s=0.05):
+        first = json.loads(lock_path(tmp_path, KEY).read_text())["beats"]
+        time.sleep(0.4)
+        later = json.loads(lock_path(tmp_path, KEY).read_text())["beats"]
+    assert later > first
