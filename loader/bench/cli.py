@@ -1,0 +1,185 @@
+"""``scripts/bench``: perf_analyzer sweeps printed as our production benchmark tables.
+
+Three modes, one per flag:
+
+* ``--url HOST:PORT --model NAME``: sweep one served model;
+* ``--compare TARGET ...``: sweep several model repositories (each served in turn by the local
+  CPU Triton) or endpoints, print one table each and the best under ``--max-p95-ms``;
+* ``--serving-experiment``: the experiment behind ``make bench-serving``
+  (:mod:`loader.bench.experiment`).
+
+Tables go to stdout as levels are measured; logs go to stderr. Every mode writes
+``tables.txt``, ``results.csv``, ``throughput_vs_p95_latency.png`` and ``summary.txt`` into
+``--output-dir``. Arguments after ``--`` are passed to perf_analyzer unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from loader.bench.arguments import TablePrinter, add_measurement_arguments, options_from_args
+from loader.bench.compare import Target, compare, parse_target
+from loader.bench.endpoint import parse_endpoint
+from loader.bench.report import summary_text, write_report
+from loader.bench.results import Sweep
+from loader.bench.sweep import parse_concurrency_range, sweep
+from loader.cli import configure_logging
+from loader.errors import LoaderError
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench",
+        description="Measure Triton throughput and p95 latency with perf_analyzer over a range "
+        "of concurrency levels; print the tables, write CSV and a PNG plot.",
+        epilog="Arguments after `--` go to perf_analyzer unchanged. Examples:\n"
+        "  scripts/bench --url 127.0.0.1:8001 --protocol grpc --model codegen\n"
+        "  scripts/bench --compare i1=/models/a i2=/models/b --max-p95-ms 500\n"
+        "  scripts/bench --serving-experiment --output-dir bench/results",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--url", help="sweep the model served at this endpoint (host:port)")
+    mode.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="TARGET",
+        help="sweep each [LABEL=]DIR (a model repository, served by the local CPU Triton) or "
+        "[LABEL=]HOST:PORT (an endpoint) in turn",
+    )
+    mode.add_argument(
+        "--serving-experiment",
+        action="store_true",
+        help="instance count 1/2 x dynamic batching off/on on a small model, local CPU Triton",
+    )
+    parser.add_argument("--model", help="model to measure (default: a repository's ensemble)")
+    parser.add_argument("--label", help="name of the configuration in --url mode")
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="where tables.txt, results.csv, the PNG and summary.txt go "
+        "(default bench/work/<UTC time>)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="LABEL",
+        help="configuration the summary compares the best one against",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("bench/work"),
+        help="scratch space of --serving-experiment (default bench/work)",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    add_measurement_arguments(parser)
+    return parser
+
+
+def _split_extra(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+    argv = list(argv)
+    if "--" in argv:
+        index = argv.index("--")
+        return argv[:index], tuple(argv[index + 1 :])
+    return argv, ()
+
+
+def _output_dir(args: argparse.Namespace) -> Path:
+    if args.output_dir is not None:
+        return Path(args.output_dir)
+    return Path("bench/work") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def run_url(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
+    if not args.model:
+        raise LoaderError("--url needs --model", "Pass --model NAME (e.g. the ensemble, codegen).")
+    endpoint = parse_endpoint(args.url, protocol=args.protocol)
+    options = options_from_args(args, extra_args=extra)
+    concurrencies = parse_concurrency_range(args.concurrency_range)
+    printer = TablePrinter()
+    label = args.label or args.model
+    printer.start(Target(label=label, endpoint=endpoint))
+    result = sweep(
+        endpoint,
+        args.model,
+        concurrencies,
+        options=options,
+        label=label,
+        perf_analyzer=args.perf_analyzer,
+        on_measurement=lambda m: printer.measurement(None, m),
+    )
+    return [result], {"endpoint": str(endpoint), "model": args.model}
+
+
+def run_compare(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
+    targets = [parse_target(t, protocol=args.protocol) for t in args.compare]
+    options = options_from_args(args, extra_args=extra)
+    printer = TablePrinter()
+    sweeps = compare(
+        targets,
+        concurrencies=parse_concurrency_range(args.concurrency_range),
+        options=options,
+        model=args.model,
+        protocol=args.protocol or "http",
+        perf_analyzer=args.perf_analyzer,
+        on_start=printer.start,
+        on_measurement=printer.measurement,
+    )
+    return sweeps, {}
+
+
+def run_experiment(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
+    from loader.bench import experiment
+
+    return experiment.run_from_args(args, extra)
+
+
+#: Mode flag (its argparse ``dest``) -> the function that runs it.
+MODES: dict[str, Callable[[argparse.Namespace, tuple[str, ...]], tuple[list[Sweep], dict]]] = {
+    "url": run_url,
+    "compare": run_compare,
+    "serving_experiment": run_experiment,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, extra = _split_extra(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
+    configure_logging(args.verbose, args.quiet)
+    try:
+        mode = next(name for name in MODES if getattr(args, name))
+        sweeps, notes = MODES[mode](args, extra)
+        baseline = args.baseline or notes.pop("baseline", None)
+        print()
+        print(summary_text(sweeps, max_p95_ms=args.max_p95_ms, baseline=baseline), end="")
+        paths = write_report(
+            sweeps,
+            _output_dir(args),
+            max_p95_ms=args.max_p95_ms,
+            baseline=baseline,
+            title=notes.pop("title", "Throughput vs. client p95 latency"),
+            notes=notes,
+        )
+        for kind, path in paths.items():
+            print(f"{kind}: {path}")
+    except LoaderError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"hint: {exc.remediation}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        log.exception("unexpected failure (this is a bug; please report it with the log above)")
+        return 1
+    return 0

@@ -1,0 +1,159 @@
+"""Sweep several configurations one after the other and compare them.
+
+A :class:`Target` is either a model repository on disk, served in turn by the local CPU Triton
+(:class:`loader.serving.TritonServer`, stopped before the next one starts so they never compete
+for the CPU), or an endpoint that already serves the model (a cluster's Service). On the command
+line a target is ``[LABEL=]PATH`` or ``[LABEL=][http|grpc://]HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from loader.bench import variants
+from loader.bench.endpoint import Endpoint, parse_endpoint
+from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer
+from loader.bench.results import Measurement, Sweep
+from loader.bench.sweep import sweep
+from loader.errors import LoaderError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    repository: Path | None = None
+    endpoint: Endpoint | None = None
+    settings: Mapping[str, object] = field(default_factory=dict)
+
+
+def parse_target(text: str, *, protocol: str | None = None) -> Target:
+    """``[LABEL=]PATH`` (a model repository) or ``[LABEL=][scheme://]HOST:PORT`` (an endpoint)."""
+    label, sep, rest = text.partition("=")
+    if not sep:
+        label, rest = "", text
+    path = Path(rest).expanduser()
+    if path.is_dir():
+        return Target(label=label or path.name, repository=path.resolve())
+    try:
+        endpoint = parse_endpoint(rest, protocol=protocol)
+    except LoaderError as exc:
+        raise LoaderError(
+            f"--compare target {text!r} is neither a directory nor an endpoint",
+            "Pass model repositories (directories) or endpoints (host:port), "
+            "optionally as LABEL=TARGET.",
+        ) from exc
+    return Target(label=label or endpoint.address, endpoint=endpoint)
+
+
+def _server_factory(repository: Path, log_path: Path | None):
+    from loader.serving import TritonServer
+
+    return TritonServer(repository, log_path=log_path)
+
+
+def compare(
+    targets: Sequence[Target],
+    *,
+    concurrencies: list[int],
+    options: PerfAnalyzerOptions,
+    model: str | None = None,
+    protocol: str = "http",
+    perf_analyzer: str | Path | None = None,
+    log_dir: Path | None = None,
+    on_start: Callable[[Target], None] | None = None,
+    on_measurement: Callable[[Target, Measurement], None] | None = None,
+    server_factory: Callable[[Path, Path | None], object] = _server_factory,
+) -> list[Sweep]:
+    """One sweep per target, in order."""
+    labels = [t.label for t in targets]
+    duplicates = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicates:
+        raise LoaderError(
+            f"two targets share the label(s) {', '.join(duplicates)}",
+            "Name them apart with LABEL=TARGET.",
+        )
+    find_perf_analyzer(perf_analyzer)  # fail before starting any server
+    targets = [_with_settings(t) for t in targets]
+    sweeps = []
+    for target in targets:
+        if on_start is not None:
+            on_start(target)
+        report = None if on_measurement is None else (lambda m, t=target: on_measurement(t, m))
+        if target.repository is not None:
+            sweeps.append(
+                _sweep_repository(
+                    target,
+                    concurrencies=concurrencies,
+                    options=options,
+                    model=model,
+                    protocol=protocol,
+                    perf_analyzer=perf_analyzer,
+                    log_dir=log_dir,
+                    on_measurement=report,
+                    server_factory=server_factory,
+                )
+            )
+        elif target.endpoint is not None:
+            if model is None:
+                raise LoaderError(
+                    f"which model should be measured at {target.endpoint}?",
+                    "Pass --model NAME (the ensemble's name, e.g. codegen).",
+                )
+            sweeps.append(
+                sweep(
+                    target.endpoint,
+                    model,
+                    concurrencies,
+                    options=options,
+                    label=target.label,
+                    settings=target.settings,
+                    perf_analyzer=perf_analyzer,
+                    on_measurement=report,
+                )
+            )
+    return sweeps
+
+
+def _with_settings(target: Target) -> Target:
+    """A repository target described by its own configs unless settings were given."""
+    if target.repository is None or target.settings:
+        return target
+    return replace(target, settings=variants.describe(variants.read_configs(target.repository)))
+
+
+def _sweep_repository(
+    target: Target,
+    *,
+    concurrencies: list[int],
+    options: PerfAnalyzerOptions,
+    model: str | None,
+    protocol: str,
+    perf_analyzer: str | Path | None,
+    log_dir: Path | None,
+    on_measurement: Callable[[Measurement], None] | None,
+    server_factory: Callable[[Path, Path | None], object],
+) -> Sweep:
+    repository = Path(target.repository or "")
+    name = model or variants.ensemble_name(variants.read_configs(repository))
+    log_path = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"tritonserver-{target.label}.log"
+    log.info("%s: serving %s with the local Triton", target.label, repository)
+    with server_factory(repository, log_path) as server:
+        address = server.grpc_url if protocol == "grpc" else server.http_url
+        return sweep(
+            Endpoint(address=address, protocol=protocol),
+            name,
+            concurrencies,
+            options=options,
+            label=target.label,
+            settings=target.settings,
+            perf_analyzer=perf_analyzer,
+            on_measurement=on_measurement,
+        )

@@ -1,0 +1,254 @@
+"""Run the real ``perf_analyzer`` for one concurrency level and turn its failures into typed errors.
+
+perf_analyzer stops a ``--concurrency-range`` at the first level it cannot measure stably, so a
+sweep runs it once per level (:mod:`loader.bench.sweep`): an unstable level is reported and the
+sweep goes on. Every run uses ``--percentile=95`` (latencies and stabilisation on the client's
+p95, as in our production tables) and ``-f`` to get the CSV.
+
+The binary is looked up as: an explicit path, then ``perf_analyzer`` on ``PATH``, then the
+project's ``.tools/bin/perf_analyzer`` (``scripts/tools/install-perf-analyzer.sh``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loader.bench.endpoint import Endpoint
+from loader.bench.results import Measurement, parse_csv
+from loader.errors import (
+    EndpointError,
+    LoaderError,
+    MeasurementError,
+    ModelNotFoundError,
+    ToolMissingError,
+)
+
+log = logging.getLogger(__name__)
+
+#: The project's own install location of the wrapper.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_PERF_ANALYZER = PROJECT_ROOT / ".tools" / "bin" / "perf_analyzer"
+INSTALL_COMMAND = "TOOLS_DIR=$PWD/.tools scripts/tools/install-perf-analyzer.sh"
+
+#: Lines of perf_analyzer's output quoted in an error.
+OUTPUT_TAIL_LINES = 15
+
+
+def find_perf_analyzer(
+    explicit: str | Path | None = None, *, project_binary: Path = PROJECT_PERF_ANALYZER
+) -> Path:
+    """The perf_analyzer to run; :class:`ToolMissingError` with the install command if none."""
+    remediation = (
+        f"Run `make install` (or `{INSTALL_COMMAND}` in the project), or pass --perf-analyzer PATH."
+    )
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_file() and path.stat().st_mode & 0o111:
+            return path
+        raise ToolMissingError(f"perf_analyzer not found at {path}", remediation)
+    on_path = shutil.which("perf_analyzer")
+    if on_path:
+        return Path(on_path)
+    if project_binary.is_file():
+        return project_binary
+    raise ToolMissingError(
+        f"perf_analyzer is not installed (not on PATH, not at {project_binary})", remediation
+    )
+
+
+@dataclass(frozen=True)
+class PerfAnalyzerOptions:
+    """How perf_analyzer measures; ``None`` keeps perf_analyzer's own default.
+
+    ``measurement_mode`` is ``time_windows`` (windows of ``measurement_interval_ms``) or
+    ``count_windows`` (windows of ``measurement_request_count`` requests). A level is stable
+    when 3 consecutive windows agree within ``stability_percentage``; perf_analyzer gives up
+    after ``max_trials`` windows.
+    """
+
+    input_data: Path | None = None
+    measurement_mode: str | None = None
+    measurement_interval_ms: int | None = None
+    measurement_request_count: int | None = None
+    stability_percentage: float | None = None
+    max_trials: int | None = None
+    streaming: bool = False
+    timeout_s: float = 900.0
+    extra_args: tuple[str, ...] = ()
+
+    def arguments(self) -> list[str]:
+        args: list[str] = []
+        if self.input_data is not None:
+            args.append(f"--input-data={self.input_data}")
+        if self.measurement_mode is not None:
+            args.append(f"--measurement-mode={self.measurement_mode}")
+        if self.measurement_interval_ms is not None:
+            args.append(f"--measurement-interval={self.measurement_interval_ms}")
+        if self.measurement_request_count is not None:
+            args.append(f"--measurement-request-count={self.measurement_request_count}")
+        if self.stability_percentage is not None:
+            args.append(f"--stability-percentage={self.stability_percentage:g}")
+        if self.max_trials is not None:
+            args.append(f"--max-trials={self.max_trials}")
+        if self.streaming:
+            args.append("--streaming")
+        args.extend(self.extra_args)
+        return args
+
+
+def command(
+    binary: Path,
+    endpoint: Endpoint,
+    model: str,
+    concurrency: int,
+    csv_path: Path,
+    options: PerfAnalyzerOptions,
+) -> list[str]:
+    if options.streaming and endpoint.protocol != "grpc":
+        raise LoaderError(
+            "perf_analyzer streams (decoupled models) only over gRPC",
+            "Pass a gRPC endpoint (--url grpc://host:8001) together with --streaming.",
+        )
+    return [
+        str(binary),
+        "-m",
+        model,
+        "-u",
+        endpoint.address,
+        "-i",
+        endpoint.protocol,
+        f"--concurrency-range={concurrency}:{concurrency}",
+        "--percentile=95",
+        "-f",
+        str(csv_path),
+        *options.arguments(),
+    ]
+
+
+# --- what perf_analyzer's output means --------------------------------------------------------
+
+
+def _tail(output: str) -> str:
+    return "\n".join(output.strip().splitlines()[-OUTPUT_TAIL_LINES:])
+
+
+def _unreachable(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    return EndpointError(
+        f"cannot reach Triton at {endpoint} ({endpoint.protocol}): {_tail(output)}",
+        f"Check --url and that the server is up (curl http://<host>:<http port>/v2/health/ready); "
+        f"gRPC is usually port 8001 and HTTP 8000, and --url {endpoint.protocol}://... must match.",
+    )
+
+
+def _unknown_model(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    return ModelNotFoundError(f"Triton at {endpoint} does not serve a model named {model!r}")
+
+
+def _bad_input_data(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    return MeasurementError(
+        f"perf_analyzer rejected the input data for {model!r}: {_tail(output)}",
+        "Give --input-data in perf_analyzer's JSON format with every required input of the "
+        "model (bench/test.json fits the ensemble our loader publishes).",
+    )
+
+
+#: Output pattern -> the typed error it means; the first match wins.
+ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], LoaderError]], ...] = (
+    (
+        re.compile(
+            r"Couldn't connect to server|failed to connect to all addresses|Connection refused"
+            r"|Could not resolve host|Timeout was reached|Deadline Exceeded",
+            re.IGNORECASE,
+        ),
+        _unreachable,
+    ),
+    (re.compile(r"unknown model|is not found|is not ready", re.IGNORECASE), _unknown_model),
+    (
+        re.compile(
+            r"Failed to init manager inputs|missing tensor|input data|Failed to parse",
+            re.IGNORECASE,
+        ),
+        _bad_input_data,
+    ),
+)
+
+_UNSTABLE = re.compile(r"Failed to obtain stable measurement")
+
+
+def error_for(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    """The typed error a failed perf_analyzer run stands for."""
+    for pattern, make in ERROR_PATTERNS:
+        if pattern.search(output):
+            return make(endpoint, model, output)
+    return MeasurementError(f"perf_analyzer failed: {_tail(output)}")
+
+
+def is_unstable(output: str) -> bool:
+    return bool(_UNSTABLE.search(output))
+
+
+# --- one level ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """A level's measurement (``None`` when it never stabilised) and perf_analyzer's output."""
+
+    concurrency: int
+    measurement: Measurement | None
+    output: str
+
+
+def run_process(cmd: Sequence[str], timeout_s: float) -> tuple[int, str]:
+    """Run ``cmd``; its exit code and its stdout and stderr together."""
+    try:
+        done = subprocess.run(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise MeasurementError(
+            f"perf_analyzer did not finish within {timeout_s:.0f} s",
+            "Shorten the measurement (--measurement-interval-ms, --max-trials) or check that "
+            "the server still answers.",
+        ) from exc
+    return done.returncode, done.stdout
+
+
+def measure_level(
+    endpoint: Endpoint,
+    model: str,
+    concurrency: int,
+    *,
+    options: PerfAnalyzerOptions,
+    binary: Path,
+) -> LevelResult:
+    """Measure one concurrency level; raise the typed error of a failure other than instability."""
+    with tempfile.TemporaryDirectory(prefix="perf-analyzer-") as tmp:
+        csv_path = Path(tmp) / "level.csv"
+        cmd = command(binary, endpoint, model, concurrency, csv_path, options)
+        log.debug("running %s", " ".join(cmd))
+        code, output = run_process(cmd, options.timeout_s)
+        if is_unstable(output):
+            return LevelResult(concurrency, None, output)
+        if code != 0:
+            raise error_for(endpoint, model, output)
+        if not csv_path.is_file():
+            raise MeasurementError(f"perf_analyzer wrote no CSV: {_tail(output)}")
+        rows = parse_csv(csv_path.read_text(encoding="utf-8"))
+    found = [m for m in rows if m.concurrency == concurrency]
+    if not found:
+        raise MeasurementError(f"perf_analyzer's CSV has no row for concurrency {concurrency}")
+    return LevelResult(concurrency, found[0], output)

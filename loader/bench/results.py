@@ -1,0 +1,213 @@
+"""Measurements of a perf_analyzer sweep, its CSV and table formats.
+
+A :class:`Measurement` is one concurrency level; a :class:`Sweep` is one configuration measured
+over a range of levels. perf_analyzer writes two forms we read:
+
+* its ``-f out.csv`` file (one row per level, sorted by throughput, not by concurrency), and
+* the table at the end of its stdout, one line per level, in the format our production
+  benchmarks were published in::
+
+      Concurrency: 11, throughput: 10.9983 infer/sec, latency 1029421 usec
+
+  With ``--percentile=95`` the latency is the client's p95. :func:`format_line` prints the same
+  line (numbers in C++'s default stream format, which is Python's ``%g``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from loader.errors import MeasurementError
+
+#: Header of perf_analyzer's table (and of ours).
+TABLE_HEADER = "Inferences/Second vs. Client p95 Batch Latency"
+
+_LINE = re.compile(
+    r"^Concurrency: (?P<concurrency>\d+), throughput: (?P<throughput>[0-9.eE+-]+) infer/sec, "
+    r"latency (?P<latency>\d+) usec$"
+)
+
+#: perf_analyzer CSV column -> Measurement field (latencies and times are microseconds).
+CSV_COLUMNS: dict[str, str] = {
+    "Concurrency": "concurrency",
+    "Inferences/Second": "throughput",
+    "p50 latency": "p50_us",
+    "p90 latency": "p90_us",
+    "p95 latency": "p95_us",
+    "p99 latency": "p99_us",
+    "Server Queue": "server_queue_us",
+    "Server Compute Infer": "server_compute_infer_us",
+}
+_REQUIRED_CSV_COLUMNS = ("Concurrency", "Inferences/Second", "p95 latency")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One concurrency level: throughput in inferences/s, latencies in microseconds."""
+
+    concurrency: int
+    throughput: float
+    p95_us: int
+    p50_us: int | None = None
+    p90_us: int | None = None
+    p99_us: int | None = None
+    server_queue_us: int | None = None
+    server_compute_infer_us: int | None = None
+
+    @property
+    def p95_ms(self) -> float:
+        return self.p95_us / 1000.0
+
+
+@dataclass
+class Sweep:
+    """One configuration measured at several concurrency levels.
+
+    ``settings`` describe the configuration (instance count, batching, ...) for reports;
+    ``unstable`` lists the levels perf_analyzer could not measure stably.
+    """
+
+    label: str
+    measurements: list[Measurement] = field(default_factory=list)
+    settings: Mapping[str, object] = field(default_factory=dict)
+    unstable: list[int] = field(default_factory=list)
+
+    def sorted(self) -> list[Measurement]:
+        return sorted(self.measurements, key=lambda m: m.concurrency)
+
+    def at(self, concurrency: int) -> Measurement | None:
+        return next((m for m in self.measurements if m.concurrency == concurrency), None)
+
+    def best(self, *, max_p95_ms: float | None = None) -> Measurement | None:
+        """The highest-throughput level whose p95 latency fits the budget (if any)."""
+        fitting = [m for m in self.measurements if max_p95_ms is None or m.p95_ms <= max_p95_ms]
+        return max(fitting, key=lambda m: m.throughput, default=None)
+
+
+def format_number(value: float) -> str:
+    """A float as perf_analyzer prints it (C++ default stream format: 6 significant digits)."""
+    return f"{value:g}"
+
+
+def format_line(m: Measurement) -> str:
+    return (
+        f"Concurrency: {m.concurrency}, throughput: {format_number(m.throughput)} infer/sec, "
+        f"latency {m.p95_us} usec"
+    )
+
+
+def format_table(sweep: Sweep, *, header: bool = True) -> str:
+    """The seed's table: an optional header line, then one line per level, by concurrency."""
+    lines = [TABLE_HEADER] if header else []
+    lines.extend(format_line(m) for m in sweep.sorted())
+    return "\n".join(lines) + "\n"
+
+
+def parse_table(text: str) -> list[Measurement]:
+    """Measurements from table lines (perf_analyzer's stdout or our own tables); others ignored."""
+    out = []
+    for raw in text.splitlines():
+        match = _LINE.match(raw.strip())
+        if match:
+            out.append(
+                Measurement(
+                    concurrency=int(match["concurrency"]),
+                    throughput=float(match["throughput"]),
+                    p95_us=int(match["latency"]),
+                )
+            )
+    return out
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None or value.strip() == "":
+        return None
+    return int(float(value))
+
+
+def parse_csv(text: str, *, source: str = "perf_analyzer CSV") -> list[Measurement]:
+    """Measurements from perf_analyzer's ``-f`` CSV, sorted by concurrency."""
+    reader = csv.DictReader(io.StringIO(text))
+    header = reader.fieldnames or []
+    missing = [c for c in _REQUIRED_CSV_COLUMNS if c not in header]
+    if missing:
+        raise MeasurementError(
+            f"{source} lacks the column(s) {', '.join(missing)} (header: {','.join(header)})",
+            "Run perf_analyzer with --percentile=95 and -f <file>.csv (scripts/bench does).",
+        )
+    out = []
+    for row in reader:
+        if not row.get("Concurrency"):
+            continue
+        values: dict[str, object] = {}
+        for column, name in CSV_COLUMNS.items():
+            if column in row:
+                values[name] = _int_or_none(row[column])
+        values["throughput"] = float(row["Inferences/Second"])
+        out.append(Measurement(**values))  # type: ignore[arg-type]
+    return sorted(out, key=lambda m: m.concurrency)
+
+
+# --- our combined CSV (every configuration, every level) -------------------------------------
+
+#: Columns of the CSV :func:`sweeps_to_csv` writes.
+RESULT_COLUMNS: tuple[str, ...] = (
+    "configuration",
+    "concurrency",
+    "throughput_infer_per_sec",
+    "p50_latency_us",
+    "p90_latency_us",
+    "p95_latency_us",
+    "p99_latency_us",
+    "server_queue_us",
+    "server_compute_infer_us",
+)
+
+
+def sweeps_to_csv(sweeps: Iterable[Sweep]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(RESULT_COLUMNS)
+    for sweep in sweeps:
+        for m in sweep.sorted():
+            writer.writerow(
+                (
+                    sweep.label,
+                    m.concurrency,
+                    format_number(m.throughput),
+                    *("" if v is None else v for v in (m.p50_us, m.p90_us, m.p95_us, m.p99_us)),
+                    "" if m.server_queue_us is None else m.server_queue_us,
+                    "" if m.server_compute_infer_us is None else m.server_compute_infer_us,
+                )
+            )
+    return buffer.getvalue()
+
+
+def sweeps_from_csv(text: str) -> list[Sweep]:
+    """Read back what :func:`sweeps_to_csv` wrote (configurations in first-seen order)."""
+    reader = csv.DictReader(io.StringIO(text))
+    if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
+        raise MeasurementError(
+            f"not a bench results CSV (header: {','.join(reader.fieldnames or [])})",
+            "Pass a results.csv written by scripts/bench.",
+        )
+    sweeps: dict[str, Sweep] = {}
+    for row in reader:
+        sweep = sweeps.setdefault(row["configuration"], Sweep(row["configuration"]))
+        sweep.measurements.append(
+            Measurement(
+                concurrency=int(row["concurrency"]),
+                throughput=float(row["throughput_infer_per_sec"]),
+                p95_us=int(row["p95_latency_us"]),
+                p50_us=_int_or_none(row["p50_latency_us"]),
+                p90_us=_int_or_none(row["p90_latency_us"]),
+                p99_us=_int_or_none(row["p99_latency_us"]),
+                server_queue_us=_int_or_none(row["server_queue_us"]),
+                server_compute_infer_us=_int_or_none(row["server_compute_infer_us"]),
+            )
+        )
+    return list(sweeps.values())

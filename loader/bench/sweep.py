@@ -1,0 +1,88 @@
+"""Sweep one model over a range of concurrency levels with perf_analyzer, one level at a time.
+
+Each level is one perf_analyzer run (:func:`loader.bench.perf_analyzer.measure_level`), so a
+level that never stabilises is reported and skipped instead of ending the sweep. Progress is a
+log line per level; ``on_measurement`` receives each level's result as soon as it is known
+(``scripts/bench`` prints the table line there).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from loader.bench.endpoint import Endpoint
+from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
+from loader.bench.results import Measurement, Sweep
+from loader.errors import LoaderError, MeasurementError
+
+log = logging.getLogger(__name__)
+
+_RANGE = re.compile(r"^(\d+)(?::(\d+)(?::(\d+))?)?$")
+
+
+def parse_concurrency_range(text: str) -> list[int]:
+    """``start:end:step`` (perf_analyzer's form; ``end`` inclusive), ``start:end`` or ``n``."""
+    match = _RANGE.match(text.strip())
+    if not match:
+        raise LoaderError(
+            f"not a concurrency range: {text!r}",
+            "Pass --concurrency-range START:END:STEP, e.g. 1:16:5 (END is included).",
+        )
+    start = int(match[1])
+    end = int(match[2]) if match[2] else start
+    step = int(match[3]) if match[3] else 1
+    if start < 1 or end < start or step < 1:
+        raise LoaderError(
+            f"empty or invalid concurrency range: {text!r}",
+            "START must be at least 1, END at least START, and STEP at least 1.",
+        )
+    return list(range(start, end + 1, step))
+
+
+def sweep(
+    endpoint: Endpoint,
+    model: str,
+    concurrencies: list[int],
+    *,
+    options: PerfAnalyzerOptions,
+    label: str | None = None,
+    settings: Mapping[str, object] | None = None,
+    perf_analyzer: str | Path | None = None,
+    on_measurement: Callable[[Measurement], None] | None = None,
+) -> Sweep:
+    """Measure ``model`` at every level; :class:`MeasurementError` if no level was measurable."""
+    binary = find_perf_analyzer(perf_analyzer)
+    result = Sweep(label=label or model, settings=dict(settings or {}))
+    started = time.monotonic()
+    for index, concurrency in enumerate(concurrencies, start=1):
+        log.info(
+            "%s: concurrency %s (%s/%s), %.0f s so far",
+            result.label,
+            concurrency,
+            index,
+            len(concurrencies),
+            time.monotonic() - started,
+        )
+        level = measure_level(endpoint, model, concurrency, options=options, binary=binary)
+        if level.measurement is None:
+            log.warning(
+                "%s: no stable measurement at concurrency %s; skipped (a longer "
+                "--measurement-interval-ms or larger --stability-percentage helps)",
+                result.label,
+                concurrency,
+            )
+            result.unstable.append(concurrency)
+            continue
+        result.measurements.append(level.measurement)
+        if on_measurement is not None:
+            on_measurement(level.measurement)
+    if not result.measurements:
+        raise MeasurementError(
+            f"{result.label}: perf_analyzer found no stable measurement at any concurrency "
+            f"({', '.join(map(str, concurrencies))})"
+        )
+    return result

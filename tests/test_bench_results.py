@@ -1,0 +1,179 @@
+"""The perf_analyzer parsers, the seed's table format, the CSV and the plot, on recorded output.
+
+tests/data/perf_analyzer/ holds real perf_analyzer 2.41.0 output (stdout and ``-f`` CSV) recorded
+against the CPU Triton, plus the table of Benchmark 6 of our production merge request.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+
+from loader.bench.report import (
+    best_configuration,
+    summary_text,
+    tables_text,
+    throughput_ratio,
+    write_plot,
+    write_report,
+)
+from loader.bench.results import (
+    RESULT_COLUMNS,
+    TABLE_HEADER,
+    Measurement,
+    Sweep,
+    format_line,
+    format_table,
+    parse_csv,
+    parse_table,
+    sweeps_from_csv,
+    sweeps_to_csv,
+)
+from loader.errors import MeasurementError
+from loader.repository.tensors import ENSEMBLE_INPUTS
+
+DATA = Path(__file__).parent / "data" / "perf_analyzer"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def read(name: str) -> str:
+    return (DATA / name).read_text(encoding="utf-8")
+
+
+def recorded_sweep(name: str, label: str) -> Sweep:
+    return Sweep(label, parse_csv(read(f"{name}.csv")))
+
+
+def test_seed_table_lines_round_trip_exactly():
+    text = read("seed_benchmark6_table.txt")
+    measurements = parse_table(text)
+    assert [m.concurrency for m in measurements] == list(range(1, 92, 10))
+    assert measurements[-1].throughput == pytest.approx(73.5408)
+    assert measurements[-1].p95_us == 1271415
+    assert [format_line(m) for m in measurements] == text.splitlines()
+
+
+def test_format_line_prints_throughput_like_perf_analyzer():
+    line = format_line(Measurement(concurrency=11, throughput=10.998312, p95_us=1029421))
+    assert line == "Concurrency: 11, throughput: 10.9983 infer/sec, latency 1029421 usec"
+    assert format_line(Measurement(1, 2.4440, 409490)).endswith(
+        "throughput: 2.444 infer/sec, latency 409490 usec"
+    )
+
+
+@pytest.mark.parametrize(
+    "name", ["http_c1-4", "grpc_c1-7", "grpc_i2_batching_c1-16", "http_unstable_after_c1"]
+)
+def test_csv_and_stdout_table_agree(name):
+    from_csv = parse_csv(read(f"{name}.csv"))
+    from_stdout = parse_table(read(f"{name}_stdout.txt"))
+    assert [m.concurrency for m in from_csv] == [m.concurrency for m in from_stdout]
+    for a, b in zip(from_csv, from_stdout, strict=True):
+        assert a.throughput == pytest.approx(b.throughput)
+        assert a.p95_us == b.p95_us
+        assert a.p50_us <= a.p90_us <= a.p95_us <= a.p99_us
+
+
+def test_csv_rows_are_sorted_by_concurrency_not_throughput():
+    raw = list(csv.DictReader(io.StringIO(read("grpc_c1-7.csv"))))
+    assert [int(r["Concurrency"]) for r in raw] != sorted(int(r["Concurrency"]) for r in raw)
+    assert [m.concurrency for m in parse_csv(read("grpc_c1-7.csv"))] == [1, 3, 5, 7]
+
+
+def test_csv_without_p95_column_is_a_measurement_error():
+    text = "Concurrency,Inferences/Second,p50 latency\n1,10.0,100\n"
+    with pytest.raises(MeasurementError, match="p95 latency"):
+        parse_csv(text)
+
+
+def test_format_table_has_the_seed_header_and_one_line_per_level():
+    sweep = recorded_sweep("grpc_i2_batching_c1-16", "i2")
+    lines = format_table(sweep).splitlines()
+    assert lines[0] == TABLE_HEADER
+    assert lines[1:] == read("grpc_i2_batching_c1-16_stdout.txt").splitlines()[-4:]
+
+
+def test_tables_text_lists_settings_and_unstable_levels():
+    sweep = recorded_sweep("http_unstable_after_c1", "i2-batching-on")
+    sweep.settings = {"instance_group": 2, "dynamic_batching": True, "preferred_batch_size": [4, 8]}
+    sweep.unstable = [6, 11, 16]
+    text = tables_text([sweep])
+    assert text.startswith("Benchmark 1: i2-batching-on\n")
+    assert "• instance_group = 2\n• dynamic_batching = on\n• preferred_batch_size = 4, 8\n" in text
+    assert "Concurrency: 1, throughput: 70.4918 infer/sec, latency 14642 usec\n" in text
+    assert "(no stable measurement at concurrency 6, 11, 16)" in text
+
+
+def test_results_csv_round_trips_every_configuration():
+    sweeps = [recorded_sweep("http_c1-4", "naive"), recorded_sweep("grpc_i2_batching_c1-16", "b")]
+    text = sweeps_to_csv(sweeps)
+    rows = list(csv.reader(io.StringIO(text)))
+    assert tuple(rows[0]) == RESULT_COLUMNS
+    assert len(rows) == 1 + 4 + 4
+    back = sweeps_from_csv(text)
+    assert [s.label for s in back] == ["naive", "b"]
+    assert back[1].measurements == sweeps[1].sorted()
+
+
+def test_best_configuration_respects_the_latency_budget():
+    naive = recorded_sweep("http_c1-4", "naive")
+    batching = recorded_sweep("grpc_i2_batching_c1-16", "batching")
+    best = best_configuration([naive, batching])
+    assert (best.sweep.label, best.measurement.concurrency) == ("batching", 16)
+    within_20ms = best_configuration([naive, batching], max_p95_ms=20)
+    assert (within_20ms.sweep.label, within_20ms.measurement.concurrency) == ("naive", 1)
+    assert best_configuration([naive, batching], max_p95_ms=5) is None
+
+
+def test_summary_reports_the_ratio_to_the_baseline_at_the_highest_common_level():
+    naive = Sweep("i1-batching-off", [Measurement(1, 10.0, 1000), Measurement(8, 10.0, 8000)])
+    batching = Sweep("i1-batching-on", [Measurement(1, 10.0, 1000), Measurement(8, 40.0, 2000)])
+    assert throughput_ratio(batching, naive) == (8, pytest.approx(4.0))
+    text = summary_text([naive, batching], baseline="i1-batching-off")
+    assert "Best configuration (no latency budget): i1-batching-on" in text
+    assert "4.00x the throughput of i1-batching-off at concurrency 8" in text
+
+
+def test_plot_is_a_png_with_one_line_per_configuration(tmp_path):
+    naive = recorded_sweep("http_c1-4", "naive")
+    batching = recorded_sweep("grpc_i2_batching_c1-16", "batching")
+    one = write_plot([naive], tmp_path / "one.png")
+    two = write_plot([naive, batching], tmp_path / "two.png", max_p95_ms=30)
+    assert two.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels_one, pixels_two = mpimg.imread(one), mpimg.imread(two)
+    assert pixels_two.shape[0] > 400 and pixels_two.shape[1] > 600
+    # The second configuration adds a line in matplotlib's second colour (C1, orange).
+    orange = np.array([1.0, 0.498, 0.055])
+
+    def orange_pixels(pixels):
+        return int((np.abs(pixels[..., :3] - orange).sum(axis=-1) < 0.05).sum())
+
+    assert orange_pixels(pixels_one) == 0
+    assert orange_pixels(pixels_two) > 200
+    assert not list(tmp_path.glob(".*"))  # no temporary file left behind
+
+
+def test_write_report_writes_tables_csv_plot_and_summary(tmp_path):
+    sweeps = [recorded_sweep("http_c1-4", "naive"), recorded_sweep("grpc_c1-7", "grpc")]
+    paths = write_report(sweeps, tmp_path / "out", max_p95_ms=40, baseline="naive")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        p.name for p in paths.values()
+    )
+    assert "Benchmark 2: grpc" in paths["tables"].read_text()
+    assert sweeps_from_csv(paths["csv"].read_text())[0].measurements == sweeps[0].sorted()
+    assert "p95 latency <= 40 ms" in paths["summary"].read_text()
+
+
+def test_bench_test_json_is_the_production_request_for_the_ensemble():
+    data = json.loads((ROOT / "bench" / "test.json").read_text())
+    (request,) = data["data"]
+    assert set(request) == {t.name for t in ENSEMBLE_INPUTS}
+    assert request["prompt"] == {"content": ["<python>def is_even(na: int) ->"], "shape": [1]}
+    assert request["request_output_len"] == {"content": [32], "shape": [1]}
+    assert request["random_seed"] == [1594506369]
