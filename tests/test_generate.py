@@ -1,0 +1,263 @@
+"""Generation with FasterTransformer semantics (loader.reference.generate).
+
+The sampling functions are checked on hand-made distributions; generation as a whole runs the
+CPU reference GPT-J on a tiny converted checkpoint and is compared with Hugging Face
+``transformers`` (greedy ids and their log probabilities).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tinymodels import load_hf_model
+
+from loader.convert import convert_checkpoint
+from loader.errors import InvalidRequestError
+from loader.reference import GptJ, load_ft_checkpoint
+from loader.reference.generate import (
+    TOP_K_MAX,
+    BatchGeneration,
+    GenerationRequest,
+    SamplingConfig,
+    apply_repetition_penalty,
+    apply_temperature,
+    generate,
+    sample_tokens,
+)
+
+VOCAB = 320
+PROBS = np.array([[0.5, 0.3, 0.15, 0.05]])
+
+
+def _pick(top_k: int, top_p: float, u: float) -> tuple[int, float, float]:
+    tokens, log_prob, out_log_prob = sample_tokens(
+        PROBS, np.array([top_k]), np.array([top_p]), np.array([u])
+    )
+    return int(tokens[0]), float(log_prob[0]), float(out_log_prob[0])
+
+
+# --- FT's rules and the samplers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "expected"),
+    [
+        (0, 0.0, (1, 1.0)),  # FT: k=0 and p=0 is greedy (k=1)
+        (1, 0.0, (1, 1.0)),
+        (5, 0.0, (5, 1.0)),  # plain top-k: p becomes 1
+        (0, 0.9, (0, 0.9)),  # nucleus sampling
+        (4, 0.5, (4, 0.5)),
+        (5000, 1.5, (TOP_K_MAX, 1.0)),  # clipped like FT's kernels
+    ],
+)
+def test_sampling_config_applies_fts_rules(top_k, top_p, expected):
+    assert SamplingConfig(top_k=top_k, top_p=top_p).effective() == expected
+
+
+@pytest.mark.parametrize("u", [1e-6, 0.3, 0.99, 1.0])
+def test_top_k_1_is_greedy_whatever_the_draw(u):
+    token, log_prob, out_log_prob = _pick(1, 1.0, u)
+    assert token == 0
+    assert log_prob == pytest.approx(np.log(0.5))
+    assert out_log_prob == pytest.approx(0.0)  # conditioned on the top-1 set
+
+
+def test_top_k_walks_the_top_k_mass_scaled_by_the_draw():
+    # k=2: candidates 0.5 and 0.3 (mass 0.8); the threshold is u * 0.8.
+    assert _pick(2, 1.0, 0.6)[0] == 0  # 0.48 <= 0.5
+    token, log_prob, out_log_prob = _pick(2, 1.0, 0.7)  # 0.56 > 0.5
+    assert token == 1
+    assert log_prob == pytest.approx(np.log(0.3))
+    assert out_log_prob == pytest.approx(np.log(0.3) - np.log(0.8))
+    assert {_pick(2, 1.0, u)[0] for u in np.linspace(1e-6, 1.0, 101)} == {0, 1}
+
+
+def test_top_p_restricts_sampling_to_the_nucleus():
+    assert {_pick(0, 0.6, u)[0] for u in np.linspace(1e-6, 1.0, 101)} == {0, 1}
+    assert _pick(0, 0.6, 0.5)[0] == 0  # threshold 0.3
+    token, log_prob, out_log_prob = _pick(0, 0.6, 1.0)  # threshold 0.6
+    assert token == 1
+    assert log_prob == pytest.approx(np.log(0.3)) == out_log_prob
+
+
+def test_top_k_with_top_p_keeps_the_top_p_share_of_the_top_k_mass():
+    # k=3 mass 0.95, p=0.5: the threshold never exceeds 0.475 < 0.5, so token 0 always.
+    assert {_pick(3, 0.5, u)[0] for u in np.linspace(1e-6, 1.0, 101)} == {0}
+
+
+def test_sampled_frequencies_follow_the_renormalised_top_k_distribution():
+    rng = np.random.Generator(np.random.PCG64(7))
+    n = 20000
+    probs = np.repeat(PROBS, n, axis=0)
+    uniform = 1.0 - rng.random(n)
+    tokens, _, _ = sample_tokens(probs, np.full(n, 3), np.ones(n), uniform)
+    freq = np.bincount(tokens, minlength=4) / n
+    np.testing.assert_allclose(freq[:3], PROBS[0, :3] / 0.95, atol=0.015)
+    assert freq[3] == 0
+
+
+def test_temperature_scales_logits_like_ft_and_leaves_t1_rows_alone():
+    logits = np.array([[1.0, -2.0, 0.5], [1.0, -2.0, 0.5]], dtype=np.float32)
+    out = apply_temperature(logits, np.array([0.5, 1.0], dtype=np.float32))
+    np.testing.assert_allclose(out[0], logits[0] / (0.5 + 1e-6), rtol=1e-6)
+    np.testing.assert_array_equal(out[1], logits[1])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = np.array([[2.0, -2.0, 1.0, -1.0]], dtype=np.float32)
+    seen = np.array([[True, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, np.array([2.0], dtype=np.float32))
+    np.testing.assert_allclose(out, [[1.0, -4.0, 1.0, -1.0]])
+    same = apply_repetition_penalty(logits, seen, np.array([1.0], dtype=np.float32))
+    np.testing.assert_array_equal(same, logits)
+
+
+# --- generation with the reference model ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint_with_tokenizer, tmp_path_factory):
+    """The shared tiny GPT-J, its Hugging Face model and the FT reference model for T=1, 2."""
+    root = tmp_path_factory.mktemp("generate")
+    source = tiny_checkpoint_with_tokenizer
+    hf = load_hf_model(source)
+    models = {
+        tp: GptJ(
+            load_ft_checkpoint(convert_checkpoint(source, root / f"ft{tp}", tp_size=tp).output_path)
+        )
+        for tp in (1, 2)
+    }
+    return hf, models
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[np.ndarray, float]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    new = out.sequences[0, len(prompt) :]
+    log_probs = [
+        torch.log_softmax(score[0].float(), dim=-1)[tok].item()
+        for score, tok in zip(out.scores, new, strict=True)
+    ]
+    return out.sequences[0].numpy(), float(sum(log_probs))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_batch_equals_hugging_face_generate(tiny, tp):
+    hf, models = tiny
+    requests = [
+        GenerationRequest(p, 10, end_id=VOCAB - 1, sampling=SamplingConfig(top_k=1))
+        for p in PROMPTS
+    ]
+    results = generate(models[tp], requests, vocab_size=VOCAB)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        expected, cum_log_prob = _hf_greedy(hf, prompt, 10)
+        np.testing.assert_array_equal(result.output_ids[: result.sequence_length], expected)
+        assert result.sequence_length == len(prompt) + 10
+        assert result.cum_log_prob == pytest.approx(cum_log_prob, abs=1e-3)
+        np.testing.assert_allclose(result.output_log_probs, 0.0, atol=1e-6)  # log P(top-1 | top-1)
+
+
+def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
+    _, models = tiny
+    samplers = [
+        SamplingConfig(top_k=1),
+        SamplingConfig(top_k=8, temperature=1.5, random_seed=3),
+        SamplingConfig(top_p=0.9, random_seed=11, repetition_penalty=1.3),
+    ]
+    requests = [
+        GenerationRequest(p, 6 + i, end_id=VOCAB - 1, sampling=s)
+        for i, (p, s) in enumerate(zip(PROMPTS, samplers, strict=True))
+    ]
+    batched = generate(models[2], requests, vocab_size=VOCAB)
+    for request, together in zip(requests, batched, strict=True):
+        alone = generate(models[2], [request], vocab_size=VOCAB)[0]
+        np.testing.assert_array_equal(alone.output_ids, together.output_ids)
+        assert alone.sequence_length == together.sequence_length
+        np.testing.assert_allclose(alone.output_log_probs, together.output_log_probs, atol=1e-5)
+
+
+def test_random_seed_makes_sampling_reproducible_per_request(tiny):
+    _, models = tiny
+
+    def sample(seed: int) -> np.ndarray:
+        sampling = SamplingConfig(top_p=1.0, temperature=2.0, random_seed=seed)
+        request = GenerationRequest(PROMPTS[0], 16, end_id=VOCAB - 1, sampling=sampling)
+        return generate(models[1], [request], vocab_size=VOCAB)[0].generated_ids
+
+    np.testing.assert_array_equal(sample(1594506369), sample(1594506369))
+    assert not np.array_equal(sample(1), sample(2))
+
+
+def test_generation_stops_at_end_id_and_pads_with_it(tiny):
+    _, models = tiny
+    greedy = generate(
+        models[1], [GenerationRequest(PROMPTS[1], 8, end_id=VOCAB - 1)], vocab_size=VOCAB
+    )[0]
+    end_id = int(greedy.generated_ids[3])
+    assert end_id not in greedy.generated_ids[:3].tolist()
+    stopped = generate(
+        models[1], [GenerationRequest(PROMPTS[1], 8, end_id=end_id)], vocab_size=VOCAB
+    )[0]
+    assert stopped.sequence_length == len(PROMPTS[1]) + 4  # the end token counts, as in FT
+    np.testing.assert_array_equal(stopped.generated_ids, greedy.generated_ids[:4])
+    assert stopped.output_ids.size == len(PROMPTS[1]) + 8
+    assert (stopped.output_ids[stopped.sequence_length :] == end_id).all()
+
+
+def test_steps_are_yielded_one_token_at_a_time(tiny):
+    _, models = tiny
+    requests = [
+        GenerationRequest(p, n, end_id=VOCAB - 1) for p, n in zip(PROMPTS, (2, 5, 3), strict=True)
+    ]
+    generation = BatchGeneration(models[1], requests, vocab_size=VOCAB)
+    steps = list(generation)
+    assert [s.index for s in steps] == list(range(5))
+    assert [s.produced.tolist() for s in steps][2:] == [
+        [False, True, True],
+        [False, True, False],
+        [False, True, False],
+    ]
+    final = generation.results()
+    for n, result in enumerate(final):
+        produced = [int(s.tokens[n]) for s in steps if s.produced[n]]
+        assert produced == result.generated_ids.tolist()
+
+
+def test_log_probs_are_zero_unless_asked_for(tiny):
+    _, models = tiny
+    request = GenerationRequest(PROMPTS[0], 4, end_id=VOCAB - 1, return_log_probs=False)
+    result = generate(models[1], [request], vocab_size=VOCAB)[0]
+    assert result.cum_log_prob == 0.0
+    assert not result.output_log_probs.any()
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (GenerationRequest([], 4, end_id=0), "no tokens"),
+        (GenerationRequest([VOCAB], 4, end_id=0), "outside the model's vocabulary"),
+        (GenerationRequest([1, 2], 0, end_id=0), "request_output_len"),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(temperature=0.0)),
+            "temperature",
+        ),
+    ],
+)
+def test_invalid_requests_are_typed_errors(tiny, request_, message):
+    _, models = tiny
+    with pytest.raises(InvalidRequestError, match=message):
+        generate(models[1], [request_], vocab_size=VOCAB)
