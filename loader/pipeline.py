@@ -116,12 +116,27 @@ def _check_model(request: RunRequest, hf_config: dict) -> None:
     )
 
 
-def _build(request: RunRequest, key: str, root: Path, checkpoint: Path, fetched_revision) -> Path:
+def _check_checkpoint(request: RunRequest, checkpoint: Path) -> list[Path]:
+    """Everything about the checkpoint that can be checked before converting; returns its
+    tokenizer files."""
+    from loader.checkpoint import read_hf_config
+
+    _check_model(request, read_hf_config(checkpoint))
+    return layout.tokenizer_files(checkpoint)
+
+
+def _build(
+    request: RunRequest,
+    key: str,
+    root: Path,
+    checkpoint: Path,
+    fetched_revision: str | None,
+    tokenizer: list[Path],
+) -> Path:
     """Convert and write the whole repository into a new staging directory; returns it."""
     from loader.convert import convert_checkpoint
 
     target = publish.published_path(root, key)
-    tokenizer = layout.tokenizer_files(checkpoint)
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
     try:
@@ -168,8 +183,7 @@ def _build(request: RunRequest, key: str, root: Path, checkpoint: Path, fetched_
 
 def run(request: RunRequest) -> RunResult:
     """Publish ``request``'s repository (see the module docstring)."""
-    from loader.checkpoint import read_hf_config
-    from loader.sources import fetch
+    from loader.sources import fetch, parse_uri
 
     start = time.monotonic()
     root = Path(request.repository).absolute()
@@ -181,6 +195,11 @@ def run(request: RunRequest) -> RunResult:
         revision=request.revision,
     )
     check_placement(request.parallelism, request.topology)
+    fetched = None
+    if parse_uri(request.source).scheme == "file":
+        # Local checkpoints are used in place: check them before writing anything.
+        fetched = fetch(request.source, None, workers=request.workers)
+        _check_checkpoint(request, Path(fetched.path))
     target = publish.published_path(root, key)
     log.info("model key %s", key)
     if not request.force and _complete(target, key, request):
@@ -196,9 +215,10 @@ def run(request: RunRequest) -> RunResult:
             return RunResult(target, key, False, time.monotonic() - start)
         publish.clear_staging(root, key)
         work = Path(request.work_dir or root / WORK_DIR / key_filename(key)).absolute()
-        fetched = fetch(request.source, work / "source", workers=request.workers)
-        _check_model(request, read_hf_config(fetched.path))
-        staging = _build(request, key, root, Path(fetched.path), fetched.revision)
+        if fetched is None:
+            fetched = fetch(request.source, work / "source", workers=request.workers)
+        tokenizer = _check_checkpoint(request, Path(fetched.path))
+        staging = _build(request, key, root, Path(fetched.path), fetched.revision, tokenizer)
         try:
             lock.check_held()
             publish.publish(staging, root, key, replace=target.exists())

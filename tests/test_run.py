@@ -1,0 +1,229 @@
+"""`model-loader run`: fetch -> convert -> write -> publish, idempotence, checks before writing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from loader.cli import main
+from loader.repository import manifest
+from loader.repository.config import read_config
+from loader.repository.layout import TOKENIZER_FILES
+from loader.repository.lock import LOCKS_DIR
+from loader.repository.publish import STAGING_DIR
+
+
+def _args(source: Path, root: Path, *extra: str, tp: int = 2, count: int = 2) -> list[str]:
+    return [
+        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+        "--tp-size", str(tp), "--pp-size", "1", "--instance-count", str(count), *extra,
+    ]  # fmt: skip
+
+
+def _run(capsys, *argv: str) -> tuple[int, list[str], str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err
+
+
+@pytest.fixture(scope="module")
+def published(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory) -> tuple[Path, Path, str]:
+    """One repository published with --backend python: (root, published path, stdout)."""
+    root = tmp_path_factory.mktemp("repo")
+    argv = _args(tiny_checkpoint_with_tokenizer, root, "--backend", "python",
+                 "--preferred-batch-size", "2", "4")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "loader", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return root, Path(proc.stdout.splitlines()[-1]), proc.stdout
+
+
+def test_run_prints_the_published_path_as_the_last_stdout_line(published):
+    root, path, stdout = published
+    assert path.is_absolute()
+    assert path.parent.parent == root
+    assert path.parent.name.startswith("tiny@src-")
+    assert path.name.startswith("tp2-pp1-i2-")
+    assert "INFO" not in stdout  # logs go to stderr
+
+
+def test_published_repository_is_complete_and_verified(published):
+    root, path, _ = published
+    assert (path / ".ready").is_file()
+    assert manifest.verify(path, key=str(path.relative_to(root))) == []
+    data = manifest.read_manifest(path)
+    assert data["parallelism"] == {"tp": 2, "pp": 1, "instance_count": 2}
+    assert data["settings"]["backend"] == "python"
+    assert data["data_type"] == "fp32"
+    assert list((root / STAGING_DIR).iterdir()) == []
+    assert list((root / LOCKS_DIR).iterdir()) == []
+
+
+def test_repository_layout_holds_every_model_with_its_files(
+    published, tiny_checkpoint_with_tokenizer
+):
+    _, path, _ = published
+    assert sorted(p.name for p in path.iterdir() if p.is_dir()) == [
+        "fastertransformer", "postprocessing", "preprocessing", "tiny",
+    ]  # fmt: skip
+    assert list((path / "tiny" / "1").iterdir()) == []
+    for model in ("preprocessing", "postprocessing"):
+        assert (path / model / "1" / "model.py").is_file()
+        for name in TOKENIZER_FILES:
+            source = tiny_checkpoint_with_tokenizer / name
+            copied = path / model / "1" / "tokenizer" / name
+            assert copied.exists() == source.exists(), name
+            if source.exists():
+                assert copied.read_bytes() == source.read_bytes()
+    ft = path / "fastertransformer" / "1"
+    assert (ft / "model.py").is_file()
+    assert (ft / "loader" / "reference" / "gptj.py").is_file()
+    assert (ft / "2-gpu" / "config.ini").is_file()
+
+
+def test_fastertransformer_config_points_at_the_final_weights(published):
+    _, path, _ = published
+    config = read_config(path / "fastertransformer" / "config.pbtxt")
+    weights = Path(config.parameters["model_checkpoint_path"].string_value)
+    assert weights == path / "fastertransformer" / "1" / "2-gpu"
+    assert (weights / "model.wte.bin").is_file()
+    assert config.backend == "python"
+    assert config.parameters["tensor_para_size"].string_value == "2"
+    assert config.parameters["data_type"].string_value == "fp32"
+    assert [(g.count, g.kind) for g in config.instance_group] == [
+        (2, mc.ModelInstanceGroup.KIND_CPU)
+    ]
+    assert list(config.dynamic_batching.preferred_batch_size) == [2, 4]
+    assert read_config(path / "tiny" / "config.pbtxt").platform == "ensemble"
+
+
+def test_weights_are_written_once_only_into_the_published_repository(published):
+    root, path, _ = published
+    bins = sorted(p for p in root.rglob("*.bin"))
+    assert bins
+    assert all(p.parent == path / "fastertransformer" / "1" / "2-gpu" for p in bins)
+    assert not (root / ".work").exists()
+
+
+def test_rerun_with_the_same_key_does_nothing_and_says_so(published, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="loader")
+    root, path, _ = published
+    data = manifest.read_manifest(path)
+    source = data["source"]
+    before = (path / manifest.MANIFEST).stat().st_ino
+    code, out, _ = _run(capsys, *_args(Path(source), root, "--backend", "python",
+                                         "--preferred-batch-size", "2", "4"))  # fmt: skip
+    assert code == 0
+    assert out[-1] == str(path)
+    assert "already published and verified; nothing to do" in caplog.text
+    assert (path / manifest.MANIFEST).stat().st_ino == before
+
+
+def test_fastertransformer_backend_gets_no_python_model(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, caplog
+):
+    argv = _args(tiny_checkpoint_with_tokenizer, tmp_path, "--dtype", "fp16",
+                 "--no-dynamic-batching", tp=1, count=1)  # fmt: skip
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    path = Path(out[-1])
+    ft = path / "fastertransformer"
+    assert sorted(p.name for p in (ft / "1").iterdir()) == ["1-gpu"]
+    config = read_config(ft / "config.pbtxt")
+    assert config.backend == "fastertransformer"
+    assert config.parameters["data_type"].string_value == "fp16"
+    assert not config.HasField("dynamic_batching")
+    assert "weight_data_type = fp16" in (ft / "1" / "1-gpu" / "config.ini").read_text()
+
+    # --force publishes a fresh copy; a damaged copy is republished without --force.
+    old = (path / manifest.MANIFEST).stat().st_ino
+    code, out, _ = _run(capsys, *argv, "--force")
+    assert code == 0 and out[-1] == str(path)
+    assert (path / manifest.MANIFEST).stat().st_ino != old
+    (ft / "config.pbtxt").write_text("garbage")
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    assert "not a complete repository" in caplog.text
+    assert manifest.verify(path) == []
+
+
+def _nothing_written(root: Path) -> bool:
+    return not root.exists() or not any(p.name not in (LOCKS_DIR,) for p in root.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--gpus-per-replica", "3"], "--gpus-per-replica to a multiple of 2"),
+        (["--gpus-per-replica", "8"], "--instance-count to 4"),
+        (["--gpu-memory-gib", "0.001"], "--tp-size"),
+    ],
+)
+def test_placement_errors_come_before_anything_is_written(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, extra, needle
+):
+    root = tmp_path / "root"
+    code, out, err = _run(capsys, *_args(tiny_checkpoint_with_tokenizer, root, *extra))
+    assert code == 2
+    assert out == []
+    assert needle in err
+    assert "Traceback" not in err
+    assert not root.exists()
+
+
+def test_layers_not_divisible_by_pipeline_size_are_refused(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    root = tmp_path / "root"
+    argv = _args(tiny_checkpoint_with_tokenizer, root, tp=1, count=1)
+    argv[argv.index("--pp-size") + 1] = "4"  # the tiny model has 2 layers
+    code, _, err = _run(capsys, *argv)
+    assert code == 2
+    assert "--pp-size" in err
+    assert not root.exists()
+
+
+def test_checkpoint_without_a_tokenizer_is_refused_before_writing(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    source = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source,
+                    ignore=shutil.ignore_patterns(*TOKENIZER_FILES))  # fmt: skip
+    root = tmp_path / "root"
+    code, _, err = _run(capsys, *_args(source, root))
+    assert code == 2
+    assert "tokenizer" in err
+    assert not root.exists()
+
+
+def test_missing_source_is_a_user_error(tmp_path, capsys):
+    code, _, err = _run(capsys, *_args(tmp_path / "nope", tmp_path / "root"))
+    assert code == 2
+    assert "does not exist" in err
+    assert not (tmp_path / "root").exists()
+
+
+def test_concurrent_loaders_of_one_key_publish_once(tiny_checkpoint_with_tokenizer, tmp_path):
+    argv = [sys.executable, "-m", "loader", *_args(tiny_checkpoint_with_tokenizer, tmp_path)]
+    env = {**os.environ, "MODEL_LOADER_LOG_LEVEL": "INFO"}
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    paths = {out.splitlines()[-1] for out, _ in results}
+    assert len(paths) == 1
+    published = [err for _, err in results if "loader.pipeline: published" in err]
+    skipped = [err for _, err in results if "nothing to do" in err]
+    assert len(skipped) == 1, [err[-2000:] for _, err in results]
+    assert len(published) == 1
+    assert manifest.verify(Path(paths.pop())) == []
