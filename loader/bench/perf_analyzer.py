@@ -159,6 +159,14 @@ def _bad_input_data(endpoint: Endpoint, model: str, output: str) -> LoaderError:
     )
 
 
+def _window_too_short(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    return MeasurementError(
+        f"no request of {model!r} completed within a measurement window: {_tail(output)}",
+        "Pass a longer --measurement-interval-ms (a window must hold several requests), or "
+        "--measurement-mode count_windows.",
+    )
+
+
 #: Output pattern -> the typed error it means; the first match wins.
 ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], LoaderError]], ...] = (
     (
@@ -170,6 +178,7 @@ ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], Load
         _unreachable,
     ),
     (re.compile(r"unknown model|is not found|is not ready", re.IGNORECASE), _unknown_model),
+    (re.compile(r"No valid requests recorded", re.IGNORECASE), _window_too_short),
     (
         re.compile(
             r"Failed to init manager inputs|missing tensor|input data|Failed to parse",

@@ -174,16 +174,38 @@ def variant_configs(
     return out
 
 
-def _link_or_copy(src: str, dst: str) -> str:
-    if os.path.getsize(src) >= LINK_THRESHOLD_BYTES:
-        os.symlink(os.path.realpath(src), dst)
-    else:
-        shutil.copy2(src, dst)
-    return dst
+def _link_or_copy(threshold: int):
+    def copy(src: str, dst: str) -> str:
+        if os.path.getsize(src) >= threshold:
+            os.symlink(os.path.realpath(src), dst)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+    return copy
 
 
-def make_variant(repository: Path, dest: Path, variant: Variant) -> Path:
-    """Write the variant of ``repository`` to ``dest`` (replaced if present); return ``dest``."""
+def _ignore(top: str):
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        skip = [n for n in names if n == "__pycache__"]
+        if directory == top:
+            skip.append("config.pbtxt")
+        return skip
+
+    return ignore
+
+
+def make_variant(
+    repository: Path,
+    dest: Path,
+    variant: Variant,
+    *,
+    link_threshold_bytes: int = LINK_THRESHOLD_BYTES,
+) -> Path:
+    """Write the variant of ``repository`` to ``dest`` (replaced if present); return ``dest``.
+
+    Files of ``link_threshold_bytes`` or more are symbolic links to the originals.
+    """
     repository = Path(repository).resolve()
     dest = Path(dest)
     dirs = model_dirs(repository)
@@ -196,8 +218,8 @@ def make_variant(repository: Path, dest: Path, variant: Variant) -> Path:
                 source,
                 staging / name,
                 symlinks=True,
-                copy_function=_link_or_copy,
-                ignore=lambda d, names, top=str(source): ["config.pbtxt"] if d == top else [],
+                copy_function=_link_or_copy(link_threshold_bytes),
+                ignore=_ignore(str(source)),
             )
             (staging / name / "config.pbtxt").write_text(to_text(configs[name]), encoding="utf-8")
         if dest.exists():

@@ -29,6 +29,7 @@ COMMANDS: tuple[str, ...] = (
     "loader.cli.run",
     "loader.cli.plan",
     "loader.cli.serve",
+    "loader.cli.tune",
 )
 
 
