@@ -36,7 +36,7 @@ INSTALL_HINT = "run `make install` (or `TOOLS_DIR=.tools bash scripts/tools/inst
 
 
 class ChartError(Exception):
-    """helm failed (lint, template or a values error); ``output`` is helm's stderr."""
+    """helm failed (lint, template or a values error); ``output`` is what helm printed."""
 
     def __init__(self, message: str, output: str = "") -> None:
         super().__init__(f"{message}\n{output}".strip())
@@ -57,7 +57,8 @@ def _helm(helm: str, args: Sequence[str]) -> str:
         [str(tool(helm)), *args], capture_output=True, text=True, check=False, timeout=120
     )
     if proc.returncode != 0:
-        raise ChartError(f"helm {args[0]} failed (exit {proc.returncode})", proc.stderr)
+        output = "\n".join(part for part in (proc.stderr, proc.stdout) if part.strip())
+        raise ChartError(f"helm {args[0]} failed (exit {proc.returncode})", output)
     return proc.stdout
 
 

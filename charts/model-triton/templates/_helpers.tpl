@@ -342,12 +342,9 @@ template:
             value: /tmp
           - name: HF_HOME
             value: /tmp/huggingface
-          {{- with .Values.loader.hfTokenSecret.name }}
-          - name: HF_TOKEN
-            valueFrom:
-              secretKeyRef:
-                name: {{ . }}
-                key: {{ $.Values.loader.hfTokenSecret.key }}
+          {{- if .Values.loader.hfTokenSecret.name }}
+          - name: HF_TOKEN_PATH
+            value: /var/secrets/hf/{{ .Values.loader.hfTokenSecret.key }}
           {{- end }}
           {{- if .Values.loader.gcsCredentialsSecret.name }}
           - name: GOOGLE_APPLICATION_CREDENTIALS
@@ -365,6 +362,11 @@ template:
             mountPath: {{ include "model-triton.modelsMountPath" . }}
           - name: scratch
             mountPath: /tmp
+          {{- if .Values.loader.hfTokenSecret.name }}
+          - name: hf-token
+            mountPath: /var/secrets/hf
+            readOnly: true
+          {{- end }}
           {{- if .Values.loader.gcsCredentialsSecret.name }}
           - name: gcs-credentials
             mountPath: /var/secrets/gcs
@@ -377,6 +379,11 @@ template:
       - name: scratch
         emptyDir:
           sizeLimit: {{ .Values.loader.scratchSizeLimit }}
+      {{- with .Values.loader.hfTokenSecret.name }}
+      - name: hf-token
+        secret:
+          secretName: {{ . }}
+      {{- end }}
       {{- with .Values.loader.gcsCredentialsSecret.name }}
       - name: gcs-credentials
         secret:

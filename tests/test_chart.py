@@ -1,0 +1,808 @@
+"""The Helm chart, rendered offline by the real Helm 3 and Helm 4 CLIs (pinned in .tools/bin).
+
+Every values file (and the defaults) is linted and rendered by both Helm versions; every
+manifest is validated strictly against the Kubernetes 1.29 and 1.35 OpenAPI schemas; the GPU
+arithmetic, the model key and the loader arguments are checked per values file; every bad-values
+case must fail with its key named; optional resources are off by default and render when on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loader.parallel import Parallelism
+from loader.repository.key import ServingSettings, model_key
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_render_chart():
+    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["render_chart"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rc = _load_render_chart()
+
+HELMS = ("helm3", "helm4")
+HELM_VERSIONS = {"helm3": "v3.18.0", "helm4": "v4.1.4"}
+VALUES = (None, "staging.yaml", "production.yaml", "local.yaml")
+INSTALL = "run `make install` (installs pinned helm 3 and 4 into .tools/bin)"
+
+
+# --------------------------------------------------------------------------- helpers (cached)
+
+
+def _files(values: str | None) -> tuple[Path, ...]:
+    return () if values is None else (rc.VALUES_DIR / values,)
+
+
+@cache
+def rendered(helm: str, values: str | None, sets: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    text = rc.render(helm=helm, values_files=_files(values), set_values=sets)
+    return tuple(rc.documents(text))
+
+
+def render_error(helm: str, sets: tuple[str, ...], values: str | None = None) -> str:
+    with pytest.raises(rc.ChartError) as info:
+        rc.render(helm=helm, values_files=_files(values), set_values=sets)
+    return info.value.output
+
+
+def one(docs, kind: str, *, hook: bool | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    if hook is not None:
+        found = [
+            d for d in found if ("helm.sh/hook" in (d["metadata"].get("annotations") or {})) == hook
+        ]
+    assert len(found) == 1, f"expected one {kind}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def kinds(docs) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@cache
+def values_of(values: str | None) -> dict:
+    base = yaml.safe_load((rc.CHART / "values.yaml").read_text())
+    if values is None:
+        return base
+    return _merge(base, yaml.safe_load((rc.VALUES_DIR / values).read_text()))
+
+
+def container(pod_spec: dict, name: str, *, init: bool = False) -> dict:
+    group = pod_spec["initContainers" if init else "containers"]
+    return next(c for c in group if c["name"] == name)
+
+
+def loader_pod_spec(docs) -> dict:
+    return one(docs, "CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+
+
+def parse_loader_args(args: list[str]) -> argparse.Namespace:
+    """The `model-loader run` flags of the agreed contract, parsed strictly."""
+    p = argparse.ArgumentParser(prog="model-loader")
+    p.add_argument("command", choices=["run"])
+    p.add_argument("--source", required=True)
+    p.add_argument("--repository", required=True)
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--revision")
+    p.add_argument("--tp-size", type=int, required=True)
+    p.add_argument("--pp-size", type=int, required=True)
+    p.add_argument("--instance-count", type=int, required=True)
+    p.add_argument("--backend", choices=["fastertransformer", "python"], required=True)
+    p.add_argument("--dtype", choices=["fp16", "fp32"])
+    p.add_argument("--max-batch-size", type=int, required=True)
+    p.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, required=True)
+    p.add_argument("--preferred-batch-size", type=int, nargs="+", default=[])
+    p.add_argument("--max-queue-delay-us", type=int, default=100)
+    p.add_argument("--gpu-memory-gib", type=float, required=True)
+    p.add_argument("--gpus-per-replica", type=int, required=True)
+    p.add_argument("--streaming", action="store_true")
+    return p.parse_args(args)
+
+
+def key_from_loader_args(args: list[str]) -> str:
+    a = parse_loader_args(args)
+    settings = ServingSettings(
+        backend=a.backend,
+        dtype=a.dtype or "auto",
+        max_batch_size=a.max_batch_size,
+        dynamic_batching=a.dynamic_batching,
+        preferred_batch_sizes=tuple(a.preferred_batch_size),
+        max_queue_delay_us=a.max_queue_delay_us,
+        streaming=a.streaming,
+    )
+    parallelism = Parallelism(tp=a.tp_size, pp=a.pp_size, instance_count=a.instance_count)
+    return model_key(a.model_name, a.source, parallelism, settings, revision=a.revision)
+
+
+ALL_CASES = [(h, v) for h in HELMS for v in VALUES]
+CASE_IDS = [f"{h}-{v or 'defaults'}" for h, v in ALL_CASES]
+
+
+# --------------------------------------------------------------------------- tools
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_pinned_helm_is_installed_under_tools(helm):
+    path = rc.TOOLS_BIN / helm
+    assert path.exists(), f"{path} is missing: {INSTALL}"
+    out = subprocess.run(
+        [str(path), "version", "--template", "{{.Version}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == HELM_VERSIONS[helm]
+
+
+def test_default_helm_is_one_of_the_pinned_versions():
+    out = subprocess.run(
+        [str(rc.tool("helm")), "version", "--template", "{{.Version}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out in HELM_VERSIONS.values()
+
+
+# --------------------------------------------------------------------------- lint + validation
+
+
+@pytest.mark.parametrize(("helm", "values"), ALL_CASES, ids=CASE_IDS)
+def test_chart_lints_strictly(helm, values):
+    out = rc.lint(helm=helm, values_files=_files(values))
+    assert "0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize(("helm", "values"), ALL_CASES, ids=CASE_IDS)
+def test_every_manifest_validates_strictly_on_kubernetes_1_29_and_1_35(helm, values):
+    docs = rendered(helm, values)
+    assert rc.validate(docs) == []
+    expected = {
+        "Deployment",
+        "Service",
+        "CronJob",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "ServiceAccount",
+        "Pod",
+    }
+    assert expected <= set(kinds(docs))
+    assert {d["kind"] for d in docs} - expected <= rc.CRD_KINDS
+
+
+def test_validation_catches_an_unknown_field():
+    doc = copy.deepcopy(one(rendered("helm4", None), "Deployment"))
+    doc["spec"]["template"]["spec"]["containers"][0]["gpus"] = 2
+    problems = rc.validate([doc])
+    assert len(problems) == 2 and all("gpus" in p for p in problems)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=[v or "defaults" for v in VALUES])
+def test_helm3_and_helm4_render_the_same_manifests(values):
+    assert rendered("helm3", values) == rendered("helm4", values)
+
+
+# --------------------------------------------------------------------------- GPU arithmetic
+
+
+@pytest.mark.parametrize(("helm", "values"), ALL_CASES, ids=CASE_IDS)
+def test_gpu_arithmetic_of_the_deployment(helm, values):
+    v = values_of(values)
+    t, p = v["model"]["tensorParallelSize"], v["model"]["pipelineParallelSize"]
+    n, g, nodes = (v["cluster"][k] for k in ("replicasPerNode", "gpusPerNode", "nodes"))
+    deployment = one(rendered(helm, values), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    res = container(pod, "triton")["resources"]
+
+    assert deployment["spec"]["replicas"] == nodes * n
+    if v["triton"]["backend"] == "fastertransformer":
+        assert res["limits"]["nvidia.com/gpu"] == t * p
+        assert res["requests"]["nvidia.com/gpu"] == t * p
+        assert n * t * p <= g
+    else:
+        assert "nvidia.com/gpu" not in res.get("limits", {})
+        assert "nvidia.com/gpu" not in res.get("requests", {})
+    # no other container (the init container waiting for the model) holds a GPU
+    for c in pod["initContainers"]:
+        assert "nvidia.com/gpu" not in str(c.get("resources"))
+    [spread] = pod["topologySpreadConstraints"]
+    assert spread["maxSkew"] == 1
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_production_fills_every_gpu_of_an_a2_megagpu_16g_node():
+    v = values_of("production.yaml")
+    c, m = v["cluster"], v["model"]
+    assert c["gpusPerNode"] == 16
+    assert c["replicasPerNode"] * m["tensorParallelSize"] * m["pipelineParallelSize"] == 16
+
+
+def test_staging_runs_one_replica_of_two_gpus_per_two_gpu_node():
+    v = values_of("staging.yaml")
+    assert v["cluster"]["gpusPerNode"] == 2 and v["cluster"]["replicasPerNode"] == 1
+    assert v["model"]["tensorParallelSize"] * v["model"]["pipelineParallelSize"] == 2
+
+
+# --------------------------------------------------------------------------- model key + loader
+
+
+@pytest.mark.parametrize(("helm", "values"), ALL_CASES, ids=CASE_IDS)
+def test_loader_job_publishes_the_key_the_deployment_waits_for(helm, values):
+    docs = rendered(helm, values)
+    deployment = one(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    args = container(loader_pod_spec(docs), "loader")["args"]
+
+    key = key_from_loader_args(args)  # what `model-loader run` publishes for these arguments
+    assert deployment["metadata"]["annotations"]["model-triton/model-key"] == key
+    wait = container(pod, "wait-for-model", init=True)
+    env = {e["name"]: e["value"] for e in wait["env"]}
+    assert env["MODEL_PATH"] == f"/models/{key}"
+    assert int(env["WAIT_TIMEOUT_SECONDS"]) > 0
+    assert f"--model-repository=/models/{key}" in container(pod, "triton")["command"]
+
+
+@pytest.mark.parametrize(("helm", "values"), ALL_CASES, ids=CASE_IDS)
+def test_loader_args_carry_the_values(helm, values):
+    v = values_of(values)
+    a = parse_loader_args(container(loader_pod_spec(rendered(helm, values)), "loader")["args"])
+    t = v["triton"]
+    assert (a.source, a.repository, a.model_name) == (
+        v["model"]["source"],
+        "/models",
+        v["model"]["name"],
+    )
+    assert (a.tp_size, a.pp_size) == (
+        v["model"]["tensorParallelSize"],
+        v["model"]["pipelineParallelSize"],
+    )
+    assert a.instance_count == t["instanceCount"]
+    assert a.backend == t["backend"]
+    assert a.dtype == (v["model"]["dtype"] or None)
+    assert a.max_batch_size == t["maxBatchSize"]
+    assert a.dynamic_batching == t["dynamicBatching"]["enabled"]
+    if a.dynamic_batching:
+        assert a.preferred_batch_size == t["dynamicBatching"]["preferredBatchSize"]
+        assert a.max_queue_delay_us == t["dynamicBatching"]["maxQueueDelayMicroseconds"]
+    assert a.gpu_memory_gib == v["cluster"]["gpuMemoryGiB"]
+    assert (
+        a.gpus_per_replica == v["model"]["tensorParallelSize"] * v["model"]["pipelineParallelSize"]
+    )
+    assert a.streaming == t["streaming"]
+
+
+def test_loader_args_are_accepted_by_the_real_cli_once_run_is_registered():
+    from loader.cli import COMMANDS, build_parser
+
+    args = container(loader_pod_spec(rendered("helm4", "production.yaml")), "loader")["args"]
+    parse_loader_args(args)
+    if "loader.cli.run" in COMMANDS:
+        assert build_parser().parse_args(args).command == "run"
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected_args"),
+    [
+        (("triton.dynamicBatching.enabled=false",), ["--no-dynamic-batching"]),
+        (("triton.streaming=true",), ["--streaming"]),
+        (
+            ("model.revision=abc123", "model.dtype=fp16"),
+            ["--revision abc123", "--dtype fp16"],
+        ),
+        (
+            ("triton.instanceCount=3", "triton.maxBatchSize=16"),
+            ["--instance-count 3", "--max-batch-size 16"],
+        ),
+    ],
+    ids=["no-batching", "streaming", "revision-dtype", "instances"],
+)
+def test_changed_settings_reach_the_job_and_the_key_together(sets, expected_args):
+    base = rendered("helm4", None)
+    docs = rendered("helm4", None, sets)
+    args = container(loader_pod_spec(docs), "loader")["args"]
+    joined = " ".join(args)
+    for fragment in expected_args:
+        assert fragment in joined
+    key = one(docs, "Deployment")["metadata"]["annotations"]["model-triton/model-key"]
+    assert key == key_from_loader_args(args)
+    assert key != one(base, "Deployment")["metadata"]["annotations"]["model-triton/model-key"]
+
+
+def test_key_revision_comes_from_the_hf_uri_then_a_hash_of_the_source():
+    def key(*sets):
+        return one(rendered("helm4", None, sets), "Deployment")["metadata"]["annotations"][
+            "model-triton/model-key"
+        ]
+
+    assert key("model.source=hf://Salesforce/codegen-2B-multi@v1.0").startswith("codegen@v1.0/")
+    assert key("model.source=hf://a/b@v1", "model.revision=r2").startswith("codegen@r2/")
+    gs = key("model.source=gs://bucket/models/codegen")
+    assert gs.startswith("codegen@src-") and gs == key_from_loader_args(
+        container(
+            loader_pod_spec(rendered("helm4", None, ("model.source=gs://bucket/models/codegen",))),
+            "loader",
+        )["args"]
+    )
+
+
+# --------------------------------------------------------------------------- Deployment shape
+
+
+@pytest.mark.parametrize("values", VALUES, ids=[v or "defaults" for v in VALUES])
+def test_deployment_rolls_without_surge_and_probes_triton_health(values):
+    v = values_of(values)
+    deployment = one(rendered("helm4", values), "Deployment")
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    pod = deployment["spec"]["template"]["spec"]
+    triton = container(pod, "triton")
+    assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    startup = triton["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
+    assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {
+        "http": 8000,
+        "grpc": 8001,
+        "metrics": 8002,
+    }
+    volumes = {vol["name"]: vol for vol in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": v["triton"]["shmSize"]}
+    mounts = {m["name"]: m for m in triton["volumeMounts"]}
+    assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert volumes["models"]["persistentVolumeClaim"]["readOnly"] is True
+    assert "checksum/config" in deployment["spec"]["template"]["metadata"]["annotations"]
+    if v["cluster"]["tolerations"]:
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+
+
+def test_loader_mounts_the_model_volume_read_write_at_the_same_path():
+    pod = loader_pod_spec(rendered("helm4", None))
+    mounts = {m["name"]: m for m in container(pod, "loader")["volumeMounts"]}
+    assert mounts["models"]["mountPath"] == "/models"
+    assert not mounts["models"].get("readOnly", False)
+    deployment_pod = one(rendered("helm4", None), "Deployment")["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["models"]["persistentVolumeClaim"][
+        "claimName"
+    ] == {v["name"]: v for v in deployment_pod["volumes"]}["models"]["persistentVolumeClaim"][
+        "claimName"
+    ]
+
+
+def test_loader_is_a_suspended_cronjob_with_job_limits():
+    cronjob = one(rendered("helm4", None), "CronJob")
+    assert cronjob["metadata"]["name"] == "codegen-model-loader"
+    assert cronjob["spec"]["suspend"] is True
+    job = cronjob["spec"]["jobTemplate"]["spec"]
+    v = values_of(None)["loader"]
+    assert job["backoffLimit"] == v["backoffLimit"]
+    assert job["activeDeadlineSeconds"] == v["activeDeadlineSeconds"]
+    assert job["ttlSecondsAfterFinished"] == v["ttlSecondsAfterFinished"]
+    assert "nvidia.com/gpu" not in str(job["template"]["spec"]["containers"][0]["resources"])
+
+
+def test_checksum_annotation_changes_when_the_server_config_changes():
+    def checksum(*sets):
+        return one(rendered("helm4", None, sets), "Deployment")["spec"]["template"]["metadata"][
+            "annotations"
+        ]["checksum/config"]
+
+    assert checksum() != checksum("triton.extraArgs={--log-verbose=1}")
+    assert checksum() == checksum("helmTest.requestOutputLen=7")
+
+
+@pytest.mark.parametrize("values", VALUES, ids=[v or "defaults" for v in VALUES])
+def test_every_pod_runs_restricted(values):
+    for doc in rendered("helm4", values):
+        pod = rc._pod_spec(doc)
+        if pod is None:
+            continue
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert pod["automountServiceAccountToken"] is False
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["readOnlyRootFilesystem"] is True
+
+
+def test_selector_labels_exclude_version_and_chart():
+    deployment = one(rendered("helm4", None, ("commonLabels.team=ml",)), "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert set(selector) == {
+        "app.kubernetes.io/name",
+        "app.kubernetes.io/instance",
+        "app.kubernetes.io/component",
+    }
+    assert deployment["metadata"]["labels"]["team"] == "ml"
+    assert "helm.sh/chart" in deployment["metadata"]["labels"]
+
+
+def test_services_select_the_triton_pods_and_the_headless_one_has_no_cluster_ip():
+    docs = rendered("helm4", None)
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    main, headless = services["codegen-model-triton"], services["codegen-model-triton-headless"]
+    assert main["spec"]["type"] == "ClusterIP" and main["spec"]["selector"] == selector
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == selector
+    assert {p["port"] for p in main["spec"]["ports"]} == {8000, 8001, 8002}
+
+
+def test_helm_test_pod_script_compiles_and_targets_the_ensemble():
+    pod = one(rendered("helm4", None), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    assert c["command"][:2] == ["python", "-c"]
+    compile(c["command"][2], "test-inference", "exec")
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["MODEL_NAME"] == "codegen"
+    assert env["TRITON_HOST"] == "codegen-model-triton.model-triton.svc"
+    assert env["PROMPT"] == "<python>def is_even(na: int) ->"
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+BAD_VALUES = [
+    pytest.param(
+        ("cluster.replicasPerNode=2",), "model-triton: cluster.replicasPerNode", id="NxTxP-over-G"
+    ),
+    pytest.param(
+        ("model.tensorParallelSize=4",),
+        "model-triton: model.tensorParallelSize x model.pipelineParallelSize = 4 exceeds "
+        "cluster.gpusPerNode = 2",
+        id="TxP-over-G",
+    ),
+    pytest.param(("model.source=s3://bucket/codegen",), "model-triton: model.source", id="scheme"),
+    pytest.param(("model.source=/data/codegen",), "model-triton: model.source", id="no-scheme"),
+    pytest.param(("triton.instanceCount=0",), "model-triton: triton.instanceCount", id="I<1"),
+    pytest.param(
+        ("model.tensorParallelSize=0",), "model-triton: model.tensorParallelSize", id="T<1"
+    ),
+    pytest.param(
+        ("model.pipelineParallelSize=0",), "model-triton: model.pipelineParallelSize", id="P<1"
+    ),
+    pytest.param(
+        ("triton.dynamicBatching.preferredBatchSize={4,16}",),
+        "model-triton: triton.dynamicBatching.preferredBatchSize",
+        id="preferred>max",
+    ),
+    pytest.param(
+        ("loader.hook.enabled=true",),
+        "model-triton: loader.hook.enabled",
+        id="hook-without-existing-claim",
+    ),
+    pytest.param(
+        ("model.revision=", "model.source=hf://org/name@"),
+        "model-triton: model.revision",
+        id="empty-uri-revision",
+    ),
+]
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize(("sets", "message"), BAD_VALUES)
+def test_bad_values_fail_naming_the_key(helm, sets, message):
+    assert message in render_error(helm, sets)
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_every_cross_field_problem_is_listed_in_one_failure(helm):
+    err = render_error(
+        helm, ("model.tensorParallelSize=0", "triton.instanceCount=0", "model.source=s3://x/y")
+    )
+    problems = [line for line in err.splitlines() if line.startswith("model-triton: ")]
+    assert len(problems) == 3
+    for key in ("model.tensorParallelSize", "triton.instanceCount", "model.source"):
+        assert any(key in p for p in problems)
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_lint_fails_on_schema_errors(helm):
+    # `helm lint` reports a template `fail` only as information, so the cross-field rules are
+    # enforced by `helm template`/`install` (and scripts/staging-deploy.sh renders before linting).
+    with pytest.raises(rc.ChartError) as info:
+        rc.lint(helm=helm, set_values=("cluster.nodes=two",))
+    assert "nodes" in info.value.output
+
+
+def test_python_backend_skips_the_gpu_rules():
+    docs = rendered("helm4", "local.yaml", ("cluster.replicasPerNode=3",))
+    assert one(docs, "Deployment")["spec"]["replicas"] == 3
+
+
+SCHEMA_ERRORS = [
+    # (sets, key named, Helm 3 wording, Helm 4 wording)
+    pytest.param(
+        ("cluster.gpuPerNode=2",),
+        "gpuPerNode",
+        "Additional property gpuPerNode is not allowed",
+        "additional properties 'gpuPerNode' not allowed",
+        id="unknown-key",
+    ),
+    pytest.param(
+        ("surprise=1",),
+        "surprise",
+        "Additional property surprise is not allowed",
+        "additional properties 'surprise' not allowed",
+        id="unknown-top-level-key",
+    ),
+    pytest.param(
+        ("cluster.nodes=two",),
+        "nodes",
+        "Invalid type. Expected: integer",
+        "got string, want integer",
+        id="wrong-type",
+    ),
+    pytest.param(
+        ("triton.backend=onnx",),
+        "backend",
+        "must be one of the following",
+        "value must be one of",
+        id="enum",
+    ),
+    pytest.param(
+        ("cluster.nodes=0",), "nodes", "Must be greater than or equal to 1", "minimum", id="range"
+    ),
+]
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize(("sets", "key", "helm3_words", "helm4_words"), SCHEMA_ERRORS)
+def test_schema_rejects_malformed_values(helm, sets, key, helm3_words, helm4_words):
+    err = render_error(helm, sets)
+    assert "schema" in err
+    assert key in err
+    assert (helm3_words if helm == "helm3" else helm4_words) in err
+
+
+def _has_doc_comment(lines: list[str], i: int) -> bool:
+    """A `# --` comment in the comment block directly above line i."""
+    j = i - 1
+    while j >= 0 and lines[j].strip().startswith("#"):
+        if lines[j].strip().startswith("# --"):
+            return True
+        j -= 1
+    return False
+
+
+def _ancestors(lines: list[str], i: int):
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    for j in range(i - 1, -1, -1):
+        stripped = lines[j].strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        k = len(lines[j]) - len(lines[j].lstrip())
+        if k < indent:
+            yield j
+            indent = k
+
+
+def test_values_yaml_documents_every_key():
+    lines = (rc.CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        if stripped.split(":", 1)[1].strip() == "":  # a parent object: its children carry docs
+            continue
+        if not (
+            _has_doc_comment(lines, i)
+            or any(_has_doc_comment(lines, a) for a in _ancestors(lines, i))
+        ):
+            undocumented.append(stripped)
+    assert undocumented == []
+
+
+def test_schema_is_strict_on_every_own_object():
+    import json
+
+    schema = json.loads((rc.CHART / "values.schema.json").read_text())
+    free = {
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "extraEnv",
+        "requests",
+        "limits",
+        "allowedFrom",
+        "podSecurityContext",
+        "containerSecurityContext",
+        "commonLabels",
+        "annotations",
+        "podAnnotations",
+        "labels",
+        "global",
+        "claims",
+    }
+    loose = []
+
+    def walk(node, path):
+        own = node.get("type") == "object" and path and path[-1] not in free
+        if own and node.get("additionalProperties") is not False:
+            loose.append(".".join(path))
+        for name, child in (node.get("properties") or {}).items():
+            walk(child, [*path, name])
+
+    walk(schema, [])
+    assert loose == []
+    assert schema["additionalProperties"] is False
+
+
+# --------------------------------------------------------------------------- NOTES (Helm 4)
+
+
+def test_leftover_gpus_are_a_warning_in_notes():
+    notes = rc.notes(set_values=("cluster.gpusPerNode=4",))
+    assert "WARNING: model-triton: cluster.replicasPerNode" in notes
+    assert "2 GPU(s) per node stay idle" in notes
+
+
+@pytest.mark.parametrize("values", ["staging.yaml", "production.yaml", "local.yaml"])
+def test_values_files_leave_no_gpu_idle(values):
+    notes = rc.notes(values_files=_files(values))
+    assert "WARNING" not in notes
+    assert "kubectl -n model-triton create job" in notes
+    assert "--from=cronjob/codegen-model-loader" in notes
+
+
+# --------------------------------------------------------------------------- optional resources
+
+
+OPTIONAL = [
+    pytest.param("ServiceMonitor", ("metrics.serviceMonitor.enabled=true",), id="servicemonitor"),
+    pytest.param("NetworkPolicy", ("networkPolicy.enabled=true",), id="networkpolicy"),
+    pytest.param(
+        "Job",
+        (
+            "loader.hook.enabled=true",
+            "modelRepository.persistence.existingClaim=models",
+            "serviceAccount.create=false",
+            "serviceAccount.name=loader",
+        ),
+        id="hook-job",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "sets"), OPTIONAL)
+def test_optional_resource_is_not_rendered_by_default(kind, sets):
+    assert kind not in kinds(rendered("helm4", None))
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize(("kind", "sets"), OPTIONAL)
+def test_optional_resource_is_rendered_when_enabled(helm, kind, sets):
+    docs = rendered(helm, None, sets)
+    assert kind in kinds(docs)
+    non_crd = [d for d in docs if d["kind"] not in rc.CRD_KINDS]
+    assert rc.validate(non_crd) == []
+
+
+def test_service_monitor_scrapes_the_metrics_port_of_the_triton_service():
+    docs = rendered(
+        "helm4",
+        None,
+        ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"),
+    )
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    service = next(
+        d for d in docs if d["kind"] == "Service" and "headless" not in d["metadata"]["name"]
+    )
+    labels = service["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_network_policy_admits_only_the_triton_ports_from_the_given_peers():
+    docs = rendered(
+        "helm4",
+        None,
+        (
+            "networkPolicy.enabled=true",
+            "networkPolicy.allowedFrom[0].podSelector.matchLabels.app=gw",
+        ),
+    )
+    policy = one(docs, "NetworkPolicy")
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"]
+        == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    )
+    [rule] = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app": "gw"}}}]
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8001, 8002]
+
+
+def test_hook_job_runs_the_same_loader_as_the_cronjob_before_install_and_upgrade():
+    docs = rendered("helm4", None, OPTIONAL[2].values[1])
+    job = one(docs, "Job")
+    annotations = job["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert (
+        job["spec"]["template"]["spec"]["containers"][0]["args"]
+        == container(loader_pod_spec(docs), "loader")["args"]
+    )
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == "loader"
+    assert "ServiceAccount" not in kinds(docs) and "PersistentVolumeClaim" not in kinds(docs)
+
+
+def test_pvc_is_rendered_by_default_and_kept_on_uninstall():
+    pvc = one(rendered("helm4", None), "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "storageClassName" not in pvc["spec"]
+    pvc = one(
+        rendered("helm4", None, ("modelRepository.persistence.storageClass=-",)),
+        "PersistentVolumeClaim",
+    )
+    assert pvc["spec"]["storageClassName"] == ""
+
+
+def test_existing_claim_replaces_the_pvc_everywhere():
+    docs = rendered("helm4", None, ("modelRepository.persistence.existingClaim=shared-models",))
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    for pod in (one(docs, "Deployment")["spec"]["template"]["spec"], loader_pod_spec(docs)):
+        claims = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        ]
+        assert claims == ["shared-models"]
+
+
+def test_secrets_are_referenced_not_embedded():
+    docs = rendered(
+        "helm4", None, ("loader.hfTokenSecret.name=hf", "loader.gcsCredentialsSecret.name=gcs")
+    )
+    assert "Secret" not in kinds(docs)
+    pod = loader_pod_spec(docs)
+    env = {e["name"]: e for e in container(pod, "loader")["env"]}
+    assert env["HF_TOKEN_PATH"]["value"] == "/var/secrets/hf/token"
+    assert {"name": "hf-token", "secret": {"secretName": "hf"}} in pod["volumes"]
+    assert env["GOOGLE_APPLICATION_CREDENTIALS"]["value"] == "/var/secrets/gcs/key.json"
+    assert {"name": "gcs-credentials", "secret": {"secretName": "gcs"}} in pod["volumes"]
+
+
+# --------------------------------------------------------------------------- the render script
+
+
+def test_render_script_prints_the_local_resources_and_validates(capsys):
+    assert rc.main(["-f", str(rc.VALUES_DIR / "local.yaml"), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "Deployment" in out and "image=model-triton-cpu:24.08 gpus=0" in out
+    assert "--backend python" in out
+    assert "every manifest valid (strict) on Kubernetes 1.29.0, 1.35.0" in out
+
+
+def test_render_script_exits_2_on_bad_values(capsys):
+    assert rc.main(["--set", "triton.instanceCount=0"]) == 2
+    assert "model-triton: triton.instanceCount" in capsys.readouterr().err
