@@ -178,8 +178,10 @@ def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
         SamplingConfig(top_k=8, temperature=1.5, random_seed=3),
         SamplingConfig(top_p=0.9, random_seed=11, repetition_penalty=1.3),
     ]
+    # Different lengths, so rows finish at different steps; one end_id lies outside the vocabulary
+    # (the users' request sends 50256 to models of any size).
     requests = [
-        GenerationRequest(p, 6 + i, end_id=VOCAB - 1, sampling=s)
+        GenerationRequest(p, 6 + 3 * i, end_id=(VOCAB - 1, 50256, 7)[i], sampling=s)
         for i, (p, s) in enumerate(zip(PROMPTS, samplers, strict=True))
     ]
     batched = generate(models[2], requests, vocab_size=VOCAB)

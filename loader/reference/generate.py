@@ -269,8 +269,10 @@ class BatchGeneration:
                 return
             mask = np.concatenate([mask, np.ones((len(tokens), 1), dtype=mask.dtype)], axis=1)
             next_positions = (self.input_lengths + step)[:, None]
+            # Rows that are done feed a placeholder (their end_id may lie outside the vocabulary).
+            feed = np.where(tokens < self.vocab_size, tokens, 0)
             logits, past = self.model.forward(
-                tokens[:, None], position_ids=next_positions, attention_mask=mask, past=past
+                feed[:, None], position_ids=next_positions, attention_mask=mask, past=past
             )
 
     def _decode(self, logits: np.ndarray, produced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,202 @@
+"""End to end on the real tritonserver (CPU): repositories written by ``model-loader run
+--backend python`` from a tiny local checkpoint, served on 127.0.0.1, called with tritonclient.
+
+Two repositories cover T in {1, 2}, I in {1, 2} and dynamic batching off/on; each is served once
+for the module's tests. The request is the users' ``test.json`` (``bench/test.json``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as httpclient
+from tinymodels import load_hf_model
+from tokenizers import Tokenizer
+
+from loader.completion import Completion, complete, load_request
+from loader.errors import EndpointError, ServerStartError
+from loader.repository.config import read_config, write_config
+from loader.serving import TritonServer
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "codegen"
+SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
+
+
+@dataclass(frozen=True)
+class Setup:
+    tp: int
+    instances: int
+    batching: bool
+
+
+SETUPS = {
+    "tp1-i1-no-batching": Setup(tp=1, instances=1, batching=False),
+    "tp2-i2-batching": Setup(tp=2, instances=2, batching=True),
+}
+
+
+def publish(source: Path, root: Path, setup: Setup) -> Path:
+    """Run ``model-loader run --backend python``; return the path it prints last."""
+    batching = (
+        ["--dynamic-batching", "--preferred-batch-size", "4", "--max-queue-delay-us", "500000"]
+        if setup.batching
+        else ["--no-dynamic-batching"]
+    )
+    cmd = [
+        sys.executable, "-m", "loader", "run", "--source", str(source), "--repository", str(root),
+        "--model-name", MODEL, "--tp-size", str(setup.tp), "--pp-size", "1",
+        "--instance-count", str(setup.instances), "--backend", "python", *batching,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    published = Path(done.stdout.strip().splitlines()[-1])
+    assert (published / ".ready").is_file()
+    return published
+
+
+@dataclass
+class Served:
+    setup: Setup
+    repository: Path
+    server: TritonServer
+
+    def complete(self, request: dict, *, protocol: str = "http") -> Completion:
+        url = self.server.http_url if protocol == "http" else self.server.grpc_url
+        return complete(url, MODEL, request, protocol=protocol)
+
+    def stats(self, model: str) -> dict:
+        client = httpclient.InferenceServerClient(self.server.http_url)
+        try:
+            return client.get_inference_statistics(model)["model_stats"][0]
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def source(tiny_checkpoint_with_tokenizer: Path) -> Path:
+    return tiny_checkpoint_with_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(source: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(source / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
+def served(request, source, tmp_path_factory):
+    setup = SETUPS[request.param]
+    repository = publish(source, tmp_path_factory.mktemp(request.param), setup)
+    with TritonServer(repository) as server:
+        yield Served(setup, repository, server)
+
+
+def _prompt_ids(tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode(SEED_REQUEST["prompt"][0]).ids
+
+
+def test_seed_request_over_http_and_grpc_returns_the_same_completion(served, tokenizer):
+    http = served.complete(SEED_REQUEST)
+    grpc = served.complete(SEED_REQUEST, protocol="grpc")
+    prompt = _prompt_ids(tokenizer)
+    n_out = SEED_REQUEST["request_output_len"][0]
+    # end_id 50256 lies outside the tiny vocabulary, so all 32 tokens are generated.
+    assert http.sequence_length == len(prompt) + n_out
+    assert http.output_ids.shape == (len(prompt) + n_out,)
+    assert http.output_ids[: len(prompt)].tolist() == prompt
+    assert http.text == tokenizer.decode(http.output_ids[len(prompt) :].tolist())
+    np.testing.assert_array_equal(http.output_ids, grpc.output_ids)
+    assert http.text == grpc.text
+    # runtime_top_k 0 with top_p 0.98 is nucleus sampling: log probs are unconditional.
+    assert http.output_log_probs.shape == (n_out,)
+    assert (http.output_log_probs <= 0).all() and http.output_log_probs.any()
+    assert http.cum_log_prob == pytest.approx(float(http.output_log_probs.sum()), abs=1e-3)
+
+
+def test_greedy_completion_equals_hugging_face_generate(served, source, tokenizer):
+    prompt = _prompt_ids(tokenizer)
+    n_out = 12
+    request = {**SEED_REQUEST, "runtime_top_k": [1], "request_output_len": [n_out]}
+    got = served.complete(request, protocol="grpc")
+    hf = load_hf_model(source)
+    ids = torch.tensor([prompt])
+    expected = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n_out,
+        min_new_tokens=n_out,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0].numpy()
+    np.testing.assert_array_equal(got.output_ids[: got.sequence_length], expected)
+
+
+def test_config_endpoint_shows_the_written_instances_and_batching(served):
+    client = httpclient.InferenceServerClient(served.server.http_url)
+    try:
+        config = client.get_model_config("fastertransformer")
+        ensemble = client.get_model_config(MODEL)
+    finally:
+        client.close()
+    assert config["backend"] == "python"
+    assert [g["count"] for g in config["instance_group"]] == [served.setup.instances]
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert config["parameters"]["tensor_para_size"]["string_value"] == str(served.setup.tp)
+    assert ("dynamic_batching" in config) is served.setup.batching
+    if served.setup.batching:
+        assert config["dynamic_batching"]["preferred_batch_size"] == [4]
+        assert int(config["dynamic_batching"]["max_queue_delay_microseconds"]) == 500000
+    assert ensemble["platform"] == "ensemble"
+    assert ensemble["max_batch_size"] == 8
+
+
+def test_concurrent_requests_are_computed_together_only_with_dynamic_batching(served):
+    requests = [
+        {**SEED_REQUEST, "random_seed": [seed], "request_output_len": [6 + seed]}
+        for seed in range(4)
+    ]
+    alone = [served.complete(r) for r in requests]
+    before = served.stats("fastertransformer")
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(served.complete, requests))
+    after = served.stats("fastertransformer")
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == len(requests)
+    if served.setup.batching:
+        assert executions < inferences
+        assert max(int(b["batch_size"]) for b in after["batch_stats"]) > 1
+    else:
+        assert executions == inferences
+    # A request's result does not depend on what it was batched with.
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+        assert a.text == b.text
+
+
+def test_an_empty_prompt_is_refused_with_a_clear_error(served):
+    with pytest.raises(EndpointError, match="prompt is empty"):
+        served.complete({**SEED_REQUEST, "prompt": [""]})
+
+
+def test_a_repository_whose_tp_does_not_match_its_files_fails_to_load(source, tmp_path):
+    published = publish(source, tmp_path / "root", SETUPS["tp1-i1-no-batching"])
+    broken = shutil.copytree(published, tmp_path / "broken")
+    config_path = broken / "fastertransformer" / "config.pbtxt"
+    config = read_config(config_path)
+    config.parameters["tensor_para_size"].string_value = "2"
+    write_config(config, config_path.parent)
+    with pytest.raises(ServerStartError) as failure, TritonServer(broken, startup_timeout=60):
+        pass
+    message = str(failure.value)
+    assert "failed to load 'fastertransformer'" in message
+    assert "tensor_para_size 2 in config.pbtxt does not match" in message
