@@ -806,3 +806,42 @@ def test_render_script_prints_the_local_resources_and_validates(capsys):
 def test_render_script_exits_2_on_bad_values(capsys):
     assert rc.main(["--set", "triton.instanceCount=0"]) == 2
     assert "model-triton: triton.instanceCount" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- make staging-deploy
+
+
+def _staging_deploy(**env) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "staging-deploy.sh")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+
+
+def test_staging_deploy_dry_run_renders_and_validates_without_a_cluster():
+    proc = _staging_deploy(DRY_RUN="1", KUBECTL="/nonexistent/kubectl")
+    assert proc.returncode == 0, proc.stderr
+    key = one(rendered("helm4", "staging.yaml"), "Deployment")["metadata"]["annotations"][
+        "model-triton/model-key"
+    ]
+    assert f"==> model key: {key}" in proc.stdout
+    assert "every manifest valid (strict) on Kubernetes 1.29.0, 1.35.0" in proc.stdout
+    assert "nothing was sent to a cluster" in proc.stdout
+
+
+def test_staging_deploy_dry_run_fails_on_bad_values():
+    proc = _staging_deploy(DRY_RUN="1", HELM_ARGS="--set cluster.replicasPerNode=2")
+    assert proc.returncode != 0
+    assert "model-triton: cluster.replicasPerNode" in proc.stderr
+
+
+def test_staging_deploy_refuses_without_kubectl_before_touching_anything():
+    proc = _staging_deploy(YES="1", KUBECTL="/nonexistent/kubectl")
+    assert proc.returncode == 1
+    assert "/nonexistent/kubectl not found" in proc.stderr

@@ -1,4 +1,4 @@
-"""Policy scan of the rendered chart with the real checkov (pinned in .tools/, `make install`).
+"""Policy scan of the rendered chart and the loader Dockerfile with the real checkov (pinned in .tools/, `make install`).
 
 Everything the chart can render (defaults, every values file, every optional resource) is
 scanned once per session; the only accepted findings are the checks listed, each with its
@@ -98,6 +98,7 @@ def report(tmp_path_factory) -> dict:
     for values in sorted(rc.VALUES_DIR.glob("*.yaml")):
         (out / values.name).write_text(rc.render(values_files=[values]))
     (out / "weakened.yaml").write_text(rc.render(set_values=WEAK))
+    (out / "Dockerfile").write_text((ROOT / "loader" / "Dockerfile").read_text())
     proc = subprocess.run(
         [
             str(checkov()),
