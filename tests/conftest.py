@@ -28,3 +28,26 @@ def tiny_checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gptj") / "ckpt", arch="gptj")
     train_tokenizer(TOKENIZER_CORPUS, 320, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def published_tiny_python_repository(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny checkpoint published by ``model-loader run --backend python`` (model ``codegen``,
+    T=1, P=1, I=1, dynamic batching off); the path Triton serves.
+
+    Session-scoped and shared: tests must not modify it (serve it, or make variants of it).
+    """
+    from loader.parallel import Parallelism
+    from loader.pipeline import RunRequest, run
+    from loader.repository.key import ServingSettings
+
+    request = RunRequest(
+        source=str(tiny_checkpoint_with_tokenizer),
+        repository=tmp_path_factory.mktemp("published") / "models",
+        model_name="codegen",
+        parallelism=Parallelism(tp=1, pp=1, instance_count=1),
+        settings=ServingSettings(backend="python", dynamic_batching=False),
+    )
+    return run(request).path

@@ -1,0 +1,203 @@
+"""Clear errors of the bench: perf_analyzer missing, endpoint unreachable, bad arguments.
+
+perf_analyzer's own failure messages are recorded in tests/data/perf_analyzer/error_*.txt; the
+unreachable-endpoint cases also run the real perf_analyzer against a port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader.bench.endpoint import Endpoint, parse_endpoint
+from loader.bench.perf_analyzer import (
+    PerfAnalyzerOptions,
+    error_for,
+    find_perf_analyzer,
+    is_unstable,
+    measure_level,
+)
+from loader.bench.sweep import parse_concurrency_range
+from loader.errors import (
+    EndpointError,
+    LoaderError,
+    MeasurementError,
+    ModelNotFoundError,
+    ToolMissingError,
+)
+from loader.serving import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data" / "perf_analyzer"
+BENCH = [sys.executable, str(ROOT / "scripts" / "bench")]
+ENDPOINT = Endpoint("127.0.0.1:8000", "http")
+
+
+def read(name: str) -> str:
+    return (DATA / name).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("recording", "error"),
+    [
+        ("error_unreachable_http.txt", EndpointError),
+        ("error_unreachable_grpc.txt", EndpointError),
+        ("error_model_not_found.txt", ModelNotFoundError),
+        ("error_missing_input.txt", MeasurementError),
+    ],
+)
+def test_recorded_perf_analyzer_failures_become_typed_errors(recording, error):
+    exc = error_for(ENDPOINT, "codegen", read(recording))
+    assert type(exc) is error
+    assert exc.remediation
+
+
+def test_missing_input_error_says_which_tensor_and_how_to_fix_it():
+    exc = error_for(ENDPOINT, "codegen", read("error_missing_input.txt"))
+    assert "missing tensor prompt" in exc.message
+    assert "--input-data" in exc.remediation
+
+
+def test_unstable_levels_are_recognised_not_raised():
+    assert is_unstable(read("http_unstable_c1_stdout.txt"))
+    assert is_unstable(read("http_unstable_after_c1_stdout.txt"))
+    assert not is_unstable(read("http_c1-4_stdout.txt"))
+
+
+def test_missing_perf_analyzer_names_the_install_command(tmp_path, monkeypatch):
+    with pytest.raises(ToolMissingError) as excinfo:
+        find_perf_analyzer(tmp_path / "perf_analyzer")
+    assert "install-perf-analyzer.sh" in excinfo.value.remediation
+    assert "make install" in excinfo.value.remediation
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ToolMissingError, match="not installed"):
+        find_perf_analyzer(project_binary=tmp_path / "nope")
+
+
+def test_the_installed_perf_analyzer_is_found():
+    binary = find_perf_analyzer()
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    assert "Perf Analyzer Version 2.41.0" in version.stdout + version.stderr
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_real_perf_analyzer_against_a_closed_port_is_an_endpoint_error(protocol):
+    endpoint = Endpoint(f"127.0.0.1:{free_port()}", protocol)
+    with pytest.raises(EndpointError) as excinfo:
+        measure_level(
+            endpoint,
+            "codegen",
+            1,
+            options=PerfAnalyzerOptions(input_data=ROOT / "bench" / "test.json"),
+            binary=find_perf_analyzer(),
+        )
+    assert not isinstance(excinfo.value, ModelNotFoundError)
+    assert str(endpoint) in excinfo.value.message
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bench_cli_unreachable_endpoint_exits_2_with_a_hint():
+    done = run_bench(
+        "--url", f"127.0.0.1:{free_port()}", "--model", "codegen", "--concurrency-range", "1", "-q"
+    )
+    assert done.returncode == 2, done.stderr
+    assert "error: cannot reach Triton at http://127.0.0.1:" in done.stderr
+    assert "hint: Check --url" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bench_cli_missing_perf_analyzer_exits_2_with_the_install_command(tmp_path):
+    done = run_bench(
+        "--url",
+        "127.0.0.1:8000",
+        "--model",
+        "codegen",
+        "--perf-analyzer",
+        str(tmp_path / "perf_analyzer"),
+    )
+    assert done.returncode == 2
+    assert "error: perf_analyzer not found at" in done.stderr
+    assert "install-perf-analyzer.sh" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bench_help_lists_the_modes():
+    done = run_bench("--help")
+    assert done.returncode == 0
+    for flag in ("--url", "--compare", "--serving-experiment", "--max-p95-ms", "--input-data"):
+        assert flag in done.stdout
+
+
+def test_tune_on_a_missing_repository_exits_2(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loader",
+            "tune",
+            "--repository",
+            str(tmp_path / "missing"),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "does not exist" in done.stderr and "hint:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "levels"),
+    [("1:16:5", [1, 6, 11, 16]), ("1:4", [1, 2, 3, 4]), ("8", [8]), ("2:9:3", [2, 5, 8])],
+)
+def test_concurrency_ranges_include_the_end_like_perf_analyzer(text, levels):
+    assert parse_concurrency_range(text) == levels
+
+
+@pytest.mark.parametrize("text", ["0:4", "4:1", "1:4:0", "a:b", "", "1:2:3:4"])
+def test_bad_concurrency_ranges_are_user_errors(text):
+    with pytest.raises(LoaderError, match="concurrency range"):
+        parse_concurrency_range(text)
+
+
+@pytest.mark.parametrize(
+    ("url", "protocol", "expected"),
+    [
+        ("127.0.0.1:8000", None, Endpoint("127.0.0.1:8000", "http")),
+        ("grpc://triton.svc:8001", None, Endpoint("triton.svc:8001", "grpc")),
+        ("localhost:8001", "grpc", Endpoint("localhost:8001", "grpc")),
+        ("http://10.0.0.5:8000/", None, Endpoint("10.0.0.5:8000", "http")),
+    ],
+)
+def test_endpoints_parse(url, protocol, expected):
+    assert parse_endpoint(url, protocol=protocol) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "protocol"),
+    [("127.0.0.1", None), ("ftp://h:1", None), ("grpc://h:8001", "http"), ("h:70000", None)],
+)
+def test_bad_endpoints_are_user_errors(url, protocol):
+    with pytest.raises(LoaderError):
+        parse_endpoint(url, protocol=protocol)
+
+
+def test_streaming_needs_grpc(tmp_path):
+    with pytest.raises(LoaderError, match="only over gRPC"):
+        measure_level(
+            ENDPOINT,
+            "codegen",
+            1,
+            options=PerfAnalyzerOptions(streaming=True),
+            binary=find_perf_analyzer(),
+        )
