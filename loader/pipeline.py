@@ -21,12 +21,14 @@ leftover staging directory, takes over the dead loader's lock and completes.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from loader import __version__
+from loader.errors import RepositoryError
 from loader.parallel import Parallelism
 from loader.plan import ModelShape, Topology, check_memory, check_placement, estimate_memory
 from loader.repository import layout, manifest, publish
@@ -206,7 +208,17 @@ def run(request: RunRequest) -> RunResult:
         log.info("%s is already published and verified; nothing to do", target)
         return RunResult(target, key, False, time.monotonic() - start)
 
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        raise RepositoryError(
+            f"Cannot write to the repository root {root}.",
+            "Point --repository at a writable directory (the loader mounts the volume "
+            "read-write; Triton mounts it read-only).",
+        )
     with PublishLock(
         root, key, expiry_s=request.lock_expiry_s, timeout_s=request.lock_timeout_s
     ) as lock:

@@ -29,7 +29,7 @@ def test_default_settings_give_the_documented_canonical_string_and_variant():
 
 def test_every_setting_appears_in_the_canonical_string_in_contract_order():
     settings = ServingSettings(
-        backend="python",
+        backend="fastertransformer",
         dtype="fp16",
         max_batch_size=16,
         dynamic_batching=True,
@@ -38,14 +38,15 @@ def test_every_setting_appears_in_the_canonical_string_in_contract_order():
         streaming=True,
     )
     assert settings.canonical() == (
-        "backend=python;dtype=fp16;max_batch_size=16;dynamic_batching=1;"
+        "backend=fastertransformer;dtype=fp16;max_batch_size=16;dynamic_batching=1;"
         "preferred_batch_size=4,8;max_queue_delay_us=250;streaming=1"
     )
-    assert settings.variant() == "0cad24b1"
+    assert settings.variant() == "c292e4de"
 
 
 def test_batching_fields_are_empty_when_dynamic_batching_is_off():
     settings = ServingSettings(
+        backend="python",
         dtype="fp32",
         max_batch_size=1,
         dynamic_batching=False,
@@ -53,10 +54,10 @@ def test_batching_fields_are_empty_when_dynamic_batching_is_off():
         max_queue_delay_us=500,
     )
     assert settings.canonical() == (
-        "backend=fastertransformer;dtype=fp32;max_batch_size=1;dynamic_batching=0;"
+        "backend=python;dtype=fp32;max_batch_size=1;dynamic_batching=0;"
         "preferred_batch_size=;max_queue_delay_us=;streaming=0"
     )
-    assert settings.variant() == "1ea10401"
+    assert settings.variant() == "7915488f"
     assert settings.preferred_batch_sizes == ()
 
 
@@ -111,6 +112,7 @@ def test_revision_that_cannot_be_a_directory_name_is_refused():
         {"max_batch_size": 0},
         {"preferred_batch_sizes": (16,)},
         {"max_queue_delay_us": -1},
+        {"backend": "python", "streaming": True},
     ],
 )
 def test_invalid_settings_are_typed_errors(kwargs):
