@@ -112,7 +112,6 @@ def test_revision_that_cannot_be_a_directory_name_is_refused():
         {"max_batch_size": 0},
         {"preferred_batch_sizes": (16,)},
         {"max_queue_delay_us": -1},
-        {"backend": "python", "streaming": True},
     ],
 )
 def test_invalid_settings_are_typed_errors(kwargs):

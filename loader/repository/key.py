@@ -27,8 +27,6 @@ from loader.sources import parse_uri
 
 #: Backends the loader writes the ``fastertransformer`` model for.
 BACKENDS: tuple[str, ...] = ("fastertransformer", "python")
-#: Backends whose ``fastertransformer`` model can stream (decoupled mode).
-STREAMING_BACKENDS: tuple[str, ...] = ("fastertransformer",)
 #: ``--dtype`` values; ``auto`` keeps the source checkpoint's dtype.
 DTYPES: tuple[str, ...] = ("auto", "fp16", "fp32")
 #: Names of the models a repository holds besides the ensemble.
@@ -79,11 +77,6 @@ class ServingSettings:
             raise RepositoryError(
                 f"--max-queue-delay-us must not be negative, got {self.max_queue_delay_us}.",
                 "Pass --max-queue-delay-us 0 or more (microseconds).",
-            )
-        if self.streaming and self.backend not in STREAMING_BACKENDS:
-            raise RepositoryError(
-                f"The {self.backend} backend's model does not stream (decoupled mode).",
-                "Drop --streaming, or use --backend fastertransformer.",
             )
         object.__setattr__(self, "preferred_batch_sizes", tuple(self.preferred_batch_sizes))
         if not self.dynamic_batching:
