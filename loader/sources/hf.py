@@ -4,15 +4,15 @@
   pinned to the commit, which :class:`~loader.sources.FetchResult` records as ``revision``.
 * Only the files a conversion needs are fetched (:func:`select_files`): ``config.json``, the
   weights in ONE format (safetensors with its index if present, else PyTorch ``.bin`` with its
-  index) and the tokenizer files. Other formats (``*.msgpack``, ``*.h5``, ``*.onnx``, ...) and
-  sub-folders are left out.
+  index), the tokenizer files and ``generation_config.json``. Other formats (``*.msgpack``,
+  ``*.h5``, ``*.onnx``, ...) and sub-folders are left out.
 * ``snapshot_download`` writes into ``dest/.partial/hf/`` (its own metadata there makes a rerun
   resume); each file is then verified against the Hub's listing (SHA-256 for LFS files, the git
   blob id otherwise) and only then moved to ``dest/<path>``. Files already in ``dest`` that
   verify are not downloaded again.
 * Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named by
   ``$HF_TOKEN_FILE`` (a mounted Kubernetes Secret). It is passed to the Hub, never logged.
-  ``$HF_ENDPOINT`` selects a mirror (``huggingface_hub`` reads it).
+  ``$HF_ENDPOINT`` selects a mirror of the Hub.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "added_tokens.json",
 )
+#: Small metadata fetched when present (default generation settings such as bos/eos ids).
+METADATA_FILES = ("generation_config.json",)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,9 @@ def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[
             "form with an index); Flax, TensorFlow and ONNX weights are not converted.",
         )
     log.debug("weights format %s: %s", fmt.name, chosen)
-    return sorted({CONFIG_FILE, *chosen, *(t for t in TOKENIZER_FILES if t in top)})
+    return sorted(
+        {CONFIG_FILE, *chosen, *(t for t in (*TOKENIZER_FILES, *METADATA_FILES) if t in top)}
+    )
 
 
 # --- token and errors --------------------------------------------------------------------
@@ -306,7 +310,9 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     token = resolve_token(options)
     revision = uri.revision or DEFAULT_REVISION
     funnel = _Funnel(uri, revision, options)
-    api = HfApi()
+    # Read at call time (the Hub library reads it once, at import).
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    api = HfApi(endpoint=endpoint)
     info = funnel(
         lambda: api.model_info(uri.location, revision=revision, token=token),
         what=f"{uri.raw} (model info)",
@@ -347,6 +353,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                     local_dir=staging,
                     allow_patterns=missing,
                     token=token,
+                    endpoint=endpoint,
                     max_workers=options.workers or DEFAULT_WORKERS,
                 ),
                 what=f"{uri.raw} (download)",

@@ -1,0 +1,195 @@
+"""hf:// sources against the real olah Hub mirror (offline mode, local git repositories)."""
+
+from __future__ import annotations
+
+import filecmp
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader.errors import CheckpointError, SourceNotFoundError, SourcePermissionError
+from loader.repository import manifest
+from loader.sources import fetch, transfer
+from tests.servers import OlahServer, git
+from tests.tinymodels import make_tiny_checkpoint
+
+#: Files of other formats that must never be downloaded.
+DECOYS = {
+    "flax_model.msgpack": b"flax weights",
+    "tf_model.h5": b"tensorflow weights",
+    "model.onnx": b"onnx graph",
+    "onnx/decoder_model.onnx": b"onnx graph",
+    "pytorch_model.bin": b"a second format of the same weights",
+    "README.md": b"# tiny\n",
+}
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_checkpoint_with_tokenizer, tmp_path_factory):
+    """olah serving org/tiny-gptj (main + dev), org/tiny-bin and org/no-weights."""
+    srv = OlahServer(tmp_path_factory.mktemp("olah"))
+    ckpt = tiny_checkpoint_with_tokenizer
+    files = {p.relative_to(ckpt).as_posix(): p for p in ckpt.rglob("*") if p.is_file()}
+    repo = srv.make_repo("org/tiny-gptj", {**files, **DECOYS})
+    srv.revisions = {"main": git(repo, "rev-parse", "HEAD")}
+    git(repo, "checkout", "-q", "-b", "dev")
+    srv.revisions["dev"] = srv.commit(repo, {"added_tokens.json": b"{}\n"}, "dev: added tokens")
+    git(repo, "checkout", "-q", "main")
+    srv.expected = sorted(files)
+
+    bin_ckpt = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("bin") / "ckpt", fmt="bin", sharded=True
+    )
+    srv.bin_files = {p.name: p for p in bin_ckpt.iterdir() if p.is_file()}
+    srv.make_repo("org/tiny-bin", {**srv.bin_files, "flax_model.msgpack": b"x"})
+    srv.make_repo("org/no-weights", {"config.json": b"{}", "flax_model.msgpack": b"x"})
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def endpoint(monkeypatch, hub, tmp_path):
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    for name in ("HF_TOKEN", "HF_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def visible(dest: Path) -> list[str]:
+    return sorted(
+        p.relative_to(dest).as_posix()
+        for p in dest.rglob("*")
+        if p.is_file() and not p.relative_to(dest).parts[0].startswith(".")
+    )
+
+
+def test_pinned_commit_fetches_exactly_the_conversion_files(
+    hub, tiny_checkpoint_with_tokenizer, tmp_path
+):
+    commit = hub.revisions["main"]
+    result = fetch(f"hf://org/tiny-gptj@{commit}", tmp_path / "dest")
+    assert result.revision == commit
+    assert result.files == hub.expected == visible(tmp_path / "dest")
+    for rel in result.files:
+        assert filecmp.cmp(
+            tiny_checkpoint_with_tokenizer / rel, tmp_path / "dest" / rel, shallow=False
+        )
+    assert result.downloaded_bytes == result.bytes > 0
+    assert not (tmp_path / "dest" / transfer.PARTIAL_DIR).exists()
+
+
+def test_other_formats_and_subfolders_are_not_downloaded(hub, tmp_path):
+    fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    got = set(visible(tmp_path / "dest"))
+    assert not got & set(DECOYS)
+    assert "model.safetensors" in got and "tokenizer.json" in got
+
+
+def test_a_branch_is_resolved_to_its_commit(hub, tmp_path):
+    result = fetch("hf://org/tiny-gptj@dev", tmp_path / "dest")
+    assert result.revision == hub.revisions["dev"] != hub.revisions["main"]
+    assert "added_tokens.json" in result.files
+    assert (tmp_path / "dest" / "added_tokens.json").read_bytes() == b"{}\n"
+
+
+def test_no_revision_means_main(hub, tmp_path):
+    result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    assert result.revision == hub.revisions["main"]
+    assert "added_tokens.json" not in result.files
+
+
+def test_pytorch_weights_are_used_when_there_is_no_safetensors(hub, tmp_path):
+    result = fetch("hf://org/tiny-bin", tmp_path / "dest")
+    assert result.files == sorted(hub.bin_files)
+    assert "pytorch_model.bin.index.json" in result.files
+    for name, src in hub.bin_files.items():
+        assert filecmp.cmp(src, tmp_path / "dest" / name, shallow=False)
+
+
+def test_a_repository_without_supported_weights_is_a_checkpoint_error(hub, tmp_path):
+    with pytest.raises(CheckpointError, match=r"flax_model\.msgpack"):
+        fetch("hf://org/no-weights", tmp_path / "dest")
+    assert visible(tmp_path / "dest") == []
+
+
+def test_unknown_repository_is_a_not_found_error_naming_the_uri(hub, tmp_path):
+    with pytest.raises(SourceNotFoundError, match="hf://org/absent") as info:
+        fetch("hf://org/absent", tmp_path / "dest")
+    assert "HF_TOKEN" in info.value.remediation
+
+
+def test_unknown_revision_is_a_not_found_error_naming_it(hub, tmp_path):
+    with pytest.raises(SourceNotFoundError, match="no-such-branch"):
+        fetch("hf://org/tiny-gptj@no-such-branch", tmp_path / "dest")
+
+
+def test_rerun_skips_verified_files_and_replaces_a_damaged_one(hub, tmp_path):
+    dest = tmp_path / "dest"
+    first = fetch("hf://org/tiny-gptj", dest)
+    again = fetch("hf://org/tiny-gptj", dest)
+    assert again.downloaded_bytes == 0
+    damaged = dest / "model.safetensors"
+    size = damaged.stat().st_size
+    damaged.write_bytes(b"\0" * size)
+    third = fetch("hf://org/tiny-gptj", dest)
+    assert third.downloaded_bytes == size
+    assert third.files == first.files
+    ckpt_bytes = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    assert damaged.read_bytes() == ckpt_bytes
+
+
+def test_token_file_is_used_and_never_logged(hub, tmp_path, monkeypatch, caplog):
+    secret = "hf_secretTokenValue1234567890"
+    token_file = tmp_path / "token"
+    token_file.write_text(secret + "\n")
+    monkeypatch.setenv("HF_TOKEN_FILE", str(token_file))
+    with caplog.at_level(logging.DEBUG):
+        result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    assert result.revision == hub.revisions["main"]
+    assert caplog.records
+    assert secret not in caplog.text
+
+
+def test_missing_token_file_is_a_permission_error_naming_it(hub, tmp_path):
+    with pytest.raises(SourcePermissionError, match="no-such-token"):
+        fetch(
+            "hf://org/tiny-gptj", tmp_path / "dest", hf_token_file=str(tmp_path / "no-such-token")
+        )
+
+
+def test_run_from_hf_publishes_the_same_weights_as_from_a_local_path(
+    hub, tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """`model-loader run --source hf://...@dev` end to end; the FT weights equal a local run's."""
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")}
+    paths = {}
+    for name, source in (
+        ("hub", "hf://org/tiny-gptj@dev"),
+        ("local", str(tiny_checkpoint_with_tokenizer)),
+    ):
+        root = tmp_path / name
+        proc = subprocess.run(
+            [sys.executable, "-m", "loader", "run", "--source", source, "--repository",
+             str(root), "--model-name", "tiny", "--tp-size", "2", "--pp-size", "1",
+             "--instance-count", "1", "--backend", "python"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        paths[name] = Path(proc.stdout.splitlines()[-1])
+    hub_path = paths["hub"]
+    assert hub_path.parent.name == "tiny@dev"
+    assert (hub_path / ".ready").is_file()
+    assert manifest.verify(hub_path) == []
+    assert manifest.read_manifest(hub_path)["source_revision"] == hub.revisions["dev"]
+    ft_local = paths["local"] / "fastertransformer" / "1"
+    ft_hub = hub_path / "fastertransformer" / "1"
+    weights = sorted(p.relative_to(ft_local) for p in (ft_local / "2-gpu").glob("*.bin"))
+    assert len(weights) > 10
+    for rel in weights:
+        assert filecmp.cmp(ft_local / rel, ft_hub / rel, shallow=False), rel
