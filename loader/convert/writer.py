@@ -87,6 +87,18 @@ def _write_all(fh, data: np.ndarray) -> None:
         view = view[written:]
 
 
+_buffers = threading.local()
+
+
+def _chunk_buffer(nbytes: int) -> np.ndarray:
+    """This thread's reusable scratch buffer (fresh pages cost a fault each; reuse is free)."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        _buffers.buf = buf
+    return buf[:nbytes]
+
+
 def write_file(
     out: OutputFile,
     ckpt: Checkpoint,
@@ -118,7 +130,8 @@ def write_file(
             ):
                 data = direct  # a view of the memory-mapped source: no copy at all
             else:
-                data = np.empty((stop_row - start, out.row_elements), dtype)
+                nbytes = (stop_row - start) * row_bytes
+                data = _chunk_buffer(nbytes).view(dtype).reshape(stop_row - start, -1)
                 col = 0
                 for block, src_dtype in zip(blocks, source_dtypes, strict=True):
                     width = block.shape[1]

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Converter benchmark: ``model-loader convert`` against a plain ``cp`` of the same bytes.
+
+Builds (once, cached under ``bench/work/``) a synthetic fp16 GPT-J checkpoint of about 2 GB as
+sharded safetensors with random weights, then in one run measures:
+
+* ``cp`` of the weight files (the I/O limit of this machine),
+* ``model-loader convert`` at T=1 and T=2, with the source dtype and with ``--dtype fp32``,
+
+and prints seconds, MB/s (bytes written per second), the convert/cp throughput ratio, and the
+peak anonymous memory (RssAnon summed over the process tree, sampled from ``/proc`` every 50 ms)
+against the bound ``2 x largest tensor + 256 MiB``. The source files are read once before timing
+so every run starts from the page cache, like ``cp`` does.
+
+Usage: ``make bench-convert`` or ``python scripts/bench_convert.py [--work-dir DIR] [--layers N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+
+# GPT-J-like shape: n_embd 2048, 16 heads, inter 8192, vocab 50400; 16 layers ~ 2.0 GB in fp16.
+CONFIG = {
+    "model_type": "gptj",
+    "architectures": ["GPTJForCausalLM"],
+    "n_embd": 2048,
+    "n_head": 16,
+    "n_inner": 8192,
+    "rotary_dim": 64,
+    "vocab_size": 50400,
+    "n_positions": 2048,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "bos_token_id": 50256,
+    "eos_token_id": 50256,
+    "tie_word_embeddings": False,
+    "dtype": "float16",
+}
+
+
+def tensor_shapes(config: dict, layers: int) -> dict[str, tuple[int, ...]]:
+    h, inter, vocab = config["n_embd"], config["n_inner"], config["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        shapes.update(
+            {
+                p + "ln_1.weight": (h,),
+                p + "ln_1.bias": (h,),
+                p + "attn.q_proj.weight": (h, h),
+                p + "attn.k_proj.weight": (h, h),
+                p + "attn.v_proj.weight": (h, h),
+                p + "attn.out_proj.weight": (h, h),
+                p + "mlp.fc_in.weight": (inter, h),
+                p + "mlp.fc_in.bias": (inter,),
+                p + "mlp.fc_out.weight": (h, inter),
+                p + "mlp.fc_out.bias": (h,),
+            }
+        )
+    shapes.update(
+        {
+            "transformer.ln_f.weight": (h,),
+            "transformer.ln_f.bias": (h,),
+            "lm_head.weight": (vocab, h),
+            "lm_head.bias": (vocab,),
+        }
+    )
+    return shapes
+
+
+def write_safetensors(
+    path: Path, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator
+) -> None:
+    """A safetensors file of random finite fp16 values (|x| < 2), written in 32 MiB pieces."""
+    header: dict[str, dict] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = int(np.prod(shape)) * 2
+        header[name] = {
+            "dtype": "F16",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_suffix(".partial")
+    with open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for shape in shapes.values():
+            left = int(np.prod(shape))
+            while left:
+                n = min(left, 16 * MIB)
+                bits = rng.integers(0, 2**16, n, dtype=np.uint16) & np.uint16(0xBBFF)
+                fh.write(bits.tobytes())
+                left -= n
+    tmp.rename(path)
+
+
+def build_checkpoint(directory: Path, layers: int) -> tuple[int, int]:
+    """Write the checkpoint (if not already there); returns (weight bytes, largest tensor bytes)."""
+    shapes = tensor_shapes(CONFIG, layers)
+    sizes = {n: int(np.prod(s)) * 2 for n, s in shapes.items()}
+    config = {**CONFIG, "n_layer": layers}
+    marker = directory / ".complete"
+    if marker.is_file() and json.loads(marker.read_text()) == config:
+        print(f"using the checkpoint in {directory}", flush=True)
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        print(f"writing a synthetic fp16 GPT-J checkpoint to {directory} ...", flush=True)
+        rng = np.random.default_rng(0)
+        shards: list[dict[str, tuple[int, ...]]] = [{}]
+        size = 0
+        for name, shape in shapes.items():
+            if shards[-1] and size + sizes[name] > 1000 * MIB:
+                shards.append({})
+                size = 0
+            shards[-1][name] = shape
+            size += sizes[name]
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(directory / fname, shard, rng)
+            weight_map.update(dict.fromkeys(shard, fname))
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        (directory / "config.json").write_text(json.dumps(config, indent=1))
+        marker.write_text(json.dumps(config))
+    return sum(sizes.values()), max(sizes.values())
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                kids += [int(x) for x in fh.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _rss_anon_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_rss_anon(pid: int) -> int:
+    """RssAnon of ``pid`` and all its descendants, in bytes."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += _rss_anon_kib(p)
+        stack += _children(p)
+    return total * 1024
+
+
+def measure(cmd: list[str]) -> tuple[float, int]:
+    """Run ``cmd``; return (wall seconds, peak RssAnon of its process tree in bytes)."""
+    peak = 0
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, tree_rss_anon(proc.pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    rc = proc.wait()
+    seconds = time.monotonic() - started
+    done.set()
+    sampler.join()
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with exit code {rc}")
+    return seconds, peak
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def warm(path: Path) -> None:
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while fh.read(64 * MIB):
+                pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "bench" / "work" / "convert")
+    parser.add_argument("--layers", type=int, default=16, help="decoder layers (16 ~ 2 GB)")
+    parser.add_argument("--workers", type=int, default=None, help="passed to model-loader convert")
+    args = parser.parse_args()
+
+    work: Path = args.work_dir
+    source = work / "gptj-fp16"
+    weight_bytes, largest = build_checkpoint(source, args.layers)
+    bound = 2 * largest + 256 * MIB
+    loader = [sys.executable, "-m", "loader", "-q", "convert"]
+    extra = ["--workers", str(args.workers)] if args.workers else []
+    runs = [
+        ("cp", None, None),
+        ("convert T=1", 1, None),
+        ("convert T=2", 2, None),
+        ("convert T=1 --dtype fp32", 1, "fp32"),
+        ("convert T=2 --dtype fp32", 2, "fp32"),
+    ]
+    warm(source)
+    rows = []
+    cp_rate = None
+    for label, tp, dtype in runs:
+        out = work / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        if tp is None:
+            files = [str(f) for f in sorted(source.glob("*.safetensors"))]
+            seconds, peak = measure(["cp", *files, str(out)])
+        else:
+            cmd = [*loader, str(source), str(out), "--tp-size", str(tp), *extra]
+            if dtype:
+                cmd += ["--dtype", dtype]
+            seconds, peak = measure(cmd)
+        written = dir_bytes(out)
+        rate = written / 1e6 / seconds
+        if cp_rate is None:
+            cp_rate = rate
+        rows.append((label, seconds, written, rate, rate / cp_rate, peak))
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"  {label}: {seconds:.2f} s", flush=True)
+
+    print()
+    print(f"source: {weight_bytes / 1e9:.2f} GB fp16 safetensors, largest tensor "
+          f"{largest / MIB:.0f} MiB, memory bound 2 x largest + 256 MiB = {bound / MIB:.0f} MiB, "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    header = f"{'run':<26} {'seconds':>8} {'written GB':>10} {'MB/s':>8} {'vs cp':>6} {'peak RssAnon':>13}"
+    print(header)
+    print("-" * len(header))
+    ok = True
+    for label, seconds, written, rate, ratio, peak in rows:
+        flag = ""
+        if label != "cp":
+            within = peak < bound
+            ok &= within and ratio >= 0.5
+            flag = "" if within else "  over the memory bound"
+        print(f"{label:<26} {seconds:8.2f} {written / 1e9:10.2f} {rate:8.0f} {ratio:6.2f} "
+              f"{peak / MIB:9.0f} MiB{flag}")  # fmt: skip
+    print()
+    print("goal: convert/cp >= 0.5 within the memory bound:", "met" if ok else "NOT met")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""loader.checkpoint: every weight layout reads back the exact tensors; broken input is a typed error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loader.checkpoint import open_checkpoint, read_hf_config
+from loader.errors import CheckpointError, DtypeError
+from tests.tinymodels import make_tiny_checkpoint, read_state_dict
+
+LAYOUTS = [
+    ("safetensors", False, "model.safetensors"),
+    ("safetensors", True, "model.safetensors.index.json"),
+    ("bin", False, "pytorch_model.bin"),
+    ("bin", True, "pytorch_model.bin.index.json"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        (fmt, sharded): make_tiny_checkpoint(
+            root / f"{fmt}-{sharded}", fmt=fmt, sharded=sharded, dtype="fp16", seed=3
+        )
+        for fmt, sharded, _ in LAYOUTS
+    }
+
+
+@pytest.mark.parametrize(("fmt", "sharded", "marker"), LAYOUTS)
+def test_every_layout_reads_back_the_exact_tensors(checkpoints, fmt, sharded, marker):
+    path = checkpoints[(fmt, sharded)]
+    assert (path / marker).is_file()
+    expected = read_state_dict(path)
+    with open_checkpoint(path) as ckpt:
+        assert set(ckpt.names()) == set(expected)
+        assert (len(ckpt.files) > 1) == sharded
+        for name, array in ckpt.iter_tensors():
+            info = ckpt.tensors[name]
+            assert info.dtype == "fp16"
+            assert info.shape == tuple(expected[name].shape)
+            np.testing.assert_array_equal(array, expected[name].numpy())
+
+
+def test_tensors_are_views_of_the_file_not_copies(checkpoints):
+    with open_checkpoint(checkpoints[("safetensors", False)]) as ckpt:
+        wte = ckpt.get("transformer.wte.weight")
+        assert not wte.flags.owndata
+        assert not wte.flags.writeable
+
+
+def test_read_hf_config_returns_config_json(checkpoints):
+    config = read_hf_config(checkpoints[("bin", False)])
+    assert config["model_type"] == "gptj"
+    assert config["n_embd"] == 64
+
+
+def test_missing_config_json_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+        read_hf_config(tmp_path)
+
+
+def test_a_directory_without_weights_lists_what_it_looked_for(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gptj"}))
+    with pytest.raises(CheckpointError, match=r"holds no weights: looked for model\.safetensors"):
+        open_checkpoint(tmp_path)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_safetensors_file_cut_short_names_the_file(checkpoints, tmp_path):
+    path = _copy(checkpoints[("safetensors", True)], tmp_path / "ck")
+    shard = sorted(path.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(path)
+    assert shard.name in str(info.value)
+    assert "truncated or corrupt" in str(info.value)
+
+
+def test_a_safetensors_header_cut_short_names_the_file(checkpoints, tmp_path):
+    path = _copy(checkpoints[("safetensors", False)], tmp_path / "ck")
+    shard = path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is truncated or corrupt"):
+        open_checkpoint(path)
+
+
+def test_a_safetensors_header_that_is_not_json_names_the_file(checkpoints, tmp_path):
+    path = _copy(checkpoints[("safetensors", False)], tmp_path / "ck")
+    shard = path / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\xff\xfe{{"
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors .*header is not valid JSON"):
+        open_checkpoint(path)
+
+
+def test_a_bin_file_cut_short_names_the_file(checkpoints, tmp_path):
+    path = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    shard = path / "pytorch_model.bin"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin is truncated or corrupt"):
+        open_checkpoint(path)
+
+
+def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
+    path = _copy(checkpoints[("bin", True)], tmp_path / "ck")
+    victim = sorted(path.glob("pytorch_model-*.bin"))[0]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=rf"{victim.name} is listed in .* but missing"):
+        open_checkpoint(path)
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_an_error(checkpoints, tmp_path):
+    path = _copy(checkpoints[("safetensors", True)], tmp_path / "ck")
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first_shard = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"]["transformer.h.9.ln_1.weight"] = first_shard
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"transformer\.h\.9\.ln_1\.weight"):
+        open_checkpoint(path)
+
+
+def test_bfloat16_tensors_come_back_as_their_bits(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gptj"}))
+    tensor = torch.randn(4, 6).to(torch.bfloat16)
+    save_file({"x": tensor}, tmp_path / "model.safetensors")
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.tensors["x"].dtype == "bf16"
+        bits = ckpt.get("x")
+    np.testing.assert_array_equal(bits, tensor.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_an_unsupported_safetensors_dtype_is_a_dtype_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gptj"}))
+    header = json.dumps({"x": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + b"\0\0"
+    )
+    with pytest.raises(DtypeError, match="F8_E4M3"):
+        open_checkpoint(tmp_path)

@@ -1,0 +1,334 @@
+"""The converter: exact shards for T in 1, 2, 4, byte-identical to the reference algorithm,
+a complete config.ini, each file written once, and an atomic output directory."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import loader.convert.writer as writer
+from loader.convert import convert_checkpoint
+from loader.errors import OutputExistsError
+from tests.tinymodels import make_tiny_checkpoint, read_state_dict
+
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+#: (arch, source dtype, file format, sharded, n_inner): every axis of the matrix is covered.
+CASES = {
+    "gptj-fp32-safetensors": ("gptj", "fp32", "safetensors", False, None),
+    "gptj-fp16-bin-sharded": ("gptj", "fp16", "bin", True, 96),
+    "gptj-fp32-bin": ("gptj", "fp32", "bin", False, 96),
+    "codegen-fp32-safetensors-sharded": ("codegen", "fp32", "safetensors", True, None),
+    "codegen-fp16-safetensors": ("codegen", "fp16", "safetensors", False, 96),
+    "codegen-fp32-bin-sharded": ("codegen", "fp32", "bin", True, 96),
+}
+TPS = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    return {
+        case: make_tiny_checkpoint(
+            root / case, arch=arch, dtype=dtype, fmt=fmt, sharded=sharded, n_inner=n_inner, seed=i
+        )
+        for i, (case, (arch, dtype, fmt, sharded, n_inner)) in enumerate(CASES.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def converted(sources, tmp_path_factory: pytest.TempPathFactory):
+    """(case, T, dtype) -> ConvertResult, dtype None = the source dtype; converted lazily once."""
+    root = tmp_path_factory.mktemp("converted")
+    cache = {}
+
+    def get(case: str, tp: int, dtype: str | None = None):
+        key = (case, tp, dtype)
+        if key not in cache:
+            out = root / f"{case}-{dtype or 'auto'}"
+            cache[key] = convert_checkpoint(sources[case], out, tp_size=tp, dtype=dtype, workers=2)
+        return cache[key]
+
+    return get
+
+
+# --- an independent reading of the FT files (FT_FORMAT.md 1.3/1.4) --------------------------
+
+
+def _read(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    data = np.fromfile(path, dtype=NP_DTYPES[dtype])
+    assert data.size == int(np.prod(shape)), f"{path.name}: {data.size} elements, shape {shape}"
+    return data.reshape(shape)
+
+
+def reassemble(ckpt_dir: Path, dtype: str, cfg: dict) -> dict[str, np.ndarray]:
+    """Concatenate the rank files back into Hugging Face (GPT-J named) tensors."""
+    tp = int(ckpt_dir.name.split("-")[0])
+    h, inter, vocab = cfg["n_embd"], cfg["n_inner"] or 4 * cfg["n_embd"], cfg["vocab_size"]
+    c, i = h // tp, inter // tp
+    out = {
+        "transformer.wte.weight": _read(ckpt_dir / "model.wte.bin", dtype, (vocab, h)),
+        "transformer.ln_f.weight": _read(
+            ckpt_dir / "model.final_layernorm.weight.bin", dtype, (h,)
+        ),
+        "transformer.ln_f.bias": _read(ckpt_dir / "model.final_layernorm.bias.bin", dtype, (h,)),
+        "lm_head.weight": _read(ckpt_dir / "model.lm_head.weight.bin", dtype, (vocab, h)),
+        "lm_head.bias": _read(ckpt_dir / "model.lm_head.bias.bin", dtype, (vocab,)),
+    }
+    for layer in range(cfg["n_layer"]):
+        src, ft = f"transformer.h.{layer}.", ckpt_dir / f"model.layers.{layer}."
+
+        def ranks(name: str, shape: tuple[int, ...], axis: int, ft=ft) -> np.ndarray:
+            parts = [_read(Path(f"{ft}{name}.{r}.bin"), dtype, shape) for r in range(tp)]
+            return np.concatenate(parts, axis=axis)
+
+        qkv = ranks("attention.query_key_value.weight", (h, 3, c), axis=-1)  # [h_in, 3, h_out]
+        out.update(
+            {
+                src + "ln_1.weight": _read(Path(f"{ft}input_layernorm.weight.bin"), dtype, (h,)),
+                src + "ln_1.bias": _read(Path(f"{ft}input_layernorm.bias.bin"), dtype, (h,)),
+                src + "attn.q_proj.weight": qkv[:, 0, :].T,
+                src + "attn.k_proj.weight": qkv[:, 1, :].T,
+                src + "attn.v_proj.weight": qkv[:, 2, :].T,
+                src + "attn.out_proj.weight": ranks("attention.dense.weight", (c, h), axis=0).T,
+                src + "mlp.fc_in.weight": ranks("mlp.dense_h_to_4h.weight", (h, i), axis=-1).T,
+                src + "mlp.fc_in.bias": ranks("mlp.dense_h_to_4h.bias", (i,), axis=0),
+                src + "mlp.fc_out.weight": ranks("mlp.dense_4h_to_h.weight", (i, h), axis=0).T,
+                src + "mlp.fc_out.bias": _read(
+                    Path(f"{ft}mlp.dense_4h_to_h.bias.bin"), dtype, (h,)
+                ),
+            }
+        )
+    return out
+
+
+def hf_as_gptj(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """CodeGen's fused qkv_proj viewed as [4, 3, h/4, h] -> Q = [:,0], V = [:,1], K = [:,2]."""
+    if cfg["model_type"] != "codegen":
+        return dict(state)
+    h = cfg["n_embd"]
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("attn.qkv_proj.weight"):
+            groups = tensor.view(4, 3, h // 4, h)
+            base = name.removesuffix("qkv_proj.weight")
+            out[base + "q_proj.weight"] = groups[:, 0].reshape(h, h)
+            out[base + "v_proj.weight"] = groups[:, 1].reshape(h, h)
+            out[base + "k_proj.weight"] = groups[:, 2].reshape(h, h)
+        else:
+            out[name] = tensor
+    return out
+
+
+def reference_files(state: dict[str, torch.Tensor], cfg: dict, tp: int, dtype: str) -> dict:
+    """What the public reference converters write, computed the way they do it: whole tensors,
+    torch stack/permute for QKV, NumPy ``astype`` to the file dtype, ``.T``, ``np.split``."""
+    np_dtype = NP_DTYPES[dtype]
+    w = hf_as_gptj(state, cfg)
+
+    def arr(name: str) -> np.ndarray:
+        return w[name].detach().cpu().numpy().astype(np_dtype)
+
+    files = {
+        "model.wte.bin": arr("transformer.wte.weight"),
+        "model.final_layernorm.weight.bin": arr("transformer.ln_f.weight"),
+        "model.final_layernorm.bias.bin": arr("transformer.ln_f.bias"),
+        "model.lm_head.weight.bin": arr("lm_head.weight"),
+        "model.lm_head.bias.bin": arr("lm_head.bias"),
+    }
+    for layer in range(cfg["n_layer"]):
+        p, ft = f"transformer.h.{layer}.", f"model.layers.{layer}."
+        qkv = torch.stack([w[p + "attn.q_proj.weight"], w[p + "attn.k_proj.weight"],
+                           w[p + "attn.v_proj.weight"]]).permute(2, 0, 1)  # fmt: skip
+        split = {
+            "attention.query_key_value.weight": (qkv.numpy().astype(np_dtype), -1),
+            "attention.dense.weight": (arr(p + "attn.out_proj.weight").T, 0),
+            "mlp.dense_h_to_4h.weight": (arr(p + "mlp.fc_in.weight").T, -1),
+            "mlp.dense_h_to_4h.bias": (arr(p + "mlp.fc_in.bias"), -1),
+            "mlp.dense_4h_to_h.weight": (arr(p + "mlp.fc_out.weight").T, 0),
+        }
+        for name, (value, axis) in split.items():
+            for r, piece in enumerate(np.split(value, tp, axis=axis)):
+                files[f"{ft}{name}.{r}.bin"] = piece
+        files[ft + "input_layernorm.weight.bin"] = arr(p + "ln_1.weight")
+        files[ft + "input_layernorm.bias.bin"] = arr(p + "ln_1.bias")
+        files[ft + "mlp.dense_4h_to_h.bias.bin"] = arr(p + "mlp.fc_out.bias")
+    return {name: np.ascontiguousarray(value).tobytes() for name, value in files.items()}
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("case", CASES)
+def test_shards_reassemble_to_the_source_tensors_exactly(sources, converted, case, tp):
+    result = converted(case, tp)
+    cfg = json.loads((sources[case] / "config.json").read_text())
+    source_dtype = CASES[case][1]
+    assert result.dtype == source_dtype  # the default keeps the source dtype
+    expected = hf_as_gptj(read_state_dict(sources[case]), cfg)
+    got = reassemble(result.output_path, result.dtype, cfg)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        want = tensor.numpy()
+        assert got[name].dtype == want.dtype, name
+        assert got[name].tobytes() == np.ascontiguousarray(want).tobytes(), name
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_files_are_byte_identical_to_the_reference_converters(sources, converted, case, dtype, tp):
+    result = converted(case, tp, dtype)
+    cfg = json.loads((sources[case] / "config.json").read_text())
+    expected = reference_files(read_state_dict(sources[case]), cfg, tp, dtype)
+    written = {p.name for p in result.output_path.iterdir()}
+    assert written == {"config.ini", *expected}
+    assert set(result.files) == written
+    for name, data in expected.items():
+        assert (result.output_path / name).read_bytes() == data, name
+    assert result.bytes_written == sum(len(d) for d in expected.values())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_fp32_to_fp16_rounds_like_torch_half(tmp_path):
+    """Round to nearest even, overflow to inf, subnormals kept: exactly torch's ``.half()``."""
+    src = make_tiny_checkpoint(tmp_path / "src", dtype="fp32")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    wte = state["transformer.wte.weight"]
+    tricky = torch.tensor([1.0 + 2**-11, 1.0 + 3 * 2**-11, 70000.0, -70000.0, 3e-6, -1e-8, 65504.0])
+    wte.view(-1)[: tricky.numel()] = tricky
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    result = convert_checkpoint(src, tmp_path / "out", tp_size=1, dtype="fp16")
+    assert (result.output_path / "model.wte.bin").read_bytes() == wte.half().numpy().tobytes()
+
+
+@pytest.mark.parametrize("case", ["gptj-fp32-safetensors", "gptj-fp16-bin-sharded",
+                                  "codegen-fp32-safetensors-sharded"])  # fmt: skip
+def test_config_ini_has_a_complete_gptj_section(sources, converted, case):
+    result = converted(case, 2)
+    hf = json.loads((sources[case] / "config.json").read_text())
+    ini = configparser.ConfigParser()
+    ini.read(result.output_path / "config.ini")
+    section = ini["gptj"]
+    h = hf["n_embd"]
+    assert int(section["head_num"]) == hf["n_head"]
+    assert int(section["size_per_head"]) == h // hf["n_head"]
+    assert int(section["inter_size"]) == (hf["n_inner"] or 4 * h)
+    assert int(section["num_layer"]) == hf["n_layer"]
+    assert section["rotary_embedding"] == str(hf["rotary_dim"])
+    assert int(section["vocab_size"]) == hf["vocab_size"]
+    assert int(section["start_id"]) == hf["bos_token_id"]
+    assert int(section["end_id"]) == hf["eos_token_id"]
+    assert section["weight_data_type"] == CASES[case][1]
+    assert int(section["tensor_para_size"]) == 2
+    assert section["model_name"]
+    assert result.config.inter_size == int(section["inter_size"])
+
+
+def test_n_inner_unset_means_four_times_n_embd(converted):
+    assert converted("gptj-fp32-safetensors", 1).config.inter_size == 4 * 64
+    assert converted("gptj-fp32-bin", 1).config.inter_size == 96
+
+
+def test_every_output_file_is_opened_for_writing_exactly_once(sources, tmp_path, monkeypatch):
+    opened: list[str] = []
+
+    def counting_open(path, mode="r", *args, **kwargs):
+        if "w" in mode:
+            opened.append(Path(path).name)
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "open", counting_open, raising=False)
+    result = convert_checkpoint(
+        sources["codegen-fp32-bin-sharded"], tmp_path, tp_size=2, workers=2, chunk_bytes=512
+    )
+    bins = [name for name in result.files if name.endswith(".bin")]
+    assert sorted(opened) == sorted(bins)
+    assert len(set(opened)) == len(opened)
+
+
+def test_small_chunks_give_the_same_bytes_as_one_chunk(sources, converted, tmp_path):
+    """Row-chunked writing (and the tiled transposes) must not depend on the chunk size."""
+    whole = converted("codegen-fp16-safetensors", 2, "fp32")
+    chunked = convert_checkpoint(
+        sources["codegen-fp16-safetensors"], tmp_path, tp_size=2, dtype="fp32", chunk_bytes=300
+    )
+    for name in whole.files:
+        assert (chunked.output_path / name).read_bytes() == (whole.output_path / name).read_bytes()
+
+
+def test_large_tiled_transposes_are_exact(tmp_path):
+    """Shapes bigger than one transpose tile (and not multiples of it) reassemble exactly."""
+    src = make_tiny_checkpoint(
+        tmp_path / "src", n_embd=272, n_head=4, n_inner=400, n_layer=1, vocab_size=50
+    )
+    cfg = json.loads((src / "config.json").read_text())
+    result = convert_checkpoint(src, tmp_path / "out", tp_size=2, dtype="fp16")
+    got = reassemble(result.output_path, "fp16", cfg)
+    for name, tensor in read_state_dict(src).items():
+        np.testing.assert_array_equal(got[name], tensor.half().numpy(), err_msg=name)
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def test_a_failure_while_writing_leaves_nothing_behind(sources, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = writer.cast_into
+
+    def failing_cast(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk on fire")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "cast_into", failing_cast)
+    out = tmp_path / "new" / "out"
+    with pytest.raises(OSError, match="disk on fire"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=2, workers=2)
+    assert calls["n"] >= 5
+    assert not (tmp_path / "new").exists()  # the directories this run created are gone too
+
+
+def test_an_interrupt_while_writing_leaves_no_partial_directory(sources, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "cast_into", interrupted)
+    (tmp_path / "keep.txt").write_text("user file")
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1, workers=1)
+    assert _leftovers(tmp_path) == ["keep.txt"]
+
+
+def test_an_existing_output_is_refused_then_replaced_with_force(sources, tmp_path):
+    first = convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1)
+    with pytest.raises(OutputExistsError, match="1-gpu already exists"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1, dtype="fp16")
+    assert "weight_data_type = fp32" in (first.output_path / "config.ini").read_text()
+    again = convert_checkpoint(
+        sources["gptj-fp32-safetensors"], tmp_path, tp_size=1, dtype="fp16", overwrite=True
+    )
+    assert again.output_path == first.output_path
+    assert "weight_data_type = fp16" in (again.output_path / "config.ini").read_text()
+    assert _leftovers(tmp_path) == ["1-gpu"]
+
+
+def test_a_directory_left_by_a_killed_run_is_reported_and_kept(sources, tmp_path, caplog):
+    stale = tmp_path / ".1-gpu.partial-999999-abcd"
+    stale.mkdir()
+    with caplog.at_level("WARNING", logger="loader.convert.writer"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1)
+    assert any(stale.name in r.getMessage() for r in caplog.records)
+    assert _leftovers(tmp_path) == [".1-gpu.partial-999999-abcd", "1-gpu"]
+    shutil.rmtree(stale)
