@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loader.cli import build_parser
 from loader.parallel import Parallelism
+from loader.plan import Topology, check_placement
 from loader.repository.key import ServingSettings, model_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,29 +101,16 @@ def loader_pod_spec(docs) -> dict:
 
 
 def parse_loader_args(args: list[str]) -> argparse.Namespace:
-    """The `model-loader run` flags of the agreed contract, parsed strictly."""
-    p = argparse.ArgumentParser(prog="model-loader")
-    p.add_argument("command", choices=["run"])
-    p.add_argument("--source", required=True)
-    p.add_argument("--repository", required=True)
-    p.add_argument("--model-name", required=True)
-    p.add_argument("--revision")
-    p.add_argument("--tp-size", type=int, required=True)
-    p.add_argument("--pp-size", type=int, required=True)
-    p.add_argument("--instance-count", type=int, required=True)
-    p.add_argument("--backend", choices=["fastertransformer", "python"], required=True)
-    p.add_argument("--dtype", choices=["fp16", "fp32"])
-    p.add_argument("--max-batch-size", type=int, required=True)
-    p.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, required=True)
-    p.add_argument("--preferred-batch-size", type=int, nargs="+", default=[])
-    p.add_argument("--max-queue-delay-us", type=int, default=100)
-    p.add_argument("--gpu-memory-gib", type=float, required=True)
-    p.add_argument("--gpus-per-replica", type=int, required=True)
-    p.add_argument("--streaming", action="store_true")
-    return p.parse_args(args)
+    """The Job's arguments parsed by the real `model-loader` command line (strict: unknown
+    flags exit)."""
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == "run"
+    return parsed
 
 
 def key_from_loader_args(args: list[str]) -> str:
+    """The key `model-loader run` publishes for these arguments (as loader.cli.run builds it),
+    after the loader's own FasterTransformer placement check passes."""
     a = parse_loader_args(args)
     settings = ServingSettings(
         backend=a.backend,
@@ -132,7 +121,8 @@ def key_from_loader_args(args: list[str]) -> str:
         max_queue_delay_us=a.max_queue_delay_us,
         streaming=a.streaming,
     )
-    parallelism = Parallelism(tp=a.tp_size, pp=a.pp_size, instance_count=a.instance_count)
+    parallelism = Parallelism(a.tp_size, a.pp_size, a.instance_count)
+    check_placement(parallelism, Topology(gpus_per_replica=a.gpus_per_replica))
     return model_key(a.model_name, a.source, parallelism, settings, revision=a.revision)
 
 
@@ -271,7 +261,7 @@ def test_loader_args_carry_the_values(helm, values):
     v = values_of(values)
     a = parse_loader_args(container(loader_pod_spec(rendered(helm, values)), "loader")["args"])
     t = v["triton"]
-    assert (a.source, a.repository, a.model_name) == (
+    assert (a.source, str(a.repository), a.model_name) == (
         v["model"]["source"],
         "/models",
         v["model"]["name"],
@@ -293,15 +283,6 @@ def test_loader_args_carry_the_values(helm, values):
         a.gpus_per_replica == v["model"]["tensorParallelSize"] * v["model"]["pipelineParallelSize"]
     )
     assert a.streaming == t["streaming"]
-
-
-def test_loader_args_are_accepted_by_the_real_cli_once_run_is_registered():
-    from loader.cli import COMMANDS, build_parser
-
-    args = container(loader_pod_spec(rendered("helm4", "production.yaml")), "loader")["args"]
-    parse_loader_args(args)
-    if "loader.cli.run" in COMMANDS:
-        assert build_parser().parse_args(args).command == "run"
 
 
 @pytest.mark.parametrize(
