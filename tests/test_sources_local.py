@@ -1,0 +1,214 @@
+"""Source URIs, local checkpoints, the shared transfer helpers and progress lines."""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+
+import pytest
+
+from loader.cli import main
+from loader.errors import (
+    CheckpointError,
+    InsufficientDiskSpaceError,
+    SourceError,
+    SourceNotFoundError,
+    TransientSourceError,
+)
+from loader.progress import byte_progress
+from loader.sources import SCHEMES, fetch, parse_uri
+from loader.sources.hf import select_files
+from loader.sources.transfer import Retry, ensure_disk_space
+
+
+@pytest.mark.parametrize(
+    ("uri", "scheme", "location", "path", "revision"),
+    [
+        ("gs://bucket/a/b/ckpt/", "gs", "bucket", "a/b/ckpt", None),
+        ("gs://bucket", "gs", "bucket", "", None),
+        ("hf://org/name@v1.0", "hf", "org/name", "", "v1.0"),
+        ("hf://org/name", "hf", "org/name", "", None),
+        ("hf://gpt2", "hf", "gpt2", "", None),
+        ("file:///data/ckpt%20v1", "file", "/data/ckpt v1", "", None),
+        ("/data/ckpt", "file", "/data/ckpt", "", None),
+    ],
+)
+def test_uris_parse_into_scheme_location_prefix_and_revision(uri, scheme, location, path, revision):
+    parsed = parse_uri(uri)
+    assert (parsed.scheme, parsed.location, parsed.path, parsed.revision) == (
+        scheme, location, path, revision)  # fmt: skip
+    assert parsed.raw == uri
+    assert parsed.scheme in SCHEMES
+
+
+def test_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_uri("ckpt").location == str(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("uri", "words"),
+    [
+        ("s3://bucket/x", "Unsupported source URI scheme 's3'"),
+        ("gs:///x", "no bucket"),
+        ("hf://", "does not name a repository"),
+        ("hf://a/b/c", "does not name a repository"),
+        ("hf://org/name@", "empty revision"),
+        ("file://host/x", "names a host"),
+        ("", "empty"),
+    ],
+)
+def test_malformed_uris_are_source_errors_with_a_hint(uri, words):
+    with pytest.raises(SourceError, match=words) as info:
+        parse_uri(uri)
+    assert info.value.remediation
+
+
+def test_unknown_scheme_hint_lists_the_supported_ones():
+    with pytest.raises(SourceError) as info:
+        parse_uri("s3://b/x")
+    assert "gs://" in info.value.remediation and "hf://" in info.value.remediation
+
+
+@pytest.fixture
+def local_ckpt(tmp_path):
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text('{"model_type": "gptj"}')
+    (src / "model.safetensors").write_bytes(b"\1" * 5000)
+    (src / "sub" / "extra.txt").write_text("x")
+    (src / ".hidden").write_text("not listed")
+    return src
+
+
+def test_local_directory_is_used_in_place(local_ckpt, tmp_path):
+    result = fetch(f"file://{local_ckpt}", tmp_path / "unused")
+    assert result.path == local_ckpt
+    assert result.files == ["config.json", "model.safetensors", "sub/extra.txt"]
+    assert result.bytes == sum((local_ckpt / f).stat().st_size for f in result.files)
+    assert result.revision is None
+    assert not (tmp_path / "unused").exists()
+
+
+def test_local_copy_copies_then_skips_identical_files(local_ckpt, tmp_path):
+    dest = tmp_path / "copy"
+    first = fetch(str(local_ckpt), dest, copy=True)
+    assert first.path == dest and first.downloaded_bytes == first.bytes
+    assert (dest / "sub" / "extra.txt").read_text() == "x"
+    assert (dest / "model.safetensors").read_bytes() == b"\1" * 5000
+    (dest / "config.json").write_text("changed")
+    again = fetch(str(local_ckpt), dest, copy=True)
+    assert again.downloaded_bytes == (local_ckpt / "config.json").stat().st_size
+    assert (dest / "config.json").read_text() == '{"model_type": "gptj"}'
+
+
+def test_missing_local_path_is_a_not_found_error_naming_it(tmp_path):
+    with pytest.raises(SourceNotFoundError, match=str(tmp_path / "absent")):
+        fetch(str(tmp_path / "absent"))
+
+
+def test_a_local_file_instead_of_a_directory_is_refused(local_ckpt):
+    with pytest.raises(SourceNotFoundError, match="not a directory"):
+        fetch(str(local_ckpt / "config.json"))
+
+
+def test_cli_fetch_prints_the_local_path_last(local_ckpt, capsys):
+    assert main(["fetch", str(local_ckpt)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(local_ckpt)
+
+
+def test_cli_fetch_of_a_missing_path_exits_2_with_error_and_hint(tmp_path, capsys):
+    assert main(["fetch", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert "error: Local source" in err and "hint: " in err and "Traceback" not in err
+
+
+def test_retry_backs_off_then_succeeds():
+    sleeps: list[float] = []
+    calls = iter([ConnectionError("reset"), ConnectionError("reset"), "done"])
+
+    def flaky():
+        outcome = next(calls)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    retry = Retry(lambda e: isinstance(e, ConnectionError), initial_s=1.0, sleep=sleeps.append)
+    assert retry.call(flaky, what="thing") == "done"
+    assert len(sleeps) == 2
+    assert 0.5 <= sleeps[0] <= 1.0 and 1.0 <= sleeps[1] <= 2.0  # doubled, with jitter
+
+
+def test_retry_gives_up_after_its_deadline_with_a_transient_error():
+    def always():
+        raise ConnectionError("reset by peer")
+
+    retry = Retry(lambda e: True, deadline_s=0.3, initial_s=0.05)
+    with pytest.raises(TransientSourceError, match="reset by peer"):
+        retry.call(always, what="gs://b/o")
+
+
+def test_retry_does_not_retry_permanent_errors():
+    calls = []
+
+    def missing():
+        calls.append(1)
+        raise FileNotFoundError("gone")
+
+    with pytest.raises(FileNotFoundError):
+        Retry(lambda e: isinstance(e, ConnectionError)).call(missing, what="x")
+    assert len(calls) == 1
+
+
+def test_disk_space_check_refuses_more_than_is_free(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    ensure_disk_space(tmp_path / "not" / "yet", 1024, what="small")
+    with pytest.raises(InsufficientDiskSpaceError, match="free"):
+        ensure_disk_space(tmp_path, free + 1, what="big")
+
+
+def test_progress_off_a_terminal_is_plain_log_lines_with_rate(caplog):
+    stream = io.StringIO()  # not a TTY
+    with (
+        caplog.at_level(logging.INFO, logger="loader.progress"),
+        byte_progress("gs://b/ckpt", 4_000_000, stream=stream, interval=0.0) as progress,
+    ):
+        for _ in range(4):
+            progress.update(1_000_000)
+    lines = [r.getMessage() for r in caplog.records if r.name == "loader.progress"]
+    assert len(lines) >= 4
+    assert lines[0].startswith("gs://b/ckpt: 1.0 MB / 4.0 MB (25%) at ")
+    assert lines[-1].startswith("gs://b/ckpt: 4.0 MB / 4.0 MB (100%) at ")
+    assert all(line.endswith("/s") for line in lines)
+    assert stream.getvalue() == ""  # no bar drawn
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["config.json", "model.safetensors", "pytorch_model.bin", "flax_model.msgpack",
+          "tokenizer.json", "README.md", "onnx/model.onnx"],
+         ["config.json", "model.safetensors", "tokenizer.json"]),
+        (["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+          "model.safetensors.index.json", "pytorch_model.bin", "vocab.json", "merges.txt"],
+         ["config.json", "merges.txt", "model-00001-of-00002.safetensors",
+          "model-00002-of-00002.safetensors", "model.safetensors.index.json", "vocab.json"]),
+        (["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+          "pytorch_model.bin.index.json", "tf_model.h5", "special_tokens_map.json"],
+         ["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+          "pytorch_model.bin.index.json", "special_tokens_map.json"]),
+    ],
+)  # fmt: skip
+def test_only_one_weight_format_and_the_tokenizer_files_are_selected(names, expected):
+    assert select_files(names) == expected
+
+
+@pytest.mark.parametrize(
+    ("names", "words"),
+    [(["model.safetensors"], "config.json"),
+     (["config.json", "flax_model.msgpack", "tf_model.h5"], "no weights")],
+)  # fmt: skip
+def test_selection_without_config_or_weights_is_a_checkpoint_error(names, words):
+    with pytest.raises(CheckpointError, match=words):
+        select_files(names)
