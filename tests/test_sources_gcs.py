@@ -280,3 +280,41 @@ def test_cli_missing_bucket_exits_2_with_a_hint_and_no_traceback(server, tmp_pat
     assert "error: Bucket gs://absent does not exist" in out.stderr
     assert "hint:" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_run_from_gs_publishes_a_repository_that_triton_serves(
+    server, tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """`model-loader run --source gs://...` end to end, then one completion on the real Triton."""
+    from tokenizers import Tokenizer
+
+    from loader.completion import complete, load_request
+    from loader.repository import manifest
+    from loader.serving import TritonServer
+
+    server.upload_dir(BUCKET, "e2e/tiny-gptj", tiny_checkpoint_with_tokenizer)
+    root = tmp_path / "models"
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
+    proc = subprocess.run(
+        [sys.executable, "-m", "loader", "run", "--source", f"gs://{BUCKET}/e2e/tiny-gptj",
+         "--repository", str(root), "--model-name", "tiny", "--revision", "v1",
+         "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    published = Path(proc.stdout.splitlines()[-1])
+    assert published.parent.name == "tiny@v1"
+    assert (published / ".ready").is_file()
+    assert manifest.verify(published) == []
+    assert manifest.read_manifest(published)["source_revision"].startswith("gen-")
+    assert not (root / ".work").exists() or not any((root / ".work").iterdir())
+
+    request = load_request(Path(__file__).parents[1] / "bench" / "test.json")
+    request.update(request_output_len=[6], runtime_top_k=[1])
+    prompt_ids = Tokenizer.from_file(str(tiny_checkpoint_with_tokenizer / "tokenizer.json"))
+    prompt_ids = prompt_ids.encode(request["prompt"][0]).ids
+    with TritonServer(published) as triton:
+        completion = complete(triton.http_url, "tiny", request)
+    assert completion.sequence_length == len(prompt_ids) + 6
+    assert completion.output_ids[: len(prompt_ids)].tolist() == prompt_ids
+    assert completion.text
