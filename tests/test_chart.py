@@ -443,7 +443,8 @@ def test_helm_test_pod_script_compiles_and_targets_the_ensemble():
     compile(c["command"][2], "test-inference", "exec")
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["MODEL_NAME"] == "codegen"
-    assert env["TRITON_HOST"] == "codegen-model-triton.model-triton.svc"
+    assert env["TRITON_HTTP_URL"] == "codegen-model-triton.model-triton.svc:8000"
+    assert env["TRITON_GRPC_URL"] == "codegen-model-triton.model-triton.svc:8001"
     assert env["PROMPT"] == "<python>def is_even(na: int) ->"
 
 

@@ -1,0 +1,75 @@
+"""The chart's `helm test` script, run for real against a CPU Triton serving a published repository.
+
+The script is taken from the rendered test Pod (values/local.yaml) and executed with the Pod's
+environment, only the Service addresses pointing at a `tritonserver` on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader.serving import TritonServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_render_chart():
+    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("render_chart", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+rc = _load_render_chart()
+
+
+@pytest.fixture(scope="module")
+def helm_test_container() -> dict:
+    docs = rc.documents(rc.render(values_files=[rc.VALUES_DIR / "local.yaml"]))
+    [pod] = [d for d in docs if d["kind"] == "Pod"]
+    [container] = pod["spec"]["containers"]
+    return container
+
+
+@pytest.fixture(scope="module")
+def triton(published_tiny_python_repository: Path):
+    with TritonServer(published_tiny_python_repository) as server:
+        yield server
+
+
+def run_helm_test(
+    container: dict, triton: TritonServer, **overrides
+) -> subprocess.CompletedProcess:
+    env = {e["name"]: e["value"] for e in container["env"]}
+    env.update(TRITON_HTTP_URL=triton.http_url, TRITON_GRPC_URL=triton.grpc_url, **overrides)
+    assert container["command"][:2] == ["python", "-c"]
+    return subprocess.run(
+        [sys.executable, "-c", container["command"][2]],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_helm_test_checks_health_and_completes_a_prompt(helm_test_container, triton):
+    proc = run_helm_test(helm_test_container, triton)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "server ready"
+    assert lines[1] == "model codegen ready"
+    assert lines[2].startswith("completion: ") and len(lines[2]) > len("completion: ")
+
+
+def test_helm_test_fails_when_the_model_is_not_served(helm_test_container, triton):
+    proc = run_helm_test(helm_test_container, triton, MODEL_NAME="not-served")
+    assert proc.returncode == 1
+    assert "FAIL: model not-served is not ready" in proc.stderr
