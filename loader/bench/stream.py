@@ -1,0 +1,425 @@
+"""Time to first token (TTFT) and time per output token (TPOT) of a streaming model.
+
+perf_analyzer's ``--streaming`` mode drives a decoupled model but reports only whole-request
+latency (the 2.41 build we install has no per-token timings), so this module is its own load
+generator over Triton's gRPC streaming API (:mod:`loader.streaming`): at each concurrency level
+``C`` it keeps ``C`` streams busy, each sending the request again as soon as its previous
+stream ended, until ``requests`` requests have been sent or ``max_seconds`` have passed (the
+requests in flight then finish). One warm-up request precedes the sweep and is not counted.
+
+Per request it records TTFT (send -> first token), TPOT (first token -> last token, divided by
+the tokens after the first) and latency (send -> final response); per level it reports their
+mean and p95 (nearest rank), throughput (completed requests / wall time) and output tokens/s.
+
+The results are written in the bench's style (:mod:`loader.bench.report`): a table per
+configuration printed as levels are measured (``ttft_tpot.txt``), a CSV (``ttft_tpot.csv``)
+and a PNG (``ttft_tpot_vs_concurrency.png``: mean and p95 TTFT and TPOT against concurrency).
+:meth:`StreamSweep.as_sweep` gives the throughput / p95-latency view, so ``scripts/bench`` also
+writes its usual ``tables.txt``, ``results.csv``, throughput plot and summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loader.bench.report import _atomic_write, bullet, write_text
+from loader.bench.results import Measurement, Sweep, format_number
+from loader.errors import LoaderError, MeasurementError
+from loader.streaming import StreamedCompletion, collect, stream_completion
+
+log = logging.getLogger(__name__)
+
+TABLE_HEADER = "Time to first token and time per output token vs. concurrency (client, streaming)"
+TABLES_FILE = "ttft_tpot.txt"
+CSV_FILE = "ttft_tpot.csv"
+PLOT_FILE = "ttft_tpot_vs_concurrency.png"
+
+#: Columns of :func:`levels_to_csv` (times in microseconds).
+CSV_COLUMNS: tuple[str, ...] = (
+    "configuration",
+    "concurrency",
+    "requests",
+    "throughput_infer_per_sec",
+    "output_tokens_per_sec",
+    "ttft_mean_us",
+    "ttft_p95_us",
+    "tpot_mean_us",
+    "tpot_p95_us",
+    "latency_mean_us",
+    "latency_p95_us",
+)
+
+DEFAULT_REQUESTS = 32
+DEFAULT_MAX_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One streamed request's client-side timings (seconds)."""
+
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    output_tokens: int
+
+    @classmethod
+    def of(cls, completion: StreamedCompletion) -> Sample:
+        return cls(
+            completion.ttft_s, completion.tpot_s, completion.latency_s, completion.output_tokens
+        )
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (the smallest value with ``pct`` % of the values at or below)."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
+@dataclass(frozen=True)
+class StreamLevel:
+    """One concurrency level: rates per second, times in microseconds."""
+
+    concurrency: int
+    requests: int
+    throughput: float
+    output_tokens_per_s: float
+    ttft_mean_us: int
+    ttft_p95_us: int
+    tpot_mean_us: int | None
+    tpot_p95_us: int | None
+    latency_mean_us: int
+    latency_p95_us: int
+
+    @classmethod
+    def of(cls, concurrency: int, samples: Sequence[Sample], wall_s: float) -> StreamLevel:
+        ttft = [s.ttft_s for s in samples]
+        tpot = [s.tpot_s for s in samples if s.tpot_s is not None]
+        latency = [s.latency_s for s in samples]
+        return cls(
+            concurrency=concurrency,
+            requests=len(samples),
+            throughput=len(samples) / wall_s,
+            output_tokens_per_s=sum(s.output_tokens for s in samples) / wall_s,
+            ttft_mean_us=_us(sum(ttft) / len(ttft)),
+            ttft_p95_us=_us(percentile(ttft, 95)),
+            tpot_mean_us=_us(sum(tpot) / len(tpot)) if tpot else None,
+            tpot_p95_us=_us(percentile(tpot, 95)) if tpot else None,
+            latency_mean_us=_us(sum(latency) / len(latency)),
+            latency_p95_us=_us(percentile(latency, 95)),
+        )
+
+
+@dataclass
+class StreamSweep:
+    """One configuration's levels, and the settings that describe it."""
+
+    label: str
+    levels: list[StreamLevel] = field(default_factory=list)
+    settings: Mapping[str, object] = field(default_factory=dict)
+
+    def sorted(self) -> list[StreamLevel]:
+        return sorted(self.levels, key=lambda level: level.concurrency)
+
+    def as_sweep(self) -> Sweep:
+        """The throughput / p95-latency view the rest of the bench reports."""
+        return Sweep(
+            label=self.label,
+            settings=dict(self.settings),
+            measurements=[
+                Measurement(
+                    concurrency=level.concurrency,
+                    throughput=level.throughput,
+                    p95_us=level.latency_p95_us,
+                )
+                for level in self.levels
+            ],
+        )
+
+
+def _time_text(mean: int | None, p95: int | None) -> str:
+    if mean is None or p95 is None:
+        return "n/a"
+    return f"mean {mean} usec p95 {p95} usec"
+
+
+def format_line(level: StreamLevel) -> str:
+    return (
+        f"Concurrency: {level.concurrency}, throughput: {format_number(level.throughput)} "
+        f"infer/sec, TTFT {_time_text(level.ttft_mean_us, level.ttft_p95_us)}, "
+        f"TPOT {_time_text(level.tpot_mean_us, level.tpot_p95_us)}, "
+        f"latency {level.latency_p95_us} usec"
+    )
+
+
+def table_text(sweep: StreamSweep, *, number: int | None = None) -> str:
+    title = f"Benchmark {number}: {sweep.label}" if number is not None else sweep.label
+    lines = [title, ""]
+    lines.extend(bullet(k, v) for k, v in sweep.settings.items())
+    if sweep.settings:
+        lines.append("")
+    lines.append(TABLE_HEADER)
+    lines.extend(format_line(level) for level in sweep.sorted())
+    return "\n".join(lines) + "\n"
+
+
+def levels_to_csv(sweeps: Sequence[StreamSweep]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for sweep in sweeps:
+        for level in sweep.sorted():
+            writer.writerow(
+                (
+                    sweep.label,
+                    level.concurrency,
+                    level.requests,
+                    format_number(level.throughput),
+                    format_number(level.output_tokens_per_s),
+                    level.ttft_mean_us,
+                    level.ttft_p95_us,
+                    "" if level.tpot_mean_us is None else level.tpot_mean_us,
+                    "" if level.tpot_p95_us is None else level.tpot_p95_us,
+                    level.latency_mean_us,
+                    level.latency_p95_us,
+                )
+            )
+    return buffer.getvalue()
+
+
+def write_plot(sweeps: Sequence[StreamSweep], path: Path) -> Path:
+    """A PNG: TTFT (left) and TPOT (right) in ms against concurrency, mean solid, p95 dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 5), dpi=110)
+    FigureCanvasAgg(figure)
+    panels = (
+        (figure.add_subplot(1, 2, 1), "ttft", "time to first token (ms)"),
+        (figure.add_subplot(1, 2, 2), "tpot", "time per output token (ms)"),
+    )
+    for axes, metric, ylabel in panels:
+        for sweep in sweeps:
+            points = [lv for lv in sweep.sorted() if getattr(lv, f"{metric}_mean_us") is not None]
+            xs = [lv.concurrency for lv in points]
+            mean = [getattr(lv, f"{metric}_mean_us") / 1000 for lv in points]
+            p95 = [getattr(lv, f"{metric}_p95_us") / 1000 for lv in points]
+            (line,) = axes.plot(xs, mean, marker="o", label=f"{sweep.label} mean")
+            axes.plot(
+                xs,
+                p95,
+                marker="^",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{sweep.label} p95",
+            )
+        levels = sorted({lv.concurrency for sweep in sweeps for lv in sweep.levels})
+        if levels:
+            axes.set_xticks(levels)
+        axes.set_xlabel("concurrency (streams in flight)")
+        axes.set_ylabel(ylabel)
+        axes.set_ylim(bottom=0)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle("Streaming: TTFT and TPOT vs. concurrency (client side)", fontsize=10)
+    figure.tight_layout()
+    return _atomic_write(path, lambda f: figure.savefig(f, format="png"), binary=True)
+
+
+def write_stream_report(sweeps: Sequence[StreamSweep], output_dir: Path) -> dict[str, Path]:
+    """Write the TTFT/TPOT tables, CSV and plot into ``output_dir``; their paths by kind."""
+    output_dir = Path(output_dir)
+    tables = "\n".join(table_text(s, number=i) for i, s in enumerate(sweeps, start=1))
+    return {
+        "ttft_tables": write_text(output_dir / TABLES_FILE, tables),
+        "ttft_csv": write_text(output_dir / CSV_FILE, levels_to_csv(sweeps)),
+        "ttft_plot": write_plot(sweeps, output_dir / PLOT_FILE),
+    }
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def measure_level(
+    url: str,
+    model: str,
+    request: dict[str, list[Any]],
+    concurrency: int,
+    *,
+    requests: int = DEFAULT_REQUESTS,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    timeout_s: float = 120.0,
+) -> StreamLevel:
+    """Keep ``concurrency`` streams busy until ``requests`` were sent or ``max_seconds`` passed.
+
+    The first failed request ends the level with a :class:`MeasurementError` (its message).
+    """
+    if concurrency < 1 or requests < 1 or max_seconds <= 0:
+        raise MeasurementError(
+            f"invalid level: concurrency {concurrency}, requests {requests}, "
+            f"max_seconds {max_seconds}",
+            "Pass a concurrency and a request count of at least 1 and a positive time limit.",
+        )
+    lock = threading.Lock()
+    samples: list[Sample] = []
+    errors: list[LoaderError] = []
+    sent = 0
+    started = time.perf_counter()
+    deadline = started + max_seconds
+
+    def worker() -> None:
+        nonlocal sent
+        while True:
+            with lock:
+                if errors or sent >= requests or time.perf_counter() >= deadline:
+                    return
+                sent += 1
+            try:
+                completion = collect(stream_completion(url, model, request, timeout_s=timeout_s))
+            except LoaderError as exc:
+                with lock:
+                    errors.append(exc)
+                return
+            with lock:
+                samples.append(Sample.of(completion))
+
+    threads = [
+        threading.Thread(target=worker, name=f"stream-{i}", daemon=True) for i in range(concurrency)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise MeasurementError(
+            f"streaming request failed at concurrency {concurrency}: {errors[0].message}",
+            errors[0].remediation,
+        )
+    return StreamLevel.of(concurrency, samples, wall)
+
+
+def stream_sweep(
+    url: str,
+    model: str,
+    request: dict[str, list[Any]],
+    concurrencies: Sequence[int],
+    *,
+    label: str | None = None,
+    settings: Mapping[str, object] | None = None,
+    requests: int = DEFAULT_REQUESTS,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    timeout_s: float = 120.0,
+    on_level: Callable[[StreamLevel], None] | None = None,
+) -> StreamSweep:
+    """One warm-up request, then :func:`measure_level` at every concurrency level."""
+    result = StreamSweep(label=label or model, settings=dict(settings or {}))
+    log.info("%s: warm-up request", result.label)
+    try:
+        collect(stream_completion(url, model, request, timeout_s=timeout_s))
+    except LoaderError as exc:
+        raise MeasurementError(
+            f"{result.label}: the warm-up request failed: {exc.message}", exc.remediation
+        ) from exc
+    started = time.monotonic()
+    for index, concurrency in enumerate(concurrencies, start=1):
+        log.info(
+            "%s: concurrency %s (%s/%s), %.0f s so far",
+            result.label,
+            concurrency,
+            index,
+            len(concurrencies),
+            time.monotonic() - started,
+        )
+        level = measure_level(
+            url,
+            model,
+            request,
+            concurrency,
+            requests=requests,
+            max_seconds=max_seconds,
+            timeout_s=timeout_s,
+        )
+        result.levels.append(level)
+        if on_level is not None:
+            on_level(level)
+    return result
+
+
+# --- scripts/bench wiring --------------------------------------------------------------------
+
+
+def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TTFT / TPOT (--ttft, streaming models)")
+    group.add_argument(
+        "--requests-per-level",
+        type=int,
+        default=DEFAULT_REQUESTS,
+        metavar="N",
+        help=f"requests sent per concurrency level (default {DEFAULT_REQUESTS})",
+    )
+    group.add_argument(
+        "--max-seconds-per-level",
+        type=float,
+        default=DEFAULT_MAX_SECONDS,
+        metavar="S",
+        help="stop sending new requests at a level after this long "
+        f"(default {DEFAULT_MAX_SECONDS:g})",
+    )
+
+
+def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
+    """``scripts/bench --ttft HOST:PORT --model NAME``: sweep, print, write the TTFT report."""
+    from loader.bench.arguments import concurrencies_from_args, input_data_path
+    from loader.bench.cli import _output_dir
+    from loader.bench.endpoint import parse_endpoint
+    from loader.completion import load_request
+
+    if extra:
+        raise LoaderError(
+            "--ttft does not run perf_analyzer, so it takes no arguments after --",
+            "Drop the arguments after --.",
+        )
+    if not args.model:
+        raise LoaderError("--ttft needs --model", "Pass --model NAME (the streaming model).")
+    endpoint = parse_endpoint(args.ttft, protocol=args.protocol or "grpc")
+    if endpoint.protocol != "grpc":
+        raise LoaderError(
+            f"--ttft streams over gRPC, not {endpoint.protocol}",
+            "Pass the gRPC endpoint, e.g. --ttft grpc://127.0.0.1:8001.",
+        )
+    request = load_request(input_data_path(args))
+    label = args.label or args.model
+    settings = {"endpoint": str(endpoint), "request_output_len": request.get("request_output_len")}
+    print(f"Benchmark 1: {label}\n\n{TABLE_HEADER}", flush=True)
+    result = stream_sweep(
+        endpoint.address,
+        args.model,
+        request,
+        concurrencies_from_args(args),
+        label=label,
+        settings=settings,
+        requests=args.requests_per_level,
+        max_seconds=args.max_seconds_per_level,
+        on_level=lambda level: print(format_line(level), flush=True),
+    )
+    args.output_dir = _output_dir(args)
+    notes: dict[str, object] = dict(write_stream_report([result], args.output_dir))
+    notes["title"] = "Streaming: throughput vs. client p95 latency"
+    return [result.as_sweep()], notes

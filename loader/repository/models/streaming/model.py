@@ -1,0 +1,203 @@
+"""Triton Python-backend model ``<NAME>`` of a streaming repository: text increments per token.
+
+A streaming repository (``model-loader run --streaming``) serves the model clients call as this
+decoupled model instead of the ensemble, with the ensemble's exact inputs and outputs. For each
+request it runs, through Triton's business-logic scripting (BLS) API:
+
+1. ``preprocessing`` (prompt -> ``input_ids``, ``input_lengths``), once;
+2. ``fastertransformer`` in decoupled mode: FasterTransformer's streaming callback (and the CPU
+   reference) sends the outputs so far after every decoding step, then a final response;
+3. ``postprocessing`` on every such snapshot (the text generated so far),
+
+and sends the client one response per snapshot whose ``completion`` holds only the text that
+is new since the previous response (the other outputs are the snapshot: ``output_ids``,
+``sequence_length``, ``cum_log_probs``, ``output_log_probs`` so far). The last response is
+flagged final and carries the rest of the text (often empty), so the concatenated
+``completion`` of a stream equals the non-streaming completion for the same request and seed.
+
+Why not an ensemble: the increment needs the text already sent for this request. An ensemble
+step is stateless and FasterTransformer re-sends rows that have finished (a batch keeps
+stepping until its longest row ends) and repeats the last step in its final response, so only
+a per-request loop can tell new text from old. A partial multi-byte character (decoded as
+U+FFFD) is held back until the next token completes it.
+
+Each request is served in its own thread (``execute`` returns at once), so one instance streams
+any number of requests; the ``fastertransformer`` model batches them as configured. A client
+that cancels its request gets no further text; the generation it started runs to its end in
+``fastertransformer`` (this Triton's BLS cannot cancel a request it sent), then the next
+request is served as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+PREPROCESSING = "preprocessing"
+FASTERTRANSFORMER = "fastertransformer"
+POSTPROCESSING = "postprocessing"
+
+#: Request inputs passed to ``fastertransformer`` unchanged when the client sends them.
+FORWARDED_INPUTS = (
+    "request_output_len",
+    "runtime_top_k",
+    "runtime_top_p",
+    "temperature",
+    "repetition_penalty",
+    "start_id",
+    "end_id",
+    "random_seed",
+    "is_return_log_probs",
+)
+#: ``fastertransformer`` outputs passed to the client as they are (the snapshot).
+SNAPSHOT_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+#: What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
+REPLACEMENT = "\ufffd"
+
+
+class StepError(RuntimeError):
+    """A composing model answered with an error."""
+
+
+def _exec(request: object) -> object:
+    response = request.exec()
+    if response.has_error():
+        raise StepError(response.error().message())
+    return response
+
+
+def _output(response: object, name: str) -> np.ndarray:
+    return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
+
+
+class TextIncrements:
+    """The text of each (row, beam) sent so far, and what a new snapshot adds to it."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int], str] = {}
+
+    def step(self, texts: np.ndarray, *, final: bool) -> np.ndarray:
+        """``texts`` (rows, beams) of BYTES, the whole text so far -> the increments."""
+        increments = np.empty(texts.shape, dtype=np.object_)
+        for index, value in np.ndenumerate(texts):
+            text = value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+            if not final:
+                text = text.rstrip(REPLACEMENT)
+            sent = self.sent.get(index, "")
+            # Until the end, hold back text that does not extend what was sent.
+            new = text[len(sent) :] if final or text.startswith(sent) else ""
+            self.sent[index] = sent + new
+            increments[index] = new.encode("utf-8")
+        return increments
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError(
+                f"model {args['model_name']} streams and needs model_transaction_policy "
+                "{ decoupled: true }; publish the repository again with model-loader run"
+            )
+        self.logger = pb_utils.Logger
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            thread = threading.Thread(target=self._serve, args=(request,), daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+        return None
+
+    def _serve(self, request: object) -> None:
+        sender = request.get_response_sender()
+        try:
+            self._stream(request, sender)
+        except Exception as exc:  # every failure must end the client's stream
+            self.logger.log_error(f"streaming request failed: {exc}")
+            error = pb_utils.TritonError(str(exc))
+            sender.send(
+                pb_utils.InferenceResponse(output_tensors=[], error=error),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _stream(self, request: object, sender: object) -> None:
+        prompt = pb_utils.get_input_tensor_by_name(request, "prompt")
+        pre = _exec(
+            pb_utils.InferenceRequest(
+                model_name=PREPROCESSING,
+                requested_output_names=["input_ids", "input_lengths"],
+                inputs=[pb_utils.Tensor("prompt", prompt.as_numpy())],
+            )
+        )
+        input_lengths = _output(pre, "input_lengths")
+        inputs = [
+            pb_utils.Tensor("input_ids", _output(pre, "input_ids")),
+            pb_utils.Tensor("input_lengths", input_lengths),
+        ]
+        for name in FORWARDED_INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs.append(pb_utils.Tensor(name, tensor.as_numpy()))
+        stream = pb_utils.InferenceRequest(
+            model_name=FASTERTRANSFORMER,
+            requested_output_names=list(SNAPSHOT_OUTPUTS),
+            inputs=inputs,
+        ).exec(decoupled=True)
+        increments = TextIncrements()
+        snapshot: dict[str, np.ndarray] | None = None
+        cancelled = False
+        for response in stream:
+            if response.has_error():
+                raise StepError(response.error().message())
+            if cancelled or not response.output_tensors():
+                continue  # FT's empty final response, or a stream nobody listens to any more
+            if sender.is_cancelled():
+                cancelled = True  # let the generation end; it cannot be called back
+                continue
+            snapshot = {name: _output(response, name) for name in SNAPSHOT_OUTPUTS}
+            texts = self._texts(snapshot, input_lengths)
+            sender.send(self._response(increments.step(texts, final=False), snapshot))
+        if cancelled or snapshot is None:
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        texts = self._texts(snapshot, input_lengths)
+        sender.send(
+            self._response(increments.step(texts, final=True), snapshot),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    @staticmethod
+    def _texts(snapshot: dict[str, np.ndarray], input_lengths: np.ndarray) -> np.ndarray:
+        post = _exec(
+            pb_utils.InferenceRequest(
+                model_name=POSTPROCESSING,
+                requested_output_names=["completion"],
+                inputs=[
+                    pb_utils.Tensor("output_ids", snapshot["output_ids"]),
+                    pb_utils.Tensor("sequence_length", snapshot["sequence_length"]),
+                    pb_utils.Tensor("input_lengths", input_lengths),
+                ],
+            )
+        )
+        return _output(post, "completion")
+
+    @staticmethod
+    def _response(completion: np.ndarray, snapshot: dict[str, np.ndarray]) -> object:
+        tensors = [pb_utils.Tensor("completion", completion)]
+        tensors += [pb_utils.Tensor(name, value) for name, value in snapshot.items()]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=30)

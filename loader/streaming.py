@@ -1,0 +1,163 @@
+"""Stream one completion from a streaming repository over gRPC, token by token.
+
+A repository published with ``model-loader run --streaming`` answers each request with several
+responses (Triton's decoupled mode, gRPC streaming API only): one per generated token whose
+``completion`` holds the new text only, then a final one (the rest of the text, often empty).
+:func:`stream_completion` yields them as :class:`StreamEvent` values with their arrival time;
+:func:`collect` reads a whole stream into a :class:`StreamedCompletion` with the client-side
+timings the bench reports:
+
+* **TTFT** (time to first token): from sending the request to the first response that carries
+  a generated token;
+* **TPOT** (time per output token): from that first token to the response that brought the
+  last one, divided by the tokens after the first (``None`` for a one-token completion);
+* **latency**: from sending the request to the response flagged final.
+
+Token counts come from ``sequence_length`` (prompt + generated so far), not from the number of
+responses, so they stay right when a server sends several tokens per response or repeats its
+last state in the final one, as FasterTransformer does.
+
+Leaving the iteration early (``break``, an exception, Ctrl-C) cancels the request on the server
+(``stop_stream(cancel_requests=True)``) and closes the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loader.completion import build_inputs
+from loader.errors import EndpointError
+
+log = logging.getLogger(__name__)
+
+#: The response parameter Triton sets on the last response of a stream.
+FINAL_PARAMETER = "triton_final_response"
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One response of a stream (first row, first beam)."""
+
+    text: str  # the new text (empty for an empty final response)
+    seconds: float  # since the request was sent
+    final: bool
+    sequence_length: int | None  # prompt + tokens so far; None for an empty response
+    output_ids: np.ndarray | None  # the ids so far (prompt included), as the server sent them
+
+
+@dataclass(frozen=True)
+class StreamedCompletion:
+    """A whole stream and its client-side timings (see the module docstring)."""
+
+    text: str
+    events: tuple[StreamEvent, ...]
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    output_tokens: int
+    output_ids: np.ndarray
+
+    @property
+    def responses(self) -> int:
+        return len(self.events)
+
+
+def _event(result: Any, started: float) -> StreamEvent:
+    now = time.perf_counter() - started
+    response = result.get_response()
+    final = bool(
+        FINAL_PARAMETER in response.parameters and response.parameters[FINAL_PARAMETER].bool_param
+    )
+    if not response.outputs:
+        return StreamEvent("", now, final, None, None)
+    completion = result.as_numpy("completion").reshape(-1)[0]
+    text = completion.decode("utf-8") if isinstance(completion, bytes) else str(completion)
+    length = int(result.as_numpy("sequence_length").reshape(-1)[0])
+    ids = result.as_numpy("output_ids")[0, 0].astype(np.int64)
+    return StreamEvent(text, now, final, length, ids)
+
+
+def stream_completion(
+    url: str,
+    model: str,
+    request: dict[str, list[Any]],
+    *,
+    timeout_s: float = 120.0,
+) -> Iterator[StreamEvent]:
+    """Send ``request`` (``name -> values``, as :func:`loader.completion.load_request` reads
+    it) to ``model`` at ``url`` (gRPC ``host:port``) and yield its responses as they arrive.
+
+    A response that does not arrive within ``timeout_s`` of the previous one, or an error from
+    the server, raises :class:`~loader.errors.EndpointError`.
+    """
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    inbox: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    started = time.perf_counter()
+    try:
+        client.start_stream(callback=lambda result, error: inbox.put((result, error)))
+        started = time.perf_counter()
+        client.async_stream_infer(
+            model,
+            build_inputs(grpcclient, request),
+            request_id=uuid.uuid4().hex,
+            enable_empty_final_response=True,
+        )
+        while True:
+            try:
+                result, error = inbox.get(timeout=timeout_s)
+            except queue.Empty:
+                raise EndpointError(
+                    f"grpc://{url} model {model!r}: no response for {timeout_s:.0f} s",
+                    "Check that the model streams (published with --streaming) and the server "
+                    "is not overloaded; raise the timeout for long completions.",
+                ) from None
+            if error is not None:
+                message = error.message() if hasattr(error, "message") else str(error)
+                raise EndpointError(f"grpc://{url} model {model!r}: {message}")
+            event = _event(result, started)
+            yield event
+            if event.final:
+                return
+    except InferenceServerException as exc:
+        raise EndpointError(f"grpc://{url} model {model!r}: {exc.message()}") from exc
+    finally:
+        # After a final response there is nothing left to cancel; otherwise (the caller stopped
+        # reading, or an error) the server stops sending for this request.
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def collect(events: Iterator[StreamEvent]) -> StreamedCompletion:
+    """Read a whole stream; an :class:`EndpointError` if it carried no token."""
+    received = tuple(events)
+    tokens = [e for e in received if e.sequence_length is not None]
+    if not tokens:
+        raise EndpointError(
+            "the stream ended without a generated token",
+            "Check the server log; request at least one token (request_output_len >= 1).",
+        )
+    first, last_length = tokens[0], max(e.sequence_length for e in tokens)
+    last = next(e for e in tokens if e.sequence_length == last_length)
+    # The first token response holds the prompt and one generated token.
+    output_tokens = last_length - first.sequence_length + 1
+    tpot = (last.seconds - first.seconds) / (output_tokens - 1) if output_tokens > 1 else None
+    return StreamedCompletion(
+        text="".join(e.text for e in received),
+        events=received,
+        ttft_s=first.seconds,
+        tpot_s=tpot,
+        latency_s=received[-1].seconds,
+        output_tokens=output_tokens,
+        output_ids=last.output_ids[:last_length],
+    )
