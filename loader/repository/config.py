@@ -7,6 +7,9 @@ One builder per model of a repository, chosen from :data:`BUILDERS` by model rol
 * ``preprocessing`` / ``postprocessing``: Python backend, tokenise / detokenise.
 * ``fastertransformer``: the FasterTransformer backend (FT_FORMAT.md 3.1-3.4), or with
   ``backend="python"`` the CPU reference model with the same inputs, outputs and parameters.
+* with ``streaming``: ``fastertransformer`` is decoupled and the model named after the model is
+  a decoupled Python model (:func:`build_streaming`) in place of the ensemble, same inputs and
+  outputs, streaming text increments.
 
 Optional ensemble inputs feed optional step inputs: Triton's ensemble scheduler (core >= 22.04,
 so the 2.51 server we run) accepts an optional ensemble input and, when a request leaves it out,
@@ -147,7 +150,22 @@ def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: d
     step.output_map.update(outputs)
 
 
+def build_streaming(spec: RepositorySpec) -> mc.ModelConfig:
+    """With ``--streaming``: the model clients call is a decoupled Python model with the
+    ensemble's inputs and outputs, sending text increments (``models/streaming/model.py`` says
+    why an ensemble cannot). One instance serves every stream, a thread per request."""
+    config = mc.ModelConfig(
+        name=spec.name, backend="python", max_batch_size=spec.settings.max_batch_size
+    )
+    _add_io(config, tensors.ENSEMBLE_INPUTS, tensors.ENSEMBLE_OUTPUTS)
+    _cpu_instances(config, 1)
+    config.model_transaction_policy.decoupled = True
+    return config
+
+
 def build_ensemble(spec: RepositorySpec) -> mc.ModelConfig:
+    if spec.settings.streaming:
+        return build_streaming(spec)
     config = mc.ModelConfig(
         name=spec.name, platform="ensemble", max_batch_size=spec.settings.max_batch_size
     )

@@ -29,7 +29,7 @@ from loader.repository.config import (
     build_all,
     write_config,
 )
-from loader.repository.models import install_python_model
+from loader.repository.models import STREAMING, install_python_model
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,9 @@ def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) 
         model_dir = staging / name
         (model_dir / VERSION).mkdir(parents=True, exist_ok=True)
         if config.backend == "python":
-            written += install_python_model(name, model_dir)
+            # The model clients call is a Python model only when it streams.
+            role = STREAMING if name == spec.name else name
+            written += install_python_model(role, model_dir)
         if name in TOKENIZING_MODELS:
             target = model_dir / VERSION / TOKENIZER_DIR
             target.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,9 @@ model directory         files (destination relative to the model directory)
 ``fastertransformer``   with ``--backend python`` only: ``1/model.py`` (the CPU reference)
                         and ``1/loader/``: ``__init__.py``, ``errors.py`` and every module of
                         ``loader/reference/`` (the package the model imports)
+``<NAME>`` (streaming)  with ``--streaming`` only, in place of the ensemble: ``1/model.py``
+                        (from ``streaming/model.py``), installed under the role name
+                        ``streaming``
 ======================  ==================================================================
 """
 
@@ -27,7 +30,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = Path(__file__).resolve().parent
 
 _TOKENIZING = ("preprocessing", "postprocessing")
-PYTHON_MODELS = (*_TOKENIZING, "fastertransformer")
+#: The decoupled model a streaming repository serves under the model's name.
+STREAMING = "streaming"
+PYTHON_MODELS = (*_TOKENIZING, "fastertransformer", STREAMING)
 
 
 def model_files(model: str) -> list[tuple[Path, str]]:
@@ -37,6 +42,8 @@ def model_files(model: str) -> list[tuple[Path, str]]:
             (MODELS_DIR / model / "model.py", "1/model.py"),
             (MODELS_DIR / "tokenization.py", "1/tokenization.py"),
         ]
+    if model == STREAMING:
+        return [(MODELS_DIR / model / "model.py", "1/model.py")]
     if model == "fastertransformer":
         files = [
             (MODELS_DIR / model / "model.py", "1/model.py"),

@@ -12,6 +12,16 @@ ONE NumPy batch (:mod:`loader.reference.generate`: FT sampling semantics, paddin
 KV cache). Each request gets its own output width, ``max(input_length) + max(request_output_len)``
 over its rows, so a result does not depend on what else was batched with it.
 
+**Decoupled (streaming) mode**, when the config has ``model_transaction_policy { decoupled:
+true }``: like FasterTransformer's streaming callback (FT_FORMAT.md 3.3), every decoding step
+sends each request that produced a token a response holding its outputs so far (``output_ids``
+up to the current ``sequence_length``, same shapes as the non-streaming response); the step
+that completes a request sends its last response flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``
+instead, so a request gets exactly one response per generated token and its final response
+equals the non-streaming one for the same request and seed. A request the client cancelled
+gets no more responses (only the final flag), and generation stops once every request of the
+batch is complete or cancelled.
+
 The runtime precision (``data_type``) is float32 on the CPU whatever the parameter says. The
 ``loader`` package this file imports is copied next to it by the repository writer
 (``1/loader/``), so the repository is self-contained.
@@ -28,6 +38,7 @@ import triton_python_backend_utils as pb_utils
 from loader.errors import LoaderError
 from loader.reference import GptJ, load_ft_checkpoint
 from loader.reference.generate import (
+    BatchGeneration,
     GenerationRequest,
     GenerationResult,
     SamplingConfig,
@@ -68,9 +79,7 @@ class TritonPythonModel:
             raise ValueError(
                 f"pipeline_para_size {pp} does not divide num_layer {cfg.num_layer} of {path}"
             )
-        decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
-        if decoupled:
-            raise ValueError("the CPU reference model does not stream (decoupled mode) yet")
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.model = GptJ(self.checkpoint)
         self.config = cfg
         self.logger = pb_utils.Logger
@@ -122,7 +131,10 @@ class TritonPythonModel:
         validate_requests(rows, cfg.vocab_size)
         return rows
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
+        if self.decoupled:
+            self._stream(requests)
+            return None
         responses: list = [None] * len(requests)
         batch: list[GenerationRequest] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -144,6 +156,51 @@ class TritonPythonModel:
             for n, (start, stop) in spans.items():
                 responses[n] = _response(batch[start:stop], results[start:stop])
         return responses
+
+    def _stream(self, requests: list) -> None:
+        """Decoupled mode: one response per generated token, the last one flagged final."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        senders: dict[int, object] = {}
+        batch: list[GenerationRequest] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for n, request in enumerate(requests):
+            sender = request.get_response_sender()
+            try:
+                rows = self._rows(request)
+            except (LoaderError, ValueError) as exc:
+                error = pb_utils.TritonError(str(exc))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=final)
+                continue
+            senders[n] = sender
+            spans[n] = (len(batch), len(batch) + len(rows))
+            batch.extend(rows)
+        if not batch:
+            return
+        generation = BatchGeneration(self.model, batch, vocab_size=self.config.vocab_size)
+        open_requests = set(spans)
+        for step in generation:
+            complete = generation.finished | (generation.num_generated >= generation.output_lens)
+            results = generation.results()
+            for n in sorted(open_requests):
+                start, stop = spans[n]
+                if senders[n].is_cancelled():
+                    senders[n].send(flags=final)
+                    open_requests.discard(n)
+                    continue
+                if not step.produced[start:stop].any():
+                    continue
+                response = _response(batch[start:stop], results[start:stop])
+                if complete[start:stop].all():
+                    senders[n].send(response, flags=final)
+                    open_requests.discard(n)
+                else:
+                    senders[n].send(response)
+            if not open_requests:
+                break
+        results = generation.results()
+        for n in open_requests:  # not reached unless generation ended early
+            start, stop = spans[n]
+            senders[n].send(_response(batch[start:stop], results[start:stop]), flags=final)
 
     def finalize(self) -> None:
         self.model = None
