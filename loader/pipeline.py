@@ -102,6 +102,8 @@ def _check_model(request: RunRequest, hf_config: dict) -> None:
     """Placement rules that need the model, and the GPU-memory check."""
     shape = ModelShape.from_hf_config(hf_config)
     check_placement(request.parallelism, request.topology, n_layer=shape.n_layer)
+    request.parallelism.split(shape.n_head, "The attention head count")
+    request.parallelism.split(shape.n_inner, "The MLP width (n_inner)")
     if request.gpu_memory_gib is None:
         return
     dtype = request.settings.dtype

@@ -191,6 +191,16 @@ def test_layers_not_divisible_by_pipeline_size_are_refused(
     assert not root.exists()
 
 
+def test_tensor_parallel_size_not_dividing_the_heads_is_refused_before_writing(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    root = tmp_path / "root"
+    code, _, err = _run(capsys, *_args(tiny_checkpoint_with_tokenizer, root, tp=3, count=1))
+    assert code == 2
+    assert "head count (8)" in err
+    assert not root.exists()
+
+
 def test_checkpoint_without_a_tokenizer_is_refused_before_writing(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):
