@@ -87,12 +87,17 @@ def pick_winner(
 
 
 def values_snippet(
-    variant: Variant, measurement: Measurement, *, label: str, max_p95_ms: float | None
+    variant: Variant,
+    measurement: Measurement,
+    *,
+    label: str,
+    max_p95_ms: float | None,
+    measured_by: str = "model-loader tune",
 ) -> str:
     """The lines for ``values/<cluster>.yaml`` (chart keys ``triton.instanceCount`` etc.)."""
     budget = f"p95 <= {max_p95_ms:g} ms" if max_p95_ms is not None else "no latency budget"
     lines = [
-        f"# Measured by `model-loader tune` ({budget}): {label} served "
+        f"# Measured by `{measured_by}` ({budget}): {label} served "
         f"{format_number(measurement.throughput)} infer/sec",
         f"# at concurrency {measurement.concurrency} with p95 latency {measurement.p95_ms:.1f} ms.",
         "triton:",

@@ -16,6 +16,7 @@ from loader.bench.compare import Target
 from loader.bench.perf_analyzer import PROJECT_ROOT, PerfAnalyzerOptions
 from loader.bench.report import bullet
 from loader.bench.results import TABLE_HEADER, Measurement, format_line
+from loader.bench.sweep import parse_concurrency_range
 from loader.errors import LoaderError
 
 #: The request our users send (the production merge request's perf_analyzer input).
@@ -27,9 +28,10 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("measurement (perf_analyzer)")
     group.add_argument(
         "--concurrency-range",
-        default=DEFAULT_CONCURRENCY_RANGE,
+        default=None,
         metavar="START:END:STEP",
-        help=f"concurrency levels, END included (default {DEFAULT_CONCURRENCY_RANGE})",
+        help=f"concurrency levels, END included (default {DEFAULT_CONCURRENCY_RANGE}; "
+        "1:16:3 for --serving-experiment)",
     )
     group.add_argument(
         "--input-data",
@@ -97,6 +99,10 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="latency budget: the best configuration must keep p95 latency within it",
     )
+
+
+def concurrencies_from_args(args: argparse.Namespace) -> list[int]:
+    return parse_concurrency_range(args.concurrency_range or DEFAULT_CONCURRENCY_RANGE)
 
 
 def input_data_path(args: argparse.Namespace) -> Path:

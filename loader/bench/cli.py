@@ -1,12 +1,14 @@
 """``scripts/bench``: perf_analyzer sweeps printed as our production benchmark tables.
 
-Three modes, one per flag:
+Four modes, one per flag:
 
 * ``--url HOST:PORT --model NAME``: sweep one served model;
 * ``--compare TARGET ...``: sweep several model repositories (each served in turn by the local
   CPU Triton) or endpoints, print one table each and the best under ``--max-p95-ms``;
 * ``--serving-experiment``: the experiment behind ``make bench-serving``
-  (:mod:`loader.bench.experiment`).
+  (:mod:`loader.bench.experiment`);
+* ``--ttft HOST:PORT --model NAME``: time to first token and time per output token of a
+  streaming model (:mod:`loader.bench.stream`; also writes ``ttft_tpot.*``).
 
 Tables go to stdout as levels are measured; logs go to stderr. Every mode writes
 ``tables.txt``, ``results.csv``, ``throughput_vs_p95_latency.png`` and ``summary.txt`` into
@@ -22,12 +24,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from loader.bench.arguments import TablePrinter, add_measurement_arguments, options_from_args
+from loader.bench.arguments import (
+    TablePrinter,
+    add_measurement_arguments,
+    concurrencies_from_args,
+    options_from_args,
+)
 from loader.bench.compare import Target, compare, parse_target
 from loader.bench.endpoint import parse_endpoint
 from loader.bench.report import summary_text, write_report
 from loader.bench.results import Sweep
-from loader.bench.sweep import parse_concurrency_range, sweep
+from loader.bench.stream import add_stream_arguments
+from loader.bench.sweep import sweep
 from loader.cli import configure_logging
 from loader.errors import LoaderError
 
@@ -42,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Arguments after `--` go to perf_analyzer unchanged. Examples:\n"
         "  scripts/bench --url 127.0.0.1:8001 --protocol grpc --model codegen\n"
         "  scripts/bench --compare i1=/models/a i2=/models/b --max-p95-ms 500\n"
-        "  scripts/bench --serving-experiment --output-dir bench/results",
+        "  scripts/bench --serving-experiment --output-dir bench/results\n"
+        "  scripts/bench --ttft grpc://127.0.0.1:8001 --model codegen --concurrency-range 1:8:1",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -58,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--serving-experiment",
         action="store_true",
         help="instance count 1/2 x dynamic batching off/on on a small model, local CPU Triton",
+    )
+    mode.add_argument(
+        "--ttft",
+        metavar="HOST:PORT",
+        help="time to first token and time per output token (mean, p95) of a streaming model "
+        "at this gRPC endpoint, with a gRPC-stream load generator (not perf_analyzer)",
     )
     parser.add_argument("--model", help="model to measure (default: a repository's ensemble)")
     parser.add_argument("--label", help="name of the configuration in --url mode")
@@ -83,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     add_measurement_arguments(parser)
+    add_stream_arguments(parser)
     return parser
 
 
@@ -105,7 +121,7 @@ def run_url(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Swee
         raise LoaderError("--url needs --model", "Pass --model NAME (e.g. the ensemble, codegen).")
     endpoint = parse_endpoint(args.url, protocol=args.protocol)
     options = options_from_args(args, extra_args=extra)
-    concurrencies = parse_concurrency_range(args.concurrency_range)
+    concurrencies = concurrencies_from_args(args)
     printer = TablePrinter()
     label = args.label or args.model
     printer.start(Target(label=label, endpoint=endpoint))
@@ -127,7 +143,7 @@ def run_compare(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[
     printer = TablePrinter()
     sweeps = compare(
         targets,
-        concurrencies=parse_concurrency_range(args.concurrency_range),
+        concurrencies=concurrencies_from_args(args),
         options=options,
         model=args.model,
         protocol=args.protocol or "http",
@@ -144,11 +160,18 @@ def run_experiment(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[li
     return experiment.run_from_args(args, extra)
 
 
+def run_ttft(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
+    from loader.bench import stream
+
+    return stream.run_from_args(args, extra)
+
+
 #: Mode flag (its argparse ``dest``) -> the function that runs it.
 MODES: dict[str, Callable[[argparse.Namespace, tuple[str, ...]], tuple[list[Sweep], dict]]] = {
     "url": run_url,
     "compare": run_compare,
     "serving_experiment": run_experiment,
+    "ttft": run_ttft,
 }
 
 
@@ -170,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             title=notes.pop("title", "Throughput vs. client p95 latency"),
             notes=notes,
         )
+        for key, value in notes.items():
+            print(f"{key}: {value}")
         for kind, path in paths.items():
             print(f"{kind}: {path}")
     except LoaderError as exc:

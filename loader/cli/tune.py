@@ -6,9 +6,13 @@ import argparse
 import time
 from pathlib import Path
 
-from loader.bench.arguments import TablePrinter, add_measurement_arguments, options_from_args
+from loader.bench.arguments import (
+    TablePrinter,
+    add_measurement_arguments,
+    concurrencies_from_args,
+    options_from_args,
+)
 from loader.bench.report import tables_text, write_report
-from loader.bench.sweep import parse_concurrency_range
 from loader.errors import LoaderError
 from loader.tune import DEFAULT_TOLERANCE, tune, values_snippet
 
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         args.repository,
         work_dir=work_dir,
         instance_counts=counts,
-        concurrencies=parse_concurrency_range(args.concurrency_range),
+        concurrencies=concurrencies_from_args(args),
         options=options_from_args(args),
         preferred_batch_sizes=args.preferred_batch_size,
         max_queue_delay_us=args.max_queue_delay_us,
