@@ -130,7 +130,14 @@ def stream_completion(
             if event.final:
                 return
     except InferenceServerException as exc:
-        raise EndpointError(f"grpc://{url} model {model!r}: {exc.message()}") from exc
+        # A broken stream reports its cause through the callback; prefer that message.
+        cause = exc.message()
+        while not inbox.empty():
+            _, error = inbox.get_nowait()
+            if error is not None:
+                cause = str(error)
+                break
+        raise EndpointError(f"grpc://{url} model {model!r}: {cause}") from exc
     finally:
         # After a final response there is nothing left to cancel; otherwise (the caller stopped
         # reading, or an error) the server stops sending for this request.
