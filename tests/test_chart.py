@@ -40,7 +40,8 @@ rc = _load_render_chart()
 
 HELMS = ("helm3", "helm4")
 HELM_VERSIONS = {"helm3": "v3.18.0", "helm4": "v4.1.4"}
-VALUES = (None, "staging.yaml", "production.yaml", "local.yaml")
+#: The chart defaults (None) and every per-cluster values file.
+VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))
 INSTALL = "run `make install` (installs pinned helm 3 and 4 into .tools/bin)"
 
 
@@ -192,6 +193,16 @@ def test_every_manifest_validates_strictly_on_kubernetes_1_29_and_1_35(helm, val
     }
     assert expected <= set(kinds(docs))
     assert {d["kind"] for d in docs} - expected <= rc.CRD_KINDS
+
+
+def test_kubernetes_validate_knows_the_target_versions():
+    from kubernetes_validate.utils import all_versions
+
+    assert set(rc.KUBERNETES_VERSIONS) <= set(all_versions())
+
+
+def test_every_cluster_has_a_values_file():
+    assert {"staging.yaml", "production.yaml", "local.yaml"} <= set(VALUES)
 
 
 def test_validation_catches_an_unknown_field():
@@ -656,6 +667,8 @@ def test_schema_is_strict_on_every_own_object():
 
 
 # --------------------------------------------------------------------------- NOTES (Helm 4)
+# NOTES.txt is printed by `helm install`; offline only Helm 4 can (`--dry-run=client`): Helm 3's
+# dry run needs a cluster and `helm template` never renders NOTES.
 
 
 def test_leftover_gpus_are_a_warning_in_notes():
