@@ -1,0 +1,231 @@
+"""`model-loader convert`: bad input is a typed error, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from loader.cli import main
+from tests.tinymodels import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-J: 8 heads, n_inner 100 (divisible by 4, not by 8), 2 layers."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("good") / "ckpt", n_inner=100)
+
+
+@pytest.fixture(scope="module")
+def good_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("good-bin") / "ckpt", fmt="bin")
+
+
+def variant(good: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "src"
+    shutil.copytree(good, path)
+    return path
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path: Path, edit) -> None:
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["convert", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_refused(capsys, out_dir: Path, argv: list[str], *fragments: str) -> str:
+    rc, stdout, err = run_cli(capsys, *argv)
+    assert rc == 2, err
+    assert stdout == ""
+    assert "Traceback" not in err
+    assert err.startswith("error: ") or "\nerror: " in err
+    assert "\nhint: " in err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []  # no <T>-gpu, no temp dir
+    return err
+
+
+def test_heads_not_divisible_by_tp(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(good), str(out), "--tp-size", "3"],
+        "n_head (attention heads) (8) is not divisible by the tensor-parallel size 3",
+        "Choose a --tp-size that divides 8",
+    )  # fmt: skip
+
+
+def test_inter_size_not_divisible_by_tp(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(good), str(out), "--tp-size", "8"],
+        "inter_size (n_inner) (100) is not divisible by the tensor-parallel size 8",
+    )  # fmt: skip
+
+
+def test_layers_not_divisible_by_pp(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(good), str(out), "--tp-size", "2", "--pp-size", "3"],
+        "n_layer (2) is not divisible by the pipeline-parallel size 3",
+    )  # fmt: skip
+
+
+def test_tp_size_zero(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert_refused(capsys, out, [str(good), str(out), "--tp-size", "0"], "tensor-parallel size")
+
+
+def test_unknown_tensor(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    edit_tensors(
+        src, lambda s: s.update({"transformer.h.0.attn.rogue.weight": s["lm_head.bias"].clone()})
+    )
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "2"],
+        "1 tensor(s) a gptj model does not have: transformer.h.0.attn.rogue.weight",
+    )  # fmt: skip
+
+
+def test_missing_tensor(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    edit_tensors(src, lambda s: s.pop("transformer.h.1.mlp.fc_out.bias"))
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        "lacks 1 tensor(s) a gptj model with this config.json needs: transformer.h.1.mlp.fc_out.bias",
+    )  # fmt: skip
+
+
+def test_tensor_shape_that_contradicts_config_json(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    edit_config(src, vocab_size=300)
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        "Tensor transformer.wte.weight in model.safetensors has shape [320, 64], but config.json "
+        "implies [300, 64]",
+    )  # fmt: skip
+
+
+def test_truncated_safetensors_shard(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[:-1000])
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        f"{src / 'model.safetensors'} is truncated or corrupt",
+    )  # fmt: skip
+
+
+def test_truncated_bin_shard(good_bin, tmp_path, capsys):
+    src = variant(good_bin, tmp_path)
+    data = (src / "pytorch_model.bin").read_bytes()
+    (src / "pytorch_model.bin").write_bytes(data[: len(data) - 5000])
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        f"{src / 'pytorch_model.bin'} is truncated or corrupt",
+    )  # fmt: skip
+
+
+def test_unknown_dtype(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(good), str(out), "--tp-size", "1", "--dtype", "int8"],
+        "Unknown dtype 'int8'; supported: fp32, fp16", "Use --dtype fp16 or --dtype fp32",
+    )  # fmt: skip
+
+
+def test_bf16_source_needs_an_explicit_dtype(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    edit_tensors(src, lambda s: s.update({k: v.bfloat16() for k, v in s.items()}))
+    out = tmp_path / "out"
+    assert_refused(capsys, out, [str(src), str(out), "--tp-size", "1"], "stored in bf16")
+    rc, _, err = run_cli(capsys, str(src), str(out), "--tp-size", "1", "--dtype", "fp32")
+    assert rc == 0, err
+    assert "weight_data_type = fp32" in (out / "1-gpu" / "config.ini").read_text()
+    wte = load_file(src / "model.safetensors")["transformer.wte.weight"]
+    assert (out / "1-gpu" / "model.wte.bin").read_bytes() == wte.float().numpy().tobytes()
+
+
+def test_missing_config_json(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    (src / "config.json").unlink()
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        f"{src / 'config.json'} is missing", "Point the loader at a complete Hugging Face checkpoint",
+    )  # fmt: skip
+
+
+def test_unsupported_architecture_lists_the_supported_ones(good, tmp_path, capsys):
+    src = variant(good, tmp_path)
+    edit_config(src, model_type="llama")
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        "model_type 'llama' is not supported by the converter; supported: codegen, gptj",
+    )  # fmt: skip
+
+
+def test_existing_output_needs_force(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(capsys, str(good), str(out), "--tp-size", "2")[0] == 0
+    before = (out / "2-gpu" / "model.wte.bin").stat().st_mtime_ns
+    rc, _, err = run_cli(capsys, str(good), str(out), "--tp-size", "2")
+    assert rc == 2
+    assert "2-gpu already exists" in err and "Pass --force" in err
+    assert (out / "2-gpu" / "model.wte.bin").stat().st_mtime_ns == before
+    rc, _, err = run_cli(capsys, str(good), str(out), "--tp-size", "2", "--force")
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["2-gpu"]
+
+
+def test_success_prints_the_output_path_last_and_logs_progress_and_a_summary(
+    good, tmp_path, capsys, caplog
+):
+    out = tmp_path / "out"
+    with caplog.at_level("INFO"):
+        rc, stdout, err = run_cli(capsys, str(good), str(out), "--tp-size", "2", "--dtype", "fp16")
+    assert rc == 0, err
+    assert stdout.strip().splitlines()[-1] == str((out / "2-gpu").resolve())
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "convert 2-gpu:" in logged and "(100%)" in logged  # the plain progress line (no TTY)
+    assert "wrote 32 files" in logged
+    assert "weight_data_type = fp16" in (out / "2-gpu" / "config.ini").read_text()
+
+
+def test_the_real_command_exits_2_without_a_traceback(good, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "loader", "convert", str(good), str(tmp_path / "o"),
+         "--tp-size", "3"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "error: n_head (attention heads) (8) is not divisible" in proc.stderr
+    assert not (tmp_path / "o").exists()
