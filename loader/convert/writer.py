@@ -144,6 +144,11 @@ def write_file(
     return written
 
 
+def _largest_first(outputs: Sequence[OutputFile]) -> list[OutputFile]:
+    """Longest jobs first, so the workers finish together instead of one writing a big tail."""
+    return sorted(outputs, key=lambda out: out.rows * out.row_elements, reverse=True)
+
+
 def write_outputs(
     outputs: Sequence[OutputFile],
     ckpt: Checkpoint,
@@ -154,7 +159,7 @@ def write_outputs(
     workers: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> int:
-    """Write every output file (``workers`` at a time, in order); returns the bytes written."""
+    """Write every output file, ``workers`` at a time, largest first; returns the bytes written."""
     stop = threading.Event()
     total = 0
     try:
@@ -164,7 +169,7 @@ def write_outputs(
                     write_file, out, ckpt, directory, dtype=dtype, progress=progress,
                     chunk_bytes=chunk_bytes, stop=stop,
                 )
-                for out in outputs
+                for out in _largest_first(outputs)
             ]  # fmt: skip
             try:
                 wait(futures, return_when=FIRST_EXCEPTION)
