@@ -1,0 +1,313 @@
+"""Streaming completions on the real tritonserver (CPU): ``model-loader run --streaming``.
+
+One streaming repository (CPU reference backend, dynamic batching on) and the non-streaming
+session repository are published from the same tiny checkpoint and each served once for the
+module; the streamed results are checked against the non-streaming ones for the same request
+and seed. The request is the users' ``test.json`` (``bench/test.json``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tokenizers import Tokenizer
+
+from loader.bench.stream import (
+    CSV_COLUMNS,
+    Sample,
+    StreamSweep,
+    measure_level,
+    percentile,
+    write_stream_report,
+)
+from loader.completion import complete, load_request
+from loader.parallel import Parallelism
+from loader.repository.config import RepositorySpec, build_all
+from loader.repository.key import ServingSettings
+from loader.repository.tensors import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
+from loader.serving import TritonServer
+from loader.streaming import StreamEvent, collect, stream_completion
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "codegen"
+SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
+
+
+@pytest.fixture(scope="module")
+def streaming_repository(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("streaming") / "models"
+    cmd = [
+        sys.executable, "-m", "loader", "run", "--source", str(tiny_checkpoint_with_tokenizer),
+        "--repository", str(root), "--model-name", MODEL, "--tp-size", "1", "--pp-size", "1",
+        "--instance-count", "1", "--backend", "python", "--streaming",
+        "--max-queue-delay-us", "2000",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    published = Path(done.stdout.strip().splitlines()[-1])
+    assert (published / ".ready").is_file()
+    return published
+
+
+@pytest.fixture(scope="module")
+def streaming(streaming_repository: Path):
+    with TritonServer(streaming_repository) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def plain(published_tiny_python_repository: Path):
+    """The same checkpoint published without --streaming (the ensemble)."""
+    with TritonServer(published_tiny_python_repository) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint_with_tokenizer: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_checkpoint_with_tokenizer / "tokenizer.json"))
+
+
+def _stream(server: TritonServer, request: dict) -> list[StreamEvent]:
+    return list(stream_completion(server.grpc_url, MODEL, request, timeout_s=60))
+
+
+# --- what model-loader run --streaming writes ---------------------------------------------------
+
+
+def test_streaming_repository_serves_a_decoupled_model_with_the_ensemble_contract(streaming):
+    client = httpclient.InferenceServerClient(streaming.http_url)
+    try:
+        front = client.get_model_config(MODEL)
+        ft = client.get_model_config("fastertransformer")
+    finally:
+        client.close()
+    assert front["backend"] == "python"
+    assert front["model_transaction_policy"]["decoupled"] is True
+    assert [i["name"] for i in front["input"]] == [t.name for t in ENSEMBLE_INPUTS]
+    assert [o["name"] for o in front["output"]] == [t.name for t in ENSEMBLE_OUTPUTS]
+    assert ft["model_transaction_policy"]["decoupled"] is True
+    assert "dynamic_batching" in ft
+
+
+def test_without_streaming_the_model_clients_call_stays_an_ensemble():
+    spec = RepositorySpec(
+        name=MODEL,
+        parallelism=Parallelism(1, 1, 1),
+        settings=ServingSettings(),
+        data_type="fp32",
+        checkpoint_path="/models/x/fastertransformer/1/1-gpu",
+    )
+    configs = build_all(spec)
+    assert configs[MODEL].platform == "ensemble"
+    assert not configs["fastertransformer"].model_transaction_policy.decoupled
+
+
+# --- the stream ----------------------------------------------------------------------------------
+
+
+def test_increments_arrive_one_per_token_before_the_request_completes(streaming, tokenizer):
+    _stream(streaming, {**SEED_REQUEST, "request_output_len": [4]})  # warm up the models
+    n_out = 200  # long enough that generating the last token takes a while after the first
+    events = _stream(streaming, {**SEED_REQUEST, "request_output_len": [n_out]})
+    prompt_len = len(tokenizer.encode(SEED_REQUEST["prompt"][0]).ids)
+    tokens = [e for e in events if e.sequence_length is not None and not e.final]
+    # end_id 50256 lies outside the tiny vocabulary, so every token is generated.
+    assert [e.sequence_length for e in tokens] == list(
+        range(prompt_len + 1, prompt_len + n_out + 1)
+    )
+    assert len(events) > 1
+    times = [e.seconds for e in events]
+    assert times == sorted(times)
+    # Streamed, not buffered: the first token arrives well before the last one is generated.
+    assert tokens[0].seconds < 0.5 * tokens[-1].seconds
+    assert tokens[-1].seconds - tokens[0].seconds > 0
+
+
+def test_only_the_last_response_is_flagged_final(streaming):
+    events = _stream(streaming, {**SEED_REQUEST, "request_output_len": [8]})
+    assert [e.final for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1].sequence_length == events[-2].sequence_length
+
+
+@pytest.mark.parametrize("seed", [1594506369, 7])
+def test_concatenated_stream_equals_the_non_streaming_completion(streaming, plain, seed):
+    request = {**SEED_REQUEST, "random_seed": [seed], "temperature": [1.5]}
+    expected = complete(plain.grpc_url, MODEL, request, protocol="grpc")
+    got = collect(iter(_stream(streaming, request)))
+    assert got.text == expected.text
+    assert expected.text  # the comparison is not between two empty strings
+    np.testing.assert_array_equal(got.output_ids, expected.output_ids[: expected.sequence_length])
+    assert sum(1 for e in got.events if e.text) > 1
+
+
+def test_concurrent_streams_batched_together_each_equal_their_own_completion(streaming, plain):
+    requests = [
+        {**SEED_REQUEST, "random_seed": [seed], "request_output_len": [10 + 4 * seed]}
+        for seed in range(3)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        streamed = list(pool.map(lambda r: collect(iter(_stream(streaming, r))), requests))
+    for request, got in zip(requests, streamed, strict=True):
+        expected = complete(plain.grpc_url, MODEL, request, protocol="grpc")
+        assert got.text == expected.text
+        assert got.output_tokens == request["request_output_len"][0]
+
+
+def test_a_cancelled_stream_does_not_wedge_the_model_and_the_next_request_is_served(streaming):
+    request = {**SEED_REQUEST, "request_output_len": [8]}
+    before = collect(iter(_stream(streaming, request)))
+    for _ in range(2):
+        events = stream_completion(
+            streaming.grpc_url, MODEL, {**SEED_REQUEST, "request_output_len": [60]}
+        )
+        received = [next(events) for _ in range(3)]
+        events.close()  # the client closes the stream mid-way: the request is cancelled
+        assert not any(e.final for e in received)
+    started = time.perf_counter()
+    after = collect(iter(_stream(streaming, request)))
+    assert time.perf_counter() - started < 30
+    assert after.text == before.text
+    np.testing.assert_array_equal(after.output_ids, before.output_ids)
+    assert streaming.process is not None and streaming.process.poll() is None
+    client = httpclient.InferenceServerClient(streaming.http_url)
+    try:
+        assert client.is_model_ready(MODEL) and client.is_model_ready("fastertransformer")
+    finally:
+        client.close()
+
+
+# --- TTFT / TPOT ---------------------------------------------------------------------------------
+
+
+def test_ttft_and_tpot_are_positive_and_ttft_is_below_total_latency(streaming, tmp_path):
+    request = {**SEED_REQUEST, "request_output_len": [16]}
+    one = collect(iter(_stream(streaming, request)))
+    assert one.output_tokens == 16
+    assert 0 < one.ttft_s < one.latency_s
+    assert one.tpot_s is not None and one.tpot_s > 0
+    level = measure_level(streaming.grpc_url, MODEL, request, 2, requests=4, max_seconds=60)
+    assert level.requests == 4 and level.concurrency == 2
+    assert level.throughput > 0 and level.output_tokens_per_s > 0
+    assert 0 < level.ttft_mean_us < level.latency_mean_us
+    assert 0 < level.ttft_p95_us <= level.latency_p95_us
+    assert level.tpot_mean_us is not None and 0 < level.tpot_mean_us <= level.tpot_p95_us
+    paths = write_stream_report([StreamSweep("stream", [level])], tmp_path)
+    with open(paths["ttft_csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert int(rows[0]["ttft_mean_us"]) == level.ttft_mean_us
+    assert paths["ttft_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "TTFT mean" in paths["ttft_tables"].read_text()
+
+
+def test_scripts_bench_ttft_sweeps_concurrency_and_writes_its_report(streaming, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [
+        str(ROOT / "scripts" / "bench"), "--ttft", f"grpc://{streaming.grpc_url}",
+        "--model", MODEL, "--concurrency-range", "1:2:1", "--requests-per-level", "3",
+        "--output-dir", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("Concurrency: ")]
+    assert [line.split(",")[0] for line in lines] == ["Concurrency: 1", "Concurrency: 2"]
+    assert all("TTFT mean" in line and "TPOT mean" in line for line in lines)
+    with open(out / "ttft_tpot.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["concurrency"]) for r in rows] == [1, 2]
+    assert all(int(r["requests"]) == 3 for r in rows)
+    for name in ("ttft_tpot_vs_concurrency.png", "results.csv", "tables.txt", "summary.txt"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_collect_counts_tokens_from_sequence_length_when_the_final_repeats_the_last_state():
+    ids = np.arange(8)
+    events = iter([
+        StreamEvent("a", 0.10, False, 5, ids[:5]),
+        StreamEvent("b", 0.20, False, 6, ids[:6]),
+        StreamEvent("cd", 0.30, False, 8, ids[:8]),  # two tokens in one response
+        StreamEvent("", 0.35, True, 8, ids[:8]),  # FasterTransformer's final response
+    ])  # fmt: skip
+    got = collect(events)
+    assert got.text == "abcd"
+    assert got.output_tokens == 4
+    assert got.ttft_s == pytest.approx(0.10)
+    assert got.tpot_s == pytest.approx((0.30 - 0.10) / 3)
+    assert got.latency_s == pytest.approx(0.35)
+
+
+def test_p95_is_the_nearest_rank():
+    assert percentile(list(range(1, 101)), 95) == 95
+    assert percentile([3.0], 95) == 3.0
+    assert Sample(0.1, None, 0.2, 1).tpot_s is None
+
+
+# --- scripts/complete ----------------------------------------------------------------------------
+
+
+def _complete_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(ROOT / "scripts" / "complete"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_scripts_complete_streams_json_lines_equal_to_the_non_streaming_completion(
+    streaming, plain
+):
+    expected = complete(plain.grpc_url, MODEL, SEED_REQUEST, protocol="grpc")
+    done = _complete_script(
+        "--url", streaming.grpc_url, "--request", str(ROOT / "bench" / "test.json"), "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    texts, summary = records[:-1], records[-1]
+    assert all(r["event"] == "text" for r in texts) and summary["event"] == "done"
+    assert len(texts) == SEED_REQUEST["request_output_len"][0] + 1
+    assert [r["final"] for r in texts][-2:] == [False, True]
+    assert "".join(r["text"] for r in texts) == summary["completion"] == expected.text
+    assert summary["output_tokens"] == SEED_REQUEST["request_output_len"][0]
+    assert 0 < summary["ttft_s"] < summary["total_s"]
+
+
+def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
+    prompt = "def add(a, b):"
+    expected = complete(
+        plain.grpc_url, MODEL, {"prompt": [prompt], "request_output_len": [12]}, protocol="grpc"
+    )
+    done = _complete_script("--url", streaming.grpc_url, "--max-tokens", "12", prompt)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected.text + "\n"
+    assert "12 tokens" in done.stderr and "first token after" in done.stderr
+    # The same client completes against a repository that does not stream, both protocols.
+    for args in (["--url", plain.grpc_url], ["--no-stream", "--protocol", "http", "--url",
+                                            plain.http_url]):  # fmt: skip
+        again = _complete_script(*args, "--max-tokens", "12", prompt)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout == expected.text + "\n"
+
+
+def test_scripts_complete_reports_errors_in_one_line_without_a_traceback(streaming):
+    cases = [
+        (["--url", streaming.grpc_url, "--model", "missing", "x"], "unknown model"),
+        (["--url", streaming.grpc_url, "--no-stream", "x"], "drop --no-stream"),
+        (["--protocol", "http", "--url", streaming.http_url, "x"], "streaming needs gRPC"),
+        (["--url", streaming.grpc_url], "no prompt"),
+    ]
+    for args, message in cases:
+        done = _complete_script(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert message in done.stderr
+        assert "Traceback" not in done.stderr
