@@ -201,3 +201,24 @@ def test_streaming_needs_grpc(tmp_path):
             options=PerfAnalyzerOptions(streaming=True),
             binary=find_perf_analyzer(),
         )
+
+
+def test_compare_targets_are_directories_or_endpoints(tmp_path):
+    from loader.bench.compare import parse_target
+
+    repo = parse_target(f"i2={tmp_path}")
+    assert (repo.label, repo.repository, repo.endpoint) == ("i2", tmp_path.resolve(), None)
+    assert parse_target(str(tmp_path)).label == tmp_path.name
+    remote = parse_target("prod=grpc://triton.prod:8001")
+    assert (remote.label, remote.endpoint) == ("prod", Endpoint("triton.prod:8001", "grpc"))
+    assert parse_target("10.0.0.1:8000").label == "10.0.0.1:8000"
+    with pytest.raises(LoaderError, match="neither a directory nor an endpoint"):
+        parse_target(str(tmp_path / "missing"))
+
+
+def test_compare_rejects_duplicate_labels(tmp_path):
+    from loader.bench.compare import compare, parse_target
+
+    targets = [parse_target(f"x={tmp_path}"), parse_target("x=127.0.0.1:1")]
+    with pytest.raises(LoaderError, match="share the label"):
+        compare(targets, concurrencies=[1], options=PerfAnalyzerOptions())

@@ -9,12 +9,11 @@ works and its outputs are well formed, not how fast anything is.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from loader.bench.cli import main as bench_main
 from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions
 from loader.bench.report import CSV_FILE, PLOT_FILE, SUMMARY_FILE, TABLES_FILE
@@ -68,36 +67,32 @@ def test_sweep_measures_positive_throughput_and_ordered_latencies(server):
 
 
 @pytest.mark.slow
-def test_bench_cli_prints_the_seed_table_and_writes_csv_and_plot(server, tmp_path):
+def test_bench_cli_prints_the_seed_table_and_writes_csv_and_plot(server, tmp_path, capsys):
     out = tmp_path / "out"
-    done = subprocess.run(
+    code = bench_main(
         [
-            sys.executable,
-            str(ROOT / "scripts" / "bench"),
             "--url",
             f"grpc://{server.grpc_url}",
             "--model",
             "codegen",
             "--concurrency-range",
-            "1:3:2",
+            "1:2",
             "--output-dir",
             str(out),
             *SHORT_FLAGS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ]
     )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = captured.out.splitlines()
     assert TABLE_HEADER in lines
     table = [line for line in lines if line.startswith("Concurrency:")]
-    assert [int(LINE.match(line)[1]) for line in table] == [1, 3]  # every line well formed
+    assert [int(LINE.match(line)[1]) for line in table] == [1, 2]  # every line well formed
     assert all(float(LINE.match(line)[2]) > 0 for line in table)
     assert lines.index(TABLE_HEADER) == lines.index(table[0]) - 1
 
     (result,) = sweeps_from_csv((out / CSV_FILE).read_text())
-    assert [m.concurrency for m in result.measurements] == [1, 3]
+    assert [m.concurrency for m in result.measurements] == [1, 2]
     assert all(m.throughput > 0 and m.p95_us > 0 for m in result.measurements)
     assert parse_table("\n".join(table)) == [
         type(m)(m.concurrency, m.throughput, m.p95_us) for m in result.measurements
@@ -143,3 +138,31 @@ def test_tune_measures_batching_off_and_on_and_prints_values(
     )
     assert "instanceCount: 1" in snippet
     assert (tmp_path / "tune" / "logs" / "tritonserver-i1-batching-on.log").is_file()
+
+
+@pytest.mark.slow
+def test_compare_prints_one_table_per_endpoint_and_the_best(server, tmp_path, capsys):
+    code = bench_main(
+        [
+            "--compare",
+            f"over-http=http://{server.http_url}",
+            f"over-grpc=grpc://{server.grpc_url}",
+            "--model",
+            "codegen",
+            "--concurrency-range",
+            "2",
+            "--baseline",
+            "over-http",
+            "--output-dir",
+            str(tmp_path),
+            *SHORT_FLAGS,
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = captured.out
+    assert out.index("Benchmark 1: over-http") < out.index("Benchmark 2: over-grpc")
+    assert len([line for line in out.splitlines() if LINE.match(line)]) == 2
+    assert re.search(r"^Best configuration \(no latency budget\): over-(http|grpc)$", out, re.M)
+    labels = [s.label for s in sweeps_from_csv((tmp_path / CSV_FILE).read_text())]
+    assert labels == ["over-http", "over-grpc"]
