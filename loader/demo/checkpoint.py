@@ -106,6 +106,9 @@ def build_demo_checkpoint(dest: Path | str, *, recipe: DemoRecipe | None = None)
     import torch
     from tokenizers import Tokenizer
     from transformers import CodeGenConfig, CodeGenForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))

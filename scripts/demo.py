@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""`make demo`: the whole path on this machine, no GPU, no cluster, no network.
+
+1. builds a small CodeGen checkpoint locally (a tokenizer trained on the standard library's
+   Python sources, a tiny model trained briefly on them), cached in demo-work/;
+2. publishes it with `model-loader run` for T=2, P=1, I=2 with the CPU reference backend;
+3. starts the real tritonserver (from the nvidia-pytriton wheel) on 127.0.0.1;
+4. sends the users' request (bench/test.json: `<python>def is_even(na: int) ->`) and prints the
+   completion;
+5. prints the `model-loader plan` tables (this model on a 2-GPU node; CodeGen-16B on the
+   production node type);
+6. renders the Helm chart for values/local.yaml with the project's helm;
+then stops everything it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loader.completion import complete, load_request  # noqa: E402
+from loader.demo.checkpoint import RECIPE_FILE, build_demo_checkpoint, describe  # noqa: E402
+from loader.errors import LoaderError  # noqa: E402
+from loader.serving import TritonServer  # noqa: E402
+
+WORK = ROOT / "demo-work"
+CHECKPOINT = WORK / "checkpoint"
+REPOSITORY_ROOT = WORK / "models"
+MODEL_NAME = "codegen"
+TP, PP, INSTANCES = 2, 1, 2
+REQUEST_FILE = ROOT / "bench" / "test.json"
+HELM = ROOT / ".tools" / "bin" / "helm"
+CHART = ROOT / "charts" / "model-triton"
+LOCAL_VALUES = ROOT / "values" / "local.yaml"
+
+TOTAL_STEPS = 6
+
+
+def section(number: int, title: str) -> None:
+    print(
+        f"\n\033[1m[{number}/{TOTAL_STEPS}] {title}\033[0m"
+        if sys.stdout.isatty()
+        else f"\n[{number}/{TOTAL_STEPS}] {title}"
+    )
+    print("-" * (len(title) + 6))
+
+
+def indent(text: str) -> str:
+    return textwrap.indent(text.rstrip("\n"), "    ")
+
+
+def loader_command(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run `python -m loader ...` (the installed model-loader) and return its output."""
+    env = {**os.environ, "MODEL_LOADER_LOG_LEVEL": "WARNING"}
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"model-loader {args[0]} failed (exit {done.returncode}):\n{done.stdout}{done.stderr}"
+        )
+    return done
+
+
+def step_checkpoint() -> None:
+    section(1, "A small CodeGen checkpoint, built and trained on this machine")
+    before = describe(CHECKPOINT) if (CHECKPOINT / RECIPE_FILE).is_file() else None
+    build_demo_checkpoint(CHECKPOINT)
+    info = describe(CHECKPOINT)
+    recipe = info["recipe"]
+    reused = before == info
+    print(
+        indent(
+            f"{CHECKPOINT.relative_to(ROOT)}/ ({'reused from an earlier run' if reused else 'built now'})\n"
+            f"CodeGen: {recipe['n_layer']} layers, {recipe['n_head']} heads, hidden {recipe['n_embd']}, "
+            f"vocabulary {recipe['vocab_size']} (byte-level BPE trained locally)\n"
+            f"trained {info['steps']} steps on {info['corpus_tokens']:,} tokens of the standard "
+            f"library's Python sources; final loss {info['final_loss']:.2f}"
+        )
+    )
+
+
+def step_publish() -> Path:
+    section(2, f"model-loader run: T={TP}, P={PP}, I={INSTANCES}, CPU reference backend")
+    args = [
+        "run",
+        "--source",
+        str(CHECKPOINT),
+        "--repository",
+        str(REPOSITORY_ROOT),
+        "--model-name",
+        MODEL_NAME,
+        "--tp-size",
+        str(TP),
+        "--pp-size",
+        str(PP),
+        "--instance-count",
+        str(INSTANCES),
+        "--backend",
+        "python",
+        # The recipe digest is the checkpoint's revision: a rebuilt checkpoint gets a new key.
+        "--revision",
+        f"demo-{describe(CHECKPOINT)['digest']}",
+    ]
+    print(
+        indent(
+            "model-loader "
+            + " ".join(
+                a if not a.startswith(str(ROOT)) else str(Path(a).relative_to(ROOT)) for a in args
+            )
+        )
+    )
+    started = time.monotonic()
+    done = loader_command(*args)
+    published = Path(done.stdout.strip().splitlines()[-1])
+    models = sorted(p.name for p in published.iterdir() if (p / "config.pbtxt").is_file())
+    print(
+        indent(
+            f"published in {time.monotonic() - started:.1f} s: {published.relative_to(ROOT)}\n"
+            f"models: {', '.join(models)}; weights in fastertransformer/1/{TP}-gpu/"
+        )
+    )
+    return published
+
+
+def step_serve_and_complete(published: Path) -> None:
+    section(3, "The real Triton server, on the CPU")
+    started = time.monotonic()
+    with TritonServer(published) as server:
+        print(
+            indent(
+                f"tritonserver ready in {time.monotonic() - started:.1f} s on 127.0.0.1: "
+                f"HTTP {server.ports.http}, gRPC {server.ports.grpc}, metrics {server.ports.metrics}"
+            )
+        )
+        section(4, "A completion for the users' request (bench/test.json)")
+        request = load_request(REQUEST_FILE)
+        settings = ", ".join(
+            f"{k}={v[0]:.3g}" if isinstance(v[0], float) else f"{k}={v[0]}"
+            for k, v in request.items()
+            if k != "prompt"
+        )
+        print(indent(f"settings: {settings}"))
+        started = time.monotonic()
+        result = complete(server.http_url, MODEL_NAME, request)
+        elapsed = time.monotonic() - started
+        prompt = request["prompt"][0]
+        generated = result.sequence_length - (
+            result.output_ids.size - int(request["request_output_len"][0])
+        )
+        print(indent(f"prompt:\n{indent(prompt)}\ncompletion:\n{indent(prompt + result.text)}"))
+        print(
+            indent(
+                f"{generated} tokens in {elapsed:.2f} s; cum_log_probs {result.cum_log_prob:.2f}"
+            )
+        )
+        print(indent("stopping tritonserver ..."))
+    print(indent("tritonserver stopped"))
+
+
+def step_plan() -> None:
+    section(5, "model-loader plan")
+    demo = loader_command(
+        "plan",
+        "--source",
+        str(CHECKPOINT),
+        "--tp-size",
+        str(TP),
+        "--pp-size",
+        str(PP),
+        "--instance-count",
+        str(INSTANCES),
+        "--gpus-per-node",
+        "2",
+        "--gpu-memory-gib",
+        "16",
+    )
+    print(indent("This model on a node with 2 GPUs of 16 GiB:\n\n" + demo.stdout))
+    production = loader_command(
+        "plan",
+        "--model",
+        "codegen-16b",
+        "--gpus-per-node",
+        "16",
+        "--gpu-memory-gib",
+        "40",
+        "--tp-size",
+        "1",
+        "2",
+        "4",
+        "--instance-count",
+        "1",
+        "2",
+    )
+    print()
+    print(
+        indent("CodeGen-16B on the production node type (16 A100 40 GB):\n\n" + production.stdout)
+    )
+
+
+def step_chart() -> None:
+    section(6, "The Helm chart rendered for values/local.yaml")
+    if not (CHART / "Chart.yaml").is_file():
+        print(indent(f"skipped: the chart is not in {CHART.relative_to(ROOT)} yet"))
+        return
+    if not HELM.is_file():
+        print(indent(f"skipped: {HELM.relative_to(ROOT)} is missing (run `make install`)"))
+        return
+    import yaml
+
+    done = subprocess.run(
+        [str(HELM), "template", MODEL_NAME, str(CHART), "-f", str(LOCAL_VALUES)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"helm template failed:\n{done.stderr}")
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    print(
+        indent(
+            f"helm template {MODEL_NAME} charts/model-triton -f values/local.yaml "
+            f"-> {len(docs)} resources:"
+        )
+    )
+    for doc in docs:
+        print(indent(f"  {doc['kind']:<24} {doc['metadata']['name']}"))
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    print(
+        "model-triton demo: load, convert, publish and serve a code model on a real Triton "
+        "server (CPU)"
+    )
+    try:
+        step_checkpoint()
+        published = step_publish()
+        step_serve_and_complete(published)
+        step_plan()
+        step_chart()
+    except LoaderError as exc:
+        print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
+        return 2
+    print(f"\ndone in {time.monotonic() - started:.0f} s; nothing left running.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
