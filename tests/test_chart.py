@@ -499,11 +499,6 @@ BAD_VALUES = [
         id="preferred>max",
     ),
     pytest.param(
-        ("triton.backend=python", "triton.streaming=true"),
-        "model-triton: triton.streaming",
-        id="streaming-on-python-backend",
-    ),
-    pytest.param(
         ("loader.hook.enabled=true",),
         "model-triton: loader.hook.enabled",
         id="hook-without-existing-claim",

@@ -73,3 +73,28 @@ def test_helm_test_fails_when_the_model_is_not_served(helm_test_container, trito
     proc = run_helm_test(helm_test_container, triton, MODEL_NAME="not-served")
     assert proc.returncode == 1
     assert "FAIL: model not-served is not ready" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def streaming_triton(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
+    from loader.parallel import Parallelism
+    from loader.pipeline import RunRequest, run
+    from loader.repository.key import ServingSettings
+
+    request = RunRequest(
+        source=str(tiny_checkpoint_with_tokenizer),
+        repository=tmp_path_factory.mktemp("streaming") / "models",
+        model_name="codegen",
+        parallelism=Parallelism(tp=1, pp=1, instance_count=1),
+        settings=ServingSettings(backend="python", dynamic_batching=False, streaming=True),
+    )
+    with TritonServer(run(request).path) as server:
+        yield server
+
+
+def test_helm_test_streams_over_grpc_when_streaming_is_on(helm_test_container, streaming_triton):
+    proc = run_helm_test(helm_test_container, streaming_triton, STREAMING="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["server ready", "model codegen ready"]
+    assert lines[2].startswith("completion: ") and len(lines[2]) > len("completion: ")

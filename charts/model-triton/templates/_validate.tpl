@@ -53,11 +53,6 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- end -}}
 {{- end -}}
 
-{{- /* Only the FasterTransformer model streams (decoupled mode). */ -}}
-{{- if and $t.streaming (ne $t.backend "fastertransformer") -}}
-{{- $problems = append $problems (printf "model-triton: triton.streaming is true but the %s backend's model does not stream; set triton.streaming=false or triton.backend=fastertransformer." $t.backend) -}}
-{{- end -}}
-
 {{- /* A pre-install hook runs before this chart has created its PVC and ServiceAccount. */ -}}
 {{- if .Values.loader.hook.enabled -}}
 {{- if not .Values.modelRepository.persistence.existingClaim -}}
