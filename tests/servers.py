@@ -219,19 +219,28 @@ def git(repo: Path, *args: str) -> str:
 
 
 class ThrottleProxy:
-    """A TCP relay on 127.0.0.1 towards ``target_port``.
+    """An HTTP relay on 127.0.0.1 towards ``target_port``, one request per connection.
 
-    ``rate`` (bytes/s) bounds the server-to-client direction; with ``status`` set it does not
-    relay at all and answers every request with that HTTP status instead.
+    ``rate`` (bytes/s) bounds the server-to-client direction. With ``status`` set, requests are
+    answered with that HTTP status (and the connection closed) instead of being relayed: all of
+    them, or only the first ``fail_first`` whose request line contains ``fail_path``.
     """
 
     def __init__(
-        self, target_port: int, *, rate: float | None = None, status: int | None = None
+        self,
+        target_port: int,
+        *,
+        rate: float | None = None,
+        status: int | None = None,
+        fail_first: int | None = None,
+        fail_path: str = "",
     ) -> None:
         self.target_port = target_port
         self.rate = rate
         self.status = status
-        self.requests = 0
+        self.fail_first = fail_first
+        self.fail_path = fail_path.encode()
+        self.requests = 0  # answered with ``status``
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -267,33 +276,40 @@ class ThrottleProxy:
             except OSError:
                 return
             self._conns.append(client)
-            if self.status is not None:
-                self._spawn(self._answer, client)
-            else:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-                self._conns.append(upstream)
-                self._spawn(self._pipe, client, upstream, None)
-                self._spawn(self._pipe, upstream, client, self.rate)
+            self._spawn(self._serve, client)
 
-    def _answer(self, client: socket.socket) -> None:
-        with client:
-            client.settimeout(0.2)
-            while not self._stop.is_set():
-                try:
-                    data = client.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                if not data:
-                    return
-                if b"\r\n\r\n" in data:
-                    self.requests += 1
-                    body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
-                    client.sendall(
-                        b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (self.status, len(body), body)
-                    )
+    def _should_fail(self, head: bytes) -> bool:
+        if self.status is None or self.fail_path not in head.split(b"\r\n", 1)[0]:
+            return False
+        return self.fail_first is None or self.requests < self.fail_first
+
+    def _serve(self, client: socket.socket) -> None:
+        client.settimeout(10)
+        try:
+            head = client.recv(65536, socket.MSG_PEEK)
+        except OSError:
+            client.close()
+            return
+        if self._should_fail(head):
+            self.requests += 1
+            body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
+            with contextlib.suppress(OSError):
+                client.recv(65536)
+                client.sendall(
+                    b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                    % (self.status, len(body), body)
+                )
+            client.close()
+            return
+        client.settimeout(None)
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        self._conns.append(upstream)
+        # One request per connection, so each request passes through ``_should_fail``.
+        head = client.recv(65536)
+        upstream.sendall(head.replace(b"\r\n", b"\r\nConnection: close\r\n", 1))
+        self._spawn(self._pipe, client, upstream, None)
+        self._pipe(upstream, client, self.rate)
 
     def _pipe(self, src: socket.socket, dst: socket.socket, rate: float | None) -> None:
         chunk = 64 * 1024

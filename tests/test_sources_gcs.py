@@ -194,6 +194,28 @@ def test_429_and_5xx_are_retried_then_a_transient_error(status, server, tmp_path
         proxy.stop()
 
 
+def test_transient_download_failures_are_retried_and_the_fetch_completes(tmp_path, monkeypatch):
+    """The first two media requests answer 503."""
+    proxy = ThrottleProxy(0, status=503, fail_first=2, fail_path="/download/")
+    srv = GcsServer(tmp_path / "gcs", external_url=proxy.url).start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "config.json").write_text("{}")
+        (src / "model.safetensors").write_bytes(os.urandom(300_000))
+        srv.upload_dir("flaky", "ckpt", src)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        result = fetch("gs://flaky/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=30)
+        same_tree(src, tmp_path / "dest")
+        assert proxy.requests == 2
+        assert result.downloaded_bytes == result.bytes
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
 def test_fetch_killed_with_sigkill_resumes_without_downloading_complete_files(
     tmp_path, monkeypatch
 ):

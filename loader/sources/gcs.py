@@ -37,6 +37,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from loader.errors import (
     ChecksumMismatchError,
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 
 #: Byte-range slice size for large objects.
 SLICE_BYTES = 32 * 1024 * 1024
+#: Bytes per read from a download stream.
+READ_BYTES = 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -301,6 +304,33 @@ def _prepare(obj: _Object) -> None:
         obj.journal.write_text("")
 
 
+def _media_url(blob: Any) -> str:
+    """The object's media link, pinned to the generation that was listed."""
+    parts = urlsplit(blob.media_link)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "ifGenerationMatch"]
+    query.append(("ifGenerationMatch", str(blob.generation)))
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def _read_range(blob: Any, start: int, end: int, writer: _CountingWriter) -> None:
+    """Stream bytes ``start..end`` (inclusive) of ``blob`` into ``writer``.
+
+    Uses the client's authorised session directly with large reads: the client's own download
+    path reads 8 KiB at a time, which costs more CPU than the transfer itself.
+    """
+    from google.api_core.exceptions import from_http_response
+
+    headers = {"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"}
+    session = blob.client._http
+    with session.get(_media_url(blob), headers=headers, stream=True, timeout=(30, 300)) as resp:
+        if resp.status_code not in (200, 206):
+            raise from_http_response(resp)
+        if resp.status_code == 200 and (start, end) != (0, int(blob.size) - 1):
+            raise ConnectionError(f"the server ignored the byte range {start}-{end}")
+        while chunk := resp.raw.read(READ_BYTES, decode_content=False):
+            writer.write(chunk)
+
+
 def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progress) -> None:
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
@@ -311,14 +341,7 @@ def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progres
                 fh.seek(start)
                 writer = _CountingWriter(fh, progress)
                 try:
-                    obj.blob.download_to_file(
-                        writer,
-                        start=start,
-                        end=end,
-                        checksum=None,
-                        retry=None,
-                        if_generation_match=obj.blob.generation,
-                    )
+                    _read_range(obj.blob, start, end, writer)
                 except BaseException:
                     progress.update(-writer.written)
                     raise
