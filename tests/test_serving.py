@@ -188,8 +188,69 @@ def test_an_empty_prompt_is_refused_with_a_clear_error(served):
         served.complete({**SEED_REQUEST, "prompt": [""]})
 
 
-def test_a_repository_whose_tp_does_not_match_its_files_fails_to_load(source, tmp_path):
-    published = publish(source, tmp_path / "root", SETUPS["tp1-i1-no-batching"])
+@pytest.fixture(scope="module")
+def published(source, tmp_path_factory) -> Path:
+    """A T=1 repository, published but not served (tests may copy it, not modify it)."""
+    return publish(source, tmp_path_factory.mktemp("published"), SETUPS["tp1-i1-no-batching"])
+
+
+@pytest.mark.parametrize("model", ["preprocessing", "fastertransformer", "postprocessing"])
+def test_published_python_models_import_without_the_project_installed(published, model):
+    """``python -S`` skips site-packages' .pth files, so the editable ``loader`` is invisible:
+    the model must run from the copies the repository writer put next to it."""
+    import pytriton
+    import tokenizers
+
+    site = Path(tokenizers.__file__).resolve().parents[1]
+    backend = Path(pytriton.__file__).resolve().parent / "tritonserver" / "backends" / "python"
+    version_dir = published / model / "1"
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:]; import model; "
+        "print(model.__file__); print(sys.modules['loader'].__file__ if 'loader' in sys.modules "
+        "else '-')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(version_dir), str(site), str(backend)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=version_dir,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    model_file, loader_file = done.stdout.split()
+    assert Path(model_file).parent == version_dir
+    if model == "fastertransformer":
+        assert Path(loader_file).is_relative_to(version_dir / "loader")
+
+
+def test_the_server_leaves_no_process_behind(published):
+    with TritonServer(published) as server:
+        pid = server.process.pid
+        children = _children(pid)
+        assert len(children) >= 3  # one Python-backend stub per model instance
+    for process in (pid, *children):
+        assert not Path(f"/proc/{process}").exists() or _is_zombie(process), process
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(
+                line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line
+            )
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            found.append(int(status.parent.name))
+    return found
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+def test_a_repository_whose_tp_does_not_match_its_files_fails_to_load(published, tmp_path):
     broken = shutil.copytree(published, tmp_path / "broken")
     config_path = broken / "fastertransformer" / "config.pbtxt"
     config = read_config(config_path)
