@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="where tables.txt, results.csv, the PNG and summary.txt go "
-        "(default bench/work/<UTC time>)",
+        "(default <work-dir>/<UTC time>)",
     )
     parser.add_argument(
         "--baseline",
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-dir",
         type=Path,
         default=Path("bench/work"),
-        help="scratch space of --serving-experiment (default bench/work)",
+        help="scratch space: the experiment's checkpoint and variants, default output "
+        "(default bench/work)",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
@@ -113,7 +114,7 @@ def _split_extra(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
 def _output_dir(args: argparse.Namespace) -> Path:
     if args.output_dir is not None:
         return Path(args.output_dir)
-    return Path("bench/work") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
 
 def run_url(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
@@ -148,6 +149,7 @@ def run_compare(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[
         model=args.model,
         protocol=args.protocol or "http",
         perf_analyzer=args.perf_analyzer,
+        log_dir=args.output_dir / "logs",
         on_start=printer.start,
         on_measurement=printer.measurement,
     )
@@ -179,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, extra = _split_extra(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
     configure_logging(args.verbose, args.quiet)
+    args.output_dir = _output_dir(args)
     try:
         mode = next(name for name in MODES if getattr(args, name))
         sweeps, notes = MODES[mode](args, extra)
@@ -187,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary_text(sweeps, max_p95_ms=args.max_p95_ms, baseline=baseline), end="")
         paths = write_report(
             sweeps,
-            _output_dir(args),
+            args.output_dir,
             max_p95_ms=args.max_p95_ms,
             baseline=baseline,
             title=notes.pop("title", "Throughput vs. client p95 latency"),

@@ -9,6 +9,7 @@ line a target is ``[LABEL=]PATH`` or ``[LABEL=][http|grpc://]HOST:PORT``.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +22,8 @@ from loader.bench.sweep import sweep
 from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,6 @@ def parse_target(text: str, *, protocol: str | None = None) -> Target:
     return Target(label=label or endpoint.address, endpoint=endpoint)
 
 
-def _server_factory(repository: Path, log_path: Path | None):
-    from loader.serving import TritonServer
-
-    return TritonServer(repository, log_path=log_path)
-
-
 def compare(
     targets: Sequence[Target],
     *,
@@ -67,15 +64,19 @@ def compare(
     log_dir: Path | None = None,
     on_start: Callable[[Target], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
-    server_factory: Callable[[Path, Path | None], object] = _server_factory,
 ) -> list[Sweep]:
-    """One sweep per target, in order."""
+    """One sweep per target, in order; server logs go to ``log_dir`` when given."""
     labels = [t.label for t in targets]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
     if duplicates:
         raise LoaderError(
             f"two targets share the label(s) {', '.join(duplicates)}",
             "Name them apart with LABEL=TARGET.",
+        )
+    if model is None and any(t.repository is None for t in targets):
+        raise LoaderError(
+            "which model should be measured at the endpoints?",
+            "Pass --model NAME (the ensemble's name, e.g. codegen).",
         )
     find_perf_analyzer(perf_analyzer)  # fail before starting any server
     targets = [_with_settings(t) for t in targets]
@@ -95,15 +96,9 @@ def compare(
                     perf_analyzer=perf_analyzer,
                     log_dir=log_dir,
                     on_measurement=report,
-                    server_factory=server_factory,
                 )
             )
-        elif target.endpoint is not None:
-            if model is None:
-                raise LoaderError(
-                    f"which model should be measured at {target.endpoint}?",
-                    "Pass --model NAME (the ensemble's name, e.g. codegen).",
-                )
+        elif target.endpoint is not None and model is not None:
             sweeps.append(
                 sweep(
                     target.endpoint,
@@ -136,24 +131,30 @@ def _sweep_repository(
     perf_analyzer: str | Path | None,
     log_dir: Path | None,
     on_measurement: Callable[[Measurement], None] | None,
-    server_factory: Callable[[Path, Path | None], object],
 ) -> Sweep:
+    from loader.serving import TritonServer
+
     repository = Path(target.repository or "")
     name = model or variants.ensemble_name(variants.read_configs(repository))
     log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"tritonserver-{target.label}.log"
+        log_path = log_dir / f"tritonserver-{_SAFE.sub('_', target.label)}.log"
     log.info("%s: serving %s with the local Triton", target.label, repository)
-    with server_factory(repository, log_path) as server:
+    with TritonServer(repository, log_path=log_path) as server:
         address = server.grpc_url if protocol == "grpc" else server.http_url
-        return sweep(
-            Endpoint(address=address, protocol=protocol),
-            name,
-            concurrencies,
-            options=options,
-            label=target.label,
-            settings=target.settings,
-            perf_analyzer=perf_analyzer,
-            on_measurement=on_measurement,
-        )
+        try:
+            return sweep(
+                Endpoint(address=address, protocol=protocol),
+                name,
+                concurrencies,
+                options=options,
+                label=target.label,
+                settings=target.settings,
+                perf_analyzer=perf_analyzer,
+                on_measurement=on_measurement,
+            )
+        except LoaderError:
+            if log_path is not None:
+                log.error("%s: Triton's log is %s", target.label, log_path)
+            raise
