@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -177,7 +178,22 @@ MODES: dict[str, Callable[[argparse.Namespace, tuple[str, ...]], tuple[list[Swee
 }
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM (and SIGINT, which a shell ignores for background jobs) stops the sweep through
+    # KeyboardInterrupt, so the local Triton and perf_analyzer are stopped on the way out.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     own, extra = _split_extra(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
     configure_logging(args.verbose, args.quiet)
