@@ -54,7 +54,7 @@ bench-fetch: install ## GCS download: plain single stream vs the loader
 	$(BIN)/python scripts/bench_fetch.py
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton
-	$(BIN)/python scripts/bench --serving-experiment --output-dir bench/results
+	$(BIN)/python scripts/bench --serving-experiment --output-dir bench/results/serving
 
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
