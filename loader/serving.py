@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 #: Lines of the server log quoted in a start failure.
 LOG_TAIL_LINES = 60
+#: Starts tried when a chosen free port is taken by someone else before the server binds it.
+PORT_ATTEMPTS = 3
+#: What Triton logs when it cannot bind a port.
+PORT_IN_USE = "already in use"
 
 
 @dataclass(frozen=True)
@@ -136,11 +140,8 @@ class TritonServer:
     ) -> None:
         self.repository = Path(repository).resolve()
         self.host = host
-        self.ports = Ports(
-            http=http_port or free_port(host),
-            grpc=grpc_port or free_port(host),
-            metrics=metrics_port or free_port(host),
-        )
+        self._requested = Ports(http=http_port or 0, grpc=grpc_port or 0, metrics=metrics_port or 0)
+        self.ports = self._pick_ports()
         self.startup_timeout = startup_timeout
         self.exit_timeout_secs = exit_timeout_secs
         self.log_verbose = log_verbose
@@ -204,6 +205,36 @@ class TritonServer:
         backend_dir = build_backend_dir(install, self._work_dir / "backends")
         if self._log_path is None:
             self._log_path = self._work_dir / "tritonserver.log"
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._launch(install, backend_dir)
+                return self
+            except ServerStartError:
+                port_taken = PORT_IN_USE in self.log_text()
+                self.stop()
+                if not port_taken or attempt == PORT_ATTEMPTS or not self._free_choice():
+                    self.cleanup()
+                    raise
+                log.info("a port was taken meanwhile; starting again on other free ports")
+                self.ports = self._pick_ports()
+            except BaseException:
+                self.stop()
+                self.cleanup()
+                raise
+        raise AssertionError("unreachable")
+
+    def _pick_ports(self) -> Ports:
+        return Ports(
+            http=self._requested.http or free_port(self.host),
+            grpc=self._requested.grpc or free_port(self.host),
+            metrics=self._requested.metrics or free_port(self.host),
+        )
+
+    def _free_choice(self) -> bool:
+        """Whether at least one port was chosen here (and may be chosen again)."""
+        return 0 in (self._requested.http, self._requested.grpc, self._requested.metrics)
+
+    def _launch(self, install: TritonInstall, backend_dir: Path) -> None:
         self._log_file = open(self._log_path, "wb")  # noqa: SIM115 (closed in stop())
         cmd = self.command(backend_dir)
         log.info(
@@ -223,13 +254,7 @@ class TritonServer:
             env=server_environment(install),
             start_new_session=True,
         )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            self.cleanup()
-            raise
-        return self
+        self._wait_ready()
 
     def _ready(self) -> bool:
         url = f"http://{self.host}:{self.ports.http}/v2/health/ready"
