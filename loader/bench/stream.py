@@ -1,8 +1,10 @@
 """Time to first token (TTFT) and time per output token (TPOT) of a streaming model.
 
-perf_analyzer's ``--streaming`` mode drives a decoupled model but reports only whole-request
-latency (the 2.41 build we install has no per-token timings), so this module is its own load
-generator over Triton's gRPC streaming API (:mod:`loader.streaming`): at each concurrency level
+perf_analyzer's ``--streaming`` mode (the 2.41 build we install) drives a decoupled model but
+times only its first response ("using the first response for measuring latency"), has no
+per-token timings, and did not reach a stable measurement against the CPU streaming model on
+our machines. So this module is its own load generator over Triton's gRPC streaming API
+(:mod:`loader.streaming`) with a bounded request count and time: at each concurrency level
 ``C`` it keeps ``C`` streams busy, each sending the request again as soon as its previous
 stream ended, until ``requests`` requests have been sent or ``max_seconds`` have passed (the
 requests in flight then finish). One warm-up request precedes the sweep and is not counted.
