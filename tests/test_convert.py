@@ -266,16 +266,19 @@ def test_small_chunks_give_the_same_bytes_as_one_chunk(sources, converted, tmp_p
         assert (chunked.output_path / name).read_bytes() == (whole.output_path / name).read_bytes()
 
 
-def test_large_tiled_transposes_are_exact(tmp_path):
-    """Shapes bigger than one transpose tile (and not multiples of it) reassemble exactly."""
+@pytest.mark.parametrize(("source", "target"), [("fp32", "fp16"), ("fp16", "fp32")])
+def test_large_staged_transposes_are_exact(tmp_path, source, target):
+    """Shapes bigger than one staging block (and not multiples of it) reassemble exactly."""
     src = make_tiny_checkpoint(
-        tmp_path / "src", n_embd=272, n_head=4, n_inner=400, n_layer=1, vocab_size=50
-    )
+        tmp_path / "src", dtype=source, n_embd=272, n_head=4, n_inner=400, n_layer=1,
+        vocab_size=50,
+    )  # fmt: skip
     cfg = json.loads((src / "config.json").read_text())
-    result = convert_checkpoint(src, tmp_path / "out", tp_size=2, dtype="fp16")
-    got = reassemble(result.output_path, "fp16", cfg)
+    result = convert_checkpoint(src, tmp_path / "out", tp_size=2, dtype=target)
+    got = reassemble(result.output_path, target, cfg)
+    torch_dtype = {"fp16": torch.float16, "fp32": torch.float32}[target]
     for name, tensor in read_state_dict(src).items():
-        np.testing.assert_array_equal(got[name], tensor.half().numpy(), err_msg=name)
+        np.testing.assert_array_equal(got[name], tensor.to(torch_dtype).numpy(), err_msg=name)
 
 
 def _leftovers(directory: Path) -> list[str]:
@@ -284,7 +287,7 @@ def _leftovers(directory: Path) -> list[str]:
 
 def test_a_failure_while_writing_leaves_nothing_behind(sources, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = writer.cast_into
+    real = writer.copy_into
 
     def failing_cast(*args, **kwargs):
         calls["n"] += 1
@@ -292,7 +295,7 @@ def test_a_failure_while_writing_leaves_nothing_behind(sources, tmp_path, monkey
             raise OSError("disk on fire")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(writer, "cast_into", failing_cast)
+    monkeypatch.setattr(writer, "copy_into", failing_cast)
     out = tmp_path / "new" / "out"
     with pytest.raises(OSError, match="disk on fire"):
         convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=2, workers=2)
@@ -304,7 +307,7 @@ def test_an_interrupt_while_writing_leaves_no_partial_directory(sources, tmp_pat
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer, "cast_into", interrupted)
+    monkeypatch.setattr(writer, "copy_into", interrupted)
     (tmp_path / "keep.txt").write_text("user file")
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1, workers=1)

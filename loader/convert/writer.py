@@ -31,8 +31,8 @@ from loader.checkpoint import Checkpoint
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError
 from loader.progress import Progress
 
-from .dtypes import cast_into
 from .layout import OutputFile
+from .transpose import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def write_file(
                 col = 0
                 for block, src_dtype in zip(blocks, source_dtypes, strict=True):
                     width = block.shape[1]
-                    cast_into(data[:, col : col + width], block, source_dtype=src_dtype)
+                    copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                     col += width
             _write_all(fh, data)
             written += data.nbytes
