@@ -39,12 +39,14 @@ PREFERRED_BATCH_SIZES = (4, 8)
 MAX_QUEUE_DELAY_US = 100
 #: Measurement settings of the experiment where the command line leaves perf_analyzer's own.
 #: Windows of a fixed number of requests keep the p95 of slow levels (a few requests a second)
-#: meaningful; 30 % stability tolerates a machine shared with other work.
+#: meaningful. Each level reports 3 windows (48 requests) together; the stability check is
+#: relaxed to 100 % because our 2-core machines are shared with other work, whose load makes
+#: tighter checks fail at every level (the summary records the load average per configuration).
 MEASUREMENT_DEFAULTS = {
     "measurement_mode": "count_windows",
     "measurement_request_count": 16,
-    "stability_percentage": 30.0,
-    "max_trials": 8,
+    "stability_percentage": 100.0,
+    "max_trials": 6,
 }
 BASELINE = "i1-batching-off"
 
@@ -92,7 +94,6 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
     options = options_from_args(args, extra_args=extra)
     concurrencies = parse_concurrency_range(concurrency_range)
     work_dir = Path(args.work_dir) / "serving-experiment"
-    load_before = os.getloadavg()
     started = time.monotonic()
     repository = publish_demo_repository(work_dir)
     planned = plan_variants(
@@ -109,6 +110,12 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
         for v in planned
     ]
     printer = TablePrinter()
+    load_at_start: dict[str, float] = {}
+
+    def on_start(target: Target) -> None:
+        load_at_start[target.label] = os.getloadavg()[0]
+        printer.start(target)
+
     sweeps = compare(
         targets,
         concurrencies=concurrencies,
@@ -117,7 +124,7 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
         protocol=args.protocol or "http",
         perf_analyzer=args.perf_analyzer,
         log_dir=work_dir / "logs",
-        on_start=printer.start,
+        on_start=on_start,
         on_measurement=printer.measurement,
     )
 
@@ -134,7 +141,9 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
         )
         + f", concurrency {concurrency_range}, p95 latency",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "load average before / after": (f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f} (1 min)"),
+        "load average (1 min) at the start of each configuration and at the end": ", ".join(
+            [*(f"{k} {v:.1f}" for k, v in load_at_start.items()), f"end {os.getloadavg()[0]:.1f}"]
+        ),
         "duration": f"{time.monotonic() - started:.0f} s",
     }
     baseline = next(s for s in sweeps if s.label == BASELINE)
