@@ -51,3 +51,15 @@ def published_tiny_python_repository(
         settings=ServingSettings(backend="python", dynamic_batching=False),
     )
     return run(request).path
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded_bin_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GPT-J checkpoint as sharded ``pytorch_model-*.bin`` files plus the index.
+
+    Session-scoped and shared: tests must not modify it.
+    """
+    from tests.tinymodels import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-bin") / "ckpt"
+    return make_tiny_checkpoint(path, fmt="bin", sharded=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,6 @@ from loader.errors import (
 )
 from loader.sources import fetch, gcs, transfer
 from tests.servers import GcsServer, ThrottleProxy, free_port
-from tests.tinymodels import make_tiny_checkpoint
 
 BUCKET = "models"
 SLICE = 4 * 1024 * 1024
@@ -39,23 +39,21 @@ def emulator(monkeypatch, server):
 
 
 @pytest.fixture(scope="module")
-def single(server, tmp_path_factory) -> Path:
+def single(server, tiny_checkpoint_with_tokenizer, tmp_path_factory) -> Path:
     """A single-file safetensors checkpoint at gs://models/org/tiny (and a decoy sibling)."""
-    src = make_tiny_checkpoint(tmp_path_factory.mktemp("single") / "ckpt")
-    server.upload_dir(BUCKET, "org/tiny", src)
+    server.upload_dir(BUCKET, "org/tiny", tiny_checkpoint_with_tokenizer)
     decoy = tmp_path_factory.mktemp("decoy")
     (decoy / "config.json").write_text('{"decoy": true}')
     (decoy / "extra.bin").write_bytes(b"decoy")
     server.upload_dir(BUCKET, "org/tiny-old", decoy)
-    return src
+    return tiny_checkpoint_with_tokenizer
 
 
 @pytest.fixture(scope="module")
-def sharded(server, tmp_path_factory) -> Path:
+def sharded(server, tiny_sharded_bin_checkpoint, tmp_path_factory) -> Path:
     """A sharded .bin checkpoint with a nested folder at gs://models/team/a/b/tiny-sharded."""
-    src = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("sharded") / "ckpt", fmt="bin", sharded=True, arch="codegen"
-    )
+    src = tmp_path_factory.mktemp("sharded") / "ckpt"
+    shutil.copytree(tiny_sharded_bin_checkpoint, src)
     (src / "extras").mkdir()
     (src / "extras" / "notes.txt").write_text("nested object\n")
     server.upload_dir(BUCKET, "team/a/b/tiny-sharded", src)
@@ -305,7 +303,7 @@ def test_cli_missing_bucket_exits_2_with_a_hint_and_no_traceback(server, tmp_pat
 
 
 def test_run_from_gs_publishes_a_repository_that_triton_serves(
-    server, tiny_checkpoint_with_tokenizer, tmp_path
+    server, single, tiny_checkpoint_with_tokenizer, tmp_path
 ):
     """`model-loader run --source gs://...` end to end, then one completion on the real Triton."""
     from tokenizers import Tokenizer
@@ -314,11 +312,10 @@ def test_run_from_gs_publishes_a_repository_that_triton_serves(
     from loader.repository import manifest
     from loader.serving import TritonServer
 
-    server.upload_dir(BUCKET, "e2e/tiny-gptj", tiny_checkpoint_with_tokenizer)
     root = tmp_path / "models"
     env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
     proc = subprocess.run(
-        [sys.executable, "-m", "loader", "run", "--source", f"gs://{BUCKET}/e2e/tiny-gptj",
+        [sys.executable, "-m", "loader", "run", "--source", f"gs://{BUCKET}/org/tiny",
          "--repository", str(root), "--model-name", "tiny", "--revision", "v1",
          "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python"],
         env=env, capture_output=True, text=True, timeout=300,

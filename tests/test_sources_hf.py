@@ -15,7 +15,6 @@ from loader.errors import CheckpointError, SourceNotFoundError, SourcePermission
 from loader.repository import manifest
 from loader.sources import fetch, transfer
 from tests.servers import OlahServer, git
-from tests.tinymodels import make_tiny_checkpoint
 
 #: Files of other formats that must never be downloaded.
 DECOYS = {
@@ -29,7 +28,7 @@ DECOYS = {
 
 
 @pytest.fixture(scope="module")
-def hub(tiny_checkpoint_with_tokenizer, tmp_path_factory):
+def hub(tiny_checkpoint_with_tokenizer, tiny_sharded_bin_checkpoint, tmp_path_factory):
     """olah serving org/tiny-gptj (main + dev), org/tiny-bin and org/no-weights."""
     srv = OlahServer(tmp_path_factory.mktemp("olah"))
     ckpt = tiny_checkpoint_with_tokenizer
@@ -41,9 +40,7 @@ def hub(tiny_checkpoint_with_tokenizer, tmp_path_factory):
     git(repo, "checkout", "-q", "main")
     srv.expected = sorted(files)
 
-    bin_ckpt = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("bin") / "ckpt", fmt="bin", sharded=True
-    )
+    bin_ckpt = tiny_sharded_bin_checkpoint
     srv.bin_files = {p.name: p for p in bin_ckpt.iterdir() if p.is_file()}
     srv.make_repo("org/tiny-bin", {**srv.bin_files, "flax_model.msgpack": b"x"})
     srv.make_repo("org/no-weights", {"config.json": b"{}", "flax_model.msgpack": b"x"})
