@@ -101,6 +101,8 @@ class ShardFile(Protocol):
 
     def get(self, name: str) -> np.ndarray: ...
 
+    def data_offset(self, name: str) -> int | None: ...
+
     def close(self) -> None: ...
 
 
@@ -175,16 +177,17 @@ class SafetensorsFile:
         if self._mmap is None:
             with self.path.open("rb") as fh:
                 self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            if hasattr(mmap, "MADV_SEQUENTIAL"):
-                self._mmap.madvise(mmap.MADV_SEQUENTIAL)
+        offset = self._data_start + self._offsets[name]
+        if info.nbytes and hasattr(mmap, "MADV_WILLNEED"):  # start reading it in now
+            start = offset - offset % mmap.PAGESIZE
+            self._mmap.madvise(mmap.MADV_WILLNEED, start, offset + info.nbytes - start)
         count = math.prod(info.shape)
-        arr = np.frombuffer(
-            self._mmap,
-            dtype=NUMPY_DTYPES[info.dtype],
-            count=count,
-            offset=self._data_start + self._offsets[name],
-        )
+        arr = np.frombuffer(self._mmap, dtype=NUMPY_DTYPES[info.dtype], count=count, offset=offset)
         return arr.reshape(info.shape)
+
+    def data_offset(self, name: str) -> int | None:
+        """Byte offset of the tensor's data in the file (it is stored contiguously)."""
+        return self._data_start + self._offsets[name]
 
     def close(self) -> None:
         # Arrays handed out keep the mapping alive; dropping our reference lets it go with them.
@@ -231,6 +234,9 @@ class TorchFile:
         if tensor.dtype == self._torch.bfloat16:
             return tensor.view(self._torch.int16).numpy().view(np.uint16)
         return tensor.numpy()
+
+    def data_offset(self, name: str) -> int | None:
+        return None  # inside a zip member; read it through the memory map instead
 
     def close(self) -> None:
         self._state = {}
@@ -322,6 +328,12 @@ class Checkpoint:
         except KeyError as exc:
             raise CheckpointError(f"{self.directory} has no tensor {name}.") from exc
         return shard.get(name)
+
+    def file_span(self, name: str) -> tuple[Path, int] | None:
+        """(file, byte offset) of a tensor stored as one contiguous run of bytes, if known."""
+        shard = self._where[name]
+        offset = shard.data_offset(name)
+        return None if offset is None else (shard.path, offset)
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, array)`` pairs, one tensor at a time, in file order."""

@@ -9,7 +9,9 @@ that is renamed into place only when everything succeeded.
   pool (the transposes, casts and writes release the GIL). Each job holds at most one chunk
   buffer (``chunk_bytes``) plus, for CodeGen's row selections, one gathered block, so the
   anonymous memory in flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
-  the source tensors are memory-mapped views, not copies.
+  the source tensors are memory-mapped views, not copies. A file that is a plain run of source
+  bytes (a replicated tensor kept in its dtype, from safetensors) is copied by the kernel with
+  ``copy_file_range``, like ``cp`` does.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loader.checkpoint import Checkpoint
-from loader.errors import InsufficientDiskSpaceError, OutputExistsError
+from loader.checkpoint import NUMPY_DTYPES, Checkpoint
+from loader.errors import CheckpointError, InsufficientDiskSpaceError, OutputExistsError
 from loader.progress import Progress
 
 from .layout import OutputFile
@@ -38,6 +40,10 @@ log = logging.getLogger(__name__)
 
 #: Output bytes produced per step of one file.
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+
+
+#: errno values meaning "copy_file_range cannot do this here" (old kernel, filesystem).
+_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
 
 
 class _Stopped(Exception):
@@ -116,6 +122,11 @@ def write_file(
     step = max(1, chunk_bytes // row_bytes)
     written = 0
     with open(directory / out.name, "wb", buffering=0) as fh:
+        span = _byte_span(out, ckpt, dtype)
+        if span is not None and _copy_in_kernel(
+            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
+        ):
+            return out.nbytes(dtype.itemsize)
         for start in range(0, out.rows, step):
             if stop is not None and stop.is_set():
                 raise _Stopped
@@ -142,6 +153,56 @@ def write_file(
             progress.update(data.nbytes)
             del data, blocks, direct
     return written
+
+
+def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
+    """(file, offset) when the output is a plain run of source bytes (same dtype, no transpose)."""
+    if len(out.parts) != 1:
+        return None
+    part = out.parts[0]
+    info = ckpt.tensors[part.source]
+    if part.transposed or part.select is not None or info.dtype == "bf16":
+        return None
+    if NUMPY_DTYPES[info.dtype] != dtype:
+        return None
+    span = ckpt.file_span(part.source)
+    if span is None:
+        return None
+    path, offset = span
+    return path, offset + part.row_offset * out.row_elements * dtype.itemsize
+
+
+def _copy_in_kernel(
+    span: tuple[Path, int],
+    nbytes: int,
+    fh,
+    *,
+    progress: Progress,
+    step: int,
+    stop: threading.Event | None,
+) -> bool:
+    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy).
+
+    Returns False, having copied nothing, where the kernel or filesystem cannot do it.
+    """
+    path, offset = span
+    done = 0
+    with open(path, "rb") as src:
+        while done < nbytes:
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            try:
+                n = os.copy_file_range(src.fileno(), fh.fileno(), min(step, nbytes - done),
+                                       offset + done)  # fmt: skip
+            except OSError as exc:
+                if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
+                    return False
+                raise
+            if n == 0:
+                raise CheckpointError(f"{path} ended early while reading it; was it modified?")
+            done += n
+            progress.update(n)
+    return True
 
 
 def _largest_first(outputs: Sequence[OutputFile]) -> list[OutputFile]:
