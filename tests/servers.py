@@ -241,6 +241,7 @@ class ThrottleProxy:
         self.fail_first = fail_first
         self.fail_path = fail_path.encode()
         self.requests = 0  # answered with ``status``
+        self.request_lines: list[bytes] = []  # of those requests
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -292,6 +293,7 @@ class ThrottleProxy:
             return
         if self._should_fail(head):
             self.requests += 1
+            self.request_lines.append(head.split(b"\r\n", 1)[0])
             body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
             with contextlib.suppress(OSError):
                 client.recv(65536)

@@ -17,6 +17,7 @@ from loader.errors import (
     ChecksumMismatchError,
     InsufficientDiskSpaceError,
     SourceNotFoundError,
+    SourcePermissionError,
     TransientSourceError,
 )
 from loader.sources import fetch, gcs, transfer
@@ -188,6 +189,19 @@ def test_429_and_5xx_are_retried_then_a_transient_error(status, server, tmp_path
         with pytest.raises(TransientSourceError, match=str(status)):
             fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest", retry_deadline_s=2.0)
         assert proxy.requests >= 2
+    finally:
+        proxy.stop()
+
+
+def test_permission_denied_fails_at_once_with_what_to_check(server, tmp_path, monkeypatch):
+    proxy = ThrottleProxy(server.port, status=403).start()
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with pytest.raises(SourcePermissionError, match="gs://models") as info:
+            fetch(f"gs://{BUCKET}/org/tiny", tmp_path / "dest", retry_deadline_s=30)
+        assert proxy.requests >= 1
+        assert len(set(proxy.request_lines)) == len(proxy.request_lines)  # none retried
+        assert "roles/storage.objectViewer" in info.value.remediation
     finally:
         proxy.stop()
 
