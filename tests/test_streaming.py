@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import csv
+import itertools
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tokenizers import Tokenizer
 
@@ -183,6 +186,86 @@ def test_a_cancelled_stream_does_not_wedge_the_model_and_the_next_request_is_ser
         assert client.is_model_ready(MODEL) and client.is_model_ready("fastertransformer")
     finally:
         client.close()
+
+
+def _ft_inputs(module, prompt: list[int], n_out: int, seed: int) -> list:
+    """Inputs of the ``fastertransformer`` model itself (FT_FORMAT.md 3.2), one row."""
+    arrays = {
+        "input_ids": (np.array([prompt], dtype=np.uint32), "UINT32"),
+        "input_lengths": (np.array([[len(prompt)]], dtype=np.uint32), "UINT32"),
+        "request_output_len": (np.array([[n_out]], dtype=np.uint32), "UINT32"),
+        "runtime_top_k": (np.array([[5]], dtype=np.uint32), "UINT32"),
+        "random_seed": (np.array([[seed]], dtype=np.uint64), "UINT64"),
+    }
+    tensors = []
+    for name, (array, dtype) in arrays.items():
+        tensor = module.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def _ft_stream(url: str, prompt: list[int], n_out: int, *, stop_after: int | None = None):
+    """Stream from ``fastertransformer`` directly: ``(seconds, final, sequence_length, ids)``
+    per response; with ``stop_after``, cancel the request after that many responses."""
+    inbox: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: inbox.put((result, error)))
+    started = time.perf_counter()
+    client.async_stream_infer(
+        "fastertransformer", _ft_inputs(grpcclient, prompt, n_out, 3),
+        enable_empty_final_response=True,
+    )  # fmt: skip
+    received = []
+    try:
+        while stop_after is None or len(received) < stop_after:
+            result, error = inbox.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            length = int(result.as_numpy("sequence_length")[0, 0]) if response.outputs else None
+            ids = result.as_numpy("output_ids")[0, 0] if response.outputs else None
+            received.append((time.perf_counter() - started, final, length, ids))
+            if final:
+                break
+    finally:
+        client.stop_stream(cancel_requests=stop_after is not None)
+        client.close()
+    return received
+
+
+def test_cpu_reference_streams_one_response_per_token_and_its_last_is_the_plain_result(
+    streaming, plain, tokenizer
+):
+    prompt = tokenizer.encode(SEED_REQUEST["prompt"][0]).ids
+    n_out = 12
+    received = _ft_stream(streaming.grpc_url, prompt, n_out)
+    assert [r[2] for r in received] == list(range(len(prompt) + 1, len(prompt) + n_out + 1))
+    assert [r[1] for r in received] == [False] * (n_out - 1) + [True]
+    client = grpcclient.InferenceServerClient(plain.grpc_url)
+    try:
+        expected = client.infer(
+            "fastertransformer", _ft_inputs(grpcclient, prompt, n_out, 3)
+        ).as_numpy("output_ids")[0, 0]
+    finally:
+        client.close()
+    np.testing.assert_array_equal(received[-1][3], expected)
+    # Each response extends the previous one by exactly its new token.
+    for before, after in itertools.pairwise(received):
+        np.testing.assert_array_equal(after[3][: before[2]], before[3][: before[2]])
+
+
+def test_cpu_reference_stops_generating_when_its_stream_is_cancelled(streaming, tokenizer):
+    prompt = tokenizer.encode(SEED_REQUEST["prompt"][0]).ids
+    _ft_stream(streaming.grpc_url, prompt, 4)  # warm up
+    started = time.perf_counter()
+    assert len(_ft_stream(streaming.grpc_url, prompt, 300)) == 300
+    full = time.perf_counter() - started
+    assert len(_ft_stream(streaming.grpc_url, prompt, 300, stop_after=3)) == 3
+    started = time.perf_counter()
+    assert len(_ft_stream(streaming.grpc_url, prompt, 4)) == 4
+    # The cancelled generation did not run on: the next request did not wait for its 297 tokens.
+    assert time.perf_counter() - started < 0.5 * full
 
 
 # --- TTFT / TPOT ---------------------------------------------------------------------------------
