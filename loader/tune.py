@@ -128,6 +128,7 @@ def tune(
     perf_analyzer: str | Path | None = None,
     on_start: Callable[[Target], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
+    rounds: int = 1,
 ) -> TuneResult:
     """Measure every variant of ``repository`` and pick the winner."""
     planned = plan_variants(
@@ -150,6 +151,7 @@ def tune(
         log_dir=work_dir / "logs",
         on_start=on_start,
         on_measurement=on_measurement,
+        rounds=rounds,
     )
     by_label = {v.label: v for v in planned}
     winner = pick_winner(sweeps, by_label, max_p95_ms=max_p95_ms, tolerance=tolerance)

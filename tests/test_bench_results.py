@@ -30,6 +30,7 @@ from loader.bench.results import (
     Sweep,
     format_line,
     format_table,
+    median_sweeps,
     parse_csv,
     parse_table,
     sweeps_from_csv,
@@ -177,3 +178,24 @@ def test_bench_test_json_is_the_production_request_for_the_ensemble():
     assert request["prompt"] == {"content": ["<python>def is_even(na: int) ->"], "shape": [1]}
     assert request["request_output_len"] == {"content": [32], "shape": [1]}
     assert request["random_seed"] == [1594506369]
+
+
+def test_median_of_rounds_keeps_each_levels_median_round_whole():
+    def sweep(*levels):
+        return Sweep("i1", [Measurement(c, t, p) for c, t, p in levels], unstable=[16])
+
+    rounds = [
+        [sweep((1, 10.0, 100), (8, 30.0, 900))],
+        [sweep((1, 12.0, 90), (8, 5.0, 5000))],  # a round disturbed by other load at c8
+        [sweep((1, 11.0, 95), (8, 31.0, 880), (16, 40.0, 1200))],
+    ]
+    (merged,) = median_sweeps(rounds)
+    assert merged.measurements == [
+        Measurement(1, 11.0, 95),
+        Measurement(8, 30.0, 900),
+        Measurement(16, 40.0, 1200),
+    ]
+    assert merged.unstable == []  # measured in one round
+    (two,) = median_sweeps(rounds[:2])
+    assert two.at(8) == Measurement(8, 5.0, 5000)  # the lower median with an even count
+    assert two.unstable == [16]

@@ -99,6 +99,14 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="latency budget: the best configuration must keep p95 latency within it",
     )
+    group.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sweep every configuration N times, round after round, and report each level's "
+        "median (default 1; 3 for --serving-experiment)",
+    )
 
 
 def concurrencies_from_args(args: argparse.Namespace) -> list[int]:
@@ -139,9 +147,13 @@ def options_from_args(
 class TablePrinter:
     """Prints a heading per configuration and the table lines as they are measured."""
 
-    def __init__(self, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self, stream: IO[str] | None = None, *, rounds: int = 1, per_round: int = 1
+    ) -> None:
         self.stream = stream or sys.stdout
         self.count = 0
+        self.rounds = rounds
+        self.per_round = per_round
 
     def _print(self, text: str = "") -> None:
         print(text, file=self.stream, flush=True)
@@ -150,7 +162,10 @@ class TablePrinter:
         self.count += 1
         if self.count > 1:
             self._print()
-        self._print(f"Benchmark {self.count}: {target.label}")
+        heading = f"Benchmark {self.count}: {target.label}"
+        if self.rounds > 1:
+            heading += f" (round {(self.count - 1) // self.per_round + 1} of {self.rounds})"
+        self._print(heading)
         if target.settings:
             self._print()
             for key, value in target.settings.items():

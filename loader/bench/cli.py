@@ -33,8 +33,8 @@ from loader.bench.arguments import (
 )
 from loader.bench.compare import Target, compare, parse_target
 from loader.bench.endpoint import parse_endpoint
-from loader.bench.report import summary_text, write_report
-from loader.bench.results import Sweep
+from loader.bench.report import summary_text, tables_text, write_report
+from loader.bench.results import Sweep, median_sweeps
 from loader.bench.stream import add_stream_arguments
 from loader.bench.sweep import sweep
 from loader.cli import configure_logging
@@ -124,25 +124,32 @@ def run_url(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Swee
     endpoint = parse_endpoint(args.url, protocol=args.protocol)
     options = options_from_args(args, extra_args=extra)
     concurrencies = concurrencies_from_args(args)
-    printer = TablePrinter()
+    args.rounds = args.rounds or 1
+    if args.rounds < 1:
+        raise LoaderError(f"--rounds must be at least 1, got {args.rounds}", "Pass --rounds 1.")
+    printer = TablePrinter(rounds=args.rounds)
     label = args.label or args.model
-    printer.start(Target(label=label, endpoint=endpoint))
-    result = sweep(
-        endpoint,
-        args.model,
-        concurrencies,
-        options=options,
-        label=label,
-        perf_analyzer=args.perf_analyzer,
-        on_measurement=lambda m: printer.measurement(None, m),
-    )
-    return [result], {"endpoint": str(endpoint), "model": args.model}
+    rounds = []
+    for _ in range(args.rounds):
+        printer.start(Target(label=label, endpoint=endpoint))
+        result = sweep(
+            endpoint,
+            args.model,
+            concurrencies,
+            options=options,
+            label=label,
+            perf_analyzer=args.perf_analyzer,
+            on_measurement=lambda m: printer.measurement(None, m),
+        )
+        rounds.append([result])
+    return median_sweeps(rounds), {"endpoint": str(endpoint), "model": args.model}
 
 
 def run_compare(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
     targets = [parse_target(t, protocol=args.protocol) for t in args.compare]
     options = options_from_args(args, extra_args=extra)
-    printer = TablePrinter()
+    args.rounds = args.rounds or 1
+    printer = TablePrinter(rounds=args.rounds, per_round=len(targets))
     sweeps = compare(
         targets,
         concurrencies=concurrencies_from_args(args),
@@ -153,6 +160,7 @@ def run_compare(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[
         log_dir=args.output_dir / "logs",
         on_start=printer.start,
         on_measurement=printer.measurement,
+        rounds=args.rounds,
     )
     return sweeps, {}
 
@@ -202,6 +210,9 @@ def _main(argv: Sequence[str] | None) -> int:
         mode = next(name for name in MODES if getattr(args, name))
         sweeps, notes = MODES[mode](args, extra)
         baseline = args.baseline or notes.pop("baseline", None)
+        if (args.rounds or 1) > 1:
+            print(f"\nMedian of {args.rounds} rounds per level\n")
+            print(tables_text(sweeps), end="")
         print()
         print(summary_text(sweeps, max_p95_ms=args.max_p95_ms, baseline=baseline), end="")
         paths = write_report(

@@ -17,7 +17,7 @@ from pathlib import Path
 from loader.bench import variants
 from loader.bench.endpoint import Endpoint, parse_endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer
-from loader.bench.results import Measurement, Sweep
+from loader.bench.results import Measurement, Sweep, median_sweeps
 from loader.bench.sweep import sweep
 from loader.errors import LoaderError
 
@@ -64,8 +64,16 @@ def compare(
     log_dir: Path | None = None,
     on_start: Callable[[Target], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
+    rounds: int = 1,
 ) -> list[Sweep]:
-    """One sweep per target, in order; server logs go to ``log_dir`` when given."""
+    """One sweep per target, in order; server logs go to ``log_dir`` when given.
+
+    With ``rounds`` > 1 every target is swept that many times, round after round (so load from
+    elsewhere on the machine spreads over all targets), and each level reports its
+    median-throughput round (:func:`~loader.bench.results.median_sweeps`).
+    """
+    if rounds < 1:
+        raise LoaderError(f"--rounds must be at least 1, got {rounds}", "Pass --rounds 1 or more.")
     labels = [t.label for t in targets]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
     if duplicates:
@@ -80,6 +88,38 @@ def compare(
         )
     find_perf_analyzer(perf_analyzer)  # fail before starting any server
     targets = [_with_settings(t) for t in targets]
+    results = []
+    for number in range(1, rounds + 1):
+        if rounds > 1:
+            log.info("round %s of %s", number, rounds)
+        results.append(
+            _one_round(
+                targets,
+                concurrencies=concurrencies,
+                options=options,
+                model=model,
+                protocol=protocol,
+                perf_analyzer=perf_analyzer,
+                log_dir=log_dir,
+                on_start=on_start,
+                on_measurement=on_measurement,
+            )
+        )
+    return results[0] if rounds == 1 else median_sweeps(results)
+
+
+def _one_round(
+    targets: Sequence[Target],
+    *,
+    concurrencies: list[int],
+    options: PerfAnalyzerOptions,
+    model: str | None,
+    protocol: str,
+    perf_analyzer: str | Path | None,
+    log_dir: Path | None,
+    on_start: Callable[[Target], None] | None,
+    on_measurement: Callable[[Target, Measurement], None] | None,
+) -> list[Sweep]:
     sweeps = []
     for target in targets:
         if on_start is not None:

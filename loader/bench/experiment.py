@@ -49,6 +49,8 @@ MEASUREMENT_DEFAULTS = {
     "max_trials": 6,
 }
 BASELINE = "i1-batching-off"
+#: Rounds over all configurations; each level reports its median round.
+ROUNDS = 3
 
 
 def publish_demo_repository(work_dir: Path) -> Path:
@@ -91,6 +93,7 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
         if getattr(args, name) is None:
             setattr(args, name, value)
     concurrency_range = args.concurrency_range or CONCURRENCY_RANGE
+    args.rounds = args.rounds or ROUNDS
     options = options_from_args(args, extra_args=extra)
     concurrencies = parse_concurrency_range(concurrency_range)
     work_dir = Path(args.work_dir) / "serving-experiment"
@@ -109,11 +112,11 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
         )
         for v in planned
     ]
-    printer = TablePrinter()
-    load_at_start: dict[str, float] = {}
+    printer = TablePrinter(rounds=args.rounds, per_round=len(targets))
+    load_at_start: dict[str, list[float]] = {}
 
     def on_start(target: Target) -> None:
-        load_at_start[target.label] = os.getloadavg()[0]
+        load_at_start.setdefault(target.label, []).append(os.getloadavg()[0])
         printer.start(target)
 
     sweeps = compare(
@@ -126,6 +129,7 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
         log_dir=work_dir / "logs",
         on_start=on_start,
         on_measurement=printer.measurement,
+        rounds=args.rounds,
     )
 
     by_label = {v.label: v for v in planned}
@@ -139,11 +143,13 @@ def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[lis
             for k, v in dataclasses.asdict(options).items()
             if v not in (None, (), False) and k not in ("input_data", "timeout_s")
         )
-        + f", concurrency {concurrency_range}, p95 latency",
+        + f", concurrency {concurrency_range}, p95 latency, {args.rounds} rounds (each level: "
+        "the median-throughput round)",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "load average (1 min) at the start of each configuration and at the end": ", ".join(
-            [*(f"{k} {v:.1f}" for k, v in load_at_start.items()), f"end {os.getloadavg()[0]:.1f}"]
-        ),
+        "load average (1 min) at the start of each configuration, per round": "; ".join(
+            f"{k} {' '.join(f'{v:.1f}' for v in values)}" for k, values in load_at_start.items()
+        )
+        + f"; at the end {os.getloadavg()[0]:.1f}",
         "duration": f"{time.monotonic() - started:.0f} s",
     }
     baseline = next(s for s in sweeps if s.label == BASELINE)

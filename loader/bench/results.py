@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loader.errors import MeasurementError
@@ -150,6 +150,33 @@ def parse_csv(text: str, *, source: str = "perf_analyzer CSV") -> list[Measureme
         values["throughput"] = float(row["Inferences/Second"])
         out.append(Measurement(**values))  # type: ignore[arg-type]
     return sorted(out, key=lambda m: m.concurrency)
+
+
+def median_sweeps(rounds: Sequence[Sequence[Sweep]]) -> list[Sweep]:
+    """Merge repeated sweeps of the same configurations: per level, the median-throughput round.
+
+    The chosen round's whole measurement is kept (so throughput and latencies stay consistent);
+    with an even number of rounds the lower median is taken. A level no round measured stays
+    unstable. Configurations keep the order of the first round.
+    """
+    by_label: dict[str, list[Sweep]] = {}
+    for sweeps in rounds:
+        for sweep in sweeps:
+            by_label.setdefault(sweep.label, []).append(sweep)
+    merged = []
+    for label, sweeps in by_label.items():
+        levels = sorted({m.concurrency for s in sweeps for m in s.measurements})
+        measurements = []
+        for level in levels:
+            found = sorted(
+                (m for s in sweeps if (m := s.at(level)) is not None), key=lambda m: m.throughput
+            )
+            measurements.append(found[(len(found) - 1) // 2])
+        unstable = sorted({c for s in sweeps for c in s.unstable} - set(levels))
+        merged.append(
+            Sweep(label, measurements, settings=dict(sweeps[0].settings), unstable=unstable)
+        )
+    return merged
 
 
 # --- our combined CSV (every configuration, every level) -------------------------------------

@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     counts = args.instance_counts or list(range(1, args.max_instances + 1))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     work_dir = args.work_dir or Path("bench/work") / f"tune-{stamp}"
-    printer = TablePrinter()
+    rounds = args.rounds or 1
+    printer = TablePrinter(rounds=rounds, per_round=2 * len(set(counts)))
     result = tune(
         args.repository,
         work_dir=work_dir,
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         perf_analyzer=args.perf_analyzer,
         on_start=printer.start,
         on_measurement=printer.measurement,
+        rounds=rounds,
     )
     paths = write_report(
         result.sweeps,
