@@ -33,6 +33,7 @@ from loader.bench.stream import (
     write_stream_report,
 )
 from loader.completion import complete, load_request
+from loader.errors import EndpointError
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings
@@ -186,6 +187,22 @@ def test_a_cancelled_stream_does_not_wedge_the_model_and_the_next_request_is_ser
         assert client.is_model_ready(MODEL) and client.is_model_ready("fastertransformer")
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"prompt": [""]}, "the prompt is empty"),
+        ({"request_output_len": [0]}, "request_output_len must be at least 1"),
+        ({"temperature": [0.0]}, "temperature must be positive"),
+    ],
+)
+def test_a_bad_request_ends_its_stream_with_the_model_error_and_the_next_is_served(
+    streaming, bad, message
+):
+    with pytest.raises(EndpointError, match=message):
+        _stream(streaming, {**SEED_REQUEST, **bad})
+    assert collect(iter(_stream(streaming, {**SEED_REQUEST, "request_output_len": [3]}))).text
 
 
 def _ft_inputs(module, prompt: list[int], n_out: int, seed: int) -> list:

@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--streaming",
         action="store_true",
-        help="decoupled fastertransformer model (streaming responses over gRPC)",
+        help="stream completions token by token: decoupled fastertransformer and a streaming "
+        "front model (clients use gRPC streaming, e.g. scripts/complete)",
     )
     p.add_argument(
         "--gpus-per-replica",
