@@ -221,7 +221,8 @@ def git(repo: Path, *args: str) -> str:
 class ThrottleProxy:
     """An HTTP relay on 127.0.0.1 towards ``target_port``, one request per connection.
 
-    ``rate`` (bytes/s) bounds the server-to-client direction. With ``status`` set, requests are
+    ``rate`` (bytes/s) bounds the server-to-client direction; the first ``cut_first`` relayed
+    responses are cut off after ``cut_after`` bytes. With ``status`` set, requests are
     answered with that HTTP status (and the connection closed) instead of being relayed: all of
     them, or only the first ``fail_first`` whose request line contains ``fail_path``.
     """
@@ -234,6 +235,8 @@ class ThrottleProxy:
         status: int | None = None,
         fail_first: int | None = None,
         fail_path: str = "",
+        cut_first: int = 0,
+        cut_after: int = 0,
     ) -> None:
         self.target_port = target_port
         self.rate = rate
@@ -241,6 +244,9 @@ class ThrottleProxy:
         self.fail_first = fail_first
         self.fail_path = fail_path.encode()
         self.requests = 0  # answered with ``status``
+        self.cut_first = cut_first
+        self.cut_after = cut_after
+        self.cuts = 0  # relayed responses cut after ``cut_after`` bytes
         self.request_lines: list[bytes] = []  # of those requests
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -311,15 +317,24 @@ class ThrottleProxy:
         head = client.recv(65536)
         upstream.sendall(head.replace(b"\r\n", b"\r\nConnection: close\r\n", 1))
         self._spawn(self._pipe, client, upstream, None)
-        self._pipe(upstream, client, self.rate)
+        limit = self.cut_after if self.cuts < self.cut_first else None
+        self._pipe(upstream, client, self.rate, limit)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, rate: float | None) -> None:
+    def _pipe(
+        self, src: socket.socket, dst: socket.socket, rate: float | None, limit: int | None = None
+    ) -> None:
         chunk = 64 * 1024
+        sent = 0
         try:
             while not self._stop.is_set():
                 data = src.recv(chunk)
                 if not data:
                     break
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[: limit - sent])
+                    self.cuts += 1
+                    break  # the connection is reset mid-response
+                sent += len(data)
                 dst.sendall(data)
                 if rate:
                     time.sleep(len(data) / rate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import logging
 import os
 import shutil
 import signal
@@ -223,6 +224,30 @@ def test_transient_download_failures_are_retried_and_the_fetch_completes(tmp_pat
         same_tree(src, tmp_path / "dest")
         assert proxy.requests == 2
         assert result.downloaded_bytes == result.bytes
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
+def test_connections_cut_mid_object_are_retried_and_the_result_verified(
+    tmp_path, monkeypatch, caplog
+):
+    proxy = ThrottleProxy(0, cut_first=3, cut_after=100_000)
+    srv = GcsServer(tmp_path / "gcs").start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(os.urandom(1_000_000))
+        srv.upload_dir("cut", "ckpt", src)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with caplog.at_level(logging.WARNING, logger="loader.sources.transfer"):
+            result = fetch("gs://cut/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=30)
+        same_tree(src, tmp_path / "dest")
+        assert proxy.cuts == 3
+        assert caplog.text.count("retrying in") == 3
+        assert result.downloaded_bytes == 1_000_000
     finally:
         proxy.stop()
         srv.stop()

@@ -131,13 +131,20 @@ def _status(exc: BaseException) -> int | None:
 
 def is_transient(exc: BaseException) -> bool:
     """Connection problems, timeouts, 408/429/5xx: worth retrying."""
+    import http.client
+
     import requests
+    import urllib3
 
     if isinstance(
         exc,
         requests.exceptions.ConnectionError
         | requests.exceptions.Timeout
         | requests.exceptions.ChunkedEncodingError
+        | urllib3.exceptions.ProtocolError
+        | urllib3.exceptions.IncompleteRead
+        | urllib3.exceptions.TimeoutError
+        | http.client.IncompleteRead
         | ConnectionError
         | TimeoutError,
     ):
