@@ -24,6 +24,7 @@ from loader.reference.generate import (
     apply_temperature,
     generate,
     sample_tokens,
+    words_from_ft_list,
 )
 
 VOCAB = 320
@@ -237,6 +238,42 @@ def test_steps_are_yielded_one_token_at_a_time(tiny):
     for n, result in enumerate(final):
         produced = [int(s.tokens[n]) for s in steps if s.produced[n]]
         assert produced == result.generated_ids.tolist()
+
+
+def test_ft_word_lists_are_read_as_words():
+    words_list = np.array([[5, 6, 7, 0, 0], [2, 3, -1, -1, -1]], dtype=np.int32)
+    assert words_from_ft_list(words_list) == ((5, 6), (7,))
+    assert words_from_ft_list(np.array([[0], [-1]])) == ()
+    with pytest.raises(InvalidRequestError, match="offsets"):
+        words_from_ft_list(np.array([[5, 6], [3, -1]]))
+
+
+def test_stop_words_end_generation_and_stay_in_the_output(tiny):
+    _, models = tiny
+    greedy = generate(
+        models[1], [GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1)], vocab_size=VOCAB
+    )[0].generated_ids.tolist()
+    stop = tuple(greedy[3:5])
+    first = next(i for i in range(len(greedy) - 1) if tuple(greedy[i : i + 2]) == stop)
+    request = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, stop_words=((1000,), stop))
+    result = generate(models[1], [request], vocab_size=VOCAB)[0]
+    assert result.generated_ids.tolist() == greedy[: first + 2]
+
+
+def test_bad_words_are_never_generated_after_their_prefix(tiny):
+    _, models = tiny
+    base = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1)
+    greedy = generate(models[1], [base], vocab_size=VOCAB)[0].generated_ids.tolist()
+    banned = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, bad_words=((greedy[0],),))
+    result = generate(models[1], [banned], vocab_size=VOCAB)[0].generated_ids.tolist()
+    assert greedy[0] not in result
+    # A two-token entry only bans its last token right after its first one.
+    pair = (PROMPTS[0][-1], greedy[0])
+    after_prefix = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, bad_words=(pair,))
+    first = generate(models[1], [after_prefix], vocab_size=VOCAB)[0].generated_ids.tolist()
+    assert first[0] != greedy[0]
+    unrelated = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, bad_words=((1, greedy[0]),))
+    assert generate(models[1], [unrelated], vocab_size=VOCAB)[0].generated_ids.tolist() == greedy
 
 
 def test_log_probs_are_zero_unless_asked_for(tiny):

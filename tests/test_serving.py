@@ -183,6 +183,38 @@ def test_concurrent_requests_are_computed_together_only_with_dynamic_batching(se
         assert a.text == b.text
 
 
+def test_the_fastertransformer_model_answers_ft_inputs_directly(served, tokenizer):
+    """The way fauxpilot's proxy calls it: token ids in, FT outputs back; stop words honoured."""
+    prompt = _prompt_ids(tokenizer)
+    full = served.complete({**SEED_REQUEST, "runtime_top_k": [1], "request_output_len": [8]})
+    generated = full.output_ids[len(prompt) : full.sequence_length].tolist()
+    stop = generated[2]
+    first = generated.index(stop)
+    arrays = {
+        "input_ids": (np.array([prompt], dtype=np.uint32), "UINT32"),
+        "input_lengths": (np.array([[len(prompt)]], dtype=np.uint32), "UINT32"),
+        "request_output_len": (np.array([[8]], dtype=np.uint32), "UINT32"),
+        "runtime_top_k": (np.array([[1]], dtype=np.uint32), "UINT32"),
+        "end_id": (np.array([[50256]], dtype=np.uint32), "UINT32"),
+        "stop_words_list": (np.array([[[stop, 0], [1, -1]]], dtype=np.int32), "INT32"),
+    }
+    inputs = []
+    for name, (array, dtype) in arrays.items():
+        tensor = httpclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client = httpclient.InferenceServerClient(served.server.http_url)
+    try:
+        result = client.infer("fastertransformer", inputs)
+    finally:
+        client.close()
+    sequence_length = int(result.as_numpy("sequence_length")[0, 0])
+    output_ids = result.as_numpy("output_ids")[0, 0]
+    assert output_ids.shape == (len(prompt) + 8,)
+    assert sequence_length == len(prompt) + first + 1
+    assert output_ids[:sequence_length].tolist() == prompt + generated[: first + 1]
+
+
 def test_an_empty_prompt_is_refused_with_a_clear_error(served):
     with pytest.raises(EndpointError, match="prompt is empty"):
         served.complete({**SEED_REQUEST, "prompt": [""]})

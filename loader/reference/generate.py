@@ -27,7 +27,11 @@ FasterTransformer GPT-J runtime does (``DynamicDecodeLayer``, ``BaseSamplingLaye
   ``topk_stage2_sampling``: the probability conditioned on the top-k set; 0 for greedy).
 - **Stopping.** A row stops after ``output_len`` new tokens or when it emits ``end_id``; the
   ``end_id`` token counts in ``sequence_length`` (FT increments the length, then marks the row
-  finished). A finished row's later positions hold ``end_id``.
+  finished). A finished row's later positions hold ``end_id``. A row also stops once its context
+  ends with one of its ``stop_words`` (kept in the output, as FT does).
+- **Bad words.** Before anything else, FT bans the last token of each ``bad_words`` entry whose
+  other tokens end the context (a one-token entry is always banned): its logit becomes -inf.
+  :func:`words_from_ft_list` reads FT's ``[2, L]`` list format (ids; end offsets, -1 padded).
 - **Output layout.** ``output_ids`` = the prompt (its real length) followed by the generated
   tokens, padded with ``end_id`` to ``len(prompt) + output_len``; ``sequence_length`` = prompt
   length + generated tokens.
@@ -99,6 +103,8 @@ class GenerationRequest:
     end_id: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     return_log_probs: bool = True
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    stop_words: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,24 @@ class GenerationResult:
     @property
     def generated_ids(self) -> np.ndarray:
         return self.output_ids[self.input_length : self.sequence_length]
+
+
+def words_from_ft_list(words_list: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """FT's ``[2, L]`` word list (row 0: concatenated ids, row 1: end offsets, -1 padded)."""
+    words_list = np.asarray(words_list).reshape(2, -1)
+    ids, offsets = words_list[0], words_list[1]
+    words, start = [], 0
+    for end in offsets.tolist():
+        if end < 0:
+            break
+        if end <= start or end > ids.size:
+            raise InvalidRequestError(
+                f"word list offsets {offsets.tolist()} do not fit its {ids.size} ids",
+                "Send [[ids...], [end offsets..., -1 padding]] as FasterTransformer expects.",
+            )
+        words.append(tuple(int(t) for t in ids[start:end]))
+        start = end
+    return tuple(words)
 
 
 def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int) -> None:
@@ -240,6 +264,7 @@ class BatchGeneration:
         self.seen = np.zeros((n, vocab_size), dtype=bool)
         for i, r in enumerate(self.requests):
             self.seen[i, np.asarray(r.input_ids, dtype=np.int64)] = True
+        self.context = [[int(t) for t in r.input_ids] for r in self.requests]
 
     def _prompt_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Left-padded prompts, their attention mask and position ids."""
@@ -277,6 +302,7 @@ class BatchGeneration:
 
     def _decode(self, logits: np.ndarray, produced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Process the last position's logits, draw one token per row, update the state."""
+        self._ban_bad_words(logits)
         logits = apply_temperature(logits, self.temperature)
         context = self.input_lengths + self.num_generated
         penalty = np.where(context > 1, self.penalty, 1.0).astype(np.float32)
@@ -296,7 +322,21 @@ class BatchGeneration:
         self.num_generated[rows] += 1
         self.seen[rows, tokens[rows]] = True
         self.finished |= produced & (tokens == self.end_ids)
+        for i in rows:
+            self.context[i].append(int(tokens[i]))
+            if _ends_with_any(self.context[i], self.requests[i].stop_words):
+                self.finished[i] = True
         return tokens, out_log_prob
+
+    def _ban_bad_words(self, logits: np.ndarray) -> None:
+        for i, request in enumerate(self.requests):
+            for word in request.bad_words:
+                if (
+                    word
+                    and 0 <= word[-1] < logits.shape[1]
+                    and _ends_with(self.context[i], word[:-1])
+                ):
+                    logits[i, word[-1]] = -np.inf
 
     def results(self) -> list[GenerationResult]:
         """Each request's output so far (complete once iteration has ended)."""
@@ -314,6 +354,14 @@ class BatchGeneration:
                 cum = float(self.cum_log_probs[i])
             out.append(GenerationResult(ids, length + n_gen, cum, log_probs, length))
         return out
+
+
+def _ends_with(context: list[int], word: Sequence[int]) -> bool:
+    return not word or (len(context) >= len(word) and context[-len(word) :] == list(word))
+
+
+def _ends_with_any(context: list[int], words: Sequence[Sequence[int]]) -> bool:
+    return any(word and _ends_with(context, word) for word in words)
 
 
 def generate(

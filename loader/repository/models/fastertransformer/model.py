@@ -44,11 +44,21 @@ from loader.reference.generate import (
     SamplingConfig,
     generate,
     validate_requests,
+    words_from_ft_list,
 )
 
 
 def _parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def _word_lists(request: object, name: str, batch: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Per-row words of an optional FT ``[2, L]`` word-list input (``bad_words_list``...)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return [()] * batch
+    lists = tensor.as_numpy().reshape(batch, 2, -1)
+    return [words_from_ft_list(lists[i]) for i in range(batch)]
 
 
 def _optional(request: object, name: str, batch: int, default: float | int) -> np.ndarray:
@@ -105,6 +115,8 @@ class TritonPythonModel:
         seed = _optional(request, "random_seed", batch, 0)
         log_probs = _optional(request, "is_return_log_probs", batch, False)
         beam_width = _optional(request, "beam_width", batch, 1)
+        bad_words = _word_lists(request, "bad_words_list", batch)
+        stop_words = _word_lists(request, "stop_words_list", batch)
         if int(beam_width.max()) > 1:
             raise ValueError("beam search (beam_width > 1) is not supported by the CPU reference")
         rows = []
@@ -126,6 +138,8 @@ class TritonPythonModel:
                     end_id=int(end_id[i]),
                     sampling=sampling,
                     return_log_probs=bool(log_probs[i]),
+                    bad_words=bad_words[i],
+                    stop_words=stop_words[i],
                 )
             )
         validate_requests(rows, cfg.vocab_size)
