@@ -56,7 +56,7 @@ def configure_logging(verbose: int, quiet: bool) -> None:
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if verbose < 2:
-        for noisy in ("urllib3", "google", "filelock", "httpx", "huggingface_hub"):
+        for noisy in ("urllib3", "google", "filelock", "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
