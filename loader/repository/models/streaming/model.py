@@ -73,6 +73,20 @@ def _output(response: object, name: str) -> np.ndarray:
     return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
 
 
+def _snapshot(response: object) -> dict[str, np.ndarray]:
+    """The outputs a ``fastertransformer`` response carries. FasterTransformer leaves out the
+    log probabilities unless the request asks for them; ids and lengths are always there."""
+    snapshot = {}
+    for name in SNAPSHOT_OUTPUTS:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is not None:
+            snapshot[name] = tensor.as_numpy()
+    missing = {"output_ids", "sequence_length"} - set(snapshot)
+    if missing:
+        raise StepError(f"{FASTERTRANSFORMER} sent a response without {', '.join(sorted(missing))}")
+    return snapshot
+
+
 class TextIncrements:
     """The text of each (row, beam) sent so far, and what a new snapshot adds to it."""
 
@@ -163,7 +177,7 @@ class TritonPythonModel:
             if sender.is_cancelled():
                 cancelled = True  # let the generation end; it cannot be called back
                 continue
-            snapshot = {name: _output(response, name) for name in SNAPSHOT_OUTPUTS}
+            snapshot = _snapshot(response)
             texts = self._texts(snapshot, input_lengths)
             sender.send(self._response(increments.step(texts, final=False), snapshot))
         if cancelled or snapshot is None:
