@@ -375,3 +375,9 @@ def open_checkpoint(directory: Path | str) -> Checkpoint:
             )
     log.debug("opened %s: %d tensors in %d file(s)", directory, len(ckpt.tensors), len(shards))
     return ckpt
+
+
+def iter_tensors(directory: Path | str) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, array)`` pairs of a checkpoint directory, one tensor at a time."""
+    with open_checkpoint(directory) as ckpt:
+        yield from ckpt.iter_tensors()

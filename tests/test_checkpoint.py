@@ -154,3 +154,11 @@ def test_an_unsupported_safetensors_dtype_is_a_dtype_error(tmp_path):
     )
     with pytest.raises(DtypeError, match="F8_E4M3"):
         open_checkpoint(tmp_path)
+
+
+def test_iter_tensors_yields_every_tensor_once(checkpoints):
+    from loader.checkpoint import iter_tensors
+
+    path = checkpoints[("bin", True)]
+    seen = [name for name, _ in iter_tensors(path)]
+    assert sorted(seen) == sorted(read_state_dict(path))
