@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import sysconfig
@@ -41,7 +42,7 @@ class DemoRecipe:
     corpus_bytes: int = 800_000
     seq_len: int = 64
     batch_size: int = 16
-    learning_rate: float = 1e-2
+    learning_rate: float = 2e-2
     train_steps: int = 250
     max_train_seconds: float = 40.0
     seed: int = 0
@@ -71,6 +72,16 @@ def _train(model, ids, recipe: DemoRecipe) -> tuple[int, float]:
 
     generator = torch.Generator().manual_seed(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.01)
+    # Short linear warm-up, then cosine decay to a tenth over the planned steps.
+    warmup = max(1, recipe.train_steps // 12)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, recipe.train_steps - warmup))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
     steps, loss_value = 0, float("nan")
     deadline = time.monotonic() + recipe.max_train_seconds
@@ -85,6 +96,7 @@ def _train(model, ids, recipe: DemoRecipe) -> tuple[int, float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        scheduler.step()
         steps += 1
         loss_value = float(loss.detach())
         if time.monotonic() - last_log >= 5.0:
