@@ -113,22 +113,34 @@ def write_plot(
     title: str = "Throughput vs. client p95 latency",
     max_p95_ms: float | None = None,
 ) -> Path:
-    """A PNG: x = p95 latency (ms), y = inferences/s, one line per configuration."""
+    """A PNG, one line per configuration in both panels.
+
+    Left: throughput (inferences/s) against client p95 latency (ms), points labelled with their
+    concurrency; the trade-off a latency budget (dashed) cuts. Right: throughput against
+    concurrency, where batching and instance count show how far a configuration scales.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 5.5), dpi=110)
+    figure = Figure(figsize=(12, 5.5), dpi=100)
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
+    by_latency, by_concurrency = figure.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     latencies = []
     for sweep in sweeps:
         points = sweep.sorted()
         xs = [m.p95_ms for m in points]
         ys = [m.throughput for m in points]
         latencies.extend(xs)
-        (line,) = axes.plot(xs, ys, marker="o", label=sweep.label)
+        (line,) = by_latency.plot(xs, ys, marker="o", label=sweep.label)
+        by_concurrency.plot(
+            [m.concurrency for m in points],
+            ys,
+            marker="o",
+            color=line.get_color(),
+            label=sweep.label,
+        )
         for m in points:
-            axes.annotate(
+            by_latency.annotate(
                 f"c{m.concurrency}",
                 (m.p95_ms, m.throughput),
                 textcoords="offset points",
@@ -137,7 +149,7 @@ def write_plot(
                 color=line.get_color(),
             )
     if max_p95_ms is not None:
-        axes.axvline(
+        by_latency.axvline(
             max_p95_ms,
             color="grey",
             linestyle="--",
@@ -145,13 +157,18 @@ def write_plot(
             label=f"p95 budget {max_p95_ms:g} ms",
         )
     if latencies and min(latencies) > 0 and max(latencies) / min(latencies) > 20:
-        axes.set_xscale("log")
-    axes.set_xlabel("client p95 latency (ms)")
-    axes.set_ylabel("throughput (inferences/s)")
-    axes.set_title(title + "\n(points labelled with their concurrency)", fontsize=10)
-    axes.set_ylim(bottom=0)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
+        by_latency.set_xscale("log")
+    by_latency.set_xlabel("client p95 latency (ms)")
+    by_latency.set_ylabel("throughput (inferences/s)")
+    by_latency.set_title("throughput vs. p95 latency (points: concurrency)", fontsize=10)
+    by_concurrency.set_xlabel("concurrency (requests in flight)")
+    by_concurrency.set_ylabel("throughput (inferences/s)")
+    by_concurrency.set_title("throughput vs. concurrency", fontsize=10)
+    for axes in (by_latency, by_concurrency):
+        axes.set_ylim(bottom=0)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     return _atomic_write(path, lambda f: figure.savefig(f, format="png"), binary=True)
 
