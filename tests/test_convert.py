@@ -335,3 +335,20 @@ def test_a_directory_left_by_a_killed_run_is_reported_and_kept(sources, tmp_path
     assert any(stale.name in r.getMessage() for r in caplog.records)
     assert _leftovers(tmp_path) == [".1-gpu.partial-999999-abcd", "1-gpu"]
     shutil.rmtree(stale)
+
+
+def test_a_directory_published_meanwhile_is_not_overwritten(sources, tmp_path, monkeypatch):
+    """Two conversions racing for the same OUTPUT_DIR: the later rename refuses, keeps the first."""
+    real_write = writer.write_outputs
+
+    def write_then_lose_the_race(outputs, ckpt, directory, **kwargs):
+        written = real_write(outputs, ckpt, directory, **kwargs)
+        (tmp_path / "1-gpu").mkdir()
+        (tmp_path / "1-gpu" / "config.ini").write_text("[gptj]\n")
+        return written
+
+    monkeypatch.setattr("loader.convert.pipeline.write_outputs", write_then_lose_the_race)
+    with pytest.raises(OutputExistsError, match="1-gpu already exists"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1)
+    assert _leftovers(tmp_path) == ["1-gpu"]
+    assert (tmp_path / "1-gpu" / "config.ini").read_text() == "[gptj]\n"

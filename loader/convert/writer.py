@@ -75,7 +75,14 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
             tmp.rename(final)
             shutil.rmtree(old)
         else:
-            tmp.rename(final)
+            try:
+                tmp.rename(final)
+            except OSError as exc:  # another run published the same directory meanwhile
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise OutputExistsError(
+                        f"{final} was created by another run meanwhile."
+                    ) from exc
+                raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for path in created:  # innermost first; only the directories this run created
