@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tinymodels import load_hf_model
+from tinymodels import load_hf_model, make_tiny_checkpoint
 
 from loader.convert import convert_checkpoint
 from loader.errors import InvalidRequestError
@@ -170,6 +170,17 @@ def test_greedy_batch_equals_hugging_face_generate(tiny, tp):
         assert result.sequence_length == len(prompt) + 10
         assert result.cum_log_prob == pytest.approx(cum_log_prob, abs=1e-3)
         np.testing.assert_allclose(result.output_log_probs, 0.0, atol=1e-6)  # log P(top-1 | top-1)
+
+
+def test_greedy_codegen_after_conversion_equals_hugging_face_generate(tmp_path):
+    """CodeGen (the demo's architecture) goes through the fused-QKV permutation first."""
+    source = make_tiny_checkpoint(tmp_path / "codegen", arch="codegen", vocab_size=VOCAB)
+    hf = load_hf_model(source)
+    model = GptJ(load_ft_checkpoint(convert_checkpoint(source, tmp_path, tp_size=2).output_path))
+    requests = [GenerationRequest(p, 8, end_id=VOCAB - 1) for p in PROMPTS]
+    for prompt, result in zip(PROMPTS, generate(model, requests, vocab_size=VOCAB), strict=True):
+        expected, _ = _hf_greedy(hf, prompt, 8)
+        np.testing.assert_array_equal(result.output_ids[: result.sequence_length], expected)
 
 
 def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
