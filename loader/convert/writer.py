@@ -72,7 +72,11 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
                 raise OutputExistsError(f"{final} already exists.")
             old = parent / f".{final.name}.old-{token}"
             final.rename(old)
-            tmp.rename(final)
+            try:
+                tmp.rename(final)
+            except BaseException:
+                old.rename(final)  # put the previous conversion back
+                raise
             shutil.rmtree(old)
         else:
             try:
