@@ -9,9 +9,12 @@ exactly as in GPT-J.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from loader.errors import CheckpointError
+from loader.parallel import Parallelism
 from loader.reference.config import FTConfig
 
 from .gptj import GptJArchitecture
@@ -33,8 +36,17 @@ def fused_rows(hidden: int, which: str) -> np.ndarray:
 class CodeGenArchitecture(GptJArchitecture):
     model_type = "codegen"
 
-    def ft_config(self, hf, **kwargs) -> FTConfig:  # type: ignore[override]
-        cfg = super().ft_config(hf, **kwargs)
+    def ft_config(
+        self,
+        hf: dict[str, Any],
+        *,
+        parallelism: Parallelism,
+        weight_data_type: str,
+        model_name: str,
+    ) -> FTConfig:
+        cfg = super().ft_config(
+            hf, parallelism=parallelism, weight_data_type=weight_data_type, model_name=model_name
+        )
         if cfg.head_num % MP_NUM or cfg.hidden_size % MP_NUM:
             raise CheckpointError(
                 f"CodeGen's fused qkv_proj holds {MP_NUM} groups of whole heads, but n_head "
@@ -50,7 +62,11 @@ class CodeGenArchitecture(GptJArchitecture):
     def qkv(self, layer: int, cfg: FTConfig) -> tuple[RowsOf, RowsOf, RowsOf]:
         name = f"transformer.h.{layer}.attn.qkv_proj.weight"
         h = cfg.hidden_size
-        return tuple(RowsOf(name, fused_rows(h, w)) for w in ("q", "k", "v"))  # type: ignore[return-value]
+        return (
+            RowsOf(name, fused_rows(h, "q")),
+            RowsOf(name, fused_rows(h, "k")),
+            RowsOf(name, fused_rows(h, "v")),
+        )
 
 
 register("codegen")(CodeGenArchitecture)

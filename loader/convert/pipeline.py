@@ -24,7 +24,7 @@ from loader.progress import byte_progress, human_bytes
 from loader.reference.config import FTConfig
 
 from .dtypes import OUTPUT_DTYPES, SOURCE_DTYPES, output_dtype_name
-from .registry import get_architecture
+from .registry import Architecture, get_architecture
 from .writer import DEFAULT_CHUNK_BYTES, atomic_directory, write_outputs
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ def _listing(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _check_tensors(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], arch: Any) -> str:
+def _check_tensors(
+    ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], arch: Architecture
+) -> str:
     """Missing / unexpected / misshapen tensors are errors; returns the source dtype."""
     model_type = arch.model_type
     missing = [name for name in expected if name not in ckpt]
