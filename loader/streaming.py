@@ -18,7 +18,8 @@ responses, so they stay right when a server sends several tokens per response or
 last state in the final one, as FasterTransformer does.
 
 Leaving the iteration early (``break``, an exception, Ctrl-C) cancels the request on the server
-(``stop_stream(cancel_requests=True)``) and closes the connection.
+(``stop_stream(cancel_requests=True)``). :class:`StreamingClient` keeps one connection for many
+requests (the bench's load generator); :func:`stream_completion` opens one per request.
 """
 
 from __future__ import annotations
@@ -85,6 +86,98 @@ def _event(result: Any, started: float) -> StreamEvent:
     return StreamEvent(text, now, final, length, ids)
 
 
+class StreamingClient:
+    """One gRPC connection and stream to ``url`` (``host:port``), reused request after request.
+
+    Requests go one at a time (:meth:`stream`); reusing the connection keeps its set-up out of
+    the time to first token. A request abandoned before its final response, or one that
+    failed, cancels what is in flight and the next request starts a fresh stream. Use as a
+    context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.url = url
+        self.timeout_s = timeout_s
+        self._module = grpcclient
+        self._client = grpcclient.InferenceServerClient(url)
+        self._inbox: queue.Queue[tuple[Any, Any]] | None = None
+
+    def _open(self) -> queue.Queue[tuple[Any, Any]]:
+        if self._inbox is None:
+            inbox: queue.Queue[tuple[Any, Any]] = queue.Queue()
+            self._client.start_stream(callback=lambda result, error: inbox.put((result, error)))
+            self._inbox = inbox
+        return self._inbox
+
+    def _reset(self) -> None:
+        if self._inbox is not None:
+            self._inbox = None
+            self._client.stop_stream(cancel_requests=True)
+
+    def stream(self, model: str, request: dict[str, list[Any]]) -> Iterator[StreamEvent]:
+        """Send ``request`` (``name -> values``, as :func:`loader.completion.load_request`
+        reads it) to ``model`` and yield its responses as they arrive.
+
+        A response that does not arrive within ``timeout_s`` of the previous one, or an error
+        from the server, raises :class:`~loader.errors.EndpointError`.
+        """
+        from tritonclient.utils import InferenceServerException
+
+        where = f"grpc://{self.url} model {model!r}"
+        done = False
+        inbox = self._open()
+        try:
+            started = time.perf_counter()
+            self._client.async_stream_infer(
+                model,
+                build_inputs(self._module, request),
+                request_id=uuid.uuid4().hex,
+                enable_empty_final_response=True,
+            )
+            while True:
+                try:
+                    result, error = inbox.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise EndpointError(
+                        f"{where}: no response for {self.timeout_s:.0f} s",
+                        "Check that the model streams (published with --streaming) and the "
+                        "server is not overloaded; raise the timeout for long completions.",
+                    ) from None
+                if error is not None:
+                    message = error.message() if hasattr(error, "message") else str(error)
+                    raise EndpointError(f"{where}: {message}")
+                event = _event(result, started)
+                yield event
+                if event.final:
+                    done = True
+                    return
+        except InferenceServerException as exc:
+            # A broken stream reports its cause through the callback; prefer that message.
+            cause = exc.message()
+            while not inbox.empty():
+                _, error = inbox.get_nowait()
+                if error is not None:
+                    cause = str(error)
+                    break
+            raise EndpointError(f"{where}: {cause}") from exc
+        finally:
+            if not done:
+                # The caller stopped reading, or it failed: the server stops this request.
+                self._reset()
+
+    def close(self) -> None:
+        self._reset()
+        self._client.close()
+
+    def __enter__(self) -> StreamingClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 def stream_completion(
     url: str,
     model: str,
@@ -92,57 +185,9 @@ def stream_completion(
     *,
     timeout_s: float = 120.0,
 ) -> Iterator[StreamEvent]:
-    """Send ``request`` (``name -> values``, as :func:`loader.completion.load_request` reads
-    it) to ``model`` at ``url`` (gRPC ``host:port``) and yield its responses as they arrive.
-
-    A response that does not arrive within ``timeout_s`` of the previous one, or an error from
-    the server, raises :class:`~loader.errors.EndpointError`.
-    """
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    inbox: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    started = time.perf_counter()
-    try:
-        client.start_stream(callback=lambda result, error: inbox.put((result, error)))
-        started = time.perf_counter()
-        client.async_stream_infer(
-            model,
-            build_inputs(grpcclient, request),
-            request_id=uuid.uuid4().hex,
-            enable_empty_final_response=True,
-        )
-        while True:
-            try:
-                result, error = inbox.get(timeout=timeout_s)
-            except queue.Empty:
-                raise EndpointError(
-                    f"grpc://{url} model {model!r}: no response for {timeout_s:.0f} s",
-                    "Check that the model streams (published with --streaming) and the server "
-                    "is not overloaded; raise the timeout for long completions.",
-                ) from None
-            if error is not None:
-                message = error.message() if hasattr(error, "message") else str(error)
-                raise EndpointError(f"grpc://{url} model {model!r}: {message}")
-            event = _event(result, started)
-            yield event
-            if event.final:
-                return
-    except InferenceServerException as exc:
-        # A broken stream reports its cause through the callback; prefer that message.
-        cause = exc.message()
-        while not inbox.empty():
-            _, error = inbox.get_nowait()
-            if error is not None:
-                cause = str(error)
-                break
-        raise EndpointError(f"grpc://{url} model {model!r}: {cause}") from exc
-    finally:
-        # After a final response there is nothing left to cancel; otherwise (the caller stopped
-        # reading, or an error) the server stops sending for this request.
-        client.stop_stream(cancel_requests=True)
-        client.close()
+    """:meth:`StreamingClient.stream` on a connection of its own (closed at the end)."""
+    with StreamingClient(url, timeout_s=timeout_s) as client:
+        yield from client.stream(model, request)
 
 
 def collect(events: Iterator[StreamEvent]) -> StreamedCompletion:

@@ -39,7 +39,7 @@ from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings
 from loader.repository.tensors import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 from loader.serving import TritonServer
-from loader.streaming import StreamEvent, collect, stream_completion
+from loader.streaming import StreamEvent, StreamingClient, collect, stream_completion
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
@@ -187,6 +187,19 @@ def test_a_cancelled_stream_does_not_wedge_the_model_and_the_next_request_is_ser
         assert client.is_model_ready(MODEL) and client.is_model_ready("fastertransformer")
     finally:
         client.close()
+
+
+def test_one_connection_serves_requests_in_turn_and_recovers_after_a_cancel(streaming):
+    request = {**SEED_REQUEST, "request_output_len": [6]}
+    with StreamingClient(streaming.grpc_url, timeout_s=60) as client:
+        first = collect(client.stream(MODEL, request))
+        abandoned = client.stream(MODEL, {**SEED_REQUEST, "request_output_len": [40]})
+        assert next(abandoned).sequence_length is not None
+        abandoned.close()
+        second = collect(client.stream(MODEL, request))
+        third = collect(client.stream(MODEL, request))
+    assert first.text == second.text == third.text
+    assert first.output_tokens == second.output_tokens == third.output_tokens == 6
 
 
 @pytest.mark.parametrize(

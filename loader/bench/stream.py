@@ -5,9 +5,9 @@ times only its first response ("using the first response for measuring latency")
 per-token timings, and did not reach a stable measurement against the CPU streaming model on
 our machines. So this module is its own load generator over Triton's gRPC streaming API
 (:mod:`loader.streaming`) with a bounded request count and time: at each concurrency level
-``C`` it keeps ``C`` streams busy, each sending the request again as soon as its previous
-stream ended, until ``requests`` requests have been sent or ``max_seconds`` have passed (the
-requests in flight then finish). One warm-up request precedes the sweep and is not counted.
+``C`` it keeps ``C`` streams busy (one gRPC connection each, reused for its requests), each
+sending the request again as soon as its previous one ended, until ``requests`` requests have
+been sent or ``max_seconds`` have passed (the requests in flight then finish). One warm-up request precedes the sweep and is not counted.
 
 Per request it records TTFT (send -> first token), TPOT (first token -> last token, divided by
 the tokens after the first) and latency (send -> final response); per level it reports their
@@ -37,7 +37,7 @@ from typing import Any
 from loader.bench.report import _atomic_write, bullet, write_text
 from loader.bench.results import Measurement, Sweep, format_number
 from loader.errors import LoaderError, MeasurementError
-from loader.streaming import StreamedCompletion, collect, stream_completion
+from loader.streaming import StreamedCompletion, StreamingClient, collect, stream_completion
 
 log = logging.getLogger(__name__)
 
@@ -287,19 +287,20 @@ def measure_level(
 
     def worker() -> None:
         nonlocal sent
-        while True:
-            with lock:
-                if errors or sent >= requests or time.perf_counter() >= deadline:
-                    return
-                sent += 1
-            try:
-                completion = collect(stream_completion(url, model, request, timeout_s=timeout_s))
-            except LoaderError as exc:
+        with StreamingClient(url, timeout_s=timeout_s) as client:  # one connection per stream
+            while True:
                 with lock:
-                    errors.append(exc)
-                return
-            with lock:
-                samples.append(Sample.of(completion))
+                    if errors or sent >= requests or time.perf_counter() >= deadline:
+                        return
+                    sent += 1
+                try:
+                    completion = collect(client.stream(model, request))
+                except LoaderError as exc:
+                    with lock:
+                        errors.append(exc)
+                    return
+                with lock:
+                    samples.append(Sample.of(completion))
 
     threads = [
         threading.Thread(target=worker, name=f"stream-{i}", daemon=True) for i in range(concurrency)
