@@ -215,6 +215,18 @@ def test_the_fastertransformer_model_answers_ft_inputs_directly(served, tokenize
     assert output_ids[:sequence_length].tolist() == prompt + generated[: first + 1]
 
 
+def test_an_end_id_sent_to_the_ensemble_stops_the_completion(served, tokenizer):
+    prompt = _prompt_ids(tokenizer)
+    greedy = {**SEED_REQUEST, "runtime_top_k": [1], "request_output_len": [8]}
+    full = served.complete(greedy)
+    generated = full.output_ids[len(prompt) : full.sequence_length].tolist()
+    end_id = generated[3]
+    stopped = served.complete({**greedy, "end_id": [end_id]})
+    assert stopped.sequence_length == len(prompt) + generated.index(end_id) + 1
+    assert (stopped.output_ids[stopped.sequence_length :] == end_id).all()
+    assert stopped.text == tokenizer.decode(generated[: generated.index(end_id) + 1])
+
+
 def test_an_empty_prompt_is_refused_with_a_clear_error(served):
     with pytest.raises(EndpointError, match="prompt is empty"):
         served.complete({**SEED_REQUEST, "prompt": [""]})
