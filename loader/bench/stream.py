@@ -27,6 +27,7 @@ import csv
 import io
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loader.bench.report import _atomic_write, bullet, write_text
+from loader.bench.report import bullet, write_text
 from loader.bench.results import Measurement, Sweep, format_number
 from loader.errors import LoaderError, MeasurementError
 from loader.streaming import StreamedCompletion, StreamingClient, collect, stream_completion
@@ -241,7 +242,12 @@ def write_plot(sweeps: Sequence[StreamSweep], path: Path) -> Path:
         axes.legend(fontsize=8)
     figure.suptitle("Streaming: TTFT and TPOT vs. concurrency (client side)", fontsize=10)
     figure.tight_layout()
-    return _atomic_write(path, lambda f: figure.savefig(f, format="png"), binary=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    figure.savefig(partial, format="png")
+    os.replace(partial, path)  # never a half-written plot under the final name
+    return path
 
 
 def write_stream_report(sweeps: Sequence[StreamSweep], output_dir: Path) -> dict[str, Path]:
