@@ -190,8 +190,28 @@ class TritonPythonModel:
             batch.extend(rows)
         if not batch:
             return
-        generation = BatchGeneration(self.model, batch, vocab_size=self.config.vocab_size)
         open_requests = set(spans)
+        try:
+            self._stream_batch(batch, spans, senders, open_requests)
+        except Exception as exc:  # every open stream must still end, with the reason
+            self.logger.log_error(f"streaming generation failed: {exc}")
+            for n in open_requests:
+                error = pb_utils.TritonError(f"generation failed: {exc}")
+                senders[n].send(
+                    pb_utils.InferenceResponse(output_tensors=[], error=error), flags=final
+                )
+
+    def _stream_batch(
+        self,
+        batch: list[GenerationRequest],
+        spans: dict[int, tuple[int, int]],
+        senders: dict[int, object],
+        open_requests: set[int],
+    ) -> None:
+        """Generate ``batch`` step by step, sending each open request its snapshot; a request
+        leaves ``open_requests`` once its final response (or final flag) is sent."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        generation = BatchGeneration(self.model, batch, vocab_size=self.config.vocab_size)
         for step in generation:
             complete = generation.finished | (generation.num_generated >= generation.output_lens)
             results = generation.results()
@@ -212,9 +232,10 @@ class TritonPythonModel:
             if not open_requests:
                 break
         results = generation.results()
-        for n in open_requests:  # not reached unless generation ended early
+        for n in sorted(open_requests):  # not reached unless generation ended early
             start, stop = spans[n]
             senders[n].send(_response(batch[start:stop], results[start:stop]), flags=final)
+            open_requests.discard(n)
 
     def finalize(self) -> None:
         self.model = None
