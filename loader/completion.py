@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,28 @@ import numpy as np
 from loader.errors import EndpointError, InvalidRequestError
 from loader.repository.tensors import ENSEMBLE_INPUTS
 
-#: Protocol -> tritonclient module.
-CLIENTS: dict[str, str] = {"http": "tritonclient.http", "grpc": "tritonclient.grpc"}
+
+def _infer_http(module: Any, url: str, model: str, inputs: list[Any], timeout_s: float) -> Any:
+    client = module.InferenceServerClient(url, network_timeout=timeout_s)
+    try:
+        return client.infer(model, inputs)
+    finally:
+        client.close()
+
+
+def _infer_grpc(module: Any, url: str, model: str, inputs: list[Any], timeout_s: float) -> Any:
+    client = module.InferenceServerClient(url)
+    try:
+        return client.infer(model, inputs, client_timeout=timeout_s)
+    finally:
+        client.close()
+
+
+#: Protocol -> (tritonclient module, how to send one request with it).
+CLIENTS: dict[str, tuple[str, Callable[..., Any]]] = {
+    "http": ("tritonclient.http", _infer_http),
+    "grpc": ("tritonclient.grpc", _infer_grpc),
+}
 
 _DTYPES = {t.name: t.dtype for t in ENSEMBLE_INPUTS}
 
@@ -91,19 +112,14 @@ def complete(
 ) -> Completion:
     """Send ``request`` to ``model`` at ``url`` (``host:port``) and return the first completion."""
     try:
-        module = importlib.import_module(CLIENTS[protocol])
+        module_name, infer = CLIENTS[protocol]
     except KeyError as exc:
         raise EndpointError(f"unknown protocol {protocol!r}", "Use http or grpc.") from exc
+    module = importlib.import_module(module_name)
     from tritonclient.utils import InferenceServerException
 
     try:
-        if protocol == "http":
-            client = module.InferenceServerClient(url, network_timeout=timeout_s)
-            result = client.infer(model, build_inputs(module, request))
-        else:
-            client = module.InferenceServerClient(url)
-            result = client.infer(model, build_inputs(module, request), client_timeout=timeout_s)
-        client.close()
+        result = infer(module, url, model, build_inputs(module, request), timeout_s)
     except InferenceServerException as exc:
         raise EndpointError(f"{protocol}://{url} model {model!r}: {exc.message()}") from exc
     text = result.as_numpy("completion").reshape(-1)[0]
