@@ -135,10 +135,13 @@ class TritonPythonModel:
         except Exception as exc:  # every failure must end the client's stream
             self.logger.log_error(f"streaming request failed: {exc}")
             error = pb_utils.TritonError(str(exc))
-            sender.send(
-                pb_utils.InferenceResponse(output_tensors=[], error=error),
-                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-            )
+            try:
+                sender.send(
+                    pb_utils.InferenceResponse(output_tensors=[], error=error),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+            except Exception as send_failure:  # the client is gone (e.g. it cancelled)
+                self.logger.log_warn(f"could not send the error to the client: {send_failure}")
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
@@ -168,6 +171,7 @@ class TritonPythonModel:
         ).exec(decoupled=True)
         increments = TextIncrements()
         snapshot: dict[str, np.ndarray] | None = None
+        texts: np.ndarray | None = None
         cancelled = False
         for response in stream:
             if response.has_error():
@@ -180,10 +184,9 @@ class TritonPythonModel:
             snapshot = _snapshot(response)
             texts = self._texts(snapshot, input_lengths)
             sender.send(self._response(increments.step(texts, final=False), snapshot))
-        if cancelled or snapshot is None:
+        if cancelled or snapshot is None or texts is None:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        texts = self._texts(snapshot, input_lengths)
         sender.send(
             self._response(increments.step(texts, final=True), snapshot),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
