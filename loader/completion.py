@@ -122,6 +122,8 @@ def complete(
         result = infer(module, url, model, build_inputs(module, request), timeout_s)
     except InferenceServerException as exc:
         raise EndpointError(f"{protocol}://{url} model {model!r}: {exc.message()}") from exc
+    except OSError as exc:  # refused, reset, unreachable, timed out (HTTP)
+        raise EndpointError(f"{protocol}://{url} is unreachable: {exc}") from exc
     text = result.as_numpy("completion").reshape(-1)[0]
     return Completion(
         text=text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text),

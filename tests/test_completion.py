@@ -1,0 +1,63 @@
+"""loader.completion: reading the users' request and turning it into typed Triton inputs."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from loader.completion import build_inputs, complete, load_request
+from loader.errors import EndpointError, InvalidRequestError
+
+SEED = Path(__file__).resolve().parent.parent / "bench" / "test.json"
+
+
+def test_the_seed_request_is_read_with_every_field():
+    request = load_request(SEED)
+    assert request["prompt"] == ["<python>def is_even(na: int) ->"]
+    assert request["request_output_len"] == [32]
+    assert request["random_seed"] == [1594506369]
+    assert set(request) == {
+        "prompt", "request_output_len", "temperature", "repetition_penalty", "runtime_top_k",
+        "runtime_top_p", "start_id", "end_id", "random_seed", "is_return_log_probs",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient])
+def test_inputs_carry_the_ensembles_types_and_a_batch_dimension(module):
+    inputs = {i.name(): i for i in build_inputs(module, load_request(SEED))}
+    assert inputs["prompt"].datatype() == "BYTES"
+    assert inputs["random_seed"].datatype() == "UINT64"
+    assert inputs["runtime_top_p"].datatype() == "FP32"
+    assert inputs["is_return_log_probs"].datatype() == "BOOL"
+    assert all(list(i.shape()) == [1, 1] for i in inputs.values())
+
+
+def test_a_file_without_data_is_a_typed_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"prompt": "x"}')
+    with pytest.raises(InvalidRequestError, match="data entry"):
+        load_request(bad)
+
+
+def test_an_unknown_input_is_a_typed_error():
+    with pytest.raises(InvalidRequestError, match="no input named 'top_k'"):
+        build_inputs(httpclient, {"top_k": [1]})
+
+
+def test_an_unknown_protocol_is_a_typed_error():
+    with pytest.raises(EndpointError, match="unknown protocol"):
+        complete("127.0.0.1:1", "codegen", {"prompt": ["x"]}, protocol="ftp")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_unreachable_server_is_an_endpoint_error(protocol):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        request = {"prompt": ["x"], "request_output_len": [1]}
+        with pytest.raises(EndpointError, match=f"127.0.0.1:{port}"):
+            complete(f"127.0.0.1:{port}", "codegen", request, protocol=protocol, timeout_s=5)
