@@ -424,3 +424,28 @@ def test_scripts_complete_reports_errors_in_one_line_without_a_traceback(streami
         assert done.returncode == 2, (args, done.stderr)
         assert message in done.stderr
         assert "Traceback" not in done.stderr
+
+
+# --- the chart's helm test -----------------------------------------------------------------------
+
+
+def test_the_charts_helm_test_passes_against_a_streaming_repository(streaming):
+    from test_streaming_chart import _by_kind
+
+    (pod,) = [
+        p
+        for p in _by_kind("triton.streaming=true")["Pod"]
+        if p["metadata"]["name"].endswith("-test-inference")
+    ]
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env["STREAMING"] == "1"
+    env.update(
+        TRITON_HTTP_URL=streaming.http_url, TRITON_GRPC_URL=streaming.grpc_url, MODEL_NAME=MODEL
+    )
+    command = [sys.executable if c == "python" else c for c in container["command"]]
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "completion:" in done.stdout
