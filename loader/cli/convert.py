@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 
@@ -34,29 +36,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _interrupt_on_sigterm() -> None:
+@contextmanager
+def _interrupt_on_sigterm() -> Iterator[None]:
     """SIGTERM (Kubernetes stopping the Job) unwinds like Ctrl-C, so temp files are removed."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args: argparse.Namespace) -> int:
     from loader.convert import convert_checkpoint
 
-    _interrupt_on_sigterm()
-    result = convert_checkpoint(
-        args.source_dir,
-        args.output_dir,
-        tp_size=args.tp_size,
-        pp_size=args.pp_size,
-        dtype=args.dtype,
-        workers=args.workers,
-        overwrite=args.force,
-    )
+    with _interrupt_on_sigterm():
+        result = convert_checkpoint(
+            args.source_dir,
+            args.output_dir,
+            tp_size=args.tp_size,
+            pp_size=args.pp_size,
+            dtype=args.dtype,
+            workers=args.workers,
+            overwrite=args.force,
+        )
     print(result.output_path.resolve())
     return 0
