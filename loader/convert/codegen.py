@@ -5,6 +5,11 @@ CodeGen is GPT-J with one fused ``attn.qkv_proj.weight`` [3h, h] laid out as 4 g
 viewed as [4, 3, h/4, h], Q = W[:, 0], V = W[:, 1], K = W[:, 2]. Heads keep their order, so the
 logical Q/K/V projections are just row selections of the fused tensor; everything else is named
 exactly as in GPT-J.
+
+The two-step public route (CodeGen -> an fp16 GPT-J checkpoint -> FT files) rounds every weight
+to fp16 on the way; converting in one pass keeps the source precision, so for an fp16 source the
+files are the same bytes and for an fp32 source they are the GPT-J converter's output for the
+permuted fp32 weights.
 """
 
 from __future__ import annotations
