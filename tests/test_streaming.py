@@ -32,6 +32,7 @@ from loader.bench.stream import (
     percentile,
     write_stream_report,
 )
+from loader.bench.variants import ensemble_name, read_configs
 from loader.completion import complete, load_request
 from loader.errors import EndpointError
 from loader.parallel import Parallelism
@@ -100,6 +101,10 @@ def test_streaming_repository_serves_a_decoupled_model_with_the_ensemble_contrac
     assert [o["name"] for o in front["output"]] == [t.name for t in ENSEMBLE_OUTPUTS]
     assert ft["model_transaction_policy"]["decoupled"] is True
     assert "dynamic_batching" in ft
+
+
+def test_the_bench_finds_the_model_clients_call_in_a_streaming_repository(streaming_repository):
+    assert ensemble_name(read_configs(streaming_repository)) == MODEL
 
 
 def test_without_streaming_the_model_clients_call_stays_an_ensemble():
@@ -322,24 +327,31 @@ def test_ttft_and_tpot_are_positive_and_ttft_is_below_total_latency(streaming, t
     assert "TTFT mean" in paths["ttft_tables"].read_text()
 
 
-def test_scripts_bench_ttft_sweeps_concurrency_and_writes_its_report(streaming, tmp_path):
+def test_scripts_bench_ttft_sweeps_an_endpoint_and_a_repository_and_writes_its_report(
+    streaming, streaming_repository, tmp_path
+):
     out = tmp_path / "bench"
     cmd = [
-        str(ROOT / "scripts" / "bench"), "--ttft", f"grpc://{streaming.grpc_url}",
-        "--model", MODEL, "--concurrency-range", "1:2:1", "--requests-per-level", "3",
-        "--output-dir", str(out),
+        str(ROOT / "scripts" / "bench"), "--ttft", f"served=grpc://{streaming.grpc_url}",
+        f"local={streaming_repository}", "--model", MODEL, "--concurrency-range", "1:2:1",
+        "--requests-per-level", "3", "--output-dir", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
+    assert "Benchmark 1: served" in done.stdout and "Benchmark 2: local" in done.stdout
     lines = [line for line in done.stdout.splitlines() if line.startswith("Concurrency: ")]
-    assert [line.split(",")[0] for line in lines] == ["Concurrency: 1", "Concurrency: 2"]
+    assert [line.split(",")[0] for line in lines] == ["Concurrency: 1", "Concurrency: 2"] * 2
     assert all("TTFT mean" in line and "TPOT mean" in line for line in lines)
     with open(out / "ttft_tpot.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["concurrency"]) for r in rows] == [1, 2]
+    assert [(r["configuration"], int(r["concurrency"])) for r in rows] == [
+        ("served", 1), ("served", 2), ("local", 1), ("local", 2)
+    ]  # fmt: skip
     assert all(int(r["requests"]) == 3 for r in rows)
+    assert all(0 < int(r["ttft_mean_us"]) < int(r["latency_mean_us"]) for r in rows)
     for name in ("ttft_tpot_vs_concurrency.png", "results.csv", "tables.txt", "summary.txt"):
         assert (out / name).stat().st_size > 0
+    assert (out / "logs" / "tritonserver-local.log").is_file()
 
 
 def test_collect_counts_tokens_from_sequence_length_when_the_final_repeats_the_last_state():

@@ -7,8 +7,8 @@ Four modes, one per flag:
   CPU Triton) or endpoints, print one table each and the best under ``--max-p95-ms``;
 * ``--serving-experiment``: the experiment behind ``make bench-serving``
   (:mod:`loader.bench.experiment`);
-* ``--ttft HOST:PORT --model NAME``: time to first token and time per output token of a
-  streaming model (:mod:`loader.bench.stream`; also writes ``ttft_tpot.*``).
+* ``--ttft TARGET ...``: time to first token and time per output token of streaming
+  repositories or endpoints (:mod:`loader.bench.stream`; also writes ``ttft_tpot.*``).
 
 Tables go to stdout as levels are measured; logs go to stderr. Every mode writes
 ``tables.txt``, ``results.csv``, ``throughput_vs_p95_latency.png`` and ``summary.txt`` into
@@ -71,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mode.add_argument(
         "--ttft",
-        metavar="HOST:PORT",
-        help="time to first token and time per output token (mean, p95) of a streaming model "
-        "at this gRPC endpoint, with a gRPC-stream load generator (not perf_analyzer)",
+        nargs="+",
+        metavar="TARGET",
+        help="time to first token and time per output token (mean, p95) of streaming models, "
+        "with a gRPC-stream load generator (not perf_analyzer): each [LABEL=]DIR (a streaming "
+        "repository, served by the local CPU Triton) or [LABEL=][grpc://]HOST:PORT in turn",
     )
     parser.add_argument("--model", help="model to measure (default: a repository's ensemble)")
     parser.add_argument("--label", help="name of the configuration in --url mode")

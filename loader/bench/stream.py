@@ -28,10 +28,12 @@ import io
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ CSV_COLUMNS: tuple[str, ...] = (
 )
 
 DEFAULT_REQUESTS = 32
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 DEFAULT_MAX_SECONDS = 30.0
 
 
@@ -393,42 +396,79 @@ def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _print_heading(number: int, label: str, settings: Mapping[str, object]) -> None:
+    lines = [f"Benchmark {number}: {label}", ""]
+    if settings:
+        lines += [bullet(k, v) for k, v in settings.items()] + [""]
+    if number > 1:
+        lines.insert(0, "")
+    print("\n".join([*lines, TABLE_HEADER]), flush=True)
+
+
 def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
-    """``scripts/bench --ttft HOST:PORT --model NAME``: sweep, print, write the TTFT report."""
+    """``scripts/bench --ttft TARGET ...``: sweep each target in turn, print its table as it
+    is measured, write the TTFT/TPOT report. A target is a streaming repository (``[LABEL=]DIR``,
+    served by the local CPU Triton, stopped before the next) or a gRPC endpoint
+    (``[LABEL=][grpc://]HOST:PORT``, with ``--model``)."""
+    from loader.bench import variants
     from loader.bench.arguments import concurrencies_from_args, input_data_path
     from loader.bench.cli import _output_dir
-    from loader.bench.endpoint import parse_endpoint
+    from loader.bench.compare import parse_target
     from loader.completion import load_request
+    from loader.serving import TritonServer
 
     if extra:
         raise LoaderError(
             "--ttft does not run perf_analyzer, so it takes no arguments after --",
             "Drop the arguments after --.",
         )
-    if not args.model:
-        raise LoaderError("--ttft needs --model", "Pass --model NAME (the streaming model).")
-    endpoint = parse_endpoint(args.ttft, protocol=args.protocol or "grpc")
-    if endpoint.protocol != "grpc":
-        raise LoaderError(
-            f"--ttft streams over gRPC, not {endpoint.protocol}",
-            "Pass the gRPC endpoint, e.g. --ttft grpc://127.0.0.1:8001.",
-        )
+    targets = [parse_target(t, protocol=args.protocol or "grpc") for t in args.ttft]
+    for target in targets:
+        if target.endpoint is not None and target.endpoint.protocol != "grpc":
+            raise LoaderError(
+                f"--ttft streams over gRPC, not {target.endpoint.protocol} ({target.label})",
+                "Pass the gRPC endpoint, e.g. --ttft grpc://127.0.0.1:8001.",
+            )
+        if target.endpoint is not None and not args.model:
+            raise LoaderError(
+                f"which model should be measured at {target.endpoint}?",
+                "Pass --model NAME (the streaming model, e.g. codegen).",
+            )
+    if len(targets) == 1 and args.label:
+        targets = [replace(targets[0], label=args.label)]
     request = load_request(input_data_path(args))
-    label = args.label or args.model
-    settings = {"endpoint": str(endpoint), "request_output_len": request.get("request_output_len")}
-    print(f"Benchmark 1: {label}\n\n{TABLE_HEADER}", flush=True)
-    result = stream_sweep(
-        endpoint.address,
-        args.model,
-        request,
-        concurrencies_from_args(args),
-        label=label,
-        settings=settings,
-        requests=args.requests_per_level,
-        max_seconds=args.max_seconds_per_level,
-        on_level=lambda level: print(format_line(level), flush=True),
-    )
+    concurrencies = concurrencies_from_args(args)
     args.output_dir = _output_dir(args)
-    notes: dict[str, object] = dict(write_stream_report([result], args.output_dir))
+    results = []
+    for number, target in enumerate(targets, start=1):
+        settings: dict[str, object] = {"request_output_len": request.get("request_output_len")}
+        if target.repository is not None:
+            configs = variants.read_configs(target.repository)
+            model = args.model or variants.ensemble_name(configs)
+            settings.update(variants.describe(configs))
+        else:
+            model = args.model
+            settings["endpoint"] = str(target.endpoint)
+        _print_heading(number, target.label, settings)
+        measure = partial(
+            stream_sweep,
+            model=model,
+            request=request,
+            concurrencies=concurrencies,
+            label=target.label,
+            settings=settings,
+            requests=args.requests_per_level,
+            max_seconds=args.max_seconds_per_level,
+            on_level=lambda level: print(format_line(level), flush=True),
+        )
+        if target.repository is None:
+            results.append(measure(url=target.endpoint.address))
+            continue
+        log_path = args.output_dir / "logs" / f"tritonserver-{_SAFE.sub('_', target.label)}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("%s: serving %s with the local Triton", target.label, target.repository)
+        with TritonServer(target.repository, log_path=log_path) as server:
+            results.append(measure(url=server.grpc_url))
+    notes: dict[str, object] = dict(write_stream_report(results, args.output_dir))
     notes["title"] = "Streaming: throughput vs. client p95 latency"
-    return [result.as_sweep()], notes
+    return [r.as_sweep() for r in results], notes

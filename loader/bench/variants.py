@@ -30,7 +30,7 @@ from loader.repository.config import (
     read_config,
     to_text,
 )
-from loader.repository.key import ServingSettings
+from loader.repository.key import RESERVED_MODEL_NAMES, ServingSettings
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,16 @@ def read_configs(repository: Path) -> dict[str, mc.ModelConfig]:
 
 
 def ensemble_name(configs: Mapping[str, mc.ModelConfig]) -> str:
-    """The model clients call: the ensemble (or the only model of a one-model repository)."""
+    """The model clients call: the ensemble, the streaming model of a ``--streaming``
+    repository (the one model besides the composing ones), or the only model there is."""
     ensembles = [n for n, c in configs.items() if c.platform == ENSEMBLE_PLATFORM]
     if len(ensembles) == 1:
         return ensembles[0]
     if not ensembles and len(configs) == 1:
         return next(iter(configs))
+    front = [n for n in configs if n not in RESERVED_MODEL_NAMES]
+    if not ensembles and len(front) == 1:
+        return front[0]
     raise RepositoryError(
         f"cannot tell which model to measure (ensembles: {', '.join(ensembles) or 'none'}; "
         f"models: {', '.join(configs)})",
