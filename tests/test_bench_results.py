@@ -199,3 +199,9 @@ def test_median_of_rounds_keeps_each_levels_median_round_whole():
     (two,) = median_sweeps(rounds[:2])
     assert two.at(8) == Measurement(8, 5.0, 5000)  # the lower median with an even count
     assert two.unstable == [16]
+
+
+def test_report_files_are_readable_by_everyone(tmp_path):
+    paths = write_report([recorded_sweep("http_c1-4", "naive")], tmp_path)
+    for path in paths.values():
+        assert path.stat().st_mode & 0o044 == 0o044, path

@@ -180,11 +180,18 @@ def _atomic_write(path: Path, write, *, binary: bool = False) -> Path:
     try:
         with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; results are for everyone
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: Path, text: str) -> Path:
