@@ -54,7 +54,9 @@ class DtypeError(LoaderError):
 class ParallelismError(LoaderError):
     """Tensor/pipeline-parallel sizes do not fit the model or the GPUs."""
 
-    default_remediation = "Choose a tensor/pipeline-parallel size that divides the model's dimensions."
+    default_remediation = (
+        "Choose a tensor/pipeline-parallel size that divides the model's dimensions."
+    )
 
 
 class PlacementError(ParallelismError):
@@ -69,7 +71,9 @@ class PlacementError(ParallelismError):
 class SourceError(LoaderError):
     """A checkpoint source cannot be read."""
 
-    default_remediation = "Check the source URI (file://, gs://bucket/prefix, hf://org/name@revision)."
+    default_remediation = (
+        "Check the source URI (file://, gs://bucket/prefix, hf://org/name@revision)."
+    )
 
 
 class SourceNotFoundError(SourceError):
@@ -88,19 +92,25 @@ class SourcePermissionError(SourceError):
 class ChecksumMismatchError(SourceError):
     """A downloaded file does not match the checksum its source published."""
 
-    default_remediation = "The source object may be corrupt: re-upload it, then run the loader again."
+    default_remediation = (
+        "The source object may be corrupt: re-upload it, then run the loader again."
+    )
 
 
 class InsufficientDiskSpaceError(SourceError):
     """Not enough free disk space for a download or conversion."""
 
-    default_remediation = "Free disk space or point the loader at a larger volume, then run it again."
+    default_remediation = (
+        "Free disk space or point the loader at a larger volume, then run it again."
+    )
 
 
 class TransientSourceError(SourceError):
     """A failure worth retrying (connection reset, 429, 5xx); raised after retries ran out."""
 
-    default_remediation = "The source kept failing; check its availability and run the loader again (it resumes)."
+    default_remediation = (
+        "The source kept failing; check its availability and run the loader again (it resumes)."
+    )
 
 
 # --- repository and publishing -----------------------------------------------------------

@@ -20,8 +20,11 @@ class Parallelism:
     instance_count: int = 1
 
     def __post_init__(self) -> None:
-        for name, value in (("tensor-parallel size", self.tp), ("pipeline-parallel size", self.pp),
-                            ("instance count", self.instance_count)):
+        for name, value in (
+            ("tensor-parallel size", self.tp),
+            ("pipeline-parallel size", self.pp),
+            ("instance count", self.instance_count),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ParallelismError(
                     f"The {name} must be a whole number >= 1, got {value!r}.",

@@ -33,8 +33,9 @@ def human_bytes(n: float) -> str:
 class LogLineProgress:
     """Thread-safe byte counter that logs ``what: done/total (pct) at rate`` periodically."""
 
-    def __init__(self, what: str, total: int | None, *, interval: float = 5.0,
-                 logger: logging.Logger = log) -> None:
+    def __init__(
+        self, what: str, total: int | None, *, interval: float = 5.0, logger: logging.Logger = log
+    ) -> None:
         self.what = what
         self.total = total
         self.interval = interval
@@ -61,8 +62,14 @@ class LogLineProgress:
         rate = human_bytes(self.done / elapsed) + "/s"
         if self.total:
             pct = 100.0 * self.done / self.total
-            self.logger.info("%s: %s / %s (%.0f%%) at %s", self.what, human_bytes(self.done),
-                             human_bytes(self.total), pct, rate)
+            self.logger.info(
+                "%s: %s / %s (%.0f%%) at %s",
+                self.what,
+                human_bytes(self.done),
+                human_bytes(self.total),
+                pct,
+                rate,
+            )
         else:
             self.logger.info("%s: %s at %s", self.what, human_bytes(self.done), rate)
 
@@ -71,8 +78,15 @@ class _TqdmProgress:
     def __init__(self, what: str, total: int | None, stream: IO[str]) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1000,
-                         file=stream, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total,
+            desc=what,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1000,
+            file=stream,
+            dynamic_ncols=True,
+        )
         self._lock = threading.Lock()
 
     def update(self, n: int) -> None:
@@ -84,8 +98,14 @@ class _TqdmProgress:
 
 
 @contextmanager
-def byte_progress(what: str, total: int | None, *, stream: IO[str] | None = None,
-                  interval: float = 5.0, force_plain: bool = False) -> Iterator[Progress]:
+def byte_progress(
+    what: str,
+    total: int | None,
+    *,
+    stream: IO[str] | None = None,
+    interval: float = 5.0,
+    force_plain: bool = False,
+) -> Iterator[Progress]:
     """Report progress over ``total`` bytes; a tqdm bar on a TTY, log lines otherwise."""
     stream = stream or sys.stderr
     is_tty = bool(getattr(stream, "isatty", lambda: False)())

@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fetch, convert and publish LLM checkpoints as Triton model repositories.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output (-vv for debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
@@ -53,8 +54,9 @@ def configure_logging(verbose: int, quiet: bool) -> None:
     env_level = os.environ.get("MODEL_LOADER_LOG_LEVEL")
     if env_level:
         level = getattr(logging, env_level.upper(), level)
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if verbose < 2:
         for noisy in ("urllib3", "google", "filelock", "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
