@@ -268,9 +268,9 @@ def test_small_chunks_give_the_same_bytes_as_one_chunk(sources, converted, tmp_p
 
 @pytest.mark.parametrize(("source", "target"), [("fp32", "fp16"), ("fp16", "fp32")])
 def test_large_staged_transposes_are_exact(tmp_path, source, target):
-    """Shapes bigger than one staging block (and not multiples of it) reassemble exactly."""
+    """Shapes bigger than one staging block (512, and not multiples of it) reassemble exactly."""
     src = make_tiny_checkpoint(
-        tmp_path / "src", dtype=source, n_embd=272, n_head=4, n_inner=400, n_layer=1,
+        tmp_path / "src", dtype=source, n_embd=576, n_head=4, n_inner=1100, n_layer=1,
         vocab_size=50,
     )  # fmt: skip
     cfg = json.loads((src / "config.json").read_text())
