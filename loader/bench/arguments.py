@@ -105,7 +105,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="sweep every configuration N times, round after round, and report each level's "
-        "median (default 1; 3 for --serving-experiment)",
+        "median (default 1; 5 for --serving-experiment)",
     )
 
 

@@ -50,7 +50,7 @@ MEASUREMENT_DEFAULTS = {
 }
 BASELINE = "i1-batching-off"
 #: Rounds over all configurations; each level reports its median round.
-ROUNDS = 3
+ROUNDS = 5
 
 
 def publish_demo_repository(work_dir: Path) -> Path:
