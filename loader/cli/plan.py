@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
             )
     seq = args.max_sequence_length or shape.n_positions
     print(
-        f"model: {origin}: {shape.parameters() / 1e9:.2f}B parameters "
+        f"model: {origin}: {_count(shape.parameters())} parameters "
         f"(n_embd {shape.n_embd}, n_layer {shape.n_layer}, n_head {shape.n_head}, "
         f"vocab {shape.vocab_size}, n_inner {shape.n_inner}); weights {dtype}; "
         f"working memory for batch {args.max_batch_size} x {seq} tokens per instance"
@@ -144,3 +144,11 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(format_table(rows))
     return 0
+
+
+def _count(n: int) -> str:
+    """A parameter count for people: 16.03B, 350.1M, 412.3K."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
