@@ -19,9 +19,9 @@ from loader.bench.perf_analyzer import PerfAnalyzerOptions
 from loader.bench.report import CSV_FILE, PLOT_FILE, SUMMARY_FILE, TABLES_FILE
 from loader.bench.results import TABLE_HEADER, parse_table, sweeps_from_csv
 from loader.bench.sweep import sweep
+from loader.cli import main as loader_main
 from loader.errors import ModelNotFoundError
 from loader.serving import TritonServer
-from loader.tune import tune, values_snippet
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^Concurrency: (\d+), throughput: ([0-9.e+-]+) infer/sec, latency (\d+) usec$")
@@ -109,35 +109,49 @@ def test_a_model_the_server_does_not_have_is_a_model_not_found_error(server):
 
 
 @pytest.mark.slow
-def test_tune_measures_batching_off_and_on_and_prints_values(
-    published_tiny_python_repository, tmp_path
+def test_tune_measures_batching_off_and_on_and_prints_the_values_snippet(
+    published_tiny_python_repository, tmp_path, capsys
 ):
-    started = []
-    result = tune(
-        published_tiny_python_repository,
-        work_dir=tmp_path / "tune",
-        instance_counts=[1],
-        concurrencies=[4],
-        options=SHORT,
-        preferred_batch_sizes=[4],
-        on_start=started.append,
+    import yaml
+
+    code = loader_main(
+        [
+            "tune",
+            "--repository",
+            str(published_tiny_python_repository),
+            "--instance-counts",
+            "1",
+            "--preferred-batch-size",
+            "4",
+            "--concurrency-range",
+            "4",
+            "--work-dir",
+            str(tmp_path / "tune"),
+            *SHORT_FLAGS,
+        ]
     )
-    assert [t.label for t in started] == ["i1-batching-off", "i1-batching-on"]
-    assert [s.label for s in result.sweeps] == ["i1-batching-off", "i1-batching-on"]
-    assert all(s.measurements[0].throughput > 0 for s in result.sweeps)
-    assert result.winner is not None
-    best = max(result.sweeps, key=lambda s: s.measurements[0].throughput)
-    assert result.winner.sweep is best or (
-        best.measurements[0].throughput * 0.95 <= result.winner.measurement.throughput
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = captured.out
+    assert out.index("Benchmark 1: i1-batching-off") < out.index("Benchmark 2: i1-batching-on")
+    table = [LINE.match(line) for line in out.splitlines() if line.startswith("Concurrency:")]
+    assert [int(m[1]) for m in table] == [4, 4]
+    assert all(float(m[2]) > 0 for m in table)
+    snippet = yaml.safe_load(out[out.index("# Measured by `model-loader tune`") :])
+    assert snippet["triton"]["instanceCount"] == 1
+    batching = snippet["triton"]["dynamicBatching"]
+    assert batching in (
+        {"enabled": False},
+        {"enabled": True, "preferredBatchSize": [4], "maxQueueDelayMicroseconds": 100},
     )
-    snippet = values_snippet(
-        result.winning_variant,
-        result.winner.measurement,
-        label=result.winner.sweep.label,
-        max_p95_ms=None,
-    )
-    assert "instanceCount: 1" in snippet
+    results = tmp_path / "tune" / "results"
+    sweeps = sweeps_from_csv((results / CSV_FILE).read_text())
+    assert [s.label for s in sweeps] == ["i1-batching-off", "i1-batching-on"]
     assert (tmp_path / "tune" / "logs" / "tritonserver-i1-batching-on.log").is_file()
+    # The winner: the highest throughput, or one within 5 % of it with a lower p95.
+    best = max(s.measurements[0].throughput for s in sweeps)
+    winner = next(s for s in sweeps if s.label.endswith("on" if batching["enabled"] else "off"))
+    assert winner.measurements[0].throughput >= 0.95 * best
 
 
 @pytest.mark.slow
