@@ -9,7 +9,8 @@
    completion;
 5. prints the `model-loader plan` tables (this model on a 2-GPU node; CodeGen-16B on the
    production node type);
-6. renders the Helm chart for values/local.yaml with the project's helm;
+6. renders the Helm chart for every values file (all resources for values/local.yaml, the
+   Triton Deployment with its GPUs and model key for the others) with the project's helm;
 then stops everything it started.
 """
 
@@ -37,9 +38,8 @@ REPOSITORY_ROOT = WORK / "models"
 MODEL_NAME = "codegen"
 TP, PP, INSTANCES = 2, 1, 2
 REQUEST_FILE = ROOT / "bench" / "test.json"
-HELM = ROOT / ".tools" / "bin" / "helm"
-CHART = ROOT / "charts" / "model-triton"
-LOCAL_VALUES = ROOT / "values" / "local.yaml"
+VALUES_DIR = ROOT / "values"
+LOCAL_VALUES = VALUES_DIR / "local.yaml"
 
 TOTAL_STEPS = 6
 
@@ -211,32 +211,28 @@ def step_plan() -> None:
 
 
 def step_chart() -> None:
-    section(6, "The Helm chart rendered for values/local.yaml")
-    if not (CHART / "Chart.yaml").is_file():
-        print(indent(f"skipped: the chart is not in {CHART.relative_to(ROOT)} yet"))
-        return
-    if not HELM.is_file():
-        print(indent(f"skipped: {HELM.relative_to(ROOT)} is missing (run `make install`)"))
-        return
-    import yaml
+    section(6, "The Helm chart, rendered for every values file")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_chart
 
-    done = subprocess.run(
-        [str(HELM), "template", MODEL_NAME, str(CHART), "-f", str(LOCAL_VALUES)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"helm template failed:\n{done.stderr}")
-    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    print(
-        indent(
-            f"helm template {MODEL_NAME} charts/model-triton -f values/local.yaml "
-            f"-> {len(docs)} resources:"
+    for values in sorted(VALUES_DIR.glob("*.yaml")):
+        try:
+            docs = render_chart.documents(
+                render_chart.render(values_files=[values], release=MODEL_NAME)
+            )
+        except (render_chart.ChartError, FileNotFoundError) as exc:
+            raise SystemExit(f"helm template failed for {values.name}: {exc}") from exc
+        name = values.relative_to(ROOT)
+        print(
+            indent(
+                f"helm template {MODEL_NAME} charts/model-triton -f {name}: {len(docs)} resources"
+            )
         )
-    )
-    for doc in docs:
-        print(indent(f"  {doc['kind']:<24} {doc['metadata']['name']}"))
+        for doc in docs:
+            if values == LOCAL_VALUES or doc["kind"] == "Deployment":
+                r = render_chart.describe(doc)
+                print(indent(f"  {r.kind:<22} {r.name:<34} {r.detail}"))
+        print()
 
 
 def main() -> int:
