@@ -11,6 +11,7 @@ import concurrent.futures
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,19 @@ class Served:
             return client.get_inference_statistics(model)["model_stats"][0]
         finally:
             client.close()
+
+    def stats_after(
+        self, model: str, before: dict, inferences: int, *, timeout: float = 10.0
+    ) -> dict:
+        """Statistics once ``inferences`` more requests are counted (Triton updates them just
+        after the responses go out, so a read right after the last response can miss one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            after = self.stats(model)
+            counted = int(after["inference_count"]) - int(before["inference_count"])
+            if counted >= inferences or time.monotonic() > deadline:
+                return after
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +182,7 @@ def test_concurrent_requests_are_computed_together_only_with_dynamic_batching(se
     before = served.stats("fastertransformer")
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(served.complete, requests))
-    after = served.stats("fastertransformer")
+    after = served.stats_after("fastertransformer", before, len(requests))
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == len(requests)
