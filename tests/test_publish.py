@@ -63,6 +63,16 @@ def test_verify_reports_each_kind_of_damage(tmp_path: Path, damage, expected):
     assert any(expected in p for p in problems), problems
 
 
+def test_verify_ignores_bytecode_caches_a_server_writes_beside_model_py(tmp_path: Path):
+    staging = _stage(tmp_path)
+    cache = staging / "m" / "1" / "__pycache__"
+    cache.mkdir()
+    (cache / "model.cpython-311.pyc").write_bytes(b"\x00")
+    assert manifest.verify(staging, key=KEY) == []
+    (staging / "m" / "1" / "model.pyc").write_bytes(b"\x00")
+    assert manifest.verify(staging, key=KEY) == ["unexpected file m/1/model.pyc"]
+
+
 def test_verify_by_size_only_does_not_read_contents(tmp_path: Path):
     staging = _stage(tmp_path)
     (staging / "fastertransformer/1/1-gpu/model.wte.bin").write_bytes(b"\x02" * 1000)

@@ -22,11 +22,18 @@ FORMAT_VERSION = 1
 _CHUNK = 8 * 2**20
 
 
+#: Directories the Python interpreter may create beside a model.py when a server imports it
+#: from a writable repository: caches, not content, so neither listed nor reported.
+IGNORED_DIRS = frozenset({"__pycache__"})
+
+
 def _files(root: Path) -> list[str]:
-    """Every regular file under ``root`` as a sorted POSIX relative path (manifest and marker
-    excluded)."""
+    """Every regular file under ``root`` as a sorted POSIX relative path (manifest, marker and
+    bytecode caches excluded)."""
     found = []
     for path in root.rglob("*"):
+        if IGNORED_DIRS.intersection(path.relative_to(root).parts[:-1]):
+            continue
         if path.is_file() and not path.is_symlink():
             rel = path.relative_to(root).as_posix()
             if rel not in (MANIFEST, READY):
