@@ -37,7 +37,7 @@ from loader.bench.report import summary_text, tables_text, write_report
 from loader.bench.results import Sweep, median_sweeps
 from loader.bench.stream import add_stream_arguments
 from loader.bench.sweep import sweep
-from loader.cli import configure_logging
+from loader.cli import configure_logging, run_command
 from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)
@@ -208,35 +208,28 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(own)
     configure_logging(args.verbose, args.quiet)
     args.output_dir = _output_dir(args)
-    try:
-        mode = next(name for name in MODES if getattr(args, name))
-        sweeps, notes = MODES[mode](args, extra)
-        baseline = args.baseline or notes.pop("baseline", None)
-        if (args.rounds or 1) > 1:
-            print(f"\nMedian of {args.rounds} rounds per level\n")
-            print(tables_text(sweeps), end="")
-        print()
-        print(summary_text(sweeps, max_p95_ms=args.max_p95_ms, baseline=baseline), end="")
-        paths = write_report(
-            sweeps,
-            args.output_dir,
-            max_p95_ms=args.max_p95_ms,
-            baseline=baseline,
-            title=notes.pop("title", "Throughput vs. client p95 latency"),
-            notes=notes,
-        )
-        for key, value in notes.items():
-            print(f"{key}: {value}")
-        for kind, path in paths.items():
-            print(f"{kind}: {path}")
-    except LoaderError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        print(f"hint: {exc.remediation}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception:
-        log.exception("unexpected failure (this is a bug; please report it with the log above)")
-        return 1
+    return run_command(lambda a: _run_mode(a, extra), args)
+
+
+def _run_mode(args: argparse.Namespace, extra: tuple[str, ...]) -> int:
+    mode = next(name for name in MODES if getattr(args, name))
+    sweeps, notes = MODES[mode](args, extra)
+    baseline = args.baseline or notes.pop("baseline", None)
+    if (args.rounds or 1) > 1:
+        print(f"\nMedian of {args.rounds} rounds per level\n")
+        print(tables_text(sweeps), end="")
+    print()
+    print(summary_text(sweeps, max_p95_ms=args.max_p95_ms, baseline=baseline), end="")
+    paths = write_report(
+        sweeps,
+        args.output_dir,
+        max_p95_ms=args.max_p95_ms,
+        baseline=baseline,
+        title=notes.pop("title", "Throughput vs. client p95 latency"),
+        notes=notes,
+    )
+    for key, value in notes.items():
+        print(f"{key}: {value}")
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
     return 0

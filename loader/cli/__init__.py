@@ -15,7 +15,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from loader import __version__
 from loader.errors import LoaderError
@@ -62,12 +62,10 @@ def configure_logging(verbose: int, quiet: bool) -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose, args.quiet)
+def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
     try:
-        result = args.func(args)
+        result = func(args)
     except LoaderError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         print(f"hint: {exc.remediation}", file=sys.stderr)
@@ -79,3 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return 1
     return int(result or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose, args.quiet)
+    return run_command(args.func, args)
