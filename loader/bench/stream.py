@@ -39,6 +39,7 @@ from typing import Any
 
 from loader.bench.report import bullet, write_text
 from loader.bench.results import Measurement, Sweep, format_number
+from loader.bench.sweep import announce_levels
 from loader.errors import LoaderError, MeasurementError
 from loader.streaming import StreamedCompletion, StreamingClient, collect, stream_completion
 
@@ -349,16 +350,7 @@ def stream_sweep(
         raise MeasurementError(
             f"{result.label}: the warm-up request failed: {exc.message}", exc.remediation
         ) from exc
-    started = time.monotonic()
-    for index, concurrency in enumerate(concurrencies, start=1):
-        log.info(
-            "%s: concurrency %s (%s/%s), %.0f s so far",
-            result.label,
-            concurrency,
-            index,
-            len(concurrencies),
-            time.monotonic() - started,
-        )
+    for concurrency in announce_levels(result.label, concurrencies):
         level = measure_level(
             url,
             model,

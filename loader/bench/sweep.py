@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from loader.bench.endpoint import Endpoint
@@ -43,6 +43,21 @@ def parse_concurrency_range(text: str) -> list[int]:
     return list(range(start, end + 1, step))
 
 
+def announce_levels(label: str, concurrencies: Sequence[int]) -> Iterator[int]:
+    """Each concurrency level in turn, logging which one starts and the time spent so far."""
+    started = time.monotonic()
+    for index, concurrency in enumerate(concurrencies, start=1):
+        log.info(
+            "%s: concurrency %s (%s/%s), %.0f s so far",
+            label,
+            concurrency,
+            index,
+            len(concurrencies),
+            time.monotonic() - started,
+        )
+        yield concurrency
+
+
 def sweep(
     endpoint: Endpoint,
     model: str,
@@ -57,16 +72,7 @@ def sweep(
     """Measure ``model`` at every level; :class:`MeasurementError` if no level was measurable."""
     binary = find_perf_analyzer(perf_analyzer)
     result = Sweep(label=label or model, settings=dict(settings or {}))
-    started = time.monotonic()
-    for index, concurrency in enumerate(concurrencies, start=1):
-        log.info(
-            "%s: concurrency %s (%s/%s), %.0f s so far",
-            result.label,
-            concurrency,
-            index,
-            len(concurrencies),
-            time.monotonic() - started,
-        )
+    for concurrency in announce_levels(result.label, concurrencies):
         level = measure_level(endpoint, model, concurrency, options=options, binary=binary)
         if level.measurement is None:
             log.warning(
