@@ -68,6 +68,13 @@ class RunRequest:
             gpus_per_replica=self.gpus_per_replica or self.parallelism.gpus_per_instance
         )
 
+    @property
+    def key(self) -> str:
+        """The model key this request publishes under (:func:`loader.repository.key.model_key`)."""
+        return model_key(
+            self.model_name, self.source, self.parallelism, self.settings, revision=self.revision
+        )
+
 
 @dataclass(frozen=True)
 class RunResult:
@@ -191,13 +198,7 @@ def run(request: RunRequest) -> RunResult:
 
     start = time.monotonic()
     root = Path(request.repository).absolute()
-    key = model_key(
-        request.model_name,
-        request.source,
-        request.parallelism,
-        request.settings,
-        revision=request.revision,
-    )
+    key = request.key
     check_placement(request.parallelism, request.topology)
     fetched = None
     if parse_uri(request.source).scheme == "file":

@@ -21,9 +21,8 @@ import pytest
 import yaml
 
 from loader.cli import build_parser
-from loader.parallel import Parallelism
-from loader.plan import Topology, check_placement
-from loader.repository.key import ServingSettings, model_key
+from loader.cli.run import request_from_args
+from loader.plan import check_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,21 +121,11 @@ def parse_loader_args(args: list[str]) -> argparse.Namespace:
 
 
 def key_from_loader_args(args: list[str]) -> str:
-    """The key `model-loader run` publishes for these arguments (as loader.cli.run builds it),
-    after the loader's own FasterTransformer placement check passes."""
-    a = parse_loader_args(args)
-    settings = ServingSettings(
-        backend=a.backend,
-        dtype=a.dtype or "auto",
-        max_batch_size=a.max_batch_size,
-        dynamic_batching=a.dynamic_batching,
-        preferred_batch_sizes=tuple(a.preferred_batch_size),
-        max_queue_delay_us=a.max_queue_delay_us,
-        streaming=a.streaming,
-    )
-    parallelism = Parallelism(a.tp_size, a.pp_size, a.instance_count)
-    check_placement(parallelism, Topology(gpus_per_replica=a.gpus_per_replica))
-    return model_key(a.model_name, a.source, parallelism, settings, revision=a.revision)
+    """The key `model-loader run` publishes for these arguments (the request its own flag
+    handling builds), after the loader's own FasterTransformer placement check passes."""
+    request = request_from_args(parse_loader_args(args))
+    check_placement(request.parallelism, request.topology)
+    return request.key
 
 
 ALL_CASES = [(h, v) for h in HELMS for v in VALUES]

@@ -107,7 +107,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    request = RunRequest(
+    result = run(request_from_args(args))
+    print(result.path, flush=True)
+    return 0
+
+
+def request_from_args(args: argparse.Namespace) -> RunRequest:
+    """The :class:`RunRequest` that ``model-loader run`` builds from its parsed flags."""
+    return RunRequest(
         source=args.source,
         repository=args.repository,
         model_name=args.model_name,
@@ -131,6 +138,3 @@ def main(args: argparse.Namespace) -> int:
         lock_expiry_s=args.lock_expiry_s,
         lock_timeout_s=args.lock_timeout_s,
     )
-    result = run(request)
-    print(result.path, flush=True)
-    return 0
