@@ -124,12 +124,15 @@ def convert_checkpoint(
     workers: int | None = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    reserve_bytes: int = 0,
 ) -> ConvertResult:
     """Convert ``source_dir`` into ``output_dir/<tp_size>-gpu/`` (atomically).
 
     ``dtype`` None keeps the source dtype; ``"fp16"``/``"fp32"`` cast. ``pp_size`` is only
     checked (FasterTransformer needs n_layer divisible by it; files do not depend on it).
     ``overwrite`` replaces an existing ``<T>-gpu`` (atomically) instead of refusing.
+    ``reserve_bytes``: what the caller will write beside the weights on the same disk, counted
+    in the free-space check.
     """
     started = time.monotonic()
     source_dir, output_dir = Path(source_dir), Path(output_dir)
@@ -153,7 +156,7 @@ def convert_checkpoint(
         np_dtype = OUTPUT_DTYPES[out_dtype]
         outputs = arch.outputs(cfg, tp=parallelism.tp)
         total = sum(out.nbytes(np_dtype.itemsize) for out in outputs)
-        _check_free_space(output_dir, total)
+        _check_free_space(output_dir, total + reserve_bytes)
         log.info(
             "converting %s (%s, %s, %d layers) to %s: T=%d, %s -> %s, %d files, %s",
             source_dir, arch.model_type, source_dtype, cfg.num_layer, final, parallelism.tp,
