@@ -199,11 +199,17 @@ def _source_dtype(hf_config: dict) -> str:
 
 
 def _check_model(request: RunRequest, hf_config: dict) -> None:
-    """Placement rules that need the model, and the GPU-memory check."""
+    """Placement rules that need the model, the hyper-parameters the converter reads, and the
+    GPU-memory check."""
+    from loader.convert.registry import get_architecture
+
     shape = ModelShape.from_hf_config(hf_config)
     check_placement(request.parallelism, request.topology, n_layer=shape.n_layer)
     request.parallelism.split(shape.n_head, "The attention head count")
     request.parallelism.split(shape.n_inner, "The MLP width (n_inner)")
+    get_architecture(hf_config.get("model_type")).ft_config(
+        hf_config, parallelism=request.parallelism, weight_data_type="fp32", model_name="check"
+    )
     if request.gpu_memory_gib is None:
         return
     dtype = request.settings.dtype

@@ -43,6 +43,17 @@ def _int(hf: dict[str, Any], key: str) -> int | None:
     return value
 
 
+def _epsilon(hf: dict[str, Any]) -> float:
+    """``layer_norm_epsilon``: a small positive number (1e-5 when absent)."""
+    value = hf.get("layer_norm_epsilon", 1e-5)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise CheckpointError(
+            f"config.json 'layer_norm_epsilon' must be a number between 0 and 1, got {value!r}.",
+            "Use the checkpoint's original config.json (GPT-J and CodeGen use 1e-05).",
+        )
+    return float(value)
+
+
 def _required(hf: dict[str, Any], key: str) -> int:
     """A positive integer config.json must have."""
     value = _int(hf, key)
@@ -104,7 +115,7 @@ class GptJArchitecture:
             vocab_size=vocab,
             start_id=start_id,
             end_id=end_id,
-            layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            layernorm_eps=_epsilon(hf),
             tensor_para_size=parallelism.tp,
             weight_data_type=weight_data_type,
             model_name=model_name,
