@@ -55,9 +55,8 @@ from loader.sources.fingerprint import Fingerprint, describe_changes
 
 log = logging.getLogger(__name__)
 
-WORK_DIR = ".work"
-#: File marking a download directory this loader created (the only kind it removes).
-DOWNLOAD_MARKER = ".model-loader-download"
+WORK_DIR = publish.WORK_DIR
+DOWNLOAD_MARKER = publish.DOWNLOAD_MARKER
 #: Shortest --lock-expiry-s accepted: shorter ones take over loaders that merely paused.
 MIN_LOCK_EXPIRY_S = 1.0
 #: ``torch_dtype`` / ``dtype`` of config.json -> the dtype FT files keep by default.

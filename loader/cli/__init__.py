@@ -45,6 +45,7 @@ COMMANDS: tuple[str, ...] = (
     "loader.cli.convert",
     "loader.cli.fetch",
     "loader.cli.run",
+    "loader.cli.prune",
     "loader.cli.plan",
     "loader.cli.serve",
     "loader.cli.tune",

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
+#: Default parent of download directories (``--work-dir``), and the file marking a download
+#: directory the loader created (the only kind it ever removes).
+WORK_DIR = ".work"
+DOWNLOAD_MARKER = ".model-loader-download"
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
