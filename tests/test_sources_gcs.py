@@ -402,17 +402,23 @@ def test_a_download_whose_body_stalls_fails_at_the_retry_deadline(tmp_path, monk
         srv.stop()
 
 
-def test_objects_that_cannot_all_be_local_files_are_refused_by_name(server, tmp_path):
-    nested, flat = tmp_path / "nested", tmp_path / "flat"
-    (nested / "a").mkdir(parents=True)
-    (nested / "a" / "b").write_text("nested")
-    flat.mkdir()
-    (flat / "a").write_text("flat")
-    server.upload_dir(BUCKET, "collide", nested)
-    server.upload_dir(BUCKET, "collide", flat)
-    with pytest.raises(SourceError, match="collide/a and gs://models/collide/a/b") as info:
-        fetch(f"gs://{BUCKET}/collide", tmp_path / "dest")
-    assert "Rename one of them" in info.value.remediation
+def test_objects_that_cannot_all_be_local_files_are_refused_by_name(tmp_path, monkeypatch):
+    srv = GcsServer(tmp_path / "gcs", backend="memory").start()
+    try:
+        nested, flat = tmp_path / "nested", tmp_path / "flat"
+        (nested / "a").mkdir(parents=True)
+        (nested / "a" / "b").write_text("nested")
+        flat.mkdir()
+        (flat / "a").write_text("flat")
+        srv.upload_dir(BUCKET, "collide", nested)
+        srv.upload_dir(BUCKET, "collide", flat)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", srv.url)
+        with pytest.raises(SourceError, match="collide/a and gs://models/collide/a/b") as info:
+            fetch(f"gs://{BUCKET}/collide", tmp_path / "dest")
+        assert "Rename one of them" in info.value.remediation
+        assert not (tmp_path / "dest" / "a").exists()
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize(

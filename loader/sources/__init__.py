@@ -198,6 +198,11 @@ def fetch(
     slice is one request and the unit a killed download resumes from).
     """
     parsed = parse_uri(uri)
+    if not retry_deadline_s > 0:
+        raise SourceError(
+            f"The retry deadline must be positive, got {retry_deadline_s:g} s.",
+            "Pass --retry-deadline in seconds (default 300).",
+        )
     options = FetchOptions(
         copy=copy,
         workers=workers,
