@@ -59,6 +59,12 @@ def _leftovers(parent: Path, name: str) -> list[Path]:
     return sorted(parent.glob(f".{name}.partial-*")) + sorted(parent.glob(f".{name}.old-*"))
 
 
+def _output_error(parent: Path, exc: OSError) -> Exception:
+    if exc.errno == errno.ENOSPC:
+        return InsufficientDiskSpaceError(f"No space left under {parent}.")
+    return OutputPathError(f"Cannot create the output directory {parent} ({exc.strerror}).")
+
+
 @contextmanager
 def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds."""
@@ -68,18 +74,14 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     tmp = parent / f".{final.name}.partial-{token}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _output_error(parent, exc) from exc
+    for stale in _leftovers(parent, final.name):
+        log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
+    try:
         tmp.mkdir(mode=0o755)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise InsufficientDiskSpaceError(f"No space left to create {tmp}.") from exc
-        raise OutputPathError(
-            f"Cannot create the output directory {parent} ({exc.strerror})."
-        ) from exc
-    for stale in _leftovers(parent, final.name):
-        if stale != tmp:
-            log.warning(
-                "%s was left by an interrupted run; remove it when no loader is running", stale
-            )
+        raise _output_error(parent, exc) from exc
     try:
         yield tmp
         if final.exists():
