@@ -20,7 +20,7 @@ import numpy as np
 
 from loader.errors import CheckpointError
 from loader.parallel import Parallelism
-from loader.reference.config import FTConfig
+from loader.formats.fastertransformer import FTConfig
 
 from .gptj import GptJArchitecture
 from .layout import RowsOf

@@ -11,7 +11,7 @@ from typing import Any
 
 from loader.errors import CheckpointError
 from loader.parallel import Parallelism
-from loader.reference.config import FTConfig
+from loader.formats.fastertransformer import FTConfig
 
 from .layout import (
     OutputFile,

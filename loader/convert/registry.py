@@ -9,7 +9,7 @@ from loader.errors import UnsupportedArchitectureError
 
 if TYPE_CHECKING:
     from loader.parallel import Parallelism
-    from loader.reference.config import FTConfig
+    from loader.formats.fastertransformer import FTConfig
 
     from .layout import OutputFile
 

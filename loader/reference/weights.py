@@ -19,7 +19,7 @@ import numpy as np
 
 from loader.errors import CheckpointError
 
-from .config import FTConfig
+from loader.formats.fastertransformer import FTConfig
 
 FILE_DTYPES: dict[str, type[np.floating]] = {"fp32": np.float32, "fp16": np.float16}
 
