@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from loader.errors import CheckpointError, ParallelismError, PlacementError
+from loader.formats.fastertransformer import UnsupportedHeadSizeError, check_head_size
 from loader.parallel import Parallelism
 
 GIB = 2**30
@@ -260,12 +261,13 @@ def plan_row(
     gpu_memory_gib: float | None,
     max_seq_len: int | None = None,
 ) -> PlanRow:
-    """Evaluate one configuration: placement rules first, then memory."""
+    """Evaluate one configuration: the head size and placement rules first, then memory."""
     try:
+        check_head_size(shape.size_per_head, where="the model")
         check_placement(parallelism, topology, n_layer=shape.n_layer)
         parallelism.split(shape.n_head, "the attention head count")
         parallelism.split(shape.n_inner, "the MLP width (n_inner)")
-    except ParallelismError as exc:
+    except (ParallelismError, UnsupportedHeadSizeError) as exc:
         problem = f"{exc.message} {exc.remediation}"
         return PlanRow(parallelism, topology, None, gpu_memory_gib, "invalid", problem)
     estimate = estimate_memory(

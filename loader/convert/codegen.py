@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from loader.errors import CheckpointError
-from loader.parallel import Parallelism
 from loader.formats.fastertransformer import FTConfig
+from loader.parallel import Parallelism
 
 from .gptj import GptJArchitecture
 from .layout import RowsOf

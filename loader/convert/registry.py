@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from loader.errors import UnsupportedArchitectureError
 
 if TYPE_CHECKING:
-    from loader.parallel import Parallelism
     from loader.formats.fastertransformer import FTConfig
+    from loader.parallel import Parallelism
 
     from .layout import OutputFile
 

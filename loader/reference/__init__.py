@@ -9,6 +9,7 @@ Python-backend model.
 """
 
 from loader.formats.fastertransformer import FTConfig
+
 from .gptj import GptJ
 from .weights import FTCheckpoint, load_ft_checkpoint
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from loader.errors import CheckpointError
-
 from loader.formats.fastertransformer import FTConfig
 
 FILE_DTYPES: dict[str, type[np.floating]] = {"fp32": np.float32, "fp16": np.float16}

@@ -51,7 +51,10 @@ def model_files(model: str) -> list[tuple[Path, str]]:
             (PACKAGE_ROOT / "__init__.py", "1/loader/__init__.py"),
             (PACKAGE_ROOT / "errors.py", "1/loader/errors.py"),
             (PACKAGE_ROOT / "formats" / "__init__.py", "1/loader/formats/__init__.py"),
-            (PACKAGE_ROOT / "formats" / "fastertransformer.py", "1/loader/formats/fastertransformer.py"),
+            (
+                PACKAGE_ROOT / "formats" / "fastertransformer.py",
+                "1/loader/formats/fastertransformer.py",
+            ),
         ]
         for source in sorted((PACKAGE_ROOT / "reference").glob("*.py")):
             files.append((source, f"1/loader/reference/{source.name}"))
