@@ -162,8 +162,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[np.ndarray, float]:
 def test_greedy_batch_equals_hugging_face_generate(tiny, tp):
     hf, models = tiny
     requests = [
-        GenerationRequest(p, 10, end_id=NEVER, sampling=SamplingConfig(top_k=1))
-        for p in PROMPTS
+        GenerationRequest(p, 10, end_id=NEVER, sampling=SamplingConfig(top_k=1)) for p in PROMPTS
     ]
     results = generate(models[tp], requests, vocab_size=VOCAB)
     width = max(len(p) for p in PROMPTS)
@@ -243,9 +242,11 @@ def test_temperature_shapes_sampling(tiny):
     def sampled(temperature: float) -> list[list[int]]:
         requests = [
             GenerationRequest(
-                PROMPTS[0], 8, end_id=NEVER,
+                PROMPTS[0],
+                8,
+                end_id=NEVER,
                 sampling=SamplingConfig(top_p=1.0, temperature=temperature, random_seed=seed),
-            )  # fmt: skip
+            )
             for seed in range(12)
         ]
         return [r.generated_ids.tolist() for r in generate(models[1], requests, vocab_size=VOCAB)]

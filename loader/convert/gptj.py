@@ -1,6 +1,6 @@
 """GPT-J (``model_type: gptj``): Hugging Face tensor names -> FasterTransformer files.
 
-Only the mapping lives here (FT_FORMAT.md section 1.3); the split rules are the shared helpers
+Only the mapping lives here (``docs/fastertransformer.md``, "Files"); the split rules are the shared helpers
 of :mod:`loader.convert.layout`. :class:`GptJArchitecture` is also the base of CodeGen, which
 differs only in where Q, K and V come from.
 """

@@ -33,7 +33,7 @@ FasterTransformer GPT-J runtime does (``DynamicDecodeLayer``, ``BaseSamplingLaye
   other tokens end the context (a one-token entry is always banned): its logit becomes -inf.
   :func:`words_from_ft_list` reads FT's ``[2, L]`` list format (ids; end offsets, -1 padded).
 - **Output layout** (one batch, as the FasterTransformer backend returns it; the wire contract
-  in ``docs/fastertransformer.md``). The batch is ``W`` tokens wide, the longest prompt of the
+  in ``loader/repository/models/README.md``). The batch is ``W`` tokens wide, the longest prompt of the
   batch (``input_ids.shape[1]`` once the backend has padded the prompts of a ragged batch with
   0s; FT ``GptJTritonModelInstance::forward`` and BE ``ModelInstanceState::SetInputTensors``).
   Every row's ``output_ids`` is ``W + max(output_len)`` wide: its prompt (its real length),

@@ -1,7 +1,7 @@
 """Read a FasterTransformer GPT-J weight directory (``<T>-gpu/``) into NumPy, upcast to float32.
 
-:func:`load_ft_checkpoint` reads ``config.ini`` and every ``.bin`` file named in FT_FORMAT.md
-section 1.3 with ``np.fromfile``; the shapes come from ``config.ini`` (the files are headerless).
+:func:`load_ft_checkpoint` reads ``config.ini`` and every ``.bin`` file named in
+``docs/fastertransformer.md`` ("Files") with ``np.fromfile``; the shapes come from ``config.ini`` (the files are headerless).
 A file whose size does not match its shape is an error (FasterTransformer itself would only log a
 warning and run with uninitialised memory).
 

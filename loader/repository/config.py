@@ -9,13 +9,13 @@ One builder per model of a repository, chosen from :data:`BUILDERS` by model rol
   so every output exists in every response: an ensemble fails a request ("unexpected deadlock,
   at least one output is not set") when a step leaves out a tensor it maps, and Triton does not
   run a step whose outputs feed both the client and another step when the client did not ask
-  for them (measured on the CPU server; ``docs/fastertransformer.md``).
+  for them (measured on the CPU server; ``loader/repository/models/README.md``).
 * ``preprocessing`` / ``postprocessing``: Python backend, tokenise / detokenise.
 * ``fastertransformer``: the FasterTransformer backend (``docs/fastertransformer.md``), or with
   ``backend="python"`` the CPU reference model with the same inputs, outputs and parameters.
   With dynamic batching ``input_ids`` is ragged, so prompts of different lengths share a batch.
   ``model_checkpoint_path`` is left out: the backend then reads ``<model dir>/<version>/<T>-gpu``
-  (BE ``ModelState::ModelState``), so a repository works wherever it is mounted.
+  (BE ``ModelState::ModelFactory``), so a repository works wherever it is mounted.
 * with ``streaming``: ``fastertransformer`` is decoupled and the model named after the model is
   a decoupled Python model (:func:`build_streaming`) in place of the ensemble, same inputs and
   outputs, streaming text increments.
@@ -153,7 +153,8 @@ def build_fastertransformer(spec: RepositorySpec) -> mc.ModelConfig:
         max_batch_size=settings.max_batch_size,
     )
     _add_io(config, tensors.FASTERTRANSFORMER_INPUTS, tensors.FASTERTRANSFORMER_OUTPUTS)
-    # FT places instances on GPUs itself and accepts exactly one KIND_CPU group (FT_FORMAT 3.4).
+    # FT places instances on GPUs itself and accepts exactly one KIND_CPU group
+    # (docs/fastertransformer.md, "Instances").
     _cpu_instances(config, spec.parallelism.instance_count)
     if settings.dynamic_batching:
         batching = config.dynamic_batching

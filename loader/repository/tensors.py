@@ -9,10 +9,10 @@ The ensemble's inputs are exactly the fields of the request our users send (the 
 are optional. Every ensemble output is produced by ``postprocessing`` (never straight by
 ``fastertransformer``), and ``preprocessing`` asks ``fastertransformer`` for log probabilities
 on every request, so each output exists in every response whatever the client asks for
-(``docs/fastertransformer.md``, "The client-facing model").
+(``loader/repository/models/README.md``, "The client-facing model").
 
 ``fastertransformer``'s tables are the FasterTransformer backend's wire contract for GPT-J, as
-its C++ sends and reads them (same document): ``sequence_length`` is INT32, the log
+its C++ sends and reads them (the wire contract in the same README): ``sequence_length`` is INT32, the log
 probabilities exist only when the batch's first ``is_return_log_probs`` is true, and
 ``input_ids`` is ragged (:data:`RAGGED_INPUT`).
 """
@@ -82,7 +82,7 @@ PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (
 
 #: The input whose length differs between requests. With dynamic batching it is
 #: ``allow_ragged_batch`` and a BATCH_ITEM_SHAPE batch input ``<name>_item_shape`` (TYPE_INT32)
-#: tells the backend each request's length (BE ``ModelState::ValidateModelConfig`` and
+#: tells the backend each request's length (BE ``ModelInstanceState::ValidateInputs`` and
 #: ``ModelInstanceState::SetInputTensors``); without it Triton batches equal lengths only.
 RAGGED_INPUT = "input_ids"
 

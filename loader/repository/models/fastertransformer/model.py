@@ -1,8 +1,8 @@
 """Triton Python-backend model ``fastertransformer``: the CPU reference of FT GPT-J.
 
 Same name, inputs, outputs and parameters as the FasterTransformer-backend model, and it sends
-what the C++ backend sends (the wire contract, ``docs/fastertransformer.md``, with the upstream
-file and function of each rule):
+what the C++ backend sends (the wire contract in ``loader/repository/models/README.md``, with
+the upstream file and function of each rule):
 
 * ``sequence_length`` is INT32 (FT ``GptJTritonModelInstance::forward`` makes it
   ``ft::TYPE_INT32``; the backend answers with each tensor's own type);

@@ -10,7 +10,7 @@ this one step.
 ``completion`` is the text of the generated tokens: ``output_ids[input_length:sequence_length]``
 without the ``end_id`` tokens that end it. In a ragged batch FasterTransformer counts the
 batch's longest prompt in every row's ``sequence_length`` and fills the difference with
-``end_id`` (``docs/fastertransformer.md``), so dropping trailing ``end_id`` tokens is what makes a
+``end_id`` (the wire contract in ``loader/repository/models/README.md``), so dropping trailing ``end_id`` tokens is what makes a
 completion the same alone and batched. Special tokens are left out of the text.
 """
 
