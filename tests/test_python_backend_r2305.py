@@ -91,3 +91,21 @@ def test_the_streaming_model_streams_on_the_r2305_api(source, tmp_path):
         _publish(source, tmp_path / "plain", streaming=False), tmp_path, streaming=None
     )
     assert report["completion"] == reference["completion"]
+
+
+def test_the_code_the_triton_image_runs_passes_vermin_for_python_3_10():
+    """vermin over the paths ``make lint`` checks (the Makefile's TRITON_IMAGE_PYTHON)."""
+    root = Path(__file__).resolve().parent.parent
+    line = next(
+        line
+        for line in (root / "Makefile").read_text().splitlines()
+        if line.startswith("TRITON_IMAGE_PYTHON :=")
+    )
+    paths = line.split(":=", 1)[1].split()
+    assert "loader/repository/models" in paths and "loader/reference" in paths
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "vermin"), "-q", "-t=3.10-", "--no-tips", "--violations",
+         "--eval-annotations", *paths],
+        capture_output=True, text=True, timeout=120, check=False, cwd=root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
