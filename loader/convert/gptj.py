@@ -1,6 +1,6 @@
 """GPT-J (``model_type: gptj``): Hugging Face tensor names -> FasterTransformer files.
 
-Only the mapping lives here (FT_FORMAT.md section 1.3); the split rules are the shared helpers
+Only the mapping lives here (``docs/fastertransformer.md``, "Files"); the split rules are the shared helpers
 of :mod:`loader.convert.layout`. :class:`GptJArchitecture` is also the base of CodeGen, which
 differs only in where Q, K and V come from.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from loader.errors import CheckpointError
+from loader.formats.fastertransformer import FTConfig, check_head_size
 from loader.parallel import Parallelism
-from loader.reference.config import FTConfig
 
 from .layout import (
     OutputFile,
@@ -41,17 +41,6 @@ def _int(hf: dict[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointError(f"config.json {key!r} must be a whole number, got {value!r}.")
     return value
-
-
-def _epsilon(hf: dict[str, Any]) -> float:
-    """``layer_norm_epsilon``: a small positive number (1e-5 when absent)."""
-    value = hf.get("layer_norm_epsilon", 1e-5)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
-        raise CheckpointError(
-            f"config.json 'layer_norm_epsilon' must be a number between 0 and 1, got {value!r}.",
-            "Use the checkpoint's original config.json (GPT-J and CodeGen use 1e-05).",
-        )
-    return float(value)
 
 
 def _required(hf: dict[str, Any], key: str) -> int:
@@ -91,6 +80,7 @@ class GptJArchitecture:
             )
         inter = _int(hf, "n_inner") or 4 * hidden
         head_dim = hidden // heads
+        check_head_size(head_dim, where=f"config.json (n_embd {hidden} / n_head {heads})")
         rotary = _int(hf, "rotary_dim") or head_dim
         activation = hf.get("activation_function", "gelu_new")
         if activation not in SUPPORTED_ACTIVATIONS:
@@ -115,7 +105,6 @@ class GptJArchitecture:
             vocab_size=vocab,
             start_id=start_id,
             end_id=end_id,
-            layernorm_eps=_epsilon(hf),
             tensor_para_size=parallelism.tp,
             weight_data_type=weight_data_type,
             model_name=model_name,

@@ -26,9 +26,9 @@ from loader.errors import (
     OutputExistsError,
     OutputPathError,
 )
+from loader.formats.fastertransformer import FTConfig
 from loader.parallel import Parallelism
 from loader.progress import byte_progress, human_bytes
-from loader.reference.config import FTConfig
 
 from .dtypes import OUTPUT_DTYPES, SOURCE_DTYPES, output_dtype_name
 from .registry import Architecture, get_architecture
