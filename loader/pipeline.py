@@ -83,6 +83,7 @@ class RunRequest:
     lock_timeout_s: float = 6 * 3600.0
     follow_source: bool = False
     retry_deadline_s: float = 300.0
+    prune_keep: int | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -101,6 +102,11 @@ class RunRequest:
                 self.retry_deadline_s > 0,
                 f"--retry-deadline must be positive, got {self.retry_deadline_s:g}.",
                 "Pass --retry-deadline in seconds (default 300).",
+            ),
+            (
+                self.prune_keep is None or self.prune_keep >= 1,
+                f"--prune-keep must be at least 1, got {self.prune_keep}.",
+                "Pass --prune-keep 1 or more (2 also keeps the key a rollout leaves).",
             ),
             (
                 self.workers is None or self.workers >= 1,
@@ -333,7 +339,31 @@ def _remove_download(path: Path, root: Path) -> None:
 
 
 def run(request: RunRequest) -> RunResult:
-    """Publish ``request``'s repository (see the module docstring)."""
+    """Publish ``request``'s repository (see the module docstring); with ``prune_keep``, then
+    prune the root, keeping the key just published (:mod:`loader.repository.prune`)."""
+    result = _run(request)
+    if request.prune_keep is not None:
+        _prune_after(request, result)
+    return result
+
+
+def _prune_after(request: RunRequest, result: RunResult) -> None:
+    from loader.repository.prune import prune
+
+    try:
+        report = prune(
+            Path(request.repository).absolute(),
+            keep=request.prune_keep or 1,
+            in_use=(result.key,),
+            lock_expiry_s=request.lock_expiry_s,
+        )
+    except (OSError, RepositoryError) as exc:  # the model is published: pruning is a bonus
+        log.warning("pruning %s failed: %s", request.repository, exc)
+        return
+    log.info("pruned %s item(s), %s bytes", len(report.removed), report.bytes)
+
+
+def _run(request: RunRequest) -> RunResult:
     from loader.sources import fetch, fingerprint, parse_uri
 
     start = time.monotonic()

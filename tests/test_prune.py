@@ -117,3 +117,20 @@ def test_keys_in_use_or_with_a_live_lock_are_never_removed(tree, capsys):
 def test_keep_below_one_is_refused(tree, capsys):
     assert main(["prune", "--repository", str(tree.root), "--keep", "0"]) == 2
     assert "--keep must be at least 1" in capsys.readouterr().err
+
+
+def test_run_with_prune_keep_prunes_after_publishing_and_keeps_its_own_key(
+    tree, tiny_checkpoint_with_tokenizer, capsys
+):
+    argv = [
+        "run", "--source", str(tiny_checkpoint_with_tokenizer), "--repository", str(tree.root),
+        "--model-name", "tiny", "--revision", "r0", "--tp-size", "1", "--pp-size", "1",
+        "--instance-count", "1", "--backend", "python", "--prune-keep", "1",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    published = Path(capsys.readouterr().out.splitlines()[-1])
+    # r0, published now, is the newest; with --keep 1 the older tiny keys go.
+    assert manifest.verify(published) == []
+    assert not tree.keys["r1"].exists() and not tree.keys["r4"].exists()
+    assert manifest.verify(tree.other) == []  # newest of its own model
+    assert not tree.dead_staging.exists()

@@ -93,6 +93,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "publishing; default: ROOT/.work)",
     )
     p.add_argument(
+        "--prune-keep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after success, run `model-loader prune --keep N` on ROOT, the key just published "
+        "in use (default: no pruning)",
+    )
+    p.add_argument(
         "--retry-deadline",
         type=float,
         default=300.0,
@@ -155,4 +163,5 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         lock_timeout_s=args.lock_timeout_s,
         follow_source=args.follow_source,
         retry_deadline_s=args.retry_deadline,
+        prune_keep=args.prune_keep,
     )
