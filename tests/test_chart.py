@@ -342,6 +342,25 @@ def test_key_revision_comes_from_the_hf_uri_then_a_hash_of_the_source():
     )
 
 
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ["gs://bucket/models/codegen", "gs://bucket/models/codegen/", "gs://bucket//models/codegen"],
+        ["file:///data/ckpt", "file:///data/ckpt/", "file://localhost/data//ckpt/",
+         "file:///data/x/../ckpt"],
+    ],
+    ids=["gs", "local"],
+)  # fmt: skip
+def test_every_spelling_of_a_source_gives_the_loader_s_one_key(spellings):
+    keys = set()
+    for source in spellings:
+        docs = rendered("helm4", None, (f"model.source={source}",))
+        key = one(docs, "Deployment")["metadata"]["annotations"]["model-triton/model-key"]
+        assert key == key_from_loader_args(container(loader_pod_spec(docs), "loader")["args"])
+        keys.add(key)
+    assert len(keys) == 1, keys
+
+
 # --------------------------------------------------------------------------- Deployment shape
 
 
@@ -667,6 +686,51 @@ def test_values_files_leave_no_gpu_idle(values):
     assert "WARNING" not in notes
     assert "kubectl -n model-triton create job" in notes
     assert "--from=cronjob/codegen-model-loader" in notes
+
+
+@pytest.mark.parametrize(
+    ("values", "follows", "needle"),
+    [
+        ("staging.yaml", True, "followed (model.followSource)"),
+        ("production.yaml", False, "not pinned, not followed"),
+    ],
+)
+def test_staging_and_production_say_whether_they_follow_their_source(values, follows, needle):
+    """Each either opts in to following its branch or pins the key's revision; NOTES says which."""
+    args = container(loader_pod_spec(rendered("helm4", values)), "loader")["args"]
+    request = request_from_args(parse_loader_args(args))
+    assert request.follow_source is follows
+    assert follows or request.revision  # not followed: a pinned revision
+    assert needle in rc.notes(values_files=_files(values))
+
+
+def test_a_source_pinned_to_a_commit_is_reported_as_pinned():
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    notes = rc.notes(set_values=(f"model.source=hf://org/name@{commit}",))
+    assert "pinned to a commit" in notes
+
+
+def test_the_loader_job_fails_fast_on_bad_input_and_retries_transient_failures():
+    docs = rendered("helm4", None, ("loader.prune.enabled=true", "loader.prune.keep=3"))
+    job = one(docs, "CronJob")["spec"]["jobTemplate"]["spec"]
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }  # fmt: skip
+    assert rules[1]["action"] == "FailJob"
+    assert rules[1]["onExitCodes"] == {
+        "containerName": "loader", "operator": "NotIn", "values": [75, 143],
+    }  # fmt: skip
+    from loader.cli import EXIT_TERMINATED
+    from loader.errors import EXIT_TRANSIENT
+
+    assert {EXIT_TRANSIENT, EXIT_TERMINATED} == set(rules[1]["onExitCodes"]["values"])
+    assert job["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    args = container(job["template"]["spec"], "loader")["args"]
+    assert parse_loader_args(args).prune_keep == 3
+    assert (
+        "--prune-keep" not in container(loader_pod_spec(rendered("helm4", None)), "loader")["args"]
+    )
 
 
 # --------------------------------------------------------------------------- optional resources

@@ -20,6 +20,9 @@ as the Deployment, so T, P, I and batching cannot drift between the Job and the 
 - --revision
 - {{ . | quote }}
 {{- end }}
+{{- if .Values.model.followSource }}
+- --follow-source
+{{- end }}
 - --tp-size
 - {{ int .Values.model.tensorParallelSize | quote }}
 - --pp-size
@@ -54,6 +57,10 @@ as the Deployment, so T, P, I and batching cannot drift between the Job and the 
 {{- if $t.streaming }}
 - --streaming
 {{- end }}
+{{- if .Values.loader.prune.enabled }}
+- --prune-keep
+- {{ int .Values.loader.prune.keep | quote }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -64,6 +71,20 @@ the hook Job.
 backoffLimit: {{ int .Values.loader.backoffLimit }}
 activeDeadlineSeconds: {{ int .Values.loader.activeDeadlineSeconds }}
 ttlSecondsAfterFinished: {{ int .Values.loader.ttlSecondsAfterFinished }}
+# The loader's exit codes (README, "Source changes, pruning and exit codes"): a disrupted pod is
+# not counted, 75 (transient) and 143 (SIGTERM) are retried up to backoffLimit, anything else
+# (2: bad input, 1: a bug) fails the Job at once.
+podFailurePolicy:
+  rules:
+    - action: Ignore
+      onPodConditions:
+        - type: DisruptionTarget
+          status: "True"
+    - action: FailJob
+      onExitCodes:
+        containerName: loader
+        operator: NotIn
+        values: [75, 143]
 template:
   metadata:
     labels:
@@ -72,6 +93,7 @@ template:
       model-triton/model-key: {{ include "model-triton.modelKey" . | quote }}
   spec:
     restartPolicy: Never
+    terminationGracePeriodSeconds: {{ int .Values.loader.terminationGracePeriodSeconds }}
     serviceAccountName: {{ include "model-triton.serviceAccountName" . }}
     automountServiceAccountToken: false
     {{- with include "model-triton.imagePullSecrets" . }}
