@@ -113,6 +113,8 @@ def step_publish() -> Path:
         # The recipe digest is the checkpoint's revision: a rebuilt checkpoint gets a new key.
         "--revision",
         f"demo-{describe(CHECKPOINT)['digest']}",
+        # Rebuilt from the same recipe, its bytes may still differ: publish them again.
+        "--follow-source",
     ]
     print(
         indent(
