@@ -313,3 +313,38 @@ def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(sour
             stat.S_IMODE((published / "preprocessing/1/tokenizer/merges.txt").stat().st_mode)
             == 0o644
         )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a chosen size (root only: mount needs it); yields a function making one."""
+    mounted: list[Path] = []
+
+    def make(size: int) -> Path:
+        path = tmp_path / f"disk-{len(mounted)}"
+        path.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
+        )
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_repository_root_with_room_for_the_weights_only_is_refused_before_writing(
+    source, tmp_path, capsys, small_disk
+):
+    """A real small disk: the weights fit, the rest of the repository would not."""
+    probe = tmp_path / "probe"
+    assert _cli(capsys, *_run_args(source, probe))[0] == 0
+    weights = sum(p.stat().st_size for p in probe.rglob("*.bin"))
+    root = small_disk(weights + 256 * 1024)
+    code, out, err = _cli(capsys, *_run_args(source, root))
+    _user_error(code, err, "Converting needs")
+    assert out == []
+    assert list(root.glob("tiny@*")) == []
+    assert list((root / ".staging").iterdir()) == []
