@@ -45,7 +45,7 @@ _DRIVER = textwrap.dedent(
 )
 
 
-def _argv(source: Path, root: Path, *extra: str) -> list[str]:
+def _argv(source: Path | str, root: Path, *extra: str) -> list[str]:
     return [
         "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
         "--tp-size", "2", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
@@ -149,7 +149,7 @@ def test_a_source_failing_past_the_retry_deadline_exits_with_the_transient_code(
 ):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
     started = time.monotonic()
-    code = main(_argv("gs://models/ckpt", tmp_path / "root", "--retry-deadline", "2"))  # type: ignore[arg-type]
+    code = main(_argv("gs://models/ckpt", tmp_path / "root", "--retry-deadline", "2"))
     err = capsys.readouterr().err
     assert code == EXIT_TRANSIENT == 75
     assert "kept failing" in err and "hint:" in err
@@ -160,3 +160,43 @@ def test_a_bad_argument_still_exits_2_not_the_transient_code(tmp_path, capsys):
     code = main(_argv(tmp_path / "missing", tmp_path / "root"))
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_sigterm_during_an_hf_download_stops_run_at_once(tmp_path):
+    """The Hub library's download pool would finish its queue first (30 s here)."""
+    from tests.servers import OlahServer, ThrottleProxy
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "gptj"}')
+    (src / "model.safetensors").write_bytes(os.urandom(3_000_000))
+    hub = OlahServer(tmp_path / "olah")
+    hub.make_repo("org/big", {p.name: p for p in src.iterdir()})
+    hub.start()
+    proxy = ThrottleProxy(hub.port, rate=100_000).start()  # 3 MB take 30 s
+    root = tmp_path / "root"
+    env = {**os.environ, "HF_ENDPOINT": proxy.url, "HF_HOME": str(tmp_path / "hf-home")}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "loader", *_argv("hf://org/big", root)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any(root.rglob("*.incomplete")):
+            assert child.poll() is None, child.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the download never started"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        _, err = child.communicate(timeout=60)
+        stopped_after = time.monotonic() - started
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        proxy.stop()
+        hub.stop()
+    assert child.returncode == 143, err[-3000:]
+    assert stopped_after < 10  # not after the remaining download
+    assert _entries(root / LOCKS_DIR) == []
+    assert _entries(root / STAGING_DIR) == []

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from loader import __version__
 from loader.errors import LoaderError
@@ -103,6 +104,16 @@ def sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Exit at once: every lock and temporary file of this command is already released, and
+    worker threads of libraries (a download pool) must not hold the exit past the grace period
+    Kubernetes gives after SIGTERM."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
     try:
@@ -114,7 +125,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         return exc.exit_code
     except Terminated:
         print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
-        return EXIT_TERMINATED
+        _exit_now(EXIT_TERMINATED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

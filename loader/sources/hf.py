@@ -381,14 +381,16 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             _watch_bytes(staging, progress),
         ):
             funnel(
-                lambda: snapshot_download(
-                    uri.location,
-                    revision=commit,
-                    local_dir=staging,
-                    allow_patterns=missing,
-                    token=token,
-                    endpoint=endpoint,
-                    max_workers=options.workers or DEFAULT_WORKERS,
+                lambda: _interruptible(
+                    lambda: snapshot_download(
+                        uri.location,
+                        revision=commit,
+                        local_dir=staging,
+                        allow_patterns=missing,
+                        token=token,
+                        endpoint=endpoint,
+                        max_workers=options.workers or DEFAULT_WORKERS,
+                    )
                 ),
                 what=f"{uri.raw} (download)",
             )
@@ -403,6 +405,29 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         downloaded_bytes=needed,
         fingerprint=Fingerprint(uri=uri.canonical, commit=commit),
     )
+
+
+def _interruptible(fn: Any) -> Any:
+    """Run ``fn`` in a daemon thread and wait for it here, so SIGTERM or Ctrl-C in the main
+    thread unwinds at once (the Hub library's own thread pool would first finish every queued
+    download); what the abandoned thread still writes lands under ``.partial/`` only."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="hf-download", daemon=True).start()
+    while not done.wait(0.2):
+        pass
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 def _verify_and_place(
