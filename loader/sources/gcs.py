@@ -553,23 +553,23 @@ def _run(
         if last:
             _finish(obj, dest)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs") as pool:
-        futures = []
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs")
+    futures = []
+    try:
         for obj in objects:
             missing = [i for i in range(len(obj.slices)) if i not in obj.done]
             futures += [pool.submit(job, obj, i) for i in missing] or [pool.submit(job, obj, None)]
-        try:
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        except BaseException:
-            # Interrupted (SIGTERM, Ctrl-C): start no further slice; the ones in flight end
-            # within their network timeouts, and the journal keeps what they finished.
-            stop.set()
-            for future in futures:
-                future.cancel()
-            raise
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:
+        # Interrupted (SIGTERM, Ctrl-C): start no further slice and do not wait for the ones in
+        # flight (they write under .partial/ only; the journal keeps what they finished).
         stop.set()
-        for future in pending:
-            future.cancel()
-        for future in done:
-            if future.exception() is not None:
-                raise future.exception()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    stop.set()
+    for future in pending:
+        future.cancel()
+    pool.shutdown(wait=True)
+    for future in done:
+        if future.exception() is not None:
+            raise future.exception()
