@@ -232,7 +232,12 @@ def test_gpu_arithmetic_of_the_deployment(helm, values):
     [spread] = pod["topologySpreadConstraints"]
     assert spread["maxSkew"] == 1
     assert spread["topologyKey"] == "kubernetes.io/hostname"
-    assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+    # GPU fit packs; the spread is a preference that a busy matching node cannot turn into
+    # Pending pods (tests/test_chart_scheduling.py), counted per ReplicaSet on tolerated nodes.
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert "minDomains" not in spread
+    assert spread["matchLabelKeys"] == ["pod-template-hash"]
+    assert spread["nodeTaintsPolicy"] == "Honor"
     assert spread["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
@@ -493,6 +498,16 @@ BAD_VALUES = [
         id="hook-without-existing-claim",
     ),
     pytest.param(
+        ("cluster.replicasPerNode=2", "cluster.gpusPerNode=4"),
+        "model-triton: cluster.replicasPerNode is 2 but cluster.nodeSelector and cluster.affinity",
+        id="N>1-without-a-dedicated-pool",
+    ),
+    pytest.param(
+        ("triton.updateStrategy.maxUnavailable=0",),
+        "model-triton: triton.updateStrategy.maxSurge and triton.updateStrategy.maxUnavailable",
+        id="rollout-that-cannot-move",
+    ),
+    pytest.param(
         ("model.revision=", "model.source=hf://org/name@"),
         "model-triton: model.revision",
         id="empty-uri-revision",
@@ -524,6 +539,18 @@ def test_lint_fails_on_schema_errors(helm):
     with pytest.raises(rc.ChartError) as info:
         rc.lint(helm=helm, set_values=("cluster.nodes=two",))
     assert "nodes" in info.value.output
+
+
+def test_n_above_one_with_a_node_affinity_is_a_dedicated_pool():
+    sets = (
+        "cluster.replicasPerNode=2",
+        "cluster.gpusPerNode=4",
+        "cluster.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+        ".nodeSelectorTerms[0].matchExpressions[0].key=pool",
+        "cluster.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+        ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+    )
+    assert one(rendered("helm4", None, sets), "Deployment")["spec"]["replicas"] == 2
 
 
 def test_python_backend_skips_the_gpu_rules():

@@ -72,3 +72,78 @@ WARNING: model-triton: cluster.replicasPerNode x model.tensorParallelSize x mode
 {{- end }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+model-triton.topologySpread: the hostname spread of the Triton pods (a YAML list, empty when
+cluster.spread.enabled is false). GPU fit does the packing: on a dedicated pool with
+N x T x P = G a node has room for exactly N replicas. The spread only breaks ties
+(ScheduleAnyway, the default) or, when asked, forbids imbalance (DoNotSchedule). It counts the
+pods of one ReplicaSet only (matchLabelKeys pod-template-hash: old and new pods of a rollout are
+not compared) and only on nodes whose taints the pods tolerate (nodeTaintsPolicy Honor). No
+minDomains: a matching node that is busy (another release's, or without GPUs) would pin the
+minimum at 0 and allow one pod per node.
+*/}}
+{{- define "model-triton.topologySpread" -}}
+{{- $spread := .Values.cluster.spread -}}
+{{- if $spread.enabled -}}
+- maxSkew: {{ int $spread.maxSkew }}
+  topologyKey: kubernetes.io/hostname
+  whenUnsatisfiable: {{ $spread.whenUnsatisfiable }}
+  nodeTaintsPolicy: Honor
+  matchLabelKeys:
+    - pod-template-hash
+  labelSelector:
+    matchLabels:
+      {{- include "model-triton.selectorLabels" (dict "context" . "component" "triton") | nindent 6 }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.maxUnavailable: triton.updateStrategy.maxUnavailable, or when it is empty ("auto")
+a quarter of the replicas (at least 1), raised to replicas - live replicas + 1 when an upgrade
+grows the Deployment. The Deployment controller scales old pods down only while more pods are
+available than replicas - maxUnavailable, counting the new ReplicaSet's unschedulable pods as
+unavailable: on a pool with no free GPU a growing rollout (N=4,T=4 -> N=8,T=2) stops forever
+unless maxUnavailable exceeds the growth. The live replicas come from `lookup`, which reads the
+cluster during install and upgrade and is empty for `helm template`.
+*/}}
+{{- define "model-triton.maxUnavailable" -}}
+{{- $configured := .Values.triton.updateStrategy.maxUnavailable -}}
+{{- if not (kindIs "invalid" $configured) | and (ne (toString $configured) "") -}}
+{{- $configured -}}
+{{- else -}}
+{{- $replicas := include "model-triton.replicas" . | int -}}
+{{- $auto := max 1 (div $replicas 4) -}}
+{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "model-triton.fullname" .) -}}
+{{- if $live -}}
+{{- $growth := sub $replicas (int $live.spec.replicas) -}}
+{{- $auto = max $auto (add $growth 1) -}}
+{{- end -}}
+{{- $auto -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.updateStrategy: the Deployment strategy. RollingUpdate with maxSurge 0 by default:
+a full GPU node has no spare GPU for a surge pod.
+*/}}
+{{- define "model-triton.updateStrategy" -}}
+{{- $s := .Values.triton.updateStrategy -}}
+type: {{ $s.type }}
+{{- if eq $s.type "RollingUpdate" }}
+rollingUpdate:
+  maxSurge: {{ $s.maxSurge }}
+  {{- $mu := include "model-triton.maxUnavailable" . }}
+  maxUnavailable: {{ ternary $mu (int $mu) (hasSuffix "%" $mu) }}
+{{- end }}
+{{- end -}}
+
+{{/*
+model-triton.progressDeadlineSeconds: how long one step of a rollout may take before the
+Deployment reports ProgressDeadlineExceeded: a new pod may wait triton.waitForModel.timeoutSeconds
+for the model, then load it within the startup probe's budget; plus 10 minutes for the image pull.
+*/}}
+{{- define "model-triton.progressDeadlineSeconds" -}}
+{{- $t := .Values.triton -}}
+{{- add (int $t.waitForModel.timeoutSeconds) (mul (int $t.startupProbe.periodSeconds) (int $t.startupProbe.failureThreshold)) 600 -}}
+{{- end -}}

@@ -44,6 +44,17 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- end -}}
 {{- end -}}
 
+{{- /* N > 1 per node relies on GPU fit in a pool of its own: require a selector for it. */ -}}
+{{- if and (include "model-triton.gpuBackend" .) (gt (int $c.replicasPerNode) 1) (not $c.nodeSelector) (not $c.affinity) -}}
+{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode is %d but cluster.nodeSelector and cluster.affinity are empty: N replicas per node are packed by GPU fit on a dedicated pool. Set cluster.nodeSelector to the GPU pool's label (e.g. cloud.google.com/gke-nodepool: <pool>)." (int $c.replicasPerNode)) -}}
+{{- end -}}
+
+{{- /* A rolling update that may neither add nor remove a pod never moves. */ -}}
+{{- $u := $t.updateStrategy -}}
+{{- if and (eq $u.type "RollingUpdate") (eq (toString $u.maxSurge | trimSuffix "%") "0") (eq (toString $u.maxUnavailable | trimSuffix "%") "0") -}}
+{{- $problems = append $problems "model-triton: triton.updateStrategy.maxSurge and triton.updateStrategy.maxUnavailable are both 0: the rollout could never replace a pod. Leave maxUnavailable empty (auto) or set it to 1 or more." -}}
+{{- end -}}
+
 {{- /* Dynamic batching: preferred sizes cannot exceed the largest batch. */ -}}
 {{- if $t.dynamicBatching.enabled -}}
 {{- range $t.dynamicBatching.preferredBatchSize -}}
