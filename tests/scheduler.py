@@ -171,11 +171,8 @@ class Cluster:
             matches_node_affinity(incoming.spec, node)
         ):
             return False
-        if constraint.get("nodeTaintsPolicy", "Ignore") == "Honor" and not (
-            tolerates_taints(incoming.spec, node)
-        ):
-            return False
-        return True
+        honor_taints = constraint.get("nodeTaintsPolicy", "Ignore") == "Honor"
+        return not honor_taints or tolerates_taints(incoming.spec, node)
 
     def _domain_counts(self, constraint: dict, incoming: Pod) -> dict[str, int]:
         key = constraint["topologyKey"]
