@@ -64,13 +64,22 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- end -}}
 {{- end -}}
 
-{{- /* A pre-install hook runs before this chart has created its PVC and ServiceAccount. */ -}}
-{{- if .Values.loader.hook.enabled -}}
-{{- if not .Values.modelRepository.persistence.existingClaim -}}
-{{- $problems = append $problems "model-triton: loader.hook.enabled needs modelRepository.persistence.existingClaim: the pre-install hook runs before this chart creates its PVC. Create the PVC first and set existingClaim, or leave the hook off and run `kubectl create job --from=cronjob/...`." -}}
+{{- /* Images: a tag or a digest; the Triton and wait images have no default tag. */ -}}
+{{- range $key, $image := dict "triton.image" $t.image "triton.waitForModel.image" $t.waitForModel.image -}}
+{{- if and (not $image.digest) (not $image.tag) -}}
+{{- $problems = append $problems (printf "model-triton: %s.tag is empty and %s.digest is not set; set the tag as a quoted string (e.g. \"23.05\") or the digest (sha256:...)." $key $key) -}}
 {{- end -}}
-{{- if .Values.serviceAccount.create -}}
-{{- $problems = append $problems "model-triton: loader.hook.enabled needs serviceAccount.create=false and serviceAccount.name of an existing ServiceAccount: the pre-install hook runs before this chart creates one." -}}
+{{- end -}}
+
+{{- /* Storage: the loader writes while Triton pods read, possibly on several nodes. */ -}}
+{{- $p := .Values.modelRepository.persistence -}}
+{{- if not $p.existingClaim -}}
+{{- if eq $p.accessMode "ReadOnlyMany" -}}
+{{- $problems = append $problems "model-triton: modelRepository.persistence.accessMode is ReadOnlyMany, but the loader writes the model repository. Use ReadWriteMany (e.g. Filestore, NFS), or ReadWriteOnce on a single node." -}}
+{{- else if eq $p.accessMode "ReadWriteOncePod" -}}
+{{- $problems = append $problems "model-triton: modelRepository.persistence.accessMode is ReadWriteOncePod, but the loader and every Triton pod mount the volume. Use ReadWriteMany, or ReadWriteOnce on a single node." -}}
+{{- else if and (eq $p.accessMode "ReadWriteOnce") (gt (int $c.nodes) 1) -}}
+{{- $problems = append $problems (printf "model-triton: modelRepository.persistence.accessMode is ReadWriteOnce, but cluster.nodes = %d: a ReadWriteOnce volume attaches to one node. Use ReadWriteMany (a storage class such as GKE Filestore standard-rwx)." (int $c.nodes)) -}}
 {{- end -}}
 {{- end -}}
 
