@@ -766,6 +766,8 @@ def test_schema_is_strict_on_every_own_object():
         "commonLabels",
         "annotations",
         "podAnnotations",
+        "podLabels",
+        "lifecycle",
         "labels",
         "global",
         "claims",

@@ -40,22 +40,23 @@ model-triton.tritonArgs: the `tritonserver` command line (a YAML list).
 - --http-port=8000
 - --grpc-port=8001
 - --metrics-port=8002
-- --exit-timeout-secs={{ max 5 (sub (int .Values.triton.terminationGracePeriodSeconds) 10) }}
+- --exit-timeout-secs={{ max 5 (sub (sub (int .Values.triton.terminationGracePeriodSeconds) (int .Values.triton.preStopSleepSeconds)) 10) }}
 {{- range .Values.triton.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
 
 {{/*
-model-triton.tritonResources: triton.resources with `nvidia.com/gpu` = T x P in requests and
-limits (GPU backend only).
+model-triton.tritonResources: triton.resources with cluster.gpuResourceName (`nvidia.com/gpu`,
+or a MIG profile) = T x P in requests and limits (GPU backend only).
 */}}
 {{- define "model-triton.tritonResources" -}}
 {{- $res := deepCopy (default dict .Values.triton.resources) -}}
 {{- if include "model-triton.gpuBackend" . -}}
 {{- $gpus := include "model-triton.gpusPerReplica" . | int -}}
-{{- $_ := set $res "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $res.requests)) -}}
-{{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $res.limits)) -}}
+{{- $name := .Values.cluster.gpuResourceName -}}
+{{- $_ := set $res "requests" (merge (dict $name $gpus) (default dict $res.requests)) -}}
+{{- $_ := set $res "limits" (merge (dict $name $gpus) (default dict $res.limits)) -}}
 {{- end -}}
 {{- toYaml $res -}}
 {{- end -}}
@@ -146,4 +147,48 @@ for the model, then load it within the startup probe's budget; plus 10 minutes f
 {{- define "model-triton.progressDeadlineSeconds" -}}
 {{- $t := .Values.triton -}}
 {{- add (int $t.waitForModel.timeoutSeconds) (mul (int $t.startupProbe.periodSeconds) (int $t.startupProbe.failureThreshold)) 600 -}}
+{{- end -}}
+
+{{/*
+model-triton.podLabels: the labels of the Triton pods: triton.podLabels, then the standard
+labels (which win).
+*/}}
+{{- define "model-triton.podLabels" -}}
+{{- $standard := include "model-triton.labels" (dict "context" . "component" "triton") | fromYaml -}}
+{{- toYaml (merge $standard (deepCopy (default dict .Values.triton.podLabels))) -}}
+{{- end -}}
+
+{{/*
+model-triton.tritonLifecycle: triton.lifecycle, or by default a preStop sleep of
+triton.preStopSleepSeconds: the pod leaves the Service endpoints (and the clients' resolvers)
+before Triton receives SIGTERM, so no new request reaches a server that is shutting down; then
+Triton finishes its in-flight requests within --exit-timeout-secs.
+*/}}
+{{- define "model-triton.tritonLifecycle" -}}
+{{- if .Values.triton.lifecycle -}}
+{{- toYaml .Values.triton.lifecycle -}}
+{{- else -}}
+preStop:
+  exec:
+    command: ["sleep", "{{ int .Values.triton.preStopSleepSeconds }}"]
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.queueTimeQuery: PromQL of the average queue time per request, in microseconds,
+over 5 minutes: Triton's cumulative queue time divided by its successful requests. Used by the
+PrometheusRule and the KEDA trigger (the HPA's prometheus-adapter rule is the same query).
+Usage: include "model-triton.queueTimeQuery" (dict "selector" "<label matchers>" "by" "pod")
+*/}}
+{{- define "model-triton.queueTimeQuery" -}}
+{{- $grouping := ternary (printf " by (%s)" .by) "" (ne .by "") -}}
+{{- printf "sum%s (rate(nv_inference_queue_duration_us{%s}[5m])) / clamp_min(sum%s (rate(nv_inference_request_success{%s}[5m])), 0.001)" $grouping .selector $grouping .selector -}}
+{{- end -}}
+
+{{/*
+model-triton.maxReplicas: autoscaling.maxReplicas, or nodes x N when it is 0.
+*/}}
+{{- define "model-triton.maxReplicas" -}}
+{{- $most := include "model-triton.replicas" . | int -}}
+{{- ternary $most (int .Values.autoscaling.maxReplicas) (eq (int .Values.autoscaling.maxReplicas) 0) -}}
 {{- end -}}

@@ -49,6 +49,24 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode is %d but cluster.nodeSelector and cluster.affinity are empty: N replicas per node are packed by GPU fit on a dedicated pool. Set cluster.nodeSelector to the GPU pool's label (e.g. cloud.google.com/gke-nodepool: <pool>)." (int $c.replicasPerNode)) -}}
 {{- end -}}
 
+{{- /* Shutdown: the preStop sleep, then at least 5 s for Triton to drain, within the grace period. */ -}}
+{{- if lt (int $t.terminationGracePeriodSeconds) (add (int $t.preStopSleepSeconds) 15) -}}
+{{- $problems = append $problems (printf "model-triton: triton.terminationGracePeriodSeconds = %d leaves Triton no time to finish in-flight requests after the preStop sleep of triton.preStopSleepSeconds = %d. Set it to at least %d." (int $t.terminationGracePeriodSeconds) (int $t.preStopSleepSeconds) (add (int $t.preStopSleepSeconds) 15)) -}}
+{{- end -}}
+
+{{- /* Autoscaling: between 1 and the replicas the pool holds, nodes x N. */ -}}
+{{- $a := .Values.autoscaling -}}
+{{- if $a.enabled -}}
+{{- $most := include "model-triton.replicas" . | int -}}
+{{- if gt (int $a.maxReplicas) $most -}}
+{{- $problems = append $problems (printf "model-triton: autoscaling.maxReplicas = %d exceeds cluster.nodes x cluster.replicasPerNode = %d, the replicas the GPU pool holds; lower it or raise cluster.nodes." (int $a.maxReplicas) $most) -}}
+{{- end -}}
+{{- $max := include "model-triton.maxReplicas" . | int -}}
+{{- if gt (int $a.minReplicas) $max -}}
+{{- $problems = append $problems (printf "model-triton: autoscaling.minReplicas = %d exceeds the most replicas, %d (autoscaling.maxReplicas, or cluster.nodes x cluster.replicasPerNode when it is 0)." (int $a.minReplicas) $max) -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* A rolling update that may neither add nor remove a pod never moves. */ -}}
 {{- $u := $t.updateStrategy -}}
 {{- if and (eq $u.type "RollingUpdate") (eq (toString $u.maxSurge | trimSuffix "%") "0") (eq (toString $u.maxUnavailable | trimSuffix "%") "0") -}}
