@@ -9,13 +9,16 @@ and in the chart README.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from tests.kubeapi import kube_api
 from tests.scheduler import Cluster, Node, Rollout, gpu_pool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,6 +223,56 @@ def test_a_t_or_n_change_rolls_to_completion_with_the_live_replicas_known(helm, 
     assert rollout.update(new, "new")
     assert cluster.pending() == []
     assert sorted(cluster.per_node().values()) == [n, n]
+
+
+def upgrade_render(helm: str, live: dict, sets: tuple[str, ...], tmp_path: Path) -> dict:
+    """The Deployment `helm upgrade` would apply over ``live``: the real Helm renders with
+    `--dry-run=server` against a local API that serves the live Deployment to `lookup`."""
+    owned = copy.deepcopy(live)
+    owned["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "Helm"
+    owned["metadata"]["annotations"] = {
+        **owned["metadata"].get("annotations", {}),
+        "meta.helm.sh/release-name": "codegen",
+        "meta.helm.sh/release-namespace": "model-triton",
+    }
+    args = ["template", "codegen", str(rc.CHART), "--namespace", "model-triton"]
+    args += ["--dry-run=server", "--disable-openapi-validation"]
+    for s in sets:
+        args += ["--set", s]
+    with kube_api([owned], tmp_path) as kubeconfig:
+        proc = subprocess.run(
+            [str(rc.tool(helm)), *args, "--kubeconfig", str(kubeconfig)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    assert proc.returncode == 0, proc.stderr
+    [doc] = [d for d in rc.documents(proc.stdout) if d["kind"] == "Deployment"]
+    assert rc.validate([doc]) == []
+    return doc
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [((4, 4), (8, 2), 9), ((1, 16), (8, 2), 15), ((8, 2), (4, 4), 2), ((8, 2), (8, 2), 4)],
+    ids=["N4T4-to-N8T2", "N1T16-to-N8T2", "N8T2-to-N4T4", "same-shape"],
+)
+def test_upgrade_reads_the_live_replicas_and_the_rollout_finishes(
+    helm, before, after, expected, tmp_path
+):
+    (n0, t0), (n, t) = before, after
+    old = deployment(helm, None, shape(t0, 1, n0, 16, 2))
+    new = upgrade_render(helm, old, shape(t, 1, n, 16, 2, "model.revision=v2"), tmp_path)
+    assert new["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == expected
+    cluster = Cluster(gpu_pool(2, 16, POOL))
+    rollout = Rollout(cluster, old, "old")
+    assert rollout.update(new, "new")
+    assert cluster.pending() == [] and sorted(cluster.per_node().values()) == [n, n]
+    # Rendered offline (no cluster to read) the same values give the quarter only.
+    offline = deployment(helm, None, shape(t, 1, n, 16, 2, "model.revision=v2"))
+    assert offline["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == max(1, 2 * n // 4)
 
 
 @pytest.mark.parametrize("helm", HELMS)
