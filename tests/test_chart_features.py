@@ -329,3 +329,17 @@ def test_staging_deploy_leaves_waiting_pods_alone():
     commands = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
     assert not any("rollout restart" in line for line in commands)
     assert any("rollout status" in line for line in commands)
+
+
+def test_notes_tell_the_hook_user_to_raise_helms_timeout():
+    notes = rc.notes(set_values=("loader.hook.enabled=true",))
+    assert "Pass --timeout 14400s or more" in notes
+    assert "--timeout" not in rc.notes()
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_volumes_are_not_chowned_file_by_file_at_every_mount(helm):
+    for doc in rendered(helm):
+        pod = rc._pod_spec(doc)
+        if pod is not None:
+            assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
