@@ -816,8 +816,8 @@ OPTIONAL = [
         (
             "loader.hook.enabled=true",
             "modelRepository.persistence.existingClaim=models",
-            "serviceAccount.create=false",
-            "serviceAccount.name=loader",
+            "loader.serviceAccount.create=false",
+            "loader.serviceAccount.name=loader",
         ),
         id="hook-job",
     ),
@@ -875,7 +875,7 @@ def test_network_policy_admits_only_the_triton_ports_from_the_given_peers():
 
 
 HOOK = ("loader.hook.enabled=true",)
-HOOK_ON_EXISTING = OPTIONAL[2].values[1] + ("loader.serviceAccount.create=false",)
+HOOK_ON_EXISTING = OPTIONAL[2].values[1]
 
 
 @pytest.mark.parametrize("helm", HELMS)
@@ -899,6 +899,8 @@ def test_hook_job_loads_before_an_upgrade_and_when_the_claim_exists_at_install(h
     assert (
         job["spec"]["activeDeadlineSeconds"] == values_of(None)["loader"]["activeDeadlineSeconds"]
     )
+    account = job["spec"]["template"]["spec"]["serviceAccountName"]
+    assert account == ("loader" if "pre-install" in phases else "codegen-model-triton-loader")
     assert validated(job) == ()
 
 
