@@ -110,7 +110,7 @@ cluster during install and upgrade and is empty for `helm template`.
 */}}
 {{- define "model-triton.maxUnavailable" -}}
 {{- $configured := .Values.triton.updateStrategy.maxUnavailable -}}
-{{- if not (kindIs "invalid" $configured) | and (ne (toString $configured) "") -}}
+{{- if and (not (kindIs "invalid" $configured)) (ne (toString $configured) "") -}}
 {{- $configured -}}
 {{- else -}}
 {{- $replicas := include "model-triton.replicas" . | int -}}
