@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.kubeapi import kube_api
 from tests.scheduler import Cluster, Rollout, gpu_pool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -343,3 +345,59 @@ def test_volumes_are_not_chowned_file_by_file_at_every_mount(helm):
         pod = rc._pod_spec(doc)
         if pod is not None:
             assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+def _render_against(helm: str, objects: list[dict], sets: tuple[str, ...], tmp_path: Path):
+    """`helm template --dry-run=server` by the real Helm against a local API serving ``objects``
+    (what `lookup` sees during `helm install` and `helm upgrade`)."""
+    args = ["template", "codegen", str(rc.CHART), "--namespace", "model-triton"]
+    args += ["--dry-run=server", "--disable-openapi-validation"]
+    for s in sets:
+        args += ["--set", s]
+    with kube_api(objects, tmp_path) as kubeconfig:
+        return subprocess.run(
+            [str(rc.tool(helm)), *args, "--kubeconfig", str(kubeconfig)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+
+
+def _claim(*modes: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "shared-models", "namespace": "model-triton"},
+        "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": "1Ti"}}},
+    }
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize(
+    ("modes", "refused"),
+    [
+        (("ReadWriteOnce",), "is ReadWriteOnce, but cluster.nodes = 2"),
+        (("ReadOnlyMany",), "is ReadOnlyMany, but the loader writes"),
+        (("ReadWriteOncePod",), "is ReadWriteOncePod, but the loader and every Triton pod"),
+        (("ReadWriteMany",), None),
+        (("ReadWriteOnce", "ReadWriteMany"), None),
+    ],
+    ids=["rwo", "rox", "rwop", "rwx", "rwo+rwx"],
+)
+def test_an_existing_claim_is_checked_on_install_by_its_live_access_modes(
+    helm, modes, refused, tmp_path
+):
+    sets = ("modelRepository.persistence.existingClaim=shared-models", "cluster.nodes=2")
+    proc = _render_against(helm, [_claim(*modes)], sets, tmp_path)
+    if refused is None:
+        assert proc.returncode == 0, proc.stderr
+        assert "kind: PersistentVolumeClaim" not in proc.stdout
+    else:
+        assert proc.returncode != 0
+        assert "model-triton: the accessModes of modelRepository.persistence.existingClaim" in (
+            proc.stderr
+        )
+        assert '"shared-models"' in proc.stderr and refused in proc.stderr
+    # Offline (`helm template`) the claim cannot be read: nothing to refuse.
+    assert rc.documents(rc.render(helm=helm, set_values=sets))

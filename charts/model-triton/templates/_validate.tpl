@@ -89,15 +89,26 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- end -}}
 {{- end -}}
 
-{{- /* Storage: the loader writes while Triton pods read, possibly on several nodes. */ -}}
+{{- /* Storage: the loader writes while Triton pods read, possibly on several nodes. The access
+mode is the value for a created claim; for an existing one, the live claim's (read with lookup
+during install and upgrade; `helm template` cannot see it). */ -}}
 {{- $p := .Values.modelRepository.persistence -}}
-{{- if not $p.existingClaim -}}
-{{- if eq $p.accessMode "ReadOnlyMany" -}}
-{{- $problems = append $problems "model-triton: modelRepository.persistence.accessMode is ReadOnlyMany, but the loader writes the model repository. Use ReadWriteMany (e.g. Filestore, NFS), or ReadWriteOnce on a single node." -}}
-{{- else if eq $p.accessMode "ReadWriteOncePod" -}}
-{{- $problems = append $problems "model-triton: modelRepository.persistence.accessMode is ReadWriteOncePod, but the loader and every Triton pod mount the volume. Use ReadWriteMany, or ReadWriteOnce on a single node." -}}
-{{- else if and (eq $p.accessMode "ReadWriteOnce") (gt (int $c.nodes) 1) -}}
-{{- $problems = append $problems (printf "model-triton: modelRepository.persistence.accessMode is ReadWriteOnce, but cluster.nodes = %d: a ReadWriteOnce volume attaches to one node. Use ReadWriteMany (a storage class such as GKE Filestore standard-rwx)." (int $c.nodes)) -}}
+{{- $key := "modelRepository.persistence.accessMode" -}}
+{{- $modes := list $p.accessMode -}}
+{{- if $p.existingClaim -}}
+{{- $key = printf "the accessModes of modelRepository.persistence.existingClaim %q" $p.existingClaim -}}
+{{- $modes = list -}}
+{{- with lookup "v1" "PersistentVolumeClaim" .Release.Namespace $p.existingClaim -}}
+{{- $modes = .spec.accessModes | default list -}}
+{{- end -}}
+{{- end -}}
+{{- if and $modes (not (has "ReadWriteMany" $modes)) -}}
+{{- if not (or (has "ReadWriteOnce" $modes) (has "ReadWriteOncePod" $modes)) -}}
+{{- $problems = append $problems (printf "model-triton: %s is ReadOnlyMany, but the loader writes the model repository. Use ReadWriteMany (e.g. Filestore, NFS), or ReadWriteOnce on a single node." $key) -}}
+{{- else if not (has "ReadWriteOnce" $modes) -}}
+{{- $problems = append $problems (printf "model-triton: %s is ReadWriteOncePod, but the loader and every Triton pod mount the volume. Use ReadWriteMany, or ReadWriteOnce on a single node." $key) -}}
+{{- else if gt (int $c.nodes) 1 -}}
+{{- $problems = append $problems (printf "model-triton: %s is ReadWriteOnce, but cluster.nodes = %d: a ReadWriteOnce volume attaches to one node. Use ReadWriteMany (a storage class such as GKE Filestore standard-rwx)." $key (int $c.nodes)) -}}
 {{- end -}}
 {{- end -}}
 
