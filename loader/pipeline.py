@@ -29,6 +29,7 @@ from pathlib import Path
 
 from loader import __version__
 from loader.errors import RepositoryError
+from loader.formats.fastertransformer import check_head_size
 from loader.parallel import Parallelism
 from loader.plan import ModelShape, Topology, check_memory, check_placement, estimate_memory
 from loader.repository import layout, manifest, publish
@@ -106,8 +107,11 @@ def _source_dtype(hf_config: dict) -> str:
 
 
 def _check_model(request: RunRequest, hf_config: dict) -> None:
-    """Placement rules that need the model, and the GPU-memory check."""
+    """The head size, placement rules that need the model, and the GPU-memory check."""
     shape = ModelShape.from_hf_config(hf_config)
+    check_head_size(
+        shape.size_per_head, where=f"config.json (n_embd {shape.n_embd} / n_head {shape.n_head})"
+    )
     check_placement(request.parallelism, request.topology, n_layer=shape.n_layer)
     request.parallelism.split(shape.n_head, "The attention head count")
     request.parallelism.split(shape.n_inner, "The MLP width (n_inner)")

@@ -113,7 +113,7 @@ def test_without_streaming_the_model_clients_call_stays_an_ensemble():
         parallelism=Parallelism(1, 1, 1),
         settings=ServingSettings(),
         data_type="fp32",
-        checkpoint_path="/models/x/fastertransformer/1/1-gpu",
+        end_id=2,
     )
     configs = build_all(spec)
     assert configs[MODEL].platform == "ensemble"
@@ -224,13 +224,15 @@ def test_a_bad_request_ends_its_stream_with_the_model_error_and_the_next_is_serv
 
 
 def _ft_inputs(module, prompt: list[int], n_out: int, seed: int) -> list:
-    """Inputs of the ``fastertransformer`` model itself (loader/repository/models/README.md), one row."""
+    """Inputs of the ``fastertransformer`` model itself (loader/repository/models/README.md), one
+    row; an end_id outside the vocabulary, so every requested token is generated."""
     arrays = {
         "input_ids": (np.array([prompt], dtype=np.uint32), "UINT32"),
         "input_lengths": (np.array([[len(prompt)]], dtype=np.uint32), "UINT32"),
         "request_output_len": (np.array([[n_out]], dtype=np.uint32), "UINT32"),
         "runtime_top_k": (np.array([[5]], dtype=np.uint32), "UINT32"),
         "random_seed": (np.array([[seed]], dtype=np.uint64), "UINT64"),
+        "end_id": (np.array([[100_000]], dtype=np.uint32), "UINT32"),
     }
     tensors = []
     for name, (array, dtype) in arrays.items():
@@ -414,14 +416,16 @@ def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
     )
     done = _complete_script("--url", streaming.grpc_url, "--max-tokens", "12", prompt)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == expected.text + "\n"
+    # text=True reads "\r" as a line end, as a terminal would show it.
+    shown = expected.text.replace("\r\n", "\n").replace("\r", "\n") + "\n"
+    assert done.stdout == shown
     assert "12 tokens" in done.stderr and "first token after" in done.stderr
     # The same client completes against a repository that does not stream, both protocols.
     for args in (["--url", plain.grpc_url], ["--no-stream", "--protocol", "http", "--url",
                                             plain.http_url]):  # fmt: skip
         again = _complete_script(*args, "--max-tokens", "12", prompt)
         assert again.returncode == 0, again.stderr
-        assert again.stdout == expected.text + "\n"
+        assert again.stdout == shown
 
 
 def test_scripts_complete_reports_errors_in_one_line_without_a_traceback(streaming):
