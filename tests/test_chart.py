@@ -576,7 +576,7 @@ def test_a_digest_stands_in_for_an_empty_tag():
     digest = "sha256:" + "a" * 64
     docs = rendered("helm4", None, ("triton.image.tag=", f"triton.image.digest={digest}"))
     triton = container(one(docs, "Deployment")["spec"]["template"]["spec"], "triton")
-    assert triton["image"] == f"tritonserver-fastertransformer@{digest}"
+    assert triton["image"] == f"model-triton-ft@{digest}"
 
 
 @pytest.mark.parametrize("helm", HELMS)

@@ -289,6 +289,9 @@ def test_the_default_triton_image_is_the_newest_the_fastertransformer_backend_bu
     readme = (rc.CHART / "README.md").read_text()
     assert "c6936c39be6fc57c161db34cfe5c45d1bef81ee2" in readme
     assert "TRITON_VERSION=23.05" in readme and "22.12" not in readme
+    assert "-f images/triton/Dockerfile" in readme
+    assert (ROOT / "images" / "triton" / "Dockerfile").exists()
+    assert values["triton"]["image"]["repository"] == "model-triton-ft"
     assert "22.12" not in (rc.CHART / "values.yaml").read_text()
 
 
