@@ -94,7 +94,7 @@ template:
   spec:
     restartPolicy: Never
     terminationGracePeriodSeconds: {{ int .Values.loader.terminationGracePeriodSeconds }}
-    serviceAccountName: {{ include "model-triton.serviceAccountName" . }}
+    serviceAccountName: {{ include "model-triton.loaderServiceAccountName" . }}
     automountServiceAccountToken: false
     {{- with include "model-triton.imagePullSecrets" . }}
     {{- . | nindent 4 }}
@@ -125,12 +125,12 @@ template:
           - name: HF_HOME
             value: /tmp/huggingface
           {{- if .Values.loader.hfTokenSecret.name }}
-          - name: HF_TOKEN_PATH
-            value: /var/secrets/hf/{{ .Values.loader.hfTokenSecret.key }}
+          - name: HF_TOKEN_FILE
+            value: /var/secrets/hf/token
           {{- end }}
           {{- if .Values.loader.gcsCredentialsSecret.name }}
           - name: GOOGLE_APPLICATION_CREDENTIALS
-            value: /var/secrets/gcs/{{ .Values.loader.gcsCredentialsSecret.key }}
+            value: /var/secrets/gcs/key.json
           {{- end }}
           {{- with .Values.loader.extraEnv }}
           {{- toYaml . | nindent 10 }}
@@ -161,14 +161,25 @@ template:
       - name: scratch
         emptyDir:
           sizeLimit: {{ .Values.loader.scratchSizeLimit }}
-      {{- with .Values.loader.hfTokenSecret.name }}
+      {{- /* items: a Secret without that key fails the mount, not the download (anonymous). */}}
+      {{- with .Values.loader.hfTokenSecret }}
+      {{- if .name }}
       - name: hf-token
         secret:
-          secretName: {{ . }}
+          secretName: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: token
       {{- end }}
-      {{- with .Values.loader.gcsCredentialsSecret.name }}
+      {{- end }}
+      {{- with .Values.loader.gcsCredentialsSecret }}
+      {{- if .name }}
       - name: gcs-credentials
         secret:
-          secretName: {{ . }}
+          secretName: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: key.json
+      {{- end }}
       {{- end }}
 {{- end -}}
