@@ -60,6 +60,8 @@ WORK_DIR = publish.WORK_DIR
 DOWNLOAD_MARKER = publish.DOWNLOAD_MARKER
 #: Shortest --lock-expiry-s accepted: shorter ones take over loaders that merely paused.
 MIN_LOCK_EXPIRY_S = 1.0
+#: Ways of verifying a published key (see :attr:`RunRequest.verify`).
+VERIFY_MODES = ("quick", "full")
 #: ``torch_dtype`` / ``dtype`` of config.json -> the dtype FT files keep by default.
 _HF_DTYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
 
@@ -80,6 +82,10 @@ class RunRequest:
     work_dir: Path | None = None
     workers: int | None = None
     verify_checksums: bool = True
+    #: How a published key is verified before "nothing to do": "quick" re-hashes only files
+    #: whose seal changed since they were written (:func:`loader.repository.manifest.verify`),
+    #: "full" re-hashes every file.
+    verify: str = "quick"
     lock_expiry_s: float = 120.0
     lock_timeout_s: float = 6 * 3600.0
     follow_source: bool = False
@@ -108,6 +114,11 @@ class RunRequest:
                 self.prune_keep is None or self.prune_keep >= 1,
                 f"--prune-keep must be at least 1, got {self.prune_keep}.",
                 "Pass --prune-keep 1 or more (2 also keeps the key a rollout leaves).",
+            ),
+            (
+                self.verify in VERIFY_MODES,
+                f"--verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}.",
+                "Pass --verify quick (the default) or --verify full (re-hash every file).",
             ),
             (
                 self.workers is None or self.workers >= 1,
@@ -146,7 +157,11 @@ def _complete(target: Path, key: str, request: RunRequest) -> bool:
     if not target.exists():
         return False
     problems = manifest.verify(
-        target, key=key, checksums=request.verify_checksums, workers=request.workers
+        target,
+        key=key,
+        checksums=request.verify_checksums,
+        workers=request.workers,
+        quick=request.verify == "quick",
     )
     if problems:
         log.warning(
@@ -302,8 +317,11 @@ def _build(
             "loader_version": __version__,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        weights = Path(converted.output_path).relative_to(staging).as_posix()
+        known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}
         manifest.write_manifest(
-            staging, manifest.build_manifest(staging, meta, workers=request.workers)
+            staging,
+            manifest.build_manifest(staging, meta, workers=request.workers, known=known),
         )
         manifest.write_ready(staging, key)
     except OSError as exc:

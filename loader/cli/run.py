@@ -116,6 +116,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check an existing repository's file sizes only, not their sha256",
     )
     p.add_argument(
+        "--verify",
+        choices=("quick", "full"),
+        default="quick",
+        help="how an existing repository is verified: quick (default) re-hashes only the files "
+        "changed since they were written; full re-hashes every file",
+    )
+    p.add_argument(
         "--lock-expiry-s",
         type=float,
         default=120.0,
@@ -159,6 +166,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         work_dir=args.work_dir,
         workers=args.workers,
         verify_checksums=args.verify_checksums,
+        verify=args.verify,
         lock_expiry_s=args.lock_expiry_s,
         lock_timeout_s=args.lock_timeout_s,
         follow_source=args.follow_source,

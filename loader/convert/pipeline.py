@@ -9,6 +9,7 @@ Then the files are written in one streaming pass (see :mod:`loader.convert.write
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import re
@@ -53,6 +54,8 @@ class ConvertResult:
     dtype: str  # weight_data_type of the files: "fp16" or "fp32"
     source_dtype: str
     config: FTConfig  # the [gptj] hyper-parameters written to config.ini
+    #: file name inside output_path -> (size, sha256), computed while writing
+    digests: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def mb_per_s(self) -> float:
@@ -203,12 +206,15 @@ def convert_checkpoint(
             source_dtype, out_dtype, len(outputs) + 1, human_bytes(total),
         )  # fmt: skip
         with atomic_directory(final, overwrite=overwrite) as tmp:
-            (tmp / CONFIG_INI).write_text(cfg.to_ini(), encoding="utf-8")
+            ini = cfg.to_ini().encode("utf-8")
+            (tmp / CONFIG_INI).write_bytes(ini)
             with byte_progress(f"convert {final.name}", total) as progress:
-                written = write_outputs(
+                digests = write_outputs(
                     outputs, ckpt, tmp, dtype=np_dtype, progress=progress, workers=workers,
                     chunk_bytes=chunk_bytes,
                 )  # fmt: skip
+            written = sum(size for size, _ in digests.values())
+            digests[CONFIG_INI] = (len(ini), hashlib.sha256(ini).hexdigest())
     seconds = time.monotonic() - started
     result = ConvertResult(
         output_path=final,
@@ -218,6 +224,7 @@ def convert_checkpoint(
         dtype=out_dtype,
         source_dtype=source_dtype,
         config=cfg,
+        digests=digests,
     )
     log.info(
         "wrote %d files, %s in %.1f s (%.0f MB/s) to %s",

@@ -12,11 +12,15 @@ that is renamed into place only when everything succeeded.
   the source tensors are memory-mapped views, not copies. A file that is a plain run of source
   bytes (a replicated tensor kept in its dtype, from safetensors) is copied by the kernel with
   ``copy_file_range``, like ``cp`` does.
+* Every file's sha256 is computed from the bytes as they are written (for a kernel copy, from
+  the source span it copies, read from the page cache it was just downloaded into), so the
+  repository's manifest needs no second pass over the weights.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import secrets
@@ -142,19 +146,21 @@ def write_file(
     progress: Progress,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stop: threading.Event | None = None,
-) -> int:
-    """Write one output file in row chunks; returns the bytes written."""
+) -> tuple[int, str]:
+    """Write one output file in row chunks; returns the bytes written and their sha256."""
     tensors = {name: ckpt.get(name) for name in out.sources}
     source_dtypes = [ckpt.tensors[p.source].dtype for p in out.parts]
     row_bytes = max(out.row_elements * dtype.itemsize, 1)
     step = max(1, chunk_bytes // row_bytes)
     written = 0
+    digest = hashlib.sha256()
     with open(directory / out.name, "wb", buffering=0) as fh:
         span = _byte_span(out, ckpt, dtype)
         if span is not None and _copy_in_kernel(
-            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
-        ):
-            return out.nbytes(dtype.itemsize)
+            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop,
+            digest=digest,
+        ):  # fmt: skip
+            return out.nbytes(dtype.itemsize), digest.hexdigest()
         for start in range(0, out.rows, step):
             if stop is not None and stop.is_set():
                 raise _Stopped
@@ -177,10 +183,11 @@ def write_file(
                     copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                     col += width
             _write_all(fh, data)
+            digest.update(memoryview(data).cast("B"))
             written += data.nbytes
             progress.update(data.nbytes)
             del data, blocks, direct
-    return written
+    return written, digest.hexdigest()
 
 
 def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
@@ -208,8 +215,10 @@ def _copy_in_kernel(
     progress: Progress,
     step: int,
     stop: threading.Event | None,
+    digest,
 ) -> bool:
-    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy).
+    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy);
+    ``digest`` is updated with the source bytes copied.
 
     Returns False, having copied nothing, where the kernel or filesystem cannot do it.
     """
@@ -228,6 +237,10 @@ def _copy_in_kernel(
                 raise
             if n == 0:
                 raise CheckpointError(f"{path} ended early while reading it; was it modified?")
+            copied = os.pread(src.fileno(), n, offset + done)
+            if len(copied) != n:
+                raise CheckpointError(f"{path} ended early while reading it; was it modified?")
+            digest.update(copied)
             done += n
             progress.update(n)
     return True
@@ -247,18 +260,20 @@ def write_outputs(
     progress: Progress,
     workers: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> int:
-    """Write every output file, ``workers`` at a time, largest first; returns the bytes written."""
+) -> dict[str, tuple[int, str]]:
+    """Write every output file, ``workers`` at a time, largest first; returns each file's name
+    -> (bytes written, sha256)."""
     stop = threading.Event()
-    total = 0
+    written: dict[str, tuple[int, str]] = {}
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+            ordered = _largest_first(outputs)
             futures = [
                 pool.submit(
                     write_file, out, ckpt, directory, dtype=dtype, progress=progress,
                     chunk_bytes=chunk_bytes, stop=stop,
                 )
-                for out in _largest_first(outputs)
+                for out in ordered
             ]  # fmt: skip
             try:
                 wait(futures, return_when=FIRST_EXCEPTION)
@@ -271,11 +286,11 @@ def write_outputs(
                     stop.set()
                     pool.shutdown(wait=True, cancel_futures=True)
                     raise future.exception()  # type: ignore[misc]
-            total = sum(f.result() for f in futures)
+            written = {out.name: f.result() for out, f in zip(ordered, futures, strict=True)}
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise InsufficientDiskSpaceError(
                 f"The disk holding {directory.parent} ran out of space while converting."
             ) from exc
         raise
-    return total
+    return written

@@ -3,10 +3,18 @@
 A published repository is complete when ``.ready`` exists and every file the manifest lists is
 present with its size and sha256, and no other file is. ``.ready`` is written last, after the
 manifest, and both are fsynced, so a reader that sees ``.ready`` sees a complete repository.
+
+The sha256 of the weights are computed while the converter writes them (``known`` in
+:func:`build_manifest`); only the small files written besides them are read again. Each entry
+also records the file's *seal*, its inode and modification time as written: a quick
+:func:`verify` compares sizes and seals with the disk and re-hashes only the files whose seal
+changed (a write to a file changes its modification time), so a rerun that finds its key
+published reads no weights when nothing changed; a full :func:`verify` re-hashes every file.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -63,13 +71,45 @@ def _hash_all(root: Path, rels: Iterable[str], what: str, workers: int | None) -
         return dict(zip(rels, digests, strict=True))
 
 
-def build_manifest(root: Path, meta: dict, *, workers: int | None = None) -> dict:
-    """Hash every file under ``root``; ``meta`` (key, source, settings...) is stored alongside."""
+def file_seal(stat: os.stat_result) -> list[int]:
+    """What a quick verification compares with the disk: inode and modification time (ns)."""
+    return [stat.st_ino, stat.st_mtime_ns]
+
+
+def build_manifest(
+    root: Path,
+    meta: dict,
+    *,
+    workers: int | None = None,
+    known: dict[str, tuple[int, str]] | None = None,
+) -> dict:
+    """List every file under ``root`` with its size, sha256 and seal; ``meta`` (key, source,
+    settings...) is stored alongside.
+
+    ``known`` maps relative paths to the (size, sha256) computed while they were written: those
+    files are not read again (a size that differs from the disk's is an error). Every other
+    file is hashed.
+    """
     root = Path(root)
     rels = _files(root)
-    digests = _hash_all(root, rels, "hashing repository", workers)
+    known = dict(known or {})
+    stats = {rel: (root / rel).stat() for rel in rels}
+    for rel, (size, _digest) in known.items():
+        if rel in stats and stats[rel].st_size != size:
+            raise OSError(
+                errno.EIO, f"{root / rel} holds {stats[rel].st_size} bytes, {size} were written"
+            )
+    digests = {rel: digest for rel, (_size, digest) in known.items() if rel in stats}
+    digests.update(_hash_all(root, [r for r in rels if r not in digests], "hashing repository",
+                             workers))  # fmt: skip
     files = [
-        {"path": rel, "size": (root / rel).stat().st_size, "sha256": digests[rel]} for rel in rels
+        {
+            "path": rel,
+            "size": stats[rel].st_size,
+            "sha256": digests[rel],
+            "seal": file_seal(stats[rel]),
+        }
+        for rel in rels
     ]
     return {
         "format": FORMAT_VERSION,
@@ -117,12 +157,19 @@ def read_manifest(root: Path) -> dict | None:
 
 
 def verify(
-    root: Path, *, key: str | None = None, checksums: bool = True, workers: int | None = None
+    root: Path,
+    *,
+    key: str | None = None,
+    checksums: bool = True,
+    workers: int | None = None,
+    quick: bool = False,
 ) -> list[str]:
     """Problems that make ``root`` not a complete published repository (empty list: complete).
 
     Checks ``.ready``, the manifest (and that it names ``key``), every listed file's presence
-    and size, no unlisted files, and with ``checksums`` every file's sha256.
+    and size, no unlisted files, and with ``checksums`` every file's sha256: with ``quick``
+    only the files whose seal (:func:`file_seal`) differs from the one recorded, or that
+    record none, are read; the others are taken to hold what was written.
     """
     root = Path(root)
     if not root.is_dir():
@@ -141,10 +188,10 @@ def verify(
     problems += [f"unexpected file {rel}" for rel in sorted(present - set(listed))]
     sized = []
     for rel in sorted(set(listed) & present):
-        size = (root / rel).stat().st_size
-        if size != listed[rel]["size"]:
-            problems.append(f"{rel} has {size} bytes, manifest says {listed[rel]['size']}")
-        else:
+        stat = (root / rel).stat()
+        if stat.st_size != listed[rel]["size"]:
+            problems.append(f"{rel} has {stat.st_size} bytes, manifest says {listed[rel]['size']}")
+        elif not quick or listed[rel].get("seal") != file_seal(stat):
             sized.append(rel)
     if checksums and not problems:
         digests = _hash_all(root, sized, "verifying repository", workers)

@@ -1,0 +1,138 @@
+"""The manifest's digests come from the writes, and a published key is re-verified quickly.
+
+The converter hashes every weight file as it writes it; the manifest reads only the small files
+again. A rerun that finds its key published compares sizes and seals (inode, modification time)
+with the disk and re-hashes only the files that changed; ``--verify full`` re-hashes them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from loader.cli import main
+from loader.convert import convert_checkpoint
+from loader.repository import manifest
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dtype", [None, "fp16"])
+def test_the_converters_digests_are_the_written_files_sha256(
+    tiny_checkpoint_with_tokenizer, tmp_path, dtype
+):
+    # dtype None keeps fp32: replicated tensors go through the kernel copy; fp16 casts them.
+    result = convert_checkpoint(tiny_checkpoint_with_tokenizer, tmp_path, tp_size=2, dtype=dtype)
+    on_disk = {p.name: p for p in result.output_path.iterdir()}
+    assert sorted(result.digests) == sorted(on_disk) == sorted(result.files)
+    for name, (size, digest) in result.digests.items():
+        assert size == on_disk[name].stat().st_size, name
+        assert digest == _sha256(on_disk[name]), name
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> list[Path]:
+    """Every file the manifest module reads to hash it, in order."""
+    seen: list[Path] = []
+    real = manifest._sha256
+
+    def counting(path: Path, progress) -> str:
+        seen.append(Path(path))
+        return real(path, progress)
+
+    monkeypatch.setattr(manifest, "_sha256", counting)
+    return seen
+
+
+def _run(source: Path, root: Path, *extra: str) -> str:
+    argv = ["run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+            "--tp-size", "2", "--pp-size", "1", "--instance-count", "1", *extra]  # fmt: skip
+    assert main(argv) == 0
+    return str(next(root.glob("tiny@*/*")))
+
+
+def _weights(path: Path) -> list[Path]:
+    return sorted((path / "fastertransformer" / "1" / "2-gpu").glob("*.bin"))
+
+
+def test_publishing_reads_no_weight_file_again_and_a_rerun_reads_none(
+    tiny_checkpoint_with_tokenizer, tmp_path, hashed, capsys, caplog
+):
+    caplog.set_level(logging.INFO, logger="loader")
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    assert len(_weights(published)) > 10
+    assert not any(p.suffix == ".bin" or p.name == "config.ini" for p in hashed)
+    assert hashed  # the small files (tokenizer copies, configs, models) were hashed
+    assert manifest.verify(published) == []  # and the digests recorded are the files'
+    hashed.clear()
+    _run(tiny_checkpoint_with_tokenizer, tmp_path)
+    assert "nothing to do" in caplog.text
+    assert hashed == []
+    _run(tiny_checkpoint_with_tokenizer, tmp_path, "--verify", "full")
+    listed = {e["path"] for e in manifest.read_manifest(published)["files"]}
+    assert {p.relative_to(published).as_posix() for p in hashed} == listed
+
+
+def _overwrite_same_size(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def test_quick_verification_finds_a_file_changed_in_place(
+    tiny_checkpoint_with_tokenizer, tmp_path, hashed
+):
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    assert manifest.verify(published, quick=True) == []
+    victim = _weights(published)[3]
+    _overwrite_same_size(victim)
+    hashed.clear()
+    problems = manifest.verify(published, quick=True)
+    assert problems == [
+        f"{victim.relative_to(published).as_posix()} sha256 differs from the manifest"
+    ]
+    assert hashed == [victim]  # only the file whose seal changed was read
+
+
+def test_a_changed_file_whose_modification_time_was_put_back_is_found_by_full_only(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    victim = _weights(published)[0]
+    before = victim.stat()
+    _overwrite_same_size(victim)
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert manifest.verify(published, quick=True) == []
+    assert manifest.verify(published) != []
+
+
+def test_a_rerun_republishes_a_key_whose_file_changed(
+    tiny_checkpoint_with_tokenizer, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO, logger="loader")
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    victim = _weights(published)[1]
+    expected = victim.read_bytes()
+    _overwrite_same_size(victim)
+    assert _run(tiny_checkpoint_with_tokenizer, tmp_path) == str(published)
+    assert "sha256 differs from the manifest); publishing it again" in caplog.text
+    assert victim.read_bytes() == expected
+    assert manifest.verify(published) == []
+
+
+def test_a_manifest_without_seals_is_verified_in_full(tiny_checkpoint_with_tokenizer, tmp_path):
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    data = manifest.read_manifest(published)
+    for entry in data["files"]:
+        del entry["seal"]
+    (published / manifest.MANIFEST).chmod(0o644)
+    manifest.write_manifest(published, data)
+    _overwrite_same_size(_weights(published)[2])
+    assert manifest.verify(published, quick=True) != []
