@@ -21,6 +21,14 @@
 6. rename the staging directory to ``ROOT/<key>`` (atomic), remove the download directory
    ``WORK/<key>`` (only that, and only if this loader created it).
 
+A gs:// source of sharded safetensors (on the same file system as ``ROOT``) converts while it
+downloads (steps 4 and 5 overlap, :mod:`loader.convert.overlap`): the small files are fetched
+and checked first, then each output file is written into ``WORK/<key>/converted`` as soon as
+the shards it reads are verified, and each shard is deleted once nothing left reads it; the
+finished directory moves into the staging directory. A killed run's successor keeps the
+outputs already written and downloads only the shards still needed. ``overlap=False`` (``run
+--no-overlap``) downloads everything first.
+
 A loader killed at any point leaves ``ROOT/<key>`` absent or complete; the next run removes the
 leftover staging directory, takes over the dead loader's lock and completes. A loader whose
 lock was taken over (it stalled past the expiry) stops with a
@@ -30,6 +38,7 @@ lock was taken over (it stalled past the expiry) stops with a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -37,6 +46,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loader import __version__
 from loader.errors import (
@@ -44,6 +54,7 @@ from loader.errors import (
     LockLostError,
     RepositoryError,
     SourceChangedError,
+    TransientSourceError,
 )
 from loader.formats.fastertransformer import check_head_size
 from loader.parallel import Parallelism
@@ -53,6 +64,10 @@ from loader.repository.config import RepositorySpec
 from loader.repository.key import ServingSettings, key_filename, model_key, resolve_revision
 from loader.repository.lock import PublishLock
 from loader.sources.fingerprint import Fingerprint, describe_changes
+
+if TYPE_CHECKING:
+    from loader.convert.pipeline import ConvertResult
+    from loader.sources import FetchResult
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +106,7 @@ class RunRequest:
     follow_source: bool = False
     retry_deadline_s: float = 300.0
     prune_keep: int | None = None
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         checks = (
@@ -278,23 +294,31 @@ def _build(
     fetched_revision: str | None,
     tokenizer: list[Path],
     source_fingerprint: Fingerprint,
+    preconverted: ConvertResult | None = None,
 ) -> Path:
-    """Convert and write the whole repository into a new staging directory; returns it."""
+    """Convert and write the whole repository into a new staging directory (or move the
+    ``preconverted`` weights there); returns it."""
     from loader.convert import convert_checkpoint
 
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
     try:
         par, settings = request.parallelism, request.settings
-        converted = convert_checkpoint(
-            checkpoint,
-            layout.weights_dir(staging),
-            tp_size=par.tp,
-            pp_size=par.pp,
-            dtype=None if settings.dtype == "auto" else settings.dtype,
-            workers=request.workers,
-            reserve_bytes=_besides_weights(tokenizer),
-        )
+        if preconverted is not None:
+            final = layout.weights_dir(staging) / preconverted.output_path.name
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(preconverted.output_path, final)
+            converted = dataclasses.replace(preconverted, output_path=final)
+        else:
+            converted = convert_checkpoint(
+                checkpoint,
+                layout.weights_dir(staging),
+                tp_size=par.tp,
+                pp_size=par.pp,
+                dtype=None if settings.dtype == "auto" else settings.dtype,
+                workers=request.workers,
+                reserve_bytes=_besides_weights(tokenizer),
+            )
         spec = RepositorySpec(
             name=request.model_name,
             parallelism=par,
@@ -336,6 +360,105 @@ def _build(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
+
+
+def _can_overlap(request: RunRequest, root: Path, download: Path) -> bool:
+    from loader.sources import parse_uri
+
+    return (
+        request.overlap
+        and parse_uri(request.source).scheme == "gs"
+        and download.stat().st_dev == root.stat().st_dev
+    )
+
+
+def _fetch_overlapped(
+    request: RunRequest, root: Path, download: Path
+) -> tuple[FetchResult, ConvertResult | None]:
+    """Fetch the small files, check them, then fetch the shards converting each output as
+    soon as its shards are here (:mod:`loader.convert.overlap`); returns the fetch and the
+    converted weights (None: not sharded safetensors, converted after the download)."""
+    from loader.convert import overlap
+    from loader.convert.overlap import OverlappedConversion, is_weight_file, plan_overlap
+    from loader.convert.pipeline import ConvertResult
+    from loader.progress import byte_progress
+    from loader.sources import ArrivalHooks, fetch
+    from loader.sources.transfer import ensure_disk_space
+
+    started = time.monotonic()
+    source = download / "source"
+    options = {"workers": request.workers, "retry_deadline_s": request.retry_deadline_s}
+    first = fetch(
+        request.source,
+        source,
+        hooks=ArrivalHooks(include=lambda rel: not is_weight_file(rel)),
+        **options,  # type: ignore[arg-type]
+    )
+    tokenizer = _check_checkpoint(request, source)
+    par, dtype = request.parallelism, request.settings.dtype
+    plan = plan_overlap(source, tp=par.tp, pp=par.pp, dtype=None if dtype == "auto" else dtype)
+    if plan is None:
+        log.info("%s is not sharded safetensors: converting after the download", request.source)
+        return fetch(request.source, source, **options), None  # type: ignore[arg-type]
+    out_dir = download / "converted" / f"{par.tp}-gpu"
+    convert_workers = max(1, request.workers if request.workers else min(os.cpu_count() or 1, 4))
+    with (
+        byte_progress(f"convert {out_dir.name}", plan.total_bytes) as progress,
+        OverlappedConversion(
+            plan,
+            out_dir,
+            revision=first.revision,
+            progress=progress,
+            workers=convert_workers,
+            window=overlap.DEFAULT_WINDOW,
+        ) as conversion,
+    ):
+        left = plan.total_bytes - sum(size for size, _ in conversion.written.values())
+        shard_bytes = first.bytes // max(1, len(plan.shards))
+        ensure_disk_space(
+            root,
+            left + (conversion.window + 1) * shard_bytes + _besides_weights(tokenizer),
+            what=f"converting {request.source} while it downloads",
+        )
+        log.info(
+            "converting %s while it downloads: %d output file(s) to write, %d of %d shard(s) "
+            "to fetch",
+            request.source,
+            len(plan.outputs) - len(conversion.written),
+            len(plan.shards - conversion.skip),
+            len(plan.shards),
+        )
+        fetched = fetch(
+            request.source,
+            source,
+            check_disk_space=False,
+            hooks=ArrivalHooks(
+                skip=conversion.skip, arrived=conversion.arrived, admit=conversion.admit
+            ),
+            **options,  # type: ignore[arg-type]
+        )
+        if first.fingerprint and fetched.fingerprint:
+            changes = first.fingerprint.changes(fetched.fingerprint)
+            if changes:
+                raise TransientSourceError(
+                    f"The source {request.source} changed while it was loading "
+                    f"({describe_changes(changes)}); nothing was published.",
+                    "Run the loader again once the upload is complete.",
+                )
+        digests = conversion.finish()
+        peak = conversion.peak_shard_bytes
+    log.info("shards held at once: at most %.1f MB", peak / 1e6)
+    converted = ConvertResult(
+        output_path=out_dir,
+        files=tuple(digests),
+        bytes_written=sum(size for name, (size, _) in digests.items() if name != "config.ini"),
+        seconds=time.monotonic() - started,
+        dtype=plan.out_dtype,
+        source_dtype=plan.out_dtype,
+        config=plan.cfg,
+        digests=digests,
+    )
+    return fetched, converted
 
 
 def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
@@ -422,15 +545,19 @@ def _run(request: RunRequest) -> RunResult:
             return RunResult(target, key, False, time.monotonic() - start)
         publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
         download = None
+        preconverted = None
         try:
             if fetched is None:
                 download = _download_dir(request, root, key)
-                fetched = fetch(
-                    request.source,
-                    download / "source",
-                    workers=request.workers,
-                    retry_deadline_s=request.retry_deadline_s,
-                )
+                if _can_overlap(request, root, download):
+                    fetched, preconverted = _fetch_overlapped(request, root, download)
+                else:
+                    fetched = fetch(
+                        request.source,
+                        download / "source",
+                        workers=request.workers,
+                        retry_deadline_s=request.retry_deadline_s,
+                    )
             source_fingerprint = fetched.fingerprint or fingerprint(
                 request.source, workers=request.workers
             )
@@ -443,6 +570,7 @@ def _run(request: RunRequest) -> RunResult:
                 fetched.revision,
                 tokenizer,
                 source_fingerprint,
+                preconverted,
             )
             try:
                 lock.check_held()

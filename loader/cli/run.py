@@ -116,6 +116,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check an existing repository's file sizes only, not their sha256",
     )
     p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="download the whole checkpoint before converting it (by default a gs:// source "
+        "of sharded safetensors converts while it downloads)",
+    )
+    p.add_argument(
         "--verify",
         choices=("quick", "full"),
         default="quick",
@@ -167,6 +174,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         workers=args.workers,
         verify_checksums=args.verify_checksums,
         verify=args.verify,
+        overlap=args.overlap,
         lock_expiry_s=args.lock_expiry_s,
         lock_timeout_s=args.lock_timeout_s,
         follow_source=args.follow_source,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import posixpath
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -98,6 +99,28 @@ class FetchOptions:
     check_disk_space: bool = True
     retry_deadline_s: float = 300.0
     slice_bytes: int | None = None
+    #: Hooks a caller that consumes files as they arrive gives (gs:// reads them; see
+    #: :class:`ArrivalHooks`).
+    hooks: ArrivalHooks | None = None
+
+
+@dataclass(frozen=True)
+class ArrivalHooks:
+    """How a caller that consumes a checkpoint while it downloads steers a fetch (gs://).
+
+    ``include(relpath)``: whether to fetch that file now (others are listed, fingerprinted and
+    left alone). ``skip``: files not to download (their content is already used). ``arrived
+    (relpath, path)``: called from a download thread once a file is verified and in place
+    (also for files found already present); an exception it raises stops the fetch.
+    ``admit(relpath)``: called before a file's download starts; False means "not yet" and is
+    asked again a moment later (an exception it raises stops the fetch). Small files are
+    fetched first, then large ones in name order.
+    """
+
+    include: Callable[[str], bool] | None = None
+    skip: frozenset[str] = frozenset()
+    arrived: Callable[[str, Path], None] | None = None
+    admit: Callable[[str], bool] | None = None
 
 
 def parse_uri(uri: str) -> SourceURI:
@@ -186,6 +209,7 @@ def fetch(
     check_disk_space: bool = True,
     retry_deadline_s: float = 300.0,
     slice_bytes: int | None = None,
+    hooks: ArrivalHooks | None = None,
 ) -> FetchResult:
     """Fetch the checkpoint at ``uri`` into ``dest`` and return where it is.
 
@@ -211,6 +235,7 @@ def fetch(
         check_disk_space=check_disk_space,
         retry_deadline_s=retry_deadline_s,
         slice_bytes=slice_bytes,
+        hooks=hooks,
     )
     backend = importlib.import_module(SCHEMES[parsed.scheme])
     dest_path = Path(dest).absolute() if dest is not None else None
@@ -238,6 +263,7 @@ def fingerprint(
 
 __all__ = [
     "SCHEMES",
+    "ArrivalHooks",
     "FetchOptions",
     "FetchResult",
     "Fingerprint",

@@ -17,6 +17,9 @@ How a fetch runs:
 * A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
   compared with the object's metadata; only then is it renamed into place. A mismatch is a
   :class:`~loader.errors.ChecksumMismatchError`.
+* With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
+  on: small objects are fetched first, then large ones in name order, each started only when
+  the caller admits it, and the caller hears of every verified file at once.
 * Transient failures (connection errors, 429, 5xx) are retried per slice with exponential
   backoff within a total deadline; a missing bucket or object and permission problems fail at
   once with the URI in the message.
@@ -46,7 +49,7 @@ from loader.errors import (
     SourcePermissionError,
 )
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
@@ -486,13 +489,18 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     dest.mkdir(parents=True, exist_ok=True)
     partial_root = dest / PARTIAL_DIR
 
+    hooks = options.hooks or ArrivalHooks()
     objects: list[_Object] = []
+    present: list[tuple[str, Path]] = []
     files = [_relpath(uri, blob.name) for blob in blobs]
     _check_layout(uri, files)
     for blob, rel in zip(blobs, files, strict=True):
+        if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
+            continue
         final = dest / rel
         if not final.is_symlink() and _verified(final, blob):
             log.debug("already present and verified: %s", final)
+            present.append((rel, final))
             continue
         partial = partial_root / f"{rel}.{blob.generation}"
         objects.append(
@@ -505,6 +513,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             )
         )
     total = sum(int(b.size or 0) for b in blobs)
+    objects.sort(key=lambda obj: (obj.size > slice_bytes, obj.rel))
     for obj in objects:
         _prepare(obj, dest)
     needed = sum(obj.size - obj.resumed for obj in objects)
@@ -519,8 +528,11 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         len(blobs) - len(objects),
     )
 
+    if hooks.arrived is not None:
+        for rel, final in present:
+            hooks.arrived(rel, final)
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
-        _run(objects, funnel, progress, workers, dest)
+        _run(objects, funnel, progress, workers, dest, hooks)
     shutil.rmtree(partial_root, ignore_errors=True)
     return FetchResult(
         path=dest,
@@ -532,10 +544,20 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     )
 
 
+#: Seconds between two questions to ``ArrivalHooks.admit`` about one object.
+ADMIT_POLL_S = 0.05
+
+
 def _run(
-    objects: list[_Object], funnel: _Funnel, progress: Progress, workers: int, dest: Path
+    objects: list[_Object],
+    funnel: _Funnel,
+    progress: Progress,
+    workers: int,
+    dest: Path,
+    hooks: ArrivalHooks,
 ) -> None:
-    """Download every missing slice with one thread pool; finish each object on its last slice."""
+    """Download every missing slice with one thread pool; finish each object on its last slice
+    (and tell ``hooks.arrived``); an object starts once ``hooks.admit`` lets it."""
     remaining = {id(obj): len(obj.slices) - len(obj.done) for obj in objects}
     counter_lock = threading.Lock()
     stop = threading.Event()
@@ -552,11 +574,23 @@ def _run(
             last = True
         if last:
             _finish(obj, dest)
+            if hooks.arrived is not None:
+                hooks.arrived(obj.rel, obj.final)
+
+    def admitted(obj: _Object) -> bool:
+        """Wait until ``hooks.admit`` lets ``obj`` start; False if a download failed meanwhile."""
+        while hooks.admit is not None and not hooks.admit(obj.rel):
+            if any(f.done() and f.exception() is not None for f in futures):
+                return False
+            stop.wait(ADMIT_POLL_S)
+        return True
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs")
     futures = []
     try:
         for obj in objects:
+            if not admitted(obj):
+                break
             missing = [i for i in range(len(obj.slices)) if i not in obj.done]
             futures += [pool.submit(job, obj, i) for i in missing] or [pool.submit(job, obj, None)]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
