@@ -432,8 +432,12 @@ def _fetch_overlapped(
             request.source,
             source,
             check_disk_space=False,
+            slice_bytes=overlap.SLICE_BYTES,
             hooks=ArrivalHooks(
-                skip=conversion.skip, arrived=conversion.arrived, admit=conversion.admit
+                skip=conversion.skip,
+                arrived=conversion.arrived,
+                admit=conversion.admit,
+                transient=True,
             ),
             **options,  # type: ignore[arg-type]
         )

@@ -11,9 +11,12 @@ output dtype. :class:`OverlappedConversion` then consumes the shards as the fetc
 * ``arrived``: a verified shard's header is parsed and its tensors checked against the index
   and the shapes ``config.json`` implies; every output whose shards are all here is handed to a
   small pool of writers (:func:`~loader.convert.writer.write_file`, which hashes as it writes);
-* ``admit``: at most ``window`` shards are downloaded or waiting at a time (one more when the
-  ones held cannot progress without it), so the disk holds the outputs plus a few shards;
-* every finished output is fsynced and recorded in a journal beside the outputs
+* ``admit``: one shard downloads at a time (all the fetch's streams on it, so it arrives as
+  early as it can while the one before converts), and at most ``window`` shards are held (one
+  more when the ones held cannot progress without it), so the disk holds the outputs plus a
+  few shards;
+* every finished output is fsynced (by one thread of its own, so the disk writes back while the
+  writers go on) and recorded in a journal beside the outputs
   (``name size sha256 inode mtime_ns``, under a header naming the source revision and dtype):
   a killed run's successor keeps those files and does not download the shards only they read
   (``skip``).
@@ -61,6 +64,9 @@ JOURNAL = ".written"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 #: Shards downloaded or waiting at a time by default.
 DEFAULT_WINDOW = 2
+#: Byte-range slices of a shard: small enough that every stream of the fetch works on the one
+#: shard downloading.
+SLICE_BYTES = 16 * 2**20
 #: ``torch_dtype`` of config.json -> source dtype name.
 _HF_DTYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
 
@@ -145,6 +151,16 @@ def plan_overlap(
     return OverlapPlan(cfg, tp, outputs, out_dtype, expected, weight_map, needs)
 
 
+def _start_writeback(path: Path) -> None:
+    """Have the kernel start writing ``path`` back now, without waiting (the fsync that follows
+    then finds its pages on their way, and the cache keeps no copy of weights already used)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 class _Arrived:
     """The tensors of the shards arrived so far, as :func:`write_file` reads a checkpoint."""
 
@@ -203,6 +219,8 @@ class OverlappedConversion:
         self._running = 0
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="overlap")
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-sync")
+        self._syncing = 0
         self.written: dict[str, tuple[int, str]] = self._resume()
         self._pending = {o.name: o for o in plan.outputs if o.name not in self.written}
         self._users: dict[str, set[str]] = {shard: set() for shard in plan.shards}
@@ -271,8 +289,9 @@ class OverlappedConversion:
             return True
         with self._cond:
             self._raise_if_failed()
-            stuck = self._running == 0 and set(self._held) <= set(self._arrived.shards)
-            if len(self._held) < self.window or stuck:
+            downloading = set(self._held) - set(self._arrived.shards)
+            stuck = self._running == 0 and not downloading
+            if (len(self._held) < self.window and not downloading) or stuck:
                 self._held.add(rel)
                 return True
             self._cond.wait(0.05)
@@ -292,6 +311,7 @@ class OverlappedConversion:
             if not self._users[rel]:
                 self._release(rel)
             self._submit_ready()
+            self._cond.notify_all()
 
     def _check(self, rel: str, shard: SafetensorsFile) -> None:
         plan = self.plan
@@ -336,31 +356,50 @@ class OverlappedConversion:
                 out, self._arrived, self.out_dir, dtype=self.plan.np_dtype,  # type: ignore[arg-type]
                 progress=self._progress, chunk_bytes=self._chunk_bytes, stop=self._stop,
             )  # fmt: skip
-            path = self.out_dir / out.name
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            stat = path.stat()
+            _start_writeback(self.out_dir / out.name)
             with self._cond:
-                with open(self.journal, "a") as fh:
-                    fh.write(f"{out.name} {size} {digest} {stat.st_ino} {stat.st_mtime_ns}\n")
                 self.written[out.name] = (size, digest)
                 self._running -= 1
+                self._syncing += 1
                 for shard in self.plan.needs[out.name]:
                     self._users[shard].discard(out.name)
                     if not self._users[shard] and shard in self._arrived.shards:
                         self._release(shard)
                 self._submit_ready()
                 self._cond.notify_all()
+            self._syncer.submit(self._sync, out.name, size, digest)
         except BaseException as exc:
             with self._cond:
                 self._running -= 1
-                if self._error is None:
-                    self._error = exc
-                self._stop.set()
+                self._fail(exc)
+
+    def _sync(self, name: str, size: int, digest: str) -> None:
+        """fsync a written output, then journal it (one thread: the disk writes back while
+        the writers go on)."""
+        try:
+            path = self.out_dir / name
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            stat = path.stat()
+            with open(self.journal, "a") as fh:
+                fh.write(f"{name} {size} {digest} {stat.st_ino} {stat.st_mtime_ns}\n")
+            with self._cond:
+                self._syncing -= 1
                 self._cond.notify_all()
+        except BaseException as exc:
+            with self._cond:
+                self._syncing -= 1
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the first failure and stop the writers (lock held)."""
+        if self._error is None:
+            self._error = exc
+        self._stop.set()
+        self._cond.notify_all()
 
     def _release(self, rel: str) -> None:
         """Close and delete a shard nothing left to write reads (lock held)."""
@@ -375,8 +414,8 @@ class OverlappedConversion:
     def finish(self) -> dict[str, tuple[int, str]]:
         """Wait for the last outputs; write config.ini; returns every file's (size, sha256)."""
         with self._cond:
-            while self._error is None and (self._pending or self._running):
-                if not self._running and self._pending:
+            while self._error is None and (self._pending or self._running or self._syncing):
+                if not self._running and not self._syncing and self._pending:
                     missing = sorted(set().union(*(self.plan.needs[n] for n in self._pending)))
                     raise CheckpointError(
                         f"The download ended without {_listing(missing)}, which the index names.",
@@ -393,6 +432,7 @@ class OverlappedConversion:
         """Stop the writers (waiting for the chunks in flight) and unmap the shards."""
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._syncer.shutdown(wait=True, cancel_futures=True)
         for rel in list(self._arrived.shards):
             self._arrived.remove(rel).close()
 

@@ -114,13 +114,17 @@ class ArrivalHooks:
     (also for files found already present); an exception it raises stops the fetch.
     ``admit(relpath)``: called before a file's download starts; False means "not yet" and is
     asked again a moment later (an exception it raises stops the fetch). Small files are
-    fetched first, then large ones in name order.
+    fetched first, then large ones in name order. ``transient``: the caller deletes the files
+    soon after they arrive, so downloaded slices are not fsynced (a file the kernel drops
+    before writing it back never costs a disk write; after a power loss the checksum of the
+    whole file still catches a slice that was lost, and it is downloaded again).
     """
 
     include: Callable[[str], bool] | None = None
     skip: frozenset[str] = frozenset()
     arrived: Callable[[str, Path], None] | None = None
     admit: Callable[[str], bool] | None = None
+    transient: bool = False
 
 
 def parse_uri(uri: str) -> SourceURI:

@@ -418,7 +418,9 @@ def _read_range(blob: Any, start: int, end: int, writer: _CountingWriter) -> Non
             writer.write(chunk)
 
 
-def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progress) -> None:
+def _download_slice(
+    obj: _Object, index: int, funnel: _Funnel, progress: Progress, *, durable: bool = True
+) -> None:
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
     if end >= start:
@@ -438,7 +440,8 @@ def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progres
                         f"short read: {writer.written} of {end - start + 1} bytes at offset {start}"
                     )
                 fh.flush()
-                os.fsync(fh.fileno())
+                if durable:
+                    os.fsync(fh.fileno())
 
         funnel(attempt, what=what)
     with obj.lock:
@@ -545,7 +548,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
 
 
 #: Seconds between two questions to ``ArrivalHooks.admit`` about one object.
-ADMIT_POLL_S = 0.05
+ADMIT_POLL_S = 0.01
 
 
 def _run(
@@ -566,7 +569,7 @@ def _run(
         if stop.is_set():
             return
         if index is not None:
-            _download_slice(obj, index, funnel, progress)
+            _download_slice(obj, index, funnel, progress, durable=not hooks.transient)
             with counter_lock:
                 remaining[id(obj)] -= 1
                 last = remaining[id(obj)] == 0
