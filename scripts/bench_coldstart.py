@@ -12,7 +12,7 @@ side in one run, each in a fresh directory:
 (c) ``model-loader run``: convert while downloading, deleting each shard once converted.
 
 Each command runs as its own process; its time is wall time until it exited (``run`` exits
-right after writing ``.ready`` and the rename). A sampler walks the destination every 20 ms and
+right after writing ``.ready`` and the rename). A sampler walks the destination every 100 ms and
 records its peak disk use (allocated blocks). Prints a table with each time as a ratio to the
 fetch alone and the peak disk, and writes ``bench/results/coldstart.json`` and
 ``bench/results/coldstart.md`` (the table and the command that produced it).
@@ -127,7 +127,7 @@ def build_checkpoint(src: Path, layers: int, hidden: int, shard_mib: int) -> int
 class DiskSampler:
     """Peak allocated bytes under a directory, sampled every ``interval`` seconds."""
 
-    def __init__(self, path: Path, interval: float = 0.02) -> None:
+    def __init__(self, path: Path, interval: float = 0.1) -> None:
         self.path, self.interval, self.peak = path, interval, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         f"width {args.hidden}, {len(shards)} safetensors shards, random weights) on a local "
         "fake-gcs-server; each variant ran "
         f"{args.repeat} times in a fresh directory, interleaved; times are medians of the wall "
-        "time of each command, peak disk the most a sampler (every 20 ms) saw under its "
+        "time of each command, peak disk the most a sampler (every 100 ms) saw under its "
         "destination.\n\n" + "\n".join(table) + "\n"
     )
     print(f"wrote {args.results.with_suffix('.json')} and {args.results.with_suffix('.md')}")
