@@ -44,6 +44,7 @@ import numpy as np
 from loader.checkpoint import SafetensorsFile, TensorInfo, read_hf_config
 from loader.errors import CheckpointError
 from loader.formats.fastertransformer import FTConfig
+from loader.formats.huggingface import CONFIG_DTYPES, WEIGHT_FILES
 from loader.parallel import Parallelism
 from loader.progress import Progress
 
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 #: The index the overlapped path needs (sharded safetensors); other layouts convert after the
 #: download.
-INDEX = "model.safetensors.index.json"
+INDEX = WEIGHT_FILES[0].index
 #: Journal of the outputs written, beside them.
 JOURNAL = ".written"
 #: File name endings of weights: everything else is fetched first.
@@ -67,8 +68,6 @@ DEFAULT_WINDOW = 2
 #: Byte-range slices of a shard: small enough that every stream of the fetch works on the one
 #: shard downloading.
 SLICE_BYTES = 16 * 2**20
-#: ``torch_dtype`` of config.json -> source dtype name.
-_HF_DTYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
 
 
 def is_weight_file(relpath: str) -> bool:
@@ -109,7 +108,7 @@ def plan_overlap(
     if not index_path.is_file():
         return None
     hf = read_hf_config(source_dir)
-    source_dtype = _HF_DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or ""))
+    source_dtype = CONFIG_DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or ""))
     if source_dtype is None:
         return None
     try:
