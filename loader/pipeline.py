@@ -293,6 +293,7 @@ def _build(
     """Convert and write the whole repository into a new staging directory (or move the
     ``preconverted`` weights there); returns it."""
     from loader.convert import convert_checkpoint
+    from loader.convert.overlap import JOURNAL
 
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
@@ -302,6 +303,7 @@ def _build(
             final = layout.weights_dir(staging) / preconverted.output_path.name
             final.parent.mkdir(parents=True, exist_ok=True)
             os.rename(preconverted.output_path, final)
+            (final / JOURNAL).unlink()  # the resume record of the conversion, not served
             converted = dataclasses.replace(preconverted, output_path=final)
         else:
             converted = convert_checkpoint(

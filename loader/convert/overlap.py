@@ -411,7 +411,8 @@ class OverlappedConversion:
     # --- the end --------------------------------------------------------------------------
 
     def finish(self) -> dict[str, tuple[int, str]]:
-        """Wait for the last outputs; write config.ini; returns every file's (size, sha256)."""
+        """Wait for the last outputs; write config.ini; returns every file's (size, sha256).
+        The journal stays until the caller moved the outputs (and removes it there)."""
         with self._cond:
             while self._error is None and (self._pending or self._running or self._syncing):
                 if not self._running and not self._syncing and self._pending:
@@ -424,7 +425,6 @@ class OverlappedConversion:
             self._raise_if_failed()
         ini = self.plan.cfg.to_ini().encode("utf-8")
         (self.out_dir / CONFIG_INI).write_bytes(ini)
-        self.journal.unlink()
         return {**self.written, CONFIG_INI: (len(ini), hashlib.sha256(ini).hexdigest())}
 
     def close(self) -> None:
