@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     shards = [p for p in files if p.suffix == ".safetensors"]
     print(f"checkpoint: {checkpoint_bytes / 1e9:.2f} GB, {len(shards)} fp16 shards, in {src}")
     server = Server(work)
+    load_before = os.getloadavg()
     try:
         server.upload(files)
         env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
@@ -234,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(table))
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    machine = f"{os.cpu_count()} CPUs visible, {sys.platform}, Python {sys.version.split()[0]}"
+    load = f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
+    machine = (
+        f"{os.cpu_count()} CPUs visible (1-minute load average {load}), {sys.platform}, "
+        f"Python {sys.version.split()[0]}"
+    )
     report = {
         "command": command.strip(),
         "checkpoint_bytes": checkpoint_bytes,
