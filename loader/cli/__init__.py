@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -47,6 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(name).register(subparsers)
     return parser
+
+
+#: Optional extra -> what it is for, in the words of the error a missing one gives.
+EXTRAS: dict[str, str] = {
+    "torch": "reading PyTorch .bin checkpoints",
+    "gcs": "gs:// sources",
+    "hf": "hf:// sources",
+    "serve": "the local CPU Triton (serve, tune, the serving bench)",
+    "bench": "benchmarks (tables, plots, the demo model)",
+    "dev": "the tests and linters",
+}
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Raise a :class:`LoaderError` naming ``extra`` unless every module can be imported."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise LoaderError(
+            f"this command needs {', '.join(missing)} ({EXTRAS.get(extra, extra)}), "
+            "which is not installed",
+            f"Install the [{extra}] extra: pip install 'model-triton-loader[{extra}]' "
+            "(in a checkout: make install).",
+        )
 
 
 def configure_logging(verbose: int, quiet: bool) -> None:
