@@ -248,3 +248,40 @@ def test_widening_doubles_the_window_of_either_mode():
     assert count.widened().window() == "32 requests"
     assert PerfAnalyzerOptions().widened().measurement_interval_ms == 10000
     assert "--measurement-interval=10000" in PerfAnalyzerOptions().widened().arguments()
+
+
+BLOCK_AND_RUN = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Missing(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in sys.argv[1].split(","):
+            raise ModuleNotFoundError(name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+from loader.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "extra"),
+    [
+        ("pytriton", ["serve", "/nonexistent"], "[serve]"),
+        ("matplotlib", ["tune", "--repository", "/nonexistent"], "[bench]"),
+        ("pytriton", ["tune", "--repository", "/nonexistent"], "[serve]"),
+    ],
+)
+def test_a_command_whose_extra_is_missing_names_the_extra(missing, argv, extra):
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_AND_RUN, missing, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"pip install 'model-triton-loader{extra}'" in proc.stderr
+    assert "Traceback" not in proc.stderr

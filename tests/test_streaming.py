@@ -422,6 +422,15 @@ def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
         again = _complete_script(*args, "--max-tokens", "12", prompt)
         assert again.returncode == 0, again.stderr
         assert again.stdout == expected.text + "\n"
+        assert "1 tokens" not in again.stderr  # one response is not one token
+    # --json against a model that does not stream: no made-up token count
+    [summary] = [
+        json.loads(line)
+        for line in _complete_script("--url", plain.grpc_url, "--json", prompt).stdout.splitlines()
+        if '"done"' in line
+    ]
+    assert summary["output_tokens"] is None and summary["responses"] == 1
+    assert "does not stream" in _complete_script("--url", plain.grpc_url, prompt).stderr
 
 
 def test_scripts_complete_reports_errors_in_one_line_without_a_traceback(streaming):

@@ -31,6 +31,7 @@ COMMANDS: tuple[str, ...] = (
     "loader.cli.plan",
     "loader.cli.serve",
     "loader.cli.tune",
+    "loader.cli.complete",
 )
 
 
@@ -61,9 +62,16 @@ EXTRAS: dict[str, str] = {
 }
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def require_extra(extra: str, *modules: str) -> None:
     """Raise a :class:`LoaderError` naming ``extra`` unless every module can be imported."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if not _importable(m)]
     if missing:
         raise LoaderError(
             f"this command needs {', '.join(missing)} ({EXTRAS.get(extra, extra)}), "

@@ -15,7 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a published repository with the real tritonserver (CPU)",
         description="Serve REPOSITORY (the directory `model-loader run` printed) with the "
-        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM.",
+        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM. "
+        "Needs the [serve] extra.",
     )
     p.add_argument("repository", type=Path, metavar="REPOSITORY")
     p.add_argument("--http-port", type=int, help="HTTP port (default: a free one)")
@@ -33,6 +34,9 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loader.cli import require_extra
+
+    require_extra("serve", "pytriton", "tokenizers")
     from loader.serving import TritonServer
 
     if threading.current_thread() is threading.main_thread():
