@@ -285,3 +285,15 @@ def test_a_command_whose_extra_is_missing_names_the_extra(missing, argv, extra):
     assert proc.returncode == 2, proc.stderr
     assert f"pip install 'model-triton-loader{extra}'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_help_shows_every_flags_default_and_documents_the_environment():
+    from loader.cli import build_parser
+
+    help_text = build_parser().format_help()
+    assert "MODEL_LOADER_LOG_LEVEL" in help_text
+    tune = subprocess.run(
+        [sys.executable, "-m", "loader", "tune", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "--serving-experiment" not in tune  # only flags and defaults tune has
+    assert "default 1:16:5" in tune and "bench/mixed.json" in tune

@@ -37,7 +37,7 @@ def add_measurement_arguments(
     parser: argparse.ArgumentParser,
     *,
     default_rounds: str = "1",
-    default_range: str = "",
+    default_range: str = DEFAULT_CONCURRENCY_RANGE,
     default_inputs: str = BOTH_REQUEST_FILES,
 ) -> None:
     group = parser.add_argument_group("measurement (perf_analyzer)")
