@@ -34,9 +34,14 @@ tools: venv
 test: install ## run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: venv ## check style (ruff)
+#: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
+#: modules a repository copies next to them.
+TRITON_IMAGE_PYTHON := loader/repository/models loader/reference loader/formats loader/errors.py loader/__init__.py
+
+lint: venv ## check style (ruff) and that the code the Triton image runs needs at most Python 3.10 (vermin)
 	$(BIN)/ruff check loader tests scripts
 	$(BIN)/ruff format --check loader tests scripts
+	$(BIN)/vermin -q -t=3.10- --no-tips --violations --eval-annotations $(TRITON_IMAGE_PYTHON)
 
 fmt: venv ## fix style (ruff)
 	$(BIN)/ruff check --fix loader tests scripts

@@ -147,7 +147,6 @@ def _build(
     """Convert and write the whole repository into a new staging directory; returns it."""
     from loader.convert import convert_checkpoint
 
-    target = publish.published_path(root, key)
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
     try:
@@ -160,13 +159,12 @@ def _build(
             dtype=None if settings.dtype == "auto" else settings.dtype,
             workers=request.workers,
         )
-        final_weights = target / Path(converted.output_path).relative_to(staging)
         spec = RepositorySpec(
             name=request.model_name,
             parallelism=par,
             settings=settings,
             data_type=str(converted.dtype),
-            checkpoint_path=str(final_weights),
+            end_id=converted.config.end_id,
         )
         layout.write_models(staging, spec, tokenizer=tokenizer)
         meta = {
@@ -178,7 +176,7 @@ def _build(
             "parallelism": {"tp": par.tp, "pp": par.pp, "instance_count": par.instance_count},
             "settings": settings.as_dict(),
             "data_type": spec.data_type,
-            "model_checkpoint_path": spec.checkpoint_path,
+            "weights": Path(converted.output_path).relative_to(staging).as_posix(),
             "loader_version": __version__,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

@@ -2,7 +2,7 @@
 
 Two jobs, used by ``model-loader run`` (before anything is written) and ``model-loader plan``:
 
-* :func:`check_placement`: the FasterTransformer backend's rules (FT_FORMAT.md 3.4) and the
+* :func:`check_placement`: the FasterTransformer backend's rules (``docs/fastertransformer.md``, "Instances") and the
   chart's node rule. A Triton replica sees ``G`` GPUs (``--gpus-per-replica``, default T x P);
   FT needs ``G`` divisible by T x P and ``G <= T x P x I`` (every visible GPU gets an instance),
   ``n_layer`` divisible by P, and the replicas of a node must fit its GPUs (N x G <= node GPUs).
@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from loader.errors import CheckpointError, ParallelismError, PlacementError
+from loader.formats.fastertransformer import UnsupportedHeadSizeError, check_head_size
 from loader.parallel import Parallelism
 
 GIB = 2**30
@@ -85,8 +86,8 @@ class ModelShape:
         return self.n_layer * layer + 2 * v * h + v + 2 * h
 
 
-#: Shapes of models we serve, for planning without a checkpoint at hand (fauxpilot's shipped
-#: CodeGen configurations and GPT-J-6B; FT_FORMAT.md section 2).
+#: Shapes of models we serve, for planning without a checkpoint at hand (the published CodeGen
+#: configurations and GPT-J-6B).
 MODEL_PRESETS: dict[str, ModelShape] = {
     "codegen-350m": ModelShape(1024, 20, 16, 51200, 4096, 2048),
     "codegen-2b": ModelShape(2560, 32, 32, 51200, 10240, 2048),
@@ -262,12 +263,13 @@ def plan_row(
     gpu_memory_gib: float | None,
     max_seq_len: int | None = None,
 ) -> PlanRow:
-    """Evaluate one configuration: placement rules first, then memory."""
+    """Evaluate one configuration: the head size and placement rules first, then memory."""
     try:
+        check_head_size(shape.size_per_head, where="the model")
         check_placement(parallelism, topology, n_layer=shape.n_layer)
         parallelism.split(shape.n_head, "the attention head count")
         parallelism.split(shape.n_inner, "the MLP width (n_inner)")
-    except ParallelismError as exc:
+    except (ParallelismError, UnsupportedHeadSizeError) as exc:
         problem = f"{exc.message} {exc.remediation}"
         return PlanRow(parallelism, topology, None, gpu_memory_gib, "invalid", problem)
     estimate = estimate_memory(

@@ -9,7 +9,7 @@ waits for ``/v2/health/ready`` with a deadline, and on exit stops the server (SI
 If the server does not become ready (for example a model fails to load), the error raised
 carries the tail of the server log, which holds Triton's own message.
 
-Environment facts this module encodes (docs/TOOLS.md):
+Environment facts this module encodes (``docs/local-triton.md``):
 
 - the stub embeds libpython: the interpreter's ``LIBDIR`` goes first in ``LD_LIBRARY_PATH``,
   followed by the wheel's ``nvidia_pytriton.libs``;

@@ -837,3 +837,31 @@ def test_staging_deploy_refuses_without_kubectl_before_touching_anything():
     proc = _staging_deploy(YES="1", KUBECTL="/nonexistent/kubectl")
     assert proc.returncode == 1
     assert "/nonexistent/kubectl not found" in proc.stderr
+
+
+def test_image_pull_secrets_reach_every_pod():
+    docs = rendered(
+        "helm4",
+        None,
+        (
+            "imagePullSecrets={reg-a,reg-b}",
+            "loader.hook.enabled=true",
+            "modelRepository.persistence.existingClaim=models",
+            "serviceAccount.create=false",
+            "serviceAccount.name=loader",
+        ),
+    )
+    pods = [rc._pod_spec(d) for d in docs if rc._pod_spec(d) is not None]
+    assert {d["kind"] for d in docs if rc._pod_spec(d) is not None} == {
+        "Deployment",
+        "CronJob",
+        "Job",
+        "Pod",
+    }
+    for pod in pods:
+        assert pod["imagePullSecrets"] == [{"name": "reg-a"}, {"name": "reg-b"}]
+    assert all(
+        "imagePullSecrets" not in rc._pod_spec(d)
+        for d in rendered("helm4", None)
+        if rc._pod_spec(d) is not None
+    )

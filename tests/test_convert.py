@@ -58,7 +58,7 @@ def converted(sources, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-# --- an independent reading of the FT files (FT_FORMAT.md 1.3/1.4) --------------------------
+# --- an independent reading of the FT files (docs/fastertransformer.md, "Files") --------------------------
 
 
 def _read(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:

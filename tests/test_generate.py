@@ -28,6 +28,8 @@ from loader.reference.generate import (
 )
 
 VOCAB = 320
+#: An end_id the model never generates (outside its vocabulary, as FT allows).
+NEVER = VOCAB + 7
 PROBS = np.array([[0.5, 0.3, 0.15, 0.05]])
 
 
@@ -160,14 +162,15 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[np.ndarray, float]:
 def test_greedy_batch_equals_hugging_face_generate(tiny, tp):
     hf, models = tiny
     requests = [
-        GenerationRequest(p, 10, end_id=VOCAB - 1, sampling=SamplingConfig(top_k=1))
-        for p in PROMPTS
+        GenerationRequest(p, 10, end_id=NEVER, sampling=SamplingConfig(top_k=1)) for p in PROMPTS
     ]
     results = generate(models[tp], requests, vocab_size=VOCAB)
+    width = max(len(p) for p in PROMPTS)
     for prompt, result in zip(PROMPTS, results, strict=True):
         expected, cum_log_prob = _hf_greedy(hf, prompt, 10)
-        np.testing.assert_array_equal(result.output_ids[: result.sequence_length], expected)
-        assert result.sequence_length == len(prompt) + 10
+        np.testing.assert_array_equal(result.output_ids[: len(prompt) + 10], expected)
+        assert result.num_generated == 10
+        assert result.sequence_length == width + 10  # FT counts the batch's widest prompt
         assert result.cum_log_prob == pytest.approx(cum_log_prob, abs=1e-3)
         np.testing.assert_allclose(result.output_log_probs, 0.0, atol=1e-6)  # log P(top-1 | top-1)
 
@@ -177,10 +180,10 @@ def test_greedy_codegen_after_conversion_equals_hugging_face_generate(tmp_path):
     source = make_tiny_checkpoint(tmp_path / "codegen", arch="codegen", vocab_size=VOCAB)
     hf = load_hf_model(source)
     model = GptJ(load_ft_checkpoint(convert_checkpoint(source, tmp_path, tp_size=2).output_path))
-    requests = [GenerationRequest(p, 8, end_id=VOCAB - 1) for p in PROMPTS]
+    requests = [GenerationRequest(p, 8, end_id=NEVER) for p in PROMPTS]
     for prompt, result in zip(PROMPTS, generate(model, requests, vocab_size=VOCAB), strict=True):
         expected, _ = _hf_greedy(hf, prompt, 8)
-        np.testing.assert_array_equal(result.output_ids[: result.sequence_length], expected)
+        np.testing.assert_array_equal(result.output_ids[: len(prompt) + 8], expected)
 
 
 def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
@@ -193,15 +196,65 @@ def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
     # Different lengths, so rows finish at different steps; one end_id lies outside the vocabulary
     # (the users' request sends 50256 to models of any size).
     requests = [
-        GenerationRequest(p, 6 + 3 * i, end_id=(VOCAB - 1, 50256, 7)[i], sampling=s)
+        GenerationRequest(p, 6 + 3 * i, end_id=(NEVER, 50256, 7)[i], sampling=s)
         for i, (p, s) in enumerate(zip(PROMPTS, samplers, strict=True))
     ]
     batched = generate(models[2], requests, vocab_size=VOCAB)
     for request, together in zip(requests, batched, strict=True):
         alone = generate(models[2], [request], vocab_size=VOCAB)[0]
-        np.testing.assert_array_equal(alone.output_ids, together.output_ids)
-        assert alone.sequence_length == together.sequence_length
-        np.testing.assert_allclose(alone.output_log_probs, together.output_log_probs, atol=1e-5)
+        np.testing.assert_array_equal(alone.generated_ids, together.generated_ids)
+        n = alone.num_generated
+        np.testing.assert_allclose(
+            alone.output_log_probs[:n], together.output_log_probs[:n], atol=1e-5
+        )
+        assert alone.cum_log_prob == pytest.approx(together.cum_log_prob, abs=1e-4)
+
+
+def test_a_ragged_batch_has_fts_layout(tiny):
+    """FT pads the batch to its widest prompt W: every row is W + max(output_len) wide, its
+    sequence_length counts W, and end_id fills the rest (gatherTree, DecodingInitialize)."""
+    _, models = tiny
+    short, long_ = PROMPTS[0][:3], PROMPTS[1]
+    requests = [
+        GenerationRequest(short, 4, end_id=NEVER),
+        GenerationRequest(long_, 6, end_id=NEVER),
+    ]
+    width = len(long_)
+    results = generate(models[1], requests, vocab_size=VOCAB, padded_input_length=width + 2)
+    for request, result in zip(requests, results, strict=True):
+        assert result.output_ids.size == width + 2 + 6
+        assert result.output_log_probs.size == 6
+        assert result.num_generated == request.output_len
+        assert result.sequence_length == width + 2 + request.output_len
+        assert result.output_ids[: len(request.input_ids)].tolist() == list(request.input_ids)
+        rest = result.output_ids[len(request.input_ids) + result.num_generated :]
+        assert (rest == NEVER).all()
+
+
+def test_temperature_shapes_sampling(tiny):
+    """Through generation: a low temperature samples (almost) the greedy tokens whatever the
+    seed, temperature 1 does not (a lost temperature makes both alike)."""
+    _, models = tiny
+    greedy = generate(
+        models[1], [GenerationRequest(PROMPTS[0], 8, end_id=NEVER)], vocab_size=VOCAB
+    )[0].generated_ids.tolist()
+
+    def sampled(temperature: float) -> list[list[int]]:
+        requests = [
+            GenerationRequest(
+                PROMPTS[0],
+                8,
+                end_id=NEVER,
+                sampling=SamplingConfig(top_p=1.0, temperature=temperature, random_seed=seed),
+            )
+            for seed in range(12)
+        ]
+        return [r.generated_ids.tolist() for r in generate(models[1], requests, vocab_size=VOCAB)]
+
+    cold, warm = sampled(0.01), sampled(1.0)
+    assert sum(seq == greedy for seq in cold) >= 11
+    assert sum(seq == greedy for seq in warm) <= 2
+    assert len({tuple(seq) for seq in warm}) >= 6
 
 
 def test_random_seed_makes_sampling_reproducible_per_request(tiny):
@@ -209,7 +262,7 @@ def test_random_seed_makes_sampling_reproducible_per_request(tiny):
 
     def sample(seed: int) -> np.ndarray:
         sampling = SamplingConfig(top_p=1.0, temperature=2.0, random_seed=seed)
-        request = GenerationRequest(PROMPTS[0], 16, end_id=VOCAB - 1, sampling=sampling)
+        request = GenerationRequest(PROMPTS[0], 16, end_id=NEVER, sampling=sampling)
         return generate(models[1], [request], vocab_size=VOCAB)[0].generated_ids
 
     np.testing.assert_array_equal(sample(1594506369), sample(1594506369))
@@ -219,7 +272,7 @@ def test_random_seed_makes_sampling_reproducible_per_request(tiny):
 def test_generation_stops_at_end_id_and_pads_with_it(tiny):
     _, models = tiny
     greedy = generate(
-        models[1], [GenerationRequest(PROMPTS[1], 8, end_id=VOCAB - 1)], vocab_size=VOCAB
+        models[1], [GenerationRequest(PROMPTS[1], 8, end_id=NEVER)], vocab_size=VOCAB
     )[0]
     end_id = int(greedy.generated_ids[3])
     assert end_id not in greedy.generated_ids[:3].tolist()
@@ -235,7 +288,7 @@ def test_generation_stops_at_end_id_and_pads_with_it(tiny):
 def test_steps_are_yielded_one_token_at_a_time(tiny):
     _, models = tiny
     requests = [
-        GenerationRequest(p, n, end_id=VOCAB - 1) for p, n in zip(PROMPTS, (2, 5, 3), strict=True)
+        GenerationRequest(p, n, end_id=NEVER) for p, n in zip(PROMPTS, (2, 5, 3), strict=True)
     ]
     generation = BatchGeneration(models[1], requests, vocab_size=VOCAB)
     steps = list(generation)
@@ -262,37 +315,29 @@ def test_ft_word_lists_are_read_as_words():
 def test_stop_words_end_generation_and_stay_in_the_output(tiny):
     _, models = tiny
     greedy = generate(
-        models[1], [GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1)], vocab_size=VOCAB
+        models[1], [GenerationRequest(PROMPTS[0], 10, end_id=NEVER)], vocab_size=VOCAB
     )[0].generated_ids.tolist()
     stop = tuple(greedy[3:5])
     first = next(i for i in range(len(greedy) - 1) if tuple(greedy[i : i + 2]) == stop)
-    request = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, stop_words=((1000,), stop))
+    request = GenerationRequest(PROMPTS[0], 10, end_id=NEVER, stop_words=((1000,), stop))
     result = generate(models[1], [request], vocab_size=VOCAB)[0]
     assert result.generated_ids.tolist() == greedy[: first + 2]
 
 
 def test_bad_words_are_never_generated_after_their_prefix(tiny):
     _, models = tiny
-    base = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1)
+    base = GenerationRequest(PROMPTS[0], 10, end_id=NEVER)
     greedy = generate(models[1], [base], vocab_size=VOCAB)[0].generated_ids.tolist()
-    banned = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, bad_words=((greedy[0],),))
+    banned = GenerationRequest(PROMPTS[0], 10, end_id=NEVER, bad_words=((greedy[0],),))
     result = generate(models[1], [banned], vocab_size=VOCAB)[0].generated_ids.tolist()
     assert greedy[0] not in result
     # A two-token entry only bans its last token right after its first one.
     pair = (PROMPTS[0][-1], greedy[0])
-    after_prefix = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, bad_words=(pair,))
+    after_prefix = GenerationRequest(PROMPTS[0], 10, end_id=NEVER, bad_words=(pair,))
     first = generate(models[1], [after_prefix], vocab_size=VOCAB)[0].generated_ids.tolist()
     assert first[0] != greedy[0]
-    unrelated = GenerationRequest(PROMPTS[0], 10, end_id=VOCAB - 1, bad_words=((1, greedy[0]),))
+    unrelated = GenerationRequest(PROMPTS[0], 10, end_id=NEVER, bad_words=((1, greedy[0]),))
     assert generate(models[1], [unrelated], vocab_size=VOCAB)[0].generated_ids.tolist() == greedy
-
-
-def test_log_probs_are_zero_unless_asked_for(tiny):
-    _, models = tiny
-    request = GenerationRequest(PROMPTS[0], 4, end_id=VOCAB - 1, return_log_probs=False)
-    result = generate(models[1], [request], vocab_size=VOCAB)[0]
-    assert result.cum_log_prob == 0.0
-    assert not result.output_log_probs.any()
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import torch
 
 from loader.convert import convert_checkpoint
 from loader.errors import CheckpointError
+from loader.formats.fastertransformer import LAYERNORM_EPS
 from loader.reference import FTConfig, GptJ, load_ft_checkpoint
 from tests.tinymodels import load_hf_model, make_tiny_checkpoint
 
@@ -64,7 +65,7 @@ def test_logits_match_hugging_face(models, tmp_path, key, tp):
     assert diff <= TOLERANCE, f"max abs diff {diff}"
     assert np.abs(want).max() > 1.0  # the comparison is not between near-zero numbers
     assert len(cache) == 3 and len(cache[0]) == tp
-    assert cache[0][0][0].shape == (2, 8 // tp, 8, 8)
+    assert cache[0][0][0].shape == (2, 8 // tp, 8, 32)
 
 
 def test_the_comparison_detects_a_wrong_rotary(models, tmp_path):
@@ -133,7 +134,7 @@ def test_select_keeps_the_chosen_batch_rows_of_the_cache(models, tmp_path):
 
 def test_config_ini_round_trips(tmp_path):
     cfg = FTConfig(head_num=4, size_per_head=16, inter_size=96, num_layer=2, rotary_embedding=8,
-                   vocab_size=100, start_id=1, end_id=2, layernorm_eps=1e-6, tensor_para_size=2,
+                   vocab_size=100, start_id=1, end_id=2, tensor_para_size=2,
                    weight_data_type="fp16", model_name="tiny")  # fmt: skip
     (tmp_path / "config.ini").write_text(cfg.to_ini())
     assert FTConfig.from_ini(tmp_path) == cfg
@@ -163,3 +164,19 @@ def test_a_config_ini_without_required_keys_is_a_checkpoint_error(tmp_path):
     (tmp_path / "1-gpu" / "config.ini").write_text("[gptj]\nhead_num = 4\n")
     with pytest.raises(CheckpointError, match="lacks model_name, size_per_head"):
         load_ft_checkpoint(tmp_path / "1-gpu")
+
+
+def test_layernorm_epsilon_is_fastertransformers_constant_not_the_checkpoints(tmp_path):
+    """FT's GPT-J ignores the checkpoint's layer_norm_epsilon (GptJ.h: 1e-6); so does the
+    reference: it matches Hugging Face run with 1e-6, not with what the checkpoint says."""
+    path = make_tiny_checkpoint(tmp_path / "eps", layer_norm_epsilon=0.5, seed=5)
+    ckpt = load_ft_checkpoint(convert_checkpoint(path, tmp_path, tp_size=1).output_path)
+    logits, _ = GptJ(ckpt).forward(IDS, position_ids=POSITIONS, attention_mask=MASK)
+    real = MASK.astype(bool)
+    as_trained = hf_logits(load_hf_model(path))
+    as_ft = load_hf_model(path)
+    for module in as_ft.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = LAYERNORM_EPS
+    assert np.abs(logits - hf_logits(as_ft))[real].max() <= TOLERANCE
+    assert np.abs(logits - as_trained)[real].max() > 100 * TOLERANCE

@@ -42,7 +42,7 @@ def _spec(**settings) -> RepositorySpec:
         parallelism=Parallelism(2, 1, 3),
         settings=ServingSettings(**settings),
         data_type="fp16",
-        checkpoint_path="/models/codegen@r/tp2-pp1-i3-x/fastertransformer/1/2-gpu",
+        end_id=50256,
     )
 
 
@@ -90,7 +90,7 @@ def test_ensemble_outputs_are_the_contract(written):
     assert outputs == {
         "completion": (mc.TYPE_STRING, [-1]),
         "output_ids": (mc.TYPE_UINT32, [-1, -1]),
-        "sequence_length": (mc.TYPE_UINT32, [-1]),
+        "sequence_length": (mc.TYPE_INT32, [-1]),  # what FT sends, whatever configs declare
         "cum_log_probs": (mc.TYPE_FP32, [-1]),
         "output_log_probs": (mc.TYPE_FP32, [-1, -1]),
     }
@@ -100,24 +100,33 @@ def test_ensemble_steps_wire_preprocessing_to_fastertransformer_to_postprocessin
     steps = written()["codegen"].ensemble_scheduling.step
     assert [s.model_name for s in steps] == ["preprocessing", "fastertransformer", "postprocessing"]
     pre, ft, post = steps
-    assert dict(pre.input_map) == {"prompt": "prompt"}
+    assert dict(pre.input_map) == {"prompt": "prompt", "is_return_log_probs": "is_return_log_probs"}
     ids, lengths = pre.output_map["input_ids"], pre.output_map["input_lengths"]
-    sampling = {t.name: t.name for t in tensors.SAMPLING_INPUTS}
+    log_probs = pre.output_map["is_return_log_probs"]
+    sampling = {t.name: t.name for t in tensors.SAMPLING_INPUTS if t.name != "is_return_log_probs"}
     assert dict(ft.input_map) == {
         "input_ids": ids,
         "input_lengths": lengths,
+        "is_return_log_probs": log_probs,  # always true: every FT output exists
         "request_output_len": "request_output_len",
         **sampling,
     }
-    assert dict(ft.output_map) == {
-        n: n for n in ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
-    }
+    results = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+    internal = dict(ft.output_map)
+    assert set(internal) == set(results)
+    client_facing = {o.name for o in written()["codegen"].output}
+    assert not set(internal.values()) & client_facing  # no FT tensor reaches a client directly
     assert dict(post.input_map) == {
-        "output_ids": "output_ids",
-        "sequence_length": "sequence_length",
+        **{n: internal[n] for n in results},
         "input_lengths": lengths,
+        "end_id": "end_id",
     }
-    assert dict(post.output_map) == {"completion": "completion"}
+    assert dict(post.output_map) == {n: n for n in client_facing}
+
+
+def test_postprocessing_knows_the_checkpoints_end_id(written):
+    post = written()["postprocessing"]
+    assert post.parameters["end_id"].string_value == "50256"
 
 
 def test_every_step_mapping_agrees_on_dtype_and_optionality(written):
@@ -149,15 +158,29 @@ def test_fastertransformer_model_has_the_ft_parameters_instances_and_batching(wr
     assert [(g.count, g.kind) for g in ft.instance_group] == [(3, mc.ModelInstanceGroup.KIND_CPU)]
     assert list(ft.dynamic_batching.preferred_batch_size) == [4, 8]
     assert ft.dynamic_batching.max_queue_delay_microseconds == 250
+    # No model_checkpoint_path: the backend's default (1/<T>-gpu) keeps the repository movable.
     assert {k: v.string_value for k, v in ft.parameters.items()} == {
         "model_type": "GPT-J",
         "tensor_para_size": "2",
         "pipeline_para_size": "1",
         "data_type": "fp16",
-        "model_checkpoint_path": "/models/codegen@r/tp2-pp1-i3-x/fastertransformer/1/2-gpu",
         "enable_custom_all_reduce": "0",
     }
     assert not ft.model_transaction_policy.decoupled
+
+
+@pytest.mark.parametrize("backend", ["fastertransformer", "python"])
+def test_dynamic_batching_makes_input_ids_ragged(written, backend):
+    ft = written(backend=backend)["fastertransformer"]
+    assert _inputs(ft)["input_ids"].allow_ragged_batch
+    assert not any(i.allow_ragged_batch for i in ft.input if i.name != "input_ids")
+    [batch_input] = ft.batch_input
+    assert batch_input.kind == mc.BatchInput.BATCH_ITEM_SHAPE
+    assert list(batch_input.target_name) == ["input_ids_item_shape"]
+    assert batch_input.data_type == mc.TYPE_INT32
+    assert list(batch_input.source_input) == ["input_ids"]
+    plain = written(backend=backend, dynamic_batching=False)["fastertransformer"]
+    assert not plain.batch_input and not _inputs(plain)["input_ids"].allow_ragged_batch
 
 
 def test_fastertransformer_inputs_follow_ft_format_3_2(written):

@@ -173,10 +173,27 @@ def test_config_endpoint_shows_the_written_instances_and_batching(served):
     assert ensemble["max_batch_size"] == 8
 
 
-def test_concurrent_requests_are_computed_together_only_with_dynamic_batching(served):
+#: Prompts of different token lengths (the tiny tokenizer gives each a length of its own).
+RAGGED_PROMPTS = (
+    "def",
+    "def add(a",
+    "def add(a, b):",
+    "def add(a, b):\n    return",
+    "class Point:\n    def __init__(self, x",
+    "for i in range(10):\n    print(i)\n",
+    "def is_even(n: int) -> bool:\n    return n % 2",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y",
+)
+
+
+def test_prompts_of_different_lengths_batch_together_and_answer_as_alone(served, tokenizer):
+    """Ragged batching: greedy completions inside batches of 8 distinct prompt lengths equal the
+    same requests sent alone; Triton's statistics show the batches (only with batching on)."""
+    lengths = {len(tokenizer.encode(p).ids) for p in RAGGED_PROMPTS}
+    assert len(lengths) == len(RAGGED_PROMPTS)
     requests = [
-        {**SEED_REQUEST, "random_seed": [seed], "request_output_len": [6 + seed]}
-        for seed in range(4)
+        {**SEED_REQUEST, "prompt": [p], "runtime_top_k": [1], "request_output_len": [4 + n % 3]}
+        for n, p in enumerate(RAGGED_PROMPTS)
     ]
     alone = [served.complete(r) for r in requests]
     before = served.stats("fastertransformer")
@@ -191,10 +208,14 @@ def test_concurrent_requests_are_computed_together_only_with_dynamic_batching(se
         assert max(int(b["batch_size"]) for b in after["batch_stats"]) > 1
     else:
         assert executions == inferences
-    # A request's result does not depend on what it was batched with.
-    for a, b in zip(alone, together, strict=True):
-        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+    for request, a, b in zip(requests, alone, together, strict=True):
+        prompt = tokenizer.encode(request["prompt"][0]).ids
+        n_out = request["request_output_len"][0]
         assert a.text == b.text
+        assert (
+            a.output_ids[: len(prompt) + n_out].tolist()
+            == b.output_ids[: len(prompt) + n_out].tolist()
+        )
 
 
 def test_the_fastertransformer_model_answers_ft_inputs_directly(served, tokenizer):
@@ -238,7 +259,8 @@ def test_an_end_id_sent_to_the_ensemble_stops_the_completion(served, tokenizer):
     stopped = served.complete({**greedy, "end_id": [end_id]})
     assert stopped.sequence_length == len(prompt) + generated.index(end_id) + 1
     assert (stopped.output_ids[stopped.sequence_length :] == end_id).all()
-    assert stopped.text == tokenizer.decode(generated[: generated.index(end_id) + 1])
+    # The end token ends the completion; it is not part of its text.
+    assert stopped.text == tokenizer.decode(generated[: generated.index(end_id)])
 
 
 def test_an_empty_prompt_is_refused_with_a_clear_error(served):
@@ -314,8 +336,11 @@ def test_a_repository_whose_tp_does_not_match_its_files_fails_to_load(published,
     config = read_config(config_path)
     config.parameters["tensor_para_size"].string_value = "2"
     write_config(config, config_path.parent)
+    # FT's default checkpoint directory follows tensor_para_size: give it T=1 files.
+    weights = broken / "fastertransformer" / "1"
+    (weights / "1-gpu").rename(weights / "2-gpu")
     with pytest.raises(ServerStartError) as failure, TritonServer(broken, startup_timeout=60):
         pass
     message = str(failure.value)
     assert "failed to load 'fastertransformer'" in message
-    assert "tensor_para_size 2 in config.pbtxt does not match" in message
+    assert "says tensor_para_size 2 but config.ini says 1" in message

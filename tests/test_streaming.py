@@ -224,7 +224,7 @@ def test_a_bad_request_ends_its_stream_with_the_model_error_and_the_next_is_serv
 
 
 def _ft_inputs(module, prompt: list[int], n_out: int, seed: int) -> list:
-    """Inputs of the ``fastertransformer`` model itself (FT_FORMAT.md 3.2), one row."""
+    """Inputs of the ``fastertransformer`` model itself (loader/repository/models/README.md), one row."""
     arrays = {
         "input_ids": (np.array([prompt], dtype=np.uint32), "UINT32"),
         "input_lengths": (np.array([[len(prompt)]], dtype=np.uint32), "UINT32"),

@@ -26,11 +26,12 @@ ARCHS = ("gptj", "codegen")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 #: Small defaults: fast on a CPU, yet every dimension is distinct and divisible by 1, 2, 4 and
-#: (for CodeGen) by the 4 fused groups.
+#: (for CodeGen) by the 4 fused groups. The head size (256 / 8 = 32) is the smallest one
+#: FasterTransformer's generation kernel supports.
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 320,
     "n_positions": 64,
-    "n_embd": 64,
+    "n_embd": 256,
     "n_layer": 2,
     "n_head": 8,
     "rotary_dim": 4,
@@ -38,7 +39,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "resid_pdrop": 0.0,
     "embd_pdrop": 0.0,
     "attn_pdrop": 0.0,
-    "layer_norm_epsilon": 1e-5,
+    "layer_norm_epsilon": 1e-6,  # FasterTransformer's fixed GPT-J epsilon
     "bos_token_id": 1,
     "eos_token_id": 2,
     "tie_word_embeddings": False,

@@ -3,10 +3,10 @@
 A published repository is never modified. A variant is a new directory holding the same model
 directories with rewritten ``config.pbtxt`` files: ``instance_group`` and ``dynamic_batching``
 exactly as ``model-loader run --instance-count I --[no-]dynamic-batching ...`` would write them
-(the settings go through :func:`loader.repository.config.build_all`, and only those two fields
-are taken over). Small files are copied; large ones (the weights) are symbolic links to the
-original, and ``model_checkpoint_path`` keeps pointing at the published weights, so a variant
-costs almost no disk space. Each variant is written to a temporary directory and renamed.
+(the settings go through :func:`loader.repository.config.build_all`, and only those fields, with
+the ragged ``input_ids`` that dynamic batching brings, are taken over). Small files are copied;
+large ones (the weights) are symbolic links to the original, so a variant costs almost no disk
+space. Each variant is written to a temporary directory and renamed.
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def _spec_for(configs: Mapping[str, mc.ModelConfig], variant: Variant) -> Reposi
         ),
         settings=settings,
         data_type=params.get("data_type", "fp32"),
-        checkpoint_path=params.get("model_checkpoint_path", ""),
+        end_id=0,  # only instance_group and batching are taken from the built configs
+        checkpoint_path=params.get("model_checkpoint_path") or None,
     )
 
 
@@ -174,6 +175,11 @@ def variant_configs(
             config.ClearField("dynamic_batching")
             if reference.HasField("dynamic_batching"):
                 config.dynamic_batching.CopyFrom(reference.dynamic_batching)
+            config.ClearField("batch_input")
+            config.batch_input.extend(reference.batch_input)
+            ragged = {t.name: t.allow_ragged_batch for t in reference.input}
+            for tensor in config.input:
+                tensor.allow_ragged_batch = ragged.get(tensor.name, False)
         out[name] = config
     return out
 

@@ -1,7 +1,7 @@
 """CodeGen (``model_type: codegen``), converted straight to the FT GPT-J layout in one pass.
 
 CodeGen is GPT-J with one fused ``attn.qkv_proj.weight`` [3h, h] laid out as 4 groups
-(``mp_num = 4``), each holding a Q, a V and a K block of h/4 rows (FT_FORMAT.md section 2):
+(``mp_num = 4``), each holding a Q, a V and a K block of h/4 rows (``docs/fastertransformer.md``, "Files", CodeGen):
 viewed as [4, 3, h/4, h], Q = W[:, 0], V = W[:, 1], K = W[:, 2]. Heads keep their order, so the
 logical Q/K/V projections are just row selections of the fused tensor; everything else is named
 exactly as in GPT-J.
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from loader.errors import CheckpointError
+from loader.formats.fastertransformer import FTConfig
 from loader.parallel import Parallelism
-from loader.reference.config import FTConfig
 
 from .gptj import GptJArchitecture
 from .layout import RowsOf

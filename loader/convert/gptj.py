@@ -1,6 +1,6 @@
 """GPT-J (``model_type: gptj``): Hugging Face tensor names -> FasterTransformer files.
 
-Only the mapping lives here (FT_FORMAT.md section 1.3); the split rules are the shared helpers
+Only the mapping lives here (``docs/fastertransformer.md``, "Files"); the split rules are the shared helpers
 of :mod:`loader.convert.layout`. :class:`GptJArchitecture` is also the base of CodeGen, which
 differs only in where Q, K and V come from.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from loader.errors import CheckpointError
+from loader.formats.fastertransformer import FTConfig, check_head_size
 from loader.parallel import Parallelism
-from loader.reference.config import FTConfig
 
 from .layout import (
     OutputFile,
@@ -80,6 +80,7 @@ class GptJArchitecture:
             )
         inter = _int(hf, "n_inner") or 4 * hidden
         head_dim = hidden // heads
+        check_head_size(head_dim, where=f"config.json (n_embd {hidden} / n_head {heads})")
         rotary = _int(hf, "rotary_dim") or head_dim
         activation = hf.get("activation_function", "gelu_new")
         if activation not in SUPPORTED_ACTIVATIONS:
@@ -104,7 +105,6 @@ class GptJArchitecture:
             vocab_size=vocab,
             start_id=start_id,
             end_id=end_id,
-            layernorm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
             tensor_para_size=parallelism.tp,
             weight_data_type=weight_data_type,
             model_name=model_name,

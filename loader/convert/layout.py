@@ -10,7 +10,7 @@ Part semantics, for output row ``i`` (2-D view of the file: ``rows x columns``):
     transposed=False:  src[row_offset + i, select]      (1-D sources are viewed as (n, 1))
     transposed=True:   src[select, row_offset + i]
 
-The helpers below encode FT_FORMAT.md sections 1.3/1.4 (``np.split`` into equal contiguous
+The helpers below encode ``docs/fastertransformer.md`` ("Files") (``np.split`` into equal contiguous
 chunks, rank r gets chunk r); architecture modules only name the tensors and pick the helper.
 """
 

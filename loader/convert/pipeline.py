@@ -19,9 +19,9 @@ from typing import Any
 
 from loader.checkpoint import Checkpoint, open_checkpoint, read_hf_config
 from loader.errors import CheckpointError, DtypeError, InsufficientDiskSpaceError, OutputExistsError
+from loader.formats.fastertransformer import FTConfig
 from loader.parallel import Parallelism
 from loader.progress import byte_progress, human_bytes
-from loader.reference.config import FTConfig
 
 from .dtypes import OUTPUT_DTYPES, SOURCE_DTYPES, output_dtype_name
 from .registry import Architecture, get_architecture

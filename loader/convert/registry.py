@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from loader.errors import UnsupportedArchitectureError
 
 if TYPE_CHECKING:
+    from loader.formats.fastertransformer import FTConfig
     from loader.parallel import Parallelism
-    from loader.reference.config import FTConfig
 
     from .layout import OutputFile
 

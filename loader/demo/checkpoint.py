@@ -36,7 +36,7 @@ class DemoRecipe:
     vocab_size: int = 512
     n_embd: int = 128
     n_layer: int = 2
-    n_head: int = 8
+    n_head: int = 4  # head size 32: the smallest FasterTransformer's generation kernel supports
     rotary_dim: int = 8
     n_positions: int = 256
     corpus_bytes: int = 800_000

@@ -1,6 +1,6 @@
 """CPU reference of FasterTransformer GPT-J: read ``<T>-gpu`` files, run the forward pass.
 
-* :mod:`loader.reference.config`: the ``[gptj]`` section of ``config.ini`` (:class:`FTConfig`).
+* :class:`FTConfig` (the ``[gptj]`` section of ``config.ini``) lives in :mod:`loader.formats.fastertransformer`.
 * :mod:`loader.reference.weights`: :func:`load_ft_checkpoint` reads a ``<T>-gpu`` directory.
 * :mod:`loader.reference.gptj`: :class:`GptJ`, the batched NumPy forward pass with a KV cache.
 
@@ -8,7 +8,8 @@ Depends on NumPy and :mod:`loader.errors` only (no torch), so it can run inside 
 Python-backend model.
 """
 
-from .config import FTConfig
+from loader.formats.fastertransformer import FTConfig
+
 from .gptj import GptJ
 from .weights import FTCheckpoint, load_ft_checkpoint
 

@@ -32,17 +32,19 @@ FasterTransformer GPT-J runtime does (``DynamicDecodeLayer``, ``BaseSamplingLaye
 - **Bad words.** Before anything else, FT bans the last token of each ``bad_words`` entry whose
   other tokens end the context (a one-token entry is always banned): its logit becomes -inf.
   :func:`words_from_ft_list` reads FT's ``[2, L]`` list format (ids; end offsets, -1 padded).
-- **Output layout.** ``output_ids`` = the prompt (its real length) followed by the generated
-  tokens, padded with ``end_id`` to ``len(prompt) + output_len``; ``sequence_length`` = prompt
-  length + generated tokens.
+- **Output layout** (one batch, as the FasterTransformer backend returns it; the wire contract
+  in ``loader/repository/models/README.md``). The batch is ``W`` tokens wide, the longest prompt of the
+  batch (``input_ids.shape[1]`` once the backend has padded the prompts of a ragged batch with
+  0s; FT ``GptJTritonModelInstance::forward`` and BE ``ModelInstanceState::SetInputTensors``).
+  Every row's ``output_ids`` is ``W + max(output_len)`` wide: its prompt (its real length),
+  its generated tokens, then ``end_id`` (FT ``invokeGatherTree`` removes the padding).
+  ``sequence_length`` is ``W + generated tokens``: FT starts every row's length at ``W``
+  (``invokeDecodingInitialize`` with ``max_input_length``), so a short prompt in a ragged batch
+  reports the batch's width, not its own length; the generated tokens of a row are therefore
+  ``output_ids[input_length : input_length + generated]`` (:attr:`GenerationResult.generated_ids`),
+  and what follows them up to ``sequence_length`` is ``end_id``. ``output_log_probs`` is
+  ``max(output_len)`` wide. The token ids themselves never depend on the batch.
 
-**Batching.** All requests of a call run as one NumPy batch: prompts are left-padded to the
-longest one with an attention mask and per-row position ids, so one forward pass per step
-serves every row, with a shared KV cache. A request gives the same result alone or in a batch.
-
-**Streaming.** :class:`BatchGeneration` is iterable: each iteration runs one step and yields a
-:class:`GenerationStep` (the token each row produced). :func:`generate` simply exhausts it; a
-decoupled (streaming) model can send a response per step instead.
 """
 
 from __future__ import annotations
@@ -102,7 +104,6 @@ class GenerationRequest:
     output_len: int
     end_id: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    return_log_probs: bool = True
     bad_words: tuple[tuple[int, ...], ...] = ()
     stop_words: tuple[tuple[int, ...], ...] = ()
 
@@ -120,17 +121,18 @@ class GenerationStep:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """One request's output, in FT's layout (see the module docstring)."""
+    """One row's output, in FT's layout (see the module docstring)."""
 
-    output_ids: np.ndarray  # (len(prompt) + output_len,) int64
-    sequence_length: int
+    output_ids: np.ndarray  # (W + max output_len of the batch,) int64
+    sequence_length: int  # W + num_generated, as FT reports it
     cum_log_prob: float
-    output_log_probs: np.ndarray  # (output_len,) float32
+    output_log_probs: np.ndarray  # (max output_len of the batch,) float32
     input_length: int
+    num_generated: int  # the end_id that stopped a row counts, as in FT
 
     @property
     def generated_ids(self) -> np.ndarray:
-        return self.output_ids[self.input_length : self.sequence_length]
+        return self.output_ids[self.input_length : self.input_length + self.num_generated]
 
 
 def words_from_ft_list(words_list: np.ndarray) -> tuple[tuple[int, ...], ...]:
@@ -233,14 +235,22 @@ class BatchGeneration:
     """One batch of requests being generated; iterate to run it step by step."""
 
     def __init__(
-        self, model: CausalLM, requests: Sequence[GenerationRequest], *, vocab_size: int
+        self,
+        model: CausalLM,
+        requests: Sequence[GenerationRequest],
+        *,
+        vocab_size: int,
+        padded_input_length: int = 0,
     ) -> None:
+        """``padded_input_length``: the width of the batch's ``input_ids`` as the backend would
+        hand it to FT (at least the longest prompt; a request may pad its rows further)."""
         validate_requests(requests, vocab_size)
         self.model = model
         self.requests = list(requests)
         self.vocab_size = vocab_size
         n = len(self.requests)
         self.input_lengths = np.array([len(r.input_ids) for r in self.requests], dtype=np.int64)
+        self.padded_input_length = max(int(padded_input_length), int(self.input_lengths.max()))
         self.output_lens = np.array([r.output_len for r in self.requests], dtype=np.int64)
         self.end_ids = np.array([r.end_id for r in self.requests], dtype=np.int64)
         effective = [r.sampling.effective() for r in self.requests]
@@ -339,20 +349,24 @@ class BatchGeneration:
                     logits[i, word[-1]] = -np.inf
 
     def results(self) -> list[GenerationResult]:
-        """Each request's output so far (complete once iteration has ended)."""
+        """Each row's output so far (complete once iteration has ended), in FT's layout."""
+        width = self.padded_input_length + int(self.output_lens.max())
         out = []
         for i, r in enumerate(self.requests):
-            length, n_out = int(self.input_lengths[i]), int(self.output_lens[i])
-            ids = np.full(length + n_out, self.end_ids[i], dtype=np.int64)
+            length, n_gen = int(self.input_lengths[i]), int(self.num_generated[i])
+            ids = np.full(width, self.end_ids[i], dtype=np.int64)
             ids[:length] = np.asarray(r.input_ids, dtype=np.int64)
-            n_gen = int(self.num_generated[i])
             ids[length : length + n_gen] = self.generated[i, :n_gen]
-            log_probs = np.zeros(n_out, dtype=np.float32)
-            cum = 0.0
-            if r.return_log_probs:
-                log_probs[:n_gen] = self.output_log_probs[i, :n_gen]
-                cum = float(self.cum_log_probs[i])
-            out.append(GenerationResult(ids, length + n_gen, cum, log_probs, length))
+            out.append(
+                GenerationResult(
+                    output_ids=ids,
+                    sequence_length=self.padded_input_length + n_gen,
+                    cum_log_prob=float(self.cum_log_probs[i]),
+                    output_log_probs=self.output_log_probs[i].copy(),
+                    input_length=length,
+                    num_generated=n_gen,
+                )
+            )
         return out
 
 
@@ -365,10 +379,16 @@ def _ends_with_any(context: list[int], words: Sequence[Sequence[int]]) -> bool:
 
 
 def generate(
-    model: CausalLM, requests: Sequence[GenerationRequest], *, vocab_size: int
+    model: CausalLM,
+    requests: Sequence[GenerationRequest],
+    *,
+    vocab_size: int,
+    padded_input_length: int = 0,
 ) -> list[GenerationResult]:
     """Complete every request in one batch (see the module docstring for the semantics)."""
-    generation = BatchGeneration(model, requests, vocab_size=vocab_size)
+    generation = BatchGeneration(
+        model, requests, vocab_size=vocab_size, padded_input_length=padded_input_length
+    )
     for _ in generation:
         pass
     return generation.results()

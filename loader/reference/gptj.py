@@ -5,7 +5,9 @@ This is the CPU reference of what FasterTransformer computes from a ``<T>-gpu`` 
 * each TP rank computes its own heads (its ``[h, 3, h/T]`` QKV slice), its attention output
   projection rows and its MLP slice; the rank partial results are summed (FT's all-reduce), then
   the replicated ``dense_4h_to_h`` bias and the residual are added once;
-* GPT-J's parallel block: ``x + attn(ln_1(x)) + mlp(ln_1(x))``, one LayerNorm per layer;
+* GPT-J's parallel block: ``x + attn(ln_1(x)) + mlp(ln_1(x))``, one LayerNorm per layer, with
+  FasterTransformer's fixed epsilon (:data:`~loader.formats.fastertransformer.LAYERNORM_EPS`,
+  1e-6, whatever the checkpoint was trained with);
 * interleaved ("rotate every two") rotary embedding on the first ``rotary_embedding`` dims of
   every query and key head, with the explicit ``position_ids``;
 * the causal mask combined with a 0/1 ``attention_mask`` over past and new tokens, so left- or
@@ -26,6 +28,8 @@ cache. :meth:`GptJ.select` keeps or reorders batch rows of a cache (finished req
 from __future__ import annotations
 
 import numpy as np
+
+from loader.formats.fastertransformer import LAYERNORM_EPS
 
 from .weights import FTCheckpoint
 
@@ -149,7 +153,7 @@ class GptJ:
         present: Cache = []
         for layer in range(cfg.num_layer):
             first = ckpt.ranks[0].layers[layer]
-            normed = layer_norm(x, first.ln_weight, first.ln_bias, cfg.layernorm_eps)
+            normed = layer_norm(x, first.ln_weight, first.ln_bias, LAYERNORM_EPS)
             total = np.zeros_like(x)
             layer_cache = []
             for r, rank in enumerate(ckpt.ranks):
@@ -163,7 +167,7 @@ class GptJ:
                 total += gelu_new(normed @ w.fc_in_weight + w.fc_in_bias) @ w.fc_out_weight
             x = x + total + first.fc_out_bias
             present.append(layer_cache)
-        x = layer_norm(x, ckpt.final_ln_weight, ckpt.final_ln_bias, cfg.layernorm_eps)
+        x = layer_norm(x, ckpt.final_ln_weight, ckpt.final_ln_bias, LAYERNORM_EPS)
         logits = x @ ckpt.lm_head_weight.T + ckpt.lm_head_bias
         return logits.astype(np.float32, copy=False), present
 

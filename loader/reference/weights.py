@@ -1,7 +1,7 @@
 """Read a FasterTransformer GPT-J weight directory (``<T>-gpu/``) into NumPy, upcast to float32.
 
-:func:`load_ft_checkpoint` reads ``config.ini`` and every ``.bin`` file named in FT_FORMAT.md
-section 1.3 with ``np.fromfile``; the shapes come from ``config.ini`` (the files are headerless).
+:func:`load_ft_checkpoint` reads ``config.ini`` and every ``.bin`` file named in
+``docs/fastertransformer.md`` ("Files") with ``np.fromfile``; the shapes come from ``config.ini`` (the files are headerless).
 A file whose size does not match its shape is an error (FasterTransformer itself would only log a
 warning and run with uninitialised memory).
 
@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from loader.errors import CheckpointError
-
-from .config import FTConfig
+from loader.formats.fastertransformer import FTConfig
 
 FILE_DTYPES: dict[str, type[np.floating]] = {"fp32": np.float32, "fp16": np.float16}
 

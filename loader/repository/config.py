@@ -3,10 +3,19 @@
 One builder per model of a repository, chosen from :data:`BUILDERS` by model role:
 
 * ``ensemble``: platform ``ensemble`` named after the model; ``prompt`` -> ``preprocessing``
-  -> ``fastertransformer`` (plus the request's sampling inputs) -> ``postprocessing``.
+  -> ``fastertransformer`` (plus the request's sampling inputs) -> ``postprocessing``, which
+  produces every output the client sees (``fastertransformer``'s results travel under internal
+  names). ``preprocessing`` asks ``fastertransformer`` for log probabilities on every request,
+  so every output exists in every response: an ensemble fails a request ("unexpected deadlock,
+  at least one output is not set") when a step leaves out a tensor it maps, and Triton does not
+  run a step whose outputs feed both the client and another step when the client did not ask
+  for them (measured on the CPU server; ``loader/repository/models/README.md``).
 * ``preprocessing`` / ``postprocessing``: Python backend, tokenise / detokenise.
-* ``fastertransformer``: the FasterTransformer backend (FT_FORMAT.md 3.1-3.4), or with
+* ``fastertransformer``: the FasterTransformer backend (``docs/fastertransformer.md``), or with
   ``backend="python"`` the CPU reference model with the same inputs, outputs and parameters.
+  With dynamic batching ``input_ids`` is ragged, so prompts of different lengths share a batch.
+  ``model_checkpoint_path`` is left out: the backend then reads ``<model dir>/<version>/<T>-gpu``
+  (BE ``ModelState::ModelFactory``), so a repository works wherever it is mounted.
 * with ``streaming``: ``fastertransformer`` is decoupled and the model named after the model is
   a decoupled Python model (:func:`build_streaming`) in place of the ensemble, same inputs and
   outputs, streaming text increments.
@@ -38,21 +47,30 @@ ENSEMBLE = "ensemble"
 #: Internal ensemble tensor names (between steps; never seen by clients).
 _IDS = "_input_ids"
 _LENGTHS = "_input_lengths"
+_LOG_PROBS = "_is_return_log_probs"
+
+
+def _internal(name: str) -> str:
+    """The ensemble's name for a ``fastertransformer`` result on its way to postprocessing."""
+    return "_" + name
 
 
 @dataclass(frozen=True)
 class RepositorySpec:
     """Everything the config builders need.
 
-    ``data_type`` is the runtime precision (``fp16``/``fp32``, the weights' dtype);
-    ``checkpoint_path`` the absolute, final path of the ``<T>-gpu`` directory.
+    ``data_type`` is the runtime precision (``fp16``/``fp32``, the weights' dtype); ``end_id``
+    the checkpoint's end-of-text id (``config.ini``), postprocessing's default.
+    ``checkpoint_path``: the ``<T>-gpu`` directory when it is not FT's default (a benchmark
+    variant that reuses another repository's weights); ``None`` for a published repository.
     """
 
     name: str
     parallelism: Parallelism
     settings: ServingSettings
     data_type: str
-    checkpoint_path: str
+    end_id: int
+    checkpoint_path: str | None = None
 
 
 #: Protocol dtype names that config.pbtxt spells differently (BYTES is TYPE_STRING there).
@@ -101,9 +119,23 @@ def build_preprocessing(spec: RepositorySpec) -> mc.ModelConfig:
 
 
 def build_postprocessing(spec: RepositorySpec) -> mc.ModelConfig:
-    return _python_model(
+    config = _python_model(
         POSTPROCESSING, spec, tensors.POSTPROCESSING_INPUTS, tensors.POSTPROCESSING_OUTPUTS
     )
+    config.parameters["end_id"].string_value = str(spec.end_id)
+    return config
+
+
+def _ragged(config: mc.ModelConfig, name: str) -> None:
+    """Let requests whose ``name`` differ in length share a batch (BE's ragged batching)."""
+    for message in config.input:
+        if message.name == name:
+            message.allow_ragged_batch = True
+    batch_input = config.batch_input.add()
+    batch_input.kind = mc.BatchInput.BATCH_ITEM_SHAPE
+    batch_input.target_name.append(f"{name}_item_shape")
+    batch_input.data_type = mc.TYPE_INT32
+    batch_input.source_input.append(name)
 
 
 #: Model backend -> the ``backend`` field of the ``fastertransformer`` model.
@@ -121,12 +153,14 @@ def build_fastertransformer(spec: RepositorySpec) -> mc.ModelConfig:
         max_batch_size=settings.max_batch_size,
     )
     _add_io(config, tensors.FASTERTRANSFORMER_INPUTS, tensors.FASTERTRANSFORMER_OUTPUTS)
-    # FT places instances on GPUs itself and accepts exactly one KIND_CPU group (FT_FORMAT 3.4).
+    # FT places instances on GPUs itself and accepts exactly one KIND_CPU group
+    # (docs/fastertransformer.md, "Instances").
     _cpu_instances(config, spec.parallelism.instance_count)
     if settings.dynamic_batching:
         batching = config.dynamic_batching
         batching.preferred_batch_size.extend(settings.preferred_batch_sizes)
         batching.max_queue_delay_microseconds = settings.max_queue_delay_us
+        _ragged(config, tensors.RAGGED_INPUT)
     if settings.streaming:
         config.model_transaction_policy.decoupled = True
     parameters = {
@@ -134,9 +168,10 @@ def build_fastertransformer(spec: RepositorySpec) -> mc.ModelConfig:
         "tensor_para_size": str(spec.parallelism.tp),
         "pipeline_para_size": str(spec.parallelism.pp),
         "data_type": spec.data_type,
-        "model_checkpoint_path": spec.checkpoint_path,
         "enable_custom_all_reduce": "0",
     }
+    if spec.checkpoint_path:
+        parameters["model_checkpoint_path"] = spec.checkpoint_path
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
@@ -170,31 +205,35 @@ def build_ensemble(spec: RepositorySpec) -> mc.ModelConfig:
         name=spec.name, platform="ensemble", max_batch_size=spec.settings.max_batch_size
     )
     _add_io(config, tensors.ENSEMBLE_INPUTS, tensors.ENSEMBLE_OUTPUTS)
+    client_inputs = {t.name for t in tensors.ENSEMBLE_INPUTS}
     _step(
         config,
         PREPROCESSING,
-        {"prompt": "prompt"},
-        {"input_ids": _IDS, "input_lengths": _LENGTHS},
+        {t.name: t.name for t in tensors.PREPROCESSING_INPUTS},
+        {"input_ids": _IDS, "input_lengths": _LENGTHS, "is_return_log_probs": _LOG_PROBS},
     )
-    ft_inputs = {t.name for t in tensors.FASTERTRANSFORMER_INPUTS}
-    forwarded = [
-        t.name for t in tensors.ENSEMBLE_INPUTS if t.name in ft_inputs and t.name != "prompt"
-    ]
+    produced = {"input_ids": _IDS, "input_lengths": _LENGTHS, "is_return_log_probs": _LOG_PROBS}
+    forwarded = {
+        t.name: t.name
+        for t in tensors.FASTERTRANSFORMER_INPUTS
+        if t.name in client_inputs and t.name not in produced
+    }
     _step(
         config,
         FASTERTRANSFORMER,
-        {"input_ids": _IDS, "input_lengths": _LENGTHS, **{n: n for n in forwarded}},
-        {t.name: t.name for t in tensors.FASTERTRANSFORMER_OUTPUTS},
+        {**produced, **forwarded},
+        {t.name: _internal(t.name) for t in tensors.FASTERTRANSFORMER_OUTPUTS},
+    )
+    post_inputs = {t.name: _internal(t.name) for t in tensors.FT_RESULTS}
+    post_inputs["input_lengths"] = _LENGTHS
+    post_inputs.update(
+        {t.name: t.name for t in tensors.POSTPROCESSING_INPUTS if t.name in client_inputs}
     )
     _step(
         config,
         POSTPROCESSING,
-        {
-            "output_ids": "output_ids",
-            "sequence_length": "sequence_length",
-            "input_lengths": _LENGTHS,
-        },
-        {"completion": "completion"},
+        post_inputs,
+        {t.name: t.name for t in tensors.POSTPROCESSING_OUTPUTS},
     )
     return config
 

@@ -6,7 +6,15 @@ wiring is derived from them. Dims exclude the batch dimension (every model batch
 
 The ensemble's inputs are exactly the fields of the request our users send (the seed's
 ``test.json`` for perf_analyzer), each ``[1]``; all but ``prompt`` and ``request_output_len``
-are optional.
+are optional. Every ensemble output is produced by ``postprocessing`` (never straight by
+``fastertransformer``), and ``preprocessing`` asks ``fastertransformer`` for log probabilities
+on every request, so each output exists in every response whatever the client asks for
+(``loader/repository/models/README.md``, "The client-facing model").
+
+``fastertransformer``'s tables are the FasterTransformer backend's wire contract for GPT-J, as
+its C++ sends and reads them (the wire contract in the same README): ``sequence_length`` is INT32, the log
+probabilities exist only when the batch's first ``is_return_log_probs`` is true, and
+``input_ids`` is ragged (:data:`RAGGED_INPUT`).
 """
 
 from __future__ import annotations
@@ -45,23 +53,38 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     *SAMPLING_INPUTS,
 )
 
-ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
-    Tensor("completion", "BYTES", (-1,)),
+#: What FasterTransformer sends back (the ``fastertransformer`` model's outputs).
+FT_RESULTS: tuple[Tensor, ...] = (
     Tensor("output_ids", "UINT32", (-1, -1)),
-    Tensor("sequence_length", "UINT32", (-1,)),
+    # INT32 whatever upstream's configs declare: FT GptJTritonModelInstance::forward.
+    Tensor("sequence_length", "INT32", (-1,)),
     Tensor("cum_log_probs", "FP32", (-1,)),
     Tensor("output_log_probs", "FP32", (-1, -1)),
 )
 
+ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (Tensor("completion", "BYTES", (-1,)), *FT_RESULTS)
+
 # --- preprocessing: prompt text -> token ids ---------------------------------------------
 
-PREPROCESSING_INPUTS: tuple[Tensor, ...] = (Tensor("prompt", "BYTES", (1,)),)
+#: ``is_return_log_probs`` is accepted (clients written for FasterTransformer send it) and has no
+#: effect: the log probabilities are always returned.
+PREPROCESSING_INPUTS: tuple[Tensor, ...] = (
+    Tensor("prompt", "BYTES", (1,)),
+    Tensor("is_return_log_probs", "BOOL", (1,), optional=True),
+)
 PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (
     Tensor("input_ids", "UINT32", (-1,)),
     Tensor("input_lengths", "UINT32", (1,)),
+    Tensor("is_return_log_probs", "BOOL", (1,)),  # always true
 )
 
-# --- fastertransformer: FT_FORMAT.md 3.2 (GPT-J) -----------------------------------------
+# --- fastertransformer: the FasterTransformer backend's GPT-J contract --------------------
+
+#: The input whose length differs between requests. With dynamic batching it is
+#: ``allow_ragged_batch`` and a BATCH_ITEM_SHAPE batch input ``<name>_item_shape`` (TYPE_INT32)
+#: tells the backend each request's length (BE ``ModelInstanceState::ValidateInputs`` and
+#: ``ModelInstanceState::SetInputTensors``); without it Triton batches equal lengths only.
+RAGGED_INPUT = "input_ids"
 
 _SCALAR = ()
 
@@ -84,18 +107,16 @@ FASTERTRANSFORMER_INPUTS: tuple[Tensor, ...] = (
     Tensor("stop_words_list", "INT32", (2, -1), optional=True),
 )
 
-FASTERTRANSFORMER_OUTPUTS: tuple[Tensor, ...] = (
-    Tensor("output_ids", "UINT32", (-1, -1)),
-    Tensor("sequence_length", "UINT32", (-1,)),
-    Tensor("cum_log_probs", "FP32", (-1,)),
-    Tensor("output_log_probs", "FP32", (-1, -1)),
-)
+FASTERTRANSFORMER_OUTPUTS: tuple[Tensor, ...] = FT_RESULTS
 
-# --- postprocessing: generated ids -> text -----------------------------------------------
+#: Outputs sent only when the batch's first row asks (``is_return_log_probs``).
+LOG_PROB_OUTPUTS: tuple[str, ...] = ("cum_log_probs", "output_log_probs")
+
+# --- postprocessing: FT's results -> completion text + the client's outputs --------------
 
 POSTPROCESSING_INPUTS: tuple[Tensor, ...] = (
-    Tensor("output_ids", "UINT32", (-1, -1)),
-    Tensor("sequence_length", "UINT32", (-1,)),
+    *FT_RESULTS,
     Tensor("input_lengths", "UINT32", (1,)),
+    Tensor("end_id", "UINT32", (1,), optional=True),
 )
-POSTPROCESSING_OUTPUTS: tuple[Tensor, ...] = (Tensor("completion", "BYTES", (-1,)),)
+POSTPROCESSING_OUTPUTS: tuple[Tensor, ...] = ENSEMBLE_OUTPUTS

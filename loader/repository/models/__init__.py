@@ -12,7 +12,8 @@ model directory         files (destination relative to the model directory)
                         checkpoint's tokenizer files, copied by the repository writer)
 ``postprocessing``      same as ``preprocessing``
 ``fastertransformer``   with ``--backend python`` only: ``1/model.py`` (the CPU reference)
-                        and ``1/loader/``: ``__init__.py``, ``errors.py`` and every module of
+                        and ``1/loader/``: ``__init__.py``, ``errors.py``,
+                        ``formats/fastertransformer.py`` and every module of
                         ``loader/reference/`` (the package the model imports)
 ``<NAME>`` (streaming)  with ``--streaming`` only, in place of the ensemble: ``1/model.py``
                         (from ``streaming/model.py``), installed under the role name
@@ -49,6 +50,11 @@ def model_files(model: str) -> list[tuple[Path, str]]:
             (MODELS_DIR / model / "model.py", "1/model.py"),
             (PACKAGE_ROOT / "__init__.py", "1/loader/__init__.py"),
             (PACKAGE_ROOT / "errors.py", "1/loader/errors.py"),
+            (PACKAGE_ROOT / "formats" / "__init__.py", "1/loader/formats/__init__.py"),
+            (
+                PACKAGE_ROOT / "formats" / "fastertransformer.py",
+                "1/loader/formats/fastertransformer.py",
+            ),
         ]
         for source in sorted((PACKAGE_ROOT / "reference").glob("*.py")):
             files.append((source, f"1/loader/reference/{source.name}"))

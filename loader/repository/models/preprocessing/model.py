@@ -1,8 +1,11 @@
 """Triton Python-backend model ``preprocessing``: prompt text -> token ids.
 
 Input ``prompt`` (BYTES, [1] per row); outputs ``input_ids`` (UINT32, [-1], rows of one request
-right-padded with 0 to its longest prompt) and ``input_lengths`` (UINT32, [1]). The tokenizer is
-the checkpoint's own, copied into ``1/tokenizer/`` by the repository writer.
+right-padded with 0 to its longest prompt), ``input_lengths`` (UINT32, [1]) and
+``is_return_log_probs`` (BOOL, [1], always true: the ensemble returns the log probabilities on
+every request, because an ensemble output that FasterTransformer did not produce would fail
+the request). The client's own ``is_return_log_probs`` is accepted and has no effect. The
+tokenizer is the checkpoint's own, copied into ``1/tokenizer/`` by the repository writer.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class TritonPythonModel:
                     output_tensors=[
                         pb_utils.Tensor("input_ids", ids),
                         pb_utils.Tensor("input_lengths", lengths),
+                        pb_utils.Tensor(
+                            "is_return_log_probs", np.ones((len(encoded), 1), dtype=np.bool_)
+                        ),
                     ]
                 )
             )

@@ -40,7 +40,9 @@ PREPROCESSING = "preprocessing"
 FASTERTRANSFORMER = "fastertransformer"
 POSTPROCESSING = "postprocessing"
 
-#: Request inputs passed to ``fastertransformer`` unchanged when the client sends them.
+#: Request inputs passed to ``fastertransformer`` unchanged when the client sends them. The
+#: client's ``is_return_log_probs`` is not among them: this model always asks for the log
+#: probabilities, so every response carries every output the model declares.
 FORWARDED_INPUTS = (
     "request_output_len",
     "runtime_top_k",
@@ -50,7 +52,6 @@ FORWARDED_INPUTS = (
     "start_id",
     "end_id",
     "random_seed",
-    "is_return_log_probs",
 )
 #: ``fastertransformer`` outputs passed to the client as they are (the snapshot).
 SNAPSHOT_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
@@ -60,6 +61,13 @@ REPLACEMENT = "\ufffd"
 
 class StepError(RuntimeError):
     """A composing model answered with an error."""
+
+
+def _cancelled(sender: object) -> bool:
+    """``InferenceResponseSender.is_cancelled`` exists from python_backend r23.10 on; on 23.05
+    a cancelled stream is not seen, and the generation simply runs to its end."""
+    is_cancelled = getattr(sender, "is_cancelled", None)
+    return bool(is_cancelled()) if is_cancelled is not None else False
 
 
 def _exec(request: object) -> object:
@@ -74,14 +82,14 @@ def _output(response: object, name: str) -> np.ndarray:
 
 
 def _snapshot(response: object) -> dict[str, np.ndarray]:
-    """The outputs a ``fastertransformer`` response carries. FasterTransformer leaves out the
-    log probabilities unless the request asks for them; ids and lengths are always there."""
+    """The outputs a ``fastertransformer`` response carries (all four: the request asked for
+    the log probabilities)."""
     snapshot = {}
     for name in SNAPSHOT_OUTPUTS:
         tensor = pb_utils.get_output_tensor_by_name(response, name)
         if tensor is not None:
             snapshot[name] = tensor.as_numpy()
-    missing = {"output_ids", "sequence_length"} - set(snapshot)
+    missing = set(SNAPSHOT_OUTPUTS) - set(snapshot)
     if missing:
         raise StepError(f"{FASTERTRANSFORMER} sent a response without {', '.join(sorted(missing))}")
     return snapshot
@@ -159,6 +167,7 @@ class TritonPythonModel:
         inputs = [
             pb_utils.Tensor("input_ids", _output(pre, "input_ids")),
             pb_utils.Tensor("input_lengths", input_lengths),
+            pb_utils.Tensor("is_return_log_probs", np.ones_like(input_lengths, dtype=np.bool_)),
         ]
         for name in FORWARDED_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -169,6 +178,7 @@ class TritonPythonModel:
             requested_output_names=list(SNAPSHOT_OUTPUTS),
             inputs=inputs,
         ).exec(decoupled=True)
+        end_id = pb_utils.get_input_tensor_by_name(request, "end_id")
         increments = TextIncrements()
         snapshot: dict[str, np.ndarray] | None = None
         texts: np.ndarray | None = None
@@ -178,31 +188,33 @@ class TritonPythonModel:
                 raise StepError(response.error().message())
             if cancelled or not response.output_tensors():
                 continue  # FT's empty final response, or a stream nobody listens to any more
-            if sender.is_cancelled():
+            if _cancelled(sender):
                 cancelled = True  # let the generation end; it cannot be called back
                 continue
             snapshot = _snapshot(response)
-            texts = self._texts(snapshot, input_lengths)
+            texts = self._texts(snapshot, input_lengths, end_id)
             sender.send(self._response(increments.step(texts, final=False), snapshot))
-        if cancelled or snapshot is None or texts is None:
+        if cancelled:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        if snapshot is None or texts is None:
+            raise StepError(f"{FASTERTRANSFORMER} ended the stream without a result")
         sender.send(
             self._response(increments.step(texts, final=True), snapshot),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )
 
     @staticmethod
-    def _texts(snapshot: dict[str, np.ndarray], input_lengths: np.ndarray) -> np.ndarray:
+    def _texts(
+        snapshot: dict[str, np.ndarray], input_lengths: np.ndarray, end_id: object | None
+    ) -> np.ndarray:
+        inputs = [pb_utils.Tensor(name, value) for name, value in snapshot.items()]
+        inputs.append(pb_utils.Tensor("input_lengths", input_lengths))
+        if end_id is not None:
+            inputs.append(pb_utils.Tensor("end_id", end_id.as_numpy()))
         post = _exec(
             pb_utils.InferenceRequest(
-                model_name=POSTPROCESSING,
-                requested_output_names=["completion"],
-                inputs=[
-                    pb_utils.Tensor("output_ids", snapshot["output_ids"]),
-                    pb_utils.Tensor("sequence_length", snapshot["sequence_length"]),
-                    pb_utils.Tensor("input_lengths", input_lengths),
-                ],
+                model_name=POSTPROCESSING, requested_output_names=["completion"], inputs=inputs
             )
         )
         return _output(post, "completion")

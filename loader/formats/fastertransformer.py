@@ -1,10 +1,12 @@
-"""The ``[gptj]`` section of a FasterTransformer ``config.ini``: one dataclass, read and written.
+"""FasterTransformer's GPT-J format: ``config.ini``, the limits of its kernels, its constants.
 
 Upstream FasterTransformer (v5.1+, Triton backend v1.2+) reads the model hyper-parameters of a
-GPT-J checkpoint from ``<T>-gpu/config.ini`` (FT_FORMAT.md section 1.7). :class:`FTConfig` is
-that section; :meth:`FTConfig.to_ini` writes it (the converter) and :meth:`FTConfig.from_ini`
-reads it back (the CPU reference model). Depends on the standard library and
-:mod:`loader.errors` only.
+GPT-J checkpoint from ``<T>-gpu/config.ini`` (``docs/fastertransformer.md``). :class:`FTConfig`
+is its ``[gptj]`` section; :meth:`FTConfig.to_ini` writes it (the converter) and
+:meth:`FTConfig.from_ini` reads it back (the CPU reference model). The constants below are the
+facts of FasterTransformer's C++ that the converter, the planner and the CPU reference share;
+each names the upstream file it comes from. Depends on the standard library and
+:mod:`loader.errors` only (the module is copied into CPU-reference repositories).
 """
 
 from __future__ import annotations
@@ -17,6 +19,40 @@ from pathlib import Path
 from loader.errors import CheckpointError
 
 SECTION = "gptj"
+
+#: Head sizes the generation-time attention kernel has a case for (FasterTransformer
+#: ``src/fastertransformer/kernels/decoder_masked_multihead_attention.cu``,
+#: ``multihead_attention_``: a ``switch (params.hidden_size_per_head)``). Any other head size
+#: hits the default branch, an assert compiled out of release builds: the model loads and
+#: generates garbage.
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256)
+
+#: GPT-J's LayerNorm epsilon inside FasterTransformer: a constant
+#: (``src/fastertransformer/models/gptj/GptJ.h``: ``layernorm_eps_ = 1e-6f``), not read from
+#: ``config.ini`` and not the checkpoint's ``layer_norm_epsilon`` (1e-5 for GPT-J and CodeGen).
+LAYERNORM_EPS = 1e-6
+
+
+class UnsupportedHeadSizeError(CheckpointError):
+    """The model's attention head size has no FasterTransformer generation kernel."""
+
+    def __init__(self, head_size: int, *, where: str = "the checkpoint") -> None:
+        supported = ", ".join(str(n) for n in SUPPORTED_HEAD_SIZES)
+        super().__init__(
+            f"{where} has attention heads of size {head_size} (n_embd / n_head); "
+            f"FasterTransformer's generation kernel supports only head sizes {supported}, and "
+            "any other size produces garbage without an error",
+            "Serve a model whose n_embd / n_head is one of those sizes (every published GPT-J "
+            "and CodeGen model is); a model of your own needs n_head chosen accordingly.",
+        )
+        self.head_size = head_size
+
+
+def check_head_size(head_size: int, *, where: str = "the checkpoint") -> None:
+    """Raise :class:`UnsupportedHeadSizeError` unless FasterTransformer can generate with it."""
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise UnsupportedHeadSizeError(head_size, where=where)
+
 
 #: Keys FasterTransformer itself requires (it exits when one is missing).
 REQUIRED_KEYS = (
@@ -46,7 +82,6 @@ class FTConfig:
     vocab_size: int
     start_id: int
     end_id: int
-    layernorm_eps: float = 1e-5
     tensor_para_size: int = 1
     weight_data_type: str = "fp32"
     model_name: str = "gptj"

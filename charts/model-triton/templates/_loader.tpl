@@ -1,0 +1,152 @@
+{{/*
+_loader.tpl: The loader Job: its `model-loader run` arguments and the Job spec shared by the CronJob
+and the hook Job.
+*/}}
+
+{{/*
+model-triton.loaderArgs: the `model-loader` arguments (a YAML list) derived from the same values
+as the Deployment, so T, P, I and batching cannot drift between the Job and the pods.
+*/}}
+{{- define "model-triton.loaderArgs" -}}
+{{- $t := .Values.triton -}}
+- run
+- --source
+- {{ .Values.model.source | quote }}
+- --repository
+- {{ include "model-triton.modelsMountPath" . | quote }}
+- --model-name
+- {{ .Values.model.name | quote }}
+{{- with .Values.model.revision }}
+- --revision
+- {{ . | quote }}
+{{- end }}
+- --tp-size
+- {{ int .Values.model.tensorParallelSize | quote }}
+- --pp-size
+- {{ int .Values.model.pipelineParallelSize | quote }}
+- --instance-count
+- {{ int $t.instanceCount | quote }}
+- --backend
+- {{ $t.backend | quote }}
+{{- with .Values.model.dtype }}
+- --dtype
+- {{ . | quote }}
+{{- end }}
+- --max-batch-size
+- {{ int $t.maxBatchSize | quote }}
+{{- if $t.dynamicBatching.enabled }}
+- --dynamic-batching
+{{- with $t.dynamicBatching.preferredBatchSize }}
+- --preferred-batch-size
+{{- range . }}
+- {{ int . | quote }}
+{{- end }}
+{{- end }}
+- --max-queue-delay-us
+- {{ int $t.dynamicBatching.maxQueueDelayMicroseconds | quote }}
+{{- else }}
+- --no-dynamic-batching
+{{- end }}
+- --gpu-memory-gib
+- {{ .Values.cluster.gpuMemoryGiB | toString | quote }}
+- --gpus-per-replica
+- {{ include "model-triton.gpusPerReplica" . | quote }}
+{{- if $t.streaming }}
+- --streaming
+{{- end }}
+{{- end -}}
+
+{{/*
+model-triton.loaderJobSpec: the Job spec of the loader, shared by the CronJob's jobTemplate and
+the hook Job.
+*/}}
+{{- define "model-triton.loaderJobSpec" -}}
+backoffLimit: {{ int .Values.loader.backoffLimit }}
+activeDeadlineSeconds: {{ int .Values.loader.activeDeadlineSeconds }}
+ttlSecondsAfterFinished: {{ int .Values.loader.ttlSecondsAfterFinished }}
+template:
+  metadata:
+    labels:
+      {{- include "model-triton.labels" (dict "context" . "component" "loader") | nindent 6 }}
+    annotations:
+      model-triton/model-key: {{ include "model-triton.modelKey" . | quote }}
+  spec:
+    restartPolicy: Never
+    serviceAccountName: {{ include "model-triton.serviceAccountName" . }}
+    automountServiceAccountToken: false
+    {{- with include "model-triton.imagePullSecrets" . }}
+    {{- . | nindent 4 }}
+    {{- end }}
+    securityContext:
+      {{- toYaml .Values.podSecurityContext | nindent 6 }}
+    {{- with .Values.loader.nodeSelector }}
+    nodeSelector:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with .Values.loader.tolerations }}
+    tolerations:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with .Values.loader.affinity }}
+    affinity:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    containers:
+      - name: loader
+        image: {{ include "model-triton.image" (dict "image" .Values.loader.image "context" .) }}
+        imagePullPolicy: {{ .Values.loader.image.pullPolicy }}
+        args:
+          {{- include "model-triton.loaderArgs" . | nindent 10 }}
+        env:
+          - name: HOME
+            value: /tmp
+          - name: HF_HOME
+            value: /tmp/huggingface
+          {{- if .Values.loader.hfTokenSecret.name }}
+          - name: HF_TOKEN_PATH
+            value: /var/secrets/hf/{{ .Values.loader.hfTokenSecret.key }}
+          {{- end }}
+          {{- if .Values.loader.gcsCredentialsSecret.name }}
+          - name: GOOGLE_APPLICATION_CREDENTIALS
+            value: /var/secrets/gcs/{{ .Values.loader.gcsCredentialsSecret.key }}
+          {{- end }}
+          {{- with .Values.loader.extraEnv }}
+          {{- toYaml . | nindent 10 }}
+          {{- end }}
+        resources:
+          {{- toYaml .Values.loader.resources | nindent 10 }}
+        securityContext:
+          {{- toYaml .Values.containerSecurityContext | nindent 10 }}
+        volumeMounts:
+          - name: models
+            mountPath: {{ include "model-triton.modelsMountPath" . }}
+          - name: scratch
+            mountPath: /tmp
+          {{- if .Values.loader.hfTokenSecret.name }}
+          - name: hf-token
+            mountPath: /var/secrets/hf
+            readOnly: true
+          {{- end }}
+          {{- if .Values.loader.gcsCredentialsSecret.name }}
+          - name: gcs-credentials
+            mountPath: /var/secrets/gcs
+            readOnly: true
+          {{- end }}
+    volumes:
+      - name: models
+        persistentVolumeClaim:
+          claimName: {{ include "model-triton.claimName" . }}
+      - name: scratch
+        emptyDir:
+          sizeLimit: {{ .Values.loader.scratchSizeLimit }}
+      {{- with .Values.loader.hfTokenSecret.name }}
+      - name: hf-token
+        secret:
+          secretName: {{ . }}
+      {{- end }}
+      {{- with .Values.loader.gcsCredentialsSecret.name }}
+      - name: gcs-credentials
+        secret:
+          secretName: {{ . }}
+      {{- end }}
+{{- end -}}
