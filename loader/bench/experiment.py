@@ -55,7 +55,7 @@ ROUNDS = 2
 
 def publish_demo_repository(work_dir: Path) -> Path:
     """The demo checkpoint, published for the CPU reference backend (built or reused)."""
-    from loader.demo.checkpoint import build_demo_checkpoint
+    from loader.demo.checkpoint import build_demo_checkpoint, describe
     from loader.parallel import Parallelism
     from loader.pipeline import RunRequest, run
     from loader.repository.key import ServingSettings
@@ -66,6 +66,9 @@ def publish_demo_repository(work_dir: Path) -> Path:
             source=str(checkpoint.resolve()),
             repository=(work_dir / "models").resolve(),
             model_name=MODEL_NAME,
+            # The recipe digest is the checkpoint's revision: a rebuilt checkpoint (another
+            # recipe) gets a new key instead of the copy published from the old one.
+            revision=f"demo-{describe(checkpoint)['digest']}",
             parallelism=Parallelism(tp=1, pp=1, instance_count=1),
             settings=ServingSettings(backend="python", dynamic_batching=False),
         )
