@@ -37,7 +37,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Send PROMPT (or --request FILE) to MODEL at --url and print the "
         "completion; --stream prints it token by token over gRPC. The chart's `helm test` "
         "runs this with --check-ready.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from standard input")
     p.add_argument(
@@ -55,12 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="default http, grpc with --stream",
     )
-    p.add_argument("--model", default="codegen", help="the model clients call")
+    p.add_argument("--model", default="codegen", help="the model clients call (default codegen)")
     p.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="stream the completion token by token (gRPC; the repository must stream)",
+        help="stream the completion token by token (gRPC; the repository must stream; default off)",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
@@ -72,7 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="first check that the server and the model are ready (what `helm test` runs)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)"
+    )
     p.set_defaults(func=run)
 
 

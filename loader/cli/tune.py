@@ -21,7 +21,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "perf_analyzer and every request file, and print the best stable one under the "
         "latency budget as the lines to paste into values/<cluster>.yaml. Needs the [serve] "
         "and [bench] extras and perf_analyzer.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--repository",
@@ -33,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model to measure (default: the ensemble)")
     counts = p.add_mutually_exclusive_group()
     counts.add_argument(
-        "--max-instances", type=int, default=2, metavar="K", help="try 1..K instances"
+        "--max-instances", type=int, default=2, metavar="K", help="try 1..K instances (default 2)"
     )
     counts.add_argument(
         "--instance-counts",
@@ -49,21 +48,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         default=[4, 8],
         metavar="N",
-        help="preferred batch sizes with dynamic batching on",
+        help="preferred batch sizes with dynamic batching on (default 4 8)",
     )
     p.add_argument(
         "--max-queue-delay-us",
         type=int,
         default=100,
         metavar="US",
-        help="how long the dynamic batcher waits to fill a batch",
+        help="how long the dynamic batcher waits to fill a batch (default 100)",
     )
     p.add_argument(
         "--tolerance",
         type=float,
         default=DEFAULT_TOLERANCE,
         help="scores within this fraction of the best count as a tie, which goes to fewer "
-        "instances",
+        f"instances (default {DEFAULT_TOLERANCE})",
     )
     p.add_argument(
         "--work-dir",
