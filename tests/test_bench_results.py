@@ -18,9 +18,9 @@ from matplotlib import image as mpimg
 from loader.bench.report import (
     Report,
     best_configuration,
+    peak_ratio,
     summary_text,
     tables_text,
-    throughput_ratio,
     write_plot,
     write_report,
 )
@@ -154,13 +154,24 @@ def test_best_configuration_respects_the_latency_budget():
     assert best_configuration([naive, batching], max_p95_ms=5) is None
 
 
-def test_summary_reports_the_ratio_to_the_baseline_at_the_highest_common_level():
-    naive = Sweep("i1-batching-off", [Measurement(1, 10.0, 1000), Measurement(8, 10.0, 8000)])
+def test_summary_reports_the_gain_over_the_baseline_between_best_stable_levels():
+    naive = Sweep(
+        "i1-batching-off",
+        [
+            Measurement(1, 10.0, 1000),
+            Measurement(8, 8.0, 8000),
+            Measurement(16, 2.0, 9000, stable=False, note="unstable"),  # never the reference
+        ],
+    )
     batching = Sweep("i1-batching-on", [Measurement(1, 10.0, 1000), Measurement(8, 40.0, 2000)])
-    assert throughput_ratio(batching, naive) == (8, pytest.approx(4.0))
+    top, base, value = peak_ratio(batching, naive)
+    assert (top.concurrency, base.concurrency, value) == (8, 1, pytest.approx(4.0))
     text = summary_text([naive, batching], baseline="i1-batching-off")
     assert "Best configuration (no latency budget): i1-batching-on" in text
-    assert "4.00x the throughput of i1-batching-off at concurrency 8" in text
+    assert (
+        "4.00x the best stable throughput of i1-batching-off (10 infer/sec at concurrency 1)"
+        in text
+    )
 
 
 def test_plot_is_a_png_with_one_line_per_configuration(tmp_path):

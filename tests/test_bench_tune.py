@@ -93,3 +93,12 @@ def test_values_snippet_is_the_chart_values_for_the_winner():
     assert yaml.safe_load(values_snippet(off, max_p95_ms=None)) == {
         "triton": {"instanceCount": 1, "dynamicBatching": {"enabled": False}}
     }
+
+
+def test_the_serving_experiment_keeps_perf_analyzers_stability_check_on():
+    from loader.bench import experiment
+
+    defaults = experiment.MEASUREMENT_DEFAULTS
+    assert defaults.stability_percentage is not None and defaults.stability_percentage <= 25
+    assert defaults.widenings >= 1  # an unstable level is measured again before it is reported
+    assert experiment.BASELINE == "i1-batching-off"
