@@ -2,15 +2,25 @@
 
 Every error a user can cause is a :class:`LoaderError`: it carries *what* is wrong and a
 *remediation* sentence saying what to do. The CLI prints ``error: <what>`` and ``hint: <fix>``,
-never a traceback, and exits with code 2. Anything else is a bug and exits with code 1.
+never a traceback, and exits with the error's :attr:`~LoaderError.exit_code`: 2 for a mistake
+to fix, :data:`EXIT_TRANSIENT` for a failure that may pass by itself (a source still failing at
+the retry deadline), worth retrying as it is. Anything else is a bug and exits with code 1.
 """
 
 from __future__ import annotations
+
+#: Exit code of a user mistake (bad input, bad arguments): retrying as it is cannot help.
+EXIT_USER_ERROR = 2
+#: Exit code of a transient failure that outlasted the retry deadline (sysexits' EX_TEMPFAIL):
+#: running the same command again later may succeed (a Kubernetes Job retries it).
+EXIT_TRANSIENT = 75
 
 
 class LoaderError(Exception):
     """A problem the user can fix. ``remediation`` says how."""
 
+    #: The process exit code the CLI returns for this error.
+    exit_code = EXIT_USER_ERROR
     #: One-sentence default fix for the class; instances may pass a more specific one.
     default_remediation = "Check the command's arguments (model-loader --help)."
 
@@ -108,8 +118,28 @@ class InsufficientDiskSpaceError(SourceError):
 class TransientSourceError(SourceError):
     """A failure worth retrying (connection reset, 429, 5xx); raised after retries ran out."""
 
+    exit_code = EXIT_TRANSIENT
+
     default_remediation = (
         "The source kept failing; check its availability and run the loader again (it resumes)."
+    )
+
+
+class SourceChangedError(SourceError):
+    """The source no longer holds what an already published key was built from."""
+
+    default_remediation = (
+        "Pin the new content under a new key (--revision NEW, or hf://ORG/NAME@<commit>) and run "
+        "again; or pass --follow-source to replace the published copy (the chart: "
+        "model.followSource: true)."
+    )
+
+
+class OutputPathError(LoaderError):
+    """An output directory cannot be created or written (a file in the way, no permission)."""
+
+    default_remediation = (
+        "Choose an output directory that is, or can be created as, a writable directory."
     )
 
 
@@ -126,8 +156,22 @@ class PublishError(RepositoryError):
     """Publishing a model repository failed; nothing half-written was left where Triton loads."""
 
 
+class LockLostError(PublishError):
+    """This loader's publish lock was taken over by another loader; it stopped unpublished."""
+
+    exit_code = EXIT_TRANSIENT
+
+    default_remediation = (
+        "Another loader took over this model key (this one had stalled past --lock-expiry-s); "
+        "run the loader again to verify or complete its result, and raise --lock-expiry-s if "
+        "loaders stall that long."
+    )
+
+
 class LockTimeoutError(PublishError):
     """Another loader holds the publish lock for the same model key for too long."""
+
+    exit_code = EXIT_TRANSIENT
 
     default_remediation = (
         "Another loader is publishing the same model key; wait for it, or remove its lock file "

@@ -5,21 +5,32 @@
 
 1. compute the key and check the FasterTransformer placement rules that need no model
    (nothing written yet);
-2. if ``ROOT/<key>`` is complete and verified: nothing to do (unless ``force``);
+2. if ``ROOT/<key>`` is complete and verified and its source still holds what it was built
+   from (the source fingerprint in its manifest, :mod:`loader.sources.fingerprint`): nothing to
+   do (unless ``force``). A source that changed under a published key is a
+   :class:`~loader.errors.SourceChangedError`, unless ``follow_source`` asks to publish it again;
 3. take the key's publish lock (other loaders of the same key wait; see
    :mod:`loader.repository.lock`) and check again: the loader we waited for may have published;
-4. fetch the checkpoint, read its ``config.json``, check the layer split, the GPU memory (with
-   ``gpu_memory_gib``) and the tokenizer: still nothing written into ``ROOT`` but the lock;
-5. convert the weights straight into a staging directory (written once), write the model
-   directories, ``manifest.json`` and finally ``.ready``;
-6. rename the staging directory to ``ROOT/<key>`` (atomic), remove the downloaded copy.
+4. fetch the checkpoint (remote sources into ``WORK/<key>/source``, ``WORK`` being
+   ``--work-dir`` or ``ROOT/.work``), read its ``config.json``, check the layer split, the GPU
+   memory (with ``gpu_memory_gib``) and the tokenizer: still nothing written into ``ROOT`` but
+   the lock;
+5. convert the weights straight into a staging directory (written once; free space is checked
+   for everything the repository holds), write the model directories, ``manifest.json`` and
+   finally ``.ready``;
+6. rename the staging directory to ``ROOT/<key>`` (atomic), remove the download directory
+   ``WORK/<key>`` (only that, and only if this loader created it).
 
 A loader killed at any point leaves ``ROOT/<key>`` absent or complete; the next run removes the
-leftover staging directory, takes over the dead loader's lock and completes.
+leftover staging directory, takes over the dead loader's lock and completes. A loader whose
+lock was taken over (it stalled past the expiry) stops with a
+:class:`~loader.errors.LockLostError` before publishing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -28,17 +39,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader import __version__
-from loader.errors import RepositoryError
+from loader.errors import (
+    InsufficientDiskSpaceError,
+    LockLostError,
+    RepositoryError,
+    SourceChangedError,
+)
+from loader.formats.fastertransformer import check_head_size
 from loader.parallel import Parallelism
 from loader.plan import ModelShape, Topology, check_memory, check_placement, estimate_memory
 from loader.repository import layout, manifest, publish
 from loader.repository.config import RepositorySpec
 from loader.repository.key import ServingSettings, key_filename, model_key, resolve_revision
 from loader.repository.lock import PublishLock
+from loader.sources.fingerprint import Fingerprint, describe_changes
 
 log = logging.getLogger(__name__)
 
-WORK_DIR = ".work"
+WORK_DIR = publish.WORK_DIR
+DOWNLOAD_MARKER = publish.DOWNLOAD_MARKER
+#: Shortest --lock-expiry-s accepted: shorter ones take over loaders that merely paused.
+MIN_LOCK_EXPIRY_S = 1.0
 #: ``torch_dtype`` / ``dtype`` of config.json -> the dtype FT files keep by default.
 _HF_DTYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
 
@@ -61,11 +82,48 @@ class RunRequest:
     verify_checksums: bool = True
     lock_expiry_s: float = 120.0
     lock_timeout_s: float = 6 * 3600.0
+    follow_source: bool = False
+    retry_deadline_s: float = 300.0
+    prune_keep: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            (
+                self.lock_expiry_s >= MIN_LOCK_EXPIRY_S,
+                f"--lock-expiry-s must be at least {MIN_LOCK_EXPIRY_S:g} s, got "
+                f"{self.lock_expiry_s:g}: a waiting loader would take over a live holder's lock.",
+                "Pass --lock-expiry-s longer than any pause of a loader (default 120).",
+            ),
+            (
+                self.lock_timeout_s >= 0,
+                f"--lock-timeout-s must not be negative, got {self.lock_timeout_s:g}.",
+                "Pass --lock-timeout-s 0 or more (default 21600, six hours).",
+            ),
+            (
+                self.retry_deadline_s > 0,
+                f"--retry-deadline must be positive, got {self.retry_deadline_s:g}.",
+                "Pass --retry-deadline in seconds (default 300).",
+            ),
+            (
+                self.prune_keep is None or self.prune_keep >= 1,
+                f"--prune-keep must be at least 1, got {self.prune_keep}.",
+                "Pass --prune-keep 1 or more (2 also keeps the key a rollout leaves).",
+            ),
+            (
+                self.workers is None or self.workers >= 1,
+                f"--workers must be at least 1, got {self.workers}.",
+                "Pass --workers 1 or more, or leave it out.",
+            ),
+        )
+        for ok, message, hint in checks:
+            if not ok:
+                raise RepositoryError(message, hint)
 
     @property
     def topology(self) -> Topology:
+        gpus = self.gpus_per_replica
         return Topology(
-            gpus_per_replica=self.gpus_per_replica or self.parallelism.gpus_per_instance
+            gpus_per_replica=self.parallelism.gpus_per_instance if gpus is None else gpus
         )
 
     @property
@@ -100,17 +158,67 @@ def _complete(target: Path, key: str, request: RunRequest) -> bool:
     return True
 
 
+def _up_to_date(target: Path, key: str, request: RunRequest) -> bool:
+    """Whether ``target`` is complete and its source still holds what it was built from."""
+    from loader.sources import fingerprint
+
+    if not _complete(target, key, request):
+        return False
+    recorded = Fingerprint.from_dict(
+        (manifest.read_manifest(target) or {}).get(manifest.SOURCE_FINGERPRINT)
+    )
+    if recorded is None:
+        log.warning(
+            "%s records no source fingerprint (an older loader published it): whether %s "
+            "changed since cannot be told; --force publishes it again",
+            target,
+            request.source,
+        )
+        return True
+    current = fingerprint(
+        request.source,
+        recorded=recorded,
+        workers=request.workers,
+        retry_deadline_s=request.retry_deadline_s,
+    )
+    changes = recorded.changes(current)
+    if not changes:
+        return True
+    if request.follow_source:
+        log.warning(
+            "the source %s changed since %s was published (%s); following it "
+            "(--follow-source): publishing it again",
+            request.source,
+            target,
+            describe_changes(changes),
+        )
+        return False
+    raise SourceChangedError(
+        f"The source {request.source} no longer holds what {target} was built from: "
+        f"{describe_changes(changes)}. That key keeps serving the old weights."
+    )
+
+
 def _source_dtype(hf_config: dict) -> str:
     name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     return _HF_DTYPES.get(name, name)
 
 
 def _check_model(request: RunRequest, hf_config: dict) -> None:
-    """Placement rules that need the model, and the GPU-memory check."""
+    """The head size, placement rules that need the model, the hyper-parameters the converter
+    reads, and the GPU-memory check."""
+    from loader.convert.registry import get_architecture
+
     shape = ModelShape.from_hf_config(hf_config)
+    check_head_size(
+        shape.size_per_head, where=f"config.json (n_embd {shape.n_embd} / n_head {shape.n_head})"
+    )
     check_placement(request.parallelism, request.topology, n_layer=shape.n_layer)
     request.parallelism.split(shape.n_head, "The attention head count")
     request.parallelism.split(shape.n_inner, "The MLP width (n_inner)")
+    get_architecture(hf_config.get("model_type")).ft_config(
+        hf_config, parallelism=request.parallelism, weight_data_type="fp32", model_name="check"
+    )
     if request.gpu_memory_gib is None:
         return
     dtype = request.settings.dtype
@@ -136,6 +244,17 @@ def _check_checkpoint(request: RunRequest, checkpoint: Path) -> list[Path]:
     return layout.tokenizer_files(checkpoint)
 
 
+#: Bytes a repository holds besides the weights and tokenizer copies (configs, the Python
+#: models, the manifest), with room to spare.
+REPOSITORY_EXTRA_BYTES = 16 * 2**20
+
+
+def _besides_weights(tokenizer: list[Path]) -> int:
+    """Bytes the repository holds besides the converted weights: two tokenizer copies and the
+    rest (:data:`REPOSITORY_EXTRA_BYTES`)."""
+    return 2 * sum(p.stat().st_size for p in tokenizer) + REPOSITORY_EXTRA_BYTES
+
+
 def _build(
     request: RunRequest,
     key: str,
@@ -143,6 +262,7 @@ def _build(
     checkpoint: Path,
     fetched_revision: str | None,
     tokenizer: list[Path],
+    source_fingerprint: Fingerprint,
 ) -> Path:
     """Convert and write the whole repository into a new staging directory; returns it."""
     from loader.convert import convert_checkpoint
@@ -158,6 +278,7 @@ def _build(
             pp_size=par.pp,
             dtype=None if settings.dtype == "auto" else settings.dtype,
             workers=request.workers,
+            reserve_bytes=_besides_weights(tokenizer),
         )
         spec = RepositorySpec(
             name=request.model_name,
@@ -173,6 +294,7 @@ def _build(
             "source": request.source,
             "revision": resolve_revision(request.source, request.revision),
             "source_revision": fetched_revision,
+            manifest.SOURCE_FINGERPRINT: source_fingerprint.as_dict(),
             "parallelism": {"tp": par.tp, "pp": par.pp, "instance_count": par.instance_count},
             "settings": settings.as_dict(),
             "data_type": spec.data_type,
@@ -184,15 +306,69 @@ def _build(
             staging, manifest.build_manifest(staging, meta, workers=request.workers)
         )
         manifest.write_ready(staging, key)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientDiskSpaceError(
+                f"The repository root {root} ran out of space while writing {key} "
+                f"({exc.strerror}); the staging copy was removed."
+            ) from exc
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
 
 
+def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
+    """``WORK/<key as one name>``, marked as created by the loader (see :func:`_remove_download`)."""
+    work = Path(request.work_dir).absolute() if request.work_dir else root / WORK_DIR
+    path = work / key_filename(key)
+    if not path.exists():
+        path.mkdir(parents=True)
+        (path / DOWNLOAD_MARKER).write_text(f"{key}\n")
+    return path
+
+
+def _remove_download(path: Path, root: Path) -> None:
+    """Remove a download directory only if the loader created it; then ``ROOT/.work`` if
+    that is left empty. Nothing else under ``--work-dir`` is touched."""
+    if not (path / DOWNLOAD_MARKER).is_file():
+        log.info("keeping %s: this loader did not create it", path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    if path.parent == root / WORK_DIR:
+        with contextlib.suppress(OSError):  # other keys' downloads are there
+            path.parent.rmdir()
+
+
 def run(request: RunRequest) -> RunResult:
-    """Publish ``request``'s repository (see the module docstring)."""
-    from loader.sources import fetch, parse_uri
+    """Publish ``request``'s repository (see the module docstring); with ``prune_keep``, then
+    prune the root, keeping the key just published (:mod:`loader.repository.prune`)."""
+    result = _run(request)
+    if request.prune_keep is not None:
+        _prune_after(request, result)
+    return result
+
+
+def _prune_after(request: RunRequest, result: RunResult) -> None:
+    from loader.repository.prune import prune
+
+    try:
+        report = prune(
+            Path(request.repository).absolute(),
+            keep=request.prune_keep or 1,
+            in_use=(result.key,),
+            lock_expiry_s=request.lock_expiry_s,
+        )
+    except (OSError, RepositoryError) as exc:  # the model is published: pruning is a bonus
+        log.warning("pruning %s failed: %s", request.repository, exc)
+        return
+    log.info("pruned %s item(s), %s bytes", len(report.removed), report.bytes)
+
+
+def _run(request: RunRequest) -> RunResult:
+    from loader.sources import fetch, fingerprint, parse_uri
 
     start = time.monotonic()
     root = Path(request.repository).absolute()
@@ -205,7 +381,7 @@ def run(request: RunRequest) -> RunResult:
         _check_checkpoint(request, Path(fetched.path))
     target = publish.published_path(root, key)
     log.info("model key %s", key)
-    if not request.force and _complete(target, key, request):
+    if not request.force and _up_to_date(target, key, request):
         log.info("%s is already published and verified; nothing to do", target)
         return RunResult(target, key, False, time.monotonic() - start)
 
@@ -223,23 +399,49 @@ def run(request: RunRequest) -> RunResult:
     with PublishLock(
         root, key, expiry_s=request.lock_expiry_s, timeout_s=request.lock_timeout_s
     ) as lock:
-        if not request.force and _complete(target, key, request):
+        if not request.force and _up_to_date(target, key, request):
             log.info("another loader published %s while this one waited; nothing to do", target)
             return RunResult(target, key, False, time.monotonic() - start)
-        publish.clear_staging(root, key)
-        work = Path(request.work_dir or root / WORK_DIR / key_filename(key)).absolute()
-        if fetched is None:
-            fetched = fetch(request.source, work / "source", workers=request.workers)
-        tokenizer = _check_checkpoint(request, Path(fetched.path))
-        staging = _build(request, key, root, Path(fetched.path), fetched.revision, tokenizer)
+        publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
+        download = None
         try:
-            lock.check_held()
-            publish.publish(staging, root, key, replace=target.exists())
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            if fetched is None:
+                download = _download_dir(request, root, key)
+                fetched = fetch(
+                    request.source,
+                    download / "source",
+                    workers=request.workers,
+                    retry_deadline_s=request.retry_deadline_s,
+                )
+            source_fingerprint = fetched.fingerprint or fingerprint(
+                request.source, workers=request.workers
+            )
+            tokenizer = _check_checkpoint(request, Path(fetched.path))
+            staging = _build(
+                request,
+                key,
+                root,
+                Path(fetched.path),
+                fetched.revision,
+                tokenizer,
+                source_fingerprint,
+            )
+            try:
+                lock.check_held()
+                publish.publish(staging, root, key, replace=target.exists())
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        except Exception as exc:
+            if not isinstance(exc, LockLostError) and not lock.held():
+                raise LockLostError(
+                    f"The publish lock of {key} was taken over by another loader while this "
+                    f"one worked (it had stalled past --lock-expiry-s {request.lock_expiry_s:g}); "
+                    f"it stopped without publishing ({type(exc).__name__})."
+                ) from exc
             raise
-        if Path(fetched.path).absolute().is_relative_to(work):
-            shutil.rmtree(work, ignore_errors=True)
+        if download is not None:
+            _remove_download(download, root)
     seconds = time.monotonic() - start
     log.info("published %s in %.1f s", target, seconds)
     return RunResult(target, key, True, seconds)

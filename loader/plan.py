@@ -54,8 +54,15 @@ class ModelShape:
 
         def pick(*names: str) -> int | None:
             for name in names:
-                if config.get(name) is not None:
-                    return int(config[name])
+                value = config.get(name)
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise CheckpointError(
+                        f"config.json {name} must be a positive whole number, got {value!r}.",
+                        "Use the checkpoint's original config.json.",
+                    )
+                return value
             return None
 
         values = {
@@ -136,10 +143,9 @@ def check_placement(
             f"Raise --instance-count to {needed}, or lower --gpus-per-replica to {group * count}.",
         )
     if n_layer is not None and n_layer % pp:
-        divisors = [d for d in range(1, n_layer + 1) if n_layer % d == 0][:8]
         raise PlacementError(
             f"n_layer ({n_layer}) is not divisible by the pipeline-parallel size {pp}.",
-            f"Change --pp-size to a divisor of {n_layer} (e.g. {', '.join(map(str, divisors))}).",
+            f"Change --pp-size to a divisor of {n_layer} (e.g. {small_divisors(n_layer)}).",
         )
     node = topology.gpus_per_node
     if node is not None:
@@ -158,6 +164,17 @@ def check_placement(
                 else f"One replica needs more GPUs ({gpus}) than a node has: lower --tp-size "
                 "(or --pp-size), or use nodes with more GPUs.",
             )
+
+
+#: Candidates a divisor hint tries: pipeline sizes beyond this are not deployed anyway.
+_HINT_LIMIT = 64
+
+
+def small_divisors(n: int, count: int = 8) -> str:
+    """The first ``count`` divisors of ``n`` up to :data:`_HINT_LIMIT`, for a hint (bounded
+    work whatever ``n`` is)."""
+    found = [d for d in range(1, min(n, _HINT_LIMIT) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in found[:count])
 
 
 def _padded_vocab(vocab: int, tp: int) -> int:

@@ -39,8 +39,23 @@ from loader.errors import EndpointError
 
 log = logging.getLogger(__name__)
 
-#: The response parameter Triton sets on the last response of a stream.
+#: The response parameter Triton (after 23.05) sets on the last response of a stream.
 FINAL_PARAMETER = "triton_final_response"
+#: The output our streaming model sets on its last response (all a 23.05 client can see).
+FINAL_OUTPUT = "is_final"
+
+
+def is_final(result: Any) -> bool:
+    """Whether ``result`` ends its stream: Triton's parameter says so, our streaming model's
+    ``is_final`` output says so (Triton 23.05 sends no parameter), or it is the only response of
+    a model that does not stream (outputs, but no ``is_final``)."""
+    response = result.get_response()
+    if FINAL_PARAMETER in response.parameters and response.parameters[FINAL_PARAMETER].bool_param:
+        return True
+    names = {output.name for output in response.outputs}
+    if FINAL_OUTPUT in names:
+        return bool(result.as_numpy(FINAL_OUTPUT).reshape(-1)[0])
+    return bool(names)
 
 
 @dataclass(frozen=True)
@@ -74,9 +89,7 @@ class StreamedCompletion:
 def _event(result: Any, started: float) -> StreamEvent:
     now = time.perf_counter() - started
     response = result.get_response()
-    final = bool(
-        FINAL_PARAMETER in response.parameters and response.parameters[FINAL_PARAMETER].bool_param
-    )
+    final = is_final(result)
     if not response.outputs:
         return StreamEvent("", now, final, None, None)
     completion = result.as_numpy("completion").reshape(-1)[0]

@@ -112,10 +112,10 @@ while true; do
   sleep 15
 done
 
-# 5. A new model key: start fresh pods now rather than after the init container's back-off.
+# 5. The pods of a new key already wait for it (init container wait-for-model) and see `.ready`
+#    within triton.waitForModel.intervalSeconds: no restart, which would only start them over.
 if [[ -n "$old_key" && "$old_key" != "$new_key" ]]; then
-  say "new model key (was $old_key): restarting deployment/$deployment"
-  "$kubectl" -n "$namespace" rollout restart "deployment/$deployment"
+  say "new model key (was $old_key): the rolled pods pick it up as they find it published"
 fi
 say "waiting for deployment/$deployment"
 "$kubectl" -n "$namespace" rollout status "deployment/$deployment" --timeout="$rollout_timeout"

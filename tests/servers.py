@@ -60,8 +60,12 @@ def _stop(proc: subprocess.Popen | None) -> None:
 class GcsServer:
     """fake-gcs-server with its filesystem backend under ``workdir / "storage"``."""
 
-    def __init__(self, workdir: Path, *, external_url: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *, external_url: str | None = None, backend: str = "filesystem"
+    ) -> None:
         self.workdir = workdir
+        # "memory" holds objects the filesystem backend cannot (``a`` beside ``a/b``).
+        self.backend = backend
         self.root = workdir / "storage"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -81,7 +85,7 @@ class GcsServer:
                     "-scheme",
                     "http",
                     "-backend",
-                    "filesystem",
+                    self.backend,
                     "-filesystem-root",
                     str(self.root),
                     "-host",

@@ -53,24 +53,26 @@ def test_variant_configs_match_what_run_writes_for_those_settings(
                 max_queue_delay_us=250,
             ),
             data_type=params["data_type"],
-            checkpoint_path=params["model_checkpoint_path"],
+            end_id=0,
         )
     )
     for name, config in changed.items():
         assert config.instance_group == expected[name].instance_group, name
         assert config.dynamic_batching == expected[name].dynamic_batching, name
+        assert list(config.batch_input) == list(expected[name].batch_input), name
+        ragged = [(i.name, i.allow_ragged_batch) for i in config.input]
+        assert ragged == [(i.name, i.allow_ragged_batch) for i in expected[name].input], name
         # Everything else is the published config, untouched.
-        config.ClearField("instance_group")
-        config.ClearField("dynamic_batching")
         reference = type(config)()
         reference.CopyFrom(original[name])
-        reference.ClearField("instance_group")
-        reference.ClearField("dynamic_batching")
+        for message in (config, reference):
+            message.ClearField("instance_group")
+            message.ClearField("dynamic_batching")
+            message.ClearField("batch_input")
+            for tensor in message.input:
+                tensor.allow_ragged_batch = False
         assert config == reference, name
-    assert (
-        changed["fastertransformer"].parameters["model_checkpoint_path"].string_value
-        == (params["model_checkpoint_path"])
-    )
+    assert "model_checkpoint_path" not in changed["fastertransformer"].parameters
     assert describe(read_configs(out)) == {
         "instance_group": 2,
         "dynamic_batching": True,

@@ -221,7 +221,12 @@ def test_gpu_arithmetic_of_the_deployment(helm, values):
     [spread] = pod["topologySpreadConstraints"]
     assert spread["maxSkew"] == 1
     assert spread["topologyKey"] == "kubernetes.io/hostname"
-    assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+    # GPU fit packs; the spread is a preference that a busy matching node cannot turn into
+    # Pending pods (tests/test_chart_scheduling.py), counted per ReplicaSet on tolerated nodes.
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert "minDomains" not in spread
+    assert spread["matchLabelKeys"] == ["pod-template-hash"]
+    assert spread["nodeTaintsPolicy"] == "Honor"
     assert spread["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
@@ -329,6 +334,25 @@ def test_key_revision_comes_from_the_hf_uri_then_a_hash_of_the_source():
             "loader",
         )["args"]
     )
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ["gs://bucket/models/codegen", "gs://bucket/models/codegen/", "gs://bucket//models/codegen"],
+        ["file:///data/ckpt", "file:///data/ckpt/", "file://localhost/data//ckpt/",
+         "file:///data/x/../ckpt"],
+    ],
+    ids=["gs", "local"],
+)  # fmt: skip
+def test_every_spelling_of_a_source_gives_the_loader_s_one_key(spellings):
+    keys = set()
+    for source in spellings:
+        docs = rendered("helm4", None, (f"model.source={source}",))
+        key = one(docs, "Deployment")["metadata"]["annotations"]["model-triton/model-key"]
+        assert key == key_from_loader_args(container(loader_pod_spec(docs), "loader")["args"])
+        keys.add(key)
+    assert len(keys) == 1, keys
 
 
 # --------------------------------------------------------------------------- Deployment shape
@@ -484,9 +508,36 @@ BAD_VALUES = [
         id="preferred>max",
     ),
     pytest.param(
-        ("loader.hook.enabled=true",),
-        "model-triton: loader.hook.enabled",
-        id="hook-without-existing-claim",
+        ("cluster.replicasPerNode=2", "cluster.gpusPerNode=4"),
+        "model-triton: cluster.replicasPerNode is 2 but cluster.nodeSelector and cluster.affinity",
+        id="N>1-without-a-dedicated-pool",
+    ),
+    pytest.param(
+        ("triton.updateStrategy.maxUnavailable=0",),
+        "model-triton: triton.updateStrategy.maxSurge and triton.updateStrategy.maxUnavailable",
+        id="rollout-that-cannot-move",
+    ),
+    pytest.param(
+        ("modelRepository.persistence.accessMode=ReadOnlyMany",),
+        "model-triton: modelRepository.persistence.accessMode is ReadOnlyMany",
+        id="read-only-volume",
+    ),
+    pytest.param(
+        ("modelRepository.persistence.accessMode=ReadWriteOncePod",),
+        "model-triton: modelRepository.persistence.accessMode is ReadWriteOncePod",
+        id="one-pod-volume",
+    ),
+    pytest.param(
+        ("modelRepository.persistence.accessMode=ReadWriteOnce", "cluster.nodes=2"),
+        "model-triton: modelRepository.persistence.accessMode is ReadWriteOnce, but "
+        "cluster.nodes = 2",
+        id="one-node-volume-on-two-nodes",
+    ),
+    pytest.param(("triton.image.tag=",), "model-triton: triton.image.tag", id="empty-triton-tag"),
+    pytest.param(
+        ("triton.waitForModel.image.tag=",),
+        "model-triton: triton.waitForModel.image.tag",
+        id="empty-wait-tag",
     ),
     pytest.param(
         ("model.revision=", "model.source=hf://org/name@"),
@@ -520,6 +571,108 @@ def test_lint_fails_on_schema_errors(helm):
     with pytest.raises(rc.ChartError) as info:
         rc.lint(helm=helm, set_values=("cluster.nodes=two",))
     assert "nodes" in info.value.output
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize("image", ["triton.image", "triton.waitForModel.image", "loader.image"])
+def test_a_tag_yaml_reads_as_a_number_is_refused_naming_the_key(helm, image, tmp_path):
+    values = tmp_path / "values.yaml"
+    first, *rest = image.split(".")
+    nested = {"tag": 24.10}
+    for part in reversed(rest):
+        nested = {part: nested}
+    values.write_text(yaml.safe_dump({first: nested}))
+    with pytest.raises(rc.ChartError) as info:
+        rc.render(helm=helm, values_files=[values])
+    assert "tag" in info.value.output and "schema" in info.value.output
+
+
+def test_a_digest_stands_in_for_an_empty_tag():
+    digest = "sha256:" + "a" * 64
+    docs = rendered("helm4", None, ("triton.image.tag=", f"triton.image.digest={digest}"))
+    triton = container(one(docs, "Deployment")["spec"]["template"]["spec"], "triton")
+    assert triton["image"] == f"model-triton-ft@{digest}"
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_pipeline_parallel_replicas_take_t_x_p_gpus_and_fill_the_node(helm):
+    sets = (
+        "model.tensorParallelSize=2",
+        "model.pipelineParallelSize=2",
+        "cluster.replicasPerNode=4",
+        "cluster.gpusPerNode=16",
+        "cluster.nodes=2",
+        "cluster.nodeSelector.pool=a100",
+    )
+    docs = rendered(helm, None, sets)
+    assert [p for doc in docs for p in validated(doc)] == []
+    deployment = one(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    resources = container(pod, "triton")["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 4
+    assert deployment["spec"]["replicas"] == 8
+    assert 4 * resources["limits"]["nvidia.com/gpu"] == 16  # N x T x P = G exactly
+    args = container(loader_pod_spec(docs), "loader")["args"]
+    parsed = parse_loader_args(args)
+    assert (parsed.tp_size, parsed.pp_size, parsed.gpus_per_replica) == (2, 2, 4)
+    key = deployment["metadata"]["annotations"]["model-triton/model-key"]
+    assert "/tp2-pp2-" in key and key == key_from_loader_args(args)
+    assert "WARNING" not in rc.notes(set_values=sets)
+
+
+LONG_RELEASE = "a" * 53  # the longest release name Helm accepts
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_every_name_fits_after_its_suffix_for_the_longest_release_name(helm):
+    text = rc.render(
+        helm=helm,
+        release=LONG_RELEASE,
+        set_values=(*HOOK, "metrics.serviceMonitor.enabled=true", "networkPolicy.enabled=true"),
+    )
+    docs = rc.documents(text)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert all(len(name) <= 63 for _, name in names), names
+    assert all(len(name) <= 52 for kind, name in names if kind == "CronJob")
+    assert len(set(names)) == len(names)
+    services = [n for k, n in names if k == "Service"]
+    assert len(services) == 2 and all(n[0].isalpha() and not n.endswith("-") for n in services)
+    assert one(docs, "PersistentVolumeClaim")["metadata"]["name"].endswith("-models")
+    assert [p for doc in docs for p in validated(doc)] == []
+
+
+def test_common_labels_cannot_override_the_standard_labels():
+    sets = (
+        "commonLabels.app\\.kubernetes\\.io/name=other",
+        "commonLabels.app\\.kubernetes\\.io/component=other",
+        "commonLabels.helm\\.sh/chart=other",
+        "commonLabels.team=ml",
+    )
+    text = rc.render(helm="helm4", set_values=sets)
+    docs = rc.documents(text)
+    deployment = one(docs, "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector["app.kubernetes.io/name"] == "model-triton"
+    for labels in (
+        deployment["metadata"]["labels"],
+        deployment["spec"]["template"]["metadata"]["labels"],
+    ):
+        assert selector.items() <= labels.items()
+        assert labels["team"] == "ml" and labels["helm.sh/chart"].startswith("model-triton-")
+    # no duplicate keys in any label map (yaml.safe_load would keep the last silently)
+    assert text.count("app.kubernetes.io/name: other") == 0
+
+
+def test_n_above_one_with_a_node_affinity_is_a_dedicated_pool():
+    sets = (
+        "cluster.replicasPerNode=2",
+        "cluster.gpusPerNode=4",
+        "cluster.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+        ".nodeSelectorTerms[0].matchExpressions[0].key=pool",
+        "cluster.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+        ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+    )
+    assert one(rendered("helm4", None, sets), "Deployment")["spec"]["replicas"] == 2
 
 
 def test_python_backend_skips_the_gpu_rules():
@@ -628,6 +781,8 @@ def test_schema_is_strict_on_every_own_object():
         "commonLabels",
         "annotations",
         "podAnnotations",
+        "podLabels",
+        "lifecycle",
         "labels",
         "global",
         "claims",
@@ -665,6 +820,51 @@ def test_values_files_leave_no_gpu_idle(values):
     assert "--from=cronjob/codegen-model-loader" in notes
 
 
+@pytest.mark.parametrize(
+    ("values", "follows", "needle"),
+    [
+        ("staging.yaml", True, "followed (model.followSource)"),
+        ("production.yaml", False, "not pinned, not followed"),
+    ],
+)
+def test_staging_and_production_say_whether_they_follow_their_source(values, follows, needle):
+    """Each either opts in to following its branch or pins the key's revision; NOTES says which."""
+    args = container(loader_pod_spec(rendered("helm4", values)), "loader")["args"]
+    request = request_from_args(parse_loader_args(args))
+    assert request.follow_source is follows
+    assert follows or request.revision  # not followed: a pinned revision
+    assert needle in rc.notes(values_files=_files(values))
+
+
+def test_a_source_pinned_to_a_commit_is_reported_as_pinned():
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    notes = rc.notes(set_values=(f"model.source=hf://org/name@{commit}",))
+    assert "pinned to a commit" in notes
+
+
+def test_the_loader_job_fails_fast_on_bad_input_and_retries_transient_failures():
+    docs = rendered("helm4", None, ("loader.prune.enabled=true", "loader.prune.keep=3"))
+    job = one(docs, "CronJob")["spec"]["jobTemplate"]["spec"]
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }  # fmt: skip
+    assert rules[1]["action"] == "FailJob"
+    assert rules[1]["onExitCodes"] == {
+        "containerName": "loader", "operator": "NotIn", "values": [75, 143],
+    }  # fmt: skip
+    from loader.cli import EXIT_TERMINATED
+    from loader.errors import EXIT_TRANSIENT
+
+    assert {EXIT_TRANSIENT, EXIT_TERMINATED} == set(rules[1]["onExitCodes"]["values"])
+    assert job["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    args = container(job["template"]["spec"], "loader")["args"]
+    assert parse_loader_args(args).prune_keep == 3
+    assert (
+        "--prune-keep" not in container(loader_pod_spec(rendered("helm4", None)), "loader")["args"]
+    )
+
+
 # --------------------------------------------------------------------------- optional resources
 
 
@@ -676,8 +876,8 @@ OPTIONAL = [
         (
             "loader.hook.enabled=true",
             "modelRepository.persistence.existingClaim=models",
-            "serviceAccount.create=false",
-            "serviceAccount.name=loader",
+            "loader.serviceAccount.create=false",
+            "loader.serviceAccount.name=loader",
         ),
         id="hook-job",
     ),
@@ -734,17 +934,57 @@ def test_network_policy_admits_only_the_triton_ports_from_the_given_peers():
     assert sorted(p["port"] for p in rule["ports"]) == [8000, 8001, 8002]
 
 
-def test_hook_job_runs_the_same_loader_as_the_cronjob_before_install_and_upgrade():
-    docs = rendered("helm4", None, OPTIONAL[2].values[1])
+HOOK = ("loader.hook.enabled=true",)
+HOOK_ON_EXISTING = OPTIONAL[2].values[1]
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize(
+    ("sets", "phases"),
+    [(HOOK, "post-install,pre-upgrade"), (HOOK_ON_EXISTING, "pre-install,pre-upgrade")],
+    ids=["chart-creates-claim", "existing-claim-and-account"],
+)
+def test_hook_job_loads_before_an_upgrade_and_when_the_claim_exists_at_install(helm, sets, phases):
+    docs = rendered(helm, None, sets)
     job = one(docs, "Job")
     annotations = job["metadata"]["annotations"]
-    assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
-    assert (
-        job["spec"]["template"]["spec"]["containers"][0]["args"]
-        == container(loader_pod_spec(docs), "loader")["args"]
+    assert annotations["helm.sh/hook"] == phases
+    assert "hook-succeeded" in annotations["helm.sh/hook-delete-policy"]
+    hook = job["spec"]["template"]["spec"]["containers"][0]
+    assert hook["args"] == container(loader_pod_spec(docs), "loader")["args"]
+    assert key_from_loader_args(hook["args"]) == annotations["model-triton/model-key"]
+    assert {"name": "MODEL_PATH", "value": f"/models/{annotations['model-triton/model-key']}"} in (
+        hook["env"]
     )
-    assert job["spec"]["template"]["spec"]["serviceAccountName"] == "loader"
-    assert "ServiceAccount" not in kinds(docs) and "PersistentVolumeClaim" not in kinds(docs)
+    assert (
+        job["spec"]["activeDeadlineSeconds"] == values_of(None)["loader"]["activeDeadlineSeconds"]
+    )
+    account = job["spec"]["template"]["spec"]["serviceAccountName"]
+    assert account == ("loader" if "pre-install" in phases else "codegen-model-triton-loader")
+    assert validated(job) == ()
+
+
+def _run_hook_script(hook: dict, model_path: Path, args: list[str]):
+    command = hook["command"]
+    assert command[:2] == ["sh", "-c"] and command[3] == "model-loader"
+    env = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "MODEL_PATH": str(model_path)}
+    return subprocess.run(
+        [*command, *args], env=env, capture_output=True, text=True, check=False, timeout=120
+    )
+
+
+def test_hook_skips_a_published_key_and_runs_the_loader_otherwise(tmp_path):
+    hook = one(rendered("helm4", None, HOOK), "Job")["spec"]["template"]["spec"]["containers"][0]
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / ".ready").write_text("")
+    done = _run_hook_script(hook, published, hook["args"])
+    assert done.returncode == 0 and "is published; nothing to load" in done.stdout
+    # Not published: the real model-loader runs with the Job's arguments (here --help, to run
+    # nothing heavy; the full argument list is checked against the loader's parser above).
+    fresh = _run_hook_script(hook, tmp_path / "absent", ["run", "--help"])
+    assert fresh.returncode == 0, fresh.stderr
+    assert "--tp-size" in fresh.stdout
 
 
 def test_pvc_is_rendered_by_default_and_kept_on_uninstall():
@@ -771,17 +1011,66 @@ def test_existing_claim_replaces_the_pvc_everywhere():
         assert claims == ["shared-models"]
 
 
-def test_secrets_are_referenced_not_embedded():
+def test_secrets_are_referenced_not_embedded_and_a_missing_key_fails_the_mount():
     docs = rendered(
-        "helm4", None, ("loader.hfTokenSecret.name=hf", "loader.gcsCredentialsSecret.name=gcs")
+        "helm4",
+        None,
+        (
+            "loader.hfTokenSecret.name=hf",
+            "loader.hfTokenSecret.key=hf-token",
+            "loader.gcsCredentialsSecret.name=gcs",
+        ),
     )
     assert "Secret" not in kinds(docs)
     pod = loader_pod_spec(docs)
     env = {e["name"]: e for e in container(pod, "loader")["env"]}
-    assert env["HF_TOKEN_PATH"]["value"] == "/var/secrets/hf/token"
-    assert {"name": "hf-token", "secret": {"secretName": "hf"}} in pod["volumes"]
-    assert env["GOOGLE_APPLICATION_CREDENTIALS"]["value"] == "/var/secrets/gcs/key.json"
-    assert {"name": "gcs-credentials", "secret": {"secretName": "gcs"}} in pod["volumes"]
+    mounts = {m["name"]: m["mountPath"] for m in container(pod, "loader")["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["hf-token"]["secret"] == {
+        "secretName": "hf",
+        "items": [{"key": "hf-token", "path": "token"}],
+    }
+    assert env["HF_TOKEN_FILE"]["value"] == f"{mounts['hf-token']}/token"
+    assert volumes["gcs-credentials"]["secret"] == {
+        "secretName": "gcs",
+        "items": [{"key": "key.json", "path": "key.json"}],
+    }
+    assert env["GOOGLE_APPLICATION_CREDENTIALS"]["value"] == f"{mounts['gcs-credentials']}/key.json"
+
+
+def test_the_loader_reads_the_token_file_the_chart_points_it_to(tmp_path, monkeypatch):
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    pod = loader_pod_spec(rendered("helm4", None, ("loader.hfTokenSecret.name=hf",)))
+    [variable] = [e["name"] for e in container(pod, "loader")["env"] if "HF_TOKEN" in e["name"]]
+    token = tmp_path / "token"
+    token.write_text("hf_secret\n")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN_FILE", raising=False)
+    monkeypatch.setenv(variable, str(token))
+    assert resolve_token(FetchOptions()) == "hf_secret"
+
+
+def test_only_the_loader_has_a_storage_identity():
+    docs = rendered(
+        "helm4",
+        None,
+        (
+            "loader.serviceAccount.annotations.iam\\.gke\\.io/gcp-service-account="
+            "loader@p.iam.gserviceaccount.com",
+        ),
+    )
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    loader = accounts["codegen-model-triton-loader"]
+    assert loader["metadata"]["annotations"] == {
+        "iam.gke.io/gcp-service-account": "loader@p.iam.gserviceaccount.com"
+    }
+    assert "annotations" not in accounts["codegen-model-triton"]["metadata"]
+    assert loader_pod_spec(docs)["serviceAccountName"] == "codegen-model-triton-loader"
+    for kind in ("Deployment", "Pod"):
+        assert rc._pod_spec(one(docs, kind))["serviceAccountName"] == "codegen-model-triton"
+    assert all(a["automountServiceAccountToken"] is False for a in accounts.values())
 
 
 # --------------------------------------------------------------------------- the render script

@@ -58,7 +58,7 @@ def test_tensors_are_views_of_the_file_not_copies(checkpoints):
 def test_read_hf_config_returns_config_json(checkpoints):
     config = read_hf_config(checkpoints[("bin", False)])
     assert config["model_type"] == "gptj"
-    assert config["n_embd"] == 64
+    assert config["n_embd"] == 256
 
 
 def test_missing_config_json_is_a_checkpoint_error(tmp_path):

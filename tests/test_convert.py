@@ -235,7 +235,7 @@ def test_config_ini_has_a_complete_gptj_section(sources, converted, case):
 
 
 def test_n_inner_unset_means_four_times_n_embd(converted):
-    assert converted("gptj-fp32-safetensors", 1).config.inter_size == 4 * 64
+    assert converted("gptj-fp32-safetensors", 1).config.inter_size == 4 * 256
     assert converted("gptj-fp32-bin", 1).config.inter_size == 96
 
 

@@ -124,8 +124,8 @@ def test_tensor_shape_that_contradicts_config_json(good, tmp_path, capsys):
     out = tmp_path / "out"
     assert_refused(
         capsys, out, [str(src), str(out), "--tp-size", "1"],
-        "Tensor transformer.wte.weight in model.safetensors has shape [320, 64], but config.json "
-        "implies [300, 64]",
+        "Tensor transformer.wte.weight in model.safetensors has shape [320, 256], but config.json "
+        "implies [300, 256]",
     )  # fmt: skip
 
 
@@ -229,3 +229,13 @@ def test_the_real_command_exits_2_without_a_traceback(good, tmp_path):
     assert "Traceback" not in proc.stderr
     assert "error: n_head (attention heads) (8) is not divisible" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_head_size_fastertransformer_cannot_generate_with(good, tmp_path, capsys):
+    source = variant(good, tmp_path)
+    edit_config(source, n_head=16)  # 256 / 16: heads of 16, the tensors unchanged
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(source), str(out), "--tp-size", "1"],
+        "heads of size 16", "supports only head sizes 32, 48, 64",
+    )  # fmt: skip

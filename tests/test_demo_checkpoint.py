@@ -13,7 +13,7 @@ from loader.demo.checkpoint import RECIPE_FILE, DemoRecipe, build_demo_checkpoin
 from loader.demo.tokenizer import END_OF_TEXT, TOKENIZER_FILES, train_tokenizer
 
 CORPUS = ["def is_even(n: int) -> bool:\n    return n % 2 == 0\n"] * 3
-SMALL = DemoRecipe(vocab_size=384, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+SMALL = DemoRecipe(vocab_size=384, n_embd=128, n_layer=1, n_head=4, rotary_dim=4,
                    n_positions=64, corpus_bytes=30_000, seq_len=16, batch_size=2,
                    train_steps=3)  # fmt: skip
 

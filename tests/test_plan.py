@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -76,6 +77,18 @@ def test_replicas_that_overflow_the_node_are_invalid_with_the_number_to_change()
     with pytest.raises(PlacementError) as info:
         check_placement(Parallelism(2), Topology(2, 9, 16))
     assert "--replicas-per-node to 8" in info.value.remediation
+
+
+def test_a_head_size_without_a_generation_kernel_is_invalid():
+    """FasterTransformer generates garbage for head sizes its kernel has no case for."""
+    shape = dataclasses.replace(CODEGEN_16B, n_head=96)  # 6144 / 96 = 64: supported
+    assert plan_row(shape, Parallelism(2), Topology(2, 8, 16), dtype="fp16", max_batch_size=8,
+                    gpu_memory_gib=40).verdict == "fits"  # fmt: skip
+    odd = dataclasses.replace(CODEGEN_16B, n_head=384)  # 6144 / 384 = 16
+    row = plan_row(odd, Parallelism(2), Topology(2, 8, 16), dtype="fp16", max_batch_size=8,
+                   gpu_memory_gib=40)  # fmt: skip
+    assert row.verdict == "invalid"
+    assert "heads of size 16" in row.problem
 
 
 def test_tensor_parallel_size_must_divide_the_heads():

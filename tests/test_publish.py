@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from loader.errors import PublishError
 from loader.repository import manifest, publish
+from loader.repository.key import key_filename
 
 KEY = "m@r/tp1-pp1-i1-0123abcd"
 
@@ -102,9 +108,106 @@ def test_publish_with_replace_swaps_in_the_new_copy_and_removes_the_old(tmp_path
     assert list((tmp_path / publish.TRASH_DIR).iterdir()) == []
 
 
-def test_leftover_staging_directories_of_the_key_are_cleared(tmp_path: Path):
-    a, b = _stage(tmp_path), _stage(tmp_path)
+def _age(path: Path, seconds: float) -> None:
+    """Make everything under ``path`` look untouched for ``seconds``."""
+    then = time.time() - seconds
+    for p in [path, *path.rglob("*")]:
+        os.utime(p, (then, then), follow_symlinks=False)
+
+
+def test_leftovers_of_gone_or_silent_loaders_are_cleared_and_live_ones_kept(tmp_path: Path):
+    ours = _stage(tmp_path)  # this process: alive
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed = _stage(tmp_path)  # renamed below to belong to a dead pid on this host
+    killed = killed.rename(killed.with_name(
+        killed.name.replace(f".{os.getpid()}-", f".{dead.pid}-")))  # fmt: skip
+    silent = _stage(tmp_path)  # another host's loader that stopped writing long ago
+    silent = silent.rename(silent.with_name(
+        silent.name.replace(publish.host_digest(), "0other00")))  # fmt: skip
+    _age(silent, 600)
+    busy = _stage(tmp_path)  # another host's loader still writing
+    busy = busy.rename(busy.with_name(busy.name.replace(publish.host_digest(), "0other00")))
     other = publish.new_staging_dir(tmp_path, "other@r/tp1-pp1-i1-0123abcd")
-    removed = publish.clear_staging(tmp_path, KEY, keep=b)
-    assert removed == [a]
-    assert b.exists() and other.exists() and not a.exists()
+    _age(other, 600)
+    trash = tmp_path / publish.TRASH_DIR
+    (trash / f"{key_filename(KEY)}.0123456789ab" / "m").mkdir(parents=True)
+    (trash / "other@r__tp1-pp1-i1-0123abcd.0123456789ab").mkdir()
+
+    removed = publish.clear_leftovers(tmp_path, KEY, idle_s=120)
+
+    assert sorted(removed) == sorted([killed, silent, trash / f"{key_filename(KEY)}.0123456789ab"])
+    assert ours.exists() and busy.exists() and other.exists()
+    assert [p.name for p in trash.iterdir()] == ["other@r__tp1-pp1-i1-0123abcd.0123456789ab"]
+
+
+def test_publish_is_one_rename_the_published_directory_is_the_staged_one(tmp_path: Path):
+    staging = _stage(tmp_path)
+    inodes = {p.relative_to(staging): p.stat().st_ino for p in [staging, *staging.rglob("*")]}
+    target = publish.publish(staging, tmp_path, KEY)
+    # A rename keeps every inode; a copy followed by a delete would not.
+    assert {p.relative_to(target): p.stat().st_ino for p in [target, *target.rglob("*")]} == inodes
+
+
+@pytest.mark.parametrize("contents", [["theirs.txt"], []])
+def test_a_target_appearing_while_publishing_is_a_typed_error_and_nothing_is_merged(
+    tmp_path: Path, monkeypatch, contents
+):
+    staging = _stage(tmp_path)
+    target = tmp_path / KEY
+    real_seal = publish.seal
+
+    def seal_then_someone_publishes(tree: Path) -> None:
+        real_seal(tree)
+        target.mkdir(parents=True)
+        for name in contents:
+            (target / name).write_text("another loader's file")
+
+    monkeypatch.setattr(publish, "seal", seal_then_someone_publishes)
+    with pytest.raises(PublishError, match="appeared") as info:
+        publish.publish(staging, tmp_path, KEY)
+    assert "run again" in info.value.remediation
+    assert sorted(p.name for p in target.iterdir()) == contents  # untouched, nothing merged
+    assert manifest.verify(staging, key=KEY) == []  # our copy is intact for the caller
+
+
+def test_data_then_rename_then_directory_are_synced_in_that_order(tmp_path: Path, monkeypatch):
+    staging = _stage(tmp_path)
+    files = {p for p in staging.rglob("*") if p.is_file()}
+    events: list[tuple[str, Path]] = []
+    real_fsync, real_rename = os.fsync, publish._rename_noreplace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def rename(src: Path, dst: Path) -> None:
+        events.append(("rename", Path(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(publish, "_rename_noreplace", rename)
+    target = publish.publish(staging, tmp_path, KEY)
+
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renames) == 1 and events[renames[0]][1] == target
+    before, after = events[: renames[0]], events[renames[0] + 1 :]
+    synced_before = {path for _, path in before}
+    assert files <= synced_before  # every file's data
+    assert staging in synced_before  # and the staged directory itself
+    assert ("fsync", target.parent) in after  # the new name is made durable after the rename
+
+
+def test_published_files_are_0644_and_directories_0755_whatever_the_umask(tmp_path: Path):
+    old = os.umask(0o077)
+    try:
+        staging = _stage(tmp_path)
+        (staging / "m" / "private.txt").write_text("x")
+        os.chmod(staging / "m" / "private.txt", 0o600)
+        manifest.write_manifest(staging, manifest.build_manifest(staging, {"key": KEY}))
+        target = publish.publish(staging, tmp_path, KEY)
+    finally:
+        os.umask(old)
+    for path in [target, *target.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))

@@ -77,12 +77,33 @@ def test_key_takes_the_revision_written_in_an_hf_uri():
     assert key == "m@0123abcd/tp1-pp2-i1-fe99d5a8"
 
 
-def test_key_without_any_revision_hashes_the_source_uri_exactly_as_given():
+def test_key_without_any_revision_hashes_the_canonical_source_uri():
     # printf %s "file:///data/ckpt" | sha256sum | cut -c1-10
     assert resolve_revision("file:///data/ckpt") == "src-955ba170c4"
-    assert resolve_revision("file:///data/ckpt/") != "src-955ba170c4"
     key = model_key("m", "file:///data/ckpt", Parallelism(4, 1, 3), ServingSettings())
     assert key == "m@src-955ba170c4/tp4-pp1-i3-fe99d5a8"
+    # printf %s "gs://bucket/ckpt" | sha256sum | cut -c1-10
+    assert resolve_revision("gs://bucket/ckpt/") == resolve_revision("gs://bucket/ckpt")
+    assert resolve_revision("gs://bucket/ckpt") == "src-6747afc875"
+    assert resolve_revision("gs://bucket/other") != resolve_revision("gs://bucket/ckpt")
+
+
+def test_every_spelling_of_a_local_path_gives_one_key(tmp_path, monkeypatch):
+    ckpt = tmp_path / "demo-work" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    spellings = [
+        "demo-work/checkpoint",
+        "./demo-work/checkpoint/",
+        str(ckpt),
+        f"{tmp_path}//demo-work/../demo-work/checkpoint",
+        f"file://{ckpt}",
+        f"file://{ckpt}/",
+        f"file://localhost{ckpt}",
+    ]
+    keys = {model_key("m", s, Parallelism(), ServingSettings()) for s in spellings}
+    assert len(keys) == 1, keys
+    assert keys != {model_key("m", str(tmp_path / "demo-work"), Parallelism(), ServingSettings())}
 
 
 def test_key_is_a_two_level_path_and_its_filename_form_is_one_component():
@@ -92,16 +113,34 @@ def test_key_is_a_two_level_path_and_its_filename_form_is_one_component():
     assert key_filename(key).startswith("m@src-")
 
 
-@pytest.mark.parametrize("name", ["", "a/b", "-x", "has space", "preprocessing", "x@y"])
+@pytest.mark.parametrize(
+    "name", ["", "a/b", "-x", "has space", "preprocessing", "x@y", "codegen\n", "a" * 65, "a" * 300]
+)
 def test_unusable_model_names_are_refused_with_a_hint(name):
     with pytest.raises(RepositoryError) as info:
         check_model_name(name)
     assert info.value.remediation
 
 
-def test_revision_that_cannot_be_a_directory_name_is_refused():
-    with pytest.raises(RepositoryError, match="Revision"):
-        resolve_revision("hf://org/name", "refs/pr/1")
+@pytest.mark.parametrize("revision", ["refs/pr/1", "v1\n", "v1\nx", "r" * 65, "r" * 300])
+def test_revision_that_cannot_be_a_directory_name_is_refused(revision):
+    with pytest.raises(RepositoryError, match="Revision") as info:
+        resolve_revision("hf://org/name", revision)
+    assert "--revision" in info.value.remediation
+
+
+def test_longest_name_and_revision_still_fit_every_file_name_the_key_makes():
+    from loader.repository.key import MAX_PART_BYTES
+
+    key = model_key(
+        "n" * MAX_PART_BYTES,
+        "/x",
+        Parallelism(64, 64, 64),
+        ServingSettings(),
+        revision="r" * MAX_PART_BYTES,
+    )
+    # the longest derived name: the staging directory (key, owner, random token)
+    assert len(key_filename(key)) + len(".4194304-0123abcd.0123456789ab") <= 255
 
 
 @pytest.mark.parametrize(

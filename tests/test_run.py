@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -89,12 +90,12 @@ def test_repository_layout_holds_every_model_with_its_files(
     assert (ft / "2-gpu" / "config.ini").is_file()
 
 
-def test_fastertransformer_config_points_at_the_final_weights(published):
+def test_fastertransformer_weights_sit_in_the_backends_default_directory(published):
+    """No model_checkpoint_path: FT reads <model dir>/<version>/<tensor_para_size>-gpu."""
     _, path, _ = published
     config = read_config(path / "fastertransformer" / "config.pbtxt")
-    weights = Path(config.parameters["model_checkpoint_path"].string_value)
-    assert weights == path / "fastertransformer" / "1" / "2-gpu"
-    assert (weights / "model.wte.bin").is_file()
+    assert "model_checkpoint_path" not in config.parameters
+    assert (path / "fastertransformer" / "1" / "2-gpu" / "model.wte.bin").is_file()
     assert config.backend == "python"
     assert config.parameters["tensor_para_size"].string_value == "2"
     assert config.parameters["data_type"].string_value == "fp32"
@@ -237,3 +238,21 @@ def test_concurrent_loaders_of_one_key_publish_once(tiny_checkpoint_with_tokeniz
     assert len(skipped) == 1, [err[-2000:] for _, err in results]
     assert len(published) == 1
     assert manifest.verify(Path(paths.pop())) == []
+
+
+@pytest.mark.parametrize("backend", ["fastertransformer", "python"])
+def test_a_head_size_fastertransformer_cannot_generate_with_is_refused_before_writing(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, backend
+):
+    source = shutil.copytree(tiny_checkpoint_with_tokenizer, tmp_path / "heads16")
+    config = json.loads((source / "config.json").read_text())
+    config["n_head"] = config["n_embd"] // 16  # same tensors, heads of 16
+    (source / "config.json").write_text(json.dumps(config))
+    root = tmp_path / "root"
+    code, out, err = _run(capsys, *_args(source, root, tp=1, count=1), "--backend", backend)
+    assert code == 2
+    assert out == []
+    assert "heads of size 16" in err
+    assert "32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 256" in err
+    assert "Traceback" not in err
+    assert not root.exists()

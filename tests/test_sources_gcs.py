@@ -17,6 +17,7 @@ import pytest
 from loader.errors import (
     ChecksumMismatchError,
     InsufficientDiskSpaceError,
+    SourceError,
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
@@ -376,3 +377,71 @@ def test_run_from_gs_publishes_a_repository_that_triton_serves(
     assert completion.sequence_length == len(prompt_ids) + 6
     assert completion.output_ids[: len(prompt_ids)].tolist() == prompt_ids
     assert completion.text
+
+
+def test_a_download_whose_body_stalls_fails_at_the_retry_deadline(tmp_path, monkeypatch):
+    """The server sends the first 64 KiB of the body, then nothing for half a minute."""
+    proxy = ThrottleProxy(0, rate=2000.0)
+    srv = GcsServer(tmp_path / "gcs", external_url=proxy.url).start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(os.urandom(1_000_000))
+        srv.upload_dir("stall", "ckpt", src)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        started = time.monotonic()
+        with pytest.raises(TransientSourceError, match="kept failing") as info:
+            fetch("gs://stall/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=3)
+        assert "object gs://stall/ckpt/model.safetensors" in info.value.message
+        # bounded by the deadline (3 s) plus one last wait, not by the 300 s read timeout
+        assert time.monotonic() - started < 30
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
+def test_objects_that_cannot_all_be_local_files_are_refused_by_name(tmp_path, monkeypatch):
+    srv = GcsServer(tmp_path / "gcs", backend="memory").start()
+    try:
+        nested, flat = tmp_path / "nested", tmp_path / "flat"
+        (nested / "a").mkdir(parents=True)
+        (nested / "a" / "b").write_text("nested")
+        flat.mkdir()
+        (flat / "a").write_text("flat")
+        srv.upload_dir(BUCKET, "collide", nested)
+        srv.upload_dir(BUCKET, "collide", flat)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", srv.url)
+        with pytest.raises(SourceError, match="collide/a and gs://models/collide/a/b") as info:
+            fetch(f"gs://{BUCKET}/collide", tmp_path / "dest")
+        assert "Rename one of them" in info.value.remediation
+        assert not (tmp_path / "dest" / "a").exists()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [(".partial/x", "downloads in progress"), ("x" * 230, "path component of 230 bytes")],
+)
+def test_objects_with_reserved_or_overlong_names_are_refused(server, tmp_path, name, needle):
+    src = tmp_path / "src"
+    (src / name).parent.mkdir(parents=True, exist_ok=True)
+    (src / name).write_text("x")
+    (src / "config.json").write_text("{}")
+    prefix = f"odd-{len(name)}"
+    server.upload_dir(BUCKET, prefix, src)
+    with pytest.raises(SourceError, match=needle):
+        fetch(f"gs://{BUCKET}/{prefix}", tmp_path / "dest")
+    assert not (tmp_path / "dest" / "config.json").exists()
+
+
+def test_a_destination_holding_a_link_to_elsewhere_is_never_written_through(sharded, tmp_path):
+    dest, elsewhere = tmp_path / "dest", tmp_path / "elsewhere"
+    dest.mkdir()
+    elsewhere.mkdir()
+    (dest / "extras").symlink_to(elsewhere)
+    with pytest.raises(SourceError, match="symbolic link"):
+        fetch(f"gs://{BUCKET}/team/a/b/tiny-sharded", dest)
+    assert list(elsewhere.iterdir()) == []

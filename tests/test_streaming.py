@@ -33,12 +33,12 @@ from loader.bench.stream import (
     write_stream_report,
 )
 from loader.bench.variants import ensemble_name, read_configs
-from loader.completion import complete, load_request
+from loader.completion import build_inputs, complete, load_request
 from loader.errors import EndpointError
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings
-from loader.repository.tensors import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
+from loader.repository.tensors import ENSEMBLE_INPUTS, STREAMING_OUTPUTS
 from loader.serving import TritonServer
 from loader.streaming import StreamEvent, StreamingClient, collect, stream_completion
 
@@ -98,7 +98,7 @@ def test_streaming_repository_serves_a_decoupled_model_with_the_ensemble_contrac
     assert front["backend"] == "python"
     assert front["model_transaction_policy"]["decoupled"] is True
     assert [i["name"] for i in front["input"]] == [t.name for t in ENSEMBLE_INPUTS]
-    assert [o["name"] for o in front["output"]] == [t.name for t in ENSEMBLE_OUTPUTS]
+    assert [o["name"] for o in front["output"]] == [t.name for t in STREAMING_OUTPUTS]
     assert ft["model_transaction_policy"]["decoupled"] is True
     assert "dynamic_batching" in ft
 
@@ -113,7 +113,7 @@ def test_without_streaming_the_model_clients_call_stays_an_ensemble():
         parallelism=Parallelism(1, 1, 1),
         settings=ServingSettings(),
         data_type="fp32",
-        checkpoint_path="/models/x/fastertransformer/1/1-gpu",
+        end_id=2,
     )
     configs = build_all(spec)
     assert configs[MODEL].platform == "ensemble"
@@ -145,6 +145,28 @@ def test_only_the_last_response_is_flagged_final(streaming):
     events = _stream(streaming, {**SEED_REQUEST, "request_output_len": [8]})
     assert [e.final for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1].sequence_length == events[-2].sequence_length
+
+
+def test_a_client_that_sees_no_final_flag_finds_the_end_in_the_data(streaming):
+    """As on Triton 23.05: no empty final response asked for, and the triton_final_response
+    parameter (which 23.05 does not send) never read; is_final is true in the last response
+    only, and nothing follows it."""
+    inbox: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(streaming.grpc_url)
+    client.start_stream(callback=lambda result, error: inbox.put((result, error)))
+    request = {**SEED_REQUEST, "request_output_len": [5]}
+    try:
+        client.async_stream_infer(MODEL, build_inputs(grpcclient, request))
+        flags = []
+        while not flags or not flags[-1]:
+            result, error = inbox.get(timeout=60)
+            assert error is None, error
+            flags.append(bool(result.as_numpy("is_final").reshape(-1)[0]))
+    finally:
+        client.stop_stream()
+        client.close()
+    assert flags == [False] * 5 + [True]
+    assert inbox.empty()
 
 
 @pytest.mark.parametrize("seed", [1594506369, 7])
@@ -224,13 +246,15 @@ def test_a_bad_request_ends_its_stream_with_the_model_error_and_the_next_is_serv
 
 
 def _ft_inputs(module, prompt: list[int], n_out: int, seed: int) -> list:
-    """Inputs of the ``fastertransformer`` model itself (loader/repository/models/README.md), one row."""
+    """Inputs of the ``fastertransformer`` model itself (loader/repository/models/README.md), one
+    row; an end_id outside the vocabulary, so every requested token is generated."""
     arrays = {
         "input_ids": (np.array([prompt], dtype=np.uint32), "UINT32"),
         "input_lengths": (np.array([[len(prompt)]], dtype=np.uint32), "UINT32"),
         "request_output_len": (np.array([[n_out]], dtype=np.uint32), "UINT32"),
         "runtime_top_k": (np.array([[5]], dtype=np.uint32), "UINT32"),
         "random_seed": (np.array([[seed]], dtype=np.uint64), "UINT64"),
+        "end_id": (np.array([[100_000]], dtype=np.uint32), "UINT32"),
     }
     tensors = []
     for name, (array, dtype) in arrays.items():
@@ -414,14 +438,16 @@ def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
     )
     done = _complete_script("--url", streaming.grpc_url, "--max-tokens", "12", prompt)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == expected.text + "\n"
+    # text=True reads "\r" as a line end, as a terminal would show it.
+    shown = expected.text.replace("\r\n", "\n").replace("\r", "\n") + "\n"
+    assert done.stdout == shown
     assert "12 tokens" in done.stderr and "first token after" in done.stderr
     # The same client completes against a repository that does not stream, both protocols.
     for args in (["--url", plain.grpc_url], ["--no-stream", "--protocol", "http", "--url",
                                             plain.http_url]):  # fmt: skip
         again = _complete_script(*args, "--max-tokens", "12", prompt)
         assert again.returncode == 0, again.stderr
-        assert again.stdout == expected.text + "\n"
+        assert again.stdout == shown
         assert "1 tokens" not in again.stderr  # one response is not one token
     # --json against a model that does not stream: no made-up token count
     [summary] = [

@@ -4,30 +4,50 @@ Each sub-command lives in its own module of this package and is listed in :data:
 A module provides ``register(subparsers)`` (adds its parser and sets ``func``) and keeps the
 work itself in the library modules.
 
-Exit codes: 0 success, 2 a user mistake (a :class:`~loader.errors.LoaderError`, printed as an
-error line and a hint, no traceback), 1 an unexpected failure, 130 interrupted.
+Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` acts on them):
+
+====  ==========================================================================================
+0     success
+1     an unexpected failure (a bug: the log holds its traceback)
+2     a user mistake (a :class:`~loader.errors.LoaderError`: an error line and a hint, no
+      traceback); running it again unchanged cannot succeed
+75    a transient failure (a source still failing at ``--retry-deadline``, a publish lock held
+      too long or taken over): running it again later may succeed
+130   interrupted (Ctrl-C)
+143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
+      unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
+====  ==========================================================================================
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from loader import __version__
 from loader.errors import LoaderError
 
 log = logging.getLogger("loader")
 
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+
 #: Sub-command modules, in the order ``--help`` lists them.
 COMMANDS: tuple[str, ...] = (
     "loader.cli.convert",
     "loader.cli.fetch",
     "loader.cli.run",
+    "loader.cli.prune",
     "loader.cli.plan",
     "loader.cli.serve",
     "loader.cli.tune",
@@ -99,20 +119,56 @@ def configure_logging(verbose: int, quiet: bool) -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwinds every ``finally`` and ``except BaseException`` like Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (the one
+    handler of every command); outside the main thread signals cannot be handled: no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit at once: every lock and temporary file of this command is already released, and
+    worker threads of libraries (a download pool) must not hold the exit past the grace period
+    Kubernetes gives after SIGTERM."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
     try:
-        result = func(args)
+        with sigterm_unwinds():
+            result = func(args)
     except LoaderError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         print(f"hint: {exc.remediation}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except Terminated:
+        print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
+        _exit_now(EXIT_TERMINATED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception:
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
-        return 1
+        return EXIT_BUG
     return int(result or 0)
 
 

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import FrameType
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,35 +31,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@contextmanager
-def _interrupt_on_sigterm() -> Iterator[None]:
-    """SIGTERM (Kubernetes stopping the Job) unwinds like Ctrl-C, so temp files are removed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run(args: argparse.Namespace) -> int:
     from loader.convert import convert_checkpoint
 
-    with _interrupt_on_sigterm():
-        result = convert_checkpoint(
-            args.source_dir,
-            args.output_dir,
-            tp_size=args.tp_size,
-            pp_size=args.pp_size,
-            dtype=args.dtype,
-            workers=args.workers,
-            overwrite=args.force,
-        )
+    # SIGTERM unwinds like Ctrl-C (loader.cli.run_command), so temp files are removed.
+    result = convert_checkpoint(
+        args.source_dir,
+        args.output_dir,
+        tp_size=args.tp_size,
+        pp_size=args.pp_size,
+        dtype=args.dtype,
+        workers=args.workers,
+        overwrite=args.force,
+    )
     print(result.output_path.resolve())
     return 0

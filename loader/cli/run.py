@@ -99,10 +99,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="publish a fresh copy even if the key is already published",
     )
     p.add_argument(
+        "--follow-source",
+        action="store_true",
+        help="when the source no longer holds what the published key was built from (a moved "
+        "branch, a re-uploaded prefix, an overwritten file), publish it again under the same "
+        "key instead of failing",
+    )
+    p.add_argument(
         "--work-dir",
         type=Path,
         default=None,
-        help="where remote checkpoints are downloaded (default: ROOT/.work/<key>)",
+        help="where remote checkpoints are downloaded, into WORK/<key>/ (removed after "
+        "publishing; default: ROOT/.work)",
+    )
+    p.add_argument(
+        "--prune-keep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after success, run `model-loader prune --keep N` on ROOT, the key just published "
+        "in use (default: no pruning)",
+    )
+    p.add_argument(
+        "--retry-deadline",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="longest time to keep retrying a failing source, and to wait on one network read "
+        "(default: 300)",
     )
     p.add_argument(
         "--workers",
@@ -162,4 +186,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         verify_checksums=args.verify_checksums,
         lock_expiry_s=args.lock_expiry_s,
         lock_timeout_s=args.lock_timeout_s,
+        follow_source=args.follow_source,
+        retry_deadline_s=args.retry_deadline,
+        prune_keep=args.prune_keep,
     )

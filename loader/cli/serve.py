@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,18 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     from loader.cli import require_extra
 
     require_extra("serve", "pytriton", "tokenizers")
     from loader.serving import TritonServer
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM stops the server like Ctrl-C (loader.cli.run_command's handler).
     server = TritonServer(
         args.repository,
         http_port=args.http_port,

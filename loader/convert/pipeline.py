@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from loader.checkpoint import Checkpoint, open_checkpoint, read_hf_config
-from loader.errors import CheckpointError, DtypeError, InsufficientDiskSpaceError, OutputExistsError
+from loader.errors import (
+    CheckpointError,
+    DtypeError,
+    InsufficientDiskSpaceError,
+    OutputExistsError,
+    OutputPathError,
+)
 from loader.formats.fastertransformer import FTConfig
 from loader.parallel import Parallelism
 from loader.progress import byte_progress, human_bytes
@@ -30,6 +37,8 @@ from .writer import DEFAULT_CHUNK_BYTES, atomic_directory, write_outputs
 log = logging.getLogger(__name__)
 
 CONFIG_INI = "config.ini"
+#: Longest model_name written to config.ini.
+MODEL_NAME_MAX = 128
 _LIST_AT_MOST = 6
 
 
@@ -109,9 +118,32 @@ def _check_free_space(directory: Path, needed: int) -> None:
         )
 
 
+def _check_output_dir(output_dir: Path) -> None:
+    """OUTPUT_DIR must be a directory or creatable as one: an :class:`OutputPathError` naming
+    the file in the way otherwise (the write itself maps a read-only file system the same way,
+    :func:`~loader.convert.writer.atomic_directory`)."""
+    for path in (output_dir, *output_dir.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise OutputPathError(
+                    f"Cannot write the converted checkpoint under {output_dir}: {path} is a file, "
+                    "not a directory."
+                )
+            return
+
+
 def _model_name(hf: dict[str, Any], source_dir: Path) -> str:
-    name = str(hf.get("_name_or_path") or "").rstrip("/").split("/")[-1]
-    return name or source_dir.resolve().name or hf.get("model_type", "gptj")
+    """The ``model_name`` written to config.ini: the checkpoint's name, reduced to letters,
+    digits, ``.``, ``_`` and ``-`` (config.json is input: nothing else of it reaches the file)."""
+    for candidate in (
+        str(hf.get("_name_or_path") or "").rstrip("/").split("/")[-1],
+        source_dir.resolve().name,
+        str(hf.get("model_type") or ""),
+    ):
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", candidate).strip("-.")[:MODEL_NAME_MAX]
+        if name:
+            return name
+    return "gptj"
 
 
 def convert_checkpoint(
@@ -124,12 +156,15 @@ def convert_checkpoint(
     workers: int | None = None,
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    reserve_bytes: int = 0,
 ) -> ConvertResult:
     """Convert ``source_dir`` into ``output_dir/<tp_size>-gpu/`` (atomically).
 
     ``dtype`` None keeps the source dtype; ``"fp16"``/``"fp32"`` cast. ``pp_size`` is only
     checked (FasterTransformer needs n_layer divisible by it; files do not depend on it).
     ``overwrite`` replaces an existing ``<T>-gpu`` (atomically) instead of refusing.
+    ``reserve_bytes``: what the caller will write beside the weights on the same disk, counted
+    in the free-space check.
     """
     started = time.monotonic()
     source_dir, output_dir = Path(source_dir), Path(output_dir)
@@ -142,18 +177,26 @@ def convert_checkpoint(
         hf, parallelism=parallelism, weight_data_type="fp32", model_name=_model_name(hf, source_dir)
     )
     final = output_dir / f"{parallelism.tp}-gpu"
+    _check_output_dir(output_dir)
     if final.exists() and not overwrite:
         raise OutputExistsError(f"{final} already exists.")
     workers = max(1, workers if workers is not None else min(os.cpu_count() or 1, 4))
 
     with open_checkpoint(source_dir) as ckpt:
+        if cfg.num_layer > len(ckpt.tensors):
+            # Each layer has tensors: bound the work before listing the ones expected.
+            raise CheckpointError(
+                f"config.json n_layer {cfg.num_layer} exceeds the {len(ckpt.tensors)} tensors "
+                f"{ckpt.directory} holds.",
+                "config.json does not match the weights; use the checkpoint's own config.json.",
+            )
         source_dtype = _check_tensors(ckpt, arch.expected_tensors(cfg), arch)
         out_dtype = output_dtype_name(dtype, source_dtype)
         cfg = dataclasses.replace(cfg, weight_data_type=out_dtype)
         np_dtype = OUTPUT_DTYPES[out_dtype]
         outputs = arch.outputs(cfg, tp=parallelism.tp)
         total = sum(out.nbytes(np_dtype.itemsize) for out in outputs)
-        _check_free_space(output_dir, total)
+        _check_free_space(output_dir, total + reserve_bytes)
         log.info(
             "converting %s (%s, %s, %d layers) to %s: T=%d, %s -> %s, %d files, %s",
             source_dir, arch.model_type, source_dtype, cfg.num_layer, final, parallelism.tp,

@@ -30,7 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
-from loader.errors import CheckpointError, InsufficientDiskSpaceError, OutputExistsError
+from loader.errors import (
+    CheckpointError,
+    InsufficientDiskSpaceError,
+    OutputExistsError,
+    OutputPathError,
+)
 from loader.progress import Progress
 
 from .layout import OutputFile
@@ -54,17 +59,29 @@ def _leftovers(parent: Path, name: str) -> list[Path]:
     return sorted(parent.glob(f".{name}.partial-*")) + sorted(parent.glob(f".{name}.old-*"))
 
 
+def _output_error(parent: Path, exc: OSError) -> Exception:
+    if exc.errno == errno.ENOSPC:
+        return InsufficientDiskSpaceError(f"No space left under {parent}.")
+    return OutputPathError(f"Cannot create the output directory {parent} ({exc.strerror}).")
+
+
 @contextmanager
 def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds."""
     parent = final.parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]
-    parent.mkdir(parents=True, exist_ok=True)
-    for stale in _leftovers(parent, final.name):
-        log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
     token = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = parent / f".{final.name}.partial-{token}"
-    tmp.mkdir(mode=0o755)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _output_error(parent, exc) from exc
+    for stale in _leftovers(parent, final.name):
+        log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
+    try:
+        tmp.mkdir(mode=0o755)
+    except OSError as exc:
+        raise _output_error(parent, exc) from exc
     try:
         yield tmp
         if final.exists():

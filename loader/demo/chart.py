@@ -29,7 +29,7 @@ TOOLS_BIN = ROOT / ".tools" / "bin"
 #: Kubernetes versions every manifest is validated against (oldest supported, newest targeted).
 KUBERNETES_VERSIONS: tuple[str, ...] = ("1.29.0", "1.35.0")
 #: Kinds from CRDs: kubernetes-validate has no schema for them (checked by the tests instead).
-CRD_KINDS: frozenset[str] = frozenset({"ServiceMonitor"})
+CRD_KINDS: frozenset[str] = frozenset({"ServiceMonitor", "PrometheusRule", "ScaledObject"})
 INSTALL_HINT = "run `make install` (or `TOOLS_DIR=.tools bash scripts/tools/install-{name}.sh`)"
 
 

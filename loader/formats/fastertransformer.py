@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,10 @@ REQUIRED_KEYS = (
 
 WEIGHT_DATA_TYPES = ("fp32", "fp16")
 
+#: What a value of config.ini may hold: one word of a number or a name, nothing that could end
+#: the line, open a section or start a comment.
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9._+-]+")
+
 
 _FIX = "Convert the checkpoint again with `model-loader convert` (it writes a complete config.ini)."
 
@@ -96,7 +101,15 @@ class FTConfig:
         names = [f.name for f in dataclasses.fields(self)]
         ordered = [*REQUIRED_KEYS, *(n for n in names if n not in REQUIRED_KEYS)]
         lines = [f"[{SECTION}]"]
-        lines += [f"{name} = {_format(getattr(self, name))}" for name in ordered]
+        for name in ordered:
+            value = _format(getattr(self, name))
+            if not _SAFE_VALUE.fullmatch(value):
+                raise CheckpointError(
+                    f"config.ini value {name} = {value[:60]!r} holds characters an ini file "
+                    "cannot carry safely (a line break, a section, a comment).",
+                    "Fix the value in config.json (letters, digits, '.', '_', '-', '+' only).",
+                )
+            lines.append(f"{name} = {value}")
         return "\n".join(lines) + "\n"
 
     @classmethod

@@ -187,12 +187,12 @@ def _step(config: mc.ModelConfig, model: str, inputs: dict[str, str], outputs: d
 
 def build_streaming(spec: RepositorySpec) -> mc.ModelConfig:
     """With ``--streaming``: the model clients call is a decoupled Python model with the
-    ensemble's inputs and outputs, sending text increments (``models/streaming/model.py`` says
+    ensemble's inputs and outputs (plus ``is_final``), sending text increments (``models/streaming/model.py`` says
     why an ensemble cannot). One instance serves every stream, a thread per request."""
     config = mc.ModelConfig(
         name=spec.name, backend="python", max_batch_size=spec.settings.max_batch_size
     )
-    _add_io(config, tensors.ENSEMBLE_INPUTS, tensors.ENSEMBLE_OUTPUTS)
+    _add_io(config, tensors.ENSEMBLE_INPUTS, tensors.STREAMING_OUTPUTS)
     _cpu_instances(config, 1)
     config.model_transaction_policy.decoupled = True
     return config

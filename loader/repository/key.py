@@ -4,7 +4,11 @@
 
 * ``revision`` is ``--revision`` if given; else the revision written in the source URI
   (``hf://org/name@rev`` gives ``rev``); else ``src-`` + the first 10 hex digits of the sha256
-  of the source URI string exactly as given.
+  of the source's canonical URI (:attr:`loader.sources.SourceURI.canonical`: a local path,
+  its absolute form and its ``file://`` form are one source, ``file:///abs/path``; a gs://
+  prefix without trailing slash).
+* The model name and the revision are at most :data:`MAX_PART_BYTES` bytes each (the key's
+  file names, lock and staging names included, stay within the 255 bytes a file system takes).
 * ``variant`` is the first 8 hex digits of the sha256 of the canonical settings string (UTF-8,
   no spaces)::
 
@@ -34,8 +38,10 @@ RESERVED_MODEL_NAMES: frozenset[str] = frozenset(
     {"preprocessing", "fastertransformer", "postprocessing"}
 )
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+#: Longest model name and longest revision, in bytes.
+MAX_PART_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -114,11 +120,17 @@ class ServingSettings:
 
 def check_model_name(name: str) -> str:
     """A model name usable as a Triton model name and a directory name."""
-    if not _NAME.match(name or ""):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise RepositoryError(
             f"Model name {name!r} is not usable as a Triton model and directory name.",
             "Use letters, digits, '.', '_' and '-' only, starting with a letter or digit "
             "(e.g. --model-name codegen-350m-mono).",
+        )
+    if len(name.encode("utf-8")) > MAX_PART_BYTES:
+        raise RepositoryError(
+            f"Model name {name[:40]!r}... is {len(name)} characters long; at most "
+            f"{MAX_PART_BYTES} fit in the model key's file names.",
+            f"Choose a --model-name of at most {MAX_PART_BYTES} characters.",
         )
     if name in RESERVED_MODEL_NAMES:
         raise RepositoryError(
@@ -133,11 +145,18 @@ def resolve_revision(source: str, revision: str | None = None) -> str:
     if revision is None:
         revision = parse_uri(source).revision
     if revision is None:
-        return "src-" + hashlib.sha256(source.encode("utf-8")).hexdigest()[:10]
-    if not _REVISION.match(revision):
+        canonical = parse_uri(source).canonical
+        return "src-" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:10]
+    if not _REVISION.fullmatch(revision):
         raise RepositoryError(
             f"Revision {revision!r} cannot be part of a model key (a directory name).",
             "Pass --revision with a commit hash or tag made of letters, digits, '.', '_', '-'.",
+        )
+    if len(revision.encode("utf-8")) > MAX_PART_BYTES:
+        raise RepositoryError(
+            f"Revision {revision[:40]!r}... is {len(revision)} characters long; at most "
+            f"{MAX_PART_BYTES} fit in the model key's file names.",
+            f"Pass a --revision of at most {MAX_PART_BYTES} characters (a commit id has 40).",
         )
     return revision
 

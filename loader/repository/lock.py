@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from loader.errors import LockTimeoutError, PublishError
+from loader.errors import LockLostError, LockTimeoutError, PublishError
 from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,22 @@ class PublishLock:
         timeout_s: float = 6 * 3600.0,
         poll_s: float = 1.0,
     ) -> None:
+        heartbeat_s = heartbeat_s if heartbeat_s is not None else max(expiry_s / 4, 0.05)
+        if not expiry_s > 0 or not heartbeat_s < expiry_s:
+            raise PublishError(
+                f"A publish lock expiry of {expiry_s} s is not longer than its heartbeat "
+                f"({heartbeat_s:g} s): waiting loaders would take over a live holder's lock.",
+                "Pass a positive --lock-expiry-s, longer than any stall of a loader (default 120).",
+            )
+        if timeout_s < 0:
+            raise PublishError(
+                f"A publish lock timeout of {timeout_s} s is negative.",
+                "Pass --lock-timeout-s 0 or more.",
+            )
         self.path = lock_path(root, key)
         self.key = key
         self.expiry_s = expiry_s
-        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else max(expiry_s / 4, 0.05)
+        self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.token = secrets.token_hex(8)
@@ -204,13 +216,11 @@ class PublishLock:
         return (ours.st_dev, ours.st_ino) == (current.st_dev, current.st_ino)
 
     def check_held(self) -> None:
-        """Raise :class:`PublishError` if the lock was lost (taken over as stale)."""
+        """Raise :class:`LockLostError` if the lock was lost (taken over as stale)."""
         if self._lost or not self.held():
-            raise PublishError(
+            raise LockLostError(
                 f"The publish lock {self.path} was taken over by another loader (this one was "
-                "presumed dead); nothing was published by this run.",
-                "Raise the lock expiry (--lock-expiry-s) if loaders stall longer than it, "
-                "then run the loader again.",
+                "presumed dead); nothing was published by this run."
             )
 
     def release(self) -> None:

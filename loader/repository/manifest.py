@@ -18,6 +18,8 @@ from loader.progress import byte_progress
 
 MANIFEST = "manifest.json"
 READY = ".ready"
+#: Manifest field holding the source fingerprint (:mod:`loader.sources.fingerprint`).
+SOURCE_FINGERPRINT = "source_fingerprint"
 FORMAT_VERSION = 1
 _CHUNK = 8 * 2**20
 

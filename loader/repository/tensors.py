@@ -64,6 +64,12 @@ FT_RESULTS: tuple[Tensor, ...] = (
 
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (Tensor("completion", "BYTES", (-1,)), *FT_RESULTS)
 
+#: The streaming model's outputs: the ensemble's, and ``is_final``, true in the last response
+#: of a stream. A Triton 23.05 gRPC client is told neither of the final flag nor of an empty
+#: final response (the ``triton_final_response`` parameter came later), so the end of a stream
+#: is in the data.
+STREAMING_OUTPUTS: tuple[Tensor, ...] = (*ENSEMBLE_OUTPUTS, Tensor("is_final", "BOOL", (1,)))
+
 # --- preprocessing: prompt text -> token ids ---------------------------------------------
 
 #: ``is_return_log_probs`` is accepted (clients written for FasterTransformer send it) and has no

@@ -21,11 +21,14 @@ is complete and fetches only what is missing.
 from __future__ import annotations
 
 import importlib
+import posixpath
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from loader.errors import SourceError
+from loader.sources.fingerprint import Fingerprint
 
 #: URI scheme -> module that implements ``fetch_source(uri: SourceURI, dest, options)``.
 SCHEMES: dict[str, str] = {
@@ -51,6 +54,18 @@ class SourceURI:
     path: str = ""
     revision: str | None = None
 
+    @property
+    def canonical(self) -> str:
+        """One spelling per source: ``file:///normalised/absolute/path`` (a relative path, its
+        absolute form and its ``file://`` form are the same source), ``gs://BUCKET[/PREFIX]``
+        (no trailing slash), ``hf://ORG/NAME[@REVISION]``. The model key hashes this string."""
+        if self.scheme == "file":
+            return f"file://{self.location}"
+        if self.scheme == "gs":
+            return f"gs://{self.location}/{self.path}" if self.path else f"gs://{self.location}"
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"{self.scheme}://{self.location}{rev}"
+
 
 @dataclass
 class FetchResult:
@@ -60,7 +75,8 @@ class FetchResult:
     Hugging Face commit, a digest of GCS object generations) or ``None`` for local paths;
     ``files`` the fetched files as POSIX paths relative to ``path``; ``bytes`` their total size.
     ``downloaded_bytes`` counts only what was transferred by this call (0 when everything was
-    already present and verified).
+    already present and verified). ``fingerprint`` is what was fetched (see
+    :mod:`loader.sources.fingerprint`); ``None`` for local sources (see :func:`fingerprint`).
     """
 
     path: Path
@@ -68,6 +84,7 @@ class FetchResult:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     downloaded_bytes: int = 0
+    fingerprint: Fingerprint | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +109,7 @@ def parse_uri(uri: str) -> SourceURI:
     if not uri or not uri.strip():
         raise SourceError("The source URI is empty.")
     if "://" not in uri:
-        return SourceURI(raw=uri, scheme="file", location=str(Path(uri).expanduser().absolute()))
+        return SourceURI(raw=uri, scheme="file", location=_normal_path(Path(uri).expanduser()))
     scheme = uri.split("://", 1)[0].lower()
     parser = _PARSERS.get(scheme)
     if parser is None:
@@ -116,7 +133,14 @@ def _parse_file(uri: str) -> SourceURI:
             f"file:// URI {uri!r} has no absolute path.",
             "Write local paths as file:///absolute/path (three slashes).",
         )
-    return SourceURI(raw=uri, scheme="file", location=path)
+    return SourceURI(raw=uri, scheme="file", location=_normal_path(Path(path)))
+
+
+def _normal_path(path: Path) -> str:
+    """Absolute, with ``.``, ``..`` and repeated slashes collapsed (symbolic links are kept:
+    the Helm chart computes the same string without a file system)."""
+    text = re.sub("/+", "/", str(path.absolute()))
+    return posixpath.normpath(text)
 
 
 def _parse_gs(uri: str) -> SourceURI:
@@ -174,6 +198,11 @@ def fetch(
     slice is one request and the unit a killed download resumes from).
     """
     parsed = parse_uri(uri)
+    if not retry_deadline_s > 0:
+        raise SourceError(
+            f"The retry deadline must be positive, got {retry_deadline_s:g} s.",
+            "Pass --retry-deadline in seconds (default 300).",
+        )
     options = FetchOptions(
         copy=copy,
         workers=workers,
@@ -188,4 +217,32 @@ def fetch(
     return backend.fetch_source(parsed, dest_path, options)
 
 
-__all__ = ["SCHEMES", "FetchOptions", "FetchResult", "SourceURI", "fetch", "parse_uri"]
+def fingerprint(
+    uri: str,
+    *,
+    recorded: Fingerprint | None = None,
+    workers: int | None = None,
+    hf_token_file: str | None = None,
+    retry_deadline_s: float = 300.0,
+) -> Fingerprint:
+    """What the source at ``uri`` holds now, without downloading it (see
+    :mod:`loader.sources.fingerprint`). ``recorded``, an earlier fingerprint of the same source,
+    lets a local source skip hashing files whose stat stamps did not change."""
+    parsed = parse_uri(uri)
+    options = FetchOptions(
+        workers=workers, hf_token_file=hf_token_file, retry_deadline_s=retry_deadline_s
+    )
+    backend = importlib.import_module(SCHEMES[parsed.scheme])
+    return backend.fingerprint_source(parsed, options, recorded=recorded)
+
+
+__all__ = [
+    "SCHEMES",
+    "FetchOptions",
+    "FetchResult",
+    "Fingerprint",
+    "SourceURI",
+    "fetch",
+    "fingerprint",
+    "parse_uri",
+]

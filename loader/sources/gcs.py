@@ -47,6 +47,7 @@ from loader.errors import (
 )
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
     Retry,
@@ -54,6 +55,8 @@ from loader.sources.transfer import (
     file_crc32c,
     file_md5,
     place,
+    remaining_s,
+    safe_path,
 )
 
 log = logging.getLogger(__name__)
@@ -99,15 +102,53 @@ def _slices(size: int, slice_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + slice_bytes, size) - 1) for start in range(0, size, slice_bytes)]
 
 
+#: Longest file name (one path component) local file systems take, in bytes.
+NAME_MAX = 255
+
+
 def _relpath(uri: SourceURI, name: str) -> str:
     rel = PurePosixPath(name).name if name == uri.path else name[len(uri.path) :].lstrip("/")
-    parts = PurePosixPath(rel).parts
-    if not parts or any(p in ("..", ".") for p in parts) or rel.startswith("/"):
+    parts = rel.split("/")
+    what = f"Object gs://{uri.location}/{name}"
+    if not rel or any(p in ("..", ".", "") for p in parts):
         raise SourceError(
-            f"Object gs://{uri.location}/{name} has an unsafe name for a local path.",
-            "Rename the object (no '.' or '..' path segments) and run again.",
+            f"{what} has an unsafe name for a local path.",
+            "Rename the object (no '.' or '..' path segments, no '//') and run again.",
+        )
+    if parts[0] == PARTIAL_DIR:
+        raise SourceError(
+            f"{what} lies under {PARTIAL_DIR}/, the name the loader keeps for downloads in "
+            "progress.",
+            f"Rename the object (or move it out of {PARTIAL_DIR}/) and run again.",
+        )
+    long = [p for p in parts if len(p.encode("utf-8")) > NAME_MAX - 32]
+    if long:
+        raise SourceError(
+            f"{what} has a path component of {len(long[0].encode('utf-8'))} bytes; local file "
+            f"names hold at most {NAME_MAX} (the loader needs {NAME_MAX - 32} plus a suffix).",
+            "Rename the object with shorter path components and run again.",
         )
     return rel
+
+
+def _check_layout(uri: SourceURI, rels: list[str]) -> None:
+    """Refuse objects that cannot all be files at once (``a`` and ``a/b``)."""
+    names = set(rels)
+    for rel in sorted(names):
+        parts = rel.split("/")
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            if parent in names:
+                raise SourceError(
+                    f"Objects gs://{uri.location}/{_join(uri.path, parent)} and "
+                    f"gs://{uri.location}/{_join(uri.path, rel)} collide: one would have to be "
+                    "both a file and a directory locally.",
+                    "Rename one of them (or fetch a narrower prefix) and run again.",
+                )
+
+
+def _join(prefix: str, rel: str) -> str:
+    return f"{prefix}/{rel}" if prefix else rel
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -225,7 +266,9 @@ def _list_objects(client: Any, uri: SourceURI, funnel: _Funnel) -> list[Any]:
     prefix = f"{uri.path}/" if uri.path else ""
 
     def listing() -> list[Any]:
-        return list(client.list_blobs(uri.location, prefix=prefix, retry=None))
+        return list(
+            client.list_blobs(uri.location, prefix=prefix, retry=None, timeout=_timeout(60))
+        )
 
     blobs = [b for b in funnel(listing, what=f"bucket {bucket_uri}") if not b.name.endswith("/")]
     if blobs or not uri.path:
@@ -236,7 +279,8 @@ def _list_objects(client: Any, uri: SourceURI, funnel: _Funnel) -> list[Any]:
             )
         return blobs
     single = funnel(
-        lambda: client.bucket(uri.location).get_blob(uri.path, retry=None), what=f"object {uri.raw}"
+        lambda: client.bucket(uri.location).get_blob(uri.path, retry=None, timeout=_timeout(60)),
+        what=f"object {uri.raw}",
     )
     if single is None:
         parent = uri.path.rsplit("/", 1)[0] + "/" if "/" in uri.path else ""
@@ -245,6 +289,27 @@ def _list_objects(client: Any, uri: SourceURI, funnel: _Funnel) -> list[Any]:
             f"Check the prefix: `gcloud storage ls {bucket_uri}/{parent}`.",
         )
     return [single]
+
+
+def _fingerprint(uri: SourceURI, blobs: list[Any]) -> Fingerprint:
+    files = {}
+    for blob in blobs:
+        info: dict[str, object] = {"size": int(blob.size or 0), "generation": str(blob.generation)}
+        if blob.crc32c:
+            info["crc32c"] = blob.crc32c
+        elif blob.md5_hash:
+            info["md5"] = blob.md5_hash
+        files[_relpath(uri, blob.name)] = info
+    return Fingerprint(uri=uri.canonical, files=files)
+
+
+def fingerprint_source(
+    uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
+) -> Fingerprint:
+    """Name, size, generation and CRC32C of every object (one listing, nothing downloaded)."""
+    funnel = _Funnel(options)
+    client = funnel(lambda: make_client(pool_size=4), what=f"gs://{uri.location}")
+    return _fingerprint(uri, _list_objects(client, uri, funnel))
 
 
 def _revision(blobs: list[Any]) -> str:
@@ -302,8 +367,8 @@ def _load_journal(obj: _Object) -> None:
     obj.resumed = sum(obj.slices[i][1] - obj.slices[i][0] + 1 for i in obj.done)
 
 
-def _prepare(obj: _Object) -> None:
-    obj.partial.parent.mkdir(parents=True, exist_ok=True)
+def _prepare(obj: _Object, dest: Path) -> None:
+    safe_path(dest, obj.partial.relative_to(dest).as_posix())
     _load_journal(obj)
     if not obj.partial.exists():
         with open(obj.partial, "wb") as fh:
@@ -319,17 +384,29 @@ def _media_url(blob: Any) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+#: Longest single network wait (connect, one read) when the retry deadline leaves more time.
+CONNECT_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 300.0
+
+
+def _timeout(longest: float) -> float:
+    """A network wait: at most ``longest``, and never past the retry deadline."""
+    return max(0.5, min(longest, remaining_s(longest)))
+
+
 def _read_range(blob: Any, start: int, end: int, writer: _CountingWriter) -> None:
     """Stream bytes ``start..end`` (inclusive) of ``blob`` into ``writer``.
 
     Uses the client's authorised session directly with large reads: the client's own download
-    path reads 8 KiB at a time, which costs more CPU than the transfer itself.
+    path reads 8 KiB at a time, which costs more CPU than the transfer itself. Each wait (the
+    connection, every read of the body) ends at the retry deadline at the latest.
     """
     from google.api_core.exceptions import from_http_response
 
     headers = {"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"}
     session = blob.client._http
-    with session.get(_media_url(blob), headers=headers, stream=True, timeout=(30, 300)) as resp:
+    timeout = (_timeout(CONNECT_TIMEOUT_S), _timeout(READ_TIMEOUT_S))
+    with session.get(_media_url(blob), headers=headers, stream=True, timeout=timeout) as resp:
         if resp.status_code not in (200, 206):
             raise from_http_response(resp)
         if resp.status_code == 200 and (start, end) != (0, int(blob.size) - 1):
@@ -367,7 +444,7 @@ def _download_slice(obj: _Object, index: int, funnel: _Funnel, progress: Progres
         obj.done.add(index)
 
 
-def _finish(obj: _Object) -> None:
+def _finish(obj: _Object, dest: Path) -> None:
     """Verify the complete temporary file and move it into place."""
     if not _verified(obj.partial, obj.blob):
         expected = obj.blob.crc32c or obj.blob.md5_hash
@@ -385,7 +462,7 @@ def _finish(obj: _Object) -> None:
                 "from scratch; if that fails too, re-upload the object.",
             )
         raise ChecksumMismatchError(message)
-    place(obj.partial, obj.final)
+    place(obj.partial, obj.final, dest=dest)
     obj.journal.unlink(missing_ok=True)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
 
@@ -410,12 +487,11 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     partial_root = dest / PARTIAL_DIR
 
     objects: list[_Object] = []
-    files: list[str] = []
-    for blob in blobs:
-        rel = _relpath(uri, blob.name)
-        files.append(rel)
+    files = [_relpath(uri, blob.name) for blob in blobs]
+    _check_layout(uri, files)
+    for blob, rel in zip(blobs, files, strict=True):
         final = dest / rel
-        if _verified(final, blob):
+        if not final.is_symlink() and _verified(final, blob):
             log.debug("already present and verified: %s", final)
             continue
         partial = partial_root / f"{rel}.{blob.generation}"
@@ -430,7 +506,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         )
     total = sum(int(b.size or 0) for b in blobs)
     for obj in objects:
-        _prepare(obj)
+        _prepare(obj, dest)
     needed = sum(obj.size - obj.resumed for obj in objects)
     if options.check_disk_space:
         ensure_disk_space(dest, needed, what=uri.raw)
@@ -444,7 +520,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     )
 
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
-        _run(objects, funnel, progress, workers)
+        _run(objects, funnel, progress, workers, dest)
     shutil.rmtree(partial_root, ignore_errors=True)
     return FetchResult(
         path=dest,
@@ -452,15 +528,21 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         files=sorted(files),
         bytes=total,
         downloaded_bytes=needed,
+        fingerprint=_fingerprint(uri, blobs),
     )
 
 
-def _run(objects: list[_Object], funnel: _Funnel, progress: Progress, workers: int) -> None:
+def _run(
+    objects: list[_Object], funnel: _Funnel, progress: Progress, workers: int, dest: Path
+) -> None:
     """Download every missing slice with one thread pool; finish each object on its last slice."""
     remaining = {id(obj): len(obj.slices) - len(obj.done) for obj in objects}
     counter_lock = threading.Lock()
+    stop = threading.Event()
 
     def job(obj: _Object, index: int | None) -> None:
+        if stop.is_set():
+            return
         if index is not None:
             _download_slice(obj, index, funnel, progress)
             with counter_lock:
@@ -469,16 +551,25 @@ def _run(objects: list[_Object], funnel: _Funnel, progress: Progress, workers: i
         else:
             last = True
         if last:
-            _finish(obj)
+            _finish(obj, dest)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs") as pool:
-        futures = []
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs")
+    futures = []
+    try:
         for obj in objects:
             missing = [i for i in range(len(obj.slices)) if i not in obj.done]
             futures += [pool.submit(job, obj, i) for i in missing] or [pool.submit(job, obj, None)]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in pending:
-            future.cancel()
-        for future in done:
-            if future.exception() is not None:
-                raise future.exception()
+    except BaseException:
+        # Interrupted (SIGTERM, Ctrl-C): start no further slice and do not wait for the ones in
+        # flight (they write under .partial/ only; the journal keeps what they finished).
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    stop.set()
+    for future in pending:
+        future.cancel()
+    pool.shutdown(wait=True)
+    for future in done:
+        if future.exception() is not None:
+            raise future.exception()

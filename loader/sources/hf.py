@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterable, Iterator
@@ -37,6 +38,7 @@ from loader.errors import (
 )
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import PARTIAL_DIR, Retry, ensure_disk_space, place
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,12 @@ def resolve_token(options: FetchOptions) -> str | None:
     if not token_file:
         return None
     try:
-        token = Path(token_file).read_text().strip()
+        token = Path(token_file).read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise SourcePermissionError(
+            f"The Hugging Face token file {token_file} is not text (it is not UTF-8).",
+            "Put the token itself in the file (hf_...), as one line of text.",
+        ) from exc
     except OSError as exc:
         raise SourcePermissionError(
             f"Cannot read the Hugging Face token file {token_file} ({exc.strerror}).",
@@ -136,6 +143,11 @@ def resolve_token(options: FetchOptions) -> str | None:
         raise SourcePermissionError(
             f"The Hugging Face token file {token_file} is empty.",
             "Put the token in the file (or the Kubernetes Secret).",
+        )
+    if not token.isprintable() or any(c.isspace() for c in token):
+        raise SourcePermissionError(
+            f"The Hugging Face token file {token_file} holds more than one printable word.",
+            "Put the token itself in the file (hf_...), as one line of text.",
         )
     return token
 
@@ -297,6 +309,32 @@ def _watch_bytes(root: Path, progress: Progress, *, interval: float = 0.5) -> It
 
 # --- fetch -------------------------------------------------------------------------------
 
+#: A full git commit id: a revision naming it is pinned.
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _resolve_commit(api: Any, uri: SourceURI, revision: str, token: str | None, funnel) -> str:
+    info = funnel(
+        lambda: api.model_info(uri.location, revision=revision, token=token),
+        what=f"{uri.raw} (model info)",
+    )
+    return info.sha
+
+
+def fingerprint_source(
+    uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
+) -> Fingerprint:
+    """The commit the URI's revision (default ``main``) names now (no call for a commit id)."""
+    revision = uri.revision or DEFAULT_REVISION
+    if _COMMIT.fullmatch(revision):
+        return Fingerprint(uri=uri.canonical, commit=revision)
+    from huggingface_hub import HfApi
+
+    token = resolve_token(options)
+    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+    commit = _resolve_commit(api, uri, revision, token, _Funnel(uri, revision, options))
+    return Fingerprint(uri=uri.canonical, commit=commit)
+
 
 def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> FetchResult:
     if dest is None:
@@ -313,11 +351,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     # Read at call time (the Hub library reads it once, at import).
     endpoint = os.environ.get("HF_ENDPOINT") or None
     api = HfApi(endpoint=endpoint)
-    info = funnel(
-        lambda: api.model_info(uri.location, revision=revision, token=token),
-        what=f"{uri.raw} (model info)",
-    )
-    commit = info.sha
+    commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
@@ -347,28 +381,59 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             _watch_bytes(staging, progress),
         ):
             funnel(
-                lambda: snapshot_download(
-                    uri.location,
-                    revision=commit,
-                    local_dir=staging,
-                    allow_patterns=missing,
-                    token=token,
-                    endpoint=endpoint,
-                    max_workers=options.workers or DEFAULT_WORKERS,
+                lambda: _interruptible(
+                    lambda: snapshot_download(
+                        uri.location,
+                        revision=commit,
+                        local_dir=staging,
+                        allow_patterns=missing,
+                        token=token,
+                        endpoint=endpoint,
+                        max_workers=options.workers or DEFAULT_WORKERS,
+                    )
                 ),
                 what=f"{uri.raw} (download)",
             )
         for rel in missing:
-            _verify_and_place(uri, commit, remote[rel], staging / rel, dest / rel)
+            _verify_and_place(uri, commit, remote[rel], staging / rel, dest, rel)
         shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
     return FetchResult(
-        path=dest, revision=commit, files=wanted, bytes=total, downloaded_bytes=needed
+        path=dest,
+        revision=commit,
+        files=wanted,
+        bytes=total,
+        downloaded_bytes=needed,
+        fingerprint=Fingerprint(uri=uri.canonical, commit=commit),
     )
 
 
+def _interruptible(fn: Any) -> Any:
+    """Run ``fn`` in a daemon thread and wait for it here, so SIGTERM or Ctrl-C in the main
+    thread unwinds at once (the Hub library's own thread pool would first finish every queued
+    download); what the abandoned thread still writes lands under ``.partial/`` only."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="hf-download", daemon=True).start()
+    while not done.wait(0.2):
+        pass
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
 def _verify_and_place(
-    uri: SourceURI, commit: str, remote: RemoteFile, staged: Path, final: Path
+    uri: SourceURI, commit: str, remote: RemoteFile, staged: Path, dest: Path, rel: str
 ) -> None:
+    final = dest / rel
     if not staged.is_file():
         raise SourceNotFoundError(
             f"{uri.raw}: {remote.path} was not downloaded.",
@@ -382,4 +447,4 @@ def _verify_and_place(
             "Run the loader again; if this repeats, the repository file or a mirror in between "
             "is corrupt.",
         )
-    place(staged, final)
+    place(staged, final, dest=dest)

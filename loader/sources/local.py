@@ -4,18 +4,26 @@ A local directory is used in place: :func:`fetch_source` checks that it exists a
 directory and returns it without copying (``dest`` is unused). With ``copy=True`` its files are
 copied under ``dest`` (each to a temporary name, then renamed), skipping files already there
 with the same size and content.
+
+A symbolic link inside the source that leads out of it is refused (a
+:class:`~loader.errors.SourceError` naming it): the loader never reads, copies or publishes a
+file from outside the directory it was pointed at. Links within the source are followed.
 """
 
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import logging
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader.errors import SourceError, SourceNotFoundError
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
     clear_partials,
@@ -26,19 +34,73 @@ from loader.sources.transfer import (
 
 log = logging.getLogger(__name__)
 
+_CHUNK = 8 * 2**20
+
 
 def list_files(root: Path) -> list[str]:
-    """Regular files under ``root`` as sorted POSIX relative paths, hidden entries excluded."""
+    """Regular files under ``root`` as sorted POSIX relative paths, hidden entries excluded.
+
+    Raises :class:`SourceError` for a symbolic link that leads outside ``root``.
+    """
+    real_root = root.resolve()
     files = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+        if any(part.startswith(".") for part in rel.parts):
             continue
-        files.append(rel.as_posix())
+        if path.is_symlink():
+            target = path.resolve()
+            if not target.is_relative_to(real_root):
+                raise SourceError(
+                    f"{path} in the local source is a symbolic link to {target}, outside the "
+                    "source directory; the loader does not follow links out of a source.",
+                    "Replace the link with the file itself (cp --dereference), or point the "
+                    "loader at a directory that holds the files.",
+                )
+        if path.is_file():
+            files.append(rel.as_posix())
     return sorted(files)
 
 
-def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> FetchResult:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint_source(
+    uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
+) -> Fingerprint:
+    """Every file's size and sha256; a sha256 ``recorded`` for a file whose stat stamp
+    (mtime, ctime, inode, size) is unchanged is reused instead of reading the file again."""
+    root = _checked_root(uri)
+    files = list_files(root)
+    stamps, sizes = {}, {}
+    for rel in files:
+        st = (root / rel).stat()
+        stamps[rel] = [st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        sizes[rel] = st.st_size
+    known: dict[str, str] = {}
+    if recorded is not None:
+        for rel in files:
+            info = recorded.files.get(rel, {})
+            if recorded.stamps.get(rel) == stamps[rel] and info.get("size") == sizes[rel]:
+                known[rel] = str(info.get("sha256"))
+    todo = [rel for rel in files if rel not in known]
+    if todo:
+        log.info("hashing %s file(s) of %s to fingerprint it", len(todo), root)
+        with ThreadPoolExecutor(max_workers=options.workers or min(4, os.cpu_count() or 1)) as pool:
+            known.update(zip(todo, pool.map(lambda rel: _sha256(root / rel), todo), strict=True))
+    return Fingerprint(
+        uri=uri.canonical,
+        files={rel: {"size": sizes[rel], "sha256": known[rel]} for rel in files},
+        stamps=stamps,
+    )
+
+
+def _checked_root(uri: SourceURI) -> Path:
     root = Path(uri.location)
     if not root.exists():
         raise SourceNotFoundError(
@@ -51,6 +113,11 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             "Point the loader at the checkpoint directory (the one holding config.json), "
             "not at a single file.",
         )
+    return root
+
+
+def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> FetchResult:
+    root = _checked_root(uri)
     files = list_files(root)
     total = sum((root / f).stat().st_size for f in files)
     if not options.copy:
@@ -85,7 +152,7 @@ def _copy(
                         f"Copy of {root / rel} differs from its source.",
                         "Check the disks (the copy was discarded) and run again.",
                     )
-                place(tmp, dest / rel)
+                place(tmp, dest / rel, dest=dest)
             progress.update((dest / rel).stat().st_size)
     shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
@@ -93,7 +160,8 @@ def _copy(
 
 def _same(src: Path, dst: Path) -> bool:
     return (
-        dst.is_file()
+        not dst.is_symlink()
+        and dst.is_file()
         and dst.stat().st_size == src.stat().st_size
         and filecmp.cmp(src, dst, shallow=False)
     )

@@ -5,6 +5,10 @@ A download is written to ``DEST/.partial/<relative path>.<random>`` and renamed 
 ``DEST/<relative path>`` only after it was verified, so a complete-looking file under ``DEST``
 is always a verified one and a killed download leaves only files under ``.partial/`` (removed
 by the next run).
+
+Nothing is written through a symbolic link inside DEST: :func:`safe_path` refuses a path whose
+directories under DEST include a link (or a file), so a DEST holding a link to elsewhere cannot
+make a download land outside it.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import os
 import random
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from loader.errors import InsufficientDiskSpaceError, TransientSourceError
+from loader.errors import InsufficientDiskSpaceError, SourceError, TransientSourceError
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
@@ -35,24 +40,53 @@ DISK_MARGIN = 64 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
 
 
+def safe_path(dest: Path, relpath: str) -> Path:
+    """``dest / relpath`` with its directories created, each a real directory (no symbolic link,
+    no file in the way): a :class:`SourceError` otherwise."""
+    path = Path(dest)
+    parts = Path(relpath).parts
+    for part in parts[:-1]:
+        path = path / part
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            what = "a symbolic link" if path.is_symlink() else "a file"
+            raise SourceError(
+                f"{path} is {what}, so {relpath} cannot be written under {dest}: the loader "
+                "writes only into real directories under the destination.",
+                f"Remove {path} or choose another destination directory.",
+            )
+        if not path.exists():
+            try:
+                path.mkdir()
+            except FileExistsError:
+                pass
+            except NotADirectoryError as exc:
+                raise SourceError(f"Cannot create {path}: {exc.strerror}.") from exc
+    return path / parts[-1] if parts else path
+
+
 def partial_path(dest: Path, relpath: str) -> Path:
     """A unique temporary path for ``relpath`` under ``dest``'s partial directory."""
-    path = dest / PARTIAL_DIR / f"{relpath}.{secrets.token_hex(4)}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+    return safe_path(dest, f"{PARTIAL_DIR}/{relpath}.{secrets.token_hex(4)}")
 
 
 def clear_partials(dest: Path) -> None:
-    """Remove what killed runs left under ``dest``'s partial directory."""
+    """Remove what killed runs left under ``dest``'s partial directory (a link there is
+    removed, never followed)."""
     partial = dest / PARTIAL_DIR
-    if partial.exists():
+    if partial.is_symlink() or partial.is_file():
+        partial.unlink()
+    elif partial.exists():
         log.info("removing unfinished downloads of an earlier run under %s", partial)
         shutil.rmtree(partial)
 
 
-def place(tmp: Path, final: Path) -> None:
-    """Move a verified temporary file to its final name atomically (same file system)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+def place(tmp: Path, final: Path, *, dest: Path | None = None) -> None:
+    """Move a verified temporary file to its final name atomically (same file system); with
+    ``dest``, ``final``'s directories under it must be real directories (:func:`safe_path`)."""
+    if dest is not None:
+        safe_path(dest, final.relative_to(dest).as_posix())
+    else:
+        final.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, final)
@@ -105,6 +139,16 @@ def ensure_disk_space(dest: Path, needed: int, *, what: str) -> None:
     log.debug("disk space for %s: need %s, %s free", what, human_bytes(needed), human_bytes(free))
 
 
+_deadline = threading.local()
+
+
+def remaining_s(default: float) -> float:
+    """Seconds left before the deadline of the :meth:`Retry.call` running in this thread
+    (``default`` outside one): the longest a single network wait may take."""
+    at = getattr(_deadline, "at", None)
+    return default if at is None else at - time.monotonic()
+
+
 class Retry:
     """Exponential backoff with jitter and a bounded total time.
 
@@ -129,7 +173,17 @@ class Retry:
         self.sleep = sleep
 
     def call(self, fn: Callable[[], T], *, what: str) -> T:
+        """Run ``fn`` until it succeeds; inside it, :func:`remaining_s` is the time left."""
         start = time.monotonic()
+        outer = getattr(_deadline, "at", None)
+        own = start + self.deadline_s
+        _deadline.at = own if outer is None else min(outer, own)
+        try:
+            return self._retry(fn, what=what, start=start)
+        finally:
+            _deadline.at = outer
+
+    def _retry(self, fn: Callable[[], T], *, what: str, start: float) -> T:
         delay = self.initial_s
         attempt = 1
         while True:

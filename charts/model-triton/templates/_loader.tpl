@@ -20,6 +20,9 @@ as the Deployment, so T, P, I and batching cannot drift between the Job and the 
 - --revision
 - {{ . | quote }}
 {{- end }}
+{{- if .Values.model.followSource }}
+- --follow-source
+{{- end }}
 - --tp-size
 - {{ int .Values.model.tensorParallelSize | quote }}
 - --pp-size
@@ -54,6 +57,10 @@ as the Deployment, so T, P, I and batching cannot drift between the Job and the 
 {{- if $t.streaming }}
 - --streaming
 {{- end }}
+{{- if .Values.loader.prune.enabled }}
+- --prune-keep
+- {{ int .Values.loader.prune.keep | quote }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -64,6 +71,20 @@ the hook Job.
 backoffLimit: {{ int .Values.loader.backoffLimit }}
 activeDeadlineSeconds: {{ int .Values.loader.activeDeadlineSeconds }}
 ttlSecondsAfterFinished: {{ int .Values.loader.ttlSecondsAfterFinished }}
+# The loader's exit codes (README, "Source changes, pruning and exit codes"): a disrupted pod is
+# not counted, 75 (transient) and 143 (SIGTERM) are retried up to backoffLimit, anything else
+# (2: bad input, 1: a bug) fails the Job at once.
+podFailurePolicy:
+  rules:
+    - action: Ignore
+      onPodConditions:
+        - type: DisruptionTarget
+          status: "True"
+    - action: FailJob
+      onExitCodes:
+        containerName: loader
+        operator: NotIn
+        values: [75, 143]
 template:
   metadata:
     labels:
@@ -72,7 +93,8 @@ template:
       model-triton/model-key: {{ include "model-triton.modelKey" . | quote }}
   spec:
     restartPolicy: Never
-    serviceAccountName: {{ include "model-triton.serviceAccountName" . }}
+    terminationGracePeriodSeconds: {{ int .Values.loader.terminationGracePeriodSeconds }}
+    serviceAccountName: {{ include "model-triton.loaderServiceAccountName" . }}
     automountServiceAccountToken: false
     {{- with include "model-triton.imagePullSecrets" . }}
     {{- . | nindent 4 }}
@@ -103,12 +125,12 @@ template:
           - name: HF_HOME
             value: /tmp/huggingface
           {{- if .Values.loader.hfTokenSecret.name }}
-          - name: HF_TOKEN_PATH
-            value: /var/secrets/hf/{{ .Values.loader.hfTokenSecret.key }}
+          - name: HF_TOKEN_FILE
+            value: /var/secrets/hf/token
           {{- end }}
           {{- if .Values.loader.gcsCredentialsSecret.name }}
           - name: GOOGLE_APPLICATION_CREDENTIALS
-            value: /var/secrets/gcs/{{ .Values.loader.gcsCredentialsSecret.key }}
+            value: /var/secrets/gcs/key.json
           {{- end }}
           {{- with .Values.loader.extraEnv }}
           {{- toYaml . | nindent 10 }}
@@ -139,14 +161,25 @@ template:
       - name: scratch
         emptyDir:
           sizeLimit: {{ .Values.loader.scratchSizeLimit }}
-      {{- with .Values.loader.hfTokenSecret.name }}
+      {{- /* items: a Secret without that key fails the mount, not the download (anonymous). */}}
+      {{- with .Values.loader.hfTokenSecret }}
+      {{- if .name }}
       - name: hf-token
         secret:
-          secretName: {{ . }}
+          secretName: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: token
       {{- end }}
-      {{- with .Values.loader.gcsCredentialsSecret.name }}
+      {{- end }}
+      {{- with .Values.loader.gcsCredentialsSecret }}
+      {{- if .name }}
       - name: gcs-credentials
         secret:
-          secretName: {{ . }}
+          secretName: {{ .name }}
+          items:
+            - key: {{ .key }}
+              path: key.json
+      {{- end }}
       {{- end }}
 {{- end -}}

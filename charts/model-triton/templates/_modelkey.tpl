@@ -24,9 +24,31 @@ URI has none.
 {{- end -}}
 
 {{/*
+model-triton.canonicalSource: the one spelling of model.source the key hashes, as the loader
+writes it (`SourceURI.canonical`): `file://` + the cleaned absolute path, `gs://BUCKET[/PREFIX]`
+without surrounding slashes, `hf://ORG/NAME[@REV]`.
+*/}}
+{{- define "model-triton.canonicalSource" -}}
+{{- $source := .Values.model.source | toString -}}
+{{- $scheme := include "model-triton.sourceScheme" . -}}
+{{- $rest := regexReplaceAll "^[^:]*://" $source "" -}}
+{{- if eq $scheme "file" -}}
+{{- printf "file://%s" (clean (trimPrefix "localhost" $rest)) -}}
+{{- else if eq $scheme "gs" -}}
+{{- $bucket := first (splitList "/" $rest) -}}
+{{- $prefix := trimAll "/" (trimPrefix $bucket $rest) -}}
+{{- ternary (printf "gs://%s/%s" $bucket $prefix) (printf "gs://%s" $bucket) (ne $prefix "") -}}
+{{- else -}}
+{{- $repo := trimAll "/" (first (splitList "@" $rest)) -}}
+{{- $rev := trimPrefix (first (splitList "@" $rest)) $rest -}}
+{{- printf "%s://%s%s" $scheme $repo $rev -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 model-triton.modelRevision: the revision part of the model key: model.revision if set; else the
-text after the first `@` of an `hf://org/name@rev` source; else `src-` + the first 10 hex digits of the sha256 of
-the source URI exactly as given.
+text after the first `@` of an `hf://org/name@rev` source; else `src-` + the first 10 hex digits
+of the sha256 of the canonical source (model-triton.canonicalSource).
 */}}
 {{- define "model-triton.modelRevision" -}}
 {{- $source := .Values.model.source | toString -}}
@@ -36,8 +58,17 @@ the source URI exactly as given.
 {{- else if and (hasPrefix "hf://" $source) (contains "@" $repo) -}}
 {{- regexReplaceAll "^[^@]*@" $repo "" -}}
 {{- else -}}
-{{- printf "src-%s" (sha256sum $source | trunc 10) -}}
+{{- printf "src-%s" (include "model-triton.canonicalSource" . | sha256sum | trunc 10) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.sourcePinned: "true" when the source names immutable content (an `hf://` URI at a
+40-hex commit), else empty.
+*/}}
+{{- define "model-triton.sourcePinned" -}}
+{{- $source := .Values.model.source | toString -}}
+{{- if regexMatch "^hf://[^@]+@[0-9a-f]{40}$" $source -}}true{{- end -}}
 {{- end -}}
 
 {{/*

@@ -54,23 +54,34 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-model-triton.labels: the full label set of a resource: selector labels, version, chart,
-manager, and commonLabels.
+model-triton.labels: the full label set of a resource: commonLabels, then the selector labels,
+version, chart and manager, which win over a commonLabels key of the same name (a selector that
+no longer matches its pods, or a duplicate key, is never rendered).
 Usage: include "model-triton.labels" (dict "context" $ "component" "triton")
 */}}
 {{- define "model-triton.labels" -}}
-helm.sh/chart: {{ include "model-triton.chart" .context }}
-{{ include "model-triton.selectorLabels" . }}
-app.kubernetes.io/version: {{ .context.Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .context.Release.Service }}
-app.kubernetes.io/part-of: model-triton
-{{- with .context.Values.commonLabels }}
-{{ toYaml . }}
-{{- end }}
+{{- $labels := deepCopy (default dict .context.Values.commonLabels) -}}
+{{- $standard := include "model-triton.selectorLabels" . | fromYaml -}}
+{{- $_ := set $standard "helm.sh/chart" (include "model-triton.chart" .context) -}}
+{{- $_ := set $standard "app.kubernetes.io/version" (.context.Chart.AppVersion | toString) -}}
+{{- $_ := set $standard "app.kubernetes.io/managed-by" .context.Release.Service -}}
+{{- $_ := set $standard "app.kubernetes.io/part-of" "model-triton" -}}
+{{- toYaml (merge $standard $labels) -}}
 {{- end -}}
 
 {{/*
-model-triton.serviceAccountName: the ServiceAccount of the Triton and loader pods.
+model-triton.suffixedName: the full name with a suffix, the full name shortened so that the
+whole stays within 63 characters (a DNS label: Service, PVC, Pod and Job names).
+Usage: include "model-triton.suffixedName" (dict "context" $ "suffix" "-headless")
+*/}}
+{{- define "model-triton.suffixedName" -}}
+{{- $base := include "model-triton.fullname" .context | trunc (sub 63 (len .suffix) | int) | trimSuffix "-" -}}
+{{- printf "%s%s" $base .suffix -}}
+{{- end -}}
+
+{{/*
+model-triton.serviceAccountName: the ServiceAccount of the Triton and `helm test` pods (no
+storage identity: they only read the mounted volume).
 */}}
 {{- define "model-triton.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
@@ -81,8 +92,20 @@ model-triton.serviceAccountName: the ServiceAccount of the Triton and loader pod
 {{- end -}}
 
 {{/*
+model-triton.loaderServiceAccountName: the loader's own ServiceAccount, the only one that carries
+a storage identity (GKE Workload Identity for gs:// sources).
+*/}}
+{{- define "model-triton.loaderServiceAccountName" -}}
+{{- if .Values.loader.serviceAccount.create -}}
+{{- default (include "model-triton.suffixedName" (dict "context" . "suffix" "-loader")) .Values.loader.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.loader.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 model-triton.claimName: the PVC holding the model repositories.
 */}}
 {{- define "model-triton.claimName" -}}
-{{- default (printf "%s-models" (include "model-triton.fullname" .)) .Values.modelRepository.persistence.existingClaim -}}
+{{- default (include "model-triton.suffixedName" (dict "context" . "suffix" "-models")) .Values.modelRepository.persistence.existingClaim -}}
 {{- end -}}

@@ -4,14 +4,19 @@ _pod.tpl: What every pod shares: image references.
 
 {{/*
 model-triton.image: an image reference: repository@digest when a digest is set, else
-repository:tag with the tag defaulting to the chart's appVersion.
+repository:tag with the tag defaulting to the chart's appVersion; global.imageRegistry, when set,
+is prepended to the repository.
 Usage: include "model-triton.image" (dict "image" .Values.loader.image "context" $)
 */}}
 {{- define "model-triton.image" -}}
+{{- $repository := .image.repository -}}
+{{- with .context.Values.global.imageRegistry -}}
+{{- $repository = printf "%s/%s" (trimSuffix "/" .) $repository -}}
+{{- end -}}
 {{- if .image.digest -}}
-{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- printf "%s@%s" $repository .image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .image.repository (default .context.Chart.AppVersion .image.tag | toString) -}}
+{{- printf "%s:%s" $repository (default .context.Chart.AppVersion .image.tag | toString) -}}
 {{- end -}}
 {{- end -}}
 

@@ -40,22 +40,23 @@ model-triton.tritonArgs: the `tritonserver` command line (a YAML list).
 - --http-port=8000
 - --grpc-port=8001
 - --metrics-port=8002
-- --exit-timeout-secs={{ max 5 (sub (int .Values.triton.terminationGracePeriodSeconds) 10) }}
+- --exit-timeout-secs={{ max 5 (sub (sub (int .Values.triton.terminationGracePeriodSeconds) (int .Values.triton.preStopSleepSeconds)) 10) }}
 {{- range .Values.triton.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
 
 {{/*
-model-triton.tritonResources: triton.resources with `nvidia.com/gpu` = T x P in requests and
-limits (GPU backend only).
+model-triton.tritonResources: triton.resources with cluster.gpuResourceName (`nvidia.com/gpu`,
+or a MIG profile) = T x P in requests and limits (GPU backend only).
 */}}
 {{- define "model-triton.tritonResources" -}}
 {{- $res := deepCopy (default dict .Values.triton.resources) -}}
 {{- if include "model-triton.gpuBackend" . -}}
 {{- $gpus := include "model-triton.gpusPerReplica" . | int -}}
-{{- $_ := set $res "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $res.requests)) -}}
-{{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $res.limits)) -}}
+{{- $name := .Values.cluster.gpuResourceName -}}
+{{- $_ := set $res "requests" (merge (dict $name $gpus) (default dict $res.requests)) -}}
+{{- $_ := set $res "limits" (merge (dict $name $gpus) (default dict $res.limits)) -}}
 {{- end -}}
 {{- toYaml $res -}}
 {{- end -}}
@@ -71,4 +72,123 @@ model-triton.warnings: non-fatal findings for NOTES.txt (one per line), e.g. GPU
 WARNING: model-triton: cluster.replicasPerNode x model.tensorParallelSize x model.pipelineParallelSize = {{ $used }} of cluster.gpusPerNode = {{ $gpus }}: {{ sub $gpus $used }} GPU(s) per node stay idle. Raise cluster.replicasPerNode (or T x P) to use them, or pick a smaller node type.
 {{- end }}
 {{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.topologySpread: the hostname spread of the Triton pods (a YAML list, empty when
+cluster.spread.enabled is false). GPU fit does the packing: on a dedicated pool with
+N x T x P = G a node has room for exactly N replicas. The spread only breaks ties
+(ScheduleAnyway, the default) or, when asked, forbids imbalance (DoNotSchedule). It counts the
+pods of one ReplicaSet only (matchLabelKeys pod-template-hash: old and new pods of a rollout are
+not compared) and only on nodes whose taints the pods tolerate (nodeTaintsPolicy Honor). No
+minDomains: a matching node that is busy (another release's, or without GPUs) would pin the
+minimum at 0 and allow one pod per node.
+*/}}
+{{- define "model-triton.topologySpread" -}}
+{{- $spread := .Values.cluster.spread -}}
+{{- if $spread.enabled -}}
+- maxSkew: {{ int $spread.maxSkew }}
+  topologyKey: kubernetes.io/hostname
+  whenUnsatisfiable: {{ $spread.whenUnsatisfiable }}
+  nodeTaintsPolicy: Honor
+  matchLabelKeys:
+    - pod-template-hash
+  labelSelector:
+    matchLabels:
+      {{- include "model-triton.selectorLabels" (dict "context" . "component" "triton") | nindent 6 }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.maxUnavailable: triton.updateStrategy.maxUnavailable, or when it is empty ("auto")
+a quarter of the replicas (at least 1), raised to replicas - live replicas + 1 when an upgrade
+grows the Deployment. The Deployment controller scales old pods down only while more pods are
+available than replicas - maxUnavailable, counting the new ReplicaSet's unschedulable pods as
+unavailable: on a pool with no free GPU a growing rollout (N=4,T=4 -> N=8,T=2) stops forever
+unless maxUnavailable exceeds the growth. The live replicas come from `lookup`, which reads the
+cluster during install and upgrade and is empty for `helm template`.
+*/}}
+{{- define "model-triton.maxUnavailable" -}}
+{{- $configured := .Values.triton.updateStrategy.maxUnavailable -}}
+{{- if and (not (kindIs "invalid" $configured)) (ne (toString $configured) "") -}}
+{{- $configured -}}
+{{- else -}}
+{{- $replicas := include "model-triton.replicas" . | int -}}
+{{- $auto := max 1 (div $replicas 4) -}}
+{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "model-triton.fullname" .) -}}
+{{- if $live -}}
+{{- $growth := sub $replicas (int $live.spec.replicas) -}}
+{{- $auto = max $auto (add $growth 1) -}}
+{{- end -}}
+{{- $auto -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.updateStrategy: the Deployment strategy. RollingUpdate with maxSurge 0 by default:
+a full GPU node has no spare GPU for a surge pod.
+*/}}
+{{- define "model-triton.updateStrategy" -}}
+{{- $s := .Values.triton.updateStrategy -}}
+type: {{ $s.type }}
+{{- if eq $s.type "RollingUpdate" }}
+rollingUpdate:
+  maxSurge: {{ $s.maxSurge }}
+  {{- $mu := include "model-triton.maxUnavailable" . }}
+  maxUnavailable: {{ ternary $mu (int $mu) (hasSuffix "%" $mu) }}
+{{- end }}
+{{- end -}}
+
+{{/*
+model-triton.progressDeadlineSeconds: how long one step of a rollout may take before the
+Deployment reports ProgressDeadlineExceeded: a new pod may wait triton.waitForModel.timeoutSeconds
+for the model, then load it within the startup probe's budget; plus 10 minutes for the image pull.
+*/}}
+{{- define "model-triton.progressDeadlineSeconds" -}}
+{{- $t := .Values.triton -}}
+{{- add (int $t.waitForModel.timeoutSeconds) (mul (int $t.startupProbe.periodSeconds) (int $t.startupProbe.failureThreshold)) 600 -}}
+{{- end -}}
+
+{{/*
+model-triton.podLabels: the labels of the Triton pods: triton.podLabels, then the standard
+labels (which win).
+*/}}
+{{- define "model-triton.podLabels" -}}
+{{- $standard := include "model-triton.labels" (dict "context" . "component" "triton") | fromYaml -}}
+{{- toYaml (merge $standard (deepCopy (default dict .Values.triton.podLabels))) -}}
+{{- end -}}
+
+{{/*
+model-triton.tritonLifecycle: triton.lifecycle, or by default a preStop sleep of
+triton.preStopSleepSeconds: the pod leaves the Service endpoints (and the clients' resolvers)
+before Triton receives SIGTERM, so no new request reaches a server that is shutting down; then
+Triton finishes its in-flight requests within --exit-timeout-secs.
+*/}}
+{{- define "model-triton.tritonLifecycle" -}}
+{{- if .Values.triton.lifecycle -}}
+{{- toYaml .Values.triton.lifecycle -}}
+{{- else -}}
+preStop:
+  exec:
+    command: ["sleep", "{{ int .Values.triton.preStopSleepSeconds }}"]
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.queueTimeQuery: PromQL of the average queue time per request, in microseconds,
+over 5 minutes: Triton's cumulative queue time divided by its successful requests. Used by the
+PrometheusRule and the KEDA trigger (the HPA's prometheus-adapter rule is the same query).
+Usage: include "model-triton.queueTimeQuery" (dict "selector" "<label matchers>" "by" "pod")
+*/}}
+{{- define "model-triton.queueTimeQuery" -}}
+{{- $grouping := ternary (printf " by (%s)" .by) "" (ne .by "") -}}
+{{- printf "sum%s (rate(nv_inference_queue_duration_us{%s}[5m])) / clamp_min(sum%s (rate(nv_inference_request_success{%s}[5m])), 0.001)" $grouping .selector $grouping .selector -}}
+{{- end -}}
+
+{{/*
+model-triton.maxReplicas: autoscaling.maxReplicas, or nodes x N when it is 0.
+*/}}
+{{- define "model-triton.maxReplicas" -}}
+{{- $most := include "model-triton.replicas" . | int -}}
+{{- ternary $most (int .Values.autoscaling.maxReplicas) (eq (int .Values.autoscaling.maxReplicas) 0) -}}
 {{- end -}}

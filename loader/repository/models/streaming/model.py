@@ -14,6 +14,8 @@ is new since the previous response (the other outputs are the snapshot: ``output
 ``sequence_length``, ``cum_log_probs``, ``output_log_probs`` so far). The last response is
 flagged final and carries the rest of the text (often empty), so the concatenated
 ``completion`` of a stream equals the non-streaming completion for the same request and seed.
+Every response also carries ``is_final`` (BOOL [1]), true in the last one only: a Triton 23.05
+gRPC client is not told of the final flag, so this is how it sees the end of the stream.
 
 Why not an ensemble: the increment needs the text already sent for this request. An ensemble
 step is stateless and FasterTransformer re-sends rows that have finished (a batch keeps
@@ -193,14 +195,14 @@ class TritonPythonModel:
                 continue
             snapshot = _snapshot(response)
             texts = self._texts(snapshot, input_lengths, end_id)
-            sender.send(self._response(increments.step(texts, final=False), snapshot))
+            sender.send(self._response(increments.step(texts, final=False), snapshot, final=False))
         if cancelled:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         if snapshot is None or texts is None:
             raise StepError(f"{FASTERTRANSFORMER} ended the stream without a result")
         sender.send(
-            self._response(increments.step(texts, final=True), snapshot),
+            self._response(increments.step(texts, final=True), snapshot, final=True),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )
 
@@ -220,9 +222,13 @@ class TritonPythonModel:
         return _output(post, "completion")
 
     @staticmethod
-    def _response(completion: np.ndarray, snapshot: dict[str, np.ndarray]) -> object:
+    def _response(
+        completion: np.ndarray, snapshot: dict[str, np.ndarray], *, final: bool
+    ) -> object:
         tensors = [pb_utils.Tensor("completion", completion)]
         tensors += [pb_utils.Tensor(name, value) for name, value in snapshot.items()]
+        is_final = np.full((completion.shape[0], 1), final, dtype=np.bool_)
+        tensors.append(pb_utils.Tensor("is_final", is_final))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self) -> None:

@@ -1,0 +1,67 @@
+"""`model-loader prune`: remove leftovers of killed loaders and published keys beyond the newest."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loader.progress import human_bytes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "prune",
+        help="remove leftovers and old published keys from a repository root",
+        description="Remove what killed or stalled loaders left under ROOT (staging, replaced "
+        "copies, downloads) and published keys beyond the KEEP newest per model name. Never "
+        "touches a key whose publish lock is live, a key passed with --in-use, or anything the "
+        "loader did not create.",
+    )
+    p.add_argument(
+        "--repository",
+        required=True,
+        type=Path,
+        metavar="ROOT",
+        help="repository root (the shared volume, e.g. /models)",
+    )
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=2,
+        metavar="N",
+        help="published keys kept per model name, newest first (default: 2)",
+    )
+    p.add_argument(
+        "--in-use",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a model key still served (repeatable); the chart passes its Deployment's key",
+    )
+    p.add_argument(
+        "--lock-expiry-s",
+        type=float,
+        default=120.0,
+        help="a publish lock rewritten within this many seconds is live (default: 120)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from loader.repository.prune import prune
+
+    report = prune(
+        args.repository,
+        keep=args.keep,
+        in_use=tuple(args.in_use),
+        lock_expiry_s=args.lock_expiry_s,
+        dry_run=args.dry_run,
+    )
+    verb = "would remove" if report.dry_run else "removed"
+    for removal in report.removed:
+        print(f"{verb} {removal.path} ({removal.reason})")
+    for key, why in report.kept:
+        print(f"kept {key} ({why})")
+    print(f"{verb} {len(report.removed)} item(s), {human_bytes(report.bytes)}")
+    return 0

@@ -1,0 +1,95 @@
+"""Source fingerprints: what a checkpoint source held when a repository was built from it.
+
+A model key names a source by its URI (or a pinned revision); the content behind a URI can
+change (a local file overwritten, ``hf://org/name@main`` moving, a gs:// prefix re-uploaded).
+The fingerprint records the content, cheaply, so a later run can tell whether the source still
+holds what the published repository was built from:
+
+==========  ===================================================================================
+scheme      fingerprint
+==========  ===================================================================================
+``hf``      the commit the revision resolved to (one API call; none for a URI naming a commit)
+``gs``      every object under the prefix: name, size, generation and CRC32C (MD5 when the
+            object has none), from one listing
+``file``    every file: relative path, size and sha256. The sha256 of a file is computed once;
+            a later run reuses the recorded one while the file's (mtime, ctime, inode, size)
+            are unchanged (ctime cannot be set by users; any write changes it) and hashes the
+            file again otherwise, so a touched but identical file is not a change
+==========  ===================================================================================
+
+:meth:`Fingerprint.changes` lists the differences in words; the stat stamps of local files are
+a cache, never compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Differences listed in an error message at most.
+_LIST_AT_MOST = 5
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a source held: its canonical URI, the commit (hf) and its files."""
+
+    uri: str
+    commit: str | None = None
+    #: relative path -> identity fields (compared) of each file or object
+    files: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: relative path -> [mtime_ns, ctime_ns, inode] of local files (a cache, not compared)
+    stamps: dict[str, list[int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        record: dict[str, object] = {"uri": self.uri}
+        if self.commit is not None:
+            record["commit"] = self.commit
+        if self.files:
+            record["files"] = {rel: dict(info) for rel, info in sorted(self.files.items())}
+        if self.stamps:
+            record["stamps"] = {rel: list(s) for rel, s in sorted(self.stamps.items())}
+        return record
+
+    @classmethod
+    def from_dict(cls, record: object) -> Fingerprint | None:
+        """The fingerprint a manifest recorded; ``None`` when there is none or it is malformed."""
+        if not isinstance(record, dict) or not isinstance(record.get("uri"), str):
+            return None
+        files = record.get("files") or {}
+        stamps = record.get("stamps") or {}
+        commit = record.get("commit")
+        if not isinstance(files, dict) or not isinstance(stamps, dict):
+            return None
+        if commit is not None and not isinstance(commit, str):
+            return None
+        return cls(
+            uri=record["uri"],
+            commit=commit,
+            files={str(k): dict(v) for k, v in files.items() if isinstance(v, dict)},
+            stamps={str(k): list(v) for k, v in stamps.items() if isinstance(v, list)},
+        )
+
+    def changes(self, current: Fingerprint) -> list[str]:
+        """What differs from ``current`` (empty: the same content), in words."""
+        found = []
+        if self.uri != current.uri:
+            found.append(f"the source was {self.uri}, now {current.uri}")
+        if self.commit != current.commit:
+            found.append(f"commit {self.commit or '-'} is now {current.commit or '-'}")
+        removed = sorted(set(self.files) - set(current.files))
+        added = sorted(set(current.files) - set(self.files))
+        changed = sorted(
+            rel
+            for rel in set(self.files) & set(current.files)
+            if self.files[rel] != current.files[rel]
+        )
+        found += [f"{rel} changed" for rel in changed]
+        found += [f"{rel} was removed" for rel in removed]
+        found += [f"{rel} was added" for rel in added]
+        return found
+
+
+def describe_changes(changes: list[str]) -> str:
+    shown = "; ".join(changes[:_LIST_AT_MOST])
+    more = len(changes) - _LIST_AT_MOST
+    return shown + (f"; and {more} more" if more > 0 else "")

@@ -1,0 +1,350 @@
+"""Hostile and careless input: a clear error (exit 2, a hint, no traceback), never a rewritten
+config.ini, a file from outside the source, a stalled CPU or a crash."""
+
+from __future__ import annotations
+
+import configparser
+import contextlib
+import errno
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from loader.cli import main
+from loader.errors import PlacementError, SourceError, SourcePermissionError
+from loader.parallel import Parallelism
+from loader.plan import Topology, check_placement
+from loader.repository import manifest
+from loader.sources import FetchOptions, fetch
+from loader.sources.hf import resolve_token
+
+
+def _run_args(source: Path, root: Path, *extra: str, tp: int = 1) -> list[str]:
+    return [
+        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+        "--tp-size", str(tp), "--pp-size", "1", "--instance-count", "1", "--backend", "python",
+        *extra,
+    ]  # fmt: skip
+
+
+def _cli(capsys, *argv: str) -> tuple[int, list[str], str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err
+
+
+def _user_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err and "this is a bug" not in err
+    assert "hint:" in err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.fixture
+def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
+    return path
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+# --- 3: nothing from a checkpoint reaches config.ini unchecked -----------------------------
+
+
+def test_a_name_with_line_breaks_cannot_rewrite_config_ini(source, tmp_path, capsys):
+    _edit_config(source, _name_or_path="x\nvocab_size = 7\n[other]\nend_id = 9")
+    code, out, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    assert code == 0, err
+    parser = configparser.ConfigParser()
+    parser.read(Path(out[-1]) / "config.ini")
+    assert parser.sections() == ["gptj"]
+    assert parser["gptj"]["vocab_size"] == "320"
+    assert parser["gptj"]["model_name"] == "x-vocab_size-7-other-end_id-9"
+
+
+def test_config_ini_refuses_any_value_that_could_break_a_line():
+    from loader.errors import CheckpointError
+    from loader.formats.fastertransformer import FTConfig
+
+    config = FTConfig(8, 8, 256, 2, 4, 320, 1, 2, model_name="a\n[b]")
+    with pytest.raises(CheckpointError, match="ini file cannot carry"):
+        config.to_ini()
+
+
+# --- 4: bounded work whatever the numbers --------------------------------------------------
+
+
+def test_a_huge_layer_count_gets_its_hint_at_once():
+    result: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            check_placement(Parallelism(1, 2, 1), Topology(2), n_layer=2**61 - 1)
+        except BaseException as exc:
+            result.append(exc)
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=20)  # a loop up to n_layer would run for years
+    assert not worker.is_alive(), "the hint loops up to n_layer"
+    assert isinstance(result[0], PlacementError)
+    assert "e.g. 1" in result[0].remediation
+
+
+def test_a_layer_count_beyond_the_checkpoint_is_refused_before_listing_tensors(
+    source, tmp_path, capsys
+):
+    _edit_config(source, n_layer=200_000_000)
+    code, _, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, "n_layer 200000000 exceeds")
+
+
+# --- 10: user errors are exit 2 with a hint ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"n_layer": "two"}, "n_layer"),
+        ({"n_head": "8"}, "n_head"),
+        ({"n_layer": 2.5}, "n_layer"),
+    ],
+)
+def test_non_numeric_hyper_parameters_are_user_errors(source, tmp_path, capsys, changes, needle):
+    _edit_config(source, **changes)
+    code, _, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, needle)
+    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, needle)
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_non_numeric_layer_norm_epsilon_is_no_crash(source, tmp_path, capsys):
+    """FasterTransformer's GPT-J uses a fixed epsilon: config.json's is not read at all."""
+    _edit_config(source, layer_norm_epsilon="tiny")
+    code, _, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    assert code == 0, err
+
+
+def test_convert_into_a_file_or_under_a_file_is_a_user_error(source, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "sub"):
+        code, _, err = _cli(capsys, "convert", str(source), str(out), "--tp-size", "1")
+        _user_error(code, err, f"{blocker} is a file")
+    assert blocker.read_text() == "x"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody may write to: a read-only tmpfs for root, mode 0555 otherwise."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=256m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_convert_into_a_read_only_directory_is_a_user_error(source, read_only_dir, capsys):
+    code, _, err = _cli(
+        capsys, "convert", str(source), str(read_only_dir / "out"), "--tp-size", "1"
+    )
+    _user_error(code, err, "Cannot create the output directory")
+
+
+def test_a_disk_filling_after_the_weights_is_a_user_error_and_leaves_nothing(
+    source, tmp_path, capsys, monkeypatch
+):
+    """Fault injection: the disk fills while the tokenizer files are copied."""
+    import loader.repository.layout as layout
+
+    def full(src, dst, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    monkeypatch.setattr(layout.shutil, "copyfile", full)
+    root = tmp_path / "root"
+    code, out, err = _cli(capsys, *_run_args(source, root))
+    _user_error(code, err, "ran out of space", "Free disk space")
+    assert out == []
+    assert list((root / ".staging").iterdir()) == []
+    assert list(root.glob("tiny@*")) == []
+
+
+def test_the_free_space_check_counts_everything_the_repository_holds(
+    source, tmp_path, capsys, monkeypatch
+):
+    """Free space for the weights alone, not for the tokenizer copies and the rest."""
+    import loader.convert.pipeline as convert
+
+    weights = 0
+    real_check = convert._check_free_space
+
+    def report(directory, needed):
+        nonlocal weights
+        weights = weights or needed
+        real_check(directory, needed)
+
+    monkeypatch.setattr(convert, "_check_free_space", report)
+    assert _cli(capsys, *_run_args(source, tmp_path / "probe"))[0] == 0
+    from loader.pipeline import _besides_weights
+    from loader.repository.layout import tokenizer_files
+
+    extra = _besides_weights(tokenizer_files(source))
+    weights -= extra
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        convert.shutil, "disk_usage", lambda p: usage._replace(free=weights + extra // 2)
+    )
+    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, "Converting needs")
+
+
+def test_gpus_per_replica_zero_is_refused_not_taken_as_the_default(source, tmp_path, capsys):
+    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root", "--gpus-per-replica", "0"))
+    _user_error(code, err, "--gpus-per-replica must be at least 1")
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00binary\x00", b"hf_one\nhf_two", b"hf_a b"])
+def test_a_token_file_that_is_not_one_word_of_text_is_a_clear_error(tmp_path, content):
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content)
+    with pytest.raises(SourcePermissionError, match=str(token_file)) as info:
+        resolve_token(FetchOptions(hf_token_file=str(token_file)))
+    assert "hf_" in info.value.remediation
+    assert "hf_one" not in info.value.message  # the token never shows
+
+
+@pytest.mark.parametrize("name", ["tiny\n", "x" * 300])
+def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
+    argv = _run_args(source, tmp_path / "root")
+    argv[argv.index("--model-name") + 1] = name
+    code, out, err = _cli(capsys, *argv)
+    _user_error(code, err, "--model-name")
+    assert out == []
+
+
+@pytest.mark.parametrize("revision", ["v1\n", "r" * 300])
+def test_run_refuses_a_revision_with_a_newline_or_over_the_limit(
+    source, tmp_path, capsys, revision
+):
+    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root", "--revision", revision))
+    _user_error(code, err, "--revision")
+
+
+# --- 9: links never lead out of the source or DEST; published modes -----------------------
+
+
+def test_a_link_out_of_a_local_source_is_refused(source, tmp_path, capsys):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    secret.chmod(0o600)
+    (source / "merges.txt").unlink()
+    (source / "merges.txt").symlink_to(secret)
+    root = tmp_path / "root"
+    code, _, err = _cli(capsys, *_run_args(source, root))
+    _user_error(code, err, "symbolic link", str(secret))
+    assert not root.exists()
+    with pytest.raises(SourceError, match="outside the source"):
+        fetch(str(source), tmp_path / "copy", copy=True)
+
+
+def test_a_link_inside_a_local_source_is_followed(source, tmp_path, capsys):
+    (source / "blobs").mkdir()
+    shutil.move(source / "vocab.json", source / "blobs" / "vocab.json")
+    (source / "vocab.json").symlink_to(Path("blobs") / "vocab.json")
+    code, out, err = _cli(capsys, *_run_args(source, tmp_path / "root"))
+    assert code == 0, err
+    assert manifest.verify(Path(out[-1])) == []
+
+
+def test_fetch_copy_never_writes_through_a_link_in_dest(source, tmp_path):
+    (source / "extras").mkdir()
+    (source / "extras" / "notes.txt").write_text("nested")
+    dest, elsewhere = tmp_path / "dest", tmp_path / "elsewhere"
+    dest.mkdir()
+    elsewhere.mkdir()
+    (dest / "extras").symlink_to(elsewhere)
+    with pytest.raises(SourceError, match="symbolic link"):
+        fetch(str(source), dest, copy=True)
+    assert list(elsewhere.iterdir()) == []
+    (dest / "extras").unlink()
+    shutil.rmtree(dest / ".partial")
+    (dest / ".partial").symlink_to(elsewhere)  # a link where downloads go is removed, not used
+    fetch(str(source), dest, copy=True)
+    assert list(elsewhere.iterdir()) == []
+    assert (dest / "extras" / "notes.txt").read_text() == "nested"
+
+
+def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(source, tmp_path):
+    (source / "merges.txt").chmod(0o600)
+    root = tmp_path / "root"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os, sys; os.umask(0o077); from loader.cli import main; "
+         "sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    published = Path(proc.stdout.splitlines()[-1])
+    for path in [published, *published.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
+    with contextlib.suppress(FileNotFoundError):
+        assert (
+            stat.S_IMODE((published / "preprocessing/1/tokenizer/merges.txt").stat().st_mode)
+            == 0o644
+        )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a chosen size (root only: mount needs it); yields a function making one."""
+    mounted: list[Path] = []
+
+    def make(size: int) -> Path:
+        path = tmp_path / f"disk-{len(mounted)}"
+        path.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
+        )
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_repository_root_with_room_for_the_weights_only_is_refused_before_writing(
+    source, tmp_path, capsys, small_disk
+):
+    """A real small disk: the weights fit, the rest of the repository would not."""
+    probe = tmp_path / "probe"
+    assert _cli(capsys, *_run_args(source, probe))[0] == 0
+    weights = sum(p.stat().st_size for p in probe.rglob("*.bin"))
+    root = small_disk(weights + 256 * 1024)
+    code, out, err = _cli(capsys, *_run_args(source, root))
+    _user_error(code, err, "Converting needs")
+    assert out == []
+    assert list(root.glob("tiny@*")) == []
+    assert list((root / ".staging").iterdir()) == []

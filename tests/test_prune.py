@@ -1,0 +1,136 @@
+"""`model-loader prune`: leftovers and old keys go; live, in-use and foreign things stay."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from loader.cli import main
+from loader.repository import manifest
+from loader.repository.key import key_filename
+from loader.repository.lock import PublishLock
+from loader.repository.publish import (
+    DOWNLOAD_MARKER,
+    STAGING_DIR,
+    TRASH_DIR,
+    WORK_DIR,
+    host_digest,
+)
+
+
+def _publish(capsys, source: Path, root: Path, name: str, revision: str, created: str) -> Path:
+    argv = [
+        "run", "--source", str(source), "--repository", str(root), "--model-name", name,
+        "--revision", revision, "--tp-size", "1", "--pp-size", "1", "--instance-count", "1",
+        "--backend", "python",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    path = Path(capsys.readouterr().out.splitlines()[-1])
+    data = json.loads((path / manifest.MANIFEST).read_text())
+    data["created_at"] = created
+    (path / manifest.MANIFEST).write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def tree(tiny_checkpoint_with_tokenizer, tmp_path, capsys) -> SimpleNamespace:
+    """tiny@r1..r4 (r4 newest), other@r1, and every kind of leftover."""
+    root = tmp_path / "models"
+    t = SimpleNamespace(root=root)
+    src = tiny_checkpoint_with_tokenizer
+    t.keys = {
+        rev: _publish(capsys, src, root, "tiny", rev, f"2026-01-0{i}T00:00:00Z")
+        for i, rev in enumerate(["r1", "r2", "r3", "r4"], start=1)
+    }
+    t.other = _publish(capsys, src, root, "other", "r1", "2025-01-01T00:00:00Z")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    keyfile = key_filename(str(t.keys["r4"].relative_to(root)))
+    staging = root / STAGING_DIR
+    t.dead_staging = staging / f"{keyfile}.{dead.pid}-{host_digest()}.0123456789ab"
+    t.live_staging = staging / f"{keyfile}.{os.getpid()}-{host_digest()}.ba9876543210"
+    for path in (t.dead_staging, t.live_staging):
+        (path / "fastertransformer").mkdir(parents=True)
+        (path / "fastertransformer" / "weights.bin").write_bytes(b"\0" * 4096)
+    t.trash = root / TRASH_DIR / f"{keyfile}.0123456789ab"
+    (t.trash / "m").mkdir(parents=True)
+    t.download = root / WORK_DIR / keyfile
+    (t.download / "source").mkdir(parents=True)
+    (t.download / DOWNLOAD_MARKER).write_text("x")
+    t.foreign = root / WORK_DIR / "someone-elses"
+    t.foreign.mkdir()
+    (root / "notes.txt").write_text("not the loader's")
+    (root / "x@y").mkdir()  # not a published key: no manifest
+    return t
+
+
+def _prune(capsys, root: Path, *extra: str) -> tuple[int, list[str]]:
+    code = main(["prune", "--repository", str(root), *extra])
+    return code, capsys.readouterr().out.splitlines()
+
+
+def test_dry_run_lists_what_would_go_and_removes_nothing(tree, capsys):
+    before = sorted(p.relative_to(tree.root) for p in tree.root.rglob("*"))
+    code, out = _prune(capsys, tree.root, "--keep", "1", "--dry-run")
+    assert code == 0
+    assert any(line.startswith(f"would remove {tree.keys['r1']}") for line in out)
+    assert out[-1].startswith("would remove 6 item(s)")
+    assert sorted(p.relative_to(tree.root) for p in tree.root.rglob("*")) == before
+
+
+def test_prune_removes_leftovers_and_keys_beyond_the_newest_n_per_model(tree, capsys):
+    code, out = _prune(capsys, tree.root, "--keep", "2")
+    assert code == 0
+    assert not tree.keys["r1"].exists() and not tree.keys["r2"].exists()
+    for kept in (tree.keys["r3"], tree.keys["r4"], tree.other):
+        assert manifest.verify(kept) == []
+    assert not tree.dead_staging.exists() and not tree.trash.exists()
+    assert not tree.download.exists()
+    assert tree.live_staging.exists()  # its owner (this process) is alive
+    assert (
+        tree.foreign.exists()
+        and (tree.root / "notes.txt").exists()
+        and (tree.root / "x@y").exists()
+    )
+    assert out[-1].startswith("removed 5 item(s)")
+    assert not (tree.root / "tiny@r1").exists()  # the emptied <name>@<revision> directory too
+
+
+def test_keys_in_use_or_with_a_live_lock_are_never_removed(tree, capsys):
+    r1 = str(tree.keys["r1"].relative_to(tree.root))
+    r2 = str(tree.keys["r2"].relative_to(tree.root))
+    with PublishLock(tree.root, r2, expiry_s=60):
+        code, out = _prune(capsys, tree.root, "--keep", "1", "--in-use", r1)
+    assert code == 0
+    assert manifest.verify(tree.keys["r1"]) == [] and manifest.verify(tree.keys["r2"]) == []
+    assert not tree.keys["r3"].exists()
+    assert f"kept {r1} (in use (--in-use))" in out
+    assert f"kept {r2} (its publish lock is live)" in out
+
+
+def test_keep_below_one_is_refused(tree, capsys):
+    assert main(["prune", "--repository", str(tree.root), "--keep", "0"]) == 2
+    assert "--keep must be at least 1" in capsys.readouterr().err
+
+
+def test_run_with_prune_keep_prunes_after_publishing_and_keeps_its_own_key(
+    tree, tiny_checkpoint_with_tokenizer, capsys
+):
+    argv = [
+        "run", "--source", str(tiny_checkpoint_with_tokenizer), "--repository", str(tree.root),
+        "--model-name", "tiny", "--revision", "r0", "--tp-size", "1", "--pp-size", "1",
+        "--instance-count", "1", "--backend", "python", "--prune-keep", "1",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    published = Path(capsys.readouterr().out.splitlines()[-1])
+    # r0, published now, is the newest; with --keep 1 the older tiny keys go.
+    assert manifest.verify(published) == []
+    assert not tree.keys["r1"].exists() and not tree.keys["r4"].exists()
+    assert manifest.verify(tree.other) == []  # newest of its own model
+    assert not tree.dead_staging.exists()
