@@ -13,6 +13,7 @@ import csv
 import itertools
 import json
 import queue
+import re
 import subprocess
 import sys
 import time
@@ -490,9 +491,18 @@ def test_the_charts_helm_test_passes_against_a_streaming_repository(streaming):
     env.update(
         TRITON_HTTP_URL=streaming.http_url, TRITON_GRPC_URL=streaming.grpc_url, MODEL_NAME=MODEL
     )
-    command = [sys.executable if c == "python" else c for c in container["command"]]
+    # the Pod runs `model-loader complete ...`; Kubernetes expands $(VAR) from the env
+    command = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], c) for c in container["command"]]
+    assert command[:2] == ["model-loader", "complete"] and "--stream" in command
     done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "loader", *command[1:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "completion:" in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["server ready", f"model {MODEL} ready"]
+    assert "".join(lines[2:]).strip()  # the streamed completion
