@@ -1,7 +1,7 @@
 """Lazy access to the tensors of a Hugging Face checkpoint directory, one tensor at a time.
 
 A checkpoint directory holds ``config.json`` and its weights in one of these layouts (looked for
-in this order; :data:`WEIGHT_LAYOUTS` is the registry):
+in this order; :data:`loader.formats.huggingface.WEIGHT_FILES` names them, :data:`OPENERS` reads them):
 
 * ``model.safetensors.index.json`` + shards, or a single ``model.safetensors``;
 * ``pytorch_model.bin.index.json`` + shards, or a single ``pytorch_model.bin``.
@@ -32,10 +32,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from loader.errors import CheckpointError, DtypeError
+from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 
 #: Our dtype names -> NumPy storage dtype (bf16 is kept as raw uint16 bits).
 NUMPY_DTYPES: dict[str, np.dtype] = {
@@ -253,23 +253,15 @@ def _torch_dtype_name(dtype: Any) -> str | None:
 # --- the directory layout registry -----------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WeightLayout:
-    """One way of storing weights: a single file, or shards named by an index."""
-
-    single: str
-    index: str
-    opener: Callable[[Path], ShardFile]
+#: Weight format name (``loader.formats.huggingface.WEIGHT_FILES``) -> its shard reader.
+OPENERS: dict[str, Callable[[Path], ShardFile]] = {
+    "safetensors": SafetensorsFile,
+    "pytorch": TorchFile,
+}
 
 
-WEIGHT_LAYOUTS: tuple[WeightLayout, ...] = (
-    WeightLayout("model.safetensors", "model.safetensors.index.json", SafetensorsFile),
-    WeightLayout("pytorch_model.bin", "pytorch_model.bin.index.json", TorchFile),
-)
-
-
-def _shard_names(directory: Path) -> tuple[WeightLayout, list[str], dict[str, str] | None]:
-    for layout in WEIGHT_LAYOUTS:
+def _shard_names(directory: Path) -> tuple[WeightFiles, list[str], dict[str, str] | None]:
+    for layout in WEIGHT_FILES:
         index_path = directory / layout.index
         if index_path.is_file():
             try:
@@ -284,7 +276,7 @@ def _shard_names(directory: Path) -> tuple[WeightLayout, list[str], dict[str, st
         if (directory / layout.single).is_file():
             return layout, [layout.single], None
     present = sorted(p.name for p in directory.iterdir())[:20]
-    looked_for = ", ".join(f"{lay.single} / {lay.index}" for lay in WEIGHT_LAYOUTS)
+    looked_for = ", ".join(f"{lay.single} / {lay.index}" for lay in WEIGHT_FILES)
     raise CheckpointError(
         f"{directory} holds no weights: looked for {looked_for}; found {present or 'nothing'}."
     )
@@ -364,7 +356,7 @@ def open_checkpoint(directory: Path | str) -> Checkpoint:
                 f"{path} is listed in {layout.index} but missing.",
                 "Download the missing shard (the index names every file the checkpoint needs).",
             )
-        shards.append(layout.opener(path))
+        shards.append(OPENERS[layout.name](path))
     ckpt = Checkpoint(directory, config, shards)
     for name, fname in (weight_map or {}).items():
         info = ckpt.tensors.get(name)

@@ -46,6 +46,7 @@ from loader.errors import (
     SourceChangedError,
 )
 from loader.formats.fastertransformer import check_head_size
+from loader.formats.huggingface import config_dtype
 from loader.parallel import Parallelism
 from loader.plan import ModelShape, Topology, check_memory, check_placement, estimate_memory
 from loader.repository import layout, manifest, publish
@@ -60,8 +61,6 @@ WORK_DIR = publish.WORK_DIR
 DOWNLOAD_MARKER = publish.DOWNLOAD_MARKER
 #: Shortest --lock-expiry-s accepted: shorter ones take over loaders that merely paused.
 MIN_LOCK_EXPIRY_S = 1.0
-#: ``torch_dtype`` / ``dtype`` of config.json -> the dtype FT files keep by default.
-_HF_DTYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -199,11 +198,6 @@ def _up_to_date(target: Path, key: str, request: RunRequest) -> bool:
     )
 
 
-def _source_dtype(hf_config: dict) -> str:
-    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
-    return _HF_DTYPES.get(name, name)
-
-
 def _check_model(request: RunRequest, hf_config: dict) -> None:
     """The head size, placement rules that need the model, the hyper-parameters the converter
     reads, and the GPU-memory check."""
@@ -225,7 +219,7 @@ def _check_model(request: RunRequest, hf_config: dict) -> None:
     estimate = estimate_memory(
         shape,
         request.parallelism,
-        dtype=_source_dtype(hf_config) if dtype == "auto" else dtype,
+        dtype=config_dtype(hf_config) if dtype == "auto" else dtype,
         max_batch_size=request.settings.max_batch_size,
         gpus_per_replica=request.topology.gpus_per_replica,
     )

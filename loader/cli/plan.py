@@ -118,9 +118,9 @@ def _shape(args: argparse.Namespace) -> tuple[ModelShape, str, str]:
     from loader.checkpoint import read_hf_config
 
     config = read_hf_config(Path(uri.location))
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    dtype = {"float16": "fp16", "bfloat16": "fp16"}.get(dtype, "fp32")
-    return ModelShape.from_hf_config(config), dtype, str(uri.location)
+    from loader.formats.huggingface import config_dtype
+
+    return ModelShape.from_hf_config(config), config_dtype(config), str(uri.location)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,17 +14,14 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+from loader.formats.huggingface import TOKENIZER_FILES as HF_TOKENIZER_FILES
+
 log = logging.getLogger(__name__)
 
 END_OF_TEXT = "<|endoftext|>"
-#: Files a checkpoint directory receives.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
+#: Files a checkpoint directory receives: every tokenizer file but ``added_tokens.json`` (the
+#: one special token is in the vocabulary).
+TOKENIZER_FILES = tuple(n for n in HF_TOKENIZER_FILES if n != "added_tokens.json")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path | str) -> Path:

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from loader.errors import CheckpointError
+from loader.formats.huggingface import TOKENIZER_FILES
 from loader.repository.config import (
     FASTERTRANSFORMER,
     POSTPROCESSING,
@@ -35,15 +36,6 @@ log = logging.getLogger(__name__)
 
 VERSION = "1"
 TOKENIZER_DIR = "tokenizer"
-#: Tokenizer files copied when the checkpoint has them.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
 #: Models that tokenise or detokenise and so need the tokenizer files.
 TOKENIZING_MODELS: tuple[str, ...] = (PREPROCESSING, POSTPROCESSING)
 

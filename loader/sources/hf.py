@@ -36,6 +36,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
 )
+from loader.formats.huggingface import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
@@ -45,47 +46,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REVISION = "main"
 DEFAULT_WORKERS = 8
-CONFIG_FILE = "config.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
 #: Small metadata fetched when present (default generation settings such as bos/eos ids).
 METADATA_FILES = ("generation_config.json",)
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """A weights format: its single-file name, shard pattern and index file."""
-
-    name: str
-    single: str
-    shard_prefix: str
-    shard_suffix: str
-    index: str
-
-    def files(self, names: Iterable[str]) -> list[str]:
-        return sorted(
-            n
-            for n in names
-            if n in (self.single, self.index)
-            or (n.startswith(self.shard_prefix) and n.endswith(self.shard_suffix))
-        )
-
-
-#: Weight formats in order of preference; the first one the repository has is used.
-WEIGHT_FORMATS = (
-    WeightFormat(
-        "safetensors", "model.safetensors", "model-", ".safetensors", "model.safetensors.index.json"
-    ),
-    WeightFormat(
-        "pytorch", "pytorch_model.bin", "pytorch_model-", ".bin", "pytorch_model.bin.index.json"
-    ),
-)
 
 
 def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[str]:
@@ -97,7 +59,7 @@ def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[
     top = {n for n in names if "/" not in n}
     if CONFIG_FILE not in top:
         raise CheckpointError(f"{repo} has no {CONFIG_FILE}; it is not a transformers checkpoint.")
-    for fmt in WEIGHT_FORMATS:
+    for fmt in WEIGHT_FILES:
         weights = [n for n in fmt.files(top) if n != fmt.index]
         if weights:
             chosen = fmt.files(top)
