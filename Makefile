@@ -24,7 +24,7 @@ install: venv tools ## create .venv and install the pinned tools (idempotent)
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt pyproject.toml scripts/install-venv.sh
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml scripts/install-venv.sh
 	PYTHON=$(PYTHON) scripts/install-venv.sh $(VENV)
 	touch $@
 

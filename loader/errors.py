@@ -221,9 +221,9 @@ class ModelNotFoundError(EndpointError):
 
 
 class MeasurementError(LoaderError):
-    """perf_analyzer could not measure (unstable windows everywhere, bad input data, a crash)."""
+    """perf_analyzer could not measure (bad input data, no request completed, a crash)."""
 
     default_remediation = (
-        "Read perf_analyzer's message above; for unstable measurements pass a longer "
-        "--measurement-interval-ms or a larger --stability-percentage."
+        "Read perf_analyzer's words quoted in the error; run it again with -v to see the whole "
+        "log, and check that the server still answers."
     )

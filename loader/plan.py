@@ -159,8 +159,10 @@ def check_placement(
             raise PlacementError(
                 f"{topology.replicas_per_node} replica(s) x {gpus} GPUs need "
                 f"{topology.replicas_per_node * gpus} GPUs, but a node has {node}.",
-                f"Lower --replicas-per-node to {fit}"
-                + (" or lower --tp-size." if fit else ", lower --tp-size, or use larger nodes."),
+                f"Lower --replicas-per-node to {fit} or lower --tp-size."
+                if fit
+                else f"One replica needs more GPUs ({gpus}) than a node has: lower --tp-size "
+                "(or --pp-size), or use nodes with more GPUs.",
             )
 
 

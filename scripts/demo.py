@@ -269,8 +269,7 @@ def step_plan() -> None:
 
 def step_chart() -> None:
     section(6, "The Helm chart, rendered for every values file")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import render_chart
+    from loader.demo import chart as render_chart
 
     for values in sorted(VALUES_DIR.glob("*.yaml")):
         try:

@@ -11,6 +11,6 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 # torch first: pip takes the CPU build of this exact version from the machine's local wheel store.
-"$venv/bin/python" -m pip install --quiet -r requirements.txt
+"$venv/bin/python" -m pip install --quiet -r requirements-dev.txt
 "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e .
 echo "virtualenv ready: $venv"

@@ -3,230 +3,27 @@
 
     python scripts/render_chart.py -f values/local.yaml              # resources, GPU maths, key
     python scripts/render_chart.py -f values/staging.yaml --validate # + helm lint, OpenAPI strict
-    python scripts/render_chart.py --helm helm3 -f values/production.yaml --output out.yaml
 
-Uses the pinned `helm` CLIs that `make install` puts in `.tools/bin` (`helm`, `helm3`, `helm4`)
-and validates every manifest with `kubernetes-validate` in strict mode. Also imported by the
-chart tests (`tests/test_chart*.py`) and `scripts/staging-deploy.sh`.
+Started with any Python, it re-executes itself with the project's `.venv/bin/python` (`make
+install` creates it). The work is in loader.demo.chart.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-import subprocess
+import os
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+ROOT = Path(__file__).resolve().parents[1]
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
-log = logging.getLogger(__name__)
+if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
+    os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), __file__, *sys.argv[1:]])
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "charts" / "model-triton"
-VALUES_DIR = ROOT / "values"
-TOOLS_BIN = ROOT / ".tools" / "bin"
-#: Kubernetes versions every manifest is validated against (oldest supported, newest targeted).
-KUBERNETES_VERSIONS: tuple[str, ...] = ("1.29.0", "1.35.0")
-#: Kinds from CRDs: kubernetes-validate has no schema for them (checked by the tests instead).
-CRD_KINDS: frozenset[str] = frozenset({"ServiceMonitor", "PrometheusRule", "ScaledObject"})
-INSTALL_HINT = "run `make install` (or `TOOLS_DIR=.tools bash scripts/tools/install-{name}.sh`)"
+try:
+    from loader.demo.chart import main
+except ModuleNotFoundError as exc:
+    print(f"error: {exc.name} is not installed", file=sys.stderr)
+    print("hint: run `make install` in the project (it creates .venv), then run this again.",
+          file=sys.stderr)  # fmt: skip
+    raise SystemExit(2) from None
 
-
-class ChartError(Exception):
-    """helm failed (lint, template or a values error); ``output`` is what helm printed."""
-
-    def __init__(self, message: str, output: str = "") -> None:
-        super().__init__(f"{message}\n{output}".strip())
-        self.output = output
-
-
-def tool(name: str) -> Path:
-    """The pinned tool ``name`` in .tools/bin, or FileNotFoundError saying how to install it."""
-    path = TOOLS_BIN / name
-    if not path.exists():
-        family = "checkov" if name == "checkov" else "helm"
-        raise FileNotFoundError(f"{path} is missing: {INSTALL_HINT.format(name=family)}")
-    return path
-
-
-def _helm(helm: str, args: Sequence[str]) -> str:
-    proc = subprocess.run(
-        [str(tool(helm)), *args], capture_output=True, text=True, check=False, timeout=120
-    )
-    if proc.returncode != 0:
-        output = "\n".join(part for part in (proc.stderr, proc.stdout) if part.strip())
-        raise ChartError(f"helm {args[0]} failed (exit {proc.returncode})", output)
-    return proc.stdout
-
-
-def _value_args(values_files: Iterable[Path | str], set_values: Iterable[str]) -> list[str]:
-    args: list[str] = []
-    for f in values_files:
-        args += ["-f", str(f)]
-    for s in set_values:
-        args += ["--set", s]
-    return args
-
-
-def render(
-    *,
-    helm: str = "helm",
-    values_files: Iterable[Path | str] = (),
-    set_values: Iterable[str] = (),
-    release: str = "codegen",
-    namespace: str = "model-triton",
-) -> str:
-    """``helm template`` of the chart; raises ChartError with helm's message on failure."""
-    args = ["template", release, str(CHART), "--namespace", namespace]
-    return _helm(helm, args + _value_args(values_files, set_values))
-
-
-def lint(
-    *, helm: str = "helm", values_files: Iterable[Path | str] = (), set_values: Iterable[str] = ()
-) -> str:
-    """``helm lint --strict`` of the chart with these values; raises ChartError on failure."""
-    return _helm(helm, ["lint", "--strict", str(CHART), *_value_args(values_files, set_values)])
-
-
-def notes(
-    *,
-    values_files: Iterable[Path | str] = (),
-    set_values: Iterable[str] = (),
-    release: str = "codegen",
-    namespace: str = "model-triton",
-) -> str:
-    """NOTES.txt as `helm install` prints it. Offline only with Helm 4 (`--dry-run=client`)."""
-    args = ["install", release, str(CHART), "--dry-run=client", "--namespace", namespace]
-    out = _helm("helm4", args + _value_args(values_files, set_values))
-    return out.split("NOTES:", 1)[1] if "NOTES:" in out else ""
-
-
-def documents(text: str) -> list[dict]:
-    """The non-empty YAML documents of a rendered chart."""
-    return [doc for doc in yaml.safe_load_all(text) if doc]
-
-
-def validate(docs: Iterable[dict], *, versions: Sequence[str] = KUBERNETES_VERSIONS) -> list[str]:
-    """Strict OpenAPI validation of every manifest; returns the problems (empty: all valid)."""
-    import kubernetes_validate
-
-    problems = []
-    for doc in docs:
-        if doc["kind"] in CRD_KINDS:
-            continue
-        for version in versions:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                where = "/".join(str(p) for p in exc.path)
-                problems.append(
-                    f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): "
-                    f"{where}: {exc.message}"
-                )
-            except kubernetes_validate.SchemaNotFoundError as exc:
-                problems.append(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message}")
-    return problems
-
-
-@dataclass(frozen=True)
-class Resource:
-    kind: str
-    name: str
-    detail: str
-
-
-def _pod_spec(doc: dict) -> dict | None:
-    spec = doc.get("spec", {})
-    if doc["kind"] == "CronJob":
-        return spec["jobTemplate"]["spec"]["template"]["spec"]
-    if doc["kind"] in ("Deployment", "Job"):
-        return spec["template"]["spec"]
-    if doc["kind"] == "Pod":
-        return spec
-    return None
-
-
-def describe(doc: dict) -> Resource:
-    """One line about a resource: replicas, GPUs, images, model key, the loader's arguments."""
-    kind, name = doc["kind"], doc["metadata"]["name"]
-    parts = []
-    annotations = doc["metadata"].get("annotations") or {}
-    if "helm.sh/hook" in annotations:
-        parts.append(f"hook={annotations['helm.sh/hook']}")
-    if kind == "Deployment":
-        parts.append(f"replicas={doc['spec']['replicas']}")
-    pod = _pod_spec(doc)
-    if pod is not None:
-        for c in pod["containers"]:
-            limits = (c.get("resources") or {}).get("limits") or {}
-            gpus = limits.get("nvidia.com/gpu", 0)
-            parts.append(f"{c['name']}: image={c['image']} gpus={gpus}")
-            if c["name"] == "loader":
-                parts.append("args=" + " ".join(c["args"]))
-    if "model-triton/model-key" in annotations:
-        parts.append(f"key={annotations['model-triton/model-key']}")
-    if kind == "PersistentVolumeClaim":
-        spec = doc["spec"]
-        parts.append(f"{spec['accessModes'][0]} {spec['resources']['requests']['storage']}")
-    if kind == "Service":
-        ports = ",".join(str(p["port"]) for p in doc["spec"]["ports"])
-        parts.append(f"clusterIP={doc['spec'].get('clusterIP', 'auto')} ports={ports}")
-    return Resource(kind, name, "  ".join(parts))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-f", "--values", action="append", default=[], help="values file(s)")
-    parser.add_argument("--set", action="append", default=[], help="helm --set overrides")
-    parser.add_argument("--helm", default="helm", choices=["helm", "helm3", "helm4"])
-    parser.add_argument("--release", default="codegen")
-    parser.add_argument("--namespace", default="model-triton")
-    parser.add_argument(
-        "--validate",
-        action="store_true",
-        help="also helm lint --strict and validate against Kubernetes "
-        + " and ".join(KUBERNETES_VERSIONS),
-    )
-    parser.add_argument("--output", type=Path, help="write the rendered manifests here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        text = render(
-            helm=args.helm,
-            values_files=args.values,
-            set_values=args.set,
-            release=args.release,
-            namespace=args.namespace,
-        )
-        if args.validate:
-            lint(helm=args.helm, values_files=args.values, set_values=args.set)
-    except (ChartError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    docs = documents(text)
-    if args.output:
-        args.output.write_text(text)
-        log.info("wrote %s (%d manifests)", args.output, len(docs))
-    label = ", ".join(args.values) or "chart defaults"
-    print(f"chart {CHART.relative_to(ROOT)} with {label} renders {len(docs)} resources:")
-    for doc in docs:
-        r = describe(doc)
-        print(f"  {r.kind:<22} {r.name:<34} {r.detail}")
-    if args.validate:
-        problems = validate(docs)
-        for p in problems:
-            print(f"invalid: {p}", file=sys.stderr)
-        if problems:
-            return 1
-        print(
-            f"helm lint --strict: ok; every manifest valid (strict) on Kubernetes "
-            f"{', '.join(KUBERNETES_VERSIONS)}"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+raise SystemExit(main())

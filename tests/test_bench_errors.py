@@ -218,7 +218,82 @@ def test_compare_targets_are_directories_or_endpoints(tmp_path):
 
 def test_compare_rejects_duplicate_labels(tmp_path):
     from loader.bench.compare import compare, parse_target
+    from loader.bench.settings import SweepSettings, Workload
 
     targets = [parse_target(f"x={tmp_path}"), parse_target("x=127.0.0.1:1")]
+    settings = SweepSettings(concurrencies=(1,), workloads=(Workload(ROOT / "bench/test.json"),))
     with pytest.raises(LoaderError, match="share the label"):
-        compare(targets, concurrencies=[1], options=PerfAnalyzerOptions())
+        compare(targets, settings)
+
+
+def test_an_unstable_level_keeps_its_last_windows_and_perf_analyzers_words():
+    from loader.bench.perf_analyzer import parse_windows, unstable_measurement
+
+    output = read("http_unstable_verbose_c4_stdout.txt")
+    assert len(parse_windows(output)) == 5
+    m = unstable_measurement(4, output)
+    assert m is not None and not m.stable and m.concurrency == 4
+    assert m.throughput == pytest.approx((14.4838 + 16.8435 + 25.9421) / 3)
+    assert m.p95_us == round((592279 + 239885 + 279875) / 3)
+    assert m.note == (
+        "Failed to obtain stable measurement within 5 measurement windows for concurrency 4. "
+        "Please try to increase the --measurement-request-count."
+    )
+    assert unstable_measurement(1, read("http_unstable_c1_stdout.txt")) is None  # no -v lines
+
+
+def test_widening_doubles_the_window_of_either_mode():
+    count = PerfAnalyzerOptions(measurement_mode="count_windows", measurement_request_count=16)
+    assert count.widened().measurement_request_count == 32
+    assert count.widened().window() == "32 requests"
+    assert PerfAnalyzerOptions().widened().measurement_interval_ms == 10000
+    assert "--measurement-interval=10000" in PerfAnalyzerOptions().widened().arguments()
+
+
+BLOCK_AND_RUN = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Missing(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in sys.argv[1].split(","):
+            raise ModuleNotFoundError(name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+from loader.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "extra"),
+    [
+        ("pytriton", ["serve", "/nonexistent"], "[serve]"),
+        ("matplotlib", ["tune", "--repository", "/nonexistent"], "[bench]"),
+        ("pytriton", ["tune", "--repository", "/nonexistent"], "[serve]"),
+    ],
+)
+def test_a_command_whose_extra_is_missing_names_the_extra(missing, argv, extra):
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_AND_RUN, missing, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"pip install 'model-triton-loader{extra}'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_shows_every_flags_default_and_documents_the_environment():
+    from loader.cli import build_parser
+
+    help_text = build_parser().format_help()
+    assert "MODEL_LOADER_LOG_LEVEL" in help_text
+    tune = subprocess.run(
+        [sys.executable, "-m", "loader", "tune", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "--serving-experiment" not in tune  # only flags and defaults tune has
+    assert "default 1:16:5" in tune and "bench/mixed.json" in tune

@@ -16,10 +16,11 @@ import pytest
 from matplotlib import image as mpimg
 
 from loader.bench.report import (
+    Report,
     best_configuration,
+    peak_ratio,
     summary_text,
     tables_text,
-    throughput_ratio,
     write_plot,
     write_report,
 )
@@ -100,15 +101,36 @@ def test_format_table_has_the_seed_header_and_one_line_per_level():
     assert lines[1:] == read("grpc_i2_batching_c1-16_stdout.txt").splitlines()[-4:]
 
 
+WORDS = (
+    "Failed to obtain stable measurement within 4 measurement windows for concurrency 6. "
+    "Please try to increase the --measurement-request-count."
+)
+
+
 def test_tables_text_lists_settings_and_unstable_levels():
     sweep = recorded_sweep("http_unstable_after_c1", "i2-batching-on")
     sweep.settings = {"instance_group": 2, "dynamic_batching": True, "preferred_batch_size": [4, 8]}
-    sweep.unstable = [6, 11, 16]
+    sweep.measurements.append(Measurement(6, 80.5, 30000, stable=False, note=WORDS))
     text = tables_text([sweep])
     assert text.startswith("Benchmark 1: i2-batching-on\n")
     assert "• instance_group = 2\n• dynamic_batching = on\n• preferred_batch_size = 4, 8\n" in text
     assert "Concurrency: 1, throughput: 70.4918 infer/sec, latency 14642 usec\n" in text
-    assert "(no stable measurement at concurrency 6, 11, 16)" in text
+    assert "Concurrency: 6, throughput: 80.5 infer/sec, latency 30000 usec (unstable)\n" in text
+    assert f"(unstable at concurrency 6: {WORDS})" in text
+    # the unstable level is in the table, read back as unstable, and never the best
+    assert [m.stable for m in parse_table(text)] == [True, False]
+    assert sweep.best().concurrency == 1
+
+
+def test_unstable_levels_survive_the_csv_and_are_named_in_the_summary(tmp_path):
+    sweep = recorded_sweep("http_c1-4", "naive")
+    sweep.measurements.append(Measurement(8, 99.0, 5000, stable=False, note=WORDS))
+    [back] = sweeps_from_csv(sweeps_to_csv([sweep]))
+    assert back.unstable == [Measurement(8, 99.0, 5000, stable=False, note=WORDS)]
+    summary = summary_text([sweep])
+    assert "Best configuration (no latency budget): naive" in summary
+    assert "at concurrency 8: 99" not in summary
+    assert f"naive at concurrency 8: {WORDS}" in summary
 
 
 def test_results_csv_round_trips_every_configuration():
@@ -132,13 +154,24 @@ def test_best_configuration_respects_the_latency_budget():
     assert best_configuration([naive, batching], max_p95_ms=5) is None
 
 
-def test_summary_reports_the_ratio_to_the_baseline_at_the_highest_common_level():
-    naive = Sweep("i1-batching-off", [Measurement(1, 10.0, 1000), Measurement(8, 10.0, 8000)])
+def test_summary_reports_the_gain_over_the_baseline_between_best_stable_levels():
+    naive = Sweep(
+        "i1-batching-off",
+        [
+            Measurement(1, 10.0, 1000),
+            Measurement(8, 8.0, 8000),
+            Measurement(16, 2.0, 9000, stable=False, note="unstable"),  # never the reference
+        ],
+    )
     batching = Sweep("i1-batching-on", [Measurement(1, 10.0, 1000), Measurement(8, 40.0, 2000)])
-    assert throughput_ratio(batching, naive) == (8, pytest.approx(4.0))
+    top, base, value = peak_ratio(batching, naive)
+    assert (top.concurrency, base.concurrency, value) == (8, 1, pytest.approx(4.0))
     text = summary_text([naive, batching], baseline="i1-batching-off")
     assert "Best configuration (no latency budget): i1-batching-on" in text
-    assert "4.00x the throughput of i1-batching-off at concurrency 8" in text
+    assert (
+        "4.00x the best stable throughput of i1-batching-off (10 infer/sec at concurrency 1)"
+        in text
+    )
 
 
 def test_plot_is_a_png_with_one_line_per_configuration(tmp_path):
@@ -162,7 +195,7 @@ def test_plot_is_a_png_with_one_line_per_configuration(tmp_path):
 
 def test_write_report_writes_tables_csv_plot_and_summary(tmp_path):
     sweeps = [recorded_sweep("http_c1-4", "naive"), recorded_sweep("grpc_c1-7", "grpc")]
-    paths = write_report(sweeps, tmp_path / "out", max_p95_ms=40, baseline="naive")
+    paths = write_report(Report(sweeps, baseline="naive"), tmp_path / "out", max_p95_ms=40)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         p.name for p in paths.values()
     )
@@ -181,13 +214,16 @@ def test_bench_test_json_is_the_production_request_for_the_ensemble():
 
 
 def test_median_of_rounds_keeps_each_levels_median_round_whole():
-    def sweep(*levels):
-        return Sweep("i1", [Measurement(c, t, p) for c, t, p in levels], unstable=[16])
+    def sweep(*levels, shaky=(16, 70.0, 3000)):
+        measurements = [Measurement(c, t, p) for c, t, p in levels]
+        if shaky:
+            measurements.append(Measurement(*shaky, stable=False, note="unstable"))
+        return Sweep("i1", measurements)
 
     rounds = [
         [sweep((1, 10.0, 100), (8, 30.0, 900))],
-        [sweep((1, 12.0, 90), (8, 5.0, 5000))],  # a round disturbed by other load at c8
-        [sweep((1, 11.0, 95), (8, 31.0, 880), (16, 40.0, 1200))],
+        [sweep((1, 12.0, 90), (8, 5.0, 5000), shaky=(16, 50.0, 2000))],  # disturbed at c8
+        [sweep((1, 11.0, 95), (8, 31.0, 880), (16, 40.0, 1200), shaky=None)],
     ]
     (merged,) = median_sweeps(rounds)
     assert merged.measurements == [
@@ -195,13 +231,13 @@ def test_median_of_rounds_keeps_each_levels_median_round_whole():
         Measurement(8, 30.0, 900),
         Measurement(16, 40.0, 1200),
     ]
-    assert merged.unstable == []  # measured in one round
+    assert merged.unstable == []  # measured stably in one round: that round counts
     (two,) = median_sweeps(rounds[:2])
     assert two.at(8) == Measurement(8, 5.0, 5000)  # the lower median with an even count
-    assert two.unstable == [16]
+    assert two.unstable == [Measurement(16, 50.0, 2000, stable=False, note="unstable")]
 
 
 def test_report_files_are_readable_by_everyone(tmp_path):
-    paths = write_report([recorded_sweep("http_c1-4", "naive")], tmp_path)
+    paths = write_report(Report([recorded_sweep("http_c1-4", "naive")]), tmp_path)
     for path in paths.values():
         assert path.stat().st_mode & 0o044 == 0o044, path

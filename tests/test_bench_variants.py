@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from loader.bench.results import Measurement, Sweep
 from loader.bench.variants import (
     Variant,
     describe,
@@ -21,7 +20,6 @@ from loader.errors import RepositoryError
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings
-from loader.tune import pick_winner, plan_variants, values_snippet
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -120,54 +118,3 @@ def test_a_directory_without_models_is_a_repository_error(tmp_path):
         make_variant(tmp_path, tmp_path / "v", Variant(1, False))
     with pytest.raises(RepositoryError, match="does not exist"):
         model_dirs(tmp_path / "missing")
-
-
-def test_plan_variants_covers_instances_times_batching():
-    planned = plan_variants([2, 1], preferred_batch_sizes=[4, 8], max_queue_delay_us=50)
-    assert [v.label for v in planned] == [
-        "i1-batching-off",
-        "i1-batching-on",
-        "i2-batching-off",
-        "i2-batching-on",
-    ]
-    assert planned[1].preferred_batch_sizes == (4, 8) and planned[0].preferred_batch_sizes == ()
-
-
-def test_near_ties_go_to_fewer_instances_and_the_budget_is_respected():
-    variants = {v.label: v for v in plan_variants([1, 2], preferred_batch_sizes=[4])}
-    sweeps = [
-        Sweep("i1-batching-off", [Measurement(8, 10.0, 800_000)]),
-        Sweep("i1-batching-on", [Measurement(8, 40.0, 200_000)]),
-        Sweep("i2-batching-off", [Measurement(8, 20.0, 400_000)]),
-        Sweep("i2-batching-on", [Measurement(8, 41.0, 190_000), Measurement(16, 60.0, 900_000)]),
-    ]
-    assert pick_winner(sweeps, variants).sweep.label == "i2-batching-on"  # 60 at c16
-    within = pick_winner(sweeps, variants, max_p95_ms=500)
-    assert within.sweep.label == "i1-batching-on"  # 40 vs 41: a tie, fewer instances win
-    strict = pick_winner(sweeps, variants, max_p95_ms=500, tolerance=0.0)
-    assert strict.sweep.label == "i2-batching-on"
-    assert pick_winner(sweeps, variants, max_p95_ms=100) is None
-
-
-def test_values_snippet_is_the_chart_values_for_the_winner():
-    import yaml
-
-    variant = Variant(2, True, preferred_batch_sizes=(4, 8), max_queue_delay_us=100)
-    text = values_snippet(
-        variant, Measurement(16, 55.5, 250_000), label=variant.label, max_p95_ms=300
-    )
-    assert yaml.safe_load(text) == {
-        "triton": {
-            "instanceCount": 2,
-            "dynamicBatching": {
-                "enabled": True,
-                "preferredBatchSize": [4, 8],
-                "maxQueueDelayMicroseconds": 100,
-            },
-        }
-    }
-    assert "p95 <= 300 ms" in text and "55.5 infer/sec" in text
-    off = yaml.safe_load(
-        values_snippet(Variant(1, False), Measurement(1, 5, 1), label="x", max_p95_ms=None)
-    )
-    assert off == {"triton": {"instanceCount": 1, "dynamicBatching": {"enabled": False}}}

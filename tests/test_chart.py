@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
+import re
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -22,20 +21,10 @@ import yaml
 
 from loader.cli import build_parser
 from loader.cli.run import request_from_args
+from loader.demo import chart as rc
 from loader.plan import check_placement
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_render_chart():
-    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["render_chart"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _load_render_chart()
 
 HELMS = ("helm3", "helm4")
 HELM_VERSIONS = {"helm3": "v3.18.0", "helm4": "v4.1.4"}
@@ -471,12 +460,19 @@ def test_services_select_the_triton_pods_and_the_headless_one_has_no_cluster_ip(
     assert {p["port"] for p in main["spec"]["ports"]} == {8000, 8001, 8002}
 
 
-def test_helm_test_pod_script_compiles_and_targets_the_ensemble():
+def test_helm_test_pod_runs_model_loader_complete_against_the_ensemble():
     pod = one(rendered("helm4", None), "Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     c = pod["spec"]["containers"][0]
-    assert c["command"][:2] == ["python", "-c"]
-    compile(c["command"][2], "test-inference", "exec")
+    assert c["command"][:3] == ["model-loader", "complete", "--check-ready"]
+    # every flag the Pod passes is one `model-loader complete` has (values as Kubernetes
+    # expands the $(VAR) references from the Pod's environment)
+    env = {e["name"]: e["value"] for e in c["env"]}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in c["command"][2:]]
+    args = build_parser().parse_args(["complete", *argv])
+    assert args.check_ready and args.model == "codegen" and not args.stream
+    assert args.url == "codegen-model-triton.model-triton.svc:8000"
+    assert args.prompt == env["PROMPT"] and args.max_tokens == int(env["REQUEST_OUTPUT_LEN"])
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["MODEL_NAME"] == "codegen"
     assert env["TRITON_HTTP_URL"] == "codegen-model-triton.model-triton.svc:8000"

@@ -5,32 +5,21 @@ Triton image the chart defaults to, and `make staging-deploy`'s handling of wait
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
 
+from loader.demo import chart as rc
 from tests.kubeapi import kube_api
 from tests.scheduler import Cluster, Rollout, gpu_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _load_render_chart():
-    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("render_chart", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _load_render_chart()
 
 HELMS = ("helm3", "helm4")
 POOL = ("cluster.nodeSelector.pool=a100",)

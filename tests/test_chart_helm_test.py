@@ -1,41 +1,44 @@
-"""The chart's `helm test` script, run for real against a CPU Triton serving a published repository.
+"""The chart's `helm test` Pod, run for real against a CPU Triton serving a published repository.
 
-The script is taken from the rendered test Pod (values/local.yaml) and executed with the Pod's
-environment, only the Service addresses pointing at a `tritonserver` on 127.0.0.1.
+Its command (``model-loader complete --check-ready ...``) is taken from the rendered test Pod
+(values/local.yaml), its ``$(VAR)`` references expanded from the Pod's environment as Kubernetes
+does, and run with this checkout's loader, only the Service addresses pointing at a
+``tritonserver`` on 127.0.0.1.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from loader.demo import chart as rc
 from loader.serving import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_render_chart():
-    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("render_chart", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _load_render_chart()
+def _container(*set_values: str) -> dict:
+    docs = rc.documents(
+        rc.render(values_files=[rc.VALUES_DIR / "local.yaml"], set_values=set_values)
+    )
+    [pod] = [d for d in docs if d["kind"] == "Pod"]
+    [container] = pod["spec"]["containers"]
+    return container
 
 
 @pytest.fixture(scope="module")
 def helm_test_container() -> dict:
-    docs = rc.documents(rc.render(values_files=[rc.VALUES_DIR / "local.yaml"]))
-    [pod] = [d for d in docs if d["kind"] == "Pod"]
-    [container] = pod["spec"]["containers"]
-    return container
+    return _container()
+
+
+@pytest.fixture(scope="module")
+def streaming_helm_test_container() -> dict:
+    return _container("triton.streaming=true")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,10 @@ def run_helm_test(
 ) -> subprocess.CompletedProcess:
     env = {e["name"]: e["value"] for e in container["env"]}
     env.update(TRITON_HTTP_URL=triton.http_url, TRITON_GRPC_URL=triton.grpc_url, **overrides)
-    assert container["command"][:2] == ["python", "-c"]
+    command = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg) for arg in container["command"]]
+    assert command[0] == "model-loader"
     return subprocess.run(
-        [sys.executable, "-c", container["command"][2]],
+        [sys.executable, "-m", "loader", *command[1:]],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -66,13 +70,14 @@ def test_helm_test_checks_health_and_completes_a_prompt(helm_test_container, tri
     lines = proc.stdout.splitlines()
     assert lines[0] == "server ready"
     assert lines[1] == "model codegen ready"
-    assert lines[2].startswith("completion: ") and len(lines[2]) > len("completion: ")
+    assert "".join(lines[2:]).strip()  # the completion
 
 
 def test_helm_test_fails_when_the_model_is_not_served(helm_test_container, triton):
     proc = run_helm_test(helm_test_container, triton, MODEL_NAME="not-served")
-    assert proc.returncode == 1
-    assert "FAIL: model not-served is not ready" in proc.stderr
+    assert proc.returncode == 2
+    assert "error: model not-served is not ready" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +97,12 @@ def streaming_triton(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
         yield server
 
 
-def test_helm_test_streams_over_grpc_when_streaming_is_on(helm_test_container, streaming_triton):
-    proc = run_helm_test(helm_test_container, streaming_triton, STREAMING="1")
+def test_helm_test_streams_over_grpc_when_streaming_is_on(
+    streaming_helm_test_container, streaming_triton
+):
+    assert "--stream" in streaming_helm_test_container["command"]
+    proc = run_helm_test(streaming_helm_test_container, streaming_triton)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["server ready", "model codegen ready"]
-    assert lines[2].startswith("completion: ") and len(lines[2]) > len("completion: ")
+    assert "".join(lines[2:]).strip()

@@ -7,31 +7,20 @@ reason, in charts/model-triton/.checkov.yaml.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from loader.demo import chart as rc
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "charts" / "model-triton" / ".checkov.yaml"
 INSTALL = "run `make install` (or `TOOLS_DIR=.tools bash scripts/tools/install-checkov.sh`)"
 CHECKOV_VERSION = "3.3.30"
-
-
-def _load_render_chart():
-    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("render_chart", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _load_render_chart()
 
 ALL_OPTIONAL = (
     "metrics.serviceMonitor.enabled=true",

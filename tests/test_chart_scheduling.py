@@ -10,29 +10,18 @@ and in the chart README.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from loader.demo import chart as rc
 from tests.kubeapi import kube_api
 from tests.scheduler import Cluster, Node, Rollout, gpu_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def _load_render_chart():
-    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("render_chart", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _load_render_chart()
 
 HELMS = ("helm3", "helm4")
 POOL = {"cloud.google.com/gke-nodepool": "a100"}

@@ -186,3 +186,35 @@ def test_plan_without_a_model_is_a_user_error(capsys):
 def test_plan_refuses_remote_sources_with_a_hint(capsys):
     assert main(["plan", "--source", "gs://bucket/model", "--gpus-per-node", "8"]) == 2
     assert "local" in capsys.readouterr().err
+
+
+def test_plan_exits_2_when_nothing_fits_and_says_what_to_change(capsys):
+    code = main(
+        ["plan", "--model", "codegen-16b", "--gpus-per-node", "16", "--gpu-memory-gib", "40",
+         "--tp-size", "1"]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "does not fit" in captured.out  # the table is still printed
+    assert "error: no candidate fits a node of 16 GPUs of 40 GiB" in captured.err
+    assert "hint: " in captured.err
+
+
+def test_plan_json_has_one_object_per_candidate(capsys):
+    code = main(
+        ["plan", "--model", "codegen-16b", "--gpus-per-node", "16", "--gpu-memory-gib", "40",
+         "--tp-size", "1", "2", "--json"]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["tp"], r["verdict"]) for r in rows] == [(1, "does not fit"), (2, "fits")]
+    assert rows[1]["replicas_per_node"] == 8 and rows[1]["headroom_bytes"] > 0
+
+
+def test_a_replica_larger_than_the_node_never_suggests_zero_replicas():
+    par = Parallelism(4)
+    row = plan_row(
+        CODEGEN_16B, par, Topology(4, 1, 2), dtype="fp16", max_batch_size=8, gpu_memory_gib=40
+    )
+    assert row.verdict == "invalid"
+    assert "to 0" not in row.problem and "lower --tp-size" in row.problem

@@ -212,3 +212,13 @@ def test_only_one_weight_format_and_the_tokenizer_files_are_selected(names, expe
 def test_selection_without_config_or_weights_is_a_checkpoint_error(names, words):
     with pytest.raises(CheckpointError, match=words):
         select_files(names)
+
+
+def test_cli_fetch_of_a_local_path_with_dest_but_no_copy_is_refused(local_ckpt, tmp_path, capsys):
+    dest = tmp_path / "dest"
+    assert main(["fetch", str(local_ckpt), str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert "would be ignored" in err and "--copy" in err
+    assert not dest.exists()
+    assert main(["fetch", str(local_ckpt), str(dest), "--copy"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(dest)

@@ -13,6 +13,7 @@ import csv
 import itertools
 import json
 import queue
+import re
 import subprocess
 import sys
 import time
@@ -448,6 +449,15 @@ def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
         again = _complete_script(*args, "--max-tokens", "12", prompt)
         assert again.returncode == 0, again.stderr
         assert again.stdout == shown
+        assert "1 tokens" not in again.stderr  # one response is not one token
+    # --json against a model that does not stream: no made-up token count
+    [summary] = [
+        json.loads(line)
+        for line in _complete_script("--url", plain.grpc_url, "--json", prompt).stdout.splitlines()
+        if '"done"' in line
+    ]
+    assert summary["output_tokens"] is None and summary["responses"] == 1
+    assert "does not stream" in _complete_script("--url", plain.grpc_url, prompt).stderr
 
 
 def test_scripts_complete_reports_errors_in_one_line_without_a_traceback(streaming):
@@ -481,9 +491,18 @@ def test_the_charts_helm_test_passes_against_a_streaming_repository(streaming):
     env.update(
         TRITON_HTTP_URL=streaming.http_url, TRITON_GRPC_URL=streaming.grpc_url, MODEL_NAME=MODEL
     )
-    command = [sys.executable if c == "python" else c for c in container["command"]]
+    # the Pod runs `model-loader complete ...`; Kubernetes expands $(VAR) from the env
+    command = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], c) for c in container["command"]]
+    assert command[:2] == ["model-loader", "complete"] and "--stream" in command
     done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "loader", *command[1:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "completion:" in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["server ready", f"model {MODEL} ready"]
+    assert "".join(lines[2:]).strip()  # the streamed completion

@@ -4,22 +4,11 @@ key, the ``helm test`` Pod streams, and NOTES tell users to call the model over 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
+from loader.demo import chart as rc
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _render_chart():
-    spec = importlib.util.spec_from_file_location("render_chart", ROOT / "scripts/render_chart.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("render_chart", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rc = _render_chart()
 
 
 def _by_kind(*sets: str) -> dict[str, list[dict]]:

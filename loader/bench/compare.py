@@ -16,8 +16,9 @@ from pathlib import Path
 
 from loader.bench import variants
 from loader.bench.endpoint import Endpoint, parse_endpoint
-from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer
+from loader.bench.perf_analyzer import find_perf_analyzer
 from loader.bench.results import Measurement, Sweep, median_sweeps
+from loader.bench.settings import SweepSettings
 from loader.bench.sweep import sweep
 from loader.errors import LoaderError
 
@@ -55,25 +56,20 @@ def parse_target(text: str, *, protocol: str | None = None) -> Target:
 
 def compare(
     targets: Sequence[Target],
+    settings: SweepSettings,
     *,
-    concurrencies: list[int],
-    options: PerfAnalyzerOptions,
-    model: str | None = None,
-    protocol: str = "http",
-    perf_analyzer: str | Path | None = None,
     log_dir: Path | None = None,
-    on_start: Callable[[Target], None] | None = None,
+    on_start: Callable[[Target, str], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
-    rounds: int = 1,
 ) -> list[Sweep]:
-    """One sweep per target, in order; server logs go to ``log_dir`` when given.
+    """One sweep per target and workload, in order; server logs go to ``log_dir`` when given.
 
-    With ``rounds`` > 1 every target is swept that many times, round after round (so load from
-    elsewhere on the machine spreads over all targets), and each level reports its
-    median-throughput round (:func:`~loader.bench.results.median_sweeps`).
+    A repository target is served once per round and measured with every workload while it is
+    up. With ``settings.rounds`` > 1 every target is swept that many times, round after round
+    (so load from elsewhere on the machine spreads over all targets), and each level reports
+    its median-throughput round (:func:`~loader.bench.results.median_sweeps`). ``on_start``
+    gets the target and the workload's label before each sweep.
     """
-    if rounds < 1:
-        raise LoaderError(f"--rounds must be at least 1, got {rounds}", "Pass --rounds 1 or more.")
     labels = [t.label for t in targets]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
     if duplicates:
@@ -81,77 +77,27 @@ def compare(
             f"two targets share the label(s) {', '.join(duplicates)}",
             "Name them apart with LABEL=TARGET.",
         )
-    if model is None and any(t.repository is None for t in targets):
+    if settings.model is None and any(t.repository is None for t in targets):
         raise LoaderError(
             "which model should be measured at the endpoints?",
             "Pass --model NAME (the ensemble's name, e.g. codegen).",
         )
-    find_perf_analyzer(perf_analyzer)  # fail before starting any server
+    find_perf_analyzer(settings.perf_analyzer)  # fail before starting any server
     targets = [_with_settings(t) for t in targets]
     results = []
-    for number in range(1, rounds + 1):
-        if rounds > 1:
-            log.info("round %s of %s", number, rounds)
-        results.append(
-            _one_round(
-                targets,
-                concurrencies=concurrencies,
-                options=options,
-                model=model,
-                protocol=protocol,
-                perf_analyzer=perf_analyzer,
-                log_dir=log_dir,
-                on_start=on_start,
-                on_measurement=on_measurement,
-            )
-        )
-    return results[0] if rounds == 1 else median_sweeps(results)
-
-
-def _one_round(
-    targets: Sequence[Target],
-    *,
-    concurrencies: list[int],
-    options: PerfAnalyzerOptions,
-    model: str | None,
-    protocol: str,
-    perf_analyzer: str | Path | None,
-    log_dir: Path | None,
-    on_start: Callable[[Target], None] | None,
-    on_measurement: Callable[[Target, Measurement], None] | None,
-) -> list[Sweep]:
-    sweeps = []
-    for target in targets:
-        if on_start is not None:
-            on_start(target)
-        report = None if on_measurement is None else (lambda m, t=target: on_measurement(t, m))
-        if target.repository is not None:
-            sweeps.append(
-                _sweep_repository(
-                    target,
-                    concurrencies=concurrencies,
-                    options=options,
-                    model=model,
-                    protocol=protocol,
-                    perf_analyzer=perf_analyzer,
-                    log_dir=log_dir,
-                    on_measurement=report,
+    for number in range(1, settings.rounds + 1):
+        if settings.rounds > 1:
+            log.info("round %s of %s", number, settings.rounds)
+        round_sweeps = []
+        for target in targets:
+            round_sweeps.extend(
+                _sweep_target(
+                    target, settings, log_dir=log_dir, on_start=on_start,
+                    on_measurement=on_measurement,
                 )
-            )
-        elif target.endpoint is not None and model is not None:
-            sweeps.append(
-                sweep(
-                    target.endpoint,
-                    model,
-                    concurrencies,
-                    options=options,
-                    label=target.label,
-                    settings=target.settings,
-                    perf_analyzer=perf_analyzer,
-                    on_measurement=report,
-                )
-            )
-    return sweeps
+            )  # fmt: skip
+        results.append(round_sweeps)
+    return results[0] if settings.rounds == 1 else median_sweeps(results)
 
 
 def _with_settings(target: Target) -> Target:
@@ -161,39 +107,63 @@ def _with_settings(target: Target) -> Target:
     return replace(target, settings=variants.describe(variants.read_configs(target.repository)))
 
 
-def _sweep_repository(
+def _sweep_workloads(
     target: Target,
+    endpoint: Endpoint,
+    model: str,
+    settings: SweepSettings,
     *,
-    concurrencies: list[int],
-    options: PerfAnalyzerOptions,
-    model: str | None,
-    protocol: str,
-    perf_analyzer: str | Path | None,
+    on_start: Callable[[Target, str], None] | None,
+    on_measurement: Callable[[Target, Measurement], None] | None,
+) -> list[Sweep]:
+    report = None if on_measurement is None else (lambda m: on_measurement(target, m))
+    sweeps = []
+    for workload in settings.workloads:
+        label = settings.workload_label(workload)
+        if on_start is not None:
+            on_start(target, label)
+        sweeps.append(
+            sweep(
+                endpoint,
+                model,
+                list(settings.concurrencies),
+                options=settings.options_for(workload),
+                label=target.label,
+                settings=target.settings,
+                workload=label,
+                perf_analyzer=settings.perf_analyzer,
+                on_measurement=report,
+            )
+        )
+    return sweeps
+
+
+def _sweep_target(
+    target: Target,
+    settings: SweepSettings,
+    *,
     log_dir: Path | None,
-    on_measurement: Callable[[Measurement], None] | None,
-) -> Sweep:
+    on_start: Callable[[Target, str], None] | None,
+    on_measurement: Callable[[Target, Measurement], None] | None,
+) -> list[Sweep]:
+    callbacks = {"on_start": on_start, "on_measurement": on_measurement}
+    if target.repository is None:
+        assert target.endpoint is not None and settings.model is not None  # parse_target, compare
+        return _sweep_workloads(target, target.endpoint, settings.model, settings, **callbacks)
     from loader.serving import TritonServer
 
-    repository = Path(target.repository or "")
-    name = model or variants.ensemble_name(variants.read_configs(repository))
+    repository = Path(target.repository)
+    name = settings.model or variants.ensemble_name(variants.read_configs(repository))
     log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"tritonserver-{_SAFE.sub('_', target.label)}.log"
     log.info("%s: serving %s with the local Triton", target.label, repository)
     with TritonServer(repository, log_path=log_path) as server:
-        address = server.grpc_url if protocol == "grpc" else server.http_url
+        address = server.grpc_url if settings.protocol == "grpc" else server.http_url
+        endpoint = Endpoint(address=address, protocol=settings.protocol)
         try:
-            return sweep(
-                Endpoint(address=address, protocol=protocol),
-                name,
-                concurrencies,
-                options=options,
-                label=target.label,
-                settings=target.settings,
-                perf_analyzer=perf_analyzer,
-                on_measurement=on_measurement,
-            )
+            return _sweep_workloads(target, endpoint, name, settings, **callbacks)
         except LoaderError:
             if log_path is not None:
                 log.error("%s: Triton's log is %s", target.label, log_path)

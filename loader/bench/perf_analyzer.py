@@ -1,9 +1,14 @@
 """Run the real ``perf_analyzer`` for one concurrency level and turn its failures into typed errors.
 
 perf_analyzer stops a ``--concurrency-range`` at the first level it cannot measure stably, so a
-sweep runs it once per level (:mod:`loader.bench.sweep`): an unstable level is reported and the
-sweep goes on. Every run uses ``--percentile=95`` (latencies and stabilisation on the client's
-p95, as in our production tables) and ``-f`` to get the CSV.
+sweep runs it once per level (:mod:`loader.bench.sweep`). Every run uses ``--percentile=95``
+(latencies and stabilisation on the client's p95, as in our production tables), ``-f`` to get
+the CSV and ``-v`` to get every measurement window (``Pass [n] throughput: ... p95 latency:``).
+
+A level whose windows do not agree within the stability percentage is measured again with
+windows twice as long, at most ``widenings`` times (a busy machine settles over longer windows).
+If it still does not settle, its last three windows are reported (throughput and p95 latency
+averaged), marked unstable, with perf_analyzer's own words: a measurement is never thrown away.
 
 The binary is looked up as: an explicit path, then ``perf_analyzer`` on ``PATH``, then the
 project's ``.tools/bin/perf_analyzer`` (``scripts/tools/install-perf-analyzer.sh``).
@@ -11,6 +16,7 @@ project's ``.tools/bin/perf_analyzer`` (``scripts/tools/install-perf-analyzer.sh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -39,6 +45,14 @@ INSTALL_COMMAND = "TOOLS_DIR=$PWD/.tools scripts/tools/install-perf-analyzer.sh"
 
 #: Lines of perf_analyzer's output quoted in an error.
 OUTPUT_TAIL_LINES = 15
+
+#: perf_analyzer's own window sizes, the base when an unstable level is widened.
+DEFAULT_MEASUREMENT_INTERVAL_MS = 5000
+DEFAULT_MEASUREMENT_REQUEST_COUNT = 50
+#: How often an unstable level is measured again with windows twice as long.
+DEFAULT_WIDENINGS = 2
+#: perf_analyzer compares this many windows; an unstable level reports the last ones.
+STABLE_WINDOWS = 3
 
 
 def find_perf_analyzer(
@@ -82,6 +96,22 @@ class PerfAnalyzerOptions:
     streaming: bool = False
     timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
+    widenings: int = DEFAULT_WIDENINGS
+
+    def widened(self) -> PerfAnalyzerOptions:
+        """The same measurement with windows twice as long (time or request count)."""
+        if self.measurement_mode == "count_windows":
+            count = self.measurement_request_count or DEFAULT_MEASUREMENT_REQUEST_COUNT
+            return dataclasses.replace(self, measurement_request_count=2 * count)
+        interval = self.measurement_interval_ms or DEFAULT_MEASUREMENT_INTERVAL_MS
+        return dataclasses.replace(self, measurement_interval_ms=2 * interval)
+
+    def window(self) -> str:
+        """The window size in words (for logs and reports)."""
+        if self.measurement_mode == "count_windows":
+            count = self.measurement_request_count or DEFAULT_MEASUREMENT_REQUEST_COUNT
+            return f"{count} requests"
+        return f"{self.measurement_interval_ms or DEFAULT_MEASUREMENT_INTERVAL_MS} ms"
 
     def arguments(self) -> list[str]:
         args: list[str] = []
@@ -126,6 +156,7 @@ def command(
         endpoint.protocol,
         f"--concurrency-range={concurrency}:{concurrency}",
         "--percentile=95",
+        "-v",
         "-f",
         str(csv_path),
         *options.arguments(),
@@ -189,6 +220,12 @@ ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], Load
 )
 
 _UNSTABLE = re.compile(r"Failed to obtain stable measurement")
+_UNSTABLE_WORDS = re.compile(r"^Failed to obtain stable measurement within .*$", re.MULTILINE)
+_PASS = re.compile(
+    r"^\s*Pass \[(?P<number>\d+)\] throughput: (?P<throughput>[0-9.eE+-]+) infer/sec\. "
+    r"p95 latency: (?P<latency>\d+) usec",
+    re.MULTILINE,
+)
 
 
 def error_for(endpoint: Endpoint, model: str, output: str) -> LoaderError:
@@ -203,16 +240,52 @@ def is_unstable(output: str) -> bool:
     return bool(_UNSTABLE.search(output))
 
 
+@dataclass(frozen=True)
+class Window:
+    """One measurement window (perf_analyzer's ``-v`` line ``Pass [n] ...``)."""
+
+    throughput: float
+    p95_us: int
+
+
+def parse_windows(output: str) -> list[Window]:
+    """Every window perf_analyzer printed with ``-v``, in order."""
+    return [Window(float(m["throughput"]), int(m["latency"])) for m in _PASS.finditer(output)]
+
+
+def unstable_words(output: str) -> str:
+    """perf_analyzer's sentence about an unstable level (``Failed to obtain ... within ...``)."""
+    match = _UNSTABLE_WORDS.search(output)
+    return match[0].strip() if match else "Failed to obtain stable measurement."
+
+
+def unstable_measurement(concurrency: int, output: str) -> Measurement | None:
+    """The last :data:`STABLE_WINDOWS` windows of an unstable run, averaged and marked unstable
+    (``None`` if perf_analyzer printed no window)."""
+    windows = parse_windows(output)[-STABLE_WINDOWS:]
+    if not windows:
+        return None
+    return Measurement(
+        concurrency=concurrency,
+        throughput=sum(w.throughput for w in windows) / len(windows),
+        p95_us=round(sum(w.p95_us for w in windows) / len(windows)),
+        stable=False,
+        note=unstable_words(output),
+    )
+
+
 # --- one level ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class LevelResult:
-    """A level's measurement (``None`` when it never stabilised) and perf_analyzer's output."""
+    """A level's measurement (``stable`` or not), perf_analyzer's last output and the window
+    size it was measured with."""
 
     concurrency: int
-    measurement: Measurement | None
+    measurement: Measurement
     output: str
+    window: str = ""
 
 
 def run_process(cmd: Sequence[str], timeout_s: float) -> tuple[int, str]:
@@ -236,22 +309,22 @@ def run_process(cmd: Sequence[str], timeout_s: float) -> tuple[int, str]:
     return done.returncode, done.stdout
 
 
-def measure_level(
+def _run_once(
     endpoint: Endpoint,
     model: str,
     concurrency: int,
     *,
     options: PerfAnalyzerOptions,
     binary: Path,
-) -> LevelResult:
-    """Measure one concurrency level; raise the typed error of a failure other than instability."""
+) -> tuple[Measurement | None, str]:
+    """One perf_analyzer run: the stable measurement (``None`` if unstable) and its output."""
     with tempfile.TemporaryDirectory(prefix="perf-analyzer-") as tmp:
         csv_path = Path(tmp) / "level.csv"
         cmd = command(binary, endpoint, model, concurrency, csv_path, options)
         log.debug("running %s", " ".join(cmd))
         code, output = run_process(cmd, options.timeout_s)
         if is_unstable(output):
-            return LevelResult(concurrency, None, output)
+            return None, output
         if code != 0:
             raise error_for(endpoint, model, output)
         if not csv_path.is_file():
@@ -260,4 +333,41 @@ def measure_level(
     found = [m for m in rows if m.concurrency == concurrency]
     if not found:
         raise MeasurementError(f"perf_analyzer's CSV has no row for concurrency {concurrency}")
-    return LevelResult(concurrency, found[0], output)
+    return found[0], output
+
+
+def measure_level(
+    endpoint: Endpoint,
+    model: str,
+    concurrency: int,
+    *,
+    options: PerfAnalyzerOptions,
+    binary: Path,
+) -> LevelResult:
+    """Measure one concurrency level, widening the windows of an unstable one (see the module
+    docstring); raise the typed error of any failure other than instability."""
+    attempt = options
+    for widening in range(options.widenings + 1):
+        measurement, output = _run_once(
+            endpoint, model, concurrency, options=attempt, binary=binary
+        )
+        if measurement is not None:
+            return LevelResult(concurrency, measurement, output, attempt.window())
+        if widening < options.widenings:
+            wider = attempt.widened()
+            log.info(
+                "concurrency %s: no stable measurement with windows of %s; measuring again "
+                "with windows of %s",
+                concurrency,
+                attempt.window(),
+                wider.window(),
+            )
+            attempt = wider
+    unstable = unstable_measurement(concurrency, output)
+    if unstable is None:
+        raise MeasurementError(
+            f"perf_analyzer measured no window at concurrency {concurrency}: {_tail(output)}",
+            "Check that the server answers requests (scripts/complete), then pass longer "
+            "windows (--measurement-interval-ms or --measurement-request-count).",
+        )
+    return LevelResult(concurrency, unstable, output, attempt.window())

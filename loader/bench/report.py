@@ -5,19 +5,35 @@
 * :func:`write_plot`: throughput against p95 latency, one line per configuration, points
   labelled with their concurrency (matplotlib's Agg canvas; no display needed).
 * :func:`best_configuration`: the highest throughput any configuration reaches with a p95
-  latency within the budget.
+  latency within the budget; :func:`peak_ratio`: its gain over a baseline (best stable level
+  against best stable level).
 * :func:`write_report`: all of the above into a directory, each file written atomically.
+* :class:`TablePrinter`: the heading and table lines printed while a sweep runs.
+
+Unstable levels (perf_analyzer's windows never agreed) appear everywhere, marked: ``(unstable)``
+after their table line with perf_analyzer's words below the table, ``stable=no`` in the CSV,
+hollow markers in the plot. They never make a configuration the best one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
-from loader.bench.results import Measurement, Sweep, format_number, format_table, sweeps_to_csv
+from loader.bench.results import (
+    TABLE_HEADER,
+    Measurement,
+    Sweep,
+    format_line,
+    format_number,
+    format_table,
+    sweeps_to_csv,
+)
 
 TABLES_FILE = "tables.txt"
 CSV_FILE = "results.csv"
@@ -33,21 +49,40 @@ def bullet(key: str, value: object) -> str:
     return f"• {key} = {value}"
 
 
+def unstable_text(sweep: Sweep) -> str:
+    """perf_analyzer's words for each unstable level of ``sweep`` (empty if none)."""
+    return "".join(
+        f"(unstable at concurrency {m.concurrency}: {m.note or 'no stable measurement'})\n"
+        for m in sweep.unstable
+    )
+
+
 def table_text(sweep: Sweep, *, number: int | None = None) -> str:
-    title = f"Benchmark {number}: {sweep.label}" if number is not None else sweep.label
+    title = f"Benchmark {number}: {sweep.name}" if number is not None else sweep.name
     lines = [title, ""]
     lines.extend(bullet(k, v) for k, v in sweep.settings.items())
     if sweep.settings:
         lines.append("")
-    text = "\n".join(lines) + "\n" + format_table(sweep)
-    if sweep.unstable:
-        levels = ", ".join(map(str, sweep.unstable))
-        text += f"(no stable measurement at concurrency {levels})\n"
-    return text
+    return "\n".join(lines) + "\n" + format_table(sweep) + unstable_text(sweep)
 
 
 def tables_text(sweeps: Sequence[Sweep]) -> str:
     return "\n".join(table_text(s, number=i) for i, s in enumerate(sweeps, start=1))
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a bench run hands to :func:`write_report` and prints: the sweeps, the plot's
+    title, the configuration the summary compares against, notes for the summary (``key:
+    value`` lines), the chart values to paste (may be empty) and files the run already wrote."""
+
+    sweeps: list[Sweep]
+    title: str = "Throughput vs. client p95 latency"
+    baseline: str | None = None
+    notes: Mapping[str, str] = field(default_factory=dict)
+    values: str = ""
+    files: Mapping[str, Path] = field(default_factory=dict)
+    rounds: int = 1
 
 
 @dataclass(frozen=True)
@@ -64,18 +99,49 @@ def best_configuration(
     return max(candidates, key=lambda w: w.measurement.throughput, default=None)
 
 
-def throughput_ratio(best: Sweep, baseline: Sweep) -> tuple[int, float] | None:
-    """``(concurrency, best / baseline throughput)`` at the highest level both measured."""
-    common = {m.concurrency for m in best.measurements} & {
-        m.concurrency for m in baseline.measurements
-    }
-    if not common:
-        return None
-    level = max(common)
-    top, base = best.at(level), baseline.at(level)
+def peak_ratio(
+    sweep: Sweep, baseline: Sweep, *, max_p95_ms: float | None = None
+) -> tuple[Measurement, Measurement, float] | None:
+    """Each one's best stable level within the budget and the ratio of their throughputs
+    (``None`` when either has no such level): the capacity gain over ``baseline``."""
+    top, base = sweep.best(max_p95_ms=max_p95_ms), baseline.best(max_p95_ms=max_p95_ms)
     if top is None or base is None or base.throughput <= 0:
         return None
-    return level, top.throughput / base.throughput
+    return top, base, top.throughput / base.throughput
+
+
+def ratio_text(sweep: Sweep, baseline: Sweep, *, max_p95_ms: float | None = None) -> str | None:
+    """``2.91x the best stable throughput of <baseline> (9.4 infer/sec at concurrency 6)``."""
+    found = peak_ratio(sweep, baseline, max_p95_ms=max_p95_ms)
+    if found is None:
+        return None
+    _, base, value = found
+    return (
+        f"{value:.2f}x the best stable throughput of {baseline.label} "
+        f"({format_number(base.throughput)} infer/sec at concurrency {base.concurrency})"
+    )
+
+
+def _workload_summary(
+    sweeps: Sequence[Sweep], *, budget: str, max_p95_ms: float | None, baseline: str | None
+) -> list[str]:
+    workload = sweeps[0].workload
+    requests = f" with {workload}" if workload else ""
+    winner = best_configuration(sweeps, max_p95_ms=max_p95_ms)
+    if winner is None:
+        return [f"No configuration has a stable level within {budget}{requests}."]
+    m = winner.measurement
+    lines = [
+        f"Best configuration{requests} ({budget}): {winner.sweep.label}",
+        f"  at concurrency {m.concurrency}: {format_number(m.throughput)} infer/sec, "
+        f"p95 latency {m.p95_ms:.1f} ms",
+    ]
+    base = next((s for s in sweeps if s.label == baseline), None)
+    if base is not None and base is not winner.sweep:
+        text = ratio_text(winner.sweep, base, max_p95_ms=max_p95_ms)
+        if text is not None:
+            lines.append(f"  {text}")
+    return lines
 
 
 def summary_text(
@@ -84,25 +150,22 @@ def summary_text(
     max_p95_ms: float | None = None,
     baseline: str | None = None,
 ) -> str:
+    """The best stable configuration per workload, its gain over ``baseline``, and every level
+    that stayed unstable."""
     budget = f"p95 latency <= {max_p95_ms:g} ms" if max_p95_ms is not None else "no latency budget"
-    winner = best_configuration(sweeps, max_p95_ms=max_p95_ms)
-    if winner is None:
-        return f"No configuration stays within {budget}.\n"
-    m = winner.measurement
-    lines = [
-        f"Best configuration ({budget}): {winner.sweep.label}",
-        f"  at concurrency {m.concurrency}: {format_number(m.throughput)} infer/sec, "
-        f"p95 latency {m.p95_ms:.1f} ms",
-    ]
-    base = next((s for s in sweeps if s.label == baseline), None)
-    if base is not None and base is not winner.sweep:
-        ratio = throughput_ratio(winner.sweep, base)
-        if ratio is not None:
-            level, value = ratio
-            lines.append(
-                f"  {value:.2f}x the throughput of {base.label} at concurrency {level} "
-                "(the highest level both measured)"
-            )
+    by_workload: dict[str, list[Sweep]] = {}
+    for sweep in sweeps:
+        by_workload.setdefault(sweep.workload, []).append(sweep)
+    lines: list[str] = []
+    for group in by_workload.values():
+        lines += _workload_summary(group, budget=budget, max_p95_ms=max_p95_ms, baseline=baseline)
+    unstable = [(s, m) for s in sweeps for m in s.unstable]
+    if unstable:
+        lines.append(
+            f"Unstable levels (reported, never chosen): {len(unstable)} of "
+            f"{sum(len(s.measurements) for s in sweeps)}"
+        )
+        lines += [f"  {s.name} at concurrency {m.concurrency}: {m.note}" for s, m in unstable]
     return "\n".join(lines) + "\n"
 
 
@@ -131,17 +194,29 @@ def write_plot(
         xs = [m.p95_ms for m in points]
         ys = [m.throughput for m in points]
         latencies.extend(xs)
-        (line,) = by_latency.plot(xs, ys, marker="o", label=sweep.label)
+        (line,) = by_latency.plot(xs, ys, marker="o", label=sweep.name)
         by_concurrency.plot(
             [m.concurrency for m in points],
             ys,
             marker="o",
             color=line.get_color(),
-            label=sweep.label,
+            label=sweep.name,
         )
+        shaky = [m for m in points if not m.stable]
+        if shaky:
+            for axes, x in ((by_latency, "p95_ms"), (by_concurrency, "concurrency")):
+                axes.scatter(
+                    [getattr(m, x) for m in shaky],
+                    [m.throughput for m in shaky],
+                    s=90,
+                    facecolors="white",
+                    edgecolors=line.get_color(),
+                    zorder=3,
+                    label=f"{sweep.name}: unstable",
+                )
         for m in points:
             by_latency.annotate(
-                f"c{m.concurrency}",
+                f"c{m.concurrency}" + ("" if m.stable else "?"),
                 (m.p95_ms, m.throughput),
                 textcoords="offset points",
                 xytext=(4, 4),
@@ -199,23 +274,56 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def write_report(
-    sweeps: Sequence[Sweep],
-    output_dir: Path,
-    *,
-    max_p95_ms: float | None = None,
-    baseline: str | None = None,
-    title: str = "Throughput vs. client p95 latency",
-    notes: Mapping[str, object] | None = None,
+    report: Report, output_dir: Path, *, max_p95_ms: float | None = None
 ) -> dict[str, Path]:
-    """Write tables, CSV, plot and summary into ``output_dir``; their paths by kind."""
+    """Write tables, CSV, plot and summary (with the notes and values) into ``output_dir``;
+    their paths by kind."""
     output_dir = Path(output_dir)
-    summary = summary_text(sweeps, max_p95_ms=max_p95_ms, baseline=baseline)
-    if notes:
-        summary += "\n" + "".join(f"{k}: {v}\n" for k, v in notes.items())
-    paths = {
-        "tables": write_text(output_dir / TABLES_FILE, tables_text(sweeps)),
-        "csv": write_text(output_dir / CSV_FILE, sweeps_to_csv(sweeps)),
-        "plot": write_plot(sweeps, output_dir / PLOT_FILE, title=title, max_p95_ms=max_p95_ms),
+    summary = summary_text(report.sweeps, max_p95_ms=max_p95_ms, baseline=report.baseline)
+    if report.notes:
+        summary += "\n" + "".join(f"{k}: {v}\n" for k, v in report.notes.items())
+    if report.values:
+        summary += "values:\n" + report.values
+    return {
+        "tables": write_text(output_dir / TABLES_FILE, tables_text(report.sweeps)),
+        "csv": write_text(output_dir / CSV_FILE, sweeps_to_csv(report.sweeps)),
+        "plot": write_plot(
+            report.sweeps, output_dir / PLOT_FILE, title=report.title, max_p95_ms=max_p95_ms
+        ),
         "summary": write_text(output_dir / SUMMARY_FILE, summary),
     }
-    return paths
+
+
+class TablePrinter:
+    """Prints a heading per configuration and the table lines as they are measured."""
+
+    def __init__(
+        self, stream: IO[str] | None = None, *, rounds: int = 1, per_round: int = 1
+    ) -> None:
+        self.stream = stream or sys.stdout
+        self.count = 0
+        self.rounds = rounds
+        self.per_round = per_round
+
+    def _print(self, text: str = "") -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, label: str, settings: Mapping[str, object], workload: str = "") -> None:
+        self.count += 1
+        if self.count > 1:
+            self._print()
+        heading = f"Benchmark {self.count}: {label}" + (f" ({workload})" if workload else "")
+        if self.rounds > 1:
+            heading += f" (round {(self.count - 1) // self.per_round + 1} of {self.rounds})"
+        self._print(heading)
+        if settings:
+            self._print()
+            for key, value in settings.items():
+                self._print(bullet(key, value))
+        self._print()
+        self._print(TABLE_HEADER)
+
+    def measurement(self, m: Measurement) -> None:
+        self._print(format_line(m))
+        if not m.stable and m.note:
+            self._print(f"  ({m.note})")

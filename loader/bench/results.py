@@ -11,6 +11,10 @@ over a range of levels. perf_analyzer writes two forms we read:
 
   With ``--percentile=95`` the latency is the client's p95. :func:`format_line` prints the same
   line (numbers in C++'s default stream format, which is Python's ``%g``).
+
+A level perf_analyzer could not measure stably is still a :class:`Measurement`, with
+``stable=False`` and perf_analyzer's own words in ``note``; its table line ends in
+``(unstable)`` and the CSV says so in its ``stable`` column. Nothing measured is thrown away.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ TABLE_HEADER = "Inferences/Second vs. Client p95 Batch Latency"
 
 _LINE = re.compile(
     r"^Concurrency: (?P<concurrency>\d+), throughput: (?P<throughput>[0-9.eE+-]+) infer/sec, "
-    r"latency (?P<latency>\d+) usec$"
+    r"latency (?P<latency>\d+) usec(?P<unstable> \(unstable\))?$"
 )
 
 #: perf_analyzer CSV column -> Measurement field (latencies and times are microseconds).
@@ -57,6 +61,10 @@ class Measurement:
     p99_us: int | None = None
     server_queue_us: int | None = None
     server_compute_infer_us: int | None = None
+    #: False when perf_analyzer's windows never agreed (see :mod:`loader.bench.perf_analyzer`).
+    stable: bool = True
+    #: perf_analyzer's words about an unstable level.
+    note: str = ""
 
     @property
     def p95_ms(self) -> float:
@@ -68,13 +76,18 @@ class Sweep:
     """One configuration measured at several concurrency levels.
 
     ``settings`` describe the configuration (instance count, batching, ...) for reports;
-    ``unstable`` lists the levels perf_analyzer could not measure stably.
+    ``workload`` names the request file it was measured with (empty when there is only one).
     """
 
     label: str
     measurements: list[Measurement] = field(default_factory=list)
     settings: Mapping[str, object] = field(default_factory=dict)
-    unstable: list[int] = field(default_factory=list)
+    workload: str = ""
+
+    @property
+    def name(self) -> str:
+        """The label, with the workload when there is one (headings, plot legends)."""
+        return f"{self.label} ({self.workload})" if self.workload else self.label
 
     def sorted(self) -> list[Measurement]:
         return sorted(self.measurements, key=lambda m: m.concurrency)
@@ -82,9 +95,18 @@ class Sweep:
     def at(self, concurrency: int) -> Measurement | None:
         return next((m for m in self.measurements if m.concurrency == concurrency), None)
 
+    @property
+    def unstable(self) -> list[Measurement]:
+        """The levels perf_analyzer could not measure stably, by concurrency."""
+        return [m for m in self.sorted() if not m.stable]
+
     def best(self, *, max_p95_ms: float | None = None) -> Measurement | None:
-        """The highest-throughput level whose p95 latency fits the budget (if any)."""
-        fitting = [m for m in self.measurements if max_p95_ms is None or m.p95_ms <= max_p95_ms]
+        """The highest-throughput stable level whose p95 latency fits the budget (if any)."""
+        fitting = [
+            m
+            for m in self.measurements
+            if m.stable and (max_p95_ms is None or m.p95_ms <= max_p95_ms)
+        ]
         return max(fitting, key=lambda m: m.throughput, default=None)
 
 
@@ -96,7 +118,7 @@ def format_number(value: float) -> str:
 def format_line(m: Measurement) -> str:
     return (
         f"Concurrency: {m.concurrency}, throughput: {format_number(m.throughput)} infer/sec, "
-        f"latency {m.p95_us} usec"
+        f"latency {m.p95_us} usec" + ("" if m.stable else " (unstable)")
     )
 
 
@@ -118,6 +140,7 @@ def parse_table(text: str) -> list[Measurement]:
                     concurrency=int(match["concurrency"]),
                     throughput=float(match["throughput"]),
                     p95_us=int(match["latency"]),
+                    stable=match["unstable"] is None,
                 )
             )
     return out
@@ -156,25 +179,25 @@ def median_sweeps(rounds: Sequence[Sequence[Sweep]]) -> list[Sweep]:
     """Merge repeated sweeps of the same configurations: per level, the median-throughput round.
 
     The chosen round's whole measurement is kept (so throughput and latencies stay consistent);
-    with an even number of rounds the lower median is taken. A level no round measured stays
-    unstable. Configurations keep the order of the first round.
+    with an even number of rounds the lower median is taken. The median is taken over the rounds
+    that measured the level stably; a level no round measured stably keeps the median of its
+    unstable rounds, still marked unstable. Configurations keep the order of the first round.
     """
-    by_label: dict[str, list[Sweep]] = {}
+    by_key: dict[tuple[str, str], list[Sweep]] = {}
     for sweeps in rounds:
         for sweep in sweeps:
-            by_label.setdefault(sweep.label, []).append(sweep)
+            by_key.setdefault((sweep.label, sweep.workload), []).append(sweep)
     merged = []
-    for label, sweeps in by_label.items():
+    for (label, _), sweeps in by_key.items():
         levels = sorted({m.concurrency for s in sweeps for m in s.measurements})
         measurements = []
         for level in levels:
-            found = sorted(
-                (m for s in sweeps if (m := s.at(level)) is not None), key=lambda m: m.throughput
-            )
-            measurements.append(found[(len(found) - 1) // 2])
-        unstable = sorted({c for s in sweeps for c in s.unstable} - set(levels))
+            found = [m for s in sweeps if (m := s.at(level)) is not None]
+            pool = sorted([m for m in found if m.stable] or found, key=lambda m: m.throughput)
+            measurements.append(pool[(len(pool) - 1) // 2])
+        first = sweeps[0]
         merged.append(
-            Sweep(label, measurements, settings=dict(sweeps[0].settings), unstable=unstable)
+            Sweep(label, measurements, settings=dict(first.settings), workload=first.workload)
         )
     return merged
 
@@ -184,6 +207,7 @@ def median_sweeps(rounds: Sequence[Sequence[Sweep]]) -> list[Sweep]:
 #: Columns of the CSV :func:`sweeps_to_csv` writes.
 RESULT_COLUMNS: tuple[str, ...] = (
     "configuration",
+    "workload",
     "concurrency",
     "throughput_infer_per_sec",
     "p50_latency_us",
@@ -192,6 +216,8 @@ RESULT_COLUMNS: tuple[str, ...] = (
     "p99_latency_us",
     "server_queue_us",
     "server_compute_infer_us",
+    "stable",
+    "note",
 )
 
 
@@ -204,11 +230,14 @@ def sweeps_to_csv(sweeps: Iterable[Sweep]) -> str:
             writer.writerow(
                 (
                     sweep.label,
+                    sweep.workload,
                     m.concurrency,
                     format_number(m.throughput),
                     *("" if v is None else v for v in (m.p50_us, m.p90_us, m.p95_us, m.p99_us)),
                     "" if m.server_queue_us is None else m.server_queue_us,
                     "" if m.server_compute_infer_us is None else m.server_compute_infer_us,
+                    "yes" if m.stable else "no",
+                    m.note,
                 )
             )
     return buffer.getvalue()
@@ -222,9 +251,10 @@ def sweeps_from_csv(text: str) -> list[Sweep]:
             f"not a bench results CSV (header: {','.join(reader.fieldnames or [])})",
             "Pass a results.csv written by scripts/bench.",
         )
-    sweeps: dict[str, Sweep] = {}
+    sweeps: dict[tuple[str, str], Sweep] = {}
     for row in reader:
-        sweep = sweeps.setdefault(row["configuration"], Sweep(row["configuration"]))
+        key = (row["configuration"], row["workload"])
+        sweep = sweeps.setdefault(key, Sweep(key[0], workload=key[1]))
         sweep.measurements.append(
             Measurement(
                 concurrency=int(row["concurrency"]),
@@ -235,6 +265,8 @@ def sweeps_from_csv(text: str) -> list[Sweep]:
                 p99_us=_int_or_none(row["p99_latency_us"]),
                 server_queue_us=_int_or_none(row["server_queue_us"]),
                 server_compute_infer_us=_int_or_none(row["server_compute_infer_us"]),
+                stable=row["stable"] != "no",
+                note=row["note"],
             )
         )
     return list(sweeps.values())

@@ -22,21 +22,22 @@ writes its usual ``tables.txt``, ``results.csv``, throughput plot and summary.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import logging
-import math
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from loader.bench import variants
+from loader.bench.compare import Target
 from loader.bench.report import bullet, write_text
 from loader.bench.results import Measurement, Sweep, format_number
 from loader.bench.sweep import announce_levels
@@ -87,12 +88,11 @@ class Sample:
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile (the smallest value with ``pct`` % of the values at or below)."""
+    """Nearest-rank percentile (the smallest value with ``pct`` % of the values at or below):
+    numpy's ``inverted_cdf`` method."""
     if not values:
         raise ValueError("no values")
-    ordered = sorted(values)
-    rank = max(1, math.ceil(pct / 100.0 * len(ordered)))
-    return ordered[rank - 1]
+    return float(np.percentile(values, pct, method="inverted_cdf"))
 
 
 def _us(seconds: float) -> int:
@@ -366,101 +366,74 @@ def stream_sweep(
     return result
 
 
-# --- scripts/bench wiring --------------------------------------------------------------------
+# --- several targets ------------------------------------------------------------------------
 
 
-def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("TTFT / TPOT (--ttft, streaming models)")
-    group.add_argument(
-        "--requests-per-level",
-        type=int,
-        default=DEFAULT_REQUESTS,
-        metavar="N",
-        help=f"requests sent per concurrency level (default {DEFAULT_REQUESTS})",
-    )
-    group.add_argument(
-        "--max-seconds-per-level",
-        type=float,
-        default=DEFAULT_MAX_SECONDS,
-        metavar="S",
-        help="stop sending new requests at a level after this long "
-        f"(default {DEFAULT_MAX_SECONDS:g})",
-    )
-
-
-def _print_heading(number: int, label: str, settings: Mapping[str, object]) -> None:
+def heading(number: int, label: str, settings: Mapping[str, object]) -> str:
+    """The heading printed before a configuration's levels."""
     lines = [f"Benchmark {number}: {label}", ""]
     if settings:
         lines += [bullet(k, v) for k, v in settings.items()] + [""]
     if number > 1:
         lines.insert(0, "")
-    print("\n".join([*lines, TABLE_HEADER]), flush=True)
+    return "\n".join([*lines, TABLE_HEADER])
 
 
-def run_from_args(args: argparse.Namespace, extra: tuple[str, ...]) -> tuple[list[Sweep], dict]:
-    """``scripts/bench --ttft TARGET ...``: sweep each target in turn, print its table as it
-    is measured, write the TTFT/TPOT report. A target is a streaming repository (``[LABEL=]DIR``,
-    served by the local CPU Triton, stopped before the next) or a gRPC endpoint
-    (``[LABEL=][grpc://]HOST:PORT``, with ``--model``)."""
-    from loader.bench import variants
-    from loader.bench.arguments import concurrencies_from_args, input_data_path
-    from loader.bench.cli import _output_dir
-    from loader.bench.compare import parse_target
-    from loader.completion import load_request
+def stream_targets(
+    targets: Sequence[Target],
+    request: dict[str, list[Any]],
+    concurrencies: Sequence[int],
+    *,
+    model: str | None = None,
+    requests: int = DEFAULT_REQUESTS,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    log_dir: Path | None = None,
+    on_start: Callable[[int, Target, Mapping[str, object]], None] | None = None,
+    on_level: Callable[[StreamLevel], None] | None = None,
+) -> list[StreamSweep]:
+    """Sweep each target in turn: a streaming repository (served by the local CPU Triton,
+    stopped before the next) or a gRPC endpoint (then ``model`` is needed)."""
     from loader.serving import TritonServer
 
-    if extra:
-        raise LoaderError(
-            "--ttft does not run perf_analyzer, so it takes no arguments after --",
-            "Drop the arguments after --.",
-        )
-    targets = [parse_target(t, protocol=args.protocol or "grpc") for t in args.ttft]
     for target in targets:
         if target.endpoint is not None and target.endpoint.protocol != "grpc":
             raise LoaderError(
                 f"--ttft streams over gRPC, not {target.endpoint.protocol} ({target.label})",
                 "Pass the gRPC endpoint, e.g. --ttft grpc://127.0.0.1:8001.",
             )
-        if target.endpoint is not None and not args.model:
+        if target.endpoint is not None and not model:
             raise LoaderError(
                 f"which model should be measured at {target.endpoint}?",
                 "Pass --model NAME (the streaming model, e.g. codegen).",
             )
-    if len(targets) == 1 and args.label:
-        targets = [replace(targets[0], label=args.label)]
-    request = load_request(input_data_path(args))
-    concurrencies = concurrencies_from_args(args)
-    args.output_dir = _output_dir(args)
     results = []
     for number, target in enumerate(targets, start=1):
         settings: dict[str, object] = {"request_output_len": request.get("request_output_len")}
         if target.repository is not None:
             configs = variants.read_configs(target.repository)
-            model = args.model or variants.ensemble_name(configs)
+            name = model or variants.ensemble_name(configs)
             settings.update(variants.describe(configs))
         else:
-            model = args.model
+            name = model or ""
             settings["endpoint"] = str(target.endpoint)
-        _print_heading(number, target.label, settings)
-        measure = partial(
-            stream_sweep,
-            model=model,
-            request=request,
-            concurrencies=concurrencies,
-            label=target.label,
-            settings=settings,
-            requests=args.requests_per_level,
-            max_seconds=args.max_seconds_per_level,
-            on_level=lambda level: print(format_line(level), flush=True),
-        )
+        if on_start is not None:
+            on_start(number, target, settings)
+
+        def measure(url: str, target: Target = target, name: str = name, settings=settings):
+            return stream_sweep(
+                url, name, request, concurrencies, label=target.label, settings=settings,
+                requests=requests, max_seconds=max_seconds, on_level=on_level,
+            )  # fmt: skip
+
         if target.repository is None:
-            results.append(measure(url=target.endpoint.address))
+            assert target.endpoint is not None  # parse_target gives one or the other
+            results.append(measure(target.endpoint.address))
             continue
-        log_path = args.output_dir / "logs" / f"tritonserver-{_SAFE.sub('_', target.label)}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path = None
+        if log_dir is not None:
+            log_path = log_dir / f"tritonserver-{_SAFE.sub('_', target.label)}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("%s: serving %s with the local Triton", target.label, target.repository)
         with TritonServer(target.repository, log_path=log_path) as server:
-            results.append(measure(url=server.grpc_url))
-    notes: dict[str, object] = dict(write_stream_report(results, args.output_dir))
-    notes["title"] = "Streaming: throughput vs. client p95 latency"
-    return [r.as_sweep() for r in results], notes
+            results.append(measure(server.grpc_url))
+    return results

@@ -1,9 +1,9 @@
 """Sweep one model over a range of concurrency levels with perf_analyzer, one level at a time.
 
-Each level is one perf_analyzer run (:func:`loader.bench.perf_analyzer.measure_level`), so a
-level that never stabilises is reported and skipped instead of ending the sweep. Progress is a
-log line per level; ``on_measurement`` receives each level's result as soon as it is known
-(``scripts/bench`` prints the table line there).
+Each level is one perf_analyzer run (:func:`loader.bench.perf_analyzer.measure_level`, widened
+when unstable), so a level that never stabilises is reported, marked unstable, and the sweep goes
+on. Progress is a log line per level; ``on_measurement`` receives each level's result as soon as
+it is known (``scripts/bench`` prints the table line there).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
 from loader.bench.results import Measurement, Sweep
-from loader.errors import LoaderError, MeasurementError
+from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)
 
@@ -66,29 +66,25 @@ def sweep(
     options: PerfAnalyzerOptions,
     label: str | None = None,
     settings: Mapping[str, object] | None = None,
+    workload: str = "",
     perf_analyzer: str | Path | None = None,
     on_measurement: Callable[[Measurement], None] | None = None,
 ) -> Sweep:
-    """Measure ``model`` at every level; :class:`MeasurementError` if no level was measurable."""
+    """Measure ``model`` at every level; unstable levels are kept, marked unstable."""
     binary = find_perf_analyzer(perf_analyzer)
-    result = Sweep(label=label or model, settings=dict(settings or {}))
+    result = Sweep(label=label or model, settings=dict(settings or {}), workload=workload)
     for concurrency in announce_levels(result.label, concurrencies):
         level = measure_level(endpoint, model, concurrency, options=options, binary=binary)
-        if level.measurement is None:
+        if not level.measurement.stable:
             log.warning(
-                "%s: no stable measurement at concurrency %s; skipped (a longer "
-                "--measurement-interval-ms or larger --stability-percentage helps)",
+                "%s: concurrency %s did not settle with windows of %s; reported as unstable "
+                "(perf_analyzer: %s)",
                 result.label,
                 concurrency,
+                level.window,
+                level.measurement.note,
             )
-            result.unstable.append(concurrency)
-            continue
         result.measurements.append(level.measurement)
         if on_measurement is not None:
             on_measurement(level.measurement)
-    if not result.measurements:
-        raise MeasurementError(
-            f"{result.label}: perf_analyzer found no stable measurement at any concurrency "
-            f"({', '.join(map(str, concurrencies))})"
-        )
     return result

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -50,6 +51,7 @@ COMMANDS: tuple[str, ...] = (
     "loader.cli.plan",
     "loader.cli.serve",
     "loader.cli.tune",
+    "loader.cli.complete",
 )
 
 
@@ -57,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="model-loader",
         description="Fetch, convert and publish LLM checkpoints as Triton model repositories.",
+        epilog="Environment: MODEL_LOADER_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the log "
+        "level and wins over -v and -q; HF_TOKEN, HF_TOKEN_FILE and HF_ENDPOINT for hf:// "
+        "sources; GOOGLE_APPLICATION_CREDENTIALS and STORAGE_EMULATOR_HOST for gs:// sources. "
+        "Exit codes: 0 done, 2 a mistake to fix (an error line and a hint), 1 a bug, "
+        "130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
@@ -67,6 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(name).register(subparsers)
     return parser
+
+
+#: Optional extra -> what it is for, in the words of the error a missing one gives.
+EXTRAS: dict[str, str] = {
+    "torch": "reading PyTorch .bin checkpoints",
+    "gcs": "gs:// sources",
+    "hf": "hf:// sources",
+    "serve": "the local CPU Triton (serve, tune, the serving bench)",
+    "bench": "benchmarks (tables, plots, the demo model)",
+    "dev": "the tests and linters",
+}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Raise a :class:`LoaderError` naming ``extra`` unless every module can be imported."""
+    missing = [m for m in modules if not _importable(m)]
+    if missing:
+        raise LoaderError(
+            f"this command needs {', '.join(missing)} ({EXTRAS.get(extra, extra)}), "
+            "which is not installed",
+            f"Install the [{extra}] extra: pip install 'model-triton-loader[{extra}]' "
+            "(in a checkout: make install).",
+        )
 
 
 def configure_logging(verbose: int, quiet: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from loader.errors import LoaderError
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
 def run(args: argparse.Namespace) -> int:
     from loader.sources import fetch
+
+    if args.dest is not None and not args.copy and _is_local(args.uri):
+        raise LoaderError(
+            f"{args.uri} is a local checkpoint, used in place: DEST ({args.dest}) would be ignored",
+            "Pass --copy to copy it into DEST, or drop DEST to use it where it is.",
+        )
 
     result = fetch(
         args.uri,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from loader.errors import LoaderError, SourceError
@@ -25,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="show how a model fits a GPU node: placement and GPU memory per GPU",
         description="Evaluate tensor-parallel sizes and instance counts against FasterTransformer's "
-        "placement rules and a GPU's memory, and print one row per candidate.",
+        "placement rules and a GPU's memory, and print one row per candidate. Exits 2 when no "
+        "candidate fits.",
     )
     model = p.add_argument_group("model (one of --source, --model or the explicit numbers)")
     model.add_argument("--source", help="checkpoint directory or file:// URI with config.json")
@@ -40,14 +42,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="tensor-parallel sizes to evaluate (default: 1 2 4 8 up to the node)",
     )
-    p.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size P")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel size P (default 1)")
     p.add_argument(
         "--instance-count",
         type=int,
         nargs="+",
         default=[1],
         metavar="I",
-        help="FT instances per replica to evaluate",
+        help="FT instances per replica to evaluate (default 1)",
     )
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs of one node")
     p.add_argument(
@@ -59,14 +61,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpus-per-replica", type=int, default=None, help="GPUs one replica sees (default: T x P)"
     )
-    p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU")
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="memory of one GPU (default: not checked, the verdict is `unchecked`)",
+    )
     p.add_argument(
         "--dtype",
         choices=("fp16", "fp32"),
         default=None,
         help="weight dtype (default: config.json's, fp16 for --model)",
     )
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument(
+        "--max-batch-size", type=int, default=8, help="requests one instance batches (default 8)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the rows as JSON (one object per candidate) instead of the table",
+    )
     p.add_argument(
         "--max-sequence-length",
         type=int,
@@ -132,6 +146,46 @@ def main(args: argparse.Namespace) -> int:
                 )
             )
     seq = args.max_sequence_length or shape.n_positions
+    usable = [r for r in rows if r.verdict in USABLE]
+    if args.json:
+        print(json.dumps([_row_json(r) for r in rows], indent=2))
+    else:
+        _print_table(args, shape, origin, dtype, seq, rows)
+    if not usable:
+        raise LoaderError(
+            f"no candidate fits a node of {node} GPUs"
+            + (f" of {args.gpu_memory_gib:g} GiB" if args.gpu_memory_gib else "")
+            + " (every row is invalid or does not fit)",
+            "Follow the row's advice above: raise --tp-size (fewer weights per GPU), lower "
+            "--max-batch-size or --instance-count, or plan for GPUs with more memory.",
+        )
+    return 0
+
+
+#: Verdicts of a candidate that can be deployed.
+USABLE = frozenset({"fits", "tight", "unchecked"})
+
+
+def _row_json(row) -> dict:
+    est = row.estimate
+    return {
+        "tp": row.parallelism.tp,
+        "pp": row.parallelism.pp,
+        "instance_count": row.parallelism.instance_count,
+        "gpus_per_replica": row.topology.gpus_per_replica,
+        "replicas_per_node": row.topology.replicas_per_node,
+        "weights_bytes_per_gpu": est.weights if est else None,
+        "working_bytes_per_gpu": est.working if est else None,
+        "total_bytes_per_gpu": est.total if est else None,
+        "gpu_memory_gib": row.gpu_memory_gib,
+        "headroom_bytes": row.headroom_bytes,
+        "verdict": row.verdict,
+        "problem": row.problem,
+    }
+
+
+def _print_table(args, shape, origin, dtype, seq, rows) -> None:
+    node = args.gpus_per_node
     print(
         f"model: {origin}: {_count(shape.parameters())} parameters "
         f"(n_embd {shape.n_embd}, n_layer {shape.n_layer}, n_head {shape.n_head}, "
@@ -143,7 +197,6 @@ def main(args: argparse.Namespace) -> int:
     )
     print()
     print(format_table(rows))
-    return 0
 
 
 def _count(n: int) -> str:

@@ -51,10 +51,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="weight file dtype (default: the source's)",
     )
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--preferred-batch-size", type=int, nargs="+", default=[], metavar="N")
-    p.add_argument("--max-queue-delay-us", type=int, default=100)
+    p.add_argument(
+        "--max-batch-size", type=int, default=8, help="requests one instance batches (default 8)"
+    )
+    p.add_argument(
+        "--dynamic-batching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let Triton batch concurrent requests (default on)",
+    )
+    p.add_argument(
+        "--preferred-batch-size",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="batch sizes the dynamic batcher aims for (default: none, any size)",
+    )
+    p.add_argument(
+        "--max-queue-delay-us",
+        type=int,
+        default=100,
+        metavar="US",
+        help="how long the dynamic batcher waits to fill a batch (default 100)",
+    )
     p.add_argument(
         "--streaming",
         action="store_true",
@@ -108,7 +128,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="longest time to keep retrying a failing source, and to wait on one network read "
         "(default: 300)",
     )
-    p.add_argument("--workers", type=int, default=None, help="parallel workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="parallel download and conversion workers (default: chosen per source)",
+    )
     p.add_argument(
         "--no-verify-checksums",
         dest="verify_checksums",
@@ -133,13 +158,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lock-expiry-s",
         type=float,
         default=120.0,
-        help="a publish lock without heartbeat for this long is taken over",
+        help="a publish lock without heartbeat for this long is taken over (default 120 s)",
     )
     p.add_argument(
         "--lock-timeout-s",
         type=float,
         default=6 * 3600.0,
-        help="give up waiting for another loader after this long",
+        help="give up waiting for another loader after this long (default 21600 s, 6 h)",
     )
     p.set_defaults(func=main)
 

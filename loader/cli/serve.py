@@ -12,7 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a published repository with the real tritonserver (CPU)",
         description="Serve REPOSITORY (the directory `model-loader run` printed) with the "
-        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM.",
+        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM. "
+        "Needs the [serve] extra.",
     )
     p.add_argument("repository", type=Path, metavar="REPOSITORY")
     p.add_argument("--http-port", type=int, help="HTTP port (default: a free one)")
@@ -26,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loader.cli import require_extra
+
+    require_extra("serve", "pytriton", "tokenizers")
     from loader.serving import TritonServer
 
     # SIGTERM stops the server like Ctrl-C (loader.cli.run_command's handler).

@@ -6,25 +6,21 @@ import argparse
 import time
 from pathlib import Path
 
-from loader.bench.arguments import (
-    TablePrinter,
-    add_measurement_arguments,
-    concurrencies_from_args,
-    options_from_args,
-)
-from loader.bench.report import tables_text, write_report
+from loader.bench.tune import DEFAULT_TOLERANCE
 from loader.errors import LoaderError
-from loader.tune import DEFAULT_TOLERANCE, tune, values_snippet
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from loader.cli.measurement import add_measurement_arguments
+
     p = subparsers.add_parser(
         "tune",
         help="measure instance counts and dynamic batching; print the values to use",
         description="Serve variants of a published repository (instance count 1..K x dynamic "
         "batching off/on) one after the other with the local CPU Triton, sweep each with "
-        "perf_analyzer, and print the best one under the latency budget as the lines to paste "
-        "into values/<cluster>.yaml.",
+        "perf_analyzer and every request file, and print the best stable one under the "
+        "latency budget as the lines to paste into values/<cluster>.yaml. Needs the [serve] "
+        "and [bench] extras and perf_analyzer.",
     )
     p.add_argument(
         "--repository",
@@ -39,7 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-instances", type=int, default=2, metavar="K", help="try 1..K instances (default 2)"
     )
     counts.add_argument(
-        "--instance-counts", type=int, nargs="+", default=None, metavar="I", help="try these"
+        "--instance-counts",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="try exactly these instance counts (instead of 1..K)",
     )
     p.add_argument(
         "--preferred-batch-size",
@@ -49,12 +50,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="preferred batch sizes with dynamic batching on (default 4 8)",
     )
-    p.add_argument("--max-queue-delay-us", type=int, default=100, metavar="US")
+    p.add_argument(
+        "--max-queue-delay-us",
+        type=int,
+        default=100,
+        metavar="US",
+        help="how long the dynamic batcher waits to fill a batch (default 100)",
+    )
     p.add_argument(
         "--tolerance",
         type=float,
         default=DEFAULT_TOLERANCE,
-        help="throughputs within this fraction of the best count as a tie, which goes to fewer "
+        help="scores within this fraction of the best count as a tie, which goes to fewer "
         f"instances (default {DEFAULT_TOLERANCE})",
     )
     p.add_argument(
@@ -74,6 +81,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loader.cli import require_extra
+
+    require_extra("serve", "pytriton")
+    require_extra("bench", "matplotlib")
+    from loader.bench.report import Report, TablePrinter, tables_text, write_report
+    from loader.bench.tune import plan_variants, tune, values_snippet
+    from loader.cli.measurement import settings_from_args
+
     if args.max_instances < 1:
         raise LoaderError(
             f"--max-instances must be at least 1, got {args.max_instances}",
@@ -83,53 +98,50 @@ def run(args: argparse.Namespace) -> int:
         raise LoaderError(
             f"--tolerance must be in [0, 1), got {args.tolerance}", "Pass e.g. --tolerance 0.05."
         )
+    settings = settings_from_args(args)
     counts = args.instance_counts or list(range(1, args.max_instances + 1))
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    work_dir = args.work_dir or Path("bench/work") / f"tune-{stamp}"
-    rounds = args.rounds or 1
-    printer = TablePrinter(rounds=rounds, per_round=2 * len(set(counts)))
-    result = tune(
-        args.repository,
-        work_dir=work_dir,
-        instance_counts=counts,
-        concurrencies=concurrencies_from_args(args),
-        options=options_from_args(args),
+    planned = plan_variants(
+        counts,
         preferred_batch_sizes=args.preferred_batch_size,
         max_queue_delay_us=args.max_queue_delay_us,
-        max_p95_ms=args.max_p95_ms,
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    work_dir = args.work_dir or Path("bench/work") / f"tune-{stamp}"
+    printer = TablePrinter(rounds=settings.rounds, per_round=len(planned) * len(settings.workloads))
+    result = tune(
+        args.repository,
+        settings,
+        work_dir=work_dir,
+        planned=planned,
         tolerance=args.tolerance,
-        model=args.model,
-        protocol=args.protocol or "http",
-        perf_analyzer=args.perf_analyzer,
-        on_start=printer.start,
-        on_measurement=printer.measurement,
-        rounds=rounds,
+        on_start=lambda t, workload: printer.start(t.label, t.settings, workload),
+        on_measurement=lambda t, m: printer.measurement(m),
     )
     paths = write_report(
-        result.sweeps,
+        Report(
+            sweeps=result.sweeps,
+            title=f"model-loader tune: {args.repository.name}",
+            baseline=planned[0].label,
+            rounds=settings.rounds,
+        ),
         args.output_dir or work_dir / "results",
         max_p95_ms=args.max_p95_ms,
-        baseline=result.sweeps[0].label,
-        title=f"model-loader tune: {args.repository.name}",
     )
     print()
     for kind, path in paths.items():
         print(f"{kind}: {path}")
-    variant = result.winning_variant
-    if variant is None or result.winner is None:
+    if result.unstable:
+        print(f"\nUnstable levels (reported, not considered): {len(result.unstable)}")
+        for sweep, m in result.unstable:
+            print(f"  {sweep.name} at concurrency {m.concurrency}: {m.note}")
+    if result.choice is None:
         budget = f"{args.max_p95_ms:g} ms" if args.max_p95_ms is not None else "the budget"
         raise LoaderError(
-            f"no configuration kept p95 latency within {budget}:\n{tables_text(result.sweeps)}",
-            "Raise --max-p95-ms, lower --concurrency-range, or give the model more resources.",
+            f"no configuration has a stable level with p95 latency within {budget}; every "
+            f"result is in {paths['tables']}:\n{tables_text(result.sweeps)}",
+            "Raise --max-p95-ms, lower --concurrency-range, or measure longer "
+            "(--measurement-request-count, --widenings) on a quieter machine.",
         )
     print()
-    print(
-        values_snippet(
-            variant,
-            result.winner.measurement,
-            label=variant.label,
-            max_p95_ms=args.max_p95_ms,
-        ),
-        end="",
-    )
+    print(values_snippet(result.choice, max_p95_ms=args.max_p95_ms), end="")
     return 0

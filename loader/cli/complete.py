@@ -1,0 +1,154 @@
+"""`model-loader complete`: send one prompt to a served model and print the completion.
+
+The client of the chart's ``helm test`` Pod (the loader image ships it): ``--check-ready``
+first checks that the server and the model are ready. Non-streaming requests go over HTTP or
+gRPC (:func:`loader.completion.complete`), streaming ones over gRPC
+(:mod:`loader.streaming`), printing the text as it arrives. The request is the users' own
+format (``--request bench/test.json``) with the flags overriding its fields.
+
+Output: ``server ready`` and ``model NAME ready`` lines with ``--check-ready``, then the
+completion. Exit 2 when the server, the model or the completion is not as expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from loader.errors import EndpointError, InvalidRequestError
+
+#: Flag -> request field.
+OPTION_FIELDS: dict[str, str] = {
+    "max_tokens": "request_output_len",
+    "temperature": "temperature",
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "seed": "random_seed",
+}
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "complete",
+        help="send one prompt to a served model and print the completion",
+        description="Send PROMPT (or --request FILE) to MODEL at --url and print the "
+        "completion; --stream prints it token by token over gRPC. The chart's `helm test` "
+        "runs this with --check-ready.",
+    )
+    p.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from standard input")
+    p.add_argument(
+        "--request",
+        type=Path,
+        metavar="JSON",
+        help="a request in perf_analyzer's input format (its first entry; e.g. bench/test.json)",
+    )
+    p.add_argument(
+        "--url", default=None, help="HOST:PORT (default 127.0.0.1:8000 for HTTP, :8001 for gRPC)"
+    )
+    p.add_argument(
+        "--protocol",
+        choices=sorted(DEFAULT_PORTS),
+        default=None,
+        help="default http, grpc with --stream",
+    )
+    p.add_argument("--model", default="codegen", help="the model clients call (default codegen)")
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="stream the completion token by token (gRPC; the repository must stream; default off)",
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling probability mass")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler")
+    p.add_argument(
+        "--check-ready",
+        action="store_true",
+        help="first check that the server and the model are ready (what `helm test` runs)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)"
+    )
+    p.set_defaults(func=run)
+
+
+def build_request(args: argparse.Namespace) -> dict[str, list[Any]]:
+    from loader.completion import load_request
+
+    request = load_request(args.request) if args.request else {}
+    if args.prompt is not None:
+        request["prompt"] = [sys.stdin.read() if args.prompt == "-" else args.prompt]
+    if not request.get("prompt") or not request["prompt"][0]:
+        raise InvalidRequestError(
+            "no prompt", "Pass the prompt as an argument, '-' to read standard input, or --request."
+        )
+    request.setdefault("request_output_len", [32])
+    for option, field in OPTION_FIELDS.items():
+        value = getattr(args, option)
+        if value is not None:
+            request[field] = [value]
+    if int(request["request_output_len"][0]) < 1:
+        raise InvalidRequestError("--max-tokens must be at least 1", "Pass --max-tokens 1 or more.")
+    return request
+
+
+def check_ready(url: str, protocol: str, model: str) -> None:
+    """Print ``server ready`` and ``model NAME ready``; :class:`EndpointError` if either is not."""
+    import importlib
+
+    from tritonclient.utils import InferenceServerException
+
+    module = importlib.import_module(f"tritonclient.{protocol}")
+    client = module.InferenceServerClient(url)
+    try:
+        if not client.is_server_ready():
+            raise EndpointError(f"Triton at {protocol}://{url} is not ready")
+        print("server ready", flush=True)
+        if not client.is_model_ready(model):
+            raise EndpointError(
+                f"model {model} is not ready at {protocol}://{url}",
+                f"Check the model's name and that it loaded (curl <http url>/v2/models/{model}/ready; "
+                "the Triton pod's log says why a model failed to load).",
+            )
+        print(f"model {model} ready", flush=True)
+    except (InferenceServerException, OSError) as exc:
+        raise EndpointError(f"cannot reach Triton at {protocol}://{url}: {exc}") from exc
+    finally:
+        client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    protocol = args.protocol or ("grpc" if args.stream else "http")
+    if args.stream and protocol != "grpc":
+        raise EndpointError(
+            "streaming needs gRPC", "Drop --protocol http, or pass --no-stream for HTTP."
+        )
+    url = args.url or f"127.0.0.1:{DEFAULT_PORTS[protocol]}"
+    request = build_request(args)
+    if args.check_ready:
+        check_ready(url, protocol, args.model)
+    if args.stream:
+        from loader.streaming import stream_completion
+
+        pieces = []
+        for event in stream_completion(url, args.model, request, timeout_s=args.timeout):
+            pieces.append(event.text)
+            print(event.text, end="", flush=True)
+        text = "".join(pieces)
+    else:
+        from loader.completion import complete
+
+        text = complete(url, args.model, request, protocol=protocol, timeout_s=args.timeout).text
+        print(text, end="")
+    print(flush=True)
+    if not text:
+        raise EndpointError(
+            f"model {args.model} at {protocol}://{url} returned an empty completion",
+            "Check the model's tokenizer and end_id, and the server log.",
+        )
+    return 0

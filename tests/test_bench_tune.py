@@ -1,0 +1,104 @@
+"""The tuner's decision: stable results only, every workload, ties to fewer instances."""
+
+from __future__ import annotations
+
+import yaml
+
+from loader.bench.report import Winner
+from loader.bench.results import Measurement, Sweep
+from loader.bench.tune import Choice, TuneResult, pick_winner, plan_variants, values_snippet
+from loader.bench.variants import Variant
+
+
+def test_plan_variants_covers_instances_times_batching():
+    planned = plan_variants([2, 1], preferred_batch_sizes=[4, 8], max_queue_delay_us=50)
+    assert [v.label for v in planned] == [
+        "i1-batching-off",
+        "i1-batching-on",
+        "i2-batching-off",
+        "i2-batching-on",
+    ]
+    assert planned[1].preferred_batch_sizes == (4, 8) and planned[0].preferred_batch_sizes == ()
+
+
+VARIANTS = {v.label: v for v in plan_variants([1, 2], preferred_batch_sizes=[4])}
+
+
+def test_near_ties_go_to_fewer_instances_and_the_budget_is_respected():
+    sweeps = [
+        Sweep("i1-batching-off", [Measurement(8, 10.0, 800_000)]),
+        Sweep("i1-batching-on", [Measurement(8, 40.0, 200_000)]),
+        Sweep("i2-batching-off", [Measurement(8, 20.0, 400_000)]),
+        Sweep("i2-batching-on", [Measurement(8, 41.0, 190_000), Measurement(16, 60.0, 900_000)]),
+    ]
+    assert pick_winner(sweeps, VARIANTS).variant.label == "i2-batching-on"  # 60 at c16
+    within = pick_winner(sweeps, VARIANTS, max_p95_ms=500)
+    assert within.variant.label == "i1-batching-on"  # 40 vs 41: a tie, fewer instances win
+    strict = pick_winner(sweeps, VARIANTS, max_p95_ms=500, tolerance=0.0)
+    assert strict.variant.label == "i2-batching-on"
+    assert pick_winner(sweeps, VARIANTS, max_p95_ms=100) is None
+
+
+def test_unstable_levels_never_decide_and_are_listed():
+    shaky = Measurement(16, 99.0, 100_000, stable=False, note="Failed to obtain stable ...")
+    sweeps = [
+        Sweep("i1-batching-off", [Measurement(8, 10.0, 800_000)]),
+        Sweep("i1-batching-on", [Measurement(8, 40.0, 200_000), shaky]),
+    ]
+    choice = pick_winner(sweeps, VARIANTS)
+    assert choice.variant.label == "i1-batching-on"
+    assert choice.best[""].measurement.concurrency == 8  # not the faster unstable level
+    result = TuneResult(sweeps=sweeps, variants=VARIANTS, choice=choice, max_p95_ms=None)
+    assert result.unstable == [(sweeps[1], shaky)]
+    only_unstable = [Sweep("i1-batching-on", [shaky])]
+    assert pick_winner(only_unstable, VARIANTS) is None
+
+
+def test_the_winner_is_never_far_from_the_best_on_any_workload():
+    # i2-batching-on is best on the production request, but batching does nothing on the mix
+    # (different prompt lengths) where i2-batching-off is as good: the score is the worst ratio.
+    sweeps = [
+        Sweep("i1-batching-on", [Measurement(8, 50.0, 1)], workload="test"),
+        Sweep("i1-batching-on", [Measurement(8, 10.0, 1)], workload="mixed"),
+        Sweep("i2-batching-on", [Measurement(8, 60.0, 1)], workload="test"),
+        Sweep("i2-batching-on", [Measurement(8, 12.0, 1)], workload="mixed"),
+        Sweep("i2-batching-off", [Measurement(8, 30.0, 1)], workload="test"),
+        Sweep("i2-batching-off", [Measurement(8, 20.0, 1)], workload="mixed"),
+    ]
+    choice = pick_winner(sweeps, VARIANTS)
+    # scores: i1-on min(50/60, 10/20) = 0.5; i2-on min(1, 0.6) = 0.6; i2-off min(0.5, 1) = 0.5
+    assert choice.variant.label == "i2-batching-on"
+    assert abs(choice.score - 0.6) < 1e-9
+    assert set(choice.best) == {"test", "mixed"}
+
+
+def test_values_snippet_is_the_chart_values_for_the_winner():
+    variant = Variant(2, True, preferred_batch_sizes=(4, 8), max_queue_delay_us=100)
+    sweep = Sweep(variant.label, [Measurement(16, 55.5, 250_000)], workload="mixed")
+    choice = Choice(variant, 1.0, {"mixed": Winner(sweep, sweep.measurements[0])})
+    text = values_snippet(choice, max_p95_ms=300)
+    assert yaml.safe_load(text) == {
+        "triton": {
+            "instanceCount": 2,
+            "dynamicBatching": {
+                "enabled": True,
+                "preferredBatchSize": [4, 8],
+                "maxQueueDelayMicroseconds": 100,
+            },
+        }
+    }
+    assert "p95 <= 300 ms" in text and "55.5 infer/sec with mixed" in text
+    off_sweep = Sweep("x", [Measurement(1, 5, 1)])
+    off = Choice(Variant(1, False), 1.0, {"": Winner(off_sweep, off_sweep.measurements[0])})
+    assert yaml.safe_load(values_snippet(off, max_p95_ms=None)) == {
+        "triton": {"instanceCount": 1, "dynamicBatching": {"enabled": False}}
+    }
+
+
+def test_the_serving_experiment_keeps_perf_analyzers_stability_check_on():
+    from loader.bench import experiment
+
+    defaults = experiment.MEASUREMENT_DEFAULTS
+    assert defaults.stability_percentage is not None and defaults.stability_percentage <= 25
+    assert defaults.widenings >= 1  # an unstable level is measured again before it is reported
+    assert experiment.BASELINE == "i1-batching-off"
