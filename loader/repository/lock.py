@@ -43,7 +43,8 @@ def lock_path(root: Path, key: str) -> Path:
     return Path(root) / LOCKS_DIR / f"{key_filename(key)}.lock"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -159,7 +160,7 @@ class PublishLock:
     def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
         record = _parse(content)
         local = record and record.get("host") == self.host and isinstance(record.get("pid"), int)
-        if local and not _pid_alive(record["pid"]):
+        if local and not pid_alive(record["pid"]):
             log.warning(
                 "publish lock %s belongs to pid %s, which is gone", self.path, record["pid"]
             )

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from loader.errors import PublishError
 from loader.repository.key import key_filename
+from loader.repository.lock import pid_alive
 from loader.repository.manifest import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -80,16 +81,6 @@ def _owner(name: str, prefix: str) -> tuple[int, str] | None:
     return (int(pid), host) if pid.isdigit() and host else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def last_change(path: Path) -> float:
     """The newest modification time of ``path`` and everything under it (no links followed)."""
     newest = path.lstat().st_mtime
@@ -109,7 +100,7 @@ def abandoned(path: Path, prefix: str, *, idle_s: float) -> bool:
     if owner is not None and owner[1] == host_digest():
         if owner[0] == os.getpid():
             return False
-        if not _pid_alive(owner[0]):
+        if not pid_alive(owner[0]):
             return True
     try:
         return time.time() - last_change(path) >= idle_s
