@@ -199,7 +199,9 @@ def greedy_parity(url: str, prompt: str, end_id: int, tokens: int = 16) -> str:
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     request = {
         "prompt": [prompt],
         "request_output_len": [tokens],
