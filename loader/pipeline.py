@@ -21,11 +21,11 @@
 6. rename the staging directory to ``ROOT/<key>`` (atomic), remove the download directory
    ``WORK/<key>`` (only that, and only if this loader created it).
 
-A gs:// source of sharded safetensors (on the same file system as ``ROOT``) converts while it
-downloads (steps 4 and 5 overlap, :mod:`loader.convert.overlap`): the small files are fetched
-and checked first, then each output file is written into ``WORK/<key>/converted`` as soon as
-the shards it reads are verified, and each shard is deleted once nothing left reads it; the
-finished directory moves into the staging directory. A killed run's successor keeps the
+A gs:// or hf:// source of sharded safetensors (on the same file system as ``ROOT``) converts
+while it downloads (steps 4 and 5 overlap, :mod:`loader.convert.overlap`): the small files are
+fetched and checked first, then each output file is written into ``WORK/<key>/converted`` as
+soon as the shards it reads are verified, and each shard is deleted once nothing left reads it;
+the finished directory moves into the staging directory. A killed run's successor keeps the
 outputs already written and downloads only the shards still needed. ``overlap=False`` (``run
 --no-overlap``) downloads everything first.
 
@@ -358,12 +358,16 @@ def _build(
     return staging
 
 
+#: Source schemes whose fetch delivers files one by one (:class:`~loader.sources.ArrivalHooks`).
+OVERLAP_SCHEMES = frozenset({"gs", "hf"})
+
+
 def _can_overlap(request: RunRequest, root: Path, download: Path) -> bool:
     from loader.sources import parse_uri
 
     return (
         request.overlap
-        and parse_uri(request.source).scheme == "gs"
+        and parse_uri(request.source).scheme in OVERLAP_SCHEMES
         and download.stat().st_dev == root.stat().st_dev
     )
 

@@ -144,8 +144,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-overlap",
         dest="overlap",
         action="store_false",
-        help="download the whole checkpoint before converting it (by default a gs:// source "
-        "of sharded safetensors converts while it downloads)",
+        help="download the whole checkpoint before converting it (by default a gs:// or "
+        "hf:// source of sharded safetensors converts while it downloads)",
     )
     p.add_argument(
         "--verify",

@@ -99,14 +99,14 @@ class FetchOptions:
     check_disk_space: bool = True
     retry_deadline_s: float = 300.0
     slice_bytes: int | None = None
-    #: Hooks a caller that consumes files as they arrive gives (gs:// reads them; see
+    #: Hooks a caller that consumes files as they arrive gives (gs:// and hf:// read them; see
     #: :class:`ArrivalHooks`).
     hooks: ArrivalHooks | None = None
 
 
 @dataclass(frozen=True)
 class ArrivalHooks:
-    """How a caller that consumes a checkpoint while it downloads steers a fetch (gs://).
+    """How a caller that consumes a checkpoint while it downloads steers a fetch (gs://, hf://).
 
     ``include(relpath)``: whether to fetch that file now (others are listed, fingerprinted and
     left alone). ``skip``: files not to download (their content is already used). ``arrived

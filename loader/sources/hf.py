@@ -10,6 +10,10 @@
   resume); each file is then verified against the Hub's listing (SHA-256 for LFS files, the git
   blob id otherwise) and only then moved to ``dest/<path>``. Files already in ``dest`` that
   verify are not downloaded again.
+* With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
+  on: the small files (config, index, tokenizer) come first, then the weight shards one at a
+  time in name order, each started once the caller admits it; the caller hears of every file
+  as soon as it is verified and in place.
 * Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named by
   ``$HF_TOKEN_FILE`` (a mounted Kubernetes Secret). It is passed to the Hub, never logged.
   ``$HF_ENDPOINT`` selects a mirror of the Hub.
@@ -23,6 +27,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ from loader.errors import (
 )
 from loader.formats.huggingface import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import FetchOptions, FetchResult, SourceURI
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import PARTIAL_DIR, Retry, ensure_disk_space, place
 
@@ -48,6 +53,13 @@ DEFAULT_REVISION = "main"
 DEFAULT_WORKERS = 8
 #: Small metadata fetched when present (default generation settings such as bos/eos ids).
 METADATA_FILES = ("generation_config.json",)
+#: Seconds between two questions to ``ArrivalHooks.admit`` about one shard.
+ADMIT_POLL_S = 0.01
+
+
+def is_shard(relpath: str) -> bool:
+    """Whether a selected file holds weights (any format's single file or shard, no index)."""
+    return any(relpath != fmt.index and relpath in fmt.files([relpath]) for fmt in WEIGHT_FILES)
 
 
 def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[str]:
@@ -319,7 +331,12 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
 
     dest.mkdir(parents=True, exist_ok=True)
-    missing = [f for f in wanted if not remote[f].verify(dest / f)]
+    hooks = options.hooks or ArrivalHooks()
+    chosen = [
+        f for f in wanted if f not in hooks.skip and (hooks.include is None or hooks.include(f))
+    ]
+    present = [f for f in chosen if remote[f].verify(dest / f)]
+    missing = [f for f in chosen if f not in present]
     total = sum(remote[f].size for f in wanted)
     needed = sum(remote[f].size for f in missing)
     if options.check_disk_space:
@@ -331,33 +348,50 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         len(wanted),
         human_bytes(total),
         human_bytes(needed),
-        len(wanted) - len(missing),
+        len(chosen) - len(missing),
     )
 
+    if hooks.arrived is not None:
+        for rel in present:
+            hooks.arrived(rel, dest / rel)
     if missing:
         staging = dest / PARTIAL_DIR / "hf"
         staging.mkdir(parents=True, exist_ok=True)
         disable_progress_bars()
-        with (
-            byte_progress(f"hf://{uri.location}", needed) as progress,
-            _watch_bytes(staging, progress),
-        ):
-            funnel(
-                lambda: _interruptible(
-                    lambda: snapshot_download(
-                        uri.location,
-                        revision=commit,
-                        local_dir=staging,
-                        allow_patterns=missing,
-                        token=token,
-                        endpoint=endpoint,
-                        max_workers=options.workers or DEFAULT_WORKERS,
-                    )
-                ),
-                what=f"{uri.raw} (download)",
-            )
-        for rel in missing:
-            _verify_and_place(uri, commit, remote[rel], staging / rel, dest, rel)
+
+        def download(files: list[str], progress: Progress) -> None:
+            with _watch_bytes(staging, progress):
+                funnel(
+                    lambda: _interruptible(
+                        lambda: snapshot_download(
+                            uri.location,
+                            revision=commit,
+                            local_dir=staging,
+                            allow_patterns=files,
+                            token=token,
+                            endpoint=endpoint,
+                            max_workers=options.workers or DEFAULT_WORKERS,
+                        )
+                    ),
+                    what=f"{uri.raw} (download)",
+                )
+            for rel in files:
+                _verify_and_place(uri, commit, remote[rel], staging / rel, dest, rel)
+                if hooks.arrived is not None:
+                    hooks.arrived(rel, dest / rel)
+
+        with byte_progress(f"hf://{uri.location}", needed) as progress:
+            if options.hooks is None:
+                download(missing, progress)
+            else:
+                # The small files together first, then the shards one at a time.
+                small = [f for f in missing if not is_shard(f)]
+                if small:
+                    download(small, progress)
+                for rel in sorted(f for f in missing if is_shard(f)):
+                    while hooks.admit is not None and not hooks.admit(rel):
+                        time.sleep(ADMIT_POLL_S)
+                    download([rel], progress)
         shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
     return FetchResult(
         path=dest,
