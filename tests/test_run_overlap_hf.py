@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -118,7 +119,15 @@ def test_the_overlapped_hf_run_publishes_what_the_sequential_one_does_holding_fe
             peaks.append(_tree_bytes(root))
         return real_arrived(self, rel, path)
 
+    real_write = overlap.write_file
+
+    def slow_write(*args, **kwargs):
+        # Writers slower than the download: only the window keeps the shards from piling up.
+        time.sleep(0.4)
+        return real_write(*args, **kwargs)
+
     monkeypatch.setattr(overlap.OverlappedConversion, "arrived", arrived)
+    monkeypatch.setattr(overlap, "write_file", slow_write)
     assert main(_argv("hf://org/sharded", root)) == 0
     published = _published(root)
     assert "converting hf://org/sharded while it downloads" in caplog.text
