@@ -23,6 +23,7 @@ from loader.errors import ChecksumMismatchError
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
 from tests.servers import OlahServer, git
+from tests.tinymodels import make_sharded_fp16_checkpoint
 
 #: Shards of the test checkpoint: enough that a window of two is a small part of it.
 SHARDS_AT_LEAST = 8
@@ -30,16 +31,7 @@ SHARDS_AT_LEAST = 8
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A tiny fp16 CodeGen checkpoint in many safetensors shards, with its tokenizer."""
-    from loader.demo.tokenizer import train_tokenizer
-    from tests.conftest import TOKENIZER_CORPUS
-    from tests.tinymodels import build_tiny_model
-
-    path = tmp_path_factory.mktemp("sharded-fp16") / "ckpt"
-    model = build_tiny_model(arch="codegen", seed=3).half()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(path, max_shard_size=total // 12)
-    train_tokenizer(TOKENIZER_CORPUS, 320, path)
+    path = make_sharded_fp16_checkpoint(tmp_path_factory.mktemp("sharded-fp16") / "ckpt")
     assert len(list(path.glob("model-*.safetensors"))) >= SHARDS_AT_LEAST
     return path
 

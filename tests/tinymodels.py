@@ -183,3 +183,17 @@ def load_hf_model(path: Path | str) -> torch.nn.Module:
     if really_missing:
         raise ValueError(f"tensors missing from {path}: {really_missing}")
     return model.eval()
+
+
+def make_sharded_fp16_checkpoint(path: Path | str) -> Path:
+    """A tiny fp16 CodeGen checkpoint in about 12 safetensors shards, with its tokenizer (the
+    overlapped-conversion tests: enough shards that a window of two is a small part of it)."""
+    from loader.demo.tokenizer import train_tokenizer
+    from tests.conftest import TOKENIZER_CORPUS
+
+    path = Path(path)
+    model = build_tiny_model(arch="codegen", seed=3).half()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(path, max_shard_size=total // 12)
+    train_tokenizer(TOKENIZER_CORPUS, 320, path)
+    return path
