@@ -271,7 +271,7 @@ def step_plan() -> None:
 
 def step_chart() -> None:
     section(6, "The Helm chart, rendered for every values file")
-    from loader.demo import chart as render_chart
+    from loader import chart as render_chart
 
     for values in sorted(VALUES_DIR.glob("*.yaml")):
         try:

@@ -5,7 +5,7 @@
     python scripts/render_chart.py -f values/staging.yaml --validate # + helm lint, OpenAPI strict
 
 Started with any Python, it re-executes itself with the project's `.venv/bin/python` (`make
-install` creates it). The work is in loader.demo.chart.
+install` creates it). The work is in loader.chart.
 """
 
 import os
@@ -19,7 +19,7 @@ if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1]
     os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), __file__, *sys.argv[1:]])
 
 try:
-    from loader.demo.chart import main
+    from loader.chart import main
 except ModuleNotFoundError as exc:
     print(f"error: {exc.name} is not installed", file=sys.stderr)
     print("hint: run `make install` in the project (it creates .venv), then run this again.",

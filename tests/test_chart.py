@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loader import chart as rc
 from loader.cli import build_parser
 from loader.cli.run import request_from_args
-from loader.demo import chart as rc
 from loader.plan import check_placement
 
 ROOT = Path(__file__).resolve().parent.parent

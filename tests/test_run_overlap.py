@@ -1,4 +1,4 @@
-"""`model-loader run` from gs:// converting while it downloads (loader.convert.overlap).
+"""`model-loader run` from gs:// converting while it downloads (loader.convert.overlapped).
 
 Against the real fake-gcs-server: the overlapped run publishes the same repository as the
 sequential one, holds a few shards at a time, aborts without publishing on a corrupt shard found
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from loader.cli import main
-from loader.convert import overlap
+from loader.convert import overlapped as overlap
 from loader.errors import ChecksumMismatchError
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR

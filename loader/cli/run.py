@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 
 from loader.parallel import Parallelism
-from loader.pipeline import RunRequest, run
 from loader.repository.key import BACKENDS, ServingSettings
+from loader.run import RunRequest, run
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -23,8 +23,8 @@ from loader.formats.fastertransformer import FTConfig
 from loader.parallel import Parallelism
 
 from .gptj import GptJArchitecture
-from .layout import RowsOf
 from .registry import register
+from .splits import RowsOf
 
 MP_NUM = 4
 #: Position of each projection inside a group of the fused tensor.

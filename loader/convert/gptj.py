@@ -1,7 +1,7 @@
 """GPT-J (``model_type: gptj``): Hugging Face tensor names -> FasterTransformer files.
 
 Only the mapping lives here (``docs/fastertransformer.md``, "Files"); the split rules are the shared helpers
-of :mod:`loader.convert.layout`. :class:`GptJArchitecture` is also the base of CodeGen, which
+of :mod:`loader.convert.splits`. :class:`GptJArchitecture` is also the base of CodeGen, which
 differs only in where Q, K and V come from.
 """
 
@@ -13,7 +13,8 @@ from loader.errors import CheckpointError
 from loader.formats.fastertransformer import FTConfig, check_head_size
 from loader.parallel import Parallelism
 
-from .layout import (
+from .registry import register
+from .splits import (
     OutputFile,
     RowsOf,
     column_parallel_weight,
@@ -22,7 +23,6 @@ from .layout import (
     row_parallel_weight,
     split_vector,
 )
-from .registry import register
 
 #: Activations FasterTransformer's GPT-J computes (GELU, tanh approximation).
 SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from loader.formats.fastertransformer import FTConfig
     from loader.parallel import Parallelism
 
-    from .layout import OutputFile
+    from .splits import OutputFile
 
 
 class Architecture(Protocol):

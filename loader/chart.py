@@ -22,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "model-triton"
 VALUES_DIR = ROOT / "values"
 TOOLS_BIN = ROOT / ".tools" / "bin"

@@ -22,7 +22,7 @@
    ``WORK/<key>`` (only that, and only if this loader created it).
 
 A gs:// or hf:// source of sharded safetensors (on the same file system as ``ROOT``) converts
-while it downloads (steps 4 and 5 overlap, :mod:`loader.convert.overlap`): the small files are
+while it downloads (steps 4 and 5 overlap, :mod:`loader.convert.overlapped`): the small files are
 fetched and checked first, then each output file is written into ``WORK/<key>/converted`` as
 soon as the shards it reads are verified, and each shard is deleted once nothing left reads it;
 the finished directory moves into the staging directory. A killed run's successor keeps the
@@ -67,7 +67,7 @@ from loader.repository.lock import PublishLock
 from loader.sources.fingerprint import Fingerprint, describe_changes
 
 if TYPE_CHECKING:
-    from loader.convert.pipeline import ConvertResult
+    from loader.convert.sequential import ConvertResult
     from loader.sources import FetchResult
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ def _build(
     """Convert and write the whole repository into a new staging directory (or move the
     ``preconverted`` weights there); returns it."""
     from loader.convert import convert_checkpoint
-    from loader.convert.overlap import JOURNAL
+    from loader.convert.overlapped import JOURNAL
 
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
@@ -376,11 +376,11 @@ def _fetch_overlapped(
     request: RunRequest, root: Path, download: Path
 ) -> tuple[FetchResult, ConvertResult | None]:
     """Fetch the small files, check them, then fetch the shards converting each output as
-    soon as its shards are here (:mod:`loader.convert.overlap`); returns the fetch and the
+    soon as its shards are here (:mod:`loader.convert.overlapped`); returns the fetch and the
     converted weights (None: not sharded safetensors, converted after the download)."""
-    from loader.convert import overlap
-    from loader.convert.overlap import OverlappedConversion, is_weight_file, plan_overlap
-    from loader.convert.pipeline import ConvertResult
+    from loader.convert import overlapped as overlap
+    from loader.convert.overlapped import OverlappedConversion, is_weight_file, plan_overlap
+    from loader.convert.sequential import ConvertResult
     from loader.progress import byte_progress
     from loader.sources import ArrivalHooks, fetch
     from loader.sources.transfer import ensure_disk_space

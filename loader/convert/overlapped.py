@@ -49,9 +49,9 @@ from loader.parallel import Parallelism
 from loader.progress import Progress
 
 from .dtypes import OUTPUT_DTYPES, SOURCE_DTYPES, output_dtype_name
-from .layout import OutputFile
-from .pipeline import CONFIG_INI, _listing, _model_name
 from .registry import get_architecture
+from .sequential import CONFIG_INI, _listing, _model_name
+from .splits import OutputFile
 from .writer import DEFAULT_CHUNK_BYTES, write_file
 
 log = logging.getLogger(__name__)
