@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loader import chart as rc
 from loader.cli import build_parser
 from loader.cli.run import request_from_args
 from loader.plan import check_placement
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from loader import chart as rc
 from loader.serving import TritonServer
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 
