@@ -207,9 +207,9 @@ def test_the_free_space_check_counts_everything_the_repository_holds(
     monkeypatch.setattr(convert, "_check_free_space", report)
     assert _cli(capsys, *_run_args(source, tmp_path / "probe"))[0] == 0
     from loader.repository.layout import tokenizer_files
-    from loader.run import _besides_weights
+    from loader.run.verify import REPOSITORY_EXTRA_BYTES
 
-    extra = _besides_weights(tokenizer_files(source))
+    extra = 2 * sum(p.stat().st_size for p in tokenizer_files(source)) + REPOSITORY_EXTRA_BYTES
     weights -= extra
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(

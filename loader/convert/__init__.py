@@ -5,11 +5,22 @@
 * :mod:`.splits`: the shared split rules (replicated, column/row parallel, fused QKV);
 * :mod:`.dtypes`: output dtypes and casts;
 * :mod:`.writer`: chunked, threaded writing into a temp dir renamed into place;
-* :mod:`.sequential`: :func:`convert_checkpoint`, checks first, then writes.
+* :mod:`.plan`: the one conversion plan (what is read, checked and written) both ways follow;
+* :mod:`.sequential`: :func:`convert_checkpoint`, every file on disk, checks first, then writes;
+* :mod:`.schedule`, :mod:`.overlapped`: converting shards as they arrive.
 """
 
 from . import codegen, gptj  # noqa: F401  (register the architectures)
+from .plan import ConversionPlan, ConvertResult, plan_conversion
 from .registry import ARCHITECTURES, get_architecture
-from .sequential import ConvertResult, convert_checkpoint
+from .sequential import convert_checkpoint, convert_planned
 
-__all__ = ["ARCHITECTURES", "ConvertResult", "convert_checkpoint", "get_architecture"]
+__all__ = [
+    "ARCHITECTURES",
+    "ConversionPlan",
+    "ConvertResult",
+    "convert_checkpoint",
+    "convert_planned",
+    "get_architecture",
+    "plan_conversion",
+]

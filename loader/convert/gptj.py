@@ -62,12 +62,7 @@ class GptJArchitecture:
     # -- hyper-parameters ------------------------------------------------------------------
 
     def ft_config(
-        self,
-        hf: dict[str, Any],
-        *,
-        parallelism: Parallelism,
-        weight_data_type: str,
-        model_name: str,
+        self, hf: dict[str, Any], *, parallelism: Parallelism, model_name: str
     ) -> FTConfig:
         """The ``[gptj]`` hyper-parameters; checks divisibility by T and P."""
         hidden = _required(hf, "n_embd")
@@ -89,8 +84,9 @@ class GptJArchitecture:
                 f"FasterTransformer's GPT-J (it uses {SUPPORTED_ACTIVATIONS[0]}).",
                 "Only GPT-J/CodeGen checkpoints with a tanh-approximated GELU can be served.",
             )
-        parallelism.split(heads, "n_head (attention heads)")
-        parallelism.split(inter, "inter_size (n_inner)")
+        self.check_heads(heads, hidden)
+        parallelism.split(heads, "The attention head count")
+        parallelism.split(inter, "The MLP width (n_inner)")
         parallelism.check_layers(layers)
         eos = _int(hf, "eos_token_id")
         bos = _int(hf, "bos_token_id")
@@ -106,10 +102,12 @@ class GptJArchitecture:
             start_id=start_id,
             end_id=end_id,
             tensor_para_size=parallelism.tp,
-            weight_data_type=weight_data_type,
             model_name=model_name,
             max_pos_seq_len=_int(hf, "n_positions") or 2048,
         )
+
+    def check_heads(self, heads: int, hidden: int) -> None:
+        """How the checkpoint stores its attention heads allows this many (GPT-J: any)."""
 
     # -- source tensors --------------------------------------------------------------------
 

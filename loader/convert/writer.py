@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 
 #: Output bytes produced per step of one file.
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+#: Writers when none are asked for: the CPUs, at most this many (more only queue on the disk).
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_workers(workers: int | None) -> int:
+    """``workers`` writer threads, or the default (:data:`MAX_DEFAULT_WORKERS`) when None."""
+    return max(1, workers if workers is not None else min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
 
 
 #: errno values meaning "copy_file_range cannot do this here" (old kernel, filesystem).
