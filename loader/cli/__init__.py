@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__
-from loader.errors import LoaderError
+from loader.errors import LoaderError, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -180,14 +180,21 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
-    """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
+    """Run a command and turn its outcome into the exit code (the one funnel for every CLI).
+    A failed file-system call becomes its typed error here (:func:`loader.errors.typed_os_error`,
+    the one mapping of errno classes)."""
     try:
         with sigterm_unwinds():
             result = func(args)
     except LoaderError as exc:
-        print(f"error: {_message(exc, args)}", file=sys.stderr)
-        print(f"hint: {exc.remediation}", file=sys.stderr)
-        return exc.exit_code
+        return _report(exc, args)
+    except OSError as exc:
+        typed = typed_os_error(exc)
+        if typed is None:
+            log.exception("unexpected failure (this is a bug; please report it with the log above)")
+            return EXIT_BUG
+        log.debug("file-system failure", exc_info=True)
+        return _report(typed, args)
     except Terminated:
         print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         _exit_now(EXIT_TERMINATED)
@@ -198,6 +205,12 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _report(exc: LoaderError, args: argparse.Namespace) -> int:
+    print(f"error: {_message(exc, args)}", file=sys.stderr)
+    print(f"hint: {exc.remediation}", file=sys.stderr)
+    return exc.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
