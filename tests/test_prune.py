@@ -18,6 +18,7 @@ from loader.repository.lock import PublishLock
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
+    STAGING_MARKER,
     TRASH_DIR,
     WORK_DIR,
     host_digest,
@@ -51,18 +52,24 @@ def tree(tiny_checkpoint_with_tokenizer, tmp_path, capsys) -> SimpleNamespace:
     t.other = _publish(capsys, src, root, "other", "r1", "2025-01-01T00:00:00Z")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    keyfile = key_filename(str(t.keys["r4"].relative_to(root)))
+    key = str(t.keys["r4"].relative_to(root))
+    keyfile = key_filename(key)
     staging = root / STAGING_DIR
     t.dead_staging = staging / f"{keyfile}.{dead.pid}-{host_digest()}.0123456789ab"
     t.live_staging = staging / f"{keyfile}.{os.getpid()}-{host_digest()}.ba9876543210"
-    for path in (t.dead_staging, t.live_staging):
+    # Named like the loader's, without its marker: never removed.
+    t.unmarked_staging = staging / f"{keyfile}.{dead.pid}-{host_digest()}.aaaaaaaaaaaa"
+    for path in (t.dead_staging, t.live_staging, t.unmarked_staging):
         (path / "fastertransformer").mkdir(parents=True)
         (path / "fastertransformer" / "weights.bin").write_bytes(b"\0" * 4096)
+        if path != t.unmarked_staging:
+            (path / STAGING_MARKER).write_text(f"{key}\n")
     t.trash = root / TRASH_DIR / f"{keyfile}.0123456789ab"
     (t.trash / "m").mkdir(parents=True)
+    (t.trash / manifest.MANIFEST).write_text(json.dumps({"key": key, "files": []}))
     t.download = root / WORK_DIR / keyfile
     (t.download / "source").mkdir(parents=True)
-    (t.download / DOWNLOAD_MARKER).write_text("x")
+    (t.download / DOWNLOAD_MARKER).write_text(f"{key}\n")
     t.foreign = root / WORK_DIR / "someone-elses"
     t.foreign.mkdir()
     (root / "notes.txt").write_text("not the loader's")
@@ -93,6 +100,7 @@ def test_prune_removes_leftovers_and_keys_beyond_the_newest_n_per_model(tree, ca
     assert not tree.dead_staging.exists() and not tree.trash.exists()
     assert not tree.download.exists()
     assert tree.live_staging.exists()  # its owner (this process) is alive
+    assert tree.unmarked_staging.exists()  # not the loader's
     assert (
         tree.foreign.exists()
         and (tree.root / "notes.txt").exists()

@@ -141,8 +141,8 @@ def test_a_corrupt_shard_found_late_aborts_without_publishing_and_the_rerun_resu
     assert main(_argv(f"gs://{BUCKET}/{prefix}", root)) == ChecksumMismatchError.exit_code
     assert not list(root.glob("tiny@*/*"))  # nothing published
     assert not (root / STAGING_DIR).exists() or not any((root / STAGING_DIR).iterdir())
-    (converted,) = root.glob(".work/*/converted/2-gpu")
-    journal = (converted / Journal.NAME).read_text().splitlines()
+    (journal_path,) = root.glob(f".work/*/converted/2-gpu{Journal.SUFFIX}")
+    journal = journal_path.read_text().splitlines()
     assert len(journal) > 10  # outputs of the earlier shards were written before the failure
 
     stored.write_bytes(good)
@@ -177,7 +177,7 @@ def test_a_killed_overlapped_run_resumes_without_downloading_verified_shards_aga
         deadline = time.monotonic() + 120
         journal = None
         while time.monotonic() < deadline and proc.poll() is None:
-            found = list(root.glob(f".work/*/converted/2-gpu/{Journal.NAME}"))
+            found = list(root.glob(f".work/*/converted/2-gpu{Journal.SUFFIX}"))
             if found and len(found[0].read_text().splitlines()) > 10:
                 journal = found[0]
                 break

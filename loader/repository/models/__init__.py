@@ -24,6 +24,7 @@ model directory         files (destination relative to the model directory)
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 #: The ``loader`` package directory (the source of the copied modules).
@@ -62,13 +63,16 @@ def model_files(model: str) -> list[tuple[Path, str]]:
     raise KeyError(f"no Python-backend model named {model!r}; expected one of {PYTHON_MODELS}")
 
 
-def install_python_model(model: str, model_dir: Path | str) -> list[Path]:
-    """Copy ``model``'s files into ``model_dir`` (a staging directory); returns the copies."""
+def install_python_model(
+    model: str, model_dir: Path | str, copy: Callable[[Path, Path], None] = shutil.copyfile
+) -> list[Path]:
+    """Copy ``model``'s files into ``model_dir`` (a staging directory) with ``copy(source,
+    target)``; returns the copies."""
     model_dir = Path(model_dir)
     copied = []
     for source, relative in model_files(model):
         target = model_dir / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+        copy(source, target)
         copied.append(target)
     return copied
