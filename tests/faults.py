@@ -1,7 +1,7 @@
 """Call sites of the loader's file-system seam (loader.fs), found by running, not listed.
 
 A *site* is one call the seam sees, named by its operation and the chain of the loader's own
-frames that made it (file:line, innermost first, ``loader/fs.py`` left out): the same code
+frames that made it (file:line:function, innermost first, ``loader/fs.py`` left out): the same code
 reached from two places is two sites. :class:`Recorder` collects the sites of a clean run, in
 the order first seen; :class:`FailAt` makes the first call of one site fail with an errno, or
 run any action there (a kill).
@@ -36,7 +36,7 @@ def site_here(op: str) -> Site:
     while frame is not None and len(frames) < DEPTH:
         name = frame.f_code.co_filename
         if name.startswith(PACKAGE) and name != SEAM:
-            frames.append(f"{name[len(PACKAGE) :]}:{frame.f_lineno}")
+            frames.append(f"{name[len(PACKAGE) :]}:{frame.f_lineno}:{frame.f_code.co_name}")
         frame = frame.f_back
     return op, tuple(frames)
 

@@ -232,6 +232,34 @@ def test_admit_waits_for_the_shard_ahead_to_arrive_then_admits(tiny_overlapped, 
     assert answers == [True]
 
 
+def test_an_output_is_journaled_only_after_its_fsync(tiny_overlapped):
+    """The journal is what a resumed run trusts: each line must follow the fsync of the output
+    it names (an output journaled first could be lost with its line kept)."""
+    from loader import fs
+
+    conversion, shards = tiny_overlapped
+    journal = conversion._journal.path
+    synced: set[str] = set()
+    appends: list[set[str]] = []
+
+    def watch(op: str, path: str) -> None:
+        if op == "fsync":
+            synced.add(Path(path).name)
+        elif op == "write" and path == str(journal):
+            appends.append(set(synced))
+
+    with fs.inject(watch):
+        for shard in shards:
+            while not conversion.admit(shard.name):
+                pass
+            conversion.arrived(shard.name, shard)
+        conversion.finish()
+    names = [line.split()[0] for line in journal.read_text().splitlines()[1:]]
+    assert len(names) == len(appends) == len(conversion.plan.outputs)
+    for name, fsynced_before in zip(names, appends, strict=True):
+        assert name in fsynced_before, name
+
+
 @pytest.fixture
 def tiny_overlapped(tmp_path):
     """An overlapped conversion of a tiny sharded checkpoint whose small files are here."""

@@ -141,3 +141,20 @@ def test_a_manifest_without_seals_is_verified_in_full(tiny_checkpoint_with_token
     manifest.write_manifest(published, data)
     _overwrite_same_size(_weights(published)[2])
     assert manifest.verify(published, quick=True) != []
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_a_size_the_manifest_records_differently_is_found_even_when_the_seal_matches(
+    tiny_checkpoint_with_tokenizer, tmp_path, quick
+):
+    """The size check comes before the seal: a manifest whose size disagrees with the file is
+    damage, whatever the seal says."""
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    data = manifest.read_manifest(published)
+    entry = next(e for e in data["files"] if e["path"].endswith(".bin"))
+    entry["size"] += 1
+    (published / manifest.MANIFEST).chmod(0o644)
+    manifest.write_manifest(published, data)
+    assert manifest.verify(published, quick=quick) == [
+        f"{entry['path']} has {entry['size'] - 1} bytes, manifest says {entry['size']}"
+    ]
