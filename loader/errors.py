@@ -95,7 +95,7 @@ class SourcePermissionError(SourceError):
 
     default_remediation = (
         "Check the credentials: GOOGLE_APPLICATION_CREDENTIALS / Workload Identity for gs://, "
-        "HF_TOKEN or --hf-token-file for hf://."
+        "HF_TOKEN, HF_TOKEN_PATH or --hf-token-file for hf://."
     )
 
 

@@ -23,11 +23,10 @@ class Progress(Protocol):
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError("unreachable")
+    """A byte count as tqdm's bars print it (``1.23GB``, decimal units)."""
+    from tqdm import tqdm
+
+    return tqdm.format_sizeof(n, "B")
 
 
 class LogLineProgress:

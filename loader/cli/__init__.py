@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="model-loader",
         description="Fetch, convert and publish LLM checkpoints as Triton model repositories.",
         epilog="Environment: MODEL_LOADER_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the log "
-        "level and wins over -v and -q; HF_TOKEN, HF_TOKEN_FILE and HF_ENDPOINT for hf:// "
+        "level and wins over -v and -q; HF_TOKEN, HF_TOKEN_PATH (or HF_TOKEN_FILE) and HF_ENDPOINT for hf:// "
         "sources; GOOGLE_APPLICATION_CREDENTIALS and STORAGE_EMULATOR_HOST for gs:// sources. "
         "Exit codes: 0 done, 2 a mistake to fix (an error line and a hint), 1 a bug, "
         "130 interrupted.",
