@@ -198,8 +198,8 @@ class ServerStartError(LoaderError):
     """tritonserver exited or did not become ready (e.g. a model failed to load)."""
 
     default_remediation = (
-        "Read Triton's message above (a model that fails to load names the file or setting); "
-        "republish the repository with `model-loader run --force` if it is inconsistent."
+        "Read Triton's message in the error (a model that fails to load names the file or "
+        "setting) and its log."
     )
 
 
