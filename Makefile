@@ -28,8 +28,13 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml scripts
 	PYTHON=$(PYTHON) scripts/install-venv.sh $(VENV)
 	touch $@
 
-tools: venv
+tools: $(TOOLS)/.installed
+
+# Each install script checks its own tool's version; the stamp skips them all (about 15-30 s)
+# until a script or the virtualenv changes. `rm .tools/.installed` runs them again.
+$(TOOLS)/.installed: $(TOOL_SCRIPTS) $(VENV)/.installed
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
+	touch $@
 
 test: install ## run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

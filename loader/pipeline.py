@@ -213,6 +213,7 @@ def _up_to_date(target: Path, key: str, request: RunRequest) -> bool:
     )
     changes = recorded.changes(current)
     if not changes:
+        log.debug("the source %s still holds what %s was built from", request.source, target)
         return True
     if request.follow_source:
         log.warning(
@@ -243,6 +244,14 @@ def _check_model(request: RunRequest, hf_config: dict) -> None:
     request.parallelism.split(shape.n_inner, "The MLP width (n_inner)")
     get_architecture(hf_config.get("model_type")).ft_config(
         hf_config, parallelism=request.parallelism, weight_data_type="fp32", model_name="check"
+    )
+    log.debug(
+        "checked the model: %s layers, %s heads of %s, MLP width %s suit %s",
+        shape.n_layer,
+        shape.n_head,
+        shape.size_per_head,
+        shape.n_inner,
+        request.parallelism,
     )
     if request.gpu_memory_gib is None:
         return
@@ -526,12 +535,23 @@ def _run(request: RunRequest) -> RunResult:
         _check_checkpoint(request, Path(fetched.path))
     target = publish.published_path(root, key)
     log.info("model key %s", key)
+    log.debug(
+        "serving settings %s; placement checked for %s",
+        request.settings.canonical(),
+        request.topology,
+    )
     if not request.force and _up_to_date(target, key, request):
         log.info("%s is already published and verified; nothing to do", target)
         return RunResult(target, key, False, time.monotonic() - start)
 
+    if not root.parent.is_dir():
+        raise RepositoryError(
+            f"The repository root {root} cannot be created: {root.parent} does not exist.",
+            "Point --repository at the model repository volume (e.g. /models) or a folder "
+            "inside an existing directory; the loader creates at most the root itself.",
+        )
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(exist_ok=True)
         writable = os.access(root, os.W_OK)
     except OSError:
         writable = False

@@ -33,7 +33,14 @@ from loader.bench.report import Report, TablePrinter, summary_text, tables_text,
 from loader.bench.results import median_sweeps
 from loader.bench.stream import DEFAULT_MAX_SECONDS, DEFAULT_REQUESTS
 from loader.bench.sweep import sweep
-from loader.cli import configure_logging, require_extra, run_command
+from loader.cli import (
+    Parser,
+    add_log_options,
+    configure_logging,
+    report,
+    require_extra,
+    run_command,
+)
 from loader.cli.measurement import (
     add_measurement_arguments,
     production_request_file,
@@ -47,7 +54,7 @@ log = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     from loader.bench import experiment
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="scripts/bench",
         description="Measure Triton throughput and p95 latency with perf_analyzer over a range "
         "of concurrency levels; print the tables, write CSV and a PNG plot.",
@@ -104,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="scratch space: the experiment's checkpoint and variants, default output "
         "(default bench/work)",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    add_log_options(parser)
     add_measurement_arguments(
         parser,
         default_rounds=f"1; {experiment.ROUNDS} for --serving-experiment",
@@ -285,7 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     own, extra = _split_extra(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
-    configure_logging(args.verbose, args.quiet)
+    try:
+        configure_logging(args.verbose, args.quiet)
+    except LoaderError as exc:
+        return report(exc)
     return run_command(lambda a: _run_mode(a, extra), args)
 
 

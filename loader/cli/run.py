@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loader.errors import LoaderError
 from loader.parallel import Parallelism
 from loader.pipeline import RunRequest, run
 from loader.repository.key import BACKENDS, ServingSettings
@@ -177,6 +178,11 @@ def main(args: argparse.Namespace) -> int:
 
 def request_from_args(args: argparse.Namespace) -> RunRequest:
     """The :class:`RunRequest` that ``model-loader run`` builds from its parsed flags."""
+    if not args.dynamic_batching and args.preferred_batch_size:
+        raise LoaderError(
+            "--preferred-batch-size has no effect with --no-dynamic-batching",
+            "Drop --preferred-batch-size, or drop --no-dynamic-batching to batch requests.",
+        )
     return RunRequest(
         source=args.source,
         repository=args.repository,
