@@ -416,6 +416,30 @@ class TritonServer:
             hint = None
         return ServerStartError(f"{head}\ntritonserver's log ends with:\n{self.log_tail()}", hint)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the server's processes (its Python-backend stubs too) used
+        so far, from Linux's ``/proc``; ``None`` where that cannot be read."""
+        if self.process is None:
+            return None
+        group = self.process.pid  # the server leads its own session and process group
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        try:
+            entries = list(Path("/proc").iterdir())
+        except OSError:
+            return None
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            # after "pid (comm)": state ppid pgrp ... utime stime cutime cstime (fields 14-17)
+            if int(fields[2]) == group:
+                total += sum(int(v) for v in fields[11:15])
+        return total / tick
+
     def log_text(self) -> str:
         if self._log_path is None or not self._log_path.exists():
             return ""
