@@ -180,5 +180,4 @@ def test_the_readme_commands_run_as_written_in_order(tmp_path):
     assert code == 0, f"README line {at[-1] if at else '?'} failed:\n{output[-6000:]}"
     ran = {int(x) for x in at}
     assert ran == {b.line for b in blocks if runnable(b) is not None}
-    assert "is_even" in output or "def" in output
-    assert '"completion"' in output or "completion" in output
+    assert '"completion"' in output  # the curl examples' JSON answers
