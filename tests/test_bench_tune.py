@@ -123,3 +123,19 @@ def test_a_choice_is_certain_only_when_every_round_made_it_and_nothing_was_cut_s
     assert verdict(None, [], complete=True).startswith("uncertain: no configuration")
     result = TuneResult([], {label: variant}, choice, None, (label, None), True)
     assert not result.certain  # a round with nothing stable does not agree
+
+
+def test_the_experiments_chart_default_is_what_the_chart_ships():
+    from pathlib import Path
+
+    from loader.bench import experiment
+
+    values = yaml.safe_load(
+        (Path(__file__).parents[1] / "charts" / "model-triton" / "values.yaml").read_text()
+    )
+    triton = values["triton"]
+    batching = "on" if triton["dynamicBatching"]["enabled"] else "off"
+    assert f"i{triton['instanceCount']}-batching-{batching}" == experiment.CHART_DEFAULT
+    assert list(triton["dynamicBatching"]["preferredBatchSize"]) == list(
+        experiment.PREFERRED_BATCH_SIZES
+    )

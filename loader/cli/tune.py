@@ -109,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
         raise LoaderError(
             f"--tolerance must be in [0, 1), got {args.tolerance}", "Pass e.g. --tolerance 0.05."
         )
-    settings = settings_from_args(args, default_rounds=ROUNDS, default_minutes=MAX_MINUTES)
+    from loader.bench.experiment import MEASUREMENT_DEFAULTS
+
+    # The serving experiment's windows: counted requests, the stability test at 25 %.
+    settings = settings_from_args(
+        args, defaults=MEASUREMENT_DEFAULTS, default_rounds=ROUNDS, default_minutes=MAX_MINUTES
+    )
     counts = args.instance_counts or list(range(1, args.max_instances + 1))
     planned = plan_variants(
         counts,
