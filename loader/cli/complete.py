@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         from loader.completion import find_model
 
         args.model = find_model(url, protocol=protocol)
+    if args.check_ready:
         check_ready(url, protocol, args.model)
     if args.stream:
         from loader.streaming import stream_completion
