@@ -36,6 +36,7 @@ from typing import NoReturn
 
 from loader import __version__
 from loader.errors import LoaderError
+from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
 
@@ -158,6 +159,33 @@ def require_extra(extra: str, *modules: str) -> None:
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def limit_argument(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    limit: Limit,
+    *,
+    help: str,
+    **kwargs: object,
+) -> None:
+    """Add ``flag`` for the setting ``limit``: its default (unless ``default`` is given) and the
+    help's "(default: ...)" come from the limit, and an error about the setting names the flag."""
+    default = kwargs.pop("default", limit.default)
+    shown = "" if default is None else f" (default: {limit.format(default)})"  # type: ignore[arg-type]
+    kwargs.setdefault("type", float)
+    parser.add_argument(flag, default=default, help=help + shown, **kwargs)  # type: ignore[arg-type]
+    flags = dict(parser.get_default("limit_flags") or {})
+    parser.set_defaults(limit_flags={**flags, limit: flag})
+
+
+def _message(exc: LoaderError, args: argparse.Namespace) -> str:
+    """The error's message; a setting's error names the flag that set it."""
+    if isinstance(exc, SettingError):
+        flag = (getattr(args, "limit_flags", None) or {}).get(exc.limit)
+        if flag is not None:
+            return exc.says(flag)
+    return exc.message
+
+
 def configure_logging(verbose: int, quiet: bool) -> None:
     """The log level from -v/-q, overridden by ``MODEL_LOADER_LOG_LEVEL`` (an unknown value
     is a :class:`LoaderError`). At DEBUG the libraries' own debug lines show too."""
@@ -210,9 +238,10 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def report(exc: LoaderError) -> int:
+def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
     """Print a user error as ``error:`` and ``hint:`` lines; its exit code."""
-    print(f"error: {exc.message}", file=sys.stderr)
+    message = exc.message if args is None else _message(exc, args)
+    print(f"error: {message}", file=sys.stderr)
     print(f"hint: {exc.remediation}", file=sys.stderr)
     return exc.exit_code
 
@@ -223,7 +252,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         with sigterm_unwinds():
             result = func(args)
     except LoaderError as exc:
-        return report(exc)
+        return report(exc, args)
     except Terminated:
         print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         _exit_now(EXIT_TERMINATED)
