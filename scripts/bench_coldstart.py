@@ -190,17 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from loader.bench.machine import output_file
-    from loader.errors import LoaderError
+    from loader.bench.machine import output_files
 
-    try:
-        results = output_file(
-            args.output_dir, "coldstart.json", root=ROOT, overwrite=args.overwrite
-        )
-        output_file(args.output_dir, "coldstart.md", root=ROOT, overwrite=args.overwrite)
-    except LoaderError as exc:
-        print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
-        return 2
+    results, _ = output_files(
+        args.output_dir, ["coldstart.json", "coldstart.md"], root=ROOT, overwrite=args.overwrite
+    )
     results = results.with_suffix("")
 
     work = args.work_dir.absolute()

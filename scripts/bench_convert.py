@@ -248,15 +248,10 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT))
     from loader.bench import machine
-    from loader.errors import LoaderError
 
-    try:
-        results = machine.output_file(
-            args.output_dir, "convert.json", root=ROOT, overwrite=args.overwrite
-        )
-    except LoaderError as exc:
-        print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
-        return 2
+    [results] = machine.output_files(
+        args.output_dir, ["convert.json"], root=ROOT, overwrite=args.overwrite
+    )
     watch = machine.LoadWatch()
     work: Path = args.work_dir
     source = work / "gptj-fp16"

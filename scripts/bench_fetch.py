@@ -124,16 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     from loader.bench import machine
-    from loader.errors import LoaderError
 
     logging.basicConfig(level=logging.WARNING)
-    try:
-        results = machine.output_file(
-            args.output_dir, "fetch.json", root=ROOT, overwrite=args.overwrite
-        )
-    except LoaderError as exc:
-        print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
-        return 2
+    [results] = machine.output_files(
+        args.output_dir, ["fetch.json"], root=ROOT, overwrite=args.overwrite
+    )
     work = args.work_dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
     print(f"building a {args.size_mib} MiB checkpoint ({args.shards} shards) in {work / 'src'}")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from loader.errors import LoaderError
@@ -62,3 +64,15 @@ def output_file(directory: Path | None, name: str, *, root: Path, overwrite: boo
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def output_files(
+    directory: Path | None, names: Sequence[str], *, root: Path, overwrite: bool
+) -> list[Path]:
+    """:func:`output_file` for a benchmark script: a refusal is printed as ``error:`` and
+    ``hint:`` lines and ends the script with exit code 2."""
+    try:
+        return [output_file(directory, n, root=root, overwrite=overwrite) for n in names]
+    except LoaderError as exc:
+        print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
+        raise SystemExit(2) from exc
