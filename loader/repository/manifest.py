@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import stat
@@ -40,6 +41,8 @@ from pathlib import Path
 from loader.formats import jsondoc
 from loader.fs import Dir, fsync_path, open_read, write_file
 from loader.progress import byte_progress
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 READY = ".ready"
@@ -302,6 +305,12 @@ def verify_in(
             problems.append(f"{rel} has {found.st_size} bytes, manifest says {listed[rel]['size']}")
         elif not quick or not _sealed(listed[rel].get("seal"), found):
             to_hash.append(rel)
+    if checksums and not problems and quick and not to_hash:
+        log.info(
+            "verified %s: %s files of the sizes and seals recorded, none to re-hash",
+            d.path,
+            len(listed),
+        )
     if checksums and not problems:
         digests = _hash_all(d.path, to_hash, "verifying repository", workers)
         problems += [
