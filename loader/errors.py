@@ -115,10 +115,15 @@ class SourcePermissionError(SourceError):
 
 
 class ChecksumMismatchError(SourceError):
-    """A downloaded file does not match the checksum its source published."""
+    """A downloaded file does not match the checksum its source published: bytes damaged or
+    replaced on the way (a proxy answering with a page of its own), or an object corrupt at
+    its source. The download was discarded; running again fetches it again (exit 75)."""
+
+    exit_code = EXIT_TRANSIENT
 
     default_remediation = (
-        "The source object may be corrupt: re-upload it, then run the loader again."
+        "Run the loader again (it downloads the file again); if the same file keeps failing, "
+        "it is corrupt at its source: re-upload it."
     )
 
 

@@ -32,13 +32,62 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
+import re
+import socket
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from loader.errors import NotOursError
+
+# --- owners: who made a temporary name --------------------------------------------------------
+
+
+def host_digest(host: str | None = None) -> str:
+    """8 hex digits naming a host in temporary names (host names can be long)."""
+    host = host if host is not None else socket.gethostname()
+    return hashlib.sha256(host.encode("utf-8")).hexdigest()[:8]
+
+
+def owner() -> str:
+    """``<pid>-<host digest>``: this process, in the names of what it writes for a while
+    (staging directories, partial downloads), so two loaders never write the same file."""
+    return f"{os.getpid()}-{host_digest()}"
+
+
+_OWNER = re.compile(r"(\d+)-([0-9a-f]{8})")
+
+
+def owner_in(name: str) -> str | None:
+    """The owner tag a name carries as one of its dot-separated parts, if any."""
+    found = [part for part in name.split(".") if _OWNER.fullmatch(part)]
+    return found[-1] if found else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def owner_gone(tag: str) -> bool:
+    """Whether the owner ``tag`` names ran on this host and is gone: only then may another
+    process take over what it was writing (a live one, or one of another host, may still
+    write there)."""
+    match = _OWNER.fullmatch(tag)
+    if match is None or match[2] != host_digest():
+        return False
+    pid = int(match[1])
+    return pid != os.getpid() and not pid_alive(pid)
+
 
 #: A hook of the seam: ``hook(operation, path)``; raising an ``OSError`` fails the call.
 Hook = Callable[[str, str], None]
@@ -461,11 +510,30 @@ def open_read(path: Path, *, follow: bool = True) -> BinaryIO:
     return open(os.open(path, flags), "rb")
 
 
+_COPY_CHUNK = 8 * 2**20
+
+
 def copy_file(source: Path, target: Path) -> None:
-    """Copy ``source`` to the new file ``target`` (never through a link)."""
-    data = read_file(source, limit=1 << 40)
-    with create(target) as fh:
-        write_fd(fh.fileno(), data, target)
+    """Copy ``source`` to the new file ``target`` (never through a link), in bounded chunks."""
+    with open_read(source) as src, create(target) as dst:
+        while True:
+            _seam("read", source)
+            chunk = src.read(_COPY_CHUNK)
+            if not chunk:
+                break
+            write_fd(dst.fileno(), chunk, target)
+
+
+def open_update(path: Path) -> BinaryIO:
+    """The existing regular file ``path`` open for reading and writing in place, unbuffered
+    (never through a link)."""
+    _seam("open", path)
+    return open(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), "r+b", buffering=0)
+
+
+def truncate(fd: int, size: int, path: object) -> None:
+    _seam("write", path)
+    os.ftruncate(fd, size)
 
 
 def makedirs(path: Path) -> None:

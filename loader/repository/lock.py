@@ -38,28 +38,19 @@ from pathlib import Path
 
 from loader.errors import LockLostError, LockTimeoutError, PublishError
 from loader.formats import jsondoc
-from loader.fs import Dir, fsync_fd, read_fd, rewrite_fd
+from loader.fs import Dir, fsync_fd, pid_alive, read_fd, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
 from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
+
+__all__ = ["LOCKS_DIR", "PublishLock", "lock_path", "pid_alive"]
 
 LOCKS_DIR = ".locks"
 
 
 def lock_path(root: Path, key: str) -> Path:
     return Path(root) / LOCKS_DIR / f"{key_filename(key)}.lock"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class PublishLock:

@@ -41,21 +41,18 @@ lock expiry (its owner lost the lock then, and stops before publishing), and the
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import secrets
-import socket
 import stat
 import time
 from pathlib import Path
 
 from loader import fs
 from loader.errors import NotOursError, PublishError
-from loader.fs import NO_RENAMEAT2, Dir, fsync_fd
+from loader.fs import NO_RENAMEAT2, Dir, fsync_fd, host_digest, pid_alive
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +73,6 @@ def published_path(root: Path, key: str) -> Path:
     return Path(root).absolute() / key
 
 
-def host_digest(host: str | None = None) -> str:
-    """8 hex digits naming a host in staging names (host names can be long)."""
-    host = host if host is not None else socket.gethostname()
-    return hashlib.sha256(host.encode("utf-8")).hexdigest()[:8]
-
-
 def _split(key: str) -> tuple[str, str]:
     """``<name>@<revision>`` and the variant directory of a key."""
     parent, _, variant = key.partition("/")
@@ -91,7 +82,7 @@ def _split(key: str) -> tuple[str, str]:
 def new_staging_dir(root: Path, key: str) -> Path:
     """A fresh, empty staging directory for ``key`` under ``root``, named after its owner and
     marked as the loader's."""
-    name = f"{key_filename(key)}.{os.getpid()}-{host_digest()}.{secrets.token_hex(6)}"
+    name = f"{key_filename(key)}.{fs.owner()}.{secrets.token_hex(6)}"
     with Dir.open(root, create=True) as r, r.sub(STAGING_DIR, create=True) as base:
         base.mkdir(name)
         with base.sub(name) as staging:
