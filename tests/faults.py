@@ -29,10 +29,10 @@ DEPTH = 4
 Site = tuple[str, tuple[str, ...]]
 
 
-def site_here(op: str) -> Site:
+def site_here(op: str, skip: int = 2) -> Site:
     """The site of a seam call made now (called from inside the hook)."""
     frames = []
-    frame = sys._getframe(2)
+    frame = sys._getframe(skip)
     while frame is not None and len(frames) < DEPTH:
         name = frame.f_code.co_filename
         if name.startswith(PACKAGE) and name != SEAM:

@@ -208,3 +208,17 @@ def test_published_files_are_0644_and_directories_0755_whatever_the_umask(tmp_pa
     for path in [target, *target.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
+
+
+def test_a_new_name_at_revision_directory_is_made_durable_before_a_key_moves_into_it(
+    tmp_path: Path,
+):
+    staging = _stage(tmp_path)
+    events: list[tuple[str, str]] = []
+    with fs.inject(lambda op, path: events.append((op, path))):
+        target = publish.publish(staging, tmp_path, KEY)
+    parent = str(target.parent)
+    made = events.index(("mkdir", parent))
+    synced = events.index(("fsync", str(tmp_path)), made)
+    moved = next(i for i, (op, _) in enumerate(events) if op.startswith("rename"))
+    assert made < synced < moved

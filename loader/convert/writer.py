@@ -117,7 +117,8 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
             _remove_tree(tmp)
         for path in created:  # innermost first; only the directories this run created
             try:
-                path.rmdir()
+                with Dir.open(path.parent) as d:
+                    d.rmdir(path.name)
             except OSError:
                 break
         raise

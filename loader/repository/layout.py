@@ -30,7 +30,7 @@ from loader.repository.config import (
     build_all,
     write_config,
 )
-from loader.repository.models import STREAMING, install_python_model
+from loader.repository.models import STREAMING, model_files
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) 
         if config.backend == "python":
             # The model clients call is a Python model only when it streams.
             role = STREAMING if name == spec.name else name
-            written += install_python_model(role, model_dir, copy=fs.copy_file)
+            for source, relative in model_files(role):
+                fs.makedirs((model_dir / relative).parent)
+                fs.copy_file(source, model_dir / relative)
+                written.append(model_dir / relative)
         if name in TOKENIZING_MODELS:
             target = model_dir / VERSION / TOKENIZER_DIR
             fs.makedirs(target)
