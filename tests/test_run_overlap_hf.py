@@ -172,8 +172,8 @@ def test_a_shard_not_matching_the_hubs_hash_aborts_without_publishing_and_the_re
         assert f"{last.name}: downloaded bytes do not match the Hub's hash" in err
         assert not list(root.glob("tiny@*/*"))  # nothing published
         assert not (root / STAGING_DIR).exists() or not any((root / STAGING_DIR).iterdir())
-        (converted,) = root.glob(".work/*/converted/2-gpu")
-        journal = (converted / Journal.NAME).read_text().splitlines()
+        (journal_path,) = root.glob(f".work/*/converted/2-gpu{Journal.SUFFIX}")
+        journal = journal_path.read_text().splitlines()
         assert len(journal) > 10  # outputs of the earlier shards were written before the failure
         (source_dir,) = root.glob(".work/*/source")
         assert not (source_dir / last.name).exists()  # the mismatching download was discarded
