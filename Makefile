@@ -14,7 +14,7 @@ export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
 PYTEST_ARGS ?=
 
-.PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
+.PHONY: help install venv tools test test-faults lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
         staging-deploy clean
 
 help: ## list the targets
@@ -38,6 +38,9 @@ $(TOOLS)/.installed: $(TOOL_SCRIPTS) $(VENV)/.installed
 
 test: install ## run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch (about 15 min on 2 cores)
+	$(BIN)/python -m pytest -m exhaustive -n 2 tests/test_fault_every_errno_1.py tests/test_fault_every_errno_2.py tests/test_fault_every_errno_3.py $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
 #: modules a repository copies next to them.

@@ -198,7 +198,8 @@ class Dir:
         existing directory is fine (a link or a file is :class:`NotOursError`)."""
         _seam("mkdir", self.path / name)
         try:
-            os.mkdir(_component(name), mode, dir_fd=self.fd)
+            with _naming(self.path / name, relative=True):
+                os.mkdir(_component(name), mode, dir_fd=self.fd)
             return True
         except FileExistsError:
             if not exist_ok:
@@ -214,7 +215,8 @@ class Dir:
         """The entry ``name`` itself (a link is not followed); None when absent."""
         _seam("stat", self.path / name)
         try:
-            return os.stat(_component(name), dir_fd=self.fd, follow_symlinks=False)
+            with _naming(self.path / name, relative=True):
+                return os.stat(_component(name), dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
 
@@ -230,7 +232,8 @@ class Dir:
     def names(self) -> list[str]:
         """The entries of this directory, sorted."""
         _seam("list", self.path)
-        return sorted(os.listdir(self.fd))
+        with _naming(self.path):
+            return sorted(os.listdir(self.fd))
 
     def not_ours(self, name: str, expected: str) -> NotOursError:
         """The error for ``name`` holding something else than ``expected``."""
@@ -328,8 +331,9 @@ class Dir:
     def link(self, name: str, to_name: str) -> None:
         """A hard link ``to_name`` to the file ``name`` (both in this directory)."""
         _seam("link", f"{self.path / name} -> {self.path / to_name}")
-        os.link(_component(name), _component(to_name), src_dir_fd=self.fd, dst_dir_fd=self.fd,
-                follow_symlinks=False)  # fmt: skip
+        with _naming(self.path / to_name, relative=True):
+            os.link(_component(name), _component(to_name), src_dir_fd=self.fd,
+                    dst_dir_fd=self.fd, follow_symlinks=False)  # fmt: skip
 
     def unlink(self, name: str, *, missing_ok: bool = False) -> None:
         """Remove the file or link ``name`` (a link is removed, not what it points to)."""
@@ -344,7 +348,8 @@ class Dir:
 
     def rmdir(self, name: str) -> None:
         _seam("rmdir", self.path / name)
-        os.rmdir(_component(name), dir_fd=self.fd)
+        with _naming(self.path / name, relative=True):
+            os.rmdir(_component(name), dir_fd=self.fd)
 
     def remove_tree(self, name: str) -> None:
         """Remove ``name`` and everything below it, relative to descriptors: a link is
@@ -368,7 +373,8 @@ class Dir:
         if found is None or stat.S_ISLNK(found.st_mode) or stat.S_IMODE(found.st_mode) == mode:
             return
         _seam("chmod", self.path / name)
-        os.chmod(_component(name), mode, dir_fd=self.fd, follow_symlinks=True)
+        with _naming(self.path / name, relative=True):
+            os.chmod(_component(name), mode, dir_fd=self.fd, follow_symlinks=True)
 
     def fsync(self) -> None:
         """Make this directory's entries durable."""
@@ -389,6 +395,18 @@ class Dir:
         return f"Dir({str(self.path)!r})"
 
 
+@contextlib.contextmanager
+def _naming(path: object, *, relative: bool = False) -> Iterator[None]:
+    """An ``OSError`` of a call on a descriptor (or, with ``relative``, on a name relative to
+    one), given the whole path it concerns: the errno mapping's message and hint name it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None or (exc.filename is not None and not relative):
+            raise
+        raise _named(exc, path) from None
+
+
 def _named(exc: OSError, path: object, path2: object | None = None) -> OSError:
     """``exc`` with the path it concerns (errors raised relative to a descriptor name only the
     relative name)."""
@@ -406,11 +424,12 @@ def read_fd(fd: int, path: object, *, limit: int) -> bytes:
     """Read a whole file from ``fd``; more than ``limit`` bytes is an ``EFBIG`` OSError."""
     _seam("read", path)
     chunks, size = [], 0
-    while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    with _naming(path):
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
     return b"".join(chunks)
 
 
@@ -418,21 +437,24 @@ def write_fd(fd: int, data: bytes | memoryview, path: object) -> None:
     """Write all of ``data`` to ``fd``."""
     _seam("write", path)
     view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+    with _naming(path):
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
 
 
 def rewrite_fd(fd: int, data: bytes, path: object) -> None:
     """Make the file open at ``fd`` hold exactly ``data`` (written at offset 0, truncated)."""
     _seam("write", path)
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
+    with _naming(path):
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
 
 
 def fsync_fd(fd: int, path: object) -> None:
     _seam("fsync", path)
-    os.fsync(fd)
+    with _naming(path):
+        os.fsync(fd)
 
 
 def fsync_path(path: Path, *, directory: bool = False) -> None:
@@ -518,7 +540,8 @@ def copy_file(source: Path, target: Path) -> None:
     with open_read(source) as src, create(target) as dst:
         while True:
             _seam("read", source)
-            chunk = src.read(_COPY_CHUNK)
+            with _naming(source):
+                chunk = src.read(_COPY_CHUNK)
             if not chunk:
                 break
             write_fd(dst.fileno(), chunk, target)
@@ -533,7 +556,8 @@ def open_update(path: Path) -> BinaryIO:
 
 def truncate(fd: int, size: int, path: object) -> None:
     _seam("write", path)
-    os.ftruncate(fd, size)
+    with _naming(path):
+        os.ftruncate(fd, size)
 
 
 def makedirs(path: Path) -> None:
@@ -556,9 +580,11 @@ def unlink(path: Path, *, missing_ok: bool = True) -> None:
 def copy_range(src_fd: int, dst_fd: int, count: int, offset: int, path: object) -> int:
     """``copy_file_range`` of ``count`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``."""
     _seam("copy", path)
-    return os.copy_file_range(src_fd, dst_fd, count, offset)
+    with _naming(path):
+        return os.copy_file_range(src_fd, dst_fd, count, offset)
 
 
 def pread(fd: int, count: int, offset: int, path: object) -> bytes:
     _seam("read", path)
-    return os.pread(fd, count, offset)
+    with _naming(path):
+        return os.pread(fd, count, offset)

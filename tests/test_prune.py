@@ -181,7 +181,7 @@ def test_a_key_published_again_while_prune_works_is_kept(
     template = tree.root.with_name("template")
     shutil.copytree(tree.root, template, symlinks=True)
     checked = 0
-    for site in list(recorder.sites)[:24]:
+    for site in list(recorder.sites)[:14]:
         shutil.rmtree(tree.root)
         shutil.copytree(template, tree.root, symlinks=True)
         done: list[int] = []
@@ -200,4 +200,4 @@ def test_a_key_published_again_while_prune_works_is_kept(
         if done and done[1] == 0:  # r1 was published again meanwhile: it must still be there
             checked += 1
             assert manifest.verify(tree.keys["r1"]) == [], site
-    assert checked > 5
+    assert checked > 3

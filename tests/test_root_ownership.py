@@ -115,7 +115,7 @@ def _typed(code: int, err: str) -> str | None:
 
 
 @settings(
-    max_examples=25,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     database=None,
