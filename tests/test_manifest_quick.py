@@ -8,11 +8,14 @@ with the disk and re-hashes only the files that changed; ``--verify full`` re-ha
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loader.cli import main
 from loader.convert import convert_checkpoint
@@ -158,3 +161,54 @@ def test_a_size_the_manifest_records_differently_is_found_even_when_the_seal_mat
     assert manifest.verify(published, quick=quick) == [
         f"{entry['path']} has {entry['size'] - 1} bytes, manifest says {entry['size']}"
     ]
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 2**70) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=5,
+)
+
+
+@pytest.fixture(scope="module")
+def published_once(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("manifest-fuzz")
+    return Path(_run(tiny_checkpoint_with_tokenizer, root))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    field=st.sampled_from(["files", "directories", "key", "entry", "entry-field"]),
+    value=_json,
+    quick=st.booleans(),
+)
+def test_a_malformed_manifest_is_damage_never_a_traceback(published_once, field, value, quick):
+    original = manifest.read_manifest(published_once)
+    data = json.loads(json.dumps(original))
+    if field == "entry":
+        data["files"][0] = value
+    elif field == "entry-field":
+        data["files"][0][("path", "size", "sha256", "seal")[abs(hash(str(value))) % 4]] = value
+    else:
+        data[field] = value
+    path = published_once / manifest.MANIFEST
+    path.chmod(0o644)
+    path.write_text(json.dumps(data))
+    try:
+        problems = manifest.verify(published_once, key=original["key"], quick=quick)
+        changed = data != original and not (field == "entry-field" and _seal_only(data, original))
+        if changed:
+            assert problems, (field, value)
+    finally:
+        path.write_text(json.dumps(original))
+
+
+def _seal_only(data: dict, original: dict) -> bool:
+    """Whether only the first entry's seal differs (a changed seal means re-hash, not damage)."""
+    a, b = dict(data["files"][0]), dict(original["files"][0])
+    a.pop("seal", None)
+    b.pop("seal", None)
+    return a == b and data["files"][1:] == original["files"][1:]

@@ -239,10 +239,12 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
-    """Print a user error as ``error:`` and ``hint:`` lines; its exit code."""
+    """Print a user error as ``error:`` and ``hint:`` lines; its exit code (also when standard
+    error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
-    print(f"error: {message}", file=sys.stderr)
-    print(f"hint: {exc.remediation}", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {exc.remediation}", file=sys.stderr)
     return exc.exit_code
 
 
