@@ -9,28 +9,8 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- $c := .Values.cluster -}}
 {{- $t := .Values.triton -}}
 
-{{- /* Parallel sizes and instance count: whole numbers >= 1. */ -}}
-{{- if lt (int $m.tensorParallelSize) 1 -}}
-{{- $problems = append $problems (printf "model-triton: model.tensorParallelSize is %v; set it to 1 or more (the number of GPUs one copy of the weights is split across)." $m.tensorParallelSize) -}}
-{{- end -}}
-{{- if lt (int $m.pipelineParallelSize) 1 -}}
-{{- $problems = append $problems (printf "model-triton: model.pipelineParallelSize is %v; set it to 1 or more (1 = no pipeline parallelism)." $m.pipelineParallelSize) -}}
-{{- end -}}
-{{- if lt (int $t.instanceCount) 1 -}}
-{{- $problems = append $problems (printf "model-triton: triton.instanceCount is %v; set it to 1 or more (model instances per Triton replica)." $t.instanceCount) -}}
-{{- end -}}
-
-{{- /* The source URI scheme must be one the loader can fetch. */ -}}
-{{- $scheme := include "model-triton.sourceScheme" . -}}
-{{- if not (has $scheme (list "gs" "hf" "file")) -}}
-{{- $problems = append $problems (printf "model-triton: model.source %q has an unsupported scheme %q; use gs://bucket/path, hf://org/name[@revision] or file:///path." (toString $m.source) (default "(none)" $scheme)) -}}
-{{- end -}}
-
-{{- /* The revision names a directory: the loader accepts letters, digits, '.', '_', '-'. */ -}}
-{{- $revision := include "model-triton.modelRevision" . -}}
-{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*$" $revision) -}}
-{{- $problems = append $problems (printf "model-triton: model.revision %q (from model.revision or the @revision of model.source) cannot name a directory; use a commit hash or tag of letters, digits, '.', '_' and '-'." $revision) -}}
-{{- end -}}
+{{- /* The model key's inputs: what the loader refuses, the chart refuses (_modelkey.tpl). */ -}}
+{{- $problems = concat $problems (include "model-triton.keyProblems" . | fromJsonArray) -}}
 
 {{- /* GPU arithmetic (the CPU backend requests no GPU). */ -}}
 {{- if include "model-triton.gpuBackend" . -}}
@@ -71,15 +51,6 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- $u := $t.updateStrategy -}}
 {{- if and (eq $u.type "RollingUpdate") (eq (toString $u.maxSurge | trimSuffix "%") "0") (eq (toString $u.maxUnavailable | trimSuffix "%") "0") -}}
 {{- $problems = append $problems "model-triton: triton.updateStrategy.maxSurge and triton.updateStrategy.maxUnavailable are both 0: the rollout could never replace a pod. Leave maxUnavailable empty (auto) or set it to 1 or more." -}}
-{{- end -}}
-
-{{- /* Dynamic batching: preferred sizes cannot exceed the largest batch. */ -}}
-{{- if $t.dynamicBatching.enabled -}}
-{{- range $t.dynamicBatching.preferredBatchSize -}}
-{{- if gt (int .) (int $t.maxBatchSize) -}}
-{{- $problems = append $problems (printf "model-triton: triton.dynamicBatching.preferredBatchSize contains %d, more than triton.maxBatchSize = %d; remove it or raise triton.maxBatchSize." (int .) (int $t.maxBatchSize)) -}}
-{{- end -}}
-{{- end -}}
 {{- end -}}
 
 {{- /* Images: a tag or a digest; the Triton and wait images have no default tag. */ -}}
