@@ -24,9 +24,9 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- end -}}
 {{- end -}}
 
-{{- /* N > 1 per node relies on GPU fit in a pool of its own: require a selector for it. */ -}}
-{{- if and (include "model-triton.gpuBackend" .) (gt (int $c.replicasPerNode) 1) (not $c.nodeSelector) (not $c.affinity) -}}
-{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode is %d but cluster.nodeSelector and cluster.affinity are empty: N replicas per node are packed by GPU fit on a dedicated pool. Set cluster.nodeSelector to the GPU pool's label (e.g. cloud.google.com/gke-nodepool: <pool>)." (int $c.replicasPerNode)) -}}
+{{- /* N > 1 per node relies on GPU fit in a pool of its own: a selector that names it. */ -}}
+{{- if and (include "model-triton.gpuBackend" .) (gt (int $c.replicasPerNode) 1) (not (include "model-triton.dedicatedPool" .)) -}}
+{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode is %d but neither cluster.nodeSelector nor a required node affinity in cluster.affinity (a nodeSelectorTerm with a matchExpressions or matchFields entry) selects a node pool: N replicas per node are packed by GPU fit on a dedicated pool. Set cluster.nodeSelector to the GPU pool's label (e.g. cloud.google.com/gke-nodepool: <pool>)." (int $c.replicasPerNode)) -}}
 {{- end -}}
 
 {{- /* Shutdown: the preStop sleep, then at least 5 s for Triton to drain, within the grace period. */ -}}
@@ -83,7 +83,29 @@ during install and upgrade; `helm template` cannot see it). */ -}}
 {{- end -}}
 {{- end -}}
 
+{{- $problems = concat $problems (include "model-triton.numberProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.nameProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.collisionProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.fitProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.featureProblems" . | fromJsonArray) -}}
+
 {{- if $problems -}}
 {{- fail (printf "\n%s" (join "\n" $problems)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.dedicatedPool: "true" when cluster.nodeSelector is set or cluster.affinity has a
+required node affinity whose every nodeSelectorTerm has a requirement (an empty term or an
+empty affinity selects every node, so it is no pool).
+*/}}
+{{- define "model-triton.dedicatedPool" -}}
+{{- $terms := dig "nodeAffinity" "requiredDuringSchedulingIgnoredDuringExecution" "nodeSelectorTerms" list (default dict .Values.cluster.affinity) -}}
+{{- $selective := gt (len $terms) 0 -}}
+{{- range $terms -}}
+{{- if not (or (dig "matchExpressions" list .) (dig "matchFields" list .)) -}}
+{{- $selective = false -}}
+{{- end -}}
+{{- end -}}
+{{- if or .Values.cluster.nodeSelector $selective -}}true{{- end -}}
 {{- end -}}
