@@ -55,15 +55,17 @@ def write_values(directory: Path, values: dict, name: str = "values.yaml") -> Pa
 
 @dataclass(frozen=True)
 class Outcome:
-    """What `helm template` made of one values set: the manifests, or helm's error."""
+    """What `helm template` made of one values set: helm's error, or the manifests and the
+    problems a strict validation finds in them (a manifest that repeats a key is one)."""
 
-    docs: tuple[dict, ...] | None
     error: str | None
     text: str = ""
+    docs: tuple[dict, ...] = ()
+    problems: tuple[str, ...] = ()
 
     @property
     def refused(self) -> bool:
-        return self.docs is None
+        return self.error is not None
 
 
 def render_values(
@@ -82,8 +84,39 @@ def render_values(
                 helm=helm, values_files=(*base, path), release=release, namespace=namespace
             )
         except rc.ChartError as exc:
-            return Outcome(None, exc.output)
-    return Outcome(tuple(rc.documents(text)), None, text)
+            return Outcome(exc.output)
+    try:
+        docs = tuple(rc.documents(text))
+    except rc.ChartError as exc:
+        return Outcome(None, text, (), (str(exc),))
+    return Outcome(None, text, docs, tuple(rc.validate(docs)))
+
+
+def names_a_key(error: str, keys) -> bool:
+    """Helm's error names one of ``keys`` (dotted paths): as the chart's rules write them
+    (`model-triton: a.b`), as Helm 3's schema errors do (`a.b`) or Helm 4's (`/a/b`)."""
+    return any(k in error or "/" + k.replace(".", "/") in error for k in keys)
+
+
+def generated(strategy, count: int) -> list:
+    """``count`` examples drawn by Hypothesis (its edge-case bias included), for a batched run
+    whose failures are reported together."""
+    from hypothesis import HealthCheck, given, settings
+
+    found: list = []
+
+    @settings(
+        max_examples=count,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def draw(example):
+        found.append(example)
+
+    draw()
+    return found
 
 
 def render_helpers(helm: str, template: str, values: dict) -> object:

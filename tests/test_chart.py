@@ -542,7 +542,7 @@ BAD_VALUES = [
     ),
     pytest.param(
         ("model.revision=", "model.source=hf://org/name@"),
-        "model-triton: model.source \"hf://org/name@\" has an empty revision",
+        'model-triton: model.source "hf://org/name@" has an empty revision',
         id="empty-uri-revision",
     ),
 ]

@@ -149,9 +149,9 @@ def test_a_mig_resource_name_is_requested_and_packs_like_whole_gpus(helm):
     cluster = Cluster(gpu_pool(2, 4, {"pool": "a100"}), resource=mig)
     Rollout(cluster, one(docs, "Deployment"))
     assert cluster.pending() == [] and list(cluster.per_node().values()) == [4, 4]
-    args = next(
-        d for d in docs if d["kind"] == "CronJob"
-    )["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = next(d for d in docs if d["kind"] == "CronJob")["spec"]["jobTemplate"]["spec"][
+        "template"
+    ]["spec"]["containers"][0]["args"]
     assert args[args.index("--gpu-memory-gib") + 1] == "19"  # the loader plans for the slice
 
 

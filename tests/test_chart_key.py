@@ -31,7 +31,7 @@ from loader.demo import chart as rc
 from loader.errors import LoaderError
 from loader.parallel import Parallelism
 from loader.repository import key as loader_key
-from tests.chartkit import render_helpers, render_values
+from tests.chartkit import generated, render_helpers, render_values
 
 HELMS = ("helm3", "helm4")
 #: Generated cases per Helm version in the batched comparison.
@@ -167,24 +167,6 @@ def key_cases(draw) -> dict:
     }
 
 
-def generated(strategy, count: int) -> list:
-    """``count`` examples drawn by Hypothesis (its edge-case bias included), for a batched run."""
-    found: list = []
-
-    @settings(
-        max_examples=count,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(strategy)
-    def draw(example):
-        found.append(example)
-
-    draw()
-    return found
-
-
 # --------------------------------------------------------------------------- the loader's side
 
 
@@ -297,6 +279,7 @@ def test_the_whole_chart_renders_the_loader_s_key_or_refuses_naming_the_key(case
     publishes, and it is the loader's own key; or the chart refuses, naming a model key."""
     outcome = render_values(helm, _values_of(case))
     expected = loader_verdict(case)
+    assert outcome.problems == ()
     if outcome.refused:
         assert expected is None or _relative(case["model"]["source"]), outcome.error
         assert re.search(

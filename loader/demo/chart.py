@@ -13,6 +13,7 @@ line; the chart tests (``tests/test_chart*.py``) and the demo (step 6) import th
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import re
 import subprocess
@@ -154,14 +155,13 @@ def validate(docs: Iterable[dict], *, versions: Sequence[str] = KUBERNETES_VERSI
     from loader.demo import kube
 
     docs = list(docs)
-    checker = _format_checker()
     problems = []
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
             continue
         for version in versions:
             try:
-                _strict(doc, version, checker)
+                _strict(doc, version)
             except ValidationError as exc:
                 where = "/".join(str(p) for p in exc.path)
                 problems.append(
@@ -173,29 +173,42 @@ def validate(docs: Iterable[dict], *, versions: Sequence[str] = KUBERNETES_VERSI
     return problems + kube.problems(docs)
 
 
-def _strict(doc: dict, version: str, checker) -> None:
+def _strict(doc: dict, version: str) -> None:
     """``kubernetes_validate.validate(doc, version, strict=True)``, with the schemas' integer
     formats checked too (raises kubernetes-validate's ValidationError)."""
     import jsonschema
     import kubernetes_validate
-    from kubernetes_validate.utils import major_minor
-    from referencing import Registry, Resource
 
-    versions = [
-        v
-        for v in kubernetes_validate.utils.all_versions()
-        if major_minor(v) <= major_minor(version)
-    ]
-    schema_dir = f"kubernetes-json-schema/v{versions[-1]}-local-strict"
-    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
-    contents = kubernetes_validate.utils.schema_contents
-    schema = contents(f"{schema_dir}/{doc['kind'].lower()}-{api}.json", version)
-    definitions = contents(f"{schema_dir}/_definitions.json", version)
-    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
-    validator = jsonschema.Draft202012Validator(schema, registry=registry, format_checker=checker)
+    validator, schema_version = _validator(doc["kind"], doc["apiVersion"], version)
     error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if error is not None:
-        raise kubernetes_validate.ValidationError(error, version=major_minor(versions[-1]))
+        raise kubernetes_validate.ValidationError(error, version=schema_version)
+
+
+@functools.cache
+def _validator(kind: str, api_version: str, version: str):
+    """The strict validator of kubernetes-validate's schema for ``kind`` at ``version`` (built
+    once: the tests validate thousands of manifests)."""
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate.utils import all_versions, major_minor, schema_contents
+    from referencing import Registry, Resource
+
+    versions = [v for v in all_versions() if major_minor(v) <= major_minor(version)]
+    schema_dir = f"kubernetes-json-schema/v{versions[-1]}-local-strict"
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = schema_contents(f"{schema_dir}/{kind.lower()}-{api}.json", version)
+    except FileNotFoundError:
+        raise kubernetes_validate.SchemaNotFoundError(
+            version=major_minor(version), kind=kind, api_version=api_version
+        ) from None
+    definitions = schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    validator = jsonschema.Draft202012Validator(
+        schema, registry=registry, format_checker=_format_checker()
+    )
+    return validator, major_minor(versions[-1])
 
 
 @dataclass(frozen=True)

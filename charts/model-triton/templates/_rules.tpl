@@ -27,8 +27,10 @@ compared, not wrapped.
 {{- end -}}
 
 {{/*
-model-triton.qualifiedKeyProblems: the keys of a label or annotation map that Kubernetes refuses
-(the schema checks the syntax; the prefix's 253 characters are checked here).
+model-triton.qualifiedKeyProblems: the keys of a label, annotation or resource map that
+Kubernetes refuses: a qualified name is an optional DNS-1123 subdomain prefix (at most 253
+characters) and `/`, then a name of at most 63 characters of letters, digits, '-', '_', '.',
+starting and ending with a letter or digit.
 Usage: include "model-triton.qualifiedKeyProblems" (dict "map" $m "key" "commonLabels")
 */}}
 {{- define "model-triton.qualifiedKeyProblems" -}}
@@ -36,8 +38,11 @@ Usage: include "model-triton.qualifiedKeyProblems" (dict "map" $m "key" "commonL
 {{- $where := .key -}}
 {{- range $k, $_ := (default dict .map) -}}
 {{- $prefix := ternary (regexReplaceAll "/[^/]*$" $k "") "" (contains "/" $k) -}}
-{{- if gt (len $prefix) 253 -}}
-{{- $problems = append $problems (printf "model-triton: %s has the key %q whose prefix is longer than 253 characters; Kubernetes refuses it." $where $k) -}}
+{{- $name := regexReplaceAll "^.*/" $k "" -}}
+{{- $prefixOk := or (not (contains "/" $k)) (and (le (len $prefix) 253) (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" $prefix)) -}}
+{{- $nameOk := and (le (len $name) 63) (regexMatch "^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$" $name) -}}
+{{- if not (and $prefixOk $nameOk) -}}
+{{- $problems = append $problems (printf "model-triton: %s has the key %q, which Kubernetes refuses: write [prefix/]name, the prefix a DNS subdomain of at most 253 characters, the name at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit." $where $k) -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $problems -}}
@@ -67,7 +72,7 @@ loader's name a DNS-1123 subdomain, every image a reference the kubelet can pull
 {{- $problems = append $problems (printf "model-triton: global.imageRegistry and %s.repository make the image name %q, which is not a reference the kubelet can pull (lower-case path components, an optional registry host[:port] first, at most 255 characters); put the tag in %s.tag and the digest in %s.digest." $key $name $key $key) -}}
 {{- end -}}
 {{- end -}}
-{{- range $key, $map := dict "commonLabels" .Values.commonLabels "triton.podLabels" .Values.triton.podLabels "triton.podAnnotations" .Values.triton.podAnnotations "cluster.nodeSelector" .Values.cluster.nodeSelector "loader.nodeSelector" .Values.loader.nodeSelector "metrics.serviceMonitor.labels" .Values.metrics.serviceMonitor.labels "metrics.prometheusRule.labels" .Values.metrics.prometheusRule.labels "metrics.prometheus.podLabels" .Values.metrics.prometheus.podLabels "service.annotations" .Values.service.annotations "serviceAccount.annotations" .Values.serviceAccount.annotations "loader.serviceAccount.annotations" .Values.loader.serviceAccount.annotations "modelRepository.persistence.annotations" .Values.modelRepository.persistence.annotations -}}
+{{- range $key, $map := dict "commonLabels" .Values.commonLabels "triton.podLabels" .Values.triton.podLabels "triton.podAnnotations" .Values.triton.podAnnotations "cluster.nodeSelector" .Values.cluster.nodeSelector "loader.nodeSelector" .Values.loader.nodeSelector "metrics.serviceMonitor.labels" .Values.metrics.serviceMonitor.labels "metrics.prometheusRule.labels" .Values.metrics.prometheusRule.labels "metrics.prometheus.podLabels" .Values.metrics.prometheus.podLabels "service.annotations" .Values.service.annotations "serviceAccount.annotations" .Values.serviceAccount.annotations "loader.serviceAccount.annotations" .Values.loader.serviceAccount.annotations "modelRepository.persistence.annotations" .Values.modelRepository.persistence.annotations "triton.resources.requests" (dig "requests" dict (default dict .Values.triton.resources)) "triton.resources.limits" (dig "limits" dict (default dict .Values.triton.resources)) "loader.resources.requests" (dig "requests" dict (default dict .Values.loader.resources)) "loader.resources.limits" (dig "limits" dict (default dict .Values.loader.resources)) -}}
 {{- $problems = concat $problems (include "model-triton.qualifiedKeyProblems" (dict "map" $map "key" $key) | fromJsonArray) -}}
 {{- end -}}
 {{- toJson $problems -}}
@@ -179,7 +184,7 @@ environment variables, `tritonserver` options (getopt_long also takes an unambig
 {{- $triton := include "model-triton.serviceAccountName" . -}}
 {{- $loader := include "model-triton.loaderServiceAccountName" . -}}
 {{- if and (eq $triton $loader) (or .Values.serviceAccount.create .Values.loader.serviceAccount.create) -}}
-{{- $problems = append $problems (printf "model-triton: serviceAccount and loader.serviceAccount are both %q; the loader's identity (storage access) must not be the Triton pods'. Give them different names." $triton) -}}
+{{- $problems = append $problems (printf "model-triton: serviceAccount.name (%q) and loader.serviceAccount.name (%q) give the Triton pods and the loader one ServiceAccount, %q; the loader's identity (storage access) must not be the Triton pods'. Give them different names." (toString .Values.serviceAccount.name) (toString .Values.loader.serviceAccount.name) $triton) -}}
 {{- end -}}
 {{- toJson $problems -}}
 {{- end -}}
