@@ -271,7 +271,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         + " and ".join(KUBERNETES_VERSIONS),
     )
     parser.add_argument("--output", type=Path, help="write the rendered manifests here")
+    parser.add_argument(
+        "--values-doc",
+        action="store_true",
+        help="write the chart README's table of values from values.yaml's `# --` comments",
+    )
     args = parser.parse_args(argv)
+    if args.values_doc:
+        from loader.demo import values_doc
+
+        changed = values_doc.write(CHART)
+        print(f"{CHART / 'README.md'}: {'updated' if changed else 'up to date'}")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         text = render(
