@@ -92,6 +92,16 @@ def render_values(
     return Outcome(None, text, docs, tuple(rc.validate(docs)))
 
 
+def get(values: dict, path: str, default=None):
+    """The value at a dotted ``path`` of nested maps, or ``default``."""
+    node = values
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 def names_a_key(error: str, keys) -> bool:
     """Helm's error names one of ``keys`` (dotted paths): as the chart's rules write them
     (`model-triton: a.b`), as Helm 3's schema errors do (`a.b`) or Helm 4's (`/a/b`)."""

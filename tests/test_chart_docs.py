@@ -11,6 +11,7 @@ import yaml
 
 from loader.demo import chart as rc
 from loader.demo import values_doc
+from tests.chartkit import get
 
 HELMS = ("helm3", "helm4")
 README = rc.CHART / "README.md"
@@ -56,18 +57,10 @@ def _template_messages() -> set[str]:
 
 def test_every_key_a_refusal_names_is_a_value():
     values = yaml.safe_load((rc.CHART / "values.yaml").read_text())
-
-    def exists(path: str) -> bool:
-        node = values
-        for part in path.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
-        return True
-
     keys = {m for m in _template_messages() if "." in m}
     assert len(keys) > 20
-    assert [k for k in sorted(keys) if not exists(k)] == []
+    missing = object()
+    assert [k for k in sorted(keys) if get(values, k, missing) is missing] == []
 
 
 def _lint_table() -> list[tuple[str, bool, str]]:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from loader.demo import chart as rc
 from loader.demo.kube import quantity
-from tests.chartkit import Outcome, generated, names_a_key, render_values
+from tests.chartkit import Outcome, generated, get, names_a_key, render_values
 
 HELMS = ("helm3", "helm4")
 INT32 = 2**31 - 1
@@ -44,15 +44,6 @@ def merged(*parts: dict) -> dict:
                 merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
             )
     return out
-
-
-def get(values: dict, path: str, default=None):
-    node = values
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
 
 
 def judge(cases: list[dict], check) -> tuple[list[str], int]:
@@ -330,7 +321,8 @@ OWNED_LABELS = [
 _args = st.sampled_from(
     ["--exit-timeout-secs=1", "--exit-timeout=1", "--exit-t=3", "--model-store=/x",
      "--model-repository=/y", "--model-repo=/z", "--http-port=1", "--grpc-p=2", "--metrics-port",
-     "--log-verbose=1", "--allow-metrics=false", "--exit-on-error=false", "--id=x", "--"]
+     "--log-verbose=1", "--allow-metrics=false", "--exit-on-error=false", "--id=x", "--",
+     "--exit-timeout-s=2", "--model-s=/q", "--metrics-p=1", "--http-p=3"]
 )  # fmt: skip
 
 
