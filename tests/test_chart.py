@@ -933,10 +933,7 @@ def test_network_policy_admits_the_serving_ports_from_the_given_peers_and_metric
     assert serving["from"] == [{"podSelector": {"matchLabels": {"app": "gw"}}}]
     assert sorted(p["port"] for p in serving["ports"]) == [8000, 8001]
     assert metrics["from"] == [
-        {
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-        }
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     ]
     assert [p["port"] for p in metrics["ports"]] == [8002]
 

@@ -621,7 +621,7 @@ def _feature_property(case: dict, outcome: Outcome) -> None:
     [policy] = docs_of(outcome, "NetworkPolicy") or [None]
     if policy and get(values, "metrics.serviceMonitor.enabled"):
         namespace = prometheus.get("namespace", "monitoring")
-        labels = prometheus.get("podLabels", {"app.kubernetes.io/name": "prometheus"})
+        labels = prometheus.get("podLabels") or {}
         assert admits(policy, {"kubernetes.io/metadata.name": namespace}, labels, 8002), (
             "the ServiceMonitor's Prometheus cannot reach port 8002"
         )
