@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.demo import chart as rc
+from tests import chart as rc
 
 
 def _quote(text: str) -> str:

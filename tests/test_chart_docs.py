@@ -9,8 +9,8 @@ import re
 import pytest
 import yaml
 
-from loader.demo import chart as rc
-from loader.demo import values_doc
+from loader import values_doc
+from tests import chart as rc
 from tests.chartkit import get
 
 HELMS = ("helm3", "helm4")

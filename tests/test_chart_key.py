@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 
 from loader.cli import build_parser
 from loader.cli.run import request_from_args
-from loader.demo import chart as rc
 from loader.errors import LoaderError
 from loader.parallel import Parallelism
 from loader.repository import key as loader_key
+from tests import chart as rc
 from tests.chartkit import generated, render_helpers, render_values
 
 HELMS = ("helm3", "helm4")

@@ -1,7 +1,7 @@
 """Every value refused or right: the chart's classes of bad values, each tested over values sets
 that Hypothesis generates, rendered by the real Helm 3 and Helm 4 (alternately), and judged the
 same way: either Helm refuses, naming a key the values set, or every manifest passes the strict
-validation (`loader.demo.chart.validate`: the OpenAPI schemas with int32 ranges, then the API
+validation (`loader.chart.validate`: the OpenAPI schemas with int32 ranges, then the API
 server's own rules) and the class's own property holds.
 
 Each class draws its values sets in one batch (:func:`tests.chartkit.generated`) and reports every
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from hypothesis import strategies as st
 
-from loader.demo import chart as rc
-from loader.demo.kube import quantity
+from loader.kube import quantity
+from tests import chart as rc
 from tests.chartkit import Outcome, generated, get, names_a_key, render_values
 
 HELMS = ("helm3", "helm4")

@@ -12,7 +12,7 @@ only once a pod runs:
   sizes above 0 (an emptyDir or a memory limit of 0 stops the pod at its first write);
 * numbers: int-or-percent fields (0-100% where the API says so), probe and Job counts, the
   HorizontalPodAutoscaler's bounds; int32 ranges are checked with the schema's ``format``
-  (:mod:`loader.demo.chart`);
+  (:mod:`loader.chart`);
 * uniqueness: container, volume, port and mount names; volume mounts naming a volume; two
   objects of one kind and name.
 """
