@@ -734,3 +734,24 @@ def test_staging_deploy_keeps_its_job_whatever_its_ttl(tmp_path):
         out = subprocess.run(["python3", "-c", code], input=json.dumps(job), capture_output=True,
                              text=True, check=True).stdout  # fmt: skip
         assert json.loads(out)["spec"]["ttlSecondsAfterFinished"] == max(3600, ttl or 0)
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_large_int_or_percent_values_from_a_file_render_as_integers(helm):
+    """A values file's numbers reach the templates as floats (Helm 4) or json.Number (Helm 3):
+    the int-or-percent fields still render 2147483647, not 2.147483647e+09 or 0."""
+    big = 2**31 - 1
+    outcome = render_values(
+        helm,
+        {
+            "triton": {"updateStrategy": {"maxUnavailable": big, "maxSurge": big}},
+            "podDisruptionBudget": {"maxUnavailable": big},
+        },
+    )
+    assert outcome.problems == ()
+    [deployment] = docs_of(outcome, "Deployment")
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": big,
+        "maxUnavailable": big,
+    }
+    assert docs_of(outcome, "PodDisruptionBudget")[0]["spec"]["maxUnavailable"] == big

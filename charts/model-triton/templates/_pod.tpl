@@ -41,3 +41,12 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+model-triton.intOrPercent: an int-or-string value as YAML: a percentage as a quoted string, a
+number as an integer (Helm 4 reads a values file's numbers as floats, which print as
+2.147483647e+09; Helm 3 as json.Number, a string kind).
+*/}}
+{{- define "model-triton.intOrPercent" -}}
+{{- if hasSuffix "%" (toString .) -}}{{ . | quote }}{{- else -}}{{ int64 . }}{{- end -}}
+{{- end -}}

@@ -120,7 +120,7 @@ cluster during install and upgrade and is empty for `helm template`.
 {{- define "model-triton.maxUnavailable" -}}
 {{- $configured := .Values.triton.updateStrategy.maxUnavailable -}}
 {{- if and (not (kindIs "invalid" $configured)) (ne (toString $configured) "") -}}
-{{- $configured -}}
+{{- ternary $configured (int64 $configured | toString) (hasSuffix "%" (toString $configured)) -}}
 {{- else if .Values.autoscaling.enabled -}}
 {{- max 1 (div (int .Values.autoscaling.minReplicas) 4) -}}
 {{- else -}}
@@ -159,7 +159,7 @@ a full GPU node has no spare GPU for a surge pod.
 type: {{ $s.type }}
 {{- if eq $s.type "RollingUpdate" }}
 rollingUpdate:
-  maxSurge: {{ $s.maxSurge }}
+  maxSurge: {{ include "model-triton.intOrPercent" $s.maxSurge }}
   {{- $mu := include "model-triton.maxUnavailable" . }}
   maxUnavailable: {{ ternary $mu (int $mu) (hasSuffix "%" $mu) }}
 {{- end }}
