@@ -285,7 +285,10 @@ def test_the_whole_chart_renders_the_loader_s_key_or_refuses_naming_the_key(case
         # beyond the key, the chart places the replica: T x P GPUs on a node of at most 64
         too_big = m["tensorParallelSize"] * m["pipelineParallelSize"] > 64
         assert expected is None or _relative(m["source"]) or too_big, outcome.error
-        assert re.search(
+        # Helm 3 cannot even read a value holding DEL or a C1 control (its schema step re-reads
+        # the values as YAML, which forbids them raw); the loader refuses those sources too.
+        helm3_unreadable = "yaml: control characters are not allowed" in outcome.error
+        assert helm3_unreadable or re.search(
             r"model[./](source|name|revision|\w+ParallelSize)|triton[./]", outcome.error
         )
         return
