@@ -62,6 +62,26 @@ _SAFETENSORS_DTYPES = {
 _MAX_HEADER = 100 * 2**20
 
 
+def safetensors_header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str) -> bytes:
+    """The start of a safetensors file holding ``tensors`` (name, shape), all of ``dtype``,
+    stored one after another in that order: the header's length, then the header padded to 8
+    bytes. The tensors' bytes follow it."""
+    names = {ours: theirs for theirs, ours in _SAFETENSORS_DTYPES.items()}
+    itemsize = NUMPY_DTYPES[dtype].itemsize
+    header, offset = {}, 0
+    for name, shape in tensors:
+        nbytes = math.prod(shape) * itemsize
+        header[name] = {
+            "dtype": names[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Name, dtype name (``fp16``, ``fp32``, ``bf16``...), shape and file of one tensor."""
