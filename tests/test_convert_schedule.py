@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from loader.convert.overlapped import Journal
 from loader.convert.schedule import Schedule, Step
+from tests.tiers import examples
 
 #: out_i reads shard s_i only.
 ONE_EACH = {f"out{i}": frozenset({f"s{i}"}) for i in range(1, 5)}
@@ -98,7 +99,7 @@ def plans(draw):
     return needs, done, draw(st.integers(1, 3))
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(200), deadline=None, derandomize=True, database=None)
 @given(plan=plans(), data=st.data())
 def test_any_schedule_writes_everything_once_and_bounds_the_shards_held(plan, data):
     """A fetch delivering shards in name order as admitted, writers finishing in any order."""
