@@ -138,6 +138,17 @@ def test_both_strategies_write_the_same_bytes_for_every_tiny_model(bases, base, 
     assert first == second
 
 
+@pytest.mark.parametrize("dtype", [None, "fp16", "fp32"])
+def test_sharded_pytorch_checkpoints_give_the_same_bytes_both_ways(
+    tiny_sharded_bin_checkpoint, dtype
+):
+    """A .bin index is a plan too: with a dtype asked for (its config.json declares none), the
+    overlapped strategy reads the shards as they arrive; without, both convert sequentially."""
+    first, second = both(tiny_sharded_bin_checkpoint, tp=2, dtype=dtype)
+    assert first[0] == "files", first
+    assert first == second
+
+
 def test_fp32_weights_under_a_config_declaring_float16_are_written_in_fp16_by_both(bases, tmp_path):
     """config.json's declared dtype decides, as transformers' torch_dtype="auto" reads it."""
     source = shutil.copytree(bases[("gptj", "fp32")], tmp_path / "ckpt")
