@@ -38,7 +38,7 @@ tools: venv
 test: install ## run every test, in parallel (TEST_WORKERS=auto)
 	$(PYTEST) $(PYTEST_ARGS)
 
-test-fast: install ## the fast tier: units and renders, no servers, nothing slow (under a minute)
+test-fast: install ## the fast tier: units and renders, no server, nothing slow
 	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
