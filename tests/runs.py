@@ -52,7 +52,7 @@ def use_hub(monkeypatch: pytest.MonkeyPatch, url: str, home: Path) -> None:
     monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    for name in ("HF_TOKEN", "HF_TOKEN_FILE"):
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
 
 
