@@ -32,8 +32,9 @@ TOKENIZER_CORPUS = [
 
 
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
-    """``build(directory)``'s result, built once per test run: the first worker to ask builds
-    it under a lock, the others wait and reuse it (tests must not modify it)."""
+    """``build(directory)``'s result (``directory`` is new and empty), built once per test
+    run: the first worker to ask builds it under a lock, the others wait and reuse it (tests
+    must not modify it)."""
     base = factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the run's directory, shared by its workers
@@ -45,6 +46,7 @@ def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
         if not result.is_file():
             target = folder / name
             shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
             result.write_text(str(build(target)))
     return Path(result.read_text())
 
