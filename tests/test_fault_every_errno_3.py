@@ -13,5 +13,6 @@ from tests.fault_sweep import every_errno_of
 
 
 @pytest.mark.exhaustive
+@pytest.mark.slow
 def test_every_call_site_with_every_errno(local, caplog):
     every_errno_of((errno.EISDIR, errno.ENOTDIR, errno.EIO), local, caplog)

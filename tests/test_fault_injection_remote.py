@@ -18,6 +18,8 @@ from tests.fault_sweep import (
     sweep,
 )
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def remote(sharded, gs):

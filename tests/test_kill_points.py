@@ -9,8 +9,8 @@ after each kill:
 * ``run --force`` over a published key (with ``renameat2`` and with the fallback of a file
   system without it): a rerun while the source is unreachable still finds a complete copy
   under the key;
-* an overlapped ``run`` killed once its outputs were moved into the staging directory: the rerun
-  keeps every output and downloads no shard again.
+* an overlapped ``run`` killed once its outputs were moved into the staging directory:
+  ``tests/test_kill_points_overlapped.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from loader.cli import main
 from loader.repository import manifest
 from tests.fault_sweep import scratch
 from tests.faults import FailAt, Recorder, Site, describe
-from tests.servers import GcsServer
 
 KILLED = -signal.SIGKILL
 
@@ -152,88 +151,3 @@ def test_a_forced_replacement_killed_while_publishing_leaves_a_complete_copy(
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_a_forced_replacement_killed_anywhere_leaves_a_complete_copy(source, template, fallback):
     _force_sweep(source, template, fallback=fallback, publishing_only=False)
-
-
-# --- the overlapped conversion -----------------------------------------------------------------
-
-BUCKET = "models"
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    """A tiny fp16 GPT-J checkpoint in three safetensors shards, with its tokenizer."""
-    from loader.demo.tokenizer import train_tokenizer
-    from tests.conftest import TOKENIZER_CORPUS
-    from tests.tinymodels import build_tiny_model
-
-    path = tmp_path_factory.mktemp("sharded") / "ckpt"
-    model = build_tiny_model(seed=5).half()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(path, max_shard_size=total // 3)
-    train_tokenizer(TOKENIZER_CORPUS, 320, path)
-    assert len(list(path.glob("model-*.safetensors"))) >= 3
-    return path
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory, sharded):
-    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
-    server.upload_dir(BUCKET, "org/sharded", sharded)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STORAGE_EMULATOR_HOST", server.url)
-    yield server
-    mp.undo()
-    server.stop()
-
-
-def _after_the_move(sites: list[Site]) -> list[Site]:
-    """The sites first seen once the outputs were recorded as moved into staging."""
-    moved = next(
-        i for i, (_, frames) in enumerate(sites) if any(f.endswith(":record_move") for f in frames)
-    )
-    return sites[moved + 1 :]
-
-
-def _overlap_sweep(gcs, every: bool, caplog) -> None:
-    source = f"gs://{BUCKET}/org/sharded"
-    with scratch() as base:
-        recorder = Recorder()
-        with fs.inject(recorder), contextlib.redirect_stdout(sys.stderr):
-            assert main(_argv(source, base / "root", "--retry-deadline", "10")) == 0
-        sites = _call_sites(list(recorder.sites))
-    later = _after_the_move(sites)
-    if not every:
-        later = later[:: max(1, len(later) // 4)]
-    assert later
-    failures = []
-    for site in later:
-        with scratch() as base:
-            root = base / "root"
-            code = forked(_argv(source, root, "--retry-deadline", "10"),
-                          FailAt(site, action=_kill_self))  # fmt: skip
-            if code != KILLED:
-                failures.append(f"{describe(site)}: not killed there (exit {code})")
-                continue
-            caplog.clear()
-            with contextlib.redirect_stdout(sys.stderr):
-                rerun = main(_argv(source, root, "--retry-deadline", "10"))
-            text = caplog.text
-            published = list(root.glob("tiny@r1/*"))
-            if rerun != 0 or len(published) != 1 or manifest.verify(published[0]) != []:
-                failures.append(f"{describe(site)}: the rerun did not publish ({rerun})")
-            elif "nothing to do" in text:
-                continue  # killed after the rename: already published
-            elif "resuming:" not in text or " 0 of " not in text:
-                failures.append(f"{describe(site)}: the rerun converted again")
-    assert not failures, f"{len(failures)} of {len(later)} kill points:\n" + "\n".join(failures)
-
-
-def test_outputs_moved_into_staging_survive_a_kill(gcs, caplog):
-    caplog.set_level(logging.INFO, logger="loader")
-    _overlap_sweep(gcs, every=False, caplog=caplog)
-
-
-@pytest.mark.slow
-def test_outputs_moved_into_staging_survive_a_kill_at_every_later_site(gcs, caplog):
-    caplog.set_level(logging.INFO, logger="loader")
-    _overlap_sweep(gcs, every=True, caplog=caplog)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from loader.cli import main
 from loader.convert import convert_checkpoint
 from loader.repository import manifest
+from tests.tiers import examples
 
 
 def _sha256(path: Path) -> str:
@@ -178,7 +179,7 @@ def published_once(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> Path:
     return Path(_run(tiny_checkpoint_with_tokenizer, root))
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+@settings(max_examples=examples(60), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(
     field=st.sampled_from(["files", "directories", "key", "entry", "entry-field"]),

@@ -33,6 +33,7 @@ from loader.repository.config import read_config
 from loader.repository.key import key_filename
 from loader.repository.models.tokenization import load_tokenizer
 from loader.sources import parse_uri
+from tests.tiers import examples
 
 SETTINGS = settings(
     deadline=None,
@@ -132,7 +133,7 @@ def test_a_uri_parses_to_one_canonical_spelling_or_a_typed_error(scheme, parts, 
         assert parse_uri(canonical.upper()[:2] + canonical[2:] + "/").canonical == canonical
 
 
-@settings(SETTINGS, max_examples=6)
+@settings(SETTINGS, max_examples=examples(6))
 @given(spelling=st.sampled_from(["plain", "file", "localhost", "slash", "dot", "percent"]))
 def test_spellings_of_one_local_source_publish_one_key(
     spelling, tiny_checkpoint_with_tokenizer, capsys
@@ -180,7 +181,7 @@ def base_config(tiny_checkpoint_with_tokenizer) -> dict:
     return json.loads((tiny_checkpoint_with_tokenizer / "config.json").read_text())
 
 
-@settings(SETTINGS, max_examples=15)
+@settings(SETTINGS, max_examples=examples(15))
 @given(changes=st.dictionaries(st.sampled_from(_FIELDS), _json_value, min_size=1, max_size=3))
 def test_any_config_json_publishes_what_loads_or_is_a_typed_error(
     changes, base_config, tiny_checkpoint_with_tokenizer, capsys
@@ -195,7 +196,7 @@ def test_any_config_json_publishes_what_loads_or_is_a_typed_error(
 _token_id = st.integers(-1, 2**40) | st.sampled_from([0, 2, 319, 320, 321, INT32_MAX, 2**31, 2**32])
 
 
-@settings(SETTINGS, max_examples=10)
+@settings(SETTINGS, max_examples=examples(10))
 @given(
     ids=st.dictionaries(
         st.sampled_from(["eos_token_id", "bos_token_id"]),
@@ -213,7 +214,7 @@ def test_token_ids_publish_only_inside_the_vocabulary(
         run_and_check(capsys, _run_argv(str(source), Path(tmp) / "root"))
 
 
-@settings(SETTINGS, max_examples=4)
+@settings(SETTINGS, max_examples=examples(4))
 @given(depth=st.sampled_from([100, 5_000, 100_000]), where=st.sampled_from(["config", "index"]))
 def test_deeply_nested_json_is_bad_input(depth, where, tiny_checkpoint_with_tokenizer, capsys):
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,7 +231,7 @@ def test_deeply_nested_json_is_bad_input(depth, where, tiny_checkpoint_with_toke
 # --- the tokenizer ---------------------------------------------------------------------------
 
 
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=examples(8))
 @given(
     name=st.sampled_from(["tokenizer.json", "vocab.json", "merges.txt"]),
     content=st.binary(max_size=200)
@@ -279,7 +280,7 @@ def _write_safetensors(path: Path, header: dict, data: int) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + payload[:data])
 
 
-@settings(SETTINGS, max_examples=300)
+@settings(SETTINGS, max_examples=examples(300))
 @given(generated=headers())
 def test_our_safetensors_reader_accepts_what_the_library_accepts_and_no_more(generated):
     import torch
@@ -334,7 +335,7 @@ _FLAGS = ["--max-batch-size", "--instance-count", "--preferred-batch-size", "--t
 _FLOATS = ["--lock-expiry-s", "--lock-timeout-s", "--retry-deadline", "--gpu-memory-gib"]
 
 
-@settings(SETTINGS, max_examples=15)
+@settings(SETTINGS, max_examples=examples(15))
 @given(
     numbers=st.dictionaries(st.sampled_from(_FLAGS), _edges, min_size=1, max_size=3),
     floats=st.dictionaries(

@@ -30,6 +30,7 @@ from loader.cli import build_parser, main
 from loader.cli.run import request_from_args
 from loader.repository import manifest
 from loader.repository.key import key_filename
+from tests.tiers import examples
 
 KINDS = ("absent", "link-dir", "link-file", "file", "dir", "marked-other")
 #: Where the loader's names go, relative to ROOT, with ``{k}`` the key as one file name.
@@ -115,7 +116,7 @@ def _typed(code: int, err: str) -> str | None:
 
 
 @settings(
-    max_examples=15,
+    max_examples=examples(15),
     deadline=None,
     derandomize=True,
     database=None,

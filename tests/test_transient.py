@@ -26,6 +26,9 @@ BUCKET = "models"
 PATHS = {"sequential": ("--no-overlap",), "overlapped": ()}
 
 
+pytestmark = pytest.mark.server
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
     """A tiny fp16 GPT-J checkpoint in three safetensors shards, with its tokenizer."""

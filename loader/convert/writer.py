@@ -85,9 +85,10 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     fs.makedirs(parent)
     for stale in _leftovers(parent, final.name):
         log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
-    with Dir.open(parent) as d:
-        d.mkdir(tmp.name)
     try:
+        # Made inside the block that removes it: a signal right after it leaves nothing.
+        with Dir.open(parent) as d:
+            d.mkdir(tmp.name)
         yield tmp
         if final.exists():
             if not overwrite:

@@ -410,12 +410,3 @@ def _replace_through_trash(
             raise
         parent.fsync()
         _remove_replaced(trash, aside)
-
-
-def atomic_rename(src: Path, dst: Path) -> None:
-    """Rename ``src`` to the absent ``dst`` in one step (``RENAME_NOREPLACE``, else
-    ``rename(2)``), then fsync ``dst``'s parent so the new name is durable."""
-    src, dst = Path(src).absolute(), Path(dst).absolute()
-    with Dir.open(src.parent) as a, Dir.open(dst.parent) as b:
-        _rename_new(a, src.name, b, dst.name, dst)
-        b.fsync()
