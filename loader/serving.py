@@ -3,7 +3,8 @@
 :class:`TritonServer` is a context manager: it picks free ports on 127.0.0.1 (unless given),
 builds a backend directory for the Python backend, starts the server in its own process
 group with an environment that makes the Python-backend stub work with this interpreter,
-waits for ``/v2/health/ready`` with a deadline, and on exit stops the server (SIGTERM, a short
+waits with a deadline until its gRPC health service reports SERVING (what Kubernetes' probes
+ask; HTTP may be off or on another address), and on exit stops the server (SIGTERM, a short
 ``--exit-timeout-secs``, then SIGKILL of the whole group), so no process is left behind.
 
 If the server does not become ready (for example a model fails to load), the error raised
@@ -30,8 +31,6 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +111,73 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+#: ``grpc.health.v1.HealthCheckResponse.ServingStatus`` values.
+HEALTH_UNKNOWN, HEALTH_SERVING, HEALTH_NOT_SERVING = 0, 1, 2
+#: The standard gRPC health service's one method, which Kubernetes' gRPC probes call.
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+
+
+def grpc_health(grpc_url: str, *, timeout: float = 2.0) -> int | None:
+    """The serving status Triton's ``grpc.health.v1`` service reports, ``None`` if unreachable.
+
+    What a Kubernetes gRPC probe sees: Triton answers SERVING once the server and every model
+    are ready (``CommonHandler::RegisterHealthCheck``, ``src/grpc/grpc_server.cc``). The request
+    (an empty ``service``) and the response (field 1, ``status``, a varint) are encoded here,
+    so no generated stubs are needed. A fresh channel per call: a channel that failed to
+    connect would wait out its reconnect backoff.
+    """
+    import grpc
+
+    with grpc.insecure_channel(grpc_url) as channel:
+        check = channel.unary_unary(
+            HEALTH_CHECK_METHOD,
+            request_serializer=lambda message: message,
+            response_deserializer=lambda data: data,
+        )
+        try:
+            response = check(b"", timeout=timeout)
+        except grpc.RpcError:
+            return None
+    if not response:
+        return HEALTH_UNKNOWN
+    if response[0] != 0x08 or len(response) < 2:
+        raise ValueError(f"not a grpc.health.v1 HealthCheckResponse: {response!r}")
+    return response[1]
+
+
+#: Triton's prefix of the header a restricted gRPC protocol expects
+#: (``kRestrictedProtocolHeaderTemplate``, ``src/grpc/grpc_server.h``).
+RESTRICTED_HEADER_PREFIX = "triton-grpc-protocol-"
+RESTRICTED_FLAG = "--grpc-restricted-protocol"
+
+
+def restricted_protocols(args: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """``protocol -> (header, value)`` from the ``--grpc-restricted-protocol`` arguments in ``args``.
+
+    Parsed as Triton 23.05 parses them (``TritonParser::ParseGrpcRestrictedProtocolOption``,
+    ``src/command_line_parser.cc``): the protocols are the comma-separated text before the
+    first ``:``, the key runs to the next ``=``, the value is the rest; each part non-empty.
+    A protocol in two groups is refused (``grpc::Server`` constructor, ``src/grpc/grpc_server.cc``).
+    """
+    found: dict[str, tuple[str, str]] = {}
+    values = []
+    for index, arg in enumerate(args):
+        if arg.startswith(RESTRICTED_FLAG + "="):
+            values.append(arg[len(RESTRICTED_FLAG) + 1 :])
+        elif arg == RESTRICTED_FLAG and index + 1 < len(args):
+            values.append(args[index + 1])
+    for value in values:
+        protocols, colon, rest = value.partition(":")
+        key, equals, secret = rest.partition("=")
+        if not (colon and equals and protocols and key and secret):
+            raise ValueError(f"{RESTRICTED_FLAG}={value}: the format is <protocols>:<key>=<value>")
+        for protocol in protocols.split(","):
+            if protocol in found:
+                raise ValueError(f"{RESTRICTED_FLAG}: protocol {protocol!r} is in two groups")
+            found[protocol] = (RESTRICTED_HEADER_PREFIX + key, secret)
+    return found
 
 
 @dataclass(frozen=True)
@@ -257,12 +323,7 @@ class TritonServer:
         self._wait_ready()
 
     def _ready(self) -> bool:
-        url = f"http://{self.host}:{self.ports.http}/v2/health/ready"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return grpc_health(self.grpc_url) == HEALTH_SERVING
 
     def _wait_ready(self) -> None:
         assert self.process is not None
