@@ -32,13 +32,13 @@ model-triton.replicas: Triton replicas, nodes x N.
 {{- end -}}
 
 {{/*
-model-triton.tritonArgs: the `tritonserver` command line (a YAML list).
+model-triton.tritonArgs: the `tritonserver` command line (a YAML list); the endpoints and what
+they serve come from model-triton.securityArgs (_security.tpl).
 */}}
 {{- define "model-triton.tritonArgs" -}}
 - tritonserver
 - --model-repository={{ include "model-triton.modelPath" . }}
-- --http-port=8000
-- --grpc-port=8001
+{{ include "model-triton.securityArgs" . }}
 - --metrics-port=8002
 - --exit-timeout-secs={{ max 5 (sub (sub (int .Values.triton.terminationGracePeriodSeconds) (int .Values.triton.preStopSleepSeconds)) 10) }}
 {{- range .Values.triton.extraArgs }}

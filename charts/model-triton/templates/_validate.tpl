@@ -112,6 +112,13 @@ during install and upgrade; `helm template` cannot see it). */ -}}
 {{- end -}}
 {{- end -}}
 
+{{- /* Values that would undo the security defaults (_security.tpl). */ -}}
+{{- range (include "model-triton.securityProblems" . | splitList "\n") -}}
+{{- if . -}}
+{{- $problems = append $problems . -}}
+{{- end -}}
+{{- end -}}
+
 {{- if $problems -}}
 {{- fail (printf "\n%s" (join "\n" $problems)) -}}
 {{- end -}}
