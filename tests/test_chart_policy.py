@@ -24,7 +24,6 @@ CHECKOV_VERSION = "3.3.30"
 
 ALL_OPTIONAL = (
     "metrics.serviceMonitor.enabled=true",
-    "networkPolicy.enabled=true",
     "loader.hook.enabled=true",
     "modelRepository.persistence.existingClaim=models",
     "serviceAccount.create=false",
@@ -81,6 +80,8 @@ def _summary(proc: subprocess.CompletedProcess) -> dict:
 
 
 WEAK = ("containerSecurityContext.allowPrivilegeEscalation=true",)
+#: The NetworkPolicies turned off: every pod unfenced.
+UNFENCED = ("networkPolicy.enabled=false",)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,27 @@ def test_rendered_chart_passes_checkov_with_only_the_listed_exceptions(report):
 def test_checkov_catches_a_weakened_security_context(report):
     assert report["rc"] != 0
     assert "CKV_K8S_20" in report["failed"]["weakened.yaml"]  # allowPrivilegeEscalation
+
+
+@pytest.mark.parametrize(
+    ("sets", "fenced"), [((), True), (UNFENCED, False)], ids=["default", "off"]
+)
+def test_every_pod_has_a_network_policy_unless_they_are_turned_off(tmp_path, sets, fenced):
+    # CKV2_K8S_6 matches pods to policies across all scanned files: one rendering per scan.
+    (tmp_path / "chart.yaml").write_text(rc.render(set_values=sets))
+    proc = subprocess.run(
+        [str(checkov()), "-d", str(tmp_path), "--framework", "kubernetes"]
+        + ["--check", "CKV2_K8S_6", "--skip-download", "--output", "json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    summary = json.loads(proc.stdout)["summary"]
+    if fenced:
+        assert (summary["passed"], summary["failed"]) == (2, 0)  # Triton and the test pod
+    else:
+        assert (summary["passed"], summary["failed"]) == (0, 2)
 
 
 def test_every_exception_is_justified_next_to_it():
