@@ -180,6 +180,12 @@ def restricted_protocols(args: Sequence[str]) -> dict[str, tuple[str, str]]:
     return found
 
 
+def _last_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag=value`` in ``args``, None if absent."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    return values[-1] if values else None
+
+
 @dataclass(frozen=True)
 class Ports:
     http: int
@@ -323,7 +329,28 @@ class TritonServer:
         self._wait_ready()
 
     def _ready(self) -> bool:
-        return grpc_health(self.grpc_url) == HEALTH_SERVING
+        """gRPC health SERVING, and the HTTP port accepting connections unless HTTP is off:
+        Triton starts its gRPC endpoint before the HTTP one."""
+        if grpc_health(self.grpc_url) != HEALTH_SERVING:
+            return False
+        address = self.http_address
+        if address is None:
+            return True
+        try:
+            socket.create_connection((address, self.ports.http), timeout=2).close()
+        except OSError:
+            return False
+        return True
+
+    @property
+    def http_address(self) -> str | None:
+        """The address the HTTP endpoint listens on (``--extra-args`` win, as in Triton: the
+        last of a repeated flag counts), or None when ``--allow-http=false``."""
+        allow_http = _last_value(self.extra_args, "--allow-http")
+        if allow_http is not None and allow_http.lower() in ("false", "0", "off", "no"):
+            return None
+        address = _last_value(self.extra_args, "--http-address") or self.host
+        return self.host if address == "0.0.0.0" else address
 
     def _wait_ready(self) -> None:
         assert self.process is not None

@@ -159,8 +159,11 @@ def test_every_pod_has_a_network_policy_unless_they_are_turned_off(tmp_path, set
     # CKV2_K8S_6 matches pods to policies across all scanned files: one rendering per scan.
     (tmp_path / "chart.yaml").write_text(rc.render(set_values=sets))
     proc = subprocess.run(
-        [str(checkov()), "-d", str(tmp_path), "--framework", "kubernetes"]
-        + ["--check", "CKV2_K8S_6", "--skip-download", "--output", "json"],
+        [
+            str(checkov()),
+            *("-d", str(tmp_path), "--framework", "kubernetes", "--check", "CKV2_K8S_6"),
+            *("--skip-download", "--output", "json"),
+        ],
         capture_output=True,
         text=True,
         check=False,

@@ -31,9 +31,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from loader.bench.endpoint import Endpoint
+from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
 from loader.completion import complete
 from loader.demo import chart as rc
+from loader.errors import EndpointError
 from loader.serving import HEALTH_SERVING, TritonServer, grpc_health, restricted_protocols
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "codegen"
 POD_ADDRESS = "127.0.0.2"
@@ -188,6 +193,20 @@ def test_model_control_is_off(client, admin):
     message = refusal(lambda: client.unload_model(MODEL, headers={header: token}))
     assert message and "explicit model load / unload is not allowed" in message
     assert client.is_model_ready(MODEL)
+
+
+def test_perf_analyzer_over_grpc_is_told_how_to_measure(default_server):
+    # perf_analyzer reads the model's metadata first, a restricted protocol; its -H is HTTP only.
+    with pytest.raises(EndpointError) as info:
+        measure_level(
+            Endpoint(default_server.grpc_url, "grpc"),
+            MODEL,
+            1,
+            options=PerfAnalyzerOptions(input_data=ROOT / "bench" / "test.json"),
+            binary=find_perf_analyzer(),
+        )
+    assert "This protocol is restricted" in info.value.message
+    assert "port-forward" in info.value.remediation
 
 
 def test_http_off_serves_no_http_at_all(published_tiny_python_repository):
