@@ -208,6 +208,13 @@ def describe(doc: dict) -> Resource:
     if kind == "Service":
         ports = ",".join(str(p["port"]) for p in doc["spec"]["ports"])
         parts.append(f"clusterIP={doc['spec'].get('clusterIP', 'auto')} ports={ports}")
+    if kind == "NetworkPolicy":
+        spec = doc["spec"]
+        for direction in ("ingress", "egress"):
+            ports = sorted({p["port"] for r in spec.get(direction, []) for p in r.get("ports", [])})
+            parts.append(f"{direction}={','.join(map(str, ports)) or 'none'}")
+    if kind == "Secret":
+        parts.append("keys=" + ",".join(sorted(doc.get("data") or {})))
     return Resource(kind, name, "  ".join(parts))
 
 
