@@ -63,7 +63,7 @@ ALLOWED_FLAGS = (
     "--log-verbose=1",
     "--log-format=ISO8601",
     "--grpc-keepalive-time=10000",
-    "--grpc-use-ssl=true",
+    "--grpc-use-ssl=false",
     "--grpc-infer-allocation-pool-size=16",
     "--http-thread-count=4",
     "--pinned-memory-pool-byte-size=268435456",
@@ -313,6 +313,11 @@ def test_an_owned_flag_in_extra_args_is_refused_however_abbreviated(flag, cut, f
 def test_other_triton_flags_are_passed_through(arg):
     command = rc.triton_command(rendered("helm4", None, (f"triton.extraArgs[0]={arg}",)))
     assert command[-1] == arg
+
+
+@pytest.mark.parametrize("arg", ["--grpc-use-ssl=true", "--grpc-use-ssl-mutual=1", "--grpc-use=on"])
+def test_grpc_tls_is_refused_because_the_probes_speak_plaintext(arg):
+    assert "turns on gRPC TLS" in refused((f"triton.extraArgs[0]={arg}",))
 
 
 @pytest.mark.parametrize("name", ["TRITON_ADMIN_TOKEN", "AIP_MODE"])

@@ -115,6 +115,8 @@ model-triton.securityProblems: values that would silently undo the security defa
 {{- end -}}
 {{- if $hit }}
 model-triton: triton.extraArgs has {{ $arg | quote }}, which sets --{{ $hit }}, a flag the security defaults own. Use triton.security (http, restrictedGrpcProtocols, adminHeader) to loosen them deliberately; SageMaker, Vertex AI, model control and --http-restricted-api (not in Triton 23.05) are not offered.
+{{- else if and (hasPrefix "-" (toString $arg)) (ne $name "") (hasPrefix $name "grpc-use-ssl-mutual") (not (regexMatch "=(false|0|off)$" (lower (toString $arg)))) }}
+model-triton: triton.extraArgs has {{ $arg | quote }}, which turns on gRPC TLS: Kubernetes' gRPC probes speak plaintext and would never see the pod ready. Terminate TLS in front of Triton (a service mesh or your gateway).
 {{- end -}}
 {{- end -}}
 {{- range .Values.triton.extraEnv -}}
