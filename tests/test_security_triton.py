@@ -35,7 +35,7 @@ from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
 from loader.completion import complete
 from loader.demo import chart as rc
-from loader.errors import EndpointError
+from loader.errors import EndpointError, ServerStartError
 from loader.serving import HEALTH_SERVING, TritonServer, grpc_health, restricted_protocols
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,6 +207,23 @@ def test_perf_analyzer_over_grpc_is_told_how_to_measure(default_server):
         )
     assert "This protocol is restricted" in info.value.message
     assert "port-forward" in info.value.remediation
+
+
+def test_an_empty_token_keeps_triton_from_starting(published_tiny_python_repository):
+    # Your own Secret with an empty token: Triton refuses the flag (23.05 and 2.51 alike,
+    # ParseGenericConfigOption), so the pod never serves with the protocols open.
+    docs = rc.documents(
+        rc.render(
+            values_files=[rc.VALUES_DIR / "local.yaml"],
+            set_values=("triton.security.adminSecret.name=ops",),
+        )
+    )
+    empty = {"kind": "Secret", "metadata": {"name": "ops"}, "stringData": {"token": ""}}
+    args = rc.triton_serving_args([*docs, empty])
+    assert any(a.endswith(":admin-key=") for a in args)
+    with pytest.raises(ServerStartError) as info:
+        TritonServer(published_tiny_python_repository, host=POD_ADDRESS, extra_args=args).start()
+    assert "grpc-restricted-protocol" in info.value.message
 
 
 def test_http_off_serves_no_http_at_all(published_tiny_python_repository):
