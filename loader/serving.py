@@ -4,7 +4,7 @@
 builds a backend directory for the Python backend, starts the server in its own process
 group with an environment that makes the Python-backend stub work with this interpreter,
 waits with a deadline until its gRPC health service reports SERVING (what Kubernetes' probes
-ask; HTTP may be off or on another address), and on exit stops the server (SIGTERM, a short
+ask) and, unless HTTP is off, ``/v2/health/ready`` answers on the HTTP address, and on exit stops the server (SIGTERM, a short
 ``--exit-timeout-secs``, then SIGKILL of the whole group), so no process is left behind.
 
 If the server does not become ready (for example a model fails to load), the error raised
@@ -31,6 +31,8 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,18 +331,20 @@ class TritonServer:
         self._wait_ready()
 
     def _ready(self) -> bool:
-        """gRPC health SERVING, and the HTTP port accepting connections unless HTTP is off:
-        Triton starts its gRPC endpoint before the HTTP one."""
+        """gRPC health SERVING and, unless HTTP is off, ``/v2/health/ready`` answering 200 on
+        the HTTP address: Triton starts its gRPC endpoint before the HTTP one, and a port that
+        merely accepts connections may be someone else's."""
         if grpc_health(self.grpc_url) != HEALTH_SERVING:
             return False
         address = self.http_address
         if address is None:
             return True
+        url = f"http://{address}:{self.ports.http}/v2/health/ready"
         try:
-            socket.create_connection((address, self.ports.http), timeout=2).close()
-        except OSError:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
             return False
-        return True
 
     @property
     def http_address(self) -> str | None:
