@@ -141,9 +141,10 @@ def step_publish() -> Path:
 
 def step_serve_and_complete(published: Path) -> None:
     section(3, "The real Triton server, on the CPU, with the chart's arguments")
-    from loader.demo import chart as render_chart
+    from loader import chart as render_chart
 
-    docs = render_chart.documents(render_chart.render(values_files=[LOCAL_VALUES]))
+    chart = render_chart.Chart.in_checkout(ROOT)
+    docs = render_chart.documents(chart.render(values_files=[LOCAL_VALUES]))
     chart_args = render_chart.triton_serving_args(docs)
     started = time.monotonic()
     with TritonServer(published, extra_args=chart_args) as server:
@@ -307,13 +308,13 @@ def step_plan() -> None:
 
 def step_chart() -> None:
     section(6, "The Helm chart, rendered for every values file")
-    from loader.demo import chart as render_chart
+    from loader import chart as render_chart
+
+    chart = render_chart.Chart.in_checkout(ROOT)
 
     for values in sorted(VALUES_DIR.glob("*.yaml")):
         try:
-            docs = render_chart.documents(
-                render_chart.render(values_files=[values], release=MODEL_NAME)
-            )
+            docs = render_chart.documents(chart.render(values_files=[values], release=MODEL_NAME))
         except (render_chart.ChartError, FileNotFoundError) as exc:
             raise SystemExit(f"helm template failed for {values.name}: {exc}") from exc
         name = values.relative_to(ROOT)

@@ -4,7 +4,7 @@ behind the header, HTTP off the network).
 
 Its command (``model-loader complete --check-ready ...``) is taken from the rendered test Pod
 (values/local.yaml), its ``$(VAR)`` references expanded from the Pod's environment as Kubernetes
-does (:mod:`loader.demo.podspec`), and run with this checkout's loader, only the Service address
+does (:mod:`loader.podspec`), and run with this checkout's loader, only the Service address
 pointing at a ``tritonserver`` on 127.0.0.1.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from loader.demo import chart as rc
-from loader.demo import podspec
+from loader import podspec
 from loader.serving import TritonServer
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,8 +89,8 @@ def test_helm_test_fails_when_the_model_is_not_served(helm_test_container, trito
 @pytest.fixture(scope="module")
 def streaming_triton(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
     from loader.parallel import Parallelism
-    from loader.pipeline import RunRequest, run
     from loader.repository.key import ServingSettings
+    from loader.run import RunRequest, run
 
     request = RunRequest(
         source=str(tiny_checkpoint_with_tokenizer),

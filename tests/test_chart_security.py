@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.demo import chart as rc
-from loader.demo import podspec
+from loader import podspec
 from loader.serving import restricted_protocols
+from tests import chart as rc
 
 HELMS = ("helm3", "helm4")
 VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))

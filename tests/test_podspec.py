@@ -1,4 +1,4 @@
-"""loader.demo.podspec: a rendered container's environment and command line, as the kubelet
+"""loader.podspec: a rendered container's environment and command line, as the kubelet
 resolves them (Kubernetes' `$(VAR)` expansion rules)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import base64
 
 import pytest
 
-from loader.demo import podspec
+from loader import podspec
 
 
 @pytest.mark.parametrize(

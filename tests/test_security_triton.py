@@ -1,7 +1,7 @@
 """The chart's security arguments on the real CPU ``tritonserver`` (SECURITY.md, item by item).
 
 Each server runs the command line the chart renders for values/local.yaml, Secret resolved and
-``$(VAR)`` expanded as the kubelet does (:func:`loader.demo.chart.triton_serving_args`), only
+``$(VAR)`` expanded as the kubelet does (:func:`loader.chart.triton_serving_args`), only
 the model path, ports and shutdown timing chosen locally. The pod is played by two loopback
 addresses: 127.0.0.2 is the pod's address (what the network reaches: the Service, other pods,
 the kubelet's probes), 127.0.0.1 its loopback (what `kubectl port-forward` reaches).
@@ -34,9 +34,9 @@ from tritonclient.utils import InferenceServerException
 from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
 from loader.completion import complete
-from loader.demo import chart as rc
 from loader.errors import EndpointError, ServerStartError
 from loader.serving import HEALTH_SERVING, TritonServer, grpc_health, restricted_protocols
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 

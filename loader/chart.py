@@ -1,31 +1,28 @@
-"""Render the Helm chart offline, validate it, and print what it would create.
+"""Render the Helm chart offline, validate it, and describe what it would create.
 
-    python scripts/render_chart.py -f values/local.yaml              # resources, GPU maths, key
-    python scripts/render_chart.py -f values/staging.yaml --validate # + helm lint, OpenAPI strict
-    python scripts/render_chart.py --helm helm3 -f values/production.yaml --output out.yaml
-
-Uses the pinned `helm` CLIs that `make install` puts in `.tools/bin` (`helm`, `helm3`, `helm4`)
-and validates every manifest with `kubernetes-validate` in strict mode. It works on a source
-checkout (the chart is not part of the package). ``scripts/render_chart.py`` is its command
-line; the chart tests (``tests/test_chart*.py``) and the demo (step 6) import this module.
+The chart is not part of the package: a :class:`Chart` names its directory and where the pinned
+``helm`` binaries are (``helm``, ``helm3``, ``helm4``; ``make install`` puts them in
+``.tools/bin`` of a checkout, :meth:`Chart.in_checkout`), so this module works the same from a
+checkout and from an installed package. Every manifest is validated with
+``kubernetes-validate`` in strict mode. ``scripts/render_chart.py`` is its command line
+(:mod:`loader.cli.chart`); the chart tests and the demo (step 6) use it too.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
+import shutil
 import subprocess
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "model-triton"
-VALUES_DIR = ROOT / "values"
-TOOLS_BIN = ROOT / ".tools" / "bin"
+#: Where a checkout keeps the chart and the per-cluster values files, and its pinned tools.
+CHART_DIR = Path("charts") / "model-triton"
+VALUES_DIR = Path("values")
+TOOLS_DIR = Path(".tools") / "bin"
 #: Kubernetes versions every manifest is validated against (oldest supported, newest targeted).
 KUBERNETES_VERSIONS: tuple[str, ...] = ("1.29.0", "1.35.0")
 #: Kinds from CRDs: kubernetes-validate has no schema for them (checked by the tests instead).
@@ -41,25 +38,6 @@ class ChartError(Exception):
         self.output = output
 
 
-def tool(name: str) -> Path:
-    """The pinned tool ``name`` in .tools/bin, or FileNotFoundError saying how to install it."""
-    path = TOOLS_BIN / name
-    if not path.exists():
-        family = "checkov" if name == "checkov" else "helm"
-        raise FileNotFoundError(f"{path} is missing: {INSTALL_HINT.format(name=family)}")
-    return path
-
-
-def _helm(helm: str, args: Sequence[str]) -> str:
-    proc = subprocess.run(
-        [str(tool(helm)), *args], capture_output=True, text=True, check=False, timeout=120
-    )
-    if proc.returncode != 0:
-        output = "\n".join(part for part in (proc.stderr, proc.stdout) if part.strip())
-        raise ChartError(f"helm {args[0]} failed (exit {proc.returncode})", output)
-    return proc.stdout
-
-
 def _value_args(values_files: Iterable[Path | str], set_values: Iterable[str]) -> list[str]:
     args: list[str] = []
     for f in values_files:
@@ -69,37 +47,73 @@ def _value_args(values_files: Iterable[Path | str], set_values: Iterable[str]) -
     return args
 
 
-def render(
-    *,
-    helm: str = "helm",
-    values_files: Iterable[Path | str] = (),
-    set_values: Iterable[str] = (),
-    release: str = "codegen",
-    namespace: str = "model-triton",
-) -> str:
-    """``helm template`` of the chart; raises ChartError with helm's message on failure."""
-    args = ["template", release, str(CHART), "--namespace", namespace]
-    return _helm(helm, args + _value_args(values_files, set_values))
+@dataclass(frozen=True)
+class Chart:
+    """The chart directory ``path`` and the directory ``tools`` of the pinned helm binaries
+    (None: helm from ``$PATH``)."""
 
+    path: Path
+    tools: Path | None = None
 
-def lint(
-    *, helm: str = "helm", values_files: Iterable[Path | str] = (), set_values: Iterable[str] = ()
-) -> str:
-    """``helm lint --strict`` of the chart with these values; raises ChartError on failure."""
-    return _helm(helm, ["lint", "--strict", str(CHART), *_value_args(values_files, set_values)])
+    @classmethod
+    def in_checkout(cls, root: Path | str) -> Chart:
+        """The chart of the checkout ``root``, with the tools ``make install`` pins there."""
+        return cls(Path(root) / CHART_DIR, Path(root) / TOOLS_DIR)
 
+    def tool(self, name: str) -> Path:
+        """The pinned tool ``name``, or FileNotFoundError saying how to install it."""
+        found = self.tools / name if self.tools is not None else shutil.which(name)
+        if found is None or not Path(found).exists():
+            family = "checkov" if name == "checkov" else "helm"
+            where = found or f"{name} on $PATH"
+            raise FileNotFoundError(f"{where} is missing: {INSTALL_HINT.format(name=family)}")
+        return Path(found)
 
-def notes(
-    *,
-    values_files: Iterable[Path | str] = (),
-    set_values: Iterable[str] = (),
-    release: str = "codegen",
-    namespace: str = "model-triton",
-) -> str:
-    """NOTES.txt as `helm install` prints it. Offline only with Helm 4 (`--dry-run=client`)."""
-    args = ["install", release, str(CHART), "--dry-run=client", "--namespace", namespace]
-    out = _helm("helm4", args + _value_args(values_files, set_values))
-    return out.split("NOTES:", 1)[1] if "NOTES:" in out else ""
+    def _helm(self, helm: str, args: Sequence[str]) -> str:
+        proc = subprocess.run(
+            [str(self.tool(helm)), *args], capture_output=True, text=True, check=False, timeout=120
+        )
+        if proc.returncode != 0:
+            output = "\n".join(part for part in (proc.stderr, proc.stdout) if part.strip())
+            raise ChartError(f"helm {args[0]} failed (exit {proc.returncode})", output)
+        return proc.stdout
+
+    def render(
+        self,
+        *,
+        helm: str = "helm",
+        values_files: Iterable[Path | str] = (),
+        set_values: Iterable[str] = (),
+        release: str = "codegen",
+        namespace: str = "model-triton",
+    ) -> str:
+        """``helm template`` of the chart; raises ChartError with helm's message on failure."""
+        args = ["template", release, str(self.path), "--namespace", namespace]
+        return self._helm(helm, args + _value_args(values_files, set_values))
+
+    def lint(
+        self,
+        *,
+        helm: str = "helm",
+        values_files: Iterable[Path | str] = (),
+        set_values: Iterable[str] = (),
+    ) -> str:
+        """``helm lint --strict`` of the chart with these values; raises ChartError on failure."""
+        args = ["lint", "--strict", str(self.path), *_value_args(values_files, set_values)]
+        return self._helm(helm, args)
+
+    def notes(
+        self,
+        *,
+        values_files: Iterable[Path | str] = (),
+        set_values: Iterable[str] = (),
+        release: str = "codegen",
+        namespace: str = "model-triton",
+    ) -> str:
+        """NOTES.txt as `helm install` prints it. Offline only with Helm 4 (`--dry-run=client`)."""
+        args = ["install", release, str(self.path), "--dry-run=client", "--namespace", namespace]
+        out = self._helm("helm4", args + _value_args(values_files, set_values))
+        return out.split("NOTES:", 1)[1] if "NOTES:" in out else ""
 
 
 def documents(text: str) -> list[dict]:
@@ -144,8 +158,8 @@ POD_PLACEMENT_ARGS: tuple[str, ...] = (
 
 def triton_command(docs: Iterable[dict]) -> list[str]:
     """The Triton container's command line as the kubelet runs it: Secrets of the rendering
-    resolved, ``$(VAR)`` expanded (:mod:`loader.demo.podspec`)."""
-    from loader.demo import podspec
+    resolved, ``$(VAR)`` expanded (:mod:`loader.podspec`)."""
+    from loader import podspec
 
     docs = list(docs)
     deployments = [d for d in docs if d["kind"] == "Deployment"]
@@ -172,7 +186,7 @@ class Resource:
     detail: str
 
 
-def _pod_spec(doc: dict) -> dict | None:
+def pod_spec(doc: dict) -> dict | None:
     spec = doc.get("spec", {})
     if doc["kind"] == "CronJob":
         return spec["jobTemplate"]["spec"]["template"]["spec"]
@@ -192,7 +206,7 @@ def describe(doc: dict) -> Resource:
         parts.append(f"hook={annotations['helm.sh/hook']}")
     if kind == "Deployment":
         parts.append(f"replicas={doc['spec']['replicas']}")
-    pod = _pod_spec(doc)
+    pod = pod_spec(doc)
     if pod is not None:
         for c in pod["containers"]:
             limits = (c.get("resources") or {}).get("limits") or {}
@@ -216,54 +230,3 @@ def describe(doc: dict) -> Resource:
     if kind == "Secret":
         parts.append("keys=" + ",".join(sorted(doc.get("data") or {})))
     return Resource(kind, name, "  ".join(parts))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-f", "--values", action="append", default=[], help="values file(s)")
-    parser.add_argument("--set", action="append", default=[], help="helm --set overrides")
-    parser.add_argument("--helm", default="helm", choices=["helm", "helm3", "helm4"])
-    parser.add_argument("--release", default="codegen")
-    parser.add_argument("--namespace", default="model-triton")
-    parser.add_argument(
-        "--validate",
-        action="store_true",
-        help="also helm lint --strict and validate against Kubernetes "
-        + " and ".join(KUBERNETES_VERSIONS),
-    )
-    parser.add_argument("--output", type=Path, help="write the rendered manifests here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        text = render(
-            helm=args.helm,
-            values_files=args.values,
-            set_values=args.set,
-            release=args.release,
-            namespace=args.namespace,
-        )
-        if args.validate:
-            lint(helm=args.helm, values_files=args.values, set_values=args.set)
-    except (ChartError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    docs = documents(text)
-    if args.output:
-        args.output.write_text(text)
-        log.info("wrote %s (%d manifests)", args.output, len(docs))
-    label = ", ".join(args.values) or "chart defaults"
-    print(f"chart {CHART.relative_to(ROOT)} with {label} renders {len(docs)} resources:")
-    for doc in docs:
-        r = describe(doc)
-        print(f"  {r.kind:<22} {r.name:<34} {r.detail}")
-    if args.validate:
-        problems = validate(docs)
-        for p in problems:
-            print(f"invalid: {p}", file=sys.stderr)
-        if problems:
-            return 1
-        print(
-            f"helm lint --strict: ok; every manifest valid (strict) on Kubernetes "
-            f"{', '.join(KUBERNETES_VERSIONS)}"
-        )
-    return 0

@@ -6,7 +6,8 @@ of the same rendering), then ``$(VAR)`` references in ``command`` and ``args`` a
 that environment with Kubernetes' rules (``k8s.io/kubernetes/third_party/forked/golang/expansion``,
 ``Expand``): ``$(NAME)`` becomes the variable's value when it is defined and stays as written
 otherwise, ``$$`` is a literal ``$``. The demo and the tests run the chart's own command lines
-with this (``scripts/demo.py`` serves with the chart's Triton arguments).
+with this (:func:`loader.chart.triton_serving_args`; ``scripts/demo.py`` serves with the chart's
+Triton arguments).
 """
 
 from __future__ import annotations
