@@ -480,9 +480,11 @@ class TritonServer:
             code = self.process.poll()
             if code is not None:
                 raise self.failure(f"tritonserver exited with code {code} before it was ready")
-            # Ready only when this process holds the HTTP port: a health check answered by
-            # another server on the same port must not count.
-            if listens_on(self.process.pid, self.ports.http) is not False and self._ready():
+            # Ready only when this process holds the port its readiness is read from (HTTP,
+            # or gRPC when HTTP is off): a health check answered by another server on the same
+            # port must not count.
+            port = self.ports.http if self.http_address is not None else self.ports.grpc
+            if listens_on(self.process.pid, port) is not False and self._ready():
                 log.info("tritonserver is ready (pid %s)", self.process.pid)
                 return
             time.sleep(0.25)
