@@ -21,6 +21,8 @@ from loader import podspec
 from loader.serving import TritonServer
 from tests import chart as rc
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

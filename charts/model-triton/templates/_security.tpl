@@ -97,33 +97,50 @@ allow-http http-address http-port reuse-http-port http-restricted-api allow-grpc
 {{- end -}}
 
 {{/*
-model-triton.securityProblems: values that would silently undo the security defaults, one
-`model-triton: ...` line each (collected by model-triton.validate).
+model-triton.securityProblems: values that would silently undo the security defaults, as a JSON
+list of `model-triton: ...` lines (collected by model-triton.validate). A `--` option the chart
+sets itself is already refused by model-triton.collisionProblems (_rules.tpl); this adds the
+flags the defaults own without setting them (SageMaker, Vertex AI, model loading, the HTTP
+address when HTTP is off, ...), single-dash spellings, gRPC TLS and the environment.
 */}}
 {{- define "model-triton.securityProblems" -}}
-{{- $s := .Values.triton.security -}}
+{{- $problems := list -}}
 {{- $owned := splitList " " (include "model-triton.securityOwnedFlags" .) -}}
+{{- $chartFlags := include "model-triton.tritonOwnedFlags" . | fromJsonArray -}}
 {{- range $arg := .Values.triton.extraArgs -}}
-{{- $name := regexReplaceAll "=.*$" (trimPrefix "-" (trimPrefix "-" (toString $arg))) "" -}}
+{{- $text := toString $arg -}}
+{{- $name := regexReplaceAll "=.*$" (trimPrefix "-" (trimPrefix "-" $text)) "" -}}
+{{- $isFlag := and (hasPrefix "-" $text) (ne $name "") -}}
+{{- $refusedByRules := false -}}
+{{- if hasPrefix "--" $text -}}
+{{- range $chartFlags -}}
+{{- if hasPrefix $name . -}}{{- $refusedByRules = true -}}{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- $hit := "" -}}
-{{- if and (hasPrefix "-" (toString $arg)) (ne $name "") -}}
+{{- if $isFlag -}}
 {{- range $flag := $owned -}}
 {{- if and (not $hit) (hasPrefix $name $flag) -}}
 {{- $hit = $flag -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
-{{- if $hit }}
-model-triton: triton.extraArgs has {{ $arg | quote }}, which sets --{{ $hit }}, a flag the security defaults own. Use triton.security (http, restrictedGrpcProtocols, adminHeader) to loosen them deliberately; SageMaker, Vertex AI, model control and --http-restricted-api (not in Triton 23.05) are not offered.
-{{- else if and (hasPrefix "-" (toString $arg)) (ne $name "") (hasPrefix $name "grpc-use-ssl-mutual") (not (regexMatch "=(false|0|off)$" (lower (toString $arg)))) }}
-model-triton: triton.extraArgs has {{ $arg | quote }}, which turns on gRPC TLS: Kubernetes' gRPC probes speak plaintext and would never see the pod ready. Terminate TLS in front of Triton (a service mesh or your gateway).
+{{- if $refusedByRules -}}
+{{- else if $hit -}}
+{{- $problems = append $problems (printf "model-triton: triton.extraArgs has %q, which sets --%s, a flag the security defaults own. Use triton.security (http, restrictedGrpcProtocols, adminHeader) to loosen them deliberately; SageMaker, Vertex AI, model control and --http-restricted-api (not in Triton 23.05) are not offered." $text $hit) -}}
+{{- else if and $isFlag (hasPrefix "grpc-use" $name) (hasPrefix $name "grpc-use-ssl-mutual") (not (regexMatch "=(false|0|off)$" (lower $text))) -}}
+{{- $problems = append $problems (printf "model-triton: triton.extraArgs has %q, which turns on gRPC TLS: Kubernetes' gRPC probes speak plaintext and would never see the pod ready. Terminate TLS in front of Triton (a service mesh or your gateway)." $text) -}}
 {{- end -}}
 {{- end -}}
 {{- range .Values.triton.extraEnv -}}
-{{- if has (toString .name) (list (include "model-triton.adminTokenEnv" $) "AIP_MODE") }}
-model-triton: triton.extraEnv sets {{ .name }}: {{ if eq (toString .name) "AIP_MODE" }}AIP_MODE=PREDICTION makes Triton 23.05 serve the Vertex AI HTTP endpoint, which no restriction covers{{ else }}the chart sets it from triton.security.adminSecret{{ end }}. Remove it.
+{{- $name := toString .name -}}
+{{- if eq $name "AIP_MODE" -}}
+{{- $problems = append $problems "model-triton: triton.extraEnv sets AIP_MODE: AIP_MODE=PREDICTION makes Triton 23.05 serve the Vertex AI HTTP endpoint, which no restriction covers. Remove it." -}}
+{{- else if eq $name (include "model-triton.adminTokenEnv" $) -}}
+{{- $problems = append $problems (printf "model-triton: triton.extraEnv sets %s: the chart sets it from triton.security.adminSecret. Remove it." $name) -}}
 {{- end -}}
 {{- end -}}
+{{- toJson $problems -}}
 {{- end -}}
 
 {{/*
