@@ -38,6 +38,8 @@ from loader.errors import EndpointError, ServerStartError
 from loader.serving import HEALTH_SERVING, TritonServer, grpc_health, restricted_protocols
 from tests import chart as rc
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "codegen"
