@@ -12,6 +12,8 @@ refused. The restricted flag is read back with Triton 23.05's own parsing rules
 from __future__ import annotations
 
 import base64
+import copy
+import json
 import re
 import string
 import tempfile
@@ -497,3 +499,97 @@ def test_loosened_and_extended_values_still_validate_strictly(helm):
         [8000, 8001],
         [8002],
     ]
+
+
+# --------------------------------------------------------------------------- what the API refuses
+
+
+def _schema_pattern(*path: str) -> re.Pattern:
+    node = json.loads((rc.CHART / "values.schema.json").read_text())
+    for part in path:
+        node = node["properties"][part] if part != "items" else node["items"]
+    return re.compile(node["pattern"])
+
+
+_octets = st.one_of(st.integers(0, 255).map(str), st.sampled_from(["256", "010", "00", ""]))
+_groups = st.one_of(
+    st.integers(0, 0xFFFF).map(lambda n: f"{n:x}"),
+    st.sampled_from(["", "FE80", "0000", "12345", "g", "1.2.3.4"]),
+)
+
+
+@st.composite
+def _cidr_texts(draw) -> str:
+    """Mostly well-formed IPv4 and IPv6 ranges, with the mistakes people make."""
+    if draw(st.booleans()):
+        count = draw(st.sampled_from([4, 4, 4, 3, 5]))
+        address = ".".join(draw(st.lists(_octets, min_size=count, max_size=count)))
+        prefix = draw(st.integers(1, 32))
+    else:
+        groups = draw(st.lists(_groups, min_size=1, max_size=9))
+        cut = draw(st.integers(0, len(groups)))
+        if len(groups) < 8 or draw(st.booleans()):
+            address = ":".join(groups[:cut]) + "::" + ":".join(groups[cut:])
+        else:
+            address = ":".join(groups)
+        prefix = draw(st.integers(1, 128))
+    suffix = draw(st.sampled_from([f"/{prefix}"] * 6 + ["", "/0", "/08", "/x", "/129", "/33"]))
+    return address + suffix
+
+
+@settings(max_examples=300, deadline=None)
+@given(_cidr_texts())
+def test_an_excepted_range_the_schema_takes_is_one_the_api_server_takes(text):
+    """Differential: networkPolicy.loader.exceptCIDRs' schema pattern against the API server's
+    rule as loader.kube reads it (a CIDR strictly inside 0.0.0.0/0 or ::/0)."""
+    if _schema_pattern("networkPolicy", "loader", "exceptCIDRs", "items").fullmatch(text):
+        block = {"cidr": "::/0" if ":" in text else "0.0.0.0/0", "except": [text]}
+        assert _kube_problems(_policy_with(block)) == []
+
+
+def _kube_problems(doc: dict) -> list[str]:
+    from loader import kube
+
+    return kube.problems([doc])
+
+
+def _policy_with(block: dict) -> dict:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "p", "namespace": "n"},
+        "spec": {"podSelector": {}, "egress": [{"to": [{"ipBlock": block}]}]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("cidr", "excepted"),
+    [
+        ("0.0.0.0/0", "0.0.0.0/0"),
+        ("0.0.0.0/0", "fc00::/7"),
+        ("::/0", "::ffff:10.0.0.0/104"),
+        ("10.0.0.0/8", "192.168.0.0/16"),
+        ("0.0.0.0/0", "10.0.0.0/33"),
+        ("0.0.0.0/0", "10.0.0.0"),
+        ("10.0.0/8", "10.1.0.0/16"),
+    ],
+)
+def test_validation_refuses_an_address_block_the_api_server_refuses(cidr, excepted):
+    assert _kube_problems(_policy_with({"cidr": cidr, "except": [excepted]})) != []
+
+
+def test_validation_refuses_secret_references_and_keys_the_api_server_refuses():
+    docs = rendered("helm4", None)
+    deployment = one(docs, "Deployment")
+    secret = one(docs, "Secret")
+    assert _kube_problems(deployment) == [] and _kube_problems(secret) == []
+    for name, key in (("a..b", "token"), ("ok", "..x"), ("ok", "."), ("UP", "token")):
+        broken = copy.deepcopy(deployment)
+        [triton] = [
+            c for c in broken["spec"]["template"]["spec"]["containers"] if c["name"] == "triton"
+        ]
+        [env] = [e for e in triton["env"] if "valueFrom" in e]
+        env["valueFrom"]["secretKeyRef"] = {"name": name, "key": key}
+        assert len(_kube_problems(broken)) == 1, (name, key)
+    for key in (".", "..", "..x", "a/b", ""):
+        assert len(_kube_problems({**secret, "data": {key: "eA=="}})) == 1, key
