@@ -4,14 +4,15 @@
 builds a backend directory for the Python backend, starts the server in its own process
 group with an environment that makes the Python-backend stub work with this interpreter,
 waits with a deadline until its gRPC health service reports SERVING (what Kubernetes' probes
-ask) and, unless HTTP is off, ``/v2/health/ready`` answers on the HTTP address, and on exit stops the server (SIGTERM, a short
-``--exit-timeout-secs``, then SIGKILL of the whole group), so no process is left behind.
+ask) and, unless HTTP is off, ``/v2/health/ready`` answers on the HTTP address, and on exit
+stops the server (SIGTERM, a short ``--exit-timeout-secs``, then SIGKILL of the whole group),
+so no process is left behind.
 
 Before starting, the repository is checked (a loader's ROOT or a GPU-only FasterTransformer
 repository is refused with what to serve instead) and so are explicitly given ports (one in
 use is refused at once). The server is ready when its own process listens on the HTTP port
-and answers ``/v2/health/ready``: a health check answered by another server on the same port
-never counts. If the server does not become ready, the error starts with the cause found in
+(the gRPC port when HTTP is off) and the checks above pass: a health check answered by
+another server on the same port never counts. If the server does not become ready, the error starts with the cause found in
 its log (a port in use, a model that failed to load), followed by the log's tail.
 
 Environment facts this module encodes (``docs/local-triton.md``):
