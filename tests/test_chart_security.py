@@ -593,3 +593,47 @@ def test_validation_refuses_secret_references_and_keys_the_api_server_refuses():
         assert len(_kube_problems(broken)) == 1, (name, key)
     for key in (".", "..", "..x", "a/b", ""):
         assert len(_kube_problems({**secret, "data": {key: "eA=="}})) == 1, key
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize("live_key", ["token", "other"])
+def test_an_upgrade_keeps_the_live_admin_token(helm, live_key, tmp_path):
+    """`helm upgrade` reads the live Secret (`lookup`) and keeps its token, so running pods and
+    admin clients keep working; a Secret without the key gets a new random token."""
+    import subprocess
+
+    from tests.kubeapi import kube_api
+
+    kept = base64.b64encode(b"kept-token-0123456789").decode()
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "codegen-model-triton-admin",
+            "namespace": "model-triton",
+            "labels": {"app.kubernetes.io/managed-by": "Helm"},
+            "annotations": {
+                "meta.helm.sh/release-name": "codegen",
+                "meta.helm.sh/release-namespace": "model-triton",
+            },
+        },
+        "data": {live_key: kept},
+    }
+    args = ["template", "codegen", str(rc.CHART), "--namespace", "model-triton",
+            "--dry-run=server", "--disable-openapi-validation"]  # fmt: skip
+    with kube_api([secret], tmp_path) as kubeconfig:
+        proc = subprocess.run([str(rc.tool(helm)), *args, "--kubeconfig", str(kubeconfig)],
+                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    docs = rc.documents(proc.stdout)
+    token = one(docs, "Secret", "codegen-model-triton-admin")["data"]["token"]
+    if live_key == "token":
+        assert token == kept
+    else:
+        assert token != kept
+        assert re.fullmatch(r"[A-Za-z0-9]{40}", base64.b64decode(token).decode())
+    [env] = [e for e in triton_container(docs)["env"] if e["name"] == "TRITON_ADMIN_TOKEN"]
+    assert env["valueFrom"]["secretKeyRef"] == {
+        "name": "codegen-model-triton-admin",
+        "key": "token",
+    }
