@@ -321,6 +321,7 @@ def _build(
             settings=settings,
             data_type=str(converted.dtype),
             end_id=converted.config.end_id,
+            start_id=converted.config.start_id,
         )
         layout.write_models(staging, spec, tokenizer=tokenizer)
         meta = {

@@ -194,6 +194,28 @@ def test_concurrent_streams_batched_together_each_equal_their_own_completion(str
         assert got.output_tokens == request["request_output_len"][0]
 
 
+def test_streams_with_different_optional_fields_share_batches_and_are_all_answered(
+    streaming, plain
+):
+    """As through the ensemble (test_wire_contract): the streaming model sends fastertransformer
+    every input, so streams whose clients sent different fields are batched together, and each
+    stream still equals its non-streaming completion."""
+    from test_wire_contract import _stats, batch_mixed_fields
+
+    alone, together, inferences, executions = batch_mixed_fields(
+        streaming.grpc_url,
+        lambda r: collect(iter(_stream(streaming, r))),
+        lambda: _stats(streaming, "fastertransformer"),
+    )
+    assert inferences == len(alone) + 1
+    assert executions < inferences
+    for a, b in zip(alone, together, strict=True):
+        assert a.text == b.text
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+    request = {"prompt": ["def add(a, b):"], "request_output_len": [6], "temperature": [0.7]}
+    assert alone[1].text == complete(plain.grpc_url, MODEL, request, protocol="grpc").text
+
+
 def test_a_cancelled_stream_does_not_wedge_the_model_and_the_next_request_is_served(streaming):
     request = {**SEED_REQUEST, "request_output_len": [8]}
     before = collect(iter(_stream(streaming, request)))
