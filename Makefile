@@ -9,12 +9,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TOOLS  := .tools
+#: The Triton image's Python packages (images/triton/requirements.txt), for the r23.05 model tests.
+TRITON_VENV := .venv-triton
 export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 
 TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
 PYTEST_ARGS ?=
 
-.PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
+.PHONY: help install venv triton-venv tools test lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
         staging-deploy clean
 
 help: ## list the targets
@@ -28,10 +30,16 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml scripts
 	PYTHON=$(PYTHON) scripts/install-venv.sh $(VENV)
 	touch $@
 
+triton-venv: $(TRITON_VENV)/.installed
+
+$(TRITON_VENV)/.installed: images/triton/requirements.txt scripts/install-triton-venv.sh
+	scripts/install-triton-venv.sh $(TRITON_VENV)
+	touch $@
+
 tools: venv
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 
-test: install ## run every test
+test: install triton-venv ## run every test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
@@ -68,4 +76,4 @@ staging-deploy: install ## helm upgrade --install to the current context with va
 	scripts/staging-deploy.sh
 
 clean: ## remove the virtualenv, tools and work directories
-	rm -rf $(VENV) $(TOOLS) bench/work demo-work
+	rm -rf $(VENV) $(TRITON_VENV) $(TOOLS) bench/work demo-work

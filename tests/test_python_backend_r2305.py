@@ -1,21 +1,27 @@
 """Every Python model a repository ships runs on the python_backend r23.05 API (Triton 23.05).
 
 The models are loaded from a published repository by ``tests/r2305/driver.py`` in a ``python -S``
-interpreter (only the files the repository holds, numpy and tokenizers), against
-``tests/r2305/triton_python_backend_utils.py``: the r23.05 surface and nothing newer. Each is
-initialised and answers one request, through the same BLS calls Triton would make; the
-streaming model's last response carries data, so a 23.05 client sees the end of the stream.
+interpreter of ``.venv-triton``, the virtualenv with the Triton image's package pins
+(``images/triton/requirements.txt``; ``make test`` creates it, and so does the fixture below when
+it is missing), against ``tests/r2305/triton_python_backend_utils.py``: the r23.05 surface and
+nothing newer. The stub models the memory types the real backend hands out: the
+``fastertransformer`` model's outputs are GPU tensors to a BLS caller that did not ask for CPU
+memory, and ``as_numpy()`` on them raises.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
-import tokenizers
 from google.protobuf import json_format
 
 from loader.parallel import Parallelism
@@ -23,8 +29,39 @@ from loader.pipeline import RunRequest, run
 from loader.repository.config import read_config
 from loader.repository.key import ServingSettings
 
-DRIVER = Path(__file__).resolve().parent / "r2305" / "driver.py"
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "r2305" / "driver.py"
+STUB = ROOT / "tests" / "r2305" / "triton_python_backend_utils.py"
+TRITON_VENV = ROOT / ".venv-triton"
+PINS = ROOT / "images" / "triton" / "requirements.txt"
 PROMPT = "def add(a, b):"
+#: An end_id outside the tiny vocabulary: every requested token is generated.
+NEVER = 100_000
+
+
+def _pins() -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in PINS.read_text().splitlines()]
+    return dict(line.split("==") for line in lines if line)
+
+
+@pytest.fixture(scope="session")
+def triton_site() -> tuple[Path, str]:
+    """``.venv-triton``'s interpreter and site-packages, the venv created if `make test` has not
+    (one creator at a time: the lock serialises parallel test workers)."""
+    python, stamp = TRITON_VENV / "bin" / "python", TRITON_VENV / ".installed"
+    digest = hashlib.sha256(str(ROOT).encode()).hexdigest()[:12]
+    lock = Path(tempfile.gettempdir()) / f"model-triton-venv-{digest}.lock"
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if not stamp.is_file() or stamp.stat().st_mtime < PINS.stat().st_mtime:
+            script = ROOT / "scripts" / "install-triton-venv.sh"
+            subprocess.run([str(script), str(TRITON_VENV)], check=True, timeout=900)
+            stamp.touch()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    return python, site
 
 
 def _publish(source: Path, root: Path, *, streaming: bool) -> Path:
@@ -38,33 +75,62 @@ def _publish(source: Path, root: Path, *, streaming: bool) -> Path:
     return run(request).path
 
 
-def _drive(published: Path, tmp_path: Path, *, streaming: str | None) -> dict:
-    models = []
+def _drive(published: Path, tmp_path: Path, triton_site, scenario: str, requests: list) -> dict:
+    python, site = triton_site
+    models, ensemble, streaming = [], None, None
     for config_path in sorted(published.glob("*/config.pbtxt")):
         config = read_config(config_path)
-        if config.backend != "python":
+        as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
+        if config.platform == "ensemble":
+            ensemble = as_dict
             continue
+        if config.name not in ("preprocessing", "postprocessing", "fastertransformer"):
+            streaming = config.name
         models.append(
             {
                 "name": config.name,
                 "version_dir": str(config_path.parent / "1"),
-                "model_config": json_format.MessageToDict(config, preserving_proto_field_name=True),
+                "model_config": as_dict,
             }
         )
     spec = {
-        "site": str(Path(tokenizers.__file__).resolve().parents[1]),
+        "site": site,
         "models": models,
+        "gpu_output_models": ["fastertransformer"],  # the C++ backend answers in GPU memory
+        "ensemble": ensemble,
         "streaming": streaming,
-        "prompt": PROMPT,
+        "scenario": scenario,
+        "requests": requests,
     }
-    spec_path = tmp_path / "spec.json"
+    spec_path = tmp_path / f"spec-{scenario}.json"
     spec_path.write_text(json.dumps(spec))
     done = subprocess.run(
-        [sys.executable, "-S", str(DRIVER), str(spec_path)],
+        [str(python), "-S", str(DRIVER), str(spec_path)],
         capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _client_request(n_out: int = 6, **optional) -> dict:
+    request = {
+        "prompt": ["BYTES", [PROMPT]],
+        "request_output_len": ["UINT32", [[n_out]]],
+        "runtime_top_k": ["UINT32", [[1]]],
+    }
+    request.update(optional)
+    return request
+
+
+def _ft_request(prompt: list[int], n_out: int, **optional) -> dict:
+    request = {
+        "input_ids": ["UINT32", [prompt]],
+        "input_lengths": ["UINT32", [[len(prompt)]]],
+        "request_output_len": ["UINT32", [[n_out]]],
+        "end_id": ["UINT32", [[NEVER]]],
+    }
+    request.update(optional)
+    return request
 
 
 @pytest.fixture(scope="module")
@@ -72,33 +138,171 @@ def source(tiny_checkpoint_with_tokenizer: Path) -> Path:
     return tiny_checkpoint_with_tokenizer
 
 
-def test_ensemble_models_answer_on_the_r2305_api(source, tmp_path):
-    published = _publish(source, tmp_path / "models", streaming=False)
-    report = _drive(published, tmp_path, streaming=None)
-    assert report["dtypes"]["sequence_length"] == "int32"
-    assert report["dtypes"]["output_ids"] == "uint32"
-    assert set(report["dtypes"]) >= {"completion", "cum_log_probs", "output_log_probs"}
-    assert report["completion"]
+@pytest.fixture(scope="module")
+def plain(source, tmp_path_factory) -> Path:
+    return _publish(source, tmp_path_factory.mktemp("r2305") / "models", streaming=False)
 
 
-def test_the_streaming_model_streams_on_the_r2305_api(source, tmp_path):
-    published = _publish(source, tmp_path / "models", streaming=True)
-    report = _drive(published, tmp_path, streaming="codegen")
-    assert report["errors"] == []
-    assert report["final"] and report["final_has_data"]
-    assert report["responses"] == 6 + 1  # one per generated token, then the final one
-    reference = _drive(
-        _publish(source, tmp_path / "plain", streaming=False), tmp_path, streaming=None
+@pytest.fixture(scope="module")
+def streaming(source, tmp_path_factory) -> Path:
+    return _publish(source, tmp_path_factory.mktemp("r2305s") / "models", streaming=True)
+
+
+def test_the_models_run_with_the_triton_images_pins(plain, tmp_path, triton_site):
+    report = _drive(plain, tmp_path, triton_site, "ensemble", [_client_request()])
+    pins = _pins()
+    assert report["numpy"] == pins["numpy"] == "1.24.4"
+    assert report["tokenizers"] == pins["tokenizers"]
+    # The image installs exactly this file.
+    dockerfile = (ROOT / "images" / "triton" / "Dockerfile").read_text()
+    assert "COPY images/triton/requirements.txt" in dockerfile
+    assert "-r /tmp/model-triton-requirements.txt" in dockerfile
+
+
+def test_ensemble_models_answer_on_the_r2305_api(plain, tmp_path, triton_site):
+    seed_fields = {
+        "temperature": ["FP32", [[0.2]]],
+        "repetition_penalty": ["FP32", [[1.0]]],
+        "runtime_top_p": ["FP32", [[0.98]]],
+        "random_seed": ["UINT64", [[1594506369]]],
+        "is_return_log_probs": ["BOOL", [[True]]],
+        "start_id": ["UINT32", [[NEVER]]],
+        "end_id": ["UINT32", [[NEVER]]],
+    }
+    report = _drive(
+        plain,
+        tmp_path,
+        triton_site,
+        "ensemble",
+        [_client_request(), _client_request(**seed_fields)],
     )
-    assert report["completion"] == reference["completion"]
+    for result in report["results"]:
+        assert "error" not in result, result
+        assert result["dtypes"] == {
+            "completion": "object",
+            "output_ids": "uint32",
+            "sequence_length": "int32",
+            "cum_log_probs": "float32",
+        }
+        assert result["outputs"]["completion"][0][0]
+        assert result["shapes"]["output_ids"][:2] == [1, 1]
+
+
+def test_the_streaming_model_streams_on_the_r2305_api(plain, streaming, tmp_path, triton_site):
+    """Fails if any BLS call of the streaming model reads a ``fastertransformer`` tensor it did
+    not ask for in CPU memory (the r23.05 backend hands it GPU memory)."""
+    report = _drive(streaming, tmp_path, triton_site, "streaming", [_client_request()])
+    [result] = report["results"]
+    assert result["errors"] == []
+    assert result["final"] and result["final_has_data"]
+    assert result["responses"] == 6 + 1  # one per generated token, then the final one
+    reference = _drive(plain, tmp_path, triton_site, "ensemble", [_client_request()])
+    assert result["completion"] == reference["results"][0]["outputs"]["completion"][0][0]
+    lengths = result["sequence_lengths"]
+    assert lengths == sorted(lengths) and lengths[-1] - lengths[0] == 5
+
+
+def test_a_batched_request_lacking_an_input_of_the_first_gets_tritons_error(
+    plain, tmp_path, triton_site
+):
+    """BE SetInputTensors takes requests[0]'s inputs as the batch's; the input collector answers
+    a request without one of them with Triton's error, and ignores what only later requests
+    send."""
+    seeded = {"random_seed": ["UINT64", [[7]]], "runtime_top_k": ["UINT32", [[20]]]}
+    unseeded = {"runtime_top_k": ["UINT32", [[20]]]}
+    first, second = _ft_request([5, 6, 7, 8], 5), _ft_request([9, 10, 11], 5)
+    report = _drive(
+        plain,
+        tmp_path,
+        triton_site,
+        "batch",
+        [{**first, **seeded}, {**second, **unseeded}],
+    )
+    ok, failed = (r["responses"][0] for r in report["results"])
+    assert "outputs" in ok
+    assert failed["error"] == "input 'random_seed' does not exist in request"
+    # The other way round both are answered, and the second request's seed is ignored: it
+    # samples with FT's default seed 0, as it does when it sends none.
+    swapped = _drive(
+        plain,
+        tmp_path,
+        triton_site,
+        "batch",
+        [{**first, **unseeded}, {**second, **seeded}],
+    )
+    ignored = swapped["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
+    alone = _drive(
+        plain,
+        tmp_path,
+        triton_site,
+        "batch",
+        [{**first, **unseeded}, {**second, **unseeded}],
+    )
+    assert ignored == alone["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
+    own_seed = _drive(
+        plain, tmp_path, triton_site, "batch", [{**first, **seeded}, {**second, **seeded}]
+    )
+    assert ignored != own_seed["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
+
+
+def test_streaming_fastertransformer_calls_back_every_request_each_step_but_the_last(
+    streaming, tmp_path, triton_site
+):
+    """BE streaming_callback answers every request of the batch after each step; FT
+    GptJ::forward skips the callback of the last step; ProcessRequests then sends each a final
+    response with data. The shorter row samples one token more (step >= W + len)."""
+    short, long_ = _ft_request([5, 6, 7], 3), _ft_request([9, 10, 11, 12], 6)
+    report = _drive(streaming, tmp_path, triton_site, "batch", [short, long_])
+    for result in report["results"]:
+        responses = result["responses"]
+        assert [r["final"] for r in responses] == [False] * 5 + [True]
+        assert all("outputs" in r for r in responses)
+    short_lengths = [
+        r["outputs"]["sequence_length"][0][0] for r in report["results"][0]["responses"]
+    ]
+    long_lengths = [
+        r["outputs"]["sequence_length"][0][0] for r in report["results"][1]["responses"]
+    ]
+    width = 4
+    assert long_lengths == [width + n for n in range(1, 7)]
+    assert short_lengths == [width + n for n in (1, 2, 3, 4, 4, 4)]  # 3 asked, 4 sampled
+
+
+def test_the_stub_hands_out_gpu_tensors_as_the_r2305_backend_does():
+    """The stub itself: a ``fastertransformer`` output is a GPU tensor to a BLS caller that did
+    not prefer CPU memory (as_numpy raises as PbTensor::AsNumpy does), a CPU one otherwise."""
+    spec = importlib.util.spec_from_file_location("r2305_stub", STUB)
+    stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stub)
+
+    class Echo:
+        def execute(self, requests):
+            return [stub.InferenceResponse([stub.Tensor("out", np.arange(3))]) for _ in requests]
+
+    stub.MODELS["fastertransformer"] = (Echo(), False)
+    stub.MODELS["postprocessing"] = (Echo(), False)
+    stub.GPU_OUTPUT_MODELS.add("fastertransformer")
+
+    def ask(model: str, **kwargs):
+        request = stub.InferenceRequest(
+            inputs=[], requested_output_names=[], model_name=model, **kwargs
+        )
+        return stub.get_output_tensor_by_name(request.exec(), "out")
+
+    on_gpu = ask("fastertransformer")
+    assert not on_gpu.is_cpu()
+    with pytest.raises(stub.TritonModelException, match="stored in GPU"):
+        on_gpu.as_numpy()
+    cpu = stub.PreferredMemory(stub.TRITONSERVER_MEMORY_CPU, 0)
+    assert ask("fastertransformer", preferred_memory=cpu).as_numpy().tolist() == [0, 1, 2]
+    assert ask("postprocessing").as_numpy().tolist() == [0, 1, 2]  # a Python model: CPU
 
 
 def test_the_code_the_triton_image_runs_passes_vermin_for_python_3_10():
     """vermin over the paths ``make lint`` checks (the Makefile's TRITON_IMAGE_PYTHON)."""
-    root = Path(__file__).resolve().parent.parent
     line = next(
         line
-        for line in (root / "Makefile").read_text().splitlines()
+        for line in (ROOT / "Makefile").read_text().splitlines()
         if line.startswith("TRITON_IMAGE_PYTHON :=")
     )
     paths = line.split(":=", 1)[1].split()
@@ -106,6 +310,6 @@ def test_the_code_the_triton_image_runs_passes_vermin_for_python_3_10():
     done = subprocess.run(
         [str(Path(sys.executable).parent / "vermin"), "-q", "-t=3.10-", "--no-tips", "--violations",
          "--eval-annotations", *paths],
-        capture_output=True, text=True, timeout=120, check=False, cwd=root,
+        capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
