@@ -313,3 +313,46 @@ def test_the_code_the_triton_image_runs_passes_vermin_for_python_3_10():
         capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _postprocessing_module():
+    """postprocessing/model.py imported against the stub (for its ``answer`` function)."""
+    models = ROOT / "loader" / "repository" / "models"
+    saved = list(sys.path)
+    sys.path[:0] = [str(STUB.parent), str(models)]
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "postprocessing_model", models / "postprocessing" / "model.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+        for name in ("triton_python_backend_utils", "tokenization"):
+            sys.modules.pop(name, None)
+    return module
+
+
+def test_postprocessing_cuts_fts_batch_layout_to_what_the_request_asked_for():
+    """FT's rows are W + M wide with sequence_length W + n (GptJ::setOutputTensors, gatherTree),
+    and a row asking fewer than M tokens holds one more (length_criterion): the answer keeps the
+    prompt and min(n, request_output_len) tokens, its own length, and NaN for a cum_log_probs
+    that holds the extra token."""
+    answer = _postprocessing_module().answer
+    end, width, most = 99, 5, 6  # end_id, W (the batch's widest prompt), M
+    rows = np.full((3, 1, width + most), end, dtype=np.uint32)
+    rows[0, 0, :3], rows[0, 0, 3:8] = [1, 2, 3], [11, 12, 13, 14, 15]  # asked 4, got 5
+    rows[1, 0, :5], rows[1, 0, 5:7] = [4, 5, 6, 7, 8], [21, end]  # end_id after 1 token
+    rows[2, 0, :2], rows[2, 0, 2:4] = [9, 10], [31, 32]  # a snapshot: 2 of 6 so far
+    lengths = np.array([[width + 5], [width + 2], [width + 2]], dtype=np.int32)
+    cums = np.array([[-1.0], [-2.0], [-3.0]], dtype=np.float32)
+    ids, seq, cum, texts = answer(
+        rows, lengths, cums, most, np.array([3, 5, 2]), np.array([4, 6, 6]), np.full(3, end)
+    )
+    assert ids.shape == (3, 1, 5 + 6)  # the request's own widest prompt + largest length
+    assert ids[0, 0].tolist() == [1, 2, 3, 11, 12, 13, 14] + [end] * 4
+    assert ids[1, 0].tolist() == [4, 5, 6, 7, 8, 21, end] + [end] * 4
+    assert ids[2, 0].tolist() == [9, 10, 31, 32] + [end] * 7
+    assert seq[:, 0].tolist() == [3 + 4, 5 + 2, 2 + 2]  # a stopping end_id counts, as in FT
+    assert np.isnan(cum[0, 0]) and cum[1:, 0].tolist() == [-2.0, -3.0]
+    assert texts == [[11, 12, 13, 14], [21], [31, 32]]
