@@ -356,3 +356,23 @@ def test_postprocessing_cuts_fts_batch_layout_to_what_the_request_asked_for():
     assert seq[:, 0].tolist() == [3 + 4, 5 + 2, 2 + 2]  # a stopping end_id counts, as in FT
     assert np.isnan(cum[0, 0]) and cum[1:, 0].tolist() == [-2.0, -3.0]
     assert texts == [[11, 12, 13, 14], [21], [31, 32]]
+
+
+def test_the_readme_builds_the_base_image_the_dockerfile_starts_from():
+    """images/triton/Dockerfile starts FROM an image built locally from upstream's
+    docker/Dockerfile: the README says how, with the exact tag the Dockerfile expects."""
+    dockerfile = (ROOT / "images" / "triton" / "Dockerfile").read_text()
+    [base] = [
+        line.split("=", 1)[1] for line in dockerfile.splitlines() if line.startswith("ARG BASE=")
+    ]
+    readme = (ROOT / "README.md").read_text()
+    commit = "c6936c39be6fc57c161db34cfe5c45d1bef81ee2"
+    assert f"git -C fastertransformer_backend checkout {commit}" in readme
+    assert (
+        f"docker build --rm -t {base} \\\n  -f fastertransformer_backend/docker/Dockerfile"
+        in readme
+    )
+    assert base.endswith(commit[:7])
+    ignore = (ROOT / "images" / "triton" / "Dockerfile.dockerignore").read_text().split()
+    assert "!images/triton/requirements.txt" in ignore
+    assert "!images/triton/requirements.txt" in (ROOT / ".dockerignore").read_text().split()

@@ -163,6 +163,16 @@ def test_a_padded_batch_has_fts_lengths_and_layout(server):
     assert (output_ids[1, 3 + 5 :] == 100_000).all()
 
 
+def test_beam_search_is_refused_by_the_cpu_reference(server):
+    """FT runs beam_width > 1 with OnlineBeamSearchLayer; the CPU reference does not implement it
+    and says so (docs/fastertransformer.md, the differences table)."""
+    ids = np.array([[5, 6, 7, 8]])
+    inputs = _ft_inputs(ids, [4])
+    inputs.append(_tensor("beam_width", np.array([[2]], dtype=np.uint32), "UINT32"))
+    with pytest.raises(Exception, match=r"beam search \(beam_width > 1\) is not supported"):
+        _infer(server, "fastertransformer", inputs)
+
+
 def test_a_shorter_row_gets_one_token_more_from_fastertransformer(server):
     """FT GptJ::forward (setSeqLimitLen) and stop_criteria_kernels.cu (length_criterion): a row
     asking fewer tokens than the batch's largest samples one more."""

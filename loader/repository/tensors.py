@@ -104,7 +104,7 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
 #: asked for. No ``output_log_probs``: FasterTransformer lays them out with the stride of the
 #: batch's first request (``GptJ::setOutputTensors``), so in a batch of different
 #: ``request_output_len`` another request's numbers would be returned as this one's, and no
-#: step after FasterTransformer can tell (the models README, "Log probabilities").
+#: step after FasterTransformer can tell (the models README, "The client-facing model").
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     Tensor("completion", "BYTES", (-1,)),
     Tensor("output_ids", "UINT32", (-1, -1)),
