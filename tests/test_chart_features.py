@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loader.demo import chart as rc
+from tests import chart as rc
 from tests.kubeapi import kube_api
 from tests.scheduler import Cluster, Rollout, gpu_pool
 

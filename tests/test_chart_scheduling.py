@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loader.demo import chart as rc
+from tests import chart as rc
 from tests.kubeapi import kube_api
 from tests.scheduler import Cluster, Node, Rollout, gpu_pool
 

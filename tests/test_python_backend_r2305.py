@@ -25,9 +25,9 @@ import pytest
 from google.protobuf import json_format
 
 from loader.parallel import Parallelism
-from loader.pipeline import RunRequest, run
 from loader.repository.config import read_config
 from loader.repository.key import ServingSettings
+from loader.run import RunRequest, run
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "r2305" / "driver.py"
