@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from test_curand import PlainXorwow, plain_uniform
 
 from loader.reference.generate import (
@@ -246,31 +249,44 @@ def test_word_checks_of_a_short_row_look_at_the_padding():
     assert generate(TableLM(table), [stop, wide], vocab_size=V)[0].num_generated == 1
 
 
-def test_sampling_from_the_sorted_prefix_equals_sampling_from_a_full_sort(monkeypatch):
-    """sample_tokens sorts only the most probable ids unless the walk needs more; over random
-    rows (flat and peaked, ties, top-k beyond the prefix, top-p reaching past it) the picks are
-    those of a full sort."""
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_sampling_from_the_sorted_prefix_equals_sampling_from_a_full_sort(data):
+    """sample_tokens sorts only the most probable ids unless the walk needs more; for any rows
+    (flat and peaked, ties, top-k beyond the prefix, top-p reaching past it) the picks are those
+    of a full sort."""
     from loader.reference import generate as gen
 
-    rng = np.random.Generator(np.random.PCG64(17))
-    for trial in range(300):
-        batch, vocab = int(rng.integers(1, 9)), int(rng.choice([8, 64, 65, 300, 512]))
-        logits = rng.normal(size=(batch, vocab)) * rng.choice([0.1, 1.0, 8.0])
-        if trial % 3 == 0:  # ties, also across the prefix's end
-            logits = np.round(logits, 1)
-        probs = softmax(logits.astype(np.float32))
-        top_k = rng.choice([0, 1, 3, 40, 63, 64, 65, 200, 1024], size=batch)
-        top_p = rng.choice([0.0, 0.3, 0.9, 0.999, 1.0], size=batch).astype(np.float32)
-        effective = [
-            SamplingConfig(top_k=int(k), top_p=float(p)).effective()
-            for k, p in zip(top_k, top_p, strict=True)
-        ]
-        k = np.array([e[0] for e in effective])
-        p = np.array([e[1] for e in effective], dtype=np.float32)
-        u = rng.random(batch).astype(np.float32) + np.float32(1e-7)
-        prefix = gen.sample_tokens(probs, k, p, u)
-        monkeypatch.setattr(gen, "SORTED_PREFIX", vocab)
+    batch = data.draw(st.integers(1, 8))
+    vocab = data.draw(st.sampled_from([8, 64, 65, 300, 512]))
+    logits = data.draw(
+        hnp.arrays(np.float32, (batch, vocab), elements=st.floats(-4, 4, width=32))
+    ) * data.draw(st.sampled_from([0.1, 1.0, 8.0]))
+    if data.draw(st.booleans()):  # ties, also across the prefix's end
+        logits = np.round(logits, 1)
+    probs = softmax(logits.astype(np.float32))
+    effective = [
+        SamplingConfig(top_k=int(k), top_p=float(p)).effective()
+        for k, p in data.draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from([0, 1, 3, 40, 63, 64, 65, 200, 1024]),
+                    st.sampled_from([0.0, 0.3, 0.9, 0.999, 1.0]),
+                ),
+                min_size=batch,
+                max_size=batch,
+            )
+        )
+    ]
+    k = np.array([e[0] for e in effective])
+    p = np.array([e[1] for e in effective], dtype=np.float32)
+    u = data.draw(hnp.arrays(np.float32, batch, elements=st.floats(2.0**-33, 1.0, width=32)))
+    prefix = gen.sample_tokens(probs, k, p, u)
+    saved = gen.SORTED_PREFIX
+    gen.SORTED_PREFIX = vocab
+    try:
         full = gen.sample_tokens(probs, k, p, u)
-        monkeypatch.undo()
-        for a, b in zip(prefix, full, strict=True):
-            np.testing.assert_array_equal(a, b)
+    finally:
+        gen.SORTED_PREFIX = saved
+    for a, b in zip(prefix, full, strict=True):
+        np.testing.assert_array_equal(a, b)
