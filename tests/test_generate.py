@@ -373,6 +373,18 @@ def test_bad_words_are_never_generated_after_their_prefix(tiny):
             GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(temperature=0.0)),
             "temperature",
         ),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(temperature=np.nan)),
+            "temperature",
+        ),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(repetition_penalty=np.inf)),
+            "repetition_penalty",
+        ),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(top_p=np.nan)),
+            "runtime_top_p",
+        ),
     ],
 )
 def test_invalid_requests_are_typed_errors(tiny, request_, message):

@@ -204,10 +204,12 @@ def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int) ->
         if req.output_len < 1:
             raise InvalidRequestError(f"request {n}: request_output_len must be at least 1")
         s = req.sampling
-        if s.temperature <= 0:
+        if not (np.isfinite(s.temperature) and s.temperature > 0):
             raise InvalidRequestError(f"request {n}: temperature must be positive")
-        if s.repetition_penalty <= 0:
+        if not (np.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
             raise InvalidRequestError(f"request {n}: repetition_penalty must be positive")
+        if not np.isfinite(s.top_p):
+            raise InvalidRequestError(f"request {n}: runtime_top_p must be a number")
         if s.top_k < 0:
             raise InvalidRequestError(f"request {n}: runtime_top_k must not be negative")
 
