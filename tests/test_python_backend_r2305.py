@@ -188,6 +188,28 @@ def test_ensemble_models_answer_on_the_r2305_api(plain, tmp_path, triton_site):
         assert result["shapes"]["output_ids"][:2] == [1, 1]
 
 
+def test_preprocessing_sends_every_fastertransformer_input_whatever_the_client_sent(
+    plain, tmp_path, triton_site
+):
+    """One input set for every request (Triton batches only requests with the same set, core
+    RequiredEqualInputs::HasEqualInputs): preprocessing produces all sixteen inputs of the
+    fastertransformer contract for any choice of the client's optional fields."""
+    from loader.repository.tensors import FASTERTRANSFORMER_INPUTS, SAMPLING_INPUTS
+
+    choices = [{}]
+    values = {"UINT32": [[1]], "UINT64": [[5]], "FP32": [[0.5]], "BOOL": [[False]]}
+    for tensor in SAMPLING_INPUTS:
+        choices.append({tensor.name: [tensor.dtype, values[tensor.dtype]]})
+    choices.append({t.name: [t.dtype, values[t.dtype]] for t in SAMPLING_INPUTS})
+    report = _drive(
+        plain, tmp_path, triton_site, "ensemble", [_client_request(**c) for c in choices]
+    )
+    expected = sorted(t.name for t in FASTERTRANSFORMER_INPUTS)
+    for result in report["results"]:
+        assert "error" not in result, result
+        assert result["produced"]["preprocessing"] == expected
+
+
 def test_the_streaming_model_streams_on_the_r2305_api(plain, streaming, tmp_path, triton_site):
     """Fails if any BLS call of the streaming model reads a ``fastertransformer`` tensor it did
     not ask for in CPU memory (the r23.05 backend hands it GPU memory)."""
@@ -243,6 +265,34 @@ def test_a_batched_request_lacking_an_input_of_the_first_gets_tritons_error(
         plain, tmp_path, triton_site, "batch", [{**first, **seeded}, {**second, **seeded}]
     )
     assert ignored != own_seed["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
+
+
+def test_every_default_preprocessing_fills_in_means_what_its_absence_means(
+    plain, tmp_path, triton_site
+):
+    """A differential test of preprocessing's DEFAULTS against the reference's handling of an
+    absent input (FT's): a sampled request with every optional input absent and the same request
+    with each set to its default give the same tokens and log probabilities."""
+    pre = _model_module("preprocessing")
+    triton_types = {np.uint32: "UINT32", np.uint64: "UINT64", np.float32: "FP32"}
+    explicit = {
+        name: [triton_types[dtype], [[value]]] for name, (dtype, value) in pre.DEFAULTS.items()
+    }
+    explicit.pop("runtime_top_k")  # both sample: top-k 20, so the seed's default matters
+    for name in pre.WORD_LISTS:
+        explicit[name] = ["INT32", [list(map(list, pre.EMPTY_WORDS))]]
+    log_probs = {"is_return_log_probs": ["BOOL", [[True]]]}
+    top_k = {"runtime_top_k": ["UINT32", [[20]]]}
+    absent = _ft_request([5, 6, 7, 8], 8, **top_k, **log_probs)
+    present = _ft_request([5, 6, 7, 8], 8, **top_k, **log_probs, **explicit)
+    results = [
+        _drive(plain, tmp_path, triton_site, "batch", [r])["results"][0]["responses"][0]["outputs"]
+        for r in (absent, present)
+    ]
+    assert results[0] == results[1]
+    seeded = _ft_request([5, 6, 7, 8], 8, **top_k, **log_probs, random_seed=["UINT64", [[1]]])
+    other = _drive(plain, tmp_path, triton_site, "batch", [seeded])["results"][0]
+    assert other["responses"][0]["outputs"]["output_ids"] != results[0]["output_ids"]
 
 
 def test_streaming_fastertransformer_calls_back_every_request_each_step_but_the_last(
@@ -315,15 +365,13 @@ def test_the_code_the_triton_image_runs_passes_vermin_for_python_3_10():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _postprocessing_module():
-    """postprocessing/model.py imported against the stub (for its ``answer`` function)."""
+def _model_module(name: str):
+    """``<name>/model.py`` imported against the stub (for its functions and tables)."""
     models = ROOT / "loader" / "repository" / "models"
     saved = list(sys.path)
     sys.path[:0] = [str(STUB.parent), str(models)]
     try:
-        spec = importlib.util.spec_from_file_location(
-            "postprocessing_model", models / "postprocessing" / "model.py"
-        )
+        spec = importlib.util.spec_from_file_location(f"{name}_model", models / name / "model.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
@@ -338,7 +386,7 @@ def test_postprocessing_cuts_fts_batch_layout_to_what_the_request_asked_for():
     and a row asking fewer than M tokens holds one more (length_criterion): the answer keeps the
     prompt and min(n, request_output_len) tokens, its own length, and NaN for a cum_log_probs
     that holds the extra token."""
-    answer = _postprocessing_module().answer
+    answer = _model_module("postprocessing").answer
     end, width, most = 99, 5, 6  # end_id, W (the batch's widest prompt), M
     rows = np.full((3, 1, width + most), end, dtype=np.uint32)
     rows[0, 0, :3], rows[0, 0, 3:8] = [1, 2, 3], [11, 12, 13, 14, 15]  # asked 4, got 5

@@ -96,6 +96,7 @@ def _outputs(pb_utils, response) -> dict:
 
 def run_ensemble(np, pb_utils, ensemble: dict, request: dict) -> dict:
     tensors = {t.name(): pb_utils.data(t) for t in _tensors(np, pb_utils, request)}
+    produced_by: dict[str, list[str]] = {}
     for step in ensemble["ensemble_scheduling"]["step"]:
         inputs = [
             pb_utils.Tensor(model_input, tensors[name])
@@ -108,6 +109,7 @@ def run_ensemble(np, pb_utils, ensemble: dict, request: dict) -> dict:
         if response.has_error():
             return {"error": f"{step['model_name']}: {response.error().message()}"}
         produced = _outputs(pb_utils, response)
+        produced_by[step["model_name"]] = sorted(produced)
         for model_output, name in step["output_map"].items():
             if model_output not in produced:
                 return {"error": f"{step['model_name']} did not send {model_output}"}
@@ -117,6 +119,7 @@ def run_ensemble(np, pb_utils, ensemble: dict, request: dict) -> dict:
         "dtypes": {k: str(v.dtype) for k, v in outputs.items()},
         "shapes": {k: list(v.shape) for k, v in outputs.items()},
         "outputs": {k: _plain(v) for k, v in outputs.items()},
+        "produced": produced_by,
     }
 
 
