@@ -233,38 +233,21 @@ def test_a_batched_request_lacking_an_input_of_the_first_gets_tritons_error(
     seeded = {"random_seed": ["UINT64", [[7]]], "runtime_top_k": ["UINT32", [[20]]]}
     unseeded = {"runtime_top_k": ["UINT32", [[20]]]}
     first, second = _ft_request([5, 6, 7, 8], 5), _ft_request([9, 10, 11], 5)
-    report = _drive(
-        plain,
-        tmp_path,
-        triton_site,
-        "batch",
-        [{**first, **seeded}, {**second, **unseeded}],
-    )
-    ok, failed = (r["responses"][0] for r in report["results"])
+
+    def batch(*optional: dict) -> list[dict]:
+        """One execute of both requests, each with its optional inputs: their first responses."""
+        requests = [{**r, **o} for r, o in zip((first, second), optional, strict=True)]
+        report = _drive(plain, tmp_path, triton_site, "batch", requests)
+        return [r["responses"][0] for r in report["results"]]
+
+    ok, failed = batch(seeded, unseeded)
     assert "outputs" in ok
     assert failed["error"] == "input 'random_seed' does not exist in request"
     # The other way round both are answered, and the second request's seed is ignored: it
     # samples with FT's default seed 0, as it does when it sends none.
-    swapped = _drive(
-        plain,
-        tmp_path,
-        triton_site,
-        "batch",
-        [{**first, **unseeded}, {**second, **seeded}],
-    )
-    ignored = swapped["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
-    alone = _drive(
-        plain,
-        tmp_path,
-        triton_site,
-        "batch",
-        [{**first, **unseeded}, {**second, **unseeded}],
-    )
-    assert ignored == alone["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
-    own_seed = _drive(
-        plain, tmp_path, triton_site, "batch", [{**first, **seeded}, {**second, **seeded}]
-    )
-    assert ignored != own_seed["results"][1]["responses"][0]["outputs"]["output_ids"][0][0]
+    ignored = batch(unseeded, seeded)[1]["outputs"]["output_ids"]
+    assert ignored == batch(unseeded, unseeded)[1]["outputs"]["output_ids"]
+    assert ignored != batch(seeded, seeded)[1]["outputs"]["output_ids"]
 
 
 def test_every_default_preprocessing_fills_in_means_what_its_absence_means(
