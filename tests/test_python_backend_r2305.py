@@ -407,3 +407,17 @@ def test_the_readme_builds_the_base_image_the_dockerfile_starts_from():
     ignore = (ROOT / "images" / "triton" / "Dockerfile.dockerignore").read_text().split()
     assert "!images/triton/requirements.txt" in ignore
     assert "!images/triton/requirements.txt" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_the_streaming_models_tensor_names_are_the_contracts():
+    """The streaming model cannot import loader.repository.tensors (it runs in Triton); its own
+    name lists must be the contract's."""
+    from loader.repository import tensors
+
+    streaming_model = _model_module("streaming")
+    assert tuple(t.name for t in tensors.ENSEMBLE_INPUTS) == streaming_model.CLIENT_INPUTS
+    assert tuple(t.name for t in tensors.FASTERTRANSFORMER_INPUTS) == streaming_model.FT_INPUTS
+    assert tuple(t.name for t in tensors.FT_RESULTS) == streaming_model.FT_RESULTS
+    assert tuple(t.name for t in tensors.POSTPROCESSING_OUTPUTS) == streaming_model.ANSWER
+    names = {t.name for t in tensors.POSTPROCESSING_INPUTS}
+    assert set(streaming_model.REQUEST_FIELDS) | set(streaming_model.FT_RESULTS) == names
