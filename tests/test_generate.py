@@ -53,6 +53,7 @@ def _pick(top_k: int, top_p: float, u: float) -> tuple[int, float, float]:
         (0, 0.9, (0, 0.9)),  # nucleus sampling
         (4, 0.5, (4, 0.5)),
         (5000, 1.5, (TOP_K_MAX, 1.0)),  # clipped like FT's kernels
+        (0, -0.5, (0, 0.0)),  # not greedy by the rule, then clipped: the most probable id
     ],
 )
 def test_sampling_config_applies_fts_rules(top_k, top_p, expected):
@@ -85,6 +86,10 @@ def test_top_p_restricts_sampling_to_the_nucleus():
     token, log_prob, out_log_prob = _pick(0, 0.6, 1.0)  # threshold 0.6
     assert token == 1
     assert log_prob == pytest.approx(np.log(0.3)) == out_log_prob
+
+
+def test_top_p_of_zero_picks_the_most_probable_id():
+    assert {_pick(0, 0.0, u)[0] for u in np.linspace(1e-6, 1.0, 11)} == {0}
 
 
 def test_top_k_with_top_p_keeps_the_top_p_share_of_the_top_k_mass():
