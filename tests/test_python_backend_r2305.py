@@ -44,6 +44,11 @@ def _pins() -> dict[str, str]:
     return dict(line.split("==") for line in lines if line)
 
 
+#: The tests that run the models in ``.venv-triton`` (built here if `make test` has not): slow,
+#: so not in `make test-fast` (markers in pyproject.toml).
+NEEDS_TRITON_VENV = pytest.mark.slow
+
+
 @pytest.fixture(scope="session")
 def triton_site() -> tuple[Path, str]:
     """``.venv-triton``'s interpreter and site-packages, the venv created if `make test` has not
@@ -148,6 +153,7 @@ def streaming(source, tmp_path_factory) -> Path:
     return _publish(source, tmp_path_factory.mktemp("r2305s") / "models", streaming=True)
 
 
+@NEEDS_TRITON_VENV
 def test_the_models_run_with_the_triton_images_pins(plain, tmp_path, triton_site):
     report = _drive(plain, tmp_path, triton_site, "ensemble", [_client_request()])
     pins = _pins()
@@ -159,6 +165,7 @@ def test_the_models_run_with_the_triton_images_pins(plain, tmp_path, triton_site
     assert "-r /tmp/model-triton-requirements.txt" in dockerfile
 
 
+@NEEDS_TRITON_VENV
 def test_ensemble_models_answer_on_the_r2305_api(plain, tmp_path, triton_site):
     seed_fields = {
         "temperature": ["FP32", [[0.2]]],
@@ -188,6 +195,7 @@ def test_ensemble_models_answer_on_the_r2305_api(plain, tmp_path, triton_site):
         assert result["shapes"]["output_ids"][:2] == [1, 1]
 
 
+@NEEDS_TRITON_VENV
 def test_preprocessing_sends_every_fastertransformer_input_whatever_the_client_sent(
     plain, tmp_path, triton_site
 ):
@@ -210,6 +218,7 @@ def test_preprocessing_sends_every_fastertransformer_input_whatever_the_client_s
         assert result["produced"]["preprocessing"] == expected
 
 
+@NEEDS_TRITON_VENV
 def test_the_streaming_model_streams_on_the_r2305_api(plain, streaming, tmp_path, triton_site):
     """Fails if any BLS call of the streaming model reads a ``fastertransformer`` tensor it did
     not ask for in CPU memory (the r23.05 backend hands it GPU memory)."""
@@ -224,6 +233,7 @@ def test_the_streaming_model_streams_on_the_r2305_api(plain, streaming, tmp_path
     assert lengths == sorted(lengths) and lengths[-1] - lengths[0] == 5
 
 
+@NEEDS_TRITON_VENV
 def test_a_batched_request_lacking_an_input_of_the_first_gets_tritons_error(
     plain, tmp_path, triton_site
 ):
@@ -250,6 +260,7 @@ def test_a_batched_request_lacking_an_input_of_the_first_gets_tritons_error(
     assert ignored != batch(seeded, seeded)[1]["outputs"]["output_ids"]
 
 
+@NEEDS_TRITON_VENV
 def test_every_default_preprocessing_fills_in_means_what_its_absence_means(
     plain, tmp_path, triton_site
 ):
@@ -278,6 +289,7 @@ def test_every_default_preprocessing_fills_in_means_what_its_absence_means(
     assert other["responses"][0]["outputs"]["output_ids"] != results[0]["output_ids"]
 
 
+@NEEDS_TRITON_VENV
 def test_streaming_fastertransformer_calls_back_every_request_each_step_but_the_last(
     streaming, tmp_path, triton_site
 ):
