@@ -10,12 +10,15 @@ How a fetch runs:
   what is missing).
 * Large objects are split into byte-range slices (``Blob.download_to_file(start=, end=)``),
   and slices of all objects are downloaded by one pool of threads into
-  ``dest/.partial/<path>.<generation>``. Each finished slice is appended to a journal beside
+  ``dest/.partial/<path>.<generation>.<owner>`` (:mod:`loader.sources.transfer`: never another
+  loader's file). Each finished slice is appended to a journal beside
   it, so a killed download resumes with the slices it is missing instead of restarting the
   object. (``transfer_manager.download_chunks_concurrently`` slices one object at a time,
   restarts a killed download from zero and cannot wait for a caller's admission, hence our
   own pool and journal.) Downloads pin the generation listed, so an object replaced meanwhile
-  cannot mix two versions.
+  cannot mix two versions: its next slice fails (412) and the fetch ends as transient (exit
+  75), as does a download whose bytes miss the object's checksum (a proxy answering with a
+  page of its own): running again fetches it again.
 * A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
   compared with the object's metadata; only then is it renamed into place. A mismatch is a
   :class:`~loader.errors.ChecksumMismatchError`.
@@ -37,13 +40,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from loader import fs
 from loader.errors import (
     ChecksumMismatchError,
     SourceError,
@@ -57,10 +60,13 @@ from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
+    adopt,
     ensure_disk_space,
     file_crc32c,
     file_md5,
+    own_partial,
     place,
+    remove_own_partials,
     safe_path,
 )
 
@@ -271,8 +277,11 @@ class _SliceWriter:
     """The file object a slice downloads into: writes at the slice's offset, reports bytes to
     the progress, and refuses bytes past the slice (a server that ignored the range)."""
 
-    def __init__(self, fh: Any, start: int, length: int, progress: Progress, what: str) -> None:
+    def __init__(
+        self, fh: Any, start: int, length: int, progress: Progress, what: str, path: Path
+    ) -> None:
         self._fh = fh
+        self._path = path
         self._start = start
         self._length = length
         self._progress = progress
@@ -281,16 +290,16 @@ class _SliceWriter:
 
     def write(self, data: bytes) -> int:
         if self.written + len(data) > self._length:
-            raise SourceError(
+            raise TransientSourceError(
                 f"{self._what}: the server sent more than the {self._length} bytes asked for "
                 f"at offset {self._start} (it ignored the byte range).",
                 "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass "
                 "a --slice-mib larger than the largest object.",
             )
-        n = self._fh.write(data)
+        fs.write_fd(self._fh.fileno(), data, self._path)
         self.written += len(data)
         self._progress.update(len(data))
-        return n
+        return len(data)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         """Back to the slice's start (the library restarts a transcoded download from 0)."""
@@ -322,15 +331,16 @@ def _verified(path: Path, blob: Any) -> bool:
 def _load_journal(obj: _Object) -> None:
     """Mark slices recorded by an earlier run as done (only if the partial file is intact)."""
     if not (obj.partial.is_file() and obj.journal.is_file()):
-        obj.partial.unlink(missing_ok=True)
-        obj.journal.unlink(missing_ok=True)
+        fs.unlink(obj.partial)
+        fs.unlink(obj.journal)
         return
     if obj.partial.stat().st_size != obj.size:
-        obj.partial.unlink()
-        obj.journal.unlink()
+        fs.unlink(obj.partial)
+        fs.unlink(obj.journal)
         return
     index = {s: i for i, s in enumerate(obj.slices)}
-    for line in obj.journal.read_text().splitlines():
+    journal = fs.read_file(obj.journal, limit=fs.SMALL_FILE_BYTES).decode("ascii", "replace")
+    for line in journal.splitlines():
         fields = line.split()
         if len(fields) == 2 and (key := (int(fields[0]), int(fields[1]))) in index:
             obj.done.add(index[key])
@@ -339,11 +349,12 @@ def _load_journal(obj: _Object) -> None:
 
 def _prepare(obj: _Object, dest: Path) -> None:
     safe_path(dest, obj.partial.relative_to(dest).as_posix())
+    adopt(obj.partial, companions=(".slices",))
     _load_journal(obj)
     if not obj.partial.exists():
-        with open(obj.partial, "wb") as fh:
-            fh.truncate(obj.size)
-        obj.journal.write_text("")
+        with fs.create(obj.partial) as fh:
+            fs.truncate(fh.fileno(), obj.size, obj.partial)
+        fs.write_file(obj.journal, b"")
 
 
 #: Longest single network wait (connect, one read) when the retry deadline leaves more time.
@@ -364,16 +375,18 @@ def _download_slice(
     ``Blob.download_to_file`` with a byte range, pinned to the listed generation (412 if the
     object was replaced meanwhile); its retry resumes an interrupted read from the last byte
     it received. Every wait (the connection, each read of the body) ends at the retry deadline.
+    An object gone or replaced since the listing (404, 412) is a source still being uploaded:
+    transient.
     """
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
     if end >= start:
         timeout = (_timeout(funnel, CONNECT_TIMEOUT_S), _timeout(funnel, READ_TIMEOUT_S))
-        with open(obj.partial, "r+b") as fh:
+        with fs.open_update(obj.partial) as fh:
             fh.seek(start)
-            writer = _SliceWriter(fh, start, end - start + 1, progress, what)
+            writer = _SliceWriter(fh, start, end - start + 1, progress, what, obj.partial)
             try:
-                funnel.gcs(
+                _while_uploaded(what, lambda: funnel.gcs(
                     lambda retry: obj.blob.download_to_file(
                         writer,
                         start=start,
@@ -385,26 +398,39 @@ def _download_slice(
                         retry=retry,
                     ),
                     what=what,
-                )
+                ))  # fmt: skip
                 writer.check_complete()
             except BaseException:
                 progress.update(-writer.written)
                 raise
-            fh.flush()
             if durable:
-                os.fsync(fh.fileno())
+                fs.fsync_fd(fh.fileno(), obj.partial)
     with obj.lock:
-        with open(obj.journal, "a") as journal:
-            journal.write(f"{start} {end}\n")
+        fs.append(obj.journal, f"{start} {end}\n".encode())
         obj.done.add(index)
+
+
+def _while_uploaded(what: str, call: Any) -> None:
+    """Run ``call``; an object that vanished or was replaced since the listing (a 404 or a
+    412 while downloading) is a :class:`TransientSourceError`: the upload is in progress."""
+    try:
+        call()
+    except SourceError as exc:
+        statuses = {status_of(exc), status_of(exc.__cause__) if exc.__cause__ else None}
+        if isinstance(exc, TransientSourceError) or not statuses & {404, 412}:
+            raise
+        raise TransientSourceError(
+            f"{what} was replaced or removed while it was being downloaded; nothing was published.",
+            "Run the loader again once the upload has finished (it resumes).",
+        ) from exc
 
 
 def _finish(obj: _Object, dest: Path) -> None:
     """Verify the complete temporary file and move it into place."""
     if not _verified(obj.partial, obj.blob):
         expected = obj.blob.crc32c or obj.blob.md5_hash
-        obj.partial.unlink(missing_ok=True)
-        obj.journal.unlink(missing_ok=True)
+        fs.unlink(obj.partial)
+        fs.unlink(obj.journal)
         message = (
             f"gs://{obj.blob.bucket.name}/{obj.blob.name}: downloaded bytes do not match "
             f"the checksum in the object's metadata ({expected}); the download was "
@@ -418,7 +444,7 @@ def _finish(obj: _Object, dest: Path) -> None:
             )
         raise ChecksumMismatchError(message)
     place(obj.partial, obj.final, dest=dest)
-    obj.journal.unlink(missing_ok=True)
+    fs.unlink(obj.journal)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
 
 
@@ -438,8 +464,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(options)
     client = funnel.gcs(lambda _: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
-    dest.mkdir(parents=True, exist_ok=True)
-    partial_root = dest / PARTIAL_DIR
+    fs.makedirs(dest)
 
     hooks = options.hooks or ArrivalHooks()
     objects: list[_Object] = []
@@ -454,7 +479,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             log.debug("already present and verified: %s", final)
             present.append((rel, final))
             continue
-        partial = partial_root / f"{rel}.{blob.generation}"
+        partial = own_partial(dest, f"{rel}.{blob.generation}")
         objects.append(
             _Object(
                 blob=blob,
@@ -485,7 +510,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             hooks.arrived(rel, final)
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
         _run(objects, funnel, progress, workers, dest, hooks)
-    shutil.rmtree(partial_root, ignore_errors=True)
+    remove_own_partials(dest)
     return FetchResult(
         path=dest,
         revision=_revision(blobs),

@@ -19,19 +19,19 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import fs
 from loader.errors import SourceError, SourceNotFoundError
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
-    PARTIAL_DIR,
     clear_partials,
     ensure_disk_space,
     place,
+    remove_own_partials,
     temporary_download,
 )
 
@@ -84,7 +84,7 @@ def list_files(root: Path) -> list[str]:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with fs.open_read(path) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -156,7 +156,7 @@ def _copy(
 ) -> FetchResult:
     if dest.resolve() == root.resolve():
         return FetchResult(path=root, revision=None, files=files, bytes=total)
-    dest.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(dest)
     clear_partials(dest)
     todo = [f for f in files if not _same(root / f, dest / f)]
     needed = sum((root / f).stat().st_size for f in todo)
@@ -166,7 +166,7 @@ def _copy(
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:
             with temporary_download(dest, rel) as tmp:
-                shutil.copyfile(root / rel, tmp)
+                fs.copy_file(root / rel, tmp)
                 if not filecmp.cmp(root / rel, tmp, shallow=False):
                     raise SourceError(
                         f"Copy of {root / rel} differs from its source.",
@@ -174,7 +174,7 @@ def _copy(
                     )
                 place(tmp, dest / rel, dest=dest)
             progress.update((dest / rel).stat().st_size)
-    shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
+    remove_own_partials(dest)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
 
 
