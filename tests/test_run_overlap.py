@@ -111,8 +111,8 @@ def test_the_overlapped_run_publishes_what_the_sequential_one_does_holding_few_s
     )
     assert manifest.verify(published) == []
     assert _weights(published) == _weights(sequential)
-    ours = {e["path"]: e["sha256"] for e in manifest.read_manifest(published)["files"]}
-    theirs = {e["path"]: e["sha256"] for e in manifest.read_manifest(sequential)["files"]}
+    ours = {e["path"]: e["blake3"] for e in manifest.read_manifest(published)["files"]}
+    theirs = {e["path"]: e["blake3"] for e in manifest.read_manifest(sequential)["files"]}
     assert ours == theirs
 
     # The disk accounting: every shard arrived, at most window + 1 of them were on disk at

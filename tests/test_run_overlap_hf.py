@@ -127,8 +127,8 @@ def test_the_overlapped_hf_run_publishes_what_the_sequential_one_does_holding_fe
     assert "converting hf://org/sharded while it downloads" in caplog.text
     assert manifest.verify(published) == []
     assert _weights(published) == _weights(sequential)
-    ours = {e["path"]: e["sha256"] for e in manifest.read_manifest(published)["files"]}
-    theirs = {e["path"]: e["sha256"] for e in manifest.read_manifest(sequential)["files"]}
+    ours = {e["path"]: e["blake3"] for e in manifest.read_manifest(published)["files"]}
+    theirs = {e["path"]: e["blake3"] for e in manifest.read_manifest(sequential)["files"]}
     assert ours == theirs
 
     # The small files came in the first fetch; the second reports them (already present)

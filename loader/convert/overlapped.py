@@ -9,7 +9,7 @@ shards as a fetch delivers them (:class:`~loader.sources.ArrivalHooks`):
 * ``arrived``: a verified shard's header is checked against the plan
   (:meth:`~loader.convert.plan.ConversionPlan.check_file`); every output whose shards are all
   here is handed to a small pool of writers (:func:`~loader.convert.writer.write_file`, which
-  hashes as it writes);
+  hashes as it writes, with :data:`loader.digest.DEFAULT`);
 * ``admit``: blocks until the :class:`~loader.convert.schedule.Schedule` lets the shard start
   downloading (one at a time, at most ``window`` held);
 * every finished output is fsynced (by one thread of its own, so the disk writes back while the
@@ -24,7 +24,6 @@ The outputs are written into a directory of the download area, never where Trito
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import digest
 from loader.checkpoint import OPENERS, Checkpoint
 from loader.progress import Progress
 
@@ -71,8 +71,8 @@ def _fsync(path: Path) -> None:
 
 class Journal:
     """The outputs written into a directory, recorded beside them: a header naming what they
-    were converted from (source revision, dtype, T), then ``name size sha256 inode mtime_ns``
-    per output, appended once the output is durable."""
+    were converted from (source revision, dtype, T) and the digest's algorithm, then ``name
+    size digest inode mtime_ns`` per output, appended once the output is durable."""
 
     NAME = ".written"
 
@@ -83,7 +83,7 @@ class Journal:
 
     def resume(self) -> dict[str, tuple[int, str]]:
         """The outputs a killed run finished (journaled under the same header, with the same
-        size, inode and mtime), as name -> (size, sha256). Anything else in the directory is
+        size, inode and mtime), as name -> (size, digest). Anything else in the directory is
         removed, and the journal rewritten to list what was kept."""
         lines = self.path.read_text().splitlines() if self.path.is_file() else []
         kept: dict[str, tuple[int, str]] = {}
@@ -144,8 +144,11 @@ class OverlappedConversion:
         self.plan = plan
         self.out_dir = Path(out_dir)
         self.started = time.monotonic()
-        self._journal = Journal(self.out_dir, f"{revision} {plan.out_dtype} {plan.parallelism.tp}")
-        #: output name -> (size, sha256) of every output written (resumed ones included)
+        self._journal = Journal(
+            self.out_dir,
+            f"{revision} {plan.out_dtype} {plan.parallelism.tp} {digest.DEFAULT}",
+        )
+        #: output name -> (size, digest) of every output written (resumed ones included)
         self.written: dict[str, tuple[int, str]] = self._journal.resume()
         self.schedule = Schedule(plan.needs, done=self.written, window=window)
         self._shards = Checkpoint(self.out_dir)
@@ -218,16 +221,18 @@ class OverlappedConversion:
 
     def _write(self, out: OutputFile) -> None:
         try:
-            size, digest = write_file(
+            size, hexdigest = write_file(
                 out, self._shards, self.out_dir, dtype=self.plan.np_dtype,
                 progress=self._progress, chunk_bytes=self._chunk_bytes, stop=self._stop,
+                algorithm=digest.DEFAULT,
             )  # fmt: skip
+            assert hexdigest is not None
             _start_writeback(self.out_dir / out.name)
             with self._cond:
-                self.written[out.name] = (size, digest)
+                self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
                 self._follow(self.schedule.written(out.name))
-            self._syncer.submit(self._sync, out.name, size, digest)
+            self._syncer.submit(self._sync, out.name, size, hexdigest)
         except BaseException as exc:
             with self._cond:
                 self._fail(exc)
@@ -271,7 +276,7 @@ class OverlappedConversion:
             self._raise_if_failed()
         ini = self.plan.config_ini()
         (self.out_dir / CONFIG_INI).write_bytes(ini)
-        digests = {**self.written, CONFIG_INI: (len(ini), hashlib.sha256(ini).hexdigest())}
+        digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
         return ConvertResult.since(self.started, self.out_dir, self.plan, digests)
 
     def move_into(self, result: ConvertResult, directory: Path) -> ConvertResult:

@@ -1,11 +1,14 @@
-"""``manifest.json`` (every file of a repository: path, size, sha256) and the ``.ready`` marker.
+"""``manifest.json`` (every file of a repository: path, size, digest) and the ``.ready`` marker.
 
 A published repository is complete when ``.ready`` exists and every file the manifest lists is
-present with its size and sha256, and no other file is. ``.ready`` is written last, after the
+present with its size and digest, and no other file is. ``.ready`` is written last, after the
 manifest, and both are fsynced, so a reader that sees ``.ready`` sees a complete repository.
 
-The sha256 of the weights are computed while the converter writes them (``known`` in
-:func:`build_manifest`); only the small files written besides them are read again. Each entry
+The manifest's ``format`` names the digest its entries hold (:data:`DIGESTS`): format 2, written
+now, BLAKE3 (:mod:`loader.digest` says why); format 1, written by earlier loaders, sha256, still
+verified as such. The digests of the weights are computed while the converter writes them
+(``known`` in :func:`build_manifest`); only the small files written besides them are read
+again. Each entry
 also records the file's *seal*, its inode and modification time as written: a quick
 :func:`verify` compares sizes and seals with the disk and re-hashes only the files whose seal
 changed (a write to a file changes its modification time), so a rerun that finds its key
@@ -15,7 +18,6 @@ published reads no weights when nothing changed; a full :func:`verify` re-hashes
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import digest
 from loader.progress import byte_progress
 
 log = logging.getLogger(__name__)
@@ -31,8 +34,11 @@ MANIFEST = "manifest.json"
 READY = ".ready"
 #: Manifest field holding the source fingerprint (:mod:`loader.sources.fingerprint`).
 SOURCE_FINGERPRINT = "source_fingerprint"
-FORMAT_VERSION = 1
-_CHUNK = 8 * 2**20
+#: The format new manifests are written in.
+FORMAT_VERSION = 2
+#: Manifest format -> the digest algorithm (:data:`loader.digest.ALGORITHMS`) its entries hold,
+#: each under the algorithm's name.
+DIGESTS = {1: "sha256", 2: digest.DEFAULT}
 
 
 #: Directories the Python interpreter may create beside a model.py when a server imports it
@@ -54,23 +60,18 @@ def _files(root: Path) -> list[str]:
     return sorted(found)
 
 
-def _sha256(path: Path, progress) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            progress.update(len(chunk))
-    return digest.hexdigest()
-
-
-def _hash_all(root: Path, rels: Iterable[str], what: str, workers: int | None) -> dict[str, str]:
+def _hash_all(
+    root: Path, rels: Iterable[str], what: str, workers: int | None, algorithm: str
+) -> dict[str, str]:
     rels = list(rels)
     total = sum((root / rel).stat().st_size for rel in rels)
     with (
         byte_progress(what, total) as progress,
         ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
     ):
-        digests = pool.map(lambda rel: _sha256(root / rel, progress), rels)
+        digests = pool.map(
+            lambda rel: digest.of_file(root / rel, algorithm, progress=progress.update), rels
+        )
         return dict(zip(rels, digests, strict=True))
 
 
@@ -84,14 +85,14 @@ def build_manifest(
     meta: dict,
     *,
     workers: int | None = None,
-    known: dict[str, tuple[int, str]] | None = None,
+    known: dict[str, tuple[int, str | None]] | None = None,
 ) -> dict:
-    """List every file under ``root`` with its size, sha256 and seal; ``meta`` (key, source,
-    settings...) is stored alongside.
+    """List every file under ``root`` with its size, digest (:data:`loader.digest.DEFAULT`) and
+    seal, in the current format; ``meta`` (key, source, settings...) is stored alongside.
 
-    ``known`` maps relative paths to the (size, sha256) computed while they were written: those
+    ``known`` maps relative paths to the (size, digest) computed while they were written: those
     files are not read again (a size that differs from the disk's is an error). Every other
-    file is hashed.
+    file, and one known without its digest (None), is hashed.
     """
     root = Path(root)
     rels = _files(root)
@@ -102,14 +103,16 @@ def build_manifest(
             raise OSError(
                 errno.EIO, f"{root / rel} holds {stats[rel].st_size} bytes, {size} were written"
             )
-    digests = {rel: digest for rel, (_size, digest) in known.items() if rel in stats}
+    algorithm = DIGESTS[FORMAT_VERSION]
+    digests = {rel: hexdigest for rel, (_size, hexdigest) in known.items() if rel in stats}
+    digests = {rel: hexdigest for rel, hexdigest in digests.items() if hexdigest is not None}
     digests.update(_hash_all(root, [r for r in rels if r not in digests], "hashing repository",
-                             workers))  # fmt: skip
+                             workers, algorithm))  # fmt: skip
     files = [
         {
             "path": rel,
             "size": stats[rel].st_size,
-            "sha256": digests[rel],
+            algorithm: digests[rel],
             "seal": file_seal(stats[rel]),
         }
         for rel in rels
@@ -170,9 +173,10 @@ def verify(
     """Problems that make ``root`` not a complete published repository (empty list: complete).
 
     Checks ``.ready``, the manifest (and that it names ``key``), every listed file's presence
-    and size, no unlisted files, and with ``checksums`` every file's sha256: with ``quick``
-    only the files whose seal (:func:`file_seal`) differs from the one recorded, or that
-    record none, are read; the others are taken to hold what was written.
+    and size, no unlisted files, and with ``checksums`` every file's digest (the algorithm of
+    the manifest's format, :data:`DIGESTS`): with ``quick`` only the files whose seal
+    (:func:`file_seal`) differs from the one recorded, or that record none, are read; the
+    others are taken to hold what was written.
     """
     root = Path(root)
     if not root.is_dir():
@@ -183,6 +187,14 @@ def verify(
     manifest = read_manifest(root)
     if manifest is None:
         return [*problems, f"{MANIFEST} is missing or unreadable"]
+    fmt = manifest.get("format")
+    algorithm = DIGESTS.get(fmt) if type(fmt) is int else None
+    if algorithm is None:
+        return [
+            *problems,
+            f"{MANIFEST} has format {fmt!r}, which this loader does not read "
+            f"(it reads {', '.join(map(str, DIGESTS))})",
+        ]
     if key is not None and manifest.get("key") != key:
         problems.append(f"{MANIFEST} names key {manifest.get('key')!r}, expected {key!r}")
     listed = {entry["path"]: entry for entry in manifest["files"]}
@@ -203,10 +215,10 @@ def verify(
             len(listed),
         )
     if checksums and not problems:
-        digests = _hash_all(root, sized, "verifying repository", workers)
+        digests = _hash_all(root, sized, "verifying repository", workers, algorithm)
         problems += [
-            f"{rel} sha256 differs from the manifest"
+            f"{rel} {algorithm} differs from the manifest"
             for rel in sized
-            if digests[rel] != listed[rel]["sha256"]
+            if digests[rel] != listed[rel].get(algorithm)
         ]
     return problems
