@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from loader.convert.schedule import DEFAULT_WINDOW
 from loader.errors import ChecksumMismatchError
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
+from loader.sources import gcs
 from tests.servers import GcsServer, ThrottleProxy
 from tests.tinymodels import make_sharded_fp16_checkpoint
 
@@ -123,6 +125,42 @@ def test_the_overlapped_run_publishes_what_the_sequential_one_does_holding_few_s
     outputs = _tree_bytes(published / "fastertransformer")
     assert max(peaks) <= outputs + (DEFAULT_WINDOW + 1) * largest + 2**20
     assert not (root / ".work").exists() or not any((root / ".work").iterdir())
+
+
+def test_shards_are_neither_fsynced_nor_read_back_and_every_output_is_made_durable(
+    sequential, tmp_path, monkeypatch
+):
+    """A shard is deleted once converted: verified from the bytes as they arrived, never read
+    back, never forced to the disk (the kernel may drop it before writing it back). The
+    outputs are fsynced before the journal records them."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    read_back: list[str] = []
+
+    def recording(real):
+        def read(path, *args, **kwargs):
+            read_back.append(Path(path).name)
+            return real(path, *args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for name in ("range_crc32c", "file_crc32c", "file_md5"):
+        monkeypatch.setattr(gcs, name, recording(getattr(gcs, name)))
+    root = tmp_path / "models"
+    assert main(_argv(f"gs://{BUCKET}/org/sharded", root)) == 0
+    published = _published(root)
+    assert _weights(published) == _weights(sequential)
+    shard = re.compile(r"model-\d+-of-\d+\.safetensors")
+    assert [p for p in synced if shard.search(p)] == []
+    assert [name for name in read_back if shard.search(name)] == []
+    outputs = {n for n in _weights(published) if n.endswith(".bin")}
+    assert outputs <= {Path(p).name for p in synced}
 
 
 def test_a_corrupt_shard_found_late_aborts_without_publishing_and_the_rerun_resumes(

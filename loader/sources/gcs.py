@@ -16,9 +16,14 @@ How a fetch runs:
   restarts a killed download from zero and cannot wait for a caller's admission, hence our
   own pool and journal.) Downloads pin the generation listed, so an object replaced meanwhile
   cannot mix two versions.
-* A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
-  compared with the object's metadata; only then is it renamed into place. A mismatch is a
-  :class:`~loader.errors.ChecksumMismatchError`.
+* Each slice is one request whose body is read whole (``single_shot_download``: a few large
+  reads instead of a Python loop over 8 KiB pieces, so the CPU a gigabyte costs is mostly the
+  kernel's copies), so memory in flight is about ``workers x slice``. The CRC32C of every slice
+  is computed from its bytes as they arrive; once the object is complete the slices' values are
+  combined (:func:`~loader.sources.transfer.crc32c_combine`) and compared with the object's
+  CRC32C, and only then is the file renamed into place: nothing is read back (slices a killed
+  run wrote are the exception: they are read back, never trusted). An object without a CRC32C
+  is read back for its MD5. A mismatch is a :class:`~loader.errors.ChecksumMismatchError`.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: small objects are fetched first, then large ones in name order, each started only when
   the caller admits it, and the caller hears of every verified file at once.
@@ -44,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import google_crc32c
+
 from loader.errors import (
     ChecksumMismatchError,
     SourceError,
@@ -57,17 +64,21 @@ from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
+    crc32c_combine,
+    crc32c_text,
     ensure_disk_space,
     file_crc32c,
     file_md5,
     place,
+    range_crc32c,
     safe_path,
 )
 
 log = logging.getLogger(__name__)
 
-#: Byte-range slice size for large objects.
-SLICE_BYTES = 32 * 1024 * 1024
+#: Byte-range slice size for large objects (each slice is read into memory whole: at most
+#: ``workers`` of them at once).
+SLICE_BYTES = 16 * 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
 
@@ -87,6 +98,8 @@ class _Object:
     done: set[int] = field(default_factory=set)
     resumed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: slice index -> CRC32C of the bytes this run received for it
+    crcs: dict[int, int] = field(default_factory=dict)
 
     @property
     def journal(self) -> Path:
@@ -268,8 +281,9 @@ def _revision(blobs: list[Any]) -> str:
 
 
 class _SliceWriter:
-    """The file object a slice downloads into: writes at the slice's offset, reports bytes to
-    the progress, and refuses bytes past the slice (a server that ignored the range)."""
+    """The file object a slice downloads into: writes at the slice's offset, keeps the CRC32C
+    of the bytes it was given, reports them to the progress, and refuses bytes past the slice
+    (a server that ignored the range)."""
 
     def __init__(self, fh: Any, start: int, length: int, progress: Progress, what: str) -> None:
         self._fh = fh
@@ -278,6 +292,8 @@ class _SliceWriter:
         self._progress = progress
         self._what = what
         self.written = 0
+        #: CRC32C of the bytes written so far (the very bytes handed to the file)
+        self.crc = 0
 
     def write(self, data: bytes) -> int:
         if self.written + len(data) > self._length:
@@ -288,6 +304,7 @@ class _SliceWriter:
                 "a --slice-mib larger than the largest object.",
             )
         n = self._fh.write(data)
+        self.crc = google_crc32c.extend(self.crc, data)
         self.written += len(data)
         self._progress.update(len(data))
         return n
@@ -298,6 +315,7 @@ class _SliceWriter:
             raise OSError("a slice can only be rewound to its start")
         self._progress.update(-self.written)
         self.written = 0
+        self.crc = 0
         return self._fh.seek(self._start) - self._start
 
     def check_complete(self) -> None:
@@ -362,8 +380,9 @@ def _download_slice(
     """Bytes ``start..end`` of the object into its partial file, then a journal line.
 
     ``Blob.download_to_file`` with a byte range, pinned to the listed generation (412 if the
-    object was replaced meanwhile); its retry resumes an interrupted read from the last byte
-    it received. Every wait (the connection, each read of the body) ends at the retry deadline.
+    object was replaced meanwhile), the body read whole; its retry asks again for a read that
+    was cut. Every wait (the connection, each read of the body) ends at the retry deadline.
+    The slice's CRC32C, from the bytes received, goes to ``obj.crcs``.
     """
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
@@ -383,6 +402,7 @@ def _download_slice(
                         if_generation_match=obj.blob.generation,
                         timeout=timeout,
                         retry=retry,
+                        single_shot_download=True,
                     ),
                     what=what,
                 )
@@ -393,15 +413,44 @@ def _download_slice(
             fh.flush()
             if durable:
                 os.fsync(fh.fileno())
+        crc = writer.crc
+    else:
+        crc = 0  # an empty object
     with obj.lock:
         with open(obj.journal, "a") as journal:
             journal.write(f"{start} {end}\n")
         obj.done.add(index)
+        obj.crcs[index] = crc
 
 
-def _finish(obj: _Object, dest: Path) -> None:
-    """Verify the complete temporary file and move it into place."""
-    if not _verified(obj.partial, obj.blob):
+def _received_crc32c(obj: _Object) -> int:
+    """The CRC32C of the complete partial file, combined from its slices' values: those this run
+    received, and, read back from the file, those a killed run wrote."""
+    crc = 0
+    for index, (start, end) in enumerate(obj.slices):
+        length = end - start + 1
+        part = obj.crcs.get(index)
+        if part is None:
+            part = range_crc32c(obj.partial, start, length)
+        crc = crc32c_combine(crc, part, length)
+    return crc
+
+
+def _arrived_intact(obj: _Object) -> bool:
+    """True if the partial file holds exactly the object's bytes: size, then the CRC32C of
+    what arrived, or the MD5 read back for an object that records no CRC32C."""
+    if not obj.partial.is_file() or obj.partial.stat().st_size != obj.size:
+        return False
+    if obj.blob.crc32c:
+        return crc32c_text(_received_crc32c(obj)) == obj.blob.crc32c
+    if obj.blob.md5_hash:
+        return file_md5(obj.partial) == obj.blob.md5_hash
+    return False
+
+
+def _finish(obj: _Object, dest: Path, *, durable: bool = True) -> None:
+    """Verify the complete temporary file and move it into place (``durable``: fsynced)."""
+    if not _arrived_intact(obj):
         expected = obj.blob.crc32c or obj.blob.md5_hash
         obj.partial.unlink(missing_ok=True)
         obj.journal.unlink(missing_ok=True)
@@ -417,7 +466,7 @@ def _finish(obj: _Object, dest: Path) -> None:
                 "from scratch; if that fails too, re-upload the object.",
             )
         raise ChecksumMismatchError(message)
-    place(obj.partial, obj.final, dest=dest)
+    place(obj.partial, obj.final, dest=dest, durable=durable)
     obj.journal.unlink(missing_ok=True)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
 
@@ -525,7 +574,7 @@ def _run(
         else:
             last = True
         if last:
-            _finish(obj, dest)
+            _finish(obj, dest, durable=not hooks.transient)
             if hooks.arrived is not None:
                 hooks.arrived(obj.rel, obj.final)
 
