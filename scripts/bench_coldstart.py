@@ -8,19 +8,27 @@ filesystem backend, 127.0.0.1), with one sharded fp16 CodeGen checkpoint of rand
 side in one run, each in a fresh directory:
 
 (a) ``model-loader fetch gs://bench/coldstart DEST``: the download alone;
-(b) ``model-loader run --no-overlap``: download everything, then convert, then publish;
-(c) ``model-loader run``: convert while downloading, deleting each shard once converted.
+(b) ``model-loader convert SRC DEST``: the conversion alone, of the local copy (no download,
+    no fingerprint, no manifest);
+(c) ``model-loader run --no-overlap``: download everything, then convert, then publish;
+(d) ``model-loader run``: convert while downloading, deleting each shard once converted.
 
 Each command runs as its own process; its time is wall time until it exited (``run`` exits
-right after writing ``.ready`` and the rename). A sampler walks the destination every 100 ms and
-records its peak disk use (allocated blocks). Prints a table with each time as a ratio to the
-fetch alone and the peak disk, and writes ``coldstart.json`` and ``coldstart.md`` (the table
-and the command that produced it) into ``--output-dir`` (default ``bench/work/results``; the
-committed ``bench/results/`` ones are replaced only with ``--output-dir bench/results
---overwrite``).
+right after writing ``.ready`` and the rename); its CPU seconds are the user + system time of
+its process tree (stable on a busy machine where wall time is not), also per GB of checkpoint;
+what it wrote to storage is written less cancelled bytes (a shard deleted before the kernel
+wrote it back costs nothing); the 1-minute load average each run started under is recorded.
+A sampler walks the destination every 100 ms and records its peak disk use (allocated
+blocks). Round by round it computes the overlap efficiency, run (d) / max((a), (b)) (goal
+<= 1.15); with ``--baseline CHECKOUT`` every variant also runs with that checkout's loader in
+the same rounds, and the CPU seconds of each are given as a share of the baseline's (goal for
+(d): <= 60 %). Prints the table and the figures, and writes ``coldstart.json`` and
+``coldstart.md`` (the table, the figures and the command that produced them) into
+``--output-dir`` (default ``bench/work/results``; the committed ``bench/results/`` ones are
+replaced only with ``--output-dir bench/results --overwrite``).
 
 Usage: ``make bench-coldstart`` or ``python scripts/bench_coldstart.py [--layers 36]
-[--hidden 1024] [--shard-mib 256] [--repeat 3]``.
+[--hidden 1024] [--shard-mib 256] [--repeat 3] [--baseline CHECKOUT]``.
 """
 
 from __future__ import annotations
@@ -169,9 +177,10 @@ def measure(name: str, argv: list[str], dest: Path, env: dict) -> dict:
         published = Path(run.stdout.splitlines()[-1])
         assert (published / ".ready").is_file(), published
     shutil.rmtree(dest, ignore_errors=True)
+    wrote = "" if run.disk_write_bytes is None else f"{run.disk_write_bytes / 1e9:5.2f} GB"
     print(
-        f"  {name:<30} {run.seconds:7.2f} s {run.cpu_s:7.2f} CPU s   peak disk "
-        f"{sampler.peak / 1e9:5.2f} GB   load {run.load:4.1f}",
+        f"  {name:<32} {run.seconds:7.2f} s {run.cpu_s:7.2f} CPU s   peak disk "
+        f"{sampler.peak / 1e9:5.2f} GB   written {wrote}   load {run.load:4.1f}",
         flush=True,
     )
     return {**run.as_dict(), "peak_disk_bytes": sampler.peak}
@@ -301,9 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         seconds = _median([r["seconds"] for r in results_])
         cpu = _median([r["cpu_s"] for r in results_])
         peak = max(r["peak_disk_bytes"] for r in results_)
+        writes = [r["disk_write_bytes"] for r in results_ if r["disk_write_bytes"] is not None]
         rows.append({
             "variant": name, "median_seconds": round(seconds, 2),
             "median_cpu_s": round(cpu, 2), "cpu_s_per_gb": round(cpu / gb, 2),
+            "median_disk_write_bytes": int(_median(writes)) if writes else None,
             "ratio_to_fetch": round(seconds / fetch_s, 2), "peak_disk_bytes": peak,
             "peak_disk_ratio_to_checkpoint": round(peak / checkpoint_bytes, 2),
             "median_load": round(_median([r["load"] for r in results_]), 1),
@@ -312,13 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     command = "python scripts/bench_coldstart.py " + shlex.join(argv or sys.argv[1:])
     table = [
         "| variant | time to done (median) | / fetch alone | CPU s | CPU s/GB | peak disk "
-        "| / checkpoint | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| / checkpoint | written to disk | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(
             f"| `{r['variant']}` | {r['median_seconds']:.2f} s | {r['ratio_to_fetch']:.2f} | "
             f"{r['median_cpu_s']:.2f} | {r['cpu_s_per_gb']:.2f} | "
             f"{r['peak_disk_bytes'] / 1e9:.2f} GB | {r['peak_disk_ratio_to_checkpoint']:.2f} | "
-            f"{r['median_load']:.1f} |"
+            + (
+                "n/a"
+                if r["median_disk_write_bytes"] is None
+                else f"{r['median_disk_write_bytes'] / 1e9:.2f} GB"
+            )
+            + f" | {r['median_load']:.1f} |"
             for r in rows
         ),
     ]
@@ -375,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         "fake-gcs-server; each variant ran "
         f"{args.repeat} times in a fresh directory, interleaved; times and CPU seconds (user + "
         "system of the loader's process tree) are medians, CPU s/GB per GB of checkpoint, "
-        "peak disk the most a sampler (every 100 ms) saw under its destination, load the "
-        "1-minute load average each run started under.\n\n"
+        "peak disk the most a sampler (every 100 ms) saw under its destination, written to "
+        "disk what the loader's processes sent to storage (written less cancelled: pages of "
+        "files deleted before the kernel wrote them back), load the 1-minute load average "
+        "each run started under.\n\n"
         + "\n".join(table)
         + "\n\n"
         + "\n".join(f"- {line}" for line in lines)

@@ -87,6 +87,18 @@ def output_files(
         raise SystemExit(2) from exc
 
 
+def written_bytes() -> int | None:
+    """Bytes this process and its exited, waited-for children sent (or were about to send) to
+    storage: written minus cancelled (pages of a file deleted before the kernel wrote them
+    back), from /proc/self/io; None where the kernel does not account it."""
+    try:
+        with open("/proc/self/io") as fh:
+            fields = dict(line.split(": ", 1) for line in fh.read().splitlines() if ": " in line)
+        return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def children_cpu_seconds() -> float:
     """User + system CPU seconds of this process's children that have exited and been waited
     for (their own waited-for children included): the whole tree of a command once it ended."""
@@ -96,20 +108,23 @@ def children_cpu_seconds() -> float:
 
 @dataclass(frozen=True)
 class Measured:
-    """One run of a command: wall seconds, CPU seconds of its process tree, the 1-minute load
-    average it started under, and its exit code and output."""
+    """One run of a command: wall seconds, CPU seconds of its process tree, the bytes it wrote
+    to storage (:func:`written_bytes`), the 1-minute load average it started under, and its
+    exit code and output."""
 
     seconds: float
     cpu_s: float
+    disk_write_bytes: int | None
     load: float
     returncode: int
     stdout: str
     stderr: str
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | int | None]:
         return {
             "seconds": round(self.seconds, 3),
             "cpu_s": round(self.cpu_s, 3),
+            "disk_write_bytes": self.disk_write_bytes,
             "load": round(self.load, 1),
         }
 
@@ -121,12 +136,15 @@ def measured(
     one at a time: the CPU seconds are those of every child waited for meanwhile."""
     load = load_average()
     cpu = children_cpu_seconds()
+    written = written_bytes()
     started = time.perf_counter()
     proc = subprocess.run(list(argv), env=env, cwd=cwd, capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    after = written_bytes()
     return Measured(
         seconds=seconds,
         cpu_s=children_cpu_seconds() - cpu,
+        disk_write_bytes=None if written is None or after is None else after - written,
         load=load,
         returncode=proc.returncode,
         stdout=proc.stdout,
