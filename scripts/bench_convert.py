@@ -206,7 +206,7 @@ def measure(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, floa
     peak = 0
     subprocess.run(["sync"], check=True)  # start without another run's dirty pages to flush
     load = machine.load_average()
-    cpu = machine.children_cpu_seconds()
+    cpu = sum(machine.children_cpu_seconds())
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env, cwd=cwd)
     done = threading.Event()
@@ -225,7 +225,7 @@ def measure(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, floa
     sampler.join()
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {rc}")
-    return seconds, machine.children_cpu_seconds() - cpu, peak, load
+    return seconds, sum(machine.children_cpu_seconds()) - cpu, peak, load
 
 
 def dir_bytes(path: Path) -> int:

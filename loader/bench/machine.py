@@ -99,11 +99,14 @@ def written_bytes() -> int | None:
         return None
 
 
-def children_cpu_seconds() -> float:
-    """User + system CPU seconds of this process's children that have exited and been waited
-    for (their own waited-for children included): the whole tree of a command once it ended."""
+def children_cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process's children that have exited and been
+    waited for (their own waited-for children included): the whole tree of a command once it
+    ended. System time is the kernel's work for it: copies into and out of the page cache,
+    page faults, and reclaiming memory when the machine has little free (which other work on
+    a shared machine makes vary)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 @dataclass(frozen=True)
@@ -113,17 +116,24 @@ class Measured:
     exit code and output."""
 
     seconds: float
-    cpu_s: float
+    user_s: float
+    sys_s: float
     disk_write_bytes: int | None
     load: float
     returncode: int
     stdout: str
     stderr: str
 
+    @property
+    def cpu_s(self) -> float:
+        return self.user_s + self.sys_s
+
     def as_dict(self) -> dict[str, float | int | None]:
         return {
             "seconds": round(self.seconds, 3),
             "cpu_s": round(self.cpu_s, 3),
+            "user_s": round(self.user_s, 3),
+            "sys_s": round(self.sys_s, 3),
             "disk_write_bytes": self.disk_write_bytes,
             "load": round(self.load, 1),
         }
@@ -135,15 +145,17 @@ def measured(
     """Run ``argv`` to its end (output captured) and measure it (see :class:`Measured`). Run
     one at a time: the CPU seconds are those of every child waited for meanwhile."""
     load = load_average()
-    cpu = children_cpu_seconds()
+    user, sys_ = children_cpu_seconds()
     written = written_bytes()
     started = time.perf_counter()
     proc = subprocess.run(list(argv), env=env, cwd=cwd, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     after = written_bytes()
+    user_after, sys_after = children_cpu_seconds()
     return Measured(
         seconds=seconds,
-        cpu_s=children_cpu_seconds() - cpu,
+        user_s=user_after - user,
+        sys_s=sys_after - sys_,
         disk_write_bytes=None if written is None or after is None else after - written,
         load=load,
         returncode=proc.returncode,
