@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             for plain_run, loader_run in zip(runs["plain"], runs["loader"], strict=True)
         ]
         ratio = statistics.median(ratios)
-        verdict = (
-            "consistent: every pair agrees the loader is faster"
-            if all(r > 1 for r in ratios) and len(ratios) > 1
-            else "uncertain: one pair only"
-            if len(ratios) < 2
-            else "uncertain: the pairs disagree on which is faster"
-        )
+        if len(ratios) < 2:
+            verdict = "uncertain: one pair only"
+        elif all(r > 1 for r in ratios) or all(r < 1 for r in ratios):
+            side = "faster" if ratios[0] > 1 else "slower"
+            verdict = f"consistent: every pair has the loader {side}"
+        else:
+            verdict = "uncertain: the pairs disagree on which is faster"
         print(
             f"loader / plain throughput: {ratio:.2f}x (median of {len(ratios)} pairs, "
             f"{min(ratios):.2f}x to {max(ratios):.2f}x; {verdict}); {os.cpu_count()} CPUs, "

@@ -180,7 +180,8 @@ def _workload_summary(
     requests = f" with {workload}" if workload else ""
     winner = best_configuration(sweeps, max_p95_ms=max_p95_ms)
     if winner is None:
-        return [f"No configuration has a stable level within {budget}{requests}."]
+        within = "" if max_p95_ms is None else f" within {budget}"
+        return [f"No configuration has a stable level{within}{requests}."]
     m = winner.measurement
     lines = [
         f"Best configuration{requests} ({budget}): {winner.sweep.label}",

@@ -93,8 +93,7 @@ def sweep(
         )
         if not level.measurement.stable:
             log.warning(
-                "%s: concurrency %s did not settle with windows of %s; reported as unstable "
-                "(perf_analyzer: %s)",
+                "%s: concurrency %s did not settle with windows of %s; reported as unstable (%s)",
                 result.label,
                 concurrency,
                 level.window,
