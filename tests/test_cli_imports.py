@@ -29,9 +29,16 @@ NEVER = (
 )
 
 
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter in ``cwd``."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
 def _imported(argv: list[str], cwd: Path) -> tuple[int, set[str]]:
     """Run ``model-loader ARGV`` in a fresh interpreter; its exit code and sys.modules."""
-    code = (
+    proc = _python(
         "import json, sys\n"
         "from loader.cli import main\n"
         "try:\n"
@@ -40,10 +47,8 @@ def _imported(argv: list[str], cwd: Path) -> tuple[int, set[str]]:
         "    rc = exc.code\n"
         "print('MODULES=' + json.dumps(sorted(sys.modules)))\n"
         "sys.stdout.flush()\n"
-        "raise SystemExit(rc)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300
+        "raise SystemExit(rc)\n",
+        cwd,
     )
     line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
     return proc.returncode, set(json.loads(line.removeprefix("MODULES=")))
@@ -107,16 +112,14 @@ def test_a_command_s_help_loads_none_of_the_heavy_libraries(argv, loaded, tmp_pa
 
 
 def test_the_config_classes_loaded_alone_are_the_triton_client_s_own(tmp_path):
-    code = (
+    proc = _python(
         "import sys\n"
         "from loader.repository.config import mc\n"
         "assert 'tritonclient.grpc' not in sys.modules\n"
         "import tritonclient.grpc\n"
         "assert tritonclient.grpc.model_config_pb2 is mc\n"
         "assert tritonclient.grpc.model_config_pb2.ModelConfig is mc.ModelConfig\n"
-        "print('ok')\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        "print('ok')\n",
+        tmp_path,
     )
     assert proc.stdout.strip() == "ok", proc.stderr
