@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -232,7 +233,8 @@ class ThrottleProxy:
     ``rate`` (bytes/s) bounds the server-to-client direction; the first ``cut_first`` relayed
     responses are cut off after ``cut_after`` bytes; in the first ``flip_first`` relayed
     responses to a request whose line contains ``fail_path``, the body's byte at offset
-    ``flip_at`` is inverted (a byte changed in transit). With ``status`` set, requests are
+    ``flip_at`` is inverted (a byte changed in transit); with ``strip_range``, requests lose
+    their ``Range`` header (a server that ignores it). With ``status`` set, requests are
     answered with that HTTP status (and the connection closed) instead of being relayed: all of
     them, or only the first ``fail_first`` whose request line contains ``fail_path``, with a
     ``Retry-After: <retry_after>`` header when that is set.
@@ -251,6 +253,7 @@ class ThrottleProxy:
         retry_after: int | None = None,
         flip_first: int = 0,
         flip_at: int = 0,
+        strip_range: bool = False,
     ) -> None:
         self.target_port = target_port
         self.rate = rate
@@ -265,6 +268,7 @@ class ThrottleProxy:
         self.flip_first = flip_first
         self.flip_at = flip_at
         self.flips = 0  # relayed responses with a byte inverted
+        self.strip_range = strip_range
         self.request_lines: list[bytes] = []  # of those requests
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -334,6 +338,8 @@ class ThrottleProxy:
         self._conns.append(upstream)
         # One request per connection, so each request passes through ``_should_fail``.
         head = client.recv(65536)
+        if self.strip_range:
+            head = re.sub(rb"\r\n[Rr]ange: [^\r]*", b"", head)
         upstream.sendall(head.replace(b"\r\n", b"\r\nConnection: close\r\n", 1))
         self._spawn(self._pipe, client, upstream, None)
         limit = self.cut_after if self.cuts < self.cut_first else None

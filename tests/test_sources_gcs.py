@@ -217,6 +217,31 @@ def test_a_byte_changed_in_transit_is_caught_from_the_bytes_received(
         srv.stop()
 
 
+def test_a_server_that_ignores_the_byte_range_is_refused_before_its_body_is_read(
+    tmp_path, monkeypatch
+):
+    proxy = ThrottleProxy(0, strip_range=True)
+    srv = GcsServer(tmp_path / "gcs").start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(os.urandom(3 * SLICE))
+        srv.upload_dir("norange", "ckpt", src)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with pytest.raises(SourceError, match="ignored the byte range") as info:
+            fetch("gs://norange/ckpt", tmp_path / "dest", slice_bytes=SLICE, retry_deadline_s=5)
+        assert f"for {SLICE} bytes at offset" in info.value.message
+        assert "--slice-mib larger than the largest object" in info.value.remediation
+        # One slice for the whole object needs no range.
+        fetch("gs://norange/ckpt", tmp_path / "dest", slice_bytes=4 * SLICE)
+        same_tree(src, tmp_path / "dest")
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
 @pytest.mark.parametrize("damaged", [False, True])
 def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
     server, tmp_path, monkeypatch, damaged

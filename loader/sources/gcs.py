@@ -215,7 +215,35 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size + 4)
     client._http.mount("https://", adapter)
     client._http.mount("http://", adapter)
+    client._http.hooks["response"].append(_refuse_more_than_the_range)
     return client
+
+
+def _refuse_more_than_the_range(response: Any, *args: Any, **kwargs: Any) -> None:
+    """A byte-range request answered with more bytes than it asked for (a server that ignores
+    ``Range``) is refused from its headers, before its body is read: a slice is read into
+    memory whole, and a whole object in its place would not be bounded."""
+    asked = response.request.headers.get("Range", "")
+    if not asked.startswith("bytes=") or response.status_code >= 300:
+        return
+    first, _, last = asked.removeprefix("bytes=").partition("-")
+    if not (first.isdigit() and last.isdigit()):
+        return
+    wanted = int(last) - int(first) + 1
+    length = response.headers.get("Content-Length", "")
+    within = length.isdigit() and int(length) <= wanted
+    if response.status_code == 206 and (within or not length):
+        return
+    if response.status_code == 200 and first == "0" and within:  # the whole object was asked
+        return
+    response.close()
+    raise SourceError(
+        f"{response.request.url.split('?')[0]}: the server answered a request for {wanted} "
+        f"bytes at offset {first} with {length or 'an unknown number of'} bytes (status "
+        f"{response.status_code}: it ignored the byte range).",
+        "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass a "
+        "--slice-mib larger than the largest object.",
+    )
 
 
 def _list_objects(client: Any, uri: SourceURI, funnel: Funnel) -> list[Any]:
