@@ -1,6 +1,6 @@
 """Write the rest of a repository around its converted weights, in the staging directory:
 the model directories (:mod:`loader.repository.layout`), ``manifest.json`` (the weights'
-sha256 come from the conversion, computed while writing) and finally ``.ready``."""
+digests come from the conversion, computed while writing) and finally ``.ready``."""
 
 from __future__ import annotations
 
