@@ -103,7 +103,6 @@ def test_priority_runtime_class_pod_labels_and_extra_volumes_reach_the_triton_po
             "triton.priorityClassName=serving-high",
             "triton.runtimeClassName=nvidia",
             "triton.podLabels.team=ml",
-            "triton.podLabels.app\\.kubernetes\\.io/component=other",
             "triton.extraVolumes[0].name=cache",
             "triton.extraVolumes[0].emptyDir.sizeLimit=1Gi",
             "triton.extraVolumeMounts[0].name=cache",
@@ -135,20 +134,25 @@ def test_a_mig_resource_name_is_requested_and_packs_like_whole_gpus(helm):
     mig = "nvidia.com/mig-3g.20gb"
     sets = (
         f"cluster.gpuResourceName={mig}",
-        "cluster.gpusPerNode=14",  # 7 x 2 slices of an H100 pair
-        "cluster.replicasPerNode=7",
-        "model.tensorParallelSize=2",
+        "cluster.gpusPerNode=4",  # 2 x 2 slices of an A100 40GB pair
+        "cluster.replicasPerNode=4",
+        "cluster.gpuMemoryGiB=19",  # one slice (nvidia-smi mig -lgip: 19968 MiB)
+        "model.tensorParallelSize=1",
         "cluster.nodes=2",
         *POOL,
     )
     docs = rendered(helm, sets)
     resources = triton(docs)["resources"]
-    assert resources["limits"] == {mig: 2, "memory": "64Gi"}
-    assert resources["requests"][mig] == 2
+    assert resources["limits"] == {mig: 1, "memory": "64Gi"}
+    assert resources["requests"][mig] == 1
     assert "nvidia.com/gpu" not in resources["requests"]
-    cluster = Cluster(gpu_pool(2, 14, {"pool": "a100"}), resource=mig)
+    cluster = Cluster(gpu_pool(2, 4, {"pool": "a100"}), resource=mig)
     Rollout(cluster, one(docs, "Deployment"))
-    assert cluster.pending() == [] and list(cluster.per_node().values()) == [7, 7]
+    assert cluster.pending() == [] and list(cluster.per_node().values()) == [4, 4]
+    args = next(d for d in docs if d["kind"] == "CronJob")["spec"]["jobTemplate"]["spec"][
+        "template"
+    ]["spec"]["containers"][0]["args"]
+    assert args[args.index("--gpu-memory-gib") + 1] == "19"  # the loader plans for the slice
 
 
 # --------------------------------------------------------------------------- disruption budget
