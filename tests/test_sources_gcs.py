@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import logging
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -187,20 +189,34 @@ def no_read_back(monkeypatch) -> list[Path]:
     return present
 
 
-def test_a_byte_changed_in_transit_is_caught_from_the_bytes_received(
-    tmp_path, monkeypatch, no_read_back
-):
-    """No read-back: the CRC32C of what arrived, slice by slice, is what is compared."""
-    proxy = ThrottleProxy(0, flip_first=1, flip_at=5 * SLICE // 2, fail_path="/download/")
+@contextlib.contextmanager
+def _one_object_behind(
+    proxy: ThrottleProxy, tmp_path: Path, monkeypatch, bucket: str, size: int
+) -> Iterator[Path]:
+    """``gs://BUCKET/ckpt/model.safetensors`` of ``size`` random bytes on a fresh emulator with
+    ``proxy`` in front of it (the loader's endpoint); yields the source folder."""
     srv = GcsServer(tmp_path / "gcs").start()
     proxy.target_port = srv.port
     proxy.start()
     try:
         src = tmp_path / "src"
         src.mkdir()
-        (src / "model.safetensors").write_bytes(os.urandom(3 * SLICE + 12345))
-        srv.upload_dir("flip", "ckpt", src)
+        (src / "model.safetensors").write_bytes(os.urandom(size))
+        srv.upload_dir(bucket, "ckpt", src)
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        yield src
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
+def test_a_byte_changed_in_transit_is_caught_from_the_bytes_received(
+    tmp_path, monkeypatch, no_read_back
+):
+    """No read-back: the CRC32C of what arrived, slice by slice, is what is compared."""
+    proxy = ThrottleProxy(0, flip_first=1, flip_at=5 * SLICE // 2, fail_path="/download/")
+    size = 3 * SLICE + 12345
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "flip", size) as src:
         dest = tmp_path / "dest"
         with pytest.raises(ChecksumMismatchError, match=r"ckpt/model\.safetensors"):
             fetch("gs://flip/ckpt", dest, workers=1, slice_bytes=5 * SLICE)
@@ -210,26 +226,15 @@ def test_a_byte_changed_in_transit_is_caught_from_the_bytes_received(
         # Sliced (slices arrive in any order, their values are combined), this time intact.
         result = fetch("gs://flip/ckpt", dest, workers=3, slice_bytes=SLICE)
         same_tree(src, dest)
-        assert result.downloaded_bytes == 3 * SLICE + 12345
+        assert result.downloaded_bytes == size
         assert no_read_back == [dest / "model.safetensors"] * 2  # looked for, absent both times
-    finally:
-        proxy.stop()
-        srv.stop()
 
 
 def test_a_server_that_ignores_the_byte_range_is_refused_before_its_body_is_read(
     tmp_path, monkeypatch
 ):
     proxy = ThrottleProxy(0, strip_range=True)
-    srv = GcsServer(tmp_path / "gcs").start()
-    proxy.target_port = srv.port
-    proxy.start()
-    try:
-        src = tmp_path / "src"
-        src.mkdir()
-        (src / "model.safetensors").write_bytes(os.urandom(3 * SLICE))
-        srv.upload_dir("norange", "ckpt", src)
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "norange", 3 * SLICE) as src:
         with pytest.raises(SourceError, match="ignored the byte range") as info:
             fetch("gs://norange/ckpt", tmp_path / "dest", slice_bytes=SLICE, retry_deadline_s=5)
         assert f"for {SLICE} bytes at offset" in info.value.message
@@ -237,9 +242,6 @@ def test_a_server_that_ignores_the_byte_range_is_refused_before_its_body_is_read
         # One slice for the whole object needs no range.
         fetch("gs://norange/ckpt", tmp_path / "dest", slice_bytes=4 * SLICE)
         same_tree(src, tmp_path / "dest")
-    finally:
-        proxy.stop()
-        srv.stop()
 
 
 @pytest.mark.parametrize("damaged", [False, True])
@@ -381,24 +383,13 @@ def test_connections_cut_mid_object_are_retried_and_the_result_verified(
     tmp_path, monkeypatch, caplog
 ):
     proxy = ThrottleProxy(0, cut_first=3, cut_after=100_000)
-    srv = GcsServer(tmp_path / "gcs").start()
-    proxy.target_port = srv.port
-    proxy.start()
-    try:
-        src = tmp_path / "src"
-        src.mkdir()
-        (src / "model.safetensors").write_bytes(os.urandom(1_000_000))
-        srv.upload_dir("cut", "ckpt", src)
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "cut", 1_000_000) as src:
         with caplog.at_level(logging.WARNING, logger="loader.sources.failures"):
             result = fetch("gs://cut/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=30)
         same_tree(src, tmp_path / "dest")
         assert proxy.cuts == 3
         assert caplog.text.count("; retrying") == 3
         assert result.downloaded_bytes == 1_000_000
-    finally:
-        proxy.stop()
-        srv.stop()
 
 
 def test_fetch_killed_with_sigkill_resumes_without_downloading_complete_files(
