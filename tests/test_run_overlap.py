@@ -164,12 +164,24 @@ def test_shards_are_neither_fsynced_nor_read_back_and_every_output_is_made_durab
 
 
 def test_a_corrupt_shard_found_late_aborts_without_publishing_and_the_rerun_resumes(
-    server, sequential, checkpoint, tmp_path, caplog
+    server, sequential, checkpoint, tmp_path, caplog, monkeypatch
 ):
     caplog.set_level(logging.INFO, logger="loader")
     prefix = "org/late-corrupt"
     server.upload_dir(BUCKET, prefix, checkpoint)
     last = sorted(checkpoint.glob("model-*.safetensors"))[-1].name
+    real_admit = overlap.OverlappedConversion.admit
+
+    def admit(self, rel):
+        """The last shard starts once every output the others complete is journaled (how far
+        the writers got before the failure must not depend on the machine's pace)."""
+        deadline = time.monotonic() + 120
+        while rel == last and (self.schedule.writing or self._syncing):
+            assert time.monotonic() < deadline, "the writers never caught up"
+            time.sleep(0.01)
+        return real_admit(self, rel)
+
+    monkeypatch.setattr(overlap.OverlappedConversion, "admit", admit)
     stored = server.stored_path(BUCKET, f"{prefix}/{last}")
     good = stored.read_bytes()
     with open(stored, "r+b") as fh:  # flip bytes behind the server's back; metadata unchanged
