@@ -63,8 +63,12 @@ class Chart:
         return cls(Path(root) / CHART_DIR, Path(root) / TOOLS_DIR)
 
     def tool(self, name: str) -> Path:
-        """The pinned tool ``name``, or FileNotFoundError saying how to install it."""
-        found = self.tools / name if self.tools is not None else shutil.which(name)
+        """The pinned tool ``name`` (a path: that file), or FileNotFoundError saying how to
+        install it."""
+        if "/" in name:
+            found: Path | str | None = Path(name)
+        else:
+            found = self.tools / name if self.tools is not None else shutil.which(name)
         if found is None or not Path(found).exists():
             family = "checkov" if name == "checkov" else "helm"
             where = found or f"{name} on $PATH"

@@ -1109,6 +1109,7 @@ def _staging_deploy(**env) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_staging_deploy_dry_run_renders_and_validates_without_a_cluster():
     proc = _staging_deploy(DRY_RUN="1", KUBECTL="/nonexistent/kubectl")
     assert proc.returncode == 0, proc.stderr
@@ -1120,12 +1121,14 @@ def test_staging_deploy_dry_run_renders_and_validates_without_a_cluster():
     assert "nothing was sent to a cluster" in proc.stdout
 
 
+@pytest.mark.slow
 def test_staging_deploy_dry_run_fails_on_bad_values():
     proc = _staging_deploy(DRY_RUN="1", HELM_ARGS="--set cluster.replicasPerNode=2")
     assert proc.returncode != 0
     assert "model-triton: cluster.replicasPerNode" in proc.stderr
 
 
+@pytest.mark.slow
 def test_staging_deploy_refuses_without_kubectl_before_touching_anything():
     proc = _staging_deploy(YES="1", KUBECTL="/nonexistent/kubectl")
     assert proc.returncode == 1

@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-f", "--values", action="append", default=[], help="values file(s)")
     parser.add_argument("--set", action="append", default=[], help="helm --set overrides")
-    parser.add_argument("--helm", default="helm", choices=["helm", "helm3", "helm4"])
+    parser.add_argument(
+        "--helm",
+        default="helm",
+        help="helm, helm3 or helm4 from --tools, or the path of a helm binary (default: helm)",
+    )
     parser.add_argument("--release", default="codegen")
     parser.add_argument("--namespace", default="model-triton")
     parser.add_argument(

@@ -33,8 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest
-from loader.checkpoint import OPENERS, Checkpoint, ShardFile
-from loader.errors import CheckpointError
+from loader.checkpoint import OPENERS, Checkpoint
 from loader.progress import Progress
 
 from .plan import CONFIG_INI, ConversionPlan, ConvertResult
@@ -165,9 +164,6 @@ class OverlappedConversion:
         self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-sync")
         #: Peak bytes of shards held at once (arrived, not yet deleted).
         self.peak_shard_bytes = 0
-        #: tensor name -> the weight file it arrived in, deleted shards' included: a tensor
-        #: stored twice is found whether or not the first file is still held.
-        self._stored_in: dict[str, str] = {}
 
     @property
     def skip(self) -> frozenset[str]:
@@ -201,8 +197,7 @@ class OverlappedConversion:
             self.plan.check_file(rel, shard.infos())
             with self._cond:
                 self._raise_if_failed()
-                self._refuse_stored_twice(shard)
-                self._shards.add(shard)
+                self._shards.add(shard, only=self.plan.expected)
                 held = sum(s.path.stat().st_size for s in self._shards.shards.values())
                 self.peak_shard_bytes = max(self.peak_shard_bytes, held)
                 self._follow(self.schedule.arrived(rel))
@@ -210,16 +205,6 @@ class OverlappedConversion:
             if rel not in self._shards.shards:
                 shard.close()
             raise
-
-    def _refuse_stored_twice(self, shard: ShardFile) -> None:
-        """The error :meth:`Checkpoint.add <loader.checkpoint.Checkpoint.add>` gives for a tensor
-        in two files, also when the first of them was already converted and deleted."""
-        name = shard.path.name
-        for tensor in shard.infos():
-            first = self._stored_in.get(tensor)
-            if first is not None and first != name:
-                raise CheckpointError(f"tensor {tensor} is stored twice ({first} and {name}).")
-        self._stored_in.update(dict.fromkeys(shard.infos(), name))
 
     # --- writing --------------------------------------------------------------------------
 
