@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv tools test test-fast lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
+.PHONY: help install venv tools test test-fast test-faults lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
         staging-deploy clean
 
 help: ## list the targets
@@ -45,6 +45,9 @@ test: install ## run every test, in parallel (TEST_WORKERS=auto)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
 	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
+
+test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch (not in test: ~10 min on 2 cores)
+	$(PYTEST) -m exhaustive $(sort $(wildcard tests/test_fault_every_errno_*.py)) $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
 #: modules a repository copies next to them.

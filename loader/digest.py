@@ -22,6 +22,8 @@ from typing import Protocol
 
 import blake3
 
+from loader import fs
+
 #: The algorithm new manifests and conversions use.
 DEFAULT = "blake3"
 #: Every algorithm a manifest may name, and how to start a hash of it.
@@ -51,14 +53,19 @@ def of_bytes(data: bytes, algorithm: str = DEFAULT) -> str:
 
 
 def of_file(
-    path: Path, algorithm: str = DEFAULT, *, progress: Callable[[int], object] | None = None
+    path: Path,
+    algorithm: str = DEFAULT,
+    *,
+    progress: Callable[[int], object] | None = None,
+    follow: bool = True,
 ) -> str:
     """The hex digest of the file at ``path``, read in :data:`CHUNK_BYTES` pieces into one
-    buffer; ``progress(n)`` hears of every piece."""
+    buffer; ``progress(n)`` hears of every piece. Opened through :mod:`loader.fs`; with
+    ``follow`` False never through a link at its last component (a repository's file)."""
     hasher = new(algorithm)
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
+    with fs.open_read(path, follow=follow) as fh:
         while n := fh.readinto(buf):
             hasher.update(view[:n])
             if progress is not None:

@@ -275,7 +275,8 @@ class ThrottleProxy:
     their ``Range`` header (a server that ignores it). With ``status`` set, requests are
     answered with that HTTP status (and the connection closed) instead of being relayed: all of
     them, or only the first ``fail_first`` whose request line contains ``fail_path``, with a
-    ``Retry-After: <retry_after>`` header when that is set.
+    ``Retry-After: <retry_after>`` header when that is set, and ``body`` (an HTML page: what a
+    captive portal or a misconfigured proxy answers, ``status`` 200 included) when given.
     """
 
     def __init__(
@@ -292,8 +293,11 @@ class ThrottleProxy:
         flip_first: int = 0,
         flip_at: int = 0,
         strip_range: bool = False,
+        body: bytes | None = None,
     ) -> None:
         self.target_port = target_port
+        #: What an answered request gets instead of a JSON error (a ``text/html`` page).
+        self.body = body
         self.rate = rate
         self.status = status
         self.fail_first = fail_first
@@ -360,14 +364,15 @@ class ThrottleProxy:
         if self._should_fail(head):
             self.requests += 1
             self.request_lines.append(head.split(b"\r\n", 1)[0])
-            body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
+            body = self.body or b'{"error": {"code": %d, "message": "injected"}}' % self.status
+            kind = b"text/html" if self.body is not None else b"application/json"
             wait = b"" if self.retry_after is None else b"Retry-After: %d\r\n" % self.retry_after
             with contextlib.suppress(OSError):
                 client.recv(65536)
                 client.sendall(
-                    b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n%s"
+                    b"HTTP/1.1 %d Injected\r\nContent-Type: %s\r\n%s"
                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                    % (self.status, wait, len(body), body)
+                    % (self.status, kind, wait, len(body), body)
                 )
             client.close()
             return

@@ -9,12 +9,15 @@ disk and re-hashes only the files that changed; ``--verify full`` re-hashes them
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
 
 import blake3
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loader import digest
 from loader.checkpoint import read_hf_config, read_inventory
@@ -24,6 +27,7 @@ from loader.convert.plan import plan_conversion
 from loader.convert.sequential import convert_planned
 from loader.parallel import Parallelism
 from loader.repository import manifest
+from tests.tiers import examples
 
 #: The digests by another implementation than the loader's, to compare with.
 REFERENCE = {
@@ -130,16 +134,21 @@ def test_quick_verification_finds_a_file_changed_in_place(
     assert hashed == [victim]  # only the file whose seal changed was read
 
 
-def test_a_changed_file_whose_modification_time_was_put_back_is_found_by_full_only(
-    tiny_checkpoint_with_tokenizer, tmp_path
+def test_a_changed_file_whose_modification_time_was_put_back_is_found_by_quick_too(
+    tiny_checkpoint_with_tokenizer, tmp_path, hashed
 ):
+    """Setting the mtime back cannot set the ctime back: the seal still differs."""
     published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
     victim = _weights(published)[0]
     before = victim.stat()
     _overwrite_same_size(victim)
     os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert manifest.verify(published, quick=True) == []
-    assert manifest.verify(published) != []
+    assert victim.stat().st_mtime_ns == before.st_mtime_ns
+    hashed.clear()
+    assert manifest.verify(published, quick=True) == [
+        f"{victim.relative_to(published).as_posix()} blake3 differs from the manifest"
+    ]
+    assert hashed == [victim]
 
 
 def test_a_rerun_republishes_a_key_whose_file_changed(
@@ -165,3 +174,72 @@ def test_a_manifest_without_seals_is_verified_in_full(tiny_checkpoint_with_token
     manifest.write_manifest(published, data)
     _overwrite_same_size(_weights(published)[2])
     assert manifest.verify(published, quick=True) != []
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_a_size_the_manifest_records_differently_is_found_even_when_the_seal_matches(
+    tiny_checkpoint_with_tokenizer, tmp_path, quick
+):
+    """The size check comes before the seal: a manifest whose size disagrees with the file is
+    damage, whatever the seal says."""
+    published = Path(_run(tiny_checkpoint_with_tokenizer, tmp_path))
+    data = manifest.read_manifest(published)
+    entry = next(e for e in data["files"] if e["path"].endswith(".bin"))
+    entry["size"] += 1
+    (published / manifest.MANIFEST).chmod(0o644)
+    manifest.write_manifest(published, data)
+    assert manifest.verify(published, quick=quick) == [
+        f"{entry['path']} has {entry['size'] - 1} bytes, manifest says {entry['size']}"
+    ]
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 2**70) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=5,
+)
+
+
+@pytest.fixture(scope="module")
+def published_once(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("manifest-fuzz")
+    return Path(_run(tiny_checkpoint_with_tokenizer, root))
+
+
+@settings(max_examples=examples(60), deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    field=st.sampled_from(["files", "directories", "key", "format", "entry", "entry-field"]),
+    value=_json,
+    quick=st.booleans(),
+)
+def test_a_malformed_manifest_is_damage_never_a_traceback(published_once, field, value, quick):
+    original = manifest.read_manifest(published_once)
+    data = json.loads(json.dumps(original))
+    if field == "entry":
+        data["files"][0] = value
+    elif field == "entry-field":
+        digest = manifest.DIGESTS[manifest.FORMAT_VERSION]
+        data["files"][0][("path", "size", digest, "seal")[abs(hash(str(value))) % 4]] = value
+    else:
+        data[field] = value
+    path = published_once / manifest.MANIFEST
+    path.chmod(0o644)
+    path.write_text(json.dumps(data))
+    try:
+        problems = manifest.verify(published_once, key=original["key"], quick=quick)
+        changed = data != original and not (field == "entry-field" and _seal_only(data, original))
+        if changed:
+            assert problems, (field, value)
+    finally:
+        path.write_text(json.dumps(original))
+
+
+def _seal_only(data: dict, original: dict) -> bool:
+    """Whether only the first entry's seal differs (a changed seal means re-hash, not damage)."""
+    a, b = dict(data["files"][0]), dict(original["files"][0])
+    a.pop("seal", None)
+    b.pop("seal", None)
+    return a == b and data["files"][1:] == original["files"][1:]

@@ -188,7 +188,7 @@ def test_a_killed_overlapped_run_resumes_without_downloading_verified_shards_aga
         )  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            found = list(root.glob(f".work/*/converted/2-gpu/{Journal.NAME}"))
+            found = list(root.glob(f".work/*/converted/2-gpu{Journal.SUFFIX}"))
             if found and found[0].read_text().count("\n") > 10:
                 break
             time.sleep(0.05)

@@ -196,7 +196,9 @@ def test_the_repository_root_as_work_dir_keeps_the_published_model(gs_source, tm
 
 
 @pytest.mark.server
-def test_a_download_directory_the_loader_did_not_create_is_kept(gs_source, tmp_path, capsys):
+def test_a_download_directory_the_loader_did_not_create_is_refused_and_kept(
+    gs_source, tmp_path, capsys
+):
     from loader.cli import build_parser
     from loader.cli.run import request_from_args
 
@@ -206,9 +208,11 @@ def test_a_download_directory_the_loader_did_not_create_is_kept(gs_source, tmp_p
     theirs = scratch / key_filename(key)
     theirs.mkdir(parents=True)
     (theirs / "theirs.txt").write_text("x")
-    code, _, _ = cli(capsys, *argv)
-    assert code == 0
-    assert (theirs / "theirs.txt").is_file()
+    code, _, err = cli(capsys, *argv)
+    assert code == 2, err
+    assert f"{theirs} is a directory, where the loader expected the loader's download" in err
+    assert [p.name for p in theirs.iterdir()] == ["theirs.txt"]  # nothing written into it
+    assert (theirs / "theirs.txt").read_text() == "x"
 
 
 # --- hf:// sources ------------------------------------------------------------------------

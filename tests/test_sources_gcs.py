@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from loader import fs
 from loader.errors import (
     ChecksumMismatchError,
     InsufficientDiskSpaceError,
@@ -262,7 +263,10 @@ def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
     server.upload_dir(BUCKET, prefix, src)
     (blob,) = server.client().list_blobs(BUCKET, prefix=prefix)
     dest = tmp_path / "dest"
-    partial = dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}"
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])  # the run that left them: gone
+    killed.wait()
+    owner = f"{killed.pid}-{fs.host_digest()}"
+    partial = dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}.{owner}"
     partial.parent.mkdir(parents=True)
     kept = bytearray(data[: 2 * SLICE]) + bytes(len(data) - 2 * SLICE)
     if damaged:

@@ -3,6 +3,7 @@ order, and what it never does (the dry runs without a cluster are in test_chart.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -35,6 +36,8 @@ def cluster(tmp_path):
   "config current-context") echo staging ;;
   *"get deployment"*) echo "codegen@older/tp2-pp1-i1-00000000" ;;
   *"get job"*succeeded*) echo 1 ;;
+  *"create job"*"--dry-run=client -o json"*) echo '{"kind": "Job", "spec": {"ttlSecondsAfterFinished": 0}}' ;;
+  "-n "*" create -f -") cat > "$(dirname "$0")/job.json" ;;
   *) ;;
 esac""",
     )
@@ -70,3 +73,6 @@ def test_staging_deploy_loads_the_model_then_waits_for_the_rollout_it_never_rest
     assert steps == ["upgrade", "create job", "rollout status", "test"], calls
     assert not any("restart" in c or "delete" in c for c in calls), calls
     assert "new model key (was codegen@older/" in proc.stdout
+    # the Job created keeps its record long enough for the script to read how it ended
+    job = json.loads((kubectl.parent / "job.json").read_text())
+    assert job["spec"]["ttlSecondsAfterFinished"] == 3600

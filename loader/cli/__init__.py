@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__
-from loader.errors import LoaderError
+from loader.errors import LoaderError, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -252,20 +252,31 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
-    """Print a user error as ``error:`` and ``hint:`` lines; its exit code."""
+    """Print a user error as ``error:`` and ``hint:`` lines; its exit code (also when standard
+    error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
-    print(f"error: {message}", file=sys.stderr)
-    print(f"hint: {exc.remediation}", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {exc.remediation}", file=sys.stderr)
     return exc.exit_code
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
-    """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
+    """Run a command and turn its outcome into the exit code (the one funnel for every CLI).
+    A failed file-system call becomes its typed error here (:func:`loader.errors.typed_os_error`,
+    the one mapping of errno classes)."""
     try:
         with sigterm_unwinds():
             result = func(args)
     except LoaderError as exc:
         return report(exc, args)
+    except OSError as exc:
+        typed = typed_os_error(exc)
+        if typed is None:
+            log.exception("unexpected failure (this is a bug; please report it with the log above)")
+            return EXIT_BUG
+        log.debug("file-system failure", exc_info=True)
+        return report(typed, args)
     except Terminated:
         print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         _exit_now(EXIT_TERMINATED)

@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from loader import digest
+from loader import digest, fs
 from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
 from loader.parallel import Parallelism
@@ -144,7 +144,7 @@ def convert_planned(
         )  # fmt: skip
         with atomic_directory(final, overwrite=overwrite) as tmp:
             ini = plan.config_ini()
-            (tmp / CONFIG_INI).write_bytes(ini)
+            fs.write_file(tmp / CONFIG_INI, ini)
             with byte_progress(f"convert {final.name}", total) as progress:
                 digests = write_outputs(
                     plan.outputs, ckpt, tmp, dtype=plan.np_dtype, progress=progress,

@@ -36,6 +36,7 @@ from types import ModuleType
 
 from google.protobuf import text_format
 
+from loader import fs
 from loader.parallel import Parallelism
 from loader.repository import tensors
 from loader.repository.key import ServingSettings
@@ -293,8 +294,8 @@ def to_text(config: mc.ModelConfig) -> str:
 def write_config(config: mc.ModelConfig, model_dir: Path) -> Path:
     """Write ``model_dir/config.pbtxt``."""
     path = Path(model_dir) / "config.pbtxt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_text(config), encoding="utf-8")
+    fs.makedirs(path.parent)
+    fs.write_file(path, to_text(config).encode("utf-8"))
     return path
 
 

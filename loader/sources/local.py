@@ -18,20 +18,19 @@ import filecmp
 import logging
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loader import digest
+from loader import digest, fs
 from loader.errors import SourceError, SourceNotFoundError
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
-    PARTIAL_DIR,
     clear_partials,
     ensure_disk_space,
     place,
+    remove_own_partials,
     temporary_download,
 )
 
@@ -160,7 +159,7 @@ def _copy(
 ) -> FetchResult:
     if dest.resolve() == root.resolve():
         return FetchResult(path=root, revision=None, files=files, bytes=total)
-    dest.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(dest)
     clear_partials(dest)
     todo = [f for f in files if not _same(root / f, dest / f)]
     needed = sum((root / f).stat().st_size for f in todo)
@@ -170,7 +169,7 @@ def _copy(
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:
             with temporary_download(dest, rel) as tmp:
-                shutil.copyfile(root / rel, tmp)
+                fs.copy_file(root / rel, tmp)
                 if not filecmp.cmp(root / rel, tmp, shallow=False):
                     raise SourceError(
                         f"Copy of {root / rel} differs from its source.",
@@ -178,7 +177,7 @@ def _copy(
                     )
                 place(tmp, dest / rel, dest=dest)
             progress.update((dest / rel).stat().st_size)
-    shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
+    remove_own_partials(dest)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
 
 
