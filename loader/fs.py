@@ -477,21 +477,18 @@ def create(path: Path) -> BinaryIO:
 
 def write_file(path: Path, data: bytes, *, sync: bool = False) -> None:
     """Write ``data`` to a new or existing regular file at ``path`` (never through a link)."""
-    _seam("open", path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        write_fd(fd, data, path)
-        if sync:
-            fsync_fd(fd, path)
-    finally:
-        os.close(fd)
+    _write(path, data, os.O_TRUNC, sync)
 
 
 def append(path: Path, data: bytes, *, sync: bool = False) -> None:
     """Append ``data`` to the regular file at ``path`` (created if absent, never through a
     link); fsynced with ``sync``."""
+    _write(path, data, os.O_APPEND, sync)
+
+
+def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
     _seam("open", path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         write_fd(fd, data, path)
         if sync:

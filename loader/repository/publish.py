@@ -254,22 +254,24 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float, keep: Path | None = 
                 path = base.path / name
                 if path == keep or not abandoned_in(base, name, prefix, idle_s=idle_s):
                     continue
-                if not owned(base, name, key):
-                    log.warning("leaving %s alone: the loader did not create it", path)
-                    continue
-                log.info("removing leftover staging directory %s", path)
-                base.remove_tree(name)
-                removed.append(path)
+                if _remove_ours(base, name, key, "leftover staging directory"):
+                    removed.append(path)
         for name in _entries(r, TRASH_DIR, prefix):
             with r.sub(TRASH_DIR) as trash:
-                path = trash.path / name
-                if not owned(trash, name, key):
-                    log.warning("leaving %s alone: the loader did not create it", path)
-                    continue
-                log.info("removing the replaced copy %s", path)
-                trash.remove_tree(name)
-                removed.append(path)
+                if _remove_ours(trash, name, key, "the replaced copy"):
+                    removed.append(trash.path / name)
     return removed
+
+
+def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
+    """Remove the tree ``name`` in ``d`` if it carries the loader's marker for ``key``."""
+    path = d.path / name
+    if not owned(d, name, key):
+        log.warning("leaving %s alone: the loader did not create it", path)
+        return False
+    log.info("removing %s %s", what, path)
+    d.remove_tree(name)
+    return True
 
 
 def _seal(d: Dir) -> None:
