@@ -76,20 +76,24 @@ demo: install ## the main job on a small local checkpoint, end to end on a real 
 
 #: Benchmarks write under bench/work/ unless BENCH_OUTPUT names a folder: the committed results
 #: are regenerated, replacing them, by one `make bench BENCH_OUTPUT=bench/results` on a quiet
-#: machine.
+#: machine. BENCH_BASELINE=DIR (a checkout of an earlier commit: `git worktree add DIR REV`)
+#: runs that loader beside this one in bench-convert and bench-coldstart, for before/after
+#: ratios measured side by side.
 BENCH_OUTPUT ?=
+BENCH_BASELINE ?=
 BENCH_FLAGS = $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT) --overwrite)
+BASELINE_FLAGS = $(if $(BENCH_BASELINE),--baseline $(BENCH_BASELINE))
 
 bench: bench-convert bench-fetch bench-coldstart bench-serving ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
 
-bench-convert: install ## converter throughput vs cp, and peak memory (a missed goal is explained; make goes on)
-	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) || [[ $$? == 3 ]]
+bench-convert: install ## converter throughput vs cp (efficiency), CPU s per GB, peak memory, load (a missed goal is explained; make goes on)
+	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) $(BASELINE_FLAGS) || [[ $$? == 3 ]]
 
 bench-fetch: install ## GCS download: plain single stream vs the loader
 	$(BIN)/python scripts/bench_fetch.py $(BENCH_FLAGS)
 
-bench-coldstart: install ## gs:// checkpoint to .ready: fetch alone vs run sequential vs run overlapped, time and peak disk
-	$(BIN)/python scripts/bench_coldstart.py $(BENCH_FLAGS)
+bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequential and overlapped; time, CPU s per GB, overlap efficiency, disk, load
+	$(BIN)/python scripts/bench_coldstart.py $(BENCH_FLAGS) $(BASELINE_FLAGS)
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most)
 	$(BIN)/python scripts/bench --serving-experiment $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/serving --overwrite)

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader import digest
 from loader.convert.overlapped import Journal
 from loader.convert.schedule import Schedule, Step
 from tests.tiers import examples
@@ -147,9 +148,9 @@ def test_any_schedule_writes_everything_once_and_bounds_the_shards_held(plan, da
 
 
 def _write(folder: Path, name: str, data: bytes) -> str:
-    """Write ``data`` as ``folder/name``; returns its sha256 (what the writers journal)."""
+    """Write ``data`` as ``folder/name``; returns its digest (what the writers journal)."""
     (folder / name).write_bytes(data)
-    return hashlib.sha256(data).hexdigest()
+    return digest.of_bytes(data)
 
 
 def _names(folder: Path) -> list[str]:
@@ -180,13 +181,28 @@ def test_outputs_of_another_source_revision_dtype_or_tp_are_removed(tmp_path, he
     assert _names(folder) == []
 
 
+def test_outputs_journaled_with_another_digest_are_written_again(tmp_path):
+    """A journal names its digest's algorithm: one of an earlier loader (sha256 digests, right
+    for their files) is not reused by a conversion that records BLAKE3, whose manifest would
+    otherwise list sha256 values as BLAKE3 ones."""
+    folder = tmp_path / "2-gpu"
+    journal = Journal(folder, "rev fp16 2", "sha256")
+    journal.resume()
+    _write(folder, "a.bin", b"aaaa")
+    sha = hashlib.sha256(b"aaaa").hexdigest()
+    journal.record("a.bin", 4, sha)
+    assert Journal(folder, "rev fp16 2", "sha256").resume() == {"a.bin": (4, sha)}
+    assert Journal(folder, "rev fp16 2").resume() == {}
+    assert _names(folder) == []
+
+
 def test_an_output_changed_after_it_was_recorded_is_written_again(tmp_path):
     folder = tmp_path / "2-gpu"
     journal = Journal(folder, "h")
     journal.resume()
     for name in ("same.bin", "grown.bin", "replaced.bin", "rotted.bin", "linked.bin"):
         journal.record(name, 4, _write(folder, name, b"1234"))
-    sha = hashlib.sha256(b"1234").hexdigest()
+    sha = digest.of_bytes(b"1234")
     _write(folder, "grown.bin", b"12345")
     replacement = folder / "new"
     replacement.write_bytes(b"1234")
@@ -210,7 +226,7 @@ def test_an_output_changed_after_it_was_recorded_is_written_again(tmp_path):
 def test_lines_that_are_not_records_are_ignored(tmp_path):
     folder = tmp_path / "2-gpu"
     folder.mkdir()
-    sha = hashlib.sha256(b"x").hexdigest()
+    sha = digest.of_bytes(b"x")
     (folder / "x").write_bytes(b"x")
     ino, mtime = (folder / "x").stat().st_ino, (folder / "x").stat().st_mtime_ns
     lines = ["h", "garbage", f"../x 1 {sha} {ino} {mtime}", f".journal 1 {sha} {ino} {mtime}",

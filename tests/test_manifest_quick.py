@@ -1,8 +1,9 @@
 """The manifest's digests come from the writes, and a published key is re-verified quickly.
 
-The converter hashes every weight file as it writes it; the manifest reads only the small files
-again. A rerun that finds its key published compares sizes and seals (inode, modification time)
-with the disk and re-hashes only the files that changed; ``--verify full`` re-hashes them all.
+The converter hashes every weight file as it writes it (when asked: ``model-loader convert``
+publishes no manifest and hashes nothing); the manifest reads only the small files again. A
+rerun that finds its key published compares sizes and seals (inode, modification time) with the
+disk and re-hashes only the files that changed; ``--verify full`` re-hashes them all.
 """
 
 from __future__ import annotations
@@ -13,44 +14,72 @@ import logging
 import os
 from pathlib import Path
 
+import blake3
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loader import digest
+from loader.checkpoint import read_hf_config, read_inventory
 from loader.cli import main
 from loader.convert import convert_checkpoint
+from loader.convert.plan import plan_conversion
+from loader.convert.sequential import convert_planned
+from loader.parallel import Parallelism
 from loader.repository import manifest
 from tests.tiers import examples
 
+#: The digests by another implementation than the loader's, to compare with.
+REFERENCE = {
+    "blake3": lambda data: blake3.blake3(data).hexdigest(),
+    "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+}
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+@pytest.mark.parametrize("algorithm", sorted(digest.ALGORITHMS))
+@pytest.mark.parametrize("dtype", [None, "fp16"])
+def test_the_converters_digests_are_the_written_files_digests(
+    tiny_checkpoint_with_tokenizer, tmp_path, dtype, algorithm
+):
+    # dtype None keeps fp32: replicated tensors are plain runs of source bytes (copied by the
+    # kernel when nothing is hashed); fp16 casts them.
+    src = tiny_checkpoint_with_tokenizer
+    plan = plan_conversion(
+        read_hf_config(src), read_inventory(src), parallelism=Parallelism(tp=2), dtype=dtype
+    )
+    result = convert_planned(plan, tmp_path, algorithm=algorithm)
+    on_disk = {p.name: p for p in result.output_path.iterdir()}
+    assert sorted(result.digests) == sorted(on_disk) == sorted(result.files)
+    for name, (size, hexdigest) in result.digests.items():
+        assert size == on_disk[name].stat().st_size, name
+        assert hexdigest == REFERENCE[algorithm](on_disk[name].read_bytes()), name
 
 
 @pytest.mark.parametrize("dtype", [None, "fp16"])
-def test_the_converters_digests_are_the_written_files_sha256(
-    tiny_checkpoint_with_tokenizer, tmp_path, dtype
+def test_model_loader_convert_computes_no_digest(
+    tiny_checkpoint_with_tokenizer, tmp_path, dtype, monkeypatch
 ):
-    # dtype None keeps fp32: replicated tensors go through the kernel copy; fp16 casts them.
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("convert hashed a file")
+
+    monkeypatch.setattr(digest, "new", refuse)
+    monkeypatch.setattr(digest, "of_bytes", refuse)
     result = convert_checkpoint(tiny_checkpoint_with_tokenizer, tmp_path, tp_size=2, dtype=dtype)
-    on_disk = {p.name: p for p in result.output_path.iterdir()}
-    assert sorted(result.digests) == sorted(on_disk) == sorted(result.files)
-    for name, (size, digest) in result.digests.items():
-        assert size == on_disk[name].stat().st_size, name
-        assert digest == _sha256(on_disk[name]), name
+    assert {hexdigest for _size, hexdigest in result.digests.values()} == {None}
+    assert sorted(result.digests) == sorted(p.name for p in result.output_path.iterdir())
 
 
 @pytest.fixture
 def hashed(monkeypatch) -> list[Path]:
     """Every file the manifest module reads to hash it, in order."""
     seen: list[Path] = []
-    real = manifest._sha256
+    real = digest.of_file
 
-    def counting(path: Path, progress) -> str:
+    def counting(path: Path, *args, **kwargs) -> str:
         seen.append(Path(path))
-        return real(path, progress)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(manifest, "_sha256", counting)
+    monkeypatch.setattr(digest, "of_file", counting)
     return seen
 
 
@@ -100,7 +129,7 @@ def test_quick_verification_finds_a_file_changed_in_place(
     hashed.clear()
     problems = manifest.verify(published, quick=True)
     assert problems == [
-        f"{victim.relative_to(published).as_posix()} sha256 differs from the manifest"
+        f"{victim.relative_to(published).as_posix()} blake3 differs from the manifest"
     ]
     assert hashed == [victim]  # only the file whose seal changed was read
 
@@ -117,7 +146,7 @@ def test_a_changed_file_whose_modification_time_was_put_back_is_found_by_quick_t
     assert victim.stat().st_mtime_ns == before.st_mtime_ns
     hashed.clear()
     assert manifest.verify(published, quick=True) == [
-        f"{victim.relative_to(published).as_posix()} sha256 differs from the manifest"
+        f"{victim.relative_to(published).as_posix()} blake3 differs from the manifest"
     ]
     assert hashed == [victim]
 
@@ -131,7 +160,7 @@ def test_a_rerun_republishes_a_key_whose_file_changed(
     expected = victim.read_bytes()
     _overwrite_same_size(victim)
     assert _run(tiny_checkpoint_with_tokenizer, tmp_path) == str(published)
-    assert "sha256 differs from the manifest); publishing it again" in caplog.text
+    assert "blake3 differs from the manifest); publishing it again" in caplog.text
     assert victim.read_bytes() == expected
     assert manifest.verify(published) == []
 
@@ -182,7 +211,7 @@ def published_once(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> Path:
 @settings(max_examples=examples(60), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(
-    field=st.sampled_from(["files", "directories", "key", "entry", "entry-field"]),
+    field=st.sampled_from(["files", "directories", "key", "format", "entry", "entry-field"]),
     value=_json,
     quick=st.booleans(),
 )
@@ -192,7 +221,8 @@ def test_a_malformed_manifest_is_damage_never_a_traceback(published_once, field,
     if field == "entry":
         data["files"][0] = value
     elif field == "entry-field":
-        data["files"][0][("path", "size", "sha256", "seal")[abs(hash(str(value))) % 4]] = value
+        digest = manifest.DIGESTS[manifest.FORMAT_VERSION]
+        data["files"][0][("path", "size", digest, "seal")[abs(hash(str(value))) % 4]] = value
     else:
         data[field] = value
     path = published_once / manifest.MANIFEST

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from loader import fs
@@ -33,14 +34,16 @@ def _stage(root: Path) -> Path:
     return staging
 
 
-def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path):
+def test_manifest_lists_every_file_with_size_and_blake3(tmp_path: Path):
     staging = _stage(tmp_path)
     data = json.loads((staging / manifest.MANIFEST).read_text())
     files = {f["path"]: f for f in data["files"]}
     assert set(files) == {"m/config.pbtxt", "fastertransformer/1/1-gpu/model.wte.bin"}
     wte = files["fastertransformer/1/1-gpu/model.wte.bin"]
+    assert data["format"] == 2
     assert wte["size"] == 1000
-    assert wte["sha256"] == hashlib.sha256(b"\x01" * 1000).hexdigest()
+    assert wte["blake3"] == blake3.blake3(b"\x01" * 1000).hexdigest()
+    assert "sha256" not in wte
     assert data["key"] == KEY and data["total_bytes"] == 1000 + len('name: "m"\n')
     assert (staging / manifest.READY).read_text().strip() == KEY
     assert manifest.verify(staging, key=KEY) == []
@@ -58,7 +61,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path):
         ),
         (
             lambda d: (d / "fastertransformer/1/1-gpu/model.wte.bin").write_bytes(b"\x02" * 1000),
-            "sha256 differs",
+            "blake3 differs",
         ),
         (lambda d: (d / manifest.MANIFEST).write_text("{"), "manifest.json is missing"),
     ],
@@ -68,6 +71,42 @@ def test_verify_reports_each_kind_of_damage(tmp_path: Path, damage, expected):
     damage(staging)
     problems = manifest.verify(staging, key=KEY)
     assert any(expected in p for p in problems), problems
+
+
+def _as_format_1(staging: Path) -> None:
+    """Rewrite the manifest as loaders before format 2 wrote it: sha256 digests."""
+    data = manifest.read_manifest(staging)
+    data["format"] = 1
+    for entry in data["files"]:
+        del entry["blake3"]
+        entry["sha256"] = hashlib.sha256((staging / entry["path"]).read_bytes()).hexdigest()
+    manifest.write_manifest(staging, data)
+
+
+def test_a_manifest_of_format_1_is_still_verified_with_its_sha256(tmp_path: Path):
+    staging = _stage(tmp_path)
+    _as_format_1(staging)
+    assert manifest.verify(staging, key=KEY) == []
+    assert manifest.verify(staging, key=KEY, quick=True) == []
+    wte = staging / "fastertransformer/1/1-gpu/model.wte.bin"
+    wte.write_bytes(b"\x02" * 1000)
+    expected = ["fastertransformer/1/1-gpu/model.wte.bin sha256 differs from the manifest"]
+    assert manifest.verify(staging, key=KEY) == expected
+    assert manifest.verify(staging, key=KEY, quick=True) == expected  # its seal changed
+
+
+@pytest.mark.parametrize("fmt", [0, 3, "2", None, True, [2], {"v": 2}])
+def test_a_manifest_of_a_format_this_loader_does_not_read_is_not_complete(
+    tmp_path: Path, fmt: object
+):
+    staging = _stage(tmp_path)
+    data = manifest.read_manifest(staging)
+    data["format"] = fmt
+    manifest.write_manifest(staging, data)
+    problems = manifest.verify(staging, key=KEY)
+    assert problems == [
+        f"manifest.json has format {fmt!r}, which this loader does not read (it reads 1, 2)"
+    ]
 
 
 def test_verify_reports_bytecode_caches_beside_model_py_python_would_run_them(tmp_path: Path):

@@ -3,6 +3,7 @@ and the download directory (real fake-gcs-server and olah on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -43,7 +44,7 @@ def test_an_overwritten_local_source_is_never_nothing_to_do(local_source, tmp_pa
     before = (published / manifest.MANIFEST).read_bytes()
     recorded = manifest.read_manifest(published)[manifest.SOURCE_FINGERPRINT]
     assert recorded["uri"] == f"file://{local_source}"
-    assert len(recorded["files"]["model.safetensors"]["sha256"]) == 64
+    assert len(recorded["files"]["model.safetensors"]["blake3"]) == 64
 
     _flip_last_bytes(local_source / "model.safetensors")
     code, out, err = cli(capsys, *run_argv(str(local_source), root))
@@ -76,6 +77,38 @@ def test_a_touched_but_identical_local_file_is_not_a_change(local_source, tmp_pa
     assert code == 0
     assert "already published and verified; nothing to do" in caplog.text
     assert "hashing 2 file(s)" in caplog.text  # only the two whose stat changed were read
+
+
+def _as_an_earlier_loader_recorded_it(published: Path, source: Path) -> None:
+    """Rewrite the key's source fingerprint with sha256 digests and no stat stamps (every
+    file is read again): what loaders before BLAKE3 recorded."""
+    data = manifest.read_manifest(published)
+    recorded = data[manifest.SOURCE_FINGERPRINT]
+    for rel, info in recorded["files"].items():
+        del info["blake3"]
+        info["sha256"] = hashlib.sha256((source / rel).read_bytes()).hexdigest()
+    recorded.pop("stamps", None)
+    (published / manifest.MANIFEST).chmod(0o644)
+    manifest.write_manifest(published, data)
+
+
+def test_a_sha256_fingerprint_of_an_earlier_loader_is_compared_as_sha256(
+    local_source, tmp_path, capsys, caplog
+):
+    caplog.set_level(logging.INFO, logger="loader")
+    root = tmp_path / "root"
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root))
+    assert code == 0
+    published = Path(out[-1])
+    _as_an_earlier_loader_recorded_it(published, local_source)
+    caplog.clear()
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root))
+    assert code == 0 and out[-1] == str(published)
+    assert "already published and verified; nothing to do" in caplog.text
+    _flip_last_bytes(local_source / "model.safetensors")
+    code, _, err = cli(capsys, *run_argv(str(local_source), root))
+    assert code == 2
+    assert "model.safetensors changed" in err
 
 
 def test_a_file_added_to_a_local_source_is_a_change(local_source, tmp_path, capsys):

@@ -9,12 +9,12 @@ shards as a fetch delivers them (:class:`~loader.sources.ArrivalHooks`):
 * ``arrived``: a verified shard's header is checked against the plan
   (:meth:`~loader.convert.plan.ConversionPlan.check_file`); every output whose shards are all
   here is handed to a small pool of writers (:func:`~loader.convert.writer.write_file`, which
-  hashes as it writes);
+  hashes as it writes, with :data:`loader.digest.DEFAULT`);
 * ``admit``: blocks until the :class:`~loader.convert.schedule.Schedule` lets the shard start
   downloading (one at a time, at most ``window`` held);
 * every finished output is fsynced (by one thread of its own, so the disk writes back while the
   writers go on), then recorded in a :class:`Journal` beside the outputs: a killed run's
-  successor re-verifies those files (regular, same size, inode, mtime and sha256), keeps them
+  successor re-verifies those files (regular, same size, inode, mtime and digest), keeps them
   and does not download the shards only they read (``skip``).
 
 The outputs are written into a directory of the download area, never where Triton looks;
@@ -25,7 +25,6 @@ The outputs are written into a directory of the download area, never where Trito
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -35,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loader import fs
+from loader import digest, fs
 from loader.checkpoint import OPENERS, Checkpoint
 from loader.fs import Dir
 from loader.progress import Progress
@@ -62,17 +61,18 @@ def _start_writeback(path: Path) -> None:
         os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _sha256_in(d: Dir, name: str) -> str:
-    """The sha256 of the regular file ``d/name``, read through a descriptor (no link)."""
-    digest = hashlib.sha256()
+def _digest_in(d: Dir, name: str, algorithm: str) -> str:
+    """The ``algorithm`` digest of the regular file ``d/name``, read through a descriptor (no
+    link)."""
+    hasher = digest.new(algorithm)
     fd = d.open_file(name, os.O_RDONLY)
     try:
         with open(fd, "rb", closefd=False) as fh:
-            while chunk := fh.read(8 * 2**20):
-                digest.update(chunk)
+            while chunk := fh.read(digest.CHUNK_BYTES):
+                hasher.update(chunk)
     finally:
         os.close(fd)
-    return digest.hexdigest()
+    return hasher.hexdigest()
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -81,17 +81,19 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 class Journal:
     """The outputs written into a directory, recorded in a file beside it
     (``<directory>.journal``: never among the outputs, which move into a repository): a header
-    naming what they were converted from (source revision, dtype, T), then ``name size sha256
-    inode mtime_ns`` per output, appended once the output is durable (fsynced), and
-    ``moved <path>`` once the finished outputs were moved to ``path`` (a staging directory, from
-    which a run killed before publishing gets them back: :meth:`moved_to`)."""
+    naming what they were converted from (source revision, dtype, T) and the digest's algorithm,
+    then ``name size digest inode mtime_ns`` per output, appended once the output is durable
+    (fsynced), and ``moved <path>`` once the finished outputs were moved to ``path`` (a staging
+    directory, from which a run killed before publishing gets them back: :meth:`moved_to`)."""
 
     SUFFIX = ".journal"
 
-    def __init__(self, directory: Path, header: str) -> None:
+    def __init__(self, directory: Path, header: str, algorithm: str = digest.DEFAULT) -> None:
         self.directory = Path(directory).absolute()
         self.path = self.directory.with_name(self.directory.name + self.SUFFIX)
-        self.header = header
+        self.algorithm = algorithm
+        #: a journal of another algorithm is not reused: its digests would not compare
+        self.header = f"{header} {algorithm}"
 
     def _lines(self) -> list[str]:
         try:
@@ -106,9 +108,9 @@ class Journal:
         return Path(moves[-1]) if moves else None
 
     def resume(self) -> dict[str, tuple[int, str]]:
-        """The outputs a killed run finished, as name -> (size, sha256): journaled under the
+        """The outputs a killed run finished, as name -> (size, digest): journaled under the
         same header, still regular files with the recorded size, inode and mtime, and holding
-        the recorded sha256 (each is read once more: a resumed run is not the common path).
+        the recorded digest (each is read once more: a resumed run is not the common path).
         Anything else in the directory is removed (a link there is unlinked, never followed),
         and the journal rewritten to list what was kept."""
         lines = self._lines()
@@ -128,15 +130,14 @@ class Journal:
             log.info("resuming: %d output file(s) already written in %s", len(kept), self.directory)
         return kept
 
-    @staticmethod
-    def _verified(d: Dir, lines: list[str]) -> dict[str, tuple[int, str]]:
+    def _verified(self, d: Dir, lines: list[str]) -> dict[str, tuple[int, str]]:
         kept: dict[str, tuple[int, str]] = {}
         for line in lines:
             fields = line.split(" ")
             if len(fields) != 5 or fields[0] in kept:
                 continue
-            name, size, digest, ino, mtime = fields
-            if name.startswith(".") or "/" in name or not _HEX64.fullmatch(digest):
+            name, size, recorded, ino, mtime = fields
+            if name.startswith(".") or "/" in name or not _HEX64.fullmatch(recorded):
                 continue
             found = d.lstat(name)
             if found is None or not stat.S_ISREG(found.st_mode):
@@ -144,10 +145,10 @@ class Journal:
             if [str(found.st_size), str(found.st_ino), str(found.st_mtime_ns)] != [size, ino,
                                                                                    mtime]:  # fmt: skip
                 continue
-            if _sha256_in(d, name) != digest:
+            if _digest_in(d, name, self.algorithm) != recorded:
                 log.warning("%s no longer holds what was written; writing it again", d.path / name)
                 continue
-            kept[name] = (int(size), digest)
+            kept[name] = (int(size), recorded)
         return kept
 
     def record(self, name: str, size: int, digest: str) -> None:
@@ -181,8 +182,10 @@ class OverlappedConversion:
         self.plan = plan
         self.out_dir = Path(out_dir)
         self.started = time.monotonic()
-        self._journal = Journal(self.out_dir, f"{revision} {plan.out_dtype} {plan.parallelism.tp}")
-        #: output name -> (size, sha256) of every output written (resumed ones included)
+        self._journal = Journal(
+            self.out_dir, f"{revision} {plan.out_dtype} {plan.parallelism.tp}", digest.DEFAULT
+        )
+        #: output name -> (size, digest) of every output written (resumed ones included)
         self.written: dict[str, tuple[int, str]] = self._journal.resume()
         self.schedule = Schedule(plan.needs, done=self.written, window=window)
         self._shards = Checkpoint(self.out_dir)
@@ -255,16 +258,18 @@ class OverlappedConversion:
 
     def _write(self, out: OutputFile) -> None:
         try:
-            size, digest = write_file(
+            size, hexdigest = write_file(
                 out, self._shards, self.out_dir, dtype=self.plan.np_dtype,
                 progress=self._progress, chunk_bytes=self._chunk_bytes, stop=self._stop,
+                algorithm=digest.DEFAULT,
             )  # fmt: skip
+            assert hexdigest is not None
             _start_writeback(self.out_dir / out.name)
             with self._cond:
-                self.written[out.name] = (size, digest)
+                self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
                 self._follow(self.schedule.written(out.name))
-            self._syncer.submit(self._sync, out.name, size, digest)
+            self._syncer.submit(self._sync, out.name, size, hexdigest)
         except BaseException as exc:
             with self._cond:
                 self._fail(exc)
@@ -308,7 +313,7 @@ class OverlappedConversion:
             self._raise_if_failed()
         ini = self.plan.config_ini()
         fs.write_file(self.out_dir / CONFIG_INI, ini, sync=True)
-        digests = {**self.written, CONFIG_INI: (len(ini), hashlib.sha256(ini).hexdigest())}
+        digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
         return ConvertResult.since(self.started, self.out_dir, self.plan, digests)
 
     def move_into(self, result: ConvertResult, directory: Path) -> ConvertResult:

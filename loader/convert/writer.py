@@ -12,15 +12,16 @@ that is renamed into place only when everything succeeded.
   the source tensors are memory-mapped views, not copies. A file that is a plain run of source
   bytes (a replicated tensor kept in its dtype, from safetensors) is copied by the kernel with
   ``copy_file_range``, like ``cp`` does.
-* Every file's sha256 is computed from the bytes as they are written (for a kernel copy, from
-  the source span it copies, read from the page cache it was just downloaded into), so the
-  repository's manifest needs no second pass over the weights.
+* Where the caller needs the files' digests (``model-loader run``: the manifest lists them),
+  each file's digest (:mod:`loader.digest`) is computed from the very buffers handed to
+  ``write``, so the manifest needs no second pass over the weights; such a file is never
+  copied by the kernel, whose bytes the hash would have to read again. ``model-loader
+  convert`` publishes no manifest and computes no digest.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import secrets
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loader import digest as digests
 from loader import fs
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
 from loader.errors import CheckpointError, OutputExistsError
@@ -146,22 +148,23 @@ def write_file(
     progress: Progress,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stop: threading.Event | None = None,
-) -> tuple[int, str]:
-    """Write one output file in row chunks; returns the bytes written and their sha256."""
+    algorithm: str | None = None,
+) -> tuple[int, str | None]:
+    """Write one output file in row chunks; returns the bytes written and, with an
+    ``algorithm`` (:data:`loader.digest.ALGORITHMS`), their digest (None without)."""
     tensors = {name: ckpt.get(name) for name in out.sources}
     source_dtypes = [ckpt.tensors[p.source].dtype for p in out.parts]
     row_bytes = max(out.row_elements * dtype.itemsize, 1)
     step = max(1, chunk_bytes // row_bytes)
     written = 0
-    digest = hashlib.sha256()
+    digest = None if algorithm is None else digests.new(algorithm)
     path = Path(directory) / out.name
     with fs.create(path) as fh:
-        span = _byte_span(out, ckpt, dtype)
+        span = _byte_span(out, ckpt, dtype) if digest is None else None
         if span is not None and _copy_in_kernel(
-            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop,
-            digest=digest,
-        ):  # fmt: skip
-            return out.nbytes(dtype.itemsize), digest.hexdigest()
+            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
+        ):
+            return out.nbytes(dtype.itemsize), None
         for start in range(0, out.rows, step):
             if stop is not None and stop.is_set():
                 raise _Stopped
@@ -184,11 +187,12 @@ def write_file(
                     copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                     col += width
             fs.write_fd(fh.fileno(), data, path)
-            digest.update(memoryview(data).cast("B"))
+            if digest is not None:  # the buffer just written, not a copy read back
+                digest.update(memoryview(data).cast("B"))
             written += data.nbytes
             progress.update(data.nbytes)
             del data, blocks, direct
-    return written, digest.hexdigest()
+    return written, None if digest is None else digest.hexdigest()
 
 
 def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
@@ -216,10 +220,8 @@ def _copy_in_kernel(
     progress: Progress,
     step: int,
     stop: threading.Event | None,
-    digest,
 ) -> bool:
-    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy);
-    ``digest`` is updated with the source bytes copied.
+    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy).
 
     Returns False, having copied nothing, where the kernel or filesystem cannot do it.
     """
@@ -238,10 +240,6 @@ def _copy_in_kernel(
                 raise
             if n == 0:
                 raise CheckpointError(f"{path} ended early while reading it; was it modified?")
-            copied = fs.pread(src.fileno(), n, offset + done, path)
-            if len(copied) != n:
-                raise CheckpointError(f"{path} ended early while reading it; was it modified?")
-            digest.update(copied)
             done += n
             progress.update(n)
     return True
@@ -261,16 +259,17 @@ def write_outputs(
     progress: Progress,
     workers: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> dict[str, tuple[int, str]]:
+    algorithm: str | None = None,
+) -> dict[str, tuple[int, str | None]]:
     """Write every output file, ``workers`` at a time, largest first; returns each file's name
-    -> (bytes written, sha256)."""
+    -> (bytes written, its digest with ``algorithm``, else None)."""
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
         ordered = _largest_first(outputs)
         futures = [
             pool.submit(
                 write_file, out, ckpt, directory, dtype=dtype, progress=progress,
-                chunk_bytes=chunk_bytes, stop=stop,
+                chunk_bytes=chunk_bytes, stop=stop, algorithm=algorithm,
             )
             for out in ordered
         ]  # fmt: skip

@@ -1,16 +1,19 @@
-"""``manifest.json`` (every file and directory of a repository: path, size, sha256, seal) and
+"""``manifest.json`` (every file and directory of a repository: path, size, digest, seal) and
 the ``.ready`` marker.
 
 A published repository is complete when ``.ready`` names its key and the repository holds
 exactly what the manifest lists: every listed file present as a regular file with its size
-and sha256, every listed directory a real directory, and nothing else: no other file, no
+and digest, every listed directory a real directory, and nothing else: no other file, no
 symbolic link, no other directory (a ``__pycache__`` planted beside a ``model.py`` is found;
 Python would run its bytecode). The loader's own bookkeeping files at the top
 (:data:`BOOKKEEPING`) are the only exception. ``.ready`` is written last, after the manifest,
 and both are fsynced, so a reader that sees ``.ready`` sees a complete repository.
 
-The sha256 of the weights are computed while the converter writes them (``known`` in
-:func:`build_manifest`); only the small files written besides them are read again. Each entry
+The manifest's ``format`` names the digest its entries hold (:data:`DIGESTS`): format 2, written
+now, BLAKE3 (:mod:`loader.digest` says why); format 1, written by earlier loaders, sha256, still
+verified as such; any other format is damage (the key is published again). The digests of the
+weights are computed while the converter writes them (``known`` in :func:`build_manifest`); only
+the small files written besides them are read again. Each entry
 also records the file's *seal* as written: inode, modification time and change time (ctime,
 which a user cannot set back). A quick :func:`verify` compares sizes and seals with the disk
 and re-hashes only the files whose seal changed (a write, a ``touch``, a ``chmod`` each move
@@ -28,7 +31,6 @@ followed.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -38,8 +40,9 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import digest
 from loader.formats import jsondoc
-from loader.fs import Dir, fsync_path, open_read, write_file
+from loader.fs import Dir, fsync_path, write_file
 from loader.progress import byte_progress
 
 log = logging.getLogger(__name__)
@@ -53,11 +56,14 @@ STAGING_MARKER = ".model-loader-staging"
 BOOKKEEPING = frozenset({MANIFEST, READY, STAGING_MARKER})
 #: Manifest field holding the source fingerprint (:mod:`loader.sources.fingerprint`).
 SOURCE_FINGERPRINT = "source_fingerprint"
-FORMAT_VERSION = 1
-_CHUNK = 8 * 2**20
+#: The format new manifests are written in.
+FORMAT_VERSION = 2
+#: Manifest format -> the digest algorithm (:data:`loader.digest.ALGORITHMS`) its entries hold,
+#: each under the algorithm's name.
+DIGESTS = {1: "sha256", 2: digest.DEFAULT}
 #: The largest manifest read (one of a large sharded model is well under a megabyte).
 MAX_MANIFEST_BYTES = 64 * 2**20
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HEX256 = re.compile(r"[0-9a-f]{64}")
 
 
 class _Tree:
@@ -90,24 +96,22 @@ class _Tree:
                 )
 
 
-def _sha256(path: Path, progress) -> str:
-    """The sha256 of the regular file at ``path`` (never through a link)."""
-    digest = hashlib.sha256()
-    with open_read(path, follow=False) as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            progress.update(len(chunk))
-    return digest.hexdigest()
-
-
-def _hash_all(root: Path, rels: Iterable[str], what: str, workers: int | None) -> dict[str, str]:
+def _hash_all(
+    root: Path, rels: Iterable[str], what: str, workers: int | None, algorithm: str
+) -> dict[str, str]:
+    """The ``algorithm`` digest of each file ``rels`` under ``root`` (never through a link)."""
     rels = list(rels)
     total = sum((root / rel).stat(follow_symlinks=False).st_size for rel in rels)
     with (
         byte_progress(what, total) as progress,
         ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
     ):
-        digests = pool.map(lambda rel: _sha256(root / rel, progress), rels)
+        digests = pool.map(
+            lambda rel: digest.of_file(
+                root / rel, algorithm, progress=progress.update, follow=False
+            ),
+            rels,
+        )
         return dict(zip(rels, digests, strict=True))
 
 
@@ -131,15 +135,17 @@ def build_manifest(
     meta: dict,
     *,
     workers: int | None = None,
-    known: dict[str, tuple[int, str]] | None = None,
+    known: dict[str, tuple[int, str | None]] | None = None,
 ) -> dict:
-    """List every file and directory under ``root`` (files with size, sha256 and seal);
-    ``meta`` (key, source, settings...) is stored alongside. Call once the tree is final
-    (modes set): the seals are taken now.
+    """List every file and directory under ``root`` (files with size, digest
+    (:data:`loader.digest.DEFAULT`) and seal), in the current format; ``meta`` (key, source,
+    settings...) is stored alongside. Call once the tree is final (modes set): the seals are
+    taken now.
 
-    ``known`` maps relative paths to the (size, sha256) computed while they were written: those
+    ``known`` maps relative paths to the (size, digest) computed while they were written: those
     files are not read again (a size that differs from the disk's is an error). Every other
-    file is hashed. A link or special file in the tree is an error: the loader writes none.
+    file, and one known without its digest (None), is hashed. A link or special file in the
+    tree is an error: the loader writes none.
     """
     root = Path(root).absolute()
     with Dir.open(root) as d:
@@ -155,14 +161,19 @@ def build_manifest(
             raise OSError(
                 errno.EIO, f"holds {stats[rel].st_size} bytes, {size} were written", str(root / rel)
             )
-    digests = {rel: digest for rel, (_size, digest) in known.items() if rel in stats}
+    algorithm = DIGESTS[FORMAT_VERSION]
+    digests = {
+        rel: hexdigest
+        for rel, (_size, hexdigest) in known.items()
+        if rel in stats and hexdigest is not None
+    }
     digests.update(_hash_all(root, [r for r in rels if r not in digests], "hashing repository",
-                             workers))  # fmt: skip
+                             workers, algorithm))  # fmt: skip
     files = [
         {
             "path": rel,
             "size": stats[rel].st_size,
-            "sha256": digests[rel],
+            algorithm: digests[rel],
             "seal": file_seal(stats[rel]),
         }
         for rel in rels
@@ -231,18 +242,18 @@ def _relative(path: object) -> bool:
     return all(part not in ("", ".", "..") for part in path.split("/"))
 
 
-def _listed(manifest: dict) -> tuple[dict[str, dict], set[str] | None] | str:
-    """The manifest's file entries by path and its directories (None: an older manifest
-    that lists none), or what is malformed in it."""
+def _listed(manifest: dict, algorithm: str) -> tuple[dict[str, dict], set[str] | None] | str:
+    """The manifest's file entries by path (each with its ``algorithm`` digest) and its
+    directories (None: an older manifest that lists none), or what is malformed in it."""
     files: dict[str, dict] = {}
     for entry in manifest["files"]:
         if not isinstance(entry, dict) or not _relative(entry.get("path")):
             return f"an entry is not a file of the repository: {str(entry)[:80]}"
-        size, digest = entry.get("size"), entry.get("sha256")
+        size, hexdigest = entry.get("size"), entry.get(algorithm)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             return f"{entry['path']} has no valid size"
-        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-            return f"{entry['path']} has no valid sha256"
+        if not isinstance(hexdigest, str) or not _HEX256.fullmatch(hexdigest):
+            return f"{entry['path']} has no valid {algorithm}"
         if entry["path"] in files:
             return f"{entry['path']} is listed twice"
         files[entry["path"]] = entry
@@ -274,7 +285,15 @@ def verify_in(
         return [*problems, f"{MANIFEST} is missing or unreadable"]
     if key is not None and data.get("key") != key:
         problems.append(f"{MANIFEST} names key {str(data.get('key'))[:80]!r}, expected {key!r}")
-    listing = _listed(data)
+    fmt = data.get("format")
+    algorithm = DIGESTS.get(fmt) if type(fmt) is int else None
+    if algorithm is None:
+        return [
+            *problems,
+            f"{MANIFEST} has format {repr(fmt)[:80]}, which this loader does not read "
+            f"(it reads {', '.join(map(str, DIGESTS))})",
+        ]
+    listing = _listed(data, algorithm)
     if isinstance(listing, str):
         return [*problems, f"{MANIFEST} is malformed: {listing}"]
     listed, directories = listing
@@ -312,11 +331,11 @@ def verify_in(
             len(listed),
         )
     if checksums and not problems:
-        digests = _hash_all(d.path, to_hash, "verifying repository", workers)
+        digests = _hash_all(d.path, to_hash, "verifying repository", workers, algorithm)
         problems += [
-            f"{rel} sha256 differs from the manifest"
+            f"{rel} {algorithm} differs from the manifest"
             for rel in to_hash
-            if digests[rel] != listed[rel]["sha256"]
+            if digests[rel] != listed[rel][algorithm]
         ]
     return problems
 
@@ -333,9 +352,10 @@ def verify(
 
     Checks ``.ready`` (naming ``key``), the manifest (well formed, naming ``key``), that the
     repository holds exactly what it lists (see the module docstring), every listed file's
-    size, and with ``checksums`` every file's sha256: with ``quick`` only the files whose seal
-    (:func:`file_seal`) differs from the one recorded, or that record none, are read; the
-    others are taken to hold what was written.
+    size, and with ``checksums`` every file's digest (the algorithm of the manifest's format,
+    :data:`DIGESTS`): with ``quick`` only the files whose seal (:func:`file_seal`) differs from
+    the one recorded, or that record none, are read; the others are taken to hold what was
+    written.
     """
     root = Path(root).absolute()
     try:

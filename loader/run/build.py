@@ -1,6 +1,6 @@
 """Write the rest of a repository around its converted weights, in the staging directory:
 the model directories (:mod:`loader.repository.layout`), then the modes and fsyncs of
-:func:`loader.repository.publish.seal`, ``manifest.json`` (the weights' sha256 come from the
+:func:`loader.repository.publish.seal`, ``manifest.json`` (the weights' digests come from the
 conversion, computed while writing; the seals are taken from the final files) and finally
 ``.ready``."""
 

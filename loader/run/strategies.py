@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from loader import fs
+from loader import digest, fs
 from loader.convert.overlapped import SLICE_BYTES, Journal, OverlappedConversion
 from loader.convert.plan import ConvertResult
 from loader.convert.schedule import DEFAULT_WINDOW
@@ -83,6 +83,7 @@ class Sequential:
             into,
             workers=self.request.workers,
             reserve_bytes=verified.besides_weights,
+            algorithm=digest.DEFAULT,  # for the manifest
         )
 
 

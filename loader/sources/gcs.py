@@ -19,9 +19,14 @@ How a fetch runs:
   cannot mix two versions: its next slice fails (412) and the fetch ends as transient (exit
   75), as does a download whose bytes miss the object's checksum (a proxy answering with a
   page of its own): running again fetches it again.
-* A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
-  compared with the object's metadata; only then is it renamed into place. A mismatch is a
-  :class:`~loader.errors.ChecksumMismatchError`.
+* Each slice is one request whose body is read whole (``single_shot_download``: a few large
+  reads instead of a Python loop over 8 KiB pieces, so the CPU a gigabyte costs is mostly the
+  kernel's copies), so memory in flight is about ``workers x slice``. The CRC32C of every slice
+  is computed from its bytes as they arrive; once the object is complete the slices' values are
+  combined (:func:`~loader.sources.transfer.crc32c_combine`) and compared with the object's
+  CRC32C, and only then is the file renamed into place: nothing is read back (slices a killed
+  run wrote are the exception: they are read back, never trusted). An object without a CRC32C
+  is read back for its MD5. A mismatch is a :class:`~loader.errors.ChecksumMismatchError`.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: small objects are fetched first, then large ones in name order, each started only when
   the caller admits it, and the caller hears of every verified file at once.
@@ -46,6 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import google_crc32c
+
 from loader import fs
 from loader.errors import (
     ChecksumMismatchError,
@@ -61,19 +68,23 @@ from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
     adopt,
+    crc32c_combine,
+    crc32c_text,
     ensure_disk_space,
     file_crc32c,
     file_md5,
     own_partial,
     place,
+    range_crc32c,
     remove_own_partials,
     safe_path,
 )
 
 log = logging.getLogger(__name__)
 
-#: Byte-range slice size for large objects.
-SLICE_BYTES = 32 * 1024 * 1024
+#: Byte-range slice size for large objects (each slice is read into memory whole: at most
+#: ``workers`` of them at once).
+SLICE_BYTES = 16 * 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
 
@@ -93,6 +104,8 @@ class _Object:
     done: set[int] = field(default_factory=set)
     resumed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: slice index -> CRC32C of the bytes this run received for it
+    crcs: dict[int, int] = field(default_factory=dict)
 
     @property
     def journal(self) -> Path:
@@ -208,7 +221,35 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size + 4)
     client._http.mount("https://", adapter)
     client._http.mount("http://", adapter)
+    client._http.hooks["response"].append(_refuse_more_than_the_range)
     return client
+
+
+def _refuse_more_than_the_range(response: Any, *args: Any, **kwargs: Any) -> None:
+    """A byte-range request answered with more bytes than it asked for (a server that ignores
+    ``Range``) is refused from its headers, before its body is read: a slice is read into
+    memory whole, and a whole object in its place would not be bounded."""
+    asked = response.request.headers.get("Range", "")
+    if not asked.startswith("bytes=") or response.status_code >= 300:
+        return
+    first, _, last = asked.removeprefix("bytes=").partition("-")
+    if not (first.isdigit() and last.isdigit()):
+        return
+    wanted = int(last) - int(first) + 1
+    length = response.headers.get("Content-Length", "")
+    within = length.isdigit() and int(length) <= wanted
+    if response.status_code == 206 and (within or not length):
+        return
+    if response.status_code == 200 and first == "0" and within:  # the whole object was asked
+        return
+    response.close()
+    raise TransientSourceError(  # as the slice's own check classes it (a proxy's page)
+        f"{response.request.url.split('?')[0]}: the server answered a request for {wanted} "
+        f"bytes at offset {first} with {length or 'an unknown number of'} bytes (status "
+        f"{response.status_code}: it ignored the byte range).",
+        "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass a "
+        "--slice-mib larger than the largest object.",
+    )
 
 
 def _list_objects(client: Any, uri: SourceURI, funnel: Funnel) -> list[Any]:
@@ -274,8 +315,9 @@ def _revision(blobs: list[Any]) -> str:
 
 
 class _SliceWriter:
-    """The file object a slice downloads into: writes at the slice's offset, reports bytes to
-    the progress, and refuses bytes past the slice (a server that ignored the range)."""
+    """The file object a slice downloads into: writes at the slice's offset, keeps the CRC32C
+    of the bytes it was given, reports them to the progress, and refuses bytes past the slice
+    (a server that ignored the range)."""
 
     def __init__(
         self, fh: Any, start: int, length: int, progress: Progress, what: str, path: Path
@@ -287,6 +329,8 @@ class _SliceWriter:
         self._progress = progress
         self._what = what
         self.written = 0
+        #: CRC32C of the bytes written so far (the very bytes handed to the file)
+        self.crc = 0
 
     def write(self, data: bytes) -> int:
         if self.written + len(data) > self._length:
@@ -297,6 +341,7 @@ class _SliceWriter:
                 "a --slice-mib larger than the largest object.",
             )
         fs.write_fd(self._fh.fileno(), data, self._path)
+        self.crc = google_crc32c.extend(self.crc, data)
         self.written += len(data)
         self._progress.update(len(data))
         return len(data)
@@ -307,6 +352,7 @@ class _SliceWriter:
             raise OSError("a slice can only be rewound to its start")
         self._progress.update(-self.written)
         self.written = 0
+        self.crc = 0
         return self._fh.seek(self._start) - self._start
 
     def check_complete(self) -> None:
@@ -373,9 +419,9 @@ def _download_slice(
     """Bytes ``start..end`` of the object into its partial file, then a journal line.
 
     ``Blob.download_to_file`` with a byte range, pinned to the listed generation (412 if the
-    object was replaced meanwhile); its retry resumes an interrupted read from the last byte
-    it received. Every wait (the connection, each read of the body) ends at the retry deadline.
-    An object gone or replaced since the listing (404, 412) is a source still being uploaded:
+    object was replaced meanwhile), the body read whole; its retry asks again for a read that
+    was cut. Every wait (the connection, each read of the body) ends at the retry deadline.
+    The slice's CRC32C, from the bytes received, goes to ``obj.crcs``. An object gone or replaced since the listing (404, 412) is a source still being uploaded:
     transient.
     """
     start, end = obj.slices[index]
@@ -396,6 +442,7 @@ def _download_slice(
                         if_generation_match=obj.blob.generation,
                         timeout=timeout,
                         retry=retry,
+                        single_shot_download=True,
                     ),
                     what=what,
                 ))  # fmt: skip
@@ -405,9 +452,13 @@ def _download_slice(
                 raise
             if durable:
                 fs.fsync_fd(fh.fileno(), obj.partial)
+        crc = writer.crc
+    else:
+        crc = 0  # an empty object
     with obj.lock:
         fs.append(obj.journal, f"{start} {end}\n".encode())
         obj.done.add(index)
+        obj.crcs[index] = crc
 
 
 def _while_uploaded(what: str, call: Any) -> None:
@@ -425,9 +476,34 @@ def _while_uploaded(what: str, call: Any) -> None:
         ) from exc
 
 
-def _finish(obj: _Object, dest: Path) -> None:
-    """Verify the complete temporary file and move it into place."""
-    if not _verified(obj.partial, obj.blob):
+def _received_crc32c(obj: _Object) -> int:
+    """The CRC32C of the complete partial file, combined from its slices' values: those this run
+    received, and, read back from the file, those a killed run wrote."""
+    crc = 0
+    for index, (start, end) in enumerate(obj.slices):
+        length = end - start + 1
+        part = obj.crcs.get(index)
+        if part is None:
+            part = range_crc32c(obj.partial, start, length)
+        crc = crc32c_combine(crc, part, length)
+    return crc
+
+
+def _arrived_intact(obj: _Object) -> bool:
+    """True if the partial file holds exactly the object's bytes: size, then the CRC32C of
+    what arrived, or the MD5 read back for an object that records no CRC32C."""
+    if not obj.partial.is_file() or obj.partial.stat().st_size != obj.size:
+        return False
+    if obj.blob.crc32c:
+        return crc32c_text(_received_crc32c(obj)) == obj.blob.crc32c
+    if obj.blob.md5_hash:
+        return file_md5(obj.partial) == obj.blob.md5_hash
+    return False
+
+
+def _finish(obj: _Object, dest: Path, *, durable: bool = True) -> None:
+    """Verify the complete temporary file and move it into place (``durable``: fsynced)."""
+    if not _arrived_intact(obj):
         expected = obj.blob.crc32c or obj.blob.md5_hash
         fs.unlink(obj.partial)
         fs.unlink(obj.journal)
@@ -443,7 +519,7 @@ def _finish(obj: _Object, dest: Path) -> None:
                 "from scratch; if that fails too, re-upload the object.",
             )
         raise ChecksumMismatchError(message)
-    place(obj.partial, obj.final, dest=dest)
+    place(obj.partial, obj.final, dest=dest, durable=durable)
     fs.unlink(obj.journal)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
 
@@ -550,7 +626,7 @@ def _run(
         else:
             last = True
         if last:
-            _finish(obj, dest)
+            _finish(obj, dest, durable=not hooks.transient)
             if hooks.arrived is not None:
                 hooks.arrived(obj.rel, obj.final)
 

@@ -386,7 +386,9 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                     what=f"{uri.raw} (download)",
                 )
             for rel in files:
-                _verify_and_place(uri, commit, remote[rel], staging / rel, dest, rel)
+                _verify_and_place(
+                    uri, commit, remote[rel], staging / rel, dest, rel, durable=not hooks.transient
+                )
                 if hooks.arrived is not None:
                     hooks.arrived(rel, dest / rel)
 
@@ -437,7 +439,14 @@ def _interruptible(fn: Any) -> Any:
 
 
 def _verify_and_place(
-    uri: SourceURI, commit: str, remote: RemoteFile, staged: Path, dest: Path, rel: str
+    uri: SourceURI,
+    commit: str,
+    remote: RemoteFile,
+    staged: Path,
+    dest: Path,
+    rel: str,
+    *,
+    durable: bool = True,
 ) -> None:
     final = dest / rel
     if not staged.is_file():
@@ -453,4 +462,4 @@ def _verify_and_place(
             "Run the loader again; if this repeats, the repository file or a mirror in between "
             "is corrupt.",
         )
-    place(staged, final, dest=dest)
+    place(staged, final, dest=dest, durable=durable)

@@ -12,6 +12,10 @@ left is taken over (a rerun resumes it: :func:`adopt`) or removed (:func:`clear_
 what a live owner or another host's writes is left alone, and each fetch removes only its own
 partial files at the end (:func:`remove_own_partials`).
 
+CRC32C: Cloud Storage records each object's CRC32C; a download computes the CRC32C of every
+byte-range slice from the bytes as they arrive, and :func:`crc32c_combine` joins the slices'
+values (in any order of arrival) into the object's, so no file is read back to verify it.
+
 Nothing is written through a symbolic link inside DEST: :func:`safe_path` refuses a path whose
 directories under DEST include a link (or a file), so a DEST holding a link to elsewhere cannot
 make a download land outside it.
@@ -151,14 +155,22 @@ def remove_own_partials(dest: Path) -> None:
             d.rmdir(PARTIAL_DIR)
 
 
-def place(tmp: Path, final: Path, *, dest: Path | None = None) -> None:
+def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = True) -> None:
     """Move a verified temporary file to its final name atomically (same file system); with
-    ``dest``, ``final``'s directories under it must be real directories (:func:`safe_path`)."""
+    ``dest``, ``final``'s directories under it must be real directories (:func:`safe_path`).
+
+    ``durable``: fsync the file first, so that a file under its final name survives a power
+    loss. A file its reader deletes soon after (:attr:`ArrivalHooks.transient
+    <loader.sources.ArrivalHooks>`) is not fsynced: if it is deleted before the kernel writes it
+    back, it never costs a disk write; after a crash the next run finds it damaged (its checksum)
+    or missing, and downloads it again.
+    """
     if dest is not None:
         safe_path(dest, final.relative_to(dest).as_posix())
     else:
         fs.makedirs(final.parent)
-    fs.fsync_path(tmp)
+    if durable:
+        fs.fsync_path(tmp)
     fs.rename(tmp, final)
 
 
@@ -173,15 +185,68 @@ def temporary_download(dest: Path, relpath: str) -> Iterator[Path]:
         raise
 
 
-def file_crc32c(path: Path) -> str:
-    """The CRC32C of a file as Cloud Storage writes it: base64 of the big-endian 32-bit value."""
+def crc32c_text(value: int) -> str:
+    """A CRC32C as Cloud Storage writes it: base64 of the big-endian 32-bit value."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def range_crc32c(path: Path, start: int = 0, length: int | None = None) -> int:
+    """The CRC32C of ``length`` bytes of a file from ``start`` (to its end when None)."""
     import google_crc32c
 
-    checksum = google_crc32c.Checksum()
+    crc = 0
     with fs.open_read(path) as fh:
-        while chunk := fh.read(_CHUNK):
-            checksum.update(chunk)
-    return base64.b64encode(checksum.digest()).decode("ascii")
+        fh.seek(start)
+        left = length
+        while left is None or left > 0:
+            chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
+            if not chunk:
+                break
+            crc = google_crc32c.extend(crc, chunk)
+            left = None if left is None else left - len(chunk)
+    return crc
+
+
+def file_crc32c(path: Path) -> str:
+    """The CRC32C of a file as Cloud Storage writes it (:func:`crc32c_text`)."""
+    return crc32c_text(range_crc32c(path))
+
+
+#: The CRC-32C (Castagnoli) polynomial without its x^32 term, bit-reversed: CRC32C keeps its
+#: remainders with x^0 in the highest bit, and so do the helpers below.
+_CRC32C_POLY = 0x82F63B78
+_X0 = 1 << 31  # the polynomial 1 in that order
+
+
+def _times(a: int, b: int) -> int:
+    """a x b modulo the CRC-32C polynomial (both bit-reversed remainders)."""
+    product = 0
+    for bit in range(31, -1, -1):  # a's terms x^0 .. x^31
+        if a >> bit & 1:
+            product ^= b
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1  # b x x
+    return product
+
+
+#: x^(2^k) modulo the polynomial, k = 0 .. 63.
+_X_TO_2_TO_THE: list[int] = [_X0 >> 1]
+for _ in range(63):
+    _X_TO_2_TO_THE.append(_times(_X_TO_2_TO_THE[-1], _X_TO_2_TO_THE[-1]))
+
+
+def crc32c_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC32C of the bytes ``A + B`` from ``first`` = CRC32C(A), ``second`` = CRC32C(B) and
+    ``second_length`` = len(B): A's remainder shifted past B's bits (times x^(8 len(B))),
+    plus B's. The initial and final inversions of CRC32C cancel out of the sum."""
+    if second_length < 0 or second_length >= 1 << 60:
+        raise ValueError(f"a length of {second_length} bytes is out of range")
+    shift, k, n = _X0, 3, second_length  # x^(8n) from the bits of n: x^(2^(k+3)) per bit k
+    while n:
+        if n & 1:
+            shift = _times(_X_TO_2_TO_THE[k], shift)
+        n >>= 1
+        k += 1
+    return _times(shift, first) ^ second
 
 
 def file_md5(path: Path) -> str:
