@@ -33,6 +33,9 @@ from loader.repository import key as loader_key
 from tests import chart as rc
 from tests.chartkit import generated, render_helpers, render_values
 
+# Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
+pytestmark = pytest.mark.slow
+
 HELMS = ("helm3", "helm4")
 #: Generated cases per Helm version in the batched comparison.
 CASES = 2000

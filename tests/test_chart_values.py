@@ -22,6 +22,9 @@ from loader.kube import quantity
 from tests import chart as rc
 from tests.chartkit import Outcome, generated, get, names_a_key, render_values
 
+# Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
+pytestmark = pytest.mark.slow
+
 HELMS = ("helm3", "helm4")
 INT32 = 2**31 - 1
 #: Values sets generated per class.

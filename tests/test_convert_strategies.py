@@ -34,6 +34,9 @@ from loader.parallel import Parallelism
 from tests.tiers import examples
 from tests.tinymodels import build_tiny_model
 
+# Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
+pytestmark = pytest.mark.slow
+
 INDEX = "model.safetensors.index.json"
 #: The base checkpoints: (architecture, stored dtype).
 BASES = [("gptj", "fp32"), ("gptj", "fp16"), ("codegen", "fp16"), ("codegen", "fp32")]

@@ -22,6 +22,9 @@ from tests.fault_sweep import (
     sweep,
 )
 
+# Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("command", LOCAL)
 def test_every_file_system_call_site_fails_typed_and_loses_nothing(local, command, caplog):

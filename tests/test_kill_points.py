@@ -33,6 +33,9 @@ from loader.repository import manifest
 from tests.fault_sweep import scratch
 from tests.faults import FailAt, Recorder, Site, describe
 
+# Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
+pytestmark = pytest.mark.slow
+
 KILLED = -signal.SIGKILL
 
 
