@@ -15,7 +15,7 @@ TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
 PYTEST_ARGS ?=
 
 .PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
-        staging-deploy clean
+        staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -28,7 +28,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml scripts
 	PYTHON=$(PYTHON) scripts/install-venv.sh $(VENV)
 	touch $@
 
-tools: venv
+tools: venv ## pinned helm, kubectl, checkov, perf_analyzer; the local control plane (built once)
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 
 test: install ## run every test
@@ -67,5 +67,11 @@ bench-serving: install ## perf_analyzer sweep of instance count x dynamic batchi
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
 
-clean: ## remove the virtualenv, tools and work directories
-	rm -rf $(VENV) $(TOOLS) bench/work demo-work
+cluster-up: install ## a local Kubernetes control plane with fake GPU nodes (prints its KUBECONFIG)
+	$(BIN)/python -m tests.kube up
+
+cluster-down: ## stop the local control plane (its logs stay in .cluster/)
+	@if [[ -x $(BIN)/python ]]; then $(BIN)/python -m tests.kube down; fi
+
+clean: cluster-down ## remove the virtualenv, tools (Go caches included), the local cluster and work directories
+	rm -rf $(VENV) $(TOOLS) .cluster bench/work demo-work
