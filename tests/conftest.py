@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# The local Kubernetes control plane (tests/kube): `kube`, `kubelet`, `sandbox`.
+from tests.kube.fixtures import kube, kubelet, sandbox  # noqa: F401
+
 #: Text the tiny test tokenizers are trained on.
 TOKENIZER_CORPUS = [
     "def is_even(n: int) -> bool:\n    return n % 2 == 0\n",
