@@ -6,9 +6,11 @@ in this order; :data:`loader.formats.huggingface.WEIGHT_FILES` names them, :data
 * ``model.safetensors.index.json`` + shards, or a single ``model.safetensors``;
 * ``pytorch_model.bin.index.json`` + shards, or a single ``pytorch_model.bin``.
 
-:func:`open_checkpoint` validates the layout and every shard's header up front (a truncated or
-corrupt shard is a :class:`~loader.errors.CheckpointError` naming the file) and returns a
-:class:`Checkpoint` that knows every tensor's name, dtype and shape without reading any data.
+:func:`read_inventory` reads which tensors a checkpoint lists and the file holding each (from
+the index, before the shards need to be there). :func:`open_checkpoint` validates the layout and
+every shard's header up front (a truncated or corrupt shard is a
+:class:`~loader.errors.CheckpointError` naming the file) and returns a :class:`Checkpoint` that
+knows every tensor's name, dtype and shape without reading any data.
 :meth:`Checkpoint.get` then returns one tensor as a NumPy array *viewing a read-only memory map*
 of the file: no tensor is copied into anonymous memory, the page cache holds the bytes. For
 safetensors the (simple, documented) header is parsed here directly so the view can be
@@ -23,15 +25,16 @@ import json
 import logging
 import math
 import mmap
+import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from loader.errors import CheckpointError, DtypeError
+from loader.errors import CheckpointError, DtypeError, some_names
 from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
 log = logging.getLogger(__name__)
@@ -259,22 +262,88 @@ OPENERS: dict[str, Callable[[Path], ShardFile]] = {
     "pytorch": TorchFile,
 }
 
+#: A file name an index may give: no directory, no control character.
+_PLAIN_NAME = re.compile(r"[^/\x00-\x1f]+")
+_INDEX_MISMATCH = (
+    "The index and the weight files do not match: use a complete, unmodified checkpoint."
+)
 
-def _shard_names(directory: Path) -> tuple[WeightFiles, list[str], dict[str, str] | None]:
+
+@dataclass(frozen=True)
+class Inventory:
+    """The tensors a checkpoint directory lists and the weight file holding each: read from its
+    index (the weight files need not be there yet) or from its single weight file's header."""
+
+    directory: Path
+    layout: WeightFiles
+    #: The file that lists the tensors: the index, or the single weight file.
+    listing: str
+    #: tensor name -> weight file (a plain file name inside ``directory``)
+    placement: dict[str, str]
+
+    @property
+    def sharded(self) -> bool:
+        return self.listing == self.layout.index
+
+    @property
+    def files(self) -> list[str]:
+        """The weight files, by name (the order sources deliver them in)."""
+        return sorted(set(self.placement.values()))
+
+    def open(self, name: str) -> ShardFile:
+        """Open (and check the header of) the weight file ``name``."""
+        path = self.directory / name
+        if not path.is_file():
+            raise self.missing([name])
+        return OPENERS[self.layout.name](path)
+
+    def check_placement(
+        self, name: str, infos: Mapping[str, TensorInfo], *, unlisted: Callable[[str], bool]
+    ) -> None:
+        """Every tensor of the weight file ``name`` must be where the inventory places it (a
+        tensor it does not list only where ``unlisted(tensor)`` allows it), and every tensor it
+        places there must be in it."""
+        for tensor in infos:
+            listed = self.placement.get(tensor)
+            if listed == name or (listed is None and unlisted(tensor)):
+                continue
+            raise CheckpointError(
+                f"{self.listing} places tensor {tensor} in {listed}, but {name} holds it.",
+                _INDEX_MISMATCH,
+            )
+        lacking = [t for t, f in self.placement.items() if f == name and t not in infos]
+        if lacking:
+            raise CheckpointError(
+                f"{self.listing} places {some_names(lacking)} in {name}, but that file does not "
+                "hold it.",
+                _INDEX_MISMATCH,
+            )
+
+    def missing(self, names: Iterable[str]) -> CheckpointError:
+        """The error for weight files the inventory names that the directory lacks."""
+        names = sorted(names)
+        return CheckpointError(
+            f"{some_names(names)} listed in {self.listing} {'is' if len(names) == 1 else 'are'} "
+            "missing.",
+            "Add every weight file the index names (download or upload the checkpoint again), "
+            "then run again.",
+        )
+
+
+def read_inventory(directory: Path | str) -> Inventory:
+    """The inventory of ``directory``, in the first layout of
+    :data:`~loader.formats.huggingface.WEIGHT_FILES` it has an index or a single file of."""
+    directory = Path(directory)
     for layout in WEIGHT_FILES:
-        index_path = directory / layout.index
-        if index_path.is_file():
-            try:
-                index = json.loads(index_path.read_text(encoding="utf-8"))
-                weight_map = dict(index["weight_map"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(
-                    f"{index_path} is not a valid index (a JSON object with a weight_map): {exc}."
-                ) from exc
-            files = sorted(set(weight_map.values()))
-            return layout, files, weight_map
+        if (directory / layout.index).is_file():
+            return Inventory(directory, layout, layout.index, _read_index(directory, layout))
         if (directory / layout.single).is_file():
-            return layout, [layout.single], None
+            shard = OPENERS[layout.name](directory / layout.single)
+            try:
+                names = list(shard.infos())
+            finally:
+                shard.close()
+            return Inventory(directory, layout, layout.single, dict.fromkeys(names, layout.single))
     present = sorted(p.name for p in directory.iterdir())[:20]
     looked_for = ", ".join(f"{lay.single} / {lay.index}" for lay in WEIGHT_FILES)
     raise CheckpointError(
@@ -282,24 +351,70 @@ def _shard_names(directory: Path) -> tuple[WeightFiles, list[str], dict[str, str
     )
 
 
-class Checkpoint:
-    """The tensors of a checkpoint directory, opened lazily (see the module docstring)."""
+def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
+    """An index's weight map; every file it names must be a shard of ``layout`` inside
+    ``directory`` (a name read from a checkpoint never reaches a path unchecked)."""
+    path = directory / layout.index
+    try:
+        weight_map = dict(json.loads(path.read_text(encoding="utf-8"))["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{path} is not a valid index (a JSON object with a weight_map): {exc}."
+        ) from exc
+    for tensor, name in weight_map.items():
+        if not (
+            isinstance(tensor, str)
+            and isinstance(name, str)
+            and _PLAIN_NAME.fullmatch(name)
+            and name.startswith(layout.shard_prefix)
+            and name.endswith(layout.shard_suffix)
+        ):
+            raise CheckpointError(
+                f"{path} places tensor {tensor!r} in {name!r}, which is not a "
+                f"{layout.shard_prefix}*{layout.shard_suffix} file beside it.",
+                _INDEX_MISMATCH,
+            )
+    return weight_map
 
-    def __init__(self, directory: Path, config: dict[str, Any], shards: list[ShardFile]) -> None:
+
+class Checkpoint:
+    """The tensors of a set of opened weight files (see the module docstring); files can be
+    added and removed one at a time (a conversion that reads shards as they arrive)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        config: dict[str, Any] | None = None,
+        shards: Iterable[ShardFile] = (),
+    ) -> None:
         self.directory = directory
-        self.config = config
-        self._shards = shards
+        self.config = config or {}
+        self.shards: dict[str, ShardFile] = {}
         self._where: dict[str, ShardFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
         for shard in shards:
-            for name, info in shard.infos().items():
-                if name in self.tensors:
-                    raise CheckpointError(
-                        f"tensor {name} is stored twice ({self.tensors[name].file.name} and "
-                        f"{shard.path.name})."
-                    )
-                self.tensors[name] = info
-                self._where[name] = shard
+            self.add(shard)
+
+    def add(self, shard: ShardFile) -> None:
+        """Make the tensors of ``shard`` readable (a tensor stored twice is an error)."""
+        for name in shard.infos():
+            if name in self.tensors:
+                raise CheckpointError(
+                    f"tensor {name} is stored twice ({self.tensors[name].file.name} and "
+                    f"{shard.path.name})."
+                )
+        for name, info in shard.infos().items():
+            self.tensors[name] = info
+            self._where[name] = shard
+        self.shards[shard.path.name] = shard
+
+    def remove(self, name: str) -> ShardFile:
+        """Forget the weight file ``name`` (its tensors are no longer readable); returns it."""
+        shard = self.shards.pop(name)
+        for tensor in shard.infos():
+            self.tensors.pop(tensor, None)
+            self._where.pop(tensor, None)
+        return shard
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -336,10 +451,10 @@ class Checkpoint:
 
     @property
     def files(self) -> list[Path]:
-        return [s.path for s in self._shards]
+        return [s.path for s in self.shards.values()]
 
     def close(self) -> None:
-        for shard in self._shards:
+        for shard in self.shards.values():
             shard.close()
 
 
@@ -347,25 +462,20 @@ def open_checkpoint(directory: Path | str) -> Checkpoint:
     """Open a checkpoint directory: config.json, layout, every shard's header (no tensor data)."""
     directory = Path(directory)
     config = read_hf_config(directory)
-    layout, files, weight_map = _shard_names(directory)
-    shards: list[ShardFile] = []
-    for fname in files:
-        path = directory / fname
-        if not path.is_file():
-            raise CheckpointError(
-                f"{path} is listed in {layout.index} but missing.",
-                "Download the missing shard (the index names every file the checkpoint needs).",
-            )
-        shards.append(OPENERS[layout.name](path))
-    ckpt = Checkpoint(directory, config, shards)
-    for name, fname in (weight_map or {}).items():
-        info = ckpt.tensors.get(name)
-        if info is None or info.file.name != fname:
-            raise CheckpointError(
-                f"{layout.index} places tensor {name} in {fname}, but that file does not hold it.",
-                "The index and the shards do not match: download the checkpoint again.",
-            )
-    log.debug("opened %s: %d tensors in %d file(s)", directory, len(ckpt.tensors), len(shards))
+    inventory = read_inventory(directory)
+    missing = [name for name in inventory.files if not (directory / name).is_file()]
+    if missing:
+        raise inventory.missing(missing)
+    ckpt = Checkpoint(directory, config)
+    try:
+        for name in inventory.files:
+            shard = inventory.open(name)
+            ckpt.add(shard)
+            inventory.check_placement(name, shard.infos(), unlisted=lambda _: True)
+    except BaseException:
+        ckpt.close()
+        raise
+    log.debug("opened %s: %d tensors in %d file(s)", directory, len(ckpt.tensors), len(ckpt.files))
     return ckpt
 
 

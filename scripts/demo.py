@@ -271,13 +271,13 @@ def step_plan() -> None:
 
 def step_chart() -> None:
     section(6, "The Helm chart, rendered for every values file")
-    from loader.demo import chart as render_chart
+    from loader import chart as render_chart
+
+    chart = render_chart.Chart.in_checkout(ROOT)
 
     for values in sorted(VALUES_DIR.glob("*.yaml")):
         try:
-            docs = render_chart.documents(
-                render_chart.render(values_files=[values], release=MODEL_NAME)
-            )
+            docs = render_chart.documents(chart.render(values_files=[values], release=MODEL_NAME))
         except (render_chart.ChartError, FileNotFoundError) as exc:
             raise SystemExit(f"helm template failed for {values.name}: {exc}") from exc
         name = values.relative_to(ROOT)

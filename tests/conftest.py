@@ -43,8 +43,8 @@ def published_tiny_python_repository(
     Session-scoped and shared: tests must not modify it (serve it, or make variants of it).
     """
     from loader.parallel import Parallelism
-    from loader.pipeline import RunRequest, run
     from loader.repository.key import ServingSettings
+    from loader.run import RunRequest, run
 
     request = RunRequest(
         source=str(tiny_checkpoint_with_tokenizer),

@@ -128,14 +128,18 @@ class GcsServer:
         for path in sorted(p for p in src.rglob("*") if p.is_file()):
             name = f"{prefix}/{path.relative_to(src).as_posix()}" if prefix else path.name
             query = urllib.parse.urlencode({"uploadType": "media", "name": name})
-            request = urllib.request.Request(
-                f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}",
-                data=path.read_bytes(),
-                headers={"Content-Type": "application/octet-stream"},
-                method="POST",
-            )
-            with urllib.request.urlopen(request, timeout=60) as response:
-                assert response.status == 200, response.status
+            with open(path, "rb") as body:  # streamed: benchmark checkpoints are GBs
+                request = urllib.request.Request(
+                    f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}",
+                    data=body,
+                    headers={
+                        "Content-Type": "application/octet-stream",
+                        "Content-Length": str(path.stat().st_size),
+                    },
+                    method="POST",
+                )
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    assert response.status == 200, response.status
             names.append(name)
         return names
 

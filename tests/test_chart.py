@@ -21,8 +21,8 @@ import yaml
 
 from loader.cli import build_parser
 from loader.cli.run import request_from_args
-from loader.demo import chart as rc
 from loader.plan import check_placement
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 

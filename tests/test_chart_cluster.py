@@ -19,7 +19,7 @@ import time
 import pytest
 import yaml
 
-from loader.demo import chart as rc
+from tests import chart as rc
 from tests.kube import nodes as fake
 from tests.kube.api import ApiError
 from tests.kube.kubelet import Context, Exit

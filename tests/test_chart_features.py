@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loader.demo import chart as rc
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from loader.demo import chart as rc
 from loader.serving import TritonServer
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,8 +83,8 @@ def test_helm_test_fails_when_the_model_is_not_served(helm_test_container, trito
 @pytest.fixture(scope="module")
 def streaming_triton(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
     from loader.parallel import Parallelism
-    from loader.pipeline import RunRequest, run
     from loader.repository.key import ServingSettings
+    from loader.run import RunRequest, run
 
     request = RunRequest(
         source=str(tiny_checkpoint_with_tokenizer),

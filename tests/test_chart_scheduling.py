@@ -15,7 +15,7 @@ from functools import cache
 import pytest
 import yaml
 
-from loader.demo import chart as rc
+from tests import chart as rc
 from tests.kube import nodes as fake
 
 PRODUCTION = rc.VALUES_DIR / "production.yaml"

@@ -119,7 +119,7 @@ def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
     path = _copy(checkpoints[("bin", True)], tmp_path / "ck")
     victim = sorted(path.glob("pytorch_model-*.bin"))[0]
     victim.unlink()
-    with pytest.raises(CheckpointError, match=rf"{victim.name} is listed in .* but missing"):
+    with pytest.raises(CheckpointError, match=rf"{victim.name} listed in .* is missing"):
         open_checkpoint(path)
 
 

@@ -347,7 +347,7 @@ def test_a_directory_published_meanwhile_is_not_overwritten(sources, tmp_path, m
         (tmp_path / "1-gpu" / "config.ini").write_text("[gptj]\n")
         return written
 
-    monkeypatch.setattr("loader.convert.pipeline.write_outputs", write_then_lose_the_race)
+    monkeypatch.setattr("loader.convert.sequential.write_outputs", write_then_lose_the_race)
     with pytest.raises(OutputExistsError, match="1-gpu already exists"):
         convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1)
     assert _leftovers(tmp_path) == ["1-gpu"]

@@ -70,7 +70,7 @@ def test_heads_not_divisible_by_tp(good, tmp_path, capsys):
     out = tmp_path / "out"
     assert_refused(
         capsys, out, [str(good), str(out), "--tp-size", "3"],
-        "n_head (attention heads) (8) is not divisible by the tensor-parallel size 3",
+        "The attention head count (8) is not divisible by the tensor-parallel size 3",
         "Choose a --tp-size that divides 8",
     )  # fmt: skip
 
@@ -79,7 +79,7 @@ def test_inter_size_not_divisible_by_tp(good, tmp_path, capsys):
     out = tmp_path / "out"
     assert_refused(
         capsys, out, [str(good), str(out), "--tp-size", "8"],
-        "inter_size (n_inner) (100) is not divisible by the tensor-parallel size 8",
+        "The MLP width (n_inner) (100) is not divisible by the tensor-parallel size 8",
     )  # fmt: skip
 
 
@@ -162,6 +162,7 @@ def test_unknown_dtype(good, tmp_path, capsys):
 def test_bf16_source_needs_an_explicit_dtype(good, tmp_path, capsys):
     src = variant(good, tmp_path)
     edit_tensors(src, lambda s: s.update({k: v.bfloat16() for k, v in s.items()}))
+    edit_config(src, dtype="bfloat16")
     out = tmp_path / "out"
     assert_refused(capsys, out, [str(src), str(out), "--tp-size", "1"], "stored in bf16")
     rc, _, err = run_cli(capsys, str(src), str(out), "--tp-size", "1", "--dtype", "fp32")
@@ -227,7 +228,7 @@ def test_the_real_command_exits_2_without_a_traceback(good, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert "error: n_head (attention heads) (8) is not divisible" in proc.stderr
+    assert "error: The attention head count (8) is not divisible" in proc.stderr
     assert not (tmp_path / "o").exists()
 
 

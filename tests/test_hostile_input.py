@@ -194,7 +194,7 @@ def test_the_free_space_check_counts_everything_the_repository_holds(
     source, tmp_path, capsys, monkeypatch
 ):
     """Free space for the weights alone, not for the tokenizer copies and the rest."""
-    import loader.convert.pipeline as convert
+    import loader.convert.sequential as convert
 
     weights = 0
     real_check = convert._check_free_space
@@ -206,10 +206,10 @@ def test_the_free_space_check_counts_everything_the_repository_holds(
 
     monkeypatch.setattr(convert, "_check_free_space", report)
     assert _cli(capsys, *_run_args(source, tmp_path / "probe"))[0] == 0
-    from loader.pipeline import _besides_weights
     from loader.repository.layout import tokenizer_files
+    from loader.run.verify import REPOSITORY_EXTRA_BYTES
 
-    extra = _besides_weights(tokenizer_files(source))
+    extra = 2 * sum(p.stat().st_size for p in tokenizer_files(source)) + REPOSITORY_EXTRA_BYTES
     weights -= extra
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(

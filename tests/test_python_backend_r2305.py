@@ -19,9 +19,9 @@ import tokenizers
 from google.protobuf import json_format
 
 from loader.parallel import Parallelism
-from loader.pipeline import RunRequest, run
 from loader.repository.config import read_config
 from loader.repository.key import ServingSettings
+from loader.run import RunRequest, run
 
 DRIVER = Path(__file__).resolve().parent / "r2305" / "driver.py"
 PROMPT = "def add(a, b):"

@@ -15,9 +15,9 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from loader.parallel import Parallelism
-from loader.pipeline import RunRequest, run
 from loader.repository.config import read_config
 from loader.repository.key import ServingSettings
+from loader.run import RunRequest, run
 
 GPTJ = "all_models/gptj/fastertransformer/config.pbtxt"
 GPT = "all_models/gpt/fastertransformer/config.pbtxt"

@@ -233,7 +233,7 @@ def test_concurrent_loaders_of_one_key_publish_once(tiny_checkpoint_with_tokeniz
     assert [p.returncode for p in procs] == [0, 0]
     paths = {out.splitlines()[-1] for out, _ in results}
     assert len(paths) == 1
-    published = [err for _, err in results if "loader.pipeline: published" in err]
+    published = [err for _, err in results if "loader.run: published" in err]
     skipped = [err for _, err in results if "nothing to do" in err]
     assert len(skipped) == 1, [err[-2000:] for _, err in results]
     assert len(published) == 1

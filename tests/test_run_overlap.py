@@ -1,4 +1,4 @@
-"""`model-loader run` from gs:// converting while it downloads (loader.convert.overlap).
+"""`model-loader run` from gs:// converting while it downloads (loader.convert.overlapped).
 
 Against the real fake-gcs-server: the overlapped run publishes the same repository as the
 sequential one, holds a few shards at a time, aborts without publishing on a corrupt shard found
@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from loader.cli import main
-from loader.convert import overlap
+from loader.convert import overlapped as overlap
+from loader.convert.overlapped import Journal
+from loader.convert.schedule import DEFAULT_WINDOW
 from loader.errors import ChecksumMismatchError
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
@@ -116,10 +118,10 @@ def test_the_overlapped_run_publishes_what_the_sequential_one_does_holding_few_s
     # The disk accounting: every shard arrived, at most window + 1 of them were on disk at
     # once (the window, and the one let in when those held wait for it), never the checkpoint.
     assert len(on_disk) == len(shards)
-    assert max(on_disk) <= (overlap.DEFAULT_WINDOW + 1) * largest
+    assert max(on_disk) <= (DEFAULT_WINDOW + 1) * largest
     assert max(on_disk) < sum(p.stat().st_size for p in shards) / 2
     outputs = _tree_bytes(published / "fastertransformer")
-    assert max(peaks) <= outputs + (overlap.DEFAULT_WINDOW + 1) * largest + 2**20
+    assert max(peaks) <= outputs + (DEFAULT_WINDOW + 1) * largest + 2**20
     assert not (root / ".work").exists() or not any((root / ".work").iterdir())
 
 
@@ -140,7 +142,7 @@ def test_a_corrupt_shard_found_late_aborts_without_publishing_and_the_rerun_resu
     assert not list(root.glob("tiny@*/*"))  # nothing published
     assert not (root / STAGING_DIR).exists() or not any((root / STAGING_DIR).iterdir())
     (converted,) = root.glob(".work/*/converted/2-gpu")
-    journal = (converted / overlap.JOURNAL).read_text().splitlines()
+    journal = (converted / Journal.NAME).read_text().splitlines()
     assert len(journal) > 10  # outputs of the earlier shards were written before the failure
 
     stored.write_bytes(good)
@@ -175,7 +177,7 @@ def test_a_killed_overlapped_run_resumes_without_downloading_verified_shards_aga
         deadline = time.monotonic() + 120
         journal = None
         while time.monotonic() < deadline and proc.poll() is None:
-            found = list(root.glob(f".work/*/converted/2-gpu/{overlap.JOURNAL}"))
+            found = list(root.glob(f".work/*/converted/2-gpu/{Journal.NAME}"))
             if found and len(found[0].read_text().splitlines()) > 10:
                 journal = found[0]
                 break

@@ -1,4 +1,4 @@
-"""`model-loader run` from hf:// converting while it downloads (loader.convert.overlap).
+"""`model-loader run` from hf:// converting while it downloads (loader.convert.overlapped).
 
 Against the real olah Hub mirror: the overlapped run publishes the same weights as the
 sequential one, holds a few shards at a time, and a shard whose bytes do not match the Hub's
@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from loader.cli import main
-from loader.convert import overlap
+from loader.convert import overlapped as overlap
+from loader.convert.overlapped import Journal
+from loader.convert.schedule import DEFAULT_WINDOW
 from loader.errors import ChecksumMismatchError
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
@@ -134,13 +136,13 @@ def test_the_overlapped_hf_run_publishes_what_the_sequential_one_does_holding_fe
     weights = [rel for rel in order if rel.endswith(".safetensors")]
     assert weights == [p.name for p in shards]
     assert order.index(weights[0]) > order.index("config.json")
-    assert order.index(weights[0]) > order.index(overlap.INDEX)
+    assert order.index(weights[0]) > order.index("model.safetensors.index.json")
 
     # The disk accounting: at most window + 1 shards on disk at once, never the checkpoint.
-    assert max(on_disk) <= (overlap.DEFAULT_WINDOW + 1) * largest
+    assert max(on_disk) <= (DEFAULT_WINDOW + 1) * largest
     assert max(on_disk) < sum(p.stat().st_size for p in shards) / 2
     outputs = _tree_bytes(published / "fastertransformer")
-    assert max(peaks) <= outputs + (overlap.DEFAULT_WINDOW + 1) * largest + 2**20
+    assert max(peaks) <= outputs + (DEFAULT_WINDOW + 1) * largest + 2**20
     assert not (root / ".work").exists() or not any((root / ".work").iterdir())
 
 
@@ -171,7 +173,7 @@ def test_a_shard_not_matching_the_hubs_hash_aborts_without_publishing_and_the_re
         assert not list(root.glob("tiny@*/*"))  # nothing published
         assert not (root / STAGING_DIR).exists() or not any((root / STAGING_DIR).iterdir())
         (converted,) = root.glob(".work/*/converted/2-gpu")
-        journal = (converted / overlap.JOURNAL).read_text().splitlines()
+        journal = (converted / Journal.NAME).read_text().splitlines()
         assert len(journal) > 10  # outputs of the earlier shards were written before the failure
         (source_dir,) = root.glob(".work/*/source")
         assert not (source_dir / last.name).exists()  # the mismatching download was discarded

@@ -35,7 +35,7 @@ _DRIVER = textwrap.dedent(
 
     if point == "converting":
         # Stop inside the converter's write loop after the first bytes were written.
-        import loader.convert.pipeline as convert
+        import loader.convert.sequential as convert
         real_progress = convert.byte_progress
 
         class Stopping:

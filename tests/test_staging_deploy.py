@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import yaml
 
-from loader.demo import chart as rc
+from tests import chart as rc
 from tests.kube import nodes as fake
 from tests.kube.controlplane import ROOT
 from tests.kube.kubelet import Context, Exit

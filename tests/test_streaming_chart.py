@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loader.demo import chart as rc
+from tests import chart as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 

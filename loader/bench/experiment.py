@@ -61,8 +61,8 @@ def publish_demo_repository(work_dir: Path) -> Path:
     """The demo checkpoint, published for the CPU reference backend (built or reused)."""
     from loader.demo.checkpoint import build_demo_checkpoint, describe
     from loader.parallel import Parallelism
-    from loader.pipeline import RunRequest, run
     from loader.repository.key import ServingSettings
+    from loader.run import RunRequest, run
 
     checkpoint = build_demo_checkpoint(work_dir / "demo-checkpoint")
     result = run(

@@ -35,6 +35,7 @@ from typing import NoReturn
 
 from loader import __version__
 from loader.errors import LoaderError
+from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
 
@@ -106,6 +107,33 @@ def require_extra(extra: str, *modules: str) -> None:
         )
 
 
+def limit_argument(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    limit: Limit,
+    *,
+    help: str,
+    **kwargs: object,
+) -> None:
+    """Add ``flag`` for the setting ``limit``: its default (unless ``default`` is given) and the
+    help's "(default: ...)" come from the limit, and an error about the setting names the flag."""
+    default = kwargs.pop("default", limit.default)
+    shown = "" if default is None else f" (default: {limit.format(default)})"  # type: ignore[arg-type]
+    kwargs.setdefault("type", float)
+    parser.add_argument(flag, default=default, help=help + shown, **kwargs)  # type: ignore[arg-type]
+    flags = dict(parser.get_default("limit_flags") or {})
+    parser.set_defaults(limit_flags={**flags, limit: flag})
+
+
+def _message(exc: LoaderError, args: argparse.Namespace) -> str:
+    """The error's message; a setting's error names the flag that set it."""
+    if isinstance(exc, SettingError):
+        flag = (getattr(args, "limit_flags", None) or {}).get(exc.limit)
+        if flag is not None:
+            return exc.says(flag)
+    return exc.message
+
+
 def configure_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else logging.DEBUG if verbose >= 2 else logging.INFO
     env_level = os.environ.get("MODEL_LOADER_LOG_LEVEL")
@@ -157,7 +185,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         with sigterm_unwinds():
             result = func(args)
     except LoaderError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"error: {_message(exc, args)}", file=sys.stderr)
         print(f"hint: {exc.remediation}", file=sys.stderr)
         return exc.exit_code
     except Terminated:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from loader.cli import limit_argument
 from loader.errors import LoaderError
+from loader.limits import RETRY_DEADLINE_S, WORKERS
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
@@ -37,20 +39,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="copy a local source into DEST instead of using it in place",
     )
-    p.add_argument(
-        "--workers", type=int, default=None, help="parallel downloads (default: chosen per source)"
+    limit_argument(
+        p, "--workers", WORKERS, type=int, help="parallel downloads (default: chosen per source)"
     )
     p.add_argument(
         "--hf-token-file",
         default=None,
         help="file holding a Hugging Face token (default: $HF_TOKEN, $HF_TOKEN_FILE)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--retry-deadline",
-        type=float,
-        default=300.0,
+        RETRY_DEADLINE_S,
         metavar="SECONDS",
-        help="total time to keep retrying transient failures (default: 300)",
+        help="total time to keep retrying transient failures",
     )
     p.add_argument(
         "--slice-mib",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loader.cli import limit_argument
+from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.progress import human_bytes
 
 
@@ -24,12 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="ROOT",
         help="repository root (the shared volume, e.g. /models)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--keep",
+        PRUNE_KEEP,
         type=int,
-        default=2,
         metavar="N",
-        help="published keys kept per model name, newest first (default: 2)",
+        help="published keys kept per model name, newest first",
     )
     p.add_argument(
         "--in-use",
@@ -38,11 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY",
         help="a model key still served (repeatable); the chart passes its Deployment's key",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--lock-expiry-s",
-        type=float,
-        default=120.0,
-        help="a publish lock rewritten within this many seconds is live (default: 120)",
+        LOCK_EXPIRY_S,
+        help="a publish lock rewritten within this many seconds is live",
     )
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.set_defaults(func=run)

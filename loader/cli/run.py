@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loader.cli import limit_argument
+from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS
 from loader.parallel import Parallelism
-from loader.pipeline import RunRequest, run
 from loader.repository.key import BACKENDS, ServingSettings
+from loader.run import VERIFY_MODES, RunRequest, run
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -112,26 +114,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where remote checkpoints are downloaded, into WORK/<key>/ (removed after "
         "publishing; default: ROOT/.work)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--prune-keep",
+        PRUNE_KEEP,
         type=int,
         default=None,
         metavar="N",
         help="after success, run `model-loader prune --keep N` on ROOT, the key just published "
         "in use (default: no pruning)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--retry-deadline",
-        type=float,
-        default=300.0,
+        RETRY_DEADLINE_S,
         metavar="SECONDS",
-        help="longest time to keep retrying a failing source, and to wait on one network read "
-        "(default: 300)",
+        help="longest time to keep retrying a failing source, and to wait on one network read",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--workers",
+        WORKERS,
         type=int,
-        default=None,
         help="parallel download and conversion workers (default: chosen per source)",
     )
     p.add_argument(
@@ -149,22 +153,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--verify",
-        choices=("quick", "full"),
+        choices=VERIFY_MODES,
         default="quick",
         help="how an existing repository is verified: quick (default) re-hashes only the files "
         "changed since they were written; full re-hashes every file",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--lock-expiry-s",
-        type=float,
-        default=120.0,
-        help="a publish lock without heartbeat for this long is taken over (default 120 s)",
+        LOCK_EXPIRY_S,
+        help="a publish lock without heartbeat for this long is taken over",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--lock-timeout-s",
-        type=float,
-        default=6 * 3600.0,
-        help="give up waiting for another loader after this long (default 21600 s, 6 h)",
+        LOCK_TIMEOUT_S,
+        help="give up waiting for another loader after this long",
     )
     p.set_defaults(func=main)
 

@@ -14,17 +14,14 @@ permuted fp32 weights.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from loader.errors import CheckpointError
 from loader.formats.fastertransformer import FTConfig
-from loader.parallel import Parallelism
 
 from .gptj import GptJArchitecture
-from .layout import RowsOf
 from .registry import register
+from .splits import RowsOf
 
 MP_NUM = 4
 #: Position of each projection inside a group of the fused tensor.
@@ -41,24 +38,13 @@ def fused_rows(hidden: int, which: str) -> np.ndarray:
 class CodeGenArchitecture(GptJArchitecture):
     model_type = "codegen"
 
-    def ft_config(
-        self,
-        hf: dict[str, Any],
-        *,
-        parallelism: Parallelism,
-        weight_data_type: str,
-        model_name: str,
-    ) -> FTConfig:
-        cfg = super().ft_config(
-            hf, parallelism=parallelism, weight_data_type=weight_data_type, model_name=model_name
-        )
-        if cfg.head_num % MP_NUM or cfg.hidden_size % MP_NUM:
+    def check_heads(self, heads: int, hidden: int) -> None:
+        if heads % MP_NUM or hidden % MP_NUM:
             raise CheckpointError(
                 f"CodeGen's fused qkv_proj holds {MP_NUM} groups of whole heads, but n_head "
-                f"{cfg.head_num} / n_embd {cfg.hidden_size} is not divisible by {MP_NUM}.",
+                f"{heads} / n_embd {hidden} is not divisible by {MP_NUM}.",
                 "This is not a valid CodeGen checkpoint; check config.json.",
             )
-        return cfg
 
     def attention_sources(self, layer: int, cfg: FTConfig) -> dict[str, tuple[int, ...]]:
         h = cfg.hidden_size

@@ -1,7 +1,7 @@
 """GPT-J (``model_type: gptj``): Hugging Face tensor names -> FasterTransformer files.
 
 Only the mapping lives here (``docs/fastertransformer.md``, "Files"); the split rules are the shared helpers
-of :mod:`loader.convert.layout`. :class:`GptJArchitecture` is also the base of CodeGen, which
+of :mod:`loader.convert.splits`. :class:`GptJArchitecture` is also the base of CodeGen, which
 differs only in where Q, K and V come from.
 """
 
@@ -13,7 +13,8 @@ from loader.errors import CheckpointError
 from loader.formats.fastertransformer import FTConfig, check_head_size
 from loader.parallel import Parallelism
 
-from .layout import (
+from .registry import register
+from .splits import (
     OutputFile,
     RowsOf,
     column_parallel_weight,
@@ -22,7 +23,6 @@ from .layout import (
     row_parallel_weight,
     split_vector,
 )
-from .registry import register
 
 #: Activations FasterTransformer's GPT-J computes (GELU, tanh approximation).
 SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -62,12 +62,7 @@ class GptJArchitecture:
     # -- hyper-parameters ------------------------------------------------------------------
 
     def ft_config(
-        self,
-        hf: dict[str, Any],
-        *,
-        parallelism: Parallelism,
-        weight_data_type: str,
-        model_name: str,
+        self, hf: dict[str, Any], *, parallelism: Parallelism, model_name: str
     ) -> FTConfig:
         """The ``[gptj]`` hyper-parameters; checks divisibility by T and P."""
         hidden = _required(hf, "n_embd")
@@ -89,8 +84,9 @@ class GptJArchitecture:
                 f"FasterTransformer's GPT-J (it uses {SUPPORTED_ACTIVATIONS[0]}).",
                 "Only GPT-J/CodeGen checkpoints with a tanh-approximated GELU can be served.",
             )
-        parallelism.split(heads, "n_head (attention heads)")
-        parallelism.split(inter, "inter_size (n_inner)")
+        self.check_heads(heads, hidden)
+        parallelism.split(heads, "The attention head count")
+        parallelism.split(inter, "The MLP width (n_inner)")
         parallelism.check_layers(layers)
         eos = _int(hf, "eos_token_id")
         bos = _int(hf, "bos_token_id")
@@ -106,10 +102,12 @@ class GptJArchitecture:
             start_id=start_id,
             end_id=end_id,
             tensor_para_size=parallelism.tp,
-            weight_data_type=weight_data_type,
             model_name=model_name,
             max_pos_seq_len=_int(hf, "n_positions") or 2048,
         )
+
+    def check_heads(self, heads: int, hidden: int) -> None:
+        """How the checkpoint stores its attention heads allows this many (GPT-J: any)."""
 
     # -- source tensors --------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from loader.errors import UnsupportedArchitectureError
 
@@ -11,21 +11,19 @@ if TYPE_CHECKING:
     from loader.formats.fastertransformer import FTConfig
     from loader.parallel import Parallelism
 
-    from .layout import OutputFile
+    from .splits import OutputFile
 
 
+@runtime_checkable
 class Architecture(Protocol):
-    """What the pipeline needs from an architecture module (see :mod:`loader.convert.gptj`)."""
+    """What a conversion plan needs from an architecture (see :mod:`loader.convert.gptj`):
+    the hyper-parameters, the tensors a checkpoint must hold, which others it may carry, and
+    the output files with the split rules that fill them."""
 
     model_type: str
 
     def ft_config(
-        self,
-        hf: dict[str, Any],
-        *,
-        parallelism: Parallelism,
-        weight_data_type: str,
-        model_name: str,
+        self, hf: dict[str, Any], *, parallelism: Parallelism, model_name: str
     ) -> FTConfig: ...
 
     def expected_tensors(self, cfg: FTConfig) -> dict[str, tuple[int, ...]]: ...
@@ -41,10 +39,24 @@ ARCHITECTURES: dict[str, Architecture] = {}
 
 
 def register(model_type: str) -> Callable[[type[A]], type[A]]:
-    """Class decorator: instantiate the class and file it under ``model_type``."""
+    """Class decorator: instantiate the class and file it under ``model_type``.
+
+    Refuses (``ValueError``) a ``model_type`` that is already registered, a class whose own
+    ``model_type`` differs, and a class that lacks part of :class:`Architecture`.
+    """
 
     def decorate(cls: type[A]) -> type[A]:
-        ARCHITECTURES[model_type] = cls()  # type: ignore[assignment]
+        if model_type in ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is already registered "
+                f"({type(ARCHITECTURES[model_type]).__name__})"
+            )
+        instance = cls()
+        if getattr(instance, "model_type", None) != model_type:
+            raise ValueError(f"{cls.__name__}.model_type is not {model_type!r}")
+        if not isinstance(instance, Architecture):
+            raise ValueError(f"{cls.__name__} does not implement every method of Architecture")
+        ARCHITECTURES[model_type] = instance
         return cls
 
     return decorate

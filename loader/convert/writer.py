@@ -5,7 +5,7 @@ that is renamed into place only when everything succeeded.
   yields it, and renames it to the final name at the end; on any failure (or interrupt) it is
   removed, so Triton can never load a half-written ``<T>-gpu``. A run killed with SIGKILL leaves
   its ``.partial`` directory (never a ``<T>-gpu``); the next run names it in a warning.
-* :func:`write_outputs` writes :class:`~loader.convert.layout.OutputFile` s with a small thread
+* :func:`write_outputs` writes :class:`~loader.convert.splits.OutputFile` s with a small thread
   pool (the transposes, casts and writes release the GIL). Each job holds at most one chunk
   buffer (``chunk_bytes``) plus, for CodeGen's row selections, one gathered block, so the
   anonymous memory in flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
@@ -42,13 +42,20 @@ from loader.errors import (
 )
 from loader.progress import Progress
 
-from .layout import OutputFile
+from .splits import OutputFile
 from .transpose import copy_into
 
 log = logging.getLogger(__name__)
 
 #: Output bytes produced per step of one file.
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+#: Writers when none are asked for: the CPUs, at most this many (more only queue on the disk).
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_workers(workers: int | None) -> int:
+    """``workers`` writer threads, or the default (:data:`MAX_DEFAULT_WORKERS`) when None."""
+    return max(1, workers if workers is not None else min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
 
 
 #: errno values meaning "copy_file_range cannot do this here" (old kernel, filesystem).

@@ -55,8 +55,25 @@ WEIGHT_FILES: tuple[WeightFiles, ...] = (
     ),
 )
 
+#: File name endings of weights, in any format (also those the converter does not read).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def is_weight_file(relpath: str) -> bool:
+    """Whether ``relpath`` names a file of weights (a single file or a shard, never an index):
+    the large files of a checkpoint, fetched after the small ones when a conversion overlaps
+    the download."""
+    return relpath.endswith(WEIGHT_SUFFIXES)
+
+
 #: ``torch_dtype`` (transformers 4) / ``dtype`` (transformers 5) of config.json -> our name.
 CONFIG_DTYPES: dict[str, str] = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def declared_dtype(config: Mapping[str, object]) -> str | None:
+    """The weights' dtype a config.json declares (``fp32``, ``fp16``, ``bf16``); None when it
+    declares none of those."""
+    return CONFIG_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or ""))
 
 
 def config_dtype(config: Mapping[str, object]) -> str:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from loader.errors import LockLostError, LockTimeoutError, PublishError
+from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
 from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ class PublishLock:
         root: Path,
         key: str,
         *,
-        expiry_s: float = 120.0,
+        expiry_s: float = LOCK_EXPIRY_S.default,
         heartbeat_s: float | None = None,
-        timeout_s: float = 6 * 3600.0,
+        timeout_s: float = LOCK_TIMEOUT_S.default,
         poll_s: float = 1.0,
     ) -> None:
         heartbeat_s = heartbeat_s if heartbeat_s is not None else max(expiry_s / 4, 0.05)
@@ -72,13 +73,9 @@ class PublishLock:
             raise PublishError(
                 f"A publish lock expiry of {expiry_s} s is not longer than its heartbeat "
                 f"({heartbeat_s:g} s): waiting loaders would take over a live holder's lock.",
-                "Pass a positive --lock-expiry-s, longer than any stall of a loader (default 120).",
+                "Use an expiry longer than the heartbeat and than any stall of a loader.",
             )
-        if timeout_s < 0:
-            raise PublishError(
-                f"A publish lock timeout of {timeout_s} s is negative.",
-                "Pass --lock-timeout-s 0 or more.",
-            )
+        LOCK_TIMEOUT_S.check(timeout_s)
         self.path = lock_path(root, key)
         self.key = key
         self.expiry_s = expiry_s

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader.errors import RepositoryError
+from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
 from loader.repository.lock import LOCKS_DIR
@@ -147,19 +148,15 @@ def _discard(path: Path, root: Path) -> None:
 def prune(
     root: Path,
     *,
-    keep: int = 2,
+    keep: int = PRUNE_KEEP.default,
     in_use: tuple[str, ...] = (),
-    lock_expiry_s: float = 120.0,
+    lock_expiry_s: float = LOCK_EXPIRY_S.default,
     dry_run: bool = False,
 ) -> PruneReport:
     """Remove leftovers and published keys beyond the ``keep`` newest per model name (see the
     module docstring); with ``dry_run`` only report what would go."""
     root = Path(root).absolute()
-    if keep < 1:
-        raise RepositoryError(
-            f"--keep must be at least 1, got {keep}.",
-            "Pass --keep 1 or more (2, the default, also keeps the key a rollout leaves).",
-        )
+    PRUNE_KEEP.check(keep)
     if not root.is_dir():
         raise RepositoryError(
             f"The repository root {root} does not exist.",

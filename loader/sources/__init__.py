@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from loader.errors import SourceError
+from loader.limits import RETRY_DEADLINE_S
 from loader.sources.fingerprint import Fingerprint
 
 #: URI scheme -> module that implements ``fetch_source(uri: SourceURI, dest, options)``.
@@ -97,7 +98,7 @@ class FetchOptions:
     hf_token: str | None = None
     hf_token_file: str | None = None
     check_disk_space: bool = True
-    retry_deadline_s: float = 300.0
+    retry_deadline_s: float = RETRY_DEADLINE_S.default
     slice_bytes: int | None = None
     #: Hooks a caller that consumes files as they arrive gives (gs:// and hf:// read them; see
     #: :class:`ArrivalHooks`).
@@ -211,7 +212,7 @@ def fetch(
     hf_token: str | None = None,
     hf_token_file: str | None = None,
     check_disk_space: bool = True,
-    retry_deadline_s: float = 300.0,
+    retry_deadline_s: float = RETRY_DEADLINE_S.default,
     slice_bytes: int | None = None,
     hooks: ArrivalHooks | None = None,
 ) -> FetchResult:
@@ -226,11 +227,7 @@ def fetch(
     slice is one request and the unit a killed download resumes from).
     """
     parsed = parse_uri(uri)
-    if not retry_deadline_s > 0:
-        raise SourceError(
-            f"The retry deadline must be positive, got {retry_deadline_s:g} s.",
-            "Pass --retry-deadline in seconds (default 300).",
-        )
+    RETRY_DEADLINE_S.check(retry_deadline_s)
     options = FetchOptions(
         copy=copy,
         workers=workers,
@@ -252,7 +249,7 @@ def fingerprint(
     recorded: Fingerprint | None = None,
     workers: int | None = None,
     hf_token_file: str | None = None,
-    retry_deadline_s: float = 300.0,
+    retry_deadline_s: float = RETRY_DEADLINE_S.default,
 ) -> Fingerprint:
     """What the source at ``uri`` holds now, without downloading it (see
     :mod:`loader.sources.fingerprint`). ``recorded``, an earlier fingerprint of the same source,

@@ -41,7 +41,12 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
 )
-from loader.formats.huggingface import CONFIG_FILE, TOKENIZER_FILES, WEIGHT_FILES
+from loader.formats.huggingface import (
+    CONFIG_FILE,
+    TOKENIZER_FILES,
+    WEIGHT_FILES,
+    is_weight_file,
+)
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
@@ -55,11 +60,6 @@ DEFAULT_WORKERS = 8
 METADATA_FILES = ("generation_config.json",)
 #: Seconds between two questions to ``ArrivalHooks.admit`` about one shard.
 ADMIT_POLL_S = 0.01
-
-
-def is_shard(relpath: str) -> bool:
-    """Whether a selected file holds weights (any format's single file or shard, no index)."""
-    return any(relpath != fmt.index and relpath in fmt.files([relpath]) for fmt in WEIGHT_FILES)
 
 
 def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[str]:
@@ -385,10 +385,10 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                 download(missing, progress)
             else:
                 # The small files together first, then the shards one at a time.
-                small = [f for f in missing if not is_shard(f)]
+                small = [f for f in missing if not is_weight_file(f)]
                 if small:
                     download(small, progress)
-                for rel in sorted(f for f in missing if is_shard(f)):
+                for rel in sorted(f for f in missing if is_weight_file(f)):
                     while hooks.admit is not None and not hooks.admit(rel):
                         time.sleep(ADMIT_POLL_S)
                     download([rel], progress)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from loader.errors import InsufficientDiskSpaceError, SourceError, TransientSourceError
+from loader.limits import RETRY_DEADLINE_S
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class Retry:
         self,
         is_transient: Callable[[BaseException], bool],
         *,
-        deadline_s: float = 300.0,
+        deadline_s: float = RETRY_DEADLINE_S.default,
         initial_s: float = 0.5,
         max_delay_s: float = 30.0,
         sleep: Callable[[float], None] = time.sleep,

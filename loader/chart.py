@@ -1,0 +1,191 @@
+"""Render the Helm chart offline, validate it, and describe what it would create.
+
+The chart is not part of the package: a :class:`Chart` names its directory and where the pinned
+``helm`` binaries are (``helm``, ``helm3``, ``helm4``; ``make install`` puts them in
+``.tools/bin`` of a checkout, :meth:`Chart.in_checkout`), so this module works the same from a
+checkout and from an installed package. Every manifest is validated with
+``kubernetes-validate`` in strict mode. ``scripts/render_chart.py`` is its command line
+(:mod:`loader.cli.chart`); the chart tests and the demo (step 6) use it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Where a checkout keeps the chart and the per-cluster values files, and its pinned tools.
+CHART_DIR = Path("charts") / "model-triton"
+VALUES_DIR = Path("values")
+TOOLS_DIR = Path(".tools") / "bin"
+#: Kubernetes versions every manifest is validated against (oldest supported, newest targeted).
+KUBERNETES_VERSIONS: tuple[str, ...] = ("1.29.0", "1.35.0")
+#: Kinds from CRDs: kubernetes-validate has no schema for them (checked by the tests instead).
+CRD_KINDS: frozenset[str] = frozenset({"ServiceMonitor", "PrometheusRule", "ScaledObject"})
+INSTALL_HINT = "run `make install` (or `TOOLS_DIR=.tools bash scripts/tools/install-{name}.sh`)"
+
+
+class ChartError(Exception):
+    """helm failed (lint, template or a values error); ``output`` is what helm printed."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(f"{message}\n{output}".strip())
+        self.output = output
+
+
+def _value_args(values_files: Iterable[Path | str], set_values: Iterable[str]) -> list[str]:
+    args: list[str] = []
+    for f in values_files:
+        args += ["-f", str(f)]
+    for s in set_values:
+        args += ["--set", s]
+    return args
+
+
+@dataclass(frozen=True)
+class Chart:
+    """The chart directory ``path`` and the directory ``tools`` of the pinned helm binaries
+    (None: helm from ``$PATH``)."""
+
+    path: Path
+    tools: Path | None = None
+
+    @classmethod
+    def in_checkout(cls, root: Path | str) -> Chart:
+        """The chart of the checkout ``root``, with the tools ``make install`` pins there."""
+        return cls(Path(root) / CHART_DIR, Path(root) / TOOLS_DIR)
+
+    def tool(self, name: str) -> Path:
+        """The pinned tool ``name``, or FileNotFoundError saying how to install it."""
+        found = self.tools / name if self.tools is not None else shutil.which(name)
+        if found is None or not Path(found).exists():
+            family = "checkov" if name == "checkov" else "helm"
+            where = found or f"{name} on $PATH"
+            raise FileNotFoundError(f"{where} is missing: {INSTALL_HINT.format(name=family)}")
+        return Path(found)
+
+    def _helm(self, helm: str, args: Sequence[str]) -> str:
+        proc = subprocess.run(
+            [str(self.tool(helm)), *args], capture_output=True, text=True, check=False, timeout=120
+        )
+        if proc.returncode != 0:
+            output = "\n".join(part for part in (proc.stderr, proc.stdout) if part.strip())
+            raise ChartError(f"helm {args[0]} failed (exit {proc.returncode})", output)
+        return proc.stdout
+
+    def render(
+        self,
+        *,
+        helm: str = "helm",
+        values_files: Iterable[Path | str] = (),
+        set_values: Iterable[str] = (),
+        release: str = "codegen",
+        namespace: str = "model-triton",
+    ) -> str:
+        """``helm template`` of the chart; raises ChartError with helm's message on failure."""
+        args = ["template", release, str(self.path), "--namespace", namespace]
+        return self._helm(helm, args + _value_args(values_files, set_values))
+
+    def lint(
+        self,
+        *,
+        helm: str = "helm",
+        values_files: Iterable[Path | str] = (),
+        set_values: Iterable[str] = (),
+    ) -> str:
+        """``helm lint --strict`` of the chart with these values; raises ChartError on failure."""
+        args = ["lint", "--strict", str(self.path), *_value_args(values_files, set_values)]
+        return self._helm(helm, args)
+
+    def notes(
+        self,
+        *,
+        values_files: Iterable[Path | str] = (),
+        set_values: Iterable[str] = (),
+        release: str = "codegen",
+        namespace: str = "model-triton",
+    ) -> str:
+        """NOTES.txt as `helm install` prints it. Offline only with Helm 4 (`--dry-run=client`)."""
+        args = ["install", release, str(self.path), "--dry-run=client", "--namespace", namespace]
+        out = self._helm("helm4", args + _value_args(values_files, set_values))
+        return out.split("NOTES:", 1)[1] if "NOTES:" in out else ""
+
+
+def documents(text: str) -> list[dict]:
+    """The non-empty YAML documents of a rendered chart."""
+    import yaml
+
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def validate(docs: Iterable[dict], *, versions: Sequence[str] = KUBERNETES_VERSIONS) -> list[str]:
+    """Strict OpenAPI validation of every manifest; returns the problems (empty: all valid)."""
+    import kubernetes_validate
+
+    problems = []
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        for version in versions:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = "/".join(str(p) for p in exc.path)
+                problems.append(
+                    f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): "
+                    f"{where}: {exc.message}"
+                )
+            except kubernetes_validate.SchemaNotFoundError as exc:
+                problems.append(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+    return problems
+
+
+@dataclass(frozen=True)
+class Resource:
+    kind: str
+    name: str
+    detail: str
+
+
+def pod_spec(doc: dict) -> dict | None:
+    spec = doc.get("spec", {})
+    if doc["kind"] == "CronJob":
+        return spec["jobTemplate"]["spec"]["template"]["spec"]
+    if doc["kind"] in ("Deployment", "Job"):
+        return spec["template"]["spec"]
+    if doc["kind"] == "Pod":
+        return spec
+    return None
+
+
+def describe(doc: dict) -> Resource:
+    """One line about a resource: replicas, GPUs, images, model key, the loader's arguments."""
+    kind, name = doc["kind"], doc["metadata"]["name"]
+    parts = []
+    annotations = doc["metadata"].get("annotations") or {}
+    if "helm.sh/hook" in annotations:
+        parts.append(f"hook={annotations['helm.sh/hook']}")
+    if kind == "Deployment":
+        parts.append(f"replicas={doc['spec']['replicas']}")
+    pod = pod_spec(doc)
+    if pod is not None:
+        for c in pod["containers"]:
+            limits = (c.get("resources") or {}).get("limits") or {}
+            gpus = limits.get("nvidia.com/gpu", 0)
+            parts.append(f"{c['name']}: image={c['image']} gpus={gpus}")
+            if c["name"] == "loader":
+                parts.append("args=" + " ".join(c["args"]))
+    if "model-triton/model-key" in annotations:
+        parts.append(f"key={annotations['model-triton/model-key']}")
+    if kind == "PersistentVolumeClaim":
+        spec = doc["spec"]
+        parts.append(f"{spec['accessModes'][0]} {spec['resources']['requests']['storage']}")
+    if kind == "Service":
+        ports = ",".join(str(p["port"]) for p in doc["spec"]["ports"])
+        parts.append(f"clusterIP={doc['spec'].get('clusterIP', 'auto')} ports={ports}")
+    return Resource(kind, name, "  ".join(parts))

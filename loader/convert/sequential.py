@@ -1,0 +1,157 @@
+"""The sequential conversion: every weight file is on disk, the outputs are written in one
+streaming pass into ``OUTPUT_DIR/<T>-gpu/`` (atomically).
+
+Everything that can be wrong with the input is checked before anything is written: the plan
+(:mod:`loader.convert.plan`: config.json, the architecture, T and P against the model's
+dimensions, the requested dtype, the set of tensors), then every weight file's header against
+it (shapes, dtypes, where each tensor is), and free disk space. Then the files are written
+(:mod:`loader.convert.writer`).
+
+:func:`convert_checkpoint` is ``model-loader convert``; :func:`convert_planned` converts by a
+plan already made (``model-loader run`` verifies the checkpoint before it takes its lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
+from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
+from loader.parallel import Parallelism
+from loader.progress import byte_progress, human_bytes
+
+from .dtypes import output_dtype_name
+from .plan import CONFIG_INI, ConversionPlan, ConvertResult, plan_conversion
+from .writer import DEFAULT_CHUNK_BYTES, atomic_directory, default_workers, write_outputs
+
+log = logging.getLogger(__name__)
+
+
+def _check_free_space(directory: Path, needed: int) -> None:
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise InsufficientDiskSpaceError(
+            f"Converting needs {human_bytes(needed)} but {probe} has {human_bytes(free)} free."
+        )
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """OUTPUT_DIR must be a directory or creatable as one: an :class:`OutputPathError` naming
+    the file in the way otherwise (the write itself maps a read-only file system the same way,
+    :func:`~loader.convert.writer.atomic_directory`)."""
+    for path in (output_dir, *output_dir.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise OutputPathError(
+                    f"Cannot write the converted checkpoint under {output_dir}: {path} is a file, "
+                    "not a directory."
+                )
+            return
+
+
+def open_planned(plan: ConversionPlan) -> tuple[ConversionPlan, Checkpoint]:
+    """Open every weight file of ``plan``'s checkpoint, in name order, each checked against the
+    plan, then the files missing (as an overlapped conversion finds them: after the others);
+    returns the plan with its output dtype decided and the opened checkpoint."""
+    inventory = plan.inventory
+    ckpt = Checkpoint(inventory.directory)
+    try:
+        present = [name for name in inventory.files if (inventory.directory / name).is_file()]
+        for name in present:
+            shard = inventory.open(name)
+            try:
+                plan.check_file(name, shard.infos())
+                ckpt.add(shard)
+            except BaseException:
+                shard.close()
+                raise
+        if len(present) < len(inventory.files):
+            raise inventory.missing(set(inventory.files) - set(present))
+        return plan.resolve(ckpt.tensors), ckpt
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def convert_checkpoint(
+    source_dir: Path | str,
+    output_dir: Path | str,
+    *,
+    tp_size: int,
+    pp_size: int = 1,
+    dtype: str | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> ConvertResult:
+    """Convert ``source_dir`` into ``output_dir/<tp_size>-gpu/`` (atomically).
+
+    ``dtype`` None keeps the source dtype (see :func:`~loader.convert.plan.plan_conversion`);
+    ``"fp16"``/``"fp32"`` cast. ``pp_size`` is only checked (FasterTransformer needs n_layer
+    divisible by it; files do not depend on it). ``overwrite`` replaces an existing ``<T>-gpu``
+    (atomically) instead of refusing.
+    """
+    source_dir = Path(source_dir)
+    parallelism = Parallelism(tp=tp_size, pp=pp_size)
+    if dtype is not None:
+        output_dtype_name(dtype, "fp32")  # an unknown --dtype fails before any file is opened
+    config = read_hf_config(source_dir)
+    plan = plan_conversion(config, read_inventory(source_dir), parallelism=parallelism, dtype=dtype)
+    return convert_planned(
+        plan, output_dir, workers=workers, overwrite=overwrite, chunk_bytes=chunk_bytes
+    )
+
+
+def convert_planned(
+    plan: ConversionPlan,
+    output_dir: Path | str,
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    reserve_bytes: int = 0,
+) -> ConvertResult:
+    """Convert the checkpoint ``plan`` was made for into ``output_dir/<T>-gpu/``.
+
+    ``reserve_bytes``: what the caller will write beside the weights on the same disk, counted
+    in the free-space check.
+    """
+    started = time.monotonic()
+    output_dir = Path(output_dir)
+    final = output_dir / plan.output_dir_name
+    _check_output_dir(output_dir)
+    if final.exists() and not overwrite:
+        raise OutputExistsError(f"{final} already exists.")
+    plan, ckpt = open_planned(plan)
+    with ckpt:
+        total = plan.total_bytes
+        _check_free_space(output_dir, total + reserve_bytes)
+        log.info(
+            "converting %s (%s, %s, %d layers) to %s: T=%d, %s -> %s, %d files, %s",
+            plan.inventory.directory, plan.arch.model_type, plan.source_dtype,
+            plan.config.num_layer, final, plan.parallelism.tp, plan.source_dtype, plan.out_dtype,
+            len(plan.outputs) + 1, human_bytes(total),
+        )  # fmt: skip
+        with atomic_directory(final, overwrite=overwrite) as tmp:
+            ini = plan.config_ini()
+            (tmp / CONFIG_INI).write_bytes(ini)
+            with byte_progress(f"convert {final.name}", total) as progress:
+                digests = write_outputs(
+                    plan.outputs, ckpt, tmp, dtype=plan.np_dtype, progress=progress,
+                    workers=default_workers(workers), chunk_bytes=chunk_bytes,
+                )  # fmt: skip
+            digests[CONFIG_INI] = (len(ini), hashlib.sha256(ini).hexdigest())
+    result = ConvertResult.since(started, final, plan, digests)
+    log.info(
+        "wrote %d files, %s in %.1f s (%.0f MB/s) to %s",
+        len(result.files), human_bytes(result.bytes_written), result.seconds, result.mb_per_s,
+        final,
+    )  # fmt: skip
+    return result

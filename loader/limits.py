@@ -1,0 +1,86 @@
+"""The numbers a user may set, each with its default and the least value that works: one home
+for both.
+
+The library takes them as the defaults of typed parameters and checks a value with
+:meth:`Limit.check` where it enters (:class:`~loader.run.RunRequest`, :func:`loader.sources.fetch`,
+:func:`loader.repository.prune.prune`); the error names the setting in words. The command line
+takes each flag's default and the help's "(default: ...)" from here, and names the flag in the
+same error (:func:`loader.cli.limit_argument`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loader.errors import LoaderError
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A number a user may set: what it is, its default and the least value that works."""
+
+    #: The setting in words, as a sentence's subject ("the retry deadline").
+    what: str
+    default: float | None
+    least: float
+    #: Appended to numbers (" s"), or "".
+    unit: str = ""
+    #: The least value itself is refused too ("more than 0 s").
+    exclusive: bool = False
+    #: What goes wrong below the least value, for the error.
+    why: str = ""
+
+    @property
+    def bound(self) -> str:
+        return f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
+
+    def format(self, value: float) -> str:
+        return f"{value:g}{self.unit}"
+
+    def ok(self, value: float | None) -> bool:
+        """Whether ``value`` works (None: not set, the caller's own default applies)."""
+        return value is None or value > self.least or (value == self.least and not self.exclusive)
+
+    def check(self, value: float | None) -> None:
+        """Raise a :class:`SettingError` unless ``value`` works."""
+        if not self.ok(value):
+            raise SettingError(self, value)  # type: ignore[arg-type]
+
+
+class SettingError(LoaderError):
+    """A setting outside its :class:`Limit`. :meth:`says` words the error for another subject
+    (the command line names its flag)."""
+
+    def __init__(self, limit: Limit, value: float) -> None:
+        self.limit = limit
+        self.value = value
+        default = (
+            "" if limit.default is None else f" (the default is {limit.format(limit.default)})"
+        )
+        super().__init__(
+            self.says(limit.what[0].upper() + limit.what[1:]),
+            f"Set {limit.what} to {limit.bound}{default}.",
+        )
+
+    def says(self, subject: str) -> str:
+        """The error's sentence with ``subject`` as its subject."""
+        why = f": {self.limit.why}" if self.limit.why else ""
+        return f"{subject} must be {self.limit.bound}, got {self.limit.format(self.value)}{why}."
+
+
+#: How long a failing source is retried (and one network read waited for).
+RETRY_DEADLINE_S = Limit("the retry deadline", 300.0, 0.0, " s", exclusive=True)
+#: A publish lock without a heartbeat for this long is taken over by a waiting loader.
+LOCK_EXPIRY_S = Limit(
+    "the publish lock expiry",
+    120.0,
+    1.0,
+    " s",
+    why="a waiting loader would take over the lock of a loader that merely paused",
+)
+#: How long a loader waits for another one publishing the same key.
+LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s")
+#: Published keys kept per model name by pruning.
+PRUNE_KEEP = Limit("the number of keys kept per model name", 2, 1)
+#: Parallel download and conversion workers (None: chosen per source).
+WORKERS = Limit("the number of workers", None, 1)

@@ -1,0 +1,168 @@
+"""``model-loader run``: fetch -> verify -> convert -> build -> publish.
+
+:func:`run` publishes one model repository under ``ROOT/<key>`` (see
+:mod:`loader.repository.key`) and returns where it is. In order:
+
+1. the key, and the FasterTransformer placement rules that need no model (nothing written);
+   a local checkpoint is used in place, so it is verified here already (step 4);
+2. if ``ROOT/<key>`` is complete and verified and its source still holds what it was built
+   from (:mod:`loader.run.published`): nothing to do (unless ``force``);
+3. take the key's publish lock (other loaders of the same key wait; see
+   :mod:`loader.repository.lock`) and check again: the loader we waited for may have published;
+4. **fetch** and **verify**: a :class:`~loader.run.strategies.Strategy` fetches what the
+   verification needs (:mod:`loader.run.strategies`: everything, or only the small files when
+   the conversion overlaps the download), and :func:`~loader.run.verify.verify` makes the
+   conversion plan and checks the GPU memory and the tokenizer: still nothing written into
+   ``ROOT`` but the lock;
+5. **convert** the weights straight into a new staging directory (written once; free space is
+   checked for everything the repository holds), then **build** the rest of the repository
+   around them (:mod:`loader.run.build`: the model directories, ``manifest.json``, finally
+   ``.ready``);
+6. **publish**: rename the staging directory to ``ROOT/<key>`` (atomic); the strategy removes
+   its download directory ``WORK/<key>``.
+
+A loader killed at any point leaves ``ROOT/<key>`` absent or complete; the next run removes the
+leftover staging directory, takes over the dead loader's lock and completes (an overlapped
+conversion resumes with the outputs it wrote). A loader whose lock was taken over (it stalled
+past the expiry) stops with a :class:`~loader.errors.LockLostError` before publishing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from loader.errors import InsufficientDiskSpaceError, LockLostError, RepositoryError
+from loader.plan import check_placement
+from loader.repository import layout, publish
+from loader.repository.lock import PublishLock
+from loader.repository.prune import prune
+from loader.run.build import build
+from loader.run.published import up_to_date
+from loader.run.request import VERIFY_MODES, RunRequest, RunResult
+from loader.run.strategies import strategy_for
+from loader.run.verify import Verified, verify
+from loader.sources import FetchResult, fetch, fingerprint, parse_uri
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VERIFY_MODES", "RunRequest", "RunResult", "run"]
+
+
+def run(request: RunRequest) -> RunResult:
+    """Publish ``request``'s repository (see the module docstring); with ``prune_keep``, then
+    prune the root, keeping the key just published (:mod:`loader.repository.prune`)."""
+    started = time.monotonic()
+    root, key = request.root, request.key
+    target = publish.published_path(root, key)
+    check_placement(request.parallelism, request.topology)
+    fetched: FetchResult | None = None
+    verified: Verified | None = None
+    if parse_uri(request.source).scheme == "file":
+        fetched = fetch(request.source, None, workers=request.workers)
+        verified = verify(request, fetched.path)
+    log.info("model key %s", key)
+    if not request.force and up_to_date(target, key, request):
+        log.info("%s is already published and verified; nothing to do", target)
+        return _done(request, RunResult(target, key, False, time.monotonic() - started))
+    _writable(root)
+    with PublishLock(
+        root, key, expiry_s=request.lock_expiry_s, timeout_s=request.lock_timeout_s
+    ) as lock:
+        if not request.force and up_to_date(target, key, request):
+            log.info("another loader published %s while this one waited; nothing to do", target)
+            return _done(request, RunResult(target, key, False, time.monotonic() - started))
+        publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
+        with _stops_if_lost(lock, request, key), strategy_for(request, root, key) as strategy:
+            fetched = fetched or strategy.fetch()
+            verified = verified or verify(request, fetched.path)
+            with _staging(root, key) as staging:
+                converted = strategy.convert(verified, layout.weights_dir(staging))
+                build(
+                    staging,
+                    request,
+                    key=key,
+                    source_revision=fetched.revision,
+                    source_fingerprint=fetched.fingerprint
+                    or fingerprint(request.source, workers=request.workers),
+                    verified=verified,
+                    converted=converted,
+                )
+                lock.check_held()
+                publish.publish(staging, root, key, replace=target.exists())
+    seconds = time.monotonic() - started
+    log.info("published %s in %.1f s", target, seconds)
+    return _done(request, RunResult(target, key, True, seconds))
+
+
+def _writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        raise RepositoryError(
+            f"Cannot write to the repository root {root}.",
+            "Point --repository at a writable directory (the loader mounts the volume "
+            "read-write; Triton mounts it read-only).",
+        )
+
+
+@contextlib.contextmanager
+def _stops_if_lost(lock: PublishLock, request: RunRequest, key: str) -> Iterator[None]:
+    """A failure after the lock was taken over is reported as the lost lock it follows from."""
+    try:
+        yield
+    except Exception as exc:
+        if not isinstance(exc, LockLostError) and not lock.held():
+            raise LockLostError(
+                f"The publish lock of {key} was taken over by another loader while this "
+                f"one worked (it had stalled past its lock expiry, {request.lock_expiry_s:g} s); "
+                f"it stopped without publishing ({type(exc).__name__})."
+            ) from exc
+        raise
+
+
+@contextlib.contextmanager
+def _staging(root: Path, key: str) -> Iterator[Path]:
+    """A new staging directory for ``key``, removed unless the block published it."""
+    staging = publish.new_staging_dir(root, key)
+    log.info("staging the repository in %s", staging)
+    try:
+        yield staging
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientDiskSpaceError(
+                f"The repository root {root} ran out of space while writing {key} "
+                f"({exc.strerror}); the staging copy was removed."
+            ) from exc
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _done(request: RunRequest, result: RunResult) -> RunResult:
+    """With ``prune_keep``, prune the root keeping the key just published or verified."""
+    if request.prune_keep is None:
+        return result
+    try:
+        report = prune(
+            request.root,
+            keep=request.prune_keep,
+            in_use=(result.key,),
+            lock_expiry_s=request.lock_expiry_s,
+        )
+    except (OSError, RepositoryError) as exc:  # the model is published: pruning is a bonus
+        log.warning("pruning %s failed: %s", request.repository, exc)
+    else:
+        log.info("pruned %s item(s), %s bytes", len(report.removed), report.bytes)
+    return result

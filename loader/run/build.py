@@ -1,0 +1,59 @@
+"""Write the rest of a repository around its converted weights, in the staging directory:
+the model directories (:mod:`loader.repository.layout`), ``manifest.json`` (the weights'
+sha256 come from the conversion, computed while writing) and finally ``.ready``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from loader import __version__
+from loader.convert.plan import ConvertResult
+from loader.repository import layout, manifest
+from loader.repository.config import RepositorySpec
+from loader.repository.key import resolve_revision
+from loader.run.request import RunRequest
+from loader.run.verify import Verified
+from loader.sources.fingerprint import Fingerprint
+
+
+def build(
+    staging: Path,
+    request: RunRequest,
+    *,
+    key: str,
+    source_revision: str | None,
+    source_fingerprint: Fingerprint,
+    verified: Verified,
+    converted: ConvertResult,
+) -> None:
+    """Complete the repository in ``staging`` whose weights ``converted`` wrote there."""
+    par, settings = request.parallelism, request.settings
+    spec = RepositorySpec(
+        name=request.model_name,
+        parallelism=par,
+        settings=settings,
+        data_type=converted.dtype,
+        end_id=converted.config.end_id,
+    )
+    layout.write_models(staging, spec, tokenizer=verified.tokenizer)
+    weights = converted.output_path.relative_to(staging).as_posix()
+    meta = {
+        "key": key,
+        "model_name": request.model_name,
+        "source": request.source,
+        "revision": resolve_revision(request.source, request.revision),
+        "source_revision": source_revision,
+        manifest.SOURCE_FINGERPRINT: source_fingerprint.as_dict(),
+        "parallelism": {"tp": par.tp, "pp": par.pp, "instance_count": par.instance_count},
+        "settings": settings.as_dict(),
+        "data_type": spec.data_type,
+        "weights": weights,
+        "loader_version": __version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}
+    manifest.write_manifest(
+        staging, manifest.build_manifest(staging, meta, workers=request.workers, known=known)
+    )
+    manifest.write_ready(staging, key)

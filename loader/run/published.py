@@ -1,0 +1,76 @@
+"""Is a key already published, complete, and built from what its source holds now?"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from loader.errors import SourceChangedError
+from loader.repository import manifest
+from loader.run.request import RunRequest
+from loader.sources import fingerprint
+from loader.sources.fingerprint import Fingerprint, describe_changes
+
+log = logging.getLogger(__name__)
+
+
+def _complete(target: Path, key: str, request: RunRequest) -> bool:
+    if not target.exists():
+        return False
+    problems = manifest.verify(
+        target,
+        key=key,
+        checksums=request.verify_checksums,
+        workers=request.workers,
+        quick=request.verify == "quick",
+    )
+    if problems:
+        log.warning(
+            "%s exists but is not a complete repository (%s); publishing it again",
+            target,
+            "; ".join(problems[:3]),
+        )
+        return False
+    return True
+
+
+def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
+    """Whether ``target`` is complete and its source still holds what it was built from (the
+    source fingerprint in its manifest, :mod:`loader.sources.fingerprint`). A source that
+    changed is a :class:`~loader.errors.SourceChangedError`, unless ``request.follow_source``
+    asks to publish it again (then False)."""
+    if not _complete(target, key, request):
+        return False
+    recorded = Fingerprint.from_dict(
+        (manifest.read_manifest(target) or {}).get(manifest.SOURCE_FINGERPRINT)
+    )
+    if recorded is None:
+        log.warning(
+            "%s records no source fingerprint (an older loader published it): whether %s "
+            "changed since cannot be told; --force publishes it again",
+            target,
+            request.source,
+        )
+        return True
+    current = fingerprint(
+        request.source,
+        recorded=recorded,
+        workers=request.workers,
+        retry_deadline_s=request.retry_deadline_s,
+    )
+    changes = recorded.changes(current)
+    if not changes:
+        return True
+    if request.follow_source:
+        log.warning(
+            "the source %s changed since %s was published (%s); following it "
+            "(--follow-source): publishing it again",
+            request.source,
+            target,
+            describe_changes(changes),
+        )
+        return False
+    raise SourceChangedError(
+        f"The source {request.source} no longer holds what {target} was built from: "
+        f"{describe_changes(changes)}. That key keeps serving the old weights."
+    )

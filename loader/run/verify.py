@@ -1,0 +1,64 @@
+"""Verify a checkpoint before converting it: everything that config.json, the list of its
+tensors and its tokenizer tell, checked before anything is written.
+
+:func:`verify` makes the :class:`~loader.convert.plan.ConversionPlan` (the architecture, T and P
+against the model's dimensions, the tensors, the output dtype), checks the GPU memory when the
+request gives one, and finds the tokenizer files the repository copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from loader.checkpoint import read_hf_config, read_inventory
+from loader.convert.plan import ConversionPlan, plan_conversion
+from loader.formats.huggingface import config_dtype
+from loader.plan import ModelShape, check_memory, estimate_memory
+from loader.repository import layout
+from loader.run.request import RunRequest
+
+log = logging.getLogger(__name__)
+
+#: Bytes a repository holds besides the weights and tokenizer copies (configs, the Python
+#: models, the manifest), with room to spare.
+REPOSITORY_EXTRA_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A checkpoint that passed :func:`verify`: its plan and its tokenizer files."""
+
+    plan: ConversionPlan
+    tokenizer: list[Path]
+
+    @property
+    def besides_weights(self) -> int:
+        """Bytes the repository holds besides the converted weights: two tokenizer copies and
+        the rest (:data:`REPOSITORY_EXTRA_BYTES`)."""
+        return 2 * sum(p.stat().st_size for p in self.tokenizer) + REPOSITORY_EXTRA_BYTES
+
+
+def verify(request: RunRequest, checkpoint: Path) -> Verified:
+    """Check the checkpoint in ``checkpoint`` (its weight files need not be there yet, when an
+    index lists them) for ``request``."""
+    config = read_hf_config(checkpoint)
+    plan = plan_conversion(
+        config, read_inventory(checkpoint), parallelism=request.parallelism, dtype=request.dtype
+    )
+    if request.gpu_memory_gib is not None:
+        estimate = estimate_memory(
+            ModelShape.from_ft_config(plan.config),
+            request.parallelism,
+            dtype=plan.out_dtype or config_dtype(config),
+            max_batch_size=request.settings.max_batch_size,
+            gpus_per_replica=request.topology.gpus_per_replica,
+        )
+        check_memory(estimate, request.gpu_memory_gib)
+        log.info(
+            "memory per GPU: about %.1f GiB of %g GiB",
+            estimate.total / 2**30,
+            request.gpu_memory_gib,
+        )
+    return Verified(plan, layout.tokenizer_files(checkpoint))
