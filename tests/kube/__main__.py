@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(f"cluster up at {found.server}; logs in {root}")
-        print(f"  export KUBECONFIG={found.kubeconfig}")
+        print(f"  export KUBECONFIG={root / 'kubeconfig'}")
         print("  kubectl get nodes    # fake GPU nodes; `make cluster-down` stops it")
         return 0
     if args.command == "down":

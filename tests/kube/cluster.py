@@ -237,6 +237,9 @@ class Supervisor:
             self._write_state({"failed": f"{type(exc).__name__}: {exc} {where}"})
             self._shutdown()
             return 1
+        stable = self.root / "kubeconfig"  # one path for people: `.cluster/kubeconfig`
+        stable.unlink(missing_ok=True)
+        stable.symlink_to(self.plane.kubeconfig)
         self._write_state(
             {
                 "kubeconfig": str(self.plane.kubeconfig),

@@ -39,7 +39,7 @@ class ControlPlaneError(RuntimeError):
     """A component did not start; the message names it and the tail of its log."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: receive SIGTERM when the process that started it dies (even by SIGKILL)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -95,7 +95,7 @@ class ControlPlane:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         log.close()
         self.processes[name] = proc

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.kube.api import Api, ApiError
+from tests.kube.controlplane import die_with_parent
 from tests.kube.logs import log_file
 from tests.kube.nodes import now
 
@@ -548,6 +549,8 @@ class FakeKubelet:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # A test run killed outright leaves no container process behind.
+                preexec_fn=die_with_parent,
             )
         finally:
             log.close()
