@@ -252,7 +252,8 @@ class Sandbox:
 
 @pytest.fixture
 def sandbox(kube: Cluster, kubelet: FakeKubelet) -> Iterator[Sandbox]:
-    fence = secrets.token_hex(3)
+    # A letter first: `--set` would read an all-digit (or "12e3") fence as a number.
+    fence = f"f{secrets.token_hex(3)}"
     namespace = f"t-{fence}"
     kubelet.own(namespace)
     box = Sandbox(kube, kubelet, namespace, fence, kube.api)
