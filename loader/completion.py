@@ -18,8 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from loader.errors import EndpointError, InvalidRequestError
+from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError
 from loader.repository.tensors import ENSEMBLE_INPUTS
+
+#: The steps of a published repository; clients call the model beside them.
+STEP_MODELS = frozenset({"preprocessing", "fastertransformer", "postprocessing"})
 
 
 def _infer_http(module: Any, url: str, model: str, inputs: list[Any], timeout_s: float) -> Any:
@@ -121,7 +124,7 @@ def complete(
     try:
         result = infer(module, url, model, build_inputs(module, request), timeout_s)
     except InferenceServerException as exc:
-        raise EndpointError(f"{protocol}://{url} model {model!r}: {exc.message()}") from exc
+        raise _served_error(exc, url, model, protocol) from exc
     except OSError as exc:  # refused, reset, unreachable, timed out (HTTP)
         raise EndpointError(f"{protocol}://{url} is unreachable: {exc}") from exc
     text = result.as_numpy("completion").reshape(-1)[0]
@@ -131,4 +134,63 @@ def complete(
         sequence_length=int(result.as_numpy("sequence_length").reshape(-1)[0]),
         cum_log_prob=float(result.as_numpy("cum_log_probs").reshape(-1)[0]),
         output_log_probs=result.as_numpy("output_log_probs")[0, 0],
+    )
+
+
+def _served_error(exc: Any, url: str, model: str, protocol: str) -> EndpointError:
+    """What an error the server answered with means for the user."""
+    message = exc.message() or str(exc)
+    if "decoupled" in message:
+        host = url.rsplit(":", 1)[0]
+        return EndpointError(
+            f"{protocol}://{url}: model {model!r} streams its completion (a repository "
+            f"published with --streaming); {message}",
+            f"Stream it over gRPC: model-loader complete --stream --url {host}:<grpc port, "
+            "8001 by default> ...",
+        )
+    if "unknown model" in message or "is not found" in message or "is not ready" in message:
+        names = served_models(url, protocol=protocol, strict=False)
+        listed = f"; it serves {', '.join(names)}" if names else ""
+        return ModelNotFoundError(
+            f"{protocol}://{url} does not serve a ready model {model!r}{listed}",
+            "Pass --model with one of them (or leave --model out to use the only one)."
+            if names
+            else ModelNotFoundError.default_remediation,
+        )
+    return EndpointError(f"{protocol}://{url} model {model!r}: {message}")
+
+
+def served_models(url: str, *, protocol: str = "http", strict: bool = True) -> list[str]:
+    """The ready models at ``url`` that clients call (a repository's steps left out), sorted.
+    With ``strict`` false, an unreachable server gives an empty list instead of an error."""
+    module = importlib.import_module(CLIENTS[protocol][0])
+    from tritonclient.utils import InferenceServerException
+
+    client = module.InferenceServerClient(url)
+    try:
+        index = client.get_model_repository_index()
+    except (InferenceServerException, OSError) as exc:
+        if not strict:
+            return []
+        raise EndpointError(f"cannot reach Triton at {protocol}://{url}: {exc}") from exc
+    finally:
+        client.close()
+    entries = index if isinstance(index, list) else [
+        {"name": m.name, "state": m.state} for m in index.models
+    ]  # fmt: skip
+    ready = {e["name"] for e in entries if e.get("state") == "READY"}
+    return sorted(ready - STEP_MODELS)
+
+
+def find_model(url: str, *, protocol: str = "http") -> str:
+    """The one model the server at ``url`` offers clients; a typed error naming them if there
+    is none or more than one."""
+    names = served_models(url, protocol=protocol)
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise ModelNotFoundError(f"{protocol}://{url} serves no ready model")
+    raise ModelNotFoundError(
+        f"{protocol}://{url} serves several models: {', '.join(names)}",
+        "Pass --model with the one to call.",
     )

@@ -108,7 +108,7 @@ class SourcePermissionError(SourceError):
 
     default_remediation = (
         "Check the credentials: GOOGLE_APPLICATION_CREDENTIALS / Workload Identity for gs://, "
-        "HF_TOKEN or --hf-token-file for hf://."
+        "HF_TOKEN, HF_TOKEN_PATH or --hf-token-file for hf://."
     )
 
 
@@ -211,8 +211,8 @@ class ServerStartError(LoaderError):
     """tritonserver exited or did not become ready (e.g. a model failed to load)."""
 
     default_remediation = (
-        "Read Triton's message above (a model that fails to load names the file or setting); "
-        "republish the repository with `model-loader run --force` if it is inconsistent."
+        "Read Triton's message in the error (a model that fails to load names the file or "
+        "setting) and its log."
     )
 
 

@@ -345,6 +345,8 @@ def format_table(rows: list[PlanRow]) -> str:
                 verdict,
             )
         )
+    # Five lines of str.rjust: tabulate pads headers to a width of its own (MIN_PADDING) and
+    # would be a new dependency of the core install for the same table.
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     out = []
     for line in lines:

@@ -23,11 +23,10 @@ class Progress(Protocol):
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError("unreachable")
+    """A byte count as tqdm's bars print it (``1.23GB``, decimal units)."""
+    from tqdm import tqdm
+
+    return tqdm.format_sizeof(n, "B")
 
 
 class LogLineProgress:
@@ -41,6 +40,7 @@ class LogLineProgress:
         self.interval = interval
         self.logger = logger
         self.done = 0
+        self._emitted: int | None = None
         self._start = time.monotonic()
         self._last = self._start
         self._lock = threading.Lock()
@@ -54,10 +54,15 @@ class LogLineProgress:
                 self._emit(now)
 
     def close(self) -> None:
+        """The last line, unless the one before said the same (or there was nothing to do)."""
         with self._lock:
-            self._emit(time.monotonic())
+            if self.done == 0 and not self.total:
+                self.logger.debug("%s: nothing to do", self.what)
+            elif self.done != self._emitted:
+                self._emit(time.monotonic())
 
     def _emit(self, now: float) -> None:
+        self._emitted = self.done
         elapsed = max(now - self._start, 1e-9)
         rate = human_bytes(self.done / elapsed) + "/s"
         if self.total:

@@ -6,8 +6,12 @@ group with an environment that makes the Python-backend stub work with this inte
 waits for ``/v2/health/ready`` with a deadline, and on exit stops the server (SIGTERM, a short
 ``--exit-timeout-secs``, then SIGKILL of the whole group), so no process is left behind.
 
-If the server does not become ready (for example a model fails to load), the error raised
-carries the tail of the server log, which holds Triton's own message.
+Before starting, the repository is checked (a loader's ROOT or a GPU-only FasterTransformer
+repository is refused with what to serve instead) and so are explicitly given ports (one in
+use is refused at once). The server is ready when its own process listens on the HTTP port
+and answers ``/v2/health/ready``: a health check answered by another server on the same port
+never counts. If the server does not become ready, the error starts with the cause found in
+its log (a port in use, a model that failed to load), followed by the log's tail.
 
 Environment facts this module encodes (``docs/local-triton.md``):
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +52,105 @@ LOG_TAIL_LINES = 60
 PORT_ATTEMPTS = 3
 #: What Triton logs when it cannot bind a port.
 PORT_IN_USE = "already in use"
+#: Triton's log lines that name why it stopped, most telling first.
+_CAUSES = (
+    re.compile(r"failed to start .*already in use.*|Socket .* already in use.*"),
+    re.compile(r"failed to load .*|Invalid argument.*|Internal: .*"),
+    re.compile(r"^error: .*|.*\bfailed\b.*", re.IGNORECASE),
+)
+#: A Triton log line's prefix (severity, date, time, thread, file:line]).
+_LOG_PREFIX = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
+
+
+def log_cause(text: str) -> str | None:
+    """The line of a Triton log that says why the server stopped (without its prefix), else
+    ``None``. Triton logs harmless CUDA errors first on a machine without GPUs: skipped."""
+    bodies = [
+        _LOG_PREFIX.sub("", line.strip()).strip('"').strip()
+        for line in text.splitlines()
+        if line.strip() and "CUDA" not in line
+    ]
+    for pattern in _CAUSES:
+        found = next((b for b in reversed(bodies) if pattern.search(b)), None)
+        if found:
+            return found
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``host:port`` (a bind with SO_REUSEADDR fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` itself holds the socket listening on TCP ``port`` (Linux's
+    ``/proc``); ``None`` where ``/proc`` cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 is the inode.
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None if not Path("/proc/net/tcp").exists() else False
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) in inodes:
+                return True
+    return False
+
+
+def check_repository(repository: Path) -> None:
+    """Refuse what the local CPU Triton cannot serve, saying what to serve instead: a missing
+    directory, a loader's ROOT (the published keys live below it), a repository without
+    models, and one whose models need FasterTransformer's GPU backend."""
+    if not repository.is_dir():
+        raise RepositoryError(
+            f"model repository {repository} does not exist",
+            "Pass the directory `model-loader run` printed as its last line.",
+        )
+    configs = sorted(repository.glob("*/config.pbtxt"))
+    if not configs:
+        keys = sorted(p.parent for p in repository.glob("*@*/*/.ready"))
+        if keys:
+            shown = "\n".join(f"  {k}" for k in keys[:5])
+            raise RepositoryError(
+                f"{repository} is the loader's repository ROOT, not one model repository; "
+                f"the published ones below it are:\n{shown}",
+                f"Serve one of them: scripts/serve-local {keys[-1]}",
+            )
+        raise RepositoryError(
+            f"{repository} holds no model (no <model>/config.pbtxt below it)",
+            "Pass the directory `model-loader run` printed as its last line.",
+        )
+    gpu_only = [
+        c.parent.name
+        for c in configs
+        if re.search(r'^\s*backend:\s*"fastertransformer"', c.read_text(errors="replace"), re.M)
+    ]
+    if gpu_only:
+        raise RepositoryError(
+            f"{repository}: the model {gpu_only[0]!r} runs on FasterTransformer's backend, which "
+            "needs NVIDIA GPUs; the local CPU Triton has only the Python backend",
+            "Publish a CPU copy of the same checkpoint with `model-loader run ... --backend "
+            "python` (it prints the directory to serve), or serve this one on a GPU cluster "
+            "(helm upgrade --install ...).",
+        )
 
 
 @dataclass(frozen=True)
@@ -195,11 +299,8 @@ class TritonServer:
     def start(self) -> TritonServer:
         if self.process is not None:
             raise RuntimeError("the server is already running")
-        if not self.repository.is_dir():
-            raise RepositoryError(
-                f"model repository {self.repository} does not exist",
-                "Pass the directory `model-loader run` printed as its last line.",
-            )
+        check_repository(self.repository)
+        self._check_given_ports()
         install = find_triton()
         self._work_dir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
         backend_dir = build_backend_dir(install, self._work_dir / "backends")
@@ -229,6 +330,22 @@ class TritonServer:
             grpc=self._requested.grpc or free_port(self.host),
             metrics=self._requested.metrics or free_port(self.host),
         )
+
+    def _check_given_ports(self) -> None:
+        """Refuse at once a port given explicitly that something already listens on."""
+        given = {"--http-port": self._requested.http, "--grpc-port": self._requested.grpc}
+        given["--metrics-port"] = self._requested.metrics
+        taken = [
+            (flag, port) for flag, port in given.items() if port and port_in_use(self.host, port)
+        ]
+        if taken:
+            flag, port = taken[0]
+            raise ServerStartError(
+                f"port {port} on {self.host} ({flag}) is already in use: another server (a "
+                "second scripts/serve-local?) listens there",
+                f"Stop the other server, or pass another {flag} (or none: a free port is "
+                f"chosen); `ss -ltnp 'sport = :{port}'` shows who holds it.",
+            )
 
     def _free_choice(self) -> bool:
         """Whether at least one port was chosen here (and may be chosen again)."""
@@ -270,18 +387,58 @@ class TritonServer:
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
-                raise ServerStartError(
-                    f"tritonserver exited with code {code} before it was ready; its log ends with:\n"
-                    f"{self.log_tail()}"
-                )
-            if self._ready():
+                raise self.failure(f"tritonserver exited with code {code} before it was ready")
+            # Ready only when this process holds the HTTP port: a health check answered by
+            # another server on the same port must not count.
+            if listens_on(self.process.pid, self.ports.http) is not False and self._ready():
                 log.info("tritonserver is ready (pid %s)", self.process.pid)
                 return
             time.sleep(0.25)
-        raise ServerStartError(
-            f"tritonserver was not ready within {self.startup_timeout:.0f} s; its log ends with:\n"
-            f"{self.log_tail()}"
-        )
+        raise self.failure(f"tritonserver was not ready within {self.startup_timeout:.0f} s")
+
+    def failure(self, what: str) -> ServerStartError:
+        """A start (or run) failure: the cause from the log first, then the log's tail."""
+        text = self.log_text()
+        cause = log_cause(text)
+        head = f"{what}: {cause}" if cause else what
+        if cause and PORT_IN_USE in cause:
+            hint = (
+                "Another server listens on that port: stop it, or pass other --http-port / "
+                "--grpc-port / --metrics-port values (or none: free ones are chosen)."
+            )
+        elif cause and "failed to load" in cause:
+            hint = (
+                "The model named in the message did not load; the log says which file or "
+                "setting. Republish the repository with `model-loader run --force` if it was "
+                "changed by hand."
+            )
+        else:
+            hint = None
+        return ServerStartError(f"{head}\ntritonserver's log ends with:\n{self.log_tail()}", hint)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the server's processes (its Python-backend stubs too) used
+        so far, from Linux's ``/proc``; ``None`` where that cannot be read."""
+        if self.process is None:
+            return None
+        group = self.process.pid  # the server leads its own session and process group
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        try:
+            entries = list(Path("/proc").iterdir())
+        except OSError:
+            return None
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            # after "pid (comm)": state ppid pgrp ... utime stime cutime cstime (fields 14-17)
+            if int(fields[2]) == group:
+                total += sum(int(v) for v in fields[11:15])
+        return total / tick
 
     def log_text(self) -> str:
         if self._log_path is None or not self._log_path.exists():

@@ -14,8 +14,10 @@ side in one run, each in a fresh directory:
 Each command runs as its own process; its time is wall time until it exited (``run`` exits
 right after writing ``.ready`` and the rename). A sampler walks the destination every 100 ms and
 records its peak disk use (allocated blocks). Prints a table with each time as a ratio to the
-fetch alone and the peak disk, and writes ``bench/results/coldstart.json`` and
-``bench/results/coldstart.md`` (the table and the command that produced it).
+fetch alone and the peak disk, and writes ``coldstart.json`` and ``coldstart.md`` (the table
+and the command that produced it) into ``--output-dir`` (default ``bench/work/results``; the
+committed ``bench/results/`` ones are replaced only with ``--output-dir bench/results
+--overwrite``).
 
 Usage: ``make bench-coldstart`` or ``python scripts/bench_coldstart.py [--layers 36]
 [--hidden 1024] [--shard-mib 256] [--repeat 3]``.
@@ -181,8 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the median counts")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "coldstart")
+    parser.add_argument(
+        "--output-dir", type=Path, default=None, help="where the results go (bench/work/results)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace earlier results")
     args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from loader.bench.machine import output_files
+
+    results, _ = output_files(
+        args.output_dir, ["coldstart.json", "coldstart.md"], root=ROOT, overwrite=args.overwrite
+    )
+    results = results.with_suffix("")
 
     work = args.work_dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -237,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
         ),
     ]
     print("\n".join(table))
-    args.results.parent.mkdir(parents=True, exist_ok=True)
     load = f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     machine = (
         f"{os.cpu_count()} CPUs visible (1-minute load average {load}), {sys.platform}, "
@@ -253,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "results": rows,
     }
-    args.results.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.results.with_suffix(".md").write_text(
+    results.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    results.with_suffix(".md").write_text(
         "# Cold start: `model-loader run` to `.ready` against the download alone\n\n"
         f"Produced by `{command.strip()}` (`make bench-coldstart`) on {machine}.\n\n"
         f"A {checkpoint_bytes / 1e9:.2f} GB fp16 CodeGen checkpoint ({args.layers} layers, "
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "time of each command, peak disk the most a sampler (every 100 ms) saw under its "
         "destination.\n\n" + "\n".join(table) + "\n"
     )
-    print(f"wrote {args.results.with_suffix('.json')} and {args.results.with_suffix('.md')}")
+    print(f"wrote {results.with_suffix('.json')} and {results.with_suffix('.md')}")
     return 0
 
 

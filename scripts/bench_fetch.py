@@ -10,11 +10,16 @@ four weight shards, built once under ``bench/work/fetch/``), in one run:
 (b) the loader: ``fetch("gs://bench/ckpt", dest)`` (parallel byte-range slices, each object
     read back and verified against its CRC32C before it is moved into place).
 
-Prints seconds and MB/s for both and the loader/plain throughput ratio, and writes them to
-``bench/results/fetch.json``.
+The two run in turn, ``--repeat`` times (3 by default), so the machine's other load falls on
+both alike; each pair gives a ratio, and the result is the median pair with the range of the
+ratios. A ratio that the pairs do not agree on (some below 1, some above) is reported as
+uncertain. Prints seconds and MB/s for both, the ratios, the machine and its load average, and
+writes them to ``fetch.json`` in ``--output-dir`` (default ``bench/work/results``; the
+committed ``bench/results/fetch.json`` is replaced only with ``--output-dir bench/results
+--overwrite``).
 
 Usage: ``make bench-fetch`` or ``python scripts/bench_fetch.py [--size-mib 1024] [--shards 4]
-[--workers N] [--repeat N]``.
+[--workers N] [--repeat N] [--output-dir DIR [--overwrite]]``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,13 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=None, help="loader workers (default: its own)"
     )
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each; the best counts")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "fetch.json")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="pairs of runs, taken in turn (default 3)"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, default=None, help="where fetch.json goes (bench/work/results)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier fetch.json")
     args = parser.parse_args(argv)
 
     import logging
 
+    from loader.bench import machine
+
     logging.basicConfig(level=logging.WARNING)
+    [results] = machine.output_files(
+        args.output_dir, ["fetch.json"], root=ROOT, overwrite=args.overwrite
+    )
     work = args.work_dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
     print(f"building a {args.size_mib} MiB checkpoint ({args.shards} shards) in {work / 'src'}")
@@ -127,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             f"uploaded to gs://{BUCKET}/{PREFIX} on {server.url} in "
             f"{time.perf_counter() - start:.1f} s; downloading (verification on for both):"
         )
+        watch = machine.LoadWatch()
         runs: dict[str, list[dict]] = {"plain": [], "loader": []}
         for _ in range(args.repeat):
             runs["plain"].append(
@@ -139,33 +156,47 @@ def main(argv: list[str] | None = None) -> int:
                     work / "dest-loader",
                 )
             )
-        best = {k: max(v, key=lambda r: r["mb_per_s"]) for k, v in runs.items()}
+        load = watch.stop()
         for name in ("dest-plain", "dest-loader"):
             for f in files:
                 got = work / name / f.name
                 if got.stat().st_size != f.stat().st_size:
                     raise SystemExit(f"{got} has the wrong size")
-        ratio = best["loader"]["mb_per_s"] / best["plain"]["mb_per_s"]
+        ratios = [
+            loader_run["mb_per_s"] / plain_run["mb_per_s"]
+            for plain_run, loader_run in zip(runs["plain"], runs["loader"], strict=True)
+        ]
+        ratio = statistics.median(ratios)
+        if len(ratios) < 2:
+            verdict = "uncertain: one pair only"
+        elif all(r > 1 for r in ratios) or all(r < 1 for r in ratios):
+            side = "faster" if ratios[0] > 1 else "slower"
+            verdict = f"consistent: every pair has the loader {side}"
+        else:
+            verdict = "uncertain: the pairs disagree on which is faster"
         print(
-            f"loader / plain throughput: {ratio:.2f}x "
-            f"({best['loader']['mb_per_s']:.0f} vs {best['plain']['mb_per_s']:.0f} MB/s, "
-            f"{os.cpu_count()} CPUs)"
+            f"loader / plain throughput: {ratio:.2f}x (median of {len(ratios)} pairs, "
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x; {verdict}); {os.cpu_count()} CPUs, "
+            f"{watch.words()}"
         )
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(
+        results.write_text(
             json.dumps(
                 {
+                    "command": "python scripts/bench_fetch.py "
+                    f"--size-mib {args.size_mib} --shards {args.shards} --repeat {args.repeat}",
                     "size_mib": args.size_mib,
                     "shards": args.shards,
-                    "cpus": os.cpu_count(),
+                    "machine": {**machine.describe(), **load},
                     "runs": runs,
+                    "ratios": [round(r, 2) for r in ratios],
                     "ratio": round(ratio, 2),
+                    "verdict": verdict,
                 },
                 indent=2,
             )
             + "\n"
         )
-        print(f"results: {args.results}")
+        print(f"results: {results}")
     finally:
         server.stop()
         for name in ("dest-plain", "dest-loader"):

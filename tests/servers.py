@@ -232,7 +232,8 @@ class ThrottleProxy:
     ``rate`` (bytes/s) bounds the server-to-client direction; the first ``cut_first`` relayed
     responses are cut off after ``cut_after`` bytes. With ``status`` set, requests are
     answered with that HTTP status (and the connection closed) instead of being relayed: all of
-    them, or only the first ``fail_first`` whose request line contains ``fail_path``.
+    them, or only the first ``fail_first`` whose request line contains ``fail_path``, with a
+    ``Retry-After: <retry_after>`` header when that is set.
     """
 
     def __init__(
@@ -245,6 +246,7 @@ class ThrottleProxy:
         fail_path: str = "",
         cut_first: int = 0,
         cut_after: int = 0,
+        retry_after: int | None = None,
     ) -> None:
         self.target_port = target_port
         self.rate = rate
@@ -254,6 +256,7 @@ class ThrottleProxy:
         self.requests = 0  # answered with ``status``
         self.cut_first = cut_first
         self.cut_after = cut_after
+        self.retry_after = retry_after
         self.cuts = 0  # relayed responses cut after ``cut_after`` bytes
         self.request_lines: list[bytes] = []  # of those requests
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -309,12 +312,13 @@ class ThrottleProxy:
             self.requests += 1
             self.request_lines.append(head.split(b"\r\n", 1)[0])
             body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
+            wait = b"" if self.retry_after is None else b"Retry-After: %d\r\n" % self.retry_after
             with contextlib.suppress(OSError):
                 client.recv(65536)
                 client.sendall(
-                    b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
+                    b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n%s"
                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                    % (self.status, len(body), body)
+                    % (self.status, wait, len(body), body)
                 )
             client.close()
             return

@@ -227,14 +227,19 @@ def test_median_of_rounds_keeps_each_levels_median_round_whole():
     ]
     (merged,) = median_sweeps(rounds)
     assert merged.measurements == [
-        Measurement(1, 11.0, 95),
-        Measurement(8, 30.0, 900),
-        Measurement(16, 40.0, 1200),
+        Measurement(1, 11.0, 95, rounds=3, throughput_low=10.0, throughput_high=12.0),
+        Measurement(8, 30.0, 900, rounds=3, throughput_low=5.0, throughput_high=31.0),
+        Measurement(16, 40.0, 1200, rounds=1, throughput_low=40.0, throughput_high=40.0),
     ]
     assert merged.unstable == []  # measured stably in one round: that round counts
     (two,) = median_sweeps(rounds[:2])
-    assert two.at(8) == Measurement(8, 5.0, 5000)  # the lower median with an even count
-    assert two.unstable == [Measurement(16, 50.0, 2000, stable=False, note="unstable")]
+    assert (two.at(8).throughput, two.at(8).p95_us) == (5.0, 5000)  # the lower median
+    assert [(m.concurrency, m.note) for m in two.unstable] == [(16, "unstable")]
+    # rounds that disagree by more than the stability percentage make a level unstable
+    (strict,) = median_sweeps(rounds, agreement_percentage=25)
+    assert [m.concurrency for m in strict.unstable] == [8]
+    assert "its 3 rounds disagree: 5 to 31 infer/sec" in strict.at(8).note
+    assert strict.at(1).stable  # 10 to 12 around 11: within 25 %
 
 
 def test_report_files_are_readable_by_everyone(tmp_path):

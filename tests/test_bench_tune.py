@@ -95,10 +95,47 @@ def test_values_snippet_is_the_chart_values_for_the_winner():
     }
 
 
-def test_the_serving_experiment_keeps_perf_analyzers_stability_check_on():
+def test_the_serving_experiment_keeps_the_stability_test_on_and_needs_rounds_to_agree():
     from loader.bench import experiment
 
     defaults = experiment.MEASUREMENT_DEFAULTS
     assert defaults.stability_percentage is not None and defaults.stability_percentage <= 25
     assert defaults.widenings >= 1  # an unstable level is measured again before it is reported
     assert experiment.BASELINE == "i1-batching-off"
+    assert experiment.ROUNDS >= 2  # a choice is certain only when rounds agree
+    assert 0 < experiment.MAX_MINUTES <= 15  # the README's promise
+
+
+def test_a_choice_is_certain_only_when_every_round_made_it_and_nothing_was_cut_short():
+    from loader.bench.tune import verdict
+
+    variant = plan_variants([1], preferred_batch_sizes=[4])[1]
+    choice = Choice(variant=variant, score=1.0, best={})
+    label = variant.label
+    assert verdict(choice, [label, label, label], complete=True) == (
+        f"certain: each of the 3 rounds chose {label}"
+    )
+    assert verdict(choice, [label], complete=True).startswith("uncertain: one round only")
+    mixed = verdict(choice, [label, "i1-batching-off"], complete=True)
+    assert mixed.startswith("uncertain: the rounds chose differently")
+    assert "i1-batching-off" in mixed
+    assert verdict(choice, [label, label], complete=False).startswith("uncertain: the time cap")
+    assert verdict(None, [], complete=True).startswith("uncertain: no configuration")
+    result = TuneResult([], {label: variant}, choice, None, (label, None), True)
+    assert not result.certain  # a round with nothing stable does not agree
+
+
+def test_the_experiments_chart_default_is_what_the_chart_ships():
+    from pathlib import Path
+
+    from loader.bench import experiment
+
+    values = yaml.safe_load(
+        (Path(__file__).parents[1] / "charts" / "model-triton" / "values.yaml").read_text()
+    )
+    triton = values["triton"]
+    batching = "on" if triton["dynamicBatching"]["enabled"] else "off"
+    assert f"i{triton['instanceCount']}-batching-{batching}" == experiment.CHART_DEFAULT
+    assert list(triton["dynamicBatching"]["preferredBatchSize"]) == list(
+        experiment.PREFERRED_BATCH_SIZES
+    )

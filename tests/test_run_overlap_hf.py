@@ -57,7 +57,7 @@ def endpoint(monkeypatch, hub, tmp_path):
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    for name in ("HF_TOKEN", "HF_TOKEN_FILE"):
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
 
 

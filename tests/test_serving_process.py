@@ -6,6 +6,7 @@ starts in a few seconds.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import sysconfig
@@ -82,9 +83,9 @@ def test_a_missing_repository_is_a_typed_error(tmp_path):
         TritonServer(tmp_path / "nope").start()
 
 
-def test_a_port_given_explicitly_and_taken_fails_with_tritons_message(repository, listening_socket):
+def test_a_port_given_explicitly_and_taken_is_refused_before_starting(repository, listening_socket):
     port = listening_socket.getsockname()[1]
-    with pytest.raises(ServerStartError, match=f"127.0.0.1:{port}' already in use"):
+    with pytest.raises(ServerStartError, match=rf"port {port} on 127.0.0.1 \(--http-port\)"):
         TritonServer(repository, http_port=port).start()
 
 
@@ -105,3 +106,76 @@ def test_a_free_port_taken_before_the_server_binds_it_is_replaced(
         assert server.ports.http != taken
         np.testing.assert_array_equal(_double(server), [[2, 4, 6]])
     assert handed_out[0] == taken and len(handed_out) == 6  # two rounds of three ports
+
+
+def test_a_second_server_on_busy_ports_fails_at_once_naming_the_port(repository, tmp_path):
+    """`scripts/serve-local` twice with the same ports: the second one never says "serving"."""
+    import os
+    import subprocess
+
+    with TritonServer(repository) as first:
+        script = Path(__file__).parents[1] / "scripts" / "serve-local"
+        proc = subprocess.run(
+            [str(script), str(repository), "--http-port", str(first.ports.http)],
+            capture_output=True, text=True, timeout=120, env={**os.environ},
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert "serving" not in proc.stdout
+        first_line = proc.stderr.strip().splitlines()[0]
+        assert first_line.startswith(f"error: port {first.ports.http} on 127.0.0.1")
+        assert "already in use" in first_line and "CUDA" not in proc.stderr
+        np.testing.assert_array_equal(_double(first), [[2, 4, 6]])  # the first one still serves
+
+
+def test_readiness_is_the_servers_own_not_another_process_on_its_port(repository, monkeypatch):
+    """The race the port check cannot close: the port is taken between the check and the
+    start, by a server that answers the health check. The new one is not taken for ready."""
+    with TritonServer(repository) as first:
+        assert serving.listens_on(first.process.pid, first.ports.http) is True
+        assert serving.listens_on(os.getpid(), first.ports.http) is False
+        monkeypatch.setattr(TritonServer, "_check_given_ports", lambda self: None)
+        second = TritonServer(repository, http_port=first.ports.http)
+        with pytest.raises(ServerStartError) as info:
+            second.start()
+        assert info.value.message.splitlines()[0] == (
+            "tritonserver exited with code 1 before it was ready: failed to start HTTP service: "
+            f"Unavailable - Socket '127.0.0.1:{first.ports.http}' already in use"
+        )
+        assert "Another server listens on that port" in info.value.remediation
+
+
+def test_the_cause_in_a_triton_log_comes_before_the_cuda_noise():
+    text = (
+        'W1130 21:22:06.1 11 pinned_memory_manager.cc:273] "Unable to allocate pinned system '
+        'memory, pinned memory pool will not be available: CUDA driver version is insufficient"\n'
+        "E1130 21:22:06.2 11 model_lifecycle.cc:641] \"failed to load 'codegen' version 1: "
+        "Invalid argument: unexpected inference input 'x'\"\n"
+        'I1130 21:22:06.3 11 server.cc:307] "Waiting for in-flight requests to complete."\n'
+    )
+    assert serving.log_cause(text) == (
+        "failed to load 'codegen' version 1: Invalid argument: unexpected inference input 'x'"
+    )
+    assert serving.log_cause("I1130 1 2 x.cc:1] all good\n") is None
+
+
+def test_the_loaders_root_and_a_gpu_only_repository_are_refused_with_what_to_serve(
+    repository, tmp_path
+):
+    import shutil
+
+    root = tmp_path / "models"
+    key = root / "codegen@v1" / "tp1-pp1-i1-0123abcd"
+    shutil.copytree(repository, key)
+    (key / ".ready").write_text("")
+    with pytest.raises(RepositoryError, match="repository ROOT") as info:
+        TritonServer(root).start()
+    assert str(key) in info.value.remediation
+    config = key / "double" / "config.pbtxt"
+    config.write_text(
+        config.read_text().replace('backend: "python"', 'backend: "fastertransformer"')
+    )
+    with pytest.raises(RepositoryError, match="needs NVIDIA GPUs") as info:
+        TritonServer(key).start()
+    assert "--backend python" in info.value.remediation
+    with pytest.raises(RepositoryError, match="holds no model"):
+        TritonServer(tmp_path / "models" / "codegen@v1").start()

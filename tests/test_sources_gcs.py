@@ -230,6 +230,31 @@ def test_transient_download_failures_are_retried_and_the_fetch_completes(tmp_pat
         srv.stop()
 
 
+def test_a_429_with_retry_after_is_waited_out_before_the_next_attempt(
+    tmp_path, monkeypatch, caplog
+):
+    proxy = ThrottleProxy(0, status=429, fail_first=1, fail_path="/download/", retry_after=2)
+    srv = GcsServer(tmp_path / "gcs", external_url=proxy.url).start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(os.urandom(100_000))
+        srv.upload_dir("busy", "ckpt", src)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="loader.sources.failures"):
+            fetch("gs://busy/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=30)
+        assert time.monotonic() - started >= 2.0  # a lower bound: never sooner than asked
+        same_tree(src, tmp_path / "dest")
+        assert proxy.requests == 1
+        assert "Retry-After of 2 s" in caplog.text
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
 def test_connections_cut_mid_object_are_retried_and_the_result_verified(
     tmp_path, monkeypatch, caplog
 ):
@@ -243,11 +268,11 @@ def test_connections_cut_mid_object_are_retried_and_the_result_verified(
         (src / "model.safetensors").write_bytes(os.urandom(1_000_000))
         srv.upload_dir("cut", "ckpt", src)
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        with caplog.at_level(logging.WARNING, logger="loader.sources.transfer"):
+        with caplog.at_level(logging.WARNING, logger="loader.sources.failures"):
             result = fetch("gs://cut/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=30)
         same_tree(src, tmp_path / "dest")
         assert proxy.cuts == 3
-        assert caplog.text.count("retrying in") == 3
+        assert caplog.text.count("; retrying") == 3
         assert result.downloaded_bytes == 1_000_000
     finally:
         proxy.stop()

@@ -54,7 +54,7 @@ def endpoint(monkeypatch, hub, tmp_path):
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    for name in ("HF_TOKEN", "HF_TOKEN_FILE"):
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -141,16 +141,53 @@ def test_rerun_skips_verified_files_and_replaces_a_damaged_one(hub, tmp_path):
     assert damaged.read_bytes() == ckpt_bytes
 
 
-def test_token_file_is_used_and_never_logged(hub, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("variable", ["HF_TOKEN_PATH", "HF_TOKEN_FILE"])
+def test_token_file_is_sent_to_the_hub_and_never_logged(
+    hub, tmp_path, monkeypatch, caplog, variable
+):
+    """huggingface_hub's HF_TOKEN_PATH, and HF_TOKEN_FILE as another name for it."""
+    import huggingface_hub
+
     secret = "hf_secretTokenValue1234567890"
     token_file = tmp_path / "token"
     token_file.write_text(secret + "\n")
-    monkeypatch.setenv("HF_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv(variable, str(token_file))
+    sent = []
+    real = huggingface_hub.snapshot_download
+
+    def spy(*args, **kwargs):
+        sent.append(kwargs.get("token"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
     with caplog.at_level(logging.DEBUG):
         result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
     assert result.revision == hub.revisions["main"]
+    assert sent and set(sent) == {secret}
     assert caplog.records
     assert secret not in caplog.text
+
+
+def test_token_sources_in_order_and_a_missing_file_named_with_its_variable(tmp_path, monkeypatch):
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    path_file, alias_file = tmp_path / "path-token", tmp_path / "alias-token"
+    path_file.write_text("hf_path\n")
+    alias_file.write_text("hf_alias")
+    assert resolve_token(FetchOptions()) is None  # huggingface_hub's own login, if any
+    monkeypatch.setenv("HF_TOKEN_FILE", str(alias_file))
+    assert resolve_token(FetchOptions()) == "hf_alias"
+    monkeypatch.setenv("HF_TOKEN_PATH", str(path_file))
+    assert resolve_token(FetchOptions()) == "hf_path"  # the library's variable first
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    assert resolve_token(FetchOptions()) == "hf_env"
+    assert resolve_token(FetchOptions(hf_token_file=str(alias_file))) == "hf_alias"
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "unmounted"))
+    with pytest.raises(SourcePermissionError, match="HF_TOKEN_PATH") as info:
+        resolve_token(FetchOptions())
+    assert "unmounted" in info.value.message and "HF_TOKEN_PATH" in info.value.remediation
 
 
 def test_missing_token_file_is_a_permission_error_naming_it(hub, tmp_path):
@@ -190,3 +227,44 @@ def test_run_from_hf_publishes_the_same_weights_as_from_a_local_path(
     assert len(weights) > 10
     for rel in weights:
         assert filecmp.cmp(ft_local / rel, ft_hub / rel, shallow=False), rel
+
+
+def test_a_hugging_face_cache_snapshot_is_a_local_source_and_links_leaving_it_are_not(
+    hub, tmp_path
+):
+    """What `hf download` / `snapshot_download` write: files that link into ../../blobs."""
+    from huggingface_hub import snapshot_download
+
+    from loader.errors import SourceError
+
+    cache = tmp_path / "hf-cache"
+    snapshot = Path(
+        snapshot_download(
+            "org/tiny-gptj", cache_dir=cache, endpoint=hub.url,
+            allow_patterns=["*.json", "*.safetensors", "*.txt"],
+        )
+    )  # fmt: skip
+    weights = snapshot / "model.safetensors"
+    assert weights.is_symlink() and "blobs" in os.readlink(weights)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loader", "run", "--source", str(snapshot), "--repository",
+         str(tmp_path / "models"), "--model-name", "tiny", "--tp-size", "1", "--pp-size", "1",
+         "--instance-count", "1", "--backend", "python"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (Path(proc.stdout.splitlines()[-1]) / ".ready").is_file()
+
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (snapshot / "stray.json").symlink_to(outside)
+    with pytest.raises(SourceError, match="outside the source directory"):
+        fetch(str(snapshot))
+    (snapshot / "stray.json").unlink()
+    # the same files in a folder that is not a cache snapshot: the blob links leave it
+    lookalike = tmp_path / "copy" / "snapshot"
+    lookalike.parent.mkdir()
+    lookalike.mkdir()
+    (lookalike / "model.safetensors").symlink_to(weights.resolve())
+    with pytest.raises(SourceError, match="outside the source directory"):
+        fetch(str(lookalike))

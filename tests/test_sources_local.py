@@ -14,12 +14,14 @@ from loader.errors import (
     InsufficientDiskSpaceError,
     SourceError,
     SourceNotFoundError,
+    SourcePermissionError,
     TransientSourceError,
 )
 from loader.progress import byte_progress
 from loader.sources import SCHEMES, fetch, parse_uri
+from loader.sources.failures import Funnel, is_transient, retry_after_s, status_of
 from loader.sources.hf import select_files
-from loader.sources.transfer import Retry, ensure_disk_space
+from loader.sources.transfer import ensure_disk_space
 
 
 @pytest.mark.parametrize(
@@ -124,41 +126,102 @@ def test_cli_fetch_of_a_missing_path_exits_2_with_error_and_hint(tmp_path, capsy
     assert "error: Local source" in err and "hint: " in err and "Traceback" not in err
 
 
-def test_retry_backs_off_then_succeeds():
-    sleeps: list[float] = []
-    calls = iter([ConnectionError("reset"), ConnectionError("reset"), "done"])
+class _Response:
+    def __init__(self, status: int, headers: dict[str, str] | None = None) -> None:
+        self.status_code = status
+        self.headers = headers or {}
 
-    def flaky():
+
+class _HttpFailure(Exception):
+    def __init__(self, status: int, headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"HTTP {status}")
+        self.response = _Response(status, headers)
+
+
+def _flaky(*outcomes):
+    calls = iter(outcomes)
+
+    def fn():
         outcome = next(calls)
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
-    retry = Retry(lambda e: isinstance(e, ConnectionError), initial_s=1.0, sleep=sleeps.append)
-    assert retry.call(flaky, what="thing") == "done"
-    assert len(sleeps) == 2
-    assert 0.5 <= sleeps[0] <= 1.0 and 1.0 <= sleeps[1] <= 2.0  # doubled, with jitter
+    return fn
 
 
-def test_retry_gives_up_after_its_deadline_with_a_transient_error():
+def test_funnel_backs_off_then_succeeds():
+    sleeps: list[float] = []
+    funnel = Funnel(60, sleep=sleeps.append)
+    fn = _flaky(ConnectionError("reset"), _HttpFailure(503), "done")
+    assert funnel(fn, what="thing") == "done"
+    assert len(sleeps) == 2 and all(0 <= s <= 30 for s in sleeps)
+
+
+def test_funnel_waits_at_least_what_retry_after_asks():
+    sleeps: list[float] = []
+    funnel = Funnel(60, sleep=sleeps.append)
+    fn = _flaky(_HttpFailure(429, {"Retry-After": "7"}), "done")
+    assert funnel(fn, what="thing") == "done"
+    assert sum(sleeps) >= 7
+
+
+def test_funnel_gives_up_at_its_deadline_with_a_transient_error():
     def always():
         raise ConnectionError("reset by peer")
 
-    retry = Retry(lambda e: True, deadline_s=0.3, initial_s=0.05)
-    with pytest.raises(TransientSourceError, match="reset by peer"):
-        retry.call(always, what="gs://b/o")
+    with pytest.raises(TransientSourceError, match="reset by peer") as info:
+        Funnel(0.3)(always, what="gs://b/o")
+    assert info.value.exit_code == 75 and "gs://b/o kept failing" in info.value.message
 
 
-def test_retry_does_not_retry_permanent_errors():
+@pytest.mark.parametrize(
+    ("failure", "typed", "words"),
+    [(_HttpFailure(404), SourceNotFoundError, r"Thing does not exist \(404\)"),
+     (_HttpFailure(403), SourcePermissionError, r"Permission denied reading thing \(403\)")],
+)  # fmt: skip
+def test_funnel_types_permanent_failures_at_once(failure, typed, words):
     calls = []
 
     def missing():
         calls.append(1)
-        raise FileNotFoundError("gone")
+        raise failure
 
-    with pytest.raises(FileNotFoundError):
-        Retry(lambda e: isinstance(e, ConnectionError)).call(missing, what="x")
+    with pytest.raises(typed, match=words):
+        Funnel(60)(missing, what="thing")
     assert len(calls) == 1
+
+
+def test_funnel_leaves_failures_it_cannot_name_alone():
+    with pytest.raises(FileNotFoundError):
+        Funnel(60)(_flaky(FileNotFoundError("gone")), what="x")
+
+
+def test_google_retry_retries_honours_retry_after_and_types_the_last_failure():
+    """The Retry handed to google-cloud-storage calls: the same rules as the tenacity one."""
+    sleeps: list[float] = []
+    funnel = Funnel(60, sleep=sleeps.append)
+    fn = _flaky(_HttpFailure(503, {"Retry-After": "3"}), "done")
+    assert funnel.gcs(lambda retry: retry(fn)(), what="thing") == "done"
+    assert sleeps == [3.0]  # the server's wait; the backoff pause is the library's own
+    with pytest.raises(TransientSourceError, match="thing kept failing"):
+        Funnel(0.2).gcs(lambda retry: retry(_flaky(*[ConnectionError()] * 99))(), what="thing")
+    with pytest.raises(SourceNotFoundError):
+        Funnel(60).gcs(lambda retry: retry(_flaky(_HttpFailure(404)))(), what="thing")
+
+
+def test_failure_classification_reads_status_and_retry_after_through_causes():
+    try:
+        try:
+            raise _HttpFailure(503, {"Retry-After": "Wed, 21 Oct 2037 07:28:00 GMT"})
+        except _HttpFailure as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        wrapped = outer
+    assert status_of(wrapped) == 503 and is_transient(wrapped)
+    assert retry_after_s(wrapped, now=0) > 1e9
+    assert not is_transient(_HttpFailure(404)) and not is_transient(ValueError())
+    assert is_transient(TimeoutError()) and retry_after_s(ValueError()) is None
 
 
 def test_disk_space_check_refuses_more_than_is_free(tmp_path):
@@ -178,8 +241,8 @@ def test_progress_off_a_terminal_is_plain_log_lines_with_rate(caplog):
             progress.update(1_000_000)
     lines = [r.getMessage() for r in caplog.records if r.name == "loader.progress"]
     assert len(lines) >= 4
-    assert lines[0].startswith("gs://b/ckpt: 1.0 MB / 4.0 MB (25%) at ")
-    assert lines[-1].startswith("gs://b/ckpt: 4.0 MB / 4.0 MB (100%) at ")
+    assert lines[0].startswith("gs://b/ckpt: 1.00MB / 4.00MB (25%) at ")
+    assert lines[-1].startswith("gs://b/ckpt: 4.00MB / 4.00MB (100%) at ")
     assert all(line.endswith("/s") for line in lines)
     assert stream.getvalue() == ""  # no bar drawn
 

@@ -506,3 +506,38 @@ def test_the_charts_helm_test_passes_against_a_streaming_repository(streaming):
     lines = done.stdout.splitlines()
     assert lines[:2] == ["server ready", f"model {MODEL} ready"]
     assert "".join(lines[2:]).strip()  # the streamed completion
+
+
+def test_complete_finds_the_model_and_names_the_served_ones_when_asked_for_another(
+    streaming, plain
+):
+    """No --model: the one model the server offers (its repository's steps left out)."""
+
+    def loader_complete(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "loader", "complete", *args, "--max-tokens", "4", "def f():"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    found = loader_complete("--url", plain.http_url)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip()
+    assert _complete_script("--url", plain.grpc_url, "def f():").returncode == 0
+    wrong = loader_complete("--url", plain.http_url, "--model", "codegen-350m")
+    assert wrong.returncode == 2
+    assert f"does not serve a ready model 'codegen-350m'; it serves {MODEL}" in wrong.stderr
+    assert "check the --url" not in wrong.stderr.lower()
+    over_http = loader_complete("--url", streaming.http_url, "--model", MODEL)
+    assert over_http.returncode == 2
+    assert "streams its completion" in over_http.stderr and "--stream --url" in over_http.stderr
+
+
+def test_scripts_complete_into_a_closed_pipe_stops_quietly(streaming):
+    done = subprocess.run(
+        ["bash", "-c", f'"$0" --url {streaming.grpc_url} --json "def f():" | head -n 1',
+         str(ROOT / "scripts" / "complete")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["event"] == "text"
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +55,21 @@ def parse_target(text: str, *, protocol: str | None = None) -> Target:
     return Target(label=label or endpoint.address, endpoint=endpoint)
 
 
+@dataclass
+class Comparison:
+    """What :func:`compare` measured: each level's median over the rounds (``sweeps``), every
+    round as measured (``by_round``), and whether the time cap cut the run short."""
+
+    sweeps: list[Sweep]
+    by_round: list[list[Sweep]]
+    planned: int
+    measured: int
+
+    @property
+    def complete(self) -> bool:
+        return self.measured >= self.planned
+
+
 def compare(
     targets: Sequence[Target],
     settings: SweepSettings,
@@ -61,14 +77,18 @@ def compare(
     log_dir: Path | None = None,
     on_start: Callable[[Target, str], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
-) -> list[Sweep]:
+    on_partial: Callable[[Comparison], None] | None = None,
+) -> Comparison:
     """One sweep per target and workload, in order; server logs go to ``log_dir`` when given.
 
     A repository target is served once per round and measured with every workload while it is
     up. With ``settings.rounds`` > 1 every target is swept that many times, round after round
     (so load from elsewhere on the machine spreads over all targets), and each level reports
-    its median-throughput round (:func:`~loader.bench.results.median_sweeps`). ``on_start``
-    gets the target and the workload's label before each sweep.
+    its median-throughput round (:func:`~loader.bench.results.median_sweeps`; rounds that
+    disagree by more than the stability percentage make a level unstable). With
+    ``settings.max_seconds`` no level starts once that much time has passed: the comparison
+    holds what was measured. ``on_start`` gets the target and the workload's label before each
+    sweep, ``on_partial`` the comparison so far after each level.
     """
     labels = [t.label for t in targets]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
@@ -84,20 +104,41 @@ def compare(
         )
     find_perf_analyzer(settings.perf_analyzer)  # fail before starting any server
     targets = [_with_settings(t) for t in targets]
-    results = []
+    deadline = None if settings.max_seconds is None else time.monotonic() + settings.max_seconds
+    planned = settings.rounds * len(targets) * len(settings.workloads) * len(settings.concurrencies)
+    by_round: list[list[Sweep]] = []
+
+    def state() -> Comparison:
+        merged = median_sweeps(by_round, agreement_percentage=settings.agreement_percentage)
+        measured = sum(len(s.measurements) for r in by_round for s in r)
+        return Comparison(merged, by_round, planned, measured)
+
+    def measured(target: Target, m: Measurement) -> None:
+        if on_measurement is not None:
+            on_measurement(target, m)
+        if on_partial is not None:
+            on_partial(state())
+
     for number in range(1, settings.rounds + 1):
+        if deadline is not None and time.monotonic() >= deadline:
+            log.warning(
+                "the time is up (--max-minutes): %s of %s rounds measured",
+                number - 1,
+                settings.rounds,
+            )
+            break
         if settings.rounds > 1:
             log.info("round %s of %s", number, settings.rounds)
-        round_sweeps = []
+        round_sweeps: list[Sweep] = []
+        by_round.append(round_sweeps)
         for target in targets:
-            round_sweeps.extend(
-                _sweep_target(
-                    target, settings, log_dir=log_dir, on_start=on_start,
-                    on_measurement=on_measurement,
-                )
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            _sweep_target(
+                target, settings, log_dir=log_dir, on_start=on_start,
+                on_measurement=measured, deadline=deadline, into=round_sweeps,
             )  # fmt: skip
-        results.append(round_sweeps)
-    return results[0] if settings.rounds == 1 else median_sweeps(results)
+    return state()
 
 
 def _with_settings(target: Target) -> Target:
@@ -115,27 +156,30 @@ def _sweep_workloads(
     *,
     on_start: Callable[[Target, str], None] | None,
     on_measurement: Callable[[Target, Measurement], None] | None,
-) -> list[Sweep]:
+    deadline: float | None = None,
+    into: list[Sweep],
+    cpu_seconds: Callable[[], float | None] | None = None,
+) -> None:
     report = None if on_measurement is None else (lambda m: on_measurement(target, m))
-    sweeps = []
     for workload in settings.workloads:
+        if deadline is not None and time.monotonic() >= deadline:
+            return
         label = settings.workload_label(workload)
         if on_start is not None:
             on_start(target, label)
-        sweeps.append(
-            sweep(
-                endpoint,
-                model,
-                list(settings.concurrencies),
-                options=settings.options_for(workload),
-                label=target.label,
-                settings=target.settings,
-                workload=label,
-                perf_analyzer=settings.perf_analyzer,
-                on_measurement=report,
-            )
+        result = Sweep(target.label, settings=dict(target.settings), workload=label)
+        into.append(result)
+        sweep(
+            endpoint,
+            model,
+            list(settings.concurrencies),
+            options=settings.options_for(workload),
+            perf_analyzer=settings.perf_analyzer,
+            on_measurement=report,
+            cpu_seconds=cpu_seconds,
+            deadline=deadline,
+            into=result,
         )
-    return sweeps
 
 
 def _sweep_target(
@@ -145,11 +189,17 @@ def _sweep_target(
     log_dir: Path | None,
     on_start: Callable[[Target, str], None] | None,
     on_measurement: Callable[[Target, Measurement], None] | None,
-) -> list[Sweep]:
-    callbacks = {"on_start": on_start, "on_measurement": on_measurement}
+    deadline: float | None,
+    into: list[Sweep],
+) -> None:
+    callbacks = {
+        "on_start": on_start, "on_measurement": on_measurement, "deadline": deadline,
+        "into": into,
+    }  # fmt: skip
     if target.repository is None:
         assert target.endpoint is not None and settings.model is not None  # parse_target, compare
-        return _sweep_workloads(target, target.endpoint, settings.model, settings, **callbacks)
+        _sweep_workloads(target, target.endpoint, settings.model, settings, **callbacks)
+        return
     from loader.serving import TritonServer
 
     repository = Path(target.repository)
@@ -163,7 +213,9 @@ def _sweep_target(
         address = server.grpc_url if settings.protocol == "grpc" else server.http_url
         endpoint = Endpoint(address=address, protocol=settings.protocol)
         try:
-            return _sweep_workloads(target, endpoint, name, settings, **callbacks)
+            _sweep_workloads(
+                target, endpoint, name, settings, cpu_seconds=server.cpu_seconds, **callbacks
+            )
         except LoaderError:
             if log_path is not None:
                 log.error("%s: Triton's log is %s", target.label, log_path)

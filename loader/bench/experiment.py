@@ -24,10 +24,10 @@ from pathlib import Path
 
 from loader.bench.compare import Target
 from loader.bench.perf_analyzer import PerfAnalyzerOptions
-from loader.bench.report import Report, ratio_text
+from loader.bench.report import Report, gain_text
 from loader.bench.results import Measurement
 from loader.bench.settings import SweepSettings
-from loader.bench.tune import plan_variants, tune, values_snippet
+from loader.bench.tune import TuneResult, plan_variants, tune, values_snippet
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +38,27 @@ INSTANCE_COUNTS = (1, 2)
 #: The chart's defaults for dynamic batching (charts/model-triton/values.yaml).
 PREFERRED_BATCH_SIZES = (4, 8)
 MAX_QUEUE_DELAY_US = 100
-#: How the experiment measures where the command line leaves perf_analyzer's own defaults.
-#: Windows of a fixed number of requests keep the p95 of slow levels (a few requests a second)
-#: meaningful. perf_analyzer's stability check stays on, at 25 % instead of its 10 %: our
-#: 2-core machines are shared with other work (load averages of 4 to 6 while measuring), and at
-#: 10 % almost no level settles there. A level that misses it is measured once more with windows
-#: twice as long, then reported as unstable (and never chosen).
+#: How the experiment measures where the command line leaves the defaults. Windows of a fixed
+#: number of requests keep the p95 of slow levels (a few requests a second) meaningful. The
+#: stability test stays on, at 25 % instead of perf_analyzer's 10 %: our 2-core machines are
+#: shared with other work, and at 10 % almost no level settles there. A level that misses it is
+#: measured once more with windows twice as long, then reported as unstable (never chosen).
 MEASUREMENT_DEFAULTS = PerfAnalyzerOptions(
     measurement_mode="count_windows",
     measurement_request_count=16,
     stability_percentage=25.0,
-    max_trials=5,
     widenings=1,
 )
 BASELINE = "i1-batching-off"
-#: Rounds over all configurations; each level reports its median round (more rounds spread
-#: the machine's other load over the configurations, at the price of time: --rounds).
-ROUNDS = 1
+#: The variant the chart ships (charts/model-triton/values.yaml: triton.instanceCount and
+#: triton.dynamicBatching.enabled; a test keeps the two in step).
+CHART_DEFAULT = "i1-batching-on"
+#: Rounds over all configurations; each level reports its median round, and a choice or a gain
+#: is called certain only when every round agrees (so at least two are needed).
+ROUNDS = 3
+#: The cap on the whole run (README: `make bench-serving` answers within 15 minutes): no level
+#: starts after it, and the summary says what was left unmeasured.
+MAX_MINUTES = 13.0
 
 
 def publish_demo_repository(work_dir: Path) -> Path:
@@ -111,8 +115,10 @@ def run_experiment(
     concurrency_range: str = CONCURRENCY_RANGE,
     on_start: Callable[[Target, str], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
+    on_partial: Callable[[Report], None] | None = None,
 ) -> Report:
-    """Publish the demo model, tune its variants under ``settings``; the report to write."""
+    """Publish the demo model, tune its variants under ``settings``; the report to write
+    (``on_partial`` gets the report so far after every level)."""
     work_dir = Path(work_dir) / "serving-experiment"
     started = time.monotonic()
     repository = publish_demo_repository(work_dir)
@@ -122,6 +128,56 @@ def run_experiment(
         load_at_start.setdefault(target.label, []).append(os.getloadavg()[0])
         if on_start is not None:
             on_start(target, workload)
+
+    def report(result: TuneResult, *, final: bool) -> Report:
+        notes: dict[str, str] = {
+            "model": _model_note(work_dir),
+            "requests": "; ".join(f"{w.name}: bench/{w.path.name}" for w in settings.workloads),
+            "measurement": _measurement_note(settings, concurrency_range),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}",
+            "load average (1 min) at the start of each sweep": "; ".join(
+                f"{k} {' '.join(f'{v:.1f}' for v in values)}" for k, values in load_at_start.items()
+            )
+            + f"; now {os.getloadavg()[0]:.1f}",
+            "duration": f"{time.monotonic() - started:.0f} s",
+        }
+        for sweep in result.sweeps:
+            base = next(
+                (s for s in result.sweeps if s.label == BASELINE and s.workload == sweep.workload),
+                None,
+            )
+            text = (
+                None
+                if base is None or base is sweep
+                else gain_text(sweep, base, result.by_round, max_p95_ms=settings.max_p95_ms)
+            )
+            if text is not None:
+                notes[f"{sweep.name}"] = text
+        choice = result.choice.variant.label if result.choice is not None else "none"
+        notes["chart default (fewest instances within 5% of the best on every workload)"] = (
+            f"{choice}; {result.verdict}"
+        )
+        if result.certain and choice != CHART_DEFAULT:
+            notes["against the chart"] = (
+                f"the chart ships {CHART_DEFAULT}; this run, on this machine, chose {choice}"
+            )
+        elif result.certain:
+            notes["against the chart"] = f"the chart ships {CHART_DEFAULT}, the choice here too"
+        values = ""
+        if result.certain:
+            values = values_snippet(
+                result.choice, max_p95_ms=settings.max_p95_ms, measured_by="make bench-serving"
+            )
+        return Report(
+            sweeps=result.sweeps,
+            title="Serving experiment: demo CodeGen on the CPU Triton (Python backend)",
+            baseline=BASELINE,
+            notes=notes,
+            values=values,
+            by_round=result.by_round,
+            status=_status(result, final=final),
+        )
 
     planned = plan_variants(
         INSTANCE_COUNTS,
@@ -135,38 +191,21 @@ def run_experiment(
         planned=planned,
         on_start=starting,
         on_measurement=on_measurement,
+        on_partial=None if on_partial is None else lambda r: on_partial(report(r, final=False)),
     )
-    notes: dict[str, str] = {
-        "model": _model_note(work_dir),
-        "requests": "; ".join(f"{w.name}: bench/{w.path.name}" for w in settings.workloads),
-        "measurement": _measurement_note(settings, concurrency_range),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "load average (1 min) at the start of each sweep": "; ".join(
-            f"{k} {' '.join(f'{v:.1f}' for v in values)}" for k, values in load_at_start.items()
-        )
-        + f"; at the end {os.getloadavg()[0]:.1f}",
-        "duration": f"{time.monotonic() - started:.0f} s",
-    }
-    for sweep in result.sweeps:
-        base = next(
-            (s for s in result.sweeps if s.label == BASELINE and s.workload == sweep.workload),
-            None,
-        )
-        text = None if base is None or base is sweep else ratio_text(sweep, base)
-        if text is not None:
-            notes[f"{sweep.name}"] = text
-    values = ""
-    if result.choice is not None:
-        notes["chart default (fewest instances within 5% of the best on every workload)"] = (
-            result.choice.variant.label
-        )
-        values = values_snippet(
-            result.choice, max_p95_ms=settings.max_p95_ms, measured_by="make bench-serving"
-        )
-    return Report(
-        sweeps=result.sweeps,
-        title="Serving experiment: demo CodeGen on the CPU Triton (Python backend)",
-        baseline=BASELINE,
-        notes=notes,
-        values=values,
+    return report(result, final=True)
+
+
+def _status(result: TuneResult, *, final: bool) -> str:
+    measured = sum(len(s.measurements) for r in result.by_round for s in r)
+    if not final:
+        head = f"PARTIAL: {measured} measurements so far; the run goes on."
+    elif not result.complete:
+        head = f"CUT SHORT by the time cap after {measured} measurements."
+    else:
+        head = f"Complete: {measured} measurements in {len(result.by_round)} round(s)."
+    if not final:
+        return f"{head}\nRecommendation: none yet."
+    return f"{head}\nRecommendation: {result.verdict}" + (
+        "" if result.certain else "; no values to paste: keep the chart's defaults."
     )

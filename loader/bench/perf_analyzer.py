@@ -1,14 +1,17 @@
 """Run the real ``perf_analyzer`` for one concurrency level and turn its failures into typed errors.
 
 perf_analyzer stops a ``--concurrency-range`` at the first level it cannot measure stably, so a
-sweep runs it once per level (:mod:`loader.bench.sweep`). Every run uses ``--percentile=95``
-(latencies and stabilisation on the client's p95, as in our production tables), ``-f`` to get
-the CSV and ``-v`` to get every measurement window (``Pass [n] throughput: ... p95 latency:``).
+sweep runs it once per level (:mod:`loader.bench.sweep`). Every run uses ``--percentile=95``,
+``-f`` for the server-side times and ``--profile-export-file`` for every request's timestamps
+(:mod:`loader.bench.profile`), from which the level's throughput and latencies are computed.
 
-A level whose windows do not agree within the stability percentage is measured again with
-windows twice as long, at most ``widenings`` times (a busy machine settles over longer windows).
-If it still does not settle, its last three windows are reported (throughput and p95 latency
-averaged), marked unstable, with perf_analyzer's own words: a measurement is never thrown away.
+Stability is judged here, on the exported windows, with perf_analyzer's own test (three
+windows whose throughput and p95 latency lie within the stability percentage of their mean):
+perf_analyzer 2.41 writes no export for a level it gives up on, so it is asked for three
+windows with its own check off (``--stability-percentage=999 --max-trials=3``). A level whose
+windows do not agree is measured again with windows twice as long, at most ``widenings``
+times (a busy machine settles over longer windows); if it still does not settle, its last
+windows are reported, marked unstable, with what differed: a measurement is never thrown away.
 
 The binary is looked up as: an explicit path, then ``perf_analyzer`` on ``PATH``, then the
 project's ``.tools/bin/perf_analyzer`` (``scripts/tools/install-perf-analyzer.sh``).
@@ -26,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader.bench import profile
 from loader.bench.endpoint import Endpoint
 from loader.bench.results import Measurement, parse_csv
 from loader.errors import (
@@ -51,8 +55,10 @@ DEFAULT_MEASUREMENT_INTERVAL_MS = 5000
 DEFAULT_MEASUREMENT_REQUEST_COUNT = 50
 #: How often an unstable level is measured again with windows twice as long.
 DEFAULT_WIDENINGS = 2
-#: perf_analyzer compares this many windows; an unstable level reports the last ones.
+#: Windows measured per run and compared (perf_analyzer's own number).
 STABLE_WINDOWS = 3
+#: perf_analyzer's default stability percentage, our test's default.
+DEFAULT_STABILITY_PERCENTAGE = 10.0
 
 
 def find_perf_analyzer(
@@ -83,8 +89,8 @@ class PerfAnalyzerOptions:
 
     ``measurement_mode`` is ``time_windows`` (windows of ``measurement_interval_ms``) or
     ``count_windows`` (windows of ``measurement_request_count`` requests). A level is stable
-    when 3 consecutive windows agree within ``stability_percentage``; perf_analyzer gives up
-    after ``max_trials`` windows.
+    when its 3 windows agree within ``stability_percentage`` (judged here, see the module
+    docstring).
     """
 
     input_data: Path | None = None
@@ -92,7 +98,6 @@ class PerfAnalyzerOptions:
     measurement_interval_ms: int | None = None
     measurement_request_count: int | None = None
     stability_percentage: float | None = None
-    max_trials: int | None = None
     streaming: bool = False
     timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
@@ -123,10 +128,6 @@ class PerfAnalyzerOptions:
             args.append(f"--measurement-interval={self.measurement_interval_ms}")
         if self.measurement_request_count is not None:
             args.append(f"--measurement-request-count={self.measurement_request_count}")
-        if self.stability_percentage is not None:
-            args.append(f"--stability-percentage={self.stability_percentage:g}")
-        if self.max_trials is not None:
-            args.append(f"--max-trials={self.max_trials}")
         if self.streaming:
             args.append("--streaming")
         args.extend(self.extra_args)
@@ -140,6 +141,7 @@ def command(
     concurrency: int,
     csv_path: Path,
     options: PerfAnalyzerOptions,
+    export_path: Path | None = None,
 ) -> list[str]:
     if options.streaming and endpoint.protocol != "grpc":
         raise LoaderError(
@@ -156,9 +158,12 @@ def command(
         endpoint.protocol,
         f"--concurrency-range={concurrency}:{concurrency}",
         "--percentile=95",
-        "-v",
         "-f",
         str(csv_path),
+        f"--profile-export-file={export_path or csv_path.with_suffix('.json')}",
+        # Stability is judged on the exported windows (see the module docstring).
+        "--stability-percentage=999",
+        f"--max-trials={STABLE_WINDOWS}",
         *options.arguments(),
     ]
 
@@ -219,13 +224,8 @@ ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], Load
     ),
 )
 
-_UNSTABLE = re.compile(r"Failed to obtain stable measurement")
-_UNSTABLE_WORDS = re.compile(r"^Failed to obtain stable measurement within .*$", re.MULTILINE)
-_PASS = re.compile(
-    r"^\s*Pass \[(?P<number>\d+)\] throughput: (?P<throughput>[0-9.eE+-]+) infer/sec\. "
-    r"p95 latency: (?P<latency>\d+) usec",
-    re.MULTILINE,
-)
+
+_GAVE_UP = re.compile(r"Failed to obtain stable measurement within .*")
 
 
 def error_for(endpoint: Endpoint, model: str, output: str) -> LoaderError:
@@ -234,44 +234,6 @@ def error_for(endpoint: Endpoint, model: str, output: str) -> LoaderError:
         if pattern.search(output):
             return make(endpoint, model, output)
     return MeasurementError(f"perf_analyzer failed: {_tail(output)}")
-
-
-def is_unstable(output: str) -> bool:
-    return bool(_UNSTABLE.search(output))
-
-
-@dataclass(frozen=True)
-class Window:
-    """One measurement window (perf_analyzer's ``-v`` line ``Pass [n] ...``)."""
-
-    throughput: float
-    p95_us: int
-
-
-def parse_windows(output: str) -> list[Window]:
-    """Every window perf_analyzer printed with ``-v``, in order."""
-    return [Window(float(m["throughput"]), int(m["latency"])) for m in _PASS.finditer(output)]
-
-
-def unstable_words(output: str) -> str:
-    """perf_analyzer's sentence about an unstable level (``Failed to obtain ... within ...``)."""
-    match = _UNSTABLE_WORDS.search(output)
-    return match[0].strip() if match else "Failed to obtain stable measurement."
-
-
-def unstable_measurement(concurrency: int, output: str) -> Measurement | None:
-    """The last :data:`STABLE_WINDOWS` windows of an unstable run, averaged and marked unstable
-    (``None`` if perf_analyzer printed no window)."""
-    windows = parse_windows(output)[-STABLE_WINDOWS:]
-    if not windows:
-        return None
-    return Measurement(
-        concurrency=concurrency,
-        throughput=sum(w.throughput for w in windows) / len(windows),
-        p95_us=round(sum(w.p95_us for w in windows) / len(windows)),
-        stable=False,
-        note=unstable_words(output),
-    )
 
 
 # --- one level ------------------------------------------------------------------------------
@@ -303,7 +265,8 @@ def run_process(cmd: Sequence[str], timeout_s: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired as exc:
         raise MeasurementError(
             f"perf_analyzer did not finish within {timeout_s:.0f} s",
-            "Shorten the measurement (--measurement-interval-ms, --max-trials) or check that "
+            "Shorten the measurement (--measurement-interval-ms, --measurement-request-count) or "
+            "check that "
             "the server still answers.",
         ) from exc
     return done.returncode, done.stdout
@@ -316,24 +279,60 @@ def _run_once(
     *,
     options: PerfAnalyzerOptions,
     binary: Path,
-) -> tuple[Measurement | None, str]:
-    """One perf_analyzer run: the stable measurement (``None`` if unstable) and its output."""
+    cpu_seconds: Callable[[], float | None] | None = None,
+) -> tuple[Measurement, str]:
+    """One perf_analyzer run: the level measured from its exported windows (``stable`` by our
+    test) and perf_analyzer's output; with ``cpu_seconds`` (the server's CPU clock), the
+    server's CPU time per request over the whole run."""
     with tempfile.TemporaryDirectory(prefix="perf-analyzer-") as tmp:
         csv_path = Path(tmp) / "level.csv"
-        cmd = command(binary, endpoint, model, concurrency, csv_path, options)
+        export_path = Path(tmp) / "level.json"
+        cmd = command(binary, endpoint, model, concurrency, csv_path, options, export_path)
         log.debug("running %s", " ".join(cmd))
+        cpu_before = cpu_seconds() if cpu_seconds is not None else None
         code, output = run_process(cmd, options.timeout_s)
-        if is_unstable(output):
-            return None, output
+        cpu_after = cpu_seconds() if cpu_seconds is not None else None
+        if code != 0 and _GAVE_UP.search(output):
+            # Even with its check off, perf_analyzer gives up when a window completed no
+            # request (InferenceProfiler::DetermineStability); it exports nothing then.
+            note = "a measurement window completed no request (perf_analyzer: " + (
+                _GAVE_UP.search(output)[0].strip() + ")"
+            )
+            return Measurement(concurrency, 0.0, 0, stable=False, note=note), output
         if code != 0:
             raise error_for(endpoint, model, output)
-        if not csv_path.is_file():
-            raise MeasurementError(f"perf_analyzer wrote no CSV: {_tail(output)}")
-        rows = parse_csv(csv_path.read_text(encoding="utf-8"))
-    found = [m for m in rows if m.concurrency == concurrency]
-    if not found:
-        raise MeasurementError(f"perf_analyzer's CSV has no row for concurrency {concurrency}")
-    return found[0], output
+        if not export_path.is_file():
+            raise MeasurementError(
+                f"perf_analyzer wrote no profile export: {_tail(output)}",
+                "Check that the installed perf_analyzer is 2.41 or newer (`make install`).",
+            )
+        windows = profile.read_windows(export_path, concurrency)
+        completed = profile.completed_requests(export_path, concurrency)
+        server = (
+            [
+                m
+                for m in parse_csv(csv_path.read_text(encoding="utf-8"))
+                if m.concurrency == concurrency
+            ]
+            if csv_path.is_file()
+            else []
+        )
+    percentage = options.stability_percentage
+    if percentage is None:
+        percentage = DEFAULT_STABILITY_PERCENTAGE
+    problem = profile.stability(windows, percentage)
+    measured = profile.measurement(concurrency, windows, stable=problem is None, note=problem or "")
+    if cpu_before is not None and cpu_after is not None and completed:
+        measured = dataclasses.replace(
+            measured, cpu_ms_per_request=(cpu_after - cpu_before) * 1000 / completed
+        )
+    if server:
+        measured = dataclasses.replace(
+            measured,
+            server_queue_us=server[0].server_queue_us,
+            server_compute_infer_us=server[0].server_compute_infer_us,
+        )
+    return measured, output
 
 
 def measure_level(
@@ -343,31 +342,25 @@ def measure_level(
     *,
     options: PerfAnalyzerOptions,
     binary: Path,
+    cpu_seconds: Callable[[], float | None] | None = None,
 ) -> LevelResult:
     """Measure one concurrency level, widening the windows of an unstable one (see the module
     docstring); raise the typed error of any failure other than instability."""
     attempt = options
     for widening in range(options.widenings + 1):
-        measurement, output = _run_once(
-            endpoint, model, concurrency, options=attempt, binary=binary
+        measured, output = _run_once(
+            endpoint, model, concurrency, options=attempt, binary=binary, cpu_seconds=cpu_seconds
         )
-        if measurement is not None:
-            return LevelResult(concurrency, measurement, output, attempt.window())
-        if widening < options.widenings:
-            wider = attempt.widened()
-            log.info(
-                "concurrency %s: no stable measurement with windows of %s; measuring again "
-                "with windows of %s",
-                concurrency,
-                attempt.window(),
-                wider.window(),
-            )
-            attempt = wider
-    unstable = unstable_measurement(concurrency, output)
-    if unstable is None:
-        raise MeasurementError(
-            f"perf_analyzer measured no window at concurrency {concurrency}: {_tail(output)}",
-            "Check that the server answers requests (scripts/complete), then pass longer "
-            "windows (--measurement-interval-ms or --measurement-request-count).",
+        if measured.stable or widening == options.widenings:
+            return LevelResult(concurrency, measured, output, attempt.window())
+        wider = attempt.widened()
+        log.info(
+            "concurrency %s: no stable measurement with windows of %s (%s); measuring again "
+            "with windows of %s",
+            concurrency,
+            attempt.window(),
+            measured.note,
+            wider.window(),
         )
-    return LevelResult(concurrency, unstable, output, attempt.window())
+        attempt = wider
+    raise AssertionError("unreachable")

@@ -34,6 +34,7 @@ from loader.bench.results import (
     format_table,
     sweeps_to_csv,
 )
+from loader.errors import LoaderError
 
 TABLES_FILE = "tables.txt"
 CSV_FILE = "results.csv"
@@ -83,6 +84,10 @@ class Report:
     values: str = ""
     files: Mapping[str, Path] = field(default_factory=dict)
     rounds: int = 1
+    #: Every round as measured (for the per-round gains); empty for a single sweep.
+    by_round: Sequence[Sequence[Sweep]] = ()
+    #: The first line of the summary: how complete the run is, and the verdict.
+    status: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,30 +120,82 @@ def ratio_text(sweep: Sweep, baseline: Sweep, *, max_p95_ms: float | None = None
     found = peak_ratio(sweep, baseline, max_p95_ms=max_p95_ms)
     if found is None:
         return None
-    _, base, value = found
-    return (
+    top, base, value = found
+    text = (
         f"{value:.2f}x the best stable throughput of {baseline.label} "
         f"({format_number(base.throughput)} infer/sec at concurrency {base.concurrency})"
     )
+    if top.cpu_ms_per_request and base.cpu_ms_per_request:
+        text += (
+            f"; server CPU per request {top.cpu_ms_per_request:.3g} ms against "
+            f"{base.cpu_ms_per_request:.3g} ms "
+            f"({top.cpu_ms_per_request / base.cpu_ms_per_request:.2f}x)"
+        )
+    return text
+
+
+def gain_text(
+    sweep: Sweep,
+    baseline: Sweep,
+    by_round: Sequence[Sequence[Sweep]] = (),
+    *,
+    max_p95_ms: float | None = None,
+) -> str | None:
+    """:func:`ratio_text` with the same ratio in each round alone, and plainly whether it
+    holds: ``certain`` only when at least two rounds put it on the same side of 1."""
+    text = ratio_text(sweep, baseline, max_p95_ms=max_p95_ms)
+    if text is None:
+        return None
+    ratios = []
+    for round_sweeps in by_round:
+        own = _find(round_sweeps, sweep.label, sweep.workload)
+        base = _find(round_sweeps, baseline.label, baseline.workload)
+        found = (
+            None if own is None or base is None else peak_ratio(own, base, max_p95_ms=max_p95_ms)
+        )
+        if found is not None:
+            ratios.append(found[2])
+    if len(ratios) < 2:
+        return f"{text}; uncertain: {len(ratios)} round(s) with stable levels of both"
+    shown = f"{min(ratios):.2f}x to {max(ratios):.2f}x over {len(ratios)} rounds"
+    if all(r > 1 for r in ratios) or all(r < 1 for r in ratios):
+        side = "higher" if ratios[0] > 1 else "lower"
+        return f"{text}; {side} in every round ({shown})"
+    return f"{text}; uncertain: the rounds disagree ({shown})"
+
+
+def _find(sweeps: Sequence[Sweep], label: str, workload: str) -> Sweep | None:
+    return next((s for s in sweeps if s.label == label and s.workload == workload), None)
 
 
 def _workload_summary(
-    sweeps: Sequence[Sweep], *, budget: str, max_p95_ms: float | None, baseline: str | None
+    sweeps: Sequence[Sweep],
+    *,
+    budget: str,
+    max_p95_ms: float | None,
+    baseline: str | None,
+    by_round: Sequence[Sequence[Sweep]] = (),
 ) -> list[str]:
     workload = sweeps[0].workload
     requests = f" with {workload}" if workload else ""
     winner = best_configuration(sweeps, max_p95_ms=max_p95_ms)
     if winner is None:
-        return [f"No configuration has a stable level within {budget}{requests}."]
+        within = "" if max_p95_ms is None else f" within {budget}"
+        return [f"No configuration has a stable level{within}{requests}."]
     m = winner.measurement
     lines = [
         f"Best configuration{requests} ({budget}): {winner.sweep.label}",
         f"  at concurrency {m.concurrency}: {format_number(m.throughput)} infer/sec, "
-        f"p95 latency {m.p95_ms:.1f} ms",
+        f"p95 latency {m.p95_ms:.1f} ms"
+        + (
+            f", server CPU {m.cpu_ms_per_request:.3g} ms per request"
+            if m.cpu_ms_per_request
+            else ""
+        ),
     ]
     base = next((s for s in sweeps if s.label == baseline), None)
     if base is not None and base is not winner.sweep:
-        text = ratio_text(winner.sweep, base, max_p95_ms=max_p95_ms)
+        text = gain_text(winner.sweep, base, by_round, max_p95_ms=max_p95_ms)
         if text is not None:
             lines.append(f"  {text}")
     return lines
@@ -149,16 +206,19 @@ def summary_text(
     *,
     max_p95_ms: float | None = None,
     baseline: str | None = None,
+    by_round: Sequence[Sequence[Sweep]] = (),
 ) -> str:
-    """The best stable configuration per workload, its gain over ``baseline``, and every level
-    that stayed unstable."""
+    """The best stable configuration per workload, its gain over ``baseline`` (per round too,
+    and whether it holds), and every level that stayed unstable."""
     budget = f"p95 latency <= {max_p95_ms:g} ms" if max_p95_ms is not None else "no latency budget"
     by_workload: dict[str, list[Sweep]] = {}
     for sweep in sweeps:
         by_workload.setdefault(sweep.workload, []).append(sweep)
     lines: list[str] = []
     for group in by_workload.values():
-        lines += _workload_summary(group, budget=budget, max_p95_ms=max_p95_ms, baseline=baseline)
+        lines += _workload_summary(
+            group, budget=budget, max_p95_ms=max_p95_ms, baseline=baseline, by_round=by_round
+        )
     unstable = [(s, m) for s in sweeps for m in s.unstable]
     if unstable:
         lines.append(
@@ -169,6 +229,11 @@ def summary_text(
     return "\n".join(lines) + "\n"
 
 
+#: Markers and line styles told apart without colour (the colour differs too).
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_STYLES = ("-", "--", "-.", ":")
+
+
 def write_plot(
     sweeps: Sequence[Sweep],
     path: Path,
@@ -176,75 +241,86 @@ def write_plot(
     title: str = "Throughput vs. client p95 latency",
     max_p95_ms: float | None = None,
 ) -> Path:
-    """A PNG, one line per configuration in both panels.
+    """A PNG: one panel per request file, throughput against client p95 latency, one line per
+    configuration through its concurrency levels.
 
-    Left: throughput (inferences/s) against client p95 latency (ms), points labelled with their
-    concurrency; the trade-off a latency budget (dashed) cuts. Right: throughput against
-    concurrency, where batching and instance count show how far a configuration scales.
+    Each configuration has its own colour, marker and line style, and its name written at the
+    end of its line; the points carry their concurrency (``c6``); unstable levels are hollow.
+    One legend, below the panels, repeats the names and explains the hollow markers; the
+    latency budget is a dashed line.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    figure = Figure(figsize=(12, 5.5), dpi=100)
+    workloads = list(dict.fromkeys(s.workload for s in sweeps)) or [""]
+    labels = list(dict.fromkeys(s.label for s in sweeps))
+    looks = {
+        label: {
+            "color": f"C{i % 10}",
+            "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": _STYLES[(i // 2) % len(_STYLES)],
+        }
+        for i, label in enumerate(labels)
+    }
+    figure = Figure(figsize=(6.4 * len(workloads) + 1.2, 6.2), dpi=100)
     FigureCanvasAgg(figure)
-    by_latency, by_concurrency = figure.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    latencies = []
-    for sweep in sweeps:
-        points = sweep.sorted()
-        xs = [m.p95_ms for m in points]
-        ys = [m.throughput for m in points]
-        latencies.extend(xs)
-        (line,) = by_latency.plot(xs, ys, marker="o", label=sweep.name)
-        by_concurrency.plot(
-            [m.concurrency for m in points],
-            ys,
-            marker="o",
-            color=line.get_color(),
-            label=sweep.name,
-        )
-        shaky = [m for m in points if not m.stable]
-        if shaky:
-            for axes, x in ((by_latency, "p95_ms"), (by_concurrency, "concurrency")):
-                axes.scatter(
-                    [getattr(m, x) for m in shaky],
-                    [m.throughput for m in shaky],
-                    s=90,
-                    facecolors="white",
-                    edgecolors=line.get_color(),
-                    zorder=3,
-                    label=f"{sweep.name}: unstable",
-                )
-        for m in points:
-            by_latency.annotate(
-                f"c{m.concurrency}" + ("" if m.stable else "?"),
-                (m.p95_ms, m.throughput),
-                textcoords="offset points",
-                xytext=(4, 4),
-                fontsize=7,
-                color=line.get_color(),
-            )
-    if max_p95_ms is not None:
-        by_latency.axvline(
-            max_p95_ms,
-            color="grey",
-            linestyle="--",
-            linewidth=1,
-            label=f"p95 budget {max_p95_ms:g} ms",
-        )
-    if latencies and min(latencies) > 0 and max(latencies) / min(latencies) > 20:
-        by_latency.set_xscale("log")
-    by_latency.set_xlabel("client p95 latency (ms)")
-    by_latency.set_ylabel("throughput (inferences/s)")
-    by_latency.set_title("throughput vs. p95 latency (points: concurrency)", fontsize=10)
-    by_concurrency.set_xlabel("concurrency (requests in flight)")
-    by_concurrency.set_ylabel("throughput (inferences/s)")
-    by_concurrency.set_title("throughput vs. concurrency", fontsize=10)
-    for axes in (by_latency, by_concurrency):
+    panels = figure.subplots(1, len(workloads), squeeze=False, sharey=True)[0]
+    latencies = [m.p95_ms for s in sweeps for m in s.measurements if m.p95_ms > 0]
+    log_x = bool(latencies) and max(latencies) / min(latencies) > 20
+    for axes, workload in zip(panels, workloads, strict=True):
+        for sweep in (s for s in sweeps if s.workload == workload):
+            look = looks[sweep.label]
+            points = [m for m in sweep.sorted() if m.p95_us > 0]  # not measured: no point
+            xs, ys = [m.p95_ms for m in points], [m.throughput for m in points]
+            axes.plot(xs, ys, color=look["color"], linestyle=look["linestyle"], linewidth=1.6)
+            for m in points:
+                axes.plot(
+                    m.p95_ms, m.throughput, marker=look["marker"], markersize=8,
+                    color=look["color"],
+                    markerfacecolor=look["color"] if m.stable else "white",
+                )  # fmt: skip
+                axes.annotate(
+                    f"c{m.concurrency}", (m.p95_ms, m.throughput), textcoords="offset points",
+                    xytext=(0, -13), ha="center", fontsize=7, color="dimgray",
+                )  # fmt: skip
+            if points:
+                axes.annotate(
+                    sweep.label, (xs[-1], ys[-1]), textcoords="offset points", xytext=(7, 3),
+                    fontsize=8, color=look["color"], fontweight="bold",
+                )  # fmt: skip
+        if max_p95_ms is not None:
+            axes.axvline(max_p95_ms, color="grey", linestyle="--", linewidth=1)
+        if log_x:
+            axes.set_xscale("log")
+            axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            axes.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axes.xaxis.set_minor_formatter(NullFormatter())
+        axes.margins(x=0.25)
+        axes.set_xlabel("client p95 latency (ms)")
+        axes.set_title(f"requests: {workload}" if workload else "throughput vs. p95 latency")
         axes.set_ylim(bottom=0)
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend(fontsize=8)
-    figure.suptitle(title, fontsize=11)
-    figure.tight_layout()
+        axes.grid(True, which="major", alpha=0.3)
+    panels[0].set_ylabel("throughput (inferences/s)")
+    handles = [
+        Line2D([], [], color=look["color"], marker=look["marker"], linestyle=look["linestyle"],
+               label=label)
+        for label, look in looks.items()
+    ]  # fmt: skip
+    handles.append(
+        Line2D([], [], color="grey", marker="o", markerfacecolor="white", linestyle="",
+               label="hollow: unstable level (never chosen)")
+    )  # fmt: skip
+    if max_p95_ms is not None:
+        handles.append(
+            Line2D([], [], color="grey", linestyle="--", label=f"p95 budget {max_p95_ms:g} ms")
+        )
+    figure.legend(
+        handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=9, frameon=False
+    )
+    figure.suptitle(f"{title}\n(points: concurrency; up and to the left is better)", fontsize=11)
+    figure.tight_layout(rect=(0, 0.08 + 0.035 * ((len(handles) - 1) // 4), 1, 1))
     return _atomic_write(path, lambda f: figure.savefig(f, format="png"), binary=True)
 
 
@@ -273,25 +349,47 @@ def write_text(path: Path, text: str) -> Path:
     return _atomic_write(path, lambda f: f.write(text))
 
 
+RESULT_FILES = (TABLES_FILE, CSV_FILE, PLOT_FILE, SUMMARY_FILE)
+
+
+def check_output_dir(output_dir: Path, *, overwrite: bool) -> None:
+    """Refuse to write over the results of an earlier run unless ``overwrite``."""
+    found = [name for name in RESULT_FILES if (Path(output_dir) / name).exists()]
+    if found and not overwrite:
+        raise LoaderError(
+            f"{output_dir} already holds results of an earlier run ({', '.join(found)})",
+            "Pass another --output-dir (the default is a new folder under bench/work), or "
+            "--overwrite to replace them (committed results are regenerated that way on "
+            "purpose, from one run on a quiet machine).",
+        )
+
+
 def write_report(
-    report: Report, output_dir: Path, *, max_p95_ms: float | None = None
+    report: Report, output_dir: Path, *, max_p95_ms: float | None = None, plot: bool = True
 ) -> dict[str, Path]:
     """Write tables, CSV, plot and summary (with the notes and values) into ``output_dir``;
-    their paths by kind."""
+    their paths by kind. Without ``plot`` (partial results written while measuring, where
+    drawing would compete for the CPU) the plot is left as it is."""
     output_dir = Path(output_dir)
-    summary = summary_text(report.sweeps, max_p95_ms=max_p95_ms, baseline=report.baseline)
+    summary = summary_text(
+        report.sweeps, max_p95_ms=max_p95_ms, baseline=report.baseline, by_round=report.by_round
+    )
+    if report.status:
+        summary = report.status.rstrip("\n") + "\n\n" + summary
     if report.notes:
         summary += "\n" + "".join(f"{k}: {v}\n" for k, v in report.notes.items())
     if report.values:
         summary += "values:\n" + report.values
-    return {
+    paths = {
         "tables": write_text(output_dir / TABLES_FILE, tables_text(report.sweeps)),
         "csv": write_text(output_dir / CSV_FILE, sweeps_to_csv(report.sweeps)),
-        "plot": write_plot(
-            report.sweeps, output_dir / PLOT_FILE, title=report.title, max_p95_ms=max_p95_ms
-        ),
         "summary": write_text(output_dir / SUMMARY_FILE, summary),
     }
+    if plot:
+        paths["plot"] = write_plot(
+            report.sweeps, output_dir / PLOT_FILE, title=report.title, max_p95_ms=max_p95_ms
+        )
+    return paths
 
 
 class TablePrinter:

@@ -23,7 +23,7 @@ import csv
 import io
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loader.errors import MeasurementError
 
@@ -61,10 +61,18 @@ class Measurement:
     p99_us: int | None = None
     server_queue_us: int | None = None
     server_compute_infer_us: int | None = None
-    #: False when perf_analyzer's windows never agreed (see :mod:`loader.bench.perf_analyzer`).
+    #: False when the level's windows never agreed (see :mod:`loader.bench.perf_analyzer`), or
+    #: its rounds did not (:func:`median_sweeps`).
     stable: bool = True
-    #: perf_analyzer's words about an unstable level.
+    #: Why a level is unstable, in words.
     note: str = ""
+    #: The server's CPU time (all its processes) per completed request, in milliseconds: a
+    #: figure other load on the machine barely moves, unlike throughput (local servers only).
+    cpu_ms_per_request: float | None = None
+    #: Rounds merged into this level, and the lowest and highest throughput among them.
+    rounds: int = 1
+    throughput_low: float | None = None
+    throughput_high: float | None = None
 
     @property
     def p95_ms(self) -> float:
@@ -152,6 +160,10 @@ def _int_or_none(value: str | None) -> int | None:
     return int(float(value))
 
 
+def _float_or_none(value: str | None) -> float | None:
+    return None if value is None or value.strip() == "" else float(value)
+
+
 def parse_csv(text: str, *, source: str = "perf_analyzer CSV") -> list[Measurement]:
     """Measurements from perf_analyzer's ``-f`` CSV, sorted by concurrency."""
     reader = csv.DictReader(io.StringIO(text))
@@ -175,13 +187,18 @@ def parse_csv(text: str, *, source: str = "perf_analyzer CSV") -> list[Measureme
     return sorted(out, key=lambda m: m.concurrency)
 
 
-def median_sweeps(rounds: Sequence[Sequence[Sweep]]) -> list[Sweep]:
+def median_sweeps(
+    rounds: Sequence[Sequence[Sweep]], *, agreement_percentage: float | None = None
+) -> list[Sweep]:
     """Merge repeated sweeps of the same configurations: per level, the median-throughput round.
 
     The chosen round's whole measurement is kept (so throughput and latencies stay consistent);
     with an even number of rounds the lower median is taken. The median is taken over the rounds
     that measured the level stably; a level no round measured stably keeps the median of its
-    unstable rounds, still marked unstable. Configurations keep the order of the first round.
+    unstable rounds, still marked unstable. Each level records how many rounds it merged and
+    their lowest and highest throughput; with ``agreement_percentage``, a level whose stable
+    rounds differ by more than that from their median is marked unstable (the rounds
+    disagree). Configurations keep the order of the first round.
     """
     by_key: dict[tuple[str, str], list[Sweep]] = {}
     for sweeps in rounds:
@@ -194,7 +211,24 @@ def median_sweeps(rounds: Sequence[Sequence[Sweep]]) -> list[Sweep]:
         for level in levels:
             found = [m for s in sweeps if (m := s.at(level)) is not None]
             pool = sorted([m for m in found if m.stable] or found, key=lambda m: m.throughput)
-            measurements.append(pool[(len(pool) - 1) // 2])
+            median = pool[(len(pool) - 1) // 2]
+            low, high = pool[0].throughput, pool[-1].throughput
+            level_m = replace(median, rounds=len(pool), throughput_low=low, throughput_high=high)
+            spread = max(median.throughput - low, high - median.throughput)
+            if (
+                agreement_percentage is not None
+                and len(pool) > 1
+                and level_m.stable
+                and spread > median.throughput * agreement_percentage / 100
+            ):
+                level_m = replace(
+                    level_m,
+                    stable=False,
+                    note=f"its {len(pool)} rounds disagree: {format_number(low)} to "
+                    f"{format_number(high)} infer/sec (limit {agreement_percentage:g} % of "
+                    "the median)",
+                )
+            measurements.append(level_m)
         first = sweeps[0]
         merged.append(
             Sweep(label, measurements, settings=dict(first.settings), workload=first.workload)
@@ -216,6 +250,10 @@ RESULT_COLUMNS: tuple[str, ...] = (
     "p99_latency_us",
     "server_queue_us",
     "server_compute_infer_us",
+    "cpu_ms_per_request",
+    "rounds",
+    "throughput_low",
+    "throughput_high",
     "stable",
     "note",
 )
@@ -236,6 +274,10 @@ def sweeps_to_csv(sweeps: Iterable[Sweep]) -> str:
                     *("" if v is None else v for v in (m.p50_us, m.p90_us, m.p95_us, m.p99_us)),
                     "" if m.server_queue_us is None else m.server_queue_us,
                     "" if m.server_compute_infer_us is None else m.server_compute_infer_us,
+                    "" if m.cpu_ms_per_request is None else f"{m.cpu_ms_per_request:.3g}",
+                    m.rounds,
+                    "" if m.throughput_low is None else format_number(m.throughput_low),
+                    "" if m.throughput_high is None else format_number(m.throughput_high),
                     "yes" if m.stable else "no",
                     m.note,
                 )
@@ -265,6 +307,10 @@ def sweeps_from_csv(text: str) -> list[Sweep]:
                 p99_us=_int_or_none(row["p99_latency_us"]),
                 server_queue_us=_int_or_none(row["server_queue_us"]),
                 server_compute_infer_us=_int_or_none(row["server_compute_infer_us"]),
+                cpu_ms_per_request=_float_or_none(row["cpu_ms_per_request"]),
+                rounds=int(row["rounds"] or 1),
+                throughput_low=_float_or_none(row["throughput_low"]),
+                throughput_high=_float_or_none(row["throughput_high"]),
                 stable=row["stable"] != "no",
                 note=row["note"],
             )

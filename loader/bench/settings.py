@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loader.bench.perf_analyzer import PerfAnalyzerOptions
+from loader.bench.perf_analyzer import DEFAULT_STABILITY_PERCENTAGE, PerfAnalyzerOptions
 from loader.errors import LoaderError
 
 #: The request files shipped in the project's ``bench/`` directory.
@@ -81,7 +81,7 @@ class SweepSettings:
     ``options`` are perf_analyzer's (its ``input_data`` is replaced per workload); ``model``
     is the model to measure (``None``: a repository's ensemble); ``rounds`` > 1 sweeps every
     configuration that many times, round after round, and reports each level's median round;
-    ``max_p95_ms`` is the latency budget a winner must keep.
+    ``max_p95_ms`` is the latency budget a winner must keep; ``max_seconds`` caps the run.
     """
 
     concurrencies: tuple[int, ...]
@@ -92,6 +92,8 @@ class SweepSettings:
     perf_analyzer: str | Path | None = None
     rounds: int = 1
     max_p95_ms: float | None = None
+    #: The run's time cap in seconds (no level starts after it); ``None``: no cap.
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not self.concurrencies:
@@ -102,6 +104,12 @@ class SweepSettings:
             raise LoaderError(
                 f"--rounds must be at least 1, got {self.rounds}", "Pass --rounds 1 or more."
             )
+
+    @property
+    def agreement_percentage(self) -> float:
+        """How far a level's rounds (and windows) may differ: the stability percentage."""
+        value = self.options.stability_percentage
+        return DEFAULT_STABILITY_PERCENTAGE if value is None else value
 
     def options_for(self, workload: Workload) -> PerfAnalyzerOptions:
         return dataclasses.replace(self.options, input_data=workload.path)

@@ -69,16 +69,31 @@ def sweep(
     workload: str = "",
     perf_analyzer: str | Path | None = None,
     on_measurement: Callable[[Measurement], None] | None = None,
+    cpu_seconds: Callable[[], float | None] | None = None,
+    deadline: float | None = None,
+    into: Sweep | None = None,
 ) -> Sweep:
-    """Measure ``model`` at every level; unstable levels are kept, marked unstable."""
+    """Measure ``model`` at every level; unstable levels are kept, marked unstable.
+
+    ``cpu_seconds`` reads the server's CPU clock (a local server); no level starts after
+    ``deadline`` (``time.monotonic()``), so a capped run keeps the levels it measured. The
+    measurements go into ``into`` when given (a caller watching a run as it goes)."""
     binary = find_perf_analyzer(perf_analyzer)
-    result = Sweep(label=label or model, settings=dict(settings or {}), workload=workload)
+    result = into or Sweep(label=label or model, settings=dict(settings or {}), workload=workload)
     for concurrency in announce_levels(result.label, concurrencies):
-        level = measure_level(endpoint, model, concurrency, options=options, binary=binary)
+        if deadline is not None and time.monotonic() >= deadline:
+            log.warning(
+                "%s: the time is up; concurrency %s and above not measured",
+                result.label,
+                concurrency,
+            )
+            break
+        level = measure_level(
+            endpoint, model, concurrency, options=options, binary=binary, cpu_seconds=cpu_seconds
+        )
         if not level.measurement.stable:
             log.warning(
-                "%s: concurrency %s did not settle with windows of %s; reported as unstable "
-                "(perf_analyzer: %s)",
+                "%s: concurrency %s did not settle with windows of %s; reported as unstable (%s)",
                 result.label,
                 concurrency,
                 level.window,

@@ -5,8 +5,11 @@
 the local CPU Triton, sweeps it with perf_analyzer with every workload of the
 :class:`~loader.bench.settings.SweepSettings`, and picks the winner (:func:`pick_winner`).
 
-Only stable measurements decide: a level perf_analyzer could not measure stably is reported
-(:attr:`TuneResult.unstable`) but never wins. A variant's score is, over the workloads, the
+Only stable measurements decide: a level whose windows or rounds did not agree is reported
+(:attr:`TuneResult.unstable`) but never wins. The choice is *certain* only when every round,
+taken alone, chooses the same variant (at least two rounds, and the run not cut short by its
+time cap); otherwise :attr:`TuneResult.verdict` says plainly why it is uncertain and no values
+are offered to paste. A variant's score is, over the workloads, the
 lowest ratio of its best throughput within the latency budget to the best any variant reached
 on that workload: the winner is never far from the best on any kind of traffic. Among scores
 within ``tolerance`` of the top one, fewer instances win (each instance costs memory), then the
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.bench import variants as variants_mod
-from loader.bench.compare import Target, compare
+from loader.bench.compare import Comparison, Target, compare
 from loader.bench.report import Winner
 from loader.bench.results import Measurement, Sweep, format_number
 from loader.bench.settings import SweepSettings
@@ -75,11 +78,51 @@ class TuneResult:
     variants: dict[str, Variant]  # by sweep label
     choice: Choice | None
     max_p95_ms: float | None
+    #: What each round, taken alone, chose (``None``: nothing stable in that round).
+    round_choices: tuple[str | None, ...] = ()
+    #: Whether the time cap cut the run short.
+    complete: bool = True
+    #: Every round as measured.
+    by_round: tuple[tuple[Sweep, ...], ...] = ()
 
     @property
     def unstable(self) -> list[tuple[Sweep, Measurement]]:
         """Every level no round measured stably: reported, never chosen."""
         return [(s, m) for s in self.sweeps for m in s.unstable]
+
+    @property
+    def certain(self) -> bool:
+        return self.choice is not None and self.verdict.startswith("certain")
+
+    @property
+    def verdict(self) -> str:
+        """``certain: ...`` or ``uncertain: ...``, with the reason in words."""
+        return verdict(self.choice, self.round_choices, complete=self.complete)
+
+
+def verdict(choice: Choice | None, round_choices: Sequence[str | None], *, complete: bool) -> str:
+    """Whether a choice stands: every round chose it, at least two rounds, nothing cut short."""
+    if choice is None:
+        return "uncertain: no configuration has a stable level (nothing to choose from)"
+    label = choice.variant.label
+    if not complete:
+        return (
+            "uncertain: the time cap cut the run short, so not every configuration was "
+            "measured as often (raise --max-minutes)"
+        )
+    if len(round_choices) < 2:
+        return (
+            f"uncertain: one round only, which cannot tell {label}'s lead from the machine's "
+            "noise (pass --rounds 2 or more)"
+        )
+    agree = sum(1 for c in round_choices if c == label)
+    if agree < len(round_choices):
+        chosen = ", ".join(c or "none" for c in round_choices)
+        return (
+            f"uncertain: the rounds chose differently ({chosen}); the configurations are "
+            "within the machine's noise of each other here"
+        )
+    return f"certain: each of the {len(round_choices)} rounds chose {label}"
 
 
 def pick_winner(
@@ -157,6 +200,7 @@ def tune(
     tolerance: float = DEFAULT_TOLERANCE,
     on_start: Callable[[Target, str], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
+    on_partial: Callable[[TuneResult], None] | None = None,
 ) -> TuneResult:
     """Measure every ``planned`` variant of ``repository`` (see :func:`plan_variants`) and pick
     the winner."""
@@ -165,17 +209,45 @@ def tune(
     for variant in planned:
         path = variants_mod.make_variant(repository, work_dir / variant.label, variant)
         targets.append(Target(label=variant.label, repository=path, settings=variant.settings()))
-    sweeps = compare(
+    by_label = {v.label: v for v in planned}
+
+    def partial(comparison: Comparison) -> None:
+        if on_partial is not None:
+            on_partial(_result(comparison, by_label, settings, tolerance))
+
+    comparison = compare(
         targets,
         settings,
         log_dir=work_dir / "logs",
         on_start=on_start,
         on_measurement=on_measurement,
+        on_partial=partial,
     )
-    by_label = {v.label: v for v in planned}
-    choice = pick_winner(sweeps, by_label, max_p95_ms=settings.max_p95_ms, tolerance=tolerance)
-    if choice is None:
+    result = _result(comparison, by_label, settings, tolerance)
+    if result.choice is None:
         log.warning("no configuration has a stable level within p95 <= %s ms", settings.max_p95_ms)
+    return result
+
+
+def _result(
+    comparison: Comparison,
+    by_label: Mapping[str, Variant],
+    settings: SweepSettings,
+    tolerance: float,
+) -> TuneResult:
+    budget = settings.max_p95_ms
+    choice = pick_winner(comparison.sweeps, by_label, max_p95_ms=budget, tolerance=tolerance)
+    rounds = tuple(
+        None if (c := pick_winner(r, by_label, max_p95_ms=budget, tolerance=tolerance)) is None
+        else c.variant.label
+        for r in comparison.by_round
+    )  # fmt: skip
     return TuneResult(
-        sweeps=sweeps, variants=by_label, choice=choice, max_p95_ms=settings.max_p95_ms
+        sweeps=comparison.sweeps,
+        variants=dict(by_label),
+        choice=choice,
+        max_p95_ms=budget,
+        round_choices=rounds,
+        complete=comparison.complete,
+        by_round=tuple(tuple(r) for r in comparison.by_round),
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import logging
@@ -56,24 +57,71 @@ COMMANDS: tuple[str, ...] = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with our error format: ``error:`` and ``hint:`` lines, exit code 2, no usage
+    dump, and an unknown option named first, with the option it most likely meant (argparse
+    would report a required option as missing before it mentions the typo)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _unknown_options(self) -> list[str]:
+        known = list(self._option_string_actions)
+        unknown = []
+        for token in getattr(self, "_given", []):
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and not any(k.startswith(name) for k in known):
+                unknown.append(name)
+        return unknown
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        unknown = self._unknown_options()
+        if unknown:
+            options = [o for o in self._option_string_actions if o.startswith("--")]
+            close = difflib.get_close_matches(unknown[0], options, n=1, cutoff=0.6)
+            message = f"unknown option {unknown[0]}" + (
+                f" (did you mean {close[0]}?)" if close else ""
+            )
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        print(f"hint: `{self.prog} --help` lists the options and arguments.", file=sys.stderr)
+        self.exit(2)
+
+
+def add_log_options(parser: argparse.ArgumentParser, *, default: object = 0) -> None:
+    """-v/--verbose and -q/--quiet (on the main parser and, unset by default, on every
+    sub-command, so they work before and after it)."""
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=default, help="more log output (-vv for debug)"
+    )
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS if default is argparse.SUPPRESS else False,
+        help="only warnings and errors",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="model-loader",
         description="Fetch, convert and publish LLM checkpoints as Triton model repositories.",
         epilog="Environment: MODEL_LOADER_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the log "
-        "level and wins over -v and -q; HF_TOKEN, HF_TOKEN_FILE and HF_ENDPOINT for hf:// "
+        "level and wins over -v and -q; HF_TOKEN, HF_TOKEN_PATH (or HF_TOKEN_FILE) and HF_ENDPOINT for hf:// "
         "sources; GOOGLE_APPLICATION_CREDENTIALS and STORAGE_EMULATOR_HOST for gs:// sources. "
         "Exit codes: 0 done, 2 a mistake to fix (an error line and a hint), 1 a bug, "
         "130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
-    )
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    add_log_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(name).register(subparsers)
+    for sub in subparsers.choices.values():
+        add_log_options(sub, default=argparse.SUPPRESS)
     return parser
 
 
@@ -107,6 +155,10 @@ def require_extra(extra: str, *modules: str) -> None:
         )
 
 
+#: The values MODEL_LOADER_LOG_LEVEL takes.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def limit_argument(
     parser: argparse.ArgumentParser,
     flag: str,
@@ -135,14 +187,21 @@ def _message(exc: LoaderError, args: argparse.Namespace) -> str:
 
 
 def configure_logging(verbose: int, quiet: bool) -> None:
+    """The log level from -v/-q, overridden by ``MODEL_LOADER_LOG_LEVEL`` (an unknown value
+    is a :class:`LoaderError`). At DEBUG the libraries' own debug lines show too."""
     level = logging.WARNING if quiet else logging.DEBUG if verbose >= 2 else logging.INFO
-    env_level = os.environ.get("MODEL_LOADER_LOG_LEVEL")
+    env_level = os.environ.get("MODEL_LOADER_LOG_LEVEL", "").strip()
     if env_level:
-        level = getattr(logging, env_level.upper(), level)
+        if env_level.upper() not in LOG_LEVELS:
+            raise LoaderError(
+                f"MODEL_LOADER_LOG_LEVEL={env_level!r} is not a log level",
+                f"Set it to one of {', '.join(LOG_LEVELS)}, or unset it.",
+            )
+        level = getattr(logging, env_level.upper())
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if verbose < 2:
+    if level > logging.DEBUG:
         for noisy in ("urllib3", "google", "filelock", "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -179,15 +238,21 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
+    """Print a user error as ``error:`` and ``hint:`` lines; its exit code."""
+    message = exc.message if args is None else _message(exc, args)
+    print(f"error: {message}", file=sys.stderr)
+    print(f"hint: {exc.remediation}", file=sys.stderr)
+    return exc.exit_code
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
     try:
         with sigterm_unwinds():
             result = func(args)
     except LoaderError as exc:
-        print(f"error: {_message(exc, args)}", file=sys.stderr)
-        print(f"hint: {exc.remediation}", file=sys.stderr)
-        return exc.exit_code
+        return report(exc, args)
     except Terminated:
         print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         _exit_now(EXIT_TERMINATED)
@@ -203,5 +268,8 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.verbose, args.quiet)
+    try:
+        configure_logging(args.verbose, args.quiet)
+    except LoaderError as exc:
+        return report(exc)
     return run_command(args.func, args)

@@ -27,13 +27,25 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from loader.bench.compare import Target, compare, parse_target
+from loader.bench.compare import Comparison, Target, compare, parse_target
 from loader.bench.endpoint import parse_endpoint
-from loader.bench.report import Report, TablePrinter, summary_text, tables_text, write_report
-from loader.bench.results import median_sweeps
+from loader.bench.report import (
+    Report,
+    TablePrinter,
+    check_output_dir,
+    summary_text,
+    tables_text,
+    write_report,
+)
 from loader.bench.stream import DEFAULT_MAX_SECONDS, DEFAULT_REQUESTS
-from loader.bench.sweep import sweep
-from loader.cli import configure_logging, require_extra, run_command
+from loader.cli import (
+    Parser,
+    add_log_options,
+    configure_logging,
+    report,
+    require_extra,
+    run_command,
+)
 from loader.cli.measurement import (
     add_measurement_arguments,
     production_request_file,
@@ -47,7 +59,7 @@ log = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     from loader.bench import experiment
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="scripts/bench",
         description="Measure Triton throughput and p95 latency with perf_analyzer over a range "
         "of concurrency levels; print the tables, write CSV and a PNG plot.",
@@ -91,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default <work-dir>/<UTC time>)",
     )
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results an earlier run left in --output-dir (refused otherwise)",
+    )
+    parser.add_argument(
         "--baseline",
         default=None,
         metavar="LABEL",
@@ -104,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="scratch space: the experiment's checkpoint and variants, default output "
         "(default bench/work)",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    add_log_options(parser)
     add_measurement_arguments(
         parser,
         default_rounds=f"1; {experiment.ROUNDS} for --serving-experiment",
         default_range=f"1:16:5; {experiment.CONCURRENCY_RANGE} for --serving-experiment",
         default_inputs="bench/test.json, the production request; for --serving-experiment "
         "also bench/mixed.json, a mix of prompt lengths",
+        default_minutes=f"no cap; {experiment.MAX_MINUTES:g} for --serving-experiment",
     )
     group = parser.add_argument_group("TTFT / TPOT (--ttft, streaming models)")
     group.add_argument(
@@ -159,46 +176,54 @@ def run_url(args: argparse.Namespace, extra: tuple[str, ...], out: Path) -> Repo
         default_protocol=endpoint.protocol,
     )  # fmt: skip
     target = Target(label=args.label or args.model, endpoint=endpoint)
-    printer = _printer(settings)
-    rounds = []
-    for _ in range(settings.rounds):
-        round_sweeps = []
-        for workload in settings.workloads:
-            label = settings.workload_label(workload)
-            printer.start(target.label, target.settings, label)
-            round_sweeps.append(
-                sweep(
-                    endpoint,
-                    args.model,
-                    list(settings.concurrencies),
-                    options=settings.options_for(workload),
-                    label=target.label,
-                    workload=label,
-                    perf_analyzer=settings.perf_analyzer,
-                    on_measurement=printer.measurement,
-                )
-            )
-        rounds.append(round_sweeps)
-    return Report(
-        sweeps=median_sweeps(rounds),
-        baseline=args.baseline,
-        rounds=settings.rounds,
-        notes={"endpoint": str(endpoint), "model": args.model},
+    return _compared(
+        [target], settings, args, out, notes={"endpoint": str(endpoint), "model": args.model}
     )
 
 
 def run_compare(args: argparse.Namespace, extra: tuple[str, ...], out: Path) -> Report:
     targets = [parse_target(t, protocol=args.protocol) for t in args.compare]
     settings = settings_from_args(args, extra_args=extra, request_files=production_request_file)
+    return _compared(targets, settings, args, out)
+
+
+def _compared(
+    targets: list[Target],
+    settings,
+    args: argparse.Namespace,
+    out: Path,
+    notes: dict[str, str] | None = None,
+) -> Report:
+    """Sweep the targets (:func:`~loader.bench.compare.compare`), writing partial results."""
     printer = _printer(settings, per_round=len(targets))
-    sweeps = compare(
+
+    def report(comparison: Comparison, *, final: bool) -> Report:
+        done = f"{comparison.measured} of {comparison.planned} measurements"
+        status = (
+            f"PARTIAL: {done} so far; the run goes on."
+            if not final
+            else f"Complete: {done}."
+            if comparison.complete
+            else f"CUT SHORT by the time cap: {done}."
+        )
+        return Report(
+            sweeps=comparison.sweeps,
+            baseline=args.baseline,
+            rounds=settings.rounds,
+            by_round=comparison.by_round,
+            status=status,
+            notes=notes or {},
+        )
+
+    comparison = compare(
         targets,
         settings,
         log_dir=out / "logs",
         on_start=lambda t, workload: printer.start(t.label, t.settings, workload),
         on_measurement=lambda t, m: printer.measurement(m),
+        on_partial=lambda c: PARTIAL.write(report(c, final=False)),
     )
-    return Report(sweeps=sweeps, baseline=args.baseline, rounds=settings.rounds)
+    return report(comparison, final=True)
 
 
 def run_experiment(args: argparse.Namespace, extra: tuple[str, ...], out: Path) -> Report:
@@ -211,6 +236,7 @@ def run_experiment(args: argparse.Namespace, extra: tuple[str, ...], out: Path) 
         defaults=experiment.MEASUREMENT_DEFAULTS,
         default_rounds=experiment.ROUNDS,
         default_range=experiment.CONCURRENCY_RANGE,
+        default_minutes=experiment.MAX_MINUTES,
     )
     printer = _printer(settings, per_round=len(experiment.INSTANCE_COUNTS) * 2)
     report = experiment.run_experiment(
@@ -219,6 +245,7 @@ def run_experiment(args: argparse.Namespace, extra: tuple[str, ...], out: Path) 
         concurrency_range=args.concurrency_range or experiment.CONCURRENCY_RANGE,
         on_start=lambda t, workload: printer.start(t.label, t.settings, workload),
         on_measurement=lambda t, m: printer.measurement(m),
+        on_partial=PARTIAL.write,
     )
     return dataclasses.replace(
         report, baseline=args.baseline or report.baseline, rounds=settings.rounds
@@ -285,19 +312,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     own, extra = _split_extra(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
-    configure_logging(args.verbose, args.quiet)
+    try:
+        configure_logging(args.verbose, args.quiet)
+    except LoaderError as exc:
+        return report(exc)
     return run_command(lambda a: _run_mode(a, extra), args)
+
+
+class PartialResults:
+    """Writes the report so far (tables, CSV, summary; the plot only at the end) after every
+    level, so a run that is interrupted or cut short leaves what it measured."""
+
+    def __init__(self) -> None:
+        self.out: Path | None = None
+        self.max_p95_ms: float | None = None
+        self.latest: Report | None = None
+
+    def write(self, report: Report) -> None:
+        self.latest = report
+        if self.out is not None:
+            write_report(report, self.out, max_p95_ms=self.max_p95_ms, plot=False)
+
+    def interrupted(self) -> None:
+        if self.out is not None and self.latest is not None:
+            status = self.latest.status.replace("PARTIAL", "INTERRUPTED", 1).replace(
+                "; the run goes on.", "; the run was interrupted."
+            )
+            report = dataclasses.replace(self.latest, status=status)
+            write_report(report, self.out, max_p95_ms=self.max_p95_ms)
+            print(f"\ninterrupted; the results so far are in {self.out}", file=sys.stderr)
+
+
+PARTIAL = PartialResults()
 
 
 def _run_mode(args: argparse.Namespace, extra: tuple[str, ...]) -> int:
     mode = next(name for name in MODES if getattr(args, name))
     out = output_dir(args)
-    report = MODES[mode](args, extra, out)
+    check_output_dir(out, overwrite=args.overwrite)
+    PARTIAL.out, PARTIAL.max_p95_ms, PARTIAL.latest = out, args.max_p95_ms, None
+    try:
+        report = MODES[mode](args, extra, out)
+    except KeyboardInterrupt:
+        PARTIAL.interrupted()
+        raise
     if report.rounds > 1:
         print(f"\nMedian of {report.rounds} rounds per level\n")
         print(tables_text(report.sweeps), end="")
     print()
-    print(summary_text(report.sweeps, max_p95_ms=args.max_p95_ms, baseline=report.baseline), end="")
+    if report.status:
+        print(report.status)
+    summary = summary_text(
+        report.sweeps, max_p95_ms=args.max_p95_ms, baseline=report.baseline,
+        by_round=report.by_round,
+    )  # fmt: skip
+    print(summary, end="")
     paths = {**report.files, **write_report(report, out, max_p95_ms=args.max_p95_ms)}
     for key, value in report.notes.items():
         print(f"{key}: {value}")

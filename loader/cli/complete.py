@@ -54,7 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="default http, grpc with --stream",
     )
-    p.add_argument("--model", default="codegen", help="the model clients call (default codegen)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model to call (default: the one the server serves, its repository's steps "
+        "left out)",
+    )
     p.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
@@ -130,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         )
     url = args.url or f"127.0.0.1:{DEFAULT_PORTS[protocol]}"
     request = build_request(args)
+    if args.model is None:
+        from loader.completion import find_model
+
+        args.model = find_model(url, protocol=protocol)
     if args.check_ready:
         check_ready(url, protocol, args.model)
     if args.stream:

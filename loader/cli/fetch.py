@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hf-token-file",
         default=None,
-        help="file holding a Hugging Face token (default: $HF_TOKEN, $HF_TOKEN_FILE)",
+        help="file holding a Hugging Face token (default: $HF_TOKEN, else the file named by "
+        "$HF_TOKEN_PATH or $HF_TOKEN_FILE, else the token `hf auth login` stored)",
     )
     limit_argument(
         p,

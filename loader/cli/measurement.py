@@ -39,6 +39,7 @@ def add_measurement_arguments(
     default_rounds: str = "1",
     default_range: str = DEFAULT_CONCURRENCY_RANGE,
     default_inputs: str = BOTH_REQUEST_FILES,
+    default_minutes: str = "no cap",
 ) -> None:
     group = parser.add_argument_group("measurement (perf_analyzer)")
     group.add_argument(
@@ -82,14 +83,8 @@ def add_measurement_arguments(
         type=float,
         default=None,
         metavar="PCT",
-        help="how far 3 windows may differ to count as stable (perf_analyzer default 10)",
-    )
-    group.add_argument(
-        "--max-trials",
-        type=int,
-        default=None,
-        metavar="N",
-        help="windows before a level counts as unstable (perf_analyzer default 10)",
+        help="how far the 3 windows of a level may differ to count as stable, in percent of "
+        "their mean (default 10, perf_analyzer's)",
     )
     group.add_argument(
         "--widenings",
@@ -130,7 +125,16 @@ def add_measurement_arguments(
         default=None,
         metavar="N",
         help="sweep every configuration N times, round after round, and report each level's "
-        f"median (default {default_rounds})",
+        f"median; a gain or a choice is certain only when every round agrees (default "
+        f"{default_rounds})",
+    )
+    group.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="cap on the whole run: no level starts after it, and the results say what was "
+        f"left unmeasured (default {default_minutes})",
     )
 
 
@@ -151,7 +155,7 @@ def options_from_args(
     defaults: PerfAnalyzerOptions | None = None,
 ) -> PerfAnalyzerOptions:
     """perf_analyzer's options: the flags given, else ``defaults``, else perf_analyzer's own."""
-    for name in ("measurement_interval_ms", "measurement_request_count", "max_trials"):
+    for name in ("measurement_interval_ms", "measurement_request_count"):
         value = getattr(args, name)
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
@@ -168,7 +172,6 @@ def options_from_args(
             "measurement_interval_ms",
             "measurement_request_count",
             "stability_percentage",
-            "max_trials",
             "widenings",
         )
         if getattr(args, name) is not None
@@ -187,9 +190,15 @@ def settings_from_args(
     default_range: str = DEFAULT_CONCURRENCY_RANGE,
     default_protocol: str = "http",
     request_files: Callable[[], list[Path]] = both_request_files,
+    default_minutes: float | None = None,
 ) -> SweepSettings:
     """The run's :class:`SweepSettings` from the flags (the namespace is left as it is)."""
     files = args.input_data or request_files()
+    minutes = args.max_minutes if args.max_minutes is not None else default_minutes
+    if minutes is not None and not minutes > 0:
+        raise LoaderError(
+            f"--max-minutes must be positive, got {minutes:g}", "Pass e.g. --max-minutes 15."
+        )
     return SweepSettings(
         concurrencies=tuple(parse_concurrency_range(args.concurrency_range or default_range)),
         workloads=workloads_from_paths(files),
@@ -199,4 +208,5 @@ def settings_from_args(
         perf_analyzer=args.perf_analyzer,
         rounds=args.rounds if args.rounds is not None else default_rounds,
         max_p95_ms=args.max_p95_ms,
+        max_seconds=None if minutes is None else minutes * 60,
     )

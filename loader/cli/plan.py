@@ -31,7 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     model = p.add_argument_group("model (one of --source, --model or the explicit numbers)")
     model.add_argument("--source", help="checkpoint directory or file:// URI with config.json")
-    model.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a known model's shape")
+    model.add_argument(
+        "--model",
+        type=str.lower,
+        choices=sorted(MODEL_PRESETS),
+        help="a known model's shape (any letter case)",
+    )
     for field, text in _SHAPE_OPTIONS.items():
         model.add_argument(f"--{field.replace('_', '-')}", type=int, dest=field, help=text)
     p.add_argument(

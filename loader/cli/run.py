@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from loader.cli import limit_argument
+from loader.errors import LoaderError
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS
 from loader.parallel import Parallelism
 from loader.repository.key import BACKENDS, ServingSettings
@@ -181,6 +182,11 @@ def main(args: argparse.Namespace) -> int:
 
 def request_from_args(args: argparse.Namespace) -> RunRequest:
     """The :class:`RunRequest` that ``model-loader run`` builds from its parsed flags."""
+    if not args.dynamic_batching and args.preferred_batch_size:
+        raise LoaderError(
+            "--preferred-batch-size has no effect with --no-dynamic-batching",
+            "Drop --preferred-batch-size, or drop --no-dynamic-batching to batch requests.",
+        )
     return RunRequest(
         source=args.source,
         repository=args.repository,

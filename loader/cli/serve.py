@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -49,5 +48,4 @@ def run(args: argparse.Namespace) -> int:
         print("serving; press Ctrl-C to stop", flush=True)
         assert server.process is not None
         code = server.process.wait()
-        print(f"tritonserver exited by itself (code {code}):\n{server.log_tail()}", file=sys.stderr)
-        return 1
+        raise server.failure(f"tritonserver exited by itself (code {code})")

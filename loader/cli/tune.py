@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from loader.bench.tune import DEFAULT_TOLERANCE
 from loader.errors import LoaderError
+
+#: Rounds by default: a choice is certain only when at least two rounds agree.
+ROUNDS = 2
+#: The run's cap by default (each level of each variant and request file takes a while).
+MAX_MINUTES = 20.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,7 +82,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="tables, CSV, plot and summary (default: <work-dir>/results)",
     )
-    add_measurement_arguments(p)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results an earlier run left in --output-dir (refused otherwise)",
+    )
+    add_measurement_arguments(p, default_rounds=str(ROUNDS), default_minutes=f"{MAX_MINUTES:g}")
     p.set_defaults(func=run)
 
 
@@ -85,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("serve", "pytriton")
     require_extra("bench", "matplotlib")
-    from loader.bench.report import Report, TablePrinter, tables_text, write_report
-    from loader.bench.tune import plan_variants, tune, values_snippet
+    from loader.bench.report import Report, TablePrinter, check_output_dir, write_report
+    from loader.bench.tune import TuneResult, plan_variants, tune, values_snippet
     from loader.cli.measurement import settings_from_args
 
     if args.max_instances < 1:
@@ -98,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
         raise LoaderError(
             f"--tolerance must be in [0, 1), got {args.tolerance}", "Pass e.g. --tolerance 0.05."
         )
-    settings = settings_from_args(args)
+    from loader.bench.experiment import MEASUREMENT_DEFAULTS
+
+    # The serving experiment's windows: counted requests, the stability test at 25 %.
+    settings = settings_from_args(
+        args, defaults=MEASUREMENT_DEFAULTS, default_rounds=ROUNDS, default_minutes=MAX_MINUTES
+    )
     counts = args.instance_counts or list(range(1, args.max_instances + 1))
     planned = plan_variants(
         counts,
@@ -107,26 +123,44 @@ def run(args: argparse.Namespace) -> int:
     )
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     work_dir = args.work_dir or Path("bench/work") / f"tune-{stamp}"
+    out = args.output_dir or work_dir / "results"
+    check_output_dir(out, overwrite=args.overwrite)
     printer = TablePrinter(rounds=settings.rounds, per_round=len(planned) * len(settings.workloads))
-    result = tune(
-        args.repository,
-        settings,
-        work_dir=work_dir,
-        planned=planned,
-        tolerance=args.tolerance,
-        on_start=lambda t, workload: printer.start(t.label, t.settings, workload),
-        on_measurement=lambda t, m: printer.measurement(m),
-    )
-    paths = write_report(
-        Report(
+
+    def report(result: TuneResult, status: str) -> Report:
+        return Report(
             sweeps=result.sweeps,
             title=f"model-loader tune: {args.repository.name}",
             baseline=planned[0].label,
             rounds=settings.rounds,
-        ),
-        args.output_dir or work_dir / "results",
-        max_p95_ms=args.max_p95_ms,
-    )
+            by_round=result.by_round,
+            status=f"{status}\nRecommendation: {result.verdict}",
+        )
+
+    latest: list[TuneResult] = []
+
+    def partial(result: TuneResult) -> None:
+        latest[:] = [result]
+        write_report(report(result, "PARTIAL: the run goes on."), out, plot=False)
+
+    try:
+        result = tune(
+            args.repository,
+            settings,
+            work_dir=work_dir,
+            planned=planned,
+            tolerance=args.tolerance,
+            on_start=lambda t, workload: printer.start(t.label, t.settings, workload),
+            on_measurement=lambda t, m: printer.measurement(m),
+            on_partial=partial,
+        )
+    except KeyboardInterrupt:
+        if latest:
+            write_report(report(latest[0], "INTERRUPTED: the results so far."), out)
+            print(f"\ninterrupted; the results so far are in {out}", file=sys.stderr)
+        raise
+    status = "Complete." if result.complete else "CUT SHORT by the time cap (--max-minutes)."
+    paths = write_report(report(result, status), out, max_p95_ms=args.max_p95_ms)
     print()
     for kind, path in paths.items():
         print(f"{kind}: {path}")
@@ -138,10 +172,18 @@ def run(args: argparse.Namespace) -> int:
         budget = f"{args.max_p95_ms:g} ms" if args.max_p95_ms is not None else "the budget"
         raise LoaderError(
             f"no configuration has a stable level with p95 latency within {budget}; every "
-            f"result is in {paths['tables']}:\n{tables_text(result.sweeps)}",
+            f"result is in {paths['tables']}",
             "Raise --max-p95-ms, lower --concurrency-range, or measure longer "
             "(--measurement-request-count, --widenings) on a quieter machine.",
         )
+    print(f"\nRecommendation: {result.verdict}")
+    if not result.certain:
+        print(
+            "No values to paste: the measurements cannot tell the configurations apart on "
+            "this machine now. Measure on a quieter machine, with more --rounds (and "
+            "--max-minutes), or keep the chart's defaults."
+        )
+        return 0
     print()
     print(values_snippet(result.choice, max_p95_ms=args.max_p95_ms), end="")
     return 0

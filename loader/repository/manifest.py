@@ -17,12 +17,15 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader.progress import byte_progress
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 READY = ".ready"
@@ -193,6 +196,12 @@ def verify(
             problems.append(f"{rel} has {stat.st_size} bytes, manifest says {listed[rel]['size']}")
         elif not quick or listed[rel].get("seal") != file_seal(stat):
             sized.append(rel)
+    if checksums and not problems and quick and not sized:
+        log.info(
+            "verified %s: %s files of the sizes and seals recorded, none to re-hash",
+            root,
+            len(listed),
+        )
     if checksums and not problems:
         digests = _hash_all(root, sized, "verifying repository", workers)
         problems += [

@@ -68,6 +68,11 @@ def run(request: RunRequest) -> RunResult:
         fetched = fetch(request.source, None, workers=request.workers)
         verified = verify(request, fetched.path)
     log.info("model key %s", key)
+    log.debug(
+        "serving settings %s; placement checked for %s",
+        request.settings.canonical(),
+        request.topology,
+    )
     if not request.force and up_to_date(target, key, request):
         log.info("%s is already published and verified; nothing to do", target)
         return _done(request, RunResult(target, key, False, time.monotonic() - started))
@@ -102,8 +107,14 @@ def run(request: RunRequest) -> RunResult:
 
 
 def _writable(root: Path) -> None:
+    if not root.parent.is_dir():
+        raise RepositoryError(
+            f"The repository root {root} cannot be created: {root.parent} does not exist.",
+            "Point --repository at the model repository volume (e.g. /models) or a folder "
+            "inside an existing directory; the loader creates at most the root itself.",
+        )
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(exist_ok=True)
         writable = os.access(root, os.W_OK)
     except OSError:
         writable = False

@@ -60,6 +60,7 @@ def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
     )
     changes = recorded.changes(current)
     if not changes:
+        log.debug("the source %s still holds what %s was built from", request.source, target)
         return True
     if request.follow_source:
         log.warning(

@@ -47,6 +47,11 @@ def verify(request: RunRequest, checkpoint: Path) -> Verified:
     plan = plan_conversion(
         config, read_inventory(checkpoint), parallelism=request.parallelism, dtype=request.dtype
     )
+    log.debug(
+        "checked %s for %s: the conversion plan holds (heads, widths, layers, dtype)",
+        checkpoint,
+        request.parallelism,
+    )
     if request.gpu_memory_gib is not None:
         estimate = estimate_memory(
             ModelShape.from_ft_config(plan.config),

@@ -137,6 +137,7 @@ def parse_uri(uri: str) -> SourceURI:
     if not uri or not uri.strip():
         raise SourceError("The source URI is empty.")
     if "://" not in uri:
+        _refuse_a_mistyped_scheme(uri)
         return SourceURI(raw=uri, scheme="file", location=_normal_path(Path(uri).expanduser()))
     scheme = uri.split("://", 1)[0].lower()
     parser = _PARSERS.get(scheme)
@@ -146,6 +147,24 @@ def parse_uri(uri: str) -> SourceURI:
             f"Use one of: {', '.join(s + '://' for s in sorted(SCHEMES))}, or a plain local path.",
         )
     return parser(uri)
+
+
+_MISTYPED = re.compile(r"^(?P<scheme>[A-Za-z]+):/{0,3}(?P<rest>.*)$")
+
+
+def _refuse_a_mistyped_scheme(uri: str) -> None:
+    """``hf:/org/name`` or ``gs:bucket`` is a URI with its slashes wrong, not a local path
+    (unless a path of that name exists)."""
+    match = _MISTYPED.match(uri)
+    if not match or match["scheme"].lower() not in SCHEMES or Path(uri).exists():
+        return
+    scheme, rest = match["scheme"].lower(), match["rest"]
+    fixed = f"file:///{rest.lstrip('/')}" if scheme == "file" else f"{scheme}://{rest}"
+    raise SourceError(
+        f"Source {uri!r} is neither a {scheme}:// URI (two slashes after '{scheme}:') nor an existing "
+        "local path.",
+        f"Did you mean {fixed}?",
+    )
 
 
 def _parse_file(uri: str) -> SourceURI:

@@ -8,11 +8,13 @@ How a fetch runs:
 * The objects are listed once; their sizes, CRC32C checksums and generations are the plan.
   Files already in ``dest`` with the same size and CRC32C are kept (a rerun downloads only
   what is missing).
-* Large objects are split into byte-range slices, and slices of all objects are downloaded
-  by one pool of threads (the technique of ``transfer_manager.download_chunks_concurrently``),
-  into ``dest/.partial/<path>.<generation>``. Each finished slice is appended to a journal
-  beside it, so a killed download resumes with the slices it is missing instead of
-  restarting the object. Downloads pin the generation listed, so an object replaced meanwhile
+* Large objects are split into byte-range slices (``Blob.download_to_file(start=, end=)``),
+  and slices of all objects are downloaded by one pool of threads into
+  ``dest/.partial/<path>.<generation>``. Each finished slice is appended to a journal beside
+  it, so a killed download resumes with the slices it is missing instead of restarting the
+  object. (``transfer_manager.download_chunks_concurrently`` slices one object at a time,
+  restarts a killed download from zero and cannot wait for a caller's admission, hence our
+  own pool and journal.) Downloads pin the generation listed, so an object replaced meanwhile
   cannot mix two versions.
 * A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
   compared with the object's metadata; only then is it renamed into place. A mismatch is a
@@ -20,9 +22,10 @@ How a fetch runs:
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: small objects are fetched first, then large ones in name order, each started only when
   the caller admits it, and the caller hears of every verified file at once.
-* Transient failures (connection errors, 429, 5xx) are retried per slice with exponential
-  backoff within a total deadline; a missing bucket or object and permission problems fail at
-  once with the URI in the message.
+* Transient failures (connection errors, 429, 5xx) are retried per call by the library with
+  a ``google.api_core.retry.Retry`` (exponential backoff, ``Retry-After`` honoured) within a
+  total deadline (:mod:`loader.sources.failures`); a missing bucket or object and permission
+  problems fail at once with the URI in the message.
 
 Credentials: Application Default Credentials (GKE Workload Identity, or
 ``GOOGLE_APPLICATION_CREDENTIALS``); with ``STORAGE_EMULATOR_HOST`` set (a local emulator),
@@ -40,25 +43,24 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from loader.errors import (
     ChecksumMismatchError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
+    TransientSourceError,
 )
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
+from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
-    Retry,
     ensure_disk_space,
     file_crc32c,
     file_md5,
     place,
-    remaining_s,
     safe_path,
 )
 
@@ -66,11 +68,8 @@ log = logging.getLogger(__name__)
 
 #: Byte-range slice size for large objects.
 SLICE_BYTES = 32 * 1024 * 1024
-#: Bytes per read from a download stream.
-READ_BYTES = 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 # --- plan --------------------------------------------------------------------------------
@@ -156,48 +155,14 @@ def _join(prefix: str, rel: str) -> str:
 
 # --- errors ------------------------------------------------------------------------------
 
-
-def _status(exc: BaseException) -> int | None:
-    code = getattr(exc, "code", None)
-    if isinstance(code, int):
-        return code
-    response = getattr(exc, "response", None)
-    code = getattr(response, "status_code", None)
-    if isinstance(code, int):
-        return code
-    # google-resumable-media InvalidResponse: args = (response, message, status, ...)
-    for arg in getattr(exc, "args", ()):
-        code = getattr(arg, "status_code", None)
-        if isinstance(code, int):
-            return code
-    return None
+PERMISSION_HINT = (
+    "Grant the loader's service account roles/storage.objectViewer on the bucket "
+    "(Workload Identity in GKE, or the key in GOOGLE_APPLICATION_CREDENTIALS)."
+)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Connection problems, timeouts, 408/429/5xx: worth retrying."""
-    import http.client
-
-    import requests
-    import urllib3
-
-    if isinstance(
-        exc,
-        requests.exceptions.ConnectionError
-        | requests.exceptions.Timeout
-        | requests.exceptions.ChunkedEncodingError
-        | urllib3.exceptions.ProtocolError
-        | urllib3.exceptions.IncompleteRead
-        | urllib3.exceptions.TimeoutError
-        | http.client.IncompleteRead
-        | ConnectionError
-        | TimeoutError,
-    ):
-        return True
-    return _status(exc) in _TRANSIENT_STATUS
-
-
-def _permanent_error(exc: BaseException, what: str) -> SourceError | None:
-    """Turn a permanent storage failure into a typed error naming ``what``; None if unknown."""
+def _specific(exc: BaseException, what: str) -> SourceError | None:
+    """Failures only Cloud Storage has: no credentials, a missing bucket or object."""
     from google.auth.exceptions import DefaultCredentialsError, RefreshError
 
     if isinstance(exc, DefaultCredentialsError | RefreshError):
@@ -206,42 +171,16 @@ def _permanent_error(exc: BaseException, what: str) -> SourceError | None:
             "Run inside GKE with Workload Identity bound to a service account that can read the "
             "bucket, or set GOOGLE_APPLICATION_CREDENTIALS to a key file.",
         )
-    status = _status(exc)
-    if status == 404:
+    if status_of(exc) == 404:
         return SourceNotFoundError(
             f"{what[:1].upper()}{what[1:]} does not exist (404).",
             "Check the bucket and object names in the gs:// URI.",
         )
-    if status == 412:
-        return SourceError(
-            f"{what} was replaced while it was being downloaded (412).",
-            "Run the loader again once the upload has finished.",
-        )
-    if status in (401, 403):
-        return SourcePermissionError(
-            f"Permission denied reading {what} ({status}).",
-            "Grant the loader's service account roles/storage.objectViewer on the bucket "
-            "(Workload Identity in GKE, or the key in GOOGLE_APPLICATION_CREDENTIALS).",
-        )
     return None
 
 
-class _Funnel:
-    """Runs storage calls with retries and turns permanent failures into typed errors."""
-
-    def __init__(self, options: FetchOptions) -> None:
-        self.retry = Retry(is_transient, deadline_s=options.retry_deadline_s)
-
-    def __call__(self, fn: Any, *, what: str) -> Any:
-        try:
-            return self.retry.call(fn, what=what)
-        except SourceError:
-            raise
-        except Exception as exc:
-            typed = _permanent_error(exc, what)
-            if typed is None:
-                raise
-            raise typed from exc
+def _funnel(options: FetchOptions) -> Funnel:
+    return Funnel(options.retry_deadline_s, specific=_specific, permission_hint=PERMISSION_HINT)
 
 
 # --- client ------------------------------------------------------------------------------
@@ -258,22 +197,24 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
         client = storage.Client(credentials=AnonymousCredentials(), project="emulator")
     else:
         client = storage.Client()
+    # The client has no public setting for its connection pool (10 connections), which the
+    # download threads would otherwise outnumber.
     adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size + 4)
     client._http.mount("https://", adapter)
     client._http.mount("http://", adapter)
     return client
 
 
-def _list_objects(client: Any, uri: SourceURI, funnel: _Funnel) -> list[Any]:
+def _list_objects(client: Any, uri: SourceURI, funnel: Funnel) -> list[Any]:
     bucket_uri = f"gs://{uri.location}"
     prefix = f"{uri.path}/" if uri.path else ""
+    timeout = _timeout(funnel, 60)
 
-    def listing() -> list[Any]:
-        return list(
-            client.list_blobs(uri.location, prefix=prefix, retry=None, timeout=_timeout(60))
-        )
+    def listing(retry: Any) -> list[Any]:
+        return list(client.list_blobs(uri.location, prefix=prefix, retry=retry, timeout=timeout))
 
-    blobs = [b for b in funnel(listing, what=f"bucket {bucket_uri}") if not b.name.endswith("/")]
+    listed = funnel.gcs(listing, what=f"bucket {bucket_uri}")
+    blobs = [b for b in listed if not b.name.endswith("/")]
     if blobs or not uri.path:
         if not blobs:
             raise SourceNotFoundError(
@@ -281,8 +222,8 @@ def _list_objects(client: Any, uri: SourceURI, funnel: _Funnel) -> list[Any]:
                 "Upload the checkpoint or fix the gs:// URI.",
             )
         return blobs
-    single = funnel(
-        lambda: client.bucket(uri.location).get_blob(uri.path, retry=None, timeout=_timeout(60)),
+    single = funnel.gcs(
+        lambda retry: client.bucket(uri.location).get_blob(uri.path, retry=retry, timeout=timeout),
         what=f"object {uri.raw}",
     )
     if single is None:
@@ -310,8 +251,8 @@ def fingerprint_source(
     uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
 ) -> Fingerprint:
     """Name, size, generation and CRC32C of every object (one listing, nothing downloaded)."""
-    funnel = _Funnel(options)
-    client = funnel(lambda: make_client(pool_size=4), what=f"gs://{uri.location}")
+    funnel = _funnel(options)
+    client = funnel.gcs(lambda _: make_client(pool_size=4), what=f"gs://{uri.location}")
     return _fingerprint(uri, _list_objects(client, uri, funnel))
 
 
@@ -326,19 +267,45 @@ def _revision(blobs: list[Any]) -> str:
 # --- download ----------------------------------------------------------------------------
 
 
-class _CountingWriter:
-    """File wrapper that writes at the current offset and reports bytes to the progress."""
+class _SliceWriter:
+    """The file object a slice downloads into: writes at the slice's offset, reports bytes to
+    the progress, and refuses bytes past the slice (a server that ignored the range)."""
 
-    def __init__(self, fh: Any, progress: Progress) -> None:
+    def __init__(self, fh: Any, start: int, length: int, progress: Progress, what: str) -> None:
         self._fh = fh
+        self._start = start
+        self._length = length
         self._progress = progress
+        self._what = what
         self.written = 0
 
     def write(self, data: bytes) -> int:
+        if self.written + len(data) > self._length:
+            raise SourceError(
+                f"{self._what}: the server sent more than the {self._length} bytes asked for "
+                f"at offset {self._start} (it ignored the byte range).",
+                "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass "
+                "a --slice-mib larger than the largest object.",
+            )
         n = self._fh.write(data)
         self.written += len(data)
         self._progress.update(len(data))
         return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Back to the slice's start (the library restarts a transcoded download from 0)."""
+        if (offset, whence) != (0, 0):
+            raise OSError("a slice can only be rewound to its start")
+        self._progress.update(-self.written)
+        self.written = 0
+        return self._fh.seek(self._start) - self._start
+
+    def check_complete(self) -> None:
+        if self.written != self._length:
+            raise TransientSourceError(
+                f"{self._what}: the connection ended after {self.written} of {self._length} "
+                f"bytes at offset {self._start}.",
+            )
 
 
 def _verified(path: Path, blob: Any) -> bool:
@@ -379,71 +346,53 @@ def _prepare(obj: _Object, dest: Path) -> None:
         obj.journal.write_text("")
 
 
-def _media_url(blob: Any) -> str:
-    """The object's media link, pinned to the generation that was listed."""
-    parts = urlsplit(blob.media_link)
-    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "ifGenerationMatch"]
-    query.append(("ifGenerationMatch", str(blob.generation)))
-    return urlunsplit(parts._replace(query=urlencode(query)))
-
-
 #: Longest single network wait (connect, one read) when the retry deadline leaves more time.
 CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 300.0
 
 
-def _timeout(longest: float) -> float:
-    """A network wait: at most ``longest``, and never past the retry deadline."""
-    return max(0.5, min(longest, remaining_s(longest)))
-
-
-def _read_range(blob: Any, start: int, end: int, writer: _CountingWriter) -> None:
-    """Stream bytes ``start..end`` (inclusive) of ``blob`` into ``writer``.
-
-    Uses the client's authorised session directly with large reads: the client's own download
-    path reads 8 KiB at a time, which costs more CPU than the transfer itself. Each wait (the
-    connection, every read of the body) ends at the retry deadline at the latest.
-    """
-    from google.api_core.exceptions import from_http_response
-
-    headers = {"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"}
-    session = blob.client._http
-    timeout = (_timeout(CONNECT_TIMEOUT_S), _timeout(READ_TIMEOUT_S))
-    with session.get(_media_url(blob), headers=headers, stream=True, timeout=timeout) as resp:
-        if resp.status_code not in (200, 206):
-            raise from_http_response(resp)
-        if resp.status_code == 200 and (start, end) != (0, int(blob.size) - 1):
-            raise ConnectionError(f"the server ignored the byte range {start}-{end}")
-        while chunk := resp.raw.read(READ_BYTES, decode_content=False):
-            writer.write(chunk)
+def _timeout(funnel: Funnel, longest: float) -> float:
+    """A network wait: at most ``longest``, and never longer than the retry deadline."""
+    return max(0.5, min(longest, funnel.deadline_s))
 
 
 def _download_slice(
-    obj: _Object, index: int, funnel: _Funnel, progress: Progress, *, durable: bool = True
+    obj: _Object, index: int, funnel: Funnel, progress: Progress, *, durable: bool = True
 ) -> None:
+    """Bytes ``start..end`` of the object into its partial file, then a journal line.
+
+    ``Blob.download_to_file`` with a byte range, pinned to the listed generation (412 if the
+    object was replaced meanwhile); its retry resumes an interrupted read from the last byte
+    it received. Every wait (the connection, each read of the body) ends at the retry deadline.
+    """
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
     if end >= start:
-
-        def attempt() -> None:
-            with open(obj.partial, "r+b") as fh:
-                fh.seek(start)
-                writer = _CountingWriter(fh, progress)
-                try:
-                    _read_range(obj.blob, start, end, writer)
-                except BaseException:
-                    progress.update(-writer.written)
-                    raise
-                if writer.written != end - start + 1:
-                    progress.update(-writer.written)
-                    raise ConnectionError(
-                        f"short read: {writer.written} of {end - start + 1} bytes at offset {start}"
-                    )
-                fh.flush()
-                if durable:
-                    os.fsync(fh.fileno())
-
-        funnel(attempt, what=what)
+        timeout = (_timeout(funnel, CONNECT_TIMEOUT_S), _timeout(funnel, READ_TIMEOUT_S))
+        with open(obj.partial, "r+b") as fh:
+            fh.seek(start)
+            writer = _SliceWriter(fh, start, end - start + 1, progress, what)
+            try:
+                funnel.gcs(
+                    lambda retry: obj.blob.download_to_file(
+                        writer,
+                        start=start,
+                        end=end,
+                        raw_download=True,
+                        checksum=None,  # the whole file is verified once complete
+                        if_generation_match=obj.blob.generation,
+                        timeout=timeout,
+                        retry=retry,
+                    ),
+                    what=what,
+                )
+                writer.check_complete()
+            except BaseException:
+                progress.update(-writer.written)
+                raise
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
     with obj.lock:
         with open(obj.journal, "a") as journal:
             journal.write(f"{start} {end}\n")
@@ -486,8 +435,8 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             f"Slice size {slice_bytes} is not a positive number of bytes.",
             "Pass a slice size of at least 1 MiB (--slice-mib).",
         )
-    funnel = _Funnel(options)
-    client = funnel(lambda: make_client(pool_size=workers), what=f"gs://{uri.location}")
+    funnel = _funnel(options)
+    client = funnel.gcs(lambda _: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
     dest.mkdir(parents=True, exist_ok=True)
     partial_root = dest / PARTIAL_DIR
@@ -553,7 +502,7 @@ ADMIT_POLL_S = 0.01
 
 def _run(
     objects: list[_Object],
-    funnel: _Funnel,
+    funnel: Funnel,
     progress: Progress,
     workers: int,
     dest: Path,

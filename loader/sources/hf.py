@@ -15,8 +15,11 @@
   time in name order, each started once the caller admits it; the caller hears of every file
   as soon as it is verified and in place.
 * Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named by
-  ``$HF_TOKEN_FILE`` (a mounted Kubernetes Secret). It is passed to the Hub, never logged.
-  ``$HF_ENDPOINT`` selects a mirror of the Hub.
+  huggingface_hub's ``$HF_TOKEN_PATH`` (``$HF_TOKEN_FILE`` is read as another name for it; a
+  mounted Kubernetes Secret), else the library's own stored login. It is passed to the Hub,
+  never logged. ``$HF_ENDPOINT`` selects a mirror of the Hub.
+* Transient failures (connection errors, 429, 5xx) are retried with tenacity within the retry
+  deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ from loader.formats.huggingface import (
 )
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
+from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
-from loader.sources.transfer import PARTIAL_DIR, Retry, ensure_disk_space, place
+from loader.sources.transfer import PARTIAL_DIR, ensure_disk_space, place
 
 log = logging.getLogger(__name__)
 
@@ -91,114 +95,108 @@ def select_files(names: Iterable[str], *, repo: str = "the repository") -> list[
 # --- token and errors --------------------------------------------------------------------
 
 
+#: Environment variables naming a token file: huggingface_hub's own, then our older name (the
+#: chart's loader Job sets it for a mounted Secret).
+TOKEN_FILE_VARIABLES = ("HF_TOKEN_PATH", "HF_TOKEN_FILE")
+
+
 def resolve_token(options: FetchOptions) -> str | None:
-    """The Hub token from the options or the environment (never logged)."""
+    """The Hub token: ``options.hf_token``, the file ``options.hf_token_file``, ``$HF_TOKEN``,
+    the file named by ``$HF_TOKEN_PATH`` (or ``$HF_TOKEN_FILE``); ``None`` leaves it to
+    huggingface_hub (the token ``hf auth login`` stored, if any). Never logged.
+
+    The file is read here, not by huggingface_hub: the library reads ``HF_TOKEN_PATH`` once at
+    import and treats an unreadable or empty file as no token, where a mounted Secret that is
+    missing deserves an error naming it."""
     if options.hf_token:
         return options.hf_token
-    token_file = options.hf_token_file
+    token_file, source = options.hf_token_file, "--hf-token-file"
     if not token_file and os.environ.get("HF_TOKEN"):
         return os.environ["HF_TOKEN"].strip()
-    token_file = token_file or os.environ.get("HF_TOKEN_FILE")
+    if not token_file:
+        source = next((v for v in TOKEN_FILE_VARIABLES if os.environ.get(v)), "")
+        token_file = os.environ.get(source) if source else None
     if not token_file:
         return None
+    return _read_token_file(token_file, source)
+
+
+def _read_token_file(token_file: str, source: str) -> str:
     try:
         token = Path(token_file).read_text(encoding="utf-8").strip()
     except UnicodeDecodeError as exc:
         raise SourcePermissionError(
-            f"The Hugging Face token file {token_file} is not text (it is not UTF-8).",
+            f"The Hugging Face token file {token_file} ({source}) is not text (it is not UTF-8).",
             "Put the token itself in the file (hf_...), as one line of text.",
         ) from exc
     except OSError as exc:
         raise SourcePermissionError(
-            f"Cannot read the Hugging Face token file {token_file} ({exc.strerror}).",
-            "Check --hf-token-file / HF_TOKEN_FILE and that the Secret is mounted there.",
+            f"Cannot read the Hugging Face token file {token_file} ({source}: {exc.strerror}).",
+            f"Check {source} and that the Secret is mounted there.",
         ) from exc
     if not token:
         raise SourcePermissionError(
-            f"The Hugging Face token file {token_file} is empty.",
+            f"The Hugging Face token file {token_file} ({source}) is empty.",
             "Put the token in the file (or the Kubernetes Secret).",
         )
     if not token.isprintable() or any(c.isspace() for c in token):
         raise SourcePermissionError(
-            f"The Hugging Face token file {token_file} holds more than one printable word.",
+            f"The Hugging Face token file {token_file} ({source}) holds more than one printable "
+            "word.",
             "Put the token itself in the file (hf_...), as one line of text.",
         )
     return token
 
 
-def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    code = getattr(response, "status_code", None)
-    return code if isinstance(code, int) else None
+TOKEN_HINT = "HF_TOKEN, HF_TOKEN_PATH or --hf-token-file"
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Connection problems, timeouts, 429 and 5xx: worth retrying."""
-    import httpx2
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+def _specific(uri: SourceURI, revision: str):
+    """The Hub's own failures (gated, missing repository, revision or file) as typed errors."""
 
-    if isinstance(exc, RepositoryNotFoundError | RevisionNotFoundError):
-        return False
-    if isinstance(exc, httpx2.TransportError | ConnectionError | TimeoutError):
-        return True
-    status = _status(exc)
-    return status is not None and (status == 429 or status >= 500)
+    def typed(exc: BaseException, what: str) -> SourceError | None:
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            RemoteEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        repo = uri.location
+        if isinstance(exc, GatedRepoError):
+            return SourcePermissionError(
+                f"{uri.raw}: the repository {repo} is gated and the token in use has no access.",
+                "Accept the model's terms on the Hub with the token's account, and pass the "
+                f"token ({TOKEN_HINT}).",
+            )
+        if isinstance(exc, RevisionNotFoundError):
+            return SourceNotFoundError(
+                f"{uri.raw}: the repository {repo} has no revision {revision!r}.",
+                "Check the branch, tag or commit after '@' in the hf:// URI.",
+            )
+        if isinstance(exc, RepositoryNotFoundError):
+            return SourceNotFoundError(
+                f"{uri.raw}: repository {repo} at revision {revision!r} was not found, or it is "
+                "private and the token in use may not read it.",
+                "Check the repository id and the revision in the hf:// URI; for a private "
+                f"repository pass a token ({TOKEN_HINT}).",
+            )
+        if isinstance(exc, RemoteEntryNotFoundError):
+            return SourceNotFoundError(
+                f"{uri.raw}: a file listed by the Hub is missing ({exc}).",
+                "Check the repository's files at that revision.",
+            )
+        return None
+
+    return typed
 
 
-def _typed(exc: BaseException, uri: SourceURI, revision: str) -> SourceError | None:
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
+def _funnel(uri: SourceURI, revision: str, options: FetchOptions) -> Funnel:
+    return Funnel(
+        options.retry_deadline_s,
+        specific=_specific(uri, revision),
+        permission_hint=f"Pass a token that may read {uri.location} ({TOKEN_HINT}).",
     )
-
-    repo = uri.location
-    if isinstance(exc, GatedRepoError):
-        return SourcePermissionError(
-            f"{uri.raw}: the repository {repo} is gated and the token in use has no access.",
-            "Accept the model's terms on the Hub with the token's account, and pass the token "
-            "(HF_TOKEN, HF_TOKEN_FILE or --hf-token-file).",
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return SourceNotFoundError(
-            f"{uri.raw}: the repository {repo} has no revision {revision!r}.",
-            "Check the branch, tag or commit after '@' in the hf:// URI.",
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        return SourceNotFoundError(
-            f"{uri.raw}: repository {repo} at revision {revision!r} was not found, or it is "
-            "private and the token in use may not read it.",
-            "Check the repository id and the revision in the hf:// URI; for a private "
-            "repository pass a token (HF_TOKEN, HF_TOKEN_FILE or --hf-token-file).",
-        )
-    if isinstance(exc, RemoteEntryNotFoundError):
-        return SourceNotFoundError(
-            f"{uri.raw}: a file listed by the Hub is missing ({exc}).",
-            "Check the repository's files at that revision.",
-        )
-    if isinstance(exc, HfHubHTTPError) and _status(exc) in (401, 403):
-        return SourcePermissionError(f"{uri.raw}: permission denied ({_status(exc)}).")
-    return None
-
-
-class _Funnel:
-    def __init__(self, uri: SourceURI, revision: str, options: FetchOptions) -> None:
-        self.uri = uri
-        self.revision = revision
-        self.retry = Retry(is_transient, deadline_s=options.retry_deadline_s)
-
-    def __call__(self, fn: Any, *, what: str) -> Any:
-        try:
-            return self.retry.call(fn, what=what)
-        except SourceError:
-            raise
-        except Exception as exc:
-            typed = _typed(exc, self.uri, self.revision)
-            if typed is None:
-                raise
-            raise typed from exc
 
 
 # --- verification ------------------------------------------------------------------------
@@ -244,7 +242,9 @@ def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[s
 
 @contextmanager
 def _watch_bytes(root: Path, progress: Progress, *, interval: float = 0.5) -> Iterator[None]:
-    """Report the growth of the files under ``root`` to ``progress`` while the block runs."""
+    """Report the growth of the files under ``root`` to ``progress`` while the block runs
+    (huggingface_hub counts bytes only on its own tqdm bars, which it draws per file and
+    never hands to a caller)."""
     stop = threading.Event()
 
     def size() -> int:
@@ -287,7 +287,9 @@ def _watch_bytes(root: Path, progress: Progress, *, interval: float = 0.5) -> It
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
-def _resolve_commit(api: Any, uri: SourceURI, revision: str, token: str | None, funnel) -> str:
+def _resolve_commit(
+    api: Any, uri: SourceURI, revision: str, token: str | None, funnel: Funnel
+) -> str:
     info = funnel(
         lambda: api.model_info(uri.location, revision=revision, token=token),
         what=f"{uri.raw} (model info)",
@@ -306,7 +308,7 @@ def fingerprint_source(
 
     token = resolve_token(options)
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
-    commit = _resolve_commit(api, uri, revision, token, _Funnel(uri, revision, options))
+    commit = _resolve_commit(api, uri, revision, token, _funnel(uri, revision, options))
     return Fingerprint(uri=uri.canonical, commit=commit)
 
 
@@ -321,7 +323,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
 
     token = resolve_token(options)
     revision = uri.revision or DEFAULT_REVISION
-    funnel = _Funnel(uri, revision, options)
+    funnel = _funnel(uri, revision, options)
     # Read at call time (the Hub library reads it once, at import).
     endpoint = os.environ.get("HF_ENDPOINT") or None
     api = HfApi(endpoint=endpoint)

@@ -7,7 +7,9 @@ with the same size and content.
 
 A symbolic link inside the source that leads out of it is refused (a
 :class:`~loader.errors.SourceError` naming it): the loader never reads, copies or publishes a
-file from outside the directory it was pointed at. Links within the source are followed.
+file from outside the directory it was pointed at. Links within the source are followed, and
+so are the links of a Hugging Face cache snapshot (``.../models--ORG--NAME/snapshots/<commit>``,
+what ``hf download`` and ``snapshot_download`` write) into that cache entry's own ``blobs/``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import filecmp
 import hashlib
 import logging
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,12 +40,29 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 * 2**20
 
 
+#: Names of a Hugging Face cache entry's folder (``<kind>--<org>--<name>``).
+_HF_CACHE_ENTRY = re.compile(r"^(models|datasets|spaces)--.+")
+
+
+def link_boundaries(root: Path) -> list[Path]:
+    """Where symbolic links under ``root`` may lead: ``root`` itself, and for a Hugging Face
+    cache snapshot the ``blobs/`` folder of its own cache entry."""
+    real_root = root.resolve()
+    allowed = [real_root]
+    snapshots = real_root.parent
+    entry = snapshots.parent
+    if snapshots.name == "snapshots" and _HF_CACHE_ENTRY.match(entry.name):
+        allowed.append(entry / "blobs")
+    return allowed
+
+
 def list_files(root: Path) -> list[str]:
     """Regular files under ``root`` as sorted POSIX relative paths, hidden entries excluded.
 
-    Raises :class:`SourceError` for a symbolic link that leads outside ``root``.
+    Raises :class:`SourceError` for a symbolic link that leads outside ``root`` (or, for a
+    Hugging Face cache snapshot, outside its cache entry's ``blobs/``).
     """
-    real_root = root.resolve()
+    allowed = link_boundaries(root)
     files = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
@@ -50,7 +70,7 @@ def list_files(root: Path) -> list[str]:
             continue
         if path.is_symlink():
             target = path.resolve()
-            if not target.is_relative_to(real_root):
+            if not any(target.is_relative_to(place) for place in allowed):
                 raise SourceError(
                     f"{path} in the local source is a symbolic link to {target}, outside the "
                     "source directory; the loader does not follow links out of a source.",

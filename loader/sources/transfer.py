@@ -1,5 +1,5 @@
-"""Helpers every source backend shares: temporary names, atomic placement, checksums,
-retries with exponential backoff and a bounded total time, and the free-disk-space check.
+"""Helpers every source backend shares: temporary names, atomic placement, checksums and the
+free-disk-space check (retrying is :mod:`loader.sources.failures`).
 
 A download is written to ``DEST/.partial/<relative path>.<random>`` and renamed to
 ``DEST/<relative path>`` only after it was verified, so a complete-looking file under ``DEST``
@@ -16,23 +16,16 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import random
 import secrets
 import shutil
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
 
-from loader.errors import InsufficientDiskSpaceError, SourceError, TransientSourceError
-from loader.limits import RETRY_DEADLINE_S
+from loader.errors import InsufficientDiskSpaceError, SourceError
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Directory under DEST that holds downloads in progress.
 PARTIAL_DIR = ".partial"
@@ -138,76 +131,3 @@ def ensure_disk_space(dest: Path, needed: int, *, what: str) -> None:
             f"(+{human_bytes(DISK_MARGIN)} margin), {human_bytes(free)} free.",
         )
     log.debug("disk space for %s: need %s, %s free", what, human_bytes(needed), human_bytes(free))
-
-
-_deadline = threading.local()
-
-
-def remaining_s(default: float) -> float:
-    """Seconds left before the deadline of the :meth:`Retry.call` running in this thread
-    (``default`` outside one): the longest a single network wait may take."""
-    at = getattr(_deadline, "at", None)
-    return default if at is None else at - time.monotonic()
-
-
-class Retry:
-    """Exponential backoff with jitter and a bounded total time.
-
-    ``call(fn, what=...)`` runs ``fn`` until it returns, re-raises at once any error for which
-    ``is_transient`` is false, and turns the last transient error into
-    :class:`TransientSourceError` once ``deadline_s`` has passed.
-    """
-
-    def __init__(
-        self,
-        is_transient: Callable[[BaseException], bool],
-        *,
-        deadline_s: float = RETRY_DEADLINE_S.default,
-        initial_s: float = 0.5,
-        max_delay_s: float = 30.0,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.is_transient = is_transient
-        self.deadline_s = deadline_s
-        self.initial_s = initial_s
-        self.max_delay_s = max_delay_s
-        self.sleep = sleep
-
-    def call(self, fn: Callable[[], T], *, what: str) -> T:
-        """Run ``fn`` until it succeeds; inside it, :func:`remaining_s` is the time left."""
-        start = time.monotonic()
-        outer = getattr(_deadline, "at", None)
-        own = start + self.deadline_s
-        _deadline.at = own if outer is None else min(outer, own)
-        try:
-            return self._retry(fn, what=what, start=start)
-        finally:
-            _deadline.at = outer
-
-    def _retry(self, fn: Callable[[], T], *, what: str, start: float) -> T:
-        delay = self.initial_s
-        attempt = 1
-        while True:
-            try:
-                return fn()
-            except Exception as exc:
-                if not self.is_transient(exc):
-                    raise
-                elapsed = time.monotonic() - start
-                pause = min(delay, self.max_delay_s) * random.uniform(0.5, 1.0)
-                if elapsed + pause > self.deadline_s:
-                    raise TransientSourceError(
-                        f"{what} kept failing for {elapsed:.0f} s ({attempt} attempts); "
-                        f"last error: {type(exc).__name__}: {exc}",
-                    ) from exc
-                log.warning(
-                    "%s failed (attempt %s: %s: %s); retrying in %.1f s",
-                    what,
-                    attempt,
-                    type(exc).__name__,
-                    exc,
-                    pause,
-                )
-                self.sleep(pause)
-                delay *= 2
-                attempt += 1

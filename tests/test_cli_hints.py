@@ -1,0 +1,136 @@
+"""What a careless command line gets: the real mistake named first, in an ``error:`` and a
+``hint:`` line (exit code 2), never a usage dump or a hint that points elsewhere; and the log
+options and side effects a user expects."""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loader.cli import build_parser, main
+from loader.errors import SourceError
+from loader.progress import byte_progress
+from loader.sources import parse_uri
+
+
+def _exit(capsys, *argv: str) -> tuple[int, str]:
+    """Exit code and stderr of ``model-loader ARGV`` (argument errors exit through argparse)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def _run_args(source: Path, root: Path, *extra: str) -> list[str]:
+    return [
+        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+        "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("--tp-sise", "--tp-size"), ("--instance-cuont", "--instance-count"), ("--sorce", "--source")],
+)
+def test_a_mistyped_option_is_named_with_the_one_meant_before_any_missing_one(
+    capsys, tmp_path, typo, meant
+):
+    argv = _run_args(tmp_path / "ckpt", tmp_path / "models")
+    index = argv.index(meant)
+    argv[index] = typo
+    code, err = _exit(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines[0] == f"error: model-loader run: unknown option {typo} (did you mean {meant}?)"
+    assert lines[1].startswith("hint: ") and len(lines) == 2  # no usage dump
+    assert not (tmp_path / "models").exists()
+
+
+def test_plan_takes_a_model_name_in_any_case_and_refuses_an_unknown_one_in_two_lines(capsys):
+    code, err = _exit(
+        capsys, "plan", "--model", "CodeGen-16B", "--gpus-per-node", "16", "--gpu-memory-gib", "40"
+    )
+    assert code == 0, err
+    code, err = _exit(
+        capsys, "plan", "--model", "CodeGen-17B", "--gpus-per-node", "16", "--gpu-memory-gib", "40"
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2
+    assert "invalid choice: 'codegen-17b'" in lines[0] and "codegen-16b" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("uri", "meant"),
+    [("hf:/Salesforce/codegen-350M-mono", "hf://Salesforce/codegen-350M-mono"),
+     ("gs:/bucket/ckpt", "gs://bucket/ckpt"), ("hf:org/name@main", "hf://org/name@main")],
+)  # fmt: skip
+def test_a_uri_with_its_slashes_wrong_is_not_taken_for_a_local_path(uri, meant):
+    with pytest.raises(SourceError, match="two slashes") as info:
+        parse_uri(uri)
+    assert info.value.remediation == f"Did you mean {meant}?"
+
+
+def test_a_local_path_that_only_looks_like_a_uri_is_still_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hf:odd").mkdir()
+    assert parse_uri("hf:odd").scheme == "file"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["-vv", "fetch", "x"], ["fetch", "x", "-vv"], ["fetch", "-v", "-v", "x"]],
+)
+def test_verbosity_counts_before_and_after_the_sub_command(argv):
+    args = build_parser().parse_args(argv)
+    assert args.verbose == 2 and args.quiet is False
+    assert build_parser().parse_args(["fetch", "x", "-q"]).quiet is True
+
+
+def test_an_unknown_log_level_in_the_environment_is_an_error_not_ignored(
+    capsys, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("MODEL_LOADER_LOG_LEVEL", "LOUD")
+    code, err = _exit(capsys, "fetch", str(tmp_path))
+    assert code == 2
+    assert "MODEL_LOADER_LOG_LEVEL='LOUD' is not a log level" in err and "DEBUG" in err
+
+
+def test_run_never_creates_the_parents_of_the_repository_root(capsys, source, tmp_path):
+    root = tmp_path / "no" / "such" / "models"
+    code, err = _exit(capsys, *_run_args(source, root))
+    assert code == 2
+    assert f"{root.parent} does not exist" in err
+    assert not (tmp_path / "no").exists()
+
+
+def test_preferred_batch_sizes_without_dynamic_batching_are_refused(capsys, source, tmp_path):
+    argv = _run_args(source, tmp_path / "models", "--no-dynamic-batching")
+    code, err = _exit(capsys, *argv, "--preferred-batch-size", "4")
+    assert code == 2 and "no effect with --no-dynamic-batching" in err
+    assert not (tmp_path / "models").exists()
+
+
+def test_progress_lines_are_not_repeated_and_nothing_to_do_is_not_a_zero_rate(caplog):
+    with caplog.at_level(logging.DEBUG, logger="loader.progress"):
+        with byte_progress("copy", 2_000_000, stream=io.StringIO(), interval=0.0) as progress:
+            progress.update(1_000_000)
+            progress.update(1_000_000)
+        with byte_progress("verifying repository", 0, stream=io.StringIO()):
+            pass
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(info) == len(set(info)) == 2  # 50 % and 100 %, the last one not twice
+    assert not any("0.00B/s" in line for line in info)
+    assert "verifying repository: nothing to do" in caplog.text
