@@ -179,6 +179,8 @@ def up(root: Path, timeout: float = 300.0) -> Cluster:
         state = _read_state(root)
         if state and not state.get("failed") and _alive(root / "supervisor.pid"):
             return _cluster(root, state)
+        for old in root.glob("cluster-*"):  # stopped clusters: their data and logs go
+            shutil.rmtree(old, ignore_errors=True)
         state = _spawn_supervisor(root, timeout, people=True)
     return _cluster(root, state)
 
