@@ -17,6 +17,7 @@ import yaml
 
 from tests import chart as rc
 from tests.kube import nodes as fake
+from tests.kube.kubelet import Serve
 
 PRODUCTION = rc.VALUES_DIR / "production.yaml"
 GPU = "nvidia.com/gpu"
@@ -45,7 +46,13 @@ def a100_pool(count: int, prefix: str = "gpu") -> list[fake.FakeNode]:
     return fake.gpu_pool(prefix, count, fake.A2_MEGAGPU_16G, production_labels())
 
 
-def install(sandbox, *, values=(PRODUCTION,), sets=(), helm="helm4"):
+def install(sandbox, *, values=(PRODUCTION,), sets=(), helm="helm4", wait_for_model=False):
+    """`helm install`; unless ``wait_for_model``, the Triton pods' init container is held
+    running (placement only: no `sh` loop per pod), else it runs its own script."""
+    if not wait_for_model:
+        sandbox.rule(
+            lambda ctx: Serve(ready=lambda: False) if ctx.name == "wait-for-model" else None
+        )
     sandbox.helm(helm, "install", "codegen", str(rc.CHART), *sandbox.chart_args(values, sets))
 
 
@@ -233,7 +240,7 @@ def test_a_tainted_dedicated_pool_needs_its_toleration(sandbox):
             "gpu", 2, fake.A2_MEGAGPU_16G, production_labels(), (fake.GPU_TAINT, dedicated)
         )
     )
-    install(sandbox)
+    install(sandbox, wait_for_model=True)
     # The model is published: once placed, the pods turn available and the rollout below runs
     # (pods that never turn available would let it replace only maxUnavailable of them).
     sandbox.publish(CLAIM, key_of(sandbox))
@@ -275,7 +282,7 @@ def rolled_out(sandbox, replicas: int) -> dict:
 
 def installed_and_ready(sandbox, sets, *, nodes: int = 2, helm="helm4") -> str:
     sandbox.register(a100_pool(nodes))
-    install(sandbox, sets=sets, helm=helm)
+    install(sandbox, sets=sets, helm=helm, wait_for_model=True)
     key = key_of(sandbox)
     sandbox.publish(CLAIM, key)
     rolled_out(sandbox, sandbox.deployment(DEPLOYMENT)["spec"]["replicas"])
