@@ -13,8 +13,12 @@ export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 
 TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
 PYTEST_ARGS ?=
+#: pytest-xdist workers (auto: one per CPU). A test file runs on one worker (its module's
+#: servers start once); session fixtures are built once and shared.
+TEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv tools test lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
+.PHONY: help install venv tools test test-fast lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -37,8 +41,11 @@ $(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(wildcard tools
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 	touch $@
 
-test: install ## run every test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: install ## run every test, in parallel (TEST_WORKERS=auto)
+	$(PYTEST) $(PYTEST_ARGS)
+
+test-fast: install ## the fast tier: units and renders, no server, nothing slow
+	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
 #: modules a repository copies next to them.

@@ -10,7 +10,9 @@ checkout and from an installed package. Every manifest is validated with
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import shutil
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -61,8 +63,12 @@ class Chart:
         return cls(Path(root) / CHART_DIR, Path(root) / TOOLS_DIR)
 
     def tool(self, name: str) -> Path:
-        """The pinned tool ``name``, or FileNotFoundError saying how to install it."""
-        found = self.tools / name if self.tools is not None else shutil.which(name)
+        """The pinned tool ``name`` (a path: that file), or FileNotFoundError saying how to
+        install it."""
+        if "/" in name:
+            found: Path | str | None = Path(name)
+        else:
+            found = self.tools / name if self.tools is not None else shutil.which(name)
         if found is None or not Path(found).exists():
             family = "checkov" if name == "checkov" else "helm"
             where = found or f"{name} on $PATH"
@@ -117,24 +123,64 @@ class Chart:
 
 
 def documents(text: str) -> list[dict]:
-    """The non-empty YAML documents of a rendered chart."""
+    """The non-empty YAML documents of a rendered chart. A mapping that repeats a key is an
+    error (ChartError): YAML parsers disagree on it (Helm keeps the last; Flux, kustomize and
+    Argo CD refuse the manifest)."""
     import yaml
 
-    return [doc for doc in yaml.safe_load_all(text) if doc]
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+        keys = [loader.construct_object(k, deep=True) for k, _ in node.value]
+        repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise ChartError(
+                f"a rendered manifest repeats the key(s) {', '.join(repeated)} "
+                f"(line {node.start_mark.line + 1})"
+            )
+        return loader.construct_mapping(node, deep=True)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return [doc for doc in yaml.load_all(text, Loader=StrictLoader) if doc]
+
+
+#: Ranges of the OpenAPI schemas' integer formats (kubernetes-validate does not check them; the
+#: API server refuses a number that does not fit its Go type).
+_INTEGER_FORMATS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def _format_checker():
+    import jsonschema
+
+    checker = jsonschema.FormatChecker(formats=())
+    for name, (low, high) in _INTEGER_FORMATS.items():
+        checker.checks(name)(
+            lambda value, low=low, high=high: (
+                not isinstance(value, int) or isinstance(value, bool) or low <= value <= high
+            )
+        )
+    return checker
 
 
 def validate(docs: Iterable[dict], *, versions: Sequence[str] = KUBERNETES_VERSIONS) -> list[str]:
-    """Strict OpenAPI validation of every manifest; returns the problems (empty: all valid)."""
+    """Strict OpenAPI validation of every manifest (kubernetes-validate's schemas, with int32 and
+    int64 ranges enforced), then the API server's own rules (:mod:`loader.kube`); returns
+    the problems (empty: all valid)."""
     import kubernetes_validate
+    from kubernetes_validate import ValidationError
 
+    from loader import kube
+
+    docs = list(docs)
     problems = []
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
             continue
         for version in versions:
             try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
+                _strict(doc, version)
+            except ValidationError as exc:
                 where = "/".join(str(p) for p in exc.path)
                 problems.append(
                     f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): "
@@ -142,7 +188,45 @@ def validate(docs: Iterable[dict], *, versions: Sequence[str] = KUBERNETES_VERSI
                 )
             except kubernetes_validate.SchemaNotFoundError as exc:
                 problems.append(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message}")
-    return problems
+    return problems + kube.problems(docs)
+
+
+def _strict(doc: dict, version: str) -> None:
+    """``kubernetes_validate.validate(doc, version, strict=True)``, with the schemas' integer
+    formats checked too (raises kubernetes-validate's ValidationError)."""
+    import jsonschema
+    import kubernetes_validate
+
+    validator, schema_version = _validator(doc["kind"], doc["apiVersion"], version)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+    if error is not None:
+        raise kubernetes_validate.ValidationError(error, version=schema_version)
+
+
+@functools.cache
+def _validator(kind: str, api_version: str, version: str):
+    """The strict validator of kubernetes-validate's schema for ``kind`` at ``version`` (built
+    once: the tests validate thousands of manifests)."""
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate.utils import all_versions, major_minor, schema_contents
+    from referencing import Registry, Resource
+
+    versions = [v for v in all_versions() if major_minor(v) <= major_minor(version)]
+    schema_dir = f"kubernetes-json-schema/v{versions[-1]}-local-strict"
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = schema_contents(f"{schema_dir}/{kind.lower()}-{api}.json", version)
+    except FileNotFoundError:
+        raise kubernetes_validate.SchemaNotFoundError(
+            version=major_minor(version), kind=kind, api_version=api_version
+        ) from None
+    definitions = schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    validator = jsonschema.Draft202012Validator(
+        schema, registry=registry, format_checker=_format_checker()
+    )
+    return validator, major_minor(versions[-1])
 
 
 @dataclass(frozen=True)

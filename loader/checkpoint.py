@@ -27,7 +27,7 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,6 +60,26 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 _MAX_HEADER = 100 * 2**20
+
+
+def safetensors_header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str) -> bytes:
+    """The start of a safetensors file holding ``tensors`` (name, shape), all of ``dtype``,
+    stored one after another in that order: the header's length, then the header padded to 8
+    bytes. The tensors' bytes follow it."""
+    names = {ours: theirs for theirs, ours in _SAFETENSORS_DTYPES.items()}
+    itemsize = NUMPY_DTYPES[dtype].itemsize
+    header, offset = {}, 0
+    for name, shape in tensors:
+        nbytes = math.prod(shape) * itemsize
+        header[name] = {
+            "dtype": names[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 @dataclass(frozen=True)
@@ -395,15 +415,17 @@ class Checkpoint:
         for shard in shards:
             self.add(shard)
 
-    def add(self, shard: ShardFile) -> None:
-        """Make the tensors of ``shard`` readable (a tensor stored twice is an error)."""
-        for name in shard.infos():
+    def add(self, shard: ShardFile, *, only: Container[str] | None = None) -> None:
+        """Make the tensors of ``shard`` readable, those in ``only`` when given (a tensor
+        stored twice is an error)."""
+        infos = {n: i for n, i in shard.infos().items() if only is None or n in only}
+        for name in infos:
             if name in self.tensors:
                 raise CheckpointError(
                     f"tensor {name} is stored twice ({self.tensors[name].file.name} and "
                     f"{shard.path.name})."
                 )
-        for name, info in shard.infos().items():
+        for name, info in infos.items():
             self.tensors[name] = info
             self._where[name] = shard
         self.shards[shard.path.name] = shard
@@ -412,8 +434,8 @@ class Checkpoint:
         """Forget the weight file ``name`` (its tensors are no longer readable); returns it."""
         shard = self.shards.pop(name)
         for tensor in shard.infos():
-            self.tensors.pop(tensor, None)
-            self._where.pop(tensor, None)
+            if self._where.get(tensor) is shard:
+                del self.tensors[tensor], self._where[tensor]
         return shard
 
     def __enter__(self) -> Checkpoint:

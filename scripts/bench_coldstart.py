@@ -32,7 +32,6 @@ import os
 import shlex
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import threading
@@ -69,26 +68,18 @@ def hf_config(layers: int, hidden: int) -> dict:
 
 
 def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], noise: np.ndarray) -> int:
-    header, offset = {}, 0
-    for name, shape in tensors:
-        nbytes = int(np.prod(shape)) * 2
-        header[name] = {
-            "dtype": "F16",
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
+    from loader.checkpoint import safetensors_header
+
+    start = safetensors_header(tensors, "fp16")
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.write(start)
         for _name, shape in tensors:
             left = int(np.prod(shape)) * 2
             while left:
                 n = min(left, noise.nbytes)
                 fh.write(memoryview(noise).cast("B")[:n])
                 left -= n
-    return 8 + len(raw) + offset
+    return len(start) + sum(int(np.prod(shape)) * 2 for _, shape in tensors)
 
 
 def build_checkpoint(src: Path, layers: int, hidden: int, shard_mib: int) -> int:

@@ -31,7 +31,6 @@ import json
 import os
 import resource
 import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -63,55 +62,24 @@ CONFIG = {
 
 
 def tensor_shapes(config: dict, layers: int) -> dict[str, tuple[int, ...]]:
-    h, inter, vocab = config["n_embd"], config["n_inner"], config["vocab_size"]
-    shapes: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (vocab, h)}
-    for i in range(layers):
-        p = f"transformer.h.{i}."
-        shapes.update(
-            {
-                p + "ln_1.weight": (h,),
-                p + "ln_1.bias": (h,),
-                p + "attn.q_proj.weight": (h, h),
-                p + "attn.k_proj.weight": (h, h),
-                p + "attn.v_proj.weight": (h, h),
-                p + "attn.out_proj.weight": (h, h),
-                p + "mlp.fc_in.weight": (inter, h),
-                p + "mlp.fc_in.bias": (inter,),
-                p + "mlp.fc_out.weight": (h, inter),
-                p + "mlp.fc_out.bias": (h,),
-            }
-        )
-    shapes.update(
-        {
-            "transformer.ln_f.weight": (h,),
-            "transformer.ln_f.bias": (h,),
-            "lm_head.weight": (vocab, h),
-            "lm_head.bias": (vocab,),
-        }
-    )
-    return shapes
+    """Every tensor of the model, as the converter expects them."""
+    from loader.convert import get_architecture
+    from loader.parallel import Parallelism
+
+    arch = get_architecture(config["model_type"])
+    cfg = arch.ft_config({**config, "n_layer": layers}, parallelism=Parallelism(), model_name="b")
+    return arch.expected_tensors(cfg)
 
 
 def write_safetensors(
     path: Path, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator
 ) -> None:
     """A safetensors file of random finite fp16 values (|x| < 2), written in 32 MiB pieces."""
-    header: dict[str, dict] = {}
-    offset = 0
-    for name, shape in shapes.items():
-        nbytes = int(np.prod(shape)) * 2
-        header[name] = {
-            "dtype": "F16",
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    from loader.checkpoint import safetensors_header
+
     tmp = path.with_suffix(".partial")
     with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
+        fh.write(safetensors_header(shapes.items(), "fp16"))
         for shape in shapes.values():
             left = int(np.prod(shape))
             while left:

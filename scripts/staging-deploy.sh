@@ -92,7 +92,14 @@ say "helm upgrade --install $release"
 # 4. Load the model with the Job rendered from the same values, and wait for it.
 job="load-$(date +%s)"
 say "loading the model: job/$job from cronjob/$cronjob"
-"$kubectl" -n "$namespace" create job "$job" --from="cronjob/$cronjob"
+# The Job keeps its record for at least an hour whatever loader.ttlSecondsAfterFinished says
+# (0 deletes a finished Job at once, before this script could read how it ended).
+"$kubectl" -n "$namespace" create job "$job" --from="cronjob/$cronjob" --dry-run=client -o json \
+  | python -c 'import json, sys
+job = json.load(sys.stdin)
+job["spec"]["ttlSecondsAfterFinished"] = max(3600, job["spec"].get("ttlSecondsAfterFinished") or 0)
+json.dump(job, sys.stdout)' \
+  | "$kubectl" -n "$namespace" create -f -
 deadline=$(($(date +%s) + loader_timeout_s))
 while true; do
   succeeded=$("$kubectl" -n "$namespace" get job "$job" -o jsonpath='{.status.succeeded}')

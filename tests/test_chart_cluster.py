@@ -24,6 +24,8 @@ from tests.kube import nodes as fake
 from tests.kube.api import ApiError
 from tests.kube.kubelet import Context, Exit
 
+pytestmark = pytest.mark.server  # the local control plane (see markers in pyproject.toml)
+
 HELMS = ("helm3", "helm4")
 STAGING = rc.VALUES_DIR / "staging.yaml"
 VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))
@@ -139,6 +141,27 @@ def test_install_test_upgrade_and_rollback_with_the_real_helm(sandbox, helm):
     sandbox.rule(helm_test_pod_exits(1))
     failed = sandbox.helm(helm, "test", "codegen", check=False)
     assert failed.returncode != 0
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_turning_autoscaling_on_keeps_the_live_replicas(sandbox, helm):
+    """On `helm upgrade` the Deployment keeps its live replicas (within the autoscaler's bounds)
+    instead of losing the field, which would drop it to one replica. The chart reads them with
+    `lookup` (`helm template --dry-run=server` against the API server); offline it cannot."""
+    sets = ("cluster.nodes=2", "cluster.replicasPerNode=8", "cluster.gpusPerNode=16",
+            "cluster.nodeSelector.pool=a100")  # fmt: skip
+    sandbox.helm(helm, "install", "codegen", *chart(sandbox, *sets, values=()))
+    for live, low, high, expected in ((16, 1, 16, 16), (16, 1, 6, 6), (1, 4, 8, 4)):
+        sandbox.kubectl("scale", f"deployment/{DEPLOYMENT}", f"--replicas={live}")
+        scaling = (*sets, "autoscaling.enabled=true", f"autoscaling.minReplicas={low}",
+                   f"autoscaling.maxReplicas={high}")  # fmt: skip
+        text = sandbox.helm(
+            helm, "template", "codegen", *chart(sandbox, *scaling, values=()), "--dry-run=server"
+        ).stdout
+        [rendered] = [d for d in rc.documents(text) if d["kind"] == "Deployment"]
+        assert rendered["spec"]["replicas"] == expected, (live, low, high)
+    offline = rc.documents(rc.render(set_values=scaling))
+    assert "replicas" not in next(d for d in offline if d["kind"] == "Deployment")["spec"]
 
 
 # --------------------------------------------------------------------------- the loader hook

@@ -1,7 +1,7 @@
 """The chart's cluster features, rendered by the real Helm 3 and 4 and validated against the strict
 Kubernetes 1.29 and 1.35 schemas: shutdown drain, pod placement knobs, MIG resource names, the
-disruption budget, metrics and alerts, opt-in autoscaling, image registries, schema maxima, the
-Triton image the chart defaults to, and `make staging-deploy`'s handling of waiting pods."""
+disruption budget, metrics and alerts, opt-in autoscaling, image registries, schema maxima
+and the Triton image the chart defaults to (`make staging-deploy`: test_staging_deploy.py)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,6 @@ def test_priority_runtime_class_pod_labels_and_extra_volumes_reach_the_triton_po
             "triton.priorityClassName=serving-high",
             "triton.runtimeClassName=nvidia",
             "triton.podLabels.team=ml",
-            "triton.podLabels.app\\.kubernetes\\.io/component=other",
             "triton.extraVolumes[0].name=cache",
             "triton.extraVolumes[0].emptyDir.sizeLimit=1Gi",
             "triton.extraVolumeMounts[0].name=cache",
@@ -132,18 +131,23 @@ def test_a_mig_resource_name_is_requested_and_packs_like_whole_gpus(helm):
     mig = "nvidia.com/mig-3g.20gb"
     sets = (
         f"cluster.gpuResourceName={mig}",
-        "cluster.gpusPerNode=14",  # 7 x 2 slices of an H100 pair
-        "cluster.replicasPerNode=7",
-        "model.tensorParallelSize=2",
+        "cluster.gpusPerNode=4",  # 2 x 2 slices of an A100 40GB pair
+        "cluster.replicasPerNode=4",
+        "cluster.gpuMemoryGiB=19",  # one slice (nvidia-smi mig -lgip: 19968 MiB)
+        "model.tensorParallelSize=1",
         "cluster.nodes=2",
         *POOL,
     )
     docs = rendered(helm, sets)
     resources = triton(docs)["resources"]
-    assert resources["limits"] == {mig: 2, "memory": "64Gi"}
-    assert resources["requests"][mig] == 2
+    assert resources["limits"] == {mig: 1, "memory": "64Gi"}
+    assert resources["requests"][mig] == 1
     assert "nvidia.com/gpu" not in resources["requests"]
     # Placed by the real scheduler: tests/test_chart_scheduling.py (MIG slices).
+    args = next(d for d in docs if d["kind"] == "CronJob")["spec"]["jobTemplate"]["spec"][
+        "template"
+    ]["spec"]["containers"][0]["args"]
+    assert args[args.index("--gpu-memory-gib") + 1] == "19"  # the loader plans for the slice
 
 
 # --------------------------------------------------------------------------- disruption budget
@@ -267,16 +271,19 @@ def test_global_image_registry_prefixes_every_image(helm):
     assert all(i.startswith("registry.example.com/mirror/") for i in images), images
 
 
-def test_the_default_triton_image_is_the_newest_the_fastertransformer_backend_builds_with():
-    values = yaml.safe_load((rc.CHART / "values.yaml").read_text())
-    assert values["triton"]["image"]["tag"] == "23.05"
-    readme = (rc.CHART / "README.md").read_text()
-    assert "c6936c39be6fc57c161db34cfe5c45d1bef81ee2" in readme
-    assert "TRITON_VERSION=23.05" in readme and "22.12" not in readme
-    assert "-f images/triton/Dockerfile" in readme
-    assert (ROOT / "images" / "triton" / "Dockerfile").exists()
-    assert values["triton"]["image"]["repository"] == "model-triton-ft"
-    assert "22.12" not in (rc.CHART / "values.yaml").read_text()
+def test_the_default_triton_image_is_the_one_images_triton_builds():
+    """The chart runs what images/triton/Dockerfile builds: Triton 23.05 (the newest the
+    FasterTransformer backend builds with) under the image name its build command gives."""
+    values = yaml.safe_load((rc.CHART / "values.yaml").read_text())["triton"]["image"]
+    dockerfile = (ROOT / "images" / "triton" / "Dockerfile").read_text()
+    (base,) = re.findall(r"^ARG BASE=(\S+)$", dockerfile, re.MULTILINE)
+    assert re.findall(r"^FROM \$\{BASE\}$", dockerfile, re.MULTILINE)
+    triton_version = base.split(":")[1].split("-")[0]
+    assert values["tag"] == triton_version == "23.05"
+    (built,) = re.findall(
+        r"docker build -t \S+/(\S+):(\S+) -f images/triton/Dockerfile", dockerfile
+    )
+    assert built == (values["repository"], values["tag"])
 
 
 # --------------------------------------------------------------------------- schema maxima
@@ -308,16 +315,7 @@ def test_every_new_value_is_in_the_schema():
     assert "imageRegistry" in schema["global"]["properties"]
 
 
-# --------------------------------------------------------------------------- staging deploy
-
-
-def test_staging_deploy_leaves_waiting_pods_alone():
-    """Pods of a new key already wait for its `.ready`: the script waits for the rollout and
-    never restarts the Deployment (which would start the waiting pods over)."""
-    script = (ROOT / "scripts" / "staging-deploy.sh").read_text()
-    commands = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
-    assert not any("rollout restart" in line for line in commands)
-    assert any("rollout status" in line for line in commands)
+# --------------------------------------------------------------------------- notes
 
 
 def test_notes_tell_the_hook_user_to_raise_helms_timeout():
@@ -352,6 +350,7 @@ def _claim(*modes: str) -> dict:
     }
 
 
+@pytest.mark.server  # the local control plane (see markers in pyproject.toml)
 @pytest.mark.parametrize("helm", HELMS)
 @pytest.mark.parametrize(
     ("modes", "refused"),

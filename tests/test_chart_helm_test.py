@@ -19,6 +19,8 @@ import pytest
 from loader.serving import TritonServer
 from tests import chart as rc
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,6 +52,7 @@ def triton(published_tiny_python_repository: Path):
 def run_helm_test(
     container: dict, triton: TritonServer, **overrides
 ) -> subprocess.CompletedProcess:
+
     env = {e["name"]: e["value"] for e in container["env"]}
     env.update(TRITON_HTTP_URL=triton.http_url, TRITON_GRPC_URL=triton.grpc_url, **overrides)
     command = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg) for arg in container["command"]]

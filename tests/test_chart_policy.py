@@ -17,6 +17,10 @@ import yaml
 
 from tests import chart as rc
 
+pytestmark = (
+    pytest.mark.slow
+)  # a policy scanner over every rendered manifest (see markers in pyproject.toml)
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "charts" / "model-triton" / ".checkov.yaml"
 INSTALL = "run `make install` (or `TOOLS_DIR=.tools bash scripts/tools/install-checkov.sh`)"

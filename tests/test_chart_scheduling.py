@@ -19,6 +19,8 @@ from tests import chart as rc
 from tests.kube import nodes as fake
 from tests.kube.kubelet import Serve
 
+pytestmark = pytest.mark.server  # the local control plane (see markers in pyproject.toml)
+
 PRODUCTION = rc.VALUES_DIR / "production.yaml"
 GPU = "nvidia.com/gpu"
 TRITON = {"app.kubernetes.io/component": "triton"}

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from loader.convert.overlapped import Journal
 from loader.convert.schedule import Schedule, Step
+from tests.tiers import examples
 
 #: out_i reads shard s_i only.
 ONE_EACH = {f"out{i}": frozenset({f"s{i}"}) for i in range(1, 5)}
@@ -98,13 +99,16 @@ def plans(draw):
     return needs, done, draw(st.integers(1, 3))
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(200), deadline=None, derandomize=True, database=None)
 @given(plan=plans(), data=st.data())
 def test_any_schedule_writes_everything_once_and_bounds_the_shards_held(plan, data):
-    """A fetch delivering shards in name order as admitted, writers finishing in any order."""
+    """A fetch asking to start the next shard in name order whenever it likes, downloads
+    finishing and writers finishing in any order the schedule allows."""
     needs, done, window = plan
     schedule = Schedule(needs, done=done, window=window)
     queue = sorted({s for shards in needs.values() for s in shards} - schedule.skip)
+    delivered = list(queue)
+    downloading: list[str] = []
     writing: list[str] = []
     written: list[str] = []
     deleted: list[str] = []
@@ -115,16 +119,21 @@ def test_any_schedule_writes_everything_once_and_bounds_the_shards_held(plan, da
             assert all(out in done or out in written for out in needs if shard in needs[out])
             deleted.append(shard)
 
-    delivered = list(queue)
-    while queue or writing:
-        busy = bool(writing)
-        if queue and schedule.admit(queue[0]):
-            assert len(schedule.downloading) <= 1
-            # Beyond the window only while nothing is written: those held cannot progress.
-            assert len(schedule.held) <= window or not busy
-            follow(schedule.arrived(queue.pop(0)))
+    while queue or downloading or writing:
+        moves = ["admit"] * bool(queue) + ["arrive"] * bool(downloading) + ["write"] * bool(writing)
+        move = data.draw(st.sampled_from(moves))
+        if move == "admit":
+            busy = bool(writing)
+            if schedule.admit(queue[0]):
+                downloading.append(queue.pop(0))
+                assert len(downloading) == 1  # one shard downloads at a time
+                # Beyond the window only while nothing is written: those held cannot progress.
+                assert len(schedule.held) <= window or not busy
+            else:
+                assert downloading or writing, "nothing can progress: the schedule stalled"
+        elif move == "arrive":
+            follow(schedule.arrived(downloading.pop(0)))
         else:
-            assert writing, "nothing can progress: the schedule stalled"
             out = writing.pop(data.draw(st.integers(0, len(writing) - 1)))
             written.append(out)
             follow(schedule.written(out))

@@ -27,6 +27,10 @@ from loader.reference.generate import (
     words_from_ft_list,
 )
 
+pytestmark = (
+    pytest.mark.slow
+)  # transformers generation as the reference (see markers in pyproject.toml)
+
 VOCAB = 320
 #: An end_id the model never generates (outside its vocabulary, as FT allows).
 NEVER = VOCAB + 7

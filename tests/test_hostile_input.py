@@ -17,27 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from loader.cli import main
 from loader.errors import PlacementError, SourceError, SourcePermissionError
 from loader.parallel import Parallelism
 from loader.plan import Topology, check_placement
 from loader.repository import manifest
 from loader.sources import FetchOptions, fetch
 from loader.sources.hf import resolve_token
+from tests.runs import cli, run_argv
 
 
 def _run_args(source: Path, root: Path, *extra: str, tp: int = 1) -> list[str]:
-    return [
-        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
-        "--tp-size", str(tp), "--pp-size", "1", "--instance-count", "1", "--backend", "python",
-        *extra,
-    ]  # fmt: skip
-
-
-def _cli(capsys, *argv: str) -> tuple[int, list[str], str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out.splitlines(), captured.err
+    return run_argv(source, root, *extra, tp=tp)
 
 
 def _user_error(code: int, err: str, *needles: str) -> None:
@@ -66,7 +56,7 @@ def _edit_config(path: Path, **changes) -> None:
 
 def test_a_name_with_line_breaks_cannot_rewrite_config_ini(source, tmp_path, capsys):
     _edit_config(source, _name_or_path="x\nvocab_size = 7\n[other]\nend_id = 9")
-    code, out, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    code, out, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
     assert code == 0, err
     parser = configparser.ConfigParser()
     parser.read(Path(out[-1]) / "config.ini")
@@ -108,7 +98,7 @@ def test_a_layer_count_beyond_the_checkpoint_is_refused_before_listing_tensors(
     source, tmp_path, capsys
 ):
     _edit_config(source, n_layer=200_000_000)
-    code, _, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
     _user_error(code, err, "n_layer 200000000 exceeds")
 
 
@@ -125,9 +115,9 @@ def test_a_layer_count_beyond_the_checkpoint_is_refused_before_listing_tensors(
 )
 def test_non_numeric_hyper_parameters_are_user_errors(source, tmp_path, capsys, changes, needle):
     _edit_config(source, **changes)
-    code, _, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
     _user_error(code, err, needle)
-    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root"))
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
     _user_error(code, err, needle)
     assert not (tmp_path / "root").exists()
 
@@ -135,7 +125,7 @@ def test_non_numeric_hyper_parameters_are_user_errors(source, tmp_path, capsys, 
 def test_a_non_numeric_layer_norm_epsilon_is_no_crash(source, tmp_path, capsys):
     """FasterTransformer's GPT-J uses a fixed epsilon: config.json's is not read at all."""
     _edit_config(source, layer_norm_epsilon="tiny")
-    code, _, err = _cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
     assert code == 0, err
 
 
@@ -143,7 +133,7 @@ def test_convert_into_a_file_or_under_a_file_is_a_user_error(source, tmp_path, c
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     for out in (blocker, blocker / "sub"):
-        code, _, err = _cli(capsys, "convert", str(source), str(out), "--tp-size", "1")
+        code, _, err = cli(capsys, "convert", str(source), str(out), "--tp-size", "1")
         _user_error(code, err, f"{blocker} is a file")
     assert blocker.read_text() == "x"
 
@@ -166,9 +156,7 @@ def read_only_dir(tmp_path):
 
 
 def test_convert_into_a_read_only_directory_is_a_user_error(source, read_only_dir, capsys):
-    code, _, err = _cli(
-        capsys, "convert", str(source), str(read_only_dir / "out"), "--tp-size", "1"
-    )
+    code, _, err = cli(capsys, "convert", str(source), str(read_only_dir / "out"), "--tp-size", "1")
     _user_error(code, err, "Cannot create the output directory")
 
 
@@ -183,7 +171,7 @@ def test_a_disk_filling_after_the_weights_is_a_user_error_and_leaves_nothing(
 
     monkeypatch.setattr(layout.shutil, "copyfile", full)
     root = tmp_path / "root"
-    code, out, err = _cli(capsys, *_run_args(source, root))
+    code, out, err = cli(capsys, *_run_args(source, root))
     _user_error(code, err, "ran out of space", "Free disk space")
     assert out == []
     assert list((root / ".staging").iterdir()) == []
@@ -205,7 +193,7 @@ def test_the_free_space_check_counts_everything_the_repository_holds(
         real_check(directory, needed)
 
     monkeypatch.setattr(convert, "_check_free_space", report)
-    assert _cli(capsys, *_run_args(source, tmp_path / "probe"))[0] == 0
+    assert cli(capsys, *_run_args(source, tmp_path / "probe"))[0] == 0
     from loader.repository.layout import tokenizer_files
     from loader.run.verify import REPOSITORY_EXTRA_BYTES
 
@@ -215,12 +203,12 @@ def test_the_free_space_check_counts_everything_the_repository_holds(
     monkeypatch.setattr(
         convert.shutil, "disk_usage", lambda p: usage._replace(free=weights + extra // 2)
     )
-    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root"))
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
     _user_error(code, err, "Converting needs")
 
 
 def test_gpus_per_replica_zero_is_refused_not_taken_as_the_default(source, tmp_path, capsys):
-    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root", "--gpus-per-replica", "0"))
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root", "--gpus-per-replica", "0"))
     _user_error(code, err, "--gpus-per-replica must be at least 1")
 
 
@@ -238,7 +226,7 @@ def test_a_token_file_that_is_not_one_word_of_text_is_a_clear_error(tmp_path, co
 def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
     argv = _run_args(source, tmp_path / "root")
     argv[argv.index("--model-name") + 1] = name
-    code, out, err = _cli(capsys, *argv)
+    code, out, err = cli(capsys, *argv)
     _user_error(code, err, "--model-name")
     assert out == []
 
@@ -247,7 +235,7 @@ def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_p
 def test_run_refuses_a_revision_with_a_newline_or_over_the_limit(
     source, tmp_path, capsys, revision
 ):
-    code, _, err = _cli(capsys, *_run_args(source, tmp_path / "root", "--revision", revision))
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root", "--revision", revision))
     _user_error(code, err, "--revision")
 
 
@@ -261,7 +249,7 @@ def test_a_link_out_of_a_local_source_is_refused(source, tmp_path, capsys):
     (source / "merges.txt").unlink()
     (source / "merges.txt").symlink_to(secret)
     root = tmp_path / "root"
-    code, _, err = _cli(capsys, *_run_args(source, root))
+    code, _, err = cli(capsys, *_run_args(source, root))
     _user_error(code, err, "symbolic link", str(secret))
     assert not root.exists()
     with pytest.raises(SourceError, match="outside the source"):
@@ -272,7 +260,7 @@ def test_a_link_inside_a_local_source_is_followed(source, tmp_path, capsys):
     (source / "blobs").mkdir()
     shutil.move(source / "vocab.json", source / "blobs" / "vocab.json")
     (source / "vocab.json").symlink_to(Path("blobs") / "vocab.json")
-    code, out, err = _cli(capsys, *_run_args(source, tmp_path / "root"))
+    code, out, err = cli(capsys, *_run_args(source, tmp_path / "root"))
     assert code == 0, err
     assert manifest.verify(Path(out[-1])) == []
 
@@ -340,10 +328,10 @@ def test_a_repository_root_with_room_for_the_weights_only_is_refused_before_writ
 ):
     """A real small disk: the weights fit, the rest of the repository would not."""
     probe = tmp_path / "probe"
-    assert _cli(capsys, *_run_args(source, probe))[0] == 0
+    assert cli(capsys, *_run_args(source, probe))[0] == 0
     weights = sum(p.stat().st_size for p in probe.rglob("*.bin"))
     root = small_disk(weights + 256 * 1024)
-    code, out, err = _cli(capsys, *_run_args(source, root))
+    code, out, err = cli(capsys, *_run_args(source, root))
     _user_error(code, err, "Converting needs")
     assert out == []
     assert list(root.glob("tiny@*")) == []

@@ -12,6 +12,10 @@ from loader.formats.fastertransformer import LAYERNORM_EPS
 from loader.reference import FTConfig, GptJ, load_ft_checkpoint
 from tests.tinymodels import load_hf_model, make_tiny_checkpoint
 
+pytestmark = (
+    pytest.mark.slow
+)  # transformers models as the reference (see markers in pyproject.toml)
+
 TOLERANCE = 1e-4
 
 # Left-padded batch: row 1 starts with two padding tokens.

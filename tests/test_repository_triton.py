@@ -18,6 +18,9 @@ import tritonclient.http as httpclient
 
 from loader.serving import TritonServer
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
+
 PROMPT = "<python>def is_even(na: int) ->"
 
 

@@ -13,25 +13,16 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from loader.cli import main
 from loader.repository import manifest
 from loader.repository.config import read_config
 from loader.repository.layout import TOKENIZER_FILES
 from loader.repository.lock import LOCKS_DIR
 from loader.repository.publish import STAGING_DIR
+from tests.runs import cli, run_argv
 
 
 def _args(source: Path, root: Path, *extra: str, tp: int = 2, count: int = 2) -> list[str]:
-    return [
-        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
-        "--tp-size", str(tp), "--pp-size", "1", "--instance-count", str(count), *extra,
-    ]  # fmt: skip
-
-
-def _run(capsys, *argv: str) -> tuple[int, list[str], str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out.splitlines(), captured.err
+    return run_argv(source, root, *extra, tp=tp, count=count, backend=None)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +111,7 @@ def test_rerun_with_the_same_key_does_nothing_and_says_so(published, capsys, cap
     data = manifest.read_manifest(path)
     source = data["source"]
     before = (path / manifest.MANIFEST).stat().st_ino
-    code, out, _ = _run(capsys, *_args(Path(source), root, "--backend", "python",
+    code, out, _ = cli(capsys, *_args(Path(source), root, "--backend", "python",
                                          "--preferred-batch-size", "2", "4"))  # fmt: skip
     assert code == 0
     assert out[-1] == str(path)
@@ -133,7 +124,7 @@ def test_fastertransformer_backend_gets_no_python_model(
 ):
     argv = _args(tiny_checkpoint_with_tokenizer, tmp_path, "--dtype", "fp16",
                  "--no-dynamic-batching", tp=1, count=1)  # fmt: skip
-    code, out, _ = _run(capsys, *argv)
+    code, out, _ = cli(capsys, *argv)
     assert code == 0
     path = Path(out[-1])
     ft = path / "fastertransformer"
@@ -146,11 +137,11 @@ def test_fastertransformer_backend_gets_no_python_model(
 
     # --force publishes a fresh copy; a damaged copy is republished without --force.
     old = (path / manifest.MANIFEST).stat().st_ino
-    code, out, _ = _run(capsys, *argv, "--force")
+    code, out, _ = cli(capsys, *argv, "--force")
     assert code == 0 and out[-1] == str(path)
     assert (path / manifest.MANIFEST).stat().st_ino != old
     (ft / "config.pbtxt").write_text("garbage")
-    code, out, _ = _run(capsys, *argv)
+    code, out, _ = cli(capsys, *argv)
     assert code == 0
     assert "not a complete repository" in caplog.text
     assert manifest.verify(path) == []
@@ -172,7 +163,7 @@ def test_placement_errors_come_before_anything_is_written(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys, extra, needle
 ):
     root = tmp_path / "root"
-    code, out, err = _run(capsys, *_args(tiny_checkpoint_with_tokenizer, root, *extra))
+    code, out, err = cli(capsys, *_args(tiny_checkpoint_with_tokenizer, root, *extra))
     assert code == 2
     assert out == []
     assert needle in err
@@ -186,7 +177,7 @@ def test_layers_not_divisible_by_pipeline_size_are_refused(
     root = tmp_path / "root"
     argv = _args(tiny_checkpoint_with_tokenizer, root, tp=1, count=1)
     argv[argv.index("--pp-size") + 1] = "4"  # the tiny model has 2 layers
-    code, _, err = _run(capsys, *argv)
+    code, _, err = cli(capsys, *argv)
     assert code == 2
     assert "--pp-size" in err
     assert not root.exists()
@@ -196,7 +187,7 @@ def test_tensor_parallel_size_not_dividing_the_heads_is_refused_before_writing(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):
     root = tmp_path / "root"
-    code, _, err = _run(capsys, *_args(tiny_checkpoint_with_tokenizer, root, tp=3, count=1))
+    code, _, err = cli(capsys, *_args(tiny_checkpoint_with_tokenizer, root, tp=3, count=1))
     assert code == 2
     assert "head count (8)" in err
     assert not root.exists()
@@ -209,19 +200,20 @@ def test_checkpoint_without_a_tokenizer_is_refused_before_writing(
     shutil.copytree(tiny_checkpoint_with_tokenizer, source,
                     ignore=shutil.ignore_patterns(*TOKENIZER_FILES))  # fmt: skip
     root = tmp_path / "root"
-    code, _, err = _run(capsys, *_args(source, root))
+    code, _, err = cli(capsys, *_args(source, root))
     assert code == 2
     assert "tokenizer" in err
     assert not root.exists()
 
 
 def test_missing_source_is_a_user_error(tmp_path, capsys):
-    code, _, err = _run(capsys, *_args(tmp_path / "nope", tmp_path / "root"))
+    code, _, err = cli(capsys, *_args(tmp_path / "nope", tmp_path / "root"))
     assert code == 2
     assert "does not exist" in err
     assert not (tmp_path / "root").exists()
 
 
+@pytest.mark.slow
 def test_concurrent_loaders_of_one_key_publish_once(tiny_checkpoint_with_tokenizer, tmp_path):
     argv = [sys.executable, "-m", "loader", *_args(tiny_checkpoint_with_tokenizer, tmp_path)]
     env = {**os.environ, "MODEL_LOADER_LOG_LEVEL": "INFO"}
@@ -249,7 +241,7 @@ def test_a_head_size_fastertransformer_cannot_generate_with_is_refused_before_wr
     config["n_head"] = config["n_embd"] // 16  # same tensors, heads of 16
     (source / "config.json").write_text(json.dumps(config))
     root = tmp_path / "root"
-    code, out, err = _run(capsys, *_args(source, root, tp=1, count=1), "--backend", backend)
+    code, out, err = cli(capsys, *_args(source, root, tp=1, count=1), "--backend", backend)
     assert code == 2
     assert out == []
     assert "heads of size 16" in err

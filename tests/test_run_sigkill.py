@@ -20,6 +20,11 @@ import pytest
 from loader.cli import main
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
+from tests.runs import run_argv
+
+pytestmark = (
+    pytest.mark.slow
+)  # loaders in subprocesses of their own, killed (see markers in pyproject.toml)
 
 #: Runs `model-loader run` with one function wrapped so that it stops at the chosen point.
 _DRIVER = textwrap.dedent(
@@ -83,10 +88,7 @@ _DRIVER = textwrap.dedent(
 
 
 def _argv(source: Path, root: Path) -> list[str]:
-    return [
-        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
-        "--tp-size", "2", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
-    ]  # fmt: skip
+    return run_argv(source, root, tp=2)
 
 
 def _staged(root: Path) -> list[Path]:

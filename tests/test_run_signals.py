@@ -18,6 +18,7 @@ from loader.errors import EXIT_TRANSIENT
 from loader.repository import manifest
 from loader.repository.lock import LOCKS_DIR
 from loader.repository.publish import STAGING_DIR
+from tests.runs import run_argv
 from tests.servers import free_port
 
 #: Runs `model-loader run`, pausing in the main thread once the weights are converted into
@@ -46,11 +47,7 @@ _DRIVER = textwrap.dedent(
 
 
 def _argv(source: Path | str, root: Path, *extra: str) -> list[str]:
-    return [
-        "run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
-        "--tp-size", "2", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
-        *extra,
-    ]  # fmt: skip
+    return run_argv(source, root, *extra, tp=2)
 
 
 def _start_paused(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen, Path]:
@@ -73,6 +70,7 @@ def _entries(path: Path) -> list[Path]:
     return sorted(path.iterdir()) if path.exists() else []
 
 
+@pytest.mark.slow
 def test_sigterm_stops_run_cleanly_releasing_its_lock_and_removing_its_staging(
     tiny_checkpoint_with_tokenizer, tmp_path
 ):
@@ -95,6 +93,7 @@ def test_sigterm_stops_run_cleanly_releasing_its_lock_and_removing_its_staging(
     assert [p for p in root.glob("tiny@*/*")] == []
 
 
+@pytest.mark.slow
 def test_a_stalled_holder_whose_lock_was_taken_over_stops_without_publishing(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):
@@ -162,6 +161,7 @@ def test_a_bad_argument_still_exits_2_not_the_transient_code(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.server
 def test_sigterm_during_an_hf_download_stops_run_at_once(tmp_path):
     """The Hub library's download pool would finish its queue first (30 s here). The config
     is too thin to convert, so the download runs on the sequential path (the overlapped one

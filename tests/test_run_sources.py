@@ -10,26 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from loader.cli import main
 from loader.repository import manifest
 from loader.repository.key import key_filename
+from tests.runs import cli, run_argv, use_hub
 from tests.servers import GcsServer, OlahServer
 
 BUCKET = "models"
-
-
-def _args(source: str, root: Path, *extra: str) -> list[str]:
-    return [
-        "run", "--source", source, "--repository", str(root), "--model-name", "tiny",
-        "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
-        *extra,
-    ]  # fmt: skip
-
-
-def _run(capsys, *argv: str) -> tuple[int, list[str], str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out.splitlines(), captured.err
 
 
 def _flip_last_bytes(path: Path) -> None:
@@ -51,7 +37,7 @@ def local_source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
 
 def test_an_overwritten_local_source_is_never_nothing_to_do(local_source, tmp_path, capsys):
     root = tmp_path / "root"
-    code, out, _ = _run(capsys, *_args(str(local_source), root))
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root))
     assert code == 0
     published = Path(out[-1])
     before = (published / manifest.MANIFEST).read_bytes()
@@ -60,7 +46,7 @@ def test_an_overwritten_local_source_is_never_nothing_to_do(local_source, tmp_pa
     assert len(recorded["files"]["model.safetensors"]["sha256"]) == 64
 
     _flip_last_bytes(local_source / "model.safetensors")
-    code, out, err = _run(capsys, *_args(str(local_source), root))
+    code, out, err = cli(capsys, *run_argv(str(local_source), root))
     assert code == 2
     assert out == []
     assert "model.safetensors changed" in err
@@ -70,23 +56,23 @@ def test_an_overwritten_local_source_is_never_nothing_to_do(local_source, tmp_pa
     assert (published / manifest.MANIFEST).read_bytes() == before  # left as it was
 
     # Following the source publishes it again under the same key; then it is up to date.
-    code, out, _ = _run(capsys, *_args(str(local_source), root, "--follow-source"))
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root, "--follow-source"))
     assert code == 0 and out[-1] == str(published)
     assert manifest.verify(published) == []
     assert (published / manifest.MANIFEST).read_bytes() != before
-    code, out, _ = _run(capsys, *_args(str(local_source), root))
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root))
     assert code == 0 and out[-1] == str(published)
 
 
 def test_a_touched_but_identical_local_file_is_not_a_change(local_source, tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO, logger="loader")
     root = tmp_path / "root"
-    assert _run(capsys, *_args(str(local_source), root))[0] == 0
+    assert cli(capsys, *run_argv(str(local_source), root))[0] == 0
     os.utime(local_source / "model.safetensors", (1, 1))
     shutil.copy(local_source / "config.json", local_source / "config.json.tmp")
     os.replace(local_source / "config.json.tmp", local_source / "config.json")  # a new inode
     caplog.clear()
-    code, _, _ = _run(capsys, *_args(str(local_source), root))
+    code, _, _ = cli(capsys, *run_argv(str(local_source), root))
     assert code == 0
     assert "already published and verified; nothing to do" in caplog.text
     assert "hashing 2 file(s)" in caplog.text  # only the two whose stat changed were read
@@ -94,9 +80,9 @@ def test_a_touched_but_identical_local_file_is_not_a_change(local_source, tmp_pa
 
 def test_a_file_added_to_a_local_source_is_a_change(local_source, tmp_path, capsys):
     root = tmp_path / "root"
-    assert _run(capsys, *_args(str(local_source), root))[0] == 0
+    assert cli(capsys, *run_argv(str(local_source), root))[0] == 0
     (local_source / "README.md").write_text("# notes\n")
-    code, _, err = _run(capsys, *_args(str(local_source), root))
+    code, _, err = cli(capsys, *run_argv(str(local_source), root))
     assert code == 2
     assert "README.md was added" in err
 
@@ -109,7 +95,7 @@ def test_every_spelling_of_a_local_path_publishes_one_key(
     root = tmp_path / "root"
     paths = []
     for spelling in ("ckpt", f"{local_source}/", f"file://{local_source}", "./x/../ckpt"):
-        code, out, err = _run(capsys, *_args(spelling, root))
+        code, out, err = cli(capsys, *run_argv(spelling, root))
         assert code == 0, err
         paths.append(out[-1])
     assert len(set(paths)) == 1
@@ -135,9 +121,10 @@ def gs_source(gcs, local_source, monkeypatch, request) -> str:
     return f"gs://{BUCKET}/{prefix}"
 
 
+@pytest.mark.server
 def test_a_re_uploaded_gcs_prefix_is_a_change(gs_source, gcs, local_source, tmp_path, capsys):
     root = tmp_path / "root"
-    code, out, _ = _run(capsys, *_args(gs_source, root))
+    code, out, _ = cli(capsys, *run_argv(gs_source, root))
     assert code == 0
     recorded = manifest.read_manifest(Path(out[-1]))[manifest.SOURCE_FINGERPRINT]
     entry = recorded["files"]["model.safetensors"]
@@ -145,27 +132,29 @@ def test_a_re_uploaded_gcs_prefix_is_a_change(gs_source, gcs, local_source, tmp_
 
     _flip_last_bytes(local_source / "model.safetensors")
     gcs.upload_dir(BUCKET, gs_source.split("/", 3)[3], local_source)
-    code, out, err = _run(capsys, *_args(gs_source + "/", root))  # another spelling: same key
+    code, out, err = cli(capsys, *run_argv(gs_source + "/", root))  # another spelling: same key
     assert code == 2
     assert "model.safetensors changed" in err and "config.json changed" in err
 
 
+@pytest.mark.server
 def test_a_scratch_work_dir_keeps_everything_the_loader_did_not_create(gs_source, tmp_path, capsys):
     root, scratch = tmp_path / "root", tmp_path / "scratch"
     (scratch / "mine").mkdir(parents=True)
     (scratch / "notes.txt").write_text("not the loader's")
-    code, out, _ = _run(capsys, *_args(gs_source, root, "--work-dir", str(scratch)))
+    code, out, _ = cli(capsys, *run_argv(gs_source, root, "--work-dir", str(scratch)))
     assert code == 0
     assert manifest.verify(Path(out[-1])) == []
     assert sorted(p.name for p in scratch.iterdir()) == ["mine", "notes.txt"]
     assert (scratch / "notes.txt").read_text() == "not the loader's"
 
 
+@pytest.mark.server
 def test_the_repository_root_as_work_dir_keeps_the_published_model(gs_source, tmp_path, capsys):
     root = tmp_path / "root"
     root.mkdir()
     (root / "other-model").mkdir()
-    code, out, _ = _run(capsys, *_args(gs_source, root, "--work-dir", str(root)))
+    code, out, _ = cli(capsys, *run_argv(gs_source, root, "--work-dir", str(root)))
     assert code == 0
     published = Path(out[-1])
     assert manifest.verify(published) == []  # the printed path exists and is complete
@@ -173,17 +162,18 @@ def test_the_repository_root_as_work_dir_keeps_the_published_model(gs_source, tm
     assert not (root / key_filename(str(published.relative_to(root)))).exists()
 
 
+@pytest.mark.server
 def test_a_download_directory_the_loader_did_not_create_is_kept(gs_source, tmp_path, capsys):
     from loader.cli import build_parser
     from loader.cli.run import request_from_args
 
     root, scratch = tmp_path / "root", tmp_path / "scratch"
-    argv = _args(gs_source, root, "--work-dir", str(scratch))
+    argv = run_argv(gs_source, root, "--work-dir", str(scratch))
     key = request_from_args(build_parser().parse_args(argv)).key
     theirs = scratch / key_filename(key)
     theirs.mkdir(parents=True)
     (theirs / "theirs.txt").write_text("x")
-    code, _, _ = _run(capsys, *argv)
+    code, _, _ = cli(capsys, *argv)
     assert code == 0
     assert (theirs / "theirs.txt").is_file()
 
@@ -202,21 +192,21 @@ def hub(tiny_checkpoint_with_tokenizer, tmp_path_factory):
     srv.stop()
 
 
+@pytest.mark.server
 def test_a_moved_hf_branch_is_a_change_naming_both_commits(hub, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
     root = tmp_path / "root"
-    code, out, err = _run(capsys, *_args("hf://org/moving@main", root))
+    code, out, err = cli(capsys, *run_argv("hf://org/moving@main", root))
     assert code == 0, err
     published = Path(out[-1])
     first = manifest.read_manifest(published)[manifest.SOURCE_FINGERPRINT]["commit"]
     assert len(first) == 40
 
     moved = hub.commit(hub.repo, {"generation_config.json": b"{}\n"}, "main moves")
-    code, out, err = _run(capsys, *_args("hf://org/moving@main", root))
+    code, out, err = cli(capsys, *run_argv("hf://org/moving@main", root))
     assert code == 2
     assert f"commit {first} is now {moved}" in err
     # Pinning the new commit publishes it under its own key; the old key stays as it was.
-    code, out, err = _run(capsys, *_args(f"hf://org/moving@{moved}", root))
+    code, out, err = cli(capsys, *run_argv(f"hf://org/moving@{moved}", root))
     assert code == 0, err
     assert Path(out[-1]) != published and manifest.verify(published) == []

@@ -27,6 +27,9 @@ from loader.errors import EndpointError, ServerStartError
 from loader.repository.config import read_config, write_config
 from loader.serving import TritonServer
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
 SEED_REQUEST = load_request(ROOT / "bench" / "test.json")

@@ -22,8 +22,11 @@ from loader.errors import RepositoryError, ServerStartError
 from loader.repository.config import write_config
 from loader.serving import TritonServer, find_triton, server_environment
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 DOUBLE_MODEL = """
 import triton_python_backend_utils as pb_utils
+
 
 
 class TritonPythonModel:

@@ -25,6 +25,9 @@ from loader.errors import (
 from loader.sources import fetch, gcs, transfer
 from tests.servers import GcsServer, ThrottleProxy, free_port
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
+
 BUCKET = "models"
 SLICE = 4 * 1024 * 1024
 

@@ -14,7 +14,11 @@ import pytest
 from loader.errors import CheckpointError, SourceNotFoundError, SourcePermissionError
 from loader.repository import manifest
 from loader.sources import fetch, transfer
+from tests.runs import use_hub
 from tests.servers import OlahServer, git
+
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 
 #: Files of other formats that must never be downloaded.
 DECOYS = {
@@ -51,11 +55,7 @@ def hub(tiny_checkpoint_with_tokenizer, tiny_sharded_bin_checkpoint, tmp_path_fa
 
 @pytest.fixture(autouse=True)
 def endpoint(monkeypatch, hub, tmp_path):
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
-        monkeypatch.delenv(name, raising=False)
+    use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
 
 
 def visible(dest: Path) -> list[str]:

@@ -10,6 +10,10 @@ container then sees `.ready`, the rollout completes, and `helm test` runs the te
 real here: Triton itself (a FasterTransformer server needs GPUs; the kubelet reports the
 container started and Ready) and so the test Pod's completion (it exits 0); the test Pod's
 command is run for real against a CPU Triton by tests/test_chart_helm_test.py.
+
+The chart's `loader.ttlSecondsAfterFinished` is 0 here: the real TTL controller would delete
+the finished Job at once, so the script must (and does) keep it for at least an hour to read
+how the load ended.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from tests.kube import nodes as fake
 from tests.kube.controlplane import ROOT
 from tests.kube.kubelet import Context, Exit
 from tests.servers import GcsServer
+
+pytestmark = pytest.mark.server  # the local control plane (see markers in pyproject.toml)
 
 STAGING = rc.VALUES_DIR / "staging.yaml"
 CLAIM = "codegen-model-triton-models"
@@ -56,6 +62,7 @@ def test_staging_deploy_installs_loads_rolls_and_tests_on_the_local_cluster(
         f"model.source={source}",
         "loader.extraEnv[0].name=STORAGE_EMULATOR_HOST",
         f"loader.extraEnv[0].value={server.url}",
+        "loader.ttlSecondsAfterFinished=0",
         *sandbox.chart_args()[1::2],
     ]
     proc = subprocess.run(
@@ -81,6 +88,13 @@ def test_staging_deploy_installs_loads_rolls_and_tests_on_the_local_cluster(
     ]
     assert f"==> deployed {key} to local" in proc.stdout
     assert "completed" in proc.stdout
+    # The Job made from the CronJob outlives the chart's ttl of 0, and it succeeded.
+    [job] = sandbox.api.list("batch/v1", "Job", sandbox.namespace)
+    assert f"job/{job['metadata']['name']} from cronjob/" in proc.stdout
+    assert job["spec"]["ttlSecondsAfterFinished"] >= 3600
+    assert job["status"].get("succeeded") == 1
+    # Pods of the new key waited for its `.ready`: no restart (one ReplicaSet, one rollout).
+    assert len(sandbox.api.list("apps/v1", "ReplicaSet", sandbox.namespace)) == 1
     # The real loader published a FasterTransformer repository for T = 2 under the key.
     published = sandbox.claim_dir(CLAIM) / key
     assert (published / ".ready").exists()

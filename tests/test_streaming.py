@@ -43,6 +43,9 @@ from loader.repository.tensors import ENSEMBLE_INPUTS, STREAMING_OUTPUTS
 from loader.serving import TritonServer
 from loader.streaming import StreamEvent, StreamingClient, collect, stream_completion
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
 SEED_REQUEST = load_request(ROOT / "bench" / "test.json")

@@ -20,6 +20,8 @@ from loader.completion import complete, load_request
 from loader.errors import ServerStartError
 from loader.serving import TritonServer
 
+pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
 SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
@@ -30,6 +32,7 @@ CLIENT_OUTPUTS = (
     "cum_log_probs",
     "output_log_probs",
 )
+
 LOG_PROBS = {"cum_log_probs", "output_log_probs"}
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from loader import values_doc
 from loader.chart import (
     CHART_DIR,
     KUBERNETES_VERSIONS,
@@ -34,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-f", "--values", action="append", default=[], help="values file(s)")
     parser.add_argument("--set", action="append", default=[], help="helm --set overrides")
-    parser.add_argument("--helm", default="helm", choices=["helm", "helm3", "helm4"])
+    parser.add_argument(
+        "--helm",
+        default="helm",
+        help="helm, helm3 or helm4 from --tools, or the path of a helm binary (default: helm)",
+    )
     parser.add_argument("--release", default="codegen")
     parser.add_argument("--namespace", default="model-triton")
     parser.add_argument(
@@ -53,12 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
         + " and ".join(KUBERNETES_VERSIONS),
     )
     parser.add_argument("--output", type=Path, help="write the rendered manifests here")
+    parser.add_argument(
+        "--values-doc",
+        action="store_true",
+        help="write the chart README's table of values from values.yaml's `# --` comments",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.values_doc:
+        changed = values_doc.write(args.chart)
+        print(f"{args.chart / 'README.md'}: {'updated' if changed else 'up to date'}")
+        return 0
     chart = Chart(args.chart, args.tools)
     try:
         text = chart.render(

@@ -194,7 +194,7 @@ class OverlappedConversion:
             self.plan.check_file(rel, shard.infos())
             with self._cond:
                 self._raise_if_failed()
-                self._shards.add(shard)
+                self._shards.add(shard, only=self.plan.expected)
                 held = sum(s.path.stat().st_size for s in self._shards.shards.values())
                 self.peak_shard_bytes = max(self.peak_shard_bytes, held)
                 self._follow(self.schedule.arrived(rel))

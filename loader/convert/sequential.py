@@ -68,7 +68,7 @@ def open_planned(plan: ConversionPlan) -> tuple[ConversionPlan, Checkpoint]:
             shard = inventory.open(name)
             try:
                 plan.check_file(name, shard.infos())
-                ckpt.add(shard)
+                ckpt.add(shard, only=plan.expected)  # what is not read may be anywhere
             except BaseException:
                 shard.close()
                 raise

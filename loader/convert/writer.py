@@ -90,10 +90,11 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     for stale in _leftovers(parent, final.name):
         log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
     try:
-        tmp.mkdir(mode=0o755)
-    except OSError as exc:
-        raise _output_error(parent, exc) from exc
-    try:
+        # Made inside the block that removes it: a signal right after it leaves nothing.
+        try:
+            tmp.mkdir(mode=0o755)
+        except OSError as exc:
+            raise _output_error(parent, exc) from exc
         yield tmp
         if final.exists():
             if not overwrite:

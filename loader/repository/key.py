@@ -8,7 +8,12 @@
   its absolute form and its ``file://`` form are one source, ``file:///abs/path``; a gs://
   prefix without trailing slash).
 * The model name and the revision are at most :data:`MAX_PART_BYTES` bytes each (the key's
-  file names, lock and staging names included, stay within the 255 bytes a file system takes).
+  file names, lock and staging names included, stay within the 255 bytes a file system takes),
+  made of the characters :data:`NAME_PATTERN` and :data:`REVISION_PATTERN` allow.
+* The source is one the loader can fetch (:func:`check_source`), with or without a revision:
+  a key is never computed for a source the run would refuse. A ``file://`` URI is a path
+  written as is: percent-escapes, ``?`` and ``#`` are refused rather than decoded or dropped,
+  and no source may hold a control character.
 * ``variant`` is the first 8 hex digits of the sha256 of the canonical settings string (UTF-8,
   no spaces)::
 
@@ -17,6 +22,11 @@
   ``dtype`` is ``auto`` when no ``--dtype`` was given; ``preferred_batch_size`` and
   ``max_queue_delay_us`` are empty when dynamic batching is off. The Helm chart computes the same
   string with ``sha256sum | trunc 8``, so any change here must change the chart too.
+
+The Helm chart computes the same key (``charts/model-triton/templates/_modelkey.tpl``) and refuses
+what this module refuses; ``tests/test_chart_key.py`` renders thousands of generated sources,
+names, revisions and settings through the real Helm and compares them with this module, and reads
+the limits below against the chart's ``values.schema.json``.
 """
 
 from __future__ import annotations
@@ -25,9 +35,9 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from loader.errors import RepositoryError
+from loader.errors import RepositoryError, SourceError
 from loader.parallel import Parallelism
-from loader.sources import parse_uri
+from loader.sources import SourceURI, parse_uri
 
 #: Backends the loader writes the ``fastertransformer`` model for.
 BACKENDS: tuple[str, ...] = ("fastertransformer", "python")
@@ -38,10 +48,19 @@ RESERVED_MODEL_NAMES: frozenset[str] = frozenset(
     {"preprocessing", "fastertransformer", "postprocessing"}
 )
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+#: What a model name is made of (the whole name; the chart's schema has ``^...$``).
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+#: What a revision is made of (the whole revision).
+REVISION_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_NAME = re.compile(NAME_PATTERN)
+_REVISION = re.compile(REVISION_PATTERN)
 #: Longest model name and longest revision, in bytes.
 MAX_PART_BYTES = 64
+#: Characters no source may hold: ASCII control characters and DEL.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: A ``file://`` URI the key accepts: no host but ``localhost``, an absolute path, and none of the
+#: characters a URL parser would decode (``%``) or cut off (``?``, ``#``).
+_FILE_URI = re.compile(r"(?i:file)://(localhost)?/[^%?#]*")
 
 
 @dataclass(frozen=True)
@@ -140,13 +159,36 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def check_source(source: str) -> SourceURI:
+    """The parsed source, or :class:`~loader.errors.SourceError` for a source the key does not
+    take: empty, an unknown scheme, missing parts (``parse_uri``), a control character, or a
+    ``file://`` URI with a host, a relative path, a percent-escape, ``?`` or ``#``."""
+    if isinstance(source, str) and _CONTROL.search(source):
+        raise SourceError(
+            f"The source {source!r} contains a control character.",
+            "Write the source URI or path without control characters (tabs, newlines).",
+        )
+    if (
+        isinstance(source, str)
+        and source[:7].lower() == "file://"
+        and not _FILE_URI.fullmatch(source)
+    ):
+        raise SourceError(
+            f"file:// URI {source!r} is not a plain absolute path.",
+            "Write file:///absolute/path with the path as it is on disk (no %-escapes, '?' or "
+            "'#'), or give the plain path.",
+        )
+    return parse_uri(source)
+
+
 def resolve_revision(source: str, revision: str | None = None) -> str:
-    """The key's revision: ``revision``, else the URI's ``@rev``, else a hash of the URI."""
+    """The key's revision: ``revision``, else the URI's ``@rev``, else a hash of the URI. The
+    source is checked either way (:func:`check_source`)."""
+    parsed = check_source(source)
     if revision is None:
-        revision = parse_uri(source).revision
+        revision = parsed.revision
     if revision is None:
-        canonical = parse_uri(source).canonical
-        return "src-" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:10]
+        return "src-" + hashlib.sha256(parsed.canonical.encode("utf-8")).hexdigest()[:10]
     if not _REVISION.fullmatch(revision):
         raise RepositoryError(
             f"Revision {revision!r} cannot be part of a model key (a directory name).",

@@ -111,7 +111,7 @@ class Overlapped(Sequential):
                     "config.json of %s declares no dtype: converting after the download",
                     self.request.source,
                 )
-                super().fetch()
+                _unchanged(self.request.source, self._first, super().fetch())
             return super().convert(verified, into)
         request, first = self.request, self._first
         with (

@@ -101,18 +101,7 @@ template:
     {{- end }}
     securityContext:
       {{- toYaml .Values.podSecurityContext | nindent 6 }}
-    {{- with .Values.loader.nodeSelector }}
-    nodeSelector:
-      {{- toYaml . | nindent 6 }}
-    {{- end }}
-    {{- with .Values.loader.tolerations }}
-    tolerations:
-      {{- toYaml . | nindent 6 }}
-    {{- end }}
-    {{- with .Values.loader.affinity }}
-    affinity:
-      {{- toYaml . | nindent 6 }}
-    {{- end }}
+    {{- include "model-triton.loaderPlacement" . | nindent 4 }}
     containers:
       - name: loader
         image: {{ include "model-triton.image" (dict "image" .Values.loader.image "context" .) }}
@@ -182,4 +171,59 @@ template:
               path: key.json
       {{- end }}
       {{- end }}
+{{- end -}}
+
+
+{{/*
+model-triton.volumeIsOneNode: "true" when the model volume attaches to one node only: a created
+claim with accessMode ReadWriteOnce, or an existing claim whose live accessModes (read with
+`lookup` on install and upgrade) have ReadWriteOnce and not ReadWriteMany.
+*/}}
+{{- define "model-triton.volumeIsOneNode" -}}
+{{- $p := .Values.modelRepository.persistence -}}
+{{- $modes := list $p.accessMode -}}
+{{- if $p.existingClaim -}}
+{{- $modes = list -}}
+{{- with lookup "v1" "PersistentVolumeClaim" .Release.Namespace $p.existingClaim -}}
+{{- $modes = .spec.accessModes | default list -}}
+{{- end -}}
+{{- end -}}
+{{- if and (has "ReadWriteOnce" $modes) (not (has "ReadWriteMany" $modes)) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.loaderPlacement: the loader pod's nodeSelector, tolerations and affinity: the
+loader.* values; on a one-node volume (model-triton.volumeIsOneNode), where a loader value is
+empty, the Triton pods' (so the loader may run on their tainted GPU node) and a preference for
+the node of a Triton pod (where the volume is attached).
+*/}}
+{{- define "model-triton.loaderPlacement" -}}
+{{- $l := .Values.loader -}}
+{{- $c := .Values.cluster -}}
+{{- $oneNode := include "model-triton.volumeIsOneNode" . -}}
+{{- $selector := $l.nodeSelector -}}
+{{- $tolerations := $l.tolerations -}}
+{{- $affinity := $l.affinity -}}
+{{- if $oneNode -}}
+{{- $selector = default $c.nodeSelector $selector -}}
+{{- $tolerations = default $c.tolerations $tolerations -}}
+{{- if not $affinity -}}
+{{- $affinity = dict "podAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" (dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "model-triton.selectorLabels" (dict "context" . "component" "triton") | fromYaml)))))) -}}
+{{- with (default dict $c.affinity).nodeAffinity -}}
+{{- $_ := set $affinity "nodeAffinity" . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with $selector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}

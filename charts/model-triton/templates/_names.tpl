@@ -54,19 +54,31 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-model-triton.labels: the full label set of a resource: commonLabels, then the selector labels,
-version, chart and manager, which win over a commonLabels key of the same name (a selector that
-no longer matches its pods, or a duplicate key, is never rendered).
-Usage: include "model-triton.labels" (dict "context" $ "component" "triton")
+model-triton.labels: the full label set of a resource as one map: commonLabels, then `extra` (a
+resource's own labels value, e.g. metrics.serviceMonitor.labels), then the selector labels,
+version, chart and manager (which no user map may name: _rules.tpl refuses it).
+Usage: include "model-triton.labels" (dict "context" $ "component" "triton" ["extra" $map])
 */}}
 {{- define "model-triton.labels" -}}
-{{- $labels := deepCopy (default dict .context.Values.commonLabels) -}}
+{{- $labels := merge (deepCopy (default dict .extra)) (deepCopy (default dict .context.Values.commonLabels)) -}}
 {{- $standard := include "model-triton.selectorLabels" . | fromYaml -}}
 {{- $_ := set $standard "helm.sh/chart" (include "model-triton.chart" .context) -}}
 {{- $_ := set $standard "app.kubernetes.io/version" (.context.Chart.AppVersion | toString) -}}
 {{- $_ := set $standard "app.kubernetes.io/managed-by" .context.Release.Service -}}
 {{- $_ := set $standard "app.kubernetes.io/part-of" "model-triton" -}}
 {{- toYaml (merge $standard $labels) -}}
+{{- end -}}
+
+{{/*
+model-triton.podNamePattern: a regular expression (RE2, as PromQL's =~ takes it, anchored) that
+matches exactly the names of this Deployment's pods: <deployment>-<pod-template-hash>-<5
+characters>, both drawn from Kubernetes' safe alphabet (no vowels, no 0, 1, 3). Another release
+whose name starts with this one's has one more `-` part and does not match. Exact while the
+full name has at most 46 characters (longer ones are shortened in pod names: _rules.tpl refuses
+them where the pattern is used).
+*/}}
+{{- define "model-triton.podNamePattern" -}}
+{{- printf "%s-[bcdfghjklmnpqrstvwxz2456789]{1,10}-[bcdfghjklmnpqrstvwxz2456789]{5}" (include "model-triton.fullname" .) -}}
 {{- end -}}
 
 {{/*

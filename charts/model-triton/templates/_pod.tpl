@@ -9,15 +9,24 @@ is prepended to the repository.
 Usage: include "model-triton.image" (dict "image" .Values.loader.image "context" $)
 */}}
 {{- define "model-triton.image" -}}
-{{- $repository := .image.repository -}}
-{{- with .context.Values.global.imageRegistry -}}
-{{- $repository = printf "%s/%s" (trimSuffix "/" .) $repository -}}
-{{- end -}}
+{{- $repository := include "model-triton.imageName" . -}}
 {{- if .image.digest -}}
 {{- printf "%s@%s" $repository .image.digest -}}
 {{- else -}}
 {{- printf "%s:%s" $repository (default .context.Chart.AppVersion .image.tag | toString) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.imageName: the image's name without tag or digest, global.imageRegistry first.
+Usage: include "model-triton.imageName" (dict "image" .Values.loader.image "context" $)
+*/}}
+{{- define "model-triton.imageName" -}}
+{{- $repository := toString .image.repository -}}
+{{- with .context.Values.global.imageRegistry -}}
+{{- $repository = printf "%s/%s" (trimSuffix "/" .) $repository -}}
+{{- end -}}
+{{- $repository -}}
 {{- end -}}
 
 {{/*
@@ -31,4 +40,13 @@ imagePullSecrets:
   - name: {{ . }}
 {{- end }}
 {{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.intOrPercent: an int-or-string value as YAML: a percentage as a quoted string, a
+number as an integer (Helm 4 reads a values file's numbers as floats, which print as
+2.147483647e+09; Helm 3 as json.Number, a string kind).
+*/}}
+{{- define "model-triton.intOrPercent" -}}
+{{- if hasSuffix "%" (toString .) -}}{{ . | quote }}{{- else -}}{{ int64 . }}{{- end -}}
 {{- end -}}

@@ -32,18 +32,26 @@ model-triton.replicas: Triton replicas, nodes x N.
 {{- end -}}
 
 {{/*
-model-triton.tritonArgs: the `tritonserver` command line (a YAML list).
+model-triton.tritonArgs: the `tritonserver` command line (a YAML list): the chart's own options,
+then triton.extraArgs (which may not set or abbreviate one of the chart's: _rules.tpl).
 */}}
 {{- define "model-triton.tritonArgs" -}}
+{{- include "model-triton.tritonChartArgs" . }}
+{{- range .Values.triton.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+model-triton.tritonChartArgs: the options of the `tritonserver` command line the chart sets.
+*/}}
+{{- define "model-triton.tritonChartArgs" -}}
 - tritonserver
 - --model-repository={{ include "model-triton.modelPath" . }}
 - --http-port=8000
 - --grpc-port=8001
 - --metrics-port=8002
 - --exit-timeout-secs={{ max 5 (sub (sub (int .Values.triton.terminationGracePeriodSeconds) (int .Values.triton.preStopSleepSeconds)) 10) }}
-{{- range .Values.triton.extraArgs }}
-- {{ . | quote }}
-{{- end }}
 {{- end -}}
 
 {{/*
@@ -101,7 +109,8 @@ minimum at 0 and allow one pod per node.
 
 {{/*
 model-triton.maxUnavailable: triton.updateStrategy.maxUnavailable, or when it is empty ("auto")
-a quarter of the replicas (at least 1), raised to replicas - live replicas + 1 when an upgrade
+a quarter of the replicas (of autoscaling.minReplicas with autoscaling on: the fewest pods that
+may be running), at least 1, raised to replicas - live replicas + 1 when an upgrade
 grows the Deployment. The Deployment controller scales old pods down only while more pods are
 available than replicas - maxUnavailable, counting the new ReplicaSet's unschedulable pods as
 unavailable: on a pool with no free GPU a growing rollout (N=4,T=4 -> N=8,T=2) stops forever
@@ -111,7 +120,9 @@ cluster during install and upgrade and is empty for `helm template`.
 {{- define "model-triton.maxUnavailable" -}}
 {{- $configured := .Values.triton.updateStrategy.maxUnavailable -}}
 {{- if and (not (kindIs "invalid" $configured)) (ne (toString $configured) "") -}}
-{{- $configured -}}
+{{- ternary $configured (int64 $configured | toString) (hasSuffix "%" (toString $configured)) -}}
+{{- else if .Values.autoscaling.enabled -}}
+{{- max 1 (div (int .Values.autoscaling.minReplicas) 4) -}}
 {{- else -}}
 {{- $replicas := include "model-triton.replicas" . | int -}}
 {{- $auto := max 1 (div $replicas 4) -}}
@@ -125,6 +136,21 @@ cluster during install and upgrade and is empty for `helm template`.
 {{- end -}}
 
 {{/*
+model-triton.autoscaledReplicas: with autoscaling on, the live Deployment's replicas (read with
+`lookup` during `helm upgrade`) within autoscaling.minReplicas..maxReplicas, so that turning
+autoscaling on for a live release keeps its pods until the autoscaler decides (a manifest
+without `replicas` would make Helm's patch drop the field, and the Deployment to 1 replica).
+Empty on `helm install` and `helm template`: the autoscaler sets the count from minReplicas.
+*/}}
+{{- define "model-triton.autoscaledReplicas" -}}
+{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "model-triton.fullname" .) -}}
+{{- if and $live (hasKey (default dict $live.spec) "replicas") -}}
+{{- $max := include "model-triton.maxReplicas" . | int -}}
+{{- min $max (max (int .Values.autoscaling.minReplicas) (int $live.spec.replicas)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 model-triton.updateStrategy: the Deployment strategy. RollingUpdate with maxSurge 0 by default:
 a full GPU node has no spare GPU for a surge pod.
 */}}
@@ -133,7 +159,7 @@ a full GPU node has no spare GPU for a surge pod.
 type: {{ $s.type }}
 {{- if eq $s.type "RollingUpdate" }}
 rollingUpdate:
-  maxSurge: {{ $s.maxSurge }}
+  maxSurge: {{ include "model-triton.intOrPercent" $s.maxSurge }}
   {{- $mu := include "model-triton.maxUnavailable" . }}
   maxUnavailable: {{ ternary $mu (int $mu) (hasSuffix "%" $mu) }}
 {{- end }}
@@ -150,12 +176,11 @@ for the model, then load it within the startup probe's budget; plus 10 minutes f
 {{- end -}}
 
 {{/*
-model-triton.podLabels: the labels of the Triton pods: triton.podLabels, then the standard
-labels (which win).
+model-triton.podLabels: the labels of the Triton pods: commonLabels, triton.podLabels (which
+win over commonLabels), then the standard labels (which no user map may name).
 */}}
 {{- define "model-triton.podLabels" -}}
-{{- $standard := include "model-triton.labels" (dict "context" . "component" "triton") | fromYaml -}}
-{{- toYaml (merge $standard (deepCopy (default dict .Values.triton.podLabels))) -}}
+{{- include "model-triton.labels" (dict "context" . "component" "triton" "extra" .Values.triton.podLabels) -}}
 {{- end -}}
 
 {{/*

@@ -9,28 +9,8 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- $c := .Values.cluster -}}
 {{- $t := .Values.triton -}}
 
-{{- /* Parallel sizes and instance count: whole numbers >= 1. */ -}}
-{{- if lt (int $m.tensorParallelSize) 1 -}}
-{{- $problems = append $problems (printf "model-triton: model.tensorParallelSize is %v; set it to 1 or more (the number of GPUs one copy of the weights is split across)." $m.tensorParallelSize) -}}
-{{- end -}}
-{{- if lt (int $m.pipelineParallelSize) 1 -}}
-{{- $problems = append $problems (printf "model-triton: model.pipelineParallelSize is %v; set it to 1 or more (1 = no pipeline parallelism)." $m.pipelineParallelSize) -}}
-{{- end -}}
-{{- if lt (int $t.instanceCount) 1 -}}
-{{- $problems = append $problems (printf "model-triton: triton.instanceCount is %v; set it to 1 or more (model instances per Triton replica)." $t.instanceCount) -}}
-{{- end -}}
-
-{{- /* The source URI scheme must be one the loader can fetch. */ -}}
-{{- $scheme := include "model-triton.sourceScheme" . -}}
-{{- if not (has $scheme (list "gs" "hf" "file")) -}}
-{{- $problems = append $problems (printf "model-triton: model.source %q has an unsupported scheme %q; use gs://bucket/path, hf://org/name[@revision] or file:///path." (toString $m.source) (default "(none)" $scheme)) -}}
-{{- end -}}
-
-{{- /* The revision names a directory: the loader accepts letters, digits, '.', '_', '-'. */ -}}
-{{- $revision := include "model-triton.modelRevision" . -}}
-{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*$" $revision) -}}
-{{- $problems = append $problems (printf "model-triton: model.revision %q (from model.revision or the @revision of model.source) cannot name a directory; use a commit hash or tag of letters, digits, '.', '_' and '-'." $revision) -}}
-{{- end -}}
+{{- /* The model key's inputs: what the loader refuses, the chart refuses (_modelkey.tpl). */ -}}
+{{- $problems = concat $problems (include "model-triton.keyProblems" . | fromJsonArray) -}}
 
 {{- /* GPU arithmetic (the CPU backend requests no GPU). */ -}}
 {{- if include "model-triton.gpuBackend" . -}}
@@ -44,9 +24,9 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- end -}}
 {{- end -}}
 
-{{- /* N > 1 per node relies on GPU fit in a pool of its own: require a selector for it. */ -}}
-{{- if and (include "model-triton.gpuBackend" .) (gt (int $c.replicasPerNode) 1) (not $c.nodeSelector) (not $c.affinity) -}}
-{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode is %d but cluster.nodeSelector and cluster.affinity are empty: N replicas per node are packed by GPU fit on a dedicated pool. Set cluster.nodeSelector to the GPU pool's label (e.g. cloud.google.com/gke-nodepool: <pool>)." (int $c.replicasPerNode)) -}}
+{{- /* N > 1 per node relies on GPU fit in a pool of its own: a selector that names it. */ -}}
+{{- if and (include "model-triton.gpuBackend" .) (gt (int $c.replicasPerNode) 1) (not (include "model-triton.dedicatedPool" .)) -}}
+{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode is %d but neither cluster.nodeSelector nor a required node affinity in cluster.affinity (a nodeSelectorTerm with a matchExpressions or matchFields entry) selects a node pool: N replicas per node are packed by GPU fit on a dedicated pool. Set cluster.nodeSelector to the GPU pool's label (e.g. cloud.google.com/gke-nodepool: <pool>)." (int $c.replicasPerNode)) -}}
 {{- end -}}
 
 {{- /* Shutdown: the preStop sleep, then at least 5 s for Triton to drain, within the grace period. */ -}}
@@ -71,15 +51,6 @@ Included by deployment.yaml, so `helm template`, `helm lint` and `helm install` 
 {{- $u := $t.updateStrategy -}}
 {{- if and (eq $u.type "RollingUpdate") (eq (toString $u.maxSurge | trimSuffix "%") "0") (eq (toString $u.maxUnavailable | trimSuffix "%") "0") -}}
 {{- $problems = append $problems "model-triton: triton.updateStrategy.maxSurge and triton.updateStrategy.maxUnavailable are both 0: the rollout could never replace a pod. Leave maxUnavailable empty (auto) or set it to 1 or more." -}}
-{{- end -}}
-
-{{- /* Dynamic batching: preferred sizes cannot exceed the largest batch. */ -}}
-{{- if $t.dynamicBatching.enabled -}}
-{{- range $t.dynamicBatching.preferredBatchSize -}}
-{{- if gt (int .) (int $t.maxBatchSize) -}}
-{{- $problems = append $problems (printf "model-triton: triton.dynamicBatching.preferredBatchSize contains %d, more than triton.maxBatchSize = %d; remove it or raise triton.maxBatchSize." (int .) (int $t.maxBatchSize)) -}}
-{{- end -}}
-{{- end -}}
 {{- end -}}
 
 {{- /* Images: a tag or a digest; the Triton and wait images have no default tag. */ -}}
@@ -112,7 +83,29 @@ during install and upgrade; `helm template` cannot see it). */ -}}
 {{- end -}}
 {{- end -}}
 
+{{- $problems = concat $problems (include "model-triton.numberProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.nameProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.collisionProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.fitProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.featureProblems" . | fromJsonArray) -}}
+
 {{- if $problems -}}
 {{- fail (printf "\n%s" (join "\n" $problems)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.dedicatedPool: "true" when cluster.nodeSelector is set or cluster.affinity has a
+required node affinity whose every nodeSelectorTerm has a requirement (an empty term or an
+empty affinity selects every node, so it is no pool).
+*/}}
+{{- define "model-triton.dedicatedPool" -}}
+{{- $terms := dig "nodeAffinity" "requiredDuringSchedulingIgnoredDuringExecution" "nodeSelectorTerms" list (default dict .Values.cluster.affinity) -}}
+{{- $selective := gt (len $terms) 0 -}}
+{{- range $terms -}}
+{{- if not (or (dig "matchExpressions" list .) (dig "matchFields" list .)) -}}
+{{- $selective = false -}}
+{{- end -}}
+{{- end -}}
+{{- if or .Values.cluster.nodeSelector $selective -}}true{{- end -}}
 {{- end -}}

@@ -1,0 +1,121 @@
+"""What the ``model-loader run`` tests share: the command line, running it in-process, and
+where a published repository and its weights are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loader.cli import main
+
+
+def run_argv(
+    source: Path | str,
+    root: Path,
+    *extra: str,
+    tp: int = 1,
+    count: int = 1,
+    backend: str | None = "python",
+    model: str = "tiny",
+) -> list[str]:
+    """``run`` of ``source`` into ``root`` as model ``model``, T=``tp``, P=1, I=``count``
+    (the CPU reference backend unless ``backend`` says otherwise; None: the default)."""
+    argv = ["run", "--source", str(source), "--repository", str(root), "--model-name", model,
+            "--tp-size", str(tp), "--pp-size", "1", "--instance-count", str(count)]  # fmt: skip
+    if backend is not None:
+        argv += ["--backend", backend]
+    return [*argv, *extra]
+
+
+def cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str], str]:
+    """``model-loader ARGV`` in-process: the exit code, stdout's lines and stderr."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err
+
+
+def published(root: Path, model: str = "tiny") -> Path:
+    """The one repository published under ``root`` for ``model``."""
+    (path,) = root.glob(f"{model}@*/*")
+    return path
+
+
+def weights(repository: Path) -> dict[str, bytes]:
+    """The converted weight files of a published repository, by name."""
+    (folder,) = (repository / "fastertransformer" / "1").glob("*-gpu")
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def use_hub(monkeypatch: pytest.MonkeyPatch, url: str, home: Path) -> None:
+    """Point hf:// sources at the test Hub ``url``, with a Hub cache of its own and no token."""
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+class Arrivals:
+    """Every file a fetch hands to the overlapped conversion, in order; at each shard's
+    arrival, the bytes of shards then on disk beside it and the bytes under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.order: list[str] = []
+        self.shards_on_disk: list[int] = []
+        self.root_bytes: list[int] = []
+
+    @property
+    def shards(self) -> list[str]:
+        return [rel for rel in self.order if rel.endswith(".safetensors")]
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes ``path`` takes on disk."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def record_arrivals(monkeypatch: pytest.MonkeyPatch, root: Path) -> Arrivals:
+    from loader.convert.overlapped import OverlappedConversion
+
+    arrivals = Arrivals(root)
+    real = OverlappedConversion.arrived
+
+    def arrived(self, rel: str, path: Path) -> None:
+        arrivals.order.append(rel)
+        if rel.endswith(".safetensors"):
+            shards = path.parent.glob("model-*.safetensors")
+            arrivals.shards_on_disk.append(sum(p.stat().st_size for p in shards))
+            arrivals.root_bytes.append(tree_bytes(root))
+        return real(self, rel, path)
+
+    monkeypatch.setattr(OverlappedConversion, "arrived", arrived)
+    return arrivals
+
+
+def journaled(root: Path) -> dict[str, int]:
+    """The outputs an interrupted overlapped conversion under ``root`` recorded as written,
+    with their inodes (a complete line each)."""
+    from loader.convert.overlapped import Journal
+
+    (journal,) = root.glob(f".work/*/converted/*-gpu/{Journal.NAME}")
+    lines = journal.read_text().split("\n")[1:-1]  # the header; a last line cut short
+    names = [line.split()[0] for line in lines if len(line.split()) == 5]
+    return {name: (journal.parent / name).stat().st_ino for name in names}
+
+
+def inodes(repository: Path, names: list[str] | dict[str, int]) -> dict[str, int]:
+    """The inodes of these weight files of a published repository."""
+    (folder,) = (repository / "fastertransformer" / "1").glob("*-gpu")
+    return {name: (folder / name).stat().st_ino for name in names}
+
+
+def never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any overlapped conversion (a reference made by the sequential strategy)."""
+    from loader.convert.overlapped import OverlappedConversion
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sequential strategy converted while downloading")
+
+    monkeypatch.setattr(OverlappedConversion, "__init__", refuse)

@@ -1,0 +1,85 @@
+"""The settings a user may change (loader.limits): one default and one bound each, worded in
+the library's terms by the library and in the flag's terms by the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loader.cli import build_parser, main
+from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP, RETRY_DEADLINE_S, SettingError
+from loader.parallel import Parallelism
+from loader.repository.key import ServingSettings
+from loader.run import RunRequest
+from loader.sources import fetch
+
+
+def _request(**settings: object) -> RunRequest:
+    return RunRequest(
+        source="/nowhere",
+        repository=Path("/nowhere"),
+        model_name="tiny",
+        parallelism=Parallelism(),
+        settings=ServingSettings(),
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "words"),
+    [
+        ("lock_expiry_s", 0.5, "The publish lock expiry must be at least 1 s, got 0.5 s"),
+        ("lock_timeout_s", -1.0, "The publish lock timeout must be at least 0 s, got -1 s"),
+        ("retry_deadline_s", 0.0, "The retry deadline must be more than 0 s, got 0 s"),
+        ("prune_keep", 0, "The number of keys kept per model name must be at least 1, got 0"),
+        ("workers", 0, "The number of workers must be at least 1, got 0"),
+    ],
+)
+def test_a_request_outside_a_bound_names_the_setting_not_a_flag(setting, value, words):
+    with pytest.raises(SettingError) as info:
+        _request(**{setting: value})
+    assert info.value.message.startswith(words)
+    assert "--" not in str(info.value)
+
+
+def test_the_bounds_themselves_are_accepted():
+    request = _request(lock_expiry_s=1.0, lock_timeout_s=0.0, prune_keep=1, workers=1)
+    assert request.lock_expiry_s == LOCK_EXPIRY_S.least
+
+
+def test_every_entry_point_checks_the_same_bound():
+    with pytest.raises(SettingError) as info:
+        fetch("/nowhere", retry_deadline_s=-1)
+    assert info.value.limit is RETRY_DEADLINE_S
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["prune", "--repository", "/nowhere", "--keep", "0"], "--keep must be at least 1, got 0"),
+        (
+            ["fetch", "gs://b/p", "/tmp/x", "--retry-deadline", "0"],
+            "--retry-deadline must be more than 0 s, got 0 s",
+        ),
+    ],
+)
+def test_the_command_line_names_its_flag(capsys, argv, words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {words}" in err and "hint: Set " in err
+
+
+def test_the_command_line_defaults_and_help_come_from_the_limits():
+    parser = build_parser()
+    prune = parser.parse_args(["prune", "--repository", "/r"])
+    assert prune.keep == PRUNE_KEEP.default
+    run = parser.parse_args(
+        ["run", "--source", "s", "--repository", "/r", "--model-name", "m", "--tp-size", "1",
+         "--pp-size", "1", "--instance-count", "1"]
+    )  # fmt: skip
+    assert (run.lock_expiry_s, run.retry_deadline) == (LOCK_EXPIRY_S.default, 300.0)
+    assert run.prune_keep is None  # run prunes only when asked
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    help_text = subparsers.choices["run"].format_help()
+    assert "(default: 120 s)" in help_text and "(default: 300 s)" in help_text

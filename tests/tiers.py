@@ -1,0 +1,14 @@
+"""Which tier of the suite runs (see ``markers`` in pyproject.toml and tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+
+#: ``MODEL_TRITON_TEST_TIER=fast`` (``make test-fast``): no server, nothing slow.
+FAST_TIER = os.environ.get("MODEL_TRITON_TEST_TIER") == "fast"
+
+
+def examples(full: int) -> int:
+    """Hypothesis examples for a property test: ``full`` in ``make test``, a quarter (at least
+    10) in the fast tier."""
+    return max(10, full // 4) if FAST_TIER else full
