@@ -156,13 +156,16 @@ def test_n_x_t_x_p_equal_to_the_node_gpus_packs_exactly_n_per_node(sandbox, t, p
 
 
 def test_mig_slices_pack_like_gpus(sandbox):
-    mig = "nvidia.com/mig-3g.20gb"  # 7 x 2 slices of an H100 pair per node
-    shape_ = fake.NodeShape(gpus=14, cpu="96", memory="1360Gi", gpu_resource=mig)
-    sandbox.register(fake.gpu_pool("mig", 2, shape_, production_labels()))
-    install(sandbox, sets=(f"cluster.gpuResourceName={mig}", *shape(2, 1, 7, 14, 2)))
-    assert placed(sandbox, 14) == {"mig-0": 7, "mig-1": 7}
+    # 4 A100 40GB per node, 2 slices each; T x P = 1 on MIG: the default 2B model (the
+    # production 16B one does not fit in a 19 GiB slice) with the default resources.
+    mig = "nvidia.com/mig-3g.20gb"
+    shape_ = fake.NodeShape(gpus=8, cpu="48", memory="340Gi", gpu_resource=mig)
+    sandbox.register(fake.gpu_pool("mig", 2, shape_, {}))
+    sets = (f"cluster.gpuResourceName={mig}", "cluster.gpuMemoryGiB=19", *shape(1, 1, 8, 8, 2))
+    install(sandbox, values=(), sets=sets)
+    assert placed(sandbox, 16) == {"mig-0": 8, "mig-1": 8}
     pod = sandbox.pods(TRITON)[0]
-    assert pod["spec"]["containers"][0]["resources"]["requests"][mig] == "2"
+    assert pod["spec"]["containers"][0]["resources"]["requests"][mig] == "1"
 
 
 def test_a_busy_matching_node_does_not_hold_the_pool_to_one_pod_per_node(sandbox):
