@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -287,7 +288,13 @@ class Supervisor:
         if self.log_server is not None:
             self.log_server.stop()
         self.plane.stop()
-        print("cluster stopped", flush=True)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        components = resource.getrusage(resource.RUSAGE_CHILDREN)  # the stopped processes
+        print(
+            f"cluster stopped; CPU seconds: components {components.ru_utime + components.ru_stime:.0f},"
+            f" supervisor {own.ru_utime + own.ru_stime:.0f}",
+            flush=True,
+        )
 
     def _thread(self, target, *args) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)
