@@ -229,6 +229,40 @@ def _validator(kind: str, api_version: str, version: str):
     return validator, major_minor(versions[-1])
 
 
+#: Arguments of the chart's Triton command that place it in a pod (the model path on the volume,
+#: the container ports, the shutdown timing); a local server chooses its own.
+POD_PLACEMENT_ARGS: tuple[str, ...] = (
+    "--model-repository=",
+    "--http-port=",
+    "--grpc-port=",
+    "--metrics-port=",
+    "--exit-timeout-secs=",
+)
+
+
+def triton_command(docs: Iterable[dict]) -> list[str]:
+    """The Triton container's command line as the kubelet runs it: Secrets of the rendering
+    resolved, ``$(VAR)`` expanded (:mod:`loader.podspec`)."""
+    from loader import podspec
+
+    docs = list(docs)
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    if len(deployments) != 1:
+        raise ChartError(f"expected one Deployment in the rendering, found {len(deployments)}")
+    containers = deployments[0]["spec"]["template"]["spec"]["containers"]
+    (triton,) = [c for c in containers if c["name"] == "triton"]
+    return podspec.command_line(triton, docs)
+
+
+def triton_serving_args(docs: Iterable[dict]) -> list[str]:
+    """What a local ``tritonserver`` takes from the chart's command: every argument but the
+    binary and :data:`POD_PLACEMENT_ARGS`, so it serves (and refuses) what a pod would."""
+    command = triton_command(docs)
+    if command[0] != "tritonserver":
+        raise ChartError(f"the Triton container runs {command[0]!r}, not tritonserver")
+    return [a for a in command[1:] if not a.startswith(POD_PLACEMENT_ARGS)]
+
+
 @dataclass(frozen=True)
 class Resource:
     kind: str
@@ -272,4 +306,11 @@ def describe(doc: dict) -> Resource:
     if kind == "Service":
         ports = ",".join(str(p["port"]) for p in doc["spec"]["ports"])
         parts.append(f"clusterIP={doc['spec'].get('clusterIP', 'auto')} ports={ports}")
+    if kind == "NetworkPolicy":
+        spec = doc["spec"]
+        for direction in ("ingress", "egress"):
+            ports = sorted({p["port"] for r in spec.get(direction, []) for p in r.get("ports", [])})
+            parts.append(f"{direction}={','.join(map(str, ports)) or 'none'}")
+    if kind == "Secret":
+        parts.append("keys=" + ",".join(sorted(doc.get("data") or {})))
     return Resource(kind, name, "  ".join(parts))

@@ -14,11 +14,16 @@ only once a pod runs:
   HorizontalPodAutoscaler's bounds; int32 ranges are checked with the schema's ``format``
   (:mod:`loader.chart`);
 * uniqueness: container, volume, port and mount names; volume mounts naming a volume; two
-  objects of one kind and name.
+  objects of one kind and name;
+* references: the Secrets and ConfigMaps an environment variable reads (a DNS-1123 subdomain
+  and a key the API accepts), the keys of a Secret's data;
+* NetworkPolicy address blocks: a valid CIDR, each `except` a strict subset of it
+  (``ValidateIPBlock``, ``pkg/apis/networking/validation``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable
 from fractions import Fraction
@@ -31,6 +36,7 @@ _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _PORT_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
 _PERCENT = re.compile(r"[0-9]+%")
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 #: The reference grammar of container images (distribution/reference), without IPv6 hosts.
 _COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
 _DOMAIN = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*(?::[0-9]+)?"
@@ -98,6 +104,72 @@ def _name_problem(kind: str, name: object) -> str | None:
     if len(name) > limit or not DNS1123_SUBDOMAIN.fullmatch(name):
         return f"{kind} name {name!r} is not a DNS-1123 subdomain of at most {limit} characters"
     return None
+
+
+def is_config_key(key: object) -> bool:
+    """A key of a Secret's or ConfigMap's data (``IsConfigMapKey``): at most 253 of
+    ``[-._a-zA-Z0-9]``, neither ``.`` nor ``..`` nor starting with ``..``."""
+    return (
+        isinstance(key, str)
+        and len(key) <= 253
+        and bool(_CONFIG_KEY.fullmatch(key))
+        and key != "."
+        and not key.startswith("..")
+    )
+
+
+def _reference(where: str, selector: dict) -> list[str]:
+    """A secretKeyRef or configMapKeyRef: the object's name and the key within it."""
+    out = []
+    name, key = selector.get("name"), selector.get("key")
+    if not isinstance(name, str) or len(name) > 253 or not DNS1123_SUBDOMAIN.fullmatch(name):
+        out.append(f"{where}: name {name!r} is not a DNS-1123 subdomain")
+    if not is_config_key(key):
+        out.append(f"{where}: key {key!r} is not a key the API accepts")
+    return out
+
+
+def _network(cidr: object) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    """The network of a CIDR (host bits allowed, as the API server allows them), or None.
+    An IPv4 address written in IPv6 (``::ffff:a.b.c.d``) is refused: the API server's
+    containment check never matches it against an IPv6 block."""
+    if not isinstance(cidr, str) or "/" not in cidr:
+        return None
+    try:
+        network = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return None
+    if isinstance(network, ipaddress.IPv6Network) and network.network_address.ipv4_mapped:
+        return None
+    return network
+
+
+def _ip_block(where: str, block: dict) -> list[str]:
+    cidr = _network(block.get("cidr"))
+    if cidr is None:
+        return [f"{where}: cidr {block.get('cidr')!r} is not a CIDR"]
+    out = []
+    for text in block.get("except") or []:
+        inner = _network(text)
+        if inner is None:
+            out.append(f"{where}: except {text!r} is not a CIDR")
+        elif (
+            inner.version != cidr.version
+            or not inner.subnet_of(cidr)  # type: ignore[arg-type]
+            or inner.prefixlen <= cidr.prefixlen
+        ):
+            out.append(f"{where}: except {text!r} is not a strict subset of {block['cidr']}")
+    return out
+
+
+def _network_policy(where: str, spec: dict) -> list[str]:
+    out = _labels(f"{where}.spec.podSelector", (spec.get("podSelector") or {}).get("matchLabels"))
+    for direction, peers in (("ingress", "from"), ("egress", "to")):
+        for rule in spec.get(direction) or []:
+            for peer in rule.get(peers) or []:
+                if "ipBlock" in peer:
+                    out += _ip_block(f"{where}.{direction}.ipBlock", peer["ipBlock"] or {})
+    return out
 
 
 def _labels(where: str, labels: object) -> list[str]:
@@ -229,6 +301,11 @@ def _pod(where: str, pod: dict) -> list[str]:
         out += [
             f"{cw}: env {n!r} appears twice" for n in sorted(set(env), key=str) if env.count(n) > 1
         ]
+        for e in c.get("env") or []:
+            for ref in ("secretKeyRef", "configMapKeyRef"):
+                selector = (e.get("valueFrom") or {}).get(ref)
+                if selector is not None:
+                    out += _reference(f"{cw}: env {e.get('name')!r} {ref}", selector)
         mounts = c.get("volumeMounts") or []
         paths = [m.get("mountPath") for m in mounts]
         out += [
@@ -295,9 +372,14 @@ def problems(docs: Iterable[dict]) -> list[str]:
         elif isinstance(selector, dict):
             out += _labels(f"{where}.spec.selector", selector.get("matchLabels"))
         if kind == "NetworkPolicy":
-            out += _labels(
-                f"{where}.spec.podSelector", (spec.get("podSelector") or {}).get("matchLabels")
-            )
+            out += _network_policy(where, spec)
+        if kind == "Secret":
+            for field in ("data", "stringData"):
+                out += [
+                    f"{where}.{field}: key {k!r} is not a key the API accepts"
+                    for k in doc.get(field) or {}
+                    if not is_config_key(k)
+                ]
         template = None
         if kind == "Deployment":
             template = spec.get("template")

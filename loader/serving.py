@@ -3,14 +3,16 @@
 :class:`TritonServer` is a context manager: it picks free ports on 127.0.0.1 (unless given),
 builds a backend directory for the Python backend, starts the server in its own process
 group with an environment that makes the Python-backend stub work with this interpreter,
-waits for ``/v2/health/ready`` with a deadline, and on exit stops the server (SIGTERM, a short
-``--exit-timeout-secs``, then SIGKILL of the whole group), so no process is left behind.
+waits with a deadline until its gRPC health service reports SERVING (what Kubernetes' probes
+ask) and, unless HTTP is off, ``/v2/health/ready`` answers on the HTTP address, and on exit
+stops the server (SIGTERM, a short ``--exit-timeout-secs``, then SIGKILL of the whole group),
+so no process is left behind.
 
 Before starting, the repository is checked (a loader's ROOT or a GPU-only FasterTransformer
 repository is refused with what to serve instead) and so are explicitly given ports (one in
 use is refused at once). The server is ready when its own process listens on the HTTP port
-and answers ``/v2/health/ready``: a health check answered by another server on the same port
-never counts. If the server does not become ready, the error starts with the cause found in
+(the gRPC port when HTTP is off) and the checks above pass: a health check answered by
+another server on the same port never counts. If the server does not become ready, the error starts with the cause found in
 its log (a port in use, a model that failed to load), followed by the log's tail.
 
 Environment facts this module encodes (``docs/local-triton.md``):
@@ -218,6 +220,79 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+#: ``grpc.health.v1.HealthCheckResponse.ServingStatus`` values.
+HEALTH_UNKNOWN, HEALTH_SERVING, HEALTH_NOT_SERVING = 0, 1, 2
+#: The standard gRPC health service's one method, which Kubernetes' gRPC probes call.
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+
+
+def grpc_health(grpc_url: str, *, timeout: float = 2.0) -> int | None:
+    """The serving status Triton's ``grpc.health.v1`` service reports, ``None`` if unreachable.
+
+    What a Kubernetes gRPC probe sees: Triton answers SERVING once the server and every model
+    are ready (``CommonHandler::RegisterHealthCheck``, ``src/grpc/grpc_server.cc``). The request
+    (an empty ``service``) and the response (field 1, ``status``, a varint) are encoded here,
+    so no generated stubs are needed. A fresh channel per call: a channel that failed to
+    connect would wait out its reconnect backoff.
+    """
+    import grpc
+
+    with grpc.insecure_channel(grpc_url) as channel:
+        check = channel.unary_unary(
+            HEALTH_CHECK_METHOD,
+            request_serializer=lambda message: message,
+            response_deserializer=lambda data: data,
+        )
+        try:
+            response = check(b"", timeout=timeout)
+        except grpc.RpcError:
+            return None
+    if not response:
+        return HEALTH_UNKNOWN
+    if response[0] != 0x08 or len(response) < 2:
+        raise ValueError(f"not a grpc.health.v1 HealthCheckResponse: {response!r}")
+    return response[1]
+
+
+#: Triton's prefix of the header a restricted gRPC protocol expects
+#: (``kRestrictedProtocolHeaderTemplate``, ``src/grpc/grpc_server.h``).
+RESTRICTED_HEADER_PREFIX = "triton-grpc-protocol-"
+RESTRICTED_FLAG = "--grpc-restricted-protocol"
+
+
+def restricted_protocols(args: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """``protocol -> (header, value)`` from the ``--grpc-restricted-protocol`` arguments in ``args``.
+
+    Parsed as Triton 23.05 parses them (``TritonParser::ParseGrpcRestrictedProtocolOption``,
+    ``src/command_line_parser.cc``): the protocols are the comma-separated text before the
+    first ``:``, the key runs to the next ``=``, the value is the rest; each part non-empty.
+    A protocol in two groups is refused (``grpc::Server`` constructor, ``src/grpc/grpc_server.cc``).
+    """
+    found: dict[str, tuple[str, str]] = {}
+    values = []
+    for index, arg in enumerate(args):
+        if arg.startswith(RESTRICTED_FLAG + "="):
+            values.append(arg[len(RESTRICTED_FLAG) + 1 :])
+        elif arg == RESTRICTED_FLAG and index + 1 < len(args):
+            values.append(args[index + 1])
+    for value in values:
+        protocols, colon, rest = value.partition(":")
+        key, equals, secret = rest.partition("=")
+        if not (colon and equals and protocols and key and secret):
+            raise ValueError(f"{RESTRICTED_FLAG}={value}: the format is <protocols>:<key>=<value>")
+        for protocol in protocols.split(","):
+            if protocol in found:
+                raise ValueError(f"{RESTRICTED_FLAG}: protocol {protocol!r} is in two groups")
+            found[protocol] = (RESTRICTED_HEADER_PREFIX + key, secret)
+    return found
+
+
+def _last_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag=value`` in ``args``, None if absent."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    return values[-1] if values else None
+
+
 @dataclass(frozen=True)
 class Ports:
     http: int
@@ -374,12 +449,30 @@ class TritonServer:
         self._wait_ready()
 
     def _ready(self) -> bool:
-        url = f"http://{self.host}:{self.ports.http}/v2/health/ready"
+        """gRPC health SERVING and, unless HTTP is off, ``/v2/health/ready`` answering 200 on
+        the HTTP address: Triton starts its gRPC endpoint before the HTTP one, and a port that
+        merely accepts connections may be someone else's."""
+        if grpc_health(self.grpc_url) != HEALTH_SERVING:
+            return False
+        address = self.http_address
+        if address is None:
+            return True
+        url = f"http://{address}:{self.ports.http}/v2/health/ready"
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    @property
+    def http_address(self) -> str | None:
+        """The address the HTTP endpoint listens on (``--extra-args`` win, as in Triton: the
+        last of a repeated flag counts), or None when ``--allow-http=false``."""
+        allow_http = _last_value(self.extra_args, "--allow-http")
+        if allow_http is not None and allow_http.lower() in ("false", "0", "off", "no"):
+            return None
+        address = _last_value(self.extra_args, "--http-address") or self.host
+        return self.host if address == "0.0.0.0" else address
 
     def _wait_ready(self) -> None:
         assert self.process is not None
@@ -388,9 +481,11 @@ class TritonServer:
             code = self.process.poll()
             if code is not None:
                 raise self.failure(f"tritonserver exited with code {code} before it was ready")
-            # Ready only when this process holds the HTTP port: a health check answered by
-            # another server on the same port must not count.
-            if listens_on(self.process.pid, self.ports.http) is not False and self._ready():
+            # Ready only when this process holds the port its readiness is read from (HTTP,
+            # or gRPC when HTTP is off): a health check answered by another server on the same
+            # port must not count.
+            port = self.ports.http if self.http_address is not None else self.ports.grpc
+            if listens_on(self.process.pid, port) is not False and self._ready():
                 log.info("tritonserver is ready (pid %s)", self.process.pid)
                 return
             time.sleep(0.25)

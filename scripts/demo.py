@@ -4,7 +4,9 @@
 1. builds a small CodeGen checkpoint locally (a tokenizer trained on the standard library's
    Python sources, a tiny model trained briefly on them), cached in demo-work/;
 2. publishes it with `model-loader run` for T=2, P=1, I=2 with the CPU reference backend;
-3. starts the real tritonserver (from the nvidia-pytriton wheel) on 127.0.0.1;
+3. starts the real tritonserver (from the nvidia-pytriton wheel) on 127.0.0.1 with the Triton
+   arguments the chart renders for values/local.yaml, and shows an admin call refused without
+   the header and answered with it;
 4. sends the users' request (bench/test.json: `<python>def is_even(na: int) ->`) and prints the
    completion;
 5. prints the `model-loader plan` tables (this model on a 2-GPU node; CodeGen-16B on the
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from loader.completion import complete, load_request  # noqa: E402
 from loader.demo.checkpoint import RECIPE_FILE, build_demo_checkpoint, describe  # noqa: E402
 from loader.errors import LoaderError  # noqa: E402
-from loader.serving import TritonServer  # noqa: E402
+from loader.serving import RESTRICTED_FLAG, TritonServer, restricted_protocols  # noqa: E402
 
 WORK = ROOT / "demo-work"
 CHECKPOINT = WORK / "checkpoint"
@@ -138,15 +140,21 @@ def step_publish() -> Path:
 
 
 def step_serve_and_complete(published: Path) -> None:
-    section(3, "The real Triton server, on the CPU")
+    section(3, "The real Triton server, on the CPU, with the chart's arguments")
+    from loader import chart as render_chart
+
+    chart = render_chart.Chart.in_checkout(ROOT)
+    docs = render_chart.documents(chart.render(values_files=[LOCAL_VALUES]))
+    chart_args = render_chart.triton_serving_args(docs)
     started = time.monotonic()
-    with TritonServer(published) as server:
+    with TritonServer(published, extra_args=chart_args) as server:
         print(
             indent(
                 f"tritonserver ready in {time.monotonic() - started:.1f} s on 127.0.0.1: "
                 f"HTTP {server.ports.http}, gRPC {server.ports.grpc}, metrics {server.ports.metrics}"
             )
         )
+        print(indent(show_restrictions(server)))
         section(4, "A completion for the users' request (bench/test.json)")
         end_id = model_end_id()
         # The seed request names the end-of-text id of the 50k-token CodeGen vocabulary; this
@@ -179,6 +187,35 @@ def step_serve_and_complete(published: Path) -> None:
         print(indent(greedy_parity(server.http_url, prompt, end_id)))
         print(indent("stopping tritonserver ..."))
     print(indent("tritonserver stopped"))
+
+
+def show_restrictions(server: TritonServer) -> str:
+    """What the chart's security arguments do on this server: an admin gRPC call (the log
+    settings) without the header, then with it (SECURITY.md)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    restricted = restricted_protocols(server.extra_args)
+    lines = [
+        "arguments from the chart (values/local.yaml): "
+        + " ".join(a for a in server.extra_args if not a.startswith(RESTRICTED_FLAG)),
+        f"restricted gRPC protocols: {', '.join(restricted)}",
+    ]
+    if "logging" not in restricted:
+        return "\n".join(lines)
+    header, token = restricted["logging"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        try:
+            client.get_log_settings()
+            lines.append("log settings without the header: answered (not restricted!)")
+        except InferenceServerException as exc:
+            lines.append(f"log settings without the header: {exc.status()} {exc.message()}")
+        client.get_log_settings(headers={header: token})
+        lines.append(f"log settings with {header}: answered (the token is in the chart's Secret)")
+    finally:
+        client.close()
+    return "\n".join(lines)
 
 
 def model_end_id() -> int:

@@ -13,6 +13,8 @@ from loader.chart import (  # noqa: F401  (the tests' names for them)
     ChartError,
     describe,
     documents,
+    triton_command,
+    triton_serving_args,
     validate,
 )
 from loader.chart import pod_spec as _pod_spec  # noqa: F401

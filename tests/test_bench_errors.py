@@ -47,6 +47,7 @@ def read(name: str) -> str:
         ("error_unreachable_grpc.txt", EndpointError),
         ("error_model_not_found.txt", ModelNotFoundError),
         ("error_missing_input.txt", MeasurementError),
+        ("error_restricted_grpc.txt", EndpointError),
     ],
 )
 def test_recorded_perf_analyzer_failures_become_typed_errors(recording, error):
@@ -59,6 +60,15 @@ def test_missing_input_error_says_which_tensor_and_how_to_fix_it():
     exc = error_for(ENDPOINT, "codegen", read("error_missing_input.txt"))
     assert "missing tensor prompt" in exc.message
     assert "--input-data" in exc.remediation
+
+
+def test_a_restricted_endpoint_says_how_to_measure_anyway():
+    exc = error_for(
+        Endpoint("127.0.0.1:8001", "grpc"), "codegen", read("error_restricted_grpc.txt")
+    )
+    assert type(exc) is EndpointError
+    assert "triton-grpc-protocol-admin-key" in exc.message
+    assert "port-forward" in exc.remediation and "restrictedGrpcProtocols" in exc.remediation
 
 
 def test_perf_analyzer_exports_its_windows_and_leaves_the_stability_test_to_us(tmp_path):

@@ -9,6 +9,7 @@ case must fail with its key named; optional resources are off by default and ren
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import json
 import re
@@ -168,6 +169,8 @@ def test_every_manifest_validates_strictly_on_kubernetes_1_29_and_1_35(helm, val
         "PodDisruptionBudget",
         "ServiceAccount",
         "Pod",
+        "NetworkPolicy",
+        "Secret",
     }
     assert expected <= set(kinds(docs))
     assert {d["kind"] for d in docs} - expected <= rc.CRD_KINDS
@@ -190,9 +193,24 @@ def test_validation_catches_an_unknown_field():
     assert len(problems) == 2 and all("gpus" in p for p in problems)
 
 
+def without_admin_token(docs) -> list[dict]:
+    """The rendering with the generated admin token (random at every render) masked, after
+    checking it is one: 40 letters and digits."""
+    out = []
+    for doc in copy.deepcopy(list(docs)):
+        if doc["kind"] == "Secret" and doc["metadata"]["name"].endswith("-admin"):
+            [token] = doc["data"].values()
+            assert re.fullmatch(r"[A-Za-z0-9]{40}", base64.b64decode(token).decode())
+            doc["data"] = {key: "<token>" for key in doc["data"]}
+        out.append(doc)
+    return out
+
+
 @pytest.mark.parametrize("values", VALUES, ids=[v or "defaults" for v in VALUES])
 def test_helm3_and_helm4_render_the_same_manifests(values):
-    assert rendered("helm3", values) == rendered("helm4", values)
+    assert without_admin_token(rendered("helm3", values)) == without_admin_token(
+        rendered("helm4", values)
+    )
 
 
 # --------------------------------------------------------------------------- GPU arithmetic
@@ -365,12 +383,13 @@ def test_deployment_rolls_without_surge_and_probes_triton_health(values):
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     pod = deployment["spec"]["template"]["spec"]
     triton = container(pod, "triton")
-    assert triton["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # Kubernetes' gRPC probes: Triton's grpc.health.v1 service (HTTP is not on the network).
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert triton[probe]["grpc"] == {"port": 8001}
+        assert "httpGet" not in triton[probe]
     startup = triton["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
     assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {
-        "http": 8000,
         "grpc": 8001,
         "metrics": 8002,
     }
@@ -457,7 +476,8 @@ def test_services_select_the_triton_pods_and_the_headless_one_has_no_cluster_ip(
     main, headless = services["codegen-model-triton"], services["codegen-model-triton-headless"]
     assert main["spec"]["type"] == "ClusterIP" and main["spec"]["selector"] == selector
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == selector
-    assert {p["port"] for p in main["spec"]["ports"]} == {8000, 8001, 8002}
+    assert {p["port"] for p in main["spec"]["ports"]} == {8001, 8002}
+    assert {p["port"] for p in headless["spec"]["ports"]} == {8001}
 
 
 def test_helm_test_pod_runs_model_loader_complete_against_the_ensemble():
@@ -471,11 +491,12 @@ def test_helm_test_pod_runs_model_loader_complete_against_the_ensemble():
     argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], a) for a in c["command"][2:]]
     args = build_parser().parse_args(["complete", *argv])
     assert args.check_ready and args.model == "codegen" and not args.stream
-    assert args.url == "codegen-model-triton.model-triton.svc:8000"
+    assert args.protocol == "grpc"
+    assert args.url == "codegen-model-triton.model-triton.svc:8001"
     assert args.prompt == env["PROMPT"] and args.max_tokens == int(env["REQUEST_OUTPUT_LEN"])
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["MODEL_NAME"] == "codegen"
-    assert env["TRITON_HTTP_URL"] == "codegen-model-triton.model-triton.svc:8000"
+    assert "TRITON_HTTP_URL" not in env
     assert env["TRITON_GRPC_URL"] == "codegen-model-triton.model-triton.svc:8001"
     assert env["PROMPT"] == "<python>def is_even(na: int) ->"
 
@@ -870,7 +891,6 @@ def test_the_loader_job_fails_fast_on_bad_input_and_retries_transient_failures()
 
 OPTIONAL = [
     pytest.param("ServiceMonitor", ("metrics.serviceMonitor.enabled=true",), id="servicemonitor"),
-    pytest.param("NetworkPolicy", ("networkPolicy.enabled=true",), id="networkpolicy"),
     pytest.param(
         "Job",
         (
@@ -915,23 +935,23 @@ def test_service_monitor_scrapes_the_metrics_port_of_the_triton_service():
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
 
 
-def test_network_policy_admits_the_serving_ports_from_the_given_peers_and_metrics_from_prometheus():
-    docs = rendered(
-        "helm4",
-        None,
-        (
-            "networkPolicy.enabled=true",
-            "networkPolicy.allowedFrom[0].podSelector.matchLabels.app=gw",
-        ),
+def test_network_policies_are_not_rendered_when_disabled():
+    docs = rendered("helm4", None, ("networkPolicy.enabled=false",))
+    assert "NetworkPolicy" not in kinds(docs)
+
+
+def test_network_policy_admits_the_serving_port_from_the_given_peers_and_metrics_from_prometheus():
+    docs = rendered("helm4", None, ("networkPolicy.allowedFrom[0].podSelector.matchLabels.app=gw",))
+    policy = one(
+        [d for d in docs if d["metadata"]["name"] == "codegen-model-triton"], "NetworkPolicy"
     )
-    policy = one(docs, "NetworkPolicy")
     assert (
         policy["spec"]["podSelector"]["matchLabels"]
         == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     )
     serving, metrics = policy["spec"]["ingress"]
-    assert serving["from"] == [{"podSelector": {"matchLabels": {"app": "gw"}}}]
-    assert sorted(p["port"] for p in serving["ports"]) == [8000, 8001]
+    assert serving["from"][-1] == {"podSelector": {"matchLabels": {"app": "gw"}}}
+    assert sorted(p["port"] for p in serving["ports"]) == [8001]  # HTTP is on the pod's loopback
     assert metrics["from"] == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     ]
@@ -939,7 +959,7 @@ def test_network_policy_admits_the_serving_ports_from_the_given_peers_and_metric
 
 
 HOOK = ("loader.hook.enabled=true",)
-HOOK_ON_EXISTING = OPTIONAL[2].values[1]
+HOOK_ON_EXISTING = OPTIONAL[1].values[1]
 
 
 @pytest.mark.parametrize("helm", HELMS)
@@ -1025,7 +1045,10 @@ def test_secrets_are_referenced_not_embedded_and_a_missing_key_fails_the_mount()
             "loader.gcsCredentialsSecret.name=gcs",
         ),
     )
-    assert "Secret" not in kinds(docs)
+    # The only Secret the chart renders is the admin token it generates (_security.tpl).
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [
+        "codegen-model-triton-admin"
+    ]
     pod = loader_pod_spec(docs)
     env = {e["name"]: e for e in container(pod, "loader")["env"]}
     mounts = {m["name"]: m["mountPath"] for m in container(pod, "loader")["volumeMounts"]}

@@ -1,21 +1,23 @@
-"""The chart's `helm test` Pod, run for real against a CPU Triton serving a published repository.
+"""The chart's `helm test` Pod, run for real against a CPU Triton serving a published repository
+with the chart's own Triton arguments (the security defaults included: admin gRPC protocols
+behind the header, HTTP off the network).
 
 Its command (``model-loader complete --check-ready ...``) is taken from the rendered test Pod
 (values/local.yaml), its ``$(VAR)`` references expanded from the Pod's environment as Kubernetes
-does, and run with this checkout's loader, only the Service addresses pointing at a
-``tritonserver`` on 127.0.0.1.
+does (:mod:`loader.podspec`), and run with this checkout's loader, only the Service address
+pointing at a ``tritonserver`` on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from loader import podspec
 from loader.serving import TritonServer
 from tests import chart as rc
 
@@ -24,11 +26,14 @@ pytestmark = pytest.mark.server  # starts a real server (see markers in pyprojec
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _container(*set_values: str) -> dict:
-    docs = rc.documents(
+def _rendering(*set_values: str) -> list[dict]:
+    return rc.documents(
         rc.render(values_files=[rc.VALUES_DIR / "local.yaml"], set_values=set_values)
     )
-    [pod] = [d for d in docs if d["kind"] == "Pod"]
+
+
+def _container(*set_values: str) -> dict:
+    [pod] = [d for d in _rendering(*set_values) if d["kind"] == "Pod"]
     [container] = pod["spec"]["containers"]
     return container
 
@@ -45,17 +50,17 @@ def streaming_helm_test_container() -> dict:
 
 @pytest.fixture(scope="module")
 def triton(published_tiny_python_repository: Path):
-    with TritonServer(published_tiny_python_repository) as server:
+    chart_args = rc.triton_serving_args(_rendering())
+    with TritonServer(published_tiny_python_repository, extra_args=chart_args) as server:
         yield server
 
 
 def run_helm_test(
     container: dict, triton: TritonServer, **overrides
 ) -> subprocess.CompletedProcess:
-
-    env = {e["name"]: e["value"] for e in container["env"]}
-    env.update(TRITON_HTTP_URL=triton.http_url, TRITON_GRPC_URL=triton.grpc_url, **overrides)
-    command = [re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg) for arg in container["command"]]
+    env = podspec.environment(container, [])
+    env.update(TRITON_GRPC_URL=triton.grpc_url, **overrides)
+    command = [podspec.expand(arg, env) for arg in container["command"]]
     assert command[0] == "model-loader"
     return subprocess.run(
         [sys.executable, "-m", "loader", *command[1:]],
@@ -96,7 +101,8 @@ def streaming_triton(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
         parallelism=Parallelism(tp=1, pp=1, instance_count=1),
         settings=ServingSettings(backend="python", dynamic_batching=False, streaming=True),
     )
-    with TritonServer(run(request).path) as server:
+    chart_args = rc.triton_serving_args(_rendering("triton.streaming=true"))
+    with TritonServer(run(request).path, extra_args=chart_args) as server:
         yield server
 
 

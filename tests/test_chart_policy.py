@@ -28,7 +28,6 @@ CHECKOV_VERSION = "3.3.30"
 
 ALL_OPTIONAL = (
     "metrics.serviceMonitor.enabled=true",
-    "networkPolicy.enabled=true",
     "loader.hook.enabled=true",
     "modelRepository.persistence.existingClaim=models",
     "serviceAccount.create=false",
@@ -85,6 +84,8 @@ def _summary(proc: subprocess.CompletedProcess) -> dict:
 
 
 WEAK = ("containerSecurityContext.allowPrivilegeEscalation=true",)
+#: The NetworkPolicies turned off: every pod unfenced.
+UNFENCED = ("networkPolicy.enabled=false",)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,26 @@ def test_rendered_chart_passes_checkov_with_only_the_listed_exceptions(report):
 def test_checkov_catches_a_weakened_security_context(report):
     assert report["rc"] != 0
     assert "CKV_K8S_20" in report["failed"]["weakened.yaml"]  # allowPrivilegeEscalation
+
+
+def test_checkov_catches_pods_without_a_network_policy(tmp_path):
+    # Every rendering the report scans fences its pods (the check is not skipped there); this
+    # one turns the policies off and must fail. CKV2_K8S_6 matches pods to policies across all
+    # scanned files, so it is scanned alone.
+    (tmp_path / "chart.yaml").write_text(rc.render(set_values=UNFENCED))
+    proc = subprocess.run(
+        [
+            str(checkov()),
+            *("-d", str(tmp_path), "--framework", "kubernetes", "--check", "CKV2_K8S_6"),
+            *("--skip-download", "--output", "json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    summary = json.loads(proc.stdout)["summary"]
+    assert (summary["passed"], summary["failed"]) == (0, 2)  # the Triton and test pods
 
 
 def test_every_exception_is_justified_next_to_it():

@@ -191,7 +191,19 @@ LABEL_MAPS = [
 NAME_KEYS = [
     "serviceAccount.name", "loader.serviceAccount.name", "modelRepository.persistence.existingClaim",
     "loader.hfTokenSecret.name", "triton.priorityClassName", "nameOverride", "fullnameOverride",
+    "triton.security.adminSecret.name",
 ]  # fmt: skip
+#: Keys of a Secret's data (the admin token's): YAML reads `on` and `1e3` as other types.
+_secret_keys = st.sampled_from(
+    ["token", "admin.key", "on", "1e3", "null", ".", "..", "..x", ".x", "a/b", "a b", "", "k" * 254]
+)  # fmt: skip
+#: Address ranges the loader's egress excludes: IPv4, IPv6, and what the API server refuses
+#: (no prefix, a prefix of 0 or too long, a bad address, IPv4 written in IPv6).
+_cidrs = st.sampled_from(
+    ["10.0.0.0/8", "10.1.2.3/8", "192.168.0.0/16", "fc00::/7", "2001:db8::/32", "::1/128",
+     "0.0.0.0/0", "::/0", "10.0.0.0", "10.0.0.0/33", "256.0.0.0/8", "010.0.0.0/8", "fe80::/129",
+     "::ffff:10.0.0.0/104", "1:2:3:4:5:6:7:8:9/64", "1:::2/64", "gs/8", " 10.0.0.0/8"]
+)  # fmt: skip
 
 
 @st.composite
@@ -205,6 +217,10 @@ def name_cases(draw) -> dict:
         chosen[f"{image}.repository"] = draw(_repositories)
     if draw(st.booleans()):
         chosen["global.imageRegistry"] = draw(_registries)
+    if draw(st.booleans()):
+        chosen["triton.security.adminSecret.key"] = draw(_secret_keys)
+    if draw(st.booleans()):
+        chosen["networkPolicy.loader.exceptCIDRs"] = draw(st.lists(_cidrs, min_size=1, max_size=2))
     values = merged({"cluster": POOL}, *(nested(k, v) for k, v in chosen.items()))
     if "metrics.serviceMonitor.labels" in chosen:
         values = merged(values, {"metrics": {"serviceMonitor": {"enabled": True}}})
@@ -215,7 +231,8 @@ def name_cases(draw) -> dict:
 def test_every_name_and_label_the_chart_renders_is_one_kubernetes_accepts():
     """Release names that make invalid Service names (a leading digit, a dot), label and
     annotation keys and values outside Kubernetes' syntax, object names, image repositories
-    with a tag or capitals: refused, naming the key; or the manifests are valid."""
+    with a tag or capitals, Secret keys, NetworkPolicy address ranges: refused, naming the key;
+    or the manifests are valid."""
     assert_class(generated(name_cases(), COUNTS["names"]), lambda case, outcome: None)
 
 
@@ -318,12 +335,28 @@ OWNED_LABELS = [
     "app.kubernetes.io/version", "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of",
     "helm.sh/chart",
 ]  # fmt: skip
-_args = st.sampled_from(
-    ["--exit-timeout-secs=1", "--exit-timeout=1", "--exit-t=3", "--model-store=/x",
-     "--model-repository=/y", "--model-repo=/z", "--http-port=1", "--grpc-p=2", "--metrics-port",
-     "--log-verbose=1", "--allow-metrics=false", "--exit-on-error=false", "--id=x", "--",
-     "--exit-timeout-s=2", "--model-s=/q", "--metrics-p=1", "--http-p=3"]
+_args = st.one_of(
+    st.sampled_from(
+        ["--exit-timeout-secs=1", "--exit-timeout=1", "--exit-t=3", "--model-store=/x",
+         "--model-repository=/y", "--model-repo=/z", "--http-port=1", "--grpc-p=2",
+         "--metrics-port", "--log-verbose=1", "--allow-metrics=false", "--exit-on-error=false",
+         "--id=x", "--", "--exit-timeout-s=2", "--model-s=/q", "--metrics-p=1", "--http-p=3"]
+    ),
+    # the security defaults' flags (templates/_security.tpl), which the chart sets or keeps off
+    st.sampled_from(
+        ["--allow-http=true", "--http-a=0.0.0.0", "--grpc-r=logging:k=v", "--model-control=poll",
+         "--load-model=x", "--allow-s=true", "--vertex-ai-p=1", "--repository-poll-secs=1",
+         "--grpc-use-ssl=true", "--grpc-use-ssl=false", "--grpc-keepalive-time=1"]
+    ),
 )  # fmt: skip
+#: Flags the security defaults own (templates/_security.tpl), which the chart sets or keeps off.
+SECURITY_OWNED = {
+    "allow-http", "http-address", "http-port", "reuse-http-port", "allow-grpc", "grpc-address",
+    "grpc-port", "reuse-grpc-port", "grpc-restricted-protocol", "model-control-mode",
+    "load-model", "repository-poll-secs", "allow-sagemaker", "sagemaker-port",
+    "sagemaker-safe-port-range", "sagemaker-thread-count", "allow-vertex-ai", "vertex-ai-port",
+    "vertex-ai-thread-count", "vertex-ai-default-model", "grpc-use-ssl", "grpc-use-ssl-mutual",
+}  # fmt: skip
 
 
 @st.composite
@@ -402,11 +435,17 @@ def _collision_property(case: dict, outcome: Outcome) -> None:
         policy = (pvc["metadata"].get("annotations") or {}).get("helm.sh/resource-policy")
         assert (policy == "keep") == get(values, "modelRepository.persistence.keep", True)
     [triton] = [c for c in triton_pod(outcome)["containers"] if c["name"] == "triton"]
-    owned = [resolve(a) for a in triton["command"][1:6]]
-    assert all(owned)
+    command = triton["command"]
+    extra = get(values, "triton.extraArgs") or []
+    assert command[len(command) - len(extra) :] == extra
+    owned = [resolve(a) for a in command[1 : len(command) - len(extra)]]
+    assert all(owned) and len(owned) >= 5
     for option in owned:
-        setters = [a for a in triton["command"][1:] if resolve(a) == option]
+        setters = [a for a in command[1:] if resolve(a) == option]
         assert len(setters) == 1, f"--{option} is set by {setters}"
+    for arg in extra:  # TLS off is allowed; turned on, the plaintext probes would never pass
+        if resolve(arg) in SECURITY_OWNED:
+            assert arg.endswith("=false") and resolve(arg).startswith("grpc-use-ssl"), arg
     gpus = {k: v for k, v in triton["resources"]["limits"].items() if "nvidia.com" in k}
     assert gpus == {"nvidia.com/gpu": 2}, gpus  # T x P of the defaults, whatever was asked
     accounts = {d["metadata"]["name"] for d in docs_of(outcome, "ServiceAccount")}
@@ -618,7 +657,22 @@ def _feature_property(case: dict, outcome: Outcome) -> None:
     values = case["values"]
     deployment = docs_of(outcome, "Deployment")[0]
     prometheus = get(values, "metrics.prometheus") or {}
-    [policy] = docs_of(outcome, "NetworkPolicy") or [None]
+    name = deployment["metadata"]["name"]
+    policies = {p["metadata"]["name"]: p for p in docs_of(outcome, "NetworkPolicy")}
+    enabled = get(values, "networkPolicy.enabled")
+    assert len(policies) == (3 if enabled else 0), sorted(policies)
+    policy = policies.get(name)
+    if policy:
+        namespace = {"kubernetes.io/metadata.name": "model-triton"}
+        [test_pod] = docs_of(outcome, "Pod")
+        assert admits(policy, namespace, test_pod["metadata"]["labels"], 8001), "helm test"
+        assert admits(policy, namespace, {"model-triton/client": name}, 8001)
+        assert not admits(policy, namespace, {"model-triton/client": name + "-b"}, 8001)
+        assert not admits(policy, namespace, {"app": "other"}, 8001)
+        assert admits(policy, namespace, {"app": "gw"}, 8001) == bool(
+            get(values, "networkPolicy.allowedFrom")
+        )
+        assert not admits(policy, namespace, {"app": "gw"}, 8000), "HTTP is the pod's own"
     if policy and get(values, "metrics.serviceMonitor.enabled"):
         namespace = prometheus.get("namespace", "monitoring")
         labels = prometheus.get("podLabels") or {}
@@ -638,7 +692,6 @@ def _feature_property(case: dict, outcome: Outcome) -> None:
         for d in docs_of(outcome, "ScaledObject")
         for t in d["spec"]["triggers"]
     ]
-    name = deployment["metadata"]["name"]
     for expr in selectors:
         pattern = re.search(r'pod=~"([^"]+)"', expr)[1]
         assert all(re.fullmatch(pattern, p) for p in pod_names(name, 20, 1)), pattern
@@ -667,7 +720,9 @@ def _feature_property(case: dict, outcome: Outcome) -> None:
 
 
 def test_features_work_together():
-    """With the ServiceMonitor and the NetworkPolicy on, the scraper reaches 8002; with
+    """With the ServiceMonitor and the NetworkPolicy on, the scraper reaches 8002; the policies
+    (Triton's, the loader's, the helm test pod's) come together, and Triton's admits the helm
+    test pod, the labelled clients and allowedFrom to gRPC, no other pod, nobody to HTTP; with
     autoscaling, maxUnavailable comes from its minimum; alerts and KEDA select this release's
     pods only; prune never runs on a shared claim; on a one-node volume the loader may run
     where the Triton pods (and the volume) are."""

@@ -53,9 +53,11 @@ def test_streaming_publishes_its_own_key_and_the_helm_test_streams():
 
 def test_notes_tell_how_to_call_a_streaming_model():
     streaming = rc.notes(set_values=("triton.streaming=true",))
-    assert "scripts/complete --url 127.0.0.1:8001 --model codegen" in streaming
+    assert 'scripts/complete --url 127.0.0.1:8001 --model codegen "def is_even(n):"' in streaming
     assert "port-forward svc/codegen-model-triton 8001:8001" in streaming
     assert "curl" not in streaming
     plain = rc.notes()
-    assert "scripts/complete" not in plain
+    assert "scripts/complete --url 127.0.0.1:8001 --model codegen --no-stream" in plain
+    # HTTP is on the pod's loopback only: port-forward to the pod, not the Service.
+    assert "port-forward deploy/codegen-model-triton 8000:8000" in plain
     assert "/v2/models/codegen/infer" in plain

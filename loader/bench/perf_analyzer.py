@@ -183,6 +183,18 @@ def _unreachable(endpoint: Endpoint, model: str, output: str) -> LoaderError:
     )
 
 
+def _restricted(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    return EndpointError(
+        f"Triton at {endpoint} restricts what perf_analyzer reads first (model metadata, "
+        f"configuration, statistics) to callers with its admin header: {_tail(output)}",
+        "perf_analyzer sends no header over gRPC (its -H is HTTP only). Measure over HTTP "
+        "where the chart serves it, the pod's loopback: `kubectl port-forward "
+        "deploy/<release>-model-triton 8000` and --url http://127.0.0.1:8000; or, on a staging "
+        "release, leave metadata, model-config and statistics out of "
+        "triton.security.restrictedGrpcProtocols (SECURITY.md). TTFT (--ttft) needs no header.",
+    )
+
+
 def _unknown_model(endpoint: Endpoint, model: str, output: str) -> LoaderError:
     return ModelNotFoundError(f"Triton at {endpoint} does not serve a model named {model!r}")
 
@@ -205,6 +217,7 @@ def _window_too_short(endpoint: Endpoint, model: str, output: str) -> LoaderErro
 
 #: Output pattern -> the typed error it means; the first match wins.
 ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], LoaderError]], ...] = (
+    (re.compile(r"This protocol is restricted, expecting header"), _restricted),
     (
         re.compile(
             r"Couldn't connect to server|failed to connect to all addresses|Connection refused"

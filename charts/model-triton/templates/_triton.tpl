@@ -32,8 +32,10 @@ model-triton.replicas: Triton replicas, nodes x N.
 {{- end -}}
 
 {{/*
-model-triton.tritonArgs: the `tritonserver` command line (a YAML list): the chart's own options,
-then triton.extraArgs (which may not set or abbreviate one of the chart's: _rules.tpl).
+model-triton.tritonArgs: the `tritonserver` command line (a YAML list): the chart's own options
+(the endpoints and what they serve from model-triton.securityArgs, _security.tpl), then
+triton.extraArgs (which may not set or abbreviate one of the chart's: _rules.tpl, nor a flag the
+security defaults own: _security.tpl).
 */}}
 {{- define "model-triton.tritonArgs" -}}
 {{- include "model-triton.tritonChartArgs" . }}
@@ -48,8 +50,7 @@ model-triton.tritonChartArgs: the options of the `tritonserver` command line the
 {{- define "model-triton.tritonChartArgs" -}}
 - tritonserver
 - --model-repository={{ include "model-triton.modelPath" . }}
-- --http-port=8000
-- --grpc-port=8001
+{{ include "model-triton.securityArgs" . }}
 - --metrics-port=8002
 - --exit-timeout-secs={{ max 5 (sub (sub (int .Values.triton.terminationGracePeriodSeconds) (int .Values.triton.preStopSleepSeconds)) 10) }}
 {{- end -}}
