@@ -60,7 +60,7 @@ version=k8s.io/component-base/version
 ldflags="-s -w -X $version.gitVersion=v1.35.4 -X $version.gitMajor=1 -X $version.gitMinor=35"
 ldflags+=" -X $version.gitTreeState=clean -X $version.buildDate=2026-04-01T00:00:00Z"
 echo "building kube (kube-apiserver, kube-controller-manager, kube-scheduler, etcd) from tools/kube;"
-echo "from a cold cache about 12 CPU-minutes (see README, Development); later runs reuse $TOOLS_DIR/go"
+echo "from a cold cache about 11.5 CPU-minutes (see README, Development); later runs reuse $TOOLS_DIR/go"
 start=$(date +%s)
 log="$TOOLS_DIR/go/build.log"
 ticker=
@@ -74,7 +74,7 @@ every() {
 stop_ticker() { kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true; ticker=; }
 
 downloaded() { echo "$(du -sm "$GOMODCACHE/cache/download" 2>/dev/null | cut -f1) MB of modules downloaded"; }
-echo "  kube: downloading its Go modules (about 155 MB, once)"
+echo "  kube: downloading the Go modules it needs (about 100 MB, once)"
 every downloaded
 total=$(cd "$src" && go list -mod=readonly -deps . | wc -l) # fetches the modules the build needs
 stop_ticker
