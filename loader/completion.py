@@ -52,13 +52,13 @@ _DTYPES = {t.name: t.dtype for t in ENSEMBLE_INPUTS}
 
 @dataclass(frozen=True)
 class Completion:
-    """The ensemble's outputs for one prompt (first row, first beam)."""
+    """The ensemble's outputs for one prompt (first row, first beam). ``cum_log_prob`` is NaN
+    when FasterTransformer's sum holds a token the request did not ask for (models README)."""
 
     text: str
     output_ids: np.ndarray
     sequence_length: int
     cum_log_prob: float
-    output_log_probs: np.ndarray
 
 
 def load_request(path: Path | str) -> dict[str, list[Any]]:
@@ -133,7 +133,6 @@ def complete(
         output_ids=result.as_numpy("output_ids")[0, 0].astype(np.int64),
         sequence_length=int(result.as_numpy("sequence_length").reshape(-1)[0]),
         cum_log_prob=float(result.as_numpy("cum_log_probs").reshape(-1)[0]),
-        output_log_probs=result.as_numpy("output_log_probs")[0, 0],
     )
 
 

@@ -38,9 +38,10 @@ PROBS = np.array([[0.5, 0.3, 0.15, 0.05]])
 
 
 def _pick(top_k: int, top_p: float, u: float) -> tuple[int, float, float]:
-    tokens, log_prob, out_log_prob = sample_tokens(
+    tokens, log_prob, out_log_prob, updated = sample_tokens(
         PROBS, np.array([top_k]), np.array([top_p]), np.array([u])
     )
+    assert updated[0]
     return int(tokens[0]), float(log_prob[0]), float(out_log_prob[0])
 
 
@@ -56,10 +57,13 @@ def _pick(top_k: int, top_p: float, u: float) -> tuple[int, float, float]:
         (0, 0.9, (0, 0.9)),  # nucleus sampling
         (4, 0.5, (4, 0.5)),
         (5000, 1.5, (TOP_K_MAX, 1.0)),  # clipped like FT's kernels
+        (0, -0.5, (0, 0.0)),  # not greedy by the rule, then clipped: the most probable id
     ],
 )
 def test_sampling_config_applies_fts_rules(top_k, top_p, expected):
-    assert SamplingConfig(top_k=top_k, top_p=top_p).effective() == expected
+    k, p = SamplingConfig(top_k=top_k, top_p=top_p).effective()
+    assert k == expected[0]
+    assert p == np.float32(expected[1])  # FT's top_p is a float
 
 
 @pytest.mark.parametrize("u", [1e-6, 0.3, 0.99, 1.0])
@@ -88,6 +92,10 @@ def test_top_p_restricts_sampling_to_the_nucleus():
     assert log_prob == pytest.approx(np.log(0.3)) == out_log_prob
 
 
+def test_top_p_of_zero_picks_the_most_probable_id():
+    assert {_pick(0, 0.0, u)[0] for u in np.linspace(1e-6, 1.0, 11)} == {0}
+
+
 def test_top_k_with_top_p_keeps_the_top_p_share_of_the_top_k_mass():
     # k=3 mass 0.95, p=0.5: the threshold never exceeds 0.475 < 0.5, so token 0 always.
     assert {_pick(3, 0.5, u)[0] for u in np.linspace(1e-6, 1.0, 101)} == {0}
@@ -98,17 +106,23 @@ def test_sampled_frequencies_follow_the_renormalised_top_k_distribution():
     n = 20000
     probs = np.repeat(PROBS, n, axis=0)
     uniform = 1.0 - rng.random(n)
-    tokens, _, _ = sample_tokens(probs, np.full(n, 3), np.ones(n), uniform)
+    tokens, _, _, _ = sample_tokens(probs, np.full(n, 3), np.ones(n), uniform)
     freq = np.bincount(tokens, minlength=4) / n
     np.testing.assert_allclose(freq[:3], PROBS[0, :3] / 0.95, atol=0.015)
     assert freq[3] == 0
 
 
-def test_temperature_scales_logits_like_ft_and_leaves_t1_rows_alone():
+def test_temperature_scales_every_row_once_any_rows_temperature_is_not_1():
+    """BaseSamplingLayer::forward runs batchApplyTemperaturePenalty unless ALL_OF the batch's
+    temperatures is 1; the kernel multiplies every row by 1 / (t + 1e-6)."""
     logits = np.array([[1.0, -2.0, 0.5], [1.0, -2.0, 0.5]], dtype=np.float32)
     out = apply_temperature(logits, np.array([0.5, 1.0], dtype=np.float32))
     np.testing.assert_allclose(out[0], logits[0] / (0.5 + 1e-6), rtol=1e-6)
-    np.testing.assert_array_equal(out[1], logits[1])
+    expected = logits[1] * (np.float32(1) / np.float32(1 + 1e-6))
+    np.testing.assert_array_equal(out[1], expected)
+    assert not np.array_equal(out[1], logits[1])  # the t=1 row is scaled too
+    same = apply_temperature(logits, np.array([1.0, 1.0], dtype=np.float32))
+    np.testing.assert_array_equal(same, logits)
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
@@ -190,7 +204,9 @@ def test_greedy_codegen_after_conversion_equals_hugging_face_generate(tmp_path):
         np.testing.assert_array_equal(result.output_ids[: len(prompt) + 8], expected)
 
 
-def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
+def test_a_request_gives_the_same_tokens_alone_or_in_a_batch(tiny):
+    """Token ids never depend on the batch; a shorter row only gets one token more (FT's length
+    check follows the sampling) and the numbers of its steps are its own."""
     _, models = tiny
     samplers = [
         SamplingConfig(top_k=1),
@@ -203,20 +219,29 @@ def test_a_request_gives_the_same_result_alone_or_in_a_batch(tiny):
         GenerationRequest(p, 6 + 3 * i, end_id=(NEVER, 50256, 7)[i], sampling=s)
         for i, (p, s) in enumerate(zip(PROMPTS, samplers, strict=True))
     ]
-    batched = generate(models[2], requests, vocab_size=VOCAB)
-    for request, together in zip(requests, batched, strict=True):
-        alone = generate(models[2], [request], vocab_size=VOCAB)[0]
-        np.testing.assert_array_equal(alone.generated_ids, together.generated_ids)
+    batched = BatchGeneration(models[2], requests, vocab_size=VOCAB)
+    for _ in batched:
+        pass
+    for row, (request, together) in enumerate(zip(requests, batched.results(), strict=True)):
+        alone_run = BatchGeneration(models[2], [request], vocab_size=VOCAB)
+        for _ in alone_run:
+            pass
+        alone = alone_run.results()[0]
         n = alone.num_generated
+        assert n <= request.output_len
+        assert together.num_generated in (n, n + 1)
+        np.testing.assert_array_equal(alone.generated_ids, together.generated_ids[:n])
+        # The per-step values FT keeps (before its output layout): equal within the temperature
+        # rule's 1e-6 (the other rows' temperatures scale a t=1 row by 1 / (1 + 1e-6)).
         np.testing.assert_allclose(
-            alone.output_log_probs[:n], together.output_log_probs[:n], atol=1e-5
+            alone_run.step_log_probs[:n, 0], batched.step_log_probs[:n, row], atol=1e-4
         )
-        assert alone.cum_log_prob == pytest.approx(together.cum_log_prob, abs=1e-4)
 
 
 def test_a_ragged_batch_has_fts_layout(tiny):
     """FT pads the batch to its widest prompt W: every row is W + max(output_len) wide, its
-    sequence_length counts W, and end_id fills the rest (gatherTree, DecodingInitialize)."""
+    sequence_length counts W, and end_id fills the rest (gatherTree, DecodingInitialize); the
+    shorter request samples one token more than it asked for (length_criterion)."""
     _, models = tiny
     short, long_ = PROMPTS[0][:3], PROMPTS[1]
     requests = [
@@ -226,10 +251,11 @@ def test_a_ragged_batch_has_fts_layout(tiny):
     width = len(long_)
     results = generate(models[1], requests, vocab_size=VOCAB, padded_input_length=width + 2)
     for request, result in zip(requests, results, strict=True):
+        expected = request.output_len + (request.output_len < 6)
         assert result.output_ids.size == width + 2 + 6
         assert result.output_log_probs.size == 6
-        assert result.num_generated == request.output_len
-        assert result.sequence_length == width + 2 + request.output_len
+        assert result.num_generated == expected
+        assert result.sequence_length == width + 2 + expected
         assert result.output_ids[: len(request.input_ids)].tolist() == list(request.input_ids)
         rest = result.output_ids[len(request.input_ids) + result.num_generated :]
         assert (rest == NEVER).all()
@@ -297,14 +323,16 @@ def test_steps_are_yielded_one_token_at_a_time(tiny):
     generation = BatchGeneration(models[1], requests, vocab_size=VOCAB)
     steps = list(generation)
     assert [s.index for s in steps] == list(range(5))
-    assert [s.produced.tolist() for s in steps][2:] == [
+    assert [s.last for s in steps] == [False] * 4 + [True]
+    # Rows asking 2 and 3 of 5 sample a third and a fourth token (length_criterion).
+    assert [s.sampled.tolist() for s in steps][2:] == [
+        [True, True, True],
         [False, True, True],
-        [False, True, False],
         [False, True, False],
     ]
     final = generation.results()
     for n, result in enumerate(final):
-        produced = [int(s.tokens[n]) for s in steps if s.produced[n]]
+        produced = [int(s.tokens[n]) for s in steps if s.sampled[n]]
         assert produced == result.generated_ids.tolist()
 
 
@@ -353,6 +381,18 @@ def test_bad_words_are_never_generated_after_their_prefix(tiny):
         (
             GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(temperature=0.0)),
             "temperature",
+        ),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(temperature=np.nan)),
+            "temperature",
+        ),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(repetition_penalty=np.inf)),
+            "repetition_penalty",
+        ),
+        (
+            GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(top_p=np.nan)),
+            "runtime_top_p",
         ),
     ],
 )

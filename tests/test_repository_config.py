@@ -92,41 +92,50 @@ def test_ensemble_outputs_are_the_contract(written):
         "output_ids": (mc.TYPE_UINT32, [-1, -1]),
         "sequence_length": (mc.TYPE_INT32, [-1]),  # what FT sends, whatever configs declare
         "cum_log_probs": (mc.TYPE_FP32, [-1]),
-        "output_log_probs": (mc.TYPE_FP32, [-1, -1]),
+        # no output_log_probs: FT's layout of them depends on the batch (models README)
     }
 
 
 def test_ensemble_steps_wire_preprocessing_to_fastertransformer_to_postprocessing(written):
-    steps = written()["codegen"].ensemble_scheduling.step
+    configs = written()
+    steps = configs["codegen"].ensemble_scheduling.step
     assert [s.model_name for s in steps] == ["preprocessing", "fastertransformer", "postprocessing"]
     pre, ft, post = steps
-    assert dict(pre.input_map) == {"prompt": "prompt", "is_return_log_probs": "is_return_log_probs"}
-    ids, lengths = pre.output_map["input_ids"], pre.output_map["input_lengths"]
-    log_probs = pre.output_map["is_return_log_probs"]
-    sampling = {t.name: t.name for t in tensors.SAMPLING_INPUTS if t.name != "is_return_log_probs"}
-    assert dict(ft.input_map) == {
-        "input_ids": ids,
-        "input_lengths": lengths,
-        "is_return_log_probs": log_probs,  # always true: every FT output exists
-        "request_output_len": "request_output_len",
-        **sampling,
-    }
+    client = {i.name for i in configs["codegen"].input}
+    assert dict(pre.input_map) == {name: name for name in client}  # every client input
+    # preprocessing produces every input of fastertransformer, always: one input set per batch
+    ft_inputs = {i.name for i in configs["fastertransformer"].input}
+    assert set(pre.output_map) == ft_inputs == {o.name for o in configs["preprocessing"].output}
+    assert dict(ft.input_map) == dict(pre.output_map)
     results = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
     internal = dict(ft.output_map)
     assert set(internal) == set(results)
-    client_facing = {o.name for o in written()["codegen"].output}
+    client_facing = {o.name for o in configs["codegen"].output}
     assert not set(internal.values()) & client_facing  # no FT tensor reaches a client directly
+    assert not set(pre.output_map.values()) & (client | client_facing)
     assert dict(post.input_map) == {
         **{n: internal[n] for n in results},
-        "input_lengths": lengths,
-        "end_id": "end_id",
+        "input_lengths": pre.output_map["input_lengths"],
+        "request_output_len": pre.output_map["request_output_len"],
+        "end_id": pre.output_map["end_id"],
     }
     assert dict(post.output_map) == {n: n for n in client_facing}
 
 
-def test_postprocessing_knows_the_checkpoints_end_id(written):
-    post = written()["postprocessing"]
-    assert post.parameters["end_id"].string_value == "50256"
+def test_preprocessing_knows_the_checkpoints_start_and_end_ids(written, tmp_path):
+    pre = written()["preprocessing"]
+    assert pre.parameters["end_id"].string_value == "50256"
+    assert pre.parameters["start_id"].string_value == "50256"  # no start_id given: end_id
+    spec = RepositorySpec(
+        name="codegen",
+        parallelism=Parallelism(1, 1, 1),
+        settings=ServingSettings(),
+        data_type="fp32",
+        end_id=2,
+        start_id=1,
+    )
+    params = build_all(spec)["preprocessing"].parameters
+    assert (params["start_id"].string_value, params["end_id"].string_value) == ("1", "2")
 
 
 def test_every_step_mapping_agrees_on_dtype_and_optionality(written):

@@ -12,10 +12,13 @@ import concurrent.futures
 import csv
 import itertools
 import json
+import os
 import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,7 +44,13 @@ from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings
 from loader.repository.tensors import ENSEMBLE_INPUTS, STREAMING_OUTPUTS
 from loader.serving import TritonServer
-from loader.streaming import StreamEvent, StreamingClient, collect, stream_completion
+from loader.streaming import (
+    StreamEvent,
+    StreamingClient,
+    collect,
+    is_final,
+    stream_completion,
+)
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
@@ -127,22 +136,72 @@ def test_without_streaming_the_model_clients_call_stays_an_ensemble():
 # --- the stream ----------------------------------------------------------------------------------
 
 
+def _stub_of(server: TritonServer, model: str) -> int:
+    """The pid of the Python-backend stub serving ``model``: a child of tritonserver whose
+    command line names the model's ``model.py``."""
+    assert server.process is not None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == server.process.pid and any(
+            a.endswith(f"/{model}/1/model.py".encode()) for a in argv
+        ):
+            return int(proc.name)
+    raise AssertionError(f"no Python-backend stub of {model!r} under tritonserver")
+
+
 def test_increments_arrive_one_per_token_before_the_request_completes(streaming, tokenizer):
+    """Streamed, not buffered, shown by what the server is doing rather than by clocks. Every
+    response of the stream, the final one included, carries postprocessing's answer for its
+    token, so the moment the client receives its first token it stops the postprocessing stub
+    (SIGSTOP): from then on the stream cannot end, and only responses already on their way
+    arrive. A streaming model that collected the increments (or the answers) and sent them at the
+    end would deliver the first token together with all the others and the final response."""
     _stream(streaming, {**SEED_REQUEST, "request_output_len": [4]})  # warm up the models
-    n_out = 200  # long enough that generating the last token takes a while after the first
-    events = _stream(streaming, {**SEED_REQUEST, "request_output_len": [n_out]})
+    n_out = 200  # postprocessing's round trips for the rest take far longer than stopping it
+    stub = _stub_of(streaming, "postprocessing")
+    inbox: queue.Queue = queue.Queue()
+    stopped = threading.Event()
+
+    def arrived(result, error) -> None:  # gRPC's thread, as each response arrives
+        if not stopped.is_set():
+            os.kill(stub, signal.SIGSTOP)
+            stopped.set()
+        inbox.put((result, error, time.monotonic()))
+
+    client = grpcclient.InferenceServerClient(streaming.grpc_url)
+    client.start_stream(callback=arrived)
+    received: list = []
+    try:
+        client.async_stream_infer(
+            MODEL, build_inputs(grpcclient, {**SEED_REQUEST, "request_output_len": [n_out]})
+        )
+        received.append(inbox.get(timeout=120))
+        time.sleep(0.5)  # what the server already had on its way arrives (the stub is stopped)
+        while not inbox.empty():
+            received.append(inbox.get())
+        early = len(received)
+        os.kill(stub, signal.SIGCONT)
+        while not is_final(received[-1][0]):
+            received.append(inbox.get(timeout=120))
+    finally:
+        os.kill(stub, signal.SIGCONT)
+        client.stop_stream()
+        client.close()
+    assert all(error is None for _, error, _ in received)
+    assert 1 <= early < n_out  # the first token came while the stream provably could not end
     prompt_len = len(tokenizer.encode(SEED_REQUEST["prompt"][0]).ids)
-    tokens = [e for e in events if e.sequence_length is not None and not e.final]
-    # end_id 50256 lies outside the tiny vocabulary, so every token is generated.
-    assert [e.sequence_length for e in tokens] == list(
-        range(prompt_len + 1, prompt_len + n_out + 1)
-    )
-    assert len(events) > 1
-    times = [e.seconds for e in events]
-    assert times == sorted(times)
-    # Streamed, not buffered: the first token arrives well before the last one is generated.
-    assert tokens[0].seconds < 0.5 * tokens[-1].seconds
-    assert tokens[-1].seconds - tokens[0].seconds > 0
+    lengths = [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in received]
+    # end_id 50256 lies outside the tiny vocabulary, so every token is generated; the final
+    # response repeats the last length.
+    assert lengths[:-1] == list(range(prompt_len + 1, prompt_len + n_out + 1))
+    assert lengths[-1] == lengths[-2]
+    assert [is_final(r) for r, _, _ in received] == [False] * n_out + [True]
 
 
 def test_only_the_last_response_is_flagged_final(streaming):
@@ -195,6 +254,28 @@ def test_concurrent_streams_batched_together_each_equal_their_own_completion(str
         expected = complete(plain.grpc_url, MODEL, request, protocol="grpc")
         assert got.text == expected.text
         assert got.output_tokens == request["request_output_len"][0]
+
+
+def test_streams_with_different_optional_fields_share_batches_and_are_all_answered(
+    streaming, plain
+):
+    """As through the ensemble (test_wire_contract): the streaming model sends fastertransformer
+    every input, so streams whose clients sent different fields are batched together, and each
+    stream still equals its non-streaming completion."""
+    from test_wire_contract import _stats, batch_mixed_fields
+
+    alone, together, inferences, executions = batch_mixed_fields(
+        streaming.grpc_url,
+        lambda r: collect(iter(_stream(streaming, r))),
+        lambda: _stats(streaming, "fastertransformer"),
+    )
+    assert inferences == len(alone) + 1
+    assert executions < inferences
+    for a, b in zip(alone, together, strict=True):
+        assert a.text == b.text
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+    request = {"prompt": ["def add(a, b):"], "request_output_len": [6], "temperature": [0.7]}
+    assert alone[1].text == complete(plain.grpc_url, MODEL, request, protocol="grpc").text
 
 
 def test_a_cancelled_stream_does_not_wedge_the_model_and_the_next_request_is_served(streaming):

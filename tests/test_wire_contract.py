@@ -7,8 +7,10 @@ the model clients call must answer every request a client can make.
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +27,7 @@ pytestmark = pytest.mark.server  # starts a real server (see markers in pyprojec
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
 SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
-CLIENT_OUTPUTS = (
-    "completion",
-    "output_ids",
-    "sequence_length",
-    "cum_log_probs",
-    "output_log_probs",
-)
+CLIENT_OUTPUTS = ("completion", "output_ids", "sequence_length", "cum_log_probs")
 
 LOG_PROBS = {"cum_log_probs", "output_log_probs"}
 
@@ -109,12 +105,17 @@ def test_the_model_clients_call_answers_every_combination_of_outputs(server, out
         assert result.as_numpy("completion").shape == (1, 1)
 
 
-def _ft_inputs(ids: np.ndarray, lengths: list[int], **optional: np.ndarray) -> list:
+def _ft_inputs(
+    ids: np.ndarray, lengths: list[int], output_lens: list[int] | None = None, **optional
+) -> list:
     rows = len(lengths)
+    output_lens = output_lens or [5] * rows
     inputs = [
         _tensor("input_ids", ids.astype(np.uint32), "UINT32"),
         _tensor("input_lengths", np.array(lengths, dtype=np.uint32).reshape(rows, 1), "UINT32"),
-        _tensor("request_output_len", np.full((rows, 1), 5, dtype=np.uint32), "UINT32"),
+        _tensor(
+            "request_output_len", np.array(output_lens, dtype=np.uint32).reshape(rows, 1), "UINT32"
+        ),
         _tensor("runtime_top_k", np.ones((rows, 1), dtype=np.uint32), "UINT32"),
         _tensor("end_id", np.full((rows, 1), 100_000, dtype=np.uint32), "UINT32"),
     ]
@@ -163,6 +164,106 @@ def test_a_padded_batch_has_fts_lengths_and_layout(server):
     assert int(alone.as_numpy("sequence_length")[0, 0]) == 3 + 5
     assert output_ids[1, : 3 + 5].tolist() == short.tolist()
     assert (output_ids[1, 3 + 5 :] == 100_000).all()
+
+
+def test_beam_search_is_refused_by_the_cpu_reference(server):
+    """FT runs beam_width > 1 with OnlineBeamSearchLayer; the CPU reference does not implement it
+    and says so (docs/fastertransformer.md, the differences table)."""
+    ids = np.array([[5, 6, 7, 8]])
+    inputs = _ft_inputs(ids, [4])
+    inputs.append(_tensor("beam_width", np.array([[2]], dtype=np.uint32), "UINT32"))
+    with pytest.raises(Exception, match=r"beam search \(beam_width > 1\) is not supported"):
+        _infer(server, "fastertransformer", inputs)
+
+
+def test_a_shorter_row_gets_one_token_more_from_fastertransformer(server):
+    """FT GptJ::forward (setSeqLimitLen) and stop_criteria_kernels.cu (length_criterion): a row
+    asking fewer tokens than the batch's largest samples one more."""
+    ids = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    result = _infer(server, "fastertransformer", _ft_inputs(ids, [4, 4], [3, 6]))
+    assert result.as_numpy("sequence_length")[:, 0].tolist() == [4 + 4, 4 + 6]
+    assert result.as_numpy("output_ids").shape == (2, 1, 4 + 6)
+
+
+def test_output_log_probs_follow_fts_layout_in_a_mixed_batch(server):
+    """FT GptJ::setOutputTensors copies them with transposeAxis01 and the first row's
+    request_output_len as the stride: row 0 holds both rows' first two steps, row 1 nothing
+    (stale GPU memory; NaN from the CPU reference). The client-facing model leaves them out."""
+    ids = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    optional = {"is_return_log_probs": np.array([[True], [True]])}
+    mixed = _infer(server, "fastertransformer", _ft_inputs(ids, [4, 4], [2, 4], **optional))
+    rows = mixed.as_numpy("output_log_probs")[:, 0]
+    assert rows.shape == (2, 4)
+    assert np.isfinite(rows[0]).all() and np.isnan(rows[1]).all()
+    alone = [
+        _infer(server, "fastertransformer", _ft_inputs(ids[i : i + 1], [4], [n], **{
+            "is_return_log_probs": np.array([[True]])
+        })).as_numpy("output_log_probs")[0, 0]
+        for i, n in enumerate((2, 4))
+    ]  # fmt: skip
+    np.testing.assert_allclose(rows[0], [*alone[0], *alone[1][:2]], rtol=1e-5)
+
+
+#: Optional fields a client may send, a different set per request.
+OPTIONAL_FIELDS = [
+    {},
+    {"temperature": [0.7]},
+    {"random_seed": [5], "runtime_top_p": [0.9], "runtime_top_k": [0]},
+    {"repetition_penalty": [1.2]},
+    {"end_id": [100_000]},
+    {"start_id": [1], "is_return_log_probs": [False]},
+    {"runtime_top_k": [3], "random_seed": [9]},
+    {"temperature": [1.3], "runtime_top_p": [0.5], "runtime_top_k": [0], "random_seed": [1]},
+]
+
+
+def _stats(server: TritonServer, model: str) -> dict:
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        return client.get_inference_statistics(model)["model_stats"][0]
+    finally:
+        client.close()
+
+
+def batch_mixed_fields(url: str, send, stats) -> tuple[list, list, int, int]:
+    """Each of OPTIONAL_FIELDS alone, then all at once while a long request keeps the model
+    busy (so they queue together): ``(alone, together, inferences, executions)``."""
+    base = {"prompt": ["def add(a, b):"], "request_output_len": [6]}
+    requests = [{**base, **fields} for fields in OPTIONAL_FIELDS]
+    alone = [send(r) for r in requests]
+    every_field = {**base, **{k: v for f in OPTIONAL_FIELDS for k, v in f.items()}}
+    before = stats()
+    with concurrent.futures.ThreadPoolExecutor(len(requests) + 1) as pool:
+        blocker = pool.submit(send, {**every_field, "request_output_len": [300]})
+        time.sleep(0.3)
+        together = list(pool.map(send, requests))
+        blocker.result()
+    deadline = time.monotonic() + 10
+    while True:
+        after = stats()
+        inferences = int(after["inference_count"]) - int(before["inference_count"])
+        if inferences >= len(requests) + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    executions = int(after["execution_count"]) - int(before["execution_count"])
+    return alone, together, inferences, executions
+
+
+def test_clients_sending_different_optional_fields_share_batches_and_are_all_answered(server):
+    """Triton's dynamic batcher joins only requests with the same input set (core
+    RequiredEqualInputs::HasEqualInputs) and the FT backend takes the first request's set for
+    the batch (SetInputTensors): preprocessing sends fastertransformer every input, FT's default
+    for each the client left out, so any two requests can share a batch and mean the same."""
+    alone, together, inferences, executions = batch_mixed_fields(
+        server.grpc_url,
+        lambda r: complete(server.grpc_url, MODEL, r, protocol="grpc"),
+        lambda: _stats(server, "fastertransformer"),
+    )
+    assert inferences == len(OPTIONAL_FIELDS) + 1
+    assert executions < inferences  # requests of different field sets were batched
+    for a, b in zip(alone, together, strict=True):
+        assert a.text == b.text
+        assert a.output_ids.tolist() == b.output_ids.tolist()
 
 
 def test_temperature_reaches_the_model_through_the_ensemble(server):

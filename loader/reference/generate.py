@@ -1,50 +1,77 @@
-"""Token generation with FasterTransformer's sampling semantics, batched, in NumPy.
+"""Token generation as FasterTransformer's GPT-J runs it, batched, in NumPy.
 
 Given a causal LM with a KV cache (the CPU reference :class:`loader.reference.gptj.GptJ`, or
-anything with the same ``forward``), :func:`generate` completes a batch of requests the way the
-FasterTransformer GPT-J runtime does (``DynamicDecodeLayer``, ``BaseSamplingLayer``,
-``TopKSamplingLayer``/``TopPSamplingLayer`` and their kernels, FT 5.x):
+anything with the same ``forward``), :class:`BatchGeneration` runs one batch the way
+FasterTransformer ``main`` (df4a753) does on the GPU, step for step, and :meth:`results` returns
+what its Triton backend sends. FT = ``src/fastertransformer/``; each rule names the function it
+comes from.
 
-- **Which sampler.** ``top_k == 0 and top_p == 0`` means greedy (FT turns it into ``top_k = 1``);
-  ``top_k > 0 and top_p == 0`` means plain top-k (FT sets ``top_p = 1``); ``top_k > 0`` with
-  ``top_p > 0`` samples from the top-k tokens restricted to the ``top_p`` fraction of their
-  mass; ``top_k == 0`` with ``top_p > 0`` is nucleus (top-p) sampling. ``top_k`` is clipped to
-  1024 and ``top_p`` to [0, 1], as FT does. Defaults when a request omits them: top_k 0,
-  top_p 0 (greedy), temperature 1, no repetition penalty, random seed 0.
-- **Logit processing, in FT's order.** Temperature first (``logits * 1 / (t + 1e-6)``), then
-  the multiplicative repetition penalty over every distinct token of the context (prompt and
-  tokens generated so far; FT skips it while the context has a single token): a positive
-  logit is divided by the penalty, a negative one multiplied.
-- **Drawing.** FT draws ``u`` uniform in (0, 1] per row and step and walks the candidates in
-  descending probability, picking the first whose running sum reaches
-  ``u * top_p * (sum of the top-k probabilities)`` (top-k) or ``u * top_p`` (top-p). We do the
-  same with a per-request ``numpy`` PCG64 generator seeded with ``random_seed``, so a request's
-  tokens depend only on its own seed, not on what else is in the batch (FT seeds one curand
-  state per row, too; the numbers themselves differ from curand's).
-- **Log probabilities.** Computed from the softmax of the processed logits. ``cum_log_probs``
-  adds ``log p(token)``. ``output_log_probs`` holds ``log p(token)`` for top-p rows and
-  ``log p(token) - log(sum of the top-k probabilities)`` for top-k rows (FT's
-  ``topk_stage2_sampling``: the probability conditioned on the top-k set; 0 for greedy).
-- **Stopping.** A row stops after ``output_len`` new tokens or when it emits ``end_id``; the
-  ``end_id`` token counts in ``sequence_length`` (FT increments the length, then marks the row
-  finished). A finished row's later positions hold ``end_id``. A row also stops once its context
-  ends with one of its ``stop_words`` (kept in the output, as FT does).
-- **Bad words.** Before anything else, FT bans the last token of each ``bad_words`` entry whose
-  other tokens end the context (a one-token entry is always banned): its logit becomes -inf.
-  :func:`words_from_ft_list` reads FT's ``[2, L]`` list format (ids; end offsets, -1 padded).
-- **Output layout** (one batch, as the FasterTransformer backend returns it; the wire contract
-  in ``loader/repository/models/README.md``). The batch is ``W`` tokens wide, the longest prompt of the
-  batch (``input_ids.shape[1]`` once the backend has padded the prompts of a ragged batch with
-  0s; FT ``GptJTritonModelInstance::forward`` and BE ``ModelInstanceState::SetInputTensors``).
-  Every row's ``output_ids`` is ``W + max(output_len)`` wide: its prompt (its real length),
-  its generated tokens, then ``end_id`` (FT ``invokeGatherTree`` removes the padding).
-  ``sequence_length`` is ``W + generated tokens``: FT starts every row's length at ``W``
-  (``invokeDecodingInitialize`` with ``max_input_length``), so a short prompt in a ragged batch
-  reports the batch's width, not its own length; the generated tokens of a row are therefore
-  ``output_ids[input_length : input_length + generated]`` (:attr:`GenerationResult.generated_ids`),
-  and what follows them up to ``sequence_length`` is ``end_id``. ``output_log_probs`` is
-  ``max(output_len)`` wide. The token ids themselves never depend on the batch.
+**The loop** (``models/gptj/GptJ.cc``, ``GptJ::forward``). The batch is ``W`` tokens wide: the
+width of ``input_ids`` after the backend padded a ragged batch with 0s, at least its longest
+prompt. Steps run from ``W`` to ``W + M - 1``, ``M`` the batch's largest ``request_output_len``;
+after each step the loop ends when every row is finished (``should_stop``). FT keeps the ids in
+one buffer per row: the prompt, 0s up to ``W`` (the padding), then one id per step.
 
+**Each step** (``layers/DynamicDecodeLayer.cc``, ``DynamicDecodeLayer::forward``, in order):
+
+1. *Bad words* (``kernels/ban_bad_words.cu``, ``ban_bad_words``): a one-token entry is always
+   banned; a longer entry when the ids before ``step`` in the row's buffer end with its prefix,
+   which for a short row in a ragged batch are the padding 0s at first. The banned logit becomes
+   -inf, never for token id 0 (``0 < banned_token``).
+2. *Temperature* (``layers/sampling_layers/BaseSamplingLayer.cc``, ``BaseSamplingLayer::forward``;
+   ``kernels/sampling_penalty_kernels.cu``, ``batchApplyTemperaturePenalty``): once any row's
+   temperature is not 1, every row's logits are multiplied by ``1 / (t + 1e-6)`` (float32), the
+   rows with ``t == 1`` included.
+3. *Repetition penalty* (same function; ``batchApplyRepetitionPenalty``): when the batch's
+   ``step > 1`` (so not at the first step of a batch whose prompts are all one token long,
+   whatever a row's own length) and some row's penalty is not 1, each distinct id among the row's
+   prompt and generated ids (the padding skipped) is penalised once: a positive logit divided by
+   the penalty, a negative one multiplied.
+4. *Sampling* (``TopKSamplingLayer::setup``, ``setup_topk_runtime_args``): ``top_k == 0 and
+   top_p == 0`` is greedy (``top_k = 1``); ``top_k > 0 and top_p == 0`` becomes ``top_p = 1``;
+   ``top_k`` is clipped to 1024 and ``top_p`` to [0, 1]. Rows with ``top_k > 0`` are sampled by
+   the top-k kernel, the others by the top-p kernel, from the softmax of the processed logits
+   (``addBiasSoftMax``: ``exp(x - max) / (sum + 1e-6)``, float32).
+
+   - *Top-k* (``kernels/sampling_topk_kernels.cu``, ``topk_stage2_sampling``): a finished row
+     writes ``end_id`` and draws nothing. Otherwise one ``curand_uniform`` ``u``; the candidates
+     are the ``k`` most probable ids in descending order, and the first whose running sum reaches
+     ``u * top_p * (sum of the k probabilities)`` is picked (the last candidate if none does).
+     Log probability: ``log p``; ``output_log_probs`` holds ``log p - log(sum of the k)``.
+   - *Top-p* (``kernels/sampling_topp_kernels.cu``, ``topp_sampling``): every row draws, finished
+     or not; a finished row's distribution is all on ``end_id`` (``addBiasSoftMax``). The first id
+     in descending order whose running sum reaches ``u * top_p`` is picked; if none does (the
+     probabilities sum to slightly less than 1), the most probable id is written and the row's
+     length, finished flag and log probabilities are left as they were. ``output_log_probs``
+     holds ``log p``. After the step ``top_p`` becomes ``max(top_p, 1e-6)``
+     (``computeToppDecay`` with its defaults).
+
+   A row that samples grows its length by one (not when it was finished before the step) and is
+   finished when it sampled ``end_id``.
+5. *Stop words* (``kernels/stop_criteria_kernels.cu``, ``stop_words_criterion``): a row whose
+   buffer ends, at ``step``, with an entry is finished (the padding counts here too).
+6. *Length* (``length_criterion``; ``GptJ::forward``, ``setSeqLimitLen``): a row is finished once
+   ``step >= W + request_output_len``. The check follows the sampling, so a row whose
+   ``request_output_len`` is below the batch's ``M`` samples one token more than it asked for
+   (unless ``end_id`` or a stop word ended it earlier); the row with ``M`` tokens stops with the
+   loop.
+
+**Random numbers.** Every row gets its own cuRAND XORWOW state, ``curand_init(random_seed, 0,
+0)`` (``BaseSamplingLayer::setup``; absent: seed 0), and draws one ``curand_uniform`` per step as
+above (:mod:`loader.reference.curand`). With equal logits the reference samples what FT samples;
+the sums are float32 like FT's, though not added in the GPU's order, so a draw that falls within
+rounding of a boundary may pick the neighbouring id.
+
+**What the backend sends** (:meth:`BatchGeneration.results`; FT ``GptJ::setOutputTensors``,
+``kernels/decoding_kernels.cu``, ``gatherTree``; ``triton_backend/gptj/GptJTritonModelInstance.cc``,
+``forward``): ``output_ids`` is ``W + M`` wide per row: the prompt (its own length), the
+generated ids, then ``end_id``; ``sequence_length`` is ``W +`` generated ids (the extra token and
+an ``end_id`` that stopped the row included); ``cum_log_probs`` sums the row's log
+probabilities (the extra token's included); ``output_log_probs`` is copied out with
+``transposeAxis01`` using the *first* row's ``request_output_len`` ``L0`` as the stride, so row
+``j`` step ``i`` lands at flat position ``j * L0 + i`` of the ``[rows, M]`` tensor, and what FT
+never wrote (positions past ``rows * L0``, steps of a finished top-k row) is whatever the buffer
+held: NaN here. A client layer must not read per-token log probabilities from a batch.
 """
 
 from __future__ import annotations
@@ -57,10 +84,17 @@ import numpy as np
 
 from loader.errors import InvalidRequestError
 
+from .curand import XorwowStates
+
 #: FT's top-k kernels support k up to this value and clip larger ones.
 TOP_K_MAX = 1024
-#: FT's temperature kernel divides by ``temperature + TEMPERATURE_EPS``.
-TEMPERATURE_EPS = 1e-6
+#: ``batchApplyTemperaturePenalty`` divides by ``temperature + 1e-6``.
+TEMPERATURE_EPS = np.float32(1e-6)
+#: ``addBiasSoftMax`` divides by ``sum + 1e-6``.
+SOFTMAX_EPS = np.float32(1e-6)
+#: ``computeToppDecay``: ``runtime_top_p = max(runtime_top_p * 1, top_p_min)``, default 1e-6.
+TOP_P_MIN = np.float32(1e-6)
+_FLT_MAX = np.float32(np.finfo(np.float32).max)
 
 
 class CausalLM(Protocol):
@@ -73,12 +107,13 @@ class CausalLM(Protocol):
         position_ids: np.ndarray,
         attention_mask: np.ndarray,
         past: Any = None,
+        last_only: bool = False,
     ) -> tuple[np.ndarray, Any]: ...
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Per-request sampling settings, with FT's defaults."""
+    """Per-row sampling settings; the defaults are what FT uses when an input is absent."""
 
     top_k: int = 0
     top_p: float = 0.0
@@ -88,7 +123,7 @@ class SamplingConfig:
 
     def effective(self) -> tuple[int, float]:
         """``(top_k, top_p)`` after FT's rules (``setup_topk_runtime_args``)."""
-        k, p = int(self.top_k), float(self.top_p)
+        k, p = int(self.top_k), float(np.float32(self.top_p))
         if k == 0 and p == 0.0:
             k = 1
         if k > 0 and p == 0.0:
@@ -98,7 +133,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One sequence to complete: prompt ids, how many new tokens, when to stop, how to sample."""
+    """One row to complete: prompt ids, how many new tokens, when to stop, how to sample."""
 
     input_ids: Sequence[int]
     output_len: int
@@ -110,25 +145,25 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class GenerationStep:
-    """What one decoding step produced, per row of the batch."""
+    """One FT step, per row of the batch."""
 
-    index: int  # 0-based position among the generated tokens
-    tokens: np.ndarray  # (B,) int64; end_id for rows that were already finished
-    produced: np.ndarray  # (B,) bool: the row generated ``tokens[i]`` at this step
-    log_probs: np.ndarray  # (B,) float32 (output_log_probs entry; 0 where not produced)
-    finished: np.ndarray  # (B,) bool after this step
+    index: int  # 0-based: the step is W + index
+    tokens: np.ndarray  # (B,) the id FT wrote into the row's buffer
+    sampled: np.ndarray  # (B,) bool: the row's sequence_length grew
+    finished: np.ndarray  # (B,) bool after the step
+    last: bool  # the loop ends after this step (no streaming callback for it)
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """One row's output, in FT's layout (see the module docstring)."""
+    """One row of the batch, as the backend sends it (see the module docstring)."""
 
-    output_ids: np.ndarray  # (W + max output_len of the batch,) int64
-    sequence_length: int  # W + num_generated, as FT reports it
+    output_ids: np.ndarray  # (W + M,) int64
+    sequence_length: int  # W + num_generated
     cum_log_prob: float
-    output_log_probs: np.ndarray  # (max output_len of the batch,) float32
+    output_log_probs: np.ndarray  # (M,) float32, FT's layout for this row (NaN: never written)
     input_length: int
-    num_generated: int  # the end_id that stopped a row counts, as in FT
+    num_generated: int  # ids FT counts: the extra token and a stopping end_id included
 
     @property
     def generated_ids(self) -> np.ndarray:
@@ -169,70 +204,112 @@ def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int) ->
         if req.output_len < 1:
             raise InvalidRequestError(f"request {n}: request_output_len must be at least 1")
         s = req.sampling
-        if s.temperature <= 0:
+        if not (np.isfinite(s.temperature) and s.temperature > 0):
             raise InvalidRequestError(f"request {n}: temperature must be positive")
-        if s.repetition_penalty <= 0:
+        if not (np.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
             raise InvalidRequestError(f"request {n}: repetition_penalty must be positive")
+        if not np.isfinite(s.top_p):
+            raise InvalidRequestError(f"request {n}: runtime_top_p must be a number")
         if s.top_k < 0:
             raise InvalidRequestError(f"request {n}: runtime_top_k must not be negative")
 
 
 def apply_temperature(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
-    """``logits * 1 / (t + 1e-6)`` per row; rows with ``t == 1`` are left as they are."""
-    scale = np.where(temperature == 1.0, 1.0, 1.0 / (temperature + TEMPERATURE_EPS))
-    return logits * scale[:, None].astype(logits.dtype)
+    """``logits * 1 / (t + 1e-6)`` for every row once any row's ``t`` is not 1 (float32)."""
+    temperature = np.asarray(temperature, dtype=np.float32)
+    if not (temperature != 1.0).any():
+        return logits
+    scale = np.float32(1.0) / (temperature + TEMPERATURE_EPS)
+    return logits * scale[:, None]
 
 
 def apply_repetition_penalty(
     logits: np.ndarray, seen: np.ndarray, penalty: np.ndarray
 ) -> np.ndarray:
-    """FT's multiplicative penalty on every token in ``seen`` (B, V) bool, once per token."""
-    p = penalty[:, None].astype(logits.dtype)
+    """FT's multiplicative penalty on every id in ``seen`` (B, V) bool, once per id."""
+    penalty = np.asarray(penalty, dtype=np.float32)
+    if not (penalty != 1.0).any():
+        return logits
+    p = penalty[:, None]
     penalised = np.where(logits < 0, logits * p, logits / p)
-    apply = seen & (penalty != 1.0)[:, None]
-    return np.where(apply, penalised, logits)
+    return np.where(seen, penalised, logits)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    exp = np.exp(shifted.astype(np.float64))
-    return exp / exp.sum(axis=-1, keepdims=True)
+    """``addBiasSoftMax``: ``exp(x - max) / (sum + 1e-6)`` per row, float32."""
+    logits = np.asarray(logits, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / (e.sum(axis=-1, keepdims=True) + SOFTMAX_EPS)
+
+
+#: Candidates :func:`sample_tokens` sorts first; rows that need more get a full sort.
+SORTED_PREFIX = 64
+
+
+def _descending(probs: np.ndarray, prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``prefix`` most probable ids of each row in descending order (ties: lower id first,
+    as a stable sort of the whole row orders them) and their probabilities."""
+    vocab = probs.shape[1]
+    if prefix >= vocab:
+        order = np.argsort(-probs, axis=1, kind="stable")
+        return order, np.take_along_axis(probs, order, axis=1)
+    part = np.argpartition(-probs, prefix - 1, axis=1)[:, :prefix]
+    values = np.take_along_axis(probs, part, axis=1)
+    inner = np.lexsort((part, -values), axis=1)
+    return np.take_along_axis(part, inner, axis=1), np.take_along_axis(values, inner, axis=1)
 
 
 def sample_tokens(
     probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniform: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pick one token per row as FT's top-k / top-p kernels do.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pick one id per row as FT's top-k / top-p kernels do (see the module docstring).
 
-    ``probs`` (B, V) float64; ``top_k`` (B,) int, 0 = top-p row; ``top_p`` (B,) in [0, 1];
-    ``uniform`` (B,) in (0, 1]. Returns ``(tokens, log_prob, output_log_prob)``.
+    ``probs`` (B, V) float32; ``top_k`` (B,) after FT's rules, 0 for a top-p row; ``top_p`` (B,);
+    ``uniform`` (B,) ``curand_uniform`` draws. Returns ``(ids, log_prob, output_log_prob,
+    updated)``; ``updated`` is False where the top-p kernel found no id (it then writes the most
+    probable id and changes nothing else). Only the :data:`SORTED_PREFIX` most probable ids of
+    a row are sorted unless the walk needs more (the result is that of a full sort).
     """
+    probs = np.asarray(probs, dtype=np.float32)
     batch, vocab = probs.shape
-    order = np.argsort(-probs, axis=1, kind="stable")
-    sorted_p = np.take_along_axis(probs, order, axis=1)
-    ranks = np.arange(vocab)[None, :]
+    top_k = np.asarray(top_k, dtype=np.int64)
+    top_p = np.asarray(top_p, dtype=np.float32)
+    uniform = np.asarray(uniform, dtype=np.float32)
     is_topk = top_k > 0
     limit = np.where(is_topk, np.minimum(top_k, vocab), vocab)
-    candidates = ranks < limit[:, None]
-    weights = np.where(candidates, sorted_p, 0.0)
-    mass = np.where(is_topk, weights.sum(axis=1), 1.0)
-    threshold = uniform * top_p * mass
-    reached = (np.cumsum(weights, axis=1) >= threshold[:, None]) & candidates
-    # No candidate reached the threshold (rounding): top-k takes its last candidate,
-    # top-p its first (the kernels' fallbacks).
-    fallback = np.where(is_topk, limit - 1, 0)
-    pick = np.where(reached.any(axis=1), reached.argmax(axis=1), fallback)
+    order, sorted_p = _descending(probs, min(SORTED_PREFIX, vocab))
+    running = np.cumsum(sorted_p, axis=1, dtype=np.float32)
+    width = order.shape[1]
+    if width < vocab:
+        # A full sort where the prefix may not decide: a top-k row with k beyond it, a top-p
+        # row whose threshold it does not reach, or a tie across its end.
+        tied = (probs >= sorted_p[:, -1:]).sum(axis=1) > width
+        short = np.where(is_topk, limit > width, running[:, -1] < uniform * top_p)
+        full = tied | short
+        if full.any():
+            order = np.pad(order, ((0, 0), (0, vocab - width)))
+            sorted_p = np.pad(sorted_p, ((0, 0), (0, vocab - width)))
+            rows = np.flatnonzero(full)
+            order[rows], sorted_p[rows] = _descending(probs[rows], vocab)
+            running = np.cumsum(sorted_p, axis=1, dtype=np.float32)
+            width = vocab
     rows = np.arange(batch)
-    tokens = order[rows, pick]
-    chosen = sorted_p[rows, pick]
+    last = np.minimum(limit, width) - 1
+    mass = np.where(is_topk, running[rows, last], np.float32(1.0)).astype(np.float32)
+    threshold = np.where(is_topk, (uniform * top_p) * mass, uniform * top_p).astype(np.float32)
+    reached = (running >= threshold[:, None]) & (np.arange(width)[None, :] < limit[:, None])
+    found = reached.any(axis=1)
+    pick = np.where(found, reached.argmax(axis=1), np.where(is_topk, last, 0))
+    ids = order[rows, pick].astype(np.int64)
     with np.errstate(divide="ignore"):
-        log_prob = np.log(chosen)
-        output_log_prob = np.where(is_topk, log_prob - np.log(mass), log_prob)
-    return tokens.astype(np.int64), log_prob, output_log_prob
+        log_prob = np.log(sorted_p[rows, pick]).astype(np.float32)
+        output_log_prob = np.where(is_topk, log_prob - np.log(mass), log_prob).astype(np.float32)
+    return ids, log_prob, output_log_prob, found | is_topk
 
 
 class BatchGeneration:
-    """One batch of requests being generated; iterate to run it step by step."""
+    """One batch as FT runs it; iterate to run it step by step, then read :meth:`results`."""
 
     def __init__(
         self,
@@ -242,140 +319,178 @@ class BatchGeneration:
         vocab_size: int,
         padded_input_length: int = 0,
     ) -> None:
-        """``padded_input_length``: the width of the batch's ``input_ids`` as the backend would
-        hand it to FT (at least the longest prompt; a request may pad its rows further)."""
+        """``padded_input_length``: the width of the batch's ``input_ids`` as the backend hands
+        it to FT (at least the longest prompt; a request may pad its rows further)."""
         validate_requests(requests, vocab_size)
         self.model = model
         self.requests = list(requests)
         self.vocab_size = vocab_size
         n = len(self.requests)
         self.input_lengths = np.array([len(r.input_ids) for r in self.requests], dtype=np.int64)
-        self.padded_input_length = max(int(padded_input_length), int(self.input_lengths.max()))
+        self.width = max(int(padded_input_length), int(self.input_lengths.max()))
         self.output_lens = np.array([r.output_len for r in self.requests], dtype=np.int64)
+        self.max_output_len = int(self.output_lens.max())
         self.end_ids = np.array([r.end_id for r in self.requests], dtype=np.int64)
         effective = [r.sampling.effective() for r in self.requests]
         self.top_k = np.array([k for k, _ in effective], dtype=np.int64)
-        self.top_p = np.array([p for _, p in effective], dtype=np.float64)
+        self.top_p = np.array([p for _, p in effective], dtype=np.float32)
+        self.is_topk = self.top_k > 0
         self.temperature = np.array(
             [r.sampling.temperature for r in self.requests], dtype=np.float32
         )
         self.penalty = np.array(
             [r.sampling.repetition_penalty for r in self.requests], dtype=np.float32
         )
-        self.rngs = [
-            np.random.Generator(np.random.PCG64(int(r.sampling.random_seed))) for r in self.requests
-        ]
-        max_out = int(self.output_lens.max())
-        self.generated = np.zeros((n, max_out), dtype=np.int64)
-        self.output_log_probs = np.zeros((n, max_out), dtype=np.float32)
-        self.cum_log_probs = np.zeros(n, dtype=np.float64)
-        self.num_generated = np.zeros(n, dtype=np.int64)
-        self.finished = np.zeros(n, dtype=bool)
+        self.states = XorwowStates([int(r.sampling.random_seed) for r in self.requests])
+        # FT's output_ids buffer: prompt, 0s up to W, then one id per step.
+        self.tokens = np.zeros((n, self.width + self.max_output_len), dtype=np.int64)
         self.seen = np.zeros((n, vocab_size), dtype=bool)
         for i, r in enumerate(self.requests):
-            self.seen[i, np.asarray(r.input_ids, dtype=np.int64)] = True
-        self.context = [[int(t) for t in r.input_ids] for r in self.requests]
+            prompt = np.asarray(r.input_ids, dtype=np.int64)
+            self.tokens[i, : prompt.size] = prompt
+            self.seen[i, prompt] = True
+        self.num_generated = np.zeros(n, dtype=np.int64)
+        self.finished = np.zeros(n, dtype=bool)
+        self.cum_log_probs = np.zeros(n, dtype=np.float32)
+        # FT's output_log_probs_buf_ [M, B]; NaN where FT never writes (stale memory on a GPU).
+        self.step_log_probs = np.full((self.max_output_len, n), np.nan, dtype=np.float32)
+        self.steps = 0
+        self._bad_rows = [i for i, r in enumerate(self.requests) if r.bad_words]
+        self._stop_rows = [i for i, r in enumerate(self.requests) if r.stop_words]
 
     def _prompt_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Left-padded prompts, their attention mask and position ids."""
-        n, width = len(self.requests), int(self.input_lengths.max())
-        ids = np.zeros((n, width), dtype=np.int64)
-        mask = np.zeros((n, width), dtype=np.int64)
+        """Left-padded prompts, their attention mask and position ids (for the model only)."""
+        n, longest = len(self.requests), int(self.input_lengths.max())
+        ids = np.zeros((n, longest), dtype=np.int64)
+        mask = np.zeros((n, longest), dtype=np.int64)
         for i, r in enumerate(self.requests):
             length = int(self.input_lengths[i])
-            ids[i, width - length :] = np.asarray(r.input_ids, dtype=np.int64)
-            mask[i, width - length :] = 1
+            ids[i, longest - length :] = np.asarray(r.input_ids, dtype=np.int64)
+            mask[i, longest - length :] = 1
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
         return ids, mask, positions
 
     def __iter__(self) -> Iterator[GenerationStep]:
         ids, mask, positions = self._prompt_batch()
-        logits, past = self.model.forward(ids, position_ids=positions, attention_mask=mask)
-        max_steps = int(self.output_lens.max())
-        for step in range(max_steps):
-            produced = ~self.finished & (self.num_generated < self.output_lens)
-            if not produced.any():
+        logits, past = self.model.forward(
+            ids, position_ids=positions, attention_mask=mask, last_only=True
+        )
+        ones = np.ones((len(self.requests), 1), dtype=mask.dtype)
+        for index in range(self.max_output_len):
+            step = self.width + index
+            tokens, sampled = self._decode(np.array(logits[:, -1, :], dtype=np.float32), step)
+            self.steps = index + 1
+            self._stop_words(step)
+            self.finished |= index >= self.output_lens
+            last = bool(self.finished.all()) or index == self.max_output_len - 1
+            yield GenerationStep(index, tokens, sampled, self.finished.copy(), last)
+            if last:
                 return
-            tokens, log_probs = self._decode(
-                np.asarray(logits[:, -1, :], dtype=np.float32), produced
-            )
-            yield GenerationStep(step, tokens, produced, log_probs, self.finished.copy())
-            if not (~self.finished & (self.num_generated < self.output_lens)).any():
-                return
-            mask = np.concatenate([mask, np.ones((len(tokens), 1), dtype=mask.dtype)], axis=1)
-            next_positions = (self.input_lengths + step)[:, None]
-            # Rows that are done feed a placeholder (their end_id may lie outside the vocabulary).
+            mask = np.concatenate([mask, ones], axis=1)
+            # An id outside the vocabulary (a finished row's end_id) reads past the embedding
+            # table on a GPU; the row is finished, so any id does here.
             feed = np.where(tokens < self.vocab_size, tokens, 0)
             logits, past = self.model.forward(
-                feed[:, None], position_ids=next_positions, attention_mask=mask, past=past
+                feed[:, None],
+                position_ids=(self.input_lengths + index)[:, None],
+                attention_mask=mask,
+                past=past,
             )
 
-    def _decode(self, logits: np.ndarray, produced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Process the last position's logits, draw one token per row, update the state."""
-        self._ban_bad_words(logits)
+    def _decode(self, logits: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """One step of ``DynamicDecodeLayer::forward`` on the last position's logits."""
+        index = step - self.width
+        self._ban_bad_words(logits, step)
         logits = apply_temperature(logits, self.temperature)
-        context = self.input_lengths + self.num_generated
-        penalty = np.where(context > 1, self.penalty, 1.0).astype(np.float32)
-        logits = apply_repetition_penalty(logits, self.seen, penalty)
-        probs = softmax(logits)
-        uniform = np.ones(len(self.requests))
-        for i in np.flatnonzero(produced):
-            uniform[i] = 1.0 - self.rngs[i].random()  # (0, 1], like curand_uniform
-        tokens, log_prob, out_log_prob = sample_tokens(probs, self.top_k, self.top_p, uniform)
-        tokens = np.where(produced, tokens, self.end_ids)
-        out_log_prob = np.where(produced, out_log_prob, 0.0).astype(np.float32)
-        rows = np.flatnonzero(produced)
-        cols = self.num_generated[rows]
-        self.generated[rows, cols] = tokens[rows]
-        self.output_log_probs[rows, cols] = out_log_prob[rows]
-        self.cum_log_probs[rows] += log_prob[rows]
-        self.num_generated[rows] += 1
-        self.seen[rows, tokens[rows]] = True
-        self.finished |= produced & (tokens == self.end_ids)
-        for i in rows:
-            self.context[i].append(int(tokens[i]))
-            if _ends_with_any(self.context[i], self.requests[i].stop_words):
-                self.finished[i] = True
-        return tokens, out_log_prob
+        if step > 1:
+            logits = apply_repetition_penalty(logits, self.seen, self.penalty)
+        finished = self.finished
+        skip = self.is_topk & finished  # the top-k kernel leaves finished rows alone
+        masked = finished & ~self.is_topk  # addBiasSoftMax: all mass on end_id
+        if masked.any():
+            rows = np.flatnonzero(masked)
+            logits[rows] = -_FLT_MAX
+            ends = self.end_ids[rows]
+            inside = ends < logits.shape[1]
+            logits[rows[inside], ends[inside]] = _FLT_MAX
+        uniform = np.ones(len(self.requests), dtype=np.float32)
+        draws = ~skip
+        if draws.any():
+            uniform[draws] = self.states.uniform(draws)
+        tokens, log_prob, output_log_prob, updated = sample_tokens(
+            softmax(logits), self.top_k, self.top_p, uniform
+        )
+        tokens = np.where(skip, self.end_ids, tokens)
+        updated &= ~skip
+        sampled = updated & ~finished
+        self.num_generated += sampled
+        self.finished = np.where(updated, tokens == self.end_ids, finished)
+        self.cum_log_probs[updated] += log_prob[updated]
+        self.step_log_probs[index, updated] = output_log_prob[updated]
+        self.top_p = np.where(self.is_topk, self.top_p, np.maximum(self.top_p, TOP_P_MIN))
+        self.tokens[:, step] = tokens
+        inside = tokens < self.vocab_size
+        self.seen[np.flatnonzero(inside), tokens[inside]] = True
+        return tokens, sampled
 
-    def _ban_bad_words(self, logits: np.ndarray) -> None:
-        for i, request in enumerate(self.requests):
-            for word in request.bad_words:
-                if (
-                    word
-                    and 0 <= word[-1] < logits.shape[1]
-                    and _ends_with(self.context[i], word[:-1])
+    def _ban_bad_words(self, logits: np.ndarray, step: int) -> None:
+        for i in self._bad_rows:
+            for word in self.requests[i].bad_words:
+                size = len(word)
+                if size > 1 and not (
+                    step >= size - 1
+                    and self.tokens[i, step - size + 1 : step].tolist() == list(word[:-1])
                 ):
-                    logits[i, word[-1]] = -np.inf
+                    continue
+                banned = word[-1]
+                if 0 < banned < logits.shape[1]:
+                    logits[i, banned] = -np.inf
+
+    def _stop_words(self, step: int) -> None:
+        for i in self._stop_rows:
+            for word in self.requests[i].stop_words:
+                size = len(word)
+                if step + 1 >= size and self.tokens[i, step - size + 1 : step + 1].tolist() == list(
+                    word
+                ):
+                    self.finished[i] = True
+
+    def output_log_probs(self) -> np.ndarray:
+        """The ``[rows, M]`` tensor FT sends: ``transposeAxis01`` with the first row's
+        ``request_output_len`` as the stride; NaN where FT wrote nothing."""
+        rows, width = len(self.requests), self.max_output_len
+        stride = int(self.output_lens[0])
+        flat = np.full(rows * width, np.nan, dtype=np.float32)
+        flat[: rows * stride] = self.step_log_probs[:stride].T.reshape(-1)
+        return flat.reshape(rows, width)
 
     def results(self) -> list[GenerationResult]:
-        """Each row's output so far (complete once iteration has ended), in FT's layout."""
-        width = self.padded_input_length + int(self.output_lens.max())
+        """Each row as the backend sends it now (complete once iteration has ended)."""
+        width, wide = self.width, self.width + self.max_output_len
+        log_probs = self.output_log_probs()
         out = []
         for i, r in enumerate(self.requests):
             length, n_gen = int(self.input_lengths[i]), int(self.num_generated[i])
-            ids = np.full(width, self.end_ids[i], dtype=np.int64)
+            end_id = int(self.end_ids[i])
+            ids = np.full(wide, end_id, dtype=np.int64)
             ids[:length] = np.asarray(r.input_ids, dtype=np.int64)
-            ids[length : length + n_gen] = self.generated[i, :n_gen]
+            ids[length : length + n_gen] = self.tokens[i, width : width + n_gen]
+            # gatherTree: from position W on, everything after an end_id becomes end_id.
+            tail = ids[width : width + n_gen]
+            stops = np.flatnonzero(tail == end_id)
+            if stops.size:
+                tail[stops[0] :] = end_id
             out.append(
                 GenerationResult(
                     output_ids=ids,
-                    sequence_length=self.padded_input_length + n_gen,
+                    sequence_length=width + n_gen,
                     cum_log_prob=float(self.cum_log_probs[i]),
-                    output_log_probs=self.output_log_probs[i].copy(),
+                    output_log_probs=log_probs[i],
                     input_length=length,
                     num_generated=n_gen,
                 )
             )
         return out
-
-
-def _ends_with(context: list[int], word: Sequence[int]) -> bool:
-    return not word or (len(context) >= len(word) and context[-len(word) :] == list(word))
-
-
-def _ends_with_any(context: list[int], words: Sequence[Sequence[int]]) -> bool:
-    return any(word and _ends_with(context, word) for word in words)
 
 
 def generate(
@@ -385,7 +500,7 @@ def generate(
     vocab_size: int,
     padded_input_length: int = 0,
 ) -> list[GenerationResult]:
-    """Complete every request in one batch (see the module docstring for the semantics)."""
+    """Run one batch to its end (see the module docstring) and return what FT sends."""
     generation = BatchGeneration(
         model, requests, vocab_size=vocab_size, padded_input_length=padded_input_length
     )

@@ -122,11 +122,13 @@ class GptJ:
         position_ids: np.ndarray | None = None,
         attention_mask: np.ndarray | None = None,
         past: Cache | None = None,
+        last_only: bool = False,
     ) -> tuple[np.ndarray, Cache]:
         """Logits (B, S, V) float32 for ``input_ids`` (B, S), and the updated cache.
 
         ``position_ids`` default to ``past_len .. past_len+S-1``; ``attention_mask`` (B, past+S)
-        of 0/1 defaults to all ones.
+        of 0/1 defaults to all ones. ``last_only``: logits of the last position only (B, 1, V),
+        as FasterTransformer computes them after the context decoder.
         """
         input_ids = np.asarray(input_ids)
         if input_ids.ndim != 2:
@@ -167,6 +169,8 @@ class GptJ:
                 total += gelu_new(normed @ w.fc_in_weight + w.fc_in_bias) @ w.fc_out_weight
             x = x + total + first.fc_out_bias
             present.append(layer_cache)
+        if last_only:
+            x = x[:, -1:]
         x = layer_norm(x, ckpt.final_ln_weight, ckpt.final_ln_bias, LAYERNORM_EPS)
         logits = x @ ckpt.lm_head_weight.T + ckpt.lm_head_bias
         return logits.astype(np.float32, copy=False), present

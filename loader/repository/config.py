@@ -2,14 +2,16 @@
 
 One builder per model of a repository, chosen from :data:`BUILDERS` by model role:
 
-* ``ensemble``: platform ``ensemble`` named after the model; ``prompt`` -> ``preprocessing``
-  -> ``fastertransformer`` (plus the request's sampling inputs) -> ``postprocessing``, which
-  produces every output the client sees (``fastertransformer``'s results travel under internal
-  names). ``preprocessing`` asks ``fastertransformer`` for log probabilities on every request,
-  so every output exists in every response: an ensemble fails a request ("unexpected deadlock,
-  at least one output is not set") when a step leaves out a tensor it maps, and Triton does not
-  run a step whose outputs feed both the client and another step when the client did not ask
-  for them (measured on the CPU server; ``loader/repository/models/README.md``).
+* ``ensemble``: platform ``ensemble`` named after the model; the client's inputs ->
+  ``preprocessing`` -> ``fastertransformer`` -> ``postprocessing``, which produces every output
+  the client sees. ``preprocessing`` sends ``fastertransformer`` every input of its contract,
+  FasterTransformer's default where the client sent nothing (so any two requests may share a
+  batch: Triton's dynamic batcher joins only requests with the same input set) and
+  ``is_return_log_probs`` true (``postprocessing`` reads FasterTransformer's layout from the log
+  probabilities' width, and an ensemble fails a request, "unexpected deadlock, at least one
+  output is not set", when a step leaves out a tensor it maps). ``fastertransformer``'s results
+  travel under internal names; ``postprocessing`` cuts them to the tokens the request asked for
+  (``loader/repository/models/README.md``).
 * ``preprocessing`` / ``postprocessing``: Python backend, tokenise / detokenise.
 * ``fastertransformer``: the FasterTransformer backend (``docs/fastertransformer.md``), or with
   ``backend="python"`` the CPU reference model with the same inputs, outputs and parameters.
@@ -20,9 +22,10 @@ One builder per model of a repository, chosen from :data:`BUILDERS` by model rol
   a decoupled Python model (:func:`build_streaming`) in place of the ensemble, same inputs and
   outputs, streaming text increments.
 
-Optional ensemble inputs feed optional step inputs: Triton's ensemble scheduler (core >= 22.04,
-so the 2.51 server we run) accepts an optional ensemble input and, when a request leaves it out,
-passes nothing to the step input it maps to, so the composing model applies its own default.
+Optional ensemble inputs feed optional ``preprocessing`` inputs: Triton's ensemble scheduler
+(core >= 22.04, so the 2.51 server we run) accepts an optional ensemble input and, when a request
+leaves it out, passes nothing to the step input it maps to; ``preprocessing`` then fills in
+FasterTransformer's default.
 """
 
 from __future__ import annotations
@@ -44,14 +47,11 @@ FASTERTRANSFORMER = "fastertransformer"
 POSTPROCESSING = "postprocessing"
 ENSEMBLE = "ensemble"
 
+
 #: Internal ensemble tensor names (between steps; never seen by clients).
-_IDS = "_input_ids"
-_LENGTHS = "_input_lengths"
-_LOG_PROBS = "_is_return_log_probs"
-
-
 def _internal(name: str) -> str:
-    """The ensemble's name for a ``fastertransformer`` result on its way to postprocessing."""
+    """The ensemble's name for a tensor between two steps (an input of ``fastertransformer`` or
+    one of its results; the two sets of names are disjoint)."""
     return "_" + name
 
 
@@ -60,7 +60,8 @@ class RepositorySpec:
     """Everything the config builders need.
 
     ``data_type`` is the runtime precision (``fp16``/``fp32``, the weights' dtype); ``end_id``
-    the checkpoint's end-of-text id (``config.ini``), postprocessing's default.
+    and ``start_id`` the checkpoint's ids (``config.ini``), what FasterTransformer uses when a
+    request sends none (``preprocessing`` fills them in; ``start_id`` None: ``end_id``).
     ``checkpoint_path``: the ``<T>-gpu`` directory when it is not FT's default (a benchmark
     variant that reuses another repository's weights); ``None`` for a published repository.
     """
@@ -71,6 +72,7 @@ class RepositorySpec:
     data_type: str
     end_id: int
     checkpoint_path: str | None = None
+    start_id: int | None = None
 
 
 #: Protocol dtype names that config.pbtxt spells differently (BYTES is TYPE_STRING there).
@@ -113,17 +115,19 @@ def _python_model(name: str, spec: RepositorySpec, inputs, outputs) -> mc.ModelC
 
 
 def build_preprocessing(spec: RepositorySpec) -> mc.ModelConfig:
-    return _python_model(
+    config = _python_model(
         PREPROCESSING, spec, tensors.PREPROCESSING_INPUTS, tensors.PREPROCESSING_OUTPUTS
     )
+    start_id = spec.end_id if spec.start_id is None else spec.start_id
+    config.parameters["start_id"].string_value = str(start_id)
+    config.parameters["end_id"].string_value = str(spec.end_id)
+    return config
 
 
 def build_postprocessing(spec: RepositorySpec) -> mc.ModelConfig:
-    config = _python_model(
+    return _python_model(
         POSTPROCESSING, spec, tensors.POSTPROCESSING_INPUTS, tensors.POSTPROCESSING_OUTPUTS
     )
-    config.parameters["end_id"].string_value = str(spec.end_id)
-    return config
 
 
 def _ragged(config: mc.ModelConfig, name: str) -> None:
@@ -205,30 +209,22 @@ def build_ensemble(spec: RepositorySpec) -> mc.ModelConfig:
         name=spec.name, platform="ensemble", max_batch_size=spec.settings.max_batch_size
     )
     _add_io(config, tensors.ENSEMBLE_INPUTS, tensors.ENSEMBLE_OUTPUTS)
-    client_inputs = {t.name for t in tensors.ENSEMBLE_INPUTS}
+    ft_inputs = {t.name: _internal(t.name) for t in tensors.PREPROCESSING_OUTPUTS}
     _step(
         config,
         PREPROCESSING,
         {t.name: t.name for t in tensors.PREPROCESSING_INPUTS},
-        {"input_ids": _IDS, "input_lengths": _LENGTHS, "is_return_log_probs": _LOG_PROBS},
+        ft_inputs,
     )
-    produced = {"input_ids": _IDS, "input_lengths": _LENGTHS, "is_return_log_probs": _LOG_PROBS}
-    forwarded = {
-        t.name: t.name
-        for t in tensors.FASTERTRANSFORMER_INPUTS
-        if t.name in client_inputs and t.name not in produced
-    }
     _step(
         config,
         FASTERTRANSFORMER,
-        {**produced, **forwarded},
+        {t.name: _internal(t.name) for t in tensors.FASTERTRANSFORMER_INPUTS},
         {t.name: _internal(t.name) for t in tensors.FASTERTRANSFORMER_OUTPUTS},
     )
     post_inputs = {t.name: _internal(t.name) for t in tensors.FT_RESULTS}
-    post_inputs["input_lengths"] = _LENGTHS
-    post_inputs.update(
-        {t.name: t.name for t in tensors.POSTPROCESSING_INPUTS if t.name in client_inputs}
-    )
+    for name in ("input_lengths", "request_output_len", "end_id"):
+        post_inputs[name] = ft_inputs[name]
     _step(
         config,
         POSTPROCESSING,

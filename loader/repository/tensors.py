@@ -6,9 +6,12 @@ wiring is derived from them. Dims exclude the batch dimension (every model batch
 
 The ensemble's inputs are exactly the fields of the request our users send (the seed's
 ``test.json`` for perf_analyzer), each ``[1]``; all but ``prompt`` and ``request_output_len``
-are optional. Every ensemble output is produced by ``postprocessing`` (never straight by
-``fastertransformer``), and ``preprocessing`` asks ``fastertransformer`` for log probabilities
-on every request, so each output exists in every response whatever the client asks for
+are optional. ``preprocessing`` turns them into every input of ``fastertransformer``, each filled
+with FasterTransformer's own default where the client sent nothing, so every request reaching
+``fastertransformer`` carries the same input set and any two can share a batch. Every ensemble
+output is produced by ``postprocessing`` (never straight by ``fastertransformer``), which cuts
+FasterTransformer's batch layout down to what the request asked for, so each output exists in
+every response whatever the client asks for and never depends on the batch
 (``loader/repository/models/README.md``, "The client-facing model").
 
 ``fastertransformer``'s tables are the FasterTransformer backend's wire contract for GPT-J, as
@@ -32,57 +35,6 @@ class Tensor:
     optional: bool = False
     reshape: tuple[int, ...] | None = None
 
-
-# --- the ensemble (the model users call) -------------------------------------------------
-
-#: Sampling inputs the ensemble forwards to the ``fastertransformer`` model unchanged.
-SAMPLING_INPUTS: tuple[Tensor, ...] = (
-    Tensor("runtime_top_k", "UINT32", (1,), optional=True),
-    Tensor("runtime_top_p", "FP32", (1,), optional=True),
-    Tensor("temperature", "FP32", (1,), optional=True),
-    Tensor("repetition_penalty", "FP32", (1,), optional=True),
-    Tensor("start_id", "UINT32", (1,), optional=True),
-    Tensor("end_id", "UINT32", (1,), optional=True),
-    Tensor("random_seed", "UINT64", (1,), optional=True),
-    Tensor("is_return_log_probs", "BOOL", (1,), optional=True),
-)
-
-ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
-    Tensor("prompt", "BYTES", (1,)),
-    Tensor("request_output_len", "UINT32", (1,)),
-    *SAMPLING_INPUTS,
-)
-
-#: What FasterTransformer sends back (the ``fastertransformer`` model's outputs).
-FT_RESULTS: tuple[Tensor, ...] = (
-    Tensor("output_ids", "UINT32", (-1, -1)),
-    # INT32 whatever upstream's configs declare: FT GptJTritonModelInstance::forward.
-    Tensor("sequence_length", "INT32", (-1,)),
-    Tensor("cum_log_probs", "FP32", (-1,)),
-    Tensor("output_log_probs", "FP32", (-1, -1)),
-)
-
-ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (Tensor("completion", "BYTES", (-1,)), *FT_RESULTS)
-
-#: The streaming model's outputs: the ensemble's, and ``is_final``, true in the last response
-#: of a stream. A Triton 23.05 gRPC client is told neither of the final flag nor of an empty
-#: final response (the ``triton_final_response`` parameter came later), so the end of a stream
-#: is in the data.
-STREAMING_OUTPUTS: tuple[Tensor, ...] = (*ENSEMBLE_OUTPUTS, Tensor("is_final", "BOOL", (1,)))
-
-# --- preprocessing: prompt text -> token ids ---------------------------------------------
-
-#: ``is_return_log_probs`` is accepted (clients written for FasterTransformer send it) and has no
-#: effect: the log probabilities are always returned.
-PREPROCESSING_INPUTS: tuple[Tensor, ...] = (
-    Tensor("prompt", "BYTES", (1,)),
-    Tensor("is_return_log_probs", "BOOL", (1,), optional=True),
-)
-PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = (
-    Tensor("input_ids", "UINT32", (-1,)),
-    Tensor("input_lengths", "UINT32", (1,)),
-    Tensor("is_return_log_probs", "BOOL", (1,)),  # always true
-)
 
 # --- fastertransformer: the FasterTransformer backend's GPT-J contract --------------------
 
@@ -113,16 +65,80 @@ FASTERTRANSFORMER_INPUTS: tuple[Tensor, ...] = (
     Tensor("stop_words_list", "INT32", (2, -1), optional=True),
 )
 
+#: What FasterTransformer sends back (the ``fastertransformer`` model's outputs).
+FT_RESULTS: tuple[Tensor, ...] = (
+    Tensor("output_ids", "UINT32", (-1, -1)),
+    # INT32 whatever upstream's configs declare: FT GptJTritonModelInstance::forward.
+    Tensor("sequence_length", "INT32", (-1,)),
+    Tensor("cum_log_probs", "FP32", (-1,)),
+    Tensor("output_log_probs", "FP32", (-1, -1)),
+)
+
 FASTERTRANSFORMER_OUTPUTS: tuple[Tensor, ...] = FT_RESULTS
 
 #: Outputs sent only when the batch's first row asks (``is_return_log_probs``).
 LOG_PROB_OUTPUTS: tuple[str, ...] = ("cum_log_probs", "output_log_probs")
+
+# --- the ensemble (the model users call) -------------------------------------------------
+
+#: The client's optional sampling inputs (``preprocessing`` passes them on to
+#: ``fastertransformer``, or FasterTransformer's default in their place).
+SAMPLING_INPUTS: tuple[Tensor, ...] = (
+    Tensor("runtime_top_k", "UINT32", (1,), optional=True),
+    Tensor("runtime_top_p", "FP32", (1,), optional=True),
+    Tensor("temperature", "FP32", (1,), optional=True),
+    Tensor("repetition_penalty", "FP32", (1,), optional=True),
+    Tensor("start_id", "UINT32", (1,), optional=True),
+    Tensor("end_id", "UINT32", (1,), optional=True),
+    Tensor("random_seed", "UINT64", (1,), optional=True),
+    Tensor("is_return_log_probs", "BOOL", (1,), optional=True),
+)
+
+ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
+    Tensor("prompt", "BYTES", (1,)),
+    Tensor("request_output_len", "UINT32", (1,)),
+    *SAMPLING_INPUTS,
+)
+
+#: What a client gets: the text and FasterTransformer's results cut to the tokens the request
+#: asked for. No ``output_log_probs``: FasterTransformer lays them out with the stride of the
+#: batch's first request (``GptJ::setOutputTensors``), so in a batch of different
+#: ``request_output_len`` another request's numbers would be returned as this one's, and no
+#: step after FasterTransformer can tell (the models README, "The client-facing model").
+ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
+    Tensor("completion", "BYTES", (-1,)),
+    Tensor("output_ids", "UINT32", (-1, -1)),
+    Tensor("sequence_length", "INT32", (-1,)),
+    Tensor("cum_log_probs", "FP32", (-1,)),
+)
+
+#: The streaming model's outputs: the ensemble's, and ``is_final``, true in the last response
+#: of a stream. A Triton 23.05 gRPC client is told neither of the final flag nor of an empty
+#: final response (the ``triton_final_response`` parameter came later), so the end of a stream
+#: is in the data.
+STREAMING_OUTPUTS: tuple[Tensor, ...] = (*ENSEMBLE_OUTPUTS, Tensor("is_final", "BOOL", (1,)))
+
+# --- preprocessing: prompt text -> every input of fastertransformer -----------------------
+
+#: ``is_return_log_probs`` is accepted (clients written for FasterTransformer send it) and has no
+#: effect: ``fastertransformer`` is always asked for the log probabilities, which
+#: ``postprocessing`` needs to read FasterTransformer's layout.
+PREPROCESSING_INPUTS: tuple[Tensor, ...] = (
+    Tensor("prompt", "BYTES", (1,)),
+    Tensor("request_output_len", "UINT32", (1,)),
+    *SAMPLING_INPUTS,
+)
+#: Every input of ``fastertransformer``, always (the models README, "One input set").
+PREPROCESSING_OUTPUTS: tuple[Tensor, ...] = tuple(
+    Tensor(t.name, t.dtype, t.dims) for t in FASTERTRANSFORMER_INPUTS
+)
 
 # --- postprocessing: FT's results -> completion text + the client's outputs --------------
 
 POSTPROCESSING_INPUTS: tuple[Tensor, ...] = (
     *FT_RESULTS,
     Tensor("input_lengths", "UINT32", (1,)),
-    Tensor("end_id", "UINT32", (1,), optional=True),
+    Tensor("request_output_len", "UINT32", (-1,)),
+    Tensor("end_id", "UINT32", (1,)),
 )
 POSTPROCESSING_OUTPUTS: tuple[Tensor, ...] = ENSEMBLE_OUTPUTS

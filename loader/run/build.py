@@ -35,6 +35,7 @@ def build(
         settings=settings,
         data_type=converted.dtype,
         end_id=converted.config.end_id,
+        start_id=converted.config.start_id,
     )
     layout.write_models(staging, spec, tokenizer=verified.tokenizer)
     weights = converted.output_path.relative_to(staging).as_posix()

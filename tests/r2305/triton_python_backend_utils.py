@@ -6,6 +6,16 @@ Every class has ``__slots__`` and only the methods r23.05 has, so a model that c
 newer (``InferenceResponseSender.is_cancelled`` came in r23.10, for instance) fails with an
 AttributeError here. ``InferenceRequest.exec`` runs the named model in this process: the test
 driver registers the loaded models in :data:`MODELS`.
+
+**Memory types.** A tensor lives in CPU or GPU memory. The FasterTransformer backend answers
+with GPU buffers (fastertransformer_backend ``ModelInstanceState::ReadOutputTensors`` passes
+``TRITONSERVER_MEMORY_GPU`` to ``BackendOutputResponder::ProcessTensor``, which asks the caller's
+allocator for that type), and the r23.05 BLS allocator keeps the type asked for unless the
+request set ``preferred_memory`` (python_backend ``request_executor.cc``, ``ResponseAlloc``). So
+the outputs of a model in :data:`GPU_OUTPUT_MODELS` come back as GPU tensors unless the BLS
+request asked for ``TRITONSERVER_MEMORY_CPU``, and ``as_numpy()`` on a GPU tensor raises as
+``PbTensor::AsNumpy`` does. Inputs a Python model receives are CPU tensors (the backend's
+``FORCE_CPU_ONLY_INPUT_TENSORS`` defaults to yes, ``python_be.cc``).
 """
 
 from __future__ import annotations
@@ -19,8 +29,15 @@ TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 
+#: ``PreferredMemory::MemoryType`` (pb_preferred_memory.h: GPU, CPU, DEFAULT), exported by
+#: r23.05's ``triton_python_backend_utils`` (pb_stub.cc).
+TRITONSERVER_MEMORY_GPU = 0
+TRITONSERVER_MEMORY_CPU = 1
+
 #: model name -> (TritonPythonModel instance, decoupled), filled by the test driver.
 MODELS: dict[str, tuple[object, bool]] = {}
+#: Models whose outputs are GPU tensors (the FasterTransformer backend), filled by the driver.
+GPU_OUTPUT_MODELS: set[str] = set()
 
 
 class TritonError:
@@ -37,26 +54,51 @@ class TritonModelException(Exception):
     pass
 
 
+class PreferredMemory:
+    __slots__ = ("_device_id", "_type")
+
+    def __init__(self, preferred_memory_type: int, preferred_device_id: int = 0) -> None:
+        if preferred_memory_type not in (TRITONSERVER_MEMORY_GPU, TRITONSERVER_MEMORY_CPU):
+            raise TypeError(f"not a MemoryType: {preferred_memory_type!r}")
+        self._type = preferred_memory_type
+        self._device_id = preferred_device_id
+
+
 class Tensor:
-    __slots__ = ("_array", "_name")
+    __slots__ = ("_array", "_gpu", "_name")
 
     def __init__(self, name: str, array: np.ndarray) -> None:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"Tensor {name!r} needs a numpy array, got {type(array).__name__}")
         self._name = name
         self._array = array
+        self._gpu = False
 
     def name(self) -> str:
         return self._name
 
     def as_numpy(self) -> np.ndarray:
+        if self._gpu:
+            raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         return self._array
 
     def shape(self) -> list[int]:
         return list(self._array.shape)
 
     def is_cpu(self) -> bool:
-        return True
+        return not self._gpu
+
+
+def data(tensor: Tensor) -> np.ndarray:
+    """A tensor's values wherever they live (test helper, not part of the API: what Triton's
+    ensemble scheduler and the CPU-only inputs of a Python model see)."""
+    return tensor._array
+
+
+def _in_memory(tensor: Tensor, gpu: bool) -> Tensor:
+    copy = Tensor(tensor.name(), tensor._array)
+    copy._gpu = gpu
+    return copy
 
 
 class InferenceResponse:
@@ -112,6 +154,7 @@ class InferenceRequest:
         "_inputs",
         "_model_name",
         "_model_version",
+        "_preferred_memory",
         "_request_id",
         "_requested",
         "_sender",
@@ -131,8 +174,12 @@ class InferenceRequest:
         timeout: int = 0,
         preferred_memory: object | None = None,
     ) -> None:
-        self._inputs = list(inputs)
+        # A Python model's inputs are CPU tensors (FORCE_CPU_ONLY_INPUT_TENSORS).
+        self._inputs = [_in_memory(t, False) for t in inputs]
         self._requested = list(requested_output_names)
+        if preferred_memory is not None and not isinstance(preferred_memory, PreferredMemory):
+            raise TypeError("preferred_memory must be a PreferredMemory")
+        self._preferred_memory = preferred_memory
         self._model_name = model_name
         self._request_id = request_id
         self._correlation_id = correlation_id
@@ -176,21 +223,28 @@ class InferenceRequest:
             )
         if not decoupled:
             [response] = model.execute([self])
-            return _only(response, self._requested)
+            return self._received(response)
         model.execute([self])
         if not wait_final(self._sender, 120):
             raise TritonModelException(f"{self._model_name} sent no final response")
-        return iter([_only(r, self._requested) for r, _ in sent(self._sender) if r is not None])
+        return iter([self._received(r) for r, _ in sent(self._sender) if r is not None])
 
     def async_exec(self, decoupled: bool = False):
         raise NotImplementedError("not used by the project's models")
 
-
-def _only(response: InferenceResponse, names: list) -> InferenceResponse:
-    if response.has_error() or not names:
-        return response
-    kept = [t for t in response.output_tensors() if t.name() in names]
-    return InferenceResponse(output_tensors=kept)
+    def _received(self, response: InferenceResponse) -> InferenceResponse:
+        """The response as the caller gets it: the requested outputs, in the memory type the
+        answering model's outputs have unless this request preferred CPU memory."""
+        if response.has_error():
+            return response
+        names = self._requested
+        kept = [t for t in response.output_tensors() if not names or t.name() in names]
+        cpu = (
+            self._preferred_memory is not None
+            and self._preferred_memory._type == TRITONSERVER_MEMORY_CPU
+        )
+        gpu = self._model_name in GPU_OUTPUT_MODELS and not cpu
+        return InferenceResponse(output_tensors=[_in_memory(t, gpu) for t in kept])
 
 
 class Logger:

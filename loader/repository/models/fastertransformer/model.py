@@ -1,40 +1,46 @@
 """Triton Python-backend model ``fastertransformer``: the CPU reference of FT GPT-J.
 
-Same name, inputs, outputs and parameters as the FasterTransformer-backend model, and it sends
-what the C++ backend sends (the wire contract in ``loader/repository/models/README.md``, with
-the upstream file and function of each rule):
+Same name, inputs, outputs and parameters as the FasterTransformer-backend model, and it answers
+what the C++ backend answers (the wire contract in ``loader/repository/models/README.md``; BE =
+fastertransformer_backend ``src/libfastertransformer.cc``, FT = FasterTransformer ``src/``):
 
-* ``sequence_length`` is INT32 (FT ``GptJTritonModelInstance::forward`` makes it
-  ``ft::TYPE_INT32``; the backend answers with each tensor's own type);
+* **One input set per batch.** The backend takes the first request's inputs as the batch's
+  (``ModelInstanceState::SetInputTensors`` iterates ``requests[0]``'s inputs), so a later request
+  that lacks one of them gets Triton's error (``BackendInputCollector``,
+  ``TRITONBACKEND_RequestInput``: "input 'NAME' does not exist in request") and one that sends
+  more has the extra inputs ignored. Triton's dynamic batcher never joins requests with different
+  input sets (core ``RequiredEqualInputs::HasEqualInputs``), so this shows only when something
+  else does.
+* ``sequence_length`` is INT32 (FT ``GptJTritonModelInstance::forward`` makes it ``TYPE_INT32``;
+  the backend answers with each tensor's own type).
 * ``output_log_probs`` and ``cum_log_probs`` exist only when the batch's first row has
-  ``is_return_log_probs`` true (same function: ``*((bool*)...at("is_return_log_probs").data)``),
-  and then for every request of the batch; Triton's dynamic batcher only joins requests that
-  send the same optional inputs;
-* a batch is as wide as its longest prompt (the backend pads a ragged ``input_ids`` with 0s,
-  BE ``ModelInstanceState::SetInputTensors``): every request's ``output_ids`` is that width plus
-  the batch's largest ``request_output_len``, and ``sequence_length`` counts that width (see
-  :mod:`loader.reference.generate`);
-* a head size without a generation kernel is refused at load (FT would generate garbage).
+  ``is_return_log_probs`` true (same function), and then for every request of the batch.
+* The batch runs as FT runs it (:mod:`loader.reference.generate`): ``W`` wide (the backend pads a
+  ragged ``input_ids`` with 0s), shorter rows sample one token more than they asked for, per-row
+  cuRAND XORWOW draws, the batch-level temperature and repetition-penalty rules, and the output
+  layout of ``GptJ::setOutputTensors``, ``output_log_probs`` misaligned in a batch whose first row
+  asked for fewer tokens than another.
+* A head size without a generation kernel is refused at load (FT would generate garbage).
 
 At load it reads the ``<T>-gpu`` directory named by the ``model_checkpoint_path`` parameter, or
 FT's default ``<model dir>/<version>/<tensor_para_size>-gpu`` when the parameter is absent (the
 loader leaves it out so a repository can move), with :mod:`loader.reference`, and checks what
 FasterTransformer would: ``tensor_para_size`` matches the files, ``num_layer`` is divisible by
-``pipeline_para_size``. A mismatch fails the load with the reason in Triton's log.
+``pipeline_para_size``. A mismatch fails the load with the reason in Triton's log. Each instance
+computes on one BLAS thread (:mod:`loader.reference.blas`): Triton's instances are the
+parallelism.
 
 ``execute`` receives every request of a dynamic batch at once and completes all their rows as
-ONE NumPy batch (:mod:`loader.reference.generate`: FT sampling semantics, padding masks, a shared
-KV cache).
+ONE NumPy batch.
 
 **Decoupled (streaming) mode**, when the config has ``model_transaction_policy { decoupled:
-true }``: like FasterTransformer's streaming callback (BE ``streaming_callback``), every
-decoding step sends each request that produced a token a response holding its outputs so far
-(same shapes as the non-streaming response); the step that completes a request sends its last
-response flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` instead, so the end of a stream
-carries data and is visible to a Triton 23.05 client (which is not told of an empty final
-response). A request the client cancelled (``is_cancelled``, python_backend r23.10 and later;
-absent in 23.05) gets no more responses, and generation stops once every request of the batch
-is complete or cancelled.
+true }``, as the backend's ``streaming_callback``: after every step but the last (and not after
+the step that finished every row) each request of the batch gets a response with its rows so far
+(same shapes as the non-streaming response), the requests that are already done included; then
+each gets a final response with data, flagged ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``
+(``ProcessRequests``), which a Triton 23.05 client sees because it carries data. Beyond the C++:
+a request the client cancelled (``is_cancelled``, python_backend r23.10 and later; absent in
+23.05) gets no more responses, and generation stops once every request of the batch is cancelled.
 
 The runtime precision (``data_type``) is float32 on the CPU whatever the parameter says. The
 ``loader`` package this file imports is copied next to it by the repository writer
@@ -55,12 +61,12 @@ import triton_python_backend_utils as pb_utils
 from loader.errors import LoaderError
 from loader.formats.fastertransformer import check_head_size
 from loader.reference import GptJ, load_ft_checkpoint
+from loader.reference.blas import limit_blas_threads
 from loader.reference.generate import (
     BatchGeneration,
     GenerationRequest,
     GenerationResult,
     SamplingConfig,
-    generate,
     validate_requests,
     words_from_ft_list,
 )
@@ -70,21 +76,44 @@ def _parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
-def _word_lists(request: object, name: str, batch: int) -> list[tuple[tuple[int, ...], ...]]:
-    """Per-row words of an optional FT ``[2, L]`` word-list input (``bad_words_list``...)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return [()] * batch
-    lists = tensor.as_numpy().reshape(batch, 2, -1)
-    return [words_from_ft_list(lists[i]) for i in range(batch)]
+class _Inputs:
+    """A request's inputs as FT sees them: only the names the batch's first request sent."""
+
+    def __init__(self, request: object, names: tuple[str, ...]) -> None:
+        self.request = request
+        self.names = names
+
+    def array(self, name: str) -> np.ndarray | None:
+        if name not in self.names:
+            return None
+        tensor = pb_utils.get_input_tensor_by_name(self.request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def per_row(self, name: str, batch: int, default: float | int) -> np.ndarray:
+        """An optional per-row scalar input (sent as [1] or reshaped to []), or FT's default."""
+        value = self.array(name)
+        if value is None:
+            return np.full(batch, default)
+        return value.reshape(batch, -1)[:, 0]
+
+    def words(self, name: str, batch: int) -> list[tuple[tuple[int, ...], ...]]:
+        """Per-row words of an optional FT ``[2, L]`` word-list input (``bad_words_list``...)."""
+        value = self.array(name)
+        if value is None:
+            return [()] * batch
+        lists = value.reshape(batch, 2, -1)
+        return [words_from_ft_list(lists[i]) for i in range(batch)]
 
 
-def _optional(request: object, name: str, batch: int, default: float | int) -> np.ndarray:
-    """An optional per-row scalar input (sent as [1] or reshaped to []), or the default."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return np.full(batch, default)
-    return tensor.as_numpy().reshape(batch, -1)[:, 0]
+def _input_names(request: object) -> tuple[str, ...]:
+    return tuple(tensor.name() for tensor in request.inputs())
+
+
+def _missing_input(request: object, names: tuple[str, ...]) -> str | None:
+    """The first of the batch's input names ``request`` lacks (what the backend's input
+    collector trips over), or None."""
+    own = set(_input_names(request))
+    return next((name for name in names if name not in own), None)
 
 
 class TritonPythonModel:
@@ -112,30 +141,34 @@ class TritonPythonModel:
         self.model = GptJ(self.checkpoint)
         self.config = cfg
         self.logger = pb_utils.Logger
+        threads = limit_blas_threads(1)
         self.logger.log_info(
             f"CPU reference GPT-J loaded from {path}: {cfg.num_layer} layers, "
-            f"{cfg.head_num} heads x {cfg.size_per_head}, vocab {cfg.vocab_size}, tp {tp}, pp {pp}"
+            f"{cfg.head_num} heads x {cfg.size_per_head}, vocab {cfg.vocab_size}, tp {tp}, pp {pp}; "
+            f"BLAS threads {sorted(set(threads.values())) or 'unchanged'}"
         )
 
-    def _rows(self, request: object) -> list[GenerationRequest]:
+    def _rows(self, inputs: _Inputs) -> list[GenerationRequest]:
         """The request's rows (each prompt cut to its ``input_lengths``)."""
-        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+        ids = inputs.array("input_ids")
         batch = ids.shape[0]
         ids = ids.reshape(batch, -1)
-        lengths = pb_utils.get_input_tensor_by_name(request, "input_lengths").as_numpy()
-        lengths = lengths.reshape(batch, -1)[:, 0]
-        out_lens = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy()
-        out_lens = out_lens.reshape(batch, -1)[:, 0]
+        lengths = inputs.array("input_lengths").reshape(batch, -1)[:, 0]
+        out_lens = inputs.array("request_output_len").reshape(batch, -1)[:, 0]
         cfg = self.config
-        end_id = _optional(request, "end_id", batch, cfg.end_id)
-        top_k = _optional(request, "runtime_top_k", batch, 0)
-        top_p = _optional(request, "runtime_top_p", batch, 0.0)
-        temperature = _optional(request, "temperature", batch, 1.0)
-        penalty = _optional(request, "repetition_penalty", batch, 1.0)
-        seed = _optional(request, "random_seed", batch, 0)
-        beam_width = _optional(request, "beam_width", batch, 1)
-        bad_words = _word_lists(request, "bad_words_list", batch)
-        stop_words = _word_lists(request, "stop_words_list", batch)
+        # FT's defaults for absent inputs: GptJ::forward (handleOptArg: start_id, end_id from
+        # config.ini), TopKSamplingLayer::setup (runtime_top_k 0), BaseSamplingLayer::setup
+        # (temperature 1, no repetition penalty, random seed 0), TopPSamplingLayer::setup (no
+        # top-p), GptJTritonModelInstance::forward (beam_width 1).
+        end_id = inputs.per_row("end_id", batch, cfg.end_id)
+        top_k = inputs.per_row("runtime_top_k", batch, 0)
+        top_p = inputs.per_row("runtime_top_p", batch, 0.0)
+        temperature = inputs.per_row("temperature", batch, 1.0)
+        penalty = inputs.per_row("repetition_penalty", batch, 1.0)
+        seed = inputs.per_row("random_seed", batch, 0)
+        beam_width = inputs.per_row("beam_width", batch, 1)
+        bad_words = inputs.words("bad_words_list", batch)
+        stop_words = inputs.words("stop_words_list", batch)
         if int(beam_width.max()) > 1:
             raise ValueError("beam search (beam_width > 1) is not supported by the CPU reference")
         rows = []
@@ -167,21 +200,36 @@ class TritonPythonModel:
         self, requests: list, fail: Callable[[int, Exception], None]
     ) -> tuple[Batch | None, dict[int, tuple[int, int]]]:
         """All valid requests' rows as one batch; ``fail(n, error)`` for each invalid one."""
+        names = _input_names(requests[0])
         rows: list[GenerationRequest] = []
         spans: dict[int, tuple[int, int]] = {}
         width = 0
         for n, request in enumerate(requests):
+            width = max(width, _input_width(request))
+            missing = _missing_input(request, names)
+            if missing is not None:
+                fail(n, ValueError(f"input '{missing}' does not exist in request"))
+                continue
             try:
-                request_rows = self._rows(request)
+                request_rows = self._rows(_Inputs(request, names))
             except (LoaderError, ValueError) as exc:
                 fail(n, exc)
                 continue
             spans[n] = (len(rows), len(rows) + len(request_rows))
             rows.extend(request_rows)
-            width = max(width, _input_width(request))
         if not rows:
             return None, spans
-        return Batch(rows, width, _returns_log_probs(requests[0])), spans
+        log_probs = _Inputs(requests[0], names).array("is_return_log_probs")
+        first_row_asks = log_probs is not None and bool(log_probs.reshape(-1)[0])
+        return Batch(rows, width, first_row_asks), spans
+
+    def _generation(self, batch: Batch) -> BatchGeneration:
+        return BatchGeneration(
+            self.model,
+            batch.rows,
+            vocab_size=self.config.vocab_size,
+            padded_input_length=batch.width,
+        )
 
     def execute(self, requests: list) -> list | None:
         if self.decoupled:
@@ -199,18 +247,16 @@ class TritonPythonModel:
                 f"generating {len(spans)} requests ({len(batch.rows)} rows, "
                 f"{batch.width} tokens wide) as one batch"
             )
-            results = generate(
-                self.model,
-                batch.rows,
-                vocab_size=self.config.vocab_size,
-                padded_input_length=batch.width,
-            )
+            generation = self._generation(batch)
+            for _ in generation:
+                pass
+            results = generation.results()
             for n, (start, stop) in spans.items():
                 responses[n] = _response(results[start:stop], log_probs=batch.log_probs)
         return responses
 
     def _stream(self, requests: list) -> None:
-        """Decoupled mode: one response per generated token, the last one flagged final."""
+        """Decoupled mode: a response per step to every request, then a final one with data."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         senders = {n: request.get_response_sender() for n, request in enumerate(requests)}
 
@@ -239,36 +285,25 @@ class TritonPythonModel:
         senders: dict[int, object],
         open_requests: set[int],
     ) -> None:
-        """Generate ``batch`` step by step, sending each open request its snapshot; a request
-        leaves ``open_requests`` once its final response (or final flag) is sent."""
+        """Run ``batch``, calling back as ``streaming_callback`` does; a request leaves
+        ``open_requests`` once its final response (or final flag) is sent."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        generation = BatchGeneration(
-            self.model,
-            batch.rows,
-            vocab_size=self.config.vocab_size,
-            padded_input_length=batch.width,
-        )
+        generation = self._generation(batch)
         for step in generation:
-            complete = generation.finished | (generation.num_generated >= generation.output_lens)
-            results = generation.results()
             for n in sorted(open_requests):
-                start, stop = spans[n]
                 if _cancelled(senders[n]):
                     senders[n].send(flags=final)
                     open_requests.discard(n)
-                    continue
-                if not step.produced[start:stop].any():
-                    continue
-                response = _response(results[start:stop], log_probs=batch.log_probs)
-                if complete[start:stop].all():
-                    senders[n].send(response, flags=final)
-                    open_requests.discard(n)
-                else:
-                    senders[n].send(response)
             if not open_requests:
                 break
+            if step.last:
+                continue  # GptJ::forward skips the callback of its last step
+            results = generation.results()
+            for n in sorted(open_requests):
+                start, stop = spans[n]
+                senders[n].send(_response(results[start:stop], log_probs=batch.log_probs))
         results = generation.results()
-        for n in sorted(open_requests):  # not reached unless generation ended early
+        for n in sorted(open_requests):
             start, stop = spans[n]
             senders[n].send(_response(results[start:stop], log_probs=batch.log_probs), flags=final)
             open_requests.discard(n)
@@ -287,14 +322,12 @@ class Batch:
 
 
 def _input_width(request: object) -> int:
-    ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+    """The width of a request's ``input_ids``: the backend pads the batch to the widest."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if tensor is None:
+        return 0
+    ids = tensor.as_numpy()
     return int(ids.reshape(ids.shape[0], -1).shape[1])
-
-
-def _returns_log_probs(first: object) -> bool:
-    """FT reads ``is_return_log_probs`` of the batch's first row only (absent: false)."""
-    tensor = pb_utils.get_input_tensor_by_name(first, "is_return_log_probs")
-    return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
 
 
 def _cancelled(sender: object) -> bool:

@@ -1,75 +1,107 @@
-"""Triton Python-backend model ``postprocessing``: FasterTransformer's results -> the client's.
+"""Triton Python-backend model ``postprocessing``: FasterTransformer's batch -> this request's answer.
 
-Inputs: FasterTransformer's ``output_ids`` (UINT32, [beam, seq], prompt included),
-``sequence_length`` (INT32, [beam]), ``cum_log_probs`` and ``output_log_probs``; the request's
-``input_lengths`` (UINT32, [1]) and optional ``end_id`` (UINT32, [1]; default: the ``end_id``
-parameter, the checkpoint's end-of-text id). Outputs: ``completion`` (BYTES, [beam]) and the
-four FasterTransformer results unchanged, so that every output the ensemble declares comes from
-this one step.
+Inputs: FasterTransformer's ``output_ids`` (UINT32, [beam, W + M]), ``sequence_length`` (INT32,
+[beam]), ``cum_log_probs`` and ``output_log_probs`` (FP32; the latter [beam, M]), and the
+request's ``input_lengths``, ``request_output_len`` and ``end_id`` (as ``preprocessing`` sent
+them to FasterTransformer). Outputs: ``completion`` (BYTES, [beam]), ``output_ids``,
+``sequence_length`` and ``cum_log_probs``, holding exactly the tokens the request asked for.
 
-``completion`` is the text of the generated tokens: ``output_ids[input_length:sequence_length]``
-without the ``end_id`` tokens that end it. In a ragged batch FasterTransformer counts the
-batch's longest prompt in every row's ``sequence_length`` and fills the difference with
-``end_id`` (the wire contract in ``loader/repository/models/README.md``), so dropping trailing ``end_id`` tokens is what makes a
-completion the same alone and batched. Special tokens are left out of the text.
+FasterTransformer answers in the batch's layout (``loader/repository/models/README.md``): every
+row is ``W + M`` wide (``W`` the batch's widest prompt, ``M`` its largest
+``request_output_len``), ``sequence_length`` is ``W`` + the row's generated tokens, and a row
+that asked for fewer tokens than ``M`` gets one token more than it asked for (FT's length check
+follows the sampling). ``M`` is the width of ``output_log_probs``, so ``W`` and each row's count
+``n`` follow; this model keeps the first ``min(n, request_output_len)`` generated tokens:
+
+* ``output_ids``: the prompt, those tokens, then ``end_id``, as wide as the request's longest
+  prompt plus its largest ``request_output_len``;
+* ``sequence_length``: the row's prompt length + those tokens (a stopping ``end_id`` counts, as
+  in FasterTransformer);
+* ``completion``: their text, without an ``end_id`` that ends them; special tokens left out;
+* ``cum_log_probs``: FasterTransformer's sum where the row got no extra token; NaN where it did
+  (the extra token's log probability is in the sum, and the per-token values that would let us
+  take it out are not reliable in a batch: FT ``GptJ::setOutputTensors`` lays them out with the
+  stride of the batch's first request).
+
+So a request gets the same answer alone and batched with any others.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenization import TOKENIZER_DIR, load_tokenizer
 
-#: FasterTransformer results passed to the client unchanged.
-PASSED_THROUGH = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+
+def _input(request: object, name: str) -> np.ndarray:
+    return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
 
 
-def generated_tokens(row: np.ndarray, start: int, stop: int, end_id: int) -> list[int]:
-    """``row[start:stop]`` without the ``end_id`` tokens at its end."""
-    tokens = row[start:stop].tolist()
-    while tokens and tokens[-1] == end_id:
-        tokens.pop()
-    return tokens
+def answer(
+    output_ids: np.ndarray,
+    sequence_length: np.ndarray,
+    cum_log_probs: np.ndarray,
+    log_probs_width: int,
+    input_lengths: np.ndarray,
+    output_lens: np.ndarray,
+    end_ids: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+    """FasterTransformer's ``[rows, beams, ...]`` results -> ``(output_ids, sequence_length,
+    cum_log_probs, generated tokens per (row, beam) without a final end_id)``."""
+    rows, beams, wide = output_ids.shape
+    batch_width = wide - log_probs_width  # W
+    width = int(input_lengths.max()) + int(output_lens.max())
+    ids = np.empty((rows, beams, width), dtype=np.uint32)
+    lengths = np.empty((rows, beams), dtype=np.int32)
+    cums = np.empty((rows, beams), dtype=np.float32)
+    texts: list[list[int]] = []
+    for row in range(rows):
+        start, asked, end_id = int(input_lengths[row]), int(output_lens[row]), int(end_ids[row])
+        for beam in range(beams):
+            counted = int(sequence_length[row, beam]) - batch_width
+            kept = max(0, min(counted, asked))
+            tokens = output_ids[row, beam, start : start + kept]
+            ids[row, beam] = end_id
+            ids[row, beam, : start + kept] = output_ids[row, beam, : start + kept]
+            lengths[row, beam] = start + kept
+            cums[row, beam] = cum_log_probs[row, beam] if counted <= asked else np.nan
+            text = tokens.tolist()
+            if text and text[-1] == end_id:
+                text.pop()
+            texts.append(text)
+    return ids, lengths, cums, texts
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.tokenizer = load_tokenizer(Path(__file__).parent / TOKENIZER_DIR)
-        parameters = json.loads(args["model_config"]).get("parameters", {})
-        self.end_id = int(parameters.get("end_id", {}).get("string_value", "-1") or -1)
 
     def execute(self, requests: list) -> list:
         return [self._respond(request) for request in requests]
 
-    def _end_ids(self, request: object, batch: int) -> np.ndarray:
-        tensor = pb_utils.get_input_tensor_by_name(request, "end_id")
-        if tensor is None:
-            return np.full(batch, self.end_id, dtype=np.int64)
-        return tensor.as_numpy().reshape(batch, -1)[:, 0].astype(np.int64)
-
     def _respond(self, request: object) -> object:
-        ids = pb_utils.get_input_tensor_by_name(request, "output_ids").as_numpy()
-        lengths = pb_utils.get_input_tensor_by_name(request, "sequence_length").as_numpy()
-        starts = pb_utils.get_input_tensor_by_name(request, "input_lengths").as_numpy()
-        batch = ids.shape[0]
-        beams = ids.reshape(batch, -1, ids.shape[-1])
-        lengths = lengths.reshape(batch, -1)
-        starts = starts.reshape(batch, -1)[:, 0]
-        end_ids = self._end_ids(request, batch)
-        sequences = [
-            generated_tokens(
-                beams[row, beam], int(starts[row]), int(lengths[row, beam]), int(end_ids[row])
-            )
-            for row in range(batch)
-            for beam in range(beams.shape[1])
-        ]
-        texts = self.tokenizer.decode_batch(sequences, skip_special_tokens=True)
+        output_ids = _input(request, "output_ids")
+        rows = output_ids.shape[0]
+        beams = output_ids.reshape(rows, -1, output_ids.shape[-1])
+        per_row = (rows, beams.shape[1])
+        ids, lengths, cums, tokens = answer(
+            beams,
+            _input(request, "sequence_length").reshape(per_row),
+            _input(request, "cum_log_probs").reshape(per_row),
+            int(_input(request, "output_log_probs").shape[-1]),
+            _input(request, "input_lengths").reshape(rows, -1)[:, 0],
+            _input(request, "request_output_len").reshape(rows, -1)[:, 0],
+            _input(request, "end_id").reshape(rows, -1)[:, 0],
+        )
+        texts = self.tokenizer.decode_batch(tokens, skip_special_tokens=True)
         completion = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
-        tensors = [pb_utils.Tensor("completion", completion.reshape(batch, beams.shape[1]))]
-        for name in PASSED_THROUGH:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            tensors.append(pb_utils.Tensor(name, tensor.as_numpy()))
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("completion", completion.reshape(per_row)),
+                pb_utils.Tensor("output_ids", ids),
+                pb_utils.Tensor("sequence_length", lengths),
+                pb_utils.Tensor("cum_log_probs", cums),
+            ]
+        )

@@ -1,20 +1,66 @@
-"""Triton Python-backend model ``preprocessing``: prompt text -> token ids.
+"""Triton Python-backend model ``preprocessing``: a client's request -> every input of FT.
 
-Input ``prompt`` (BYTES, [1] per row); outputs ``input_ids`` (UINT32, [-1], rows of one request
-right-padded with 0 to its longest prompt), ``input_lengths`` (UINT32, [1]) and
-``is_return_log_probs`` (BOOL, [1], always true: the ensemble returns the log probabilities on
-every request, because an ensemble output that FasterTransformer did not produce would fail
-the request). The client's own ``is_return_log_probs`` is accepted and has no effect. The
-tokenizer is the checkpoint's own, copied into ``1/tokenizer/`` by the repository writer.
+Inputs: ``prompt`` (BYTES, [1] per row), ``request_output_len`` and the client's optional
+sampling inputs (``loader/repository/tensors.py``, ``PREPROCESSING_INPUTS``). Outputs: every
+input of the ``fastertransformer`` model, always (``PREPROCESSING_OUTPUTS``): ``input_ids``
+(UINT32, rows of one request right-padded with 0 to its longest prompt), ``input_lengths``,
+``request_output_len``, the client's value of each optional input it sent, and
+FasterTransformer's own default for each it did not (:data:`DEFAULTS`, each from the C++ code
+that applies it when the input is absent).
+
+Why always all of them: Triton's dynamic batcher puts two requests in one batch only when they
+carry the same set of inputs (core ``RequiredEqualInputs::HasEqualInputs``), so clients that
+send different optional fields would never share a batch; and the FasterTransformer backend
+takes the first request's inputs as the batch's (BE ``ModelInstanceState::SetInputTensors``).
+With every input present, every value present means what its absence means, with one
+exception: ``is_return_log_probs`` is always true (the client's flag is accepted and has no
+effect), because ``postprocessing`` reads FasterTransformer's layout from the log probabilities.
+
+The tokenizer is the checkpoint's own, copied into ``1/tokenizer/`` by the repository writer;
+``start_id`` and ``end_id`` are the checkpoint's (``config.ini``), parameters of this model.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenization import TOKENIZER_DIR, load_tokenizer
+
+#: name -> (numpy dtype, value FasterTransformer uses when the input is absent; FT = its src/):
+#:
+#: * ``runtime_top_k`` 0: ``TopKSamplingLayer::setup`` (``tmp_top_k = 0``).
+#: * ``runtime_top_p`` 0: ``TopKSamplingLayer::setup`` (``top_p = 0.0f`` without the input);
+#:   ``TopPSamplingLayer::setup`` skips every row then, and with 0 every row has ``top_k > 0``
+#:   after ``setup_topk_runtime_args`` (0 and 0 mean greedy) and is skipped as well.
+#: * ``temperature`` 1: ``BaseSamplingLayer::setup`` (``default_temperature``).
+#: * ``repetition_penalty`` 1: without the input ``BaseSamplingLayer::setup`` applies no penalty;
+#:   with 1.0 everywhere ``BaseSamplingLayer::forward`` skips the kernel (``ALL_OF``), and a row
+#:   of 1.0 in a batch with other penalties is divided or multiplied by 1: unchanged.
+#: * ``random_seed`` 0: ``BaseSamplingLayer::setup`` initialises every state with seed 0, as
+#:   ``curand_init(0, 0, 0)`` per row does.
+#: * ``len_penalty``, ``beam_search_diversity_rate`` 0: ``OnlineBeamSearchLayer::invokeSoftMax``
+#:   (beam search only).
+#: * ``beam_width`` 1: ``GptJTritonModelInstance::forward``.
+#: * ``bad_words_list``, ``stop_words_list`` ``[[0], [-1]]``: a list whose only offset is -1
+#:   holds no word (``ban_bad_words``, ``stop_words_criterion`` return at a negative offset).
+#: * ``start_id``, ``end_id``: ``GptJ::forward``, ``handleOptArg`` with ``config.ini``'s ids
+#:   (this model's parameters).
+DEFAULTS: dict[str, tuple[type, object]] = {
+    "runtime_top_k": (np.uint32, 0),
+    "runtime_top_p": (np.float32, 0.0),
+    "temperature": (np.float32, 1.0),
+    "repetition_penalty": (np.float32, 1.0),
+    "random_seed": (np.uint64, 0),
+    "len_penalty": (np.float32, 0.0),
+    "beam_search_diversity_rate": (np.float32, 0.0),
+    "beam_width": (np.uint32, 1),
+}
+#: The empty word list, one per row: ids ``[0]``, offsets ``[-1]``.
+EMPTY_WORDS = ((0,), (-1,))
+WORD_LISTS = ("bad_words_list", "stop_words_list")
 
 
 def _text(value: object) -> str:
@@ -26,30 +72,43 @@ def _text(value: object) -> str:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.tokenizer = load_tokenizer(Path(__file__).parent / TOKENIZER_DIR)
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        self.ids = {name: int(parameters[name]["string_value"]) for name in ("start_id", "end_id")}
 
     def execute(self, requests: list) -> list:
-        responses = []
-        for request in requests:
-            prompts = pb_utils.get_input_tensor_by_name(request, "prompt").as_numpy()
-            texts = [_text(v) for v in prompts.reshape(prompts.shape[0], -1)[:, 0]]
-            encoded = [enc.ids for enc in self.tokenizer.encode_batch(texts)]
-            lengths = np.array([[len(ids)] for ids in encoded], dtype=np.uint32)
-            if int(lengths.min()) == 0:
-                error = pb_utils.TritonError("the prompt is empty: send at least one character")
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
-                continue
-            ids = np.zeros((len(encoded), int(lengths.max())), dtype=np.uint32)
-            for row, token_ids in enumerate(encoded):
-                ids[row, : len(token_ids)] = token_ids
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[
-                        pb_utils.Tensor("input_ids", ids),
-                        pb_utils.Tensor("input_lengths", lengths),
-                        pb_utils.Tensor(
-                            "is_return_log_probs", np.ones((len(encoded), 1), dtype=np.bool_)
-                        ),
-                    ]
-                )
-            )
-        return responses
+        return [self._respond(request) for request in requests]
+
+    def _per_row(self, request: object, name: str, dtype: type, default: object, rows: int):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return np.full((rows, 1), default, dtype=dtype)
+        return tensor.as_numpy().reshape(rows, -1)[:, :1].astype(dtype)
+
+    def _respond(self, request: object) -> object:
+        prompts = pb_utils.get_input_tensor_by_name(request, "prompt").as_numpy()
+        rows = prompts.shape[0]
+        texts = [_text(v) for v in prompts.reshape(rows, -1)[:, 0]]
+        encoded = [enc.ids for enc in self.tokenizer.encode_batch(texts)]
+        lengths = np.array([[len(ids)] for ids in encoded], dtype=np.uint32)
+        if int(lengths.min()) == 0:
+            error = pb_utils.TritonError("the prompt is empty: send at least one character")
+            return pb_utils.InferenceResponse(output_tensors=[], error=error)
+        ids = np.zeros((rows, int(lengths.max())), dtype=np.uint32)
+        for row, token_ids in enumerate(encoded):
+            ids[row, : len(token_ids)] = token_ids
+        output_len = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy()
+        values = {
+            "input_ids": ids,
+            "input_lengths": lengths,
+            "request_output_len": output_len.reshape(rows, -1).astype(np.uint32),
+            "is_return_log_probs": np.ones((rows, 1), dtype=np.bool_),
+        }
+        for name, default in self.ids.items():
+            values[name] = self._per_row(request, name, np.uint32, default, rows)
+        for name, (dtype, default) in DEFAULTS.items():
+            values[name] = self._per_row(request, name, dtype, default, rows)
+        for name in WORD_LISTS:
+            values[name] = np.tile(np.array(EMPTY_WORDS, dtype=np.int32), (rows, 1, 1))
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in values.items()]
+        )

@@ -4,24 +4,35 @@ A streaming repository (``model-loader run --streaming``) serves the model clien
 decoupled model instead of the ensemble, with the ensemble's exact inputs and outputs. For each
 request it runs, through Triton's business-logic scripting (BLS) API:
 
-1. ``preprocessing`` (prompt -> ``input_ids``, ``input_lengths``), once;
+1. ``preprocessing`` (the client's inputs -> every input of ``fastertransformer``, FT's default
+   where the client sent nothing), once;
 2. ``fastertransformer`` in decoupled mode: FasterTransformer's streaming callback (and the CPU
-   reference) sends the outputs so far after every decoding step, then a final response;
-3. ``postprocessing`` on every such snapshot (the text generated so far),
+   reference) sends every request of the batch its outputs so far after every decoding step but
+   the last, then a final response with data;
+3. ``postprocessing`` on every such snapshot: the text generated so far and FasterTransformer's
+   outputs cut to the tokens the request asked for,
 
-and sends the client one response per snapshot whose ``completion`` holds only the text that
-is new since the previous response (the other outputs are the snapshot: ``output_ids``,
-``sequence_length``, ``cum_log_probs``, ``output_log_probs`` so far). The last response is
-flagged final and carries the rest of the text (often empty), so the concatenated
+and sends the client one response per snapshot that holds a new token, whose ``completion``
+holds only the text that is new since the previous response (the other outputs are
+postprocessing's: ``output_ids``, ``sequence_length``, ``cum_log_probs`` so far). The last
+response is flagged final and carries the rest of the text (often empty), so the concatenated
 ``completion`` of a stream equals the non-streaming completion for the same request and seed.
 Every response also carries ``is_final`` (BOOL [1]), true in the last one only: a Triton 23.05
 gRPC client is not told of the final flag, so this is how it sees the end of the stream.
 
+**Memory.** The FasterTransformer backend answers with GPU buffers (BE
+``ModelInstanceState::ReadOutputTensors`` hands ``BackendOutputResponder::ProcessTensor``
+``TRITONSERVER_MEMORY_GPU``), and a BLS request that states no preferred memory keeps that memory
+type (python_backend r23.05 ``request_executor.cc``, ``ResponseAlloc``); ``as_numpy()`` on such a
+tensor raises "Tensor is stored in GPU and cannot be converted to NumPy" (``pb_tensor.cc``,
+``PbTensor::AsNumpy``). Every BLS request here asks for CPU memory
+(``pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)``, in r23.05).
+
 Why not an ensemble: the increment needs the text already sent for this request. An ensemble
-step is stateless and FasterTransformer re-sends rows that have finished (a batch keeps
-stepping until its longest row ends) and repeats the last step in its final response, so only
-a per-request loop can tell new text from old. A partial multi-byte character (decoded as
-U+FFFD) is held back until the next token completes it.
+step is stateless and FasterTransformer sends every request of a batch a response at every step
+until the batch's longest row ends, and repeats the last state in its final response, so only a
+per-request loop can tell new text from old. A partial multi-byte character (decoded as U+FFFD)
+is held back until the next token completes it.
 
 Each request is served in its own thread (``execute`` returns at once), so one instance streams
 any number of requests; the ``fastertransformer`` model batches them as configured. A client
@@ -42,10 +53,9 @@ PREPROCESSING = "preprocessing"
 FASTERTRANSFORMER = "fastertransformer"
 POSTPROCESSING = "postprocessing"
 
-#: Request inputs passed to ``fastertransformer`` unchanged when the client sends them. The
-#: client's ``is_return_log_probs`` is not among them: this model always asks for the log
-#: probabilities, so every response carries every output the model declares.
-FORWARDED_INPUTS = (
+#: The client's inputs ``preprocessing`` takes (the ensemble's, ``tensors.PREPROCESSING_INPUTS``).
+CLIENT_INPUTS = (
+    "prompt",
     "request_output_len",
     "runtime_top_k",
     "runtime_top_p",
@@ -54,9 +64,34 @@ FORWARDED_INPUTS = (
     "start_id",
     "end_id",
     "random_seed",
+    "is_return_log_probs",
 )
-#: ``fastertransformer`` outputs passed to the client as they are (the snapshot).
-SNAPSHOT_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+#: Every input of ``fastertransformer`` (``tensors.FASTERTRANSFORMER_INPUTS``): what
+#: ``preprocessing`` returns.
+FT_INPUTS = (
+    "input_ids",
+    "input_lengths",
+    "request_output_len",
+    "start_id",
+    "end_id",
+    "runtime_top_k",
+    "beam_width",
+    "runtime_top_p",
+    "temperature",
+    "len_penalty",
+    "repetition_penalty",
+    "beam_search_diversity_rate",
+    "random_seed",
+    "is_return_log_probs",
+    "bad_words_list",
+    "stop_words_list",
+)
+#: ``fastertransformer``'s outputs (all four: ``preprocessing`` asks for the log probabilities).
+FT_RESULTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+#: What ``postprocessing`` also needs from ``preprocessing``'s outputs.
+REQUEST_FIELDS = ("input_lengths", "request_output_len", "end_id")
+#: ``postprocessing``'s outputs, passed to the client (``completion`` as an increment).
+ANSWER = ("completion", "output_ids", "sequence_length", "cum_log_probs")
 #: What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT = "\ufffd"
 
@@ -72,6 +107,16 @@ def _cancelled(sender: object) -> bool:
     return bool(is_cancelled()) if is_cancelled is not None else False
 
 
+def _request(model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]) -> object:
+    """A BLS request whose results come back in CPU memory (see "Memory" above)."""
+    return pb_utils.InferenceRequest(
+        model_name=model,
+        requested_output_names=list(outputs),
+        inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
+        preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
+    )
+
+
 def _exec(request: object) -> object:
     response = request.exec()
     if response.has_error():
@@ -79,22 +124,17 @@ def _exec(request: object) -> object:
     return response
 
 
-def _output(response: object, name: str) -> np.ndarray:
-    return pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-
-
-def _snapshot(response: object) -> dict[str, np.ndarray]:
-    """The outputs a ``fastertransformer`` response carries (all four: the request asked for
-    the log probabilities)."""
-    snapshot = {}
-    for name in SNAPSHOT_OUTPUTS:
+def _outputs(response: object, names: tuple[str, ...], model: str) -> dict[str, np.ndarray]:
+    """The named outputs of a response, as NumPy arrays."""
+    found = {}
+    for name in names:
         tensor = pb_utils.get_output_tensor_by_name(response, name)
         if tensor is not None:
-            snapshot[name] = tensor.as_numpy()
-    missing = set(SNAPSHOT_OUTPUTS) - set(snapshot)
+            found[name] = tensor.as_numpy()
+    missing = [name for name in names if name not in found]
     if missing:
-        raise StepError(f"{FASTERTRANSFORMER} sent a response without {', '.join(sorted(missing))}")
-    return snapshot
+        raise StepError(f"{model} sent a response without {', '.join(missing)}")
+    return found
 
 
 class TextIncrements:
@@ -157,76 +197,61 @@ class TritonPythonModel:
                 self._threads.discard(threading.current_thread())
 
     def _stream(self, request: object, sender: object) -> None:
-        prompt = pb_utils.get_input_tensor_by_name(request, "prompt")
-        pre = _exec(
-            pb_utils.InferenceRequest(
-                model_name=PREPROCESSING,
-                requested_output_names=["input_ids", "input_lengths"],
-                inputs=[pb_utils.Tensor("prompt", prompt.as_numpy())],
-            )
-        )
-        input_lengths = _output(pre, "input_lengths")
-        inputs = [
-            pb_utils.Tensor("input_ids", _output(pre, "input_ids")),
-            pb_utils.Tensor("input_lengths", input_lengths),
-            pb_utils.Tensor("is_return_log_probs", np.ones_like(input_lengths, dtype=np.bool_)),
-        ]
-        for name in FORWARDED_INPUTS:
+        client = {}
+        for name in CLIENT_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
-                inputs.append(pb_utils.Tensor(name, tensor.as_numpy()))
-        stream = pb_utils.InferenceRequest(
-            model_name=FASTERTRANSFORMER,
-            requested_output_names=list(SNAPSHOT_OUTPUTS),
-            inputs=inputs,
-        ).exec(decoupled=True)
-        end_id = pb_utils.get_input_tensor_by_name(request, "end_id")
+                client[name] = tensor.as_numpy()
+        ft_inputs = _outputs(
+            _exec(_request(PREPROCESSING, client, FT_INPUTS)), FT_INPUTS, PREPROCESSING
+        )
+        fields = {name: ft_inputs[name] for name in REQUEST_FIELDS}
+        stream = _request(FASTERTRANSFORMER, ft_inputs, FT_RESULTS).exec(decoupled=True)
         increments = TextIncrements()
-        snapshot: dict[str, np.ndarray] | None = None
-        texts: np.ndarray | None = None
+        answer: dict[str, np.ndarray] | None = None
         cancelled = False
         for response in stream:
             if response.has_error():
                 raise StepError(response.error().message())
             if cancelled or not response.output_tensors():
-                continue  # FT's empty final response, or a stream nobody listens to any more
+                continue  # an empty final response, or a stream nobody listens to any more
             if _cancelled(sender):
                 cancelled = True  # let the generation end; it cannot be called back
                 continue
-            snapshot = _snapshot(response)
-            texts = self._texts(snapshot, input_lengths, end_id)
-            sender.send(self._response(increments.step(texts, final=False), snapshot, final=False))
+            snapshot = _outputs(response, FT_RESULTS, FASTERTRANSFORMER)
+            latest = self._answer(snapshot, fields)
+            if answer is not None and np.array_equal(
+                latest["sequence_length"], answer["sequence_length"]
+            ):
+                continue  # FT calls back every request of the batch; this one has no new token
+            answer = latest
+            sender.send(
+                self._response(
+                    increments.step(answer["completion"], final=False), answer, final=False
+                )
+            )
         if cancelled:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        if snapshot is None or texts is None:
+        if answer is None:
             raise StepError(f"{FASTERTRANSFORMER} ended the stream without a result")
         sender.send(
-            self._response(increments.step(texts, final=True), snapshot, final=True),
+            self._response(increments.step(answer["completion"], final=True), answer, final=True),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )
 
     @staticmethod
-    def _texts(
-        snapshot: dict[str, np.ndarray], input_lengths: np.ndarray, end_id: object | None
-    ) -> np.ndarray:
-        inputs = [pb_utils.Tensor(name, value) for name, value in snapshot.items()]
-        inputs.append(pb_utils.Tensor("input_lengths", input_lengths))
-        if end_id is not None:
-            inputs.append(pb_utils.Tensor("end_id", end_id.as_numpy()))
-        post = _exec(
-            pb_utils.InferenceRequest(
-                model_name=POSTPROCESSING, requested_output_names=["completion"], inputs=inputs
-            )
-        )
-        return _output(post, "completion")
+    def _answer(
+        snapshot: dict[str, np.ndarray], fields: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """``postprocessing``'s answer to one FasterTransformer snapshot."""
+        response = _exec(_request(POSTPROCESSING, {**snapshot, **fields}, ANSWER))
+        return _outputs(response, ANSWER, POSTPROCESSING)
 
     @staticmethod
-    def _response(
-        completion: np.ndarray, snapshot: dict[str, np.ndarray], *, final: bool
-    ) -> object:
+    def _response(completion: np.ndarray, answer: dict[str, np.ndarray], *, final: bool) -> object:
         tensors = [pb_utils.Tensor("completion", completion)]
-        tensors += [pb_utils.Tensor(name, value) for name, value in snapshot.items()]
+        tensors += [pb_utils.Tensor(name, answer[name]) for name in ANSWER if name != "completion"]
         is_final = np.full((completion.shape[0], 1), final, dtype=np.bool_)
         tensors.append(pb_utils.Tensor("is_final", is_final))
         return pb_utils.InferenceResponse(output_tensors=tensors)
