@@ -20,8 +20,8 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv triton-venv tools test test-fast lint fmt demo bench bench-convert bench-fetch \
-        bench-coldstart bench-serving \
+.PHONY: help install venv triton-venv tools test test-fast test-faults lint fmt demo bench bench-convert \
+        bench-fetch bench-coldstart bench-serving \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -56,6 +56,9 @@ test: install triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
 	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
 
+test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch (not in test: ~10 min on 2 cores)
+	$(PYTEST) -m exhaustive $(sort $(wildcard tests/test_fault_every_errno_*.py)) $(PYTEST_ARGS)
+
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
 #: modules a repository copies next to them.
 TRITON_IMAGE_PYTHON := loader/repository/models loader/reference loader/formats loader/errors.py loader/__init__.py
@@ -74,20 +77,24 @@ demo: install ## the main job on a small local checkpoint, end to end on a real 
 
 #: Benchmarks write under bench/work/ unless BENCH_OUTPUT names a folder: the committed results
 #: are regenerated, replacing them, by one `make bench BENCH_OUTPUT=bench/results` on a quiet
-#: machine.
+#: machine. BENCH_BASELINE=DIR (a checkout of an earlier commit: `git worktree add DIR REV`)
+#: runs that loader beside this one in bench-convert and bench-coldstart, for before/after
+#: ratios measured side by side.
 BENCH_OUTPUT ?=
+BENCH_BASELINE ?=
 BENCH_FLAGS = $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT) --overwrite)
+BASELINE_FLAGS = $(if $(BENCH_BASELINE),--baseline $(BENCH_BASELINE))
 
 bench: bench-convert bench-fetch bench-coldstart bench-serving ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
 
-bench-convert: install ## converter throughput vs cp, and peak memory (a missed goal is explained; make goes on)
-	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) || [[ $$? == 3 ]]
+bench-convert: install ## converter throughput vs cp (efficiency), CPU s per GB, peak memory, load (a missed goal is explained; make goes on)
+	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) $(BASELINE_FLAGS) || [[ $$? == 3 ]]
 
 bench-fetch: install ## GCS download: plain single stream vs the loader
 	$(BIN)/python scripts/bench_fetch.py $(BENCH_FLAGS)
 
-bench-coldstart: install ## gs:// checkpoint to .ready: fetch alone vs run sequential vs run overlapped, time and peak disk
-	$(BIN)/python scripts/bench_coldstart.py $(BENCH_FLAGS)
+bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequential and overlapped; time, CPU s per GB, overlap efficiency, disk, load
+	$(BIN)/python scripts/bench_coldstart.py $(BENCH_FLAGS) $(BASELINE_FLAGS)
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most)
 	$(BIN)/python scripts/bench --serving-experiment $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/serving --overwrite)

@@ -21,10 +21,12 @@ imported only for them). bfloat16 tensors come back as their ``uint16`` bit patt
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import mmap
+import os
 import re
 import struct
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
@@ -34,7 +36,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from loader import fs
 from loader.errors import CheckpointError, DtypeError, some_names
+from loader.formats import jsondoc
 from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
 log = logging.getLogger(__name__)
@@ -97,17 +101,25 @@ class TensorInfo:
 
 
 def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
-    """``config.json`` of a checkpoint directory as a dict."""
+    """``config.json`` of a checkpoint directory as a dict (at most
+    :data:`~loader.formats.jsondoc.MAX_CONFIG_BYTES`; deeper nesting than a parser takes is a
+    :class:`CheckpointError` like any malformed document)."""
     path = Path(checkpoint_dir) / CONFIG_FILE
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError(f"{checkpoint_dir} is not a directory.")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = jsondoc.loads(fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8"))
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"{path} is missing: not a Hugging Face checkpoint directory."
         ) from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise CheckpointError(
+                f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json."
+            ) from exc
+        raise
+    except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{path} cannot be read as JSON: {exc}.") from exc
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} does not hold a JSON object.")
@@ -129,6 +141,31 @@ class ShardFile(Protocol):
     def close(self) -> None: ...
 
 
+def _whole(value: object) -> int:
+    """A non-negative integer of a safetensors header (a bool, a float or a negative number is
+    not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _check_spans(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors' byte spans follow each other from 0 to ``data_size`` exactly."""
+    expected = 0
+    previous = None
+    for begin, end, name in sorted(spans):
+        if begin < expected:
+            raise _corrupt(path, f"tensor {name} overlaps tensor {previous} (they share bytes)")
+        if begin > expected:
+            raise _corrupt(path, f"tensor {name} starts at byte {begin}, after a gap at {expected}")
+        expected, previous = end, name
+    if expected != data_size:
+        raise _corrupt(
+            path,
+            f"the header describes {expected} data bytes but the file holds {data_size}",
+        )
+
+
 def _corrupt(path: Path, what: str) -> CheckpointError:
     return CheckpointError(
         f"{path} is truncated or corrupt: {what}.",
@@ -137,14 +174,22 @@ def _corrupt(path: Path, what: str) -> CheckpointError:
 
 
 class SafetensorsFile:
-    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap."""
+    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap.
+
+    The header gets the checks the ``safetensors`` library itself makes before it hands out a
+    tensor (``safetensors/src/tensor.rs``: ``SafeTensors::read_metadata`` and
+    ``Metadata::validate``): a header length within the file and at most 100 MB, a JSON object,
+    every entry's byte span as long as its dtype and shape say, and the spans, in offset order,
+    one after the other from 0 to the end of the file: no gap, no overlap (two tensors viewing
+    the same bytes), nothing beyond the file, nothing after the last tensor.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._mmap: mmap.mmap | None = None
         try:
-            size = path.stat().st_size
-            with path.open("rb") as fh:
+            with fs.open_read(path) as fh:
+                size = os.fstat(fh.fileno()).st_size
                 prefix = fh.read(8)
                 if len(prefix) < 8:
                     raise _corrupt(path, f"{size} bytes, shorter than the 8-byte header length")
@@ -155,23 +200,22 @@ class SafetensorsFile:
         except FileNotFoundError as exc:
             raise CheckpointError(f"{path} is missing.") from exc
         try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = jsondoc.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
             raise _corrupt(path, f"header is not valid JSON ({exc})") from exc
         if not isinstance(header, dict):
             raise _corrupt(path, "header is not a JSON object")
         self._data_start = 8 + header_len
-        data_size = size - self._data_start
         self._infos: dict[str, TensorInfo] = {}
         self._offsets: dict[str, int] = {}
-        end_max = 0
+        spans: list[tuple[int, int, str]] = []
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
             try:
                 dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-                shape = tuple(int(d) for d in entry["shape"])
-                begin, end = (int(x) for x in entry["data_offsets"])
+                shape = tuple(_whole(d) for d in entry["shape"])
+                begin, end = (_whole(x) for x in entry["data_offsets"])
             except KeyError as exc:
                 if isinstance(entry, dict) and entry.get("dtype") not in _SAFETENSORS_DTYPES:
                     raise DtypeError(
@@ -182,15 +226,12 @@ class SafetensorsFile:
             except (TypeError, ValueError) as exc:
                 raise _corrupt(path, f"header entry for {name} is malformed") from exc
             info = TensorInfo(name, dtype, shape, path)
-            if end - begin != info.nbytes or begin < 0:
+            if end - begin != info.nbytes:
                 raise _corrupt(path, f"tensor {name} spans {end - begin} bytes, not {info.nbytes}")
             self._infos[name] = info
             self._offsets[name] = begin
-            end_max = max(end_max, end)
-        if end_max > data_size:
-            raise _corrupt(
-                path, f"the header needs {end_max} data bytes but the file holds {data_size}"
-            )
+            spans.append((begin, end, name))
+        _check_spans(path, spans, size - self._data_start)
 
     def infos(self) -> dict[str, TensorInfo]:
         return self._infos
@@ -198,7 +239,7 @@ class SafetensorsFile:
     def get(self, name: str) -> np.ndarray:
         info = self._infos[name]
         if self._mmap is None:
-            with self.path.open("rb") as fh:
+            with fs.open_read(self.path) as fh:
                 self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         offset = self._data_start + self._offsets[name]
         if info.nbytes and hasattr(mmap, "MADV_WILLNEED"):  # start reading it in now
@@ -376,8 +417,15 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
     ``directory`` (a name read from a checkpoint never reaches a path unchecked)."""
     path = directory / layout.index
     try:
-        weight_map = dict(json.loads(path.read_text(encoding="utf-8"))["weight_map"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
+        weight_map = dict(jsondoc.loads(document)["weight_map"])
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        raise CheckpointError(
+            f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not an index."
+        ) from exc
+    except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{path} is not a valid index (a JSON object with a weight_map): {exc}."
         ) from exc

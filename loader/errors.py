@@ -9,7 +9,9 @@ the retry deadline), worth retrying as it is. Anything else is a bug and exits w
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
+from pathlib import Path
 
 #: Names a message shows before it says how many more there are.
 SHOWN_NAMES = 6
@@ -113,10 +115,15 @@ class SourcePermissionError(SourceError):
 
 
 class ChecksumMismatchError(SourceError):
-    """A downloaded file does not match the checksum its source published."""
+    """A downloaded file does not match the checksum its source published: bytes damaged or
+    replaced on the way (a proxy answering with a page of its own), or an object corrupt at
+    its source. The download was discarded; running again fetches it again (exit 75)."""
+
+    exit_code = EXIT_TRANSIENT
 
     default_remediation = (
-        "The source object may be corrupt: re-upload it, then run the loader again."
+        "Run the loader again (it downloads the file again); if the same file keeps failing, "
+        "it is corrupt at its source: re-upload it."
     )
 
 
@@ -190,6 +197,129 @@ class LockTimeoutError(PublishError):
         "Another loader is publishing the same model key; wait for it, or remove its lock file "
         "if that loader is gone (locks also expire by themselves)."
     )
+
+
+class NotOursError(RepositoryError):
+    """A path under the repository root holds something the loader did not create (a symbolic
+    link, a file where its directory belongs): it is left alone, never followed or removed."""
+
+    def __init__(self, path: Path | str, found: str, expected: str) -> None:
+        self.path = Path(path)
+        super().__init__(
+            f"{path} is {found}, where the loader expected {expected}; the loader did not "
+            "create it and leaves it alone (it never follows, writes through or removes what "
+            "it did not make).",
+            f"Move {path} out of the repository root (or point --repository elsewhere), then "
+            "run again.",
+        )
+
+
+# --- the file system ----------------------------------------------------------------------
+
+
+class FileSystemError(LoaderError):
+    """A file-system operation failed for a reason of the environment: permissions, a
+    read-only volume, a name too long, a link or a file where a directory belongs."""
+
+
+class TransientFileSystemError(FileSystemError):
+    """A file-system operation failed in a way that may pass (an I/O error, a stale NFS
+    handle, too many open files): worth running again."""
+
+    exit_code = EXIT_TRANSIENT
+
+
+#: errno -> (what happened, what to do with ``{path}``) for failures of the environment
+#: (exit 2). ENOSPC and EDQUOT are :class:`InsufficientDiskSpaceError`.
+_ENVIRONMENT: dict[int, tuple[str, str]] = {
+    errno.EROFS: (
+        "is on a read-only file system",
+        "Mount the volume holding {path} read-write for the loader (Triton's pods may mount it "
+        "read-only), or point the loader at a writable directory.",
+    ),
+    errno.EACCES: (
+        "is not accessible to this user",
+        "Give the loader's user write access to {path} and its directory (or run it as the "
+        "volume's owner, e.g. the chart's fsGroup).",
+    ),
+    errno.EPERM: (
+        "cannot be changed by this user",
+        "Give the loader's user ownership of or write access to {path}.",
+    ),
+    errno.ENAMETOOLONG: (
+        "is too long a name for the file system",
+        "Use a shorter --repository or --work-dir path, or a shorter model name or revision, "
+        "so that {path} fits.",
+    ),
+    errno.EXDEV: (
+        "is on another file system than where it must move",
+        "Keep the repository root, its .staging directory and --work-dir on one file system "
+        "({path} is not).",
+    ),
+    errno.ELOOP: (
+        "is a symbolic link (or a loop of them) where the loader follows none",
+        "Replace the link at {path} with a real directory or file, or remove it.",
+    ),
+    errno.EISDIR: (
+        "is a directory where the loader expected a file",
+        "Move the directory {path} away, then run again.",
+    ),
+    errno.ENOTDIR: (
+        "has a file where the loader expected a directory",
+        "Move the file in the way of {path} away, then run again.",
+    ),
+    errno.EFBIG: (
+        "is too large",
+        "Check {path}: it is far larger than a file of its kind can be.",
+    ),
+    errno.EMLINK: (
+        "has too many links or entries",
+        "Remove unused entries under the directory of {path} (model-loader prune).",
+    ),
+}
+#: errno values of a failure that may pass by itself (exit 75).
+_TRANSIENT: frozenset[int] = frozenset(
+    {
+        errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ESTALE, errno.ETIMEDOUT, errno.EINTR,
+        errno.ENOLCK, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EREMOTEIO, errno.ECOMM,
+        errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+        errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ETXTBSY,
+    }
+)  # fmt: skip
+#: The errno values every file-system call site is tested with (tests/test_fault_injection.py).
+ERRNO_CLASSES: tuple[int, ...] = (
+    errno.ENAMETOOLONG, errno.EXDEV, errno.EROFS, errno.EACCES, errno.ENOSPC, errno.ELOOP,
+    errno.EISDIR, errno.ENOTDIR, errno.EIO,
+)  # fmt: skip
+
+
+def typed_os_error(exc: OSError) -> LoaderError | None:
+    """The typed error for a failed file-system call (None: an errno that means a bug, such
+    as EBADF or EINVAL): the one mapping of errno classes. The message and the hint name the
+    path."""
+    code = exc.errno
+    if code is None:
+        return None
+    path = exc.filename if exc.filename is not None else "a file"
+    where = f"{path} (to {exc.filename2})" if exc.filename2 is not None else f"{path}"
+    reason = exc.strerror or errno.errorcode.get(code, str(code))
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientDiskSpaceError(
+            f"The volume holding {where} ran out of space ({reason}); nothing was published.",
+            f"Free space on the volume holding {path} (model-loader prune removes old keys and "
+            "leftovers) or give it more, then run again.",
+        )
+    if code in _ENVIRONMENT:
+        what, hint = _ENVIRONMENT[code]
+        return FileSystemError(
+            f"{where} {what} ({reason}); nothing was published.", hint.format(path=path)
+        )
+    if code in _TRANSIENT:
+        return TransientFileSystemError(
+            f"A file-system operation on {where} failed ({reason}); nothing was published.",
+            f"Check the volume holding {path} (kernel log, NFS server); running again may succeed.",
+        )
+    return None
 
 
 # --- serving, benchmarking and tools -----------------------------------------------------

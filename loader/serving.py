@@ -202,8 +202,12 @@ def build_backend_dir(install: TritonInstall, dest: Path) -> Path:
 def server_environment(
     install: TritonInstall, *, base: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """The environment the server and its Python-backend stubs need."""
+    """The environment the server and its Python-backend stubs need. The stubs write no
+    bytecode beside a repository's ``model.py`` (``PYTHONDONTWRITEBYTECODE``): a published
+    repository holds exactly what its manifest lists, and a ``__pycache__`` in it would count
+    as damage (:mod:`loader.repository.manifest`)."""
     env = dict(os.environ if base is None else base)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     lib_paths = [p for p in (libdir, str(install.libs), env.get("LD_LIBRARY_PATH", "")) if p]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_paths)

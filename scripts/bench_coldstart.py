@@ -8,19 +8,27 @@ filesystem backend, 127.0.0.1), with one sharded fp16 CodeGen checkpoint of rand
 side in one run, each in a fresh directory:
 
 (a) ``model-loader fetch gs://bench/coldstart DEST``: the download alone;
-(b) ``model-loader run --no-overlap``: download everything, then convert, then publish;
-(c) ``model-loader run``: convert while downloading, deleting each shard once converted.
+(b) ``model-loader convert SRC DEST``: the conversion alone, of the local copy (no download,
+    no fingerprint, no manifest);
+(c) ``model-loader run --no-overlap``: download everything, then convert, then publish;
+(d) ``model-loader run``: convert while downloading, deleting each shard once converted.
 
 Each command runs as its own process; its time is wall time until it exited (``run`` exits
-right after writing ``.ready`` and the rename). A sampler walks the destination every 100 ms and
-records its peak disk use (allocated blocks). Prints a table with each time as a ratio to the
-fetch alone and the peak disk, and writes ``coldstart.json`` and ``coldstart.md`` (the table
-and the command that produced it) into ``--output-dir`` (default ``bench/work/results``; the
-committed ``bench/results/`` ones are replaced only with ``--output-dir bench/results
---overwrite``).
+right after writing ``.ready`` and the rename); its CPU seconds are the user + system time of
+its process tree (stable on a busy machine where wall time is not), also per GB of checkpoint;
+what it wrote to storage is written less cancelled bytes (a shard deleted before the kernel
+wrote it back costs nothing); the 1-minute load average each run started under is recorded.
+A sampler walks the destination every 100 ms and records its peak disk use (allocated
+blocks). Round by round it computes the overlap efficiency, run (d) / max((a), (b)) (goal
+<= 1.15); with ``--baseline CHECKOUT`` every variant also runs with that checkout's loader in
+the same rounds, and the CPU seconds of each are given as a share of the baseline's (goal for
+(d): <= 60 %). Prints the table and the figures, and writes ``coldstart.json`` and
+``coldstart.md`` (the table, the figures and the command that produced them) into
+``--output-dir`` (default ``bench/work/results``; the committed ``bench/results/`` ones are
+replaced only with ``--output-dir bench/results --overwrite``).
 
 Usage: ``make bench-coldstart`` or ``python scripts/bench_coldstart.py [--layers 36]
-[--hidden 1024] [--shard-mib 256] [--repeat 3]``.
+[--hidden 1024] [--shard-mib 256] [--repeat 3] [--baseline CHECKOUT]``.
 """
 
 from __future__ import annotations
@@ -32,10 +40,8 @@ import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the GCS emulator the tests start too
 
+from loader.bench import machine  # noqa: E402
 from tests.servers import GcsServer  # noqa: E402
 
 BUCKET = "bench"
@@ -154,17 +161,34 @@ def measure(name: str, argv: list[str], dest: Path, env: dict) -> dict:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     with DiskSampler(dest) as sampler:
-        start = time.perf_counter()
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        run = machine.measured(argv, env=env, cwd=dest.parent)
+    if run.returncode != 0:
+        raise SystemExit(f"{name} failed ({run.returncode}):\n{run.stderr[-3000:]}")
     if "run" in argv[3:4]:
-        published = Path(proc.stdout.splitlines()[-1])
+        published = Path(run.stdout.splitlines()[-1])
         assert (published / ".ready").is_file(), published
     shutil.rmtree(dest, ignore_errors=True)
-    print(f"  {name:<26} {seconds:7.2f} s   peak disk {sampler.peak / 1e9:5.2f} GB", flush=True)
-    return {"seconds": round(seconds, 3), "peak_disk_bytes": sampler.peak}
+    wrote = "" if run.disk_write_bytes is None else f"{run.disk_write_bytes / 1e9:5.2f} GB"
+    print(
+        f"  {name:<32} {run.seconds:7.2f} s {run.cpu_s:6.2f} CPU s ({run.user_s:5.2f} user "
+        f"{run.sys_s:5.2f} sys)   peak disk "
+        f"{sampler.peak / 1e9:5.2f} GB   written {wrote}   load {run.load:4.1f}",
+        flush=True,
+    )
+    return {**run.as_dict(), "peak_disk_bytes": sampler.peak}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f} to {max(values):.2f}"
+
+
+#: The goals (figures computed per round from runs side by side, then the median).
+EFFICIENCY_GOAL = 1.15
+CPU_GOAL = 0.60
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,15 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the median counts")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="CHECKOUT",
+        help="also run every variant with the loader of this checkout (the code before a "
+        "change), interleaved, and report this loader's CPU time as a share of its",
+    )
+    parser.add_argument(
         "--output-dir", type=Path, default=None, help="where the results go (bench/work/results)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace earlier results")
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT))
-    from loader.bench.machine import output_files
-
-    results, _ = output_files(
+    results, _ = machine.output_files(
         args.output_dir, ["coldstart.json", "coldstart.md"], root=ROOT, overwrite=args.overwrite
     )
     results = results.with_suffix("")
@@ -192,60 +221,161 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"src-{args.layers}x{args.hidden}-{args.shard_mib}"
     checkpoint_bytes = build_checkpoint(src, args.layers, args.hidden, args.shard_mib)
+    gb = checkpoint_bytes / 1e9
     files = sorted(p for p in src.iterdir() if p.is_file())
     shards = [p for p in files if p.suffix == ".safetensors"]
-    print(f"checkpoint: {checkpoint_bytes / 1e9:.2f} GB, {len(shards)} fp16 shards, in {src}")
+    print(f"checkpoint: {gb:.2f} GB, {len(shards)} fp16 shards, in {src}")
     shutil.rmtree(work / "storage", ignore_errors=True)
     server = GcsServer(work).start()
-    load_before = os.getloadavg()
+    watch = machine.LoadWatch()
+    loaders = {"": machine.loader_env(None)}
+    if args.baseline is not None:
+        loaders[" [baseline]"] = machine.loader_env(args.baseline)
     try:
         server.upload_dir(BUCKET, PREFIX, src)
-        env = {**os.environ, "STORAGE_EMULATOR_HOST": server.url}
         source = f"gs://{BUCKET}/{PREFIX}"
         loader = [sys.executable, "-m", "loader"]
         run = [*loader, "run", "--source", source, "--model-name", "bench", "--tp-size", "1",
                "--pp-size", "1", "--instance-count", "1"]  # fmt: skip
         variants = {
             "fetch": lambda d: [*loader, "fetch", source, str(d)],
+            "convert (local copy)": lambda d: [
+                *loader,
+                "convert",
+                str(src),
+                str(d),
+                "--tp-size",
+                "1",
+            ],
             "run --no-overlap": lambda d: [*run, "--repository", str(d), "--no-overlap"],
             "run (overlapped)": lambda d: [*run, "--repository", str(d)],
         }
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        runs: dict[str, list[dict]] = {name + suffix: [] for suffix in loaders for name in variants}
         for i in range(args.repeat):
             print(f"round {i + 1} of {args.repeat}:")
             for name, command in variants.items():
-                runs[name].append(measure(name, command(work / "dest"), work / "dest", env))
+                for suffix, env in loaders.items():
+                    env = {**env, "STORAGE_EMULATOR_HOST": server.url}
+                    runs[name + suffix].append(
+                        measure(name + suffix, command(work / "dest"), work / "dest", env)
+                    )
     finally:
         server.stop()
         shutil.rmtree(work / "storage", ignore_errors=True)
+    load = watch.stop()
 
-    fetch_s = statistics.median(r["seconds"] for r in runs["fetch"])
+    def per_round(name: str, key: str) -> list[float]:
+        return [r[key] for r in runs[name]]
+
+    figures: dict[str, dict] = {}
+    for suffix in loaders:
+        # overlapped run / max(fetch alone, conversion of the local copy), round by round
+        efficiency = [
+            o / max(f, c)
+            for o, f, c in zip(
+                per_round("run (overlapped)" + suffix, "seconds"),
+                per_round("fetch" + suffix, "seconds"),
+                per_round("convert (local copy)" + suffix, "seconds"),
+                strict=True,
+            )
+        ]
+        figures["efficiency" + suffix] = {
+            "median": round(_median(efficiency), 3),
+            "rounds": [round(e, 3) for e in efficiency],
+        }
+    if args.baseline is not None:
+        for name in variants:
+            shares = [
+                a / b
+                for a, b in zip(
+                    per_round(name, "cpu_s"), per_round(name + " [baseline]", "cpu_s"), strict=True
+                )
+            ]
+            users = [
+                a / b
+                for a, b in zip(
+                    per_round(name, "user_s"),
+                    per_round(name + " [baseline]", "user_s"),
+                    strict=True,
+                )
+            ]
+            figures[f"cpu share of baseline: {name}"] = {
+                "median": round(_median(shares), 3),
+                "rounds": [round(x, 3) for x in shares],
+                "user_median": round(_median(users), 3),
+            }
+
+    fetch_s = _median(per_round("fetch", "seconds"))
     rows = []
-    for name, results in runs.items():
-        seconds = statistics.median(r["seconds"] for r in results)
-        peak = max(r["peak_disk_bytes"] for r in results)
+    for name, results_ in runs.items():
+        seconds = _median([r["seconds"] for r in results_])
+        cpu = _median([r["cpu_s"] for r in results_])
+        user = _median([r["user_s"] for r in results_])
+        sys_ = _median([r["sys_s"] for r in results_])
+        peak = max(r["peak_disk_bytes"] for r in results_)
+        writes = [r["disk_write_bytes"] for r in results_ if r["disk_write_bytes"] is not None]
         rows.append({
             "variant": name, "median_seconds": round(seconds, 2),
+            "median_cpu_s": round(cpu, 2), "cpu_s_per_gb": round(cpu / gb, 2),
+            "median_user_s": round(user, 2), "median_sys_s": round(sys_, 2),
+            "median_disk_write_bytes": int(_median(writes)) if writes else None,
             "ratio_to_fetch": round(seconds / fetch_s, 2), "peak_disk_bytes": peak,
             "peak_disk_ratio_to_checkpoint": round(peak / checkpoint_bytes, 2),
-            "runs": results,
+            "median_load": round(_median([r["load"] for r in results_]), 1),
+            "runs": results_,
         })  # fmt: skip
     command = "python scripts/bench_coldstart.py " + shlex.join(argv or sys.argv[1:])
     table = [
-        "| variant | time to done (median) | / fetch alone | peak disk | / checkpoint |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | time to done (median) | / fetch alone | CPU s (user + sys) | CPU s/GB "
+        "| peak disk | / checkpoint | written to disk | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(
             f"| `{r['variant']}` | {r['median_seconds']:.2f} s | {r['ratio_to_fetch']:.2f} | "
-            f"{r['peak_disk_bytes'] / 1e9:.2f} GB | {r['peak_disk_ratio_to_checkpoint']:.2f} |"
+            f"{r['median_cpu_s']:.2f} ({r['median_user_s']:.2f} + {r['median_sys_s']:.2f}) | "
+            f"{r['cpu_s_per_gb']:.2f} | "
+            f"{r['peak_disk_bytes'] / 1e9:.2f} GB | {r['peak_disk_ratio_to_checkpoint']:.2f} | "
+            + (
+                "n/a"
+                if r["median_disk_write_bytes"] is None
+                else f"{r['median_disk_write_bytes'] / 1e9:.2f} GB"
+            )
+            + f" | {r['median_load']:.1f} |"
             for r in rows
         ),
     ]
+    lines = []
+    for suffix in loaders:
+        eff = figures["efficiency" + suffix]
+        lines.append(
+            f"overlap efficiency{suffix} (run overlapped / max(fetch, convert of the local "
+            f"copy), per round): median {eff['median']:.2f} ({_spread(eff['rounds'])}); "
+            f"goal <= {EFFICIENCY_GOAL}: {'met' if eff['median'] <= EFFICIENCY_GOAL else 'NOT met'}"
+        )
+    if args.baseline is not None:
+        for name in variants:
+            share = figures[f"cpu share of baseline: {name}"]
+            goal = ""
+            if name == "run (overlapped)":
+                met = share["median"] <= CPU_GOAL
+                goal = f"; goal <= {CPU_GOAL:.0%}: {'met' if met else 'NOT met'}"
+            lines.append(
+                f"CPU s of {name}, this loader / baseline (per round): median "
+                f"{share['median']:.0%} ({_spread(share['rounds'])}; user time alone "
+                f"{share['user_median']:.0%}){goal}"
+            )
     print("\n".join(table))
-    load = f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
-    machine = (
-        f"{os.cpu_count()} CPUs visible (1-minute load average {load}), {sys.platform}, "
-        f"Python {sys.version.split()[0]}"
+    print()
+    print("\n".join(lines))
+    cpus = os.cpu_count()
+    words = (
+        f"{cpus} CPUs visible ({watch.words()}), {sys.platform}, Python {sys.version.split()[0]}"
     )
+    print(f"machine: {words}")
+    if watch.before > (cpus or 1):
+        print(
+            "(the machine was busy: its load average exceeded its CPUs; wall times and the "
+            "efficiency suffer first, CPU seconds much less)"
+        )
     report = {
         "command": command.strip(),
         "checkpoint_bytes": checkpoint_bytes,
@@ -253,19 +383,28 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "hidden": args.hidden,
         "repeat": args.repeat,
-        "machine": machine,
+        "baseline": str(args.baseline) if args.baseline else None,
+        "machine": {**machine.describe(), **load},
+        "figures": figures,
         "results": rows,
     }
     results.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     results.with_suffix(".md").write_text(
         "# Cold start: `model-loader run` to `.ready` against the download alone\n\n"
-        f"Produced by `{command.strip()}` (`make bench-coldstart`) on {machine}.\n\n"
-        f"A {checkpoint_bytes / 1e9:.2f} GB fp16 CodeGen checkpoint ({args.layers} layers, "
+        f"Produced by `{command.strip()}` (`make bench-coldstart`) on {words}.\n\n"
+        f"A {gb:.2f} GB fp16 CodeGen checkpoint ({args.layers} layers, "
         f"width {args.hidden}, {len(shards)} safetensors shards, random weights) on a local "
         "fake-gcs-server; each variant ran "
-        f"{args.repeat} times in a fresh directory, interleaved; times are medians of the wall "
-        "time of each command, peak disk the most a sampler (every 100 ms) saw under its "
-        "destination.\n\n" + "\n".join(table) + "\n"
+        f"{args.repeat} times in a fresh directory, interleaved; times and CPU seconds (user + "
+        "system of the loader's process tree) are medians, CPU s/GB per GB of checkpoint, "
+        "peak disk the most a sampler (every 100 ms) saw under its destination, written to "
+        "disk what the loader's processes sent to storage (written less cancelled: pages of "
+        "files deleted before the kernel wrote them back), load the 1-minute load average "
+        "each run started under.\n\n"
+        + "\n".join(table)
+        + "\n\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n"
     )
     print(f"wrote {results.with_suffix('.json')} and {results.with_suffix('.md')}")
     return 0

@@ -2,26 +2,32 @@
 """Converter benchmark: ``model-loader convert`` against a plain ``cp`` of the same bytes.
 
 Builds (once, cached under ``bench/work/``) a synthetic fp16 GPT-J checkpoint of about 2 GB as
-sharded safetensors with random weights, then in one run measures:
+sharded safetensors with random weights, then in one run measures, ``--repeat`` rounds of:
 
 * ``cp`` of the weight files (the I/O limit of this machine),
 * ``model-loader convert`` at T=1 and T=2, with the source dtype,
 * ``cp`` of the weight files twice (as many bytes as the fp32 files: their I/O limit),
 * ``model-loader convert`` at T=1 and T=2 with ``--dtype fp32``,
 
-and prints seconds (the fastest of ``--repeat`` runs, each started after ``sync``), CPU seconds,
-MB/s (bytes written per second), the convert/cp throughput ratio (against the cp row above it),
-and the peak anonymous memory (RssAnon summed over the process tree, sampled from ``/proc``
-every 50 ms) against the bound ``2 x largest tensor + 256 MiB``. The source files are read once
-before timing so every run starts from the page cache, like ``cp`` does.
+(with ``--baseline CHECKOUT``, each convert also with that checkout's loader, in the same
+rounds) and prints per row: seconds (the fastest run, each started after ``sync``), CPU seconds
+(user + system of the process tree, median) and CPU seconds per GB written, MB/s (bytes written
+per second), the efficiency convert/cp (throughput against the cp row above it), the peak
+anonymous memory (RssAnon summed over the process tree, sampled from ``/proc`` every 50 ms)
+against the bound ``2 x largest tensor + 256 MiB``, and the median 1-minute load average the
+runs started under. The source files are read once before timing so every run starts from the
+page cache, like ``cp`` does. With a baseline, each convert's CPU seconds are also given as a
+share of the baseline's, round by round.
 
-The goal is convert/cp >= 0.5 for every convert row, within the memory bound. The summary says
-whether it was met and, when not, which row missed and by how much, with the machine's load
-average (a busy machine slows the CPU-bound convert more than ``cp``); the exit code is then 3.
-Results go to ``convert.json`` in ``--output-dir`` (default ``bench/work/results``).
+The goals, within the memory bound: convert/cp >= 0.9 for the rows that keep the source dtype
+(a conversion that computes no digest moves bytes about as cheaply as ``cp``), >= 0.5 for the
+rows that cast to fp32. The summary says whether they were met and, when not, which row missed
+and by how much, with the machine's load average (a busy machine slows the CPU-bound convert
+more than ``cp``); the exit code is then 3. Results go to ``convert.json`` in ``--output-dir``
+(default ``bench/work/results``).
 
 Usage: ``make bench-convert`` or ``python scripts/bench_convert.py [--layers N] [--repeat N]
-[--output-dir DIR [--overwrite]]``.
+[--baseline CHECKOUT] [--output-dir DIR [--overwrite]]``.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -40,6 +46,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loader.bench import machine  # noqa: E402
+
 MIB = 2**20
 
 # GPT-J-like shape: n_embd 2048, 16 heads, inter 8192, vocab 50400; 16 layers ~ 2.0 GB in fp16.
@@ -158,13 +168,15 @@ def tree_rss_anon(pid: int) -> int:
     return total * 1024
 
 
-def measure(cmd: list[str]) -> tuple[float, float, int]:
-    """Run ``cmd``; return (wall seconds, CPU seconds, peak RssAnon of its process tree)."""
+def measure(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float, int, float]:
+    """Run ``cmd``; return (wall seconds, CPU seconds, peak RssAnon of its process tree, the
+    1-minute load average it started under)."""
     peak = 0
     subprocess.run(["sync"], check=True)  # start without another run's dirty pages to flush
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load = machine.load_average()
+    cpu = sum(machine.children_cpu_seconds())
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env, cwd=cwd)
     done = threading.Event()
 
     def sample() -> None:
@@ -181,9 +193,7 @@ def measure(cmd: list[str]) -> tuple[float, float, int]:
     sampler.join()
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {rc}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
-    return seconds, cpu, peak
+    return seconds, sum(machine.children_cpu_seconds()) - cpu, peak, load
 
 
 def dir_bytes(path: Path) -> int:
@@ -197,6 +207,11 @@ def warm(path: Path) -> None:
                 pass
 
 
+#: Efficiency goals (convert/cp throughput): keeping the source dtype, and casting to fp32.
+GOAL_SAME_DTYPE = 0.9
+GOAL_CAST = 0.5
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, default=ROOT / "bench" / "work" / "convert")
@@ -206,7 +221,15 @@ def main() -> int:
         "--repeat",
         type=int,
         default=2,
-        help="runs per measurement; the fastest counts (peak memory: the highest)",
+        help="rounds; the fastest run counts (CPU seconds: the median; peak memory: the highest)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="CHECKOUT",
+        help="also convert with the loader of this checkout (the code before a change), in the "
+        "same rounds, and report this loader's CPU time as a share of its",
     )
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="where convert.json goes (bench/work/results)"
@@ -214,35 +237,33 @@ def main() -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier convert.json")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(ROOT))
-    from loader.bench import machine
-
     [results] = machine.output_files(
         args.output_dir, ["convert.json"], root=ROOT, overwrite=args.overwrite
     )
     watch = machine.LoadWatch()
-    work: Path = args.work_dir
+    work: Path = args.work_dir.absolute()
     source = work / "gptj-fp16"
     weight_bytes, largest = build_checkpoint(source, args.layers)
     bound = 2 * largest + 256 * MIB
+    envs = {"": machine.loader_env(None)}
+    if args.baseline is not None:
+        envs[" [baseline]"] = machine.loader_env(args.baseline)
     loader = [sys.executable, "-m", "loader", "-q", "convert"]
     extra = ["--workers", str(args.workers)] if args.workers else []
-    # (label, T, dtype, copies for cp): fp32 files are twice the bytes, so their I/O limit is
-    # a cp of twice the bytes (the weight files copied twice).
-    runs = [
-        ("cp", None, None, 1),
-        ("convert T=1", 1, None, 0),
-        ("convert T=2", 2, None, 0),
-        ("cp x2 (fp32-sized)", None, None, 2),
-        ("convert T=1 --dtype fp32", 1, "fp32", 0),
-        ("convert T=2 --dtype fp32", 2, "fp32", 0),
-    ]
+    # (label, T, dtype, copies for cp, environment): fp32 files are twice the bytes, so their
+    # I/O limit is a cp of twice the bytes (the weight files copied twice).
+    runs = []
+    for dtype, copies, cp_label in ((None, 1, "cp"), ("fp32", 2, "cp x2 (fp32-sized)")):
+        runs.append((cp_label, None, None, copies, envs[""]))
+        for tp in (1, 2):
+            for suffix, env in envs.items():
+                label = f"convert T={tp}" + (f" --dtype {dtype}" if dtype else "") + suffix
+                runs.append((label, tp, dtype, 0, env))
     warm(source)
-    rows = []
-    cp_rate = None
-    for label, tp, dtype, copies in runs:
-        best = None
-        for _ in range(args.repeat):
+    measured: dict[str, list[tuple[float, float, int, int, float]]] = {r[0]: [] for r in runs}
+    for round_ in range(args.repeat):
+        print(f"round {round_ + 1} of {args.repeat}:", flush=True)
+        for label, tp, dtype, copies, env in runs:
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
@@ -253,51 +274,86 @@ def main() -> int:
             else:
                 cmd = [*loader, str(source), str(out), "--tp-size", str(tp), *extra]
                 cmd += ["--dtype", dtype] if dtype else []
-            seconds, cpu, peak = measure(cmd)
+            seconds, cpu, peak, load = measure(cmd, env, work)
             written = dir_bytes(out)
             shutil.rmtree(out, ignore_errors=True)
-            print(f"  {label}: {seconds:.2f} s, {cpu:.2f} CPU s", flush=True)
-            if best is None or seconds < best[0]:
-                best = (seconds, cpu, written, max(peak, best[3] if best else 0))
-            else:
-                best = (*best[:3], max(peak, best[3]))
-        seconds, cpu, written, peak = best
+            measured[label].append((seconds, cpu, written, peak, load))
+            print(f"  {label:<36} {seconds:7.2f} s {cpu:7.2f} CPU s   load {load:4.1f}", flush=True)
+
+    rows = []
+    cp_rate = None
+    for label, tp, _dtype, _copies, _env in runs:
+        done = measured[label]
+        seconds, _cpu, written, _peak, _load = min(done)
+        cpu = statistics.median(d[1] for d in done)
+        peak = max(d[3] for d in done)
+        load = statistics.median(d[4] for d in done)
         rate = written / 1e6 / seconds
         if tp is None:
             cp_rate = rate  # the baseline of the convert runs below it
-        rows.append((label, seconds, cpu, written, rate, rate / (cp_rate or rate), peak))
+        rows.append({
+            "run": label, "seconds": round(seconds, 2), "cpu_s": round(cpu, 2),
+            "cpu_s_per_gb": round(cpu / (written / 1e9), 2), "written_bytes": written,
+            "mb_per_s": round(rate), "vs_cp": round(rate / (cp_rate or rate), 2),
+            "peak_rss_anon_mib": round(peak / MIB), "load": round(load, 1),
+        })  # fmt: skip
+    shares = {}
+    if args.baseline is not None:
+        for label, tp, _dtype, _copies, _env in runs:
+            if tp is None or label.endswith(" [baseline]"):
+                continue
+            ours = [d[1] for d in measured[label]]
+            theirs = [d[1] for d in measured[label + " [baseline]"]]
+            per_round = [a / b for a, b in zip(ours, theirs, strict=True)]
+            shares[label] = {
+                "median": round(statistics.median(per_round), 3),
+                "rounds": [round(x, 3) for x in per_round],
+            }
 
     print()
     print(f"source: {weight_bytes / 1e9:.2f} GB fp16 safetensors, largest tensor "
           f"{largest / MIB:.0f} MiB, memory bound 2 x largest + 256 MiB = {bound / MIB:.0f} MiB, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     header = (
-        f"{'run':<26} {'seconds':>8} {'CPU s':>6} {'written GB':>10} {'MB/s':>6} {'vs cp':>6} "
-        f"{'peak RssAnon':>13}"
+        f"{'run':<36} {'seconds':>8} {'CPU s':>6} {'CPU s/GB':>8} {'written GB':>10} "
+        f"{'MB/s':>6} {'vs cp':>6} {'peak RssAnon':>13} {'load':>5}"
     )
     print(header)
     print("-" * len(header))
     misses = []
-    for label, seconds, cpu, written, rate, ratio, peak in rows:
+    for row in rows:
+        label, ratio, peak = row["run"], row["vs_cp"], row["peak_rss_anon_mib"] * MIB
         flag = ""
-        if not label.startswith("cp"):
+        if not label.startswith("cp") and not label.endswith(" [baseline]"):
+            goal = GOAL_CAST if "--dtype fp32" in label else GOAL_SAME_DTYPE
             if peak >= bound:
                 misses.append(
                     f"{label}: peak {peak / MIB:.0f} MiB over the bound {bound / MIB:.0f} MiB"
                 )
-            if ratio < 0.5:
+            if ratio < goal:
                 misses.append(
-                    f"{label}: {ratio:.2f}x cp's throughput, under 0.5x ({cpu:.1f} CPU s in "
-                    f"{seconds:.1f} s: the conversion is CPU-bound where cp is not)"
+                    f"{label}: {ratio:.2f}x cp's throughput, under {goal}x ({row['cpu_s']:.1f} "
+                    f"CPU s in {row['seconds']:.1f} s: the conversion is CPU-bound where cp is "
+                    "not)"
                 )
             flag = "" if peak < bound else "  over the memory bound"
-        print(f"{label:<26} {seconds:8.2f} {cpu:6.2f} {written / 1e9:10.2f} {rate:6.0f} "
-              f"{ratio:6.2f} {peak / MIB:9.0f} MiB{flag}")  # fmt: skip
+        print(f"{label:<36} {row['seconds']:8.2f} {row['cpu_s']:6.2f} {row['cpu_s_per_gb']:8.2f} "
+              f"{row['written_bytes'] / 1e9:10.2f} {row['mb_per_s']:6.0f} {ratio:6.2f} "
+              f"{peak / MIB:9.0f} MiB {row['load']:5.1f}{flag}")  # fmt: skip
+    for label, share in shares.items():
+        print(
+            f"CPU s of {label}, this loader / baseline (per round): median "
+            f"{share['median']:.0%} ({min(share['rounds']):.2f} to {max(share['rounds']):.2f})"
+        )
     load = watch.stop()
     print()
     print(f"machine: {os.cpu_count()} CPUs, {watch.words()}")
+    goals = (
+        f"convert/cp >= {GOAL_SAME_DTYPE} keeping the dtype, >= {GOAL_CAST} casting to fp32, "
+        "within the memory bound"
+    )
     if misses:
-        print("goal: convert/cp >= 0.5 within the memory bound: NOT met, because")
+        print(f"goal: {goals}: NOT met, because")
         for miss in misses:
             print(f"  {miss}")
         if watch.before > (os.cpu_count() or 1):
@@ -306,27 +362,25 @@ def main() -> int:
                 "CPU-bound conversion more than cp; run it again on a quiet machine)"
             )
     else:
-        print("goal: convert/cp >= 0.5 within the memory bound: met")
+        print(f"goal: {goals}: met")
+    command = f"python scripts/bench_convert.py --layers {args.layers} --repeat {args.repeat}"
+    if args.baseline is not None:
+        command += f" --baseline {args.baseline}"
     results.write_text(
         json.dumps(
             {
-                "command": f"python scripts/bench_convert.py --layers {args.layers} "
-                f"--repeat {args.repeat}",
+                "command": command,
                 "machine": {**machine.describe(), **load},
                 "memory_bound_mib": round(bound / MIB),
-                "rows": [
-                    {"run": label, "seconds": round(sec, 2), "cpu_s": round(cpu, 2),
-                     "written_bytes": written, "mb_per_s": round(rate), "vs_cp": round(ratio, 2),
-                     "peak_rss_anon_mib": round(peak / MIB)}
-                    for label, sec, cpu, written, rate, ratio, peak in rows
-                ],
+                "rows": rows,
+                "cpu_share_of_baseline": shares,
                 "goal_met": not misses,
                 "misses": misses,
             },
             indent=2,
         )
         + "\n"
-    )  # fmt: skip
+    )
     print(f"results: {results}")
     return 3 if misses else 0
 

@@ -8,7 +8,8 @@ four weight shards, built once under ``bench/work/fetch/``), in one run:
 (a) object by object, one stream each: ``blob.download_to_filename`` (the client verifies the
     CRC32C of every full download);
 (b) the loader: ``fetch("gs://bench/ckpt", dest)`` (parallel byte-range slices, each object
-    read back and verified against its CRC32C before it is moved into place).
+    verified against its CRC32C, computed from the bytes as they arrived, before it is moved
+    into place).
 
 The two run in turn, ``--repeat`` times (3 by default), so the machine's other load falls on
 both alike; each pair gives a ratio, and the result is the median pair with the range of the

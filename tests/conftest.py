@@ -24,6 +24,9 @@ from tests.kube import fixtures as kube_fixtures
 from tests.kube.fixtures import kube, kubelet, sandbox  # noqa: F401
 from tests.tiers import FAST_TIER
 
+#: Fixtures of the fault-injection sweep (its templates, the GCS emulator it fetches from).
+pytest_plugins = ["tests.fault_sweep"]
+
 #: Text the tiny test tokenizers are trained on.
 TOKENIZER_CORPUS = [
     "def is_even(n: int) -> bool:\n    return n % 2 == 0\n",

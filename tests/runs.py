@@ -99,10 +99,11 @@ def journaled(root: Path) -> dict[str, int]:
     with their inodes (a complete line each)."""
     from loader.convert.overlapped import Journal
 
-    (journal,) = root.glob(f".work/*/converted/*-gpu/{Journal.NAME}")
+    (journal,) = root.glob(f".work/*/converted/*-gpu{Journal.SUFFIX}")
+    outputs = journal.with_name(journal.name[: -len(Journal.SUFFIX)])
     lines = journal.read_text().split("\n")[1:-1]  # the header; a last line cut short
     names = [line.split()[0] for line in lines if len(line.split()) == 5]
-    return {name: (journal.parent / name).stat().st_ino for name in names}
+    return {name: (outputs / name).stat().st_ino for name in names}
 
 
 def inodes(repository: Path, names: list[str] | dict[str, int]) -> dict[str, int]:

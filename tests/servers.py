@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -268,10 +269,14 @@ class ThrottleProxy:
     """An HTTP relay on 127.0.0.1 towards ``target_port``, one request per connection.
 
     ``rate`` (bytes/s) bounds the server-to-client direction; the first ``cut_first`` relayed
-    responses are cut off after ``cut_after`` bytes. With ``status`` set, requests are
+    responses are cut off after ``cut_after`` bytes; in the first ``flip_first`` relayed
+    responses to a request whose line contains ``fail_path``, the body's byte at offset
+    ``flip_at`` is inverted (a byte changed in transit); with ``strip_range``, requests lose
+    their ``Range`` header (a server that ignores it). With ``status`` set, requests are
     answered with that HTTP status (and the connection closed) instead of being relayed: all of
     them, or only the first ``fail_first`` whose request line contains ``fail_path``, with a
-    ``Retry-After: <retry_after>`` header when that is set.
+    ``Retry-After: <retry_after>`` header when that is set, and ``body`` (an HTML page: what a
+    captive portal or a misconfigured proxy answers, ``status`` 200 included) when given.
     """
 
     def __init__(
@@ -285,8 +290,14 @@ class ThrottleProxy:
         cut_first: int = 0,
         cut_after: int = 0,
         retry_after: int | None = None,
+        flip_first: int = 0,
+        flip_at: int = 0,
+        strip_range: bool = False,
+        body: bytes | None = None,
     ) -> None:
         self.target_port = target_port
+        #: What an answered request gets instead of a JSON error (a ``text/html`` page).
+        self.body = body
         self.rate = rate
         self.status = status
         self.fail_first = fail_first
@@ -296,6 +307,10 @@ class ThrottleProxy:
         self.cut_after = cut_after
         self.retry_after = retry_after
         self.cuts = 0  # relayed responses cut after ``cut_after`` bytes
+        self.flip_first = flip_first
+        self.flip_at = flip_at
+        self.flips = 0  # relayed responses with a byte inverted
+        self.strip_range = strip_range
         self.request_lines: list[bytes] = []  # of those requests
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -349,14 +364,15 @@ class ThrottleProxy:
         if self._should_fail(head):
             self.requests += 1
             self.request_lines.append(head.split(b"\r\n", 1)[0])
-            body = b'{"error": {"code": %d, "message": "injected"}}' % self.status
+            body = self.body or b'{"error": {"code": %d, "message": "injected"}}' % self.status
+            kind = b"text/html" if self.body is not None else b"application/json"
             wait = b"" if self.retry_after is None else b"Retry-After: %d\r\n" % self.retry_after
             with contextlib.suppress(OSError):
                 client.recv(65536)
                 client.sendall(
-                    b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n%s"
+                    b"HTTP/1.1 %d Injected\r\nContent-Type: %s\r\n%s"
                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                    % (self.status, wait, len(body), body)
+                    % (self.status, kind, wait, len(body), body)
                 )
             client.close()
             return
@@ -365,21 +381,46 @@ class ThrottleProxy:
         self._conns.append(upstream)
         # One request per connection, so each request passes through ``_should_fail``.
         head = client.recv(65536)
+        if self.strip_range:
+            head = re.sub(rb"\r\n[Rr]ange: [^\r]*", b"", head)
         upstream.sendall(head.replace(b"\r\n", b"\r\nConnection: close\r\n", 1))
         self._spawn(self._pipe, client, upstream, None)
         limit = self.cut_after if self.cuts < self.cut_first else None
-        self._pipe(upstream, client, self.rate, limit)
+        flip = None
+        if self.flips < self.flip_first and self.fail_path in head.split(b"\r\n", 1)[0]:
+            self.flips += 1
+            flip = self.flip_at
+        self._pipe(upstream, client, self.rate, limit, flip)
 
     def _pipe(
-        self, src: socket.socket, dst: socket.socket, rate: float | None, limit: int | None = None
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        rate: float | None,
+        limit: int | None = None,
+        flip: int | None = None,
     ) -> None:
         chunk = 64 * 1024
         sent = 0
+        head = b""  # the response head, until its end is seen
+        body = None  # where in the body the chunk being relayed starts, once the head is through
         try:
             while not self._stop.is_set():
                 data = src.recv(chunk)
                 if not data:
                     break
+                if flip is not None:
+                    if body is None:
+                        head += data
+                        end = head.find(b"\r\n\r\n")
+                        if end >= 0:  # the body starts in this chunk: data[0]'s offset in it
+                            body = len(head) - len(data) - (end + 4)
+                    if body is not None and 0 <= flip - body < len(data):
+                        at = flip - body
+                        data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+                        flip = None
+                    if body is not None:
+                        body += len(data)
                 if limit is not None and sent + len(data) >= limit:
                     dst.sendall(data[: limit - sent])
                     self.cuts += 1

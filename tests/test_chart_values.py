@@ -236,6 +236,19 @@ def test_every_name_and_label_the_chart_renders_is_one_kubernetes_accepts():
     assert_class(generated(name_cases(), COUNTS["names"]), lambda case, outcome: None)
 
 
+def test_release_names_and_name_overrides_yaml_reads_as_other_types_stay_strings():
+    """A release name or nameOverride such as ``y``, ``on`` or ``null`` is a valid Kubernetes
+    name; in a label it must stay a string (YAML 1.1 reads it as a boolean or null)."""
+    words = ["y", "yes", "on", "off", "true", "n", "null", "1e3"]
+    cases = [{"values": {"cluster": POOL}, "keys": ["release name"], "release": w} for w in words]
+    cases += [
+        {"values": {"cluster": POOL, "nameOverride": w}, "keys": ["nameOverride"]} for w in words
+    ]
+    failures, rendered = judge(cases, lambda case, outcome: None)
+    assert failures == [], "\n".join(failures[:6])
+    assert rendered > len(words)  # most render (a leading digit is refused)
+
+
 # --------------------------------------------------------------------------- 4. collisions
 
 #: Long options of `tritonserver` r23.05 (src/command_line_parser.cc, TritonParser's option

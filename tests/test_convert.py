@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import loader.convert.writer as writer
+from loader import fs
 from loader.convert import convert_checkpoint
 from loader.errors import OutputExistsError
 from tests.tinymodels import make_tiny_checkpoint, read_state_dict
@@ -241,13 +242,13 @@ def test_n_inner_unset_means_four_times_n_embd(converted):
 
 def test_every_output_file_is_opened_for_writing_exactly_once(sources, tmp_path, monkeypatch):
     opened: list[str] = []
+    real_create = fs.create
 
-    def counting_open(path, mode="r", *args, **kwargs):
-        if "w" in mode:
-            opened.append(Path(path).name)
-        return open(path, mode, *args, **kwargs)
+    def counting_create(path):
+        opened.append(Path(path).name)
+        return real_create(path)
 
-    monkeypatch.setattr(writer, "open", counting_open, raising=False)
+    monkeypatch.setattr(fs, "create", counting_create)
     result = convert_checkpoint(
         sources["codegen-fp32-bin-sharded"], tmp_path, tp_size=2, workers=2, chunk_bytes=512
     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader import digest
 from loader.convert.overlapped import Journal
 from loader.convert.schedule import Schedule, Step
 from tests.tiers import examples
@@ -145,21 +147,28 @@ def test_any_schedule_writes_everything_once_and_bounds_the_shards_held(plan, da
 # --- the journal ---------------------------------------------------------------------------
 
 
-def _write(folder: Path, name: str, data: bytes) -> None:
+def _write(folder: Path, name: str, data: bytes) -> str:
+    """Write ``data`` as ``folder/name``; returns its digest (what the writers journal)."""
     (folder / name).write_bytes(data)
+    return digest.of_bytes(data)
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 def test_a_journal_keeps_the_outputs_recorded_under_the_same_header(tmp_path):
     folder = tmp_path / "2-gpu"
     journal = Journal(folder, "rev fp16 2")
     assert journal.resume() == {}
-    _write(folder, "a.bin", b"aaaa")
-    journal.record("a.bin", 4, "sha-a")
+    sha_a = _write(folder, "a.bin", b"aaaa")
+    journal.record("a.bin", 4, sha_a)
     _write(folder, "b.bin", b"bb")  # written, never recorded (killed before its fsync)
-    assert Journal(folder, "rev fp16 2").resume() == {"a.bin": (4, "sha-a")}
-    assert sorted(p.name for p in folder.iterdir()) == [Journal.NAME, "a.bin"]
+    assert Journal(folder, "rev fp16 2").resume() == {"a.bin": (4, sha_a)}
+    assert _names(folder) == ["a.bin"]
+    assert journal.path.parent == folder.parent  # the journal is never among the outputs
     # The rewritten journal still keeps it.
-    assert Journal(folder, "rev fp16 2").resume() == {"a.bin": (4, "sha-a")}
+    assert Journal(folder, "rev fp16 2").resume() == {"a.bin": (4, sha_a)}
 
 
 @pytest.mark.parametrize("header", ["rev2 fp16 2", "rev fp32 2", "rev fp16 4"])
@@ -167,30 +176,62 @@ def test_outputs_of_another_source_revision_dtype_or_tp_are_removed(tmp_path, he
     folder = tmp_path / "2-gpu"
     journal = Journal(folder, "rev fp16 2")
     journal.resume()
-    _write(folder, "a.bin", b"aaaa")
-    journal.record("a.bin", 4, "sha-a")
+    journal.record("a.bin", 4, _write(folder, "a.bin", b"aaaa"))
     assert Journal(folder, header).resume() == {}
-    assert [p.name for p in folder.iterdir()] == [Journal.NAME]
+    assert _names(folder) == []
+
+
+def test_outputs_journaled_with_another_digest_are_written_again(tmp_path):
+    """A journal names its digest's algorithm: one of an earlier loader (sha256 digests, right
+    for their files) is not reused by a conversion that records BLAKE3, whose manifest would
+    otherwise list sha256 values as BLAKE3 ones."""
+    folder = tmp_path / "2-gpu"
+    journal = Journal(folder, "rev fp16 2", "sha256")
+    journal.resume()
+    _write(folder, "a.bin", b"aaaa")
+    sha = hashlib.sha256(b"aaaa").hexdigest()
+    journal.record("a.bin", 4, sha)
+    assert Journal(folder, "rev fp16 2", "sha256").resume() == {"a.bin": (4, sha)}
+    assert Journal(folder, "rev fp16 2").resume() == {}
+    assert _names(folder) == []
 
 
 def test_an_output_changed_after_it_was_recorded_is_written_again(tmp_path):
     folder = tmp_path / "2-gpu"
     journal = Journal(folder, "h")
     journal.resume()
-    for name in ("same.bin", "grown.bin", "replaced.bin"):
-        _write(folder, name, b"1234")
-        journal.record(name, 4, "sha")
+    for name in ("same.bin", "grown.bin", "replaced.bin", "rotted.bin", "linked.bin"):
+        journal.record(name, 4, _write(folder, name, b"1234"))
+    sha = digest.of_bytes(b"1234")
     _write(folder, "grown.bin", b"12345")
     replacement = folder / "new"
     replacement.write_bytes(b"1234")
     os.replace(replacement, folder / "replaced.bin")  # same size, another inode
-    assert Journal(folder, "h").resume() == {"same.bin": (4, "sha")}
+    # Same size, inode and mtime, other bytes: only the digest tells.
+    rotted = folder / "rotted.bin"
+    before = rotted.stat()
+    with open(rotted, "r+b") as fh:
+        fh.write(b"4321")
+    os.utime(rotted, ns=(before.st_atime_ns, before.st_mtime_ns))
+    # A link in place of a journaled output is never followed, and removed (not its target).
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"1234")
+    (folder / "linked.bin").unlink()
+    (folder / "linked.bin").symlink_to(elsewhere)
+    assert Journal(folder, "h").resume() == {"same.bin": (4, sha)}
+    assert _names(folder) == ["same.bin"]
+    assert elsewhere.read_bytes() == b"1234"
 
 
 def test_lines_that_are_not_records_are_ignored(tmp_path):
     folder = tmp_path / "2-gpu"
     folder.mkdir()
-    (folder / Journal.NAME).write_text("h\ngarbage\n../x 1 2 3 4\n.written 1 2 3 4\n")
+    sha = digest.of_bytes(b"x")
+    (folder / "x").write_bytes(b"x")
+    ino, mtime = (folder / "x").stat().st_ino, (folder / "x").stat().st_mtime_ns
+    lines = ["h", "garbage", f"../x 1 {sha} {ino} {mtime}", f".journal 1 {sha} {ino} {mtime}",
+             f"x 1 not-a-digest {ino} {mtime}", f"x 1 {sha} {ino}"]  # fmt: skip
+    Journal(folder, "h").path.write_text("\n".join(lines) + "\n")
     assert Journal(folder, "h").resume() == {}
 
 
@@ -214,6 +255,34 @@ def test_admit_waits_for_the_shard_ahead_to_arrive_then_admits(tiny_overlapped, 
     conversion.arrived(first.name, first)
     waiter.join(timeout=300)
     assert answers == [True]
+
+
+def test_an_output_is_journaled_only_after_its_fsync(tiny_overlapped):
+    """The journal is what a resumed run trusts: each line must follow the fsync of the output
+    it names (an output journaled first could be lost with its line kept)."""
+    from loader import fs
+
+    conversion, shards = tiny_overlapped
+    journal = conversion._journal.path
+    synced: set[str] = set()
+    appends: list[set[str]] = []
+
+    def watch(op: str, path: str) -> None:
+        if op == "fsync":
+            synced.add(Path(path).name)
+        elif op == "write" and path == str(journal):
+            appends.append(set(synced))
+
+    with fs.inject(watch):
+        for shard in shards:
+            while not conversion.admit(shard.name):
+                pass
+            conversion.arrived(shard.name, shard)
+        conversion.finish()
+    names = [line.split()[0] for line in journal.read_text().splitlines()[1:]]
+    assert len(names) == len(appends) == len(conversion.plan.outputs)
+    for name, fsynced_before in zip(names, appends, strict=True):
+        assert name in fsynced_before, name
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,10 +67,13 @@ def sequential(source: Path, out: Path, *, tp: int, dtype: str | None) -> dict[s
     return _files(result.output_path)
 
 
-def overlapped(source: Path, work: Path, *, tp: int, dtype: str | None) -> dict[str, bytes]:
+def overlapped(
+    source: Path, work: Path, *, tp: int, dtype: str | None, settle: bool = False
+) -> dict[str, bytes]:
     """Deliver ``source`` into ``work/ckpt`` as a fetch does, converting as files arrive (the
     strategy of ``model-loader run``: a plan whose dtype the tensors decide is converted after
-    the download, sequentially)."""
+    the download, sequentially). With ``settle``, every output the shards so far complete is
+    written (and each shard nothing reads any more deleted) before the next shard arrives."""
     download = work / source.name
     download.mkdir(parents=True)
     for path in source.iterdir():
@@ -96,6 +100,8 @@ def overlapped(source: Path, work: Path, *, tp: int, dtype: str | None) -> dict[
                 pass
             shutil.copy(path, download / path.name)
             conversion.arrived(path.name, download / path.name)
+            while settle and conversion.schedule.writing:
+                time.sleep(0.01)
         result = conversion.move_into(conversion.finish(), work / "out")
     assert result.digests.keys() == set(result.files)
     return _files(result.output_path)
@@ -158,6 +164,25 @@ def test_fp32_weights_under_a_config_declaring_float16_are_written_in_fp16_by_bo
     assert b"weight_data_type = fp16" in first[1]["config.ini"]
     reference = load_file(source / _shard_of(source, "transformer.wte.weight"))
     assert first[1]["model.wte.bin"] == reference["transformer.wte.weight"].half().numpy().tobytes()
+
+
+def test_a_buffer_stored_twice_gives_the_same_bytes_after_its_first_file_was_deleted(
+    bases, tmp_path
+):
+    """The overlapped conversion deletes a shard once converted; a tensor the plan does not
+    read (a causal-mask buffer), stored in it and in a later shard, is allowed by both
+    strategies alike, whatever the writers' pace: here every output is written and every
+    released shard deleted before the next shard arrives."""
+    source = shutil.copytree(bases[("codegen", "fp32")], tmp_path / "ckpt")
+    _buffer(source, 0)
+    _buffer(source, len(_shards(source)) - 1)
+    expected = outcome(lambda: sequential(source, tmp_path / "a", tp=1, dtype=None), source)
+    assert expected[0] == "files", expected
+    work = tmp_path / "b"
+    got = outcome(
+        lambda: overlapped(source, work, tp=1, dtype=None, settle=True), work / source.name
+    )
+    assert got == expected
 
 
 def test_a_non_float_weight_is_the_same_dtype_error_with_a_hint_in_both(bases, tmp_path):

@@ -157,22 +157,23 @@ def read_only_dir(tmp_path):
 
 def test_convert_into_a_read_only_directory_is_a_user_error(source, read_only_dir, capsys):
     code, _, err = cli(capsys, "convert", str(source), str(read_only_dir / "out"), "--tp-size", "1")
-    _user_error(code, err, "Cannot create the output directory")
+    _user_error(code, err, "read-only file system", str(read_only_dir / "out"))
 
 
 def test_a_disk_filling_after_the_weights_is_a_user_error_and_leaves_nothing(
     source, tmp_path, capsys, monkeypatch
 ):
     """Fault injection: the disk fills while the tokenizer files are copied."""
-    import loader.repository.layout as layout
+    from loader import fs
 
-    def full(src, dst, *args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+    def full(op: str, path: str) -> None:
+        if op == "write" and "/tokenizer/" in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    monkeypatch.setattr(layout.shutil, "copyfile", full)
     root = tmp_path / "root"
-    code, out, err = cli(capsys, *_run_args(source, root))
-    _user_error(code, err, "ran out of space", "Free disk space")
+    with fs.inject(full):
+        code, out, err = cli(capsys, *_run_args(source, root))
+    _user_error(code, err, "ran out of space", "Free space on the volume")
     assert out == []
     assert list((root / ".staging").iterdir()) == []
     assert list(root.glob("tiny@*")) == []

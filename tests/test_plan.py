@@ -218,3 +218,35 @@ def test_a_replica_larger_than_the_node_never_suggests_zero_replicas():
     )
     assert row.verdict == "invalid"
     assert "to 0" not in row.problem and "lower --tp-size" in row.problem
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> Path:
+    from tests.tinymodels import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("four-layers") / "ckpt", n_layer=4)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)])
+def test_the_weights_estimate_is_what_the_busiest_gpu_loads_of_the_converted_files(
+    four_layers, tmp_path, tp, pp
+):
+    """Differential: the planner's weights per GPU against the files the converter writes. A
+    GPU of pipeline stage 0 and tensor rank 0 loads its n_layer / P layers (their rank-0 and
+    replicated files) and the embeddings, the final layer norm and the head."""
+    from loader.checkpoint import read_hf_config
+    from loader.convert import convert_checkpoint
+
+    result = convert_checkpoint(four_layers, tmp_path, tp_size=tp)
+    stage = range(4 // pp)
+    loaded = 0
+    for path in result.output_path.glob("*.bin"):
+        parts = path.name.split(".")
+        if parts[1] == "layers" and (
+            int(parts[2]) not in stage or (parts[-2].isdigit() and parts[-2] != "0")
+        ):
+            continue
+        loaded += path.stat().st_size
+    shape = ModelShape.from_hf_config(read_hf_config(four_layers))
+    estimate = estimate_memory(shape, Parallelism(tp, pp), dtype="fp32", max_batch_size=1)
+    assert estimate.weights == loaded  # vocab 320 needs no padding for T = 1, 2

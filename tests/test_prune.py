@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from loader.repository.lock import PublishLock
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
+    STAGING_MARKER,
     TRASH_DIR,
     WORK_DIR,
     host_digest,
@@ -51,18 +53,24 @@ def tree(tiny_checkpoint_with_tokenizer, tmp_path, capsys) -> SimpleNamespace:
     t.other = _publish(capsys, src, root, "other", "r1", "2025-01-01T00:00:00Z")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    keyfile = key_filename(str(t.keys["r4"].relative_to(root)))
+    key = str(t.keys["r4"].relative_to(root))
+    keyfile = key_filename(key)
     staging = root / STAGING_DIR
     t.dead_staging = staging / f"{keyfile}.{dead.pid}-{host_digest()}.0123456789ab"
     t.live_staging = staging / f"{keyfile}.{os.getpid()}-{host_digest()}.ba9876543210"
-    for path in (t.dead_staging, t.live_staging):
+    # Named like the loader's, without its marker: never removed.
+    t.unmarked_staging = staging / f"{keyfile}.{dead.pid}-{host_digest()}.aaaaaaaaaaaa"
+    for path in (t.dead_staging, t.live_staging, t.unmarked_staging):
         (path / "fastertransformer").mkdir(parents=True)
         (path / "fastertransformer" / "weights.bin").write_bytes(b"\0" * 4096)
+        if path != t.unmarked_staging:
+            (path / STAGING_MARKER).write_text(f"{key}\n")
     t.trash = root / TRASH_DIR / f"{keyfile}.0123456789ab"
     (t.trash / "m").mkdir(parents=True)
+    (t.trash / manifest.MANIFEST).write_text(json.dumps({"key": key, "files": []}))
     t.download = root / WORK_DIR / keyfile
     (t.download / "source").mkdir(parents=True)
-    (t.download / DOWNLOAD_MARKER).write_text("x")
+    (t.download / DOWNLOAD_MARKER).write_text(f"{key}\n")
     t.foreign = root / WORK_DIR / "someone-elses"
     t.foreign.mkdir()
     (root / "notes.txt").write_text("not the loader's")
@@ -93,6 +101,7 @@ def test_prune_removes_leftovers_and_keys_beyond_the_newest_n_per_model(tree, ca
     assert not tree.dead_staging.exists() and not tree.trash.exists()
     assert not tree.download.exists()
     assert tree.live_staging.exists()  # its owner (this process) is alive
+    assert tree.unmarked_staging.exists()  # not the loader's
     assert (
         tree.foreign.exists()
         and (tree.root / "notes.txt").exists()
@@ -134,3 +143,61 @@ def test_run_with_prune_keep_prunes_after_publishing_and_keeps_its_own_key(
     assert not tree.keys["r1"].exists() and not tree.keys["r4"].exists()
     assert manifest.verify(tree.other) == []  # newest of its own model
     assert not tree.dead_staging.exists()
+
+
+def test_in_use_takes_what_users_paste_and_refuses_what_names_no_key(tree, capsys):
+    r1 = tree.keys["r1"]
+    key = str(r1.relative_to(tree.root))
+    for spelling in (key, f"{key}/", str(r1), f"{r1}/"):
+        code, out = _prune(capsys, tree.root, "--keep", "1", "--dry-run", "--in-use", spelling)
+        assert code == 0, spelling
+        assert f"kept {key} (in use (--in-use))" in out, spelling
+    for wrong in ("tiny@r1", f"{key}-typo", "/elsewhere/tiny@r1/x", "tiny@nope/tp1-pp1-i1-x", ""):
+        code = main(["prune", "--repository", str(tree.root), "--in-use", wrong])
+        err = capsys.readouterr().err
+        assert code == 2, wrong
+        assert "names no key published" in err or "outside the repository root" in err, err
+        assert "hint:" in err
+    assert r1.exists()
+
+
+def test_a_key_published_again_while_prune_works_is_kept(
+    tree, tiny_checkpoint_with_tokenizer, capsys
+):
+    """Prune decides which keys are old, then removes them one at a time under each key's lock,
+    deciding again: r1 republished (--force) between the two is not removed. Generated: the
+    republish happens at each file-system call prune makes before it reaches r1."""
+    from loader import fs
+    from tests.faults import Recorder, site_here
+
+    recorder = Recorder()
+    with fs.inject(recorder):
+        _prune(capsys, tree.root, "--keep", "3", "--dry-run")
+    argv = [
+        "run", "--source", str(tiny_checkpoint_with_tokenizer), "--repository", str(tree.root),
+        "--model-name", "tiny", "--revision", "r1", "--tp-size", "1", "--pp-size", "1",
+        "--instance-count", "1", "--backend", "python", "--force", "--lock-timeout-s", "0",
+    ]  # fmt: skip
+    template = tree.root.with_name("template")
+    shutil.copytree(tree.root, template, symlinks=True)
+    checked = 0
+    for site in list(recorder.sites)[:14]:
+        shutil.rmtree(tree.root)
+        shutil.copytree(template, tree.root, symlinks=True)
+        done: list[int] = []
+
+        def republish(op: str, path: str, site=site, done=done) -> None:
+            if done or site_here(op) != site:
+                return
+            done.append(1)
+            with fs.inject(lambda *_: None):  # the publish itself is not watched
+                done.append(main(argv))
+
+        with fs.inject(republish):
+            code = main(["prune", "--repository", str(tree.root), "--keep", "3"])
+        capsys.readouterr()
+        assert code == 0
+        if done and done[1] == 0:  # r1 was published again meanwhile: it must still be there
+            checked += 1
+            assert manifest.verify(tree.keys["r1"]) == [], site
+    assert checked > 3

@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
+from loader import fs
 from loader.errors import PublishError
 from loader.repository import manifest, publish
 from loader.repository.key import key_filename
@@ -32,14 +34,16 @@ def _stage(root: Path) -> Path:
     return staging
 
 
-def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path):
+def test_manifest_lists_every_file_with_size_and_blake3(tmp_path: Path):
     staging = _stage(tmp_path)
     data = json.loads((staging / manifest.MANIFEST).read_text())
     files = {f["path"]: f for f in data["files"]}
     assert set(files) == {"m/config.pbtxt", "fastertransformer/1/1-gpu/model.wte.bin"}
     wte = files["fastertransformer/1/1-gpu/model.wte.bin"]
+    assert data["format"] == 2
     assert wte["size"] == 1000
-    assert wte["sha256"] == hashlib.sha256(b"\x01" * 1000).hexdigest()
+    assert wte["blake3"] == blake3.blake3(b"\x01" * 1000).hexdigest()
+    assert "sha256" not in wte
     assert data["key"] == KEY and data["total_bytes"] == 1000 + len('name: "m"\n')
     assert (staging / manifest.READY).read_text().strip() == KEY
     assert manifest.verify(staging, key=KEY) == []
@@ -57,7 +61,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path):
         ),
         (
             lambda d: (d / "fastertransformer/1/1-gpu/model.wte.bin").write_bytes(b"\x02" * 1000),
-            "sha256 differs",
+            "blake3 differs",
         ),
         (lambda d: (d / manifest.MANIFEST).write_text("{"), "manifest.json is missing"),
     ],
@@ -69,14 +73,51 @@ def test_verify_reports_each_kind_of_damage(tmp_path: Path, damage, expected):
     assert any(expected in p for p in problems), problems
 
 
-def test_verify_ignores_bytecode_caches_a_server_writes_beside_model_py(tmp_path: Path):
+def _as_format_1(staging: Path) -> None:
+    """Rewrite the manifest as loaders before format 2 wrote it: sha256 digests."""
+    data = manifest.read_manifest(staging)
+    data["format"] = 1
+    for entry in data["files"]:
+        del entry["blake3"]
+        entry["sha256"] = hashlib.sha256((staging / entry["path"]).read_bytes()).hexdigest()
+    manifest.write_manifest(staging, data)
+
+
+def test_a_manifest_of_format_1_is_still_verified_with_its_sha256(tmp_path: Path):
+    staging = _stage(tmp_path)
+    _as_format_1(staging)
+    assert manifest.verify(staging, key=KEY) == []
+    assert manifest.verify(staging, key=KEY, quick=True) == []
+    wte = staging / "fastertransformer/1/1-gpu/model.wte.bin"
+    wte.write_bytes(b"\x02" * 1000)
+    expected = ["fastertransformer/1/1-gpu/model.wte.bin sha256 differs from the manifest"]
+    assert manifest.verify(staging, key=KEY) == expected
+    assert manifest.verify(staging, key=KEY, quick=True) == expected  # its seal changed
+
+
+@pytest.mark.parametrize("fmt", [0, 3, "2", None, True, [2], {"v": 2}])
+def test_a_manifest_of_a_format_this_loader_does_not_read_is_not_complete(
+    tmp_path: Path, fmt: object
+):
+    staging = _stage(tmp_path)
+    data = manifest.read_manifest(staging)
+    data["format"] = fmt
+    manifest.write_manifest(staging, data)
+    problems = manifest.verify(staging, key=KEY)
+    assert problems == [
+        f"manifest.json has format {fmt!r}, which this loader does not read (it reads 1, 2)"
+    ]
+
+
+def test_verify_reports_bytecode_caches_beside_model_py_python_would_run_them(tmp_path: Path):
     staging = _stage(tmp_path)
     cache = staging / "m" / "1" / "__pycache__"
     cache.mkdir()
     (cache / "model.cpython-311.pyc").write_bytes(b"\x00")
-    assert manifest.verify(staging, key=KEY) == []
-    (staging / "m" / "1" / "model.pyc").write_bytes(b"\x00")
-    assert manifest.verify(staging, key=KEY) == ["unexpected file m/1/model.pyc"]
+    assert manifest.verify(staging, key=KEY) == [
+        "unexpected file m/1/__pycache__/model.cpython-311.pyc",
+        "unexpected directory m/1/__pycache__",
+    ]
 
 
 def test_verify_by_size_only_does_not_read_contents(tmp_path: Path):
@@ -105,7 +146,9 @@ def test_publish_with_replace_swaps_in_the_new_copy_and_removes_the_old(tmp_path
     target = publish.publish(_stage(tmp_path), tmp_path, KEY, replace=True)
     assert (target / "m" / "config.pbtxt").stat().st_ino != old_inode
     assert manifest.verify(target, key=KEY) == []
-    assert list((tmp_path / publish.TRASH_DIR).iterdir()) == []
+    # One exchange: nothing went through .trash, and the old copy left the staging area.
+    assert not (tmp_path / publish.TRASH_DIR).exists()
+    assert list((tmp_path / publish.STAGING_DIR).iterdir()) == []
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -131,14 +174,20 @@ def test_leftovers_of_gone_or_silent_loaders_are_cleared_and_live_ones_kept(tmp_
     other = publish.new_staging_dir(tmp_path, "other@r/tp1-pp1-i1-0123abcd")
     _age(other, 600)
     trash = tmp_path / publish.TRASH_DIR
-    (trash / f"{key_filename(KEY)}.0123456789ab" / "m").mkdir(parents=True)
+    replaced = trash / f"{key_filename(KEY)}.0123456789ab"  # a replaced copy: its manifest
+    (replaced / "m").mkdir(parents=True)
+    (replaced / manifest.MANIFEST).write_text(json.dumps({"key": KEY, "files": []}))
+    unmarked = trash / f"{key_filename(KEY)}.ba9876543210"  # named like one, not the loader's
+    (unmarked / "m").mkdir(parents=True)
     (trash / "other@r__tp1-pp1-i1-0123abcd.0123456789ab").mkdir()
 
     removed = publish.clear_leftovers(tmp_path, KEY, idle_s=120)
 
-    assert sorted(removed) == sorted([killed, silent, trash / f"{key_filename(KEY)}.0123456789ab"])
-    assert ours.exists() and busy.exists() and other.exists()
-    assert [p.name for p in trash.iterdir()] == ["other@r__tp1-pp1-i1-0123abcd.0123456789ab"]
+    assert sorted(removed) == sorted([killed, silent, replaced])
+    assert ours.exists() and busy.exists() and other.exists() and unmarked.exists()
+    assert sorted(p.name for p in trash.iterdir()) == sorted(
+        [unmarked.name, "other@r__tp1-pp1-i1-0123abcd.0123456789ab"]
+    )
 
 
 def test_publish_is_one_rename_the_published_directory_is_the_staged_one(tmp_path: Path):
@@ -151,51 +200,38 @@ def test_publish_is_one_rename_the_published_directory_is_the_staged_one(tmp_pat
 
 @pytest.mark.parametrize("contents", [["theirs.txt"], []])
 def test_a_target_appearing_while_publishing_is_a_typed_error_and_nothing_is_merged(
-    tmp_path: Path, monkeypatch, contents
+    tmp_path: Path, contents
 ):
     staging = _stage(tmp_path)
     target = tmp_path / KEY
-    real_seal = publish.seal
 
-    def seal_then_someone_publishes(tree: Path) -> None:
-        real_seal(tree)
-        target.mkdir(parents=True)
-        for name in contents:
-            (target / name).write_text("another loader's file")
+    def someone_publishes_first(op: str, path: str) -> None:
+        if op.startswith("rename") and path.endswith(f"-> {target}") and not target.exists():
+            target.mkdir(parents=True)
+            for name in contents:
+                (target / name).write_text("another loader's file")
 
-    monkeypatch.setattr(publish, "seal", seal_then_someone_publishes)
-    with pytest.raises(PublishError, match="appeared") as info:
+    with fs.inject(someone_publishes_first), pytest.raises(PublishError, match="appeared") as info:
         publish.publish(staging, tmp_path, KEY)
     assert "run again" in info.value.remediation
     assert sorted(p.name for p in target.iterdir()) == contents  # untouched, nothing merged
     assert manifest.verify(staging, key=KEY) == []  # our copy is intact for the caller
 
 
-def test_data_then_rename_then_directory_are_synced_in_that_order(tmp_path: Path, monkeypatch):
+def test_data_then_rename_then_directory_are_synced_in_that_order(tmp_path: Path):
     staging = _stage(tmp_path)
     files = {p for p in staging.rglob("*") if p.is_file()}
-    events: list[tuple[str, Path]] = []
-    real_fsync, real_rename = os.fsync, publish._rename_noreplace
+    events: list[tuple[str, str]] = []
+    with fs.inject(lambda op, path: events.append((op, path))):
+        target = publish.publish(staging, tmp_path, KEY)
 
-    def fsync(fd: int) -> None:
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        real_fsync(fd)
-
-    def rename(src: Path, dst: Path) -> None:
-        events.append(("rename", Path(dst)))
-        real_rename(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(publish, "_rename_noreplace", rename)
-    target = publish.publish(staging, tmp_path, KEY)
-
-    renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
-    assert len(renames) == 1 and events[renames[0]][1] == target
+    renames = [i for i, (op, _) in enumerate(events) if op.startswith("rename")]
+    assert len(renames) == 1 and events[renames[0]][1] == f"{staging} -> {target}"
     before, after = events[: renames[0]], events[renames[0] + 1 :]
-    synced_before = {path for _, path in before}
+    synced_before = {Path(path) for op, path in before if op == "fsync"}
     assert files <= synced_before  # every file's data
     assert staging in synced_before  # and the staged directory itself
-    assert ("fsync", target.parent) in after  # the new name is made durable after the rename
+    assert ("fsync", str(target.parent)) in after  # the new name is made durable after the rename
 
 
 def test_published_files_are_0644_and_directories_0755_whatever_the_umask(tmp_path: Path):
@@ -211,3 +247,17 @@ def test_published_files_are_0644_and_directories_0755_whatever_the_umask(tmp_pa
     for path in [target, *target.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
+
+
+def test_a_new_name_at_revision_directory_is_made_durable_before_a_key_moves_into_it(
+    tmp_path: Path,
+):
+    staging = _stage(tmp_path)
+    events: list[tuple[str, str]] = []
+    with fs.inject(lambda op, path: events.append((op, path))):
+        target = publish.publish(staging, tmp_path, KEY)
+    parent = str(target.parent)
+    made = events.index(("mkdir", parent))
+    synced = events.index(("fsync", str(tmp_path)), made)
+    moved = next(i for i, (op, _) in enumerate(events) if op.startswith("rename"))
+    assert made < synced < moved

@@ -8,6 +8,7 @@ late, and a killed run resumes with the outputs it wrote and the shards it verif
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from loader.cli import main
-from loader.convert.overlapped import Journal
+from loader.convert.overlapped import Journal, OverlappedConversion
 from loader.convert.schedule import DEFAULT_WINDOW
 from loader.errors import ChecksumMismatchError
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
+from loader.sources import gcs
 from tests import runs
 from tests.servers import GcsServer, ThrottleProxy
 
@@ -80,8 +82,8 @@ def test_the_overlapped_run_publishes_what_the_sequential_one_does_holding_few_s
     assert arrivals.shards == [p.name for p in shards]  # each through the overlapped conversion
     assert manifest.verify(repository) == []
     assert runs.weights(repository) == runs.weights(sequential)
-    ours = {e["path"]: e["sha256"] for e in manifest.read_manifest(repository)["files"]}
-    theirs = {e["path"]: e["sha256"] for e in manifest.read_manifest(sequential)["files"]}
+    ours = {e["path"]: e["blake3"] for e in manifest.read_manifest(repository)["files"]}
+    theirs = {e["path"]: e["blake3"] for e in manifest.read_manifest(sequential)["files"]}
     assert ours == theirs
 
     # The disk accounting: at most window + 1 shards were on disk at once (the window, and the
@@ -93,12 +95,60 @@ def test_the_overlapped_run_publishes_what_the_sequential_one_does_holding_few_s
     assert not (root / ".work").exists() or not any((root / ".work").iterdir())
 
 
+def test_shards_are_neither_fsynced_nor_read_back_and_every_output_is_made_durable(
+    sequential, tmp_path, monkeypatch
+):
+    """A shard is deleted once converted: verified from the bytes as they arrived, never read
+    back, never forced to the disk (the kernel may drop it before writing it back). The
+    outputs are fsynced before the journal records them."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    read_back: list[str] = []
+
+    def recording(real):
+        def read(path, *args, **kwargs):
+            read_back.append(Path(path).name)
+            return real(path, *args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for name in ("range_crc32c", "file_crc32c", "file_md5"):
+        monkeypatch.setattr(gcs, name, recording(getattr(gcs, name)))
+    root = tmp_path / "models"
+    assert main(_argv(SOURCE, root)) == 0
+    published = runs.published(root)
+    assert runs.weights(published) == runs.weights(sequential)
+    shard = re.compile(r"model-\d+-of-\d+\.safetensors")
+    assert [p for p in synced if shard.search(p)] == []
+    assert [name for name in read_back if shard.search(name)] == []
+    outputs = {n for n in runs.weights(published) if n.endswith(".bin")}
+    assert outputs <= {Path(p).name for p in synced}
+
+
 def test_a_corrupt_shard_found_late_aborts_without_publishing_and_the_rerun_resumes(
     server, sequential, checkpoint, tmp_path, monkeypatch
 ):
     prefix = "org/late-corrupt"
     server.upload_dir(BUCKET, prefix, checkpoint)
     last = sorted(checkpoint.glob("model-*.safetensors"))[-1].name
+    real_admit = OverlappedConversion.admit
+
+    def admit(self, rel):
+        """The last shard starts once every output the others complete is journaled (how far
+        the writers got before the failure must not depend on the machine's pace)."""
+        deadline = time.monotonic() + 120
+        while rel == last and (self.schedule.writing or self._syncing):
+            assert time.monotonic() < deadline, "the writers never caught up"
+            time.sleep(0.01)
+        return real_admit(self, rel)
+
+    monkeypatch.setattr(OverlappedConversion, "admit", admit)
     stored = server.stored_path(BUCKET, f"{prefix}/{last}")
     good = stored.read_bytes()
     with open(stored, "r+b") as fh:  # flip bytes behind the server's back; metadata unchanged
@@ -138,7 +188,7 @@ def test_a_killed_overlapped_run_resumes_without_downloading_verified_shards_aga
         )  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            found = list(root.glob(f".work/*/converted/2-gpu/{Journal.NAME}"))
+            found = list(root.glob(f".work/*/converted/2-gpu{Journal.SUFFIX}"))
             if found and found[0].read_text().count("\n") > 10:
                 break
             time.sleep(0.05)

@@ -88,8 +88,8 @@ def test_the_overlapped_hf_run_publishes_what_the_sequential_one_does_holding_fe
     repository = runs.published(root)
     assert manifest.verify(repository) == []
     assert runs.weights(repository) == runs.weights(sequential)
-    ours = {e["path"]: e["sha256"] for e in manifest.read_manifest(repository)["files"]}
-    theirs = {e["path"]: e["sha256"] for e in manifest.read_manifest(sequential)["files"]}
+    ours = {e["path"]: e["blake3"] for e in manifest.read_manifest(repository)["files"]}
+    theirs = {e["path"]: e["blake3"] for e in manifest.read_manifest(sequential)["files"]}
     assert ours == theirs
 
     # The small files came in the first fetch; the second reports them (already present)

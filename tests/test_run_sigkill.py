@@ -72,12 +72,15 @@ _DRIVER = textwrap.dedent(
         layout.write_config = write_config
     elif point == "renaming":
         # Stop with everything staged (.ready written), just before the rename.
-        import loader.repository.publish as publish
+        from loader import fs
 
-        def atomic_rename(src, dst):
-            stop_here()
+        def before_rename(op, path):
+            source, _, target = path.partition(" -> ")
+            if op.startswith("rename") and "/.staging/" in source and "/.staging/" not in target:
+                stop_here()
 
-        publish.atomic_rename = atomic_rename
+        hooked = fs.inject(before_rename)
+        hooked.__enter__()
     else:
         raise SystemExit(f"unknown point {point}")
 

@@ -3,6 +3,7 @@ and the download directory (real fake-gcs-server and olah on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -43,7 +44,7 @@ def test_an_overwritten_local_source_is_never_nothing_to_do(local_source, tmp_pa
     before = (published / manifest.MANIFEST).read_bytes()
     recorded = manifest.read_manifest(published)[manifest.SOURCE_FINGERPRINT]
     assert recorded["uri"] == f"file://{local_source}"
-    assert len(recorded["files"]["model.safetensors"]["sha256"]) == 64
+    assert len(recorded["files"]["model.safetensors"]["blake3"]) == 64
 
     _flip_last_bytes(local_source / "model.safetensors")
     code, out, err = cli(capsys, *run_argv(str(local_source), root))
@@ -76,6 +77,38 @@ def test_a_touched_but_identical_local_file_is_not_a_change(local_source, tmp_pa
     assert code == 0
     assert "already published and verified; nothing to do" in caplog.text
     assert "hashing 2 file(s)" in caplog.text  # only the two whose stat changed were read
+
+
+def _as_an_earlier_loader_recorded_it(published: Path, source: Path) -> None:
+    """Rewrite the key's source fingerprint with sha256 digests and no stat stamps (every
+    file is read again): what loaders before BLAKE3 recorded."""
+    data = manifest.read_manifest(published)
+    recorded = data[manifest.SOURCE_FINGERPRINT]
+    for rel, info in recorded["files"].items():
+        del info["blake3"]
+        info["sha256"] = hashlib.sha256((source / rel).read_bytes()).hexdigest()
+    recorded.pop("stamps", None)
+    (published / manifest.MANIFEST).chmod(0o644)
+    manifest.write_manifest(published, data)
+
+
+def test_a_sha256_fingerprint_of_an_earlier_loader_is_compared_as_sha256(
+    local_source, tmp_path, capsys, caplog
+):
+    caplog.set_level(logging.INFO, logger="loader")
+    root = tmp_path / "root"
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root))
+    assert code == 0
+    published = Path(out[-1])
+    _as_an_earlier_loader_recorded_it(published, local_source)
+    caplog.clear()
+    code, out, _ = cli(capsys, *run_argv(str(local_source), root))
+    assert code == 0 and out[-1] == str(published)
+    assert "already published and verified; nothing to do" in caplog.text
+    _flip_last_bytes(local_source / "model.safetensors")
+    code, _, err = cli(capsys, *run_argv(str(local_source), root))
+    assert code == 2
+    assert "model.safetensors changed" in err
 
 
 def test_a_file_added_to_a_local_source_is_a_change(local_source, tmp_path, capsys):
@@ -163,7 +196,9 @@ def test_the_repository_root_as_work_dir_keeps_the_published_model(gs_source, tm
 
 
 @pytest.mark.server
-def test_a_download_directory_the_loader_did_not_create_is_kept(gs_source, tmp_path, capsys):
+def test_a_download_directory_the_loader_did_not_create_is_refused_and_kept(
+    gs_source, tmp_path, capsys
+):
     from loader.cli import build_parser
     from loader.cli.run import request_from_args
 
@@ -173,9 +208,11 @@ def test_a_download_directory_the_loader_did_not_create_is_kept(gs_source, tmp_p
     theirs = scratch / key_filename(key)
     theirs.mkdir(parents=True)
     (theirs / "theirs.txt").write_text("x")
-    code, _, _ = cli(capsys, *argv)
-    assert code == 0
-    assert (theirs / "theirs.txt").is_file()
+    code, _, err = cli(capsys, *argv)
+    assert code == 2, err
+    assert f"{theirs} is a directory, where the loader expected the loader's download" in err
+    assert [p.name for p in theirs.iterdir()] == ["theirs.txt"]  # nothing written into it
+    assert (theirs / "theirs.txt").read_text() == "x"
 
 
 # --- hf:// sources ------------------------------------------------------------------------

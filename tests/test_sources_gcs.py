@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import logging
 import os
@@ -10,10 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from loader import fs
 from loader.errors import (
     ChecksumMismatchError,
     InsufficientDiskSpaceError,
@@ -170,6 +173,131 @@ def test_object_whose_bytes_do_not_match_its_checksum_is_rejected(server, tmp_pa
     assert leftovers == []
 
 
+@pytest.fixture
+def no_read_back(monkeypatch) -> list[Path]:
+    """Reading a downloaded file back for its checksum fails the test; a file found already in
+    place (read to decide whether to keep it) is recorded in the list returned."""
+    present: list[Path] = []
+    real = gcs._verified
+
+    def verified(path, blob):
+        present.append(Path(path))
+        return real(path, blob)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a download was read back: {args}")
+
+    monkeypatch.setattr(gcs, "_verified", verified)
+    for name in ("range_crc32c", "file_crc32c", "file_md5"):
+        monkeypatch.setattr(gcs, name, refuse)
+    return present
+
+
+@contextlib.contextmanager
+def _one_object_behind(
+    proxy: ThrottleProxy, tmp_path: Path, monkeypatch, bucket: str, size: int
+) -> Iterator[Path]:
+    """``gs://BUCKET/ckpt/model.safetensors`` of ``size`` random bytes on a fresh emulator with
+    ``proxy`` in front of it (the loader's endpoint); yields the source folder."""
+    srv = GcsServer(tmp_path / "gcs").start()
+    proxy.target_port = srv.port
+    proxy.start()
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(os.urandom(size))
+        srv.upload_dir(bucket, "ckpt", src)
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        yield src
+    finally:
+        proxy.stop()
+        srv.stop()
+
+
+def test_a_byte_changed_in_transit_is_caught_from_the_bytes_received(
+    tmp_path, monkeypatch, no_read_back
+):
+    """No read-back: the CRC32C of what arrived, slice by slice, is what is compared."""
+    proxy = ThrottleProxy(0, flip_first=1, flip_at=5 * SLICE // 2, fail_path="/download/")
+    size = 3 * SLICE + 12345
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "flip", size) as src:
+        dest = tmp_path / "dest"
+        with pytest.raises(ChecksumMismatchError, match=r"ckpt/model\.safetensors"):
+            fetch("gs://flip/ckpt", dest, workers=1, slice_bytes=5 * SLICE)
+        assert proxy.flips == 1
+        assert not (dest / "model.safetensors").exists()
+        assert list((dest / transfer.PARTIAL_DIR).rglob("model.safetensors*")) == []
+        # Sliced (slices arrive in any order, their values are combined), this time intact.
+        result = fetch("gs://flip/ckpt", dest, workers=3, slice_bytes=SLICE)
+        same_tree(src, dest)
+        assert result.downloaded_bytes == size
+        assert no_read_back == [dest / "model.safetensors"] * 2  # looked for, absent both times
+
+
+def test_a_server_that_ignores_the_byte_range_is_refused_before_its_body_is_read(
+    tmp_path, monkeypatch
+):
+    proxy = ThrottleProxy(0, strip_range=True)
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "norange", 3 * SLICE) as src:
+        with pytest.raises(SourceError, match="ignored the byte range") as info:
+            fetch("gs://norange/ckpt", tmp_path / "dest", slice_bytes=SLICE, retry_deadline_s=5)
+        assert f"for {SLICE} bytes at offset" in info.value.message
+        assert "--slice-mib larger than the largest object" in info.value.remediation
+        # One slice for the whole object needs no range.
+        fetch("gs://norange/ckpt", tmp_path / "dest", slice_bytes=4 * SLICE)
+        same_tree(src, tmp_path / "dest")
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
+    server, tmp_path, monkeypatch, damaged
+):
+    """What a killed run left (a partial file, a journal of its finished slices) may have lost
+    a slice the journal lists (it is not fsynced for a transient fetch): those slices' CRC32C
+    comes from the disk, so a lost one fails the checksum and the next run starts over."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(4 * SLICE + 100)
+    (src / "model.safetensors").write_bytes(data)
+    prefix = f"resume-{damaged}/ckpt"
+    server.upload_dir(BUCKET, prefix, src)
+    (blob,) = server.client().list_blobs(BUCKET, prefix=prefix)
+    dest = tmp_path / "dest"
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])  # the run that left them: gone
+    killed.wait()
+    owner = f"{killed.pid}-{fs.host_digest()}"
+    partial = dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}.{owner}"
+    partial.parent.mkdir(parents=True)
+    kept = bytearray(data[: 2 * SLICE]) + bytes(len(data) - 2 * SLICE)
+    if damaged:
+        kept[SLICE + 7] ^= 0x01  # a slice the journal lists did not reach the disk intact
+    partial.write_bytes(bytes(kept))
+    partial.with_name(partial.name + ".slices").write_text(
+        f"0 {SLICE - 1}\n{SLICE} {2 * SLICE - 1}\n"
+    )
+    read_back: list[tuple[int, int]] = []
+    real = gcs.range_crc32c
+
+    def recorded(path, start=0, length=None):
+        read_back.append((start, length))
+        return real(path, start, length)
+
+    monkeypatch.setattr(gcs, "range_crc32c", recorded)
+    if damaged:
+        with pytest.raises(ChecksumMismatchError) as info:
+            fetch(f"gs://{BUCKET}/{prefix}", dest, slice_bytes=SLICE)
+        assert "downloads this object from scratch" in info.value.remediation
+        assert not (dest / "model.safetensors").exists()
+    result = fetch(f"gs://{BUCKET}/{prefix}", dest, slice_bytes=SLICE)
+    assert (dest / "model.safetensors").read_bytes() == data
+    if damaged:
+        assert read_back == [(0, SLICE), (SLICE, SLICE)]  # the first run's; the second resumed none
+        assert result.downloaded_bytes == len(data)
+    else:
+        assert read_back == [(0, SLICE), (SLICE, SLICE)]
+        assert result.downloaded_bytes == len(data) - 2 * SLICE
+
+
 def test_not_enough_disk_space_fails_before_downloading(single, tmp_path, monkeypatch):
     monkeypatch.setattr(transfer, "DISK_MARGIN", 1 << 60)
     dest = tmp_path / "dest"
@@ -262,24 +390,13 @@ def test_connections_cut_mid_object_are_retried_and_the_result_verified(
     tmp_path, monkeypatch, caplog
 ):
     proxy = ThrottleProxy(0, cut_first=3, cut_after=100_000)
-    srv = GcsServer(tmp_path / "gcs").start()
-    proxy.target_port = srv.port
-    proxy.start()
-    try:
-        src = tmp_path / "src"
-        src.mkdir()
-        (src / "model.safetensors").write_bytes(os.urandom(1_000_000))
-        srv.upload_dir("cut", "ckpt", src)
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "cut", 1_000_000) as src:
         with caplog.at_level(logging.WARNING, logger="loader.sources.failures"):
             result = fetch("gs://cut/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=30)
         same_tree(src, tmp_path / "dest")
         assert proxy.cuts == 3
         assert caplog.text.count("; retrying") == 3
         assert result.downloaded_bytes == 1_000_000
-    finally:
-        proxy.stop()
-        srv.stop()
 
 
 def test_fetch_killed_with_sigkill_resumes_without_downloading_complete_files(

@@ -5,15 +5,24 @@ platform, Python and the 1-minute load average, and :class:`LoadWatch` the load 
 after a run. :func:`output_file` keeps a benchmark from writing over committed results unless
 asked: by default results go under ``bench/work/``, and a file that exists is replaced only
 with ``--overwrite``.
+
+On a shared machine wall time moves with the other work, CPU time much less: :func:`measured`
+runs a command and reports both, the CPU seconds (user + system) of its whole process tree and
+the load it started under. :func:`loader_env` runs the loader of another checkout (the code
+before a change) in the same invocation, so that a before/after ratio comes from runs side by
+side.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import resource
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from loader.errors import LoaderError
@@ -76,3 +85,109 @@ def output_files(
     except LoaderError as exc:
         print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
         raise SystemExit(2) from exc
+
+
+def written_bytes() -> int | None:
+    """Bytes this process and its exited, waited-for children sent (or were about to send) to
+    storage: written minus cancelled (pages of a file deleted before the kernel wrote them
+    back), from /proc/self/io; None where the kernel does not account it."""
+    try:
+        with open("/proc/self/io") as fh:
+            fields = dict(line.split(": ", 1) for line in fh.read().splitlines() if ": " in line)
+        return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def children_cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process's children that have exited and been
+    waited for (their own waited-for children included): the whole tree of a command once it
+    ended. System time is the kernel's work for it: copies into and out of the page cache,
+    page faults, and reclaiming memory when the machine has little free (which other work on
+    a shared machine makes vary)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime, usage.ru_stime
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One run of a command: wall seconds, CPU seconds of its process tree, the bytes it wrote
+    to storage (:func:`written_bytes`), the 1-minute load average it started under, and its
+    exit code and output."""
+
+    seconds: float
+    user_s: float
+    sys_s: float
+    disk_write_bytes: int | None
+    load: float
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def cpu_s(self) -> float:
+        return self.user_s + self.sys_s
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "seconds": round(self.seconds, 3),
+            "cpu_s": round(self.cpu_s, 3),
+            "user_s": round(self.user_s, 3),
+            "sys_s": round(self.sys_s, 3),
+            "disk_write_bytes": self.disk_write_bytes,
+            "load": round(self.load, 1),
+        }
+
+
+def measured(
+    argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Measured:
+    """Run ``argv`` to its end (output captured) and measure it (see :class:`Measured`). Run
+    one at a time: the CPU seconds are those of every child waited for meanwhile."""
+    load = load_average()
+    user, sys_ = children_cpu_seconds()
+    written = written_bytes()
+    started = time.perf_counter()
+    proc = subprocess.run(list(argv), env=env, cwd=cwd, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    after = written_bytes()
+    user_after, sys_after = children_cpu_seconds()
+    return Measured(
+        seconds=seconds,
+        user_s=user_after - user,
+        sys_s=sys_after - sys_,
+        disk_write_bytes=None if written is None or after is None else after - written,
+        load=load,
+        returncode=proc.returncode,
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+    )
+
+
+def loader_env(checkout: Path | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment under which ``python -m loader`` runs the package of ``checkout`` (None:
+    this one), checked by importing it: a ``--baseline`` that holds no ``loader`` package, or
+    that this interpreter would not pick, ends the benchmark with exit code 2. Run the commands
+    in a directory without a ``loader`` package of its own (Python looks there first)."""
+    env = dict(os.environ if env is None else env)
+    if checkout is None:
+        return env
+    checkout = Path(checkout).resolve()
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
+    found = subprocess.run(
+        [sys.executable, "-c", "import loader; print(loader.__file__)"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not found or Path(found).resolve().parent.parent != checkout:
+        print(
+            f"error: {checkout} is not a checkout whose loader package this Python imports "
+            f"(it imports {found or 'nothing'})\nhint: pass the root of a checkout of this "
+            "project (git worktree add, or git archive of a commit unpacked), whose "
+            "dependencies this virtualenv has",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return env

@@ -19,14 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonclient.grpc import model_config_pb2 as mc
-
 from loader.errors import RepositoryError
 from loader.parallel import Parallelism
 from loader.repository.config import (
     FASTERTRANSFORMER,
     RepositorySpec,
     build_all,
+    mc,
     read_config,
     to_text,
 )

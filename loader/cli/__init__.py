@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__
-from loader.errors import LoaderError
+from loader.errors import LoaderError, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -44,7 +44,7 @@ EXIT_BUG = 1
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
-#: Sub-command modules, in the order ``--help`` lists them.
+#: Sub-command modules, in the order ``--help`` lists them; each is named after its command.
 COMMANDS: tuple[str, ...] = (
     "loader.cli.convert",
     "loader.cli.fetch",
@@ -55,6 +55,16 @@ COMMANDS: tuple[str, ...] = (
     "loader.cli.tune",
     "loader.cli.complete",
 )
+
+
+def commands_for(argv: Sequence[str]) -> tuple[str, ...]:
+    """The sub-command modules parsing ``argv`` needs: the one it names (its first argument
+    that is not an option: the main parser's options take no value), none for ``--version``
+    alone, else all of them (``--help``, or a name to correct)."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    if f"loader.cli.{first}" in COMMANDS:
+        return (f"loader.cli.{first}",)
+    return () if first is None and "--version" in argv else COMMANDS
 
 
 class Parser(argparse.ArgumentParser):
@@ -105,7 +115,10 @@ def add_log_options(parser: argparse.ArgumentParser, *, default: object = 0) -> 
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The parser of ``commands`` (modules of :data:`COMMANDS`, by default all): ``main`` asks
+    only for the command it runs, which then imports only what it uses, not what the others
+    need to describe themselves."""
     parser = Parser(
         prog="model-loader",
         description="Fetch, convert and publish LLM checkpoints as Triton model repositories.",
@@ -118,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_log_options(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
+    for name in commands:
         importlib.import_module(name).register(subparsers)
     for sub in subparsers.choices.values():
         add_log_options(sub, default=argparse.SUPPRESS)
@@ -239,20 +252,31 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
-    """Print a user error as ``error:`` and ``hint:`` lines; its exit code."""
+    """Print a user error as ``error:`` and ``hint:`` lines; its exit code (also when standard
+    error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
-    print(f"error: {message}", file=sys.stderr)
-    print(f"hint: {exc.remediation}", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {exc.remediation}", file=sys.stderr)
     return exc.exit_code
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
-    """Run a command and turn its outcome into the exit code (the one funnel for every CLI)."""
+    """Run a command and turn its outcome into the exit code (the one funnel for every CLI).
+    A failed file-system call becomes its typed error here (:func:`loader.errors.typed_os_error`,
+    the one mapping of errno classes)."""
     try:
         with sigterm_unwinds():
             result = func(args)
     except LoaderError as exc:
         return report(exc, args)
+    except OSError as exc:
+        typed = typed_os_error(exc)
+        if typed is None:
+            log.exception("unexpected failure (this is a bug; please report it with the log above)")
+            return EXIT_BUG
+        log.debug("file-system failure", exc_info=True)
+        return report(typed, args)
     except Terminated:
         print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         _exit_now(EXIT_TERMINATED)
@@ -266,7 +290,8 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(commands_for(argv))
     args = parser.parse_args(argv)
     try:
         configure_logging(args.verbose, args.quiet)

@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--slice-mib",
         type=int,
         default=None,
-        help="byte-range slice size for large gs:// objects, in MiB (default: 32)",
+        help="byte-range slice size for large gs:// objects, in MiB (default: 16; each of the "
+        "--workers downloads holds one slice in memory)",
     )
     p.set_defaults(func=run)
 

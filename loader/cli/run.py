@@ -143,7 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-verify-checksums",
         dest="verify_checksums",
         action="store_false",
-        help="check an existing repository's file sizes only, not their sha256",
+        help="check an existing repository's file sizes only, not their digests",
     )
     p.add_argument(
         "--no-overlap",

@@ -9,12 +9,13 @@ shards as a fetch delivers them (:class:`~loader.sources.ArrivalHooks`):
 * ``arrived``: a verified shard's header is checked against the plan
   (:meth:`~loader.convert.plan.ConversionPlan.check_file`); every output whose shards are all
   here is handed to a small pool of writers (:func:`~loader.convert.writer.write_file`, which
-  hashes as it writes);
+  hashes as it writes, with :data:`loader.digest.DEFAULT`);
 * ``admit``: blocks until the :class:`~loader.convert.schedule.Schedule` lets the shard start
   downloading (one at a time, at most ``window`` held);
 * every finished output is fsynced (by one thread of its own, so the disk writes back while the
-  writers go on) and recorded in a :class:`Journal` beside the outputs: a killed run's
-  successor keeps those files and does not download the shards only they read (``skip``).
+  writers go on), then recorded in a :class:`Journal` beside the outputs: a killed run's
+  successor re-verifies those files (regular, same size, inode, mtime and digest), keeps them
+  and does not download the shards only they read (``skip``).
 
 The outputs are written into a directory of the download area, never where Triton looks;
 :meth:`OverlappedConversion.move_into` moves them into the staging repository once
@@ -24,16 +25,18 @@ The outputs are written into a directory of the download area, never where Trito
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
+import re
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import digest, fs
 from loader.checkpoint import OPENERS, Checkpoint
+from loader.fs import Dir
 from loader.progress import Progress
 
 from .plan import CONFIG_INI, ConversionPlan, ConvertResult
@@ -54,76 +57,111 @@ ADMIT_WAIT_S = 1.0
 def _start_writeback(path: Path) -> None:
     """Have the kernel start writing ``path`` back now, without waiting (the fsync that follows
     then finds its pages on their way, and the cache keeps no copy of weights already used)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    with fs.open_read(path, follow=False) as fh:
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _digest_in(d: Dir, name: str, algorithm: str) -> str:
+    """The ``algorithm`` digest of the regular file ``d/name``, read through a descriptor (no
+    link)."""
+    hasher = digest.new(algorithm)
+    fd = d.open_file(name, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with open(fd, "rb", closefd=False) as fh:
+            while chunk := fh.read(digest.CHUNK_BYTES):
+                hasher.update(chunk)
     finally:
         os.close(fd)
+    return hasher.hexdigest()
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class Journal:
-    """The outputs written into a directory, recorded beside them: a header naming what they
-    were converted from (source revision, dtype, T), then ``name size sha256 inode mtime_ns``
-    per output, appended once the output is durable."""
+    """The outputs written into a directory, recorded in a file beside it
+    (``<directory>.journal``: never among the outputs, which move into a repository): a header
+    naming what they were converted from (source revision, dtype, T) and the digest's algorithm,
+    then ``name size digest inode mtime_ns`` per output, appended once the output is durable
+    (fsynced), and ``moved <path>`` once the finished outputs were moved to ``path`` (a staging
+    directory, from which a run killed before publishing gets them back: :meth:`moved_to`)."""
 
-    NAME = ".written"
+    SUFFIX = ".journal"
 
-    def __init__(self, directory: Path, header: str) -> None:
-        self.directory = Path(directory)
-        self.path = self.directory / self.NAME
-        self.header = header
+    def __init__(self, directory: Path, header: str, algorithm: str = digest.DEFAULT) -> None:
+        self.directory = Path(directory).absolute()
+        self.path = self.directory.with_name(self.directory.name + self.SUFFIX)
+        self.algorithm = algorithm
+        #: a journal of another algorithm is not reused: its digests would not compare
+        self.header = f"{header} {algorithm}"
+
+    def _lines(self) -> list[str]:
+        try:
+            data = fs.read_file(self.path, limit=fs.SMALL_FILE_BYTES)
+        except FileNotFoundError:
+            return []
+        return data.decode("utf-8", "replace").splitlines()
+
+    def moved_to(self) -> Path | None:
+        """Where the finished outputs were last moved (a ``moved`` line), if anywhere."""
+        moves = [line[len("moved ") :] for line in self._lines() if line.startswith("moved /")]
+        return Path(moves[-1]) if moves else None
 
     def resume(self) -> dict[str, tuple[int, str]]:
-        """The outputs a killed run finished (journaled under the same header, with the same
-        size, inode and mtime), as name -> (size, sha256). Anything else in the directory is
-        removed, and the journal rewritten to list what was kept."""
-        lines = self.path.read_text().splitlines() if self.path.is_file() else []
-        kept: dict[str, tuple[int, str]] = {}
-        if lines and lines[0] == self.header:
-            for line in lines[1:]:
-                fields = line.split()
-                if len(fields) != 5 or "/" in fields[0] or fields[0] == self.NAME:
-                    continue
-                name, size, digest, ino, mtime = fields
-                try:
-                    stat = (self.directory / name).stat()
-                except OSError:
-                    continue
-                if [str(stat.st_size), str(stat.st_ino), str(stat.st_mtime_ns)] == [
-                    size,
-                    ino,
-                    mtime,
-                ]:
-                    kept[name] = (int(size), digest)
-        if self.directory.exists() and not kept:
-            shutil.rmtree(self.directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for path in self.directory.iterdir():
-            if path.name not in kept:
-                path.unlink()
-        with open(self.path, "w") as fh:
-            fh.write(self.header + "\n")
-            for name, (size, digest) in kept.items():
-                fh.write(self._line(name, size, digest))
+        """The outputs a killed run finished, as name -> (size, digest): journaled under the
+        same header, still regular files with the recorded size, inode and mtime, and holding
+        the recorded digest (each is read once more: a resumed run is not the common path).
+        Anything else in the directory is removed (a link there is unlinked, never followed),
+        and the journal rewritten to list what was kept."""
+        lines = self._lines()
+        fs.makedirs(self.directory.parent)
+        with Dir.open(self.directory.parent) as parent:
+            parent.mkdir(self.directory.name, exist_ok=True, what="output directory")
+            with parent.sub(self.directory.name, what="output directory") as d:
+                kept = self._verified(d, lines[1:]) if lines[:1] == [self.header] else {}
+                for name in d.names():
+                    if name not in kept:
+                        d.remove_tree(name)
+        text = self.header + "\n" + "".join(self._line(n, s, h) for n, (s, h) in kept.items())
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fs.write_file(tmp, text.encode(), sync=True)
+        fs.rename(tmp, self.path)
         if kept:
             log.info("resuming: %d output file(s) already written in %s", len(kept), self.directory)
         return kept
 
+    def _verified(self, d: Dir, lines: list[str]) -> dict[str, tuple[int, str]]:
+        kept: dict[str, tuple[int, str]] = {}
+        for line in lines:
+            fields = line.split(" ")
+            if len(fields) != 5 or fields[0] in kept:
+                continue
+            name, size, recorded, ino, mtime = fields
+            if name.startswith(".") or "/" in name or not _HEX64.fullmatch(recorded):
+                continue
+            found = d.lstat(name)
+            if found is None or not stat.S_ISREG(found.st_mode):
+                continue
+            if [str(found.st_size), str(found.st_ino), str(found.st_mtime_ns)] != [size, ino,
+                                                                                   mtime]:  # fmt: skip
+                continue
+            if _digest_in(d, name, self.algorithm) != recorded:
+                log.warning("%s no longer holds what was written; writing it again", d.path / name)
+                continue
+            kept[name] = (int(size), recorded)
+        return kept
+
     def record(self, name: str, size: int, digest: str) -> None:
-        with open(self.path, "a") as fh:
-            fh.write(self._line(name, size, digest))
+        """Journal ``name`` as written; call once it is fsynced."""
+        fs.append(self.path, self._line(name, size, digest).encode())
+
+    def record_move(self, to: Path) -> None:
+        """Journal that the outputs are about to move to ``to`` (durably, before the move)."""
+        fs.append(self.path, f"moved {Path(to).absolute()}\n".encode(), sync=True)
 
     def _line(self, name: str, size: int, digest: str) -> str:
-        stat = (self.directory / name).stat()
-        return f"{name} {size} {digest} {stat.st_ino} {stat.st_mtime_ns}\n"
+        found = fs.stat_path(self.directory / name)
+        return f"{name} {size} {digest} {found.st_ino} {found.st_mtime_ns}\n"
 
 
 class OverlappedConversion:
@@ -144,8 +182,10 @@ class OverlappedConversion:
         self.plan = plan
         self.out_dir = Path(out_dir)
         self.started = time.monotonic()
-        self._journal = Journal(self.out_dir, f"{revision} {plan.out_dtype} {plan.parallelism.tp}")
-        #: output name -> (size, sha256) of every output written (resumed ones included)
+        self._journal = Journal(
+            self.out_dir, f"{revision} {plan.out_dtype} {plan.parallelism.tp}", digest.DEFAULT
+        )
+        #: output name -> (size, digest) of every output written (resumed ones included)
         self.written: dict[str, tuple[int, str]] = self._journal.resume()
         self.schedule = Schedule(plan.needs, done=self.written, window=window)
         self._shards = Checkpoint(self.out_dir)
@@ -195,7 +235,7 @@ class OverlappedConversion:
             with self._cond:
                 self._raise_if_failed()
                 self._shards.add(shard, only=self.plan.expected)
-                held = sum(s.path.stat().st_size for s in self._shards.shards.values())
+                held = sum(fs.stat_path(s.path).st_size for s in self._shards.shards.values())
                 self.peak_shard_bytes = max(self.peak_shard_bytes, held)
                 self._follow(self.schedule.arrived(rel))
         except BaseException:
@@ -210,7 +250,7 @@ class OverlappedConversion:
         for rel in step.delete:
             shard = self._shards.remove(rel)
             shard.close()
-            shard.path.unlink(missing_ok=True)
+            fs.unlink(shard.path)
         outputs = {out.name: out for out in self.plan.outputs if out.name in step.write}
         for name in step.write:
             self._pool.submit(self._write, outputs[name])
@@ -218,16 +258,18 @@ class OverlappedConversion:
 
     def _write(self, out: OutputFile) -> None:
         try:
-            size, digest = write_file(
+            size, hexdigest = write_file(
                 out, self._shards, self.out_dir, dtype=self.plan.np_dtype,
                 progress=self._progress, chunk_bytes=self._chunk_bytes, stop=self._stop,
+                algorithm=digest.DEFAULT,
             )  # fmt: skip
+            assert hexdigest is not None
             _start_writeback(self.out_dir / out.name)
             with self._cond:
-                self.written[out.name] = (size, digest)
+                self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
                 self._follow(self.schedule.written(out.name))
-            self._syncer.submit(self._sync, out.name, size, digest)
+            self._syncer.submit(self._sync, out.name, size, hexdigest)
         except BaseException as exc:
             with self._cond:
                 self._fail(exc)
@@ -236,7 +278,7 @@ class OverlappedConversion:
         """fsync a written output, then journal it (one thread: the disk writes back while
         the writers go on)."""
         try:
-            _fsync(self.out_dir / name)
+            fs.fsync_path(self.out_dir / name)
             self._journal.record(name, size, digest)
             with self._cond:
                 self._syncing -= 1
@@ -270,17 +312,19 @@ class OverlappedConversion:
                 self._cond.wait()
             self._raise_if_failed()
         ini = self.plan.config_ini()
-        (self.out_dir / CONFIG_INI).write_bytes(ini)
-        digests = {**self.written, CONFIG_INI: (len(ini), hashlib.sha256(ini).hexdigest())}
+        fs.write_file(self.out_dir / CONFIG_INI, ini, sync=True)
+        digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
         return ConvertResult.since(self.started, self.out_dir, self.plan, digests)
 
     def move_into(self, result: ConvertResult, directory: Path) -> ConvertResult:
-        """Move the finished outputs to ``directory/<T>-gpu`` and drop the journal (a record
-        for resuming, not part of the weights); returns ``result`` there."""
-        final = Path(directory) / self.plan.output_dir_name
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(self.out_dir, final)
-        (final / Journal.NAME).unlink()
+        """Move the finished outputs to ``directory/<T>-gpu``; the journal beside them records
+        where they went (a run killed before publishing gets them back from there,
+        :meth:`Journal.moved_to`) and stays until the download directory is removed. Returns
+        ``result`` there."""
+        final = Path(directory).absolute() / self.plan.output_dir_name
+        fs.makedirs(final.parent)
+        self._journal.record_move(final)
+        fs.rename(self.out_dir, final)
         return ConvertResult(final, result.plan, result.digests, result.seconds)
 
     def close(self) -> None:

@@ -236,8 +236,9 @@ class ConvertResult:
 
     output_path: Path
     plan: ConversionPlan
-    #: file name inside output_path -> (size, sha256), computed while writing
-    digests: dict[str, tuple[int, str]]
+    #: file name inside output_path -> (size, digest computed while writing it, or None when
+    #: the conversion was asked for none: :mod:`loader.digest`)
+    digests: dict[str, tuple[int, str | None]]
     seconds: float
 
     @property

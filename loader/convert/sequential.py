@@ -13,12 +13,12 @@ plan already made (``model-loader run`` verifies the checkpoint before it takes 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import time
 from pathlib import Path
 
+from loader import digest, fs
 from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
 from loader.parallel import Parallelism
@@ -117,11 +117,14 @@ def convert_planned(
     overwrite: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     reserve_bytes: int = 0,
+    algorithm: str | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint ``plan`` was made for into ``output_dir/<T>-gpu/``.
 
     ``reserve_bytes``: what the caller will write beside the weights on the same disk, counted
-    in the free-space check.
+    in the free-space check. ``algorithm``: the digest (:mod:`loader.digest`) to compute of
+    every file while writing it (``model-loader run``'s manifest lists them); None computes
+    none.
     """
     started = time.monotonic()
     output_dir = Path(output_dir)
@@ -141,13 +144,14 @@ def convert_planned(
         )  # fmt: skip
         with atomic_directory(final, overwrite=overwrite) as tmp:
             ini = plan.config_ini()
-            (tmp / CONFIG_INI).write_bytes(ini)
+            fs.write_file(tmp / CONFIG_INI, ini)
             with byte_progress(f"convert {final.name}", total) as progress:
                 digests = write_outputs(
                     plan.outputs, ckpt, tmp, dtype=plan.np_dtype, progress=progress,
                     workers=default_workers(workers), chunk_bytes=chunk_bytes,
+                    algorithm=algorithm,
                 )  # fmt: skip
-            digests[CONFIG_INI] = (len(ini), hashlib.sha256(ini).hexdigest())
+            digests[CONFIG_INI] = (len(ini), algorithm and digest.of_bytes(ini, algorithm))
     result = ConvertResult.since(started, final, plan, digests)
     log.info(
         "wrote %d files, %s in %.1f s (%.0f MB/s) to %s",

@@ -12,34 +12,32 @@ that is renamed into place only when everything succeeded.
   the source tensors are memory-mapped views, not copies. A file that is a plain run of source
   bytes (a replicated tensor kept in its dtype, from safetensors) is copied by the kernel with
   ``copy_file_range``, like ``cp`` does.
-* Every file's sha256 is computed from the bytes as they are written (for a kernel copy, from
-  the source span it copies, read from the page cache it was just downloaded into), so the
-  repository's manifest needs no second pass over the weights.
+* Where the caller needs the files' digests (``model-loader run``: the manifest lists them),
+  each file's digest (:mod:`loader.digest`) is computed from the very buffers handed to
+  ``write``, so the manifest needs no second pass over the weights; such a file is never
+  copied by the kernel, whose bytes the hash would have to read again. ``model-loader
+  convert`` publishes no manifest and computes no digest.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import secrets
-import shutil
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 
+from loader import digest as digests
+from loader import fs
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
-from loader.errors import (
-    CheckpointError,
-    InsufficientDiskSpaceError,
-    OutputExistsError,
-    OutputPathError,
-)
+from loader.errors import CheckpointError, OutputExistsError
+from loader.fs import Dir
 from loader.progress import Progress
 
 from .splits import OutputFile
@@ -70,67 +68,63 @@ def _leftovers(parent: Path, name: str) -> list[Path]:
     return sorted(parent.glob(f".{name}.partial-*")) + sorted(parent.glob(f".{name}.old-*"))
 
 
-def _output_error(parent: Path, exc: OSError) -> Exception:
-    if exc.errno == errno.ENOSPC:
-        return InsufficientDiskSpaceError(f"No space left under {parent}.")
-    return OutputPathError(f"Cannot create the output directory {parent} ({exc.strerror}).")
+def _remove_tree(path: Path) -> None:
+    """Remove a tree this module created (relative to descriptors: no link followed)."""
+    with Dir.open(path.parent) as parent:
+        parent.remove_tree(path.name)
 
 
 @contextmanager
 def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds."""
+    """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds.
+    A failure to create or fill it is the file system's typed error
+    (:func:`loader.errors.typed_os_error`, through the command line's funnel)."""
+    final = Path(final).absolute()
     parent = final.parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]
     token = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = parent / f".{final.name}.partial-{token}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _output_error(parent, exc) from exc
+    fs.makedirs(parent)
     for stale in _leftovers(parent, final.name):
         log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
     try:
         # Made inside the block that removes it: a signal right after it leaves nothing.
-        try:
-            tmp.mkdir(mode=0o755)
-        except OSError as exc:
-            raise _output_error(parent, exc) from exc
+        with Dir.open(parent) as d:
+            d.mkdir(tmp.name)
         yield tmp
         if final.exists():
             if not overwrite:
                 raise OutputExistsError(f"{final} already exists.")
             old = parent / f".{final.name}.old-{token}"
-            final.rename(old)
+            fs.rename(final, old)
             try:
-                tmp.rename(final)
+                fs.rename(tmp, final)
             except BaseException:
-                old.rename(final)  # put the previous conversion back
+                fs.rename(old, final)  # put the previous conversion back
                 raise
-            shutil.rmtree(old)
+            _remove_tree(old)
         else:
             try:
-                tmp.rename(final)
+                with Dir.open(parent) as d:
+                    d.rename(tmp.name, d, final.name, how="noreplace")
             except OSError as exc:  # another run published the same directory meanwhile
                 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     raise OutputExistsError(
                         f"{final} was created by another run meanwhile."
                     ) from exc
-                raise
+                if exc.errno not in fs.NO_RENAMEAT2:
+                    raise
+                fs.rename(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with suppress(OSError):
+            _remove_tree(tmp)
         for path in created:  # innermost first; only the directories this run created
             try:
-                path.rmdir()
+                with Dir.open(path.parent) as d:
+                    d.rmdir(path.name)
             except OSError:
                 break
         raise
-
-
-def _write_all(fh, data: np.ndarray) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = fh.write(view)
-        view = view[written:]
 
 
 _buffers = threading.local()
@@ -154,21 +148,23 @@ def write_file(
     progress: Progress,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stop: threading.Event | None = None,
-) -> tuple[int, str]:
-    """Write one output file in row chunks; returns the bytes written and their sha256."""
+    algorithm: str | None = None,
+) -> tuple[int, str | None]:
+    """Write one output file in row chunks; returns the bytes written and, with an
+    ``algorithm`` (:data:`loader.digest.ALGORITHMS`), their digest (None without)."""
     tensors = {name: ckpt.get(name) for name in out.sources}
     source_dtypes = [ckpt.tensors[p.source].dtype for p in out.parts]
     row_bytes = max(out.row_elements * dtype.itemsize, 1)
     step = max(1, chunk_bytes // row_bytes)
     written = 0
-    digest = hashlib.sha256()
-    with open(directory / out.name, "wb", buffering=0) as fh:
-        span = _byte_span(out, ckpt, dtype)
+    digest = None if algorithm is None else digests.new(algorithm)
+    path = Path(directory) / out.name
+    with fs.create(path) as fh:
+        span = _byte_span(out, ckpt, dtype) if digest is None else None
         if span is not None and _copy_in_kernel(
-            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop,
-            digest=digest,
-        ):  # fmt: skip
-            return out.nbytes(dtype.itemsize), digest.hexdigest()
+            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
+        ):
+            return out.nbytes(dtype.itemsize), None
         for start in range(0, out.rows, step):
             if stop is not None and stop.is_set():
                 raise _Stopped
@@ -190,12 +186,13 @@ def write_file(
                     width = block.shape[1]
                     copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                     col += width
-            _write_all(fh, data)
-            digest.update(memoryview(data).cast("B"))
+            fs.write_fd(fh.fileno(), data, path)
+            if digest is not None:  # the buffer just written, not a copy read back
+                digest.update(memoryview(data).cast("B"))
             written += data.nbytes
             progress.update(data.nbytes)
             del data, blocks, direct
-    return written, digest.hexdigest()
+    return written, None if digest is None else digest.hexdigest()
 
 
 def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
@@ -223,32 +220,26 @@ def _copy_in_kernel(
     progress: Progress,
     step: int,
     stop: threading.Event | None,
-    digest,
 ) -> bool:
-    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy);
-    ``digest`` is updated with the source bytes copied.
+    """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy).
 
     Returns False, having copied nothing, where the kernel or filesystem cannot do it.
     """
     path, offset = span
     done = 0
-    with open(path, "rb") as src:
+    with fs.open_read(path) as src:
         while done < nbytes:
             if stop is not None and stop.is_set():
                 raise _Stopped
             try:
-                n = os.copy_file_range(src.fileno(), fh.fileno(), min(step, nbytes - done),
-                                       offset + done)  # fmt: skip
+                n = fs.copy_range(src.fileno(), fh.fileno(), min(step, nbytes - done),
+                                  offset + done, path)  # fmt: skip
             except OSError as exc:
                 if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
                     return False
                 raise
             if n == 0:
                 raise CheckpointError(f"{path} ended early while reading it; was it modified?")
-            copied = os.pread(src.fileno(), n, offset + done)
-            if len(copied) != n:
-                raise CheckpointError(f"{path} ended early while reading it; was it modified?")
-            digest.update(copied)
             done += n
             progress.update(n)
     return True
@@ -268,37 +259,30 @@ def write_outputs(
     progress: Progress,
     workers: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> dict[str, tuple[int, str]]:
+    algorithm: str | None = None,
+) -> dict[str, tuple[int, str | None]]:
     """Write every output file, ``workers`` at a time, largest first; returns each file's name
-    -> (bytes written, sha256)."""
+    -> (bytes written, its digest with ``algorithm``, else None)."""
     stop = threading.Event()
-    written: dict[str, tuple[int, str]] = {}
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-            ordered = _largest_first(outputs)
-            futures = [
-                pool.submit(
-                    write_file, out, ckpt, directory, dtype=dtype, progress=progress,
-                    chunk_bytes=chunk_bytes, stop=stop,
-                )
-                for out in ordered
-            ]  # fmt: skip
-            try:
-                wait(futures, return_when=FIRST_EXCEPTION)
-            except BaseException:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+        ordered = _largest_first(outputs)
+        futures = [
+            pool.submit(
+                write_file, out, ckpt, directory, dtype=dtype, progress=progress,
+                chunk_bytes=chunk_bytes, stop=stop, algorithm=algorithm,
+            )
+            for out in ordered
+        ]  # fmt: skip
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        for future in futures:
+            if future.done() and future.exception() is not None:
                 stop.set()
                 pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            for future in futures:
-                if future.done() and future.exception() is not None:
-                    stop.set()
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    raise future.exception()  # type: ignore[misc]
-            written = {out.name: f.result() for out, f in zip(ordered, futures, strict=True)}
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise InsufficientDiskSpaceError(
-                f"The disk holding {directory.parent} ran out of space while converting."
-            ) from exc
-        raise
+                raise future.exception()  # type: ignore[misc]
+        written = {out.name: f.result() for out, f in zip(ordered, futures, strict=True)}
     return written

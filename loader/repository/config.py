@@ -30,17 +30,47 @@ FasterTransformer's default.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
 
+from loader import fs
 from loader.parallel import Parallelism
 from loader.repository import tensors
 from loader.repository.key import ServingSettings
 from loader.repository.tensors import Tensor
+
+
+def model_config_module() -> ModuleType:
+    """Triton's ``ModelConfig`` protobuf classes, ``tritonclient.grpc.model_config_pb2``, loaded
+    without the package around them: importing ``tritonclient.grpc`` starts gRPC and NumPy's
+    type tables, a quarter of a CPU second that writing a config.pbtxt never uses. The module
+    is registered under its own name, so a later ``import tritonclient.grpc`` in the same
+    process takes this one (one set of classes, one descriptor pool entry)."""
+    name = "tritonclient.grpc.model_config_pb2"
+    if name not in sys.modules:
+        package = importlib.util.find_spec("tritonclient")  # finds it, imports nothing
+        if package is None or not package.submodule_search_locations:
+            raise ModuleNotFoundError("No module named 'tritonclient'", name="tritonclient")
+        path = Path(next(iter(package.submodule_search_locations))) / "grpc" / "model_config_pb2.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+mc = model_config_module()
 
 PREPROCESSING = "preprocessing"
 FASTERTRANSFORMER = "fastertransformer"
@@ -260,8 +290,8 @@ def to_text(config: mc.ModelConfig) -> str:
 def write_config(config: mc.ModelConfig, model_dir: Path) -> Path:
     """Write ``model_dir/config.pbtxt``."""
     path = Path(model_dir) / "config.pbtxt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_text(config), encoding="utf-8")
+    fs.makedirs(path.parent)
+    fs.write_file(path, to_text(config).encode("utf-8"))
     return path
 
 

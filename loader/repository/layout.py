@@ -17,9 +17,9 @@ checkpoint's own tokenizer files.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
+from loader import fs
 from loader.errors import CheckpointError
 from loader.formats.huggingface import TOKENIZER_FILES
 from loader.repository.config import (
@@ -30,7 +30,7 @@ from loader.repository.config import (
     build_all,
     write_config,
 )
-from loader.repository.models import STREAMING, install_python_model
+from loader.repository.models import STREAMING, model_files
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +67,19 @@ def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) 
     configs = build_all(spec)
     for name, config in configs.items():
         model_dir = staging / name
-        (model_dir / VERSION).mkdir(parents=True, exist_ok=True)
+        fs.makedirs(model_dir / VERSION)
         if config.backend == "python":
             # The model clients call is a Python model only when it streams.
             role = STREAMING if name == spec.name else name
-            written += install_python_model(role, model_dir)
+            for source, relative in model_files(role):
+                fs.makedirs((model_dir / relative).parent)
+                fs.copy_file(source, model_dir / relative)
+                written.append(model_dir / relative)
         if name in TOKENIZING_MODELS:
             target = model_dir / VERSION / TOKENIZER_DIR
-            target.mkdir(parents=True, exist_ok=True)
+            fs.makedirs(target)
             for source in tokenizer:
-                shutil.copyfile(source, target / source.name)
+                fs.copy_file(source, target / source.name)
                 written.append(target / source.name)
     for name, config in configs.items():
         written.append(write_config(config, staging / name))

@@ -17,6 +17,11 @@ what it moved is the stale lock it judged, and then competes for ``O_EXCL`` crea
 other waiter. A holder whose file was taken over notices (its descriptor no longer names the
 lock path) and :meth:`PublishLock.check_held` raises, so it never publishes without the lock.
 Publishing is safe even then: the final rename never replaces a complete repository.
+
+The lock file is reached through a descriptor of ``ROOT/.locks`` (:mod:`loader.fs`): a link at
+``.locks`` or at the lock's path is a :class:`~loader.errors.NotOursError` (exit 2, naming it),
+never read or written through. A lock file whose first write fails is removed before the error
+goes up, so no empty lock is left for the next loader to wait on.
 """
 
 from __future__ import annotations
@@ -32,27 +37,20 @@ import time
 from pathlib import Path
 
 from loader.errors import LockLostError, LockTimeoutError, PublishError
+from loader.formats import jsondoc
+from loader.fs import Dir, fsync_fd, pid_alive, read_fd, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
 from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
+
+__all__ = ["LOCKS_DIR", "PublishLock", "lock_path", "pid_alive"]
 
 LOCKS_DIR = ".locks"
 
 
 def lock_path(root: Path, key: str) -> Path:
     return Path(root) / LOCKS_DIR / f"{key_filename(key)}.lock"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class PublishLock:
@@ -76,7 +74,8 @@ class PublishLock:
                 "Use an expiry longer than the heartbeat and than any stall of a loader.",
             )
         LOCK_TIMEOUT_S.check(timeout_s)
-        self.path = lock_path(root, key)
+        self.root = Path(root).absolute()
+        self.path = lock_path(self.root, key)
         self.key = key
         self.expiry_s = expiry_s
         self.heartbeat_s = heartbeat_s
@@ -85,6 +84,7 @@ class PublishLock:
         self.token = secrets.token_hex(8)
         self.host = socket.gethostname()
         self._fd: int | None = None
+        self._dir: Dir | None = None
         self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,27 +106,30 @@ class PublishLock:
 
     def _write(self) -> None:
         assert self._fd is not None
-        data = self._content()
-        os.pwrite(self._fd, data, 0)
-        os.ftruncate(self._fd, len(data))
-        os.fsync(self._fd)
+        rewrite_fd(self._fd, self._content(), self.path)
+        fsync_fd(self._fd, self.path)
 
     # -- acquire / release ----------------------------------------------------------------
 
     def acquire(self) -> PublishLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with Dir.open(self.root, create=True) as root:
+            self._dir = root.sub(LOCKS_DIR, create=True, what="lock directory")
+        try:
+            return self._acquire()
+        except BaseException:
+            if self._fd is None:
+                self._dir.close()
+                self._dir = None
+            raise
+
+    def _acquire(self) -> PublishLock:
+        assert self._dir is not None
         start = time.monotonic()
         seen: bytes | None = None
         seen_since = start
         announced = False
         while True:
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-            except FileExistsError:
-                pass
-            else:
-                self._fd = fd
-                self._write()
+            if self._create():
                 self.waited_s = time.monotonic() - start
                 self._start_heartbeat()
                 log.info("holding publish lock %s", self.path)
@@ -148,11 +151,28 @@ class PublishLock:
                 )
             time.sleep(self.poll_s)
 
-    def _read(self) -> bytes | None:
+    def _create(self) -> bool:
+        """Create the lock file (``O_EXCL``) and write our record; False if it exists. A write
+        that fails removes the file again: no empty lock is left behind."""
+        assert self._dir is not None
         try:
-            return self.path.read_bytes()
-        except FileNotFoundError:
-            return None
+            fd = self._dir.open_file(self.path.name, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+        except FileExistsError:
+            return False
+        self._fd = fd
+        try:
+            self._write()
+        except BaseException:
+            self._fd = None
+            with contextlib.suppress(OSError):
+                self._dir.unlink(self.path.name, missing_ok=True)
+            os.close(fd)
+            raise
+        return True
+
+    def _read(self) -> bytes | None:
+        assert self._dir is not None
+        return self._dir.read(self.path.name, limit=64 * 1024)
 
     def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
         record = _parse(content)
@@ -172,17 +192,26 @@ class PublishLock:
         return False
 
     def _take_over(self, stale: bytes) -> None:
-        moved = self.path.with_name(f"{self.path.name}.stale-{self.token}")
+        assert self._dir is not None
+        locks, name = self._dir, self.path.name
+        moved = f"{name}.stale-{self.token}"
         try:
-            os.rename(self.path, moved)
+            locks.rename(name, locks, moved, how="replace")
         except FileNotFoundError:
             return  # someone else removed it first
-        if moved.read_bytes() != stale:
-            # We moved a lock that changed since we judged it: put it back unless a new one
-            # exists already (its holder then notices the loss and stops).
-            with contextlib.suppress(FileExistsError):
-                os.link(moved, self.path)
-        moved.unlink(missing_ok=True)
+        try:
+            fd = locks.open_file(moved, os.O_RDONLY)
+            try:
+                content = read_fd(fd, locks.path / moved, limit=64 * 1024)
+            finally:
+                os.close(fd)
+            if content != stale:
+                # We moved a lock that changed since we judged it: put it back unless a new
+                # one exists already (its holder then notices the loss and stops).
+                with contextlib.suppress(FileExistsError):
+                    locks.link(moved, name)
+        finally:
+            locks.unlink(moved, missing_ok=True)
 
     def _start_heartbeat(self) -> None:
         self._stop.clear()
@@ -193,23 +222,23 @@ class PublishLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            if not self.held():
-                self._lost = True
-                log.error("publish lock %s was taken over by another loader", self.path)
-                return
-            self._beats += 1
             try:
+                if not self.held():
+                    self._lost = True
+                    log.error("publish lock %s was taken over by another loader", self.path)
+                    return
+                self._beats += 1
                 self._write()
             except OSError as exc:  # keep beating; a transient NFS error must not kill us
                 log.warning("could not refresh publish lock %s: %s", self.path, exc)
 
     def held(self) -> bool:
-        """Whether our descriptor still names the lock file at its path."""
-        if self._fd is None:
+        """Whether our descriptor still names the lock file at its path (an ``OSError`` when
+        that cannot be told)."""
+        if self._fd is None or self._dir is None:
             return False
-        try:
-            ours, current = os.fstat(self._fd), os.stat(self.path)
-        except FileNotFoundError:
+        ours, current = os.fstat(self._fd), self._dir.lstat(self.path.name)
+        if current is None:
             return False
         return (ours.st_dev, ours.st_ino) == (current.st_dev, current.st_ino)
 
@@ -222,16 +251,27 @@ class PublishLock:
             )
 
     def release(self) -> None:
+        """Remove the lock file (if it is still ours) and close it. A lock file that cannot be
+        removed is left with a warning: it names this process, so once it exits the next loader
+        on this host takes it over at once (on another host: after the expiry)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._fd is None:
-            return
-        if self.held():
-            self.path.unlink(missing_ok=True)
-        os.close(self._fd)
-        self._fd = None
+        try:
+            if self._fd is not None and self.held():
+                assert self._dir is not None
+                self._dir.unlink(self.path.name, missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove the publish lock %s (%s); the next loader takes it "
+                        "over", self.path, exc)  # fmt: skip
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            if self._dir is not None:
+                self._dir.close()
+                self._dir = None
         log.debug("released publish lock %s", self.path)
 
     def __enter__(self) -> PublishLock:
@@ -245,7 +285,7 @@ def _parse(content: bytes | None) -> dict | None:
     if not content:
         return None
     try:
-        record = json.loads(content)
+        record = jsondoc.loads(content)
     except ValueError:
         return None
     return record if isinstance(record, dict) else None

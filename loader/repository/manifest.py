@@ -1,82 +1,133 @@
-"""``manifest.json`` (every file of a repository: path, size, sha256) and the ``.ready`` marker.
+"""``manifest.json`` (every file and directory of a repository: path, size, digest, seal) and
+the ``.ready`` marker.
 
-A published repository is complete when ``.ready`` exists and every file the manifest lists is
-present with its size and sha256, and no other file is. ``.ready`` is written last, after the
-manifest, and both are fsynced, so a reader that sees ``.ready`` sees a complete repository.
+A published repository is complete when ``.ready`` names its key and the repository holds
+exactly what the manifest lists: every listed file present as a regular file with its size
+and digest, every listed directory a real directory, and nothing else: no other file, no
+symbolic link, no other directory (a ``__pycache__`` planted beside a ``model.py`` is found;
+Python would run its bytecode). The loader's own bookkeeping files at the top
+(:data:`BOOKKEEPING`) are the only exception. ``.ready`` is written last, after the manifest,
+and both are fsynced, so a reader that sees ``.ready`` sees a complete repository.
 
-The sha256 of the weights are computed while the converter writes them (``known`` in
-:func:`build_manifest`); only the small files written besides them are read again. Each entry
-also records the file's *seal*, its inode and modification time as written: a quick
-:func:`verify` compares sizes and seals with the disk and re-hashes only the files whose seal
-changed (a write to a file changes its modification time), so a rerun that finds its key
-published reads no weights when nothing changed; a full :func:`verify` re-hashes every file.
+The manifest's ``format`` names the digest its entries hold (:data:`DIGESTS`): format 2, written
+now, BLAKE3 (:mod:`loader.digest` says why); format 1, written by earlier loaders, sha256, still
+verified as such; any other format is damage (the key is published again). The digests of the
+weights are computed while the converter writes them (``known`` in :func:`build_manifest`); only
+the small files written besides them are read again. Each entry
+also records the file's *seal* as written: inode, modification time and change time (ctime,
+which a user cannot set back). A quick :func:`verify` compares sizes and seals with the disk
+and re-hashes only the files whose seal changed (a write, a ``touch``, a ``chmod`` each move
+the ctime), so a rerun that finds its key published reads no weights when nothing changed; a
+full :func:`verify` re-hashes every file. What only a full verification finds: bytes that
+changed on the disk without any write through the file system (bit rot, a disk written
+behind the kernel's back).
+
+A manifest that cannot be read, or whose entries are not what this module writes, is damage
+like a missing file: :func:`verify` reports it (the key is published again), never raises.
+Everything is read relative to directory descriptors (:mod:`loader.fs`): a link is never
+followed.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
+import re
+import stat
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import digest
+from loader.formats import jsondoc
+from loader.fs import Dir, fsync_path, write_file
 from loader.progress import byte_progress
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 READY = ".ready"
+#: The file marking a staging directory, and so the repository it became, as the loader's
+#: (its first line is the key; :mod:`loader.repository.publish`).
+STAGING_MARKER = ".model-loader-staging"
+#: The loader's files at the top of a repository that the manifest does not list.
+BOOKKEEPING = frozenset({MANIFEST, READY, STAGING_MARKER})
 #: Manifest field holding the source fingerprint (:mod:`loader.sources.fingerprint`).
 SOURCE_FINGERPRINT = "source_fingerprint"
-FORMAT_VERSION = 1
-_CHUNK = 8 * 2**20
+#: The format new manifests are written in.
+FORMAT_VERSION = 2
+#: Manifest format -> the digest algorithm (:data:`loader.digest.ALGORITHMS`) its entries hold,
+#: each under the algorithm's name.
+DIGESTS = {1: "sha256", 2: digest.DEFAULT}
+#: The largest manifest read (one of a large sharded model is well under a megabyte).
+MAX_MANIFEST_BYTES = 64 * 2**20
+_HEX256 = re.compile(r"[0-9a-f]{64}")
 
 
-#: Directories the Python interpreter may create beside a model.py when a server imports it
-#: from a writable repository: caches, not content, so neither listed nor reported.
-IGNORED_DIRS = frozenset({"__pycache__"})
+class _Tree:
+    """What a directory holds, walked without following links: regular files (relative
+    path -> stat), directories, and anything else (relative path -> what it is)."""
+
+    def __init__(self, d: Dir) -> None:
+        self.files: dict[str, os.stat_result] = {}
+        self.dirs: list[str] = []
+        self.others: dict[str, str] = {}
+        self._walk(d, "")
+
+    def _walk(self, d: Dir, prefix: str) -> None:
+        for name in d.names():
+            rel = prefix + name
+            if not prefix and name in BOOKKEEPING:
+                continue
+            found = d.lstat(name)
+            if found is None:
+                continue
+            if stat.S_ISDIR(found.st_mode):
+                self.dirs.append(rel)
+                with d.sub(name) as sub:
+                    self._walk(sub, rel + "/")
+            elif stat.S_ISREG(found.st_mode):
+                self.files[rel] = found
+            else:
+                self.others[rel] = (
+                    "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a special file"
+                )
 
 
-def _files(root: Path) -> list[str]:
-    """Every regular file under ``root`` as a sorted POSIX relative path (manifest, marker and
-    bytecode caches excluded)."""
-    found = []
-    for path in root.rglob("*"):
-        if IGNORED_DIRS.intersection(path.relative_to(root).parts[:-1]):
-            continue
-        if path.is_file() and not path.is_symlink():
-            rel = path.relative_to(root).as_posix()
-            if rel not in (MANIFEST, READY):
-                found.append(rel)
-    return sorted(found)
-
-
-def _sha256(path: Path, progress) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            progress.update(len(chunk))
-    return digest.hexdigest()
-
-
-def _hash_all(root: Path, rels: Iterable[str], what: str, workers: int | None) -> dict[str, str]:
+def _hash_all(
+    root: Path, rels: Iterable[str], what: str, workers: int | None, algorithm: str
+) -> dict[str, str]:
+    """The ``algorithm`` digest of each file ``rels`` under ``root`` (never through a link)."""
     rels = list(rels)
-    total = sum((root / rel).stat().st_size for rel in rels)
+    total = sum((root / rel).stat(follow_symlinks=False).st_size for rel in rels)
     with (
         byte_progress(what, total) as progress,
         ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
     ):
-        digests = pool.map(lambda rel: _sha256(root / rel, progress), rels)
+        digests = pool.map(
+            lambda rel: digest.of_file(
+                root / rel, algorithm, progress=progress.update, follow=False
+            ),
+            rels,
+        )
         return dict(zip(rels, digests, strict=True))
 
 
-def file_seal(stat: os.stat_result) -> list[int]:
-    """What a quick verification compares with the disk: inode and modification time (ns)."""
-    return [stat.st_ino, stat.st_mtime_ns]
+def file_seal(stat_result: os.stat_result) -> list[int]:
+    """What a quick verification compares with the disk: inode, modification time and change
+    time (ns)."""
+    return [stat_result.st_ino, stat_result.st_mtime_ns, stat_result.st_ctime_ns]
+
+
+def _sealed(recorded: object, found: os.stat_result) -> bool:
+    """Whether ``found`` still has the seal ``recorded`` (an older manifest's seal has no
+    ctime: its inode and modification time are compared)."""
+    seal = file_seal(found)
+    if not isinstance(recorded, list) or len(recorded) not in (2, 3):
+        return False
+    return recorded == seal[: len(recorded)]
 
 
 def build_manifest(
@@ -84,32 +135,45 @@ def build_manifest(
     meta: dict,
     *,
     workers: int | None = None,
-    known: dict[str, tuple[int, str]] | None = None,
+    known: dict[str, tuple[int, str | None]] | None = None,
 ) -> dict:
-    """List every file under ``root`` with its size, sha256 and seal; ``meta`` (key, source,
-    settings...) is stored alongside.
+    """List every file and directory under ``root`` (files with size, digest
+    (:data:`loader.digest.DEFAULT`) and seal), in the current format; ``meta`` (key, source,
+    settings...) is stored alongside. Call once the tree is final (modes set): the seals are
+    taken now.
 
-    ``known`` maps relative paths to the (size, sha256) computed while they were written: those
+    ``known`` maps relative paths to the (size, digest) computed while they were written: those
     files are not read again (a size that differs from the disk's is an error). Every other
-    file is hashed.
+    file, and one known without its digest (None), is hashed. A link or special file in the
+    tree is an error: the loader writes none.
     """
-    root = Path(root)
-    rels = _files(root)
+    root = Path(root).absolute()
+    with Dir.open(root) as d:
+        tree = _Tree(d)
+    if tree.others:
+        rel, what = next(iter(tree.others.items()))
+        raise OSError(errno.ELOOP, f"{what} in a repository being built", str(root / rel))
+    stats = tree.files
+    rels = sorted(stats)
     known = dict(known or {})
-    stats = {rel: (root / rel).stat() for rel in rels}
     for rel, (size, _digest) in known.items():
         if rel in stats and stats[rel].st_size != size:
             raise OSError(
-                errno.EIO, f"{root / rel} holds {stats[rel].st_size} bytes, {size} were written"
+                errno.EIO, f"holds {stats[rel].st_size} bytes, {size} were written", str(root / rel)
             )
-    digests = {rel: digest for rel, (_size, digest) in known.items() if rel in stats}
+    algorithm = DIGESTS[FORMAT_VERSION]
+    digests = {
+        rel: hexdigest
+        for rel, (_size, hexdigest) in known.items()
+        if rel in stats and hexdigest is not None
+    }
     digests.update(_hash_all(root, [r for r in rels if r not in digests], "hashing repository",
-                             workers))  # fmt: skip
+                             workers, algorithm))  # fmt: skip
     files = [
         {
             "path": rel,
             "size": stats[rel].st_size,
-            "sha256": digests[rel],
+            algorithm: digests[rel],
             "seal": file_seal(stats[rel]),
         }
         for rel in rels
@@ -118,45 +182,162 @@ def build_manifest(
         "format": FORMAT_VERSION,
         **meta,
         "files": files,
+        "directories": sorted(tree.dirs),
         "total_bytes": sum(f["size"] for f in files),
     }
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_manifest(root: Path, manifest: dict) -> Path:
     path = Path(root) / MANIFEST
-    _write_synced(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    write_file(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), sync=True)
     return path
 
 
 def write_ready(root: Path, key: str) -> Path:
     """Write ``.ready`` (last) and fsync the directory so both markers are durable."""
     path = Path(root) / READY
-    _write_synced(path, f"{key}\n".encode())
+    write_file(path, f"{key}\n".encode(), sync=True)
     fsync_dir(Path(root))
     return path
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_path(Path(path), directory=True)
+
+
+def _parse(data: bytes | None) -> dict | None:
+    if data is None:
+        return None
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        parsed = jsondoc.loads(data)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) and isinstance(parsed.get("files"), list) else None
+
+
+def read_manifest_in(d: Dir) -> dict | None:
+    """The manifest of the repository open as ``d``; None when absent or not a JSON object
+    with a file list."""
+    try:
+        return _parse(d.read(MANIFEST, limit=MAX_MANIFEST_BYTES))
+    except OSError as exc:
+        if exc.errno in (errno.EFBIG, errno.EISDIR):
+            return None
+        raise
 
 
 def read_manifest(root: Path) -> dict | None:
+    """The manifest of the repository at ``root`` (see :func:`read_manifest_in`)."""
     try:
-        data = json.loads((Path(root) / MANIFEST).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+        with Dir.open(root) as d:
+            return read_manifest_in(d)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("files"), list) else None
+
+
+def _relative(path: object) -> bool:
+    """A relative POSIX path of plain names (no ``..``, no empty part)."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\0" in path:
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+def _listed(manifest: dict, algorithm: str) -> tuple[dict[str, dict], set[str] | None] | str:
+    """The manifest's file entries by path (each with its ``algorithm`` digest) and its
+    directories (None: an older manifest that lists none), or what is malformed in it."""
+    files: dict[str, dict] = {}
+    for entry in manifest["files"]:
+        if not isinstance(entry, dict) or not _relative(entry.get("path")):
+            return f"an entry is not a file of the repository: {str(entry)[:80]}"
+        size, hexdigest = entry.get("size"), entry.get(algorithm)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"{entry['path']} has no valid size"
+        if not isinstance(hexdigest, str) or not _HEX256.fullmatch(hexdigest):
+            return f"{entry['path']} has no valid {algorithm}"
+        if entry["path"] in files:
+            return f"{entry['path']} is listed twice"
+        files[entry["path"]] = entry
+    directories = manifest.get("directories")
+    if directories is None:
+        return files, None
+    if not isinstance(directories, list) or not all(_relative(d) for d in directories):
+        return "its directory list is not a list of paths"
+    return files, set(directories)
+
+
+def verify_in(
+    d: Dir,
+    *,
+    key: str | None = None,
+    checksums: bool = True,
+    workers: int | None = None,
+    quick: bool = False,
+) -> list[str]:
+    """:func:`verify` of the repository open as ``d``."""
+    problems = []
+    ready = d.read(READY, limit=4096) if d.kind(READY) == "a file" else None
+    if ready is None:
+        problems.append(f"{READY} is missing")
+    elif key is not None and ready.decode("utf-8", "replace").strip() != key:
+        problems.append(f"{READY} names another key")
+    data = read_manifest_in(d)
+    if data is None:
+        return [*problems, f"{MANIFEST} is missing or unreadable"]
+    if key is not None and data.get("key") != key:
+        problems.append(f"{MANIFEST} names key {str(data.get('key'))[:80]!r}, expected {key!r}")
+    fmt = data.get("format")
+    algorithm = DIGESTS.get(fmt) if type(fmt) is int else None
+    if algorithm is None:
+        return [
+            *problems,
+            f"{MANIFEST} has format {repr(fmt)[:80]}, which this loader does not read "
+            f"(it reads {', '.join(map(str, DIGESTS))})",
+        ]
+    listing = _listed(data, algorithm)
+    if isinstance(listing, str):
+        return [*problems, f"{MANIFEST} is malformed: {listing}"]
+    listed, directories = listing
+    tree = _Tree(d)
+    present = set(tree.files)
+    problems += [f"missing file {rel}" for rel in sorted(set(listed) - present)]
+    problems += [f"unexpected file {rel}" for rel in sorted(present - set(listed))]
+    problems += [f"unexpected {what} {rel}" for rel, what in sorted(tree.others.items())]
+    expected_dirs = directories
+    if expected_dirs is None:  # an older manifest: the directories of its files
+        expected_dirs = {
+            rel.rsplit("/", i)[0] for rel in listed for i in range(1, rel.count("/") + 1)
+        }
+        problems += [
+            f"unexpected directory {rel}"
+            for rel in sorted(set(tree.dirs) - expected_dirs)
+            if any(f.startswith(rel + "/") for f in present | set(tree.others))
+        ]
+    else:
+        problems += [f"missing directory {rel}" for rel in sorted(expected_dirs - set(tree.dirs))]
+        problems += [
+            f"unexpected directory {rel}" for rel in sorted(set(tree.dirs) - expected_dirs)
+        ]
+    to_hash = []
+    for rel in sorted(set(listed) & present):
+        found = tree.files[rel]
+        if found.st_size != listed[rel]["size"]:
+            problems.append(f"{rel} has {found.st_size} bytes, manifest says {listed[rel]['size']}")
+        elif not quick or not _sealed(listed[rel].get("seal"), found):
+            to_hash.append(rel)
+    if checksums and not problems and quick and not to_hash:
+        log.info(
+            "verified %s: %s files of the sizes and seals recorded, none to re-hash",
+            d.path,
+            len(listed),
+        )
+    if checksums and not problems:
+        digests = _hash_all(d.path, to_hash, "verifying repository", workers, algorithm)
+        problems += [
+            f"{rel} {algorithm} differs from the manifest"
+            for rel in to_hash
+            if digests[rel] != listed[rel][algorithm]
+        ]
+    return problems
 
 
 def verify(
@@ -169,44 +350,17 @@ def verify(
 ) -> list[str]:
     """Problems that make ``root`` not a complete published repository (empty list: complete).
 
-    Checks ``.ready``, the manifest (and that it names ``key``), every listed file's presence
-    and size, no unlisted files, and with ``checksums`` every file's sha256: with ``quick``
-    only the files whose seal (:func:`file_seal`) differs from the one recorded, or that
-    record none, are read; the others are taken to hold what was written.
+    Checks ``.ready`` (naming ``key``), the manifest (well formed, naming ``key``), that the
+    repository holds exactly what it lists (see the module docstring), every listed file's
+    size, and with ``checksums`` every file's digest (the algorithm of the manifest's format,
+    :data:`DIGESTS`): with ``quick`` only the files whose seal (:func:`file_seal`) differs from
+    the one recorded, or that record none, are read; the others are taken to hold what was
+    written.
     """
-    root = Path(root)
-    if not root.is_dir():
+    root = Path(root).absolute()
+    try:
+        d = Dir.open(root)
+    except (FileNotFoundError, NotADirectoryError):
         return [f"{root} does not exist"]
-    problems = []
-    if not (root / READY).is_file():
-        problems.append(f"{READY} is missing")
-    manifest = read_manifest(root)
-    if manifest is None:
-        return [*problems, f"{MANIFEST} is missing or unreadable"]
-    if key is not None and manifest.get("key") != key:
-        problems.append(f"{MANIFEST} names key {manifest.get('key')!r}, expected {key!r}")
-    listed = {entry["path"]: entry for entry in manifest["files"]}
-    present = set(_files(root))
-    problems += [f"missing file {rel}" for rel in sorted(set(listed) - present)]
-    problems += [f"unexpected file {rel}" for rel in sorted(present - set(listed))]
-    sized = []
-    for rel in sorted(set(listed) & present):
-        stat = (root / rel).stat()
-        if stat.st_size != listed[rel]["size"]:
-            problems.append(f"{rel} has {stat.st_size} bytes, manifest says {listed[rel]['size']}")
-        elif not quick or listed[rel].get("seal") != file_seal(stat):
-            sized.append(rel)
-    if checksums and not problems and quick and not sized:
-        log.info(
-            "verified %s: %s files of the sizes and seals recorded, none to re-hash",
-            root,
-            len(listed),
-        )
-    if checksums and not problems:
-        digests = _hash_all(root, sized, "verifying repository", workers)
-        problems += [
-            f"{rel} sha256 differs from the manifest"
-            for rel in sized
-            if digests[rel] != listed[rel]["sha256"]
-        ]
-    return problems
+    with d:
+        return verify_in(d, key=key, checksums=checksums, workers=workers, quick=quick)

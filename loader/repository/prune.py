@@ -1,54 +1,77 @@
 """``model-loader prune``: remove what loaders left behind and published keys nobody needs.
 
-What it removes, under ``ROOT`` only, and only things the loader itself creates:
+What it removes, under ``ROOT`` only, and only trees carrying the loader's own marker
+(:func:`loader.repository.publish.owned`: the staging marker or a manifest naming the key; a
+download directory's marker names its key too):
 
 * leftovers: staging directories of killed or stalled loaders (``.staging/``, the same rule as
-  :func:`loader.repository.publish.clear_leftovers`), replaced copies (``.trash/``), download
-  directories carrying the loader's marker (``.work/<key>/``), moved-away stale lock files;
+  :func:`loader.repository.publish.clear_leftovers`), replaced copies (``.trash/``, once their
+  key is in place again: a copy whose key is absent is put back instead,
+  :func:`loader.repository.publish.recover`), download directories (``.work/<key>/``),
+  moved-away stale lock files;
 * published keys (``ROOT/<name>@<revision>/<parallelism>-<variant>``, recognised by a manifest
   naming that very key) beyond the ``keep`` newest of each model name (by the manifest's
-  ``created_at``). A key goes by one ``rename`` into ``.trash/`` first, so Triton never sees a
+  ``created_at``). A key goes by one rename into ``.trash/`` first, so Triton never sees a
   half-deleted repository at a key path, then it is deleted.
+
+**Decide, then remove under the key's lock.** Prune first looks at everything, then removes one
+key's things at a time holding that key's publish lock (taken without waiting: a key whose lock
+is held by a live loader is kept), and decides again for that key under the lock: a key
+published or republished since prune looked (another inode or creation time) is kept, a staging
+directory whose owner came back is kept. So a loader publishing meanwhile never loses its key.
 
 What it never removes, and how it knows:
 
 * anything of a key whose publish lock is live: held by a running process on this host, or
   rewritten (heartbeat) within ``lock_expiry_s`` by its file's modification time;
 * a key named in ``in_use``: prune cannot see pods; the Helm chart passes the key its
-  Deployment serves (``--in-use``), and ``keep`` (default 2) keeps the previous key too, which
-  old pods serve until a rollout finishes. Keys deployed elsewhere from the same volume must be
-  passed with ``--in-use`` as well;
-* anything it does not recognise (no manifest, another manifest key, other files).
+  Deployment serves, and ``keep`` (default 2) keeps the previous key too, which old pods serve
+  until a rollout finishes. Keys deployed elsewhere from the same volume must be passed with
+  ``in_use`` as well. A value may be the key or the path ``run`` printed (trailing slash or
+  not); one that names no published key is refused (:func:`in_use_key`);
+* anything it does not recognise (no marker, another key's marker, links, other files).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
+import re
 import secrets
-import shutil
 import socket
+import stat
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loader.errors import RepositoryError
+from loader.errors import LockTimeoutError, NotOursError, RepositoryError, some_names
+from loader.formats import jsondoc
+from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR
+from loader.repository.lock import LOCKS_DIR, PublishLock, pid_alive
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
+    STAGING_MARKER,
     TRASH_DIR,
     WORK_DIR,
-    abandoned,
+    abandoned_in,
+    owned,
+    recover,
 )
 
 log = logging.getLogger(__name__)
+
+#: ``<name>@<revision>/<variant>``: the shape of a model key (the parts' own rules are
+#: :mod:`loader.repository.key`'s).
+_KEY = re.compile(
+    r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+)
 
 
 @dataclass(frozen=True)
@@ -69,39 +92,38 @@ class PruneReport:
         return sum(r.bytes for r in self.removed)
 
 
-def _size(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
+def _size(d: Dir, name: str) -> int:
+    """Bytes of the files under ``d/name`` (no link followed)."""
+    found = d.lstat(name)
+    if found is None:
+        return 0
+    if not stat.S_ISDIR(found.st_mode):
+        return found.st_size if stat.S_ISREG(found.st_mode) else 0
+    with d.sub(name) as sub:
+        return sum(_size(sub, entry) for entry in sub.names())
 
 
 def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
     """Whether the publish lock of the key named ``keyfile`` may be held right now."""
-    path = Path(root) / LOCKS_DIR / f"{keyfile}.lock"
+    with Dir.open(root) as r:
+        if not r.is_dir(LOCKS_DIR):
+            return False
+        with r.sub(LOCKS_DIR) as locks:
+            found = locks.lstat(f"{keyfile}.lock")
+            if found is None:
+                return False
+            try:
+                content = locks.read(f"{keyfile}.lock", limit=64 * 1024) or b""
+            except NotOursError:
+                return True  # a link there: leave the key alone
     try:
-        content = path.read_bytes()
-        mtime = path.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    try:
-        record = json.loads(content)
+        record = jsondoc.loads(content)
     except ValueError:
         record = {}
     local = isinstance(record, dict) and record.get("host") == socket.gethostname()
     if local and isinstance(record.get("pid"), int):
-        try:
-            os.kill(record["pid"], 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return time.time() - mtime < expiry_s
+        return pid_alive(record["pid"])
+    return time.time() - found.st_mtime < expiry_s
 
 
 def _staging_keyfile(name: str) -> str | None:
@@ -112,37 +134,111 @@ def _staging_keyfile(name: str) -> str | None:
     return parts[0]
 
 
-def _published(root: Path) -> list[tuple[str, Path, dict]]:
-    """(key, path, manifest) of every repository under ``root`` whose manifest names its key."""
-    found = []
-    for parent in sorted(root.glob("*@*")):
-        if parent.is_symlink() or not parent.is_dir() or parent.name.startswith("."):
-            continue
-        for path in sorted(parent.iterdir()):
-            if path.is_symlink() or not path.is_dir():
+def _marker_key(d: Dir, name: str, marker: str) -> str | None:
+    """The key the marker file in the directory ``d/name`` names (None: no marker)."""
+    if not d.is_dir(name):
+        return None
+    try:
+        with d.sub(name) as sub:
+            content = sub.read(marker, limit=4096)
+    except (NotOursError, OSError):
+        return None
+    if content is None:
+        return None
+    key = content.decode("utf-8", "replace").split("\n")[0]
+    return key if _KEY.fullmatch(key) else None
+
+
+def _tree_key(d: Dir, name: str) -> str | None:
+    """The key a tree of the loader was made for: its staging marker's, else its manifest's."""
+    key = _marker_key(d, name, STAGING_MARKER)
+    if key is not None:
+        return key
+    try:
+        with d.sub(name) as sub:
+            data = manifest.read_manifest_in(sub)
+    except (NotOursError, OSError):
+        return None
+    key = data.get("key") if data else None
+    return key if isinstance(key, str) and _KEY.fullmatch(key) else None
+
+
+def in_use_key(root: Path, value: str) -> str:
+    """The key ``value`` names: a key (``name@rev/variant``) or the path of one under ``root``
+    (as ``run`` prints it), with or without a trailing slash. A value that names no key
+    published under ``root`` is a :class:`RepositoryError`."""
+    root = Path(root).absolute()
+    text = value.strip().rstrip("/")
+    rel = text
+    if text.startswith("/"):
+        path = Path(text)
+        for base, candidate in ((root, path), (Path(os.path.realpath(root)),
+                                               Path(os.path.realpath(path)))):  # fmt: skip
+            try:
+                rel = candidate.relative_to(base).as_posix()
+                break
+            except ValueError:
                 continue
-            key = f"{parent.name}/{path.name}"
-            data = manifest.read_manifest(path)
-            if data is not None and data.get("key") == key:
-                found.append((key, path, data))
+        else:
+            raise RepositoryError(
+                f"--in-use {value!r} is a path outside the repository root {root}.",
+                "Pass a key (NAME@REVISION/tpT-ppP-iI-VARIANT) or the path `model-loader run` "
+                f"printed, under {root}.",
+            )
+    published = sorted(k for k, _, _ in _published(root))
+    if _KEY.fullmatch(rel) and rel in published:
+        return rel
+    model = rel.split("@", 1)[0]
+    same_model = [k for k in published if k.split("@", 1)[0] == model]
+    raise RepositoryError(
+        f"--in-use {value!r} names no key published under {root}.",
+        "Pass a published key (NAME@REVISION/tpT-ppP-iI-VARIANT, or the path `model-loader run` "
+        "printed)"
+        + (f"; published for {model}: {some_names(same_model)}" if same_model else "")
+        + ".",
+    )
+
+
+def _published(root: Path) -> list[tuple[str, os.stat_result, dict]]:
+    """(key, stat of its directory, manifest) of every repository under ``root`` whose
+    manifest names its key; links and files are skipped."""
+    found = []
+    with Dir.open(root) as r:
+        for parent in r.names():
+            if parent.startswith(".") or "@" not in parent or not r.is_dir(parent):
+                continue
+            with r.sub(parent) as p:
+                for name in p.names():
+                    entry = p.lstat(name)
+                    if entry is None or not stat.S_ISDIR(entry.st_mode):
+                        continue
+                    key = f"{parent}/{name}"
+                    with p.sub(name) as d:
+                        data = manifest.read_manifest_in(d)
+                    if data is not None and data.get("key") == key:
+                        found.append((key, entry, data))
     return found
 
 
-def _discard(path: Path, root: Path) -> None:
-    """Remove ``path``: a published key is first renamed into ``.trash`` (one atomic step)."""
-    if path.parent.parent == root and not path.parent.name.startswith("."):
-        trash = root / TRASH_DIR
-        trash.mkdir(exist_ok=True)
-        aside = trash / f"{key_filename(str(path.relative_to(root)))}.{secrets.token_hex(6)}"
-        os.rename(path, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            path.parent.rmdir()  # the <name>@<revision> directory, if now empty
-        return
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+@dataclass
+class _Candidate:
+    """Something to remove, the key it belongs to, and how to check again under the key's
+    lock that it still should go."""
+
+    key: str
+    path: Path
+    reason: str
+    #: Under the key's lock: whether it still goes (None: yes), else why it stays.
+    recheck: Callable[[], str | None]
+    remove: Callable[[], None]
+
+
+def _try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
+    lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01)
+    try:
+        return lock.acquire()
+    except LockTimeoutError:
+        return None
 
 
 def prune(
@@ -162,54 +258,198 @@ def prune(
             f"The repository root {root} does not exist.",
             "Point --repository at the model repository volume (e.g. /models).",
         )
+    wanted = {in_use_key(root, value) for value in in_use}
     report = PruneReport(dry_run=dry_run)
+    candidates = _leftovers(root, lock_expiry_s) + _old_keys(root, keep, wanted, report)
 
-    def live(keyfile: str) -> bool:
-        return lock_live(root, keyfile, expiry_s=lock_expiry_s)
+    def live(key: str) -> bool:
+        return lock_live(root, key_filename(key), expiry_s=lock_expiry_s)
 
-    candidates: list[tuple[Path, str]] = []
-    for path in sorted((root / STAGING_DIR).glob("*")):
-        keyfile = _staging_keyfile(path.name)
-        if keyfile is None or live(keyfile):
+    by_key: dict[str, list[_Candidate]] = defaultdict(list)
+    for candidate in candidates:
+        by_key[candidate.key].append(candidate)
+    for key, items in by_key.items():
+        if dry_run:
+            if live(key):
+                report.kept.append((key, "its publish lock is live"))
+                continue
+            for c in items:
+                report.removed.append(Removal(c.path, c.reason, _path_size(c.path)))
+                log.info("would remove %s (%s)", c.path, c.reason)
             continue
-        if abandoned(path, keyfile, idle_s=lock_expiry_s):
-            candidates.append((path, "staging directory of a loader that is gone"))
-    for path in sorted((root / TRASH_DIR).glob("*")):
-        keyfile = path.name.rsplit(".", 1)[0]
-        if not live(keyfile):
-            candidates.append((path, "replaced copy left by an interrupted publish"))
-    for path in sorted((root / WORK_DIR).glob("*")):
-        if (path / DOWNLOAD_MARKER).is_file() and not live(path.name):
-            candidates.append((path, "download directory of an unfinished run"))
-    candidates += [
-        (path, "moved-away stale lock file")
-        for path in sorted((root / LOCKS_DIR).glob("*.lock.stale-*"))
-    ]
+        lock = _try_lock(root, key, lock_expiry_s) if not live(key) else None
+        if lock is None:
+            report.kept.append((key, "its publish lock is live"))
+            continue
+        try:
+            recover(root, key)
+            for c in items:
+                why = c.recheck()
+                if why is not None:
+                    report.kept.append((key, why))
+                    continue
+                size = _path_size(c.path)
+                c.remove()
+                report.removed.append(Removal(c.path, c.reason, size))
+                log.info("removed %s (%s)", c.path, c.reason)
+        finally:
+            lock.release()
+    report.removed += _stale_lock_files(root, dry_run)
+    return report
 
-    wanted = set(in_use)
-    by_model: dict[str, list[tuple[str, Path, dict]]] = defaultdict(list)
-    for key, path, data in _published(root):
-        by_model[str(data.get("model_name") or key.split("@", 1)[0])].append((key, path, data))
+
+def _path_size(path: Path) -> int:
+    try:
+        with Dir.open(path.parent) as d:
+            return _size(d, path.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+
+
+def _leftovers(root: Path, lock_expiry_s: float) -> list[_Candidate]:
+    """Abandoned staging directories, replaced copies and download directories, each with
+    the key it belongs to."""
+    found: list[_Candidate] = []
+    with Dir.open(root) as r:
+        if r.is_dir(STAGING_DIR):
+            with r.sub(STAGING_DIR) as base:
+                for name in base.names():
+                    keyfile = _staging_keyfile(name)
+                    key = _tree_key(base, name)
+                    if keyfile is None or key is None or key_filename(key) != keyfile:
+                        continue
+                    if abandoned_in(base, name, keyfile, idle_s=lock_expiry_s):
+                        found.append(_in(root, STAGING_DIR, name, key,
+                                         "staging directory of a loader that is gone",
+                                         abandoned_too=(keyfile, lock_expiry_s)))  # fmt: skip
+        if r.is_dir(TRASH_DIR):
+            with r.sub(TRASH_DIR) as trash:
+                for name in trash.names():
+                    key = _tree_key(trash, name)
+                    if key is None or not name.startswith(key_filename(key) + "."):
+                        continue
+                    found.append(_in(root, TRASH_DIR, name, key,
+                                     "replaced copy left by an interrupted publish"))  # fmt: skip
+        if r.is_dir(WORK_DIR):
+            with r.sub(WORK_DIR) as work:
+                for name in work.names():
+                    key = _marker_key(work, name, DOWNLOAD_MARKER)
+                    if key is None or key_filename(key) != name:
+                        continue
+                    found.append(_in(root, WORK_DIR, name, key,
+                                     "download directory of an unfinished run",
+                                     marker=DOWNLOAD_MARKER))  # fmt: skip
+    return found
+
+
+def _in(
+    root: Path,
+    directory: str,
+    name: str,
+    key: str,
+    reason: str,
+    *,
+    marker: str | None = None,
+    abandoned_too: tuple[str, float] | None = None,
+) -> _Candidate:
+    """A leftover ``ROOT/<directory>/<name>`` of ``key``: still the loader's (and abandoned)
+    under the lock, it goes."""
+
+    def recheck() -> str | None:
+        with Dir.open(root) as r:
+            if not r.is_dir(directory):
+                return "gone meanwhile"
+            with r.sub(directory) as d:
+                if d.lstat(name) is None:
+                    return "gone meanwhile"
+                ours = _marker_key(d, name, marker) == key if marker else owned(d, name, key)
+                if not ours:
+                    return f"{directory}/{name} is not the loader's"
+                if abandoned_too and not abandoned_in(d, name, abandoned_too[0],
+                                                      idle_s=abandoned_too[1]):  # fmt: skip
+                    return f"{directory}/{name} is in use again"
+        return None
+
+    def remove() -> None:
+        with Dir.open(root) as r, r.sub(directory) as d:
+            d.remove_tree(name)
+
+    return _Candidate(key, root / directory / name, reason, recheck, remove)
+
+
+def _old_keys(root: Path, keep: int, wanted: set[str], report: PruneReport) -> list[_Candidate]:
+    """Published keys beyond the ``keep`` newest of their model and not in ``wanted``."""
+    by_model: dict[str, list[tuple[str, os.stat_result, dict]]] = defaultdict(list)
+    for key, entry, data in _published(root):
+        by_model[str(data.get("model_name") or key.split("@", 1)[0])].append((key, entry, data))
+    found = []
     for entries in by_model.values():
-        entries.sort(key=lambda e: (str(e[2].get("created_at") or ""), e[1].stat().st_mtime))
+        entries.sort(key=lambda e: (str(e[2].get("created_at") or ""), e[1].st_mtime))
         entries.reverse()  # newest first
-        for index, (key, path, _) in enumerate(entries):
+        for index, (key, entry, data) in enumerate(entries):
             if index < keep:
                 report.kept.append((key, f"one of the {keep} newest of its model"))
             elif key in wanted:
                 report.kept.append((key, "in use (--in-use)"))
-            elif live(key_filename(key)):
-                report.kept.append((key, "its publish lock is live"))
             else:
-                candidates.append((path, f"published key beyond the {keep} newest of its model"))
-
-    for path, reason in candidates:
-        removal = Removal(path, reason, _size(path) if path.is_dir() else 0)
-        if not dry_run:
-            _discard(path, root)
-        report.removed.append(removal)
-        log.info("%s %s (%s)", "would remove" if dry_run else "removed", path, reason)
-    return report
+                found.append(_old_key(root, key, entry, data, keep))
+    return found
 
 
-__all__ = ["PruneReport", "Removal", "lock_live", "prune"]
+def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) -> _Candidate:
+    parent_name, variant = key.split("/", 1)
+
+    def recheck() -> str | None:
+        with Dir.open(root) as r:
+            if not r.is_dir(parent_name):
+                return "gone meanwhile"
+            with r.sub(parent_name) as p:
+                now = p.lstat(variant)
+                if now is None:
+                    return "gone meanwhile"
+                with p.sub(variant) as d:
+                    fresh = manifest.read_manifest_in(d)
+        if (
+            (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev)
+            or fresh is None
+            or (fresh.get("created_at") != data.get("created_at") or fresh.get("key") != key)
+        ):
+            return "published again since prune looked"
+        return None
+
+    def remove() -> None:
+        with Dir.open(root) as r, r.sub(TRASH_DIR, create=True) as trash:
+            aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
+            with r.sub(parent_name) as p:
+                p.rename(variant, trash, aside, how="replace")
+                p.fsync()
+            trash.remove_tree(aside)
+            with r.sub(parent_name) as p:
+                empty = not p.names()
+            if empty:
+                with contextlib.suppress(OSError):  # a loader published into it meanwhile
+                    r.rmdir(parent_name)  # the <name>@<revision> directory, now empty
+
+    return _Candidate(
+        key, root / key, f"published key beyond the {keep} newest of its model", recheck, remove
+    )
+
+
+def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
+    """Lock files a take-over moved away and did not remove (a killed waiter)."""
+    removed = []
+    with Dir.open(root) as r:
+        if not r.is_dir(LOCKS_DIR):
+            return []
+        with r.sub(LOCKS_DIR) as locks:
+            for name in locks.names():
+                if ".lock.stale-" not in name or locks.kind(name) != "a file":
+                    continue
+                if not dry_run:
+                    locks.unlink(name, missing_ok=True)
+                removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))
+                log.info("%s %s", "would remove" if dry_run else "removed", locks.path / name)
+    return removed
+
+
+__all__ = ["PruneReport", "Removal", "in_use_key", "lock_live", "prune"]

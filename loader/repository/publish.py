@@ -1,47 +1,58 @@
 """Staging directories and the atomic rename that publishes a repository.
 
 Everything is written under ``ROOT/.staging/<key>.<owner>.<token>/`` (same filesystem as
-``ROOT``, so the final ``rename(2)`` is atomic) and then renamed to ``ROOT/<key>``. Triton is
-pointed at ``ROOT/<key>`` only, so it never sees a half-written repository: ``ROOT/<key>`` is
-either absent or complete.
+``ROOT``, so the final rename is atomic) and then renamed to ``ROOT/<key>``. Triton is pointed
+at ``ROOT/<key>`` only, so it never sees a half-written repository: ``ROOT/<key>`` is either
+absent or complete. Every step works relative to directory descriptors (:mod:`loader.fs`): a
+link or a file where the loader's own directory belongs (``ROOT/<name>@<revision>``,
+``.staging``, ``.trash``) is a :class:`~loader.errors.NotOursError`, never followed.
+
+A staging directory carries the loader's marker (:data:`STAGING_MARKER`, naming the key) from
+the moment it is created; a published key is recognised by its manifest naming it. Nothing else
+is ever removed (:func:`owned`).
 
 Publishing, in order (:func:`publish`):
 
 1. every file and directory of the staging directory gets mode 0644 / 0755 (whatever the
-   umask) and is fsynced: the data is durable before any name points at it;
-2. one ``rename`` of the staging directory to ``ROOT/<key>``, which must be absent:
-   ``renameat2(RENAME_NOREPLACE)`` where the file system supports it, else ``rename(2)``, which
-   refuses a non-empty target. A target that appeared meanwhile is a :class:`PublishError`;
-   nothing is merged into it;
-3. an fsync of ``ROOT/<key>``'s parent directory, so the new name is durable.
+   umask) and is fsynced: the data is durable before any name points at it (:func:`seal`);
+2. ``ROOT/<name>@<revision>`` is created if absent, and then ``ROOT`` is fsynced;
+3. one rename of the staging directory to ``ROOT/<key>``: ``renameat2(RENAME_NOREPLACE)`` when
+   the key is absent (a key that appeared meanwhile is a :class:`PublishError`; nothing is
+   merged into it), ``renameat2(RENAME_EXCHANGE)`` when it replaces a published copy
+   (``--force``, ``--follow-source``): the two trees swap in one step, so a complete copy is
+   under the key at every moment; the old one, now in the staging directory's place, is
+   removed after;
+4. an fsync of ``ROOT/<name>@<revision>``, so the new name is durable.
 
-Replacing a published copy (``--force``, or a source followed with ``--follow-source``) first
-moves the old one to ``ROOT/.trash/`` and deletes it after the new one is in place.
+**Where the file system lacks renameat2** (some NFS servers answer EINVAL): a new key is
+published with ``rename(2)``, which still refuses a non-empty target; a replaced key is first
+renamed into ``ROOT/.trash/`` and the new copy renamed into place right after. A loader killed
+between those two renames leaves the key absent for a moment, and the previous copy in
+``.trash``: the next loader of the key puts it back before anything else (:func:`recover`), so
+a rerun while the source is unreachable still finds a complete copy.
 
 ``<owner>`` is ``<pid>-<host digest>`` of the loader that created a staging directory. The next
 loader holding the key's lock removes what earlier loaders left (:func:`clear_leftovers`): a
-staging directory whose owner ran on this host and is gone, or in which nothing changed for
-the lock expiry (its owner lost the lock then, and stops before publishing), and the key's
-``.trash`` entries.
+staging directory whose owner ran on this host and is gone, or in which nothing changed for the
+lock expiry (its owner lost the lock then, and stops before publishing), and the key's
+``.trash`` entries (once the key is in place).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import hashlib
 import logging
 import os
 import secrets
-import shutil
-import socket
+import stat
 import time
 from pathlib import Path
 
-from loader.errors import PublishError
+from loader import fs
+from loader.errors import NotOursError, PublishError
+from loader.fs import NO_RENAMEAT2, Dir, fsync_fd, host_digest, pid_alive
+from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import pid_alive
-from loader.repository.manifest import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +62,9 @@ TRASH_DIR = ".trash"
 #: directory the loader created (the only kind it ever removes).
 WORK_DIR = ".work"
 DOWNLOAD_MARKER = ".model-loader-download"
+#: The file marking a staging directory (and so a repository it published) as the loader's:
+#: its first line is the key.
+STAGING_MARKER = manifest.STAGING_MARKER
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
@@ -59,19 +73,60 @@ def published_path(root: Path, key: str) -> Path:
     return Path(root).absolute() / key
 
 
-def host_digest(host: str | None = None) -> str:
-    """8 hex digits naming a host in staging names (host names can be long)."""
-    host = host if host is not None else socket.gethostname()
-    return hashlib.sha256(host.encode("utf-8")).hexdigest()[:8]
+def _split(key: str) -> tuple[str, str]:
+    """``<name>@<revision>`` and the variant directory of a key."""
+    parent, _, variant = key.partition("/")
+    return parent, variant
 
 
 def new_staging_dir(root: Path, key: str) -> Path:
-    """A fresh, empty staging directory for ``key`` under ``root``, named after its owner."""
-    base = Path(root).absolute() / STAGING_DIR
-    base.mkdir(parents=True, exist_ok=True)
-    path = base / f"{key_filename(key)}.{os.getpid()}-{host_digest()}.{secrets.token_hex(6)}"
-    path.mkdir()
-    return path
+    """A fresh, empty staging directory for ``key`` under ``root``, named after its owner and
+    marked as the loader's."""
+    name = f"{key_filename(key)}.{fs.owner()}.{secrets.token_hex(6)}"
+    with Dir.open(root, create=True) as r, r.sub(STAGING_DIR, create=True) as base:
+        base.mkdir(name)
+        with base.sub(name) as staging:
+            staging.write(STAGING_MARKER, f"{key}\n".encode(), sync=False)
+        return base.path / name
+
+
+def open_published(root: Path, key: str) -> Dir | None:
+    """The published directory of ``key``, opened from ``ROOT`` without following any link
+    (a link or a file there is a :class:`NotOursError`); None when absent."""
+    parent_name, variant = _split(key)
+    try:
+        with Dir.open(root) as r:
+            if r.lstat(parent_name) is None:
+                return None
+            with r.sub(parent_name, what="key directory") as parent:
+                if parent.lstat(variant) is None:
+                    return None
+                return parent.sub(variant, what="published repository")
+    except FileNotFoundError:
+        return None
+
+
+def discard_staging(staging: Path, key: str) -> None:
+    """Remove the staging directory ``staging`` of ``key`` (if it is still the loader's)."""
+    staging = Path(staging).absolute()
+    with Dir.open(staging.parent) as base:
+        if owned(base, staging.name, key):
+            base.remove_tree(staging.name)
+
+
+def owned(parent: Dir, name: str, key: str) -> bool:
+    """Whether ``parent/name`` is a tree the loader made for ``key``: a real directory with the
+    staging marker naming ``key``, or a manifest naming it (a published copy)."""
+    if parent.marked(name, STAGING_MARKER, key):
+        return True
+    if not parent.is_dir(name):
+        return False
+    try:
+        with parent.sub(name) as d:
+            data = manifest.read_manifest_in(d)
+    except (NotOursError, FileNotFoundError, NotADirectoryError):
+        return False
+    return data is not None and data.get("key") == key
 
 
 def _owner(name: str, prefix: str) -> tuple[int, str] | None:
@@ -81,138 +136,279 @@ def _owner(name: str, prefix: str) -> tuple[int, str] | None:
     return (int(pid), host) if pid.isdigit() and host else None
 
 
-def last_change(path: Path) -> float:
-    """The newest modification time of ``path`` and everything under it (no links followed)."""
-    newest = path.lstat().st_mtime
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            try:
-                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
-            except FileNotFoundError:
-                continue
+def _last_change(d: Dir, name: str) -> float:
+    """The newest modification time of ``d/name`` and everything under it (no link
+    followed)."""
+    found = d.lstat(name)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, "gone", str(d.path / name))
+    newest = found.st_mtime
+    if stat.S_ISDIR(found.st_mode):
+        with d.sub(name) as sub:
+            for entry in sub.names():
+                try:
+                    newest = max(newest, _last_change(sub, entry))
+                except FileNotFoundError:
+                    continue
     return newest
 
 
-def abandoned(path: Path, prefix: str, *, idle_s: float) -> bool:
-    """Whether a staging directory's owner is gone: on this host and dead, or silent for
-    ``idle_s`` seconds (nothing under it changed)."""
-    owner = _owner(path.name, prefix)
+def last_change(path: Path) -> float:
+    """The newest modification time of ``path`` and everything under it (no links followed)."""
+    path = Path(path).absolute()
+    with Dir.open(path.parent) as parent:
+        return _last_change(parent, path.name)
+
+
+def abandoned_in(parent: Dir, name: str, prefix: str, *, idle_s: float) -> bool:
+    """Whether the staging directory ``parent/name``'s owner is gone: on this host and dead,
+    or silent for ``idle_s`` seconds (nothing under it changed)."""
+    owner = _owner(name, prefix)
     if owner is not None and owner[1] == host_digest():
         if owner[0] == os.getpid():
             return False
         if not pid_alive(owner[0]):
             return True
     try:
-        return time.time() - last_change(path) >= idle_s
-    except FileNotFoundError:
+        return time.time() - _last_change(parent, name) >= idle_s
+    except (FileNotFoundError, NotOursError):
         return False
+
+
+def abandoned(path: Path, prefix: str, *, idle_s: float) -> bool:
+    """:func:`abandoned_in` for a path."""
+    path = Path(path).absolute()
+    with Dir.open(path.parent) as parent:
+        return abandoned_in(parent, path.name, prefix, idle_s=idle_s)
+
+
+def _entries(r: Dir, directory: str, prefix: str) -> list[str]:
+    """Names in ``ROOT/<directory>`` that start with ``<prefix>.`` (none if it is absent)."""
+    if r.lstat(directory) is None:
+        return []
+    with r.sub(directory) as d:
+        return [n for n in d.names() if n.startswith(prefix + ".")]
+
+
+def replaced_copy_waiting(root: Path, key: str) -> bool:
+    """Whether ``key`` is absent and ``.trash`` holds an entry named after it (a replacement
+    the fallback started and a kill stopped: :func:`recover` puts it back). Reads only."""
+    root = Path(root).absolute()
+    if fs.lexists(published_path(root, key)):
+        return False
+    prefix = key_filename(key) + "."
+    try:
+        with Dir.open(root) as r:
+            if not r.is_dir(TRASH_DIR):
+                return False
+            with r.sub(TRASH_DIR) as trash:
+                return any(n.startswith(prefix) for n in trash.names())
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return False
+
+
+def recover(root: Path, key: str) -> Path | None:
+    """Put a replaced copy back under an absent key: what a loader killed between the two
+    renames of the fallback replacement leaves (see the module docstring). Call under the
+    key's lock; returns the key's path when a copy was put back."""
+    root = Path(root).absolute()
+    parent_name, variant = _split(key)
+    prefix = key_filename(key)
+    with Dir.open(root, create=True) as r:
+        if r.lstat(TRASH_DIR) is None:
+            return None
+        with r.sub(TRASH_DIR) as trash:
+            candidates = [n for n in trash.names() if n.startswith(prefix + ".")]
+            if not candidates:
+                return None
+            r.mkdir(parent_name, exist_ok=True, what="key directory")
+            with r.sub(parent_name) as parent:
+                if parent.lstat(variant) is not None:
+                    return None
+                for name in candidates:
+                    with trash.sub(name) as copy:
+                        complete = not manifest.verify_in(copy, key=key, checksums=False)
+                    if complete:
+                        trash.rename(name, parent, variant, how="replace")
+                        parent.fsync()
+                        log.warning(
+                            "put the previous copy of %s back from %s (a loader was stopped "
+                            "while replacing it)",
+                            key,
+                            trash.path / name,
+                        )
+                        return parent.path / variant
+    return None
 
 
 def clear_leftovers(root: Path, key: str, *, idle_s: float, keep: Path | None = None) -> list[Path]:
     """Remove what earlier loaders of ``key`` left: abandoned staging directories and the
-    key's ``.trash`` entries. Call under the key's lock."""
+    key's ``.trash`` entries, only those carrying the loader's marker (:func:`owned`). Call
+    under the key's lock, after :func:`recover`."""
     root = Path(root).absolute()
     prefix = key_filename(key)
-    removed = []
-    for path in sorted((root / STAGING_DIR).glob(f"{prefix}.*")):
-        if path == keep or not abandoned(path, prefix, idle_s=idle_s):
-            continue
-        log.info("removing leftover staging directory %s", path)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    for path in sorted((root / TRASH_DIR).glob(f"{prefix}.*")):
-        log.info("removing the replaced copy %s", path)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    removed: list[Path] = []
+    with Dir.open(root, create=True) as r:
+        for name in _entries(r, STAGING_DIR, prefix):
+            with r.sub(STAGING_DIR) as base:
+                path = base.path / name
+                if path == keep or not abandoned_in(base, name, prefix, idle_s=idle_s):
+                    continue
+                if _remove_ours(base, name, key, "leftover staging directory"):
+                    removed.append(path)
+        for name in _entries(r, TRASH_DIR, prefix):
+            with r.sub(TRASH_DIR) as trash:
+                if _remove_ours(trash, name, key, "the replaced copy"):
+                    removed.append(trash.path / name)
     return removed
 
 
-def seal(tree: Path) -> None:
-    """Give every file 0644 and every directory 0755 and fsync them, deepest first, so the
-    data is durable before the rename makes it visible."""
-    for dirpath, _dirs, filenames in os.walk(tree, topdown=False):
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path):
-                continue
-            os.chmod(path, FILE_MODE)
-            fd = os.open(path, os.O_RDONLY)
+def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
+    """Remove the tree ``name`` in ``d`` if it carries the loader's marker for ``key``."""
+    path = d.path / name
+    if not owned(d, name, key):
+        log.warning("leaving %s alone: the loader did not create it", path)
+        return False
+    log.info("removing %s %s", what, path)
+    d.remove_tree(name)
+    return True
+
+
+def _seal(d: Dir) -> None:
+    for name in d.names():
+        found = d.lstat(name)
+        if found is None:
+            continue
+        if stat.S_ISDIR(found.st_mode):
+            with d.sub(name) as sub:
+                _seal(sub)
+            d.chmod(name, DIR_MODE)
+        elif stat.S_ISREG(found.st_mode):
+            d.chmod(name, FILE_MODE)
+            fd = d.open_file(name, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                fsync_fd(fd, d.path / name)
             finally:
                 os.close(fd)
-        os.chmod(dirpath, DIR_MODE)
-        fsync_dir(Path(dirpath))
+        else:
+            raise d.not_ours(name, "a file or directory the loader wrote")
+    d.fsync()
 
 
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-
-
-def _rename_noreplace(src: Path, dst: Path) -> None:
-    """``rename(src, dst)`` that fails with EEXIST when ``dst`` exists, even as an empty
-    directory (``renameat2``); where the kernel or file system lacks it, ``rename(2)``, which
-    still refuses a non-empty ``dst``."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is not None:
-        result = renameat2(
-            _AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE
-        )
-        if result == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), str(dst))
-    if dst.exists():
-        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-    os.rename(src, dst)
-
-
-def atomic_rename(src: Path, dst: Path) -> None:
-    """Rename ``src`` to the absent ``dst`` in one step, then fsync ``dst``'s parent so the
-    new name is durable."""
-    _rename_noreplace(src, dst)
-    fsync_dir(dst.parent)
-
-
-def _move_aside(target: Path, root: Path) -> Path:
-    trash = Path(root).absolute() / TRASH_DIR
-    trash.mkdir(parents=True, exist_ok=True)
-    aside = trash / f"{key_filename(str(target.relative_to(root)))}.{secrets.token_hex(6)}"
-    os.rename(target, aside)
-    return aside
+def seal(tree: Path) -> None:
+    """Give every file 0644 and every directory 0755 (only where the mode differs) and fsync
+    them, deepest first, so the data is durable before the rename makes it visible. A link
+    or any other kind of entry in the tree is a :class:`NotOursError`: the loader writes none."""
+    tree = Path(tree).absolute()
+    with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
+        _seal(d)
+        parent.chmod(tree.name, DIR_MODE)
 
 
 def publish(staging: Path, root: Path, key: str, *, replace: bool = False) -> Path:
-    """Rename ``staging`` to ``ROOT/<key>`` (see the module docstring); with ``replace`` an
-    existing one is moved aside first (and deleted afterwards). Returns the published path."""
+    """Rename ``staging`` (a directory of ``ROOT/.staging``) to ``ROOT/<key>`` (see the module
+    docstring); with ``replace`` a published copy is exchanged for it. Returns the published
+    path."""
     root = Path(root).absolute()
+    staging = Path(staging).absolute()
     target = published_path(root, key)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() and not replace:
-        raise PublishError(
-            f"{target} already exists.",
-            "Run again with --force to publish a fresh copy.",
-        )
+    parent_name, variant = _split(key)
     seal(staging)
-    aside = None
-    if replace and target.exists():
-        aside = _move_aside(target, root)
-        log.info("moved the previous %s aside to %s", target, aside)
-    try:
-        atomic_rename(staging, target)
-    except OSError as exc:
-        if aside is not None and not target.exists():
-            os.rename(aside, target)  # put the previous copy back
-        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise PublishError(
-                f"{target} appeared while this loader was publishing it; nothing was merged "
-                "into it.",
-                "Another loader published the same key; run again to verify it.",
-            ) from exc
-        raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    with Dir.open(root) as r:
+        if r.mkdir(parent_name, exist_ok=True, what="key directory"):
+            r.fsync()  # the new <name>@<revision> directory is durable before a key is in it
+        with r.sub(STAGING_DIR) as base, r.sub(parent_name, what="key directory") as parent:
+            if staging.parent != base.path:
+                raise ValueError(f"{staging} is not a directory of {base.path}")
+            found = parent.lstat(variant)
+            if found is not None and not stat.S_ISDIR(found.st_mode):
+                raise parent.not_ours(variant, "a published repository")
+            if found is not None and not replace:
+                raise PublishError(
+                    f"{target} already exists.",
+                    "Run again with --force to publish a fresh copy.",
+                )
+            if found is not None and not owned(parent, variant, key):
+                raise parent.not_ours(variant, f"a repository the loader published for {key}")
+            if found is not None:
+                _exchange(r, base, staging.name, parent, variant, key)
+            else:
+                _rename_new(base, staging.name, parent, variant, target)
+            parent.fsync()
     log.info("published %s", target)
     return target
+
+
+def _appeared(target: Path, exc: OSError) -> PublishError:
+    return PublishError(
+        f"{target} appeared while this loader was publishing it; nothing was merged into it.",
+        "Another loader published the same key; run again to verify it.",
+    )
+
+
+def _rename_new(base: Dir, name: str, parent: Dir, variant: str, target: Path) -> None:
+    """Rename the staging directory to the absent key."""
+    try:
+        base.rename(name, parent, variant, how="noreplace")
+        return
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise _appeared(target, exc) from exc
+        if exc.errno not in NO_RENAMEAT2:
+            raise
+    if parent.lstat(variant) is not None:
+        raise _appeared(target, OSError(errno.EEXIST, "exists"))
+    try:
+        base.rename(name, parent, variant, how="replace")  # rename(2) refuses a non-empty target
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise _appeared(target, exc) from exc
+        raise
+
+
+def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str) -> None:
+    """Swap the staging directory with the published copy (one step), then remove the old
+    copy; where the file system lacks ``RENAME_EXCHANGE``, the fallback through ``.trash``."""
+    try:
+        base.rename(name, parent, variant, how="exchange")
+    except OSError as exc:
+        if exc.errno == errno.ENOENT and parent.lstat(variant) is None:  # removed meanwhile
+            _rename_new(base, name, parent, variant, parent.path / variant)
+            return
+        if exc.errno not in NO_RENAMEAT2:
+            raise
+        _replace_through_trash(r, base, name, parent, variant, key)
+        return
+    parent.fsync()
+    log.info("replaced the published copy of %s; removing the previous one", key)
+    _remove_replaced(base, name)  # the previous copy, now in the staging directory's place
+
+
+def _remove_replaced(d: Dir, name: str) -> None:
+    """Remove a replaced copy once the new one is in place; a failure only leaves it for the
+    next loader of the key (or prune) to remove: the key is published."""
+    try:
+        d.remove_tree(name)
+    except OSError as exc:
+        log.warning(
+            "could not remove the replaced copy %s (%s); the next loader of the key or "
+            "`model-loader prune` removes it",
+            d.path / name,
+            exc,
+        )
+
+
+def _replace_through_trash(
+    r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str
+) -> None:
+    aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
+    with r.sub(TRASH_DIR, create=True) as trash:
+        parent.rename(variant, trash, aside, how="replace")
+        log.info("moved the previous %s aside to %s", key, trash.path / aside)
+        try:
+            base.rename(name, parent, variant, how="replace")
+        except BaseException:
+            trash.rename(aside, parent, variant, how="replace")  # put the previous copy back
+            raise
+        parent.fsync()
+        _remove_replaced(trash, aside)

@@ -30,15 +30,14 @@ past the expiry) stops with a :class:`~loader.errors.LockLostError` before publi
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from loader.errors import InsufficientDiskSpaceError, LockLostError, RepositoryError
+from loader.errors import LockLostError, RepositoryError
+from loader.fs import Dir
 from loader.plan import check_placement
 from loader.repository import layout, publish
 from loader.repository.lock import PublishLock
@@ -62,6 +61,11 @@ def run(request: RunRequest) -> RunResult:
     root, key = request.root, request.key
     target = publish.published_path(root, key)
     check_placement(request.parallelism, request.topology)
+    if publish.replaced_copy_waiting(root, key):  # before the source is read: it may be down
+        with PublishLock(
+            root, key, expiry_s=request.lock_expiry_s, timeout_s=request.lock_timeout_s
+        ):
+            publish.recover(root, key)
     fetched: FetchResult | None = None
     verified: Verified | None = None
     if parse_uri(request.source).scheme == "file":
@@ -80,11 +84,12 @@ def run(request: RunRequest) -> RunResult:
     with PublishLock(
         root, key, expiry_s=request.lock_expiry_s, timeout_s=request.lock_timeout_s
     ) as lock:
+        publish.recover(root, key)
         if not request.force and up_to_date(target, key, request):
             log.info("another loader published %s while this one waited; nothing to do", target)
             return _done(request, RunResult(target, key, False, time.monotonic() - started))
-        publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
         with _stops_if_lost(lock, request, key), strategy_for(request, root, key) as strategy:
+            publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
             fetched = fetched or strategy.fetch()
             verified = verified or verify(request, fetched.path)
             with _staging(root, key) as staging:
@@ -100,10 +105,15 @@ def run(request: RunRequest) -> RunResult:
                     converted=converted,
                 )
                 lock.check_held()
-                publish.publish(staging, root, key, replace=target.exists())
+                publish.publish(staging, root, key, replace=_present(target))
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))
+
+
+def _present(target: Path) -> bool:
+    """Whether something is at ``target`` (a link too: publishing then says what it found)."""
+    return os.path.lexists(target)
 
 
 def _writable(root: Path) -> None:
@@ -113,11 +123,8 @@ def _writable(root: Path) -> None:
             "Point --repository at the model repository volume (e.g. /models) or a folder "
             "inside an existing directory; the loader creates at most the root itself.",
         )
-    try:
-        root.mkdir(exist_ok=True)
+    with Dir.open(root, create=True):  # a failure here is the file system's typed error
         writable = os.access(root, os.W_OK)
-    except OSError:
-        writable = False
     if not writable:
         raise RepositoryError(
             f"Cannot write to the repository root {root}.",
@@ -132,7 +139,11 @@ def _stops_if_lost(lock: PublishLock, request: RunRequest, key: str) -> Iterator
     try:
         yield
     except Exception as exc:
-        if not isinstance(exc, LockLostError) and not lock.held():
+        try:
+            lost = not lock.held()
+        except OSError:
+            lost = False  # cannot tell: the failure itself is reported
+        if not isinstance(exc, LockLostError) and lost:
             raise LockLostError(
                 f"The publish lock of {key} was taken over by another loader while this "
                 f"one worked (it had stalled past its lock expiry, {request.lock_expiry_s:g} s); "
@@ -143,21 +154,18 @@ def _stops_if_lost(lock: PublishLock, request: RunRequest, key: str) -> Iterator
 
 @contextlib.contextmanager
 def _staging(root: Path, key: str) -> Iterator[Path]:
-    """A new staging directory for ``key``, removed unless the block published it."""
+    """A new staging directory for ``key``, removed unless the block published it (a
+    failure to remove it is logged: the error that stopped the run is the one reported, and
+    the next loader of the key removes the leftover)."""
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
     try:
         yield staging
-    except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientDiskSpaceError(
-                f"The repository root {root} ran out of space while writing {key} "
-                f"({exc.strerror}); the staging copy was removed."
-            ) from exc
-        raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            publish.discard_staging(staging, key)
+        except OSError as exc:
+            log.warning("could not remove the staging directory %s: %s", staging, exc)
         raise
 
 

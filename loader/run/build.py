@@ -1,6 +1,8 @@
 """Write the rest of a repository around its converted weights, in the staging directory:
-the model directories (:mod:`loader.repository.layout`), ``manifest.json`` (the weights'
-sha256 come from the conversion, computed while writing) and finally ``.ready``."""
+the model directories (:mod:`loader.repository.layout`), then the modes and fsyncs of
+:func:`loader.repository.publish.seal`, ``manifest.json`` (the weights' digests come from the
+conversion, computed while writing; the seals are taken from the final files) and finally
+``.ready``."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 from loader import __version__
 from loader.convert.plan import ConvertResult
-from loader.repository import layout, manifest
+from loader.repository import layout, manifest, publish
 from loader.repository.config import RepositorySpec
 from loader.repository.key import resolve_revision
 from loader.run.request import RunRequest
@@ -54,6 +56,7 @@ def build(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}
+    publish.seal(staging)  # modes final and data durable before the manifest takes the seals
     manifest.write_manifest(
         staging, manifest.build_manifest(staging, meta, workers=request.workers, known=known)
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from loader.errors import SourceChangedError
 from loader.repository import manifest
+from loader.repository.publish import open_published
 from loader.run.request import RunRequest
 from loader.sources import fingerprint
 from loader.sources.fingerprint import Fingerprint, describe_changes
@@ -14,24 +15,28 @@ from loader.sources.fingerprint import Fingerprint, describe_changes
 log = logging.getLogger(__name__)
 
 
-def _complete(target: Path, key: str, request: RunRequest) -> bool:
-    if not target.exists():
-        return False
-    problems = manifest.verify(
-        target,
-        key=key,
-        checksums=request.verify_checksums,
-        workers=request.workers,
-        quick=request.verify == "quick",
-    )
-    if problems:
+def _complete(target: Path, key: str, request: RunRequest) -> dict | None:
+    """The manifest of the key published at ``target`` if it is complete, else None."""
+    published = open_published(request.root, key)
+    if published is None:
+        return None
+    with published:
+        problems = manifest.verify_in(
+            published,
+            key=key,
+            checksums=request.verify_checksums,
+            workers=request.workers,
+            quick=request.verify == "quick",
+        )
+        data = manifest.read_manifest_in(published)
+    if problems or data is None:
         log.warning(
             "%s exists but is not a complete repository (%s); publishing it again",
             target,
             "; ".join(problems[:3]),
         )
-        return False
-    return True
+        return None
+    return data
 
 
 def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
@@ -39,11 +44,10 @@ def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
     source fingerprint in its manifest, :mod:`loader.sources.fingerprint`). A source that
     changed is a :class:`~loader.errors.SourceChangedError`, unless ``request.follow_source``
     asks to publish it again (then False)."""
-    if not _complete(target, key, request):
+    data = _complete(target, key, request)
+    if data is None:
         return False
-    recorded = Fingerprint.from_dict(
-        (manifest.read_manifest(target) or {}).get(manifest.SOURCE_FINGERPRINT)
-    )
+    recorded = Fingerprint.from_dict(data.get(manifest.SOURCE_FINGERPRINT))
     if recorded is None:
         log.warning(
             "%s records no source fingerprint (an older loader published it): whether %s "

@@ -10,6 +10,7 @@ from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADL
 from loader.parallel import Parallelism
 from loader.plan import Topology
 from loader.repository.key import ServingSettings, model_key
+from loader.repository.validate import check_settings
 
 #: Ways of verifying a published key (see :attr:`RunRequest.verify`).
 VERIFY_MODES = ("quick", "full")
@@ -49,6 +50,7 @@ class RunRequest:
         RETRY_DEADLINE_S.check(self.retry_deadline_s)
         PRUNE_KEEP.check(self.prune_keep)
         WORKERS.check(self.workers)
+        check_settings(self.model_name, self.parallelism, self.settings)
         if self.verify not in VERIFY_MODES:
             raise RepositoryError(
                 f"The verification mode must be one of {', '.join(VERIFY_MODES)}, got "

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from loader.convert.overlapped import SLICE_BYTES, OverlappedConversion
+from loader import digest, fs
+from loader.convert.overlapped import SLICE_BYTES, Journal, OverlappedConversion
 from loader.convert.plan import ConvertResult
 from loader.convert.schedule import DEFAULT_WINDOW
 from loader.convert.sequential import convert_planned
 from loader.errors import TransientSourceError
 from loader.formats.huggingface import WEIGHT_FILES, is_weight_file
+from loader.fs import Dir
 from loader.progress import byte_progress
 from loader.repository import publish
 from loader.repository.key import key_filename
@@ -82,6 +83,7 @@ class Sequential:
             into,
             workers=self.request.workers,
             reserve_bytes=verified.besides_weights,
+            algorithm=digest.DEFAULT,  # for the manifest
         )
 
 
@@ -177,32 +179,79 @@ def strategy_for(request: RunRequest, root: Path, key: str) -> Iterator[Strategy
         yield Sequential(request, None)
         return
     download = _download_dir(request, root, key)
+    _reclaim(download / "converted", root, key, idle_s=request.lock_expiry_s)
     overlap = (
         request.overlap
         and scheme in OVERLAP_SCHEMES
-        and download.stat().st_dev == root.stat().st_dev
+        and fs.stat_path(download).st_dev == fs.stat_path(root, follow=True).st_dev
     )
     yield Overlapped(request, download, root) if overlap else Sequential(request, download)
-    _remove_download(download, root)
+    try:
+        _remove_download(download, key)
+    except OSError as exc:  # the repository is published: the next run or prune removes it
+        log.warning("could not remove the download directory %s: %s", download, exc)
+
+
+def _work(request: RunRequest, root: Path) -> Dir:
+    """``WORK``, open: ``--work-dir`` (the user's path, followed as given) or ``ROOT/.work``
+    (the loader's: never through a link)."""
+    if request.work_dir:
+        return Dir.open(Path(request.work_dir).absolute(), create=True)
+    with Dir.open(root, create=True) as r:
+        return r.sub(publish.WORK_DIR, create=True, what="download area")
 
 
 def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
-    """``WORK/<key as one name>``, marked as created by the loader (see :func:`_remove_download`)."""
-    work = Path(request.work_dir).absolute() if request.work_dir else root / publish.WORK_DIR
-    path = work / key_filename(key)
-    if not path.exists():
-        path.mkdir(parents=True)
-        (path / publish.DOWNLOAD_MARKER).write_text(f"{key}\n")
-    return path
+    """``WORK/<key as one name>``, marked as created by the loader (see :func:`_remove_download`).
+    One that exists without the loader's marker for ``key`` is not the loader's: a
+    :class:`~loader.errors.NotOursError`, nothing written into it."""
+    name = key_filename(key)
+    with _work(request, root) as work:
+        if work.mkdir(name, exist_ok=True, what="download directory"):
+            with work.sub(name) as d:
+                d.write(publish.DOWNLOAD_MARKER, f"{key}\n".encode(), sync=False)
+        elif not work.marked(name, publish.DOWNLOAD_MARKER, key):
+            raise work.not_ours(name, f"the loader's download directory for {key}")
+        return work.path / name
 
 
-def _remove_download(path: Path, root: Path) -> None:
-    """Remove a download directory only if the loader created it; then ``ROOT/.work`` if
-    that is left empty. Nothing else under ``--work-dir`` is touched."""
-    if not (path / publish.DOWNLOAD_MARKER).is_file():
-        log.info("keeping %s: this loader did not create it", path)
+def _remove_download(path: Path, key: str) -> None:
+    """Remove a download directory only if the loader created it for ``key``; then
+    ``ROOT/.work`` if that is left empty. Nothing else under ``--work-dir`` is touched."""
+    with Dir.open(path.parent) as work:
+        if not work.marked(path.name, publish.DOWNLOAD_MARKER, key):
+            log.info("keeping %s: this loader did not create it", path)
+            return
+        work.remove_tree(path.name)
+        if path.parent.name == publish.WORK_DIR and not work.names():
+            with Dir.open(path.parent.parent) as root, contextlib.suppress(OSError):
+                root.rmdir(publish.WORK_DIR)  # other keys' downloads may arrive meanwhile
+
+
+def _reclaim(converted: Path, root: Path, key: str, *, idle_s: float) -> None:
+    """Outputs of an overlapped conversion that a killed run had moved into its staging
+    directory (:meth:`~loader.convert.overlapped.Journal.moved_to`) go back to ``converted``,
+    so this run keeps them, before the staging directory is cleared as a leftover. Only from
+    an abandoned staging directory of ``key`` that carries the loader's marker."""
+    if not fs.lexists(converted):
         return
-    shutil.rmtree(path, ignore_errors=True)
-    if path.parent == root / publish.WORK_DIR:
-        with contextlib.suppress(OSError):  # other keys' downloads are there
-            path.parent.rmdir()
+    staging_base = Path(root).absolute() / publish.STAGING_DIR
+    with Dir.open(converted) as out:
+        journals = [n for n in out.names() if n.endswith(Journal.SUFFIX)]
+    for name in journals:
+        target = converted / name[: -len(Journal.SUFFIX)]
+        moved = Journal(target, "").moved_to()
+        if moved is None or fs.lexists(target):
+            continue
+        try:
+            staging = moved.relative_to(staging_base).parts[0]
+        except (ValueError, IndexError):
+            continue
+        with Dir.open(staging_base) as base:
+            if not publish.owned(base, staging, key) or not publish.abandoned_in(
+                base, staging, key_filename(key), idle_s=idle_s
+            ):
+                continue
+        if fs.lexists(moved):
+            fs.rename(moved, target)
+            log.info("kept the outputs a stopped run had moved to %s", moved)

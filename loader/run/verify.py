@@ -3,7 +3,8 @@ tensors and its tokenizer tell, checked before anything is written.
 
 :func:`verify` makes the :class:`~loader.convert.plan.ConversionPlan` (the architecture, T and P
 against the model's dimensions, the tensors, the output dtype), checks the GPU memory when the
-request gives one, and finds the tokenizer files the repository copies.
+request gives one, and finds the tokenizer files the repository copies; what Triton will load
+of them (the tokenizer, config.ini's numbers) is checked by :mod:`loader.repository.validate`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from loader.checkpoint import read_hf_config, read_inventory
 from loader.convert.plan import ConversionPlan, plan_conversion
 from loader.formats.huggingface import config_dtype
 from loader.plan import ModelShape, check_memory, estimate_memory
-from loader.repository import layout
+from loader.repository import layout, validate
 from loader.run.request import RunRequest
 
 log = logging.getLogger(__name__)
@@ -66,4 +67,7 @@ def verify(request: RunRequest, checkpoint: Path) -> Verified:
             estimate.total / 2**30,
             request.gpu_memory_gib,
         )
-    return Verified(plan, layout.tokenizer_files(checkpoint))
+    tokenizer = layout.tokenizer_files(checkpoint)
+    validate.check_ft_config(plan.config)
+    validate.check_tokenizer(checkpoint, tokenizer, plan.config.vocab_size)
+    return Verified(plan, tokenizer)

@@ -116,9 +116,10 @@ class ArrivalHooks:
     ``admit(relpath)``: called before a file's download starts; False means "not yet" and is
     asked again a moment later (an exception it raises stops the fetch). Small files are
     fetched first, then large ones in name order. ``transient``: the caller deletes the files
-    soon after they arrive, so downloaded slices are not fsynced (a file the kernel drops
-    before writing it back never costs a disk write; after a power loss the checksum of the
-    whole file still catches a slice that was lost, and it is downloaded again).
+    soon after they arrive, so neither their downloaded slices nor the verified files are
+    fsynced (a file the kernel drops before writing it back never costs a disk write; after a
+    power loss the next run reads back the slices a killed run wrote, so its checksum still
+    catches one that was lost, and the file is downloaded again).
     """
 
     include: Callable[[str], bool] | None = None

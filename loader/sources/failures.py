@@ -8,7 +8,8 @@ gs:// and hf:// sources run every remote call through a :class:`Funnel`:
   funnel never asks again sooner than that.
 * A permanent failure becomes a typed :class:`~loader.errors.SourceError` naming what was
   read: the source's own mapping first (:data:`Specific`: credentials, gated repositories,
-  missing revisions), then the HTTP status (401/403 permission, 404 not found, 412 replaced).
+  missing revisions), then the HTTP status (401/403 permission, 404 not found; 412, replaced
+  meanwhile, is transient: the upload is in progress).
 * Retrying ends at the deadline (``--retry-deadline``) with a
   :class:`~loader.errors.TransientSourceError` (exit code 75) quoting the last failure.
 
@@ -154,7 +155,7 @@ def by_status(exc: BaseException, what: str, *, permission_hint: str) -> SourceE
             f"{what[:1].upper()}{what[1:]} does not exist (404).", "Check the names in the URI."
         )
     if status == 412:
-        return SourceError(
+        return TransientSourceError(
             f"{what} was replaced while it was being downloaded (412).",
             "Run the loader again once the upload has finished.",
         )

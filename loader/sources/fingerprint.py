@@ -11,10 +11,12 @@ scheme      fingerprint
 ``hf``      the commit the revision resolved to (one API call; none for a URI naming a commit)
 ``gs``      every object under the prefix: name, size, generation and CRC32C (MD5 when the
             object has none), from one listing
-``file``    every file: relative path, size and sha256. The sha256 of a file is computed once;
-            a later run reuses the recorded one while the file's (mtime, ctime, inode, size)
-            are unchanged (ctime cannot be set by users; any write changes it) and hashes the
-            file again otherwise, so a touched but identical file is not a change
+``file``    every file: relative path, size and digest (BLAKE3, :mod:`loader.digest`; sha256
+            in the fingerprints of earlier loaders, and to compare with one of those). The
+            digest of a file is computed once; a later run reuses the recorded one while the
+            file's (mtime, ctime, inode, size) are unchanged (ctime cannot be set by users; any
+            write changes it) and hashes the file again otherwise, so a touched but identical
+            file is not a change
 ==========  ===================================================================================
 
 :meth:`Fingerprint.changes` lists the differences in words; the stat stamps of local files are

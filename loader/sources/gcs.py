@@ -10,15 +10,23 @@ How a fetch runs:
   what is missing).
 * Large objects are split into byte-range slices (``Blob.download_to_file(start=, end=)``),
   and slices of all objects are downloaded by one pool of threads into
-  ``dest/.partial/<path>.<generation>``. Each finished slice is appended to a journal beside
+  ``dest/.partial/<path>.<generation>.<owner>`` (:mod:`loader.sources.transfer`: never another
+  loader's file). Each finished slice is appended to a journal beside
   it, so a killed download resumes with the slices it is missing instead of restarting the
   object. (``transfer_manager.download_chunks_concurrently`` slices one object at a time,
   restarts a killed download from zero and cannot wait for a caller's admission, hence our
   own pool and journal.) Downloads pin the generation listed, so an object replaced meanwhile
-  cannot mix two versions.
-* A finished temporary file is read back and its CRC32C (MD5 when the object has none) is
-  compared with the object's metadata; only then is it renamed into place. A mismatch is a
-  :class:`~loader.errors.ChecksumMismatchError`.
+  cannot mix two versions: its next slice fails (412) and the fetch ends as transient (exit
+  75), as does a download whose bytes miss the object's checksum (a proxy answering with a
+  page of its own): running again fetches it again.
+* Each slice is one request whose body is read whole (``single_shot_download``: a few large
+  reads instead of a Python loop over 8 KiB pieces, so the CPU a gigabyte costs is mostly the
+  kernel's copies), so memory in flight is about ``workers x slice``. The CRC32C of every slice
+  is computed from its bytes as they arrive; once the object is complete the slices' values are
+  combined (:func:`~loader.sources.transfer.crc32c_combine`) and compared with the object's
+  CRC32C, and only then is the file renamed into place: nothing is read back (slices a killed
+  run wrote are the exception: they are read back, never trusted). An object without a CRC32C
+  is read back for its MD5. A mismatch is a :class:`~loader.errors.ChecksumMismatchError`.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: small objects are fetched first, then large ones in name order, each started only when
   the caller admits it, and the caller hears of every verified file at once.
@@ -37,13 +45,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import google_crc32c
+
+from loader import fs
 from loader.errors import (
     ChecksumMismatchError,
     SourceError,
@@ -57,17 +67,24 @@ from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
+    adopt,
+    crc32c_combine,
+    crc32c_text,
     ensure_disk_space,
     file_crc32c,
     file_md5,
+    own_partial,
     place,
+    range_crc32c,
+    remove_own_partials,
     safe_path,
 )
 
 log = logging.getLogger(__name__)
 
-#: Byte-range slice size for large objects.
-SLICE_BYTES = 32 * 1024 * 1024
+#: Byte-range slice size for large objects (each slice is read into memory whole: at most
+#: ``workers`` of them at once).
+SLICE_BYTES = 16 * 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
 
@@ -87,6 +104,8 @@ class _Object:
     done: set[int] = field(default_factory=set)
     resumed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: slice index -> CRC32C of the bytes this run received for it
+    crcs: dict[int, int] = field(default_factory=dict)
 
     @property
     def journal(self) -> Path:
@@ -202,7 +221,35 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool_size + 4)
     client._http.mount("https://", adapter)
     client._http.mount("http://", adapter)
+    client._http.hooks["response"].append(_refuse_more_than_the_range)
     return client
+
+
+def _refuse_more_than_the_range(response: Any, *args: Any, **kwargs: Any) -> None:
+    """A byte-range request answered with more bytes than it asked for (a server that ignores
+    ``Range``) is refused from its headers, before its body is read: a slice is read into
+    memory whole, and a whole object in its place would not be bounded."""
+    asked = response.request.headers.get("Range", "")
+    if not asked.startswith("bytes=") or response.status_code >= 300:
+        return
+    first, _, last = asked.removeprefix("bytes=").partition("-")
+    if not (first.isdigit() and last.isdigit()):
+        return
+    wanted = int(last) - int(first) + 1
+    length = response.headers.get("Content-Length", "")
+    within = length.isdigit() and int(length) <= wanted
+    if response.status_code == 206 and (within or not length):
+        return
+    if response.status_code == 200 and first == "0" and within:  # the whole object was asked
+        return
+    response.close()
+    raise TransientSourceError(  # as the slice's own check classes it (a proxy's page)
+        f"{response.request.url.split('?')[0]}: the server answered a request for {wanted} "
+        f"bytes at offset {first} with {length or 'an unknown number of'} bytes (status "
+        f"{response.status_code}: it ignored the byte range).",
+        "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass a "
+        "--slice-mib larger than the largest object.",
+    )
 
 
 def _list_objects(client: Any, uri: SourceURI, funnel: Funnel) -> list[Any]:
@@ -268,29 +315,36 @@ def _revision(blobs: list[Any]) -> str:
 
 
 class _SliceWriter:
-    """The file object a slice downloads into: writes at the slice's offset, reports bytes to
-    the progress, and refuses bytes past the slice (a server that ignored the range)."""
+    """The file object a slice downloads into: writes at the slice's offset, keeps the CRC32C
+    of the bytes it was given, reports them to the progress, and refuses bytes past the slice
+    (a server that ignored the range)."""
 
-    def __init__(self, fh: Any, start: int, length: int, progress: Progress, what: str) -> None:
+    def __init__(
+        self, fh: Any, start: int, length: int, progress: Progress, what: str, path: Path
+    ) -> None:
         self._fh = fh
+        self._path = path
         self._start = start
         self._length = length
         self._progress = progress
         self._what = what
         self.written = 0
+        #: CRC32C of the bytes written so far (the very bytes handed to the file)
+        self.crc = 0
 
     def write(self, data: bytes) -> int:
         if self.written + len(data) > self._length:
-            raise SourceError(
+            raise TransientSourceError(
                 f"{self._what}: the server sent more than the {self._length} bytes asked for "
                 f"at offset {self._start} (it ignored the byte range).",
                 "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass "
                 "a --slice-mib larger than the largest object.",
             )
-        n = self._fh.write(data)
+        fs.write_fd(self._fh.fileno(), data, self._path)
+        self.crc = google_crc32c.extend(self.crc, data)
         self.written += len(data)
         self._progress.update(len(data))
-        return n
+        return len(data)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         """Back to the slice's start (the library restarts a transcoded download from 0)."""
@@ -298,6 +352,7 @@ class _SliceWriter:
             raise OSError("a slice can only be rewound to its start")
         self._progress.update(-self.written)
         self.written = 0
+        self.crc = 0
         return self._fh.seek(self._start) - self._start
 
     def check_complete(self) -> None:
@@ -322,15 +377,16 @@ def _verified(path: Path, blob: Any) -> bool:
 def _load_journal(obj: _Object) -> None:
     """Mark slices recorded by an earlier run as done (only if the partial file is intact)."""
     if not (obj.partial.is_file() and obj.journal.is_file()):
-        obj.partial.unlink(missing_ok=True)
-        obj.journal.unlink(missing_ok=True)
+        fs.unlink(obj.partial)
+        fs.unlink(obj.journal)
         return
     if obj.partial.stat().st_size != obj.size:
-        obj.partial.unlink()
-        obj.journal.unlink()
+        fs.unlink(obj.partial)
+        fs.unlink(obj.journal)
         return
     index = {s: i for i, s in enumerate(obj.slices)}
-    for line in obj.journal.read_text().splitlines():
+    journal = fs.read_file(obj.journal, limit=fs.SMALL_FILE_BYTES).decode("ascii", "replace")
+    for line in journal.splitlines():
         fields = line.split()
         if len(fields) == 2 and (key := (int(fields[0]), int(fields[1]))) in index:
             obj.done.add(index[key])
@@ -339,11 +395,12 @@ def _load_journal(obj: _Object) -> None:
 
 def _prepare(obj: _Object, dest: Path) -> None:
     safe_path(dest, obj.partial.relative_to(dest).as_posix())
+    adopt(obj.partial, companions=(".slices",))
     _load_journal(obj)
     if not obj.partial.exists():
-        with open(obj.partial, "wb") as fh:
-            fh.truncate(obj.size)
-        obj.journal.write_text("")
+        with fs.create(obj.partial) as fh:
+            fs.truncate(fh.fileno(), obj.size, obj.partial)
+        fs.write_file(obj.journal, b"")
 
 
 #: Longest single network wait (connect, one read) when the retry deadline leaves more time.
@@ -362,18 +419,20 @@ def _download_slice(
     """Bytes ``start..end`` of the object into its partial file, then a journal line.
 
     ``Blob.download_to_file`` with a byte range, pinned to the listed generation (412 if the
-    object was replaced meanwhile); its retry resumes an interrupted read from the last byte
-    it received. Every wait (the connection, each read of the body) ends at the retry deadline.
+    object was replaced meanwhile), the body read whole; its retry asks again for a read that
+    was cut. Every wait (the connection, each read of the body) ends at the retry deadline.
+    The slice's CRC32C, from the bytes received, goes to ``obj.crcs``. An object gone or replaced since the listing (404, 412) is a source still being uploaded:
+    transient.
     """
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
     if end >= start:
         timeout = (_timeout(funnel, CONNECT_TIMEOUT_S), _timeout(funnel, READ_TIMEOUT_S))
-        with open(obj.partial, "r+b") as fh:
+        with fs.open_update(obj.partial) as fh:
             fh.seek(start)
-            writer = _SliceWriter(fh, start, end - start + 1, progress, what)
+            writer = _SliceWriter(fh, start, end - start + 1, progress, what, obj.partial)
             try:
-                funnel.gcs(
+                _while_uploaded(what, lambda: funnel.gcs(
                     lambda retry: obj.blob.download_to_file(
                         writer,
                         start=start,
@@ -383,28 +442,71 @@ def _download_slice(
                         if_generation_match=obj.blob.generation,
                         timeout=timeout,
                         retry=retry,
+                        single_shot_download=True,
                     ),
                     what=what,
-                )
+                ))  # fmt: skip
                 writer.check_complete()
             except BaseException:
                 progress.update(-writer.written)
                 raise
-            fh.flush()
             if durable:
-                os.fsync(fh.fileno())
+                fs.fsync_fd(fh.fileno(), obj.partial)
+        crc = writer.crc
+    else:
+        crc = 0  # an empty object
     with obj.lock:
-        with open(obj.journal, "a") as journal:
-            journal.write(f"{start} {end}\n")
+        fs.append(obj.journal, f"{start} {end}\n".encode())
         obj.done.add(index)
+        obj.crcs[index] = crc
 
 
-def _finish(obj: _Object, dest: Path) -> None:
-    """Verify the complete temporary file and move it into place."""
-    if not _verified(obj.partial, obj.blob):
+def _while_uploaded(what: str, call: Any) -> None:
+    """Run ``call``; an object that vanished or was replaced since the listing (a 404 or a
+    412 while downloading) is a :class:`TransientSourceError`: the upload is in progress."""
+    try:
+        call()
+    except SourceError as exc:
+        statuses = {status_of(exc), status_of(exc.__cause__) if exc.__cause__ else None}
+        if isinstance(exc, TransientSourceError) or not statuses & {404, 412}:
+            raise
+        raise TransientSourceError(
+            f"{what} was replaced or removed while it was being downloaded; nothing was published.",
+            "Run the loader again once the upload has finished (it resumes).",
+        ) from exc
+
+
+def _received_crc32c(obj: _Object) -> int:
+    """The CRC32C of the complete partial file, combined from its slices' values: those this run
+    received, and, read back from the file, those a killed run wrote."""
+    crc = 0
+    for index, (start, end) in enumerate(obj.slices):
+        length = end - start + 1
+        part = obj.crcs.get(index)
+        if part is None:
+            part = range_crc32c(obj.partial, start, length)
+        crc = crc32c_combine(crc, part, length)
+    return crc
+
+
+def _arrived_intact(obj: _Object) -> bool:
+    """True if the partial file holds exactly the object's bytes: size, then the CRC32C of
+    what arrived, or the MD5 read back for an object that records no CRC32C."""
+    if not obj.partial.is_file() or obj.partial.stat().st_size != obj.size:
+        return False
+    if obj.blob.crc32c:
+        return crc32c_text(_received_crc32c(obj)) == obj.blob.crc32c
+    if obj.blob.md5_hash:
+        return file_md5(obj.partial) == obj.blob.md5_hash
+    return False
+
+
+def _finish(obj: _Object, dest: Path, *, durable: bool = True) -> None:
+    """Verify the complete temporary file and move it into place (``durable``: fsynced)."""
+    if not _arrived_intact(obj):
         expected = obj.blob.crc32c or obj.blob.md5_hash
-        obj.partial.unlink(missing_ok=True)
-        obj.journal.unlink(missing_ok=True)
+        fs.unlink(obj.partial)
+        fs.unlink(obj.journal)
         message = (
             f"gs://{obj.blob.bucket.name}/{obj.blob.name}: downloaded bytes do not match "
             f"the checksum in the object's metadata ({expected}); the download was "
@@ -417,8 +519,8 @@ def _finish(obj: _Object, dest: Path) -> None:
                 "from scratch; if that fails too, re-upload the object.",
             )
         raise ChecksumMismatchError(message)
-    place(obj.partial, obj.final, dest=dest)
-    obj.journal.unlink(missing_ok=True)
+    place(obj.partial, obj.final, dest=dest, durable=durable)
+    fs.unlink(obj.journal)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
 
 
@@ -438,8 +540,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(options)
     client = funnel.gcs(lambda _: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
-    dest.mkdir(parents=True, exist_ok=True)
-    partial_root = dest / PARTIAL_DIR
+    fs.makedirs(dest)
 
     hooks = options.hooks or ArrivalHooks()
     objects: list[_Object] = []
@@ -454,7 +555,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             log.debug("already present and verified: %s", final)
             present.append((rel, final))
             continue
-        partial = partial_root / f"{rel}.{blob.generation}"
+        partial = own_partial(dest, f"{rel}.{blob.generation}")
         objects.append(
             _Object(
                 blob=blob,
@@ -485,7 +586,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             hooks.arrived(rel, final)
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
         _run(objects, funnel, progress, workers, dest, hooks)
-    shutil.rmtree(partial_root, ignore_errors=True)
+    remove_own_partials(dest)
     return FetchResult(
         path=dest,
         revision=_revision(blobs),
@@ -525,7 +626,7 @@ def _run(
         else:
             last = True
         if last:
-            _finish(obj, dest)
+            _finish(obj, dest, durable=not hooks.transient)
             if hooks.arrived is not None:
                 hooks.arrived(obj.rel, obj.final)
 

@@ -6,8 +6,9 @@
   weights in ONE format (safetensors with its index if present, else PyTorch ``.bin`` with its
   index), the tokenizer files and ``generation_config.json``. Other formats (``*.msgpack``,
   ``*.h5``, ``*.onnx``, ...) and sub-folders are left out.
-* ``snapshot_download`` writes into ``dest/.partial/hf/`` (its own metadata there makes a rerun
-  resume); each file is then verified against the Hub's listing (SHA-256 for LFS files, the git
+* ``snapshot_download`` writes into ``dest/.partial/hf.<owner>/`` (its own metadata there makes a
+  rerun resume; named after this process, :mod:`loader.sources.transfer`, so a loader that lost
+  its lock never writes into its successor's downloads); each file is then verified against the Hub's listing (SHA-256 for LFS files, the git
   blob id otherwise) and only then moved to ``dest/<path>``. Files already in ``dest`` that
   verify are not downloaded again.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
@@ -28,7 +29,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loader import fs
 from loader.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -54,7 +55,13 @@ from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
-from loader.sources.transfer import PARTIAL_DIR, ensure_disk_space, place
+from loader.sources.transfer import (
+    adopt,
+    ensure_disk_space,
+    own_partial,
+    place,
+    remove_own_partials,
+)
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +230,7 @@ class RemoteFile:
 
 
 def _hash_file(path: Path, digest: Any) -> str:
-    with open(path, "rb") as fh:
+    with fs.open_read(path) as fh:
         while chunk := fh.read(8 * 1024 * 1024):
             digest.update(chunk)
     return digest.hexdigest()
@@ -332,7 +339,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
 
-    dest.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(dest)
     hooks = options.hooks or ArrivalHooks()
     chosen = [
         f for f in wanted if f not in hooks.skip and (hooks.include is None or hooks.include(f))
@@ -357,8 +364,9 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         for rel in present:
             hooks.arrived(rel, dest / rel)
     if missing:
-        staging = dest / PARTIAL_DIR / "hf"
-        staging.mkdir(parents=True, exist_ok=True)
+        staging = own_partial(dest, "hf")
+        adopt(staging)
+        fs.makedirs(staging)
         disable_progress_bars()
 
         def download(files: list[str], progress: Progress) -> None:
@@ -378,7 +386,9 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                     what=f"{uri.raw} (download)",
                 )
             for rel in files:
-                _verify_and_place(uri, commit, remote[rel], staging / rel, dest, rel)
+                _verify_and_place(
+                    uri, commit, remote[rel], staging / rel, dest, rel, durable=not hooks.transient
+                )
                 if hooks.arrived is not None:
                     hooks.arrived(rel, dest / rel)
 
@@ -394,7 +404,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                     while hooks.admit is not None and not hooks.admit(rel):
                         time.sleep(ADMIT_POLL_S)
                     download([rel], progress)
-        shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
+        remove_own_partials(dest)
     return FetchResult(
         path=dest,
         revision=commit,
@@ -429,7 +439,14 @@ def _interruptible(fn: Any) -> Any:
 
 
 def _verify_and_place(
-    uri: SourceURI, commit: str, remote: RemoteFile, staged: Path, dest: Path, rel: str
+    uri: SourceURI,
+    commit: str,
+    remote: RemoteFile,
+    staged: Path,
+    dest: Path,
+    rel: str,
+    *,
+    durable: bool = True,
 ) -> None:
     final = dest / rel
     if not staged.is_file():
@@ -438,11 +455,11 @@ def _verify_and_place(
             "Check the repository's files at that revision.",
         )
     if not remote.verify(staged):
-        staged.unlink()
+        fs.unlink(staged)
         raise ChecksumMismatchError(
             f"hf://{uri.location}@{commit}/{remote.path}: downloaded bytes do not match the "
             "Hub's hash for the file; the download was discarded.",
             "Run the loader again; if this repeats, the repository file or a mirror in between "
             "is corrupt.",
         )
-    place(staged, final, dest=dest)
+    place(staged, final, dest=dest, durable=durable)

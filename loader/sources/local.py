@@ -15,29 +15,26 @@ what ``hf download`` and ``snapshot_download`` write) into that cache entry's ow
 from __future__ import annotations
 
 import filecmp
-import hashlib
 import logging
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from loader import digest, fs
 from loader.errors import SourceError, SourceNotFoundError
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
-    PARTIAL_DIR,
     clear_partials,
     ensure_disk_space,
     place,
+    remove_own_partials,
     temporary_download,
 )
 
 log = logging.getLogger(__name__)
-
-_CHUNK = 8 * 2**20
 
 
 #: Names of a Hugging Face cache entry's folder (``<kind>--<org>--<name>``).
@@ -82,19 +79,24 @@ def list_files(root: Path) -> list[str]:
     return sorted(files)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _algorithm(recorded: Fingerprint | None) -> str:
+    """The digest a fingerprint compared with ``recorded`` must use: the one it used (sha256
+    for fingerprints of earlier loaders), else :data:`loader.digest.DEFAULT`."""
+    if recorded is not None:
+        for info in recorded.files.values():
+            for name in digest.ALGORITHMS:
+                if name in info:
+                    return name
+    return digest.DEFAULT
 
 
 def fingerprint_source(
     uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
 ) -> Fingerprint:
-    """Every file's size and sha256; a sha256 ``recorded`` for a file whose stat stamp
+    """Every file's size and digest (BLAKE3, or sha256 to compare with a fingerprint of an
+    earlier loader: :func:`_algorithm`); a digest ``recorded`` for a file whose stat stamp
     (mtime, ctime, inode, size) is unchanged is reused instead of reading the file again."""
+    algorithm = _algorithm(recorded)
     root = _checked_root(uri)
     files = list_files(root)
     stamps, sizes = {}, {}
@@ -107,15 +109,16 @@ def fingerprint_source(
         for rel in files:
             info = recorded.files.get(rel, {})
             if recorded.stamps.get(rel) == stamps[rel] and info.get("size") == sizes[rel]:
-                known[rel] = str(info.get("sha256"))
+                known[rel] = str(info.get(algorithm))
     todo = [rel for rel in files if rel not in known]
     if todo:
         log.info("hashing %s file(s) of %s to fingerprint it", len(todo), root)
         with ThreadPoolExecutor(max_workers=options.workers or min(4, os.cpu_count() or 1)) as pool:
-            known.update(zip(todo, pool.map(lambda rel: _sha256(root / rel), todo), strict=True))
+            digests = pool.map(lambda rel: digest.of_file(root / rel, algorithm), todo)
+            known.update(zip(todo, digests, strict=True))
     return Fingerprint(
         uri=uri.canonical,
-        files={rel: {"size": sizes[rel], "sha256": known[rel]} for rel in files},
+        files={rel: {"size": sizes[rel], algorithm: known[rel]} for rel in files},
         stamps=stamps,
     )
 
@@ -156,7 +159,7 @@ def _copy(
 ) -> FetchResult:
     if dest.resolve() == root.resolve():
         return FetchResult(path=root, revision=None, files=files, bytes=total)
-    dest.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(dest)
     clear_partials(dest)
     todo = [f for f in files if not _same(root / f, dest / f)]
     needed = sum((root / f).stat().st_size for f in todo)
@@ -166,7 +169,7 @@ def _copy(
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:
             with temporary_download(dest, rel) as tmp:
-                shutil.copyfile(root / rel, tmp)
+                fs.copy_file(root / rel, tmp)
                 if not filecmp.cmp(root / rel, tmp, shallow=False):
                     raise SourceError(
                         f"Copy of {root / rel} differs from its source.",
@@ -174,7 +177,7 @@ def _copy(
                     )
                 place(tmp, dest / rel, dest=dest)
             progress.update((dest / rel).stat().st_size)
-    shutil.rmtree(dest / PARTIAL_DIR, ignore_errors=True)
+    remove_own_partials(dest)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
 
 

@@ -1,10 +1,20 @@
 """Helpers every source backend shares: temporary names, atomic placement, checksums and the
 free-disk-space check (retrying is :mod:`loader.sources.failures`).
 
-A download is written to ``DEST/.partial/<relative path>.<random>`` and renamed to
+A download is written to ``DEST/.partial/<relative path>.<owner>...`` and renamed to
 ``DEST/<relative path>`` only after it was verified, so a complete-looking file under ``DEST``
-is always a verified one and a killed download leaves only files under ``.partial/`` (removed
-by the next run).
+is always a verified one and a killed download leaves only files under ``.partial/``.
+
+Partial names carry their owner (:func:`loader.fs.owner`: pid and host), so two loaders never
+write the same partial file: not even a loader that stalled, lost its publish lock and still
+has downloads landing while its successor fetches the same key. What a gone owner of this host
+left is taken over (a rerun resumes it: :func:`adopt`) or removed (:func:`clear_partials`);
+what a live owner or another host's writes is left alone, and each fetch removes only its own
+partial files at the end (:func:`remove_own_partials`).
+
+CRC32C: Cloud Storage records each object's CRC32C; a download computes the CRC32C of every
+byte-range slice from the bytes as they arrive, and :func:`crc32c_combine` joins the slices'
+values (in any order of arrival) into the object's, so no file is read back to verify it.
 
 Nothing is written through a symbolic link inside DEST: :func:`safe_path` refuses a path whose
 directories under DEST include a link (or a file), so a DEST holding a link to elsewhere cannot
@@ -15,14 +25,15 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from loader import fs
 from loader.errors import InsufficientDiskSpaceError, SourceError
+from loader.fs import Dir
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
@@ -50,7 +61,8 @@ def safe_path(dest: Path, relpath: str) -> Path:
             )
         if not path.exists():
             try:
-                path.mkdir()
+                with Dir.open(path.parent) as parent:
+                    parent.mkdir(path.name)
             except FileExistsError:
                 pass
             except NotADirectoryError as exc:
@@ -59,31 +71,107 @@ def safe_path(dest: Path, relpath: str) -> Path:
 
 
 def partial_path(dest: Path, relpath: str) -> Path:
-    """A unique temporary path for ``relpath`` under ``dest``'s partial directory."""
-    return safe_path(dest, f"{PARTIAL_DIR}/{relpath}.{secrets.token_hex(4)}")
+    """A unique temporary path for ``relpath`` under ``dest``'s partial directory, named after
+    this process."""
+    return safe_path(dest, f"{PARTIAL_DIR}/{relpath}.{fs.owner()}.{secrets.token_hex(4)}")
+
+
+def own_partial(dest: Path, relpath: str) -> Path:
+    """``DEST/.partial/<relpath>.<owner>``: this process's partial file (or directory) for
+    ``relpath``, its directories created."""
+    return safe_path(dest, f"{PARTIAL_DIR}/{relpath}.{fs.owner()}")
+
+
+def adopt(ours: Path, *, companions: tuple[str, ...] = ()) -> bool:
+    """Take over the partial download a gone owner of this host left for the same name as
+    ``ours`` (``<name>.<their owner>`` beside it), with its ``companions`` (suffixes of
+    files that go with it, such as a journal): a rerun resumes it. A live owner's, or another
+    host's, is left alone. True if something was taken over."""
+    if fs.lexists(ours):
+        return False
+    stem = ours.name[: -len(fs.owner())]
+    with Dir.open(ours.parent) as d:
+        for name in d.names():
+            tag = name[len(stem) :]
+            if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
+                continue
+            d.rename(name, d, ours.name, how="replace")
+            for suffix in companions:
+                if d.lstat(name + suffix) is not None:
+                    d.rename(name + suffix, d, ours.name + suffix, how="replace")
+            log.info("resuming the partial download %s of a stopped run", d.path / name)
+            return True
+    return False
+
+
+def _partials(d: Dir, keep: object) -> bool:
+    """Remove the entries under ``d`` that ``keep(owner tag or None)`` refuses, then the empty
+    directories; whether ``d`` is empty now."""
+    empty = True
+    for name in d.names():
+        tag = fs.owner_in(name)
+        if tag is None and d.is_dir(name):
+            with d.sub(name) as sub:
+                if _partials(sub, keep):
+                    d.rmdir(name)
+                    continue
+            empty = False
+        elif keep(tag):  # type: ignore[operator]
+            empty = False
+        else:
+            d.remove_tree(name)
+    return empty
 
 
 def clear_partials(dest: Path) -> None:
-    """Remove what killed runs left under ``dest``'s partial directory (a link there is
-    removed, never followed)."""
+    """Remove what stopped runs left under ``dest``'s partial directory: entries of gone
+    owners of this host and entries naming no owner (older loaders); a link there is
+    removed, never followed. A live owner's, or another host's, stay."""
     partial = dest / PARTIAL_DIR
-    if partial.is_symlink() or partial.is_file():
-        partial.unlink()
-    elif partial.exists():
-        log.info("removing unfinished downloads of an earlier run under %s", partial)
-        shutil.rmtree(partial)
+    if not fs.lexists(partial):
+        return
+    with Dir.open(dest) as d:
+        if not d.is_dir(PARTIAL_DIR):
+            d.unlink(PARTIAL_DIR)
+            return
+        with d.sub(PARTIAL_DIR) as sub:
+            empty = _partials(sub, lambda tag: tag is not None and not fs.owner_gone(tag))
+        if empty:
+            d.rmdir(PARTIAL_DIR)
 
 
-def place(tmp: Path, final: Path, *, dest: Path | None = None) -> None:
+def remove_own_partials(dest: Path) -> None:
+    """Remove this process's partial files under ``dest`` (and ``.partial`` once empty);
+    what other owners write there stays."""
+    if not fs.lexists(dest / PARTIAL_DIR):
+        return
+    ours = fs.owner()
+    with Dir.open(dest) as d:
+        if not d.is_dir(PARTIAL_DIR):
+            return
+        with d.sub(PARTIAL_DIR) as sub:
+            empty = _partials(sub, lambda tag: tag != ours)
+        if empty:
+            d.rmdir(PARTIAL_DIR)
+
+
+def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = True) -> None:
     """Move a verified temporary file to its final name atomically (same file system); with
-    ``dest``, ``final``'s directories under it must be real directories (:func:`safe_path`)."""
+    ``dest``, ``final``'s directories under it must be real directories (:func:`safe_path`).
+
+    ``durable``: fsync the file first, so that a file under its final name survives a power
+    loss. A file its reader deletes soon after (:attr:`ArrivalHooks.transient
+    <loader.sources.ArrivalHooks>`) is not fsynced: if it is deleted before the kernel writes it
+    back, it never costs a disk write; after a crash the next run finds it damaged (its checksum)
+    or missing, and downloads it again.
+    """
     if dest is not None:
         safe_path(dest, final.relative_to(dest).as_posix())
     else:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+        fs.makedirs(final.parent)
+    if durable:
+        fs.fsync_path(tmp)
+    fs.rename(tmp, final)
 
 
 @contextmanager
@@ -93,19 +181,72 @@ def temporary_download(dest: Path, relpath: str) -> Iterator[Path]:
     try:
         yield tmp
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        fs.unlink(tmp)
         raise
 
 
-def file_crc32c(path: Path) -> str:
-    """The CRC32C of a file as Cloud Storage writes it: base64 of the big-endian 32-bit value."""
+def crc32c_text(value: int) -> str:
+    """A CRC32C as Cloud Storage writes it: base64 of the big-endian 32-bit value."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def range_crc32c(path: Path, start: int = 0, length: int | None = None) -> int:
+    """The CRC32C of ``length`` bytes of a file from ``start`` (to its end when None)."""
     import google_crc32c
 
-    checksum = google_crc32c.Checksum()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            checksum.update(chunk)
-    return base64.b64encode(checksum.digest()).decode("ascii")
+    crc = 0
+    with fs.open_read(path) as fh:
+        fh.seek(start)
+        left = length
+        while left is None or left > 0:
+            chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
+            if not chunk:
+                break
+            crc = google_crc32c.extend(crc, chunk)
+            left = None if left is None else left - len(chunk)
+    return crc
+
+
+def file_crc32c(path: Path) -> str:
+    """The CRC32C of a file as Cloud Storage writes it (:func:`crc32c_text`)."""
+    return crc32c_text(range_crc32c(path))
+
+
+#: The CRC-32C (Castagnoli) polynomial without its x^32 term, bit-reversed: CRC32C keeps its
+#: remainders with x^0 in the highest bit, and so do the helpers below.
+_CRC32C_POLY = 0x82F63B78
+_X0 = 1 << 31  # the polynomial 1 in that order
+
+
+def _times(a: int, b: int) -> int:
+    """a x b modulo the CRC-32C polynomial (both bit-reversed remainders)."""
+    product = 0
+    for bit in range(31, -1, -1):  # a's terms x^0 .. x^31
+        if a >> bit & 1:
+            product ^= b
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1  # b x x
+    return product
+
+
+#: x^(2^k) modulo the polynomial, k = 0 .. 63.
+_X_TO_2_TO_THE: list[int] = [_X0 >> 1]
+for _ in range(63):
+    _X_TO_2_TO_THE.append(_times(_X_TO_2_TO_THE[-1], _X_TO_2_TO_THE[-1]))
+
+
+def crc32c_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC32C of the bytes ``A + B`` from ``first`` = CRC32C(A), ``second`` = CRC32C(B) and
+    ``second_length`` = len(B): A's remainder shifted past B's bits (times x^(8 len(B))),
+    plus B's. The initial and final inversions of CRC32C cancel out of the sum."""
+    if second_length < 0 or second_length >= 1 << 60:
+        raise ValueError(f"a length of {second_length} bytes is out of range")
+    shift, k, n = _X0, 3, second_length  # x^(8n) from the bits of n: x^(2^(k+3)) per bit k
+    while n:
+        if n & 1:
+            shift = _times(_X_TO_2_TO_THE[k], shift)
+        n >>= 1
+        k += 1
+    return _times(shift, first) ^ second
 
 
 def file_md5(path: Path) -> str:
@@ -113,7 +254,7 @@ def file_md5(path: Path) -> str:
     import hashlib
 
     digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as fh:
+    with fs.open_read(path) as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return base64.b64encode(digest.digest()).decode("ascii")

@@ -48,8 +48,8 @@ add the version or helm.sh/chart here: selectors are immutable.
 Usage: include "model-triton.selectorLabels" (dict "context" $ "component" "triton")
 */}}
 {{- define "model-triton.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "model-triton.name" .context }}
-app.kubernetes.io/instance: {{ .context.Release.Name }}
+app.kubernetes.io/name: {{ include "model-triton.name" .context | quote }}
+app.kubernetes.io/instance: {{ .context.Release.Name | quote }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 

@@ -2,8 +2,8 @@
 
 The files of this package are not imported by the loader; they run inside Triton's Python
 backend. :func:`model_files` says which source file goes where inside a model directory, and
-:func:`install_python_model` copies them, so every repository is self-contained (the Python that
-runs Triton needs numpy and tokenizers, not this project):
+the repository writer (:mod:`loader.repository.layout`) copies them, so every repository is
+self-contained (the Python that runs Triton needs numpy and tokenizers, not this project):
 
 ======================  ==================================================================
 model directory         files (destination relative to the model directory)
@@ -23,7 +23,6 @@ model directory         files (destination relative to the model directory)
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 #: The ``loader`` package directory (the source of the copied modules).
@@ -60,15 +59,3 @@ def model_files(model: str) -> list[tuple[Path, str]]:
             files.append((source, f"1/loader/reference/{source.name}"))
         return files
     raise KeyError(f"no Python-backend model named {model!r}; expected one of {PYTHON_MODELS}")
-
-
-def install_python_model(model: str, model_dir: Path | str) -> list[Path]:
-    """Copy ``model``'s files into ``model_dir`` (a staging directory); returns the copies."""
-    model_dir = Path(model_dir)
-    copied = []
-    for source, relative in model_files(model):
-        target = model_dir / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
-        copied.append(target)
-    return copied

@@ -1,0 +1,30 @@
+"""JSON documents the loader reads (``config.json``, indexes, safetensors headers, manifests,
+journals, locks): one parser, whose every failure is a ``ValueError``.
+
+``json.loads`` raises ``RecursionError`` for a document nested deeper than the interpreter's
+stack allows (``[[[[...]]]]``); read from a checkpoint or a remote listing, that is bad input
+like any other malformed document, so it is a ``ValueError`` here and callers report it as
+theirs (a :class:`~loader.errors.CheckpointError`, a manifest to republish). Sizes are bounded
+where the bytes are read (:func:`loader.fs.read_file`). Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: The largest ``config.json`` (or index) the loader reads: real ones are a few kB (an index
+#: of a large model a few MB).
+MAX_CONFIG_BYTES = 64 * 2**20
+
+
+class TooDeep(ValueError):
+    """A document nested deeper than the parser's stack allows."""
+
+
+def loads(data: bytes | str) -> Any:
+    """``json.loads`` whose failures are all ``ValueError`` (see the module docstring)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise TooDeep("it is nested too deeply to be a document of its kind") from None

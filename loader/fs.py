@@ -1,0 +1,587 @@
+"""Every file-system operation the loader makes on what it writes, in one module: relative to
+directory descriptors under the repository root, and through one seam for fault injection.
+
+**What is the loader's.** The trees the loader keeps under ``ROOT`` (published keys,
+``.staging``, ``.trash``, ``.locks``, ``.work``) are reached from a descriptor of ``ROOT``, one
+name at a time (:class:`Dir`):
+
+* a directory is entered with ``openat(O_DIRECTORY | O_NOFOLLOW)``: a symbolic link there, or a
+  file where a directory belongs, is a :class:`~loader.errors.NotOursError` (exit 2, saying what
+  was found), never followed;
+* a file is opened with ``O_NOFOLLOW``, and created with ``O_EXCL`` where the loader creates it;
+* a tree is removed (:meth:`Dir.remove_tree`) only by callers that found the loader's own marker
+  in it (:meth:`Dir.marked`: a regular file naming the key; a published key's manifest counts),
+  relative to descriptors: a link inside is unlinked, never followed;
+* a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
+  and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
+  servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
+  :mod:`loader.repository.publish`).
+
+Paths the user names (``--repository``, ``--work-dir``, a local source) are followed as given:
+they are the user's choice. Below them, nothing is.
+
+**The seam.** Every call that reaches the operating system goes through :func:`_seam` first,
+with the operation's name and its path. :func:`inject` installs a hook there that may raise an
+``OSError``: the fault-injection tests count the calls a clean run makes, then fail each one in
+turn with each errno of :data:`loader.errors.ERRNO_CLASSES` (``tests/test_fault_injection.py``).
+Without a hook the seam costs one global read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import os
+import re
+import socket
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from loader.errors import NotOursError
+
+# --- owners: who made a temporary name --------------------------------------------------------
+
+
+def host_digest(host: str | None = None) -> str:
+    """8 hex digits naming a host in temporary names (host names can be long)."""
+    host = host if host is not None else socket.gethostname()
+    return hashlib.sha256(host.encode("utf-8")).hexdigest()[:8]
+
+
+def owner() -> str:
+    """``<pid>-<host digest>``: this process, in the names of what it writes for a while
+    (staging directories, partial downloads), so two loaders never write the same file."""
+    return f"{os.getpid()}-{host_digest()}"
+
+
+_OWNER = re.compile(r"(\d+)-([0-9a-f]{8})")
+
+
+def owner_in(name: str) -> str | None:
+    """The owner tag a name carries as one of its dot-separated parts, if any."""
+    found = [part for part in name.split(".") if _OWNER.fullmatch(part)]
+    return found[-1] if found else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def owner_gone(tag: str) -> bool:
+    """Whether the owner ``tag`` names ran on this host and is gone: only then may another
+    process take over what it was writing (a live one, or one of another host, may still
+    write there)."""
+    match = _OWNER.fullmatch(tag)
+    if match is None or match[2] != host_digest():
+        return False
+    pid = int(match[1])
+    return pid != os.getpid() and not pid_alive(pid)
+
+
+#: A hook of the seam: ``hook(operation, path)``; raising an ``OSError`` fails the call.
+Hook = Callable[[str, str], None]
+_hook: Hook | None = None
+
+
+def _seam(op: str, path: object) -> None:
+    hook = _hook
+    if hook is not None:
+        hook(op, os.fsdecode(path) if isinstance(path, str | bytes | os.PathLike) else str(path))
+
+
+@contextlib.contextmanager
+def inject(hook: Hook) -> Iterator[None]:
+    """Call ``hook(operation, path)`` before every file-system call of the loader while the
+    block runs (all threads); for tests."""
+    global _hook
+    previous, _hook = _hook, hook
+    try:
+        yield
+    finally:
+        _hook = previous
+
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+#: errno values of a ``renameat2`` the file system or kernel does not support.
+NO_RENAMEAT2 = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: What the loader reads of its own small files (markers, locks, journals) at most.
+SMALL_FILE_BYTES = 16 * 2**20
+
+
+def _component(name: str) -> str:
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise ValueError(f"not a single path component: {name!r}")
+    return name
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a file"
+    return "a special file"
+
+
+class Dir:
+    """An open directory: its descriptor and, for messages, its path. Use as a context manager
+    (the descriptor is closed at the end)."""
+
+    __slots__ = ("fd", "path")
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+
+    # -- entering --------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: Path | str, *, create: bool = False) -> Dir:
+        """A directory the user named (``--repository``, ``--work-dir``): its path is followed
+        as given; with ``create`` it and its parents are created."""
+        path = Path(path).absolute()
+        if create:
+            _seam("mkdir", path)
+            path.mkdir(parents=True, exist_ok=True)
+        _seam("open", path)
+        return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+
+    def sub(self, name: str, *, create: bool = False, what: str = "directory") -> Dir:
+        """The directory ``name`` in this one, never through a link; with ``create`` made if
+        absent. A link or a file there is a :class:`NotOursError` (``what`` names it)."""
+        if create:
+            self.mkdir(name, exist_ok=True, what=what)
+        _seam("open", self.path / name)
+        try:
+            fd = os.open(_component(name), _DIR_FLAGS, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise self.not_ours(name, f"the loader's {what}") from exc
+            raise _named(exc, self.path / name) from None
+        return Dir(fd, self.path / name)
+
+    def walk(self, relpath: str, *, create: bool = False) -> Dir:
+        """The directory ``relpath`` (``a/b/c``) below this one, one name at a time."""
+        current = self
+        opened: list[Dir] = []
+        try:
+            for part in relpath.split("/"):
+                current = current.sub(part, create=create)
+                opened.append(current)
+        finally:
+            for d in opened[:-1]:
+                d.close()
+        return current
+
+    def mkdir(
+        self, name: str, mode: int = 0o755, *, exist_ok: bool = False, what: str = "directory"
+    ) -> bool:
+        """Create the directory ``name``; True when this call created it. With ``exist_ok`` an
+        existing directory is fine (a link or a file is :class:`NotOursError`)."""
+        _seam("mkdir", self.path / name)
+        try:
+            with _naming(self.path / name, relative=True):
+                os.mkdir(_component(name), mode, dir_fd=self.fd)
+            return True
+        except FileExistsError:
+            if not exist_ok:
+                raise
+            found = self.lstat(name)
+            if found is None or not stat.S_ISDIR(found.st_mode):
+                raise self.not_ours(name, f"the loader's {what}") from None
+            return False
+
+    # -- looking ---------------------------------------------------------------------------
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """The entry ``name`` itself (a link is not followed); None when absent."""
+        _seam("stat", self.path / name)
+        try:
+            with _naming(self.path / name, relative=True):
+                return os.stat(_component(name), dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def kind(self, name: str) -> str | None:
+        """``a directory``, ``a file``, ``a symbolic link``, ``a special file``, or None."""
+        found = self.lstat(name)
+        return None if found is None else _kind(found.st_mode)
+
+    def is_dir(self, name: str) -> bool:
+        found = self.lstat(name)
+        return found is not None and stat.S_ISDIR(found.st_mode)
+
+    def names(self) -> list[str]:
+        """The entries of this directory, sorted."""
+        _seam("list", self.path)
+        with _naming(self.path):
+            return sorted(os.listdir(self.fd))
+
+    def not_ours(self, name: str, expected: str) -> NotOursError:
+        """The error for ``name`` holding something else than ``expected``."""
+        try:
+            found = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            what = "something else"
+        else:
+            what = _kind(found.st_mode)
+            if stat.S_ISLNK(found.st_mode):
+                with contextlib.suppress(OSError):
+                    what += f" to {os.readlink(name, dir_fd=self.fd)}"
+        return NotOursError(self.path / name, what, expected)
+
+    # -- files -----------------------------------------------------------------------------
+
+    def open_file(self, name: str, flags: int, mode: int = 0o644) -> int:
+        """``openat`` of the file ``name`` with ``O_NOFOLLOW``: a link there is
+        :class:`NotOursError`; returns the descriptor."""
+        _seam("open", self.path / name)
+        try:
+            return os.open(
+                _component(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd
+            )
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self.not_ours(name, "a file the loader writes") from exc
+            raise _named(exc, self.path / name) from None
+
+    def read(self, name: str, *, limit: int = SMALL_FILE_BYTES) -> bytes | None:
+        """The content of the regular file ``name`` (at most ``limit`` bytes); None when
+        absent. A link is :class:`NotOursError`; a directory there is ``IsADirectoryError``."""
+        try:
+            fd = self.open_file(name, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise self.not_ours(name, "a file the loader writes")
+            return read_fd(fd, self.path / name, limit=limit)
+        finally:
+            os.close(fd)
+
+    def write(self, name: str, data: bytes, *, exclusive: bool = True, sync: bool = True) -> None:
+        """Write the file ``name`` (created with ``O_EXCL`` unless ``exclusive`` is False:
+        then an existing regular file is overwritten); fsynced unless ``sync`` is False."""
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        fd = self.open_file(name, flags)
+        try:
+            write_fd(fd, data, self.path / name)
+            if sync:
+                fsync_fd(fd, self.path / name)
+        finally:
+            os.close(fd)
+
+    def marked(self, name: str, marker: str, owner: str) -> bool:
+        """Whether the directory ``name`` is a real directory holding the regular file
+        ``marker`` whose first line is ``owner``: the loader made it (the only kind of tree it
+        removes)."""
+        if not self.is_dir(name):
+            return False
+        try:
+            with self.sub(name) as d:
+                content = d.read(marker, limit=4096)
+        except (NotOursError, FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return False
+        return content is not None and content.decode("utf-8", "replace").split("\n")[0] == owner
+
+    # -- changing --------------------------------------------------------------------------
+
+    def rename(self, name: str, to: Dir, to_name: str, *, how: str = "noreplace") -> None:
+        """Rename ``name`` to ``to/to_name`` in one step. ``how``: ``noreplace`` (fails with
+        EEXIST when the target exists, even as an empty directory), ``exchange`` (swaps two
+        existing entries atomically) or ``replace`` (``renameat``). A file system without
+        ``renameat2`` raises an ``OSError`` whose errno is in :data:`NO_RENAMEAT2`."""
+        src, dst = self.path / name, to.path / to_name
+        _seam("rename" if how == "replace" else f"rename-{how}", f"{src} -> {dst}")
+        if how == "replace":
+            try:
+                os.rename(_component(name), _component(to_name), src_dir_fd=self.fd,
+                          dst_dir_fd=to.fd)  # fmt: skip
+            except OSError as exc:
+                raise _named(exc, src, dst) from None
+            return
+        flags = {"noreplace": _RENAME_NOREPLACE, "exchange": _RENAME_EXCHANGE}[how]
+        if _renameat2 is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not available", str(src), None, str(dst))
+        result = _renameat2(
+            self.fd, os.fsencode(_component(name)), to.fd, os.fsencode(_component(to_name)), flags
+        )
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+    def link(self, name: str, to_name: str) -> None:
+        """A hard link ``to_name`` to the file ``name`` (both in this directory)."""
+        _seam("link", f"{self.path / name} -> {self.path / to_name}")
+        with _naming(self.path / to_name, relative=True):
+            os.link(_component(name), _component(to_name), src_dir_fd=self.fd,
+                    dst_dir_fd=self.fd, follow_symlinks=False)  # fmt: skip
+
+    def unlink(self, name: str, *, missing_ok: bool = False) -> None:
+        """Remove the file or link ``name`` (a link is removed, not what it points to)."""
+        _seam("unlink", self.path / name)
+        try:
+            os.unlink(_component(name), dir_fd=self.fd)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+        except OSError as exc:
+            raise _named(exc, self.path / name) from None
+
+    def rmdir(self, name: str) -> None:
+        _seam("rmdir", self.path / name)
+        with _naming(self.path / name, relative=True):
+            os.rmdir(_component(name), dir_fd=self.fd)
+
+    def remove_tree(self, name: str) -> None:
+        """Remove ``name`` and everything below it, relative to descriptors: a link is
+        unlinked, never followed, and nothing outside ``name`` is touched. Callers remove only
+        trees carrying the loader's marker (:meth:`marked`)."""
+        found = self.lstat(name)
+        if found is None:
+            return
+        if not stat.S_ISDIR(found.st_mode):
+            self.unlink(name, missing_ok=True)
+            return
+        with self.sub(name) as d:
+            for entry in d.names():
+                d.remove_tree(entry)
+        self.rmdir(name)
+
+    def chmod(self, name: str, mode: int) -> None:
+        """Set the mode of ``name`` (not through a link: a link is skipped) unless it has it
+        already (a mode change moves the ctime, which sealed files keep)."""
+        found = self.lstat(name)
+        if found is None or stat.S_ISLNK(found.st_mode) or stat.S_IMODE(found.st_mode) == mode:
+            return
+        _seam("chmod", self.path / name)
+        with _naming(self.path / name, relative=True):
+            os.chmod(_component(name), mode, dir_fd=self.fd, follow_symlinks=True)
+
+    def fsync(self) -> None:
+        """Make this directory's entries durable."""
+        fsync_fd(self.fd, self.path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Dir({str(self.path)!r})"
+
+
+@contextlib.contextmanager
+def _naming(path: object, *, relative: bool = False) -> Iterator[None]:
+    """An ``OSError`` of a call on a descriptor (or, with ``relative``, on a name relative to
+    one), given the whole path it concerns: the errno mapping's message and hint name it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None or (exc.filename is not None and not relative):
+            raise
+        raise _named(exc, path) from None
+
+
+def _named(exc: OSError, path: object, path2: object | None = None) -> OSError:
+    """``exc`` with the path it concerns (errors raised relative to a descriptor name only the
+    relative name)."""
+    if exc.errno is None:
+        return exc
+    return type(exc)(
+        exc.errno, exc.strerror, str(path), None, None if path2 is None else str(path2)
+    )
+
+
+# --- descriptors and paths -------------------------------------------------------------------
+
+
+def read_fd(fd: int, path: object, *, limit: int) -> bytes:
+    """Read a whole file from ``fd``; more than ``limit`` bytes is an ``EFBIG`` OSError."""
+    _seam("read", path)
+    chunks, size = [], 0
+    with _naming(path):
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    return b"".join(chunks)
+
+
+def write_fd(fd: int, data: bytes | memoryview, path: object) -> None:
+    """Write all of ``data`` to ``fd``."""
+    _seam("write", path)
+    view = memoryview(data).cast("B")
+    with _naming(path):
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+
+
+def rewrite_fd(fd: int, data: bytes, path: object) -> None:
+    """Make the file open at ``fd`` hold exactly ``data`` (written at offset 0, truncated)."""
+    _seam("write", path)
+    with _naming(path):
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+
+
+def fsync_fd(fd: int, path: object) -> None:
+    _seam("fsync", path)
+    with _naming(path):
+        os.fsync(fd)
+
+
+def fsync_path(path: Path, *, directory: bool = False) -> None:
+    """fsync the file (or directory) at ``path``."""
+    _seam("open", path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
+    try:
+        fsync_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def create(path: Path) -> BinaryIO:
+    """A new file at ``path`` (``O_EXCL``, never through a link), open for unbuffered
+    writing: the converter's outputs, inside a directory the loader just created."""
+    _seam("open", path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return open(fd, "wb", buffering=0, closefd=True)
+
+
+def write_file(path: Path, data: bytes, *, sync: bool = False) -> None:
+    """Write ``data`` to a new or existing regular file at ``path`` (never through a link)."""
+    _write(path, data, os.O_TRUNC, sync)
+
+
+def append(path: Path, data: bytes, *, sync: bool = False) -> None:
+    """Append ``data`` to the regular file at ``path`` (created if absent, never through a
+    link); fsynced with ``sync``."""
+    _write(path, data, os.O_APPEND, sync)
+
+
+def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
+    _seam("open", path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        write_fd(fd, data, path)
+        if sync:
+            fsync_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def lexists(path: Path) -> bool:
+    """Whether anything (a link too) is at ``path``."""
+    _seam("stat", path)
+    return os.path.lexists(path)
+
+
+def stat_path(path: Path, *, follow: bool = False) -> os.stat_result:
+    """The entry at ``path`` itself (a link is not followed unless ``follow``: a path the user
+    named)."""
+    _seam("stat", path)
+    return os.stat(path, follow_symlinks=follow)
+
+
+def read_file(path: Path, *, limit: int) -> bytes:
+    """The content of the file at ``path`` (links followed: sources may use them), at most
+    ``limit`` bytes (``EFBIG`` beyond)."""
+    _seam("open", path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_fd(fd, path, limit=limit)
+    finally:
+        os.close(fd)
+
+
+def open_read(path: Path, *, follow: bool = True) -> BinaryIO:
+    """``path`` open for reading (a checkpoint file); with ``follow`` False, never through a
+    link at its last component (a repository's file)."""
+    _seam("open", path)
+    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    return open(os.open(path, flags), "rb")
+
+
+_COPY_CHUNK = 8 * 2**20
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """Copy ``source`` to the new file ``target`` (never through a link), in bounded chunks."""
+    with open_read(source) as src, create(target) as dst:
+        while True:
+            _seam("read", source)
+            with _naming(source):
+                chunk = src.read(_COPY_CHUNK)
+            if not chunk:
+                break
+            write_fd(dst.fileno(), chunk, target)
+
+
+def open_update(path: Path) -> BinaryIO:
+    """The existing regular file ``path`` open for reading and writing in place, unbuffered
+    (never through a link)."""
+    _seam("open", path)
+    return open(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), "r+b", buffering=0)
+
+
+def truncate(fd: int, size: int, path: object) -> None:
+    _seam("write", path)
+    with _naming(path):
+        os.ftruncate(fd, size)
+
+
+def makedirs(path: Path) -> None:
+    """``path`` and its missing parents, as directories."""
+    _seam("mkdir", path)
+    Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def rename(source: Path, target: Path) -> None:
+    """``rename(2)`` by path (inside a tree the loader made)."""
+    _seam("rename", f"{source} -> {target}")
+    os.rename(source, target)
+
+
+def unlink(path: Path, *, missing_ok: bool = True) -> None:
+    _seam("unlink", path)
+    Path(path).unlink(missing_ok=missing_ok)
+
+
+def copy_range(src_fd: int, dst_fd: int, count: int, offset: int, path: object) -> int:
+    """``copy_file_range`` of ``count`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``."""
+    _seam("copy", path)
+    with _naming(path):
+        return os.copy_file_range(src_fd, dst_fd, count, offset)
+
+
+def pread(fd: int, count: int, offset: int, path: object) -> bytes:
+    _seam("read", path)
+    with _naming(path):
+        return os.pread(fd, count, offset)

@@ -1,0 +1,125 @@
+"""What Triton will load, checked before anything is published: the one place.
+
+A repository is published only if every part Triton loads would load, so a bad input ends as
+a typed error (exit 2) before the conversion, never as a repository that fails in Triton or as a
+traceback:
+
+* **the tokenizer** (:func:`check_tokenizer`): loaded by the repository's own
+  ``load_tokenizer()`` (``loader/repository/models/tokenization.py``, the code the
+  ``preprocessing`` and ``postprocessing`` models run) from the checkpoint's files, which the
+  repository copies byte for byte; each file at most :data:`MAX_TOKENIZER_BYTES`; every id it
+  produces must index the model's embedding (below ``vocab_size``);
+* **config.ini** (:func:`check_ft_config`): FasterTransformer reads every number of ``[gptj]``
+  as a C ``int`` (``INIReader::GetInteger`` into the ``int start_id, int end_id`` and the sizes
+  of ``GptJTritonModel``'s constructor, ``src/fastertransformer/triton_backend/gptj/
+  GptJTritonModel.cc``), so each must fit in int32; ``start_id`` and ``end_id`` are token ids:
+  below ``vocab_size`` (an end id beyond it never ends a generation);
+* **config.pbtxt** (:func:`check_settings`): each number within the range of its
+  ``ModelConfig`` field (``max_batch_size``, ``instance_group.count`` and
+  ``preferred_batch_size`` are int32, ``max_queue_delay_microseconds`` uint64), then every
+  config built by the same builders the repository is written with, so protobuf itself checks
+  what it accepts.
+
+The safetensors headers get the checks of the ``safetensors`` library where they are read
+(:class:`loader.checkpoint.SafetensorsFile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from loader import fs
+from loader.errors import CheckpointError, RepositoryError
+from loader.formats.fastertransformer import FTConfig
+from loader.parallel import Parallelism
+from loader.repository.config import RepositorySpec, build_all
+from loader.repository.key import ServingSettings
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+#: The largest tokenizer file copied into a repository (real ones are a few MB).
+MAX_TOKENIZER_BYTES = 256 * 2**20
+
+
+def check_settings(name: str, parallelism: Parallelism, settings: ServingSettings) -> None:
+    """Every number of the repository's ``config.pbtxt`` files within its field's range, and
+    the configs built (see the module docstring); a :class:`RepositoryError` naming the flag
+    otherwise."""
+    numbers = [
+        ("--max-batch-size", settings.max_batch_size, INT32_MAX),
+        ("--instance-count", parallelism.instance_count, INT32_MAX),
+        ("--tp-size", parallelism.tp, INT32_MAX),
+        ("--pp-size", parallelism.pp, INT32_MAX),
+        ("--max-queue-delay-us", settings.max_queue_delay_us, UINT64_MAX),
+        *(("--preferred-batch-size", size, INT32_MAX) for size in settings.preferred_batch_sizes),
+    ]
+    for flag, value, most in numbers:
+        if value > most:
+            raise RepositoryError(
+                f"{flag} {value} is beyond what Triton's model configuration holds "
+                f"(at most {most}).",
+                f"Pass {flag} between 1 and {most} (values that large are a typo).",
+            )
+    spec = RepositorySpec(name, parallelism, settings, data_type="fp16", end_id=0)
+    try:
+        build_all(spec)
+    except (ValueError, TypeError) as exc:
+        raise RepositoryError(
+            f"Triton's model configuration refuses these settings: {exc}.",
+            "Check --max-batch-size, --instance-count, --preferred-batch-size and "
+            "--max-queue-delay-us.",
+        ) from exc
+
+
+def check_ft_config(config: FTConfig) -> None:
+    """``config.ini``'s numbers as FasterTransformer reads them (see the module docstring)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, int) and not 0 <= value <= INT32_MAX:
+            raise CheckpointError(
+                f"config.json gives {field.name} = {value}, beyond the 32-bit integer "
+                "FasterTransformer reads it into.",
+                "Use the checkpoint's original config.json.",
+            )
+    for name in ("start_id", "end_id"):
+        value = getattr(config, name)
+        if value >= config.vocab_size:
+            source = "eos_token_id" if name == "end_id" else "bos_token_id"
+            raise CheckpointError(
+                f"config.json's {source} gives {name} = {value}, not a token of the model's "
+                f"vocabulary (vocab_size {config.vocab_size}).",
+                f"Fix {source} in config.json (an id below vocab_size), or use the "
+                "checkpoint's original config.json.",
+            )
+
+
+def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> None:
+    """Load the tokenizer the repository will hold, as its models will (see the module
+    docstring); a :class:`CheckpointError` naming the file otherwise."""
+    for path in files:
+        size = fs.stat_path(path, follow=True).st_size
+        if size > MAX_TOKENIZER_BYTES:
+            raise CheckpointError(
+                f"{path} holds {size} bytes, more than a tokenizer file can "
+                f"({MAX_TOKENIZER_BYTES // 2**20} MiB).",
+                "Use the checkpoint's own tokenizer files (as save_pretrained writes them).",
+            )
+    from loader.repository.models.tokenization import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(checkpoint)
+        largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        names = ", ".join(p.name for p in files)
+        raise CheckpointError(
+            f"The tokenizer of {checkpoint} ({names}) does not load: {str(exc)[:300]}.",
+            "Use the checkpoint's own tokenizer files (as save_pretrained writes them); the "
+            "preprocessing and postprocessing models load them the same way.",
+        ) from exc
+    if largest >= vocab_size:
+        raise CheckpointError(
+            f"The tokenizer of {checkpoint} produces ids up to {largest}, beyond the model's "
+            f"vocabulary (vocab_size {vocab_size}).",
+            "Use the tokenizer the checkpoint was trained with.",
+        )

@@ -1,0 +1,38 @@
+"""The fault-injection sweep of the gs:// commands, against the GCS emulator: `fetch` of a gs://
+prefix and the overlapped `run` (the conversion while the shards download, its journal, the
+move into staging). Every site they make that the local commands do not fails once, the
+errnos in rotation; what must hold after each is ``tests/fault_sweep.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.fault_sweep import (
+    REMOTE_COMMANDS,
+    catalog_of,
+    remote_scenarios,
+    rotation,
+    sweep,
+)
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def remote(sharded, gs):
+    found = remote_scenarios(sharded, gs)
+    return found, catalog_of(found, REMOTE_COMMANDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", REMOTE_COMMANDS)
+def test_every_file_system_call_site_of_a_gs_source_fails_typed(remote, command, caplog):
+    caplog.set_level(logging.INFO)
+    scenarios, catalog = remote
+    sites = catalog[command]
+    assert len(sites) > 5
+    failures = sweep(scenarios[command], sites, rotation, caplog)
+    assert not failures, f"{len(failures)} of {len(sites)} sites:\n" + "\n".join(failures)

@@ -1,0 +1,102 @@
+"""Every file-system change `run`, `convert`, `prune` and `fetch` make goes through loader.fs:
+the one module that works relative to directory descriptors and holds the fault-injection seam.
+
+Python raises an audit event for every file opened for writing, created, renamed, removed or
+changed in mode (``sys.addaudithook``). While the commands run, each such event is traced to
+the loader's own frame that caused it (the standard library's are looked through; a third-party
+library's own work, such as the Hub client's downloads, is its own): that frame must be in
+``loader/fs.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import pytest
+
+import loader
+from loader.cli import main
+
+PACKAGE = str(Path(loader.__file__).parent) + os.sep
+FS = str(Path(loader.__file__).parent / "fs.py")
+STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+CHANGES = {
+    "os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.link", "os.symlink",
+    "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move",
+}  # fmt: skip
+
+_watching = threading.Event()
+_found: list[str] = []
+
+
+def _writes(event: str, args: tuple) -> bool:
+    if event in CHANGES:
+        return True
+    if event != "open" or len(args) < 3:
+        return False
+    _path, mode, flags = args[:3]
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return isinstance(flags, int) and bool(flags & WRITE_FLAGS)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if not _watching.is_set() or not _writes(event, args):
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(STDLIB) or name.startswith("<"):
+            frame = frame.f_back  # the standard library acts for its caller
+            continue
+        if name.startswith(PACKAGE) and name != FS:
+            _found.append(f"{event} {str(args[0])[-80:]} from {name[len(PACKAGE):]}:"
+                          f"{frame.f_lineno}")  # fmt: skip
+        return  # loader/fs.py, or a third-party library's own work
+
+
+sys.addaudithook(_audit)
+
+
+@contextlib.contextmanager
+def watching():
+    _found.clear()
+    _watching.set()
+    try:
+        yield _found
+    finally:
+        _watching.clear()
+
+
+def _run_argv(source: Path, root: Path, *extra: str) -> list[str]:
+    return ["run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+            "--revision", "r1", "--tp-size", "1", "--pp-size", "1", "--instance-count", "1",
+            "--backend", "python", *extra]  # fmt: skip
+
+
+@pytest.fixture
+def quiet(capsys):
+    yield
+    capsys.readouterr()
+
+
+def test_run_force_prune_convert_and_fetch_change_files_only_through_loader_fs(
+    tiny_checkpoint_with_tokenizer, tmp_path, quiet
+):
+    source, root = tiny_checkpoint_with_tokenizer, tmp_path / "root"
+    with watching() as found:
+        assert main(_run_argv(source, root)) == 0
+        assert main(_run_argv(source, root, "--force")) == 0
+        assert main(_run_argv(source, root, "--revision", "r2")) == 0
+        assert main(["prune", "--repository", str(root), "--keep", "1"]) == 0
+        assert main(["convert", str(source), str(tmp_path / "out"), "--tp-size", "2"]) == 0
+        assert main(["fetch", str(source), str(tmp_path / "copy"), "--copy"]) == 0
+    assert found == [], "\n".join(
+        sorted(set(f.split(" from ")[1] + " " + f.split()[0] for f in found))
+    )
