@@ -22,7 +22,7 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help install venv triton-venv tools test test-fast test-faults lint fmt demo bench bench-convert \
         bench-fetch bench-coldstart bench-serving \
-        staging-deploy clean
+        staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -41,11 +41,12 @@ $(TRITON_VENV)/.installed: images/triton/requirements.txt scripts/install-triton
 	scripts/install-triton-venv.sh $(TRITON_VENV)
 	touch $@
 
-tools: $(TOOLS)/.installed
+tools: $(TOOLS)/.installed ## pinned helm, kubectl, checkov, perf_analyzer; the local control plane (built once)
 
 # Each install script checks its own tool's version; the stamp skips them all (about 15-30 s)
-# until a script or the virtualenv changes. `rm .tools/.installed` runs them again.
-$(TOOLS)/.installed: $(TOOL_SCRIPTS) $(VENV)/.installed
+# until a script, the virtualenv or the control plane's Go module (tools/kube) changes.
+# `rm .tools/.installed` runs them again.
+$(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(wildcard tools/kube/*) $(VENV)/.installed
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 	touch $@
 
@@ -101,5 +102,11 @@ bench-serving: install ## perf_analyzer sweep of instance count x dynamic batchi
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
 
-clean: ## remove the virtualenv, tools and work directories
-	rm -rf $(VENV) $(TRITON_VENV) $(TOOLS) bench/work demo-work
+cluster-up: install ## a local Kubernetes control plane with fake GPU nodes (prints its KUBECONFIG)
+	$(BIN)/python -m tests.kube up
+
+cluster-down: ## stop the local control plane (its logs stay in .cluster/)
+	@if [[ -x $(BIN)/python ]]; then $(BIN)/python -m tests.kube down; fi
+
+clean: cluster-down ## remove the virtualenvs, tools (Go caches included), the local cluster and work directories
+	rm -rf $(VENV) $(TRITON_VENV) $(TOOLS) .cluster bench/work demo-work

@@ -7,7 +7,7 @@
 #   make staging-deploy DRY_RUN=1       # offline: render, helm lint, kubernetes-validate; no cluster
 #
 # Environment: RELEASE (codegen), NAMESPACE (model-triton), VALUES (values/staging.yaml),
-# HELM (helm), KUBECTL (kubectl), LOADER_TIMEOUT_S (14400), ROLLOUT_TIMEOUT (45m),
+# HELM (helm), KUBECTL (kubectl), LOADER_TIMEOUT_S (14400), ROLLOUT_TIMEOUT (45m), POLL_S (15),
 # HELM_ARGS (extra `helm upgrade` arguments, e.g. "--set model.revision=abc123").
 set -euo pipefail
 
@@ -22,6 +22,7 @@ helm=${HELM:-helm}
 kubectl=${KUBECTL:-kubectl}
 loader_timeout_s=${LOADER_TIMEOUT_S:-14400}
 rollout_timeout=${ROLLOUT_TIMEOUT:-45m}
+poll_s=${POLL_S:-15}
 read -r -a helm_args <<<"${HELM_ARGS:-}"
 chart=charts/model-triton
 
@@ -116,7 +117,7 @@ while true; do
     die "job/$job still running after ${loader_timeout_s}s: kubectl -n $namespace logs -f job/$job"
   fi
   "$kubectl" -n "$namespace" logs "job/$job" --tail=1 2>/dev/null | sed 's/^/    /' || true
-  sleep 15
+  sleep "$poll_s"
 done
 
 # 5. The pods of a new key already wait for it (init container wait-for-model) and see `.ready`

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# The local Kubernetes control plane (tests/kube): `kube`, `kubelet`, `sandbox`.
+from tests.kube import fixtures as kube_fixtures
+from tests.kube.fixtures import kube, kubelet, sandbox  # noqa: F401
 from tests.tiers import FAST_TIER
 
 #: Fixtures of the fault-injection sweep (its templates, the GCS emulator it fetches from).
@@ -139,10 +142,11 @@ def _no_server_in_the_fast_tier() -> Iterator[None]:
         )
 
     with pytest.MonkeyPatch.context() as patch:
-        for cls, method in (
+        for owner, name in (
             (TritonServer, "start"),
             (GcsServer, "_launch"),
             (OlahServer, "_launch"),
+            (kube_fixtures, "attach"),  # the local Kubernetes control plane
         ):
-            patch.setattr(cls, method, refuse)
+            patch.setattr(owner, name, refuse)
         yield

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -15,8 +14,6 @@ import pytest
 import yaml
 
 from tests import chart as rc
-from tests.kubeapi import kube_api
-from tests.scheduler import Cluster, Rollout, gpu_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,9 +143,7 @@ def test_a_mig_resource_name_is_requested_and_packs_like_whole_gpus(helm):
     assert resources["limits"] == {mig: 1, "memory": "64Gi"}
     assert resources["requests"][mig] == 1
     assert "nvidia.com/gpu" not in resources["requests"]
-    cluster = Cluster(gpu_pool(2, 4, {"pool": "a100"}), resource=mig)
-    Rollout(cluster, one(docs, "Deployment"))
-    assert cluster.pending() == [] and list(cluster.per_node().values()) == [4, 4]
+    # Placed by the real scheduler: tests/test_chart_scheduling.py (MIG slices).
     args = next(d for d in docs if d["kind"] == "CronJob")["spec"]["jobTemplate"]["spec"][
         "template"
     ]["spec"]["containers"][0]["args"]
@@ -337,32 +332,25 @@ def test_volumes_are_not_chowned_file_by_file_at_every_mount(helm):
             assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
 
 
-def _render_against(helm: str, objects: list[dict], sets: tuple[str, ...], tmp_path: Path):
-    """`helm template --dry-run=server` by the real Helm against a local API serving ``objects``
-    (what `lookup` sees during `helm install` and `helm upgrade`)."""
-    args = ["template", "codegen", str(rc.CHART), "--namespace", "model-triton"]
-    args += ["--dry-run=server", "--disable-openapi-validation"]
+def _render_against(helm: str, sandbox, sets: tuple[str, ...]):
+    """`helm template --dry-run=server` by the real Helm against the local API server (what
+    `lookup` sees during `helm install` and `helm upgrade`)."""
+    args = ["template", "codegen", str(rc.CHART), "--dry-run=server"]
     for s in sets:
         args += ["--set", s]
-    with kube_api(objects, tmp_path) as kubeconfig:
-        return subprocess.run(
-            [str(rc.tool(helm)), *args, "--kubeconfig", str(kubeconfig)],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+    return sandbox.helm(helm, *args, check=False)
 
 
 def _claim(*modes: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "shared-models", "namespace": "model-triton"},
+        "metadata": {"name": "shared-models"},
         "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": "1Ti"}}},
     }
 
 
+@pytest.mark.server  # the local control plane (see markers in pyproject.toml)
 @pytest.mark.parametrize("helm", HELMS)
 @pytest.mark.parametrize(
     ("modes", "refused"),
@@ -376,10 +364,13 @@ def _claim(*modes: str) -> dict:
     ids=["rwo", "rox", "rwop", "rwx", "rwo+rwx"],
 )
 def test_an_existing_claim_is_checked_on_install_by_its_live_access_modes(
-    helm, modes, refused, tmp_path
+    helm, modes, refused, sandbox
 ):
     sets = ("modelRepository.persistence.existingClaim=shared-models", "cluster.nodes=2")
-    proc = _render_against(helm, [_claim(*modes)], sets, tmp_path)
+    claim = _claim(*modes)
+    claim["metadata"]["namespace"] = sandbox.namespace
+    sandbox.api.create(claim)
+    proc = _render_against(helm, sandbox, sets)
     if refused is None:
         assert proc.returncode == 0, proc.stderr
         assert "kind: PersistentVolumeClaim" not in proc.stdout

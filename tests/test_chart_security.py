@@ -595,35 +595,31 @@ def test_validation_refuses_secret_references_and_keys_the_api_server_refuses():
         assert len(_kube_problems({**secret, "data": {key: "eA=="}})) == 1, key
 
 
+@pytest.mark.server  # the local control plane (see markers in pyproject.toml)
 @pytest.mark.parametrize("helm", HELMS)
 @pytest.mark.parametrize("live_key", ["token", "other"])
-def test_an_upgrade_keeps_the_live_admin_token(helm, live_key, tmp_path):
-    """`helm upgrade` reads the live Secret (`lookup`) and keeps its token, so running pods and
-    admin clients keep working; a Secret without the key gets a new random token."""
-    import subprocess
-
-    from tests.kubeapi import kube_api
-
+def test_an_upgrade_keeps_the_live_admin_token(helm, live_key, sandbox):
+    """`helm upgrade` reads the live Secret (`lookup`, here `helm template --dry-run=server`
+    against the API server) and keeps its token, so running pods and admin clients keep
+    working; a Secret without the key gets a new random token."""
     kept = base64.b64encode(b"kept-token-0123456789").decode()
-    secret = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": "codegen-model-triton-admin",
-            "namespace": "model-triton",
-            "labels": {"app.kubernetes.io/managed-by": "Helm"},
-            "annotations": {
-                "meta.helm.sh/release-name": "codegen",
-                "meta.helm.sh/release-namespace": "model-triton",
+    sandbox.api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": "codegen-model-triton-admin",
+                "namespace": sandbox.namespace,
+                "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                "annotations": {
+                    "meta.helm.sh/release-name": "codegen",
+                    "meta.helm.sh/release-namespace": sandbox.namespace,
+                },
             },
-        },
-        "data": {live_key: kept},
-    }
-    args = ["template", "codegen", str(rc.CHART), "--namespace", "model-triton",
-            "--dry-run=server", "--disable-openapi-validation"]  # fmt: skip
-    with kube_api([secret], tmp_path) as kubeconfig:
-        proc = subprocess.run([str(rc.tool(helm)), *args, "--kubeconfig", str(kubeconfig)],
-                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+            "data": {live_key: kept},
+        }
+    )
+    proc = sandbox.helm(helm, "template", "codegen", str(rc.CHART), "--dry-run=server", check=False)
     assert proc.returncode == 0, proc.stderr
     docs = rc.documents(proc.stdout)
     token = one(docs, "Secret", "codegen-model-triton-admin")["data"]["token"]

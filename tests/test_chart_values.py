@@ -745,42 +745,6 @@ def test_features_work_together():
     assert_class(generated(feature_cases(), COUNTS["features"]), _feature_property)
 
 
-@pytest.mark.parametrize("helm", HELMS)
-@pytest.mark.parametrize(
-    ("live", "low", "high", "expected"), [(16, 1, 16, 16), (16, 1, 6, 6), (1, 4, 8, 4)]
-)
-def test_turning_autoscaling_on_keeps_the_live_replicas(helm, live, low, high, expected, tmp_path):
-    """On `helm upgrade` the Deployment keeps its live replicas (within the autoscaler's bounds)
-    instead of losing the field, which would drop it to one replica."""
-    from tests.kubeapi import kube_api
-
-    deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {
-            "name": "codegen-model-triton", "namespace": "model-triton",
-            "labels": {"app.kubernetes.io/managed-by": "Helm"},
-            "annotations": {"meta.helm.sh/release-name": "codegen",
-                            "meta.helm.sh/release-namespace": "model-triton"},
-        },
-        "spec": {"replicas": live},
-    }  # fmt: skip
-    sets = ["cluster.nodes=2", "cluster.replicasPerNode=8", "cluster.gpusPerNode=16",
-            "cluster.nodeSelector.pool=a100", "autoscaling.enabled=true",
-            f"autoscaling.minReplicas={low}", f"autoscaling.maxReplicas={high}"]  # fmt: skip
-    args = ["template", "codegen", str(rc.CHART), "--namespace", "model-triton",
-            "--dry-run=server", "--disable-openapi-validation"]  # fmt: skip
-    for s in sets:
-        args += ["--set", s]
-    with kube_api([deployment], tmp_path) as kubeconfig:
-        proc = subprocess.run([str(rc.tool(helm)), *args, "--kubeconfig", str(kubeconfig)],
-                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    [rendered] = [d for d in rc.documents(proc.stdout) if d["kind"] == "Deployment"]
-    assert rendered["spec"]["replicas"] == expected
-    offline = rc.documents(rc.render(set_values=sets))
-    assert "replicas" not in next(d for d in offline if d["kind"] == "Deployment")["spec"]
-
-
 # --------------------------------------------------------------------------- staging-deploy
 
 

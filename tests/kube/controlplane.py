@@ -1,0 +1,300 @@
+"""The real Kubernetes control plane, started from the binary `make tools` builds
+(``tools/kube``): etcd, kube-apiserver, kube-controller-manager and kube-scheduler, each the
+upstream command with its default profile, on 127.0.0.1 ports the kernel picks.
+
+Layout of the work directory::
+
+    pki/         the API server's serving certificate (and its CA), the service-account key
+    tokens.csv   static bearer tokens: an admin (system:masters), the controller manager and
+                 the scheduler (their bootstrap RBAC identities)
+    kubeconfig   the admin's, for helm and kubectl; *.kubeconfig: the components'
+    etcd/        etcd's data
+    logs/        one log per component, kept for failures
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BINARY = ROOT / ".tools" / "bin" / "kube"
+#: The Kubernetes release the binary is built from (tools/kube/go.mod).
+VERSION = "v1.35.4"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+SERVICE_CIDR = "10.96.0.0/16"
+BUILD_HINT = "run `make tools` (builds .tools/bin/kube from tools/kube, once)"
+
+
+class ControlPlaneError(RuntimeError):
+    """A component did not start; the message names it and the tail of its log."""
+
+
+def die_with_parent() -> None:
+    """In the child: receive SIGTERM when the process that started it dies (even by SIGKILL)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def kubeconfig(server: str, ca: Path, token: str, user: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "local", "cluster": {"server": server, "certificate-authority": str(ca)}}
+        ],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": user}}],
+        "current-context": "local",
+    }
+
+
+class ControlPlane:
+    """Start with :meth:`start`, stop with :meth:`stop`; ``kubeconfig`` is the admin's."""
+
+    def __init__(self, workdir: Path, binary: Path = BINARY) -> None:
+        self.workdir = workdir
+        self.binary = binary
+        self.logs = workdir / "logs"
+        self.pki = workdir / "pki"
+        self.kubeconfig = workdir / "kubeconfig"
+        self.ca = self.pki / "apiserver.crt"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.server = ""
+        self.token = ""
+
+    # -- processes
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            [str(self.binary), name, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.workdir,
+            preexec_fn=die_with_parent,
+        )
+        log.close()
+        self.processes[name] = proc
+        return proc
+
+    def _failed(self, name: str, why: str) -> ControlPlaneError:
+        tail = log_tail(self.logs / f"{name}.log")
+        return ControlPlaneError(f"{name} {why}; {self.logs / name}.log ends:\n{tail}")
+
+    def _check_alive(self) -> None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                raise self._failed(name, f"exited with {proc.returncode}")
+
+    # -- start
+
+    def start(self, timeout: float = 240.0) -> None:
+        if not self.binary.exists():
+            raise ControlPlaneError(f"{self.binary} is missing: {BUILD_HINT}")
+        for d in (self.logs, self.pki):
+            d.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        try:
+            self._pki()
+            etcd_url = self._start_etcd(deadline)
+            self._start_apiserver(etcd_url, deadline)
+            self._start_controllers()
+            self._wait_leaders(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _pki(self) -> None:
+        subprocess.run(
+            [str(self.binary), "pki", "--dir", str(self.pki), "--host", "127.0.0.1"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        tokens = {
+            "admin": (secrets.token_hex(16), "system:masters"),
+            "system:kube-controller-manager": (secrets.token_hex(16), ""),
+            "system:kube-scheduler": (secrets.token_hex(16), ""),
+        }
+        lines = [f'{tok},{user},{user},"{groups}"' for user, (tok, groups) in tokens.items()]
+        tokens_file = self.workdir / "tokens.csv"
+        tokens_file.write_text("\n".join(lines) + "\n")
+        tokens_file.chmod(0o600)
+        self.token = tokens["admin"][0]
+        self._tokens = tokens
+
+    def _start_etcd(self, deadline: float) -> str:
+        url_file = self.workdir / "etcd.url"
+        url_file.unlink(missing_ok=True)
+        self._spawn("etcd", ["--data-dir", str(self.workdir / "etcd"), "--url-file", str(url_file)])
+        while not url_file.exists():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise self._failed("etcd", "did not serve in time")
+            time.sleep(0.1)
+        return url_file.read_text().strip()
+
+    def _start_apiserver(self, etcd_url: str, deadline: float) -> None:
+        for attempt in range(3):
+            port = _free_port()
+            self.server = f"https://127.0.0.1:{port}"
+            proc = self._spawn(
+                "kube-apiserver",
+                [
+                    f"--etcd-servers={etcd_url}",
+                    "--bind-address=127.0.0.1",
+                    "--advertise-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    f"--tls-cert-file={self.pki / 'apiserver.crt'}",
+                    f"--tls-private-key-file={self.pki / 'apiserver.key'}",
+                    f"--token-auth-file={self.workdir / 'tokens.csv'}",
+                    "--authorization-mode=Node,RBAC",
+                    "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                    f"--service-account-key-file={self.pki / 'sa.key'}",
+                    f"--service-account-signing-key-file={self.pki / 'sa.key'}",
+                    f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    # `kubectl logs` goes to the nodes' InternalIP (127.0.0.1), where the
+                    # fake kubelets' log endpoint listens (tests/kube/logs.py).
+                    "--kubelet-preferred-address-types=InternalIP",
+                    "--profiling=false",
+                    "--v=1",
+                ],
+            )
+            try:
+                self._wait_ready(proc, deadline)
+                break
+            except ControlPlaneError:
+                # Another process may have taken the port between the probe and the bind.
+                log = log_tail(self.logs / "kube-apiserver.log", 60)
+                if attempt < 2 and "address already in use" in log:
+                    proc.kill()
+                    proc.wait()
+                    continue
+                raise
+        self.kubeconfig.write_text(
+            yaml.safe_dump(kubeconfig(self.server, self.ca, self.token, "admin"))
+        )
+
+    def _wait_ready(self, proc: subprocess.Popen, deadline: float) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        while True:
+            if proc.poll() is not None:
+                raise self._failed("kube-apiserver", f"exited with {proc.returncode}")
+            try:
+                r = requests.get(
+                    f"{self.server}/readyz", headers=headers, verify=str(self.ca), timeout=5
+                )
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise self._failed("kube-apiserver", "not ready (/readyz) in time")
+            time.sleep(0.25)
+
+    def _component_kubeconfig(self, user: str) -> Path:
+        path = self.workdir / f"{user.split(':')[-1]}.kubeconfig"
+        token = self._tokens[user][0]
+        path.write_text(yaml.safe_dump(kubeconfig(self.server, self.ca, token, user)))
+        path.chmod(0o600)
+        return path
+
+    def _start_controllers(self) -> None:
+        kcm = self._component_kubeconfig("system:kube-controller-manager")
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={kcm}",
+                f"--authentication-kubeconfig={kcm}",
+                f"--authorization-kubeconfig={kcm}",
+                "--secure-port=0",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                f"--root-ca-file={self.ca}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--cluster-name=model-triton-test",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        scheduler = self._component_kubeconfig("system:kube-scheduler")
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={scheduler}",
+                f"--authentication-kubeconfig={scheduler}",
+                f"--authorization-kubeconfig={scheduler}",
+                "--secure-port=0",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+
+    def _wait_leaders(self, deadline: float) -> None:
+        """The controller manager and the scheduler run their loops once they hold their
+        leader-election leases; the service-account controller has made `default/default`."""
+        headers = {"Authorization": f"Bearer {self.token}"}
+        paths = [
+            "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-controller-manager",
+            "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-scheduler",
+            "/api/v1/namespaces/default/serviceaccounts/default",
+        ]
+        for path in paths:
+            while True:
+                self._check_alive()
+                r = requests.get(
+                    self.server + path, headers=headers, verify=str(self.ca), timeout=5
+                )
+                if r.status_code == 200 and (
+                    "leases" not in path or r.json()["spec"].get("holderIdentity")
+                ):
+                    break
+                if time.monotonic() > deadline:
+                    name = "kube-scheduler" if "scheduler" in path else "kube-controller-manager"
+                    raise self._failed(name, f"not leading ({path}) in time")
+                time.sleep(0.25)
+
+    # -- stop
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM in reverse start order, SIGKILL after ``timeout``."""
+        for name in reversed(list(self.processes)):
+            proc = self.processes[name]
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.processes.clear()
+
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.poll() is None for p in self.processes.values())
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
