@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from loader.repository import manifest
+from loader.repository import manifest, models
 from loader.repository.config import read_config
 from loader.repository.layout import TOKENIZER_FILES
 from loader.repository.lock import LOCKS_DIR
@@ -117,6 +117,48 @@ def test_rerun_with_the_same_key_does_nothing_and_says_so(published, capsys, cap
     assert out[-1] == str(path)
     assert "already published and verified; nothing to do" in caplog.text
     assert (path / manifest.MANIFEST).stat().st_ino == before
+
+
+def test_a_key_published_with_other_model_code_is_published_again(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, caplog, monkeypatch
+):
+    """The Python models copied into a key are part of what it publishes: a loader whose model
+    code differs never reports that key as already published."""
+    caplog.set_level(logging.INFO, logger="loader")
+    argv = _args(tiny_checkpoint_with_tokenizer, tmp_path, "--backend", "python")
+    code, out, _ = cli(capsys, *argv)
+    assert code == 0
+    path = Path(out[-1])
+    first = manifest.read_manifest(path)
+    assert first["model_code"] == models.code_digest()
+    before = (path / manifest.MANIFEST).stat().st_ino
+
+    monkeypatch.setattr(models, "code_digest", lambda: "0" * 64)  # another loader's models
+    caplog.clear()
+    code, out, _ = cli(capsys, *argv)
+    assert code == 0 and Path(out[-1]) == path
+    assert "other model code" in caplog.text
+    assert (path / manifest.MANIFEST).stat().st_ino != before
+    assert manifest.read_manifest(path)["model_code"] == "0" * 64
+
+    caplog.clear()
+    code, _, _ = cli(capsys, *argv)  # the same code again: nothing to do
+    assert code == 0
+    assert "already published and verified; nothing to do" in caplog.text
+
+
+def test_the_model_code_digest_covers_every_copied_file(monkeypatch):
+    files = sorted({src for m in models.PYTHON_MODELS for src, _ in models.model_files(m)})
+    assert len(files) > 5
+    original = models.code_digest()
+    read = Path.read_bytes
+    for changed in files:
+        monkeypatch.setattr(
+            Path, "read_bytes", lambda self, c=changed: read(self) + (b"#" if self == c else b"")
+        )
+        assert models.code_digest() != original, changed
+    monkeypatch.setattr(Path, "read_bytes", read)
+    assert models.code_digest() == original
 
 
 def test_fastertransformer_backend_gets_no_python_model(

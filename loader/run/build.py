@@ -11,12 +11,16 @@ from pathlib import Path
 
 from loader import __version__
 from loader.convert.plan import ConvertResult
-from loader.repository import layout, manifest, publish
+from loader.repository import layout, manifest, models, publish
 from loader.repository.config import RepositorySpec
 from loader.repository.key import resolve_revision
 from loader.run.request import RunRequest
 from loader.run.verify import Verified
 from loader.sources.fingerprint import Fingerprint
+
+#: The manifest field holding :func:`loader.repository.models.code_digest` of the loader that
+#: published the key.
+MODEL_CODE = "model_code"
 
 
 def build(
@@ -53,6 +57,7 @@ def build(
         "data_type": spec.data_type,
         "weights": weights,
         "loader_version": __version__,
+        MODEL_CODE: models.code_digest(),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}

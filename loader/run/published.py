@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 
 from loader.errors import SourceChangedError
-from loader.repository import manifest
+from loader.repository import manifest, models
 from loader.repository.publish import open_published
+from loader.run.build import MODEL_CODE
 from loader.run.request import RunRequest
 from loader.sources import fingerprint
 from loader.sources.fingerprint import Fingerprint, describe_changes
@@ -40,12 +41,21 @@ def _complete(target: Path, key: str, request: RunRequest) -> dict | None:
 
 
 def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
-    """Whether ``target`` is complete and its source still holds what it was built from (the
-    source fingerprint in its manifest, :mod:`loader.sources.fingerprint`). A source that
+    """Whether ``target`` is complete, was published with this loader's model code
+    (:func:`loader.repository.models.code_digest`), and its source still holds what it was
+    built from (the source fingerprint in its manifest, :mod:`loader.sources.fingerprint`). A source that
     changed is a :class:`~loader.errors.SourceChangedError`, unless ``request.follow_source``
     asks to publish it again (then False)."""
     data = _complete(target, key, request)
     if data is None:
+        return False
+    if data.get(MODEL_CODE) != models.code_digest():
+        log.warning(
+            "%s was published by a loader with other model code (loader %s); its Python "
+            "models would not match this loader's tools: publishing it again",
+            target,
+            data.get("loader_version", "unknown"),
+        )
         return False
     recorded = Fingerprint.from_dict(data.get(manifest.SOURCE_FINGERPRINT))
     if recorded is None:

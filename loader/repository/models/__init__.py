@@ -23,6 +23,7 @@ model directory         files (destination relative to the model directory)
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 #: The ``loader`` package directory (the source of the copied modules).
@@ -59,3 +60,16 @@ def model_files(model: str) -> list[tuple[Path, str]]:
             files.append((source, f"1/loader/reference/{source.name}"))
         return files
     raise KeyError(f"no Python-backend model named {model!r}; expected one of {PYTHON_MODELS}")
+
+
+def code_digest() -> str:
+    """One SHA-256 over every file :func:`model_files` copies (destination names and bytes):
+    what a published repository's Python code is. A key published by a loader whose model code
+    differs is published again (:mod:`loader.run.published`), never reported as up to date."""
+    digest = hashlib.sha256()
+    for model in PYTHON_MODELS:
+        for source, relative in model_files(model):
+            data = source.read_bytes()
+            digest.update(f"{model}/{relative}\0{len(data)}\0".encode())
+            digest.update(data)
+    return digest.hexdigest()
