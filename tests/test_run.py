@@ -125,7 +125,9 @@ def test_a_key_published_with_other_model_code_is_published_again(
     """The Python models copied into a key are part of what it publishes: a loader whose model
     code differs never reports that key as already published."""
     caplog.set_level(logging.INFO, logger="loader")
-    argv = _args(tiny_checkpoint_with_tokenizer, tmp_path, "--backend", "python")
+    source = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source)
+    argv = _args(source, tmp_path / "models", "--backend", "python")
     code, out, _ = cli(capsys, *argv)
     assert code == 0
     path = Path(out[-1])
@@ -145,6 +147,17 @@ def test_a_key_published_with_other_model_code_is_published_again(
     code, _, _ = cli(capsys, *argv)  # the same code again: nothing to do
     assert code == 0
     assert "already published and verified; nothing to do" in caplog.text
+
+    # A changed source is refused before the model code is looked at: new weights are never
+    # published under the old key because the loader changed too.
+    monkeypatch.setattr(models, "code_digest", lambda: "1" * 64)
+    config = source / "config.json"
+    config.write_text(config.read_text() + " ")
+    before = (path / manifest.MANIFEST).stat().st_ino
+    code, _, _ = cli(capsys, *argv)
+    assert code == 2
+    assert (path / manifest.MANIFEST).stat().st_ino == before
+    assert manifest.read_manifest(path)["model_code"] == "0" * 64
 
 
 def test_the_model_code_digest_covers_every_copied_file(monkeypatch):

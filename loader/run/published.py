@@ -40,22 +40,29 @@ def _complete(target: Path, key: str, request: RunRequest) -> dict | None:
     return data
 
 
+def _same_model_code(target: Path, data: dict) -> bool:
+    """Whether the key was published with this loader's Python models; checked once its source
+    is known unchanged (a changed source is refused first: rebuilding must not publish new
+    weights under the old key)."""
+    if data.get(MODEL_CODE) == models.code_digest():
+        return True
+    log.warning(
+        "%s was published by a loader with other model code (loader %s); its Python models "
+        "would not match this loader's tools: publishing it again from the unchanged source",
+        target,
+        data.get("loader_version", "unknown"),
+    )
+    return False
+
+
 def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
     """Whether ``target`` is complete, was published with this loader's model code
     (:func:`loader.repository.models.code_digest`), and its source still holds what it was
-    built from (the source fingerprint in its manifest, :mod:`loader.sources.fingerprint`). A source that
-    changed is a :class:`~loader.errors.SourceChangedError`, unless ``request.follow_source``
+    built from (the source fingerprint in its manifest, :mod:`loader.sources.fingerprint`).
+    A source that changed is a :class:`~loader.errors.SourceChangedError`, unless ``request.follow_source``
     asks to publish it again (then False)."""
     data = _complete(target, key, request)
     if data is None:
-        return False
-    if data.get(MODEL_CODE) != models.code_digest():
-        log.warning(
-            "%s was published by a loader with other model code (loader %s); its Python "
-            "models would not match this loader's tools: publishing it again",
-            target,
-            data.get("loader_version", "unknown"),
-        )
         return False
     recorded = Fingerprint.from_dict(data.get(manifest.SOURCE_FINGERPRINT))
     if recorded is None:
@@ -75,7 +82,7 @@ def up_to_date(target: Path, key: str, request: RunRequest) -> bool:
     changes = recorded.changes(current)
     if not changes:
         log.debug("the source %s still holds what %s was built from", request.source, target)
-        return True
+        return _same_model_code(target, data)
     if request.follow_source:
         log.warning(
             "the source %s changed since %s was published (%s); following it "
