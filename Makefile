@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv triton-venv tools test test-fast test-faults lint fmt demo bench bench-convert \
+.PHONY: help install venv triton-venv tools test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
         bench-fetch bench-coldstart bench-serving \
         staging-deploy cluster-up cluster-down clean
 
@@ -55,6 +55,9 @@ test: install triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
 	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
+
+test-e2e: install ## make staging-deploy end to end on the local control plane (not in test)
+	$(PYTEST) -m e2e tests/test_staging_deploy.py $(PYTEST_ARGS)
 
 test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch (not in test: ~10 min on 2 cores)
 	$(PYTEST) -m exhaustive $(sort $(wildcard tests/test_fault_every_errno_*.py)) $(PYTEST_ARGS)

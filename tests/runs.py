@@ -71,9 +71,19 @@ class Arrivals:
         return [rel for rel in self.order if rel.endswith(".safetensors")]
 
 
+def _size_if_present(path: Path, blocks: bool = False) -> int:
+    """A file's size (or bytes on disk), 0 once the conversion deleted it meanwhile (the
+    overlapped conversion deletes shards on its own thread while this helper walks them)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return 0
+    return st.st_blocks * 512 if blocks else st.st_size
+
+
 def tree_bytes(path: Path) -> int:
     """Bytes ``path`` takes on disk."""
-    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+    return sum(_size_if_present(p, blocks=True) for p in path.rglob("*") if p.is_file())
 
 
 def record_arrivals(monkeypatch: pytest.MonkeyPatch, root: Path) -> Arrivals:
@@ -86,7 +96,7 @@ def record_arrivals(monkeypatch: pytest.MonkeyPatch, root: Path) -> Arrivals:
         arrivals.order.append(rel)
         if rel.endswith(".safetensors"):
             shards = path.parent.glob("model-*.safetensors")
-            arrivals.shards_on_disk.append(sum(p.stat().st_size for p in shards))
+            arrivals.shards_on_disk.append(sum(_size_if_present(p) for p in shards))
             arrivals.root_bytes.append(tree_bytes(root))
         return real(self, rel, path)
 

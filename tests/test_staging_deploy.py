@@ -29,7 +29,9 @@ from tests.kube.controlplane import ROOT
 from tests.kube.kubelet import Context, Exit
 from tests.servers import GcsServer
 
-pytestmark = pytest.mark.server  # the local control plane (see markers in pyproject.toml)
+# The local control plane, and its own tier (make test-e2e; see markers in pyproject.toml).
+# tests/test_staging_deploy_recorded.py checks the script's calls in make test.
+pytestmark = [pytest.mark.server, pytest.mark.e2e]
 
 STAGING = rc.VALUES_DIR / "staging.yaml"
 CLAIM = "codegen-model-triton-models"
