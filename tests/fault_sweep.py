@@ -348,15 +348,9 @@ REMOTE = ("--workers", "1", "--retry-deadline", "3")
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
     """A tiny fp16 GPT-J checkpoint in three safetensors shards, with its tokenizer."""
-    from loader.demo.tokenizer import train_tokenizer
-    from tests.conftest import TOKENIZER_CORPUS
-    from tests.tinymodels import build_tiny_model
+    from tests.tinymodels import make_sharded_checkpoint
 
-    path = tmp_path_factory.mktemp("sharded") / "ckpt"
-    model = build_tiny_model(seed=9).half()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(path, max_shard_size=total // 3)
-    train_tokenizer(TOKENIZER_CORPUS, 320, path)
+    path = make_sharded_checkpoint(tmp_path_factory.mktemp("sharded") / "ckpt", seed=9)
     return path
 
 

@@ -197,3 +197,15 @@ def make_sharded_fp16_checkpoint(path: Path | str) -> Path:
     model.save_pretrained(path, max_shard_size=total // 12)
     train_tokenizer(TOKENIZER_CORPUS, 320, path)
     return path
+
+
+def make_sharded_checkpoint(path: Path, *, seed: int) -> Path:
+    """A tiny fp16 GPT-J checkpoint at ``path`` in three safetensors shards, with its tokenizer."""
+    from loader.demo.tokenizer import train_tokenizer
+    from tests.conftest import TOKENIZER_CORPUS
+
+    model = build_tiny_model(seed=seed).half()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(path, max_shard_size=total // 3)
+    train_tokenizer(TOKENIZER_CORPUS, 320, path)
+    return path
