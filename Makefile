@@ -67,13 +67,13 @@ test-faults: install ## every errno at every file-system call site of run, prune
 TRITON_IMAGE_PYTHON := loader/repository/models loader/reference loader/formats loader/errors.py loader/__init__.py
 
 lint: venv ## check style (ruff) and that the code the Triton image runs needs at most Python 3.10 (vermin)
-	$(BIN)/ruff check loader tests scripts
-	$(BIN)/ruff format --check loader tests scripts
+	$(BIN)/ruff check loader completions_service tests scripts
+	$(BIN)/ruff format --check loader completions_service tests scripts
 	$(BIN)/vermin -q -t=3.10- --no-tips --violations --eval-annotations $(TRITON_IMAGE_PYTHON)
 
 fmt: venv ## fix style (ruff)
-	$(BIN)/ruff check --fix loader tests scripts
-	$(BIN)/ruff format loader tests scripts
+	$(BIN)/ruff check --fix loader completions_service tests scripts
+	$(BIN)/ruff format loader completions_service tests scripts
 
 demo: install ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
 	$(BIN)/python scripts/demo.py

@@ -1,0 +1,154 @@
+"""``completions-service``: the command line (each flag also from ``COMPLETIONS_<FLAG>``).
+
+Exit codes: 0 after a clean shutdown, 2 for a bad flag or keys file (the message says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from completions_service.auth import KeyFileError, read_keys
+from completions_service.settings import (
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    Settings,
+)
+
+ENV_PREFIX = "COMPLETIONS_"
+
+
+def env_name(flag: str) -> str:
+    """``--max-queue`` -> ``COMPLETIONS_MAX_QUEUE``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def triton_address(value: str) -> str:
+    """``grpc://HOST:PORT`` (or ``HOST:PORT``) -> ``HOST:PORT``."""
+    address = value.removeprefix("grpc://")
+    if "://" in address:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: Triton is called over gRPC; give grpc://HOST:PORT (its gRPC port, "
+            "8001 by default), not an HTTP address"
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected grpc://HOST:PORT")
+    return address
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
+    return host.strip("[]"), int(port)
+
+
+def _at_least(low: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low} (got {number})")
+        return number
+
+    return parse
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 (got {value})")
+    return number
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="completions-service",
+        description="OpenAI-compatible completions in front of Triton's llm model. Every flag "
+        f"may also come from the environment: {ENV_PREFIX}<FLAG> (e.g. "
+        f"{env_name('--triton-url')}).",
+    )
+
+    def add(flag: str, help: str, **kwargs) -> None:
+        default = os.environ.get(env_name(flag), kwargs.pop("default", None))
+        p.add_argument(flag, default=default, help=f"{help} [{env_name(flag)}]", **kwargs)
+
+    add("--triton-url", "Triton's gRPC endpoint, grpc://HOST:PORT (required)", type=triton_address)
+    add("--triton-model", f"the model to call (default {DEFAULT_MODEL})", default=DEFAULT_MODEL)
+    add("--listen", f"HOST:PORT to serve HTTP on (default {DEFAULT_LISTEN})",
+        default=DEFAULT_LISTEN, type=listen_address)  # fmt: skip
+    add("--api-keys-file", "a file of API keys, one per line (default: no key needed)",
+        type=Path)  # fmt: skip
+    add("--max-concurrency", f"requests in flight to Triton (default {DEFAULT_MAX_CONCURRENCY})",
+        default=DEFAULT_MAX_CONCURRENCY, type=_at_least(1))  # fmt: skip
+    add("--max-queue", f"requests waiting beyond that before a 429 (default {DEFAULT_MAX_QUEUE})",
+        default=DEFAULT_MAX_QUEUE, type=_at_least(0))  # fmt: skip
+    add("--max-body-bytes", f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
+        default=DEFAULT_MAX_BODY_BYTES, type=_at_least(1))  # fmt: skip
+    add("--request-timeout-s", "seconds one completion may take on Triton, else 504 "
+        f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})", default=DEFAULT_REQUEST_TIMEOUT_S,
+        type=_seconds)  # fmt: skip
+    add("--log-level", "debug, info, warning or error (default info)", default="info",
+        choices=["debug", "info", "warning", "error"])  # fmt: skip
+    return p
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    host, port = args.listen
+    return Settings(
+        triton_url=args.triton_url,
+        triton_model=args.triton_model,
+        host=host,
+        port=port,
+        api_keys_file=args.api_keys_file,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout_s,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)  # argparse applies `type` to string defaults from the environment
+    if not args.triton_url:
+        p.error(f"--triton-url is required (or {env_name('--triton-url')})")
+    if args.api_keys_file is not None:
+        try:
+            read_keys(args.api_keys_file)
+        except KeyFileError as exc:
+            print(f"completions-service: error: {exc}", file=sys.stderr)
+            return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvicorn
+
+    from completions_service.app import create_app
+
+    settings = settings_of(args)
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0

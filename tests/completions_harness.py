@@ -1,0 +1,76 @@
+"""The completions service as users run it: ``python -m completions_service`` in a process of
+its own, on a free port of 127.0.0.1, in front of a real Triton."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CompletionsService:
+    """``with CompletionsService(grpc_url, log=path, extra=[...]) as svc: svc.url``"""
+
+    def __init__(self, triton_grpc: str, *, log: Path, extra: list[str] | None = None) -> None:
+        self.triton_grpc = triton_grpc
+        self.log = log
+        self.extra = list(extra or [])
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> CompletionsService:
+        cmd = [
+            sys.executable, "-m", "completions_service",
+            "--triton-url", f"grpc://{self.triton_grpc}",
+            "--listen", f"127.0.0.1:{self.port}", "--log-level", "warning", *self.extra,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the service exited: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health/live", timeout=2):
+                    return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        raise RuntimeError(f"the service did not answer: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> CompletionsService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The value of one sample of ``/metrics`` (0 when absent)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        key = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(key + " "):
+                return float(line.split()[-1])
+        return 0.0

@@ -1,0 +1,316 @@
+"""The completions service's parts without a server: the request checks, stop sequences, the
+infill hook, the sampling mapping, the reading of the model's errors and configuration, API
+keys, the bounded queue, the command line, and that the package never imports the loader."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from completions_service.admission import Admission
+from completions_service.auth import ApiKeys, KeyFileError
+from completions_service.cli import env_name, parser, settings_of, triton_address
+from completions_service.errors import (
+    BackendError,
+    InvalidRequest,
+    QueueFull,
+    Unauthorized,
+    Unavailable,
+)
+from completions_service.infill import infill_prompt
+from completions_service.protocol import parse_request
+from completions_service.sampling import sampling_of
+from completions_service.stops import StopMatcher
+from completions_service.triton import model_error, model_info
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"model": "m", "prompt": "def f("}
+
+
+def refused(body, **kwargs) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(body, **kwargs)
+    return caught.value
+
+
+# --- the request ------------------------------------------------------------------------------
+
+
+def test_a_minimal_request_gets_openais_defaults():
+    r = parse_request(GOOD)
+    assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.echo, r.stop) == (
+        None, 1.0, 1.0, False, False, ()
+    )  # fmt: skip
+    assert parse_request({**GOOD, "prompt": ["x"]}).prompt == "x"
+    assert parse_request({**GOOD, "stop": "\n"}).stop == ("\n",)
+    assert parse_request({**GOOD, "stop": ["a", "b", "a"]}).stop == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"prompt": None}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"echo": 1}, "echo"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"suffix": 3}, "suffix"),
+        ({"user": 3}, "user"),
+        ({"model": 3}, "model"),
+        ({"top_k": 40}, "top_k"),
+    ],
+)
+def test_a_wrong_field_is_refused_naming_it(change, param):
+    body = {**GOOD, **change}
+    if change.get("prompt", 0) is None:
+        del body["prompt"]
+    error = refused(body)
+    assert error.param == param
+    assert error.message.startswith(param) or param in error.message
+    assert error.body()["error"]["param"] == param
+
+
+def test_the_logprobs_refusal_says_why():
+    assert "no per-token log-probabilities" in refused({**GOOD, "logprobs": 2}).message
+
+
+def test_the_engine_path_names_the_model():
+    assert parse_request({"prompt": "x"}, model="m").model == "m"
+    assert refused({"prompt": "x", "model": "other"}, model="m").param == "model"
+    assert refused({"prompt": "x"}).param == "model"
+    assert refused(["not", "an", "object"]).param is None
+
+
+# --- stop sequences ---------------------------------------------------------------------------
+
+
+def feed_all(stops, pieces):
+    matcher = StopMatcher(tuple(stops))
+    sent = [matcher.feed(p) for p in pieces]
+    return sent, matcher.flush(), matcher.stopped
+
+
+def test_text_before_a_stop_is_sent_and_the_stop_is_not():
+    sent, rest, stopped = feed_all(["\n\n"], ["def f", "():\n", "\n    x"])
+    assert "".join(sent) + rest == "def f():"
+    assert stopped
+
+
+def test_a_possible_start_of_a_stop_is_held_back_until_it_is_known():
+    sent, rest, stopped = feed_all(["END"], ["a E", "N", "D b"])
+    assert sent == ["a ", "", ""] and not rest and stopped
+    sent, rest, stopped = feed_all(["END"], ["a E", "N", "x"])
+    assert sent == ["a ", "", "ENx"] and rest == "" and not stopped
+    sent, rest, stopped = feed_all(["END"], ["a EN"])
+    assert sent == ["a "] and rest == "EN" and not stopped
+
+
+def test_the_earliest_of_several_stops_wins():
+    sent, _, _ = feed_all(["c", "ab"], ["xabc"])
+    assert sent == ["x"]
+
+
+def test_without_stops_text_passes_at_once():
+    assert feed_all([], ["a", "b"]) == (["a", "b"], "", False)
+
+
+# --- suffix, sampling -------------------------------------------------------------------------
+
+
+def test_a_suffix_is_refused_by_a_model_without_an_infill_template():
+    with pytest.raises(InvalidRequest, match="cannot fill in the middle") as caught:
+        infill_prompt("def f(", "    return x", None, "codegen")
+    assert caught.value.param == "suffix"
+    assert infill_prompt("p", None, None, "codegen") == "p"
+
+
+def test_a_declared_infill_template_places_prompt_and_suffix_verbatim():
+    fim = "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+    assert infill_prompt("a{suffix}", "b{prefix}", fim, "m") == (
+        "<fim_prefix>a{suffix}<fim_suffix>b{prefix}<fim_middle>"
+    )
+    psm = "<S>{suffix}<P>{prefix}<M>"  # suffix first
+    assert infill_prompt("a", "b", psm, "m") == "<S>b<P>a<M>"
+
+
+def test_temperature_zero_or_top_p_zero_is_greedy_and_sampling_always_has_a_seed():
+    greedy = sampling_of(parse_request({**GOOD, "temperature": 0, "top_p": 0.5}))
+    assert greedy.greedy and greedy.top_k == 1 and greedy.temperature is None
+    assert sampling_of(parse_request({**GOOD, "top_p": 0})).greedy
+    sampled = sampling_of(parse_request({**GOOD, "temperature": 0.7}))
+    assert not sampled.greedy and sampled.top_p == 1.0 and sampled.temperature == 0.7
+    seeds = {sampling_of(parse_request(GOOD)).seed for _ in range(5)}
+    assert None not in seeds and len(seeds) > 1  # a fresh random seed each time
+    assert sampling_of(parse_request({**GOOD, "seed": 7})).seed == 7
+
+
+# --- what Triton says -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ("max_tokens: must be at least 1 (got 0)", "max_tokens"),
+        ("text_input: the prompt's 3000 tokens exceed the context of 2048", "prompt"),
+        ("stop_words: a stop word encodes to no token", "stop"),
+        (
+            "Failed to process the request(s) for model instance 'llm_0', message: "
+            "temperature: must be above 0",
+            "temperature",
+        ),
+    ],
+)
+def test_a_model_error_naming_a_field_becomes_a_400_naming_the_openai_field(message, param):
+    error = model_error(message, "llm")
+    assert isinstance(error, InvalidRequest)
+    assert error.param == param and error.message.startswith(f"{param}: ")
+
+
+def test_other_model_errors_are_server_errors():
+    assert isinstance(
+        model_error("Request for unknown model: 'llm' is not found", "llm"), Unavailable
+    )
+    assert isinstance(model_error("CUDA out of memory", "llm"), BackendError)
+
+
+def test_the_model_config_gives_name_context_and_batching():
+    config = {
+        "config": {
+            "max_batch_size": 8,
+            "parameters": {
+                "max_model_len": {"string_value": "2048"},
+                "served_model_name": {"string_value": "codegen-350M-mono"},
+            },
+        }
+    }
+    info = model_info(config, "llm")
+    assert (info.name, info.max_model_len, info.batched, info.infill_template) == (
+        "codegen-350M-mono", 2048, True, None
+    )  # fmt: skip
+    with pytest.raises(BackendError, match="max_model_len"):
+        model_info({"config": {"parameters": {}}}, "llm")
+    bad = {"parameters": {"max_model_len": {"string_value": "8"},
+                          "infill_template": {"string_value": "{prefix} only"}}}  # fmt: skip
+    with pytest.raises(BackendError, match="infill_template"):
+        model_info({"config": bad}, "llm")
+
+
+# --- API keys, the queue ----------------------------------------------------------------------
+
+
+def test_api_keys_admit_only_a_listed_bearer_key_and_follow_the_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nsecret-1\n\n  secret-2  \n")
+    auth = ApiKeys(keys)
+    auth.check("Bearer secret-1")
+    auth.check("bearer secret-2")
+    for header in (None, "", "Bearer", "Bearer secret-3", "Basic secret-1", "secret-1"):
+        with pytest.raises(Unauthorized):
+            auth.check(header)
+    ApiKeys(None).check(None)  # no file: no key needed
+    keys.write_text("")
+    with pytest.raises(KeyFileError, match="holds no key"):
+        ApiKeys(keys)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        ApiKeys(tmp_path / "missing")
+
+
+def test_a_rotated_keys_file_is_read_again(tmp_path, monkeypatch):
+    import completions_service.auth as auth_module
+
+    monkeypatch.setattr(auth_module, "RELOAD_INTERVAL_S", 0.0)
+    keys = tmp_path / "keys"
+    keys.write_text("old\n")
+    auth = ApiKeys(keys)
+    keys.write_text("new\n")
+    import os
+
+    os.utime(keys, ns=(1, 1))  # a different modification time, whatever the clock says
+    auth.check("Bearer new")
+    with pytest.raises(Unauthorized):
+        auth.check("Bearer old")
+
+
+def test_the_queue_is_bounded_and_a_released_slot_goes_to_the_first_waiter():
+    async def scenario() -> None:
+        admission = Admission(max_concurrency=1, max_queue=1)
+        await admission.acquire()
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0)
+        assert admission.waiting == 1
+        with pytest.raises(QueueFull) as caught:
+            await admission.acquire()
+        assert caught.value.status == 429 and caught.value.headers() == {"Retry-After": "1"}
+        admission.release()
+        await waiter
+        assert (admission.in_flight, admission.waiting) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def test_every_flag_also_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("COMPLETIONS_TRITON_URL", "grpc://triton:8001")
+    monkeypatch.setenv("COMPLETIONS_MAX_QUEUE", "3")
+    monkeypatch.setenv("COMPLETIONS_LISTEN", "127.0.0.1:9000")
+    settings = settings_of(parser().parse_args([]))
+    assert (settings.triton_url, settings.max_queue, settings.host, settings.port) == (
+        "triton:8001", 3, "127.0.0.1", 9000
+    )  # fmt: skip
+    flags = [a.option_strings[0] for a in parser()._actions if a.option_strings[0] != "-h"]
+    for flag in flags:
+        assert env_name(flag) in parser().format_help().replace("\n", "").replace(" ", "")
+
+
+def test_an_http_address_for_triton_is_refused_with_the_grpc_form():
+    assert triton_address("grpc://h:8001") == "h:8001"
+    with pytest.raises(argparse.ArgumentTypeError, match="gRPC"):
+        triton_address("http://h:8000")
+    with pytest.raises(argparse.ArgumentTypeError):
+        triton_address("grpc://h")
+
+
+# --- the package stands alone -----------------------------------------------------------------
+
+
+def test_the_service_never_imports_the_loader():
+    """The service's image holds no loader (docs/architecture.md): no module of the package
+    imports it, even lazily."""
+    package = ROOT / "completions_service"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("loader", "tests")]
+    assert len(list(package.rglob("*.py"))) >= 10
+    assert not found
