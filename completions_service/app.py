@@ -146,7 +146,11 @@ class Service:
     def __init__(self, settings: Settings, triton: Triton | None = None) -> None:
         self.settings = settings
         self.triton = triton or Triton(
-            settings.triton_url, settings.triton_model, settings.request_timeout_s
+            settings.triton_url,
+            settings.triton_model,
+            settings.request_timeout_s,
+            protocol_header=settings.triton_protocol_header,
+            protocol_token_file=settings.triton_protocol_token_file,
         )
         self.keys = ApiKeys(settings.api_keys_file)
         self.metrics = Metrics()
@@ -415,13 +419,10 @@ class Service:
         return JSONResponse({"status": "live"})
 
     async def ready(self, request: Request) -> Response:
-        if await self.triton.ready():
+        why = await self.triton.readiness()
+        if why is None:
             return JSONResponse({"status": "ready"})
-        exc = Unavailable(
-            f"Triton at {self.settings.triton_url} is unreachable or its model "
-            f"{self.settings.triton_model!r} is not ready",
-            retry_after=1,
-        )
+        exc = Unavailable(f"not ready: {why}", retry_after=1)
         return JSONResponse(exc.body(), status_code=503, headers=exc.headers())
 
     async def metrics_text(self, request: Request) -> Response:

@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     add("--request-timeout-s", "seconds one completion may take on Triton, else 504 "
         f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})", default=DEFAULT_REQUEST_TIMEOUT_S,
         type=_seconds)  # fmt: skip
+    add("--triton-protocol-header", "the gRPC header that admits to Triton's restricted "
+        "protocols, e.g. triton-grpc-protocol-admin-key (the service reads model-config)")  # fmt: skip
+    add("--triton-protocol-token-file", "a file holding that header's value", type=Path)
     add("--log-level", "debug, info, warning or error (default info)", default="info",
         choices=["debug", "info", "warning", "error"])  # fmt: skip
     return p
@@ -119,6 +122,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s,
+        triton_protocol_header=args.triton_protocol_header,
+        triton_protocol_token_file=args.triton_protocol_token_file,
     )
 
 
@@ -127,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)  # argparse applies `type` to string defaults from the environment
     if not args.triton_url:
         p.error(f"--triton-url is required (or {env_name('--triton-url')})")
+    if (args.triton_protocol_header is None) != (args.triton_protocol_token_file is None):
+        p.error("--triton-protocol-header and --triton-protocol-token-file go together")
     if args.api_keys_file is not None:
         try:
             read_keys(args.api_keys_file)

@@ -29,6 +29,10 @@ class Settings:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    #: gRPC metadata for Triton's restricted protocols: the header's full name
+    #: (``triton-grpc-protocol-<key>``) and a file holding its value.
+    triton_protocol_header: str | None = None
+    triton_protocol_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("max_concurrency", 1), ("max_queue", 0), ("max_body_bytes", 1)):

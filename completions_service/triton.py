@@ -24,6 +24,7 @@ import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -208,10 +209,23 @@ def piece_of(result) -> Piece:
 class Triton:
     """The ``llm`` model of one Triton server."""
 
-    def __init__(self, url: str, model: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        timeout_s: float,
+        *,
+        protocol_header: str | None = None,
+        protocol_token_file: Path | None = None,
+    ) -> None:
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
+        #: The gRPC metadata that admits the service to Triton's restricted protocols
+        #: (``model-config`` is restricted by the chart's defaults); the token is read from its
+        #: file on every read of the configuration, so a rotated Secret is followed.
+        self.protocol_header = protocol_header
+        self.protocol_token_file = protocol_token_file
         self._client: InferenceServerClient | None = None
         self._info: ModelInfo | None = None
 
@@ -227,15 +241,34 @@ class Triton:
             await self._client.close()
             self._client = None
 
-    async def ready(self) -> bool:
-        """Whether Triton answers and its model is ready (a fresh look every call)."""
+    def _headers(self) -> dict[str, str] | None:
+        if self.protocol_header is None or self.protocol_token_file is None:
+            return None
+        try:
+            token = self.protocol_token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot read the Triton protocol token file {self.protocol_token_file}: {exc}"
+            ) from exc
+        return {self.protocol_header: token}
+
+    async def readiness(self) -> str | None:
+        """``None`` when Triton answers, its model is ready and its configuration can be read
+        (a fresh look every call: a service that could answer nothing is not ready); else
+        why not."""
         try:
             ready = await self.client.is_model_ready(self.model, client_timeout=PROBE_TIMEOUT_S)
-        except (InferenceServerException, grpc.aio.AioRpcError):
-            ready = False
-        if not ready:
+        except (InferenceServerException, grpc.aio.AioRpcError) as exc:
             self._info = None  # a restarted Triton may serve another model: read it again
-        return bool(ready)
+            return f"Triton at {self.url} is unreachable ({exc})"
+        if not ready:
+            self._info = None
+            return f"Triton's model {self.model!r} is not ready"
+        try:
+            await self.info()
+        except ApiError as exc:
+            return exc.message
+        return None
 
     async def info(self) -> ModelInfo:
         """The model's configuration, read once and again after Triton was away (503 while
@@ -243,9 +276,21 @@ class Triton:
         if self._info is None:
             try:
                 config = await self.client.get_model_config(
-                    self.model, as_json=True, client_timeout=PROBE_TIMEOUT_S
+                    self.model,
+                    as_json=True,
+                    headers=self._headers(),
+                    client_timeout=PROBE_TIMEOUT_S,
                 )
             except InferenceServerException as exc:
+                if "restricted" in (exc.message() or ""):
+                    raise Unavailable(
+                        f"Triton at {self.url} restricts its model-config protocol, which the "
+                        "service needs to read the model's name and context: give the "
+                        "protocol's header and token (--triton-protocol-header, "
+                        "--triton-protocol-token-file) or leave model-config unrestricted "
+                        f"({exc.message()})",
+                        retry_after=1,
+                    ) from exc
                 raise Unavailable(
                     f"Triton at {self.url} cannot describe its model {self.model!r} "
                     f"({exc.message()}); it is unreachable or the model is not loaded",

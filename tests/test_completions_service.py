@@ -334,3 +334,28 @@ def test_503_when_triton_was_never_there(tmp_path):
         assert caught.value.status_code == 503
         assert call(svc, "GET", "/health/ready")[0] == 503
         assert call(svc, "GET", "/health/live")[0] == 200
+
+
+def test_a_restricted_model_config_protocol_needs_the_header_and_says_so(repository, tmp_path):
+    """The chart restricts Triton's model-config protocol by default (its admin header): the
+    service is not ready, and says which flags give the header, until it has them."""
+    header, token = "triton-grpc-protocol-admin-key", "s3cret-token"
+    restricted = [f"--grpc-restricted-protocol=model-config:admin-key={token}"]
+    with TritonServer(repository, extra_args=restricted) as triton:
+        with CompletionsService(triton.grpc_url, log=tmp_path / "bare.log") as svc:
+            status, _, body = call(svc, "GET", "/health/ready")
+            assert status == 503 and "--triton-protocol-header" in body["error"]["message"]
+            with pytest.raises(openai.InternalServerError) as caught:
+                complete(svc, max_tokens=1)
+            assert "restricts its model-config protocol" in caught.value.message
+        token_file = tmp_path / "token"
+        token_file.write_text(token + "\n")
+        extra = [
+            "--triton-protocol-header",
+            header,
+            "--triton-protocol-token-file",
+            str(token_file),
+        ]
+        with CompletionsService(triton.grpc_url, log=tmp_path / "svc.log", extra=extra) as svc:
+            assert call(svc, "GET", "/health/ready")[0] == 200
+            assert complete(svc, max_tokens=2).usage.completion_tokens == 2
