@@ -21,7 +21,7 @@ TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help install venv triton-venv tools test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
-        bench-fetch bench-coldstart bench-serving \
+        bench-fetch bench-coldstart bench-serving bench-completions \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -88,7 +88,7 @@ BENCH_BASELINE ?=
 BENCH_FLAGS = $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT) --overwrite)
 BASELINE_FLAGS = $(if $(BENCH_BASELINE),--baseline $(BENCH_BASELINE))
 
-bench: bench-convert bench-fetch bench-coldstart bench-serving ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
+bench: bench-convert bench-fetch bench-coldstart bench-serving bench-completions ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
 
 bench-convert: install ## converter throughput vs cp (efficiency), CPU s per GB, peak memory, load (a missed goal is explained; make goes on)
 	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) $(BASELINE_FLAGS) || [[ $$? == 3 ]]
@@ -101,6 +101,9 @@ bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequ
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most)
 	$(BIN)/python scripts/bench --serving-experiment $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/serving --overwrite)
+
+bench-completions: install ## the completions service's cost: latency and throughput through it vs Triton directly, by concurrency (CPU Triton)
+	$(BIN)/python scripts/bench_completions.py $(BENCH_FLAGS)
 
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
