@@ -14,6 +14,9 @@ The figures (goal: under 1 ms per request, under 5 % of throughput):
 * **overhead per request**: median unary latency through the service minus direct, at C = 1;
 * **overhead per streamed token**: the median time from the first to the last token through
   the service minus direct, divided by the tokens after the first, at C = 1;
+* **the service's CPU time** per request and per streamed token (its process's user + system
+  time over a run, divided): on a busy machine, where waiting for a CPU inflates wall-clock
+  differences, the cost a quiet machine would see;
 * **throughput ratio at saturation**: through the service / direct, unary and streamed, at the
   level where Triton saturates: the first whose direct throughput is less than 10 % above the
   previous level's (the last level if none).
@@ -97,9 +100,18 @@ class Run:
     ttft_ms: float
     per_token_ms: float | None  # (last - first) / (tokens - 1)
     tokens: float
+    cpu_ms_per_request: float | None  # the service process's CPU time (service path only)
 
 
-def summarize(path, stream, concurrency, samples: list[Sample], seconds: float) -> Run:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def summarize(
+    path, stream, concurrency, samples: list[Sample], seconds: float, cpu: float | None
+) -> Run:
     spans = [(s.last_s - s.ttft_s) / (s.tokens - 1) for s in samples if stream and s.tokens > 1]
     return Run(
         path=path,
@@ -112,6 +124,7 @@ def summarize(path, stream, concurrency, samples: list[Sample], seconds: float) 
         ttft_ms=round(1000 * statistics.median(s.ttft_s for s in samples), 3),
         per_token_ms=round(1000 * statistics.median(spans), 3) if spans else None,
         tokens=round(statistics.mean(s.tokens for s in samples), 2),
+        cpu_ms_per_request=None if cpu is None else round(1000 * cpu / len(samples), 3),
     )
 
 
@@ -188,7 +201,7 @@ async def level(send, concurrency: int, requests: int) -> tuple[list[Sample], fl
     return samples, time.perf_counter() - start
 
 
-async def measure(grpc_url: str, service_url: str, args) -> list[Run]:
+async def measure(grpc_url: str, service_url: str, service_pid: int, args) -> list[Run]:
     client = InferenceServerClient(grpc_url, channel_args=CHANNEL_OPTIONS)
     info = model_info(await client.get_model_config("llm", as_json=True), "llm")
     limits = httpx.Limits(max_connections=max(args.levels) * 2)
@@ -205,12 +218,15 @@ async def measure(grpc_url: str, service_url: str, args) -> list[Run]:
         for concurrency in args.levels:
             count = max(args.requests, 2 * concurrency)
             for (path, stream), send in senders.items():
+                before = cpu_seconds(service_pid)
                 samples, seconds = await level(send, concurrency, count)
-                run = summarize(path, stream, concurrency, samples, seconds)
+                cpu = cpu_seconds(service_pid) - before if path == "service" else None
+                run = summarize(path, stream, concurrency, samples, seconds, cpu)
                 print(
                     f"C={concurrency:<3} {path:8} {'stream' if stream else 'unary':6} "
                     f"{run.throughput:8.2f} req/s  latency {run.latency_ms:8.2f} ms  "
-                    f"ttft {run.ttft_ms:8.2f} ms  tokens {run.tokens}",
+                    f"ttft {run.ttft_ms:8.2f} ms  tokens {run.tokens}  "
+                    f"service CPU {run.cpu_ms_per_request} ms/request",
                     flush=True,
                 )
                 runs.append(run)
@@ -247,8 +263,14 @@ def figures(runs: list[Run]) -> dict[str, object]:
         )
         for kind, stream in (("unary", False), ("stream", True))
     }
+    unary_cpu = find("service", False, low).cpu_ms_per_request
+    stream_cpu = find("service", True, low).cpu_ms_per_request
     return {
         "overhead_per_request_ms": round(unary, 3),
+        "service_cpu_ms_per_request": unary_cpu,
+        "service_cpu_ms_per_streamed_token": round(
+            (stream_cpu - unary_cpu) / max(service_stream.tokens, 1), 4
+        ),
         "overhead_ttft_ms": round(service_stream.ttft_ms - direct_stream.ttft_ms, 3),
         "overhead_per_streamed_token_ms": per_token,
         "saturation_concurrency": saturated,
@@ -290,19 +312,24 @@ def markdown(result: dict) -> str:
         f"1-minute load average {result['load']['load_before']} before and "
         f"{result['load']['load_after']} after ({result['model']}).",
         "",
-        "| C | path | mode | req/s | median latency ms | median TTFT ms | ms per token | tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| C | path | mode | req/s | median latency ms | median TTFT ms | ms per token | tokens "
+        "| service CPU ms/request |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         lines.append(
             f"| {r['concurrency']} | {r['path']} | {'stream' if r['stream'] else 'unary'} | "
             f"{r['throughput']} | {r['latency_ms']} | {r['ttft_ms']} | {r['per_token_ms']} | "
-            f"{r['tokens']} |"
+            f"{r['tokens']} | {r['cpu_ms_per_request']} |"
         )
     lines += [
         "",
         f"- overhead per request (unary, C = lowest): {f['overhead_per_request_ms']} ms "
         "(goal < 1 ms)",
+        f"- the service's CPU time per request (unary, C = lowest): "
+        f"{f['service_cpu_ms_per_request']} ms; per streamed token beyond that: "
+        f"{f['service_cpu_ms_per_streamed_token']} ms (CPU time does not grow with the load "
+        "of other processes as wall time does)",
         f"- overhead of the time to first token: {f['overhead_ttft_ms']} ms",
         f"- overhead per streamed token: {f['overhead_per_streamed_token_ms']} ms",
         f"- throughput through the service / direct at saturation (C = "
@@ -352,7 +379,8 @@ def main() -> int:
         log.parent.mkdir(parents=True, exist_ok=True)
         extra = ["--max-concurrency", str(max(args.levels) * 2)]
         with CompletionsService(triton.grpc_url, log=log, extra=extra) as service:
-            runs = asyncio.run(measure(triton.grpc_url, service.url, args))
+            assert service.proc is not None
+            runs = asyncio.run(measure(triton.grpc_url, service.url, service.proc.pid, args))
     result = {
         "command": shlex.join(["scripts/bench_completions.py", *sys.argv[1:]]),
         "machine": machine.describe(),
