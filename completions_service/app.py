@@ -14,6 +14,7 @@ a client that leaves closes the Triton stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -21,7 +22,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import anyio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -71,33 +71,35 @@ class Disconnected(Exception):
     """The HTTP client closed its connection."""
 
 
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the client has closed its connection (the request's body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
     """``await work()``, cancelled (raising :class:`Disconnected`) if the client leaves first.
     Called once the request's body is read: the next ASGI message is the disconnect. What
-    ``work`` raises is raised as it is."""
-    result: list[T] = []
-    failure: list[BaseException] = []
-    left = False
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        try:
-            result.append(await work())
-        except Exception as exc:
-            failure.append(exc)
-        group.cancel_scope.cancel()
-    if failure:
-        raise failure[0]
-    if left or not result:
+    ``work`` raises is raised as it is. (Plain asyncio tasks: a library below may turn the
+    cancellation into a CancelledError of its own, which a cancel scope would not absorb.)"""
+    job = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _cancel(job, watch)
+        raise
+    if not job.done():
+        await _cancel(job, watch)
         raise Disconnected
-    return result[0]
+    await _cancel(watch)
+    return job.result()
 
 
 class EventStream(Response):
@@ -120,26 +122,24 @@ class EventStream(Response):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        sending = asyncio.ensure_future(pump())
+        watch = asyncio.ensure_future(_disconnect(receive))
         left = False
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async with anyio.create_task_group() as group:
-
-                async def watch() -> None:
-                    nonlocal left
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    left = True
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch)
-                async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                group.cancel_scope.cancel()
+            await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED)
+            left = not sending.done()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.on_close(left)
+            left = left or not sending.done()
+            await _cancel(sending, watch)
+            await self.on_close(left)
+        if not left:
+            sending.result()  # raises what the stream raised
 
 
 class Service:

@@ -292,6 +292,35 @@ def test_a_client_leaving_mid_stream_closes_its_triton_stream(service, repositor
     assert complete(service, max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_a_client_leaving_a_unary_request_closes_its_triton_stream_too(service, repository):
+    cancelled = service.metric("completions_cancelled_total")
+    with pytest.raises(openai.APITimeoutError):
+        client(service).with_options(timeout=1.0).completions.create(
+            model=MODEL, prompt="unary leaver", max_tokens=200, temperature=0
+        )
+    deadline = time.monotonic() + 30
+    done = []
+    while not done and time.monotonic() < deadline:
+        done = [a for a in activity(repository) if a["prompt"] == "unary leaver"]
+        time.sleep(0.1)
+    assert done and done[0]["cancelled"] and done[0]["tokens"] < 200
+    assert service.metric("completions_cancelled_total") == cancelled + 1
+
+
+def test_413_for_a_chunked_body_that_grows_too_large(service):
+    """No Content-Length to trust: the body is counted as it arrives."""
+    connection = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
+    pieces = [b'{"model": "standin-7b", "prompt": "', *([b"x" * 5000] * 5), b'"}']
+    connection.request(
+        "POST", "/v1/completions", body=iter(pieces), encode_chunked=True,
+        headers={**AUTH, "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+    )  # fmt: skip
+    response = connection.getresponse()
+    assert response.status == 413
+    assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    connection.close()
+
+
 def test_503_while_triton_is_away_then_recovery_without_a_restart(repository, tmp_path):
     ports = {"grpc_port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
     first = TritonServer(repository, **ports).start()
