@@ -5,7 +5,9 @@ stream shown by ``finish_reason``, errors that start with the field's name, the
 ``max_model_len`` and ``served_model_name`` parameters) with a model whose every answer the
 tests can predict and slow down: each token is a word of a fixed list, chosen from the prompt
 and the position (greedy) or by a NumPy generator seeded with ``seed`` (sampling), and it
-waits ``token_delay_s`` before each. Like the repositories' models it sees a cancelled request
+waits ``token_delay_s`` before each. Like FasterTransformer it stops at a stop word only when
+its last tokens spell it exactly (the service also finds one inside a token). Like the
+repositories' models it sees a cancelled request
 only where python_backend has ``is_cancelled`` (r23.10 on); it appends one line per request to
 ``activity_log`` (how many tokens it generated, and whether it saw the cancellation), so a test
 can tell what Triton did with a request the service closed.
@@ -83,7 +85,7 @@ class TritonPythonModel:
         sampled = (top_k is None or int(top_k[0]) != 1) and top_p is not None
         rng = np.random.default_rng(int(seed[0]) if seed is not None else 0)
         base = zlib.crc32(prompt.encode())
-        text, reason, made, cancelled = "", "length", 0, False
+        text, reason, made, cancelled, pieces = "", "length", 0, False, []
         for position in range(max_tokens):
             time.sleep(self.delay)
             if _cancelled(sender):
@@ -93,8 +95,11 @@ class TritonPythonModel:
             word = WORDS[index]
             piece = word if word == "\n" else " " + word
             text += piece
+            pieces.append(piece)
             made += 1
-            if any(s in text for s in stops):
+            # Like FasterTransformer: a stop word ends the generation when the last tokens spell
+            # it exactly, never in the middle of a token.
+            if any("".join(pieces[-k:]) == s for s in stops for k in range(1, len(pieces) + 1)):
                 reason = "stop"
             last = reason == "stop" or position == max_tokens - 1
             if stream:

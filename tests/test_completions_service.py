@@ -156,6 +156,31 @@ def test_stop_strings_end_the_text_before_them_unary_and_streamed(service):
     assert newline.choices[0].text == whole.split("\n")[0]
 
 
+def test_a_stop_inside_a_token_is_cut_and_ends_a_streamed_triton_request(service, repository):
+    """The model stops only where its tokens spell a stop word (as FasterTransformer); a stop
+    inside a token is found by the service. Streamed, the service closes the Triton stream
+    there; unary, the model's one response is cut (a non-streamed request cannot be stopped
+    early, and on Triton 23.05 a closed stream does not stop the generation anyway)."""
+    for stream in (False, True):
+        prompt = f"mid-token {stream}"
+        whole = complete(service, prompt=prompt, temperature=0, max_tokens=60).choices[0].text
+        at = whole.index("a\n")  # the end of a word, then the newline token
+        answer = complete(
+            service, prompt=prompt, temperature=0, max_tokens=200, stop="a\n", stream=stream
+        )
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == whole[:at]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 30
+    done = []
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.1)
+        done = [
+            a for a in activity(repository) if a["prompt"] == "mid-token True" and a["cancelled"]
+        ]
+    assert done and done[0]["tokens"] < 200
+
+
 def test_a_seed_reproduces_a_sampled_completion_and_unseeded_ones_differ(service):
     def sampled(**kwargs) -> str:
         return (
