@@ -21,8 +21,9 @@ import numpy as np
 from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError
 from loader.repository.tensors import ENSEMBLE_INPUTS
 
-#: The steps of a published repository; clients call the model beside them.
-STEP_MODELS = frozenset({"preprocessing", "fastertransformer", "postprocessing"})
+#: The steps of a published repository and its ``llm`` model (Triton's LLM convention, other
+#: names); this client calls the model beside them.
+STEP_MODELS = frozenset({"preprocessing", "fastertransformer", "postprocessing", "llm"})
 
 
 def _infer_http(module: Any, url: str, model: str, inputs: list[Any], timeout_s: float) -> Any:

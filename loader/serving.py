@@ -48,8 +48,9 @@ from loader.errors import RepositoryError, ServerStartError, ToolMissingError
 
 log = logging.getLogger(__name__)
 
-#: Lines of the server log quoted in a start failure.
-LOG_TAIL_LINES = 60
+#: Lines of the server log quoted in a start failure: enough for the load failure of a model
+#: above the model table and the unloading of the five models a repository holds.
+LOG_TAIL_LINES = 80
 #: Starts tried when a chosen free port is taken by someone else before the server binds it.
 PORT_ATTEMPTS = 3
 #: What Triton logs when it cannot bind a port.

@@ -89,7 +89,7 @@ def _drive(published: Path, tmp_path: Path, triton_site, scenario: str, requests
         if config.platform == "ensemble":
             ensemble = as_dict
             continue
-        if config.name not in ("preprocessing", "postprocessing", "fastertransformer"):
+        if config.name not in ("preprocessing", "postprocessing", "fastertransformer", "llm"):
             streaming = config.name
         models.append(
             {

@@ -65,8 +65,10 @@ def _inputs(config: mc.ModelConfig) -> dict[str, mc.ModelInput]:
     return {i.name: i for i in config.input}
 
 
-def test_the_repository_holds_the_ensemble_and_three_composing_models(written):
-    assert set(written()) == {"codegen", "preprocessing", "fastertransformer", "postprocessing"}
+def test_the_repository_holds_the_ensemble_three_composing_models_and_llm(written):
+    assert set(written()) == {
+        "codegen", "preprocessing", "fastertransformer", "postprocessing", "llm",
+    }  # fmt: skip
 
 
 def test_ensemble_inputs_match_the_seed_test_json_exactly(written):

@@ -64,10 +64,10 @@ def test_repository_layout_holds_every_model_with_its_files(
 ):
     _, path, _ = published
     assert sorted(p.name for p in path.iterdir() if p.is_dir()) == [
-        "fastertransformer", "postprocessing", "preprocessing", "tiny",
+        "fastertransformer", "llm", "postprocessing", "preprocessing", "tiny",
     ]  # fmt: skip
     assert list((path / "tiny" / "1").iterdir()) == []
-    for model in ("preprocessing", "postprocessing"):
+    for model in ("preprocessing", "postprocessing", "llm"):
         assert (path / model / "1" / "model.py").is_file()
         for name in TOKENIZER_FILES:
             source = tiny_checkpoint_with_tokenizer / name

@@ -21,6 +21,9 @@ One builder per model of a repository, chosen from :data:`BUILDERS` by model rol
 * with ``streaming``: ``fastertransformer`` is decoupled and the model named after the model is
   a decoupled Python model (:func:`build_streaming`) in place of the ensemble, same inputs and
   outputs, streaming text increments.
+* ``llm`` (:data:`LLM`), in every repository: Triton's LLM convention (``text_input`` ->
+  ``text_output``, the names of the TensorRT-LLM and vLLM backends), a decoupled Python model
+  that calls ``preprocessing``, ``fastertransformer`` and ``postprocessing`` (:func:`build_llm`).
 
 Optional ensemble inputs feed optional ``preprocessing`` inputs: Triton's ensemble scheduler
 (core >= 22.04, so the 2.51 server we run) accepts an optional ensemble input and, when a request
@@ -76,6 +79,8 @@ PREPROCESSING = "preprocessing"
 FASTERTRANSFORMER = "fastertransformer"
 POSTPROCESSING = "postprocessing"
 ENSEMBLE = "ensemble"
+#: The model with Triton's LLM convention (``text_input``, ``max_tokens`` -> ``text_output``).
+LLM = "llm"
 
 
 #: Internal ensemble tensor names (between steps; never seen by clients).
@@ -94,6 +99,9 @@ class RepositorySpec:
     request sends none (``preprocessing`` fills them in; ``start_id`` None: ``end_id``).
     ``checkpoint_path``: the ``<T>-gpu`` directory when it is not FT's default (a benchmark
     variant that reuses another repository's weights); ``None`` for a published repository.
+    ``max_model_len``: the model's context length (``config.ini``'s ``max_pos_seq_len``, the
+    checkpoint's ``n_positions``), which the ``llm`` model holds requests to; ``None`` where
+    only the batching settings are built (validation, benchmark variants).
     """
 
     name: str
@@ -103,6 +111,7 @@ class RepositorySpec:
     end_id: int
     checkpoint_path: str | None = None
     start_id: int | None = None
+    max_model_len: int | None = None
 
 
 #: Protocol dtype names that config.pbtxt spells differently (BYTES is TYPE_STRING there).
@@ -232,6 +241,29 @@ def build_streaming(spec: RepositorySpec) -> mc.ModelConfig:
     return config
 
 
+def build_llm(spec: RepositorySpec) -> mc.ModelConfig:
+    """``llm``: the inputs and outputs of :data:`tensors.LLM_INPUTS` / ``LLM_OUTPUTS``, decoupled
+    (one model answers ``stream`` true and false), one request of one prompt at a time
+    (``max_batch_size`` 1: a request is one prompt, Triton refuses more), one instance serving
+    every request in a thread of its own. Parameters: ``max_model_len`` (the model's context
+    length, ``n_positions``, when known), ``served_model_name`` (the repository's model name)
+    for clients to read with ``get_model_config``, and ``streaming`` (whether
+    ``fastertransformer`` is decoupled: only then can the model stream)."""
+    config = mc.ModelConfig(name=LLM, backend="python", max_batch_size=1)
+    _add_io(config, tensors.LLM_INPUTS, tensors.LLM_OUTPUTS)
+    _cpu_instances(config, 1)
+    config.model_transaction_policy.decoupled = True
+    parameters = {
+        "served_model_name": spec.name,
+        "streaming": "true" if spec.settings.streaming else "false",
+    }
+    if spec.max_model_len is not None:
+        parameters["max_model_len"] = str(spec.max_model_len)
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return config
+
+
 def build_ensemble(spec: RepositorySpec) -> mc.ModelConfig:
     if spec.settings.streaming:
         return build_streaming(spec)
@@ -271,6 +303,7 @@ BUILDERS: dict[str, Callable[[RepositorySpec], mc.ModelConfig]] = {
     PREPROCESSING: build_preprocessing,
     FASTERTRANSFORMER: build_fastertransformer,
     POSTPROCESSING: build_postprocessing,
+    LLM: build_llm,
 }
 
 

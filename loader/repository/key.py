@@ -45,7 +45,7 @@ BACKENDS: tuple[str, ...] = ("fastertransformer", "python")
 DTYPES: tuple[str, ...] = ("auto", "fp16", "fp32")
 #: Names of the models a repository holds besides the ensemble.
 RESERVED_MODEL_NAMES: frozenset[str] = frozenset(
-    {"preprocessing", "fastertransformer", "postprocessing"}
+    {"preprocessing", "fastertransformer", "postprocessing", "llm"}
 )
 
 #: What a model name is made of (the whole name; the chart's schema has ``^...$``).

@@ -7,6 +7,7 @@
       preprocessing/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
       fastertransformer/config.pbtxt, 1/<T>-gpu/*   (+ 1/model.py, 1/loader/ with --backend python)
       postprocessing/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
+      llm/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
 
 The ``<T>-gpu`` weights are converted straight into ``fastertransformer/1/`` by the pipeline
 (written once); this module writes everything else. A model whose config names the Python
@@ -24,6 +25,7 @@ from loader.errors import CheckpointError
 from loader.formats.huggingface import TOKENIZER_FILES
 from loader.repository.config import (
     FASTERTRANSFORMER,
+    LLM,
     POSTPROCESSING,
     PREPROCESSING,
     RepositorySpec,
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 VERSION = "1"
 TOKENIZER_DIR = "tokenizer"
 #: Models that tokenise or detokenise and so need the tokenizer files.
-TOKENIZING_MODELS: tuple[str, ...] = (PREPROCESSING, POSTPROCESSING)
+TOKENIZING_MODELS: tuple[str, ...] = (PREPROCESSING, POSTPROCESSING, LLM)
 
 
 def weights_dir(staging: Path) -> Path:

@@ -142,3 +142,38 @@ POSTPROCESSING_INPUTS: tuple[Tensor, ...] = (
     Tensor("end_id", "UINT32", (1,)),
 )
 POSTPROCESSING_OUTPUTS: tuple[Tensor, ...] = ENSEMBLE_OUTPUTS
+
+# --- llm: Triton's LLM convention (the TensorRT-LLM and vLLM backends' names) ---------------
+
+#: The inputs of the ``llm`` model, as the TensorRT-LLM backend's ``ensemble`` /
+#: ``tensorrt_llm_bls`` and the vLLM backend name them: ``text_input`` ([1], vLLM's shape),
+#: ``max_tokens``, and the optional sampling fields, each mapped onto the FasterTransformer
+#: input ``preprocessing`` fills (``loader/repository/models/llm/model.py``). Word lists are
+#: strings, one word (or phrase) per element, tokenized by the model with the checkpoint's
+#: tokenizer. FasterTransformer's GPT-J has no minimum-length input, so there is no
+#: ``min_tokens``.
+LLM_INPUTS: tuple[Tensor, ...] = (
+    Tensor("text_input", "BYTES", (1,)),
+    Tensor("max_tokens", "INT32", (1,)),
+    Tensor("stream", "BOOL", (1,), optional=True),
+    Tensor("exclude_input_in_output", "BOOL", (1,), optional=True),
+    Tensor("temperature", "FP32", (1,), optional=True),
+    Tensor("top_k", "INT32", (1,), optional=True),
+    Tensor("top_p", "FP32", (1,), optional=True),
+    Tensor("repetition_penalty", "FP32", (1,), optional=True),
+    Tensor("seed", "UINT64", (1,), optional=True),
+    Tensor("stop_words", "BYTES", (-1,), optional=True),
+    Tensor("bad_words", "BYTES", (-1,), optional=True),
+)
+
+#: Every response: ``text_output`` (the whole text, or the increment when streaming),
+#: ``finish_reason`` (``""`` in every streamed response but the last; ``length`` or ``stop``),
+#: the token counts and FasterTransformer's cumulative log probability (NaN where it cannot be
+#: told: ``postprocessing``).
+LLM_OUTPUTS: tuple[Tensor, ...] = (
+    Tensor("text_output", "BYTES", (-1,)),
+    Tensor("finish_reason", "BYTES", (1,)),
+    Tensor("num_input_tokens", "INT32", (1,)),
+    Tensor("num_output_tokens", "INT32", (1,)),
+    Tensor("cum_log_probs", "FP32", (1,)),
+)

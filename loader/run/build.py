@@ -42,6 +42,7 @@ def build(
         data_type=converted.dtype,
         end_id=converted.config.end_id,
         start_id=converted.config.start_id,
+        max_model_len=converted.config.max_pos_seq_len,
     )
     layout.write_models(staging, spec, tokenizer=verified.tokenizer)
     weights = converted.output_path.relative_to(staging).as_posix()

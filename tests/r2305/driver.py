@@ -16,7 +16,9 @@ Scenarios:
   fails the request, as "unexpected deadlock" does);
 * ``streaming``: each request through the decoupled model clients call;
 * ``batch``: the requests (``fastertransformer`` inputs) as ONE ``execute`` call of the
-  ``fastertransformer`` model, as Triton's dynamic batcher hands a batch over.
+  ``fastertransformer`` model, as Triton's dynamic batcher hands a batch over;
+* ``llm``: each request through the decoupled ``llm`` model (Triton's LLM convention): every
+  response's outputs, error and final flag.
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ def _tensors(np, pb_utils, request: dict) -> list:
     """``{name: [dtype, values]}`` -> ``pb_utils.Tensor`` list (values nested by row)."""
     tensors = []
     for name, (dtype, values) in request.items():
-        if dtype == "BYTES":
+        if dtype == "BYTES" and values and isinstance(values[0], list):  # rows of strings
+            array = np.empty((len(values), len(values[0])), dtype=np.object_)
+            array[:] = [[v.encode() for v in row] for row in values]
+        elif dtype == "BYTES":
             array = np.array([[v.encode()] for v in values], dtype=np.object_)
         else:
             array = np.array(values, dtype=DTYPES[dtype])
@@ -150,6 +155,30 @@ def run_streaming(np, pb_utils, model_name: str, request: dict) -> dict:
     }
 
 
+def run_llm(np, pb_utils, request: dict) -> dict:
+    model, _ = pb_utils.MODELS["llm"]
+    ir = pb_utils.InferenceRequest(
+        inputs=_tensors(np, pb_utils, request), requested_output_names=[], model_name="llm"
+    )
+    model.execute([ir])
+    sender = ir.get_response_sender()
+    final = pb_utils.wait_final(sender, 120)
+    entries = []
+    for response, flags in pb_utils.sent(sender):
+        entry = {"final": bool(flags)}
+        if response is None:
+            entry["empty"] = True
+        elif response.has_error():
+            entry["error"] = response.error().message()
+        else:
+            outputs = _outputs(pb_utils, response)
+            entry["outputs"] = {k: _plain(v) for k, v in outputs.items()}
+            entry["dtypes"] = {k: str(v.dtype) for k, v in outputs.items()}
+            entry["shapes"] = {k: list(v.shape) for k, v in outputs.items()}
+        entries.append(entry)
+    return {"final": final, "responses": entries}
+
+
 def run_batch(np, pb_utils, requests: list[dict]) -> list[dict]:
     """The requests as one ``execute`` of ``fastertransformer`` (decoupled or not)."""
     model, decoupled = pb_utils.MODELS["fastertransformer"]
@@ -205,6 +234,8 @@ def main(spec_path: str) -> int:
         report["results"] = [run_ensemble(np, pb_utils, spec["ensemble"], r) for r in requests]
     elif scenario == "streaming":
         report["results"] = [run_streaming(np, pb_utils, spec["streaming"], r) for r in requests]
+    elif scenario == "llm":
+        report["results"] = [run_llm(np, pb_utils, r) for r in requests]
     elif scenario == "batch":
         report["results"] = run_batch(np, pb_utils, requests)
     else:

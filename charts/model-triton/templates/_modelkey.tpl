@@ -130,7 +130,7 @@ and preferred batch sizes within maxBatchSize. model-triton.validate fails with 
 {{- $problems = append $problems (printf "model-triton: model.name %q is not usable as a Triton model and directory name; use letters, digits, '.', '_' and '-', starting with a letter or digit." $name) -}}
 {{- else if gt (len $name) $maxPart -}}
 {{- $problems = append $problems (printf "model-triton: model.name is %d characters long; at most %d fit in the model key's file names." (len $name) $maxPart) -}}
-{{- else if has $name (list "preprocessing" "fastertransformer" "postprocessing") -}}
+{{- else if has $name (list "preprocessing" "fastertransformer" "postprocessing" "llm") -}}
 {{- $problems = append $problems (printf "model-triton: model.name %q clashes with a model the repository holds; choose another name." $name) -}}
 {{- end -}}
 {{- if not $problems -}}

@@ -18,6 +18,9 @@ model directory         files (destination relative to the model directory)
 ``<NAME>`` (streaming)  with ``--streaming`` only, in place of the ensemble: ``1/model.py``
                         (from ``streaming/model.py``), installed under the role name
                         ``streaming``
+``llm``                 in every repository: ``1/model.py`` (from ``llm/model.py``),
+                        ``1/tokenization.py`` (+ ``1/tokenizer/*``: it tokenizes stop and
+                        bad words and decodes text)
 ======================  ==================================================================
 """
 
@@ -30,7 +33,7 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = Path(__file__).resolve().parent
 
-_TOKENIZING = ("preprocessing", "postprocessing")
+_TOKENIZING = ("preprocessing", "postprocessing", "llm")
 #: The decoupled model a streaming repository serves under the model's name.
 STREAMING = "streaming"
 PYTHON_MODELS = (*_TOKENIZING, "fastertransformer", STREAMING)
