@@ -65,6 +65,7 @@ FIELD_OF_INPUT = {
     "top_k": "temperature",  # set from temperature / top_p (greedy)
     "seed": "seed",
     "stop_words": "stop",
+    "stream": "stream",  # a repository published without --streaming cannot stream
 }
 _FIELD_ERROR = re.compile(r"(?:^|message: |: )(?P<field>[a-z_]+): (?P<text>.+)", re.S)
 #: Triton's words for a model it cannot run now (unknown, unloaded, not ready).
