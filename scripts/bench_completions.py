@@ -298,7 +298,7 @@ def tiny_repository() -> Path:
         repository=WORK / "models",
         model_name="codegen",
         parallelism=Parallelism(tp=1, pp=1, instance_count=1),
-        settings=ServingSettings(backend="python", dynamic_batching=True),
+        settings=ServingSettings(backend="python", dynamic_batching=True, streaming=True),
     )
     return run(request).path
 

@@ -4,7 +4,7 @@ committed results they come from.
 Every ```` ```bash ```` block of the README runs, top to bottom, in one ``bash -euo pipefail``
 session in the repository root (so a variable one block sets, like ``$REPO``, is there for the
 next, and a server one block starts in the background serves the ones after it). The only
-change made to them: ports 8000, 8001 and 8002 become free ports, so parallel test runs never
+change made to them: ports 8000, 8001, 8002 and 8080 become free ports, so parallel test runs never
 collide. A block the README marks with an HTML comment right above it is not run, for the
 reason the mark gives, and the test checks the reason is honest:
 
@@ -38,7 +38,7 @@ NEEDS = {
 }
 LONG = re.compile(r"\bmodel-loader tune\b|^\s*make bench\b", re.M)
 #: The README's fixed ports; the test maps them to free ones.
-PORTS = ("8000", "8001", "8002")
+PORTS = ("8000", "8001", "8002", "8080")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def script(blocks: list[Block], ports: dict[str, int]) -> str:
         if code is None:
             parts.append(f"echo '::not run: README line {block.line} ({block.mark})'")
             continue
-        code = re.sub(r"\b(800[0-2])\b", lambda m: str(ports[m[1]]), code)
+        code = re.sub(r"\b(800[0-2]|8080)\b", lambda m: str(ports[m[1]]), code)
         parts.append(f"echo '::README line {block.line}' >&2")
         parts.append(code)
     return "\n".join(parts) + "\n"
@@ -181,3 +181,4 @@ def test_the_readme_commands_run_as_written_in_order(tmp_path):
     ran = {int(x) for x in at}
     assert ran == {b.line for b in blocks if runnable(b) is not None}
     assert '"completion"' in output  # the curl examples' JSON answers
+    assert '"object":"text_completion"' in output and '"param":"stream"' in output  # the service
