@@ -296,6 +296,16 @@ def test_429_when_the_queue_is_full(triton, tmp_path):
         assert answer.choices[0].finish_reason == "length"
 
 
+def test_504_when_the_model_takes_longer_than_the_request_timeout(triton, tmp_path):
+    extra = ["--request-timeout-s", "0.5"]
+    with CompletionsService(triton.grpc_url, log=tmp_path / "svc.log", extra=extra) as svc:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(svc).completions.create(model=MODEL, prompt="slow", max_tokens=150)
+        assert caught.value.status_code == 504
+        assert caught.value.body["code"] == "timeout"
+        assert complete(svc, max_tokens=2).choices[0].finish_reason == "length"
+
+
 def test_a_client_leaving_mid_stream_closes_its_triton_stream(service, repository):
     stream = complete(service, prompt="leave early", max_tokens=200, stream=True, temperature=0)
     chunks = iter(stream)
