@@ -80,7 +80,32 @@ def test_the_dockerfile_installs_exactly_the_pins_and_copies_only_the_package():
     assert not [arg for _, arg in steps if "loader" in arg]
     user = next(arg for kind, arg in steps if kind == "USER")
     assert user.split(":")[0].isdigit() and user.split(":")[0] != "0"
-    assert dict(steps)["ENTRYPOINT"] == '["python", "-m", "completions_service"]'
+    assert dict(steps)["ENTRYPOINT"] == '["completions-service"]'
+
+
+def test_the_console_script_the_chart_runs_is_made_like_pips(tmp_path):
+    """The chart's command is `completions-service`: the image writes it as pip's console
+    script would (pyproject's [project.scripts]), and it runs the service's main."""
+    import subprocess
+    import sys
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["completions-service"] == "completions_service.cli:main"
+    written = re.search(
+        r"printf '([^']+)'\s*\\?\s*>\s*/usr/local/bin/completions-service", DOCKERFILE
+    )
+    assert written, "the Dockerfile writes no /usr/local/bin/completions-service"
+    script = tmp_path / "completions-service"
+    text = written[1].replace("\\n", "\n")
+    script.write_text(text.replace("#!/usr/local/bin/python", f"#!{sys.executable}"))
+    script.chmod(0o755)
+    done = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, cwd=ROOT, check=False,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--triton-url" in done.stdout
 
 
 def test_the_build_context_admits_only_the_package_and_its_pins():
