@@ -9,9 +9,11 @@
    the header and answered with it;
 4. sends the users' request (bench/test.json: `<python>def is_even(na: int) ->`) and prints the
    completion;
-5. prints the `model-loader plan` tables (this model on a 2-GPU node; CodeGen-16B on the
+5. starts the OpenAI-compatible completions service in front of that Triton and prints one
+   completion through it (`POST /v1/completions`, as an editor or the `openai` client sends);
+6. prints the `model-loader plan` tables (this model on a 2-GPU node; CodeGen-16B on the
    production node type);
-6. renders the Helm chart for every values file (all resources for values/local.yaml, the
+7. renders the Helm chart for every values file (all resources for values/local.yaml, the
    Triton Deployment with its GPUs and model key for the others) with the project's helm;
 then stops everything it started.
 """
@@ -43,7 +45,7 @@ REQUEST_FILE = ROOT / "bench" / "test.json"
 VALUES_DIR = ROOT / "values"
 LOCAL_VALUES = VALUES_DIR / "local.yaml"
 
-TOTAL_STEPS = 6
+TOTAL_STEPS = 7
 
 
 def section(number: int, title: str) -> None:
@@ -185,8 +187,74 @@ def step_serve_and_complete(published: Path) -> None:
             )
         )
         print(indent(greedy_parity(server.http_url, prompt, end_id)))
+        step_openai(server, prompt)
         print(indent("stopping tritonserver ..."))
     print(indent("tritonserver stopped"))
+
+
+def step_openai(server: TritonServer, prompt: str) -> None:
+    """One completion through the completions service (python -m completions_service) in
+    front of this Triton, with the admin header for the model-config protocol the chart
+    restricts (docs/completions.md)."""
+    import json
+    import tempfile
+    import urllib.error
+    import urllib.request
+
+    from loader.serving import free_port
+
+    section(5, "The OpenAI-compatible completions service in front of it")
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "completions_service", "--triton-url", f"grpc://{server.grpc_url}",
+        "--listen", f"127.0.0.1:{port}", "--log-level", "warning",
+    ]  # fmt: skip
+    restricted = restricted_protocols(server.extra_args)
+    with tempfile.TemporaryDirectory(dir=WORK) as private:
+        if "model-config" in restricted:
+            header, token = restricted["model-config"]
+            token_file = Path(private) / "triton-token"
+            token_file.write_text(token)
+            token_file.chmod(0o600)
+            cmd += [
+                "--triton-protocol-header",
+                header,
+                "--triton-protocol-token-file",
+                str(token_file),
+            ]
+        url = f"http://127.0.0.1:{port}"
+        service = subprocess.Popen(cmd, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health/ready", timeout=5):
+                        break
+                except (urllib.error.URLError, OSError) as exc:
+                    if service.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(
+                            f"the completions service did not get ready: {exc}"
+                        ) from exc
+                    time.sleep(0.2)
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+                model = json.load(response)["data"][0]
+            body = {"model": model["id"], "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            print(indent(f"completions-service {' '.join(cmd[3:7])} (model {model['id']!r}, "
+                         f"context {model['max_model_len']} tokens)"))  # fmt: skip
+            print(indent(f"POST {url}/v1/completions {json.dumps(body)}"))
+            request = urllib.request.Request(
+                f"{url}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as response:
+                answer = json.load(response)
+            choice = answer["choices"][0]
+            print(indent(f"completion ({choice['finish_reason']}, {answer['usage']}):"))
+            print(indent(indent(prompt + choice["text"])))
+        finally:
+            service.terminate()
+            service.wait(timeout=30)
 
 
 def show_restrictions(server: TritonServer) -> str:
@@ -267,7 +335,7 @@ def greedy_parity(url: str, prompt: str, end_id: int, tokens: int = 16) -> str:
 
 
 def step_plan() -> None:
-    section(5, "model-loader plan")
+    section(6, "model-loader plan")
     demo = loader_command(
         "plan",
         "--source",
@@ -307,7 +375,7 @@ def step_plan() -> None:
 
 
 def step_chart() -> None:
-    section(6, "The Helm chart, rendered for every values file")
+    section(7, "The Helm chart, rendered for every values file")
     from loader import chart as render_chart
 
     chart = render_chart.Chart.in_checkout(ROOT)
