@@ -13,14 +13,16 @@ TOOLS  := .tools
 TRITON_VENV := .venv-triton
 export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 
-TOOL_SCRIPTS := $(sort $(wildcard scripts/tools/install-*.sh))
+#: The pinned tools every target may use; the local control plane (install-kube.sh) is built
+#: only by the targets that start it (`make test`, `make test-e2e`, `make cluster-up`).
+TOOL_SCRIPTS := $(filter-out scripts/tools/install-kube.sh,$(sort $(wildcard scripts/tools/install-*.sh)))
 PYTEST_ARGS ?=
 #: pytest-xdist workers (auto: one per CPU). A test file runs on one worker (its module's
 #: servers start once); session fixtures are built once and shared.
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv triton-venv tools test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
+.PHONY: help install venv triton-venv tools kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
         bench-fetch bench-coldstart bench-serving bench-completions \
         staging-deploy cluster-up cluster-down clean
 
@@ -41,22 +43,27 @@ $(TRITON_VENV)/.installed: images/triton/requirements.txt scripts/install-triton
 	scripts/install-triton-venv.sh $(TRITON_VENV)
 	touch $@
 
-tools: $(TOOLS)/.installed ## pinned helm, kubectl, checkov, perf_analyzer; the local control plane (built once)
+tools: $(TOOLS)/.installed ## pinned helm 3 and 4, kubectl, checkov, perf_analyzer
 
 # Each install script checks its own tool's version; the stamp skips them all (about 15-30 s)
-# until a script, the virtualenv or the control plane's Go module (tools/kube) changes.
-# `rm .tools/.installed` runs them again.
-$(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(wildcard tools/kube/*) $(VENV)/.installed
+# until a script or the virtualenv changes. `rm .tools/.installed` runs them again.
+$(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(VENV)/.installed
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 	touch $@
 
-test: install triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
+kube: $(TOOLS)/bin/kube.stamp ## the local Kubernetes control plane (.tools/bin/kube, built once from Go modules) and its CRDs
+
+# install-kube.sh rebuilds only when tools/kube's sources changed (its own stamp).
+$(TOOLS)/bin/kube.stamp: scripts/tools/install-kube.sh $(wildcard tools/kube/*)
+	TOOLS_DIR=$(CURDIR)/$(TOOLS) scripts/tools/install-kube.sh
+
+test: install kube triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
 	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
 
-test-e2e: install ## make staging-deploy end to end on the local control plane (not in test)
+test-e2e: install kube ## make staging-deploy end to end on the local control plane alone
 	$(PYTEST) -m e2e tests/test_staging_deploy.py $(PYTEST_ARGS)
 
 test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch (not in test: ~10 min on 2 cores)
@@ -108,11 +115,11 @@ bench-completions: install ## the completions service's cost: latency and throug
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
 
-cluster-up: install ## a local Kubernetes control plane with fake GPU nodes (prints its KUBECONFIG)
+cluster-up: install kube ## a local Kubernetes control plane with fake GPU nodes (prints its KUBECONFIG)
 	$(BIN)/python -m tests.kube up
 
 cluster-down: ## stop the local control plane (its logs stay in .cluster/)
 	@if [[ -x $(BIN)/python ]]; then $(BIN)/python -m tests.kube down; fi
 
-clean: cluster-down ## remove the virtualenvs, tools (Go caches included), the local cluster and work directories
+clean: cluster-down ## remove the virtualenvs, tools, the local cluster and work directories (Go's own caches stay: go clean -cache -modcache)
 	rm -rf $(VENV) $(TRITON_VENV) $(TOOLS) .cluster bench/work demo-work

@@ -63,3 +63,129 @@ def test_the_loader_image_entrypoint_stands_in_for_a_missing_command():
     triton = {"image": "model-triton-ft:23.05", "command": ["tritonserver", "--x"]}
     assert not runs_here(triton)
     assert not runs_here({"image": "unknown:1", "args": ["x"]})
+
+
+# --------------------------------------------------------------------------- the supervisor
+
+
+def test_a_cluster_that_cannot_go_on_fails_the_next_test_with_its_reason(tmp_path):
+    from tests.kube.cluster import check
+    from tests.kube.controlplane import ControlPlaneError
+
+    (tmp_path / "state.json").write_text(
+        '{"failed": "the control plane stopped: etcd exited (1) 6 times; its log ends: disk full"}'
+    )
+    with pytest.raises(ControlPlaneError, match=r"etcd exited .* disk full"):
+        check(tmp_path)
+    (tmp_path / "state.json").write_text('{"server": "https://127.0.0.1:1"}')
+    (tmp_path / "supervisor.log").write_text("Traceback ...\nMemoryError\n")
+    with pytest.raises(ControlPlaneError, match=r"supervisor is gone(.|\n)*MemoryError"):
+        check(tmp_path)
+
+
+class _Plane:
+    """What the supervisor reads of a control plane: which components exited, and restarts."""
+
+    def __init__(self, logs: Path, exits: list[dict[str, int]], fails: set[str] = frozenset()):
+        self.logs = logs
+        self.exits = exits
+        self.fails = fails
+        self.restarted: list[str] = []
+
+    def exited(self) -> dict[str, int]:
+        return self.exits.pop(0) if self.exits else {}
+
+    def restart(self, name: str) -> None:
+        from tests.kube.controlplane import ControlPlaneError
+
+        if name in self.fails:
+            raise ControlPlaneError(f"{name} cannot be restarted")
+        self.restarted.append(name)
+
+
+def _supervisor(tmp_path: Path, plane: _Plane):
+    from tests.kube.cluster import Supervisor
+
+    supervisor = Supervisor(tmp_path, people=False)
+    supervisor.plane = plane
+    return supervisor
+
+
+def test_the_supervisor_restarts_a_component_that_exits_and_gives_up_with_its_log(tmp_path):
+    from tests.kube.cluster import RESTARTS
+
+    (tmp_path / "kube-controller-manager.log").write_text("leaderelection lost\n")
+    exits = [{"kube-controller-manager": 1}] * (RESTARTS + 1)
+    plane = _Plane(tmp_path, list(exits))
+    supervisor = _supervisor(tmp_path, plane)
+    for _ in range(RESTARTS):
+        assert supervisor._supervise() == ""
+    assert plane.restarted == ["kube-controller-manager"] * RESTARTS
+    reason = supervisor._supervise()
+    assert f"kube-controller-manager exited (1) {RESTARTS + 1} times" in reason
+    assert "leaderelection lost" in reason
+
+
+def test_the_supervisor_stops_with_the_reason_when_etcd_exits(tmp_path):
+    (tmp_path / "etcd.log").write_text("no space left on device\n")
+    plane = _Plane(tmp_path, [{"etcd": 2}], fails={"etcd"})
+    reason = _supervisor(tmp_path, plane)._supervise()
+    assert "etcd exited (2)" in reason and "no space left on device" in reason
+    assert plane.restarted == []
+
+
+@pytest.mark.server
+def test_a_killed_scheduler_is_restarted_and_schedules_again(sandbox):
+    """Fault injection on the shared cluster: SIGKILL the scheduler; the supervisor restarts it
+    and a new pod is bound to a node."""
+    import os
+    import signal
+
+    from tests.kube import nodes as fake
+
+    instance = sandbox.cluster.kubeconfig.parent
+    marker = f"--kubeconfig={instance / 'kube-scheduler.kubeconfig'}"
+    [pid] = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and marker.encode() in (p / "cmdline").read_bytes().split(b"\0")
+        and b"kube-scheduler" in (p / "cmdline").read_bytes().split(b"\0")
+    ]
+    os.kill(pid, signal.SIGKILL)
+    [node] = sandbox.register([fake.FakeNode("cpu", fake.CPU_NODE)])
+    sandbox.api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "after-restart", "namespace": sandbox.namespace},
+            "spec": {
+                "nodeSelector": {fake.FENCE: sandbox.fence},
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": 1000,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "busybox:1.37.0",
+                        "command": ["sleep", "3600"],
+                        "securityContext": {
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]},
+                        },
+                    }
+                ],
+            },
+        }
+    )
+    sandbox.wait(
+        "the pod is bound after the scheduler's restart",
+        lambda: (
+            sandbox.api.get("v1", "Pod", sandbox.namespace, "after-restart")["spec"].get("nodeName")
+            == node
+        ),
+    )
+    log = (sandbox.cluster.root / "supervisor.log").read_text()
+    assert "kube-scheduler exited (-9); restart" in log

@@ -29,8 +29,8 @@ from tests.kube.controlplane import ROOT
 from tests.kube.kubelet import Context, Exit
 from tests.servers import GcsServer
 
-# The local control plane, and its own tier (make test-e2e; see markers in pyproject.toml).
-# tests/test_staging_deploy_recorded.py checks the script's calls in make test.
+# The local control plane: in make test, and alone with make test-e2e (markers in
+# pyproject.toml). tests/test_staging_deploy_recorded.py checks the script's calls in the fast tier.
 pytestmark = [pytest.mark.server, pytest.mark.e2e]
 
 STAGING = rc.VALUES_DIR / "staging.yaml"

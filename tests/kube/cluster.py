@@ -9,7 +9,7 @@ for the rest of a cluster:
   kubelet maps into pods), created the way an external provisioner does it and bound by the
   real PV controller;
 - the upstream CRDs of ServiceMonitor, PrometheusRule (prometheus-operator) and ScaledObject
-  (KEDA), that `make tools` takes from their Go modules into `.tools/crds`;
+  (KEDA), that `make kube` takes from their Go modules into `.tools/crds`;
 - a general pool of two large CPU nodes, where pods without a node selector run (loader Jobs,
   `helm test` pods), and the lease heartbeats of every fake node;
 - for people only: node pools like the values files' and a fake kubelet for every namespace.
@@ -57,6 +57,8 @@ CRDS = ROOT / ".tools" / "crds"
 PROVISIONER = "model-triton.test/hostpath"
 STORAGE_CLASSES = ("standard", "standard-rwx")
 TOOLS_BIN = ROOT / ".tools" / "bin"
+#: How often the supervisor restarts one component that exited before it gives up.
+RESTARTS = 5
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,20 @@ def _cluster(root: Path, state: dict) -> Cluster:
     )
 
 
+def check(root: Path) -> None:
+    """Raise :class:`ControlPlaneError` with the reason when the cluster under ``root`` has
+    stopped (a component exited for good, or the supervisor died), so that a test fails with
+    why, not with `connection refused`."""
+    state = _read_state(root)
+    if state and state.get("failed"):
+        raise ControlPlaneError(state["failed"])
+    if not _alive(root / "supervisor.pid"):
+        tail = log_tail(root / "supervisor.log")
+        raise ControlPlaneError(
+            f"the cluster's supervisor is gone; {root}/supervisor.log ends:\n{tail}"
+        )
+
+
 def detach(root: Path) -> None:
     with _locked(root):
         (root / "clients" / str(os.getpid())).unlink(missing_ok=True)
@@ -215,6 +231,7 @@ class Supervisor:
         self.kubelet = None
         self.heartbeats: Heartbeats | None = None
         self.log_server: LogServer | None = None
+        self.restarts: dict[str, int] = {}
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
@@ -253,13 +270,35 @@ class Supervisor:
         )
         print(f"cluster up: {self.plane.server} (kubeconfig {self.plane.kubeconfig})", flush=True)
         while not self.stopping.wait(1.0):
-            if not self.plane.alive():
-                print("a control-plane component exited; stopping", flush=True)
+            failure = self._supervise()
+            if failure:
+                # Every client learns why at its next test (tests/kube/fixtures.py: `check`).
+                self._write_state({"failed": failure})
+                print(failure, flush=True)
                 break
             if not self.people and self._no_clients():
                 break
         self._shutdown()
         return 0
+
+    def _supervise(self) -> str:
+        """Restart a component that exited, as a kubelet restarts a static pod, at most
+        :data:`RESTARTS` times each; the reason the cluster cannot go on, or ""."""
+        for name, code in self.plane.exited().items():
+            tail = log_tail(self.plane.logs / f"{name}.log", 20)
+            count = self.restarts.get(name, 0) + 1
+            self.restarts[name] = count
+            if count > RESTARTS:
+                return f"the control plane stopped: {name} exited ({code}) {count} times; its log ends:\n{tail}"
+            print(
+                f"{name} exited ({code}); restart {count} of {RESTARTS}. Its log ended:\n{tail}",
+                flush=True,
+            )
+            try:
+                self.plane.restart(name)
+            except ControlPlaneError as exc:
+                return f"the control plane stopped: {name} exited ({code}) and {exc}; its log ended:\n{tail}"
+        return ""
 
     def _write_state(self, state: dict) -> None:
         tmp = self.root / "state.json.tmp"
@@ -322,7 +361,7 @@ class Supervisor:
     def _crds(self, api: Api) -> None:
         files = sorted(CRDS.glob("*.yaml"))
         if not files:
-            raise ControlPlaneError(f"no CRDs in {CRDS}: run `make tools`")
+            raise ControlPlaneError(f"no CRDs in {CRDS}: run `make kube`")
         names = []
         for path in files:
             crd = yaml.safe_load(path.read_text())

@@ -1,4 +1,4 @@
-"""The real Kubernetes control plane, started from the binary `make tools` builds
+"""The real Kubernetes control plane, started from the binary `make kube` builds
 (``tools/kube``): etcd, kube-apiserver, kube-controller-manager and kube-scheduler, each the
 upstream command with its default profile, on 127.0.0.1 ports the kernel picks.
 
@@ -21,9 +21,11 @@ import signal
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import requests
+import urllib3
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +33,10 @@ BINARY = ROOT / ".tools" / "bin" / "kube"
 #: The Kubernetes release the binary is built from (tools/kube/go.mod).
 VERSION = "v1.35.4"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+#: The components that keep no state of their own: restarted when they exit.
+CONTROLLERS = ("kube-controller-manager", "kube-scheduler")
 SERVICE_CIDR = "10.96.0.0/16"
-BUILD_HINT = "run `make tools` (builds .tools/bin/kube from tools/kube, once)"
+BUILD_HINT = "run `make kube` (builds .tools/bin/kube from tools/kube, once)"
 
 
 class ControlPlaneError(RuntimeError):
@@ -84,6 +88,9 @@ class ControlPlane:
         self.processes: dict[str, subprocess.Popen] = {}
         self.server = ""
         self.token = ""
+        self.etcd_url = ""
+        #: The `/healthz` port of each of :data:`CONTROLLERS`.
+        self.health_ports: dict[str, int] = {}
 
     # -- processes
 
@@ -162,28 +169,8 @@ class ControlPlane:
         for attempt in range(3):
             port = _free_port()
             self.server = f"https://127.0.0.1:{port}"
-            proc = self._spawn(
-                "kube-apiserver",
-                [
-                    f"--etcd-servers={etcd_url}",
-                    "--bind-address=127.0.0.1",
-                    "--advertise-address=127.0.0.1",
-                    f"--secure-port={port}",
-                    f"--tls-cert-file={self.pki / 'apiserver.crt'}",
-                    f"--tls-private-key-file={self.pki / 'apiserver.key'}",
-                    f"--token-auth-file={self.workdir / 'tokens.csv'}",
-                    "--authorization-mode=Node,RBAC",
-                    "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                    f"--service-account-key-file={self.pki / 'sa.key'}",
-                    f"--service-account-signing-key-file={self.pki / 'sa.key'}",
-                    f"--service-cluster-ip-range={SERVICE_CIDR}",
-                    # `kubectl logs` goes to the nodes' InternalIP (127.0.0.1), where the
-                    # fake kubelets' log endpoint listens (tests/kube/logs.py).
-                    "--kubelet-preferred-address-types=InternalIP",
-                    "--profiling=false",
-                    "--v=1",
-                ],
-            )
+            self.etcd_url = etcd_url
+            proc = self._spawn("kube-apiserver", self._apiserver_args(str(port)))
             try:
                 self._wait_ready(proc, deadline)
                 break
@@ -198,6 +185,28 @@ class ControlPlane:
         self.kubeconfig.write_text(
             yaml.safe_dump(kubeconfig(self.server, self.ca, self.token, "admin"))
         )
+
+    def _apiserver_args(self, port: str) -> list[str]:
+        etcd_url = self.etcd_url
+        return [
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--tls-cert-file={self.pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={self.pki / 'apiserver.key'}",
+            f"--token-auth-file={self.workdir / 'tokens.csv'}",
+            "--authorization-mode=Node,RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={self.pki / 'sa.key'}",
+            f"--service-account-signing-key-file={self.pki / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # `kubectl logs` goes to the nodes' InternalIP (127.0.0.1), where the
+            # fake kubelets' log endpoint listens (tests/kube/logs.py).
+            "--kubelet-preferred-address-types=InternalIP",
+            "--profiling=false",
+            "--v=1",
+        ]
 
     def _wait_ready(self, proc: subprocess.Popen, deadline: float) -> None:
         headers = {"Authorization": f"Bearer {self.token}"}
@@ -223,60 +232,103 @@ class ControlPlane:
         path.chmod(0o600)
         return path
 
-    def _start_controllers(self) -> None:
-        kcm = self._component_kubeconfig("system:kube-controller-manager")
-        self._spawn(
-            "kube-controller-manager",
-            [
-                f"--kubeconfig={kcm}",
-                f"--authentication-kubeconfig={kcm}",
-                f"--authorization-kubeconfig={kcm}",
-                "--secure-port=0",
+    def _controller_args(self, name: str) -> list[str]:
+        """The arguments of the controller manager or the scheduler.
+
+        Each runs as the one instance there is, without leader election
+        (`--leader-elect=false`, as single-node clusters run them): with it, a component that
+        cannot renew its lease within the 10 s renew deadline, as happens on two loaded cores,
+        stops leading and exits. Each serves `/healthz` on a loopback port of its own (always
+        allowed without credentials, `--authorization-always-allow-paths`' default), which is
+        how :meth:`start` knows it runs and :meth:`healthy` knows it still answers."""
+        user = f"system:{name}"
+        config = self._component_kubeconfig(user)
+        port = self.health_ports.setdefault(name, _free_port())
+        args = [
+            f"--kubeconfig={config}",
+            f"--authentication-kubeconfig={config}",
+            f"--authorization-kubeconfig={config}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            "--leader-elect=false",
+            "--profiling=false",
+            "--v=1",
+        ]
+        if name == "kube-controller-manager":
+            args += [
                 "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={self.pki / 'sa.key'}",
                 f"--root-ca-file={self.ca}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--cluster-name=model-triton-test",
-                "--profiling=false",
-                "--v=1",
-            ],
-        )
-        scheduler = self._component_kubeconfig("system:kube-scheduler")
-        self._spawn(
-            "kube-scheduler",
-            [
-                f"--kubeconfig={scheduler}",
-                f"--authentication-kubeconfig={scheduler}",
-                f"--authorization-kubeconfig={scheduler}",
-                "--secure-port=0",
-                "--profiling=false",
-                "--v=1",
-            ],
-        )
+                # The fake nodes' leases are renewed every 10 s by a thread of the supervisor;
+                # on a loaded machine a renewal can come late. A node is marked NotReady (and
+                # its pods evicted later) only after 2 minutes of silence, not 50 s.
+                "--node-monitor-grace-period=2m",
+                # Many tests create namespaces, Deployments and Jobs at once: the client-side
+                # rate limit (20/s by default) would queue the controllers' own calls.
+                "--kube-api-qps=100",
+                "--kube-api-burst=200",
+            ]
+        return args
+
+    def _start_controllers(self) -> None:
+        for name in CONTROLLERS:
+            self._spawn(name, self._controller_args(name))
 
     def _wait_leaders(self, deadline: float) -> None:
-        """The controller manager and the scheduler run their loops once they hold their
-        leader-election leases; the service-account controller has made `default/default`."""
-        headers = {"Authorization": f"Bearer {self.token}"}
-        paths = [
-            "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-controller-manager",
-            "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-scheduler",
-            "/api/v1/namespaces/default/serviceaccounts/default",
-        ]
-        for path in paths:
-            while True:
+        """The controller manager and the scheduler answer `/healthz`; the service-account
+        controller has made `default/default`."""
+        for name in CONTROLLERS:
+            while not self._component_healthy(name):
                 self._check_alive()
+                if time.monotonic() > deadline:
+                    raise self._failed(name, "not healthy (/healthz) in time")
+                time.sleep(0.25)
+        headers = {"Authorization": f"Bearer {self.token}"}
+        path = "/api/v1/namespaces/default/serviceaccounts/default"
+        while True:
+            self._check_alive()
+            try:
                 r = requests.get(
                     self.server + path, headers=headers, verify=str(self.ca), timeout=5
                 )
-                if r.status_code == 200 and (
-                    "leases" not in path or r.json()["spec"].get("holderIdentity")
-                ):
-                    break
-                if time.monotonic() > deadline:
-                    name = "kube-scheduler" if "scheduler" in path else "kube-controller-manager"
-                    raise self._failed(name, f"not leading ({path}) in time")
-                time.sleep(0.25)
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise self._failed("kube-controller-manager", f"has not made {path} in time")
+            time.sleep(0.25)
+
+    def _component_healthy(self, name: str, timeout: float = 5.0) -> bool:
+        url = f"https://127.0.0.1:{self.health_ports[name]}/healthz"
+        try:
+            with warnings.catch_warnings():
+                # The component's serving certificate is self-signed, made at its start.
+                warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+                return requests.get(url, verify=False, timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    # -- supervision
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start ``name`` again with the arguments it had: the API server on its port (etcd
+        keeps the state), the controller manager or the scheduler (they keep none). etcd is not
+        restarted: its port, and so the API server's `--etcd-servers`, would change."""
+        if name == "kube-apiserver":
+            proc = self._spawn(name, self._apiserver_args(self.server.rsplit(":", 1)[1]))
+            self._wait_ready(proc, time.monotonic() + 120)
+            return proc
+        if name in CONTROLLERS:
+            self.health_ports[name] = _free_port()  # its old port may be why it exited
+            return self._spawn(name, self._controller_args(name))
+        raise ControlPlaneError(f"{name} cannot be restarted: the control plane stops")
+
+    def exited(self) -> dict[str, int]:
+        """The components that have exited, with their exit codes."""
+        return {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
 
     # -- stop
 

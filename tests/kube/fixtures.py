@@ -22,7 +22,7 @@ import pytest
 
 from tests.kube import nodes as fake_nodes
 from tests.kube.api import Api
-from tests.kube.cluster import TOOLS_BIN, Cluster, attach, detach
+from tests.kube.cluster import TOOLS_BIN, Cluster, attach, check, detach
 from tests.kube.kubelet import Context, FakeKubelet, Rule
 
 
@@ -252,6 +252,7 @@ class Sandbox:
 
 @pytest.fixture
 def sandbox(kube: Cluster, kubelet: FakeKubelet) -> Iterator[Sandbox]:
+    check(kube.root)  # a stopped cluster fails the test with its reason
     # A letter first: `--set` would read an all-digit (or "12e3") fence as a number.
     fence = f"f{secrets.token_hex(3)}"
     namespace = f"t-{fence}"

@@ -16,11 +16,19 @@ What each container does comes from a rule the test sets (:meth:`FakeKubelet.rul
 Without a rule: :class:`Run` for commands that run here, else :class:`Serve` for a pod that
 restarts always, else ``Exit(0)``.
 
+A local process gets what a container runtime gives a container, and nothing of the test
+process's environment: the image's own environment (:data:`IMAGE_ENV`: its `PATH`, and the
+loader image's `ENV` lines), `HOSTNAME` (the pod's name), then the container's `env`. Its output
+goes to a log file the kubelet rotates as the kubelet's `containerLogMaxSize` /
+`containerLogMaxFiles` do (10 MiB, 5 files; `kubectl logs` reads the newest file only).
+
 Implemented: init containers in order, restart policies (Always / OnFailure / Never with a
 1 s back-off), terminal phases, readiness conditions, pod IPs, graceful deletion (SIGTERM to
 local processes, SIGKILL after the grace period, then the terminal status and the final delete
-with grace period 0, as the status manager does). Not implemented: images, probes' own timing
-(the rule decides readiness), preStop hooks, resource enforcement, logs and exec.
+with grace period 0, as the status manager does), container logs (tests/kube/logs.py serves
+them) and their rotation. Not implemented: images (their files: a local process sees this
+machine's `/usr/bin`), probes' own timing (the rule decides readiness), preStop hooks, resource
+enforcement and exec.
 """
 
 from __future__ import annotations
@@ -51,6 +59,24 @@ OWNER = "model-triton.test/kubelet"
 ENTRYPOINTS = {"model-triton-loader": ["model-loader"]}
 #: Programs a container command may start locally.
 LOCAL_PROGRAMS = {"sh", "/bin/sh", "model-loader"}
+#: The `PATH` of a Debian or busybox image (Docker's default for an image that sets none).
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The loader image's virtualenv (loader/Dockerfile: `/opt/venv/bin`) is this virtualenv here.
+_VENV_BIN = str(Path(sys.executable).parent)
+#: Each image's environment (its Dockerfile's `ENV` lines), by image repository; other images
+#: get :data:`IMAGE_PATH` alone. `HOME` names a path in the container: it is mapped like any
+#: other value when a volume is mounted there, else it is the pod's own scratch directory.
+IMAGE_ENV: dict[str, dict[str, str]] = {
+    "model-triton-loader": {
+        "PATH": f"{_VENV_BIN}:{IMAGE_PATH}",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": "/tmp",
+    },
+}
+#: The kubelet's defaults: `containerLogMaxSize` 10Mi and `containerLogMaxFiles` 5.
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_MAX_FILES = 5
 KUBELET_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
 BACKOFF_SECONDS = 1.0
 
@@ -150,6 +176,45 @@ def map_paths(text: str, mounts: list[tuple[str, Path]]) -> str:
     return re.sub(rf"{start}({pattern})(?=/|$|[^\w.-])", lambda m: local[m[1]], text)
 
 
+def container_environment(
+    image: str,
+    pod_name: str,
+    env: dict[str, str],
+    mounts: list[tuple[str, Path]],
+    scratch_home: Path,
+) -> dict[str, str]:
+    """What a runtime starts a container with: the image's environment, `HOSTNAME`, then the
+    container's own `env` (already expanded and mapped); nothing of this process's."""
+    image_env = {"PATH": IMAGE_PATH, **IMAGE_ENV.get(image_repository(image), {})}
+    home = image_env.pop("HOME", None)
+    mapped = map_paths(home, mounts) if home else None
+    if mapped is None or mapped == home:  # not on a mounted volume: the pod's scratch space
+        scratch_home.mkdir(parents=True, exist_ok=True)
+        mapped = str(scratch_home)
+    return {**image_env, "HOME": mapped, "HOSTNAME": pod_name, **env}
+
+
+def rotate_log(path: Path, max_bytes: int, max_files: int) -> bool:
+    """Rotate ``path`` once it holds more than ``max_bytes``, keeping ``max_files`` files in
+    all (``path`` and ``path.1`` .. ``path.<max_files - 1>``), as the kubelet's container log
+    manager does. The writer keeps its descriptor (opened with O_APPEND): the newest lines are
+    copied aside and the file truncated, so its next write lands at the new start."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    for n in range(max_files - 1, 1, -1):
+        older = path.with_name(f"{path.name}.{n - 1}")
+        if older.exists():
+            older.replace(path.with_name(f"{path.name}.{n}"))
+    if max_files > 1:
+        shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+    with path.open("r+b") as f:
+        f.truncate(0)
+    return True
+
+
 @dataclass
 class _Container:
     spec: dict
@@ -166,6 +231,7 @@ class _Container:
     last: dict | None = None
     process: subprocess.Popen | None = None
     stop_by: float | None = None
+    log_checked: float = 0.0
 
     @property
     def name(self) -> str:
@@ -202,8 +268,19 @@ class FakeKubelet:
     """Plays the kubelet for the pods in the namespaces it owns (:meth:`own`), or, with
     ``owner=None``, in every namespace no test kubelet owns (`make cluster-up`)."""
 
-    def __init__(self, api: Api, workdir: Path, *, owner: str | None, logs: Path) -> None:
+    def __init__(
+        self,
+        api: Api,
+        workdir: Path,
+        *,
+        owner: str | None,
+        logs: Path,
+        log_max_bytes: int = LOG_MAX_BYTES,
+        log_max_files: int = LOG_MAX_FILES,
+    ) -> None:
         self.api = api
+        self.log_max_bytes = log_max_bytes
+        self.log_max_files = log_max_files
         self.workdir = workdir
         #: Container logs (`kubectl logs` reads them through tests/kube/logs.py).
         self.logs = logs
@@ -247,6 +324,17 @@ class FakeKubelet:
     def remove_rule(self, rule: Rule) -> None:
         if rule in self.rules:
             self.rules.remove(rule)
+
+    def processes(self, namespace: str) -> dict[tuple[str, str], subprocess.Popen]:
+        """The running local processes of ``namespace``'s containers, by (pod, container)."""
+        with self._lock:
+            states = [s for s in self._state.values() if s.namespace == namespace]
+        return {
+            (s.name, c.name): c.process
+            for s in states
+            for c in s.containers
+            if c.process is not None and c.process.poll() is None
+        }
 
     def start(self) -> FakeKubelet:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -481,6 +569,13 @@ class FakeKubelet:
                 code = c.behaviour.code
             elif isinstance(c.behaviour, Run) and c.process.poll() is not None:
                 code = _exit_code(c.process.returncode)
+            elif isinstance(c.behaviour, Run) and clock >= c.log_checked + 1.0:
+                c.log_checked = clock
+                rotate_log(
+                    log_file(self.logs, state.namespace, state.name, c.name),
+                    self.log_max_bytes,
+                    self.log_max_files,
+                )
             if code is not None:
                 self._finish(state, c, code)
 
@@ -528,22 +623,20 @@ class FakeKubelet:
         env = self._environment(pod, state, c)
         argv = [map_paths(expand(a, env), mounts) for a in command_of(c.spec)]
         local_env = {k: map_paths(v, mounts) for k, v in env.items()}
-        path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
-        program = shutil.which(argv[0], path=path)
+        environment = container_environment(
+            c.spec["image"], state.name, local_env, mounts, state.workdir / "home"
+        )
+        program = shutil.which(argv[0], path=environment["PATH"])
         if program is None:
             raise FileNotFoundError(f"{argv[0]} (container {c.name}) is not on PATH")
         self.logs.mkdir(parents=True, exist_ok=True)
-        path = log_file(self.logs, state.namespace, state.name, c.name)
-        path.with_suffix(".done").unlink(missing_ok=True)
-        log = path.open("ab")
-        base = {k: os.environ[k] for k in ("LANG", "TMPDIR") if k in os.environ}
-        base["PATH"] = path
-        home = state.workdir / "home"
-        home.mkdir(exist_ok=True)
+        log_path = log_file(self.logs, state.namespace, state.name, c.name)
+        log_path.with_suffix(".done").unlink(missing_ok=True)
+        log = log_path.open("ab")
         try:
             return subprocess.Popen(
                 [program, *argv[1:]],
-                env={"HOME": str(home), **base, **local_env},
+                env=environment,
                 cwd=state.workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

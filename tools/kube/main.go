@@ -91,6 +91,9 @@ func runEtcd(args []string) int {
 	cfg.AdvertisePeerUrls = []url.URL{{Scheme: "http", Host: "127.0.0.1:2380"}}
 	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
 	cfg.LogLevel = "warn"
+	// The data of a test cluster need not survive a crash of the machine: no fsync, so that a
+	// machine busy with other I/O does not make every write of the API server wait on the disk.
+	cfg.UnsafeNoFsync = true
 	// The gateway (etcd's HTTP/JSON API) would dial the configured port 0; the API server
 	// speaks gRPC.
 	cfg.EnableGRPCGateway = false
