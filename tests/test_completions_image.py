@@ -42,6 +42,23 @@ def test_every_pin_is_exact_and_is_what_the_tests_run():
         )
 
 
+def test_the_development_pins_are_the_images():
+    """requirements.txt and requirements-dev.txt pin every package of the image to the same
+    version, so a fresh `make install` tests what the image runs."""
+    dev: dict[str, str] = {}
+    for name in ("requirements.txt", "requirements-dev.txt"):
+        for line in (ROOT / name).read_text().splitlines():
+            if line.strip() and not line.startswith(("#", "-")):
+                req = Requirement(line)
+                dev[canonicalize_name(req.name)] = next(iter(req.specifier)).version
+    differ = {
+        name: (next(iter(req.specifier)).version, dev.get(name))
+        for name, req in pins().items()
+        if dev.get(name) != next(iter(req.specifier)).version
+    }
+    assert not differ, f"image pin, development pin: {differ}"
+
+
 def test_the_pins_are_complete():
     """pip installs them with --no-deps: every dependency of a pin (with the extras asked
     for) must be pinned too, else the image would lack it."""
