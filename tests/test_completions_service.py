@@ -261,18 +261,33 @@ def test_413_for_an_oversized_body(service):
 
 
 def test_metrics_count_requests_errors_tokens_and_time_to_first_token(service):
-    before = service.metric("completions_completion_tokens_total")
+    def metric(name: str, labels: str = "") -> float:
+        return service.metric(name, labels)
+
+    ok = 'route="/v1/completions",status="200"'
+    unauthorized = 'code="invalid_api_key",type="authentication_error"'
+    before = {
+        "tokens": metric("completions_completion_tokens_total"),
+        "prompt": metric("completions_prompt_tokens_total"),
+        "ttft": metric("completions_time_to_first_token_seconds_count"),
+        "ok": metric("completions_requests_total", ok),
+        "401": metric("completions_errors_total", unauthorized),
+        "latency": metric("completions_request_duration_seconds_count", 'stream="false"'),
+    }
     complete(service, max_tokens=5, temperature=0)
     list(complete(service, max_tokens=4, temperature=0, stream=True))
-    assert service.metric("completions_completion_tokens_total") == before + 9
-    assert service.metric("completions_time_to_first_token_seconds_count") >= 1
-    assert service.metric("completions_requests_total", 'route="/v1/completions",status="200"') >= 2
+    with pytest.raises(openai.AuthenticationError):
+        client(service, "wrong").completions.create(model=MODEL, prompt="x")
+    assert metric("completions_completion_tokens_total") == before["tokens"] + 9
+    assert metric("completions_prompt_tokens_total") == before["prompt"] + 2 * 3
+    assert metric("completions_time_to_first_token_seconds_count") == before["ttft"] + 1
+    assert metric("completions_requests_total", ok) == before["ok"] + 2
+    assert metric("completions_errors_total", unauthorized) == before["401"] + 1
     assert (
-        service.metric(
-            "completions_errors_total", 'code="invalid_api_key",type="authentication_error"'
-        )
-        >= 0
+        metric("completions_request_duration_seconds_count", 'stream="false"')
+        == before["latency"] + 1
     )
+    assert metric("completions_in_flight") == 0 and metric("completions_queued") == 0
 
 
 # --- load, disconnects, Triton away -------------------------------------------------------------
