@@ -260,7 +260,6 @@ def test_api_keys_come_from_an_existing_secret_as_a_read_only_file(helm):
     [volume] = [v for v in pod["volumes"] if "secret" in v]
     assert volume["secret"] == {
         "secretName": "editor-keys",
-        "defaultMode": 0o440,
         "items": [{"key": "lines.txt", "path": "keys"}],
     }
     [mount] = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
