@@ -130,12 +130,11 @@ def test_notes_say_nothing_of_it_by_default():
 def test_rendered_and_valid_under_every_values_file(helm, values):
     docs = rendered(helm, values, ON)
     assert rc.validate(docs) == []
-    assert sorted(d["kind"] for d in docs if component(d) == "openai") == [
-        "Deployment",
-        "NetworkPolicy",
-        "PodDisruptionBudget",
-        "Service",
-    ]
+    monitored = bool(of(docs, "ServiceMonitor", "triton"))  # metrics.serviceMonitor.enabled
+    assert sorted(d["kind"] for d in docs if component(d) == "openai") == sorted(
+        ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
+        + ["ServiceMonitor"] * monitored
+    )
     deployment = one(docs, "Deployment")
     c = service_container(docs)
     # The command line of the service's contract, Triton's Service and the `llm` model.
@@ -369,6 +368,29 @@ def test_only_the_service_is_said_in_notes():
     text = rc.notes(set_values=(*ON, "networkPolicy.tritonFrom=openai"))
     assert "the helm test pod and the OpenAI-compatible\n   service's pods only" in text
     assert "model-triton/client=" not in text
+
+
+def test_the_service_monitor_scrapes_the_service_s_metrics_on_its_port():
+    sets = (*ON, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=kp")
+    docs = rendered("helm4", None, sets)
+    monitor = one(docs, "ServiceMonitor")
+    service = one(docs, "Service")
+    assert monitor["metadata"]["name"] == NAME
+    assert monitor["metadata"]["labels"]["release"] == "kp"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert [
+        s["metadata"]["name"] for s in services if matches(selector, s["metadata"]["labels"])
+    ] == [NAME]
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["model-triton"]}
+    # Off without the service; Triton's own monitor is unchanged.
+    alone = rendered("helm4", None, ("metrics.serviceMonitor.enabled=true",))
+    assert [d["metadata"]["name"] for d in alone if d["kind"] == "ServiceMonitor"] == [
+        "codegen-model-triton"
+    ]
 
 
 # --------------------------------------------------------------------------- autoscaling

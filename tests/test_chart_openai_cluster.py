@@ -3,7 +3,7 @@ plane (tests/kube): the real Helm 3 and 4 install it in a namespace that enforce
 `restricted` Pod Security Standard; the real Deployment controller, scheduler and
 HorizontalPodAutoscaler controller act on it; the NetworkPolicies are read back from the API
 server and their selectors evaluated by it. Every values file with the service on is applied
-with server-side dry-run.
+with server-side dry-run (the ServiceMonitor against the upstream CRD's schema).
 
 The fake kubelet plays the service's container (no image runs here; the service itself is tested
 against a real Triton elsewhere): it projects the API-key Secret into the pod's volume as the
@@ -246,9 +246,10 @@ def _server_dry_run(sandbox, docs: list[dict]) -> list[str]:
 @pytest.mark.parametrize("values", VALUES, ids=[v or "defaults" for v in VALUES])
 def test_every_values_file_with_the_service_is_accepted_by_the_api_server(sandbox, values):
     files = () if values is None else (rc.VALUES_DIR / values,)
-    text = rc.render(values_files=files, set_values=ON, namespace=sandbox.namespace)
+    sets = (*ON, "metrics.serviceMonitor.enabled=true")
+    text = rc.render(values_files=files, set_values=sets, namespace=sandbox.namespace)
     docs = rc.documents(text)
-    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget"} <= {
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"} <= {
         d["kind"] for d in docs if d["metadata"]["name"] == OPENAI
     }
     assert _server_dry_run(sandbox, docs) == []
