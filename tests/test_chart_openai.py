@@ -17,8 +17,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from hypothesis import strategies as st
 
 from tests import chart as rc
+from tests.chartkit import generated, get, names_a_key, render_values
 
 HELMS = ("helm3", "helm4")
 VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))
@@ -549,3 +551,139 @@ def test_notes_with_keys_and_an_exposed_service():
         set_values=(*ON, "openai.service.type=LoadBalancer", "openai.apiKeys.existingSecret=k")
     )
     assert "WARNING" not in keyed_exposed
+
+
+# --------------------------------------------------------------------------- generated values
+
+_ints = st.one_of(
+    st.integers(-2, 12),
+    st.sampled_from([1023, 1024, 86400, 86401, 2**31 - 1, 2**31, 2**40]),
+)
+_NUMBERS = [
+    "openai.replicas", "openai.maxConcurrency", "openai.maxQueue", "openai.maxBodyBytes",
+    "openai.requestTimeoutSeconds", "openai.terminationGracePeriodSeconds",
+    "openai.preStopSleepSeconds", "openai.livenessProbe.periodSeconds",
+    "openai.readinessProbe.timeoutSeconds", "openai.autoscaling.minReplicas",
+    "openai.autoscaling.maxReplicas", "openai.autoscaling.targetCPUUtilizationPercentage",
+    "openai.podDisruptionBudget.maxUnavailable",
+]  # fmt: skip
+_QUANTITIES = {
+    "openai.resources.requests.cpu": st.sampled_from([None, "500m", "0", "2", "-1", 0.5, "x"]),
+    "openai.resources.requests.memory": st.sampled_from(["256Mi", "2Gi", "0Mi", "1e3", "64"]),
+    "openai.resources.limits.memory": st.sampled_from([None, "1Gi", "128Mi", "-1Gi"]),
+}
+_label_key = st.sampled_from(
+    ["team", "app.kubernetes.io/component", "helm.sh/chart", "bad key", "a/b/c", "x.io/ok"]
+)
+
+
+@st.composite
+def openai_cases(draw) -> dict:
+    chosen: dict = {}
+    for key in draw(st.lists(st.sampled_from(_NUMBERS), max_size=3, unique=True)):
+        chosen[key] = draw(_ints)
+    for key in draw(st.lists(st.sampled_from(sorted(_QUANTITIES)), max_size=2, unique=True)):
+        chosen[key] = draw(_QUANTITIES[key])
+    picks = draw(
+        st.lists(
+            st.sampled_from(["labels", "env", "keys", "fence", "hpa", "service"]),
+            max_size=3, unique=True,
+        )
+    )  # fmt: skip
+    if "labels" in picks:
+        chosen["openai.podLabels"] = {draw(_label_key): "v"}
+        chosen["openai.podAnnotations"] = {draw(_label_key): "v"}
+        chosen["openai.nodeSelector"] = {draw(_label_key): "v"}
+    if "env" in picks:
+        names = ["HOME", "COMPLETIONS_LISTEN", "COMPLETIONS_API_KEYS_FILE", "X", "X", "1BAD"]
+        chosen["openai.extraEnv"] = [
+            {"name": draw(st.sampled_from(names)), "value": "1"}
+            for _ in range(draw(st.integers(1, 2)))
+        ]
+    if "keys" in picks:
+        chosen["openai.apiKeys.existingSecret"] = draw(st.sampled_from(["", "keys", "Bad_Name"]))
+        chosen["openai.apiKeys.key"] = draw(st.sampled_from(["keys", "..", "a/b", "k.txt", ""]))
+    if "fence" in picks:
+        chosen["networkPolicy.tritonFrom"] = draw(st.sampled_from(["clients", "openai", "all"]))
+        chosen["networkPolicy.enabled"] = draw(st.booleans())
+        chosen["networkPolicy.allowedFrom"] = draw(
+            st.sampled_from([[], [{"namespaceSelector": {"matchLabels": {"team": "gw"}}}]])
+        )
+        chosen["openai.networkPolicy.prometheus"] = draw(st.booleans())
+    if "hpa" in picks:
+        chosen["openai.autoscaling.enabled"] = draw(st.booleans())
+    if "service" in picks:
+        chosen["openai.service.type"] = draw(st.sampled_from(["ClusterIP", "LoadBalancer", "None"]))
+    values: dict = {"openai": {"enabled": True}}
+    for key, value in chosen.items():
+        node = values
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    base = draw(st.sampled_from([None, *(v for v in VALUES if v)]))
+    return {"values": values, "keys": list(chosen), "base": base}
+
+
+def _openai_property(case: dict, outcome) -> None:
+    values = case["values"]
+    docs = outcome.docs
+    c = service_container(docs)
+    args = flags(c["command"])
+    assert set(args) <= CONTRACT_FLAGS and args["--triton-model"] == "llm"
+    for key, flag in (
+        ("openai.maxConcurrency", "--max-concurrency"),
+        ("openai.maxQueue", "--max-queue"),
+        ("openai.maxBodyBytes", "--max-body-bytes"),
+        ("openai.requestTimeoutSeconds", "--request-timeout-s"),
+    ):
+        if get(values, key) is not None:
+            assert args[flag] == str(get(values, key)), (flag, args[flag])
+    assert ("--api-keys-file" in args) == bool(get(values, "openai.apiKeys.existingSecret"))
+    owned = {"HOME"} | {"COMPLETIONS_" + f[2:].upper().replace("-", "_") for f in args}
+    names = [e["name"] for e in c["env"]]
+    assert len(names) == len(set(names)) and not set(names[1:]) & owned
+    deployment = one(docs, "Deployment")
+    pod = deployment["spec"]["template"]
+    assert matches(deployment["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 5 + int(
+        get(values, "openai.preStopSleepSeconds", 5)
+    )
+    hpas = of(docs, "HorizontalPodAutoscaler")
+    assert len(hpas) == bool(get(values, "openai.autoscaling.enabled"))
+    for hpa in hpas:
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        assert "replicas" not in deployment["spec"]
+        assert c["resources"]["requests"]["cpu"]
+    fenced = get(values, "networkPolicy.enabled", True)
+    assert len(of(docs, "NetworkPolicy")) == int(fenced)
+    if get(values, "networkPolicy.tritonFrom") == "openai":
+        inference = one(docs, "NetworkPolicy", "triton")["spec"]["ingress"][0]
+        assert "model-triton/client" not in json.dumps(inference)
+        assert len(inference["from"]) == 2
+
+
+@pytest.mark.slow
+def test_generated_service_values_are_refused_naming_a_key_or_render_right():
+    """Generated values sets of the service (numbers at and beyond their bounds, quantities,
+    label and annotation keys, environment variables, Secret references, who may reach Triton,
+    autoscaling), over the defaults and every values file: Helm refuses naming a key the set
+    holds, or every manifest validates strictly and the command line, the autoscaler, the
+    policies and the environment say what the values say."""
+    failures, rendered_count = [], 0
+    cases = generated(openai_cases(), 40)
+    for i, case in enumerate(cases):
+        helm = HELMS[i % 2]
+        base = (rc.VALUES_DIR / case["base"],) if case["base"] else ()
+        outcome = render_values(helm, case["values"], base=base)
+        rendered_count += not outcome.refused
+        try:
+            if outcome.refused:
+                assert names_a_key(outcome.error, case["keys"]), outcome.error.strip()[-600:]
+            else:
+                assert outcome.problems == (), outcome.problems[:5]
+                _openai_property(case, outcome)
+        except AssertionError as exc:
+            failures.append(f"{helm} {case}:\n    {exc}")
+    assert failures == [], f"{len(failures)} of {len(cases)}:\n" + "\n".join(failures[:8])
+    assert 0 < rendered_count < len(cases), f"{rendered_count} of {len(cases)} rendered"
