@@ -27,8 +27,9 @@ VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))
 IDS = [v or "defaults" for v in VALUES]
 ON = ("openai.enabled=true",)
 NAME = "codegen-model-triton-openai"
-#: The flags of `completions-service` (the service's command-line contract).
-CONTRACT_FLAGS = {
+#: The flags of `completions-service`: its command-line contract, and the header (with the file
+#: of its token) that admits it to Triton's restricted protocols (it reads `model-config`).
+SERVICE_FLAGS = {
     "--triton-url",
     "--triton-model",
     "--listen",
@@ -37,6 +38,8 @@ CONTRACT_FLAGS = {
     "--max-queue",
     "--max-body-bytes",
     "--request-timeout-s",
+    "--triton-protocol-header",
+    "--triton-protocol-token-file",
 }
 
 
@@ -142,7 +145,7 @@ def test_rendered_and_valid_under_every_values_file(helm, values):
     # The command line of the service's contract, Triton's Service and the `llm` model.
     args = flags(c["command"])
     assert c["command"][0] == "completions-service"
-    assert set(args) <= CONTRACT_FLAGS
+    assert set(args) <= SERVICE_FLAGS
     [triton_service] = [
         s for s in of(docs, "Service", "triton") if s["spec"].get("clusterIP") != "None"
     ]
@@ -198,9 +201,12 @@ def test_the_pods_are_restricted_like_the_triton_pods(values):
     assert pod["automountServiceAccountToken"] is False
     assert pod["serviceAccountName"] == triton_pod["serviceAccountName"]
     assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
-    # It writes only /tmp, a bounded emptyDir.
-    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
-    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}]
+    # It writes only /tmp, a bounded emptyDir; it reads Triton's admin token (below).
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["tmp"] == {"name": "tmp", "mountPath": "/tmp"}
+    assert all(m.get("readOnly") for name, m in mounts.items() if name != "tmp")
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}} in pod["volumes"]
+    assert set(mounts) == {v["name"] for v in pod["volumes"]} == {"tmp", "triton-admin"}
     assert c["resources"]["requests"] == {"cpu": "500m", "memory": "256Mi"}
     assert c["resources"]["limits"] == {"memory": "1Gi"}
 
@@ -258,7 +264,7 @@ def test_api_keys_come_from_an_existing_secret_as_a_read_only_file(helm):
     assert rc.validate(docs) == []
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     c = service_container(docs)
-    [volume] = [v for v in pod["volumes"] if "secret" in v]
+    [volume] = [v for v in pod["volumes"] if "secret" in v and v["name"] != "triton-admin"]
     assert volume["secret"] == {
         "secretName": "editor-keys",
         "items": [{"key": "lines.txt", "path": "keys"}],
@@ -287,6 +293,71 @@ def test_api_keys_come_from_an_existing_secret_as_a_read_only_file(helm):
 def test_the_schema_refuses_bad_secret_references(sets):
     err = refused((*ON, *sets))
     assert "schema" in err and "apiKeys" in err
+
+
+@pytest.mark.parametrize("helm", HELMS)
+@pytest.mark.parametrize("values", VALUES, ids=IDS)
+def test_the_service_reads_the_model_config_with_triton_s_admin_token(helm, values):
+    """`model-config` is restricted by default and the service reads the `llm` model's
+    configuration: it gets the admin header and the token Triton itself is given, as a file."""
+    docs = rendered(helm, values, ON)
+    c = service_container(docs)
+    args = flags(c["command"])
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    triton_pod = one(docs, "Deployment", "triton")["spec"]["template"]["spec"]
+    triton = next(x for x in triton_pod["containers"] if x["name"] == "triton")
+    [token_env] = [e for e in triton["env"] if e["name"] == "TRITON_ADMIN_TOKEN"]
+    reference = token_env["valueFrom"]["secretKeyRef"]
+    header = args["--triton-protocol-header"]
+    restricted = rc.triton_command(docs)
+    assert any(a.startswith("--grpc-restricted-protocol=") for a in restricted)
+    assert header == "triton-grpc-protocol-admin-key"
+    [volume] = [v for v in pod["volumes"] if v["name"] == "triton-admin"]
+    assert volume["secret"] == {
+        "secretName": reference["name"],
+        "items": [{"key": reference["key"], "path": "token"}],
+    }
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "triton-admin"]
+    assert mount["readOnly"] is True
+    assert args["--triton-protocol-token-file"] == f"{mount['mountPath']}/token"
+
+
+def test_the_admin_token_follows_the_header_and_secret_values():
+    sets = (
+        *ON,
+        "triton.security.adminHeader=ops",
+        "triton.security.adminSecret.name=triton-ops",
+        "triton.security.adminSecret.key=tok",
+    )
+    docs = rendered("helm4", None, sets)
+    args = flags(service_container(docs)["command"])
+    assert args["--triton-protocol-header"] == "triton-grpc-protocol-ops"
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "triton-admin"]
+    assert volume["secret"] == {
+        "secretName": "triton-ops",
+        "items": [{"key": "tok", "path": "token"}],
+    }
+
+
+@pytest.mark.parametrize(
+    "protocols",
+    [[], ["logging", "trace", "shared-memory", "model-repository", "statistics", "metadata"]],
+    ids=["none", "all-but-model-config"],
+)
+def test_without_a_restricted_model_config_the_service_gets_no_admin_token(protocols):
+    values = {
+        "openai": {"enabled": True},
+        "triton": {"security": {"restrictedGrpcProtocols": protocols}},
+    }
+    outcome = render_values("helm4", values)
+    assert outcome.error is None and outcome.problems == ()
+    c = service_container(outcome.docs)
+    assert not {"--triton-protocol-header", "--triton-protocol-token-file"} & set(
+        flags(c["command"])
+    )
+    pod = one(outcome.docs, "Deployment")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
 
 
 # --------------------------------------------------------------------------- network
@@ -538,6 +609,7 @@ def test_notes_show_how_to_call_it_and_who_may():
     assert '"model": "codegen"' in text
     assert "No API keys" in text and "Authorization" not in text
     assert "model-triton/openai-client=codegen-model-triton" in text
+    assert "mount the token of Secret codegen-model-triton-admin" in text
     assert "WARNING" not in text
 
 
@@ -630,7 +702,7 @@ def _openai_property(case: dict, outcome) -> None:
     docs = outcome.docs
     c = service_container(docs)
     args = flags(c["command"])
-    assert set(args) <= CONTRACT_FLAGS and args["--triton-model"] == "llm"
+    assert set(args) <= SERVICE_FLAGS and args["--triton-model"] == "llm"
     for key, flag in (
         ("openai.maxConcurrency", "--max-concurrency"),
         ("openai.maxQueue", "--max-queue"),

@@ -6,9 +6,9 @@ server and their selectors evaluated by it. Every values file with the service o
 with server-side dry-run (the ServiceMonitor against the upstream CRD's schema).
 
 The fake kubelet plays the service's container (no image runs here; the service itself is tested
-against a real Triton elsewhere): it projects the API-key Secret into the pod's volume as the
-kubelet does, and the container turns Ready only once the keys file its command line names holds
-the Secret's keys. No CNI runs, so the policies' selectors are checked, not packets.
+against a real Triton elsewhere): it projects the API-key Secret and Triton's admin Secret into the
+pod's volumes as the kubelet does, and the container turns Ready only once the files its command
+line names hold the Secret's keys and the admin token Triton is given. No CNI runs, so the policies' selectors are checked, not packets.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ STAGING = rc.VALUES_DIR / "staging.yaml"
 VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))
 OPENAI = "codegen-model-triton-openai"
 TRITON = "codegen-model-triton"
+ADMIN = "codegen-model-triton-admin"
 KEYS = "sk-editor-one\nsk-editor-two\n"
 SERVICE_PODS = {"app.kubernetes.io/component": "openai"}
 TRITON_PODS = {"app.kubernetes.io/component": "triton"}
@@ -63,25 +64,34 @@ def keys_secret(sandbox) -> None:
 
 class PlayedService:
     """Plays the `completions` container: the kubelet fakes it (no process runs). It serves,
-    Ready while the file its `--api-keys-file` flag names, found through the container's
-    volume mounts in the pod's volumes, holds the Secret's keys."""
+    Ready while the files its command line names, found through the container's volume mounts
+    in the pod's volumes, hold what the service needs: the Secret's API keys
+    (`--api-keys-file`) and the token of Triton's admin header, the one the chart generated
+    for Triton (`--triton-protocol-token-file`: the service reads `model-config`, which is
+    restricted)."""
 
-    def __init__(self) -> None:
-        self.keys_files: list = []
+    def __init__(self, sandbox) -> None:
+        self.sandbox = sandbox
+        self.files: dict[str, list] = {"--api-keys-file": [], "--triton-protocol-token-file": []}
 
-    def __call__(self, ctx: Context):
-        if ctx.name != "completions":
-            return None
-        [path] = [
-            a.split("=", 1)[1] for a in ctx.container["command"] if a.startswith("--api-keys-file=")
-        ]
+    def _local(self, ctx: Context, flag: str):
+        [path] = [a.split("=", 1)[1] for a in ctx.container["command"] if a.startswith(flag + "=")]
         [mount] = [
             m for m in ctx.container["volumeMounts"] if path.startswith(m["mountPath"] + "/")
         ]
         assert mount.get("readOnly") is True
         local = ctx.volume(mount["name"]) / path.removeprefix(mount["mountPath"] + "/")
-        self.keys_files.append(local)
-        return Serve(ready=lambda: local.read_text() == KEYS)
+        self.files[flag].append(local)
+        return local
+
+    def __call__(self, ctx: Context):
+        if ctx.name != "completions":
+            return None
+        keys = self._local(ctx, "--api-keys-file")
+        token = self._local(ctx, "--triton-protocol-token-file")
+        secret = self.sandbox.api.get("v1", "Secret", self.sandbox.namespace, ADMIN)
+        expected = base64.b64decode(secret["data"]["token"]).decode()
+        return Serve(ready=lambda: keys.read_text() == KEYS and token.read_text() == expected)
 
 
 def available(sandbox, name: str, replicas: int):
@@ -135,7 +145,7 @@ def client_pod(sandbox) -> str:
 def test_the_service_becomes_available_fenced_and_autoscaled(sandbox, helm):
     staging_nodes(sandbox)
     keys_secret(sandbox)
-    played = PlayedService()
+    played = PlayedService(sandbox)
     sandbox.rule(played)
     sandbox.helm(helm, "install", "codegen", *chart(sandbox, *ON))
 
@@ -143,7 +153,9 @@ def test_the_service_becomes_available_fenced_and_autoscaled(sandbox, helm):
     # the HorizontalPodAutoscaler controller raises it to minReplicas (2) through the
     # Deployment's scale subresource, which it reaches only through scaleTargetRef.
     deployment = available(sandbox, OPENAI, 2)
-    assert played.keys_files and all(f.read_text() == KEYS for f in played.keys_files)
+    assert len(played.files["--api-keys-file"]) >= 2
+    assert all(f.read_text() == KEYS for f in played.files["--api-keys-file"])
+    assert len(played.files["--triton-protocol-token-file"]) >= 2
 
     def hpa_scaled():
         hpa = sandbox.api.get(

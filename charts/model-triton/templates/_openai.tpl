@@ -41,6 +41,20 @@ model-triton.openaiKeysDir / openaiKeysFile: where the API-key Secret is mounted
 {{- end -}}
 
 {{/*
+model-triton.openaiAdminToken: "true" when the service needs Triton's admin header: it reads the
+`llm` model's configuration (context length, served name) over the `model-config` protocol,
+which triton.security.restrictedGrpcProtocols restricts by default. Only then is the admin
+Secret's token mounted into its pods.
+*/}}
+{{- define "model-triton.openaiAdminToken" -}}
+{{- if has "model-config" .Values.triton.security.restrictedGrpcProtocols -}}true{{- end -}}
+{{- end -}}
+
+{{- define "model-triton.openaiAdminTokenDir" -}}
+/var/secrets/triton-admin
+{{- end -}}
+
+{{/*
 model-triton.tritonGrpcUrl: Triton's gRPC endpoint as the service calls it: the chart's Triton
 Service (port 8001, open on the network whatever triton.security.http is).
 */}}
@@ -50,8 +64,9 @@ grpc://{{ include "model-triton.fullname" . }}.{{ .Release.Namespace }}.svc:8001
 
 {{/*
 model-triton.openaiCommand: the service's command line (a YAML list), the flags of
-`completions-service`: Triton's URL and the `llm` model, where it listens, its bounds, and the
-keys file when openai.apiKeys.existingSecret names one.
+`completions-service`: Triton's URL and the `llm` model, where it listens, its bounds, the keys
+file when openai.apiKeys.existingSecret names one, and Triton's admin header with the file of
+its token when `model-config` is restricted (model-triton.openaiAdminToken).
 */}}
 {{- define "model-triton.openaiCommand" -}}
 {{- $o := .Values.openai -}}
@@ -65,6 +80,10 @@ keys file when openai.apiKeys.existingSecret names one.
 - --request-timeout-s={{ int $o.requestTimeoutSeconds }}
 {{- if $o.apiKeys.existingSecret }}
 - --api-keys-file={{ include "model-triton.openaiKeysFile" . }}
+{{- end }}
+{{- if include "model-triton.openaiAdminToken" . }}
+- --triton-protocol-header={{ include "model-triton.adminHeader" . }}
+- --triton-protocol-token-file={{ include "model-triton.openaiAdminTokenDir" . }}/token
 {{- end }}
 {{- end -}}
 
