@@ -591,7 +591,7 @@ def test_the_schema_refuses_values_out_of_range_naming_the_key(sets, key):
     assert "schema" in err and key in err
 
 
-def test_an_enabled_service_is_validated_even_when_its_values_are_odd_but_valid():
+def test_the_service_s_values_are_checked_even_while_it_is_off():
     # Off, its values are still checked (a later `openai.enabled=true` must not surprise).
     assert "model-triton: openai.resources.requests.memory" in refused(
         ("openai.resources.requests.memory=2Gi",)
