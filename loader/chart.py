@@ -246,9 +246,16 @@ def triton_command(docs: Iterable[dict]) -> list[str]:
     from loader import podspec
 
     docs = list(docs)
-    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    deployments = [
+        d
+        for d in docs
+        if d["kind"] == "Deployment"
+        and (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "triton"
+    ]
     if len(deployments) != 1:
-        raise ChartError(f"expected one Deployment in the rendering, found {len(deployments)}")
+        raise ChartError(
+            f"expected one Triton Deployment in the rendering, found {len(deployments)}"
+        )
     containers = deployments[0]["spec"]["template"]["spec"]["containers"]
     (triton,) = [c for c in containers if c["name"] == "triton"]
     return podspec.command_line(triton, docs)
@@ -289,7 +296,7 @@ def describe(doc: dict) -> Resource:
     if "helm.sh/hook" in annotations:
         parts.append(f"hook={annotations['helm.sh/hook']}")
     if kind == "Deployment":
-        parts.append(f"replicas={doc['spec']['replicas']}")
+        parts.append(f"replicas={doc['spec'].get('replicas', 'autoscaled')}")
     pod = pod_spec(doc)
     if pod is not None:
         for c in pod["containers"]:

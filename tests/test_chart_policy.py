@@ -41,6 +41,13 @@ ALL_OPTIONAL = (
 )
 #: The other autoscaler (one kind at a time).
 KEDA = ("autoscaling.enabled=true", "autoscaling.kind=keda")
+#: The OpenAI-compatible service with everything it can render (scanned under every values file).
+OPENAI = (
+    "openai.enabled=true",
+    "openai.autoscaling.enabled=true",
+    "openai.apiKeys.existingSecret=editor-keys",
+    "networkPolicy.tritonFrom=openai",
+)
 
 
 def checkov() -> Path:
@@ -96,8 +103,12 @@ def report(tmp_path_factory) -> dict:
     (out / "defaults.yaml").write_text(rc.render())
     (out / "optional.yaml").write_text(rc.render(set_values=ALL_OPTIONAL))
     (out / "keda.yaml").write_text(rc.render(set_values=KEDA))
+    (out / "openai.yaml").write_text(rc.render(set_values=OPENAI))
     for values in sorted(rc.VALUES_DIR.glob("*.yaml")):
         (out / values.name).write_text(rc.render(values_files=[values]))
+        (out / f"openai-{values.name}").write_text(
+            rc.render(values_files=[values], set_values=OPENAI)
+        )
     (out / "weakened.yaml").write_text(rc.render(set_values=WEAK))
     (out / "Dockerfile").write_text((ROOT / "loader" / "Dockerfile").read_text())
     proc = subprocess.run(
@@ -146,6 +157,8 @@ def test_rendered_chart_passes_checkov_with_only_the_listed_exceptions(report):
         "staging.yaml",
         "production.yaml",
         "local.yaml",
+        "openai.yaml",
+        *(f"openai-{v.name}" for v in rc.VALUES_DIR.glob("*.yaml")),
     } <= report["scanned"]
     assert {f: c for f, c in report["failed"].items() if f != "weakened.yaml"} == {}
     assert report["passed"] > 500
@@ -156,11 +169,16 @@ def test_checkov_catches_a_weakened_security_context(report):
     assert "CKV_K8S_20" in report["failed"]["weakened.yaml"]  # allowPrivilegeEscalation
 
 
-def test_checkov_catches_pods_without_a_network_policy(tmp_path):
+@pytest.mark.parametrize(
+    ("sets", "unfenced"),
+    [((), 2), (("openai.enabled=true",), 3)],
+    ids=["triton-and-test", "with-openai"],
+)
+def test_checkov_catches_pods_without_a_network_policy(tmp_path, sets, unfenced):
     # Every rendering the report scans fences its pods (the check is not skipped there); this
     # one turns the policies off and must fail. CKV2_K8S_6 matches pods to policies across all
     # scanned files, so it is scanned alone.
-    (tmp_path / "chart.yaml").write_text(rc.render(set_values=UNFENCED))
+    (tmp_path / "chart.yaml").write_text(rc.render(set_values=(*UNFENCED, *sets)))
     proc = subprocess.run(
         [
             str(checkov()),
@@ -173,7 +191,8 @@ def test_checkov_catches_pods_without_a_network_policy(tmp_path):
         timeout=300,
     )
     summary = json.loads(proc.stdout)["summary"]
-    assert (summary["passed"], summary["failed"]) == (0, 2)  # the Triton and test pods
+    # the Triton and test pods, and the OpenAI-compatible service's
+    assert (summary["passed"], summary["failed"]) == (0, unfenced)
 
 
 def test_every_exception_is_justified_next_to_it():

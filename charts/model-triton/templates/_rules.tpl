@@ -66,13 +66,13 @@ loader's name a DNS-1123 subdomain, every image a reference the kubelet can pull
 {{- $component := "[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*" -}}
 {{- $domain := "(([a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(\\.([a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*(:[0-9]+)?/)?" -}}
 {{- $reference := printf "^%s%s(/%s)*$" $domain $component $component -}}
-{{- range $key, $image := dict "triton.image" .Values.triton.image "triton.waitForModel.image" .Values.triton.waitForModel.image "loader.image" .Values.loader.image -}}
+{{- range $key, $image := dict "triton.image" .Values.triton.image "triton.waitForModel.image" .Values.triton.waitForModel.image "loader.image" .Values.loader.image "openai.image" .Values.openai.image -}}
 {{- $name := include "model-triton.imageName" (dict "image" $image "context" $) -}}
 {{- if or (not (regexMatch $reference $name)) (gt (len $name) 255) -}}
 {{- $problems = append $problems (printf "model-triton: global.imageRegistry and %s.repository make the image name %q, which is not a reference the kubelet can pull (lower-case path components, an optional registry host[:port] first, at most 255 characters); put the tag in %s.tag and the digest in %s.digest." $key $name $key $key) -}}
 {{- end -}}
 {{- end -}}
-{{- range $key, $map := dict "commonLabels" .Values.commonLabels "triton.podLabels" .Values.triton.podLabels "triton.podAnnotations" .Values.triton.podAnnotations "cluster.nodeSelector" .Values.cluster.nodeSelector "loader.nodeSelector" .Values.loader.nodeSelector "metrics.serviceMonitor.labels" .Values.metrics.serviceMonitor.labels "metrics.prometheusRule.labels" .Values.metrics.prometheusRule.labels "metrics.prometheus.podLabels" .Values.metrics.prometheus.podLabels "service.annotations" .Values.service.annotations "serviceAccount.annotations" .Values.serviceAccount.annotations "loader.serviceAccount.annotations" .Values.loader.serviceAccount.annotations "modelRepository.persistence.annotations" .Values.modelRepository.persistence.annotations "triton.resources.requests" (dig "requests" dict (default dict .Values.triton.resources)) "triton.resources.limits" (dig "limits" dict (default dict .Values.triton.resources)) "loader.resources.requests" (dig "requests" dict (default dict .Values.loader.resources)) "loader.resources.limits" (dig "limits" dict (default dict .Values.loader.resources)) -}}
+{{- range $key, $map := dict "commonLabels" .Values.commonLabels "triton.podLabels" .Values.triton.podLabels "triton.podAnnotations" .Values.triton.podAnnotations "cluster.nodeSelector" .Values.cluster.nodeSelector "loader.nodeSelector" .Values.loader.nodeSelector "metrics.serviceMonitor.labels" .Values.metrics.serviceMonitor.labels "metrics.prometheusRule.labels" .Values.metrics.prometheusRule.labels "metrics.prometheus.podLabels" .Values.metrics.prometheus.podLabels "service.annotations" .Values.service.annotations "serviceAccount.annotations" .Values.serviceAccount.annotations "loader.serviceAccount.annotations" .Values.loader.serviceAccount.annotations "modelRepository.persistence.annotations" .Values.modelRepository.persistence.annotations "triton.resources.requests" (dig "requests" dict (default dict .Values.triton.resources)) "triton.resources.limits" (dig "limits" dict (default dict .Values.triton.resources)) "loader.resources.requests" (dig "requests" dict (default dict .Values.loader.resources)) "loader.resources.limits" (dig "limits" dict (default dict .Values.loader.resources)) "openai.podLabels" .Values.openai.podLabels "openai.podAnnotations" .Values.openai.podAnnotations "openai.nodeSelector" .Values.openai.nodeSelector "openai.service.annotations" .Values.openai.service.annotations "openai.resources.requests" (dig "requests" dict (default dict .Values.openai.resources)) "openai.resources.limits" (dig "limits" dict (default dict .Values.openai.resources)) -}}
 {{- $problems = concat $problems (include "model-triton.qualifiedKeyProblems" (dict "map" $map "key" $key) | fromJsonArray) -}}
 {{- end -}}
 {{- toJson $problems -}}
@@ -113,7 +113,7 @@ environment variables, `tritonserver` options (getopt_long also takes an unambig
 {{- $v := .Values -}}
 {{- $t := .Values.triton -}}
 {{- $owned := include "model-triton.ownedLabels" . | fromJsonArray -}}
-{{- range $key, $map := dict "commonLabels" $v.commonLabels "triton.podLabels" $t.podLabels "metrics.serviceMonitor.labels" $v.metrics.serviceMonitor.labels "metrics.prometheusRule.labels" $v.metrics.prometheusRule.labels -}}
+{{- range $key, $map := dict "commonLabels" $v.commonLabels "triton.podLabels" $t.podLabels "metrics.serviceMonitor.labels" $v.metrics.serviceMonitor.labels "metrics.prometheusRule.labels" $v.metrics.prometheusRule.labels "openai.podLabels" $v.openai.podLabels -}}
 {{- range $label, $_ := (default dict $map) -}}
 {{- if has $label $owned -}}
 {{- $problems = append $problems (printf "model-triton: %s sets %q, a label the chart writes itself (its selectors and version); remove it." $key $label) -}}
@@ -198,7 +198,7 @@ one MIG slice per replica with cluster.gpuMemoryGiB within it.
 {{- $problems := list -}}
 {{- $c := .Values.cluster -}}
 {{- $t := .Values.triton -}}
-{{- range $key, $res := dict "triton.resources" $t.resources "triton.waitForModel.resources" $t.waitForModel.resources "loader.resources" .Values.loader.resources -}}
+{{- range $key, $res := dict "triton.resources" $t.resources "triton.waitForModel.resources" $t.waitForModel.resources "loader.resources" .Values.loader.resources "openai.resources" .Values.openai.resources -}}
 {{- range $name := list "cpu" "memory" "ephemeral-storage" -}}
 {{- $request := include "model-triton.quantity" (dig "requests" $name nil (default dict $res)) -}}
 {{- $limit := include "model-triton.quantity" (dig "limits" $name nil (default dict $res)) -}}

@@ -89,6 +89,7 @@ during install and upgrade; `helm template` cannot see it). */ -}}
 {{- $problems = concat $problems (include "model-triton.fitProblems" . | fromJsonArray) -}}
 {{- $problems = concat $problems (include "model-triton.featureProblems" . | fromJsonArray) -}}
 {{- $problems = concat $problems (include "model-triton.securityProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.openaiProblems" . | fromJsonArray) -}}
 
 {{- if $problems -}}
 {{- fail (printf "\n%s" (join "\n" $problems)) -}}
