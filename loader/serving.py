@@ -478,6 +478,14 @@ class TritonServer:
         address = _last_value(self.extra_args, "--http-address") or self.host
         return self.host if address == "0.0.0.0" else address
 
+    def _holds_its_ports(self) -> bool:
+        """Whether the server's own process listens on its gRPC port and (unless HTTP is off)
+        its HTTP port; where ``/proc`` cannot tell, the server's ports were checked free
+        before it started (:meth:`_check_given_ports`, :func:`free_port`)."""
+        assert self.process is not None
+        ports = [self.ports.grpc] + ([self.ports.http] if self.http_address is not None else [])
+        return all(listens_on(self.process.pid, port) is not False for port in ports)
+
     def _wait_ready(self) -> None:
         assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout
@@ -485,11 +493,10 @@ class TritonServer:
             code = self.process.poll()
             if code is not None:
                 raise self.failure(f"tritonserver exited with code {code} before it was ready")
-            # Ready only when this process holds the port its readiness is read from (HTTP,
-            # or gRPC when HTTP is off): a health check answered by another server on the same
-            # port must not count.
-            port = self.ports.http if self.http_address is not None else self.ports.grpc
-            if listens_on(self.process.pid, port) is not False and self._ready():
+            # Ready only when this process holds every port its readiness is read from (gRPC,
+            # and HTTP unless it is off): a health check answered by another server on the
+            # same port must not count.
+            if self._holds_its_ports() and self._ready():
                 log.info("tritonserver is ready (pid %s)", self.process.pid)
                 return
             time.sleep(0.25)

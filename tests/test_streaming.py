@@ -603,15 +603,15 @@ def test_complete_finds_the_model_and_names_the_served_ones_when_asked_for_anoth
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
 
-    found = loader_complete("--url", plain.http_url)
+    found = loader_complete("--url", f"http://{plain.http_url}")
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip()
     assert _complete_script("--url", plain.grpc_url, "def f():").returncode == 0
-    wrong = loader_complete("--url", plain.http_url, "--model", "codegen-350m")
+    wrong = loader_complete("--url", f"http://{plain.http_url}", "--model", "codegen-350m")
     assert wrong.returncode == 2
     assert f"does not serve a ready model 'codegen-350m'; it serves {MODEL}" in wrong.stderr
     assert "check the --url" not in wrong.stderr.lower()
-    over_http = loader_complete("--url", streaming.http_url, "--model", MODEL)
+    over_http = loader_complete("--url", f"http://{streaming.http_url}", "--model", MODEL)
     assert over_http.returncode == 2
     assert "streams its completion" in over_http.stderr and "--stream --url" in over_http.stderr
 

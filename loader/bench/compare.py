@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loader.bench import variants
-from loader.bench.endpoint import Endpoint, parse_endpoint
 from loader.bench.perf_analyzer import find_perf_analyzer
 from loader.bench.results import Measurement, Sweep, median_sweeps
 from loader.bench.settings import SweepSettings
 from loader.bench.sweep import sweep
+from loader.endpoint import Endpoint, parse_endpoint
 from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)

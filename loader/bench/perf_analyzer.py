@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.bench import profile
-from loader.bench.endpoint import Endpoint
 from loader.bench.results import Measurement, parse_csv
+from loader.endpoint import Endpoint
 from loader.errors import (
     EndpointError,
     LoaderError,
