@@ -117,6 +117,29 @@ def listens_on(pid: int, port: int) -> bool | None:
     return False
 
 
+def link_tree(source: Path, dest: Path) -> Path:
+    """``dest``: the directories of ``source`` made anew, each file a symbolic link to its
+    original; ``__pycache__`` directories left out. What the server writes beside a model (the
+    Python backend's stub compiles ``model.py`` and the modules it imports into ``__pycache__``,
+    whatever ``PYTHONDONTWRITEBYTECODE`` says) lands in ``dest``, never in ``source``: a
+    published key must hold exactly what its manifest lists, or the next ``model-loader run``
+    publishes it again. Links are made to the path as found (not resolved), so a model that
+    finds its files beside its ``__file__`` finds the view's."""
+    dest.mkdir()
+    for top, dirs, files in os.walk(source):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        here = dest / Path(top).relative_to(source)
+        for name in dirs:
+            link_or_dir = Path(top) / name
+            if link_or_dir.is_symlink():  # os.walk does not descend into it: link it whole
+                (here / name).symlink_to(link_or_dir)
+            else:
+                (here / name).mkdir()
+        for name in files:
+            (here / name).symlink_to(Path(top) / name)
+    return dest
+
+
 def check_repository(repository: Path) -> None:
     """Refuse what the local CPU Triton cannot serve, saying what to serve instead: a missing
     directory, a loader's ROOT (the published keys live below it), a repository without
@@ -322,6 +345,9 @@ class TritonServer:
         extra_args: Sequence[str] = (),
     ) -> None:
         self.repository = Path(repository).resolve()
+        #: What tritonserver is given: a tree of links to ``repository``'s files in the
+        #: server's own work directory (:func:`link_tree`), once started.
+        self.served = self.repository
         self.host = host
         self._requested = Ports(http=http_port or 0, grpc=grpc_port or 0, metrics=metrics_port or 0)
         self.ports = self._pick_ports()
@@ -361,7 +387,7 @@ class TritonServer:
         install = find_triton()
         return [
             str(install.binary),
-            f"--model-repository={self.repository}",
+            f"--model-repository={self.served}",
             f"--backend-directory={backend_dir}",
             f"--http-address={self.host}",
             f"--http-port={self.ports.http}",
@@ -383,6 +409,7 @@ class TritonServer:
         install = find_triton()
         self._work_dir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
         backend_dir = build_backend_dir(install, self._work_dir / "backends")
+        self.served = link_tree(self.repository, self._work_dir / "repository")
         if self._log_path is None:
             self._log_path = self._work_dir / "tritonserver.log"
         for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -547,9 +574,13 @@ class TritonServer:
         return total / tick
 
     def log_text(self) -> str:
+        """The server's log, the paths of the served view written as the repository's."""
         if self._log_path is None or not self._log_path.exists():
             return ""
-        return self._log_path.read_text(encoding="utf-8", errors="replace")
+        text = self._log_path.read_text(encoding="utf-8", errors="replace")
+        if self.served != self.repository:
+            text = text.replace(str(self.served), str(self.repository))
+        return text
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
