@@ -28,7 +28,21 @@ log = logging.getLogger(__name__)
 STEP_MODELS = frozenset({"preprocessing", "fastertransformer", "postprocessing"})
 
 
+def quiet_interrupts() -> None:
+    """``tritonclient.http`` waits on gevent, whose hub prints ``KeyboardInterrupt`` and a
+    timestamp when Ctrl-C lands during a request; the interrupt still reaches the caller (it
+    is one of the hub's ``SYSTEM_ERROR``), only the print goes (``NOT_ERROR``)."""
+    try:
+        import gevent
+    except ImportError:
+        return
+    hub = gevent.get_hub()
+    if not issubclass(KeyboardInterrupt, hub.NOT_ERROR):
+        hub.NOT_ERROR = (*hub.NOT_ERROR, KeyboardInterrupt)
+
+
 def _infer_http(module: Any, url: str, model: str, inputs: list[Any], timeout_s: float) -> Any:
+    quiet_interrupts()
     client = module.InferenceServerClient(url, network_timeout=timeout_s)
     try:
         return client.infer(model, inputs)

@@ -182,3 +182,36 @@ def test_the_loaders_root_and_a_gpu_only_repository_are_refused_with_what_to_ser
     assert "--backend python" in info.value.remediation
     with pytest.raises(RepositoryError, match="holds no model"):
         TritonServer(tmp_path / "models" / "codegen@v1").start()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep):
+    """The log path serve-local prints is either kept (--log-file) or said to go with it."""
+    import signal
+    import subprocess
+
+    script = Path(__file__).parents[1] / "scripts" / "serve-local"
+    log_file = tmp_path / "logs" / "triton.log"
+    if keep:
+        log_file.parent.mkdir()
+    proc = subprocess.Popen(
+        [str(script), str(repository), *(["--log-file", str(log_file)] if keep else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("serving"):
+                break
+        (shown,) = [line for line in lines if line.startswith("log ")]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    path = Path(shown.split()[1])
+    if keep:
+        assert path == log_file and shown == f"log     {log_file}"
+        assert log_file.is_file() and log_file.read_text()  # kept, with Triton's lines
+    else:
+        assert shown.endswith("(removed when this stops; --log-file PATH keeps it)")
+        assert not path.exists()
