@@ -217,6 +217,7 @@ def _compared(
             by_round=comparison.by_round,
             status=status,
             notes=notes or {},
+            request_files=settings.request_files(),
         )
 
     comparison = compare(
