@@ -59,6 +59,8 @@ _CAUSES = (
     re.compile(r"failed to start .*already in use.*|Socket .* already in use.*"),
     re.compile(r"failed to load .*|Invalid argument.*|Internal: .*"),
     re.compile(r"^error: .*|.*\bfailed\b.*", re.IGNORECASE),
+    # An abort: the C++ runtime's last words (e.g. the Python backend's shared-memory lock).
+    re.compile(r"^terminate called after throwing .*"),
 )
 #: A Triton log line's prefix (severity, date, time, thread, file:line]).
 _LOG_PREFIX = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
@@ -544,6 +546,18 @@ class TritonServer:
                 "The model named in the message did not load; the log says which file or "
                 "setting. Republish the repository with `model-loader run --force` if it was "
                 "changed by hand."
+            )
+        elif "boost::interprocess" in text:
+            hint = (
+                "Triton's Python backend lost the shared-memory link to a model's stub "
+                "(boost::interprocess), which happens when /dev/shm fills up or the machine runs "
+                "out of memory under load: check `df -h /dev/shm` and free memory, lower the "
+                "load (--concurrency-range, instance counts) or stop other work, and run again."
+            )
+        elif self.process is not None and (self.process.returncode or 0) < 0:
+            hint = (
+                f"tritonserver was killed by signal {-self.process.returncode}: by you, or by "
+                "the kernel's out-of-memory killer (`dmesg | tail`); free memory and run again."
             )
         else:
             hint = None

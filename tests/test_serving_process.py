@@ -215,3 +215,23 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
     else:
         assert shown.endswith("(removed when this stops; --log-file PATH keeps it)")
         assert not path.exists()
+
+
+def test_an_abort_under_load_names_its_cause_and_what_to_check(tmp_path):
+    """The bench's local Triton can abort under load when the Python backend's shared-memory
+    lock fails (libstdc++'s words for an uncaught exception): the error names it and the hint
+    says what to check, instead of only "cannot reach Triton"."""
+    log = tmp_path / "tritonserver.log"
+    log.write_text(
+        'I1201 19:22:06.1 11 grpc_server.cc:2495] "Started GRPCInferenceService at 127.0.0.1"\n'
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+        "  what():  boost::interprocess::lock_exception\n"
+    )
+    server = TritonServer(tmp_path, log_path=log)
+    failure = server.failure("the local tritonserver exited during the measurement (code 134)")
+    first = failure.message.splitlines()[0]
+    assert first.endswith(
+        "(code 134): terminate called after throwing an instance of "
+        "'boost::interprocess::lock_exception'"
+    )
+    assert "/dev/shm" in failure.remediation and "memory" in failure.remediation
