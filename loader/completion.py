@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,28 @@ import numpy as np
 from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError
 from loader.repository.tensors import ENSEMBLE_INPUTS
 
+log = logging.getLogger(__name__)
+
 #: The steps of a published repository and its ``llm`` model (Triton's LLM convention, other
 #: names); this client calls the model beside them.
 STEP_MODELS = frozenset({"preprocessing", "fastertransformer", "postprocessing", "llm"})
 
 
+def quiet_interrupts() -> None:
+    """``tritonclient.http`` waits on gevent, whose hub prints ``KeyboardInterrupt`` and a
+    timestamp when Ctrl-C lands during a request; the interrupt still reaches the caller (it
+    is one of the hub's ``SYSTEM_ERROR``), only the print goes (``NOT_ERROR``)."""
+    try:
+        import gevent
+    except ImportError:
+        return
+    hub = gevent.get_hub()
+    if not issubclass(KeyboardInterrupt, hub.NOT_ERROR):
+        hub.NOT_ERROR = (*hub.NOT_ERROR, KeyboardInterrupt)
+
+
 def _infer_http(module: Any, url: str, model: str, inputs: list[Any], timeout_s: float) -> Any:
+    quiet_interrupts()
     client = module.InferenceServerClient(url, network_timeout=timeout_s)
     try:
         return client.infer(model, inputs)
@@ -106,6 +123,29 @@ def build_inputs(client_module: Any, request: dict[str, list[Any]]) -> list[Any]
     return inputs
 
 
+def _first(request: dict[str, list[Any]], field: str, default: float) -> float:
+    values = request.get(field)
+    return float(values[0]) if values else default
+
+
+def greedy_despite_temperature(request: dict[str, list[Any]]) -> bool:
+    """Whether ``request`` sets a temperature that cannot change its tokens: FasterTransformer
+    decodes greedily when ``runtime_top_k`` is 1, or when top-k and top-p are both 0 (their
+    defaults; ``TopKSamplingLayer::setup``), and scaling the logits does not move the argmax."""
+    temperature = _first(request, "temperature", 1.0)
+    top_k, top_p = _first(request, "runtime_top_k", 0), _first(request, "runtime_top_p", 0.0)
+    return temperature != 1.0 and (top_k == 1 or (top_k == 0 and top_p == 0))
+
+
+def warn_if_greedy_despite_temperature(request: dict[str, list[Any]]) -> None:
+    if greedy_despite_temperature(request):
+        log.warning(
+            "temperature %g without top-k or top-p is greedy decoding: the temperature changes "
+            "nothing. To sample, add --top-p (e.g. 0.95) or --top-k (e.g. 40).",
+            _first(request, "temperature", 1.0),
+        )
+
+
 def complete(
     url: str,
     model: str,
@@ -127,7 +167,9 @@ def complete(
     except InferenceServerException as exc:
         raise _served_error(exc, url, model, protocol) from exc
     except OSError as exc:  # refused, reset, unreachable, timed out (HTTP)
-        raise EndpointError(f"{protocol}://{url} is unreachable: {exc}") from exc
+        raise EndpointError(
+            f"{protocol}://{url} is unreachable: {exc}", unreachable_hint(protocol)
+        ) from exc
     text = result.as_numpy("completion").reshape(-1)[0]
     return Completion(
         text=text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text),
@@ -135,6 +177,17 @@ def complete(
         sequence_length=int(result.as_numpy("sequence_length").reshape(-1)[0]),
         cum_log_prob=float(result.as_numpy("cum_log_probs").reshape(-1)[0]),
     )
+
+
+def unreachable_hint(protocol: str) -> str:
+    """What to check when Triton does not answer at a --url."""
+    hint = EndpointError.default_remediation
+    if protocol == "grpc":
+        hint += (
+            " A --url without a scheme is gRPC (Triton's port 8001): for the HTTP port write "
+            "http://HOST:PORT."
+        )
+    return hint
 
 
 def _served_error(exc: Any, url: str, model: str, protocol: str) -> EndpointError:
@@ -172,7 +225,9 @@ def served_models(url: str, *, protocol: str = "http", strict: bool = True) -> l
     except (InferenceServerException, OSError) as exc:
         if not strict:
             return []
-        raise EndpointError(f"cannot reach Triton at {protocol}://{url}: {exc}") from exc
+        raise EndpointError(
+            f"cannot reach Triton at {protocol}://{url}: {exc}", unreachable_hint(protocol)
+        ) from exc
     finally:
         client.close()
     entries = index if isinstance(index, list) else [

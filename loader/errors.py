@@ -337,6 +337,12 @@ class EndpointError(LoaderError):
     default_remediation = "Check the --url and that the server is up (curl <url>/v2/health/ready)."
 
 
+class EndpointSyntaxError(LoaderError):
+    """A ``--url`` no client can use as written (:mod:`loader.endpoint`)."""
+
+    default_remediation = "Pass --url as host:port (gRPC), grpc://host:port or http://host:port."
+
+
 class ServerStartError(LoaderError):
     """tritonserver exited or did not become ready (e.g. a model failed to load)."""
 

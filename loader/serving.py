@@ -60,6 +60,8 @@ _CAUSES = (
     re.compile(r"failed to start .*already in use.*|Socket .* already in use.*"),
     re.compile(r"failed to load .*|Invalid argument.*|Internal: .*"),
     re.compile(r"^error: .*|.*\bfailed\b.*", re.IGNORECASE),
+    # An abort: the C++ runtime's last words (e.g. the Python backend's shared-memory lock).
+    re.compile(r"^terminate called after throwing .*"),
 )
 #: A Triton log line's prefix (severity, date, time, thread, file:line]).
 _LOG_PREFIX = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ")
@@ -116,6 +118,29 @@ def listens_on(pid: int, port: int) -> bool | None:
             if os.readlink(fd) in inodes:
                 return True
     return False
+
+
+def link_tree(source: Path, dest: Path) -> Path:
+    """``dest``: the directories of ``source`` made anew, each file a symbolic link to its
+    original; ``__pycache__`` directories left out. What the server writes beside a model (the
+    Python backend's stub compiles ``model.py`` and the modules it imports into ``__pycache__``,
+    whatever ``PYTHONDONTWRITEBYTECODE`` says) lands in ``dest``, never in ``source``: a
+    published key must hold exactly what its manifest lists, or the next ``model-loader run``
+    publishes it again. Links are made to the path as found (not resolved), so a model that
+    finds its files beside its ``__file__`` finds the view's."""
+    dest.mkdir()
+    for top, dirs, files in os.walk(source):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        here = dest / Path(top).relative_to(source)
+        for name in dirs:
+            link_or_dir = Path(top) / name
+            if link_or_dir.is_symlink():  # os.walk does not descend into it: link it whole
+                (here / name).symlink_to(link_or_dir)
+            else:
+                (here / name).mkdir()
+        for name in files:
+            (here / name).symlink_to(Path(top) / name)
+    return dest
 
 
 def check_repository(repository: Path) -> None:
@@ -323,6 +348,9 @@ class TritonServer:
         extra_args: Sequence[str] = (),
     ) -> None:
         self.repository = Path(repository).resolve()
+        #: What tritonserver is given: a tree of links to ``repository``'s files in the
+        #: server's own work directory (:func:`link_tree`), once started.
+        self.served = self.repository
         self.host = host
         self._requested = Ports(http=http_port or 0, grpc=grpc_port or 0, metrics=metrics_port or 0)
         self.ports = self._pick_ports()
@@ -362,7 +390,7 @@ class TritonServer:
         install = find_triton()
         return [
             str(install.binary),
-            f"--model-repository={self.repository}",
+            f"--model-repository={self.served}",
             f"--backend-directory={backend_dir}",
             f"--http-address={self.host}",
             f"--http-port={self.ports.http}",
@@ -384,6 +412,7 @@ class TritonServer:
         install = find_triton()
         self._work_dir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
         backend_dir = build_backend_dir(install, self._work_dir / "backends")
+        self.served = link_tree(self.repository, self._work_dir / "repository")
         if self._log_path is None:
             self._log_path = self._work_dir / "tritonserver.log"
         for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -479,6 +508,14 @@ class TritonServer:
         address = _last_value(self.extra_args, "--http-address") or self.host
         return self.host if address == "0.0.0.0" else address
 
+    def _holds_its_ports(self) -> bool:
+        """Whether the server's own process listens on its gRPC port and (unless HTTP is off)
+        its HTTP port; where ``/proc`` cannot tell, the server's ports were checked free
+        before it started (:meth:`_check_given_ports`, :func:`free_port`)."""
+        assert self.process is not None
+        ports = [self.ports.grpc] + ([self.ports.http] if self.http_address is not None else [])
+        return all(listens_on(self.process.pid, port) is not False for port in ports)
+
     def _wait_ready(self) -> None:
         assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout
@@ -486,11 +523,10 @@ class TritonServer:
             code = self.process.poll()
             if code is not None:
                 raise self.failure(f"tritonserver exited with code {code} before it was ready")
-            # Ready only when this process holds the port its readiness is read from (HTTP,
-            # or gRPC when HTTP is off): a health check answered by another server on the same
-            # port must not count.
-            port = self.ports.http if self.http_address is not None else self.ports.grpc
-            if listens_on(self.process.pid, port) is not False and self._ready():
+            # Ready only when this process holds every port its readiness is read from (gRPC,
+            # and HTTP unless it is off): a health check answered by another server on the
+            # same port must not count.
+            if self._holds_its_ports() and self._ready():
                 log.info("tritonserver is ready (pid %s)", self.process.pid)
                 return
             time.sleep(0.25)
@@ -511,6 +547,18 @@ class TritonServer:
                 "The model named in the message did not load; the log says which file or "
                 "setting. Republish the repository with `model-loader run --force` if it was "
                 "changed by hand."
+            )
+        elif "boost::interprocess" in text:
+            hint = (
+                "Triton's Python backend lost the shared-memory link to a model's stub "
+                "(boost::interprocess), which happens when /dev/shm fills up or the machine runs "
+                "out of memory under load: check `df -h /dev/shm` and free memory, lower the "
+                "load (--concurrency-range, instance counts) or stop other work, and run again."
+            )
+        elif self.process is not None and (self.process.returncode or 0) < 0:
+            hint = (
+                f"tritonserver was killed by signal {-self.process.returncode}: by you, or by "
+                "the kernel's out-of-memory killer (`dmesg | tail`); free memory and run again."
             )
         else:
             hint = None
@@ -541,9 +589,13 @@ class TritonServer:
         return total / tick
 
     def log_text(self) -> str:
+        """The server's log, the paths of the served view written as the repository's."""
         if self._log_path is None or not self._log_path.exists():
             return ""
-        return self._log_path.read_text(encoding="utf-8", errors="replace")
+        text = self._log_path.read_text(encoding="utf-8", errors="replace")
+        if self.served != self.repository:
+            text = text.replace(str(self.served), str(self.repository))
+        return text
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])

@@ -414,6 +414,11 @@ def main() -> int:
     except LoaderError as exc:
         print(f"error: {exc.message}\nhint: {exc.remediation}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Every server and process a step started is stopped by its context manager on the way
+        # here; the checkpoint and repositories already written stay for the next run.
+        print("\ninterrupted (Ctrl-C); nothing left running", file=sys.stderr)
+        return 130
     print(f"\ndone in {time.monotonic() - started:.0f} s; nothing left running.")
     return 0
 

@@ -6,13 +6,14 @@ unreachable-endpoint cases also run the real perf_analyzer against a port nobody
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from loader.bench.endpoint import Endpoint, parse_endpoint
 from loader.bench.perf_analyzer import (
     PerfAnalyzerOptions,
     command,
@@ -21,8 +22,10 @@ from loader.bench.perf_analyzer import (
     measure_level,
 )
 from loader.bench.sweep import parse_concurrency_range
+from loader.endpoint import Endpoint, parse_endpoint
 from loader.errors import (
     EndpointError,
+    EndpointSyntaxError,
     LoaderError,
     MeasurementError,
     ModelNotFoundError,
@@ -33,6 +36,7 @@ from loader.serving import free_port
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data" / "perf_analyzer"
 BENCH = [sys.executable, str(ROOT / "scripts" / "bench")]
+COMPLETE = ROOT / "scripts" / "complete"
 ENDPOINT = Endpoint("127.0.0.1:8000", "http")
 
 
@@ -120,7 +124,7 @@ def test_bench_cli_unreachable_endpoint_exits_2_with_a_hint():
         "--url", f"127.0.0.1:{free_port()}", "--model", "codegen", "--concurrency-range", "1", "-q"
     )
     assert done.returncode == 2, done.stderr
-    assert "error: cannot reach Triton at http://127.0.0.1:" in done.stderr
+    assert "error: cannot reach Triton at grpc://127.0.0.1:" in done.stderr
     assert "hint: Check --url" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -186,10 +190,15 @@ def test_bad_concurrency_ranges_are_user_errors(text):
 @pytest.mark.parametrize(
     ("url", "protocol", "expected"),
     [
-        ("127.0.0.1:8000", None, Endpoint("127.0.0.1:8000", "http")),
+        ("127.0.0.1:8001", None, Endpoint("127.0.0.1:8001", "grpc")),  # the one default
+        ("127.0.0.1:8000", "http", Endpoint("127.0.0.1:8000", "http")),
         ("grpc://triton.svc:8001", None, Endpoint("triton.svc:8001", "grpc")),
+        ("GRPC://triton.svc:8001", "grpc", Endpoint("triton.svc:8001", "grpc")),
         ("localhost:8001", "grpc", Endpoint("localhost:8001", "grpc")),
         ("http://10.0.0.5:8000/", None, Endpoint("10.0.0.5:8000", "http")),
+        (" [::1]:8001 ", None, Endpoint("[::1]:8001", "grpc")),
+        (None, None, Endpoint("127.0.0.1:8001", "grpc")),
+        (None, "http", Endpoint("127.0.0.1:8000", "http")),
     ],
 )
 def test_endpoints_parse(url, protocol, expected):
@@ -198,11 +207,49 @@ def test_endpoints_parse(url, protocol, expected):
 
 @pytest.mark.parametrize(
     ("url", "protocol"),
-    [("127.0.0.1", None), ("ftp://h:1", None), ("grpc://h:8001", "http"), ("h:70000", None)],
-)
+    [("127.0.0.1", None), ("ftp://h:1", None), ("grpc://h:8001", "http"), ("h:70000", None),
+     ("grpc://grpc://h:8001", None), ("https://h:443", None), ("http://h:8000/v2", None),
+     ("", None), ("h:0", None), ("h:80x", None), ("h:8001", "tcp")],
+)  # fmt: skip
 def test_bad_endpoints_are_user_errors(url, protocol):
-    with pytest.raises(LoaderError):
+    with pytest.raises(EndpointSyntaxError) as excinfo:
         parse_endpoint(url, protocol=protocol)
+    assert excinfo.value.exit_code == 2 and excinfo.value.remediation
+
+
+def _scripts_complete():
+    """scripts/complete as a module (it has no .py suffix), without re-executing itself."""
+    loader = importlib.machinery.SourceFileLoader("complete_script", str(COMPLETE))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+#: Every form the clients were ever given in their --url, good and bad.
+URL_FORMS = [
+    None, "127.0.0.1:8001", "localhost:8000", "grpc://h:8001", "http://h:8000", "HTTP://h:8000/",
+    "[::1]:8001", "grpc://[fe80::1]:8001", "h", "h:", ":8001", "grpc://h", "https://h:443",
+    "grpcs://h:8001", "ftp://h:1", "grpc://grpc://h:8001", "http://h:8000/v2/models", "h:0",
+    "h:65536", "h:65535", "h:8001/", "h 8001", "", "http://", "user@h:8001",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", [None, "grpc", "http"])
+def test_scripts_complete_parses_url_exactly_as_the_loader_does(protocol):
+    """scripts/complete keeps its own copy of the rules (users copy the script alone): both
+    accept the same forms with the same address and protocol, and refuse the same ones."""
+    script = _scripts_complete()
+    for url in URL_FORMS:
+        try:
+            endpoint = parse_endpoint(url, protocol=protocol)
+            expected = (endpoint.address, endpoint.protocol)
+        except EndpointSyntaxError:
+            expected = None
+        try:
+            got = script.parse_url(url, protocol)
+        except script.ClientError:
+            got = None
+        assert got == expected, url
 
 
 def test_streaming_needs_grpc(tmp_path):

@@ -7,6 +7,7 @@ against the CPU Triton, plus the table of Benchmark 6 of our production merge re
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -246,3 +247,65 @@ def test_report_files_are_readable_by_everyone(tmp_path):
     paths = write_report(Report([recorded_sweep("http_c1-4", "naive")]), tmp_path)
     for path in paths.values():
         assert path.stat().st_mode & 0o044 == 0o044, path
+
+
+def test_a_winner_by_a_small_gap_in_one_round_is_called_uncertain():
+    """Two identical repositories, one round, 5% apart at one level: the summary names the
+    better one and says the choice is uncertain, without a baseline named too."""
+    a = Sweep("a", [Measurement(10, 10.5, 1000)])
+    b = Sweep("b", [Measurement(10, 10.0, 1000)])
+    text = summary_text([a, b], by_round=[[a, b]])
+    assert "Best configuration (no latency budget): a" in text
+    assert "1.05x the best stable throughput of b" in text
+    assert "uncertain: 1 round(s) with stable levels of both" in text
+    # Rounds that disagree are uncertain too; rounds that agree say so.
+    a2, b2 = Sweep("a", [Measurement(10, 9.0, 1000)]), Sweep("b", [Measurement(10, 10.0, 1000)])
+    assert "uncertain: the rounds disagree" in summary_text([a, b], by_round=[[a, b], [a2, b2]])
+    a3 = Sweep("a", [Measurement(10, 11.0, 1000)])
+    agreed = summary_text([a, b], by_round=[[a, b], [a3, b]])
+    assert "higher in every round" in agreed and "uncertain" not in agreed
+
+
+def test_the_plot_says_what_was_requested_and_the_tokens_per_second(tmp_path):
+    """One title, each panel naming its requests' shape, and a second axis of generated tokens
+    per second where every request asks for the same number."""
+    from loader.bench.settings import RequestShape, request_shape
+
+    root = Path(__file__).resolve().parents[1]
+    shape = request_shape(root / "bench" / "test.json")
+    assert shape == RequestShape(1, (31, 31), (32, 32))
+    assert shape.text == "1 request: prompt 31 characters, 32 output tokens"
+    mixed = request_shape(root / "bench" / "mixed.json")
+    assert mixed.requests == 12 and mixed.prompt_chars[0] < mixed.prompt_chars[1]
+    assert request_shape(tmp_path / "missing.json") is None
+    sweeps = [recorded_sweep("http_c1-4", "naive")]
+    plain = mpimg.imread(write_plot(sweeps, tmp_path / "plain.png"))
+    shaped = mpimg.imread(write_plot(sweeps, tmp_path / "shaped.png", shapes={"": shape}))
+    assert plain.shape == shaped.shape and not np.array_equal(plain, shaped)
+    # The right-hand axis (tokens/s) draws dark tick labels where the plain plot has none.
+    right = slice(int(plain.shape[1] * 0.9), plain.shape[1])
+    dark = lambda pixels: int((pixels[:, right, :3].sum(axis=-1) < 1.0).sum())  # noqa: E731
+    assert dark(shaped) > dark(plain) + 50
+
+
+def test_a_p95_from_few_requests_is_marked_as_their_maximum(tmp_path):
+    """Nearest rank: below 20 samples the 95th percentile is the slowest one. The tables say
+    so and the plot draws such a point hollow (and says why); 32 samples are a p95."""
+    from loader.bench.stream import MIN_P95_SAMPLES, Sample, StreamLevel, StreamSweep
+    from loader.bench.stream import format_line as stream_line
+    from loader.bench.stream import write_plot as stream_plot
+
+    def level(concurrency: int, n: int) -> StreamLevel:
+        samples = [Sample(0.1 + i / 1000, 0.01, 0.5, 16) for i in range(n)]
+        return StreamLevel.of(concurrency, samples, wall_s=2.0)
+
+    few, enough = level(1, 8), level(2, 32)
+    assert MIN_P95_SAMPLES == 20 and few.ttft_p95_us == round(0.107 * 1e6)  # the maximum
+    assert "TTFT mean" in stream_line(few) and "(max of 8: too few for a p95)" in stream_line(few)
+    assert "too few" not in stream_line(enough)
+    # The same numbers, once from 8 requests and once said to be from 32: only the marking
+    # (hollow points, the note under the title) tells the two plots apart.
+    counted = dataclasses.replace(few, requests=32, tpot_requests=32)
+    marked = mpimg.imread(stream_plot([StreamSweep("a", [few, enough])], tmp_path / "few.png"))
+    plain = mpimg.imread(stream_plot([StreamSweep("a", [counted, enough])], tmp_path / "n.png"))
+    assert marked.shape == plain.shape and not np.array_equal(marked, plain)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions
 from loader.bench.report import CSV_FILE, PLOT_FILE, SUMMARY_FILE, TABLES_FILE
 from loader.bench.results import TABLE_HEADER, parse_table, sweeps_from_csv
 from loader.bench.sweep import sweep
 from loader.cli import main as loader_main
 from loader.cli.bench import main as bench_main
+from loader.endpoint import Endpoint
 from loader.errors import ModelNotFoundError
 from loader.serving import TritonServer
 
@@ -267,7 +267,7 @@ def test_an_interrupted_run_leaves_the_results_it_measured(server, tmp_path):
 
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "bench"), "--url", server.http_url, "--model",
+        [sys.executable, str(ROOT / "scripts" / "bench"), "--url", f"http://{server.http_url}", "--model",
          "codegen", "--concurrency-range", "1:40:1", "--output-dir", str(out), *SHORT_FLAGS],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -134,3 +134,32 @@ def test_progress_lines_are_not_repeated_and_nothing_to_do_is_not_a_zero_rate(ca
     assert len(info) == len(set(info)) == 2  # 50 % and 100 %, the last one not twice
     assert not any("0.00B/s" in line for line in info)
     assert "verifying repository: nothing to do" in caplog.text
+
+
+@pytest.mark.parametrize("argv", [[], ["-v"], ["-q"]])
+def test_no_command_lists_every_command_with_what_it_does(capsys, argv):
+    from loader.cli import COMMANDS
+
+    code, err = _exit(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines[0] == "error: model-loader: which command? One of:"
+    listed = [line.split()[0] for line in lines[1:-1]]
+    assert listed == [name.rsplit(".", 1)[1] for name in COMMANDS]
+    assert all(len(line.split()) > 1 for line in lines[1:-1])  # each with its help
+    assert lines[-1].startswith("hint: `model-loader COMMAND --help`")
+
+
+def test_make_help_lists_every_documented_target():
+    """`make help` lists each target the Makefile documents with `##` (digits in a name too)."""
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    documented = re.findall(r"^([A-Za-z0-9_-]+):[^\n]*## ", (root / "Makefile").read_text(), re.M)
+    shown = subprocess.run(
+        ["make", "--no-print-directory", "help"], cwd=root, capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "test-e2e" in documented
+    assert [line.split()[0] for line in shown.splitlines()] == documented

@@ -61,3 +61,54 @@ def test_an_unreachable_server_is_an_endpoint_error(protocol):
         request = {"prompt": ["x"], "request_output_len": [1]}
         with pytest.raises(EndpointError, match=f"127.0.0.1:{port}"):
             complete(f"127.0.0.1:{port}", "codegen", request, protocol=protocol, timeout_s=5)
+
+
+GREEDY_CASES = [
+    ({"temperature": [0.2]}, True),  # neither top-k nor top-p: greedy
+    ({"temperature": [0.2], "runtime_top_p": [0.95]}, False),
+    ({"temperature": [0.2], "runtime_top_k": [40]}, False),
+    ({"temperature": [0.2], "runtime_top_k": [1], "runtime_top_p": [0.9]}, True),  # k = 1
+    ({"temperature": [0.2], "runtime_top_k": [0], "runtime_top_p": [0.0]}, True),
+    ({"temperature": [1.0]}, False),  # no temperature to lose
+    ({}, False),
+]
+
+
+@pytest.mark.parametrize(("request_", "greedy"), GREEDY_CASES)
+def test_a_temperature_without_top_k_or_top_p_is_known_greedy_by_both_clients(request_, greedy):
+    """loader.completion and scripts/complete (which users copy alone) decide alike, as
+    FasterTransformer does (TopKSamplingLayer::setup: top-k 0 and top-p 0 is top-k 1)."""
+    from loader.completion import greedy_despite_temperature
+    from tests.test_bench_errors import _scripts_complete
+
+    assert greedy_despite_temperature(request_) is greedy
+    flat = {name: values[0] for name, values in request_.items()}
+    assert _scripts_complete().greedy_despite_temperature(flat) is greedy
+
+
+@pytest.mark.parametrize("client", ["model-loader", "scripts/complete"])
+def test_the_clients_warn_about_a_greedy_temperature_before_sending(client):
+    import subprocess
+    import sys
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{closed.getsockname()[1]}"  # nothing listens: the send fails
+    command = (
+        [sys.executable, "-m", "loader", "complete"]
+        if client == "model-loader"
+        else [sys.executable, str(Path(__file__).parents[1] / "scripts" / "complete")]
+    )
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--url", url, "--model", "codegen", *flags, "def f():"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    alone = run("--temperature", "0.2")
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+    assert "temperature 0.2 without top-k or top-p is greedy decoding" in alone.stderr
+    assert "--top-p" in alone.stderr
+    sampled = run("--temperature", "0.2", "--top-p", "0.95")
+    assert sampled.returncode == 2 and "greedy" not in sampled.stderr, sampled.stderr

@@ -159,6 +159,12 @@ def test_plan_command_prints_an_aligned_table_with_verdicts(capsys):
     assert [r[verdict_at:] for r in rows] == ["does not fit", "fits", "fits"]
     replicas = [r.split()[4] for r in rows]
     assert replicas == ["16", "8", "4"]
+    # The total is the sum of the columns before it: the runtime's 1 GiB is shown, not hidden.
+    assert "RUNTIME/GPU GiB" in lines[header]
+    for row in rows:
+        weights, working, runtime, total = (float(x) for x in row.split()[5:9])
+        assert runtime == 1.0
+        assert abs(weights + working + runtime - total) <= 0.15  # each rounded to 0.1
     # Right-aligned numeric columns: every row has the same length up to the verdict.
     assert len({len(r[:verdict_at]) for r in rows}) == 1
 

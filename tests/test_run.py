@@ -139,8 +139,15 @@ def test_a_key_published_with_other_model_code_is_published_again(
     caplog.clear()
     code, out, _ = cli(capsys, *argv)
     assert code == 0 and Path(out[-1]) == path
-    assert "other model code" in caplog.text
+    assert caplog.text.count("other model code") == 1  # checked before and under the lock
     assert (path / manifest.MANIFEST).stat().st_ino != before
+
+    caplog.clear()
+    (path / "preprocessing" / "1" / "__pycache__").mkdir()  # what a Triton writes there
+    code, out, _ = cli(capsys, *argv)
+    assert code == 0 and Path(out[-1]) == path
+    assert caplog.text.count("is not a complete repository") == 1, caplog.text
+    assert not (path / "preprocessing" / "1" / "__pycache__").exists()
     assert manifest.read_manifest(path)["model_code"] == "0" * 64
 
     caplog.clear()

@@ -31,9 +31,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
 from loader.completion import complete
+from loader.endpoint import Endpoint
 from loader.errors import EndpointError, ServerStartError
 from loader.serving import HEALTH_SERVING, TritonServer, grpc_health, restricted_protocols
 from tests import chart as rc

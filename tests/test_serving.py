@@ -48,8 +48,8 @@ SETUPS = {
 }
 
 
-def publish(source: Path, root: Path, setup: Setup) -> Path:
-    """Run ``model-loader run --backend python``; return the path it prints last."""
+def run_loader(source: Path, root: Path, setup: Setup) -> subprocess.CompletedProcess[str]:
+    """``model-loader run --backend python`` for ``setup``."""
     batching = (
         ["--dynamic-batching", "--preferred-batch-size", "4", "--max-queue-delay-us", "500000"]
         if setup.batching
@@ -60,7 +60,12 @@ def publish(source: Path, root: Path, setup: Setup) -> Path:
         "--model-name", MODEL, "--tp-size", str(setup.tp), "--pp-size", "1",
         "--instance-count", str(setup.instances), "--backend", "python", *batching,
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+
+
+def publish(source: Path, root: Path, setup: Setup) -> Path:
+    """Run ``model-loader run --backend python``; return the path it prints last."""
+    done = run_loader(source, root, setup)
     assert done.returncode == 0, done.stderr
     published = Path(done.stdout.strip().splitlines()[-1])
     assert (published / ".ready").is_file()
@@ -350,3 +355,18 @@ def test_a_repository_whose_tp_does_not_match_its_files_fails_to_load(published,
     message = str(failure.value)
     assert "failed to load 'fastertransformer'" in message
     assert "says tensor_para_size 2 but config.ini says 1" in message
+
+
+def test_serving_writes_nothing_into_the_repository_and_the_key_stays_published(served, source):
+    """The Python backend's stub compiles model.py and its imports into __pycache__ whatever
+    PYTHONDONTWRITEBYTECODE says: the server is given a view of links (TritonServer.served),
+    so the published key holds exactly its manifest and the next run finds nothing to do."""
+    assert served.server.served != served.repository
+    assert (served.server.served / "preprocessing" / "1" / "model.py").is_symlink()
+    assert served.complete({"prompt": ["def f():"], "request_output_len": [4]}).text is not None
+    assert list(served.repository.rglob("__pycache__")) == []
+    assert list(served.server.served.rglob("__pycache__"))  # the stubs did write, elsewhere
+    again = run_loader(source, served.repository.parents[1], served.setup)
+    assert again.returncode == 0, again.stderr
+    assert Path(again.stdout.strip().splitlines()[-1]) == served.repository
+    assert "nothing to do" in again.stderr, again.stderr

@@ -182,3 +182,56 @@ def test_the_loaders_root_and_a_gpu_only_repository_are_refused_with_what_to_ser
     assert "--backend python" in info.value.remediation
     with pytest.raises(RepositoryError, match="holds no model"):
         TritonServer(tmp_path / "models" / "codegen@v1").start()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep):
+    """The log path serve-local prints is either kept (--log-file) or said to go with it."""
+    import signal
+    import subprocess
+
+    script = Path(__file__).parents[1] / "scripts" / "serve-local"
+    log_file = tmp_path / "logs" / "triton.log"
+    if keep:
+        log_file.parent.mkdir()
+    proc = subprocess.Popen(
+        [str(script), str(repository), *(["--log-file", str(log_file)] if keep else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("serving"):
+                break
+        (shown,) = [line for line in lines if line.startswith("log ")]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    path = Path(shown.split()[1])
+    if keep:
+        assert path == log_file and shown == f"log     {log_file}"
+        assert log_file.is_file() and log_file.read_text()  # kept, with Triton's lines
+    else:
+        assert shown.endswith("(removed when this stops; --log-file PATH keeps it)")
+        assert not path.exists()
+
+
+def test_an_abort_under_load_names_its_cause_and_what_to_check(tmp_path):
+    """The bench's local Triton can abort under load when the Python backend's shared-memory
+    lock fails (libstdc++'s words for an uncaught exception): the error names it and the hint
+    says what to check, instead of only "cannot reach Triton"."""
+    log = tmp_path / "tritonserver.log"
+    log.write_text(
+        'I1201 19:22:06.1 11 grpc_server.cc:2495] "Started GRPCInferenceService at 127.0.0.1"\n'
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+        "  what():  boost::interprocess::lock_exception\n"
+    )
+    server = TritonServer(tmp_path, log_path=log)
+    failure = server.failure("the local tritonserver exited during the measurement (code 134)")
+    first = failure.message.splitlines()[0]
+    assert first.endswith(
+        "(code 134): terminate called after throwing an instance of "
+        "'boost::interprocess::lock_exception'"
+    )
+    assert "/dev/shm" in failure.remediation and "memory" in failure.remediation

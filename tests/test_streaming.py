@@ -603,15 +603,15 @@ def test_complete_finds_the_model_and_names_the_served_ones_when_asked_for_anoth
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
 
-    found = loader_complete("--url", plain.http_url)
+    found = loader_complete("--url", f"http://{plain.http_url}")
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip()
     assert _complete_script("--url", plain.grpc_url, "def f():").returncode == 0
-    wrong = loader_complete("--url", plain.http_url, "--model", "codegen-350m")
+    wrong = loader_complete("--url", f"http://{plain.http_url}", "--model", "codegen-350m")
     assert wrong.returncode == 2
     assert f"does not serve a ready model 'codegen-350m'; it serves {MODEL}" in wrong.stderr
     assert "check the --url" not in wrong.stderr.lower()
-    over_http = loader_complete("--url", streaming.http_url, "--model", MODEL)
+    over_http = loader_complete("--url", f"http://{streaming.http_url}", "--model", MODEL)
     assert over_http.returncode == 2
     assert "streams its completion" in over_http.stderr and "--stream --url" in over_http.stderr
 
@@ -625,3 +625,28 @@ def test_scripts_complete_into_a_closed_pipe_stops_quietly(streaming):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["event"] == "text"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_generate_on_a_streaming_repository_is_200_with_an_error_and_generate_stream_works(
+    streaming,
+):
+    """What the README warns of: Triton's /generate finds out that a decoupled model sends more
+    than one response after it has sent its status line, so the status is 200 and only the body
+    says `error` (curl --fail-with-body cannot catch it); /generate_stream serves such a model,
+    one server-sent event per response."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"prompt": "def f():", "request_output_len": 4}).encode()
+    base = f"http://{streaming.http_url}/v2/models/{MODEL}"
+    with urllib.request.urlopen(f"{base}/generate", data=body, timeout=60) as answer:
+        assert answer.status == 200
+        assert "exactly 1 response" in json.loads(answer.read())["error"]
+    with urllib.request.urlopen(f"{base}/generate_stream", data=body, timeout=60) as answer:
+        events = [
+            json.loads(line[len(b"data: ") :])
+            for line in answer.read().splitlines()
+            if line.startswith(b"data: ")
+        ]
+    assert events and events[-1]["is_final"] and not any(e["is_final"] for e in events[:-1])
+    assert "".join(e["completion"] for e in events)

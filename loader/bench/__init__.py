@@ -4,7 +4,6 @@ Its command lines live in :mod:`loader.cli` (``scripts/bench`` is :mod:`loader.c
 ``model-loader tune`` is :mod:`loader.cli.tune`); nothing here parses arguments or imports
 from :mod:`loader.cli`.
 
-* :mod:`~loader.bench.endpoint`: ``--url`` parsing (``host:port``, HTTP or gRPC).
 * :mod:`~loader.bench.perf_analyzer`: find and run perf_analyzer for one concurrency level,
   widening the windows of an unstable level; its failures become typed errors.
 * :mod:`~loader.bench.settings`: :class:`~loader.bench.settings.SweepSettings`, how every

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loader.bench import variants
-from loader.bench.endpoint import Endpoint, parse_endpoint
 from loader.bench.perf_analyzer import find_perf_analyzer
 from loader.bench.results import Measurement, Sweep, median_sweeps
 from loader.bench.settings import SweepSettings
 from loader.bench.sweep import sweep
+from loader.endpoint import Endpoint, parse_endpoint
 from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,13 @@ def _sweep_target(
             _sweep_workloads(
                 target, endpoint, name, settings, cpu_seconds=server.cpu_seconds, **callbacks
             )
-        except LoaderError:
+        except LoaderError as exc:
             if log_path is not None:
                 log.error("%s: Triton's log is %s", target.label, log_path)
+            code = server.process.poll() if server.process is not None else None
+            if code is not None:  # the server itself died: say so, with its log's cause
+                raise server.failure(
+                    f"the local tritonserver serving {target.label} exited during the "
+                    f"measurement (code {code})"
+                ) from exc
             raise

@@ -177,6 +177,7 @@ def run_experiment(
             values=values,
             by_round=result.by_round,
             status=_status(result, final=final),
+            request_files=settings.request_files(),
         )
 
     planned = plan_variants(

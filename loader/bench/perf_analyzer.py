@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.bench import profile
-from loader.bench.endpoint import Endpoint
 from loader.bench.results import Measurement, parse_csv
+from loader.endpoint import Endpoint
 from loader.errors import (
     EndpointError,
     LoaderError,
@@ -178,8 +178,9 @@ def _tail(output: str) -> str:
 def _unreachable(endpoint: Endpoint, model: str, output: str) -> LoaderError:
     return EndpointError(
         f"cannot reach Triton at {endpoint} ({endpoint.protocol}): {_tail(output)}",
-        f"Check --url and that the server is up (curl http://<host>:<http port>/v2/health/ready); "
-        f"gRPC is usually port 8001 and HTTP 8000, and --url {endpoint.protocol}://... must match.",
+        "Check --url and that the server is up (curl http://<host>:<http port>/v2/health/ready). "
+        "A --url without a scheme is gRPC (Triton's port 8001); the HTTP port (8000) needs "
+        "http://HOST:PORT.",
     )
 
 

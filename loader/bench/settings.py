@@ -10,6 +10,7 @@ perf_analyzer's ``--input-data`` format; a run measures every configuration with
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,46 @@ class Workload:
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", Path(self.path).stem)
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What a request file asks for: how many distinct requests, the prompt lengths (in
+    characters: the tokens depend on the tokenizer) and the tokens each asks to generate."""
+
+    requests: int
+    prompt_chars: tuple[int, int]  # shortest, longest
+    output_tokens: tuple[int, int]  # fewest, most
+
+    @property
+    def text(self) -> str:
+        def span(pair: tuple[int, int]) -> str:
+            return f"{pair[0]}" if pair[0] == pair[1] else f"{pair[0]}-{pair[1]}"
+
+        kind = "1 request" if self.requests == 1 else f"{self.requests} requests"
+        return (
+            f"{kind}: prompt {span(self.prompt_chars)} characters, "
+            f"{span(self.output_tokens)} output tokens"
+        )
+
+
+def request_shape(path: Path | str) -> RequestShape | None:
+    """The :class:`RequestShape` of a perf_analyzer input-data file; None if it cannot be read
+    (the bench has read it already: a plot is drawn without the shape rather than not at all)."""
+
+    def first(value: object) -> object:
+        values = value.get("content") if isinstance(value, dict) else value
+        return values[0] if isinstance(values, list) and values else values
+
+    try:
+        entries = json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+        prompts = [len(str(first(e["prompt"]))) for e in entries]
+        outputs = [int(first(e["request_output_len"])) for e in entries]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    if not entries:
+        return None
+    return RequestShape(len(entries), (min(prompts), max(prompts)), (min(outputs), max(outputs)))
 
 
 def find_request_file(name: str) -> Path:
@@ -113,6 +154,10 @@ class SweepSettings:
 
     def options_for(self, workload: Workload) -> PerfAnalyzerOptions:
         return dataclasses.replace(self.options, input_data=workload.path)
+
+    def request_files(self) -> dict[str, Path]:
+        """Each workload's request file by the label its sweeps carry."""
+        return {self.workload_label(w): w.path for w in self.workloads}
 
     def workload_label(self, workload: Workload) -> str:
         """How a sweep names its workload: empty when the run has only one."""

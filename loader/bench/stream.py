@@ -95,6 +95,11 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return float(np.percentile(values, pct, method="inverted_cdf"))
 
 
+#: The fewest samples whose 95th percentile (nearest rank) is not simply their maximum: with
+#: fewer, "p95" is the slowest one, and the tables, CSV readers and plot are told so.
+MIN_P95_SAMPLES = 20
+
+
 def _us(seconds: float) -> int:
     return round(seconds * 1e6)
 
@@ -113,6 +118,8 @@ class StreamLevel:
     tpot_p95_us: int | None
     latency_mean_us: int
     latency_p95_us: int
+    #: Requests that generated two tokens or more (TPOT's samples); ``requests`` are TTFT's.
+    tpot_requests: int = 0
 
     @classmethod
     def of(cls, concurrency: int, samples: Sequence[Sample], wall_s: float) -> StreamLevel:
@@ -130,6 +137,7 @@ class StreamLevel:
             tpot_p95_us=_us(percentile(tpot, 95)) if tpot else None,
             latency_mean_us=_us(sum(latency) / len(latency)),
             latency_p95_us=_us(percentile(latency, 95)),
+            tpot_requests=len(tpot),
         )
 
 
@@ -160,17 +168,19 @@ class StreamSweep:
         )
 
 
-def _time_text(mean: int | None, p95: int | None) -> str:
+def _time_text(mean: int | None, p95: int | None, samples: int) -> str:
     if mean is None or p95 is None:
         return "n/a"
-    return f"mean {mean} usec p95 {p95} usec"
+    few = f" (max of {samples}: too few for a p95)" if samples < MIN_P95_SAMPLES else ""
+    return f"mean {mean} usec p95 {p95} usec{few}"
 
 
 def format_line(level: StreamLevel) -> str:
+    tpot_samples = level.tpot_requests or level.requests
     return (
         f"Concurrency: {level.concurrency}, throughput: {format_number(level.throughput)} "
-        f"infer/sec, TTFT {_time_text(level.ttft_mean_us, level.ttft_p95_us)}, "
-        f"TPOT {_time_text(level.tpot_mean_us, level.tpot_p95_us)}, "
+        f"infer/sec, TTFT {_time_text(level.ttft_mean_us, level.ttft_p95_us, level.requests)}, "
+        f"TPOT {_time_text(level.tpot_mean_us, level.tpot_p95_us, tpot_samples)}, "
         f"latency {level.latency_p95_us} usec"
     )
 
@@ -221,6 +231,7 @@ def write_plot(sweeps: Sequence[StreamSweep], path: Path) -> Path:
         (figure.add_subplot(1, 2, 1), "ttft", "time to first token (ms)"),
         (figure.add_subplot(1, 2, 2), "tpot", "time per output token (ms)"),
     )
+    few = 0
     for axes, metric, ylabel in panels:
         for sweep in sweeps:
             points = [lv for lv in sweep.sorted() if getattr(lv, f"{metric}_mean_us") is not None]
@@ -236,6 +247,19 @@ def write_plot(sweeps: Sequence[StreamSweep], path: Path) -> Path:
                 color=line.get_color(),
                 label=f"{sweep.label} p95",
             )
+            # A "p95" of fewer than MIN_P95_SAMPLES requests is their maximum: drawn hollow.
+            for x, y, level in zip(xs, p95, points, strict=True):
+                samples = level.tpot_requests if metric == "tpot" else level.requests
+                if samples < MIN_P95_SAMPLES:
+                    axes.plot(
+                        x, y, marker="^", linestyle="", color=line.get_color(),
+                        markerfacecolor="white", markersize=9,
+                    )  # fmt: skip
+            few += sum(
+                1
+                for lv in points
+                if (lv.tpot_requests if metric == "tpot" else lv.requests) < MIN_P95_SAMPLES
+            )
         levels = sorted({lv.concurrency for sweep in sweeps for lv in sweep.levels})
         if levels:
             axes.set_xticks(levels)
@@ -244,7 +268,13 @@ def write_plot(sweeps: Sequence[StreamSweep], path: Path) -> Path:
         axes.set_ylim(bottom=0)
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize=8)
-    figure.suptitle("Streaming: TTFT and TPOT vs. concurrency (client side)", fontsize=10)
+    note = (
+        f"\nhollow p95: fewer than {MIN_P95_SAMPLES} requests at that level, so it is their "
+        "maximum (--requests-per-level for more)"
+        if few
+        else ""
+    )
+    figure.suptitle(f"Streaming: TTFT and TPOT vs. concurrency (client side){note}", fontsize=10)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from loader.bench.endpoint import Endpoint
 from loader.bench.perf_analyzer import PerfAnalyzerOptions, find_perf_analyzer, measure_level
 from loader.bench.results import Measurement, Sweep
+from loader.endpoint import Endpoint
 from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)

@@ -87,7 +87,25 @@ class Parser(argparse.ArgumentParser):
                 unknown.append(name)
         return unknown
 
+    def _commands(self) -> list[tuple[str, str]]:
+        """``(name, help)`` of the sub-commands, if this parser has them."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {a.dest: a.help or "" for a in action._choices_actions}
+                return [(name, helps.get(name, "")) for name in action.choices]
+        return []
+
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        commands = self._commands()
+        if commands and message.endswith("required: COMMAND"):
+            print(f"error: {self.prog}: which command? One of:", file=sys.stderr)
+            width = max(len(name) for name, _ in commands)
+            for name, text in commands:
+                print(f"  {name:<{width}}  {text}", file=sys.stderr)
+            print(
+                f"hint: `{self.prog} COMMAND --help` shows what a command takes.", file=sys.stderr
+            )
+            self.exit(2)
         unknown = self._unknown_options()
         if unknown:
             options = [o for o in self._option_string_actions if o.startswith("--")]

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from loader.bench.compare import Comparison, Target, compare, parse_target
-from loader.bench.endpoint import parse_endpoint
 from loader.bench.report import (
     Report,
     TablePrinter,
@@ -51,6 +50,7 @@ from loader.cli.measurement import (
     production_request_file,
     settings_from_args,
 )
+from loader.endpoint import parse_endpoint
 from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)
@@ -64,14 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure Triton throughput and p95 latency with perf_analyzer over a range "
         "of concurrency levels; print the tables, write CSV and a PNG plot.",
         epilog="Arguments after `--` go to perf_analyzer unchanged. Examples:\n"
-        "  scripts/bench --url 127.0.0.1:8001 --protocol grpc --model codegen\n"
+        "  scripts/bench --url 127.0.0.1:8001 --model codegen   # gRPC; http://HOST:8000 for HTTP\n"
         "  scripts/bench --compare i1=/models/a i2=/models/b --max-p95-ms 500\n"
         "  scripts/bench --serving-experiment --output-dir bench/results/serving\n"
         "  scripts/bench --ttft grpc://127.0.0.1:8001 --model codegen --concurrency-range 1:8:1",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--url", help="sweep the model served at this endpoint (host:port)")
+    mode.add_argument(
+        "--url",
+        help="sweep the model served at this endpoint: HOST:PORT (gRPC), grpc://HOST:PORT or "
+        "http://HOST:PORT",
+    )
     mode.add_argument(
         "--compare",
         nargs="+",
@@ -213,6 +217,7 @@ def _compared(
             by_round=comparison.by_round,
             status=status,
             notes=notes or {},
+            request_files=settings.request_files(),
         )
 
     comparison = compare(

@@ -27,7 +27,6 @@ OPTION_FIELDS: dict[str, str] = {
     "top_p": "runtime_top_p",
     "seed": "random_seed",
 }
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,13 +45,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a request in perf_analyzer's input format (its first entry; e.g. bench/test.json)",
     )
     p.add_argument(
-        "--url", default=None, help="HOST:PORT (default 127.0.0.1:8000 for HTTP, :8001 for gRPC)"
+        "--url",
+        default=None,
+        help="HOST:PORT (gRPC), grpc://HOST:PORT or http://HOST:PORT (default 127.0.0.1:8001, "
+        "gRPC; 127.0.0.1:8000 with --protocol http)",
     )
     p.add_argument(
         "--protocol",
-        choices=sorted(DEFAULT_PORTS),
+        choices=("grpc", "http"),
         default=None,
-        help="default http, grpc with --stream",
+        help="the protocol of a --url without a scheme (default grpc)",
     )
     p.add_argument(
         "--model",
@@ -67,7 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="stream the completion token by token (gRPC; the repository must stream; default off)",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 32)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature; it applies only when sampling, with --top-k or --top-p: "
+        "alone it changes nothing (FasterTransformer decodes greedily without top-k and top-p)",
+    )
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling probability mass")
     p.add_argument("--seed", type=int, default=None, help="random seed of the sampler")
@@ -122,19 +130,28 @@ def check_ready(url: str, protocol: str, model: str) -> None:
             )
         print(f"model {model} ready", flush=True)
     except (InferenceServerException, OSError) as exc:
-        raise EndpointError(f"cannot reach Triton at {protocol}://{url}: {exc}") from exc
+        from loader.completion import unreachable_hint
+
+        raise EndpointError(
+            f"cannot reach Triton at {protocol}://{url}: {exc}", unreachable_hint(protocol)
+        ) from exc
     finally:
         client.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    protocol = args.protocol or ("grpc" if args.stream else "http")
+    from loader.completion import warn_if_greedy_despite_temperature
+    from loader.endpoint import parse_endpoint
+
+    endpoint = parse_endpoint(args.url, protocol=args.protocol)
+    url, protocol = endpoint.address, endpoint.protocol
     if args.stream and protocol != "grpc":
         raise EndpointError(
-            "streaming needs gRPC", "Drop --protocol http, or pass --no-stream for HTTP."
+            f"streaming needs gRPC, and {endpoint} is HTTP",
+            "Pass the gRPC port (--url HOST:8001), or --no-stream for HTTP.",
         )
-    url = args.url or f"127.0.0.1:{DEFAULT_PORTS[protocol]}"
     request = build_request(args)
+    warn_if_greedy_despite_temperature(request)
     if args.model is None:
         from loader.completion import find_model
 

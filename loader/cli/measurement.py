@@ -103,7 +103,8 @@ def add_measurement_arguments(
         "--protocol",
         choices=("http", "grpc"),
         default=None,
-        help="protocol perf_analyzer speaks (default http, or the scheme of --url)",
+        help="protocol of an endpoint without a scheme (default grpc, as every client's --url); "
+        "repositories the bench serves itself are measured over http unless this says grpc",
     )
     group.add_argument(
         "--perf-analyzer",

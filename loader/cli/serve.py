@@ -22,6 +22,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness"
     )
     p.add_argument("--triton-verbose", action="store_true", help="Triton's verbose log")
+    p.add_argument(
+        "--log-file",
+        type=Path,
+        default=None,
+        help="write Triton's log here and keep it (default: a temporary file, removed when "
+        "serve stops)",
+    )
     p.set_defaults(func=run)
 
 
@@ -39,12 +46,14 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         startup_timeout=args.startup_timeout,
         log_verbose=1 if args.triton_verbose else 0,
+        log_path=args.log_file,
     )
     with server:
         print(f"HTTP    http://{server.http_url}", flush=True)
         print(f"gRPC    {server.grpc_url}", flush=True)
         print(f"metrics {server.metrics_url}", flush=True)
-        print(f"log     {server.log_path}", flush=True)
+        kept = "" if args.log_file else " (removed when this stops; --log-file PATH keeps it)"
+        print(f"log     {server.log_path}{kept}", flush=True)
         print("serving; press Ctrl-C to stop", flush=True)
         assert server.process is not None
         code = server.process.wait()

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             rounds=settings.rounds,
             by_round=result.by_round,
             status=f"{status}\nRecommendation: {result.verdict}",
+            request_files=settings.request_files(),
         )
 
     latest: list[TuneResult] = []

@@ -43,7 +43,7 @@ from loader.repository import layout, publish
 from loader.repository.lock import PublishLock
 from loader.repository.prune import prune
 from loader.run.build import build
-from loader.run.published import up_to_date
+from loader.run.published import Warnings, up_to_date
 from loader.run.request import VERIFY_MODES, RunRequest, RunResult
 from loader.run.strategies import strategy_for
 from loader.run.verify import Verified, verify
@@ -77,7 +77,8 @@ def run(request: RunRequest) -> RunResult:
         request.settings.canonical(),
         request.topology,
     )
-    if not request.force and up_to_date(target, key, request):
+    warned = Warnings()  # the key is checked twice (before and under its lock): say things once
+    if not request.force and up_to_date(target, key, request, warned):
         log.info("%s is already published and verified; nothing to do", target)
         return _done(request, RunResult(target, key, False, time.monotonic() - started))
     _writable(root)
@@ -85,7 +86,7 @@ def run(request: RunRequest) -> RunResult:
         root, key, expiry_s=request.lock_expiry_s, timeout_s=request.lock_timeout_s
     ) as lock:
         publish.recover(root, key)
-        if not request.force and up_to_date(target, key, request):
+        if not request.force and up_to_date(target, key, request, warned):
             log.info("another loader published %s while this one waited; nothing to do", target)
             return _done(request, RunResult(target, key, False, time.monotonic() - started))
         with _stops_if_lost(lock, request, key), strategy_for(request, root, key) as strategy:
