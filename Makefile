@@ -21,7 +21,7 @@ TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help install venv triton-venv tools test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
-        bench-fetch bench-coldstart bench-serving \
+        bench-fetch bench-coldstart bench-serving bench-llm \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -101,6 +101,10 @@ bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequ
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most)
 	$(BIN)/python scripts/bench --serving-experiment $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/serving --overwrite)
+
+bench-llm: install ## AIPerf (own venv, bench/work/aiperf-venv): TTFT, inter-token latency, output tokens/s of the llm model on the CPU Triton
+	scripts/tools/install-aiperf.sh bench/work/aiperf-venv
+	$(BIN)/python scripts/bench_llm.py $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/llm --overwrite)
 
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
