@@ -22,8 +22,8 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv triton-venv tools kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
-        bench-fetch bench-coldstart bench-serving bench-completions \
+.PHONY: help install venv triton-venv tools helm kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
+        bench-fetch bench-coldstart bench-serving bench-completions bench-llm \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -95,7 +95,7 @@ BENCH_BASELINE ?=
 BENCH_FLAGS = $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT) --overwrite)
 BASELINE_FLAGS = $(if $(BENCH_BASELINE),--baseline $(BENCH_BASELINE))
 
-bench: bench-convert bench-fetch bench-coldstart bench-serving bench-completions ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
+bench: bench-convert bench-fetch bench-coldstart bench-serving bench-completions bench-llm ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
 
 bench-convert: install ## converter throughput vs cp (efficiency), CPU s per GB, peak memory, load (a missed goal is explained; make goes on)
 	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) $(BASELINE_FLAGS) || [[ $$? == 3 ]]
@@ -111,6 +111,10 @@ bench-serving: install ## perf_analyzer sweep of instance count x dynamic batchi
 
 bench-completions: install ## the completions service's cost: latency and throughput through it vs Triton directly, by concurrency (CPU Triton)
 	$(BIN)/python scripts/bench_completions.py $(BENCH_FLAGS)
+
+bench-llm: install ## AIPerf (own venv, bench/work/aiperf-venv): TTFT, inter-token latency, output tokens/s of the llm model on the CPU Triton
+	scripts/tools/install-aiperf.sh bench/work/aiperf-venv
+	$(BIN)/python scripts/bench_llm.py $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/llm --overwrite)
 
 staging-deploy: install ## helm upgrade --install to the current context with values/staging.yaml (DRY_RUN=1: render + validate only)
 	scripts/staging-deploy.sh
