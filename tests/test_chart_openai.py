@@ -759,3 +759,19 @@ def test_generated_service_values_are_refused_naming_a_key_or_render_right():
             failures.append(f"{helm} {case}:\n    {exc}")
     assert failures == [], f"{len(failures)} of {len(cases)}:\n" + "\n".join(failures[:8])
     assert 0 < rendered_count < len(cases), f"{rendered_count} of {len(cases)} rendered"
+
+
+@pytest.mark.parametrize("values", VALUES, ids=IDS)
+def test_the_rendered_command_is_accepted_by_the_services_own_parser(values):
+    """The chart and the service agree: `completions-service`'s argument parser takes the
+    command the chart renders, and reads the same settings from it."""
+    from completions_service import cli
+
+    command = service_container(rendered("helm4", values, ON))["command"]
+    assert command[0] == "completions-service"
+    args = cli.parser().parse_args(command[1:])
+    settings = cli.settings_of(args)
+    rendered_flags = flags(command)
+    assert args.triton_model == "llm"
+    assert rendered_flags["--triton-url"].startswith("grpc://")
+    assert settings is not None
