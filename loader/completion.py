@@ -225,6 +225,12 @@ def served_models(url: str, *, protocol: str = "http", strict: bool = True) -> l
     except (InferenceServerException, OSError) as exc:
         if not strict:
             return []
+        if "restricted" in str(exc):  # the chart keeps model-repository behind the header
+            raise ModelNotFoundError(
+                f"Triton at {protocol}://{url} keeps its model list for callers with its admin "
+                f"header: {exc}",
+                "Pass --model NAME (the chart's model.name, e.g. codegen).",
+            ) from exc
         raise EndpointError(
             f"cannot reach Triton at {protocol}://{url}: {exc}", unreachable_hint(protocol)
         ) from exc

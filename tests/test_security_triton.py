@@ -251,3 +251,30 @@ def test_a_loosened_values_set_is_served_as_it_says(published_tiny_python_reposi
         finally:
             c.close()
         assert http_get(POD_ADDRESS, server.ports.http, "/v2/logging") == 200
+
+
+@pytest.mark.parametrize("client", ["model-loader", "scripts/complete"])
+def test_a_client_without_model_is_told_to_name_it_where_the_list_is_restricted(
+    default_server, client
+):
+    """The chart keeps gRPC's model-repository protocol behind the admin header, so a client
+    cannot find the model over gRPC by itself: it says to pass --model, and does with it."""
+    import subprocess
+    import sys
+
+    command = (
+        [sys.executable, "-m", "loader", "complete"]
+        if client == "model-loader"
+        else [sys.executable, str(Path(__file__).parents[1] / "scripts" / "complete")]
+    )
+    url = ["--url", f"grpc://{default_server.grpc_url}", "--max-tokens", "2"]
+    alone = subprocess.run(
+        [*command, *url, "def f():"], capture_output=True, text=True, timeout=120
+    )
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+    assert "--model" in alone.stderr and "admin header" in alone.stderr
+    assert "without a scheme" not in alone.stderr  # not sent to the HTTP port
+    named = subprocess.run(
+        [*command, *url, "--model", MODEL, "def f():"], capture_output=True, text=True, timeout=120
+    )
+    assert named.returncode == 0, named.stderr
