@@ -749,3 +749,31 @@ def test_concurrent_llm_streams_each_get_their_own_answer(streaming_server):
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         together = dict(zip(prompts, pool.map(streamed, prompts), strict=True))
     assert together == alone
+
+
+@pytest.mark.server
+def test_generate_answers_in_a_repository_that_does_not_stream(plain_server):
+    """``/generate`` serves a repository published without ``--streaming``; asking it to
+    stream is an HTTP error whose message names the field."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(fields: dict) -> dict:
+        request = urllib.request.Request(
+            f"http://{plain_server.http_url}/v2/models/llm/generate",
+            data=json.dumps(fields).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    fields = {"text_input": "def f(x):", "max_tokens": 5, "top_k": 1}
+    answer = post(fields)
+    assert answer["text_output"].startswith("def f(x):")  # not streaming: the prompt first
+    assert answer["finish_reason"] in ("length", "stop") and answer["num_output_tokens"] >= 1
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post({**fields, "stream": True})
+    assert "stream: this repository generates each completion in one piece" in (
+        refused.value.read().decode()
+    )
