@@ -135,6 +135,32 @@ def test_text_that_may_start_a_stop_word_is_held_back():
     assert model.ending_stop_word([1, 8, 9], words) == 0
 
 
+def test_the_finish_reason_and_shown_text_follow_how_generation_ended():
+    """End id: ``stop``, the end id left out of the text but counted; a stop word: ``stop``,
+    its tokens left out (also when it began in the prompt); otherwise ``length``."""
+    model = _model_module("llm")
+
+    class Decoder:
+        @staticmethod
+        def decode_batch(batch, skip_special_tokens):
+            return [" ".join(map(str, ids)) for ids in batch]
+
+    class Req:
+        stop_words = ((7, 8),)
+        exclude_input = True
+        prompt = "p"
+
+    def finish(sequence: list[int]) -> tuple[list[int], str]:
+        answer = model.Answer(Req(), Decoder(), prompt_tokens=3, end_id=99)
+        answer.sequence = sequence
+        return answer._finish()
+
+    assert finish([1, 2, 3, 4, 5, 99]) == ([4, 5], "stop")
+    assert finish([1, 2, 3, 4, 7, 8]) == ([4], "stop")
+    assert finish([1, 2, 7, 8]) == ([], "stop")  # the word began in the prompt
+    assert finish([1, 2, 3, 4, 5, 7]) == ([4, 5, 7], "length")
+
+
 # --- on the python_backend r23.05 API (the Triton image's pins) ----------------------------------
 
 
@@ -673,3 +699,81 @@ def test_tritons_generate_endpoints_serve_llm(streaming_server):
     ]
     assert len(events) >= 3 and events[-1]["finish_reason"] == "length"
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
+
+
+@pytest.mark.server
+def test_a_cancelled_stream_leaves_llm_serving(streaming_server):
+    """A client that goes away mid-stream (what the OpenAI service does when its client
+    disconnects): the next request is answered in full."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    inbox: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(streaming_server.grpc_url)
+    client.start_stream(callback=lambda result, error: inbox.put((result, error)))
+    try:
+        # most of the tiny model's context (n_positions 64): many steps after the first
+        fields = {"text_input": "def f(x):", "max_tokens": 50, "stream": True, "top_k": 1}
+        client.async_stream_infer("llm", _llm_inputs(grpcclient, fields))
+        result, error = inbox.get(timeout=120)
+        assert error is None and result.as_numpy("finish_reason").reshape(-1)[0] == b""
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    [answer] = _call(streaming_server, {**_as_llm(SEED_REQUEST), "exclude_input_in_output": True})
+    assert answer["finish_reason"] == "length" and answer["num_output_tokens"] == 16
+
+
+@pytest.mark.server
+def test_concurrent_llm_streams_each_get_their_own_answer(streaming_server):
+    """Requests in flight together share fastertransformer's batches (dynamic batching, the
+    same input set); each stream still joins into the answer its request gets alone."""
+    import concurrent.futures
+
+    prompts = ["def f(x):", "import os\n\n\ndef main():", "class Stack:", "x = ["]
+    alone = {}
+    for prompt in prompts:
+        [answer] = _call(streaming_server, {"text_input": prompt, "max_tokens": 12, "top_k": 1})
+        alone[prompt] = answer["text_output"], answer["finish_reason"]
+
+    def streamed(prompt: str) -> str:
+        responses = _call(
+            streaming_server,
+            {"text_input": prompt, "max_tokens": 12, "top_k": 1, "stream": True,
+             "exclude_input_in_output": False},
+        )  # fmt: skip
+        assert responses[-1]["finish_reason"] in ("length", "stop")  # the tiny end_id is 2
+        return "".join(r["text_output"] for r in responses), responses[-1]["finish_reason"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = dict(zip(prompts, pool.map(streamed, prompts), strict=True))
+    assert together == alone
+
+
+@pytest.mark.server
+def test_generate_answers_in_a_repository_that_does_not_stream(plain_server):
+    """``/generate`` serves a repository published without ``--streaming``; asking it to
+    stream is an HTTP error whose message names the field."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(fields: dict) -> dict:
+        request = urllib.request.Request(
+            f"http://{plain_server.http_url}/v2/models/llm/generate",
+            data=json.dumps(fields).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    fields = {"text_input": "def f(x):", "max_tokens": 5, "top_k": 1}
+    answer = post(fields)
+    assert answer["text_output"].startswith("def f(x):")  # not streaming: the prompt first
+    assert answer["finish_reason"] in ("length", "stop") and answer["num_output_tokens"] >= 1
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post({**fields, "stream": True})
+    assert "stream: this repository generates each completion in one piece" in (
+        refused.value.read().decode()
+    )

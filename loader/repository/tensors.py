@@ -150,8 +150,9 @@ POSTPROCESSING_OUTPUTS: tuple[Tensor, ...] = ENSEMBLE_OUTPUTS
 #: ``max_tokens``, and the optional sampling fields, each mapped onto the FasterTransformer
 #: input ``preprocessing`` fills (``loader/repository/models/llm/model.py``). Word lists are
 #: strings, one word (or phrase) per element, tokenized by the model with the checkpoint's
-#: tokenizer. FasterTransformer's GPT-J has no minimum-length input, so there is no
-#: ``min_tokens``.
+#: tokenizer. No ``min_tokens``: FasterTransformer's GPT-J reads an optional ``min_length``
+#: (``GptJ::forward``, ``BaseSamplingLayer::setup``), but :data:`FASTERTRANSFORMER_INPUTS` does
+#: not declare it and the CPU reference does not implement it (``docs/llm.md``).
 LLM_INPUTS: tuple[Tensor, ...] = (
     Tensor("text_input", "BYTES", (1,)),
     Tensor("max_tokens", "INT32", (1,)),
