@@ -15,6 +15,12 @@ from loader.errors import EndpointError, InvalidRequestError
 SEED = Path(__file__).resolve().parent.parent / "bench" / "test.json"
 
 
+def test_the_tiny_models_request_is_the_seed_request_with_ids_in_its_vocabulary():
+    from tests.tinymodels import TINY_REQUEST_FILE, for_tiny_model
+
+    assert load_request(TINY_REQUEST_FILE) == for_tiny_model(load_request(SEED))
+
+
 def test_the_seed_request_is_read_with_every_field():
     request = load_request(SEED)
     assert request["prompt"] == ["<python>def is_even(na: int) ->"]

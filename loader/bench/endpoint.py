@@ -22,6 +22,9 @@ _URL = re.compile(
 class Endpoint:
     address: str  # host:port
     protocol: str = "http"
+    #: Headers every request carries (``(name, value)``; perf_analyzer's ``-H``, which it sends
+    #: over HTTP and gRPC alike): the admin header of a restricted gRPC protocol.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         return f"{self.protocol}://{self.address}"
