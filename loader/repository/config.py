@@ -42,6 +42,7 @@ from google.protobuf import text_format
 from loader import fs
 from loader.parallel import Parallelism
 from loader.repository import tensors
+from loader.repository.bounds import RequestBounds
 from loader.repository.key import ServingSettings
 from loader.repository.tensors import Tensor
 
@@ -94,6 +95,9 @@ class RepositorySpec:
     request sends none (``preprocessing`` fills them in; ``start_id`` None: ``end_id``).
     ``checkpoint_path``: the ``<T>-gpu`` directory when it is not FT's default (a benchmark
     variant that reuses another repository's weights); ``None`` for a published repository.
+    ``bounds``: what a request may ask for (:mod:`loader.repository.bounds`), written as
+    ``preprocessing``'s parameters; ``None`` only where no repository is written from the spec
+    (the settings check, benchmark variants, which keep the published parameters).
     """
 
     name: str
@@ -103,6 +107,7 @@ class RepositorySpec:
     end_id: int
     checkpoint_path: str | None = None
     start_id: int | None = None
+    bounds: RequestBounds | None = None
 
 
 #: Protocol dtype names that config.pbtxt spells differently (BYTES is TYPE_STRING there).
@@ -151,6 +156,9 @@ def build_preprocessing(spec: RepositorySpec) -> mc.ModelConfig:
     start_id = spec.end_id if spec.start_id is None else spec.start_id
     config.parameters["start_id"].string_value = str(start_id)
     config.parameters["end_id"].string_value = str(spec.end_id)
+    if spec.bounds is not None:
+        for key, value in spec.bounds.parameters().items():
+            config.parameters[key].string_value = value
     return config
 
 
