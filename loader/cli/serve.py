@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from loader.cli import require_extra
 
     require_extra("serve", "pytriton", "tokenizers")
-    from loader.serving import TritonServer, rendered_pod_args
+    from loader.serving import TritonServer, rendered_pod_args, restricted_protocols
 
     # SIGTERM stops the server like Ctrl-C (loader.cli.run_command's handler).
     server = TritonServer(
@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"HTTP    http://{server.http_url}", flush=True)
         print(f"gRPC    {server.grpc_url}", flush=True)
         print(f"metrics {server.metrics_url}", flush=True)
+        for header, token in sorted(set(restricted_protocols(server.pod_args).values())):
+            # gRPC's admin protocols answer only with it, as in a pod (perf_analyzer: -H).
+            print(f"admin   {header}: {token}", flush=True)
         print(f"log     {server.log_path}", flush=True)
         print("serving; press Ctrl-C to stop", flush=True)
         assert server.process is not None

@@ -97,26 +97,7 @@ REPLACEMENT = "\ufffd"
 
 
 class StepError(RuntimeError):
-    """A composing model answered with an error; ``code`` is its status where python_backend
-    carries one (r23.10 and later: ``TritonError.code``), None on r23.05."""
-
-    def __init__(self, error: object) -> None:
-        if isinstance(error, str):
-            super().__init__(error)
-            self.code = None
-            return
-        super().__init__(error.message())
-        code = getattr(error, "code", None)
-        self.code = code() if callable(code) else None
-
-
-def _client_error(exc: Exception) -> object:
-    """The error the client gets: a step's refusal keeps its status (INVALID_ARGUMENT for a
-    request beyond the bounds, where the backend carries codes), anything else is INTERNAL."""
-    code = exc.code if isinstance(exc, StepError) else None
-    if code is None:
-        return pb_utils.TritonError(str(exc))
-    return pb_utils.TritonError(str(exc), code)
+    """A composing model answered with an error."""
 
 
 def _cancelled(sender: object) -> bool:
@@ -139,7 +120,7 @@ def _request(model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]
 def _exec(request: object) -> object:
     response = request.exec()
     if response.has_error():
-        raise StepError(response.error())
+        raise StepError(response.error().message())
     return response
 
 
@@ -203,7 +184,7 @@ class TritonPythonModel:
             self._stream(request, sender)
         except Exception as exc:  # every failure must end the client's stream
             self.logger.log_error(f"streaming request failed: {exc}")
-            error = _client_error(exc)
+            error = pb_utils.TritonError(str(exc))
             try:
                 sender.send(
                     pb_utils.InferenceResponse(output_tensors=[], error=error),
@@ -231,7 +212,7 @@ class TritonPythonModel:
         cancelled = False
         for response in stream:
             if response.has_error():
-                raise StepError(response.error())
+                raise StepError(response.error().message())
             if cancelled or not response.output_tensors():
                 continue  # an empty final response, or a stream nobody listens to any more
             if _cancelled(sender):
