@@ -229,15 +229,8 @@ def _validator(kind: str, api_version: str, version: str):
     return validator, major_minor(versions[-1])
 
 
-#: Arguments of the chart's Triton command that place it in a pod (the model path on the volume,
-#: the container ports, the shutdown timing); a local server chooses its own.
-POD_PLACEMENT_ARGS: tuple[str, ...] = (
-    "--model-repository=",
-    "--http-port=",
-    "--grpc-port=",
-    "--metrics-port=",
-    "--exit-timeout-secs=",
-)
+#: The values file a local CPU ``tritonserver`` plays by default: a cluster without GPUs.
+LOCAL_VALUES = VALUES_DIR / "local.yaml"
 
 
 def triton_command(docs: Iterable[dict]) -> list[str]:
@@ -262,12 +255,21 @@ def triton_command(docs: Iterable[dict]) -> list[str]:
 
 
 def triton_serving_args(docs: Iterable[dict]) -> list[str]:
-    """What a local ``tritonserver`` takes from the chart's command: every argument but the
-    binary and :data:`POD_PLACEMENT_ARGS`, so it serves (and refuses) what a pod would."""
+    """The Triton container's arguments as the kubelet passes them (the binary left out): a
+    local ``tritonserver`` (:class:`loader.serving.TritonServer`) runs exactly these, only the
+    model path, the ports and the addresses mapped onto this machine."""
     command = triton_command(docs)
     if command[0] != "tritonserver":
         raise ChartError(f"the Triton container runs {command[0]!r}, not tritonserver")
-    return [a for a in command[1:] if not a.startswith(POD_PLACEMENT_ARGS)]
+    return command[1:]
+
+
+def rendered_triton_args(
+    chart: Chart, *, values_files: Iterable[Path | str] = (), set_values: Iterable[str] = ()
+) -> list[str]:
+    """:func:`triton_serving_args` of ``helm template`` of ``chart`` with these values."""
+    rendered = chart.render(values_files=values_files, set_values=set_values)
+    return triton_serving_args(documents(rendered))
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ _FORMS = "host:port (gRPC), grpc://host:port or http://host:port"
 class Endpoint:
     address: str  # host:port, the form tritonclient and perf_analyzer take
     protocol: str = DEFAULT_PROTOCOL
+    #: Headers every request carries (``(name, value)``; perf_analyzer's ``-H``, which it sends
+    #: over HTTP and gRPC alike): the admin header of a restricted gRPC protocol.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         return f"{self.protocol}://{self.address}"

@@ -355,9 +355,7 @@ class ServerStartError(LoaderError):
 class InvalidRequestError(LoaderError):
     """An inference request carries values the model cannot serve (empty prompt, bad length)."""
 
-    default_remediation = (
-        "Send a non-empty prompt, request_output_len >= 1, temperature and repetition_penalty > 0."
-    )
+    default_remediation = "Send a non-empty prompt, temperature and repetition_penalty > 0."
 
 
 class ModelNotFoundError(EndpointError):

@@ -31,6 +31,9 @@ GIB = 2**30
 #: Per-GPU memory the runtime takes besides weights and buffers (CUDA context, cuBLAS
 #: workspace, NCCL buffers). An estimate measured to be between 0.5 and 1 GiB on A100s.
 RUNTIME_OVERHEAD_BYTES = 1 * GIB
+#: The most memory one GPU of any node type has (NVIDIA B200: 192 GB = 178.8 GiB, rounded up):
+#: a configuration whose estimate exceeds it fits no node, whatever ``--gpu-memory-gib`` says.
+LARGEST_GPU_MEMORY_GIB = 180.0
 #: A plan with less free memory than this share of the GPU is reported as tight.
 TIGHT_HEADROOM_SHARE = 0.10
 
@@ -235,16 +238,24 @@ def estimate_memory(
     return MemoryEstimate(weights, working, per_gpu, RUNTIME_OVERHEAD_BYTES)
 
 
-def check_memory(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
-    """Raise :class:`PlacementError` if the estimate exceeds the GPU's memory."""
-    capacity = gpu_memory_gib * GIB
-    if estimate.total <= capacity:
+def check_memory(estimate: MemoryEstimate, gpu_memory_gib: float | None) -> None:
+    """Raise :class:`PlacementError` if the estimate exceeds the GPU's memory; with no GPU
+    memory given, if it exceeds :data:`LARGEST_GPU_MEMORY_GIB` (no node could serve it: an
+    instance count or batch size that large is a typo)."""
+    given = gpu_memory_gib is not None
+    capacity_gib = gpu_memory_gib if gpu_memory_gib is not None else LARGEST_GPU_MEMORY_GIB
+    if estimate.total <= capacity_gib * GIB:
         return
+    where = (
+        f"its {capacity_gib:g} GiB"
+        if given
+        else f"the {capacity_gib:g} GiB of the largest GPU any node has"
+    )
     raise PlacementError(
         f"Each GPU needs about {estimate.total / GIB:.1f} GiB (weights "
         f"{estimate.weights / GIB:.1f} GiB + {estimate.instances_per_gpu} instance(s) x "
         f"{estimate.working_per_instance / GIB:.1f} GiB working memory + "
-        f"{estimate.overhead / GIB:.1f} GiB runtime), more than its {gpu_memory_gib:g} GiB.",
+        f"{estimate.overhead / GIB:.1f} GiB runtime), more than {where}.",
         "Raise --tp-size (fewer weights per GPU), lower --max-batch-size or --instance-count "
         "(less working memory), or use GPUs with more memory; `model-loader plan` shows options.",
     )

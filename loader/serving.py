@@ -1,6 +1,16 @@
 """Run the real ``tritonserver`` bundled in the ``nvidia-pytriton`` wheel, on the CPU.
 
-:class:`TritonServer` is a context manager: it picks free ports on 127.0.0.1 (unless given),
+:class:`TritonServer` runs exactly the Triton arguments the chart renders (``helm template`` of
+the checkout's chart with ``values/local.yaml`` unless others are given, :func:`rendered_pod_args`), and
+adds only what a pod gets from Kubernetes and the image (:meth:`TritonServer.command`): the
+model repository, the ports (a pod has its own network namespace; here free ports are mapped),
+the addresses (the pod's every address, ``0.0.0.0``, is played by ``host``; its loopback stays
+127.0.0.1) and the backend directory (the image's default path). An address the chart leaves
+to Triton's default stays Triton's default: 23.05 binds metrics to the HTTP address when
+``--metrics-address`` is absent (``src/command_line_parser.cc``, r23.05), and so does the
+local server.
+
+It is a context manager: it picks free ports (unless given),
 builds a backend directory for the Python backend, starts the server in its own process
 group with an environment that makes the Python-backend stub work with this interpreter,
 waits with a deadline until its gRPC health service reports SERVING (what Kubernetes' probes
@@ -58,6 +68,7 @@ PORT_IN_USE = "already in use"
 #: Triton's log lines that name why it stopped, most telling first.
 _CAUSES = (
     re.compile(r"failed to start .*already in use.*|Socket .* already in use.*"),
+    re.compile(r"failed to load '.*"),  # the model's own reason, before "failed to load all"
     re.compile(r"failed to load .*|Invalid argument.*|Internal: .*"),
     re.compile(r"^error: .*|.*\bfailed\b.*", re.IGNORECASE),
     # An abort: the C++ runtime's last words (e.g. the Python backend's shared-memory lock).
@@ -330,34 +341,78 @@ class Ports:
     metrics: int
 
 
+#: The flag that sets each endpoint's port and address (``src/command_line_parser.cc``).
+PORT_FLAGS = {"http": "--http-port", "grpc": "--grpc-port", "metrics": "--metrics-port"}
+ADDRESS_FLAGS = {"http": "--http-address", "grpc": "--grpc-address", "metrics": "--metrics-address"}
+#: Addresses that mean every address of the pod (Triton's default for HTTP and gRPC).
+WILDCARDS = frozenset({"0.0.0.0", "::", "[::]"})
+#: The pod's loopback: what `kubectl port-forward` reaches, never the network.
+POD_LOOPBACK = "127.0.0.1"
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def rendered_pod_args(
+    *, values_files: Sequence[str | os.PathLike[str]] = (), set_values: Sequence[str] = ()
+) -> list[str]:
+    """The Triton arguments ``helm template`` renders for these values (``values/local.yaml``
+    when none are given) with the chart of the checkout this package runs from."""
+    from loader import chart
+
+    root = Path(__file__).resolve().parents[1]
+    checkout = chart.Chart.in_checkout(root)
+    if not (checkout.path / "Chart.yaml").is_file():
+        raise ToolMissingError(
+            f"the chart is not beside the loader package ({checkout.path}): the local server "
+            "runs the Triton arguments the chart renders; run it from a checkout"
+        )
+    files = list(values_files) or [root / chart.LOCAL_VALUES]
+    try:
+        return chart.rendered_triton_args(checkout, values_files=files, set_values=set_values)
+    except FileNotFoundError as exc:  # helm not installed
+        raise ToolMissingError(str(exc)) from exc
+    except chart.ChartError as exc:
+        raise ServerStartError(
+            f"the chart does not render for these values: {exc}",
+            "Fix the values helm names (scripts/render_chart.py -f FILE shows the rendering).",
+        ) from exc
+
+
 class TritonServer:
-    """A ``tritonserver`` process serving ``repository`` on 127.0.0.1; use as a context manager."""
+    """A ``tritonserver`` process serving ``repository`` with the arguments a pod of the chart
+    runs (``pod_args``: :func:`rendered_pod_args` by default), the pod's address played by ``host``;
+    use as a context manager."""
 
     def __init__(
         self,
         repository: str | os.PathLike[str],
         *,
+        pod_args: Sequence[str] | None = None,
         http_port: int | None = None,
         grpc_port: int | None = None,
         metrics_port: int | None = None,
         host: str = "127.0.0.1",
         startup_timeout: float = 120.0,
-        exit_timeout_secs: int = 3,
         log_verbose: int = 0,
         log_path: str | os.PathLike[str] | None = None,
-        extra_args: Sequence[str] = (),
     ) -> None:
         self.repository = Path(repository).resolve()
         #: What tritonserver is given: a tree of links to ``repository``'s files in the
         #: server's own work directory (:func:`link_tree`), once started.
         self.served = self.repository
         self.host = host
+        self.pod_args: tuple[str, ...] = tuple(
+            rendered_pod_args() if pod_args is None else pod_args
+        )
         self._requested = Ports(http=http_port or 0, grpc=grpc_port or 0, metrics=metrics_port or 0)
         self.ports = self._pick_ports()
         self.startup_timeout = startup_timeout
-        self.exit_timeout_secs = exit_timeout_secs
+        exit_timeout = _last_value(self.pod_args, "--exit-timeout-secs")
+        #: Triton's default is 30 s (``src/command_line_parser.cc``).
+        self.exit_timeout_secs = int(exit_timeout) if exit_timeout else 30
         self.log_verbose = log_verbose
-        self.extra_args = tuple(extra_args)
         self._work_dir: Path | None = None
         self._log_path = Path(log_path) if log_path else None
         self._log_file = None
@@ -365,18 +420,45 @@ class TritonServer:
 
     # -- addresses ------------------------------------------------------------------------
 
+    def _pod_address(self, endpoint: str) -> str | None:
+        """The address the pod's Triton binds for ``endpoint`` as the arguments say, None
+        when they leave it to Triton's default."""
+        return _last_value(self.pod_args, ADDRESS_FLAGS[endpoint])
+
+    def _local_address(self, address: str) -> str:
+        """Where a pod address is played on this machine: the pod's every address by ``host``,
+        its loopback by 127.0.0.1."""
+        if address in WILDCARDS:
+            return self.host
+        if address == POD_LOOPBACK:
+            return POD_LOOPBACK
+        raise ServerStartError(
+            f"the Triton arguments bind an endpoint to {address}, which the local server cannot "
+            "play (only 0.0.0.0, the pod's every address, and 127.0.0.1, its loopback)",
+            "Render the chart with values that leave the addresses to the chart.",
+        )
+
+    def address(self, endpoint: str) -> str:
+        """The local address ``endpoint`` (http, grpc, metrics) listens on. Triton 23.05's
+        defaults: 0.0.0.0 for HTTP and gRPC, and for metrics the HTTP address
+        (``src/command_line_parser.cc``: "Set metrics_address to default if never specified")."""
+        given = self._pod_address(endpoint)
+        if given is None:
+            return self.address("http") if endpoint == "metrics" else self.host
+        return self._local_address(given)
+
     @property
     def http_url(self) -> str:
         """``host:port`` of the HTTP endpoint (the form tritonclient expects)."""
-        return f"{self.host}:{self.ports.http}"
+        return f"{self.address('http')}:{self.ports.http}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.ports.grpc}"
+        return f"{self.address('grpc')}:{self.ports.grpc}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.ports.metrics}/metrics"
+        return f"http://{self.address('metrics')}:{self.ports.metrics}/metrics"
 
     @property
     def log_path(self) -> Path:
@@ -387,22 +469,43 @@ class TritonServer:
     # -- lifecycle ------------------------------------------------------------------------
 
     def command(self, backend_dir: Path) -> list[str]:
+        """The pod's arguments, with what a pod gets from Kubernetes and its image mapped onto
+        this machine, and nothing else changed:
+
+        - ``--model-repository``: the local repository (the pod's is on its volume);
+        - ``--http-port``, ``--grpc-port``, ``--metrics-port``: the local ports, set whether the
+          arguments give one or leave Triton's default (a pod has its own network namespace;
+          here several servers share the machine);
+        - ``--http-address``, ``--grpc-address``, ``--metrics-address``: ``0.0.0.0`` (given, or
+          Triton's default for HTTP and gRPC) becomes ``host``, 127.0.0.1 stays; an absent
+          ``--metrics-address`` stays absent, so metrics follow the HTTP address as in a pod;
+        - ``--backend-directory``: the Python backend built for this interpreter (the image
+          keeps its backends at Triton's default path);
+        - ``--log-verbose`` only when asked for.
+        """
         install = find_triton()
-        return [
-            str(install.binary),
-            f"--model-repository={self.served}",
-            f"--backend-directory={backend_dir}",
-            f"--http-address={self.host}",
-            f"--http-port={self.ports.http}",
-            f"--grpc-address={self.host}",
-            f"--grpc-port={self.ports.grpc}",
-            f"--metrics-address={self.host}",
-            f"--metrics-port={self.ports.metrics}",
-            "--allow-gpu-metrics=false",
-            f"--exit-timeout-secs={self.exit_timeout_secs}",
-            f"--log-verbose={self.log_verbose}",
-            *self.extra_args,
-        ]
+        args = [str(install.binary), f"--backend-directory={backend_dir}"]
+        local_ports = {PORT_FLAGS[e]: getattr(self.ports, e) for e in PORT_FLAGS}
+        addresses = set(ADDRESS_FLAGS.values())
+        for arg in self.pod_args:
+            name = _flag_name(arg)
+            if name == "--model-repository":
+                args.append(f"--model-repository={self.served}")
+            elif name in local_ports:
+                args.append(f"{name}={local_ports.pop(name)}")
+            elif name in addresses and "=" in arg:
+                args.append(f"{name}={self._local_address(arg.split('=', 1)[1])}")
+            else:
+                args.append(arg)
+        if "--model-repository" not in map(_flag_name, self.pod_args):
+            args.append(f"--model-repository={self.served}")
+        args += [f"{flag}={port}" for flag, port in local_ports.items()]
+        for endpoint in ("http", "grpc"):
+            if self._pod_address(endpoint) is None:
+                args.append(f"{ADDRESS_FLAGS[endpoint]}={self.host}")
+        if self.log_verbose:
+            args.append(f"--log-verbose={self.log_verbose}")
+        return args
 
     def start(self) -> TritonServer:
         if self.process is not None:
@@ -500,13 +603,11 @@ class TritonServer:
 
     @property
     def http_address(self) -> str | None:
-        """The address the HTTP endpoint listens on (``--extra-args`` win, as in Triton: the
-        last of a repeated flag counts), or None when ``--allow-http=false``."""
-        allow_http = _last_value(self.extra_args, "--allow-http")
+        """The local address the HTTP endpoint listens on, None when ``--allow-http=false``."""
+        allow_http = _last_value(self.pod_args, "--allow-http")
         if allow_http is not None and allow_http.lower() in ("false", "0", "off", "no"):
             return None
-        address = _last_value(self.extra_args, "--http-address") or self.host
-        return self.host if address == "0.0.0.0" else address
+        return self.address("http")
 
     def _holds_its_ports(self) -> bool:
         """Whether the server's own process listens on its gRPC port and (unless HTTP is off)

@@ -149,7 +149,7 @@ def step_serve_and_complete(published: Path) -> None:
     docs = render_chart.documents(chart.render(values_files=[LOCAL_VALUES]))
     chart_args = render_chart.triton_serving_args(docs)
     started = time.monotonic()
-    with TritonServer(published, extra_args=chart_args) as server:
+    with TritonServer(published, pod_args=chart_args) as server:
         print(
             indent(
                 f"tritonserver ready in {time.monotonic() - started:.1f} s on 127.0.0.1: "
@@ -209,7 +209,7 @@ def step_openai(server: TritonServer, prompt: str) -> None:
         sys.executable, "-m", "completions_service", "--triton-url", f"grpc://{server.grpc_url}",
         "--listen", f"127.0.0.1:{port}", "--log-level", "warning",
     ]  # fmt: skip
-    restricted = restricted_protocols(server.extra_args)
+    restricted = restricted_protocols(server.pod_args)
     with tempfile.TemporaryDirectory(dir=WORK) as private:
         if "model-config" in restricted:
             header, token = restricted["model-config"]
@@ -263,10 +263,10 @@ def show_restrictions(server: TritonServer) -> str:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    restricted = restricted_protocols(server.extra_args)
+    restricted = restricted_protocols(server.pod_args)
     lines = [
         "arguments from the chart (values/local.yaml): "
-        + " ".join(a for a in server.extra_args if not a.startswith(RESTRICTED_FLAG)),
+        + " ".join(a for a in server.pod_args if not a.startswith(RESTRICTED_FLAG)),
         f"restricted gRPC protocols: {', '.join(restricted)}",
     ]
     if "logging" not in restricted:

@@ -59,16 +59,19 @@ def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random GPT-J checkpoint (fp32 safetensors, vocab 320) with a trained tokenizer.
+    """A tiny random GPT-J checkpoint (fp32 safetensors, vocab 320, context
+    :data:`tests.tinymodels.SERVING_CONTEXT`) with a trained tokenizer.
 
     Session-scoped and shared: tests must not modify it.
     """
 
     def build(path: Path) -> Path:
         from loader.demo.tokenizer import train_tokenizer
-        from tests.tinymodels import make_tiny_checkpoint
+        from tests.tinymodels import SERVING_CONTEXT, make_tiny_checkpoint
 
-        make_tiny_checkpoint(path, arch="gptj")
+        # A context long enough for the serving tests' long generations (GPT-J's rotary
+        # positions have no table: the weights are those of any n_positions).
+        make_tiny_checkpoint(path, arch="gptj", n_positions=SERVING_CONTEXT)
         train_tokenizer(TOKENIZER_CORPUS, 320, path)
         return path
 

@@ -1,7 +1,8 @@
 """End to end: the real perf_analyzer against the real local Triton serving a tiny model.
 
 The repository is published by ``model-loader run --backend python`` from a tiny random GPT-J
-checkpoint; the requests are the production ``bench/test.json``. Measurement windows are short
+checkpoint; the requests are the production ``bench/test.json`` with start and end ids inside the
+tiny vocabulary (``tests/data/tiny/test.json``). Measurement windows are short
 (3 windows of 3 requests per level, any spread accepted): these tests check that the pipeline
 works and its outputs are well formed, not how fast anything is.
 """
@@ -21,14 +22,15 @@ from loader.cli import main as loader_main
 from loader.cli.bench import main as bench_main
 from loader.endpoint import Endpoint
 from loader.errors import ModelNotFoundError
-from loader.serving import TritonServer
+from loader.serving import TritonServer, restricted_protocols
+from tests.tinymodels import TINY_REQUEST_FILE
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^Concurrency: (\d+), throughput: ([0-9.e+-]+) infer/sec, latency (\d+) usec$")
 SHORT = PerfAnalyzerOptions(
-    input_data=ROOT / "bench" / "test.json",
+    input_data=TINY_REQUEST_FILE,
     measurement_mode="count_windows",
     measurement_request_count=3,
     stability_percentage=1000,
@@ -38,6 +40,16 @@ SHORT_FLAGS = (
     "--measurement-request-count=3",
     "--stability-percentage=1000",
 )
+#: The users' request for the tiny model (the CLI's default is the production bench/test.json).
+TINY_INPUT = ("--input-data", str(TINY_REQUEST_FILE))
+
+
+@pytest.fixture(scope="module")
+def admin_header(server: TritonServer) -> tuple[str, ...]:
+    """perf_analyzer's -H with the chart's admin header: over gRPC it reads the model's metadata,
+    configuration and statistics, which the chart restricts (it sends -H over gRPC too)."""
+    [(name, token)] = set(restricted_protocols(server.pod_args).values())
+    return ("-H", f"{name}:{token}")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +79,9 @@ def test_sweep_measures_positive_throughput_and_ordered_latencies(server):
 
 
 @pytest.mark.slow
-def test_bench_cli_prints_the_seed_table_and_writes_csv_and_plot(server, tmp_path, capsys):
+def test_bench_cli_prints_the_seed_table_and_writes_csv_and_plot(
+    server, admin_header, tmp_path, capsys
+):
     out = tmp_path / "out"
     code = bench_main(
         [
@@ -80,6 +94,9 @@ def test_bench_cli_prints_the_seed_table_and_writes_csv_and_plot(server, tmp_pat
             "--output-dir",
             str(out),
             *SHORT_FLAGS,
+            *TINY_INPUT,
+            "--",
+            *admin_header,
         ]
     )
     captured = capsys.readouterr()
@@ -132,7 +149,7 @@ def test_tune_measures_batching_off_and_on_and_prints_the_values_snippet(
 
     # Two workloads, like the defaults (the tiny model's 64 positions need shorter prompts
     # than bench/mixed.json): the production request and prompts of three lengths.
-    entry = json.loads((ROOT / "bench" / "test.json").read_text())["data"][0]
+    entry = json.loads(TINY_REQUEST_FILE.read_text())["data"][0]
     mix = tmp_path / "mix.json"
     mix.write_text(json.dumps({"data": [
         {**entry, "prompt": {"content": [p], "shape": [1]}}
@@ -152,7 +169,7 @@ def test_tune_measures_batching_off_and_on_and_prints_the_values_snippet(
             "--work-dir",
             str(tmp_path / "tune"),
             "--input-data",
-            str(ROOT / "bench" / "test.json"),
+            str(TINY_REQUEST_FILE),
             str(mix),
             "--rounds",
             "2",
@@ -212,7 +229,7 @@ def test_tune_measures_batching_off_and_on_and_prints_the_values_snippet(
 
 
 @pytest.mark.slow
-def test_compare_prints_one_table_per_endpoint_and_the_best(server, tmp_path, capsys):
+def test_compare_prints_one_table_per_endpoint_and_the_best(server, admin_header, tmp_path, capsys):
     code = bench_main(
         [
             "--compare",
@@ -227,6 +244,9 @@ def test_compare_prints_one_table_per_endpoint_and_the_best(server, tmp_path, ca
             "--output-dir",
             str(tmp_path),
             *SHORT_FLAGS,
+            *TINY_INPUT,
+            "--",
+            *admin_header,
         ]
     )
     captured = capsys.readouterr()
@@ -244,7 +264,7 @@ def test_a_capped_run_stops_starting_levels_and_says_what_it_left(server, tmp_pa
     argv = [
         "--compare", f"a=http://{server.http_url}", f"b=http://{server.http_url}",
         "--model", "codegen", "--concurrency-range", "1:3:1", "--rounds", "2",
-        "--max-minutes", "0.001", "--output-dir", str(tmp_path), *SHORT_FLAGS,
+        "--max-minutes", "0.001", "--output-dir", str(tmp_path), *SHORT_FLAGS, *TINY_INPUT,
     ]  # fmt: skip
     assert bench_main(argv) == 0, capsys.readouterr().err
     summary = (tmp_path / SUMMARY_FILE).read_text()
@@ -268,7 +288,7 @@ def test_an_interrupted_run_leaves_the_results_it_measured(server, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "bench"), "--url", f"http://{server.http_url}", "--model",
-         "codegen", "--concurrency-range", "1:40:1", "--output-dir", str(out), *SHORT_FLAGS],
+         "codegen", "--concurrency-range", "1:40:1", "--output-dir", str(out), *SHORT_FLAGS, *TINY_INPUT],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -51,7 +51,7 @@ def streaming_helm_test_container() -> dict:
 @pytest.fixture(scope="module")
 def triton(published_tiny_python_repository: Path):
     chart_args = rc.triton_serving_args(_rendering())
-    with TritonServer(published_tiny_python_repository, extra_args=chart_args) as server:
+    with TritonServer(published_tiny_python_repository, pod_args=chart_args) as server:
         yield server
 
 
@@ -102,7 +102,7 @@ def streaming_triton(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
         settings=ServingSettings(backend="python", dynamic_batching=False, streaming=True),
     )
     chart_args = rc.triton_serving_args(_rendering("triton.streaming=true"))
-    with TritonServer(run(request).path, extra_args=chart_args) as server:
+    with TritonServer(run(request).path, pod_args=chart_args) as server:
         yield server
 
 

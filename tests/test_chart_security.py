@@ -129,9 +129,9 @@ def test_every_values_file_serves_with_the_security_defaults(helm, values):
     command = rc.triton_command(docs)  # the Secret's token substituted, as the kubelet does
     assert "--model-control-mode=none" in command
     assert {"--allow-http=true", "--http-address=127.0.0.1", "--allow-grpc=true"} <= set(command)
-    assert not any(
-        a.startswith(("--grpc-address", "--allow-sagemaker", "--allow-vertex")) for a in command
-    )
+    # gRPC and metrics on the pod's address (Services, probes and Prometheus reach it there).
+    assert {"--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0"} <= set(command)
+    assert not any(a.startswith(("--allow-sagemaker", "--allow-vertex")) for a in command)
     restricted = restricted_protocols(command)
     assert set(restricted) == set(ADMIN_PROTOCOLS)
     [(header, token)] = set(restricted.values())

@@ -15,6 +15,26 @@ from loader.errors import EndpointError, InvalidRequestError
 SEED = Path(__file__).resolve().parent.parent / "bench" / "test.json"
 
 
+def test_the_tiny_models_request_is_the_seed_request_with_ids_in_its_vocabulary():
+    from tests.tinymodels import TINY_REQUEST_FILE, for_tiny_model
+
+    assert load_request(TINY_REQUEST_FILE) == for_tiny_model(load_request(SEED))
+
+
+@pytest.mark.parametrize("name", ["test.json", "mixed.json"])
+def test_the_demo_models_requests_are_the_production_ones_with_ids_in_its_vocabulary(name):
+    import json
+
+    bench = SEED.parent
+    production = json.loads((bench / name).read_text())["data"]
+    demo = json.loads((bench / "demo" / name).read_text())["data"]
+    assert [{**e, "start_id": [511], "end_id": [511]} for e in production] == demo
+    # 511 is the last id of the demo model's vocabulary (loader.demo.checkpoint.DemoRecipe).
+    from loader.demo.checkpoint import DemoRecipe
+
+    assert DemoRecipe().vocab_size == 512
+
+
 def test_the_seed_request_is_read_with_every_field():
     request = load_request(SEED)
     assert request["prompt"] == ["<python>def is_even(na: int) ->"]

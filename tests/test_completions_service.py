@@ -420,7 +420,7 @@ def test_a_restricted_model_config_protocol_needs_the_header_and_says_so(reposit
     service is not ready, and says which flags give the header, until it has them."""
     header, token = "triton-grpc-protocol-admin-key", "s3cret-token"
     restricted = [f"--grpc-restricted-protocol=model-config:admin-key={token}"]
-    with TritonServer(repository, extra_args=restricted) as triton:
+    with TritonServer(repository, pod_args=restricted) as triton:
         with CompletionsService(triton.grpc_url, log=tmp_path / "bare.log") as svc:
             status, _, body = call(svc, "GET", "/health/ready")
             assert status == 503 and "--triton-protocol-header" in body["error"]["message"]

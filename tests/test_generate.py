@@ -340,6 +340,10 @@ def test_ft_word_lists_are_read_as_words():
     words_list = np.array([[5, 6, 7, 0, 0], [2, 3, -1, -1, -1]], dtype=np.int32)
     assert words_from_ft_list(words_list) == ((5, 6), (7,))
     assert words_from_ft_list(np.array([[0], [-1]])) == ()
+    # An entry ending where the previous one ended (or before) is empty, as FT's kernels read it
+    # (item_size = offsets[i] - offsets[i - 1]); FT's sample_request_single.json sends one.
+    assert words_from_ft_list(np.array([[5, 6, 7], [0, 2, 2]])) == ((), (5, 6), ())
+    assert words_from_ft_list(np.array([[5, 6, 7], [2, 1, 3]])) == ((5, 6), (), (6, 7))
     with pytest.raises(InvalidRequestError, match="offsets"):
         words_from_ft_list(np.array([[5, 6], [3, -1]]))
 
@@ -377,7 +381,7 @@ def test_bad_words_are_never_generated_after_their_prefix(tiny):
     [
         (GenerationRequest([], 4, end_id=0), "no tokens"),
         (GenerationRequest([VOCAB], 4, end_id=0), "outside the model's vocabulary"),
-        (GenerationRequest([1, 2], 0, end_id=0), "request_output_len"),
+        (GenerationRequest([1, 2], -1, end_id=0), "request_output_len must not be negative"),
         (
             GenerationRequest([1], 2, end_id=0, sampling=SamplingConfig(temperature=0.0)),
             "temperature",

@@ -290,3 +290,60 @@ def test_sampling_from_the_sorted_prefix_equals_sampling_from_a_full_sort(data):
         gen.SORTED_PREFIX = saved
     for a, b in zip(prefix, full, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# --- the edges: nothing to generate, empty words --------------------------------------------
+
+
+def test_request_output_len_0_runs_no_step_and_answers_the_prompt():
+    """GptJ.cc, GptJ::forward: the loop runs ``for (step = max_input_length; step <
+    max_output_seq_len; ...)`` with ``max_output_seq_len`` = W + 0 (GptJTritonModelInstance::
+    convert_inputs adds the width): no step; setOutputTensors gathers the prompt, the rest of
+    the row is end_id, sequence_length W (invokeDecodingInitialize's W - 1, plus the final step's
+    1 in gatherTree)."""
+    rows = [GenerationRequest([1, 2, 3], 0, end_id=9), GenerationRequest([4], 0, end_id=9)]
+    generation = BatchGeneration(TableLM(_table()), rows, vocab_size=V)
+    assert list(generation) == []
+    first, second = generation.results()
+    assert first.output_ids.tolist() == [1, 2, 3]
+    assert second.output_ids.tolist() == [4, 9, 9]
+    assert first.sequence_length == second.sequence_length == 3
+    assert first.num_generated == second.num_generated == 0
+    assert first.cum_log_prob == second.cum_log_prob == 0.0
+    assert first.output_log_probs.shape == (0,)
+
+
+def test_a_row_asking_0_tokens_in_a_batch_samples_one_as_any_shorter_row_does():
+    """length_criterion follows the sampling: a row is finished once step >= W + its length,
+    checked after the step's token, so with M > 0 a row asking 0 samples one token."""
+    rows = [GenerationRequest([1], 3, end_id=NEVER), GenerationRequest([2], 0, end_id=NEVER)]
+    longer, zero = generate(TableLM(_table(4)), rows, vocab_size=V)
+    assert longer.num_generated == 3
+    assert zero.num_generated == 1
+
+
+def test_an_empty_stop_word_stops_the_row_after_its_first_token():
+    """stop_criteria_kernels.cu, stop_words_criterion: item_size 0 -> ``step + 1 >= item_size``
+    and the compare loop runs no iteration: should_stop stays true after the first step."""
+    table = _table(5)
+    alone = GenerationRequest([1], 5, end_id=NEVER)
+    stopped = GenerationRequest([1], 5, end_id=NEVER, stop_words=((),))
+    full, cut = generate(TableLM(table), [alone, stopped], vocab_size=V)
+    assert full.num_generated == 5
+    assert cut.num_generated == 1
+    assert cut.generated_ids.tolist() == full.generated_ids.tolist()[:1]
+
+
+def test_an_empty_bad_word_bans_nothing():
+    """ban_bad_words.cu, ban_bad_words: ``should_ban = item_size == 1``, and the multi-token
+    branch needs item_size > 1: an empty entry is skipped; the entries after it still count."""
+    table = _table(6)
+    plain = generate(TableLM(table), [GenerationRequest([1], 4, end_id=NEVER)], vocab_size=V)[0]
+    empty = GenerationRequest([1], 4, end_id=NEVER, bad_words=((),))
+    assert generate(TableLM(table), [empty], vocab_size=V)[0].generated_ids.tolist() == (
+        plain.generated_ids.tolist()
+    )
+    first = int(plain.generated_ids[0])
+    then_ban = GenerationRequest([1], 4, end_id=NEVER, bad_words=((), (first,)))
+    banned = generate(TableLM(table), [then_ban], vocab_size=V)[0]
+    assert first not in banned.generated_ids.tolist()

@@ -28,6 +28,7 @@ from loader.parallel import Parallelism
 from loader.repository.config import read_config
 from loader.repository.key import ServingSettings
 from loader.run import RunRequest, run
+from tests.tinymodels import TINY_END_ID
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "r2305" / "driver.py"
@@ -173,8 +174,8 @@ def test_ensemble_models_answer_on_the_r2305_api(plain, tmp_path, triton_site):
         "runtime_top_p": ["FP32", [[0.98]]],
         "random_seed": ["UINT64", [[1594506369]]],
         "is_return_log_probs": ["BOOL", [[True]]],
-        "start_id": ["UINT32", [[NEVER]]],
-        "end_id": ["UINT32", [[NEVER]]],
+        "start_id": ["UINT32", [[TINY_END_ID]]],
+        "end_id": ["UINT32", [[TINY_END_ID]]],
     }
     report = _drive(
         plain,
@@ -193,6 +194,22 @@ def test_ensemble_models_answer_on_the_r2305_api(plain, tmp_path, triton_site):
         }
         assert result["outputs"]["completion"][0][0]
         assert result["shapes"]["output_ids"][:2] == [1, 1]
+
+
+@NEEDS_TRITON_VENV
+def test_a_request_beyond_the_bounds_is_refused_on_the_r2305_api(plain, tmp_path, triton_site):
+    # r23.05's TritonError carries a message only (INTERNAL on the wire); the message names the
+    # field and the limit, and the other request of the batch is answered.
+    report = _drive(
+        plain,
+        tmp_path,
+        triton_site,
+        "ensemble",
+        [_client_request(end_id=["UINT32", [[NEVER]]]), _client_request()],
+    )
+    refused, answered = report["results"]
+    assert "end_id: 100000 is outside the model's vocabulary of 320 ids" in refused["error"]
+    assert "error" not in answered, answered
 
 
 @NEEDS_TRITON_VENV

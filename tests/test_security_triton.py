@@ -37,6 +37,7 @@ from loader.endpoint import Endpoint
 from loader.errors import EndpointError, ServerStartError
 from loader.serving import HEALTH_SERVING, TritonServer, grpc_health, restricted_protocols
 from tests import chart as rc
+from tests.tinymodels import TINY_REQUEST_FILE
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
@@ -76,7 +77,7 @@ def chart_server(repository: Path, *set_values: str) -> TritonServer:
         rc.render(values_files=[rc.VALUES_DIR / "local.yaml"], set_values=set_values)
     )
     return TritonServer(
-        repository, host=POD_ADDRESS, extra_args=rc.triton_serving_args(docs), startup_timeout=180
+        repository, host=POD_ADDRESS, pod_args=rc.triton_serving_args(docs), startup_timeout=180
     )
 
 
@@ -117,12 +118,12 @@ def client(default_server: TritonServer) -> Iterator[grpcclient.InferenceServerC
 
 @pytest.fixture(scope="module")
 def admin(default_server: TritonServer) -> tuple[str, str]:
-    [header] = set(restricted_protocols(default_server.extra_args).values())
+    [header] = set(restricted_protocols(default_server.pod_args).values())
     return header
 
 
 def test_the_defaults_restrict_every_admin_protocol(default_server):
-    assert set(restricted_protocols(default_server.extra_args)) == set(ADMIN_CALLS)
+    assert set(restricted_protocols(default_server.pod_args)) == set(ADMIN_CALLS)
 
 
 @pytest.mark.parametrize("protocol", sorted(ADMIN_CALLS))
@@ -197,18 +198,24 @@ def test_model_control_is_off(client, admin):
     assert client.is_model_ready(MODEL)
 
 
-def test_perf_analyzer_over_grpc_is_told_how_to_measure(default_server):
-    # perf_analyzer reads the model's metadata first, a restricted protocol; its -H is HTTP only.
+def test_perf_analyzer_sends_the_admin_header_over_grpc(default_server, admin):
+    # perf_analyzer reads the model's metadata, configuration and statistics first, restricted
+    # protocols: without the header it is refused and told to pass -H; with -H it measures.
+    options = PerfAnalyzerOptions(
+        input_data=TINY_REQUEST_FILE,
+        measurement_mode="count_windows",
+        measurement_request_count=3,
+        stability_percentage=1000,
+        widenings=0,
+    )
+    endpoint = Endpoint(default_server.grpc_url, "grpc")
     with pytest.raises(EndpointError) as info:
-        measure_level(
-            Endpoint(default_server.grpc_url, "grpc"),
-            MODEL,
-            1,
-            options=PerfAnalyzerOptions(input_data=ROOT / "bench" / "test.json"),
-            binary=find_perf_analyzer(),
-        )
+        measure_level(endpoint, MODEL, 1, options=options, binary=find_perf_analyzer())
     assert "This protocol is restricted" in info.value.message
-    assert "port-forward" in info.value.remediation
+    assert "-H triton-grpc-protocol-admin-key:" in info.value.remediation
+    with_header = Endpoint(default_server.grpc_url, "grpc", headers=(admin,))
+    level = measure_level(with_header, MODEL, 1, options=options, binary=find_perf_analyzer())
+    assert level.measurement.throughput > 0
 
 
 def test_an_empty_token_keeps_triton_from_starting(published_tiny_python_repository):
@@ -224,7 +231,7 @@ def test_an_empty_token_keeps_triton_from_starting(published_tiny_python_reposit
     args = rc.triton_serving_args([*docs, empty])
     assert any(a.endswith(":admin-key=") for a in args)
     with pytest.raises(ServerStartError) as info:
-        TritonServer(published_tiny_python_repository, host=POD_ADDRESS, extra_args=args).start()
+        TritonServer(published_tiny_python_repository, host=POD_ADDRESS, pod_args=args).start()
     assert "grpc-restricted-protocol" in info.value.message
 
 

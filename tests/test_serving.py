@@ -26,13 +26,15 @@ from loader.completion import Completion, complete, load_request
 from loader.errors import EndpointError, ServerStartError
 from loader.repository.config import read_config, write_config
 from loader.serving import TritonServer
+from tests.tinymodels import for_tiny_model
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
-SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
+#: The users' request, its start/end ids inside the tiny vocabulary (the bounds refuse others).
+SEED_REQUEST = for_tiny_model(load_request(ROOT / "bench" / "test.json"))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from loader.errors import (
 )
 from loader.sources import fetch, gcs, transfer
 from tests.servers import GcsServer, ThrottleProxy, free_port
+from tests.tinymodels import for_tiny_model
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
@@ -513,7 +514,7 @@ def test_run_from_gs_publishes_a_repository_that_triton_serves(
     assert manifest.read_manifest(published)["source_revision"].startswith("gen-")
     assert not (root / ".work").exists() or not any((root / ".work").iterdir())
 
-    request = load_request(Path(__file__).parents[1] / "bench" / "test.json")
+    request = for_tiny_model(load_request(Path(__file__).parents[1] / "bench" / "test.json"))
     request.update(request_output_len=[6], runtime_top_k=[1])
     prompt_ids = Tokenizer.from_file(str(tiny_checkpoint_with_tokenizer / "tokenizer.json"))
     prompt_ids = prompt_ids.encode(request["prompt"][0]).ids

@@ -51,13 +51,15 @@ from loader.streaming import (
     is_final,
     stream_completion,
 )
+from tests.tinymodels import TINY_REQUEST_FILE, for_tiny_model
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
-SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
+#: The users' request, its start/end ids inside the tiny vocabulary (the bounds refuse others).
+SEED_REQUEST = for_tiny_model(load_request(ROOT / "bench" / "test.json"))
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +320,8 @@ def test_one_connection_serves_requests_in_turn_and_recovers_after_a_cancel(stre
     ("bad", "message"),
     [
         ({"prompt": [""]}, "the prompt is empty"),
-        ({"request_output_len": [0]}, "request_output_len must be at least 1"),
+        # preprocessing's bound reaches the client through the streaming model (BLS).
+        ({"request_output_len": [2_000_000]}, "context of 512 \\(max_sequence_length\\)"),
         ({"temperature": [0.0]}, "temperature must be positive"),
     ],
 )
@@ -443,7 +446,7 @@ def test_scripts_bench_ttft_sweeps_an_endpoint_and_a_repository_and_writes_its_r
     cmd = [
         str(ROOT / "scripts" / "bench"), "--ttft", f"served=grpc://{streaming.grpc_url}",
         f"local={streaming_repository}", "--model", MODEL, "--concurrency-range", "1:2:1",
-        "--requests-per-level", "3", "--output-dir", str(out),
+        "--requests-per-level", "3", "--output-dir", str(out), "--input-data", str(TINY_REQUEST_FILE),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
@@ -503,8 +506,9 @@ def test_scripts_complete_streams_json_lines_equal_to_the_non_streaming_completi
 ):
     expected = complete(plain.grpc_url, MODEL, SEED_REQUEST, protocol="grpc")
     done = _complete_script(
-        "--url", streaming.grpc_url, "--request", str(ROOT / "bench" / "test.json"), "--json"
-    )
+        "--url", streaming.grpc_url, "--model", MODEL, "--request", str(TINY_REQUEST_FILE),
+        "--json",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
     texts, summary = records[:-1], records[-1]
@@ -521,15 +525,17 @@ def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
     expected = complete(
         plain.grpc_url, MODEL, {"prompt": [prompt], "request_output_len": [12]}, protocol="grpc"
     )
-    done = _complete_script("--url", streaming.grpc_url, "--max-tokens", "12", prompt)
+    done = _complete_script(
+        "--url", streaming.grpc_url, "--model", MODEL, "--max-tokens", "12", prompt
+    )
     assert done.returncode == 0, done.stderr
     # text=True reads "\r" as a line end, as a terminal would show it.
     shown = expected.text.replace("\r\n", "\n").replace("\r", "\n") + "\n"
     assert done.stdout == shown
     assert "12 tokens" in done.stderr and "first token after" in done.stderr
     # The same client completes against a repository that does not stream, both protocols.
-    for args in (["--url", plain.grpc_url], ["--no-stream", "--protocol", "http", "--url",
-                                            plain.http_url]):  # fmt: skip
+    for args in (["--url", plain.grpc_url, "--model", MODEL],
+                 ["--no-stream", "--protocol", "http", "--url", plain.http_url]):  # fmt: skip
         again = _complete_script(*args, "--max-tokens", "12", prompt)
         assert again.returncode == 0, again.stderr
         assert again.stdout == shown
@@ -537,17 +543,24 @@ def test_scripts_complete_prints_the_text_and_the_timings(streaming, plain):
     # --json against a model that does not stream: no made-up token count
     [summary] = [
         json.loads(line)
-        for line in _complete_script("--url", plain.grpc_url, "--json", prompt).stdout.splitlines()
+        for line in _complete_script(
+            "--url", plain.grpc_url, "--model", MODEL, "--json", prompt
+        ).stdout.splitlines()
         if '"done"' in line
     ]
     assert summary["output_tokens"] is None and summary["responses"] == 1
-    assert "does not stream" in _complete_script("--url", plain.grpc_url, prompt).stderr
+    assert (
+        "does not stream"
+        in _complete_script("--url", plain.grpc_url, "--model", MODEL, prompt).stderr
+    )
 
 
 def test_scripts_complete_reports_errors_in_one_line_without_a_traceback(streaming):
     cases = [
         (["--url", streaming.grpc_url, "--model", "missing", "x"], "unknown model"),
-        (["--url", streaming.grpc_url, "--no-stream", "x"], "drop --no-stream"),
+        (["--url", streaming.grpc_url, "--model", MODEL, "--no-stream", "x"], "drop --no-stream"),
+        # The chart restricts gRPC's model index to the admin header: the client says what to do.
+        (["--url", streaming.grpc_url, "x"], "pass --model NAME"),
         (["--protocol", "http", "--url", streaming.http_url, "x"], "streaming needs gRPC"),
         (["--url", streaming.grpc_url], "no prompt"),
     ]
@@ -606,7 +619,10 @@ def test_complete_finds_the_model_and_names_the_served_ones_when_asked_for_anoth
     found = loader_complete("--url", f"http://{plain.http_url}")
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip()
-    assert _complete_script("--url", plain.grpc_url, "def f():").returncode == 0
+    # Over gRPC the chart restricts the model index to the admin header (HTTP stays on the
+    # pod's loopback, where `kubectl port-forward` reaches it): the client asks for --model.
+    over_grpc = _complete_script("--url", plain.grpc_url, "def f():")
+    assert over_grpc.returncode == 2 and "pass --model NAME" in over_grpc.stderr
     wrong = loader_complete("--url", f"http://{plain.http_url}", "--model", "codegen-350m")
     assert wrong.returncode == 2
     assert f"does not serve a ready model 'codegen-350m'; it serves {MODEL}" in wrong.stderr
@@ -618,7 +634,7 @@ def test_complete_finds_the_model_and_names_the_served_ones_when_asked_for_anoth
 
 def test_scripts_complete_into_a_closed_pipe_stops_quietly(streaming):
     done = subprocess.run(
-        ["bash", "-c", f'"$0" --url {streaming.grpc_url} --json "def f():" | head -n 1',
+        ["bash", "-c", f'"$0" --url {streaming.grpc_url} --model {MODEL} --json "def f():" | head -n 1',
          str(ROOT / "scripts" / "complete")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -21,12 +21,14 @@ from tokenizers import Tokenizer
 from loader.completion import complete, load_request
 from loader.errors import ServerStartError
 from loader.serving import TritonServer
+from tests.tinymodels import TINY_END_ID, for_tiny_model
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "codegen"
-SEED_REQUEST = load_request(ROOT / "bench" / "test.json")
+#: The users' request, its start/end ids inside the tiny vocabulary (the bounds refuse others).
+SEED_REQUEST = for_tiny_model(load_request(ROOT / "bench" / "test.json"))
 CLIENT_OUTPUTS = ("completion", "output_ids", "sequence_length", "cum_log_probs")
 
 LOG_PROBS = {"cum_log_probs", "output_log_probs"}
@@ -210,7 +212,7 @@ OPTIONAL_FIELDS = [
     {"temperature": [0.7]},
     {"random_seed": [5], "runtime_top_p": [0.9], "runtime_top_k": [0]},
     {"repetition_penalty": [1.2]},
-    {"end_id": [100_000]},
+    {"end_id": [TINY_END_ID - 1]},  # inside the vocabulary: preprocessing refuses others
     {"start_id": [1], "is_return_log_probs": [False]},
     {"runtime_top_k": [3], "random_seed": [9]},
     {"temperature": [1.3], "runtime_top_p": [0.5], "runtime_top_k": [0], "random_seed": [1]},

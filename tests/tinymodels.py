@@ -23,6 +23,22 @@ from typing import Any
 import torch
 
 ARCHS = ("gptj", "codegen")
+#: The context (n_positions) of the checkpoint the serving tests publish: room for their long
+#: generations, which the repository's bounds hold to the model's context.
+SERVING_CONTEXT = 512
+#: start_id / end_id of the serving tests' requests: the users' ``bench/test.json`` names
+#: CodeGen's 50256, outside the tiny vocabulary of 320, which ``preprocessing`` refuses; this id
+#: is inside it and, at the seed request's temperature and top-p, never sampled in the tests.
+TINY_END_ID = 319
+#: ``bench/test.json`` with :data:`TINY_END_ID` (a test checks it differs in nothing else).
+TINY_REQUEST_FILE = Path(__file__).resolve().parent / "data" / "tiny" / "test.json"
+
+
+def for_tiny_model(request: dict) -> dict:
+    """A request for a published tiny model: ``start_id`` and ``end_id`` inside its vocabulary."""
+    return {**request, "start_id": [TINY_END_ID], "end_id": [TINY_END_ID]}
+
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 #: Small defaults: fast on a CPU, yet every dimension is distinct and divisible by 1, 2, 4 and

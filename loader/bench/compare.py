@@ -200,7 +200,7 @@ def _sweep_target(
         assert target.endpoint is not None and settings.model is not None  # parse_target, compare
         _sweep_workloads(target, target.endpoint, settings.model, settings, **callbacks)
         return
-    from loader.serving import TritonServer
+    from loader.serving import TritonServer, restricted_protocols
 
     repository = Path(target.repository)
     name = settings.model or variants.ensemble_name(variants.read_configs(repository))
@@ -211,7 +211,10 @@ def _sweep_target(
     log.info("%s: serving %s with the local Triton", target.label, repository)
     with TritonServer(repository, log_path=log_path) as server:
         address = server.grpc_url if settings.protocol == "grpc" else server.http_url
-        endpoint = Endpoint(address=address, protocol=settings.protocol)
+        # perf_analyzer reads the model's metadata, configuration and statistics first: over
+        # gRPC the chart restricts them to the admin header, which it sends (-H).
+        headers = set(restricted_protocols(server.pod_args).values())
+        endpoint = Endpoint(address=address, protocol=settings.protocol, headers=tuple(headers))
         try:
             _sweep_workloads(
                 target, endpoint, name, settings, cpu_seconds=server.cpu_seconds, **callbacks

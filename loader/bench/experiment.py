@@ -5,7 +5,9 @@
 reference backend (``model-loader run --backend python``); variants with instance count 1 and 2
 and dynamic batching off and on (the chart's preferred batch sizes and queue delay) are measured
 by :func:`loader.bench.tune.tune` at concurrency 1 to 16 with two workloads: the production
-request (``bench/test.json``) and a realistic mix of prompt lengths (``bench/mixed.json``). The
+request and a realistic mix of prompt lengths, with start and end ids inside the demo model's
+vocabulary (``bench/demo/test.json``, ``bench/demo/mixed.json``: the repository's bounds refuse
+CodeGen's 50256 there). The
 report (tables, CSV, PNG, summary) goes to the output directory; the summary names the best
 configuration per workload, the gain of each over the naive one (I=1, no batching; best stable
 level against best stable level), the unstable levels, and the values the chart should
@@ -108,6 +110,16 @@ def _measurement_note(settings: SweepSettings, concurrency_range: str) -> str:
     )
 
 
+def _shown(path: Path) -> str:
+    """A request file as the report names it: ``bench/...`` when it is in the checkout's bench."""
+    parts = path.parts
+    return (
+        "/".join(parts[len(parts) - 1 - parts[::-1].index("bench") :])
+        if "bench" in parts
+        else str(path)
+    )
+
+
 def run_experiment(
     work_dir: Path,
     settings: SweepSettings,
@@ -132,7 +144,7 @@ def run_experiment(
     def report(result: TuneResult, *, final: bool) -> Report:
         notes: dict[str, str] = {
             "model": _model_note(work_dir),
-            "requests": "; ".join(f"{w.name}: bench/{w.path.name}" for w in settings.workloads),
+            "requests": "; ".join(f"{w.name}: {_shown(w.path)}" for w in settings.workloads),
             "measurement": _measurement_note(settings, concurrency_range),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}",

@@ -164,6 +164,7 @@ def command(
         # Stability is judged on the exported windows (see the module docstring).
         "--stability-percentage=999",
         f"--max-trials={STABLE_WINDOWS}",
+        *(arg for name, value in endpoint.headers for arg in ("-H", f"{name}:{value}")),
         *options.arguments(),
     ]
 
@@ -188,11 +189,9 @@ def _restricted(endpoint: Endpoint, model: str, output: str) -> LoaderError:
     return EndpointError(
         f"Triton at {endpoint} restricts what perf_analyzer reads first (model metadata, "
         f"configuration, statistics) to callers with its admin header: {_tail(output)}",
-        "perf_analyzer sends no header over gRPC (its -H is HTTP only). Measure over HTTP "
-        "where the chart serves it, the pod's loopback: `kubectl port-forward "
-        "deploy/<release>-model-triton 8000` and --url http://127.0.0.1:8000; or, on a staging "
-        "release, leave metadata, model-config and statistics out of "
-        "triton.security.restrictedGrpcProtocols (SECURITY.md). TTFT (--ttft) needs no header.",
+        "Pass the admin header to perf_analyzer after `--` (it sends -H over gRPC and HTTP): "
+        '-- -H triton-grpc-protocol-admin-key:"$(kubectl get secret <release>-model-triton-admin '
+        "-o jsonpath='{.data.token}' | base64 -d)\" (SECURITY.md). TTFT (--ttft) needs no header.",
     )
 
 
@@ -302,7 +301,12 @@ def _run_once(
         csv_path = Path(tmp) / "level.csv"
         export_path = Path(tmp) / "level.json"
         cmd = command(binary, endpoint, model, concurrency, csv_path, options, export_path)
-        log.debug("running %s", " ".join(cmd))
+        hidden = ["", *cmd][:-1]  # the argument before each: a header's value is not logged
+        shown = [
+            f"{a.split(':', 1)[0]}:***" if b == "-H" else a
+            for b, a in zip(hidden, cmd, strict=True)
+        ]
+        log.debug("running %s", " ".join(shown))
         cpu_before = cpu_seconds() if cpu_seconds is not None else None
         code, output = run_process(cmd, options.timeout_s)
         cpu_after = cpu_seconds() if cpu_seconds is not None else None

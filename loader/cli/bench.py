@@ -47,6 +47,7 @@ from loader.cli import (
 )
 from loader.cli.measurement import (
     add_measurement_arguments,
+    demo_request_files,
     production_request_file,
     settings_from_args,
 )
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         default_rounds=f"1; {experiment.ROUNDS} for --serving-experiment",
         default_range=f"1:16:5; {experiment.CONCURRENCY_RANGE} for --serving-experiment",
         default_inputs="bench/test.json, the production request; for --serving-experiment "
-        "also bench/mixed.json, a mix of prompt lengths",
+        "bench/demo/test.json and bench/demo/mixed.json, the production request and a mix of "
+        "prompt lengths with the demo model's ids",
         default_minutes=f"no cap; {experiment.MAX_MINUTES:g} for --serving-experiment",
     )
     group = parser.add_argument_group("TTFT / TPOT (--ttft, streaming models)")
@@ -242,6 +244,7 @@ def run_experiment(args: argparse.Namespace, extra: tuple[str, ...], out: Path) 
         default_rounds=experiment.ROUNDS,
         default_range=experiment.CONCURRENCY_RANGE,
         default_minutes=experiment.MAX_MINUTES,
+        request_files=demo_request_files,
     )
     printer = _printer(settings, per_round=len(experiment.INSTANCE_COUNTS) * 2)
     report = experiment.run_experiment(

@@ -11,10 +11,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a published repository with the real tritonserver (CPU)",
         description="Serve REPOSITORY (the directory `model-loader run` printed) with the "
-        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM. "
-        "Needs the [serve] extra.",
+        "tritonserver bundled in nvidia-pytriton, on 127.0.0.1, until Ctrl-C or SIGTERM, with "
+        "the Triton arguments the chart renders (`helm template` with values/local.yaml, or "
+        "--values/--set): only the model path, the ports and the addresses are this machine's. "
+        "Needs the [serve] extra and the checkout's helm.",
     )
     p.add_argument("repository", type=Path, metavar="REPOSITORY")
+    p.add_argument(
+        "-f",
+        "--values",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="chart values file (repeatable; default: values/local.yaml)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="chart value, as helm's --set (repeatable)",
+    )
     p.add_argument("--http-port", type=int, help="HTTP port (default: a free one)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=int, help="metrics port (default: a free one)")
@@ -36,11 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from loader.cli import require_extra
 
     require_extra("serve", "pytriton", "tokenizers")
-    from loader.serving import TritonServer
+    from loader.serving import TritonServer, rendered_pod_args, restricted_protocols
 
     # SIGTERM stops the server like Ctrl-C (loader.cli.run_command's handler).
     server = TritonServer(
         args.repository,
+        pod_args=rendered_pod_args(values_files=args.values, set_values=args.set),
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
@@ -49,9 +68,13 @@ def run(args: argparse.Namespace) -> int:
         log_path=args.log_file,
     )
     with server:
-        print(f"HTTP    http://{server.http_url}", flush=True)
+        if server.http_address is not None:
+            print(f"HTTP    http://{server.http_url}", flush=True)
         print(f"gRPC    {server.grpc_url}", flush=True)
         print(f"metrics {server.metrics_url}", flush=True)
+        for header, token in sorted(set(restricted_protocols(server.pod_args).values())):
+            # gRPC's admin protocols answer only with it, as in a pod (perf_analyzer: -H).
+            print(f"admin   {header}: {token}", flush=True)
         kept = "" if args.log_file else " (removed when this stops; --log-file PATH keeps it)"
         print(f"log     {server.log_path}{kept}", flush=True)
         print("serving; press Ctrl-C to stop", flush=True)

@@ -9,7 +9,8 @@ comes from.
 **The loop** (``models/gptj/GptJ.cc``, ``GptJ::forward``). The batch is ``W`` tokens wide: the
 width of ``input_ids`` after the backend padded a ragged batch with 0s, at least its longest
 prompt. Steps run from ``W`` to ``W + M - 1``, ``M`` the batch's largest ``request_output_len``;
-after each step the loop ends when every row is finished (``should_stop``). FT keeps the ids in
+after each step the loop ends when every row is finished (``should_stop``). ``M`` 0 runs no
+step: every row's answer is its prompt (``sequence_length`` ``W``). FT keeps the ids in
 one buffer per row: the prompt, 0s up to ``W`` (the padding), then one id per step.
 
 **Each step** (``layers/DynamicDecodeLayer.cc``, ``DynamicDecodeLayer::forward``, in order):
@@ -17,7 +18,9 @@ one buffer per row: the prompt, 0s up to ``W`` (the padding), then one id per st
 1. *Bad words* (``kernels/ban_bad_words.cu``, ``ban_bad_words``): a one-token entry is always
    banned; a longer entry when the ids before ``step`` in the row's buffer end with its prefix,
    which for a short row in a ragged batch are the padding 0s at first. The banned logit becomes
-   -inf, never for token id 0 (``0 < banned_token``).
+   -inf, never for token id 0 nor an id outside the vocabulary (``0 < banned_token <
+   vocab_size_padded``). An empty entry (its end offset not past the previous one's) bans
+   nothing (``should_ban = item_size == 1``).
 2. *Temperature* (``layers/sampling_layers/BaseSamplingLayer.cc``, ``BaseSamplingLayer::forward``;
    ``kernels/sampling_penalty_kernels.cu``, ``batchApplyTemperaturePenalty``): once any row's
    temperature is not 1, every row's logits are multiplied by ``1 / (t + 1e-6)`` (float32), the
@@ -49,7 +52,9 @@ one buffer per row: the prompt, 0s up to ``W`` (the padding), then one id per st
    A row that samples grows its length by one (not when it was finished before the step) and is
    finished when it sampled ``end_id``.
 5. *Stop words* (``kernels/stop_criteria_kernels.cu``, ``stop_words_criterion``): a row whose
-   buffer ends, at ``step``, with an entry is finished (the padding counts here too).
+   buffer ends, at ``step``, with an entry is finished (the padding counts here too). An empty
+   entry matches at once (``step + 1 >= item_size`` and no token to compare): the row stops
+   after its first generated token.
 6. *Length* (``length_criterion``; ``GptJ::forward``, ``setSeqLimitLen``): a row is finished once
    ``step >= W + request_output_len``. The check follows the sampling, so a row whose
    ``request_output_len`` is below the batch's ``M`` samples one token more than it asked for
@@ -178,12 +183,16 @@ def words_from_ft_list(words_list: np.ndarray) -> tuple[tuple[int, ...], ...]:
     for end in offsets.tolist():
         if end < 0:
             break
-        if end <= start or end > ids.size:
+        if end > ids.size:
             raise InvalidRequestError(
                 f"word list offsets {offsets.tolist()} do not fit its {ids.size} ids",
                 "Send [[ids...], [end offsets..., -1 padding]] as FasterTransformer expects.",
             )
-        words.append(tuple(int(t) for t in ids[start:end]))
+        # An entry that ends where the previous one ended (or before) is empty, as in FT's
+        # kernels (item_size = offsets[i] - offsets[i - 1] <= 0): a stop word that stops the
+        # row at once, a bad word that bans nothing (see BatchGeneration._ban_bad_words,
+        # _stop_words).
+        words.append(tuple(int(t) for t in ids[start:end]) if end > start else ())
         start = end
     return tuple(words)
 
@@ -201,8 +210,8 @@ def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int) ->
                 f"vocabulary of {vocab_size}",
                 "Tokenize with the checkpoint's own tokenizer.",
             )
-        if req.output_len < 1:
-            raise InvalidRequestError(f"request {n}: request_output_len must be at least 1")
+        if req.output_len < 0:
+            raise InvalidRequestError(f"request {n}: request_output_len must not be negative")
         s = req.sampling
         if not (np.isfinite(s.temperature) and s.temperature > 0):
             raise InvalidRequestError(f"request {n}: temperature must be positive")
@@ -371,6 +380,10 @@ class BatchGeneration:
         return ids, mask, positions
 
     def __iter__(self) -> Iterator[GenerationStep]:
+        if self.max_output_len == 0:
+            # GptJ::forward's loop runs from W to W + M: no step; the results hold the prompts
+            # (sequence_length W) and no log probability (output_log_probs [rows, 0]).
+            return
         ids, mask, positions = self._prompt_batch()
         logits, past = self.model.forward(
             ids, position_ids=positions, attention_mask=mask, last_only=True
@@ -437,6 +450,8 @@ class BatchGeneration:
         for i in self._bad_rows:
             for word in self.requests[i].bad_words:
                 size = len(word)
+                if size == 0:  # ban_bad_words: should_ban = item_size == 1, or > 1 and matched
+                    continue
                 if size > 1 and not (
                     step >= size - 1
                     and self.tokens[i, step - size + 1 : step].tolist() == list(word[:-1])

@@ -45,6 +45,7 @@ from google.protobuf import text_format
 from loader import fs
 from loader.parallel import Parallelism
 from loader.repository import tensors
+from loader.repository.bounds import RequestBounds
 from loader.repository.key import ServingSettings
 from loader.repository.tensors import Tensor
 
@@ -102,6 +103,9 @@ class RepositorySpec:
     ``max_model_len``: the model's context length (``config.ini``'s ``max_pos_seq_len``, the
     checkpoint's ``n_positions``), which the ``llm`` model holds requests to; ``None`` where
     only the batching settings are built (validation, benchmark variants).
+    ``bounds``: what a request may ask for (:mod:`loader.repository.bounds`), written as
+    ``preprocessing``'s parameters; ``None`` only where no repository is written from the spec
+    (the settings check, benchmark variants, which keep the published parameters).
     """
 
     name: str
@@ -112,6 +116,7 @@ class RepositorySpec:
     checkpoint_path: str | None = None
     start_id: int | None = None
     max_model_len: int | None = None
+    bounds: RequestBounds | None = None
 
 
 #: Protocol dtype names that config.pbtxt spells differently (BYTES is TYPE_STRING there).
@@ -160,6 +165,9 @@ def build_preprocessing(spec: RepositorySpec) -> mc.ModelConfig:
     start_id = spec.end_id if spec.start_id is None else spec.start_id
     config.parameters["start_id"].string_value = str(start_id)
     config.parameters["end_id"].string_value = str(spec.end_id)
+    if spec.bounds is not None:
+        for key, value in spec.bounds.parameters().items():
+            config.parameters[key].string_value = value
     return config
 
 

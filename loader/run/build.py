@@ -12,6 +12,7 @@ from pathlib import Path
 from loader import __version__
 from loader.convert.plan import ConvertResult
 from loader.repository import layout, manifest, models, publish
+from loader.repository.bounds import RequestBounds
 from loader.repository.config import RepositorySpec
 from loader.repository.key import resolve_revision
 from loader.run.request import RunRequest
@@ -43,6 +44,7 @@ def build(
         end_id=converted.config.end_id,
         start_id=converted.config.start_id,
         max_model_len=converted.config.max_pos_seq_len,
+        bounds=RequestBounds.for_model(converted.config, max_batch_size=settings.max_batch_size),
     )
     layout.write_models(staging, spec, tokenizer=verified.tokenizer)
     weights = converted.output_path.relative_to(staging).as_posix()

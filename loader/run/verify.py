@@ -53,15 +53,17 @@ def verify(request: RunRequest, checkpoint: Path) -> Verified:
         checkpoint,
         request.parallelism,
     )
+    # Without --gpu-memory-gib, still refused: what no GPU of any node can hold (an instance
+    # count or batch size that large is a typo, and would be published for every pod).
+    estimate = estimate_memory(
+        ModelShape.from_ft_config(plan.config),
+        request.parallelism,
+        dtype=plan.out_dtype or config_dtype(config),
+        max_batch_size=request.settings.max_batch_size,
+        gpus_per_replica=request.topology.gpus_per_replica,
+    )
+    check_memory(estimate, request.gpu_memory_gib)
     if request.gpu_memory_gib is not None:
-        estimate = estimate_memory(
-            ModelShape.from_ft_config(plan.config),
-            request.parallelism,
-            dtype=plan.out_dtype or config_dtype(config),
-            max_batch_size=request.settings.max_batch_size,
-            gpus_per_replica=request.topology.gpus_per_replica,
-        )
-        check_memory(estimate, request.gpu_memory_gib)
         log.info(
             "memory per GPU: about %.1f GiB of %g GiB",
             estimate.total / 2**30,

@@ -59,7 +59,7 @@ model-triton/client: {{ include "model-triton.fullname" . }}
 
 {{/*
 model-triton.securityArgs: the `tritonserver` arguments of the security defaults (YAML list
-items): the HTTP mode, the restricted gRPC protocols (the token comes from the environment),
+items): the HTTP mode, gRPC on every address of the pod, the restricted gRPC protocols (the token comes from the environment),
 and model control `none` (the repository is fixed at start; load and unload are refused:
 ModelRepositoryManager::LoadUnloadModel in core r23.05).
 */}}
@@ -74,6 +74,7 @@ ModelRepositoryManager::LoadUnloadModel in core r23.05).
 - --http-port=8000
 {{- end }}
 - --allow-grpc=true
+- --grpc-address=0.0.0.0
 - --grpc-port=8001
 {{- with $s.restrictedGrpcProtocols }}
 - --grpc-restricted-protocol={{ join "," . }}:{{ $s.adminHeader }}=$({{ include "model-triton.adminTokenEnv" $ }})

@@ -46,11 +46,16 @@ security defaults own: _security.tpl).
 
 {{/*
 model-triton.tritonChartArgs: the options of the `tritonserver` command line the chart sets.
+Metrics listen on every address of the pod (Prometheus scrapes the pod's address): without
+`--metrics-address`, Triton 23.05 binds them to the HTTP address (TritonParser::Parse,
+src/command_line_parser.cc: "Set metrics_address to default if never specified"), which is the
+pod's loopback by default (triton.security.http).
 */}}
 {{- define "model-triton.tritonChartArgs" -}}
 - tritonserver
 - --model-repository={{ include "model-triton.modelPath" . }}
 {{ include "model-triton.securityArgs" . }}
+- --metrics-address=0.0.0.0
 - --metrics-port=8002
 - --exit-timeout-secs={{ max 5 (sub (sub (int .Values.triton.terminationGracePeriodSeconds) (int .Values.triton.preStopSleepSeconds)) 10) }}
 {{- end -}}

@@ -171,6 +171,7 @@ class TritonPythonModel:
         stop_words = inputs.words("stop_words_list", batch)
         if int(beam_width.max()) > 1:
             raise ValueError("beam search (beam_width > 1) is not supported by the CPU reference")
+        self._check_sequence(ids.shape[1], out_lens)
         rows = []
         for i in range(batch):
             length = int(lengths[i])
@@ -195,6 +196,24 @@ class TritonPythonModel:
             )
         validate_requests(rows, cfg.vocab_size)
         return rows
+
+    def _check_sequence(self, width: int, out_lens: np.ndarray) -> None:
+        """Refuse a request whose rows would be longer than the model's context
+        (``config.ini``'s ``max_pos_seq_len``, what the deployment's GPU memory is planned
+        for). FasterTransformer sizes its buffers for ``input_ids``' width + the largest
+        ``request_output_len`` (``GptJTritonModelInstance::forward``, ``allocateBuffer``; a
+        uint32 sum that wraps around) and allocates them outside any ``try``, in the thread the
+        backend starts per GPU (``ThreadForward``, ``src/libfastertransformer.cc``, catches
+        nothing): an allocation that fails aborts tritonserver, every client with it."""
+        longest = int(out_lens.max())
+        context = self.config.max_pos_seq_len
+        if width + longest > context:
+            raise ValueError(
+                f"request_output_len: input_ids width {width} + request_output_len {longest} = "
+                f"{width + longest} tokens, more than the model's context of {context} "
+                "(max_pos_seq_len) that this deployment's GPU memory is planned for; ask for at "
+                f"most {max(context - width, 0)} tokens"
+            )
 
     def _collect(
         self, requests: list, fail: Callable[[int, Exception], None]

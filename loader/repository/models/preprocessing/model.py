@@ -18,6 +18,18 @@ effect), because ``postprocessing`` reads FasterTransformer's layout from the lo
 
 The tokenizer is the checkpoint's own, copied into ``1/tokenizer/`` by the repository writer;
 ``start_id`` and ``end_id`` are the checkpoint's (``config.ini``), parameters of this model.
+
+**Bounds.** This is the first step that sees a client's request (the ensemble's, and the
+streaming model's and any other model's that calls it through BLS), so it refuses, per request
+and before any work is done, what the repository's bounds exclude (its parameters
+``max_sequence_length`` and ``vocab_size``, derived from the model and the plan
+by the loader's ``loader/repository/bounds.py``): a prompt longer in bytes than the context can
+hold (before tokenising it), prompt tokens + ``request_output_len`` beyond
+``max_sequence_length``, ``start_id``/``end_id`` outside the vocabulary. Each refusal names the field and the limit. Its status is INVALID_ARGUMENT
+where the Python backend carries error codes (python_backend r23.10 and later: the local 2.51);
+python_backend r23.05 sends every error of a Python model as INTERNAL
+(``ModelInstanceState::ProcessRequests``, ``src/python_be.cc``), with the same message. The other
+requests of the batch are answered as usual.
 """
 
 from __future__ import annotations
@@ -61,6 +73,32 @@ DEFAULTS: dict[str, tuple[type, object]] = {
 #: The empty word list, one per row: ids ``[0]``, offsets ``[-1]``.
 EMPTY_WORDS = ((0,), (-1,))
 WORD_LISTS = ("bad_words_list", "stop_words_list")
+#: The bounds this model enforces, parameters of its ``config.pbtxt``.
+BOUNDS = ("max_sequence_length", "vocab_size")
+#: How much a normaliser may shrink a prompt before tokenising (NFKC and the like): the
+#: byte bound is this much looser for a tokenizer that has one.
+NORMALIZER_SLACK = 4
+
+
+class Refused(Exception):
+    """A request outside the repository's bounds: the message names the field and the limit."""
+
+
+def _error(message: str) -> object:
+    """A TritonError with INVALID_ARGUMENT where python_backend supports error codes (r23.10
+    and later); r23.05's TritonError takes the message only."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    if code is None:
+        return pb_utils.TritonError(message)
+    return pb_utils.TritonError(message, code)
+
+
+def longest_token_bytes(tokenizer: object) -> int:
+    """The most bytes of text one token of ``tokenizer`` can stand for: its longest
+    vocabulary entry in UTF-8 (a byte-level BPE writes each byte as one character of at most
+    two UTF-8 bytes, so this over-counts, never under-counts)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(token.encode("utf-8")) for token in vocab), default=1)
 
 
 def _text(value: object) -> str:
@@ -74,6 +112,17 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(Path(__file__).parent / TOKENIZER_DIR)
         parameters = json.loads(args["model_config"]).get("parameters", {})
         self.ids = {name: int(parameters[name]["string_value"]) for name in ("start_id", "end_id")}
+        missing = [name for name in BOUNDS if name not in parameters]
+        if missing:
+            raise ValueError(
+                f"preprocessing's config.pbtxt lacks the parameters {', '.join(missing)} (the "
+                "bounds of a request); publish the repository again with `model-loader run`"
+            )
+        self.bounds = {name: int(parameters[name]["string_value"]) for name in BOUNDS}
+        slack = NORMALIZER_SLACK if self.tokenizer.normalizer is not None else 1
+        self.max_prompt_bytes = (
+            self.bounds["max_sequence_length"] * longest_token_bytes(self.tokenizer) * slack
+        )
 
     def execute(self, requests: list) -> list:
         return [self._respond(request) for request in requests]
@@ -85,26 +134,51 @@ class TritonPythonModel:
         return tensor.as_numpy().reshape(rows, -1)[:, :1].astype(dtype)
 
     def _respond(self, request: object) -> object:
+        try:
+            return self._inputs(request)
+        except Refused as refusal:
+            return pb_utils.InferenceResponse(output_tensors=[], error=_error(str(refusal)))
+
+    def _inputs(self, request: object) -> object:
         prompts = pb_utils.get_input_tensor_by_name(request, "prompt").as_numpy()
         rows = prompts.shape[0]
-        texts = [_text(v) for v in prompts.reshape(rows, -1)[:, 0]]
+        values = prompts.reshape(rows, -1)[:, 0]
+        longest = max(len(v) if isinstance(v, bytes) else len(str(v).encode()) for v in values)
+        context = self.bounds["max_sequence_length"]
+        if longest > self.max_prompt_bytes:
+            raise Refused(
+                f"prompt: {longest} bytes, more than the {self.max_prompt_bytes} bytes the "
+                f"model's context of {context} tokens can hold (max_sequence_length); send a "
+                "shorter prompt"
+            )
+        texts = [_text(v) for v in values]
         encoded = [enc.ids for enc in self.tokenizer.encode_batch(texts)]
         lengths = np.array([[len(ids)] for ids in encoded], dtype=np.uint32)
         if int(lengths.min()) == 0:
-            error = pb_utils.TritonError("the prompt is empty: send at least one character")
-            return pb_utils.InferenceResponse(output_tensors=[], error=error)
+            raise Refused("prompt: the prompt is empty: send at least one character")
+        output_len = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy()
+        output_len = output_len.reshape(rows, -1)[:, :1].astype(np.int64)
+        for row in range(rows):
+            prompt, wanted = int(lengths[row, 0]), int(output_len[row, 0])
+            if prompt + wanted > context:
+                raise Refused(
+                    f"request_output_len: the prompt's {prompt} tokens + request_output_len "
+                    f"{wanted} = {prompt + wanted} tokens, more than the model's context of "
+                    f"{context} (max_sequence_length); ask for at most "
+                    f"{max(context - prompt, 0)} tokens or send a shorter prompt"
+                )
         ids = np.zeros((rows, int(lengths.max())), dtype=np.uint32)
         for row, token_ids in enumerate(encoded):
             ids[row, : len(token_ids)] = token_ids
-        output_len = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy()
         values = {
             "input_ids": ids,
             "input_lengths": lengths,
-            "request_output_len": output_len.reshape(rows, -1).astype(np.uint32),
+            "request_output_len": output_len.astype(np.uint32),
             "is_return_log_probs": np.ones((rows, 1), dtype=np.bool_),
         }
         for name, default in self.ids.items():
             values[name] = self._per_row(request, name, np.uint32, default, rows)
+            self._below(name, values[name], self.bounds["vocab_size"], "vocab_size")
         for name, (dtype, default) in DEFAULTS.items():
             values[name] = self._per_row(request, name, dtype, default, rows)
         for name in WORD_LISTS:
@@ -112,3 +186,11 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, value) for name, value in values.items()]
         )
+
+    @staticmethod
+    def _below(name: str, value: np.ndarray, limit: int, bound: str) -> None:
+        if int(value.max()) >= limit:
+            raise Refused(
+                f"{name}: {int(value.max())} is outside the model's vocabulary of {limit} ids "
+                f"({bound}); send an id below {limit}, or none for the model's own"
+            )
