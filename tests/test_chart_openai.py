@@ -775,3 +775,9 @@ def test_the_rendered_command_is_accepted_by_the_services_own_parser(values):
     assert args.triton_model == "llm"
     assert rendered_flags["--triton-url"].startswith("grpc://")
     assert settings is not None
+
+
+def test_notes_warn_that_stream_is_refused_when_triton_does_not_stream():
+    warning = "triton.streaming is false"
+    assert warning in rc.notes(set_values=ON)
+    assert warning not in rc.notes(set_values=(*ON, "triton.streaming=true"))
