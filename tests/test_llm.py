@@ -110,6 +110,26 @@ def test_the_models_own_name_lists_are_the_contracts():
     assert model.TOP_K_MAX == TOP_K_MAX
 
 
+def test_a_bound_preprocessing_enforces_is_refused_in_this_models_field_names():
+    """preprocessing bounds every request first and names its own inputs; the client of llm
+    sent llm's."""
+    model = _model_module("llm")
+    said = (
+        "request_output_len: the prompt's 8 tokens + request_output_len 100000 = 100008 tokens, "
+        "more than the model's context of 512 (max_sequence_length)"
+    )
+    assert model.in_llm_terms(said) == (
+        "max_tokens: the prompt's 8 tokens + max_tokens 100000 = 100008 tokens, "
+        "more than the model's context of 512 (max_sequence_length)"
+    )
+    assert model.in_llm_terms("prompt: longer than 2048 bytes") == (
+        "text_input: longer than 2048 bytes"
+    )
+    assert model.in_llm_terms("end_id: 600 is outside the vocabulary") == (
+        "end_id: 600 is outside the vocabulary"
+    )
+
+
 def test_the_writer_copies_the_model_its_tokenizer_module():
     assert [relative for _, relative in model_files("llm")] == ["1/model.py", "1/tokenization.py"]
 
@@ -516,9 +536,13 @@ def plain_server(published_tiny_python_repository):
 def test_clients_read_the_context_and_name_from_the_llm_config(plain_server):
     import tritonclient.grpc as grpcclient
 
+    from loader.serving import restricted_protocols
+
+    # The server runs the chart's arguments: model-config answers only with the admin header.
+    headers = dict([restricted_protocols(plain_server.pod_args)["model-config"]])
     client = grpcclient.InferenceServerClient(plain_server.grpc_url)
     try:
-        config = client.get_model_config("llm", as_json=True)["config"]
+        config = client.get_model_config("llm", as_json=True, headers=headers)["config"]
         assert client.is_model_ready("llm")
     finally:
         client.close()

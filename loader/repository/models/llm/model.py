@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from pathlib import Path
 
@@ -147,6 +148,20 @@ def _checked(response: object) -> object:
     if response.has_error():
         raise StepError(response.error().message())
     return response
+
+
+def in_llm_terms(message: str) -> str:
+    """``preprocessing``'s refusal in this model's names: it bounds every request at the first
+    step that sees it and names its own inputs (``request_output_len: the prompt's ...``); the
+    client sent this model's (``max_tokens``), so the message names those."""
+    renamed = {theirs: ours for ours, (theirs, _) in FIELDS.items() if theirs != ours}
+    field, sep, why = message.partition(": ")
+    if sep and field in renamed:
+        message = f"{renamed[field]}: {why}"
+    for theirs, ours in renamed.items():
+        if "_" in theirs:  # an input's name, never a word of the prose (as "prompt" is)
+            message = re.sub(rf"\b{theirs}\b", ours, message)
+    return message
 
 
 def _outputs(response: object, names: tuple[str, ...], model: str) -> dict[str, np.ndarray]:
@@ -344,11 +359,11 @@ class TritonPythonModel:
                 self._threads.discard(threading.current_thread())
 
     def _generate(self, req: Request, sender: object) -> None:
-        ft_inputs = _outputs(
-            _checked(_request(PREPROCESSING, req.client, FT_INPUTS).exec()),
-            FT_INPUTS,
-            PREPROCESSING,
-        )
+        preprocessed = _request(PREPROCESSING, req.client, FT_INPUTS).exec()
+        if preprocessed.has_error():  # a bound refused the request: the client's field named
+            field, _, why = in_llm_terms(preprocessed.error().message()).partition(": ")
+            raise FieldError(field, why) if why else StepError(field)
+        ft_inputs = _outputs(preprocessed, FT_INPUTS, PREPROCESSING)
         prompt_tokens = int(ft_inputs["input_lengths"].reshape(-1)[0])
         if self.max_model_len is not None and prompt_tokens + req.max_tokens > self.max_model_len:
             raise FieldError(
