@@ -11,18 +11,42 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from loader.serving import TritonServer, restricted_protocols
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class CompletionsService:
-    """``with CompletionsService(grpc_url, log=path, extra=[...]) as svc: svc.url``"""
+def triton_access(triton: TritonServer, directory: Path) -> list[str]:
+    """The flags the chart gives the service for a Triton that runs the chart's arguments:
+    with Triton's model-config protocol restricted to the admin header (the chart's default),
+    that header and a file holding its token (the chart mounts the admin Secret there)."""
+    restricted = restricted_protocols(triton.pod_args)
+    if "model-config" not in restricted:
+        return []
+    header, token = restricted["model-config"]
+    token_file = directory / f"triton-token-{free_port()}"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    return ["--triton-protocol-header", header, "--triton-protocol-token-file", str(token_file)]
 
-    def __init__(self, triton_grpc: str, *, log: Path, extra: list[str] | None = None) -> None:
-        self.triton_grpc = triton_grpc
+
+class CompletionsService:
+    """``with CompletionsService(triton, log=path, extra=[...]) as svc: svc.url``
+
+    ``triton``: a started :class:`TritonServer` (the service gets its gRPC address and the
+    access the chart gives it, :func:`triton_access`), or a bare gRPC address (no header)."""
+
+    def __init__(
+        self, triton: TritonServer | str, *, log: Path, extra: list[str] | None = None
+    ) -> None:
+        access: list[str] = []
+        if isinstance(triton, TritonServer):
+            access = triton_access(triton, log.parent)
+            triton = triton.grpc_url
+        self.triton_grpc = triton
         self.log = log
-        self.extra = list(extra or [])
+        self.extra = [*access, *(extra or [])]
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 

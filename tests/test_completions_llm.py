@@ -17,11 +17,12 @@ from completions_service.triton import CHANNEL_OPTIONS, Generation, build_inputs
 from loader.serving import TritonServer
 from tests.completions_harness import CompletionsService
 from tests.test_python_backend_r2305 import _publish
+from tests.tinymodels import SERVING_CONTEXT
 
 pytestmark = pytest.mark.server  # starts real servers (see markers in pyproject.toml)
 
 MODEL = "codegen"  # the repository's model name: the llm model's served_model_name
-CONTEXT = 64  # the tiny checkpoint's n_positions
+CONTEXT = SERVING_CONTEXT  # the published tiny checkpoint's n_positions
 PROMPT = "def add(a, b):"
 GREEDY = Sampling(greedy=True, temperature=None, top_p=None, top_k=1, seed=None)
 
@@ -41,7 +42,7 @@ def triton(streaming_repository):
 @pytest.fixture(scope="module")
 def service(triton, tmp_path_factory):
     log = tmp_path_factory.mktemp("service") / "service.log"
-    with CompletionsService(triton.grpc_url, log=log) as svc:
+    with CompletionsService(triton, log=log) as svc:
         yield svc
 
 
@@ -147,7 +148,8 @@ def test_the_models_own_refusal_is_a_400_naming_the_field(service):
             model=MODEL, prompt=PROMPT, max_tokens=CONTEXT, temperature=0
         )
     assert caught.value.body["param"] == "max_tokens"
-    assert "max_model_len" in caught.value.message  # the llm model's own words
+    # The model's own words: the first step that sees the request bounds it by the context.
+    assert f"model's context of {CONTEXT}" in caught.value.message
 
 
 def test_a_repository_that_does_not_stream_refuses_stream_with_a_400(
@@ -155,7 +157,7 @@ def test_a_repository_that_does_not_stream_refuses_stream_with_a_400(
 ):
     with (
         TritonServer(published_tiny_python_repository) as plain,
-        CompletionsService(plain.grpc_url, log=tmp_path / "svc.log") as svc,
+        CompletionsService(plain, log=tmp_path / "svc.log") as svc,
     ):
         answer = client(svc).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
         assert answer.usage.completion_tokens >= 1

@@ -54,7 +54,7 @@ def keys(tmp_path_factory) -> Path:
 def service(triton, keys, tmp_path_factory):
     log = tmp_path_factory.mktemp("service") / "service.log"
     extra = ["--api-keys-file", str(keys), "--max-body-bytes", "20000"]
-    with CompletionsService(triton.grpc_url, log=log, extra=extra) as svc:
+    with CompletionsService(triton, log=log, extra=extra) as svc:
         yield svc
 
 
@@ -295,7 +295,7 @@ def test_metrics_count_requests_errors_tokens_and_time_to_first_token(service):
 
 def test_429_when_the_queue_is_full(triton, tmp_path):
     extra = ["--max-concurrency", "1", "--max-queue", "0"]
-    with CompletionsService(triton.grpc_url, log=tmp_path / "svc.log", extra=extra) as svc:
+    with CompletionsService(triton, log=tmp_path / "svc.log", extra=extra) as svc:
         slow = client(svc).completions.create(
             model=MODEL, prompt="busy", max_tokens=100, stream=True
         )
@@ -313,7 +313,7 @@ def test_429_when_the_queue_is_full(triton, tmp_path):
 
 def test_504_when_the_model_takes_longer_than_the_request_timeout(triton, tmp_path):
     extra = ["--request-timeout-s", "0.5"]
-    with CompletionsService(triton.grpc_url, log=tmp_path / "svc.log", extra=extra) as svc:
+    with CompletionsService(triton, log=tmp_path / "svc.log", extra=extra) as svc:
         with pytest.raises(openai.APIStatusError) as caught:
             client(svc).completions.create(model=MODEL, prompt="slow", max_tokens=150)
         assert caught.value.status_code == 504
@@ -374,9 +374,8 @@ def test_413_for_a_chunked_body_that_grows_too_large(service):
 def test_503_while_triton_is_away_then_recovery_without_a_restart(repository, tmp_path):
     ports = {"grpc_port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
     first = TritonServer(repository, **ports).start()
-    grpc_url = first.grpc_url
     try:
-        with CompletionsService(grpc_url, log=tmp_path / "svc.log") as svc:
+        with CompletionsService(first, log=tmp_path / "svc.log") as svc:
             assert complete(svc, max_tokens=1).choices[0].finish_reason == "length"
             first.stop()
             for attempt in (
@@ -390,7 +389,8 @@ def test_503_while_triton_is_away_then_recovery_without_a_restart(repository, tm
                 assert caught.value.body["code"] == "backend_unavailable"
             status, headers, _ = call(svc, "GET", "/health/ready")
             assert status == 503 and headers["retry-after"] == "1"
-            second = TritonServer(repository, **ports).start()
+            # A restarted pod: the same arguments, the same admin Secret's token.
+            second = TritonServer(repository, pod_args=first.pod_args, **ports).start()
             try:
                 deadline = time.monotonic() + 60
                 while call(svc, "GET", "/health/ready")[0] != 200:
