@@ -81,6 +81,22 @@ model-triton.warnings: non-fatal findings for NOTES.txt (one per line), e.g. GPU
 WARNING: model-triton: cluster.replicasPerNode x model.tensorParallelSize x model.pipelineParallelSize = {{ $used }} of cluster.gpusPerNode = {{ $gpus }}: {{ sub $gpus $used }} GPU(s) per node stay idle. Raise cluster.replicasPerNode (or T x P) to use them, or pick a smaller node type.
 {{- end }}
 {{- end -}}
+{{- if include "model-triton.gpuBackend" . -}}
+{{- $tolerated := false -}}
+{{- range .Values.cluster.tolerations -}}
+{{- $key := toString .key -}}
+{{- $effect := toString .effect -}}
+{{- if and (or (eq $key "nvidia.com/gpu") (and (eq $key "") (eq (toString .operator) "Exists"))) (has $effect (list "" "NoSchedule")) (or (eq (toString .operator) "Exists") (eq (toString .value) "present")) -}}
+{{- $tolerated = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $tolerated }}
+WARNING: model-triton: cluster.tolerations replaces the chart's default, and none of its entries tolerates the taint GPU node pools carry (GKE: nvidia.com/gpu=present:NoSchedule): on such a pool every Triton pod stays Pending. Add {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule} to your list.
+{{- end }}
+{{- end }}
+{{- if and .Values.loader.prune.enabled (not .Values.loader.hook.enabled) }}
+WARNING: model-triton: loader.prune.enabled removes keys beyond the {{ int .Values.loader.prune.keep }} newest: a `helm rollback` to a pruned key moves the pods to a key nothing loads, and they wait (the old ones already stopped). With loader.hook.enabled the rollback loads it first (pre-rollback); without it, run the loader right after rolling back (step 1).
+{{- end }}
 {{- $s := .Values.triton.updateStrategy -}}
 {{- $configured := toString $s.maxUnavailable -}}
 {{- if and (eq $s.type "RollingUpdate") (ne $configured "") (not (hasSuffix "%" $configured)) (include "model-triton.gpuBackend" .) -}}
@@ -158,17 +174,34 @@ model-triton.convergentMaxUnavailable: the automatic maxUnavailable (model-trito
 {{- end -}}
 
 {{/*
-model-triton.autoscaledReplicas: with autoscaling on, the live Deployment's replicas (read with
-`lookup` during `helm upgrade`) within autoscaling.minReplicas..maxReplicas, so that turning
-autoscaling on for a live release keeps its pods until the autoscaler decides (a manifest
-without `replicas` would make Helm's patch drop the field, and the Deployment to 1 replica).
-Empty on `helm install` and `helm template`: the autoscaler sets the count from minReplicas.
+model-triton.autoscaledReplicas: with autoscaling on, the Deployment's `replicas`, or empty for
+none. The autoscaler owns the count; the chart never writes a number of its own (a Helm 4
+server-side apply of another value than the autoscaler's conflicts on `.spec.replicas`):
+- no live Deployment (`helm install`, `helm template`): none; the autoscaler starts from
+  minReplicas;
+- a live Deployment whose `.spec.replicas` another field manager owns (the autoscaler has scaled
+  it) under a server-side applied release: none, and the field stays the autoscaler's;
+- otherwise the live count as it is, not clamped to minReplicas..maxReplicas (the autoscaler
+  applies new bounds itself): a manifest without the field would make Helm 3's patch, or Helm
+  4's apply as the field's only owner, remove it, and the Deployment drop to 1 replica.
+Read with `lookup` during install and upgrade.
 */}}
 {{- define "model-triton.autoscaledReplicas" -}}
 {{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "model-triton.fullname" .) -}}
 {{- if and $live (hasKey (default dict $live.spec) "replicas") -}}
-{{- $max := include "model-triton.maxReplicas" . | int -}}
-{{- min $max (max (int .Values.autoscaling.minReplicas) (int $live.spec.replicas)) -}}
+{{- $applied := false -}}
+{{- $others := false -}}
+{{- range (default list $live.metadata.managedFields) -}}
+{{- $owns := hasKey (dig "f:spec" dict (default dict .fieldsV1)) "f:replicas" -}}
+{{- if and (eq (toString .manager) "helm") (eq (toString .operation) "Apply") -}}
+{{- $applied = true -}}
+{{- else if $owns -}}
+{{- $others = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not (and $applied $others) -}}
+{{- int $live.spec.replicas -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
