@@ -195,6 +195,9 @@ class Release:
         #: apply then conflicts until it is told to take them back (--force-conflicts); Helm
         #: 3's three-way patch overrides them.
         self.drifted = False
+        #: The shapes of Helm's revisions as they happened (index = revision - 1): an undo
+        #: followed by an upgrade adds one the drawn sequence does not know of.
+        self.history: list[Shape] = []
         self.base = write_values(tmp_path, BASE, "base.yaml")
         self.sandbox.kubectl(
             "create", "secret", "generic", ADMIN_SECRET, "--from-literal=token=s3cret-admin"
@@ -232,15 +235,20 @@ class Release:
             self.drifted = True
         if step.kind == "install":
             box.helm(self.helm, "install", RELEASE, *self.args(shape))
+            self.history = [shape]
         elif step.kind == "upgrade":
             changed_only = step.mode and since is not None
             args = self.args(shape, since if changed_only else None)
             box.helm(
                 self.helm, "upgrade", RELEASE, *args, *([step.mode] if step.mode else []), *force
             )
+            self.history.append(shape)
         elif step.kind == "rollback":
-            target = [str(step.revision)] if step.revision else []
-            box.helm(self.helm, "rollback", RELEASE, *target, *force)
+            # The newest earlier revision of the drawn shape (what "previous" or the drawn
+            # revision named in the drawn history), by its number in Helm's.
+            target = max(i + 1 for i, old in enumerate(self.history[:-1]) if old == shape)
+            box.helm(self.helm, "rollback", RELEASE, str(target), *force)
+            self.history.append(shape)
         elif step.kind == "gitops":
             rendered = box.run(
                 str(TOOLS_BIN / self.helm),
@@ -267,6 +275,7 @@ class Release:
             self.drifted = False
             box.wait("the release's pods gone", lambda: not box.pods(TRITON))
             box.helm(self.helm, "install", RELEASE, *self.args(shape))
+            self.history = [shape]
         elif step.kind == "undo":
             return self.undo()
         else:  # pragma: no cover - draw_steps makes no other kind
@@ -320,9 +329,19 @@ class Release:
                 )
             )
 
-        box.wait(
-            f"{replicas} replicas of {key} ({gpus} GPU(s) each)", done, timeout=CONVERGE_SECONDS
-        )
+        try:
+            box.wait(
+                f"{replicas} replicas of {key} ({gpus} GPU(s) each)",
+                done,
+                timeout=CONVERGE_SECONDS,
+            )
+        except TimeoutError as exc:
+            d = box.deployment(DEPLOYMENT)
+            held = d["spec"]["template"]["metadata"]["annotations"][KEY]
+            raise TimeoutError(
+                f"{exc}\ndeployment generation {d['metadata']['generation']}, "
+                f"spec.replicas {d['spec'].get('replicas')}, template key {held}"
+            ) from None
 
 
 def sequence_ids() -> list[int]:
