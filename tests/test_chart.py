@@ -965,7 +965,10 @@ HOOK_ON_EXISTING = OPTIONAL[1].values[1]
 @pytest.mark.parametrize("helm", HELMS)
 @pytest.mark.parametrize(
     ("sets", "phases"),
-    [(HOOK, "post-install,pre-upgrade"), (HOOK_ON_EXISTING, "pre-install,pre-upgrade")],
+    [
+        (HOOK, "post-install,pre-upgrade,pre-rollback"),
+        (HOOK_ON_EXISTING, "pre-install,pre-upgrade,pre-rollback"),
+    ],
     ids=["chart-creates-claim", "existing-claim-and-account"],
 )
 def test_hook_job_loads_before_an_upgrade_and_when_the_claim_exists_at_install(helm, sets, phases):
@@ -986,6 +989,23 @@ def test_hook_job_loads_before_an_upgrade_and_when_the_claim_exists_at_install(h
     account = job["spec"]["template"]["spec"]["serviceAccountName"]
     assert account == ("loader" if "pre-install" in phases else "codegen-model-triton-loader")
     assert validated(job) == ()
+    # The loader's NetworkPolicy, as a hook of the same events just before the Job (a
+    # pre-install hook runs before the release's own policy exists).
+    [fence] = [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and "helm.sh/hook" in d["metadata"].get("annotations", {})
+    ]
+    assert fence["metadata"]["annotations"]["helm.sh/hook"] == phases
+    assert int(fence["metadata"]["annotations"]["helm.sh/hook-weight"]) < int(
+        annotations["helm.sh/hook-weight"]
+    )
+    [own] = [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "codegen-model-loader"
+    ]
+    assert fence["spec"] == own["spec"]
 
 
 def _run_hook_script(hook: dict, model_path: Path, args: list[str]):

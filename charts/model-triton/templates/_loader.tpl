@@ -227,3 +227,95 @@ affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{/*
+model-triton.loaderNetworkPolicySpec: the spec of the loader's NetworkPolicy
+(loader-networkpolicy.yaml; loader-hook-networkpolicy.yaml for the hook Job).
+*/}}
+{{- define "model-triton.loaderNetworkPolicySpec" -}}
+{{- $np := .Values.networkPolicy.loader -}}
+{{- $scheme := include "model-triton.sourceScheme" . -}}
+{{- $remote := has $scheme (list "gs" "hf") -}}
+{{- $v4 := list -}}
+{{- $v6 := list -}}
+{{- range $np.exceptCIDRs -}}
+{{- if contains ":" . -}}
+{{- $v6 = append $v6 . -}}
+{{- else -}}
+{{- $v4 = append $v4 . -}}
+{{- end -}}
+{{- end -}}
+podSelector:
+  matchLabels:
+    {{- include "model-triton.selectorLabels" (dict "context" . "component" "loader") | nindent 4 }}
+policyTypes:
+  - Ingress
+  - Egress
+{{- if or $remote $np.extraEgress }}
+egress:
+  {{- if $remote }}
+  - ports:
+      - port: 53
+        protocol: UDP
+      - port: 53
+        protocol: TCP
+  - to:
+      - ipBlock:
+          cidr: 0.0.0.0/0
+          {{- with $v4 }}
+          except:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+      - ipBlock:
+          cidr: ::/0
+          {{- with $v6 }}
+          except:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+    ports:
+      - port: 443
+        protocol: TCP
+  {{- if and (eq $scheme "gs") (not .Values.loader.gcsCredentialsSecret.name) }}
+  # The GKE metadata server answers Workload Identity token requests on 169.254.169.254:80,
+  # served by 169.254.169.252:988.
+  - to:
+      - ipBlock:
+          cidr: 169.254.169.254/32
+    ports:
+      - port: 80
+        protocol: TCP
+  - to:
+      - ipBlock:
+          cidr: 169.254.169.252/32
+    ports:
+      - port: 988
+        protocol: TCP
+  {{- end }}
+  {{- end }}
+  {{- with $np.extraEgress }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+model-triton.loaderHookEvents: the Helm hook events of the loader Job (and of its NetworkPolicy).
+At install, pre-install when the claim and the loader's ServiceAccount exist beforehand (nothing
+holds a GPU yet), post-install otherwise, after the chart has created them. pre-upgrade only
+when both exist already (read with lookup): an upgrade that creates them (a claim or
+ServiceAccount the chart creates from now on) does so after its pre-upgrade hooks, and the Job
+could not start before Helm's --timeout; post-upgrade then. pre-rollback: `helm rollback` runs
+the hooks of the revision it returns to, so a key pruned since is loaded again first.
+*/}}
+{{- define "model-triton.loaderHookEvents" -}}
+{{- $existing := and (ne .Values.modelRepository.persistence.existingClaim "") (not .Values.loader.serviceAccount.create) -}}
+{{- $upgrade := "pre-upgrade" -}}
+{{- if .Release.IsUpgrade -}}
+{{- $account := lookup "v1" "ServiceAccount" .Release.Namespace (include "model-triton.loaderServiceAccountName" .) -}}
+{{- $claim := lookup "v1" "PersistentVolumeClaim" .Release.Namespace (include "model-triton.claimName" .) -}}
+{{- if not (and $account $claim) -}}
+{{- $upgrade = "post-upgrade" -}}
+{{- end -}}
+{{- end -}}
+{{- printf "%s,%s,pre-rollback" (ternary "pre-install" "post-install" $existing) $upgrade -}}
+{{- end -}}

@@ -29,10 +29,40 @@ release name already contains the chart name), at most 63 characters.
 
 {{/*
 model-triton.loaderName: name of the loader CronJob (`<release>-model-loader`, the name users
-pass to `kubectl create job --from=cronjob/...`) and of the hook Job.
+pass to `kubectl create job --from=cronjob/...`; past 52 characters, a CronJob's most, shortened
+with a hash: NOTES prints it) and of the hook Job.
 */}}
 {{- define "model-triton.loaderName" -}}
-{{- printf "%s-model-loader" .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- include "model-triton.shortName" (dict "name" (printf "%s-model-loader" .Release.Name) "max" 52) -}}
+{{- end -}}
+
+{{/*
+model-triton.shortName: `name` when it has at most `max` characters, else its first max - 9
+characters, `-` and 8 hex digits of its sha256: two long names that differ only past the cut
+stay apart (a plain truncation gave two releases one test pod, one CronJob).
+Usage: include "model-triton.shortName" (dict "name" $name "max" 63)
+*/}}
+{{- define "model-triton.shortName" -}}
+{{- if le (len .name) (int .max) -}}
+{{- .name -}}
+{{- else -}}
+{{- printf "%s-%s" (.name | trunc (sub (int .max) 9 | int) | trimSuffix "-") (sha256sum .name | trunc 8) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+model-triton.monitoringName: the name of the ServiceMonitor or PrometheusRule in `namespace`:
+the full name in the release's namespace; in another (a shared monitoring namespace) the full
+name and the release's namespace, so the same release name in two namespaces does not collide.
+Usage: include "model-triton.monitoringName" (dict "context" $ "namespace" $ns)
+*/}}
+{{- define "model-triton.monitoringName" -}}
+{{- $fullname := include "model-triton.fullname" .context -}}
+{{- if or (not .namespace) (eq .namespace .context.Release.Namespace) -}}
+{{- $fullname -}}
+{{- else -}}
+{{- include "model-triton.shortName" (dict "name" (printf "%s-%s" $fullname .context.Release.Namespace) "max" 63) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*

@@ -31,13 +31,13 @@ Usage: include "model-triton.imageName" (dict "image" .Values.loader.image "cont
 
 {{/*
 model-triton.imagePullSecrets: the pod's `imagePullSecrets` field from the top-level
-`imagePullSecrets` (names), shared by the Triton, loader and test pods; empty when none.
+`imagePullSecrets` (names, or `{name: ...}` maps as in a pod spec), shared by the Triton, loader and test pods; empty when none.
 */}}
 {{- define "model-triton.imagePullSecrets" -}}
 {{- with .Values.imagePullSecrets -}}
 imagePullSecrets:
 {{- range . }}
-  - name: {{ . }}
+  - name: {{ if kindIs "map" . }}{{ .name }}{{ else }}{{ . }}{{ end }}
 {{- end }}
 {{- end -}}
 {{- end -}}

@@ -5,11 +5,14 @@ parsed here: a number with an optional unit (Ki..Ei, m, k..E), no sign and no ex
 */}}
 
 {{/*
-model-triton.quantity: a quantity (string or number) as a float (cores, bytes); empty for none.
+model-triton.quantity: a quantity (string or number) as a float (cores, bytes); empty for none
+or for a string that is not one.
 Compare with model-triton.lessThan: float64 holds these exactly enough (1 part in 10^15).
 */}}
 {{- define "model-triton.quantity" -}}
-{{- if kindIs "string" . -}}
+{{- if and (kindIs "string" .) (not (regexMatch "^([0-9]+(\\.[0-9]+)?|\\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$" .)) -}}
+{{- /* Not a quantity (`32GB`): empty, and the rule that reads the key says so. */ -}}
+{{- else if kindIs "string" . -}}
 {{- $unit := regexFind "(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)$" . -}}
 {{- $scale := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
 {{- mulf (float64 (trimSuffix $unit .)) (get $scale $unit) -}}

@@ -19,6 +19,23 @@ compared, not wrapped.
 {{- if gt $replicas $int32 -}}
 {{- $problems = append $problems (printf "model-triton: cluster.nodes x cluster.replicasPerNode = %d is more replicas than a Deployment holds (%d); lower them." $replicas $int32) -}}
 {{- end -}}
+{{- $sizes := dict "cluster.nodeAllocatable.memory" (default dict $c.nodeAllocatable).memory "triton.shmSize" $t.shmSize "loader.scratchSizeLimit" .Values.loader.scratchSizeLimit "modelRepository.persistence.size" .Values.modelRepository.persistence.size -}}
+{{- range $key, $res := dict "triton.resources" $t.resources "triton.waitForModel.resources" $t.waitForModel.resources "loader.resources" .Values.loader.resources -}}
+{{- range $part := list "requests" "limits" -}}
+{{- range $name := list "memory" "ephemeral-storage" -}}
+{{- $_ := set $sizes (printf "%s.%s.%s" $key $part $name) (dig $part $name "" (default dict $res)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $key, $size := $sizes -}}
+{{- $text := toString $size -}}
+{{- if and (kindIs "string" $size) (ne $text "") (not (regexMatch "^([0-9]*[1-9][0-9]*(\\.[0-9]+)?|[0-9]*\\.[0-9]*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)$" $text)) -}}
+{{- $digits := regexReplaceAll "[^0-9.]" $text "" -}}
+{{- $prefix := upper (regexReplaceAll "^[0-9.]+([kKmMgGtTpPeE]).*$" $text "${1}") -}}
+{{- $hint := ternary (printf "write %q or %q" (printf "%s%si" $digits $prefix) (printf "%s%s" $digits (ternary "k" $prefix (eq $prefix "K")))) "e.g. \"32Gi\"" (regexMatch "^[0-9.]+[kKmMgGtTpPeE]i?[bB]?$" $text) -}}
+{{- $problems = append $problems (printf "model-triton: %s is %q, not a size Kubernetes reads: a number above 0 and a unit, Ki, Mi, Gi, Ti, Pi, Ei (powers of 1024) or k, M, G, T, P, E (powers of 1000): %s." $key $text $hint) -}}
+{{- end -}}
+{{- end -}}
 {{- $deadline := add (int $t.waitForModel.timeoutSeconds) (mul (int $t.startupProbe.periodSeconds) (int $t.startupProbe.failureThreshold)) 600 -}}
 {{- if gt $deadline $int32 -}}
 {{- $problems = append $problems (printf "model-triton: triton.waitForModel.timeoutSeconds + triton.startupProbe.periodSeconds x triton.startupProbe.failureThreshold + 600 = %d s, the Deployment's progressDeadlineSeconds, exceeds %d; lower them." $deadline $int32) -}}
@@ -183,8 +200,8 @@ environment variables, `tritonserver` options (getopt_long also takes an unambig
 {{- end -}}
 {{- $triton := include "model-triton.serviceAccountName" . -}}
 {{- $loader := include "model-triton.loaderServiceAccountName" . -}}
-{{- if and (eq $triton $loader) (or .Values.serviceAccount.create .Values.loader.serviceAccount.create) -}}
-{{- $problems = append $problems (printf "model-triton: serviceAccount.name (%q) and loader.serviceAccount.name (%q) give the Triton pods and the loader one ServiceAccount, %q; the loader's identity (storage access) must not be the Triton pods'. Give them different names." (toString .Values.serviceAccount.name) (toString .Values.loader.serviceAccount.name) $triton) -}}
+{{- if eq $triton $loader -}}
+{{- $problems = append $problems (printf "model-triton: serviceAccount.name (%q, create: %v) and loader.serviceAccount.name (%q, create: %v) give the Triton pods and the loader one ServiceAccount, %q (with create: false an empty name is the namespace's \"default\"); the loader's identity (storage access) must not be the Triton pods'. Give them different names, e.g. loader.serviceAccount.create: true." (toString .Values.serviceAccount.name) .Values.serviceAccount.create (toString .Values.loader.serviceAccount.name) .Values.loader.serviceAccount.create $triton) -}}
 {{- end -}}
 {{- toJson $problems -}}
 {{- end -}}
@@ -208,13 +225,22 @@ one MIG slice per replica with cluster.gpuMemoryGiB within it.
 {{- end -}}
 {{- end -}}
 {{- $n := int $c.replicasPerNode -}}
+{{- $oneNode := include "model-triton.volumeIsOneNode" . -}}
 {{- range $name := list "cpu" "memory" -}}
 {{- $have := include "model-triton.quantity" (get (default dict $c.nodeAllocatable) $name | default nil) -}}
 {{- if $have -}}
 {{- $one := include "model-triton.podRequest" (dict "containers" (list (default dict $t.resources)) "init" (list (default dict $t.waitForModel.resources)) "name" $name) -}}
 {{- $need := mulf (float64 $one) $n -}}
+{{- $triton := dig "requests" $name (dig "limits" $name "0" (default dict $t.resources)) (default dict $t.resources) -}}
 {{- if include "model-triton.exceeds" (dict "a" $need "b" $have) -}}
-{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode x the Triton pod's %s request = %d x %v exceeds cluster.nodeAllocatable.%s = %v: the replicas cannot all fit on a node. Lower triton.resources.requests.%s or cluster.replicasPerNode." $name $n (dig "requests" $name (dig "limits" $name "0" (default dict $t.resources)) (default dict $t.resources)) $name (get $c.nodeAllocatable $name) $name) -}}
+{{- $problems = append $problems (printf "model-triton: cluster.replicasPerNode x the Triton pod's %s request = %d x %v exceeds cluster.nodeAllocatable.%s = %v: the replicas cannot all fit on a node. Lower triton.resources.requests.%s or cluster.replicasPerNode." $name $n $triton $name (get $c.nodeAllocatable $name) $name) -}}
+{{- else if $oneNode -}}
+{{- /* A one-node volume: the loader runs on the Triton pods' node (_loader.tpl), next to them. */ -}}
+{{- $loaderRes := default dict $.Values.loader.resources -}}
+{{- $loader := include "model-triton.podRequest" (dict "containers" (list $loaderRes) "init" list "name" $name) -}}
+{{- if include "model-triton.exceeds" (dict "a" (addf $need (float64 $loader)) "b" $have) -}}
+{{- $problems = append $problems (printf "model-triton: the volume attaches to one node (ReadWriteOnce), so the loader runs next to the Triton pods: cluster.replicasPerNode x the Triton pod's %s request + the loader's = %d x %v + %v exceeds cluster.nodeAllocatable.%s = %v, and neither could finish. Lower loader.resources.requests.%s, triton.resources.requests.%s or cluster.replicasPerNode, or use a ReadWriteMany volume." $name $n $triton (dig "requests" $name (dig "limits" $name "0" $loaderRes) $loaderRes) $name (get $c.nodeAllocatable $name) $name $name) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -245,6 +271,41 @@ model-triton.featureProblems: optional features that only work in some combinati
 {{- $p := .Values.modelRepository.persistence -}}
 {{- if and .Values.loader.prune.enabled $p.existingClaim $p.shared -}}
 {{- $problems = append $problems (printf "model-triton: loader.prune.enabled removes published keys from modelRepository.persistence.existingClaim %q, which other releases may serve from (modelRepository.persistence.shared: true). Turn prune off, or set shared: false if this release alone uses the claim." $p.existingClaim) -}}
+{{- end -}}
+{{- toJson $problems -}}
+{{- end -}}
+
+{{/*
+model-triton.workProblems: values every part of Kubernetes accepts that still cannot work.
+*/}}
+{{- define "model-triton.workProblems" -}}
+{{- $problems := list -}}
+{{- $c := .Values.cluster -}}
+{{- $t := .Values.triton -}}
+{{- if include "model-triton.gpuBackend" . -}}
+{{- $perReplica := include "model-triton.gpusPerReplica" . | int -}}
+{{- /* Time-shared GPUs: GKE grants a container one time-shared (or MPS) GPU at most, and the
+device plugin's time-slicing may hand two replicas of one GPU to one pod: FasterTransformer's
+NCCL ranks need a GPU each. */ -}}
+{{- $sharing := get (default dict $c.nodeSelector) "cloud.google.com/gke-gpu-sharing-strategy" -}}
+{{- if and (gt $perReplica 1) (or $sharing (hasSuffix ".shared" (toString $c.gpuResourceName))) -}}
+{{- $problems = append $problems (printf "model-triton: model.tensorParallelSize x model.pipelineParallelSize = %d on shared GPUs (%s): a container gets one time-shared GPU at most (GKE refuses more; the device plugin's time-slicing may give one pod two slices of one GPU), and FasterTransformer's NCCL ranks each need a GPU of their own. Use T = P = 1 on shared GPUs, or a pool of whole GPUs." $perReplica (ternary (printf "cloud.google.com/gke-gpu-sharing-strategy: %v" $sharing) (toString $c.gpuResourceName) (ne (toString $sharing) ""))) -}}
+{{- end -}}
+{{- /* maxUnavailable 0 leaves the rollout to surge pods, which a full node has no GPU for. */ -}}
+{{- $u := $t.updateStrategy -}}
+{{- if and (eq $u.type "RollingUpdate") (eq (toString $u.maxUnavailable | trimSuffix "%") "0") (eq (include "model-triton.gpusUsedPerNode" . | int) (int $c.gpusPerNode)) -}}
+{{- $problems = append $problems (printf "model-triton: triton.updateStrategy.maxUnavailable is 0 on a full pool (cluster.replicasPerNode x T x P = %d = cluster.gpusPerNode): every rollout would wait for surge pods that find no free GPU, and never replace a pod. Leave maxUnavailable empty (automatic), or use triton.updateStrategy.type Recreate." (int $c.gpusPerNode)) -}}
+{{- end -}}
+{{- end -}}
+{{- /* A Service outside the cluster, behind a policy that admits only pods. */ -}}
+{{- if and .Values.networkPolicy.enabled (has .Values.service.type (list "LoadBalancer" "NodePort")) -}}
+{{- $blocks := false -}}
+{{- range .Values.networkPolicy.allowedFrom -}}
+{{- if hasKey . "ipBlock" -}}{{- $blocks = true -}}{{- end -}}
+{{- end -}}
+{{- if not $blocks -}}
+{{- $problems = append $problems (printf "model-triton: service.type is %s, which exposes Triton's gRPC and metrics ports outside the cluster, but the NetworkPolicy admits only pods (networkPolicy.allowedFrom has no ipBlock): no outside client could connect. Keep service.type ClusterIP behind your gateway (let it in with networkPolicy.allowedFrom), or add an ipBlock of your clients' addresses to networkPolicy.allowedFrom." .Values.service.type) -}}
+{{- end -}}
 {{- end -}}
 {{- toJson $problems -}}
 {{- end -}}

@@ -86,6 +86,30 @@ model-triton.warnings: non-fatal findings for NOTES.txt (one per line), e.g. GPU
 WARNING: model-triton: cluster.replicasPerNode x model.tensorParallelSize x model.pipelineParallelSize = {{ $used }} of cluster.gpusPerNode = {{ $gpus }}: {{ sub $gpus $used }} GPU(s) per node stay idle. Raise cluster.replicasPerNode (or T x P) to use them, or pick a smaller node type.
 {{- end }}
 {{- end -}}
+{{- if include "model-triton.gpuBackend" . -}}
+{{- $tolerated := false -}}
+{{- range .Values.cluster.tolerations -}}
+{{- $key := toString .key -}}
+{{- $effect := toString .effect -}}
+{{- if and (or (eq $key "nvidia.com/gpu") (and (eq $key "") (eq (toString .operator) "Exists"))) (has $effect (list "" "NoSchedule")) (or (eq (toString .operator) "Exists") (eq (toString .value) "present")) -}}
+{{- $tolerated = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $tolerated }}
+WARNING: model-triton: cluster.tolerations replaces the chart's default, and none of its entries tolerates the taint GPU node pools carry (GKE: nvidia.com/gpu=present:NoSchedule): on such a pool every Triton pod stays Pending. Add {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule} to your list.
+{{- end }}
+{{- end }}
+{{- if and .Values.loader.prune.enabled (not .Values.loader.hook.enabled) }}
+WARNING: model-triton: loader.prune.enabled removes keys beyond the {{ int .Values.loader.prune.keep }} newest: a `helm rollback` to a pruned key moves the pods to a key nothing loads, and they wait (the old ones already stopped). With loader.hook.enabled the rollback loads it first (pre-rollback); without it, run the loader right after rolling back (step 1).
+{{- end }}
+{{- $s := .Values.triton.updateStrategy -}}
+{{- $configured := toString $s.maxUnavailable -}}
+{{- if and (eq $s.type "RollingUpdate") (ne $configured "") (not (hasSuffix "%" $configured)) (include "model-triton.gpuBackend" .) -}}
+{{- $bound := include "model-triton.convergentMaxUnavailable" . | int -}}
+{{- if lt (int64 $configured) (int64 $bound) }}
+WARNING: model-triton: triton.updateStrategy.maxUnavailable = {{ $configured }} is below {{ $bound }} (the most replicas - cluster.nodes + 1): a rollout from a revision with fewer replicas per node (a change of cluster.replicasPerNode, or a rollback, `kubectl rollout undo` or re-render across one) can stop for good on a full pool. Leave it empty for such a change, or use triton.updateStrategy.type Recreate.
+{{- end }}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -115,44 +139,74 @@ minimum at 0 and allow one pod per node.
 
 {{/*
 model-triton.maxUnavailable: triton.updateStrategy.maxUnavailable, or when it is empty ("auto")
-a quarter of the replicas (of autoscaling.minReplicas with autoscaling on: the fewest pods that
-may be running), at least 1, raised to replicas - live replicas + 1 when an upgrade
-grows the Deployment. The Deployment controller scales old pods down only while more pods are
-available than replicas - maxUnavailable, counting the new ReplicaSet's unschedulable pods as
-unavailable: on a pool with no free GPU a growing rollout (N=4,T=4 -> N=8,T=2) stops forever
-unless maxUnavailable exceeds the growth. The live replicas come from `lookup`, which reads the
-cluster during install and upgrade and is empty for `helm template`.
+the larger of a quarter of the replicas (of autoscaling.minReplicas with autoscaling on; at
+least 1) and, with GPUs, the most replicas - cluster.nodes + 1. It reads nothing from the
+cluster: a rollback re-applies a stored manifest and `helm template` renders without a cluster,
+so the number must hold whatever the Deployment ran before.
+Why that bound: the Deployment controller scales old pods down only while
+maxUnavailable > the new ReplicaSet's unavailable pods (pkg/controller/deployment/rolling.go,
+`reconcileOldReplicaSets`), and on a full pool new pods that find no GPU stay unavailable. A
+rollout is stuck only when every node is blocked: holding an old pod, or N new ones (available
+once loaded); so at least cluster.nodes pods are old or available, at most replicas - nodes new
+ones are unavailable, and maxUnavailable = replicas - nodes + 1 always leaves one more to scale
+down. From any earlier revision (N = 1 with T x P = G is the worst: one old pod fills a node),
+any operation. With N = 1 it is 1: only N > 1 pays for it, in replicas serving mid-rollout.
 */}}
 {{- define "model-triton.maxUnavailable" -}}
 {{- $configured := .Values.triton.updateStrategy.maxUnavailable -}}
 {{- if and (not (kindIs "invalid" $configured)) (ne (toString $configured) "") -}}
 {{- ternary $configured (int64 $configured | toString) (hasSuffix "%" (toString $configured)) -}}
-{{- else if .Values.autoscaling.enabled -}}
-{{- max 1 (div (int .Values.autoscaling.minReplicas) 4) -}}
 {{- else -}}
-{{- $replicas := include "model-triton.replicas" . | int -}}
-{{- $auto := max 1 (div $replicas 4) -}}
-{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "model-triton.fullname" .) -}}
-{{- if $live -}}
-{{- $growth := sub $replicas (int $live.spec.replicas) -}}
-{{- $auto = max $auto (add $growth 1) -}}
-{{- end -}}
-{{- $auto -}}
+{{- include "model-triton.convergentMaxUnavailable" . -}}
 {{- end -}}
 {{- end -}}
 
 {{/*
-model-triton.autoscaledReplicas: with autoscaling on, the live Deployment's replicas (read with
-`lookup` during `helm upgrade`) within autoscaling.minReplicas..maxReplicas, so that turning
-autoscaling on for a live release keeps its pods until the autoscaler decides (a manifest
-without `replicas` would make Helm's patch drop the field, and the Deployment to 1 replica).
-Empty on `helm install` and `helm template`: the autoscaler sets the count from minReplicas.
+model-triton.convergentMaxUnavailable: the automatic maxUnavailable (model-triton.maxUnavailable).
+*/}}
+{{- define "model-triton.convergentMaxUnavailable" -}}
+{{- $fewest := include "model-triton.replicas" . | int -}}
+{{- $most := $fewest -}}
+{{- if .Values.autoscaling.enabled -}}
+{{- $fewest = int .Values.autoscaling.minReplicas -}}
+{{- $most = include "model-triton.maxReplicas" . | int -}}
+{{- end -}}
+{{- $auto := max 1 (div $fewest 4) -}}
+{{- if include "model-triton.gpuBackend" . -}}
+{{- $auto = max $auto (add (sub $most (int .Values.cluster.nodes)) 1) -}}
+{{- end -}}
+{{- $auto -}}
+{{- end -}}
+
+{{/*
+model-triton.autoscaledReplicas: with autoscaling on, the Deployment's `replicas`, or empty for
+none. The autoscaler owns the count; the chart never writes a number of its own (a Helm 4
+server-side apply of another value than the autoscaler's conflicts on `.spec.replicas`):
+- no live Deployment (`helm install`, `helm template`): none; the autoscaler starts from
+  minReplicas;
+- a live Deployment whose `.spec.replicas` another field manager owns (the autoscaler has scaled
+  it) under a server-side applied release: none, and the field stays the autoscaler's;
+- otherwise the live count as it is, not clamped to minReplicas..maxReplicas (the autoscaler
+  applies new bounds itself): a manifest without the field would make Helm 3's patch, or Helm
+  4's apply as the field's only owner, remove it, and the Deployment drop to 1 replica.
+Read with `lookup` during install and upgrade.
 */}}
 {{- define "model-triton.autoscaledReplicas" -}}
 {{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "model-triton.fullname" .) -}}
 {{- if and $live (hasKey (default dict $live.spec) "replicas") -}}
-{{- $max := include "model-triton.maxReplicas" . | int -}}
-{{- min $max (max (int .Values.autoscaling.minReplicas) (int $live.spec.replicas)) -}}
+{{- $applied := false -}}
+{{- $others := false -}}
+{{- range (default list $live.metadata.managedFields) -}}
+{{- $owns := hasKey (dig "f:spec" dict (default dict .fieldsV1)) "f:replicas" -}}
+{{- if and (eq (toString .manager) "helm") (eq (toString .operation) "Apply") -}}
+{{- $applied = true -}}
+{{- else if $owns -}}
+{{- $others = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not (and $applied $others) -}}
+{{- int $live.spec.replicas -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 

@@ -88,8 +88,10 @@ during install and upgrade; `helm template` cannot see it). */ -}}
 {{- $problems = concat $problems (include "model-triton.collisionProblems" . | fromJsonArray) -}}
 {{- $problems = concat $problems (include "model-triton.fitProblems" . | fromJsonArray) -}}
 {{- $problems = concat $problems (include "model-triton.featureProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.workProblems" . | fromJsonArray) -}}
 {{- $problems = concat $problems (include "model-triton.securityProblems" . | fromJsonArray) -}}
 {{- $problems = concat $problems (include "model-triton.openaiProblems" . | fromJsonArray) -}}
+{{- $problems = concat $problems (include "model-triton.liveProblems" . | fromJsonArray) -}}
 
 {{- if $problems -}}
 {{- fail (printf "\n%s" (join "\n" $problems)) -}}
