@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loader import fs
 from loader.errors import LockTimeoutError, NotOursError, RepositoryError, some_names
 from loader.formats import jsondoc
 from loader.fs import Dir
@@ -250,7 +251,15 @@ def prune(
     dry_run: bool = False,
 ) -> PruneReport:
     """Remove leftovers and published keys beyond the ``keep`` newest per model name (see the
-    module docstring); with ``dry_run`` only report what would go."""
+    module docstring); with ``dry_run`` only report what would go. Below ``root`` no link is
+    followed (:func:`loader.fs.confined`)."""
+    with fs.confined(root):
+        return _prune(root, keep, in_use, lock_expiry_s, dry_run)
+
+
+def _prune(
+    root: Path, keep: int, in_use: tuple[str, ...], lock_expiry_s: float, dry_run: bool
+) -> PruneReport:
     root = Path(root).absolute()
     PRUNE_KEEP.check(keep)
     if not root.is_dir():

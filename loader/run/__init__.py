@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from loader import fs
 from loader.errors import LockLostError, RepositoryError
 from loader.fs import Dir
 from loader.plan import check_placement
@@ -56,7 +57,18 @@ __all__ = ["VERIFY_MODES", "RunRequest", "RunResult", "run"]
 
 def run(request: RunRequest) -> RunResult:
     """Publish ``request``'s repository (see the module docstring); with ``prune_keep``, then
-    prune the root, keeping the key just published (:mod:`loader.repository.prune`)."""
+    prune the root, keeping the key just published (:mod:`loader.repository.prune`). Below
+    ``ROOT`` and ``--work-dir`` every path is entered one name at a time, never through a link
+    (:func:`loader.fs.confined`); a local source is read as the user named it."""
+    local = parse_uri(request.source)
+    with (
+        fs.confined(request.root, request.work_dir),
+        fs.followed(local.location if local.scheme == "file" else None),
+    ):
+        return _run(request)
+
+
+def _run(request: RunRequest) -> RunResult:
     started = time.monotonic()
     root, key = request.root, request.key
     target = publish.published_path(root, key)

@@ -31,11 +31,11 @@ from loader.convert.overlapped import SLICE_BYTES, Journal, OverlappedConversion
 from loader.convert.plan import ConvertResult
 from loader.convert.schedule import DEFAULT_WINDOW
 from loader.convert.sequential import convert_planned
-from loader.errors import TransientSourceError
+from loader.errors import NotOursError, TransientSourceError
 from loader.formats.huggingface import WEIGHT_FILES, is_weight_file
 from loader.fs import Dir
 from loader.progress import byte_progress
-from loader.repository import publish
+from loader.repository import layout, publish
 from loader.repository.key import key_filename
 from loader.run.request import RunRequest
 from loader.run.verify import Verified
@@ -232,26 +232,35 @@ def _reclaim(converted: Path, root: Path, key: str, *, idle_s: float) -> None:
     """Outputs of an overlapped conversion that a killed run had moved into its staging
     directory (:meth:`~loader.convert.overlapped.Journal.moved_to`) go back to ``converted``,
     so this run keeps them, before the staging directory is cleared as a leftover. Only from
-    an abandoned staging directory of ``key`` that carries the loader's marker."""
+    an abandoned staging directory of ``key`` that carries the loader's marker, named by one
+    name in ``ROOT/.staging`` and reached from there one name at a time (never through a link):
+    nothing a journal says leads anywhere else."""
     if not fs.lexists(converted):
         return
-    staging_base = Path(root).absolute() / publish.STAGING_DIR
     with Dir.open(converted) as out:
         journals = [n for n in out.names() if n.endswith(Journal.SUFFIX)]
-    for name in journals:
-        target = converted / name[: -len(Journal.SUFFIX)]
-        moved = Journal(target, "").moved_to()
-        if moved is None or fs.lexists(target):
-            continue
-        try:
-            staging = moved.relative_to(staging_base).parts[0]
-        except (ValueError, IndexError):
-            continue
-        with Dir.open(staging_base) as base:
-            if not publish.owned(base, staging, key) or not publish.abandoned_in(
-                base, staging, key_filename(key), idle_s=idle_s
-            ):
+        for name in journals:
+            output = name[: -len(Journal.SUFFIX)]
+            staging = Journal(out.path / output, "").moved_to()
+            if staging is None or not fs.is_name(output) or out.lstat(output) is not None:
                 continue
-        if fs.lexists(moved):
-            fs.rename(moved, target)
-            log.info("kept the outputs a stopped run had moved to %s", moved)
+            with Dir.open(root) as r:
+                if not r.is_dir(publish.STAGING_DIR):
+                    continue
+                with r.sub(publish.STAGING_DIR) as base:
+                    if not publish.owned(base, staging, key) or not publish.abandoned_in(
+                        base, staging, key_filename(key), idle_s=idle_s
+                    ):
+                        continue
+                    try:
+                        weights = base.sub(staging).walk_in((layout.FASTERTRANSFORMER,
+                                                             layout.VERSION))  # fmt: skip
+                    except (FileNotFoundError, NotOursError):
+                        continue
+                    with weights:
+                        if not weights.is_dir(output):
+                            continue
+                        weights.rename(
+                            output, out, output, how="replace"
+                        )  # rename(2): never onto a non-empty directory
+            log.info("kept the outputs a stopped run had moved to %s", weights.path / output)
