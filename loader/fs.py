@@ -32,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import os
 import re
+import secrets
 import socket
 import stat
 import threading
@@ -47,9 +49,32 @@ from loader.errors import NotOursError
 # --- owners: who made a temporary name --------------------------------------------------------
 
 
+def _read_small(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read(200).strip()
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def pid_space() -> str:
+    """Where a pid means one process: this boot of the kernel (its boot id) and this pid
+    namespace (its inode). Two loaders with the same host name in two containers (another pid
+    namespace), or before and after a reboot, have different pid spaces: neither judges the
+    other's pid (a pid of another space may be alive though absent here)."""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = ""
+    return f"{_read_small('/proc/sys/kernel/random/boot_id')}:{namespace}"
+
+
 def host_digest(host: str | None = None) -> str:
-    """8 hex digits naming a host in temporary names (host names can be long)."""
-    host = host if host is not None else socket.gethostname()
+    """8 hex digits naming this host and its pid space (:func:`pid_space`) in temporary names
+    (host names can be long); with ``host``, that host name alone."""
+    if host is None:
+        host = f"{socket.gethostname()}\n{pid_space()}"
     return hashlib.sha256(host.encode("utf-8")).hexdigest()[:8]
 
 
@@ -317,6 +342,37 @@ class Dir:
             if found is None or not stat.S_ISDIR(found.st_mode):
                 raise self.not_ours(name, f"the loader's {what}") from None
             return False
+
+    def make_marked(self, name: str, marker: str, owner_line: str) -> bool:
+        """Create the directory ``name`` holding the regular file ``marker`` whose first line
+        is ``owner_line``, in one step: made under a temporary name (``.<name>.<owner>.tmp``),
+        the marker written and fsynced, then renamed to ``name`` without replacing anything.
+        A directory of the loader's never exists without its marker (a failure between the
+        two leaves only the temporary name). False when ``name`` exists already."""
+        tmp = f".{name}.{owner()}.{secrets.token_hex(4)}.tmp"
+        self.mkdir(tmp)
+        try:
+            with self.sub(tmp) as d:
+                d.write(marker, f"{owner_line}\n".encode())
+                d.fsync()
+            try:
+                self.rename(tmp, self, name, how="noreplace")
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    self.remove_tree(tmp)
+                    return False
+                if exc.errno not in NO_RENAMEAT2:
+                    raise
+                if self.lstat(name) is not None:
+                    self.remove_tree(tmp)
+                    return False
+                self.rename(tmp, self, name, how="replace")  # never onto a non-empty directory
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.remove_tree(tmp)
+            raise
+        self.fsync()
+        return True
 
     # -- looking ---------------------------------------------------------------------------
 

@@ -205,7 +205,9 @@ def test_a_download_directory_the_loader_did_not_create_is_refused_and_kept(
     root, scratch = tmp_path / "root", tmp_path / "scratch"
     argv = run_argv(gs_source, root, "--work-dir", str(scratch))
     key = request_from_args(build_parser().parse_args(argv)).key
-    theirs = scratch / key_filename(key)
+    from loader.run.strategies import download_name
+
+    theirs = scratch / download_name(request_from_args(build_parser().parse_args(argv)), root, key)
     theirs.mkdir(parents=True)
     (theirs / "theirs.txt").write_text("x")
     code, _, err = cli(capsys, *argv)

@@ -195,3 +195,62 @@ def test_an_undeclared_dtype_is_the_one_most_bytes_are_in(
     ini = next((published(tmp_path / "root") / "fastertransformer" / "1").rglob("config.ini"))
     expected = "fp16" if most == "F16" else "fp32"
     assert f"weight_data_type = {expected}" in ini.read_text()
+
+
+# --- identity: markers, lock holders, download directories -------------------------------------
+
+
+def test_a_lock_of_another_pid_space_is_not_taken_over_as_dead(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, dead_pid
+):
+    """A pid is judged only in the pid space (boot, pid namespace) that wrote it: the same host
+    name in another container may hold a live loader whose pid is absent here."""
+    root = tmp_path / "root"
+    key = _key(tiny_checkpoint_with_tokenizer, root)
+    (root / ".locks").mkdir(parents=True)
+    lock = root / ".locks" / f"{key_filename(key)}.lock"
+    argv = run_argv(tiny_checkpoint_with_tokenizer, root, "--lock-timeout-s", "1",
+                    "--lock-expiry-s", "3600")  # fmt: skip
+    theirs = {"pid": dead_pid, "host": os.uname().nodename, "token": "t", "beats": 1,
+              "pid_space": "another-boot:4026531836"}  # fmt: skip
+    lock.write_text(json.dumps(theirs))
+    code, _, err = cli(capsys, *argv)
+    assert code == 75 and "hint:" in err, err
+    assert json.loads(lock.read_text()) == theirs
+    ours = {**theirs, "pid_space": fs.pid_space()}  # the same record of this pid space: dead
+    lock.write_text(json.dumps(ours))
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+
+
+def test_a_marker_that_could_not_be_written_leaves_no_directory_a_rerun_refuses(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """The staging directory appears with its marker or not at all: a failure writing the
+    marker (ENOSPC) is transient, and the rerun publishes."""
+    import errno
+
+    root = tmp_path / "root"
+    failed = []
+
+    def full(op: str, path: str) -> None:
+        if op == "open" and path.endswith("/" + STAGING_MARKER) and not failed:
+            failed.append(path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    with fs.inject(full):
+        code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, root))
+    assert failed and code in (2, 75) and "hint:" in err, err
+    staging = root / ".staging"
+    assert not staging.exists() or list(staging.iterdir()) == []
+    code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, root))
+    assert code == 0, err
+
+
+def test_two_roots_sharing_a_work_dir_download_into_different_directories(tmp_path):
+    from loader.run.strategies import download_name
+
+    argv = run_argv("gs://b/m", tmp_path / "a", "--work-dir", str(tmp_path / "w"))
+    request = request_from_args(build_parser().parse_args(argv))
+    names = {download_name(request, tmp_path / r, request.key) for r in ("a", "b")}
+    assert len(names) == 2 and all(fs.is_name(n) for n in names)

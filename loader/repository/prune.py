@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import stat
 import time
 from collections import defaultdict
@@ -54,7 +53,7 @@ from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, pid_alive
+from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, pid_alive
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
@@ -121,9 +120,9 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
         record = jsondoc.loads(content)
     except ValueError:
         record = {}
-    local = isinstance(record, dict) and record.get("host") == socket.gethostname()
-    if local and isinstance(record.get("pid"), int):
-        return pid_alive(record["pid"])
+    pid = local_pid(record)
+    if pid is not None:
+        return pid_alive(pid)
     return time.time() - found.st_mtime < expiry_s
 
 

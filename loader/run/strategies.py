@@ -205,14 +205,26 @@ def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
     """``WORK/<key as one name>``, marked as created by the loader (see :func:`_remove_download`).
     One that exists without the loader's marker for ``key`` is not the loader's: a
     :class:`~loader.errors.NotOursError`, nothing written into it."""
-    name = key_filename(key)
+    name = download_name(request, root, key)
     with _work(request, root) as work:
-        if work.mkdir(name, exist_ok=True, what="download directory"):
-            with work.sub(name) as d:
-                d.write(publish.DOWNLOAD_MARKER, f"{key}\n".encode(), sync=False)
-        elif not work.marked(name, publish.DOWNLOAD_MARKER, key):
+        if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
+            with contextlib.suppress(OSError):  # an empty directory holds nothing: made anew
+                work.rmdir(name)
+        if not work.make_marked(name, publish.DOWNLOAD_MARKER, key) and not work.marked(
+            name, publish.DOWNLOAD_MARKER, key
+        ):
             raise work.not_ours(name, f"the loader's download directory for {key}")
         return work.path / name
+
+
+def download_name(request: RunRequest, root: Path, key: str) -> str:
+    """The download directory's name in ``WORK``: the key as one name; in a ``--work-dir``
+    (which several repository roots may share) with the root's digest too, so that two roots
+    never download the same key into one directory."""
+    name = key_filename(key)
+    if not request.work_dir:
+        return name
+    return f"{name}.{fs.host_digest(str(Path(root).absolute()))}"
 
 
 def _remove_download(path: Path, key: str) -> None:
