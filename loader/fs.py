@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from loader.errors import NotOursError
+from loader.errors import NotOursError, SpecialFileError
 
 # --- owners: who made a temporary name --------------------------------------------------------
 
@@ -240,6 +240,14 @@ def _component(name: str) -> str:
     if not is_name(name):
         raise ValueError(f"not a single path component: {name!r}")
     return name
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
 
 
 def _kind(mode: int) -> str:
@@ -741,7 +749,9 @@ def _regular(fd: int, path: object) -> None:
     """A FIFO, device or socket is never read (it may block forever or never end)."""
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
-        raise NotOursError(Path(str(path)), _kind(mode), "a regular file")
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        raise SpecialFileError(path, _special(mode))
 
 
 def open_read(path: Path, *, follow: bool = True) -> BinaryIO:

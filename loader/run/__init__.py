@@ -46,7 +46,7 @@ from loader.repository.prune import prune
 from loader.run.build import build
 from loader.run.published import up_to_date
 from loader.run.request import VERIFY_MODES, RunRequest, RunResult
-from loader.run.strategies import strategy_for
+from loader.run.strategies import strategy_for, unchanged
 from loader.run.verify import Verified, verify
 from loader.sources import FetchResult, fetch, fingerprint, parse_uri
 
@@ -102,16 +102,24 @@ def _run(request: RunRequest) -> RunResult:
             return _done(request, RunResult(target, key, False, time.monotonic() - started))
         with _stops_if_lost(lock, request, key), strategy_for(request, root, key) as strategy:
             publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
+            before = None
+            if fetched is not None:  # a local source, read in place: fingerprinted first,
+                before = fingerprint(request.source, workers=request.workers)
+                verified = verify(request, fetched.path)  # then verified and read
             fetched = fetched or strategy.fetch()
             verified = verified or verify(request, fetched.path)
             with _staging(root, key) as staging:
                 converted = strategy.convert(verified, layout.weights_dir(staging))
+                if before is not None:  # and still what it was once read
+                    after = fingerprint(request.source, recorded=before, workers=request.workers)
+                    unchanged(request.source, before, after)
                 build(
                     staging,
                     request,
                     key=key,
                     source_revision=fetched.revision,
                     source_fingerprint=fetched.fingerprint
+                    or before
                     or fingerprint(request.source, workers=request.workers),
                     verified=verified,
                     converted=converted,

@@ -40,7 +40,7 @@ from loader.repository.key import key_filename
 from loader.run.request import RunRequest
 from loader.run.verify import Verified
 from loader.sources import ArrivalHooks, FetchResult, fetch, parse_uri
-from loader.sources.fingerprint import describe_changes
+from loader.sources.fingerprint import Fingerprint, describe_changes
 from loader.sources.transfer import ensure_disk_space
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,19 @@ class Overlapped(Sequential):
 def _unchanged(source: str, first: FetchResult, fetched: FetchResult) -> None:
     """The source must hold at the end of an overlapped fetch what it held at its start."""
     if first.fingerprint and fetched.fingerprint:
-        changes = first.fingerprint.changes(fetched.fingerprint)
-        if changes:
-            raise TransientSourceError(
-                f"The source {source} changed while it was loading "
-                f"({describe_changes(changes)}); nothing was published.",
-                "Run the loader again once the upload is complete.",
-            )
+        unchanged(source, first.fingerprint, fetched.fingerprint)
+
+
+def unchanged(source: str, before: Fingerprint, after: Fingerprint) -> None:
+    """The source must hold after it was read what it held before (a
+    :class:`~loader.errors.TransientSourceError` otherwise: nothing is published)."""
+    changes = before.changes(after)
+    if changes:
+        raise TransientSourceError(
+            f"The source {source} changed while it was loading "
+            f"({describe_changes(changes)}); nothing was published.",
+            "Run the loader again once the upload (or copy) is complete.",
+        )
 
 
 @contextlib.contextmanager
