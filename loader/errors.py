@@ -101,6 +101,17 @@ class SourceError(LoaderError):
     )
 
 
+class ResourceExhaustedError(LoaderError):
+    """The machine ran out of something for a moment (memory, threads): worth running again,
+    with more room."""
+
+    exit_code = EXIT_TRANSIENT
+    default_remediation = (
+        "Run again; if it keeps failing, give the loader more memory (the Job's resources) "
+        "or fewer workers (--workers)."
+    )
+
+
 class SpecialFileError(SourceError):
     """A FIFO, device or socket where the loader reads a file: never read (it may block
     forever or never end)."""

@@ -105,3 +105,11 @@ def test_gcs_names_map_one_to_one():
     assert _relpath(uri, "p/x") == "x"
     assert _relpath(uri, "p/a/x") == "a/x"
     assert _relpath(parse_uri("gs://bucket"), "a/x") == "a/x"
+
+
+def test_a_fifo_as_the_hub_token_file_is_refused(tmp_path):
+    from loader.sources.hf import _read_token_file
+
+    os.mkfifo(tmp_path / "token")
+    with pytest.raises(SourceError):
+        _read_token_file(str(tmp_path / "token"), "--hf-token-file")

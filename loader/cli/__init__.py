@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__
-from loader.errors import LoaderError, typed_os_error
+from loader.errors import LoaderError, ResourceExhaustedError, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -283,10 +283,24 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception:
+    except Exception as exc:
+        exhausted = resource_exhaustion(exc)
+        if exhausted is not None:
+            log.debug("resource exhaustion", exc_info=True)
+            return report(exhausted, args)
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
+    """The transient error of a machine that ran out of memory or threads (None: another
+    failure)."""
+    if isinstance(exc, MemoryError):
+        return ResourceExhaustedError("The loader ran out of memory.")
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

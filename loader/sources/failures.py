@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -133,10 +134,50 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _everything_in(exc: BaseException):
+    """``exc``, its causes and contexts, and the exceptions the HTTP stacks keep as an
+    attribute (``reason``) or an argument (requests wraps urllib3's error that way)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        found = [current.__cause__, current.__context__, getattr(current, "reason", None),
+                 *getattr(current, "args", ())]  # fmt: skip
+        todo += [e for e in found if isinstance(e, BaseException)]
+
+
+def name_resolution_failure(exc: BaseException) -> BaseException | None:
+    """The DNS failure behind ``exc``, if any: a host name that does not resolve is a wrong
+    host or a missing egress rule (DNS blocked), never worth retrying for minutes."""
+    for found in _everything_in(exc):
+        if isinstance(found, socket.gaierror) or type(found).__name__ == "NameResolutionError":
+            return found
+    return None
+
+
+def dns_error(exc: BaseException, what: str) -> SourceError | None:
+    """The typed error of a DNS failure while reading ``what`` (None: not one)."""
+    found = name_resolution_failure(exc)
+    if found is None:
+        return None
+    return SourceError(
+        f"Cannot resolve the host of {what}: {found}.",
+        "Check the host name (the URI, HF_ENDPOINT, STORAGE_EMULATOR_HOST or a proxy "
+        "setting) and that this pod may reach DNS and that host (a NetworkPolicy egress "
+        "rule for port 53 and for the storage endpoint).",
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """Connection problems, timeouts, 408/429/5xx: worth retrying. A typed error of ours
-    never is (it was already judged permanent)."""
+    never is (it was already judged permanent), nor a host name that does not resolve."""
     if isinstance(exc, SourceError):
+        return False
+    if name_resolution_failure(exc) is not None:
         return False
     if isinstance(exc, _transport_errors()):
         return True
@@ -193,6 +234,8 @@ class Funnel:
         """The typed error a permanent failure stands for (``None``: not one we can name)."""
         if isinstance(exc, SourceError):
             return exc
+        if (dns := dns_error(exc, what)) is not None:
+            return dns
         if self.specific is not None and (found := self.specific(exc, what)) is not None:
             return found
         hint = self.permission_hint or SourcePermissionError.default_remediation

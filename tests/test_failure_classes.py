@@ -1,0 +1,66 @@
+"""Every failure in its class: a machine out of memory or threads is transient (75), a host
+name that does not resolve is not (2, in seconds, with a hint), never a traceback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from loader import fs
+from loader.sources.failures import is_transient, name_resolution_failure
+from tests.runs import cli, run_argv
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [MemoryError(), RuntimeError("can't start new thread")],
+    ids=["memory", "threads"],
+)
+def test_resource_exhaustion_is_transient(tiny_checkpoint_with_tokenizer, tmp_path, capsys, exc):
+    raised = []
+
+    def exhaust(op: str, path: str) -> None:
+        if not raised and op == "open" and "/.staging/" in path:
+            raised.append(path)
+            raise exc
+
+    with fs.inject(exhaust):
+        code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, tmp_path / "root"))
+    assert raised and code == 75, err
+    assert "hint:" in err and "this is a bug" not in err, err
+    code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, tmp_path / "root"))
+    assert code == 0, err
+
+
+def _wrapped_dns_failures() -> list[BaseException]:
+    """A DNS failure as each HTTP stack raises it."""
+    import requests
+    import urllib3
+
+    gai = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    found: list[BaseException] = [gai]
+    try:
+        raise urllib3.exceptions.NameResolutionError("h", None, gai) from gai
+    except urllib3.exceptions.NameResolutionError as name:
+        retry = urllib3.exceptions.MaxRetryError(None, "/x", name)
+        found += [name, requests.exceptions.ConnectionError(retry)]
+    return found
+
+
+@pytest.mark.parametrize("exc", _wrapped_dns_failures(), ids=lambda e: type(e).__name__)
+def test_a_name_that_does_not_resolve_is_not_transient(exc):
+    assert name_resolution_failure(exc) is not None
+    assert not is_transient(exc)
+
+
+def test_a_connection_refused_stays_transient():
+    assert is_transient(ConnectionRefusedError(111, "Connection refused"))
+
+
+@pytest.mark.server
+def test_a_gcs_host_that_does_not_resolve_fails_at_once_with_a_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://no-such-host.invalid:4443")
+    argv = run_argv("gs://bucket/model", tmp_path / "root", "--retry-deadline", "120")
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "Cannot resolve the host" in err and "hint:" in err, err
