@@ -249,3 +249,24 @@ def test_a_moved_hf_branch_is_a_change_naming_both_commits(hub, tmp_path, capsys
     code, out, err = cli(capsys, *run_argv(f"hf://org/moving@{moved}", root))
     assert code == 0, err
     assert Path(out[-1]) != published and manifest.verify(published) == []
+
+
+@pytest.mark.server
+def test_a_run_that_finds_its_key_published_removes_an_interrupted_runs_download(
+    gs_source, tmp_path, capsys
+):
+    from loader.cli import build_parser
+    from loader.cli.run import request_from_args
+    from loader.repository.publish import DOWNLOAD_MARKER
+
+    root = tmp_path / "root"
+    argv = run_argv(gs_source, root)
+    assert cli(capsys, *argv)[0] == 0
+    key = request_from_args(build_parser().parse_args(argv)).key
+    left = root / ".work" / key_filename(key)  # what a run killed while downloading leaves
+    (left / "source").mkdir(parents=True)
+    (left / DOWNLOAD_MARKER).write_text(f"{key}\n")
+    (left / "source" / "model.safetensors").write_bytes(b"x" * 1000)
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert not left.exists()

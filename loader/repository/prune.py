@@ -233,7 +233,8 @@ class _Candidate:
     remove: Callable[[], None]
 
 
-def _try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
+def try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
+    """The key's publish lock if no loader holds it now (never waits); None otherwise."""
     lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01)
     try:
         return lock.acquire()
@@ -285,7 +286,7 @@ def _prune(
                 report.removed.append(Removal(c.path, c.reason, _path_size(c.path)))
                 log.info("would remove %s (%s)", c.path, c.reason)
             continue
-        lock = _try_lock(root, key, lock_expiry_s) if not live(key) else None
+        lock = try_lock(root, key, lock_expiry_s) if not live(key) else None
         if lock is None:
             report.kept.append((key, "its publish lock is live"))
             continue

@@ -189,6 +189,15 @@ def _entries(r: Dir, directory: str, prefix: str) -> list[str]:
         return [n for n in d.names() if n.startswith(prefix + ".")]
 
 
+def staging_left(root: Path, key: str) -> bool:
+    """Whether ``ROOT/.staging`` holds a directory named after ``key`` (reads only)."""
+    try:
+        with Dir.open(root) as r:
+            return bool(_entries(r, STAGING_DIR, key_filename(key)))
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return False
+
+
 def replaced_copy_waiting(root: Path, key: str) -> bool:
     """Whether ``key`` is absent and ``.trash`` holds an entry named after it (a replacement
     the fallback started and a kill stopped: :func:`recover` puts it back). Reads only."""

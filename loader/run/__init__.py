@@ -42,11 +42,11 @@ from loader.fs import Dir
 from loader.plan import check_placement
 from loader.repository import layout, publish
 from loader.repository.lock import PublishLock
-from loader.repository.prune import prune
+from loader.repository.prune import prune, try_lock
 from loader.run.build import build
 from loader.run.published import up_to_date
 from loader.run.request import VERIFY_MODES, RunRequest, RunResult
-from loader.run.strategies import strategy_for, unchanged
+from loader.run.strategies import download_left, remove_download, strategy_for, unchanged
 from loader.run.verify import Verified, verify
 from loader.sources import FetchResult, fetch, fingerprint, parse_uri
 
@@ -91,6 +91,7 @@ def _run(request: RunRequest) -> RunResult:
     )
     if not request.force and up_to_date(target, key, request):
         log.info("%s is already published and verified; nothing to do", target)
+        _tidy(request, root, key)
         return _done(request, RunResult(target, key, False, time.monotonic() - started))
     _writable(root)
     with PublishLock(
@@ -129,6 +130,28 @@ def _run(request: RunRequest) -> RunResult:
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))
+
+
+def _tidy(request: RunRequest, root: Path, key: str) -> None:
+    """A key found published: what an interrupted run of it left (a staging directory, a
+    download) is removed, unless a loader holds the key's lock right now. A failure only
+    leaves it for the next run or ``prune``: the key is published."""
+    try:
+        if not publish.staging_left(root, key) and download_left(request, root, key) is None:
+            return  # nothing to remove: nothing written (the volume may be read-only)
+        lock = try_lock(root, key, request.lock_expiry_s)
+    except (OSError, RepositoryError) as exc:
+        log.warning("could not look for what an earlier run of %s left: %s", key, exc)
+        return
+    if lock is None:
+        return
+    try:
+        publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
+        remove_download(request, root, key)
+    except (OSError, RepositoryError) as exc:
+        log.warning("could not remove what an earlier run of %s left: %s", key, exc)
+    finally:
+        lock.release()
 
 
 def _present(target: Path) -> bool:

@@ -233,6 +233,24 @@ def download_name(request: RunRequest, root: Path, key: str) -> str:
     return f"{name}.{fs.host_digest(str(Path(root).absolute()))}"
 
 
+def remove_download(request: RunRequest, root: Path, key: str) -> None:
+    """Remove the download directory of ``key`` if one is there (a remote source's, left by
+    an interrupted run) and the loader created it."""
+    path = download_left(request, root, key)
+    if path is not None:
+        log.info("removing the download directory %s an earlier run left", path)
+        _remove_download(path, key)
+
+
+def download_left(request: RunRequest, root: Path, key: str) -> Path | None:
+    """The download directory of ``key`` if one is there (reads only)."""
+    if parse_uri(request.source).scheme == "file":
+        return None
+    work = Path(request.work_dir).absolute() if request.work_dir else root / publish.WORK_DIR
+    path = work / download_name(request, root, key)
+    return path if fs.lexists(path) else None
+
+
 def _remove_download(path: Path, key: str) -> None:
     """Remove a download directory only if the loader created it for ``key``; then
     ``ROOT/.work`` if that is left empty. Nothing else under ``--work-dir`` is touched."""
