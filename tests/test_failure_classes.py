@@ -64,3 +64,22 @@ def test_a_gcs_host_that_does_not_resolve_fails_at_once_with_a_hint(tmp_path, ca
     argv = run_argv("gs://bucket/model", tmp_path / "root", "--retry-deadline", "120")
     code, _, err = cli(capsys, *argv)
     assert code == 2 and "Cannot resolve the host" in err and "hint:" in err, err
+
+
+@pytest.mark.parametrize("repo", ["org/na me", "org/a..b", "-org/x"])
+def test_a_hub_id_the_hub_refuses_is_a_source_error(tmp_path, capsys, monkeypatch, repo):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # refused before any request
+    argv = run_argv(f"hf://{repo}", tmp_path / "root", "--retry-deadline", "5")
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "repository id" in err and "hint:" in err, err
+
+
+def test_relative_paths_from_a_deleted_working_directory_are_a_typed_error(
+    tmp_path, capsys, monkeypatch
+):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, _, err = cli(capsys, *run_argv("ckpt", "root"))
+    assert code == 2 and "working directory was deleted" in err and "hint:" in err, err

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import errno
 import importlib
 import importlib.util
 import logging
@@ -271,7 +272,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except LoaderError as exc:
         return report(exc, args)
     except OSError as exc:
-        typed = typed_os_error(exc)
+        typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
@@ -291,6 +292,20 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _cwd_gone(exc: OSError) -> LoaderError | None:
+    """A relative path met a working directory that was deleted (``getcwd`` fails)."""
+    if exc.errno != errno.ENOENT or exc.filename is not None:
+        return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return LoaderError(
+            "The current working directory was deleted, so a relative path cannot be resolved.",
+            "Run from an existing directory, or pass absolute paths.",
+        )
+    return None
 
 
 def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:

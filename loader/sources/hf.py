@@ -164,12 +164,19 @@ def _specific(uri: SourceURI, revision: str):
     def typed(exc: BaseException, what: str) -> SourceError | None:
         from huggingface_hub.errors import (
             GatedRepoError,
+            HFValidationError,
             RemoteEntryNotFoundError,
             RepositoryNotFoundError,
             RevisionNotFoundError,
         )
 
         repo = uri.location
+        if isinstance(exc, HFValidationError):
+            return SourceError(
+                f"{uri.raw}: the Hub does not accept {repo!r} as a repository id ({exc}).",
+                "Write hf://<org>/<name>[@revision] with letters, digits, '-', '_' and '.' "
+                "(no '--' or '..', not starting or ending with '-' or '.').",
+            )
         if isinstance(exc, GatedRepoError):
             return SourcePermissionError(
                 f"{uri.raw}: the repository {repo} is gated and the token in use has no access.",
