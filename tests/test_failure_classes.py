@@ -83,3 +83,57 @@ def test_relative_paths_from_a_deleted_working_directory_are_a_typed_error(
     gone.rmdir()
     code, _, err = cli(capsys, *run_argv("ckpt", "root"))
     assert code == 2 and "working directory was deleted" in err and "hint:" in err, err
+
+
+def _library_exception_classes() -> list[type[BaseException]]:
+    """Every exception class the remote sources' libraries define (generated, not listed)."""
+    import importlib
+    import inspect
+
+    modules = ["google.api_core.exceptions", "google.auth.exceptions", "requests.exceptions",
+               "urllib3.exceptions", "huggingface_hub.errors", "httpx", "httpcore"]  # fmt: skip
+    found: dict[str, type[BaseException]] = {}
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, Exception) and cls.__module__.split(".")[0] == name.split(".")[0]:
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return [found[k] for k in sorted(found)]
+
+
+def test_every_exception_class_of_the_source_libraries_has_a_class():
+    """Each is transient (retried, then 75) or typed (2): none reaches the funnel as a bug."""
+    from loader.sources.failures import Funnel
+
+    funnel = Funnel(1.0)
+    classes = _library_exception_classes()
+    assert len(classes) > 50, len(classes)
+    unmapped = []
+    for cls in classes:
+        try:
+            exc = cls.__new__(cls)
+            Exception.__init__(exc, "x")
+        except Exception:
+            continue  # cannot be made without its library: raised only by it, with its fields
+        if not is_transient(exc) and funnel.typed(exc, "gs://b/p") is None:
+            unmapped.append(f"{cls.__module__}.{cls.__qualname__}")
+    assert not unmapped, unmapped
+
+
+def test_a_value_a_library_refuses_is_a_source_error_not_a_bug():
+    from loader.sources.failures import Funnel
+
+    def refuse():
+        import urllib3.util
+
+        urllib3.util.parse_url("http://[bad")  # raises inside the library
+
+    funnel = Funnel(1.0)
+    with pytest.raises(Exception) as caught:
+        funnel(refuse, what="gs://b/p")
+    from loader.errors import SourceError
+
+    assert isinstance(caught.value, SourceError), caught.value

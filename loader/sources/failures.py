@@ -7,9 +7,12 @@ gs:// and hf:// sources run every remote call through a :class:`Funnel`:
 * :func:`retry_after_s` reads the server's ``Retry-After`` (seconds or an HTTP date); the
   funnel never asks again sooner than that.
 * A permanent failure becomes a typed :class:`~loader.errors.SourceError` naming what was
-  read: the source's own mapping first (:data:`Specific`: credentials, gated repositories,
-  missing revisions), then the HTTP status (401/403 permission, 404 not found; 412, replaced
-  meanwhile, is transient: the upload is in progress).
+  read: a host name that does not resolve first (:func:`dns_error`: never retried), the
+  source's own mapping (:data:`Specific`: credentials, gated repositories, missing
+  revisions), then the HTTP status (401/403 permission, 404 not found; 412, replaced
+  meanwhile, is transient: the upload is in progress), and any other failure of the source's
+  libraries (:func:`library_error`: a value they refuse). ``tests/test_failure_classes.py``
+  checks every exception class those libraries define.
 * Retrying ends at the deadline (``--retry-deadline``) with a
   :class:`~loader.errors.TransientSourceError` (exit code 75) quoting the last failure.
 
@@ -172,6 +175,40 @@ def dns_error(exc: BaseException, what: str) -> SourceError | None:
     )
 
 
+#: The libraries a remote source calls (their top-level packages): an exception of theirs, or
+#: one raised from their code (a ``ValueError`` about an option), is about the source or the
+#: options given, never a bug of the loader.
+LIBRARIES = ("google", "requests", "urllib3", "huggingface_hub", "httpx", "httpcore", "tenacity")
+
+
+def _from_libraries(exc: BaseException) -> bool:
+    if type(exc).__module__.split(".")[0] in LIBRARIES:
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    module = str(tb.tb_frame.f_globals.get("__name__", ""))
+    return module.split(".")[0] in LIBRARIES
+
+
+def library_error(exc: BaseException, what: str) -> SourceError | None:
+    """The typed error of a failure a source's library raised that nothing more specific
+    names (a value it refuses, a response it cannot parse); None for anything else."""
+    if not isinstance(exc, Exception) or not _from_libraries(exc):
+        return None
+    try:
+        text = str(exc)
+    except Exception:  # an exception built without the fields its __str__ reads
+        text = "(no message)"
+    return SourceError(
+        f"Reading {what} failed: {type(exc).__name__}: {text}",
+        "Check the source URI and the options given for it (run with -v for the library's "
+        "details).",
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """Connection problems, timeouts, 408/429/5xx: worth retrying. A typed error of ours
     never is (it was already judged permanent), nor a host name that does not resolve."""
@@ -239,7 +276,7 @@ class Funnel:
         if self.specific is not None and (found := self.specific(exc, what)) is not None:
             return found
         hint = self.permission_hint or SourcePermissionError.default_remediation
-        return by_status(exc, what, permission_hint=hint)
+        return by_status(exc, what, permission_hint=hint) or library_error(exc, what)
 
     # --- retrying -------------------------------------------------------------------------
 
