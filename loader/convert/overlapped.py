@@ -82,11 +82,12 @@ MOVED = "moved-into "
 WEIGHTS_IN_STAGING = ("fastertransformer", "1")
 
 
-def staging_name(final: Path) -> str:
-    """The staging directory's name for the outputs' place ``final`` in it."""
+def staging_name(final: Path) -> str | None:
+    """The staging directory's name for the outputs' place ``final`` in it (None: ``final``
+    is not inside a repository's layout, so nothing can take the outputs back from there)."""
     parent = Path(final).parent
     if parent.parts[-len(WEIGHTS_IN_STAGING) :] != WEIGHTS_IN_STAGING:
-        raise ValueError(f"{final} is not where a staging repository keeps its weights")
+        return None
     return parent.parents[len(WEIGHTS_IN_STAGING) - 1].name
 
 
@@ -341,7 +342,9 @@ class OverlappedConversion:
         ``result`` there."""
         final = Path(directory).absolute() / self.plan.output_dir_name
         fs.makedirs(final.parent)
-        self._journal.record_move(staging_name(final))
+        staging = staging_name(final)
+        if staging is not None:
+            self._journal.record_move(staging)
         fs.rename(self.out_dir, final)
         return ConvertResult(final, result.plan, result.digests, result.seconds)
 
