@@ -432,7 +432,7 @@ class Dir:
                 _component(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd
             )
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO or socket (O_NONBLOCK)
                 raise self.not_ours(name, "a file the loader writes") from exc
             raise _named(exc, self.path / name) from None
 
@@ -693,7 +693,12 @@ def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
     fd = _open_below(path, flags)
     if fd is None:
         _seam("open", path)
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+                raise NotOursError(path, "a special file", "a file the loader writes") from exc
+            raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotOursError(path, _kind(os.fstat(fd).st_mode), "a file the loader writes")

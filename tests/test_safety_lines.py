@@ -254,3 +254,18 @@ def test_two_roots_sharing_a_work_dir_download_into_different_directories(tmp_pa
     request = request_from_args(build_parser().parse_args(argv))
     names = {download_name(request, tmp_path / r, request.key) for r in ("a", "b")}
     assert len(names) == 2 and all(fs.is_name(n) for n in names)
+
+
+def test_a_fifo_where_the_loader_writes_a_file_is_refused(tmp_path):
+    """Opened without blocking: a FIFO with no reader is a NotOursError, never a hang or a
+    traceback (ENXIO)."""
+    (tmp_path / "sub").mkdir()
+    fifo = tmp_path / "sub" / "journal.tmp"
+    os.mkfifo(fifo)
+    with fs.confined(tmp_path):
+        with pytest.raises(NotOursError):
+            fs.write_file(fifo, b"x")
+        with pytest.raises(NotOursError):
+            fs.append(fifo, b"x")
+    with pytest.raises(NotOursError):
+        fs.write_file(fifo, b"x")
