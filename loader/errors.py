@@ -101,6 +101,29 @@ class SourceError(LoaderError):
     )
 
 
+class ResourceExhaustedError(LoaderError):
+    """The machine ran out of something for a moment (memory, threads): worth running again,
+    with more room."""
+
+    exit_code = EXIT_TRANSIENT
+    default_remediation = (
+        "Run again; if it keeps failing, give the loader more memory (the Job's resources) "
+        "or fewer workers (--workers)."
+    )
+
+
+class SpecialFileError(SourceError):
+    """A FIFO, device or socket where the loader reads a file: never read (it may block
+    forever or never end)."""
+
+    def __init__(self, path: object, found: str) -> None:
+        super().__init__(
+            f"{path} is {found}, not a regular file; the loader reads only regular files "
+            "(a FIFO, device or socket may block forever or never end).",
+            f"Replace {path} with the regular file it stands for, or remove it.",
+        )
+
+
 class SourceNotFoundError(SourceError):
     """The bucket, object, repository, revision or path does not exist."""
 

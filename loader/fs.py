@@ -32,23 +32,49 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import os
 import re
+import secrets
 import socket
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from loader.errors import NotOursError
+from loader.errors import NotOursError, SpecialFileError
 
 # --- owners: who made a temporary name --------------------------------------------------------
 
 
+def _read_small(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read(200).strip()
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def pid_space() -> str:
+    """Where a pid means one process: this boot of the kernel (its boot id) and this pid
+    namespace (its inode). Two loaders with the same host name in two containers (another pid
+    namespace), or before and after a reboot, have different pid spaces: neither judges the
+    other's pid (a pid of another space may be alive though absent here)."""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = ""
+    return f"{_read_small('/proc/sys/kernel/random/boot_id')}:{namespace}"
+
+
 def host_digest(host: str | None = None) -> str:
-    """8 hex digits naming a host in temporary names (host names can be long)."""
-    host = host if host is not None else socket.gethostname()
+    """8 hex digits naming this host and its pid space (:func:`pid_space`) in temporary names
+    (host names can be long); with ``host``, that host name alone."""
+    if host is None:
+        host = f"{socket.gethostname()}\n{pid_space()}"
     return hashlib.sha256(host.encode("utf-8")).hexdigest()[:8]
 
 
@@ -112,6 +138,84 @@ def inject(hook: Hook) -> Iterator[None]:
         _hook = previous
 
 
+# --- confined trees: below the paths the user named, descriptors only -------------------------
+
+_confined: dict[Path, int] = {}
+_followed: dict[Path, int] = {}
+_zones_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _zone(table: dict[Path, int], paths: tuple[Path | str | None, ...]) -> Iterator[None]:
+    added = [Path(p).absolute() for p in paths if p is not None]
+    with _zones_lock:
+        for p in added:
+            table[p] = table.get(p, 0) + 1
+    try:
+        yield
+    finally:
+        with _zones_lock:
+            for p in added:
+                table[p] -= 1
+                if not table[p]:
+                    del table[p]
+
+
+def confined(*paths: Path | str | None) -> contextlib.AbstractContextManager[None]:
+    """While the block runs (all threads), every path operation of this module on a path below
+    one of ``paths`` (the repository root, the work directory, an output directory: paths the
+    user named) is made relative to descriptors: ``paths`` itself is followed as given, every
+    name below it is entered one at a time without following a link (a link, or a file where a
+    directory belongs, is a :class:`NotOursError`), and a ``..`` is refused. A path below ROOT
+    reaches the operating system only this way."""
+    return _zone(_confined, paths)
+
+
+def followed(*paths: Path | str | None) -> contextlib.AbstractContextManager[None]:
+    """Paths the user named to be read as given even inside a :func:`confined` tree (a local
+    source kept under the repository root may use links): read-only operations below them
+    follow links."""
+    return _zone(_followed, paths)
+
+
+def _longest(table: dict[Path, int], parts: tuple[str, ...]) -> Path | None:
+    best: Path | None = None
+    for anchor in table:
+        n = len(anchor.parts)
+        if parts[:n] == anchor.parts and (best is None or n > len(best.parts)):
+            best = anchor
+    return best
+
+
+def _below(path: Path | str, *, reading: bool = False) -> tuple[Path, tuple[str, ...]] | None:
+    """The confined tree ``path`` is in and the names below it (None: a path the user named,
+    followed as given). A ``..`` below a confined tree is a :class:`NotOursError`."""
+    path = Path(path).absolute()
+    with _zones_lock:
+        anchor = _longest(_confined, path.parts)
+        trusted = _longest(_followed, path.parts) if reading else None
+    if anchor is None or (trusted is not None and len(trusted.parts) >= len(anchor.parts)):
+        return None
+    rest = path.parts[len(anchor.parts) :]
+    for part in rest:
+        if part in ("..", ".") or "\0" in part:
+            raise NotOursError(path, f"a path with {part!r} in it", f"a name below {anchor}")
+    return anchor, rest
+
+
+def _locate(
+    path: Path | str, *, create: bool = False, reading: bool = False
+) -> tuple[Dir, str] | None:
+    """The open parent directory of a confined ``path`` (entered one name at a time, never
+    through a link; created with ``create``) and its last name; None for a path followed as
+    given, or the confined tree itself. The caller closes the directory."""
+    found = _below(path, reading=reading)
+    if found is None or not found[1]:
+        return None
+    anchor, rest = found
+    return Dir._open_given(anchor).walk_in(rest[:-1], create=create), rest[-1]
+
+
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 #: errno values of a ``renameat2`` the file system or kernel does not support.
@@ -125,10 +229,25 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 SMALL_FILE_BYTES = 16 * 2**20
 
 
+def is_name(name: str) -> bool:
+    """Whether ``name`` is one name, safe to take relative to a directory: not empty, no ``/``,
+    no NUL, not ``.`` or ``..`` (what a journal or manifest records is checked with this on
+    read)."""
+    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
+
+
 def _component(name: str) -> str:
-    if not name or "/" in name or "\0" in name or name in (".", ".."):
+    if not is_name(name):
         raise ValueError(f"not a single path component: {name!r}")
     return name
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
 
 
 def _kind(mode: int) -> str:
@@ -155,8 +274,17 @@ class Dir:
 
     @classmethod
     def open(cls, path: Path | str, *, create: bool = False) -> Dir:
-        """A directory the user named (``--repository``, ``--work-dir``): its path is followed
-        as given; with ``create`` it and its parents are created."""
+        """The directory ``path``; with ``create`` it and its parents are created. A directory
+        the user named (``--repository``, ``--work-dir``) is followed as given; one below a
+        :func:`confined` tree is entered from it one name at a time, never through a link."""
+        found = _below(path)
+        if found is not None and found[1]:
+            anchor, rest = found
+            return cls._open_given(anchor, create=create).walk_in(rest, create=create)
+        return cls._open_given(path, create=create)
+
+    @classmethod
+    def _open_given(cls, path: Path | str, *, create: bool = False) -> Dir:
         path = Path(path).absolute()
         if create:
             _seam("mkdir", path)
@@ -191,6 +319,20 @@ class Dir:
                 d.close()
         return current
 
+    def walk_in(self, names: tuple[str, ...], *, create: bool = False) -> Dir:
+        """The directory ``names`` below this one, entered one name at a time (never through a
+        link); this directory is handed over: closed, or returned when ``names`` is empty."""
+        current = self
+        try:
+            for name in names:
+                following = current.sub(name, create=create)
+                current.close()
+                current = following
+        except BaseException:
+            current.close()
+            raise
+        return current
+
     def mkdir(
         self, name: str, mode: int = 0o755, *, exist_ok: bool = False, what: str = "directory"
     ) -> bool:
@@ -208,6 +350,37 @@ class Dir:
             if found is None or not stat.S_ISDIR(found.st_mode):
                 raise self.not_ours(name, f"the loader's {what}") from None
             return False
+
+    def make_marked(self, name: str, marker: str, owner_line: str) -> bool:
+        """Create the directory ``name`` holding the regular file ``marker`` whose first line
+        is ``owner_line``, in one step: made under a temporary name (``.<name>.<owner>.tmp``),
+        the marker written and fsynced, then renamed to ``name`` without replacing anything.
+        A directory of the loader's never exists without its marker (a failure between the
+        two leaves only the temporary name). False when ``name`` exists already."""
+        tmp = f".{name}.{owner()}.{secrets.token_hex(4)}.tmp"
+        self.mkdir(tmp)
+        try:
+            with self.sub(tmp) as d:
+                d.write(marker, f"{owner_line}\n".encode())
+                d.fsync()
+            try:
+                self.rename(tmp, self, name, how="noreplace")
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    self.remove_tree(tmp)
+                    return False
+                if exc.errno not in NO_RENAMEAT2:
+                    raise
+                if self.lstat(name) is not None:
+                    self.remove_tree(tmp)
+                    return False
+                self.rename(tmp, self, name, how="replace")  # never onto a non-empty directory
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.remove_tree(tmp)
+            raise
+        self.fsync()
+        return True
 
     # -- looking ---------------------------------------------------------------------------
 
@@ -259,7 +432,7 @@ class Dir:
                 _component(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd
             )
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO or socket (O_NONBLOCK)
                 raise self.not_ours(name, "a file the loader writes") from exc
             raise _named(exc, self.path / name) from None
 
@@ -267,12 +440,13 @@ class Dir:
         """The content of the regular file ``name`` (at most ``limit`` bytes); None when
         absent. A link is :class:`NotOursError`; a directory there is ``IsADirectoryError``."""
         try:
-            fd = self.open_file(name, os.O_RDONLY)
+            fd = self.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise self.not_ours(name, "a file the loader writes")
+            os.set_blocking(fd, True)
             return read_fd(fd, self.path / name, limit=limit)
         finally:
             os.close(fd)
@@ -459,6 +633,20 @@ def fsync_fd(fd: int, path: object) -> None:
 
 def fsync_path(path: Path, *, directory: bool = False) -> None:
     """fsync the file (or directory) at ``path``."""
+    located = _locate(path)
+    if located is not None:
+        d, name = located
+        with d:
+            if directory:
+                with d.sub(name) as sub:
+                    sub.fsync()
+                return
+            fd = d.open_file(name, os.O_RDONLY)
+            try:
+                fsync_fd(fd, d.path / name)
+            finally:
+                os.close(fd)
+        return
     _seam("open", path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
     try:
@@ -467,11 +655,25 @@ def fsync_path(path: Path, *, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _open_below(path: Path, flags: int, *, reading: bool = False) -> int | None:
+    """``openat`` of a confined ``path`` (never through a link); None for a path followed as
+    given."""
+    located = _locate(path, reading=reading)
+    if located is None:
+        return None
+    d, name = located
+    with d:
+        return d.open_file(name, flags)
+
+
 def create(path: Path) -> BinaryIO:
     """A new file at ``path`` (``O_EXCL``, never through a link), open for unbuffered
     writing: the converter's outputs, inside a directory the loader just created."""
-    _seam("open", path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd = _open_below(path, flags)
+    if fd is None:
+        _seam("open", path)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     return open(fd, "wb", buffering=0, closefd=True)
 
 
@@ -487,9 +689,19 @@ def append(path: Path, data: bytes, *, sync: bool = False) -> None:
 
 
 def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
-    _seam("open", path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | mode
+    fd = _open_below(path, flags)
+    if fd is None:
+        _seam("open", path)
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+                raise NotOursError(path, "a special file", "a file the loader writes") from exc
+            raise
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotOursError(path, _kind(os.fstat(fd).st_mode), "a file the loader writes")
         write_fd(fd, data, path)
         if sync:
             fsync_fd(fd, path)
@@ -499,34 +711,76 @@ def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
 
 def lexists(path: Path) -> bool:
     """Whether anything (a link too) is at ``path``."""
+    try:
+        located = _locate(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if located is not None:
+        d, name = located
+        with d:
+            return d.lstat(name) is not None
     _seam("stat", path)
     return os.path.lexists(path)
 
 
 def stat_path(path: Path, *, follow: bool = False) -> os.stat_result:
     """The entry at ``path`` itself (a link is not followed unless ``follow``: a path the user
-    named)."""
+    named; below a :func:`confined` tree never)."""
+    located = _locate(path, reading=True)
+    if located is not None:
+        d, name = located
+        with d:
+            found = d.lstat(name)
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        if follow and stat.S_ISLNK(found.st_mode):
+            raise d.not_ours(name, "a file or directory the loader reads")
+        return found
     _seam("stat", path)
     return os.stat(path, follow_symlinks=follow)
 
 
 def read_file(path: Path, *, limit: int) -> bytes:
-    """The content of the file at ``path`` (links followed: sources may use them), at most
-    ``limit`` bytes (``EFBIG`` beyond)."""
-    _seam("open", path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """The content of the regular file at ``path`` (links followed: sources may use them;
+    below a :func:`confined` tree never), at most ``limit`` bytes (``EFBIG`` beyond)."""
+    fd = _open_regular(path)
     try:
         return read_fd(fd, path, limit=limit)
     finally:
         os.close(fd)
 
 
+def _regular(fd: int, path: object) -> None:
+    """A FIFO, device or socket is never read (it may block forever or never end)."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        raise SpecialFileError(path, _special(mode))
+
+
 def open_read(path: Path, *, follow: bool = True) -> BinaryIO:
     """``path`` open for reading (a checkpoint file); with ``follow`` False, never through a
-    link at its last component (a repository's file)."""
-    _seam("open", path)
-    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    return open(os.open(path, flags), "rb")
+    link at its last component (a repository's file); below a :func:`confined` tree never
+    through a link at all. Anything but a regular file is a :class:`NotOursError`."""
+    return open(_open_regular(path, follow=follow), "rb")
+
+
+def _open_regular(path: Path, *, follow: bool = True) -> int:
+    """A descriptor of the regular file ``path``, opened without blocking on a FIFO: a FIFO,
+    device or socket is never read (it may block forever or never end)."""
+    fd = _open_below(path, os.O_RDONLY | os.O_NONBLOCK, reading=follow)
+    if fd is None:
+        _seam("open", path)
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+        fd = os.open(path, flags)
+    try:
+        _regular(fd, path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 _COPY_CHUNK = 8 * 2**20
@@ -547,8 +801,11 @@ def copy_file(source: Path, target: Path) -> None:
 def open_update(path: Path) -> BinaryIO:
     """The existing regular file ``path`` open for reading and writing in place, unbuffered
     (never through a link)."""
-    _seam("open", path)
-    return open(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), "r+b", buffering=0)
+    fd = _open_below(path, os.O_RDWR)
+    if fd is None:
+        _seam("open", path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return open(fd, "r+b", buffering=0)
 
 
 def truncate(fd: int, size: int, path: object) -> None:
@@ -558,18 +815,52 @@ def truncate(fd: int, size: int, path: object) -> None:
 
 
 def makedirs(path: Path) -> None:
-    """``path`` and its missing parents, as directories."""
+    """``path`` and its missing parents, as directories (below a :func:`confined` tree, one
+    name at a time: a link where a directory belongs is a :class:`NotOursError`)."""
+    found = _below(path)
+    if found is not None:
+        Dir.open(path, create=True).close()
+        return
     _seam("mkdir", path)
     Path(path).mkdir(parents=True, exist_ok=True)
 
 
 def rename(source: Path, target: Path) -> None:
-    """``rename(2)`` by path (inside a tree the loader made)."""
+    """``rename(2)`` by path (inside a tree the loader made; relative to descriptors below a
+    :func:`confined` tree)."""
+    src = _locate(source)
+    try:
+        dst = _locate(target)
+    except BaseException:
+        if src is not None:
+            src[0].close()
+        raise
+    if src is not None and dst is not None:
+        (sd, sname), (td, tname) = src, dst
+        with sd, td:
+            sd.rename(sname, td, tname, how="replace")
+        return
+    if src is not None or dst is not None:
+        for located in (src, dst):
+            if located is not None:
+                located[0].close()
+        raise NotOursError(target, f"a rename from {source}", "both names in the loader's tree")
     _seam("rename", f"{source} -> {target}")
     os.rename(source, target)
 
 
 def unlink(path: Path, *, missing_ok: bool = True) -> None:
+    try:
+        located = _locate(path)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    if located is not None:
+        d, name = located
+        with d:
+            d.unlink(name, missing_ok=missing_ok)
+        return
     _seam("unlink", path)
     Path(path).unlink(missing_ok=missing_ok)
 

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from loader.cli import build_parser, main
 from loader.cli.run import request_from_args
+from loader.fs import host_digest
 from loader.repository import manifest
 from loader.repository.key import key_filename
 from tests.tiers import examples
@@ -138,7 +139,7 @@ def test_what_the_loader_did_not_make_under_root_is_left_alone(
         key = request_from_args(build_parser().parse_args(argv)).key
         parent, variant = key.split("/")
         names = {"parent": parent, "variant": variant, "k": key_filename(key), "dead": dead_pid,
-                 "host": hashlib.sha256(os.uname().nodename.encode()).hexdigest()[:8]}  # fmt: skip
+                 "host": host_digest()}  # fmt: skip
         planted: list[str] = []
         for place, kind in zip(PLACES, kinds, strict=True):
             planted += _plant(root, place.format(**names), kind, outside)

@@ -205,7 +205,9 @@ def test_a_download_directory_the_loader_did_not_create_is_refused_and_kept(
     root, scratch = tmp_path / "root", tmp_path / "scratch"
     argv = run_argv(gs_source, root, "--work-dir", str(scratch))
     key = request_from_args(build_parser().parse_args(argv)).key
-    theirs = scratch / key_filename(key)
+    from loader.run.strategies import download_name
+
+    theirs = scratch / download_name(request_from_args(build_parser().parse_args(argv)), root, key)
     theirs.mkdir(parents=True)
     (theirs / "theirs.txt").write_text("x")
     code, _, err = cli(capsys, *argv)
@@ -247,3 +249,24 @@ def test_a_moved_hf_branch_is_a_change_naming_both_commits(hub, tmp_path, capsys
     code, out, err = cli(capsys, *run_argv(f"hf://org/moving@{moved}", root))
     assert code == 0, err
     assert Path(out[-1]) != published and manifest.verify(published) == []
+
+
+@pytest.mark.server
+def test_a_run_that_finds_its_key_published_removes_an_interrupted_runs_download(
+    gs_source, tmp_path, capsys
+):
+    from loader.cli import build_parser
+    from loader.cli.run import request_from_args
+    from loader.repository.publish import DOWNLOAD_MARKER
+
+    root = tmp_path / "root"
+    argv = run_argv(gs_source, root)
+    assert cli(capsys, *argv)[0] == 0
+    key = request_from_args(build_parser().parse_args(argv)).key
+    left = root / ".work" / key_filename(key)  # what a run killed while downloading leaves
+    (left / "source").mkdir(parents=True)
+    (left / DOWNLOAD_MARKER).write_text(f"{key}\n")
+    (left / "source" / "model.safetensors").write_bytes(b"x" * 1000)
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert not left.exists()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import errno
 import importlib
 import importlib.util
 import logging
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__
-from loader.errors import LoaderError, typed_os_error
+from loader.errors import LoaderError, ResourceExhaustedError, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -289,7 +290,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except LoaderError as exc:
         return report(exc, args)
     except OSError as exc:
-        typed = typed_os_error(exc)
+        typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
@@ -301,10 +302,38 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception:
+    except Exception as exc:
+        exhausted = resource_exhaustion(exc)
+        if exhausted is not None:
+            log.debug("resource exhaustion", exc_info=True)
+            return report(exhausted, args)
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _cwd_gone(exc: OSError) -> LoaderError | None:
+    """A relative path met a working directory that was deleted (``getcwd`` fails)."""
+    if exc.errno != errno.ENOENT or exc.filename is not None:
+        return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return LoaderError(
+            "The current working directory was deleted, so a relative path cannot be resolved.",
+            "Run from an existing directory, or pass absolute paths.",
+        )
+    return None
+
+
+def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
+    """The transient error of a machine that ran out of memory or threads (None: another
+    failure)."""
+    if isinstance(exc, MemoryError):
+        return ResourceExhaustedError("The loader ran out of memory.")
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

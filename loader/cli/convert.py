@@ -32,17 +32,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loader import fs
     from loader.convert import convert_checkpoint
 
     # SIGTERM unwinds like Ctrl-C (loader.cli.run_command), so temp files are removed.
-    result = convert_checkpoint(
-        args.source_dir,
-        args.output_dir,
-        tp_size=args.tp_size,
-        pp_size=args.pp_size,
-        dtype=args.dtype,
-        workers=args.workers,
-        overwrite=args.force,
-    )
+    with fs.confined(args.output_dir), fs.followed(args.source_dir):
+        result = convert_checkpoint(
+            args.source_dir,
+            args.output_dir,
+            tp_size=args.tp_size,
+            pp_size=args.pp_size,
+            dtype=args.dtype,
+            workers=args.workers,
+            overwrite=args.force,
+        )
     print(result.output_path.resolve())
     return 0

@@ -78,15 +78,18 @@ def run(args: argparse.Namespace) -> int:
             "Pass --copy to copy it into DEST, or drop DEST to use it where it is.",
         )
 
-    result = fetch(
-        args.uri,
-        args.dest,
-        copy=args.copy,
-        workers=args.workers,
-        hf_token_file=args.hf_token_file,
-        retry_deadline_s=args.retry_deadline,
-        slice_bytes=args.slice_mib * 1024 * 1024 if args.slice_mib else None,
-    )
+    from loader import fs
+
+    with fs.confined(args.dest):  # below DEST, no link is followed
+        result = fetch(
+            args.uri,
+            args.dest,
+            copy=args.copy,
+            workers=args.workers,
+            hf_token_file=args.hf_token_file,
+            retry_deadline_s=args.retry_deadline,
+            slice_bytes=args.slice_mib * 1024 * 1024 if args.slice_mib else None,
+        )
     log.info(
         "fetched %s files (%s, %s downloaded now) from %s, revision %s",
         len(result.files),

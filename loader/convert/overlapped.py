@@ -76,6 +76,19 @@ def _digest_in(d: Dir, name: str, algorithm: str) -> str:
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+#: A journal line naming the staging directory the outputs moved into.
+MOVED = "moved-into "
+#: Where the outputs go inside a staging repository: ``<staging>/fastertransformer/1/<T>-gpu``.
+WEIGHTS_IN_STAGING = ("fastertransformer", "1")
+
+
+def staging_name(final: Path) -> str | None:
+    """The staging directory's name for the outputs' place ``final`` in it (None: ``final``
+    is not inside a repository's layout, so nothing can take the outputs back from there)."""
+    parent = Path(final).parent
+    if parent.parts[-len(WEIGHTS_IN_STAGING) :] != WEIGHTS_IN_STAGING:
+        return None
+    return parent.parents[len(WEIGHTS_IN_STAGING) - 1].name
 
 
 class Journal:
@@ -83,8 +96,9 @@ class Journal:
     (``<directory>.journal``: never among the outputs, which move into a repository): a header
     naming what they were converted from (source revision, dtype, T) and the digest's algorithm,
     then ``name size digest inode mtime_ns`` per output, appended once the output is durable
-    (fsynced), and ``moved <path>`` once the finished outputs were moved to ``path`` (a staging
-    directory, from which a run killed before publishing gets them back: :meth:`moved_to`)."""
+    (fsynced), and ``moved-into <name>`` once the finished outputs were moved into the staging
+    directory ``ROOT/.staging/<name>`` (from which a run killed before publishing gets them
+    back: :meth:`moved_to`). Only names are recorded, never paths."""
 
     SUFFIX = ".journal"
 
@@ -102,10 +116,12 @@ class Journal:
             return []
         return data.decode("utf-8", "replace").splitlines()
 
-    def moved_to(self) -> Path | None:
-        """Where the finished outputs were last moved (a ``moved`` line), if anywhere."""
-        moves = [line[len("moved ") :] for line in self._lines() if line.startswith("moved /")]
-        return Path(moves[-1]) if moves else None
+    def moved_to(self) -> str | None:
+        """The staging directory (its name in ``ROOT/.staging``) the finished outputs were last
+        moved into (a ``moved-into`` line), if any: one name, checked here (no ``/``, no
+        ``..``, no NUL), never a path."""
+        moves = [line[len(MOVED) :] for line in self._lines() if line.startswith(MOVED)]
+        return moves[-1] if moves and fs.is_name(moves[-1]) else None
 
     def resume(self) -> dict[str, tuple[int, str]]:
         """The outputs a killed run finished, as name -> (size, digest): journaled under the
@@ -155,9 +171,12 @@ class Journal:
         """Journal ``name`` as written; call once it is fsynced."""
         fs.append(self.path, self._line(name, size, digest).encode())
 
-    def record_move(self, to: Path) -> None:
-        """Journal that the outputs are about to move to ``to`` (durably, before the move)."""
-        fs.append(self.path, f"moved {Path(to).absolute()}\n".encode(), sync=True)
+    def record_move(self, staging: str) -> None:
+        """Journal that the outputs are about to move into the staging directory named
+        ``staging`` (durably, before the move)."""
+        if not fs.is_name(staging):
+            raise ValueError(f"not a staging directory name: {staging!r}")
+        fs.append(self.path, f"{MOVED}{staging}\n".encode(), sync=True)
 
     def _line(self, name: str, size: int, digest: str) -> str:
         found = fs.stat_path(self.directory / name)
@@ -323,7 +342,9 @@ class OverlappedConversion:
         ``result`` there."""
         final = Path(directory).absolute() / self.plan.output_dir_name
         fs.makedirs(final.parent)
-        self._journal.record_move(final)
+        staging = staging_name(final)
+        if staging is not None:
+            self._journal.record_move(staging)
         fs.rename(self.out_dir, final)
         return ConvertResult(final, result.plan, result.digests, result.seconds)
 

@@ -7,7 +7,8 @@ through the holder's own open descriptor every ``heartbeat_s`` seconds.
 
 A waiter polls. It takes over a lock that is *stale*:
 
-* the holder runs on this host and its pid no longer exists (a killed loader, at once), or
+* the holder runs on this host, in this pid space (same boot, same pid namespace:
+  :func:`local_pid`), and its pid no longer exists (a killed loader, at once), or
 * the lock's content has not changed for ``expiry_s`` seconds of the waiter's own clock (a
   holder on another node that died; comparing against the waiter's clock avoids trusting
   clocks of other machines).
@@ -38,13 +39,13 @@ from pathlib import Path
 
 from loader.errors import LockLostError, LockTimeoutError, PublishError
 from loader.formats import jsondoc
-from loader.fs import Dir, fsync_fd, pid_alive, read_fd, rewrite_fd
+from loader.fs import Dir, fsync_fd, pid_alive, pid_space, read_fd, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
 from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCKS_DIR", "PublishLock", "lock_path", "pid_alive"]
+__all__ = ["LOCKS_DIR", "PublishLock", "local_pid", "lock_path", "pid_alive"]
 
 LOCKS_DIR = ".locks"
 
@@ -98,6 +99,7 @@ class PublishLock:
             "key": self.key,
             "pid": os.getpid(),
             "host": self.host,
+            "pid_space": pid_space(),
             "token": self.token,
             "beats": self._beats,
             "heartbeat_at": time.time(),
@@ -176,7 +178,7 @@ class PublishLock:
 
     def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
         record = _parse(content)
-        local = record and record.get("host") == self.host and isinstance(record.get("pid"), int)
+        local = record and local_pid(record) is not None
         if local and not pid_alive(record["pid"]):
             log.warning(
                 "publish lock %s belongs to pid %s, which is gone", self.path, record["pid"]
@@ -279,6 +281,19 @@ class PublishLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def local_pid(record: object) -> int | None:
+    """The pid a lock record names when it means a process this one can see: same host name
+    and same pid space (:func:`loader.fs.pid_space`: boot and pid namespace; a record written
+    without one, by an older loader, is judged by its host name). None otherwise: a pid of
+    another container or boot may be alive though absent here, so only the expiry tells."""
+    if not isinstance(record, dict) or record.get("host") != socket.gethostname():
+        return None
+    pid, space = record.get("pid"), record.get("pid_space", pid_space())
+    if not isinstance(pid, int) or isinstance(pid, bool) or space != pid_space():
+        return None
+    return pid
 
 
 def _parse(content: bytes | None) -> dict | None:

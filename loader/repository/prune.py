@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import stat
 import time
 from collections import defaultdict
@@ -47,13 +46,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loader import fs
 from loader.errors import LockTimeoutError, NotOursError, RepositoryError, some_names
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, pid_alive
+from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, pid_alive
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
@@ -120,9 +120,9 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
         record = jsondoc.loads(content)
     except ValueError:
         record = {}
-    local = isinstance(record, dict) and record.get("host") == socket.gethostname()
-    if local and isinstance(record.get("pid"), int):
-        return pid_alive(record["pid"])
+    pid = local_pid(record)
+    if pid is not None:
+        return pid_alive(pid)
     return time.time() - found.st_mtime < expiry_s
 
 
@@ -233,7 +233,8 @@ class _Candidate:
     remove: Callable[[], None]
 
 
-def _try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
+def try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
+    """The key's publish lock if no loader holds it now (never waits); None otherwise."""
     lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01)
     try:
         return lock.acquire()
@@ -250,7 +251,15 @@ def prune(
     dry_run: bool = False,
 ) -> PruneReport:
     """Remove leftovers and published keys beyond the ``keep`` newest per model name (see the
-    module docstring); with ``dry_run`` only report what would go."""
+    module docstring); with ``dry_run`` only report what would go. Below ``root`` no link is
+    followed (:func:`loader.fs.confined`)."""
+    with fs.confined(root):
+        return _prune(root, keep, in_use, lock_expiry_s, dry_run)
+
+
+def _prune(
+    root: Path, keep: int, in_use: tuple[str, ...], lock_expiry_s: float, dry_run: bool
+) -> PruneReport:
     root = Path(root).absolute()
     PRUNE_KEEP.check(keep)
     if not root.is_dir():
@@ -277,7 +286,7 @@ def prune(
                 report.removed.append(Removal(c.path, c.reason, _path_size(c.path)))
                 log.info("would remove %s (%s)", c.path, c.reason)
             continue
-        lock = _try_lock(root, key, lock_expiry_s) if not live(key) else None
+        lock = try_lock(root, key, lock_expiry_s) if not live(key) else None
         if lock is None:
             report.kept.append((key, "its publish lock is live"))
             continue

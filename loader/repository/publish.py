@@ -84,9 +84,8 @@ def new_staging_dir(root: Path, key: str) -> Path:
     marked as the loader's."""
     name = f"{key_filename(key)}.{fs.owner()}.{secrets.token_hex(6)}"
     with Dir.open(root, create=True) as r, r.sub(STAGING_DIR, create=True) as base:
-        base.mkdir(name)
-        with base.sub(name) as staging:
-            staging.write(STAGING_MARKER, f"{key}\n".encode(), sync=False)
+        if not base.make_marked(name, STAGING_MARKER, key):
+            raise FileExistsError(errno.EEXIST, "exists", str(base.path / name))
         return base.path / name
 
 
@@ -188,6 +187,15 @@ def _entries(r: Dir, directory: str, prefix: str) -> list[str]:
         return []
     with r.sub(directory) as d:
         return [n for n in d.names() if n.startswith(prefix + ".")]
+
+
+def staging_left(root: Path, key: str) -> bool:
+    """Whether ``ROOT/.staging`` holds a directory named after ``key`` (reads only)."""
+    try:
+        with Dir.open(root) as r:
+            return bool(_entries(r, STAGING_DIR, key_filename(key)))
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return False
 
 
 def replaced_copy_waiting(root: Path, key: str) -> bool:

@@ -36,16 +36,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from loader import fs
 from loader.errors import LockLostError, RepositoryError
 from loader.fs import Dir
 from loader.plan import check_placement
 from loader.repository import layout, publish
 from loader.repository.lock import PublishLock
-from loader.repository.prune import prune
+from loader.repository.prune import prune, try_lock
 from loader.run.build import build
 from loader.run.published import Warnings, up_to_date
 from loader.run.request import VERIFY_MODES, RunRequest, RunResult
-from loader.run.strategies import strategy_for
+from loader.run.strategies import download_left, remove_download, strategy_for, unchanged
 from loader.run.verify import Verified, verify
 from loader.sources import FetchResult, fetch, fingerprint, parse_uri
 
@@ -56,7 +57,18 @@ __all__ = ["VERIFY_MODES", "RunRequest", "RunResult", "run"]
 
 def run(request: RunRequest) -> RunResult:
     """Publish ``request``'s repository (see the module docstring); with ``prune_keep``, then
-    prune the root, keeping the key just published (:mod:`loader.repository.prune`)."""
+    prune the root, keeping the key just published (:mod:`loader.repository.prune`). Below
+    ``ROOT`` and ``--work-dir`` every path is entered one name at a time, never through a link
+    (:func:`loader.fs.confined`); a local source is read as the user named it."""
+    local = parse_uri(request.source)
+    with (
+        fs.confined(request.root, request.work_dir),
+        fs.followed(local.location if local.scheme == "file" else None),
+    ):
+        return _run(request)
+
+
+def _run(request: RunRequest) -> RunResult:
     started = time.monotonic()
     root, key = request.root, request.key
     target = publish.published_path(root, key)
@@ -80,6 +92,7 @@ def run(request: RunRequest) -> RunResult:
     warned = Warnings()  # the key is checked twice (before and under its lock): say things once
     if not request.force and up_to_date(target, key, request, warned):
         log.info("%s is already published and verified; nothing to do", target)
+        _tidy(request, root, key)
         return _done(request, RunResult(target, key, False, time.monotonic() - started))
     _writable(root)
     with PublishLock(
@@ -91,16 +104,24 @@ def run(request: RunRequest) -> RunResult:
             return _done(request, RunResult(target, key, False, time.monotonic() - started))
         with _stops_if_lost(lock, request, key), strategy_for(request, root, key) as strategy:
             publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
+            before = None
+            if fetched is not None:  # a local source, read in place: fingerprinted first,
+                before = fingerprint(request.source, workers=request.workers)
+                verified = verify(request, fetched.path)  # then verified and read
             fetched = fetched or strategy.fetch()
             verified = verified or verify(request, fetched.path)
             with _staging(root, key) as staging:
                 converted = strategy.convert(verified, layout.weights_dir(staging))
+                if before is not None:  # and still what it was once read
+                    after = fingerprint(request.source, recorded=before, workers=request.workers)
+                    unchanged(request.source, before, after)
                 build(
                     staging,
                     request,
                     key=key,
                     source_revision=fetched.revision,
                     source_fingerprint=fetched.fingerprint
+                    or before
                     or fingerprint(request.source, workers=request.workers),
                     verified=verified,
                     converted=converted,
@@ -110,6 +131,28 @@ def run(request: RunRequest) -> RunResult:
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))
+
+
+def _tidy(request: RunRequest, root: Path, key: str) -> None:
+    """A key found published: what an interrupted run of it left (a staging directory, a
+    download) is removed, unless a loader holds the key's lock right now. A failure only
+    leaves it for the next run or ``prune``: the key is published."""
+    try:
+        if not publish.staging_left(root, key) and download_left(request, root, key) is None:
+            return  # nothing to remove: nothing written (the volume may be read-only)
+        lock = try_lock(root, key, request.lock_expiry_s)
+    except (OSError, RepositoryError) as exc:
+        log.warning("could not look for what an earlier run of %s left: %s", key, exc)
+        return
+    if lock is None:
+        return
+    try:
+        publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
+        remove_download(request, root, key)
+    except (OSError, RepositoryError) as exc:
+        log.warning("could not remove what an earlier run of %s left: %s", key, exc)
+    finally:
+        lock.release()
 
 
 def _present(target: Path) -> bool:

@@ -51,6 +51,13 @@ class RunRequest:
         PRUNE_KEEP.check(self.prune_keep)
         WORKERS.check(self.workers)
         check_settings(self.model_name, self.parallelism, self.settings)
+        for flag, value in (("--repository", self.repository), ("--work-dir", self.work_dir)):
+            if value is not None and any(c in str(value) for c in "\n\r\0"):
+                raise RepositoryError(
+                    f"{flag} {str(value)!r} holds a line break or a NUL: the last line the "
+                    "loader prints is the published path, which must be one line.",
+                    f"Use a {flag} path without line breaks.",
+                )
         if self.verify not in VERIFY_MODES:
             raise RepositoryError(
                 f"The verification mode must be one of {', '.join(VERIFY_MODES)}, got "

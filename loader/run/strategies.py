@@ -31,16 +31,16 @@ from loader.convert.overlapped import SLICE_BYTES, Journal, OverlappedConversion
 from loader.convert.plan import ConvertResult
 from loader.convert.schedule import DEFAULT_WINDOW
 from loader.convert.sequential import convert_planned
-from loader.errors import TransientSourceError
+from loader.errors import NotOursError, TransientSourceError
 from loader.formats.huggingface import WEIGHT_FILES, is_weight_file
 from loader.fs import Dir
 from loader.progress import byte_progress
-from loader.repository import publish
+from loader.repository import layout, publish
 from loader.repository.key import key_filename
 from loader.run.request import RunRequest
 from loader.run.verify import Verified
 from loader.sources import ArrivalHooks, FetchResult, fetch, parse_uri
-from loader.sources.fingerprint import describe_changes
+from loader.sources.fingerprint import Fingerprint, describe_changes
 from loader.sources.transfer import ensure_disk_space
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,19 @@ class Overlapped(Sequential):
 def _unchanged(source: str, first: FetchResult, fetched: FetchResult) -> None:
     """The source must hold at the end of an overlapped fetch what it held at its start."""
     if first.fingerprint and fetched.fingerprint:
-        changes = first.fingerprint.changes(fetched.fingerprint)
-        if changes:
-            raise TransientSourceError(
-                f"The source {source} changed while it was loading "
-                f"({describe_changes(changes)}); nothing was published.",
-                "Run the loader again once the upload is complete.",
-            )
+        unchanged(source, first.fingerprint, fetched.fingerprint)
+
+
+def unchanged(source: str, before: Fingerprint, after: Fingerprint) -> None:
+    """The source must hold after it was read what it held before (a
+    :class:`~loader.errors.TransientSourceError` otherwise: nothing is published)."""
+    changes = before.changes(after)
+    if changes:
+        raise TransientSourceError(
+            f"The source {source} changed while it was loading "
+            f"({describe_changes(changes)}); nothing was published.",
+            "Run the loader again once the upload (or copy) is complete.",
+        )
 
 
 @contextlib.contextmanager
@@ -205,14 +211,44 @@ def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
     """``WORK/<key as one name>``, marked as created by the loader (see :func:`_remove_download`).
     One that exists without the loader's marker for ``key`` is not the loader's: a
     :class:`~loader.errors.NotOursError`, nothing written into it."""
-    name = key_filename(key)
+    name = download_name(request, root, key)
     with _work(request, root) as work:
-        if work.mkdir(name, exist_ok=True, what="download directory"):
-            with work.sub(name) as d:
-                d.write(publish.DOWNLOAD_MARKER, f"{key}\n".encode(), sync=False)
-        elif not work.marked(name, publish.DOWNLOAD_MARKER, key):
+        if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
+            with contextlib.suppress(OSError):  # an empty directory holds nothing: made anew
+                work.rmdir(name)
+        if not work.make_marked(name, publish.DOWNLOAD_MARKER, key) and not work.marked(
+            name, publish.DOWNLOAD_MARKER, key
+        ):
             raise work.not_ours(name, f"the loader's download directory for {key}")
         return work.path / name
+
+
+def download_name(request: RunRequest, root: Path, key: str) -> str:
+    """The download directory's name in ``WORK``: the key as one name; in a ``--work-dir``
+    (which several repository roots may share) with the root's digest too, so that two roots
+    never download the same key into one directory."""
+    name = key_filename(key)
+    if not request.work_dir:
+        return name
+    return f"{name}.{fs.host_digest(str(Path(root).absolute()))}"
+
+
+def remove_download(request: RunRequest, root: Path, key: str) -> None:
+    """Remove the download directory of ``key`` if one is there (a remote source's, left by
+    an interrupted run) and the loader created it."""
+    path = download_left(request, root, key)
+    if path is not None:
+        log.info("removing the download directory %s an earlier run left", path)
+        _remove_download(path, key)
+
+
+def download_left(request: RunRequest, root: Path, key: str) -> Path | None:
+    """The download directory of ``key`` if one is there (reads only)."""
+    if parse_uri(request.source).scheme == "file":
+        return None
+    work = Path(request.work_dir).absolute() if request.work_dir else root / publish.WORK_DIR
+    path = work / download_name(request, root, key)
+    return path if fs.lexists(path) else None
 
 
 def _remove_download(path: Path, key: str) -> None:
@@ -232,26 +268,35 @@ def _reclaim(converted: Path, root: Path, key: str, *, idle_s: float) -> None:
     """Outputs of an overlapped conversion that a killed run had moved into its staging
     directory (:meth:`~loader.convert.overlapped.Journal.moved_to`) go back to ``converted``,
     so this run keeps them, before the staging directory is cleared as a leftover. Only from
-    an abandoned staging directory of ``key`` that carries the loader's marker."""
+    an abandoned staging directory of ``key`` that carries the loader's marker, named by one
+    name in ``ROOT/.staging`` and reached from there one name at a time (never through a link):
+    nothing a journal says leads anywhere else."""
     if not fs.lexists(converted):
         return
-    staging_base = Path(root).absolute() / publish.STAGING_DIR
     with Dir.open(converted) as out:
         journals = [n for n in out.names() if n.endswith(Journal.SUFFIX)]
-    for name in journals:
-        target = converted / name[: -len(Journal.SUFFIX)]
-        moved = Journal(target, "").moved_to()
-        if moved is None or fs.lexists(target):
-            continue
-        try:
-            staging = moved.relative_to(staging_base).parts[0]
-        except (ValueError, IndexError):
-            continue
-        with Dir.open(staging_base) as base:
-            if not publish.owned(base, staging, key) or not publish.abandoned_in(
-                base, staging, key_filename(key), idle_s=idle_s
-            ):
+        for name in journals:
+            output = name[: -len(Journal.SUFFIX)]
+            staging = Journal(out.path / output, "").moved_to()
+            if staging is None or not fs.is_name(output) or out.lstat(output) is not None:
                 continue
-        if fs.lexists(moved):
-            fs.rename(moved, target)
-            log.info("kept the outputs a stopped run had moved to %s", moved)
+            with Dir.open(root) as r:
+                if not r.is_dir(publish.STAGING_DIR):
+                    continue
+                with r.sub(publish.STAGING_DIR) as base:
+                    if not publish.owned(base, staging, key) or not publish.abandoned_in(
+                        base, staging, key_filename(key), idle_s=idle_s
+                    ):
+                        continue
+                    try:
+                        weights = base.sub(staging).walk_in((layout.FASTERTRANSFORMER,
+                                                             layout.VERSION))  # fmt: skip
+                    except (FileNotFoundError, NotOursError):
+                        continue
+                    with weights:
+                        if not weights.is_dir(output):
+                            continue
+                        weights.rename(
+                            output, out, output, how="replace"
+                        )  # rename(2): never onto a non-empty directory
+            log.info("kept the outputs a stopped run had moved to %s", weights.path / output)

@@ -7,9 +7,12 @@ gs:// and hf:// sources run every remote call through a :class:`Funnel`:
 * :func:`retry_after_s` reads the server's ``Retry-After`` (seconds or an HTTP date); the
   funnel never asks again sooner than that.
 * A permanent failure becomes a typed :class:`~loader.errors.SourceError` naming what was
-  read: the source's own mapping first (:data:`Specific`: credentials, gated repositories,
-  missing revisions), then the HTTP status (401/403 permission, 404 not found; 412, replaced
-  meanwhile, is transient: the upload is in progress).
+  read: a host name that does not resolve first (:func:`dns_error`: never retried), the
+  source's own mapping (:data:`Specific`: credentials, gated repositories, missing
+  revisions), then the HTTP status (401/403 permission, 404 not found; 412, replaced
+  meanwhile, is transient: the upload is in progress), and any other failure of the source's
+  libraries (:func:`library_error`: a value they refuse). ``tests/test_failure_classes.py``
+  checks every exception class those libraries define.
 * Retrying ends at the deadline (``--retry-deadline``) with a
   :class:`~loader.errors.TransientSourceError` (exit code 75) quoting the last failure.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -133,10 +137,84 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _everything_in(exc: BaseException):
+    """``exc``, its causes and contexts, and the exceptions the HTTP stacks keep as an
+    attribute (``reason``) or an argument (requests wraps urllib3's error that way)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        found = [current.__cause__, current.__context__, getattr(current, "reason", None),
+                 *getattr(current, "args", ())]  # fmt: skip
+        todo += [e for e in found if isinstance(e, BaseException)]
+
+
+def name_resolution_failure(exc: BaseException) -> BaseException | None:
+    """The DNS failure behind ``exc``, if any: a host name that does not resolve is a wrong
+    host or a missing egress rule (DNS blocked), never worth retrying for minutes."""
+    for found in _everything_in(exc):
+        if isinstance(found, socket.gaierror) or type(found).__name__ == "NameResolutionError":
+            return found
+    return None
+
+
+def dns_error(exc: BaseException, what: str) -> SourceError | None:
+    """The typed error of a DNS failure while reading ``what`` (None: not one)."""
+    found = name_resolution_failure(exc)
+    if found is None:
+        return None
+    return SourceError(
+        f"Cannot resolve the host of {what}: {found}.",
+        "Check the host name (the URI, HF_ENDPOINT, STORAGE_EMULATOR_HOST or a proxy "
+        "setting) and that this pod may reach DNS and that host (a NetworkPolicy egress "
+        "rule for port 53 and for the storage endpoint).",
+    )
+
+
+#: The libraries a remote source calls (their top-level packages): an exception of theirs, or
+#: one raised from their code (a ``ValueError`` about an option), is about the source or the
+#: options given, never a bug of the loader.
+LIBRARIES = ("google", "requests", "urllib3", "huggingface_hub", "httpx", "httpcore", "tenacity")
+
+
+def _from_libraries(exc: BaseException) -> bool:
+    if type(exc).__module__.split(".")[0] in LIBRARIES:
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    module = str(tb.tb_frame.f_globals.get("__name__", ""))
+    return module.split(".")[0] in LIBRARIES
+
+
+def library_error(exc: BaseException, what: str) -> SourceError | None:
+    """The typed error of a failure a source's library raised that nothing more specific
+    names (a value it refuses, a response it cannot parse); None for anything else."""
+    if not isinstance(exc, Exception) or not _from_libraries(exc):
+        return None
+    try:
+        text = str(exc)
+    except Exception:  # an exception built without the fields its __str__ reads
+        text = "(no message)"
+    return SourceError(
+        f"Reading {what} failed: {type(exc).__name__}: {text}",
+        "Check the source URI and the options given for it (run with -v for the library's "
+        "details).",
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """Connection problems, timeouts, 408/429/5xx: worth retrying. A typed error of ours
-    never is (it was already judged permanent)."""
+    never is (it was already judged permanent), nor a host name that does not resolve."""
     if isinstance(exc, SourceError):
+        return False
+    if name_resolution_failure(exc) is not None:
         return False
     if isinstance(exc, _transport_errors()):
         return True
@@ -193,10 +271,12 @@ class Funnel:
         """The typed error a permanent failure stands for (``None``: not one we can name)."""
         if isinstance(exc, SourceError):
             return exc
+        if (dns := dns_error(exc, what)) is not None:
+            return dns
         if self.specific is not None and (found := self.specific(exc, what)) is not None:
             return found
         hint = self.permission_hint or SourcePermissionError.default_remediation
-        return by_status(exc, what, permission_hint=hint)
+        return by_status(exc, what, permission_hint=hint) or library_error(exc, what)
 
     # --- retrying -------------------------------------------------------------------------
 

@@ -128,12 +128,15 @@ NAME_MAX = 255
 
 
 def _relpath(uri: SourceURI, name: str) -> str:
-    rel = PurePosixPath(name).name if name == uri.path else name[len(uri.path) :].lstrip("/")
+    rest = name[len(uri.path) :]
+    rel = PurePosixPath(name).name if name == uri.path else rest[1:] if uri.path else rest
     parts = rel.split("/")
-    what = f"Object gs://{uri.location}/{name}"
-    if not rel or any(p in ("..", ".", "") for p in parts):
+    what = f"Object gs://{uri.location}/{name!r}"
+    if not rel or "\0" in rel or any(p in ("..", ".", "") for p in parts):
+        # ``p//x`` is refused, never read as ``p/x``: two objects would land in one file
         raise SourceError(
-            f"{what} has an unsafe name for a local path.",
+            f"{what} has an unsafe name for a local path (an empty, '.' or '..' segment, or "
+            "a NUL); such a name could alias another object's file.",
             "Rename the object (no '.' or '..' path segments, no '//') and run again.",
         )
     if parts[0] == PARTIAL_DIR:

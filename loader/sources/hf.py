@@ -129,8 +129,8 @@ def resolve_token(options: FetchOptions) -> str | None:
 
 
 def _read_token_file(token_file: str, source: str) -> str:
-    try:
-        token = Path(token_file).read_text(encoding="utf-8").strip()
+    try:  # a regular file only (a FIFO would block), and a token's size at most
+        token = fs.read_file(Path(token_file), limit=64 * 1024).decode("utf-8").strip()
     except UnicodeDecodeError as exc:
         raise SourcePermissionError(
             f"The Hugging Face token file {token_file} ({source}) is not text (it is not UTF-8).",
@@ -164,12 +164,19 @@ def _specific(uri: SourceURI, revision: str):
     def typed(exc: BaseException, what: str) -> SourceError | None:
         from huggingface_hub.errors import (
             GatedRepoError,
+            HFValidationError,
             RemoteEntryNotFoundError,
             RepositoryNotFoundError,
             RevisionNotFoundError,
         )
 
         repo = uri.location
+        if isinstance(exc, HFValidationError):
+            return SourceError(
+                f"{uri.raw}: the Hub does not accept {repo!r} as a repository id ({exc}).",
+                "Write hf://<org>/<name>[@revision] with letters, digits, '-', '_' and '.' "
+                "(no '--' or '..', not starting or ending with '-' or '.').",
+            )
         if isinstance(exc, GatedRepoError):
             return SourcePermissionError(
                 f"{uri.raw}: the repository {repo} is gated and the token in use has no access.",

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs
-from loader.errors import SourceError, SourceNotFoundError
+from loader.errors import SourceError, SourceNotFoundError, SpecialFileError
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
@@ -66,7 +66,14 @@ def list_files(root: Path) -> list[str]:
         if any(part.startswith(".") for part in rel.parts):
             continue
         if path.is_symlink():
-            target = path.resolve()
+            try:
+                target = path.resolve(strict=True)
+            except (OSError, RuntimeError) as exc:  # a loop, a dangling link
+                raise SourceError(
+                    f"{path} in the local source is a symbolic link that leads nowhere "
+                    f"({type(exc).__name__}: a loop or a missing target).",
+                    "Replace the link with the file itself, or remove it.",
+                ) from None
             if not any(target.is_relative_to(place) for place in allowed):
                 raise SourceError(
                     f"{path} in the local source is a symbolic link to {target}, outside the "
@@ -76,6 +83,8 @@ def list_files(root: Path) -> list[str]:
                 )
         if path.is_file():
             files.append(rel.as_posix())
+        elif not path.is_dir():
+            raise SpecialFileError(path, "a FIFO, device or socket")
     return sorted(files)
 
 

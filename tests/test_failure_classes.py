@@ -1,0 +1,139 @@
+"""Every failure in its class: a machine out of memory or threads is transient (75), a host
+name that does not resolve is not (2, in seconds, with a hint), never a traceback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from loader import fs
+from loader.sources.failures import is_transient, name_resolution_failure
+from tests.runs import cli, run_argv
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [MemoryError(), RuntimeError("can't start new thread")],
+    ids=["memory", "threads"],
+)
+def test_resource_exhaustion_is_transient(tiny_checkpoint_with_tokenizer, tmp_path, capsys, exc):
+    raised = []
+
+    def exhaust(op: str, path: str) -> None:
+        if not raised and op == "open" and "/.staging/" in path:
+            raised.append(path)
+            raise exc
+
+    with fs.inject(exhaust):
+        code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, tmp_path / "root"))
+    assert raised and code == 75, err
+    assert "hint:" in err and "this is a bug" not in err, err
+    code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, tmp_path / "root"))
+    assert code == 0, err
+
+
+def _wrapped_dns_failures() -> list[BaseException]:
+    """A DNS failure as each HTTP stack raises it."""
+    import requests
+    import urllib3
+
+    gai = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    found: list[BaseException] = [gai]
+    try:
+        raise urllib3.exceptions.NameResolutionError("h", None, gai) from gai
+    except urllib3.exceptions.NameResolutionError as name:
+        retry = urllib3.exceptions.MaxRetryError(None, "/x", name)
+        found += [name, requests.exceptions.ConnectionError(retry)]
+    return found
+
+
+@pytest.mark.parametrize("exc", _wrapped_dns_failures(), ids=lambda e: type(e).__name__)
+def test_a_name_that_does_not_resolve_is_not_transient(exc):
+    assert name_resolution_failure(exc) is not None
+    assert not is_transient(exc)
+
+
+def test_a_connection_refused_stays_transient():
+    assert is_transient(ConnectionRefusedError(111, "Connection refused"))
+
+
+@pytest.mark.server
+def test_a_gcs_host_that_does_not_resolve_fails_at_once_with_a_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://no-such-host.invalid:4443")
+    argv = run_argv("gs://bucket/model", tmp_path / "root", "--retry-deadline", "120")
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "Cannot resolve the host" in err and "hint:" in err, err
+
+
+@pytest.mark.parametrize("repo", ["org/na me", "org/a..b", "-org/x"])
+def test_a_hub_id_the_hub_refuses_is_a_source_error(tmp_path, capsys, monkeypatch, repo):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # refused before any request
+    argv = run_argv(f"hf://{repo}", tmp_path / "root", "--retry-deadline", "5")
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and "repository id" in err and "hint:" in err, err
+
+
+def test_relative_paths_from_a_deleted_working_directory_are_a_typed_error(
+    tmp_path, capsys, monkeypatch
+):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, _, err = cli(capsys, *run_argv("ckpt", "root"))
+    assert code == 2 and "working directory was deleted" in err and "hint:" in err, err
+
+
+def _library_exception_classes() -> list[type[BaseException]]:
+    """Every exception class the remote sources' libraries define (generated, not listed)."""
+    import importlib
+    import inspect
+
+    modules = ["google.api_core.exceptions", "google.auth.exceptions", "requests.exceptions",
+               "urllib3.exceptions", "huggingface_hub.errors", "httpx", "httpcore"]  # fmt: skip
+    found: dict[str, type[BaseException]] = {}
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, Exception) and cls.__module__.split(".")[0] == name.split(".")[0]:
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return [found[k] for k in sorted(found)]
+
+
+def test_every_exception_class_of_the_source_libraries_has_a_class():
+    """Each is transient (retried, then 75) or typed (2): none reaches the funnel as a bug."""
+    from loader.sources.failures import Funnel
+
+    funnel = Funnel(1.0)
+    classes = _library_exception_classes()
+    assert len(classes) > 50, len(classes)
+    unmapped = []
+    for cls in classes:
+        try:
+            exc = cls.__new__(cls)
+            Exception.__init__(exc, "x")
+        except Exception:
+            continue  # cannot be made without its library: raised only by it, with its fields
+        if not is_transient(exc) and funnel.typed(exc, "gs://b/p") is None:
+            unmapped.append(f"{cls.__module__}.{cls.__qualname__}")
+    assert not unmapped, unmapped
+
+
+def test_a_value_a_library_refuses_is_a_source_error_not_a_bug():
+    from loader.sources.failures import Funnel
+
+    def refuse():
+        import urllib3.util
+
+        urllib3.util.parse_url("http://[bad")  # raises inside the library
+
+    funnel = Funnel(1.0)
+    with pytest.raises(Exception) as caught:
+        funnel(refuse, what="gs://b/p")
+    from loader.errors import SourceError
+
+    assert isinstance(caught.value, SourceError), caught.value

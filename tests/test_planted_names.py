@@ -1,0 +1,437 @@
+"""Nothing under ROOT is trusted, the loader's own trees included: at every name a run makes
+(found by running, not listed), something else is planted, and the next ``run`` and ``prune``
+neither follow it nor lose anything to it.
+
+The names come from a clean run: every path the seam of ``loader.fs`` sees under ROOT
+(``tests/faults.py``), the run's own owner tag replaced by a dead loader's (so a staging
+directory's name is a dead loader's leftover). The scenarios: a local source, ``gs://``
+fetched whole (``--no-overlap``) and overlapped, and a resume (an overlapped run killed once its
+outputs were moved into its staging directory: the names are those of the tree it left, where
+each entry is replaced). At each name, one of:
+
+* a link to a directory outside ROOT, a link to a file outside ROOT, a relative link whose
+  ``..`` leads out of ROOT;
+* a user's file, a directory holding a user's file, a FIFO (never to be read: it would block);
+* in a journal, lines naming ``..`` and paths (``moved-into ..``, an output ``../x``).
+
+A missing parent is made a directory (the loader's marker in it where the loader's would carry
+one). The property, for ``run`` and then ``prune`` (each in a forked process, with an alarm
+against a hang): exit 0 (``run``: the key a real directory under ROOT that verifies complete) or
+2/75 with an error and a hint, never a traceback; nothing outside ROOT changes; a planted entry
+is left as it was or (inside a directory carrying the loader's marker) removed whole, never
+followed or written through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader import fs
+from loader.cli import main
+from loader.repository import manifest
+from loader.repository.publish import DOWNLOAD_MARKER, STAGING_MARKER
+from tests.fault_sweep import scratch
+from tests.faults import site_here
+from tests.tiers import FAST_TIER
+
+KEY_DIR = "tiny@r1"
+KINDS = ("link-dir", "link-file", "link-up", "file", "dir", "fifo")
+HANG_S = 120
+#: An owner tag, ``<pid>-<host digest>``, as a dot-separated part of a name.
+_OWNER = re.compile(r"(?<=\.)\d+-[0-9a-f]{8}(?=\.|/|$)")
+#: Entries of one directory planted at (others of the same kind there add nothing).
+PER_DIRECTORY = 3
+
+
+def _argv(source: str, root: Path, *extra: str) -> list[str]:
+    return ["run", "--source", source, "--repository", str(root), "--model-name", "tiny",
+            "--revision", "r1", "--tp-size", "1", "--pp-size", "1", "--instance-count", "1",
+            "--lock-expiry-s", "1", "--lock-timeout-s", "5", "--retry-deadline", "5",
+            *extra]  # fmt: skip
+
+
+def _prune_argv(root: Path) -> list[str]:
+    return ["prune", "--repository", str(root), "--keep", "1", "--lock-expiry-s", "1"]
+
+
+# --- what a clean run names ------------------------------------------------------------------
+
+
+class _Paths:
+    """Every path the seam sees, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def __call__(self, op: str, path: str) -> None:
+        self.seen.extend(path.split(" -> "))
+
+
+def _names(seen: list[str], root: Path, dead: str) -> list[str]:
+    """The paths below ``root`` in ``seen``, relative, with every owner tag made ``dead``'s."""
+    found: dict[str, None] = {}
+    prefix = str(root) + os.sep
+    for path in seen:
+        if path.startswith(prefix):
+            found[_OWNER.sub(dead, path[len(prefix) :])] = None
+    return list(found)
+
+
+def _thin(names: list[str]) -> list[str]:
+    """Every name that is a parent of another, and at most :data:`PER_DIRECTORY` others of each
+    directory (the converter's many outputs are alike)."""
+    parents = {n.rsplit("/", 1)[0] for n in names if "/" in n}
+    counts: dict[str, int] = {}
+    kept = []
+    for name in names:
+        parent = name.rsplit("/", 1)[0] if "/" in name else ""
+        if name not in parents:
+            counts[parent] = counts.get(parent, 0) + 1
+            if counts[parent] > PER_DIRECTORY:
+                continue
+        kept.append(name)
+    return kept
+
+
+def _tree(root: Path) -> list[str]:
+    """Every entry under ``root``, relative, parents first."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+# --- planting ---------------------------------------------------------------------------------
+
+
+def _snapshot(path: Path) -> dict[str, str]:
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(path).as_posix()
+            if p.is_symlink():
+                found[rel] = "link:" + os.readlink(p)
+            elif p.is_fifo():
+                found[rel] = "fifo"
+            elif p.is_file():
+                found[rel] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                found[rel] = "dir"
+    return found
+
+
+def _marker_for(rel: str) -> str | None:
+    """The marker a loader's directory at ``rel`` carries (None: it carries none)."""
+    parts = rel.split("/")
+    if len(parts) == 2 and parts[0] == ".work":
+        return DOWNLOAD_MARKER
+    if len(parts) == 2 and parts[0] == ".staging":
+        return STAGING_MARKER
+    return None
+
+
+def _parents(root: Path, rel: str, key: str) -> None:
+    """Make the missing parents of ``root/rel`` directories, with the loader's marker where its
+    directory carries one."""
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        sub = "/".join(parts[:i])
+        path = root / sub
+        if os.path.lexists(path):
+            continue
+        path.mkdir()
+        marker = _marker_for(sub)
+        if marker is not None:
+            (path / marker).write_text(f"{key}\n")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _plant(root: Path, rel: str, kind: str, outside: Path, key: str) -> bool:
+    """Plant ``kind`` at ``root/rel`` (replacing what is there); False when it cannot be
+    planted there (a parent is not a directory)."""
+    path = root / rel
+    if rel.endswith(".journal") and kind == "file":
+        kind = "journal"  # a journal gets names with `..` in it instead of a user's file
+    try:
+        _parents(root, rel, key)
+    except (FileExistsError, NotADirectoryError):
+        return False
+    if kind == "journal":
+        text = path.read_text() if path.is_file() and not path.is_symlink() else "x\n"
+        hexd = "0" * 64
+        path.unlink(missing_ok=True)
+        path.write_text(text + f"../x 1 {hexd} 1 1\nmoved-into ..\nmoved-into ../../outside\n"
+                        f"moved-into {outside}/dir\n")  # fmt: skip
+        return True
+    _remove(path)
+    if kind == "link-dir":
+        path.symlink_to(outside / "dir")
+    elif kind == "link-file":
+        path.symlink_to(outside / "file.txt")
+    elif kind == "link-up":
+        depth = len(Path(rel).parts) - 1
+        path.symlink_to(Path(*([".."] * (depth + 1)), "outside", "dir"))
+    elif kind == "file":
+        path.write_text("a user's file\n")
+    elif kind == "dir":
+        path.mkdir()
+        (path / "users-data.txt").write_text("keep me\n")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    return True
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+def _forked(argv: list[str], log: Path) -> int:
+    """``model-loader argv`` in a forked copy of this process, its stdout and stderr into
+    ``log``; the exit code, or minus the signal that ended it (SIGALRM: it hung)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            signal.alarm(HANG_S)
+            out = open(log, "w")  # noqa: SIM115 - the child exits below
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            sys.stdout = sys.stderr = out
+            code = main(argv)
+            out.flush()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _typed(code: int, text: str) -> str | None:
+    if code == -signal.SIGALRM:
+        return f"hung for {HANG_S} s"
+    if code not in (0, 2, 75):
+        return f"exit {code}: {text[-600:]}"
+    if "Traceback" in text or "this is a bug" in text:
+        return f"a traceback: {text[-600:]}"
+    if code and not ("error:" in text and "hint:" in text):
+        return f"exit {code} without an error and a hint: {text[-600:]}"
+    return None
+
+
+def _left_alone(before: dict[str, str], after: dict[str, str], planted: str) -> str | None:
+    """A planted entry is as it was, or gone whole (removed with a tree carrying the loader's
+    marker): never written through or changed in place."""
+    mine = {rel: v for rel, v in before.items() if rel == planted or rel.startswith(planted + "/")}
+    if all(rel not in after for rel in mine):
+        return None
+    changed = {rel: (v, after.get(rel)) for rel, v in mine.items() if after.get(rel) != v}
+    return f"changed in place: {changed}" if changed else None
+
+
+def _case(template: Path, source: str, rel: str, kind: str, extra: tuple[str, ...]) -> str | None:
+    """Plant ``kind`` at ``rel`` in a copy of ``template``, then run and prune; what went
+    wrong, or None."""
+    with scratch() as base:
+        root, outside = base / "root", base / "outside"
+        shutil.copytree(template, root, symlinks=True)
+        (outside / "dir").mkdir(parents=True)
+        (outside / "dir" / "precious.txt").write_text("not the loader's\n")
+        (outside / "file.txt").write_text("not the loader's either\n")
+        key = f"{KEY_DIR}/{_variant(template, source)}"
+        if not _plant(root, rel, kind, outside, key):
+            return None
+        before_outside = _snapshot(outside)
+        before = _snapshot(root)
+        for argv in (_argv(source, root, *extra), _prune_argv(root)):
+            log = base / "log"
+            code = _forked(argv, log)
+            text = log.read_text(errors="replace")
+            problem = _typed(code, text)
+            if problem is not None:
+                return f"{argv[0]}: {problem}"
+            if argv[0] == "run" and code == 0:
+                published = Path(text.strip().splitlines()[-1])
+                if (
+                    published != root / key
+                    or published.is_symlink()
+                    or (root / KEY_DIR).is_symlink()
+                ):
+                    return f"published at {published}"
+                if manifest.verify(published, key=key) != []:
+                    return "published a copy that does not verify"
+        if _snapshot(outside) != before_outside:
+            return "something outside ROOT changed"
+        if kind in ("file", "journal"):  # a regular file at a name the loader writes may be
+            return None  # rewritten there (it cannot tell it from its own); never followed
+        return _left_alone(before, _snapshot(root), rel)
+
+
+_VARIANTS: dict[tuple[str, str], str] = {}
+
+
+def _variant(template: Path, source: str) -> str:
+    return _VARIANTS[(str(template), source)]
+
+
+def _sweep(template: Path, source: str, names: list[str], extra: tuple[str, ...], every: bool):
+    names = _thin(names)
+    cases = [(rel, kind) for rel in names for kind in KINDS]
+    if not every:  # a link out of ROOT at every name, and one other kind per name, turning
+        others = KINDS[1:]
+        cases = [(rel, kind) for i, rel in enumerate(names)
+                 for kind in (KINDS[0], others[i % len(others)])]  # fmt: skip
+        if FAST_TIER:
+            cases = cases[:: max(1, len(cases) // 12)]
+    assert cases
+    failures = []
+    for rel, kind in cases:
+        problem = _case(template, source, rel, kind, extra)
+        if problem is not None:
+            failures.append(f"{kind} at {rel}: {problem}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def dead() -> str:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return f"{pid}-{fs.host_digest()}"
+
+
+def _clean_names(source: str, template: Path, dead: str, extra: tuple[str, ...]) -> list[str]:
+    """The names a clean run from ``template`` makes under ROOT (owner tags made ``dead``'s),
+    and the key it publishes (kept for the cases)."""
+    with scratch() as base:
+        root = base / "root"
+        shutil.copytree(template, root, symlinks=True)
+        paths = _Paths()
+        with fs.inject(paths), contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root, *extra)) == 0
+        (published,) = (root / KEY_DIR).iterdir()
+        _VARIANTS[(str(template), source)] = published.name
+        names = _names(paths.seen, root, dead)
+    names = [n for n in names if n.split("/")[0] != KEY_DIR or n.count("/") <= 2]
+    assert any(n.startswith(".staging/") for n in names), names
+    return names
+
+
+# --- local -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def empty(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("empty") / "root"
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["each-name", "every-kind"])  # fmt: skip
+def test_local_run_at_every_name_it_makes(tiny_checkpoint_with_tokenizer, empty, dead, every):
+    source = str(tiny_checkpoint_with_tokenizer)
+    names = _clean_names(source, empty, dead, ())
+    _sweep(empty, source, names, (), every)
+
+
+# --- gs:// ------------------------------------------------------------------------------------
+
+BUCKET = "models"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    from tests.servers import GcsServer
+    from tests.tinymodels import make_sharded_checkpoint
+
+    sharded = make_sharded_checkpoint(tmp_path_factory.mktemp("sharded") / "ckpt", seed=5)
+    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    server.upload_dir(BUCKET, "org/sharded", sharded)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STORAGE_EMULATOR_HOST", server.url)
+    yield f"gs://{BUCKET}/org/sharded"
+    mp.undo()
+    server.stop()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("extra", [(), ("--no-overlap",)], ids=["overlapped", "whole"])
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["each-name", "every-kind"])  # fmt: skip
+def test_gcs_run_at_every_name_it_makes(gcs, empty, dead, extra, every):
+    names = _clean_names(gcs, empty, dead, extra)
+    assert any(n.endswith(".journal") for n in names) or extra, names
+    _sweep(empty, gcs, names, extra, every)
+
+
+class _KillAfterTheMove:
+    """Kill this process at the first file-system call after the outputs moved into staging."""
+
+    def __init__(self) -> None:
+        self.moved = False
+
+    def __call__(self, op: str, path: str) -> None:
+        if self.moved:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if op == "rename" and any(f.endswith(":move_into") for f in site_here(op)[1]):
+            self.moved = True
+
+
+@pytest.fixture(scope="module")
+def killed(gcs, tmp_path_factory) -> Path:
+    """A root an overlapped run left when it was killed right after moving its outputs into
+    its staging directory (outputs, journal, download directory, staging directory, lock)."""
+    root = tmp_path_factory.mktemp("killed") / "root"
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            with fs.inject(_KillAfterTheMove()):
+                code = main(_argv(gcs, root))
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert list(root.glob(".staging/*/fastertransformer/1/*-gpu"))
+    return root
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["each-name", "every-kind"])  # fmt: skip
+def test_resume_at_every_name_a_killed_run_left(gcs, killed, dead, every):
+    clean = _clean_names(gcs, killed, dead, ())
+    names = list(dict.fromkeys(_tree(killed) + clean))
+    assert any(n.endswith(".journal") for n in names), names
+    _sweep(killed, gcs, names, (), every)
+
+
+def test_a_journal_names_only_a_staging_directory(tmp_path):
+    """The journal's move line is one name, checked on read: ``..``, a path, NUL and empty
+    are not followed."""
+    from loader.convert.overlapped import Journal
+
+    with fs.confined(tmp_path):
+        journal = Journal(tmp_path / "out", "h")
+        for bad in ("..", "../x", "/etc", "a/b", "", "x\0y"):
+            journal.path.write_text(f"h b3\nmoved-into {bad}\n")
+            assert journal.moved_to() is None, bad
+            with pytest.raises(ValueError):
+                journal.record_move(bad)
+        journal.record_move("tiny@r1.123-abcdef01.0123456789ab")
+        assert journal.moved_to() == "tiny@r1.123-abcdef01.0123456789ab"

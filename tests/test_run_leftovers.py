@@ -1,0 +1,54 @@
+"""Small things a run gets right: a key found published still loses what an interrupted run
+left; a repository path with a line break is refused (the last line printed is the path)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from loader import fs
+from loader.cli import build_parser
+from loader.cli.run import request_from_args
+from loader.repository.key import key_filename
+from loader.repository.publish import STAGING_MARKER
+from tests.runs import cli, run_argv
+
+
+def test_a_run_that_finds_its_key_published_removes_a_dead_runs_staging(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    root = tmp_path / "root"
+    argv = run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert cli(capsys, *argv)[0] == 0
+    key = request_from_args(build_parser().parse_args(argv)).key
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    left = root / ".staging" / f"{key_filename(key)}.{proc.pid}-{fs.host_digest()}.0123456789ab"
+    (left / "fastertransformer").mkdir(parents=True)
+    (left / STAGING_MARKER).write_text(f"{key}\n")
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert not left.exists()
+    assert not (root / ".locks" / f"{key_filename(key)}.lock").exists()
+
+
+def test_an_up_to_date_run_writes_nothing_when_nothing_was_left(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    root = tmp_path / "root"
+    argv = run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert cli(capsys, *argv)[0] == 0
+    writes = []
+    with fs.inject(lambda op, path: writes.append(op) if op != "stat" and op != "open" else None):
+        assert cli(capsys, *argv)[0] == 0
+    assert [op for op in writes if op not in ("list", "read")] == []
+
+
+def test_a_repository_path_with_a_line_break_is_refused(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    root = tmp_path / "a\nb"
+    code, _, err = cli(capsys, *run_argv(tiny_checkpoint_with_tokenizer, root))
+    assert code == 2 and "line break" in err and "hint:" in err, err
+    assert not os.path.lexists(root)

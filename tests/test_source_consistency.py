@@ -1,0 +1,115 @@
+"""A source is read once and consistently: a local source replaced while it is converted is
+never published under its new fingerprint; ``gs://`` names that would alias one local file are
+refused; a FIFO, device or socket is never read; a link loop is a typed error."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loader import fs
+from loader.errors import SourceError, SpecialFileError
+from loader.repository import manifest
+from loader.sources import parse_uri
+from tests.runs import cli, published, run_argv, weights
+
+
+def _copy(source: Path, to: Path) -> Path:
+    shutil.copytree(source, to)
+    return to
+
+
+def test_a_local_source_replaced_while_converting_is_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    (weights_file,) = source.glob("*.safetensors")
+    replacement = tmp_path / "new.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-8:] = bytes(8)  # other weights, same layout
+    replacement.write_bytes(bytes(data))
+    replaced = []
+
+    def replace_once(op: str, path: str) -> None:
+        if (
+            not replaced
+            and op == "open"
+            and "/fastertransformer/1/" in path
+            and "/.staging/" in path
+        ):
+            replaced.append(path)
+            os.replace(replacement, weights_file)  # the user's upload lands meanwhile
+
+    root = tmp_path / "root"
+    with fs.inject(replace_once):
+        code, _, err = cli(capsys, *run_argv(source, root))
+    assert replaced, "the conversion never opened an output"
+    assert code == 75 and "changed while it was loading" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *run_argv(source, root))
+    assert code == 0, err
+    repo = published(root)
+    assert manifest.verify(repo) == []
+    code, out, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    assert code == 0, err
+    fresh = {p.name: p.read_bytes() for p in sorted(Path(out[-1]).iterdir())}
+    assert weights(repo) == fresh  # what was published is the source as it is now
+
+
+@pytest.mark.parametrize("where", ["config.json", "model.safetensors", "extra.bin"])
+def test_a_fifo_in_a_local_source_is_refused_never_read(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, where
+):
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    if (source / where).exists():
+        (source / where).unlink()
+    os.mkfifo(source / where)
+    code, _, err = cli(capsys, *run_argv(source, tmp_path / "root"))
+    assert code == 2 and "FIFO" in err and "hint:" in err, err
+
+
+def test_a_fifo_is_never_opened_for_reading(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SpecialFileError):
+        fs.read_file(fifo, limit=10)
+    with pytest.raises(SpecialFileError):
+        fs.open_read(fifo)
+
+
+def test_a_link_loop_in_a_local_source_is_a_typed_error(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    (source / "a").symlink_to(source / "b")
+    (source / "b").symlink_to(source / "a")
+    code, _, err = cli(capsys, *run_argv(source, tmp_path / "root"))
+    assert code == 2 and "leads nowhere" in err and "hint:" in err, err
+
+
+@pytest.mark.parametrize("name", ["p//x", "p/a//x", "p/./x", "p/../x", "p/x\0y", "p/"])
+def test_gcs_names_that_would_alias_a_local_file_are_refused(name):
+    from loader.sources.gcs import _relpath
+
+    with pytest.raises(SourceError):
+        _relpath(parse_uri("gs://bucket/p"), name)
+
+
+def test_gcs_names_map_one_to_one():
+    from loader.sources.gcs import _relpath
+
+    uri = parse_uri("gs://bucket/p")
+    assert _relpath(uri, "p/x") == "x"
+    assert _relpath(uri, "p/a/x") == "a/x"
+    assert _relpath(parse_uri("gs://bucket"), "a/x") == "a/x"
+
+
+def test_a_fifo_as_the_hub_token_file_is_refused(tmp_path):
+    from loader.sources.hf import _read_token_file
+
+    os.mkfifo(tmp_path / "token")
+    with pytest.raises(SourceError):
+        _read_token_file(str(tmp_path / "token"), "--hf-token-file")
