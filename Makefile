@@ -64,7 +64,7 @@ $(TOOLS)/bin/kube.stamp: scripts/tools/install-kube.sh $(wildcard tools/kube/*)
 	TOOLS_DIR=$(CURDIR)/$(TOOLS) scripts/tools/install-kube.sh
 
 test: install kube triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
 	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
