@@ -14,8 +14,9 @@ TRITON_VENV := .venv-triton
 export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 
 #: The pinned tools every target may use; the local control plane (install-kube.sh) is built
-#: only by the targets that start it (`make test`, `make test-e2e`, `make cluster-up`).
-TOOL_SCRIPTS := $(filter-out scripts/tools/install-kube.sh,$(sort $(wildcard scripts/tools/install-*.sh)))
+#: only by the targets that start it (`make test`, `make test-e2e`, `make cluster-up`), AIPerf
+#: (install-aiperf.sh, about 1 GB) only by `make bench-llm`.
+TOOL_SCRIPTS := $(filter-out scripts/tools/install-kube.sh scripts/tools/install-aiperf.sh,$(sort $(wildcard scripts/tools/install-*.sh)))
 PYTEST_ARGS ?=
 #: pytest-xdist workers (auto: one per CPU). A test file runs on one worker (its module's
 #: servers start once); session fixtures are built once and shared.
