@@ -120,7 +120,7 @@ def script(blocks: list[Block], ports: dict[str, int]) -> str:
             parts.append(f"echo '::not run: README line {block.line} ({block.mark})'")
             continue
         code = re.sub(r"\b(800[0-2]|8080)\b", lambda m: str(ports[m[1]]), code)
-        parts.append(f"echo '::README line {block.line}' >&2")
+        parts.append(f"printf '\\n::README line {block.line}\\n' >&2")  # on a line of its own
         parts.append(code)
     return "\n".join(parts) + "\n"
 
