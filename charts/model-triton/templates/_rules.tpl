@@ -20,7 +20,7 @@ compared, not wrapped.
 {{- $problems = append $problems (printf "model-triton: cluster.nodes x cluster.replicasPerNode = %d is more replicas than a Deployment holds (%d); lower them." $replicas $int32) -}}
 {{- end -}}
 {{- $sizes := dict "cluster.nodeAllocatable.memory" (default dict $c.nodeAllocatable).memory "triton.shmSize" $t.shmSize "loader.scratchSizeLimit" .Values.loader.scratchSizeLimit "modelRepository.persistence.size" .Values.modelRepository.persistence.size -}}
-{{- range $key, $res := dict "triton.resources" $t.resources "triton.waitForModel.resources" $t.waitForModel.resources "loader.resources" .Values.loader.resources -}}
+{{- range $key, $res := dict "triton.resources" $t.resources "triton.waitForModel.resources" $t.waitForModel.resources "loader.resources" .Values.loader.resources "openai.resources" .Values.openai.resources -}}
 {{- range $part := list "requests" "limits" -}}
 {{- range $name := list "memory" "ephemeral-storage" -}}
 {{- $_ := set $sizes (printf "%s.%s.%s" $key $part $name) (dig $part $name "" (default dict $res)) -}}
