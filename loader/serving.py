@@ -65,6 +65,11 @@ LOG_TAIL_LINES = 80
 PORT_ATTEMPTS = 3
 #: What Triton logs when it cannot bind a port.
 PORT_IN_USE = "already in use"
+#: What Triton logs when SIGTERM's wait for open connections and requests ran out
+#: (``src/main.cc``); it then exits 1.
+EXIT_TIMEOUT_EXPIRED = "Exit timeout expired"
+#: What it counts down for, one line a second (``Timeout 12: Found 1 HTTP service connections``).
+_WAITED_FOR = re.compile(r"Timeout \d+: Found (\d+ [^\n\"]+)")
 #: Triton's log lines that name why it stopped, most telling first.
 _CAUSES = (
     re.compile(r"failed to start .*already in use.*|Socket .* already in use.*"),
@@ -412,6 +417,9 @@ class TritonServer:
         exit_timeout = _last_value(self.pod_args, "--exit-timeout-secs")
         #: Triton's default is 30 s (``src/command_line_parser.cc``).
         self.exit_timeout_secs = int(exit_timeout) if exit_timeout else 30
+        #: True once a stop found Triton exiting only because its exit timeout expired.
+        self.exit_timed_out = False
+        self.exit_waited_for = ""
         self.log_verbose = log_verbose
         self._work_dir: Path | None = None
         self._log_path = Path(log_path) if log_path else None
@@ -723,6 +731,18 @@ class TritonServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        text = self.log_text() if process is not None else ""
+        if EXIT_TIMEOUT_EXPIRED in text:
+            self.exit_timed_out = True
+            waited = sorted({m[1] for m in _WAITED_FOR.finditer(text) if not m[1].startswith("0 ")})
+            self.exit_waited_for = "; ".join(waited) or "what it waited for is in its log"
+            log.warning(
+                "tritonserver waited its whole --exit-timeout-secs=%s before exiting (it found %s): "
+                "a client kept an HTTP connection or a request open (on SIGTERM Triton waits for "
+                "both); close clients before stopping the server",
+                self.exit_timeout_secs,
+                self.exit_waited_for,
+            )
 
     def cleanup(self) -> None:
         """Remove the temporary backend directory (the log too, unless a path was given)."""

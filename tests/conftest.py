@@ -27,6 +27,37 @@ from tests.tiers import FAST_TIER
 #: Fixtures of the fault-injection sweep (its templates, the GCS emulator it fetches from).
 pytest_plugins = ["tests.fault_sweep"]
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _triton_stops_without_waiting_out_its_exit_timeout() -> Iterator[None]:
+    """A test that leaves a client's HTTP connection open makes Triton wait its whole
+    ``--exit-timeout-secs`` (40 s with the chart's values) at every stop: the stop that found
+    one fails, naming the server, so the test closes its clients instead. A wait for a model
+    still answering a request (a stream a test left) is reported as a warning."""
+    import warnings
+
+    from loader.serving import TritonServer
+
+    stop = TritonServer.stop
+
+    def checked(self: TritonServer) -> None:
+        stop(self)
+        if not self.exit_timed_out:
+            return
+        self.exit_timed_out = False
+        message = (
+            f"tritonserver for {self.repository} waited out its exit timeout "
+            f"({self.exit_timeout_secs} s; it found {self.exit_waited_for})"
+        )
+        if "HTTP service connection" in self.exit_waited_for:
+            pytest.fail(f"{message}: close every HTTP client before the server stops", False)
+        warnings.warn(message, stacklevel=2)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonServer, "stop", checked)
+        yield
+
+
 #: Text the tiny test tokenizers are trained on.
 TOKENIZER_CORPUS = [
     "def is_even(n: int) -> bool:\n    return n % 2 == 0\n",

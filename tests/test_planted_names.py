@@ -43,6 +43,10 @@ from tests.fault_sweep import scratch
 from tests.faults import site_here
 from tests.tiers import FAST_TIER
 
+#: Every kind at every name: ``make test-faults`` (about 9 min on one core). ``make test`` plants
+#: a link out of ROOT at every name and one other kind per name, in turn.
+EVERY_KIND = [pytest.mark.exhaustive, pytest.mark.slow]
+
 KEY_DIR = "tiny@r1"
 KINDS = ("link-dir", "link-file", "link-up", "file", "dir", "fifo")
 HANG_S = 120
@@ -338,7 +342,7 @@ def empty(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
                          ids=["each-name", "every-kind"])  # fmt: skip
 def test_local_run_at_every_name_it_makes(tiny_checkpoint_with_tokenizer, empty, dead, every):
     source = str(tiny_checkpoint_with_tokenizer)
@@ -368,7 +372,7 @@ def gcs(tmp_path_factory):
 
 @pytest.mark.server
 @pytest.mark.parametrize("extra", [(), ("--no-overlap",)], ids=["overlapped", "whole"])
-@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
                          ids=["each-name", "every-kind"])  # fmt: skip
 def test_gcs_run_at_every_name_it_makes(gcs, empty, dead, extra, every):
     names = _clean_names(gcs, empty, dead, extra)
@@ -412,7 +416,7 @@ def killed(gcs, tmp_path_factory) -> Path:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
                          ids=["each-name", "every-kind"])  # fmt: skip
 def test_resume_at_every_name_a_killed_run_left(gcs, killed, dead, every):
     clean = _clean_names(gcs, killed, dead, ())

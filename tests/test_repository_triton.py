@@ -37,7 +37,8 @@ def server(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr
     with TritonServer(proc.stdout.splitlines()[-1]) as triton:
-        yield httpclient.InferenceServerClient(triton.http_url)
+        with httpclient.InferenceServerClient(triton.http_url) as client:
+            yield client
 
 
 def _input(name: str, value, dtype: str) -> httpclient.InferInput:
