@@ -64,7 +64,10 @@ kube: $(TOOLS)/bin/kube.stamp ## the local Kubernetes control plane (.tools/bin/
 $(TOOLS)/bin/kube.stamp: scripts/tools/install-kube.sh $(wildcard tools/kube/*)
 	TOOLS_DIR=$(CURDIR)/$(TOOLS) scripts/tools/install-kube.sh
 
-test: install kube triton-venv ## run every test, in parallel (TEST_WORKERS=auto)
+#: The control plane's Go build is CPU-bound, the virtualenvs and tools mostly download and
+#: unpack: `make test` builds them side by side (their lines interleave, each names its step).
+test: ## run every test, in parallel (TEST_WORKERS=auto)
+	@$(MAKE) --no-print-directory -j3 install kube triton-venv
 	$(PYTEST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow

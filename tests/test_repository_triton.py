@@ -36,9 +36,11 @@ def server(tiny_checkpoint_with_tokenizer: Path, tmp_path_factory):
         [sys.executable, "-m", "loader", *argv], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    with TritonServer(proc.stdout.splitlines()[-1]) as triton:
-        with httpclient.InferenceServerClient(triton.http_url) as client:
-            yield client
+    with (
+        TritonServer(proc.stdout.splitlines()[-1]) as triton,
+        httpclient.InferenceServerClient(triton.http_url) as client,
+    ):
+        yield client
 
 
 def _input(name: str, value, dtype: str) -> httpclient.InferInput:
