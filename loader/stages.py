@@ -3,10 +3,11 @@
 Off unless :func:`enable` was called (``MODEL_LOADER_PROFILE=FILE``, read by the command
 line): then ``with stages.stage("write", nbytes):`` adds the block's wall time
 (``time.perf_counter``), the CPU time of the thread that ran it (``time.thread_time``), its
-page faults (``getrusage(RUSAGE_THREAD)``: the fault-in of memory-mapped source pages), one
-call and ``nbytes`` to the stage's totals, and the totals are written to ``FILE`` as JSON
+page faults (``getrusage(RUSAGE_THREAD)``: the fault-in of memory-mapped source pages), the
+time it was runnable but queued for a CPU (``/proc/thread-self/schedstat``: a busy machine),
+one call and ``nbytes`` to the stage's totals, and the totals are written to ``FILE`` as JSON
 when the process exits. Wall minus CPU is time the thread spent waiting (on the disk, a page
-fault read in from storage, a lock, the GIL, the network). Off, :func:`stage` returns one
+fault read in from storage, a lock, the GIL, the network) or queued for a CPU. Off, :func:`stage` returns one
 shared object whose ``__enter__`` and ``__exit__`` do nothing, so the call sites cost next to
 nothing; the stages are coarse (one per chunk of megabytes, never per element).
 
@@ -38,7 +39,7 @@ class _Off:
 
 _OFF = _Off()
 _lock = threading.Lock()
-#: stage -> [wall seconds, CPU seconds, calls, bytes, page faults]
+#: stage -> [wall seconds, CPU seconds, calls, bytes, page faults, seconds queued for a CPU]
 _totals: dict[str, list[float]] = {}
 _enabled = False
 _started_wall = 0.0
@@ -52,20 +53,32 @@ def _faults() -> int:
     return usage.ru_minflt + usage.ru_majflt
 
 
+def _runqueue_wait() -> float:
+    """Seconds the calling thread spent runnable but waiting for a CPU (the scheduler's
+    statistics; 0 where the kernel keeps none)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class _Timed:
-    __slots__ = ("cpu", "faults", "name", "nbytes", "wall")
+    __slots__ = ("cpu", "faults", "name", "nbytes", "queued", "wall")
 
     def __init__(self, name: str, nbytes: int) -> None:
         self.name, self.nbytes = name, nbytes
 
     def __enter__(self) -> None:
         self.faults = _faults()
+        self.queued = _runqueue_wait()
         self.wall = time.perf_counter()
         self.cpu = time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
         wall, cpu = time.perf_counter() - self.wall, time.thread_time() - self.cpu
-        add(self.name, wall, cpu, self.nbytes, _faults() - self.faults)
+        queued = _runqueue_wait() - self.queued
+        add(self.name, wall, cpu, self.nbytes, _faults() - self.faults, queued)
 
 
 def stage(name: str, nbytes: int = 0) -> _Off | _Timed:
@@ -77,25 +90,35 @@ def enabled() -> bool:
     return _enabled
 
 
-def add(name: str, wall: float, cpu: float = 0.0, nbytes: int = 0, faults: int = 0) -> None:
+def add(
+    name: str, wall: float, cpu: float = 0.0, nbytes: int = 0, faults: int = 0, queued: float = 0.0
+) -> None:
     """Add a measured interval to ``name``'s totals (when enabled)."""
     if not _enabled:
         return
     with _lock:
-        row = _totals.setdefault(name, [0.0, 0.0, 0, 0, 0])
+        row = _totals.setdefault(name, [0.0, 0.0, 0, 0, 0, 0.0])
         row[0] += wall
         row[1] += cpu
         row[2] += 1
         row[3] += nbytes
         row[4] += faults
+        row[5] += queued
 
 
 def snapshot() -> dict:
     """The totals so far, with the process's own wall and CPU seconds since :func:`enable`."""
     with _lock:
         rows = {
-            name: {"wall_s": w, "cpu_s": c, "calls": int(n), "bytes": int(b), "faults": int(f)}
-            for name, (w, c, n, b, f) in _totals.items()
+            name: {
+                "wall_s": w,
+                "cpu_s": c,
+                "calls": int(n),
+                "bytes": int(b),
+                "faults": int(f),
+                "queued_s": q,
+            }
+            for name, (w, c, n, b, f, q) in _totals.items()
         }
     return {
         "process": {
