@@ -63,15 +63,23 @@ def timed(name: str, argv: list[str], env: dict, cwd: Path, profile: Path | None
         profile.unlink(missing_ok=True)
         env["MODEL_LOADER_PROFILE"] = str(profile)
     subprocess.run(["sync"], check=True)
+    io = machine.pressure("io")
     run = machine.measured(argv, env=env, cwd=cwd)
     if run.returncode != 0:
         raise SystemExit(f"{name} failed ({run.returncode}):\n{run.stderr[-3000:]}")
     stages = json.loads(profile.read_text()) if profile is not None else None
     print(
-        f"  {name:<28} {run.seconds:7.2f} s {run.cpu_s:6.2f} CPU s   load {run.load:4.1f}",
+        f"  {name:<28} {run.seconds:7.2f} s {run.cpu_s:6.2f} CPU s   load {run.load:4.1f}"
+        f"   io pressure {io if io is not None else '-'} %",
         flush=True,
     )
-    return {"seconds": run.seconds, "cpu_s": run.cpu_s, "load": run.load, "stages": stages}
+    return {
+        "seconds": run.seconds,
+        "cpu_s": run.cpu_s,
+        "load": run.load,
+        "io_pressure": io,
+        "stages": stages,
+    }
 
 
 def fresh(path: Path) -> Path:
@@ -85,7 +93,8 @@ def stage_table(result: dict, gigabytes: float) -> list[str]:
     prof = result["stages"]
     lines = [
         f"process: {result['seconds']:.2f} s wall (from exec to exit), {result['cpu_s']:.2f} CPU s "
-        f"({result['cpu_s'] / gigabytes:.2f} CPU s/GB), load {result['load']:.1f} at its start; "
+        f"({result['cpu_s'] / gigabytes:.2f} CPU s/GB), load {result['load']:.1f} and io pressure "
+        f"{result['io_pressure']} % at its start; "
         f"inside `main`: {prof['process']['wall_s']:.2f} s wall, "
         f"{prof['process']['cpu_s']:.2f} CPU s",
         f"start-up and exit (imports, unmapping, outside `main`): "
@@ -101,7 +110,7 @@ def stage_table(result: dict, gigabytes: float) -> list[str]:
         rate = f"{mb / row['wall_s']:.0f}" if mb and row["wall_s"] > 0 else ""
         lines.append(
             f"| {name} | {row['calls']} | {mb:.0f} | {row['wall_s']:.3f} | {row['cpu_s']:.3f} | "
-            f"{row['queued_s']:.3f} | {row['wall_s'] - row['cpu_s'] - row['queued_s']:.3f} | "
+            f"{row['queued_s']:.3f} | {max(0.0, row['wall_s'] - row['cpu_s'] - row['queued_s']):.3f} | "
             f"{row['faults']} | {rate} |"
         )
     return lines
@@ -322,14 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += [
         "",
-        "| command | fastest s | CPU s (its round) | CPU s/GB | load |",
-        "|---|---:|---:|---:|---:|",
+        "| command | fastest s | CPU s (its round) | CPU s/GB | load | io pressure % |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in best.items():
         gb = convert_bytes / 1e9 if name in ("cp", conv, f"{conv} [baseline]") else cs_gb
         lines.append(
             f"| {name} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] / gb:.2f} | "
-            f"{r['load']:.1f} |"
+            f"{r['load']:.1f} | {r['io_pressure']} |"
         )
     for name in (conv, "fetch (GCS)", "convert (local copy)", "run (overlapped)"):
         gb = convert_bytes / 1e9 if name == conv else cs_gb
