@@ -7,8 +7,9 @@ that is renamed into place only when everything succeeded.
   its ``.partial`` directory (never a ``<T>-gpu``); the next run names it in a warning.
 * :func:`write_outputs` writes :class:`~loader.convert.splits.OutputFile` s with a small thread
   pool (the transposes, casts and writes release the GIL). Each job holds at most one chunk
-  buffer (``chunk_bytes``) plus, for CodeGen's row selections, one gathered block, so the
-  anonymous memory in flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
+  buffer (``chunk_bytes``) plus, for CodeGen's row selections, the gathered blocks of one chunk
+  (each thread reuses its buffers: fresh pages cost a fault each), so the anonymous memory in
+  flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
   the source tensors are memory-mapped views, not copies. A file that is a plain run of source
   bytes (a replicated tensor kept in its dtype, from safetensors) is copied by the kernel with
   ``copy_file_range``, like ``cp`` does.
