@@ -7,9 +7,10 @@ page faults (``getrusage(RUSAGE_THREAD)``: the fault-in of memory-mapped source 
 time it was runnable but queued for a CPU (``/proc/thread-self/schedstat``: a busy machine),
 one call and ``nbytes`` to the stage's totals, and the totals are written to ``FILE`` as JSON
 when the process exits. Wall minus CPU is time the thread spent waiting (on the disk, a page
-fault read in from storage, a lock, the GIL, the network) or queued for a CPU. Off, :func:`stage` returns one
-shared object whose ``__enter__`` and ``__exit__`` do nothing, so the call sites cost next to
-nothing; the stages are coarse (one per chunk of megabytes, never per element).
+fault read in from storage, a lock, the GIL, the network) or queued for a CPU. Off,
+:func:`stage` returns one shared object whose ``__enter__`` and ``__exit__`` do nothing, so the
+call sites cost next to nothing; the stages are coarse (one per chunk of megabytes, never per
+element).
 
 Several threads may be in the same stage at once: a stage's wall seconds are then the sum over
 the threads, which can exceed the process's wall time (two writers writing for one second

@@ -128,10 +128,12 @@ def stage_table(result: dict, gigabytes: float) -> list[str]:
     rows = sorted(prof["stages"].items(), key=lambda kv: -kv[1]["wall_s"])
     for name, row in rows:
         mb = row["bytes"] / 1e6
+        # the counters are read at slightly different instants: a few ms below 0 is 0
+        blocked = max(0.0, row["wall_s"] - row["cpu_s"] - row["queued_s"])
         rate = f"{mb / row['wall_s']:.0f}" if mb and row["wall_s"] > 0 else ""
         lines.append(
             f"| {name} | {row['calls']} | {mb:.0f} | {row['wall_s']:.3f} | {row['cpu_s']:.3f} | "
-            f"{row['queued_s']:.3f} | {max(0.0, row['wall_s'] - row['cpu_s'] - row['queued_s']):.3f} | "
+            f"{row['queued_s']:.3f} | {blocked:.3f} | "
             f"{row['faults']} | {rate} |"
         )
     return lines

@@ -81,9 +81,25 @@ class OutputFile:
 _gathered = threading.local()
 
 
+def _runs(index: np.ndarray) -> list[tuple[int, int, int]]:
+    """``index`` as runs of consecutive rows: (position in ``index``, first row, length)."""
+    breaks = np.flatnonzero(np.diff(index) != 1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(index)]
+    return [(s, int(index[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+#: A selection in more runs than this is gathered by NumPy's fancy indexing (a temporary copy).
+MAX_RUNS = 64
+
+
 def _gather_rows(a: np.ndarray, index: np.ndarray, slot: int) -> np.ndarray:
-    """``a[index]`` (rows of a 2-D view) into this thread's reusable buffer ``slot``: a fresh
-    array per chunk would cost a page fault per page, every chunk."""
+    """``a[index]`` (rows of a 2-D view) into this thread's reusable buffer ``slot``, run by
+    run of consecutive rows (CodeGen's Q, K, V are 4 runs each): a fresh array per chunk would
+    cost a page fault per page, every chunk, and ``np.take`` first copies all of ``a``."""
+    runs = _runs(index)
+    if len(runs) > MAX_RUNS:
+        return a[index]
     shape = (len(index), a.shape[1])
     nbytes = math.prod(shape) * a.itemsize
     buffers = getattr(_gathered, "buffers", None)
@@ -93,7 +109,8 @@ def _gather_rows(a: np.ndarray, index: np.ndarray, slot: int) -> np.ndarray:
     if buf is None or buf.nbytes < nbytes:
         buf = buffers[slot] = np.empty(nbytes, np.uint8)
     out = buf[:nbytes].view(a.dtype).reshape(shape)
-    np.take(a, index, axis=0, out=out, mode="clip")  # the indices are the plan's: in range
+    for at, first, count in runs:
+        np.copyto(out[at : at + count], a[first : first + count])
     return out
 
 
