@@ -24,7 +24,7 @@ TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help install venv triton-venv tools helm kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
-        bench-fetch bench-coldstart bench-serving bench-completions bench-llm \
+        bench-fetch bench-coldstart bench-profile bench-serving bench-completions bench-llm \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -105,7 +105,7 @@ BENCH_BASELINE ?=
 BENCH_FLAGS = $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT) --overwrite)
 BASELINE_FLAGS = $(if $(BENCH_BASELINE),--baseline $(BENCH_BASELINE))
 
-bench: bench-convert bench-fetch bench-coldstart bench-serving bench-completions bench-llm ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
+bench: bench-convert bench-fetch bench-coldstart bench-profile bench-serving bench-completions bench-llm ## every benchmark (BENCH_OUTPUT=bench/results replaces the committed results)
 
 bench-convert: install ## converter throughput vs cp (efficiency), CPU s per GB, peak memory, load (a missed goal is explained; make goes on)
 	$(BIN)/python scripts/bench_convert.py $(BENCH_FLAGS) $(BASELINE_FLAGS) || [[ $$? == 3 ]]
@@ -115,6 +115,9 @@ bench-fetch: install ## GCS download: plain single stream vs the loader
 
 bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequential and overlapped; time, CPU s per GB, overlap efficiency, disk, load
 	$(BIN)/python scripts/bench_coldstart.py $(BENCH_FLAGS) $(BASELINE_FLAGS)
+
+bench-profile: install ## where convert's and the overlapped run's time goes, stage by stage (wall, CPU, queued, blocked, faults), ratios to cp and to the slowest stage, py-spy's top functions
+	$(BIN)/python scripts/bench_profile.py $(BENCH_FLAGS)
 
 bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most)
 	$(BIN)/python scripts/bench --serving-experiment $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/serving --overwrite)

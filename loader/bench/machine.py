@@ -35,6 +35,18 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def pressure(resource: str) -> float | None:
+    """The share of the last 10 s in which some task waited for ``resource`` ("io", "cpu",
+    "memory"; the kernel's pressure stall information), in percent; None where it keeps none.
+    A disk saturated by another workload shows here when the load average hides it."""
+    try:
+        with open(f"/proc/pressure/{resource}") as fh:
+            first = fh.readline().split()
+        return float(dict(f.split("=") for f in first[1:])["avg10"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def describe() -> dict[str, object]:
     """The machine in a few fields (written beside every result)."""
     return {

@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
-from loader import __version__
+from loader import __version__, stages
 from loader.errors import LoaderError, ResourceExhaustedError, typed_os_error
 from loader.limits import Limit, SettingError
 
@@ -344,4 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
         return report(exc)
+    profile = os.environ.get("MODEL_LOADER_PROFILE", "").strip()
+    if (
+        profile
+    ):  # stage-by-stage wall and CPU seconds, as JSON, at exit (docs/conversion-profile.md)
+        stages.enable(profile)
     return run_command(args.func, args)

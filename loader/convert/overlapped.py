@@ -34,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loader import digest, fs
+from loader import digest, fs, stages
 from loader.checkpoint import OPENERS, Checkpoint
 from loader.fs import Dir
 from loader.progress import Progress
@@ -236,7 +236,7 @@ class OverlappedConversion:
     def admit(self, rel: str) -> bool:
         """Wait until ``rel`` may start downloading (True); False after :data:`ADMIT_WAIT_S`
         without a change (asked again). A failed write is raised here."""
-        with self._cond:
+        with self._cond, stages.stage("fetch waits in admit"):
             self._raise_if_failed()
             admitted = self._cond.wait_for(
                 lambda: self._error is not None or self.schedule.may_admit(rel), ADMIT_WAIT_S
@@ -248,9 +248,11 @@ class OverlappedConversion:
         """``rel`` arrived at ``path``, verified: check it, write what it completes."""
         if not self.schedule.reads(rel):
             return
-        shard = OPENERS[self.plan.inventory.layout.name](path)
+        with stages.stage("open + map + check shard"):
+            shard = OPENERS[self.plan.inventory.layout.name](path)
         try:
-            self.plan.check_file(rel, shard.infos())
+            with stages.stage("open + map + check shard"):
+                self.plan.check_file(rel, shard.infos())
             with self._cond:
                 self._raise_if_failed()
                 self._shards.add(shard, only=self.plan.expected)
@@ -268,8 +270,9 @@ class OverlappedConversion:
         """Delete the shards ``step`` releases and start the outputs it makes ready (lock held)."""
         for rel in step.delete:
             shard = self._shards.remove(rel)
-            shard.close()
-            fs.unlink(shard.path)
+            with stages.stage("unmap + delete shard"):
+                shard.close()
+                fs.unlink(shard.path)
         outputs = {out.name: out for out in self.plan.outputs if out.name in step.write}
         for name in step.write:
             self._pool.submit(self._write, outputs[name])
@@ -283,7 +286,8 @@ class OverlappedConversion:
                 algorithm=digest.DEFAULT,
             )  # fmt: skip
             assert hexdigest is not None
-            _start_writeback(self.out_dir / out.name)
+            with stages.stage("start writeback (fadvise)"):
+                _start_writeback(self.out_dir / out.name)
             with self._cond:
                 self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
@@ -297,8 +301,10 @@ class OverlappedConversion:
         """fsync a written output, then journal it (one thread: the disk writes back while
         the writers go on)."""
         try:
-            fs.fsync_path(self.out_dir / name)
-            self._journal.record(name, size, digest)
+            with stages.stage("fsync output", size):
+                fs.fsync_path(self.out_dir / name)
+            with stages.stage("journal"):
+                self._journal.record(name, size, digest)
             with self._cond:
                 self._syncing -= 1
                 self._cond.notify_all()
@@ -323,7 +329,7 @@ class OverlappedConversion:
     def finish(self) -> ConvertResult:
         """Wait for the last outputs and write config.ini (after the fetch returned). The
         outputs stay in ``out_dir`` with their journal until :meth:`move_into`."""
-        with self._cond:
+        with self._cond, stages.stage("wait for the last outputs"):
             while self._error is None and not (self.schedule.finished and not self._syncing):
                 missing = self.schedule.missing()
                 if missing:
@@ -331,7 +337,8 @@ class OverlappedConversion:
                 self._cond.wait()
             self._raise_if_failed()
         ini = self.plan.config_ini()
-        fs.write_file(self.out_dir / CONFIG_INI, ini, sync=True)
+        with stages.stage("config.ini"):
+            fs.write_file(self.out_dir / CONFIG_INI, ini, sync=True)
         digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
         return ConvertResult.since(self.started, self.out_dir, self.plan, digests)
 
@@ -345,7 +352,8 @@ class OverlappedConversion:
         staging = staging_name(final)
         if staging is not None:
             self._journal.record_move(staging)
-        fs.rename(self.out_dir, final)
+        with stages.stage("move into staging"):
+            fs.rename(self.out_dir, final)
         return ConvertResult(final, result.plan, result.digests, result.seconds)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from loader import digest, fs
+from loader import digest, fs, stages
 from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
 from loader.parallel import Parallelism
@@ -132,7 +132,8 @@ def convert_planned(
     _check_output_dir(output_dir)
     if final.exists() and not overwrite:
         raise OutputExistsError(f"{final} already exists.")
-    plan, ckpt = open_planned(plan)
+    with stages.stage("open + map + check headers"):
+        plan, ckpt = open_planned(plan)
     with ckpt:
         total = plan.total_bytes
         _check_free_space(output_dir, total + reserve_bytes)
@@ -145,7 +146,10 @@ def convert_planned(
         with atomic_directory(final, overwrite=overwrite) as tmp:
             ini = plan.config_ini()
             fs.write_file(tmp / CONFIG_INI, ini)
-            with byte_progress(f"convert {final.name}", total) as progress:
+            with (
+                byte_progress(f"convert {final.name}", total) as progress,
+                stages.stage("write outputs (all writers, wall of the pool)"),
+            ):
                 digests = write_outputs(
                     plan.outputs, ckpt, tmp, dtype=plan.np_dtype, progress=progress,
                     workers=default_workers(workers), chunk_bytes=chunk_bytes,

@@ -17,6 +17,7 @@ chunks, rank r gets chunk r); architecture modules only name the tensors and pic
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,12 +35,16 @@ class Part:
     row_offset: int = 0
     transposed: bool = False
 
-    def block(self, src: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of this part (a view whenever ``select`` is a slice)."""
+    def block(self, src: np.ndarray, start: int, stop: int, *, slot: int = 0) -> np.ndarray:
+        """Rows ``start:stop`` of this part (a view whenever ``select`` is a slice). A row
+        selection of a transposed part is gathered into this thread's scratch buffer number
+        ``slot``, valid until the thread's next gather into the same slot."""
         a = src.reshape(-1, 1) if src.ndim == 1 else src
         rows = slice(self.row_offset + start, self.row_offset + stop)
         select = slice(None) if self.select is None else self.select
         if self.transposed:
+            if isinstance(select, np.ndarray):
+                return _gather_rows(a[:, rows], select, slot).T
             return a[select, rows].T
         return a[rows, select]
 
@@ -68,8 +73,45 @@ class OutputFile:
         return math.prod(self.shape) * itemsize
 
     def blocks(self, tensors: dict[str, np.ndarray], start: int, stop: int) -> list[np.ndarray]:
-        """The column blocks of rows ``start:stop``, left to right, each (stop-start, cols)."""
-        return [p.block(tensors[p.source], start, stop) for p in self.parts]
+        """The column blocks of rows ``start:stop``, left to right, each (stop-start, cols);
+        a gathered block is valid until this thread's next call."""
+        return [p.block(tensors[p.source], start, stop, slot=i) for i, p in enumerate(self.parts)]
+
+
+_gathered = threading.local()
+
+
+def _runs(index: np.ndarray) -> list[tuple[int, int, int]]:
+    """``index`` as runs of consecutive rows: (position in ``index``, first row, length)."""
+    breaks = np.flatnonzero(np.diff(index) != 1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(index)]
+    return [(s, int(index[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+#: A selection in more runs than this is gathered by NumPy's fancy indexing (a temporary copy).
+MAX_RUNS = 64
+
+
+def _gather_rows(a: np.ndarray, index: np.ndarray, slot: int) -> np.ndarray:
+    """``a[index]`` (rows of a 2-D view) into this thread's reusable buffer ``slot``, run by
+    run of consecutive rows (CodeGen's Q, K, V are 4 runs each): a fresh array per chunk would
+    cost a page fault per page, every chunk, and ``np.take`` first copies all of ``a``."""
+    runs = _runs(index)
+    if len(runs) > MAX_RUNS:
+        return a[index]
+    shape = (len(index), a.shape[1])
+    nbytes = math.prod(shape) * a.itemsize
+    buffers = getattr(_gathered, "buffers", None)
+    if buffers is None:
+        buffers = _gathered.buffers = {}
+    buf = buffers.get(slot)
+    if buf is None or buf.nbytes < nbytes:
+        buf = buffers[slot] = np.empty(nbytes, np.uint8)
+    out = buf[:nbytes].view(a.dtype).reshape(shape)
+    for at, first, count in runs:
+        np.copyto(out[at : at + count], a[first : first + count])
+    return out
 
 
 def contiguous(index: Sequence[int] | np.ndarray) -> Selection:

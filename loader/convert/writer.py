@@ -7,8 +7,9 @@ that is renamed into place only when everything succeeded.
   its ``.partial`` directory (never a ``<T>-gpu``); the next run names it in a warning.
 * :func:`write_outputs` writes :class:`~loader.convert.splits.OutputFile` s with a small thread
   pool (the transposes, casts and writes release the GIL). Each job holds at most one chunk
-  buffer (``chunk_bytes``) plus, for CodeGen's row selections, one gathered block, so the
-  anonymous memory in flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
+  buffer (``chunk_bytes``) plus, for CodeGen's row selections, the gathered blocks of one chunk
+  (each thread reuses its buffers: fresh pages cost a fault each), so the anonymous memory in
+  flight is about ``workers x 2 x chunk_bytes`` whatever the model size:
   the source tensors are memory-mapped views, not copies. A file that is a plain run of source
   bytes (a replicated tensor kept in its dtype, from safetensors) is copied by the kernel with
   ``copy_file_range``, like ``cp`` does.
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from loader import digest as digests
-from loader import fs
+from loader import fs, stages
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
 from loader.errors import CheckpointError, OutputExistsError
 from loader.fs import Dir
@@ -74,6 +75,32 @@ def _remove_tree(path: Path) -> None:
         parent.remove_tree(path.name)
 
 
+def _put_in_place(tmp: Path, final: Path, token: str, *, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``final`` (replacing it, atomically, with ``overwrite``)."""
+    parent = final.parent
+    if final.exists():
+        if not overwrite:
+            raise OutputExistsError(f"{final} already exists.")
+        old = parent / f".{final.name}.old-{token}"
+        fs.rename(final, old)
+        try:
+            fs.rename(tmp, final)
+        except BaseException:
+            fs.rename(old, final)  # put the previous conversion back
+            raise
+        _remove_tree(old)
+    else:
+        try:
+            with Dir.open(parent) as d:
+                d.rename(tmp.name, d, final.name, how="noreplace")
+        except OSError as exc:  # another run published the same directory meanwhile
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise OutputExistsError(f"{final} was created by another run meanwhile.") from exc
+            if exc.errno not in fs.NO_RENAMEAT2:
+                raise
+            fs.rename(tmp, final)
+
+
 @contextmanager
 def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds.
@@ -92,29 +119,8 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
         with Dir.open(parent) as d:
             d.mkdir(tmp.name)
         yield tmp
-        if final.exists():
-            if not overwrite:
-                raise OutputExistsError(f"{final} already exists.")
-            old = parent / f".{final.name}.old-{token}"
-            fs.rename(final, old)
-            try:
-                fs.rename(tmp, final)
-            except BaseException:
-                fs.rename(old, final)  # put the previous conversion back
-                raise
-            _remove_tree(old)
-        else:
-            try:
-                with Dir.open(parent) as d:
-                    d.rename(tmp.name, d, final.name, how="noreplace")
-            except OSError as exc:  # another run published the same directory meanwhile
-                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise OutputExistsError(
-                        f"{final} was created by another run meanwhile."
-                    ) from exc
-                if exc.errno not in fs.NO_RENAMEAT2:
-                    raise
-                fs.rename(tmp, final)
+        with stages.stage("rename into place"):
+            _put_in_place(tmp, final, token, overwrite=overwrite)
     except BaseException:
         with suppress(OSError):
             _remove_tree(tmp)
@@ -159,7 +165,9 @@ def write_file(
     written = 0
     digest = None if algorithm is None else digests.new(algorithm)
     path = Path(directory) / out.name
-    with fs.create(path) as fh:
+    with stages.stage("open output"):
+        fh = fs.create(path)
+    with fh:
         span = _byte_span(out, ckpt, dtype) if digest is None else None
         if span is not None and _copy_in_kernel(
             span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
@@ -169,7 +177,8 @@ def write_file(
             if stop is not None and stop.is_set():
                 raise _Stopped
             stop_row = min(out.rows, start + step)
-            blocks = out.blocks(tensors, start, stop_row)
+            with stages.stage("split (views)"):
+                blocks = out.blocks(tensors, start, stop_row)
             direct = blocks[0]
             if (
                 len(blocks) == 1
@@ -182,13 +191,16 @@ def write_file(
                 nbytes = (stop_row - start) * row_bytes
                 data = _chunk_buffer(nbytes).view(dtype).reshape(stop_row - start, -1)
                 col = 0
-                for block, src_dtype in zip(blocks, source_dtypes, strict=True):
-                    width = block.shape[1]
-                    copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
-                    col += width
-            fs.write_fd(fh.fileno(), data, path)
+                with stages.stage("fault-in + cast/transpose", nbytes):
+                    for block, src_dtype in zip(blocks, source_dtypes, strict=True):
+                        width = block.shape[1]
+                        copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
+                        col += width
+            with stages.stage("write" if data is not direct else "fault-in + write", data.nbytes):
+                fs.write_fd(fh.fileno(), data, path)
             if digest is not None:  # the buffer just written, not a copy read back
-                digest.update(memoryview(data).cast("B"))
+                with stages.stage("digest", data.nbytes):
+                    digest.update(memoryview(data).cast("B"))
             written += data.nbytes
             progress.update(data.nbytes)
             del data, blocks, direct
@@ -232,8 +244,9 @@ def _copy_in_kernel(
             if stop is not None and stop.is_set():
                 raise _Stopped
             try:
-                n = fs.copy_range(src.fileno(), fh.fileno(), min(step, nbytes - done),
-                                  offset + done, path)  # fmt: skip
+                with stages.stage("copy_file_range", min(step, nbytes - done)):
+                    n = fs.copy_range(src.fileno(), fh.fileno(), min(step, nbytes - done),
+                                      offset + done, path)  # fmt: skip
             except OSError as exc:
                 if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
                     return False

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from loader import fs
+from loader import fs, stages
 from loader.errors import LockLostError, RepositoryError
 from loader.fs import Dir
 from loader.plan import check_placement
@@ -108,26 +108,31 @@ def _run(request: RunRequest) -> RunResult:
             if fetched is not None:  # a local source, read in place: fingerprinted first,
                 before = fingerprint(request.source, workers=request.workers)
                 verified = verify(request, fetched.path)  # then verified and read
-            fetched = fetched or strategy.fetch()
-            verified = verified or verify(request, fetched.path)
+            with stages.stage("run: fetch (what verify needs)"):
+                fetched = fetched or strategy.fetch()
+            with stages.stage("run: verify"):
+                verified = verified or verify(request, fetched.path)
             with _staging(root, key) as staging:
-                converted = strategy.convert(verified, layout.weights_dir(staging))
+                with stages.stage("run: convert (overlapped: with the fetch)"):
+                    converted = strategy.convert(verified, layout.weights_dir(staging))
                 if before is not None:  # and still what it was once read
                     after = fingerprint(request.source, recorded=before, workers=request.workers)
                     unchanged(request.source, before, after)
-                build(
-                    staging,
-                    request,
-                    key=key,
-                    source_revision=fetched.revision,
-                    source_fingerprint=fetched.fingerprint
-                    or before
-                    or fingerprint(request.source, workers=request.workers),
-                    verified=verified,
-                    converted=converted,
-                )
+                with stages.stage("run: build (model dirs, manifest, .ready)"):
+                    build(
+                        staging,
+                        request,
+                        key=key,
+                        source_revision=fetched.revision,
+                        source_fingerprint=fetched.fingerprint
+                        or before
+                        or fingerprint(request.source, workers=request.workers),
+                        verified=verified,
+                        converted=converted,
+                    )
                 lock.check_held()
-                publish.publish(staging, root, key, replace=_present(target))
+                with stages.stage("run: publish (rename to ROOT/<key>)"):
+                    publish.publish(staging, root, key, replace=_present(target))
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))

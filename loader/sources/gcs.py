@@ -53,7 +53,7 @@ from typing import Any
 
 import google_crc32c
 
-from loader import fs
+from loader import fs, stages
 from loader.errors import (
     ChecksumMismatchError,
     SourceError,
@@ -343,8 +343,10 @@ class _SliceWriter:
                 "Point STORAGE_EMULATOR_HOST at a server that honours Range requests, or pass "
                 "a --slice-mib larger than the largest object.",
             )
-        fs.write_fd(self._fh.fileno(), data, self._path)
-        self.crc = google_crc32c.extend(self.crc, data)
+        with stages.stage("fetch: write slice", len(data)):
+            fs.write_fd(self._fh.fileno(), data, self._path)
+        with stages.stage("fetch: crc32c", len(data)):
+            self.crc = google_crc32c.extend(self.crc, data)
         self.written += len(data)
         self._progress.update(len(data))
         return len(data)
@@ -435,26 +437,28 @@ def _download_slice(
             fh.seek(start)
             writer = _SliceWriter(fh, start, end - start + 1, progress, what, obj.partial)
             try:
-                _while_uploaded(what, lambda: funnel.gcs(
-                    lambda retry: obj.blob.download_to_file(
-                        writer,
-                        start=start,
-                        end=end,
-                        raw_download=True,
-                        checksum=None,  # the whole file is verified once complete
-                        if_generation_match=obj.blob.generation,
-                        timeout=timeout,
-                        retry=retry,
-                        single_shot_download=True,
-                    ),
-                    what=what,
-                ))  # fmt: skip
+                with stages.stage("fetch: HTTP GET slice (incl. write, crc)", end - start + 1):
+                    _while_uploaded(what, lambda: funnel.gcs(
+                        lambda retry: obj.blob.download_to_file(
+                            writer,
+                            start=start,
+                            end=end,
+                            raw_download=True,
+                            checksum=None,  # the whole file is verified once complete
+                            if_generation_match=obj.blob.generation,
+                            timeout=timeout,
+                            retry=retry,
+                            single_shot_download=True,
+                        ),
+                        what=what,
+                    ))  # fmt: skip
                 writer.check_complete()
             except BaseException:
                 progress.update(-writer.written)
                 raise
             if durable:
-                fs.fsync_fd(fh.fileno(), obj.partial)
+                with stages.stage("fetch: fsync slice", end - start + 1):
+                    fs.fsync_fd(fh.fileno(), obj.partial)
         crc = writer.crc
     else:
         crc = 0  # an empty object
