@@ -10,6 +10,7 @@ same error (:func:`loader.cli.limit_argument`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loader.errors import LoaderError
@@ -38,8 +39,13 @@ class Limit:
         return f"{value:g}{self.unit}"
 
     def ok(self, value: float | None) -> bool:
-        """Whether ``value`` works (None: not set, the caller's own default applies)."""
-        return value is None or value > self.least or (value == self.least and not self.exclusive)
+        """Whether ``value`` works (None: not set, the caller's own default applies). Only a
+        finite number does: infinity would wait or retry forever, NaN passes no comparison."""
+        if value is None:
+            return True
+        if not math.isfinite(value):
+            return False
+        return value > self.least or (value == self.least and not self.exclusive)
 
     def check(self, value: float | None) -> None:
         """Raise a :class:`SettingError` unless ``value`` works."""
@@ -64,8 +70,12 @@ class SettingError(LoaderError):
 
     def says(self, subject: str) -> str:
         """The error's sentence with ``subject`` as its subject."""
-        why = f": {self.limit.why}" if self.limit.why else ""
-        return f"{subject} must be {self.limit.bound}, got {self.limit.format(self.value)}{why}."
+        finite = math.isfinite(self.value)
+        why = f": {self.limit.why}" if self.limit.why and finite else ""
+        return (
+            f"{subject} must be {'' if finite else 'a finite number '}{self.limit.bound}, got "
+            f"{self.limit.format(self.value)}{why}."
+        )
 
 
 #: How long a failing source is retried (and one network read waited for).

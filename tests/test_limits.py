@@ -83,3 +83,21 @@ def test_the_command_line_defaults_and_help_come_from_the_limits():
     subparsers = next(a for a in parser._actions if a.dest == "command")
     help_text = subparsers.choices["run"].format_help()
     assert "(default: 120 s)" in help_text and "(default: 300 s)" in help_text
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "0.5", "nan", "inf", "1e400"])
+def test_prune_checks_its_lock_expiry_like_run(tmp_path, capsys, value):
+    """A lock expiry below 1 s would take over the lock of a loader that merely paused (and
+    NaN or infinity of one that is gone never or always): refused before anything is read."""
+    assert main(["prune", "--repository", str(tmp_path), "--lock-expiry-s", value]) == 2
+    err = capsys.readouterr().err
+    assert "error: --lock-expiry-s must be " in err and "hint: Set the publish lock expiry" in err
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("setting", ["lock_expiry_s", "lock_timeout_s", "retry_deadline_s"])
+def test_a_setting_must_be_a_finite_number(setting, value):
+    """An infinite retry deadline or lock timeout would retry or wait forever."""
+    with pytest.raises(SettingError) as info:
+        _request(**{setting: value})
+    assert "must be a finite number" in info.value.message, info.value.message
