@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -62,7 +61,7 @@ from loader.errors import (
     TransientSourceError,
 )
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
@@ -213,7 +212,7 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     from google.cloud import storage
     from requests.adapters import HTTPAdapter
 
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+    if settings.endpoint("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials
 
         client = storage.Client(credentials=AnonymousCredentials(), project="emulator")
