@@ -40,6 +40,14 @@ class LoaderError(Exception):
         return f"{self.message} {self.remediation}"
 
 
+def shown(name: object) -> str:
+    """A name (a path, a file or tensor name read from a checkpoint or a listing) as a message
+    shows it: as it is when every character prints, else quoted with escapes (``'a\\nb'``), so
+    that a name can never start a line of its own in the log (a forged ``error:`` line)."""
+    text = str(name)
+    return text if text.isprintable() else repr(text)
+
+
 def some_names(names: Iterable[str]) -> str:
     """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``."""
     names = list(names)
@@ -117,6 +125,7 @@ class SpecialFileError(SourceError):
     forever or never end)."""
 
     def __init__(self, path: object, found: str) -> None:
+        path = shown(path)
         super().__init__(
             f"{path} is {found}, not a regular file; the loader reads only regular files "
             "(a FIFO, device or socket may block forever or never end).",
@@ -228,6 +237,7 @@ class NotOursError(RepositoryError):
 
     def __init__(self, path: Path | str, found: str, expected: str) -> None:
         self.path = Path(path)
+        path = shown(path)
         super().__init__(
             f"{path} is {found}, where the loader expected {expected}; the loader did not "
             "create it and leaves it alone (it never follows, writes through or removes what "
@@ -323,8 +333,8 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
     code = exc.errno
     if code is None:
         return None
-    path = exc.filename if exc.filename is not None else "a file"
-    where = f"{path} (to {exc.filename2})" if exc.filename2 is not None else f"{path}"
+    path = shown(exc.filename) if exc.filename is not None else "a file"
+    where = f"{path} (to {shown(exc.filename2)})" if exc.filename2 is not None else f"{path}"
     reason = exc.strerror or errno.errorcode.get(code, str(code))
     if code in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientDiskSpaceError(

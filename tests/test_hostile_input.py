@@ -337,3 +337,36 @@ def test_a_repository_root_with_room_for_the_weights_only_is_refused_before_writ
     assert out == []
     assert list(root.glob("tiny@*")) == []
     assert list((root / ".staging").iterdir()) == []
+
+
+def _plant_fifo(entry: Path) -> None:
+    os.mkfifo(entry)
+
+
+def _plant_dangling_link(entry: Path) -> None:
+    entry.symlink_to("nowhere")
+
+
+def _plant_link_out(entry: Path) -> None:
+    entry.symlink_to("/etc/hostname")
+
+
+@pytest.mark.parametrize("plant", [_plant_fifo, _plant_dangling_link, _plant_link_out])
+def test_a_name_in_a_source_cannot_forge_a_line_of_the_error(source, tmp_path, capsys, plant):
+    """A file name with a line break is quoted with escapes: every line of stderr is still the
+    loader's own (no forged ``error:`` or ``hint:`` line)."""
+    plant(source / "x\nerror: forged\rhint: forged")
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, "'", "\\nerror: forged\\rhint: forged")
+    assert not [line for line in err.splitlines() if "forged" in line.split(":")[0]], err
+    assert "\r" not in err, err
+
+
+def test_an_os_error_quotes_a_name_with_a_line_break():
+    from loader.errors import NotOursError, typed_os_error
+
+    typed = typed_os_error(
+        OSError(errno.EACCES, "Permission denied", "/r/a\nerror: x", None, "b\n")
+    )
+    assert typed is not None and "\n" not in str(typed), typed
+    assert "\n" not in str(NotOursError("/r/.staging/a\nerror: x", "a link", "a directory"))
