@@ -309,6 +309,39 @@ _ENVIRONMENT: dict[int, tuple[str, str]] = {
         "has too many links or entries",
         "Remove unused entries under the directory of {path} (model-loader prune).",
     ),
+    errno.EOPNOTSUPP: (
+        "is on a file system that does not support an operation the loader needs",
+        "Keep the repository root and --work-dir on a POSIX file system (ext4, xfs, NFS); the "
+        "one holding {path} is not.",
+    ),
+    errno.EUCLEAN: (
+        "is on a file system whose structure is damaged",
+        "Check the volume holding {path} (its kernel log; fsck it or replace it).",
+    ),
+    errno.EBADMSG: (
+        "is on a file system that found damaged data or metadata",
+        "Check the volume holding {path} (its kernel log; fsck it or replace it).",
+    ),
+    errno.EOVERFLOW: (
+        "is larger than this system can address",
+        "Check {path}: it is far larger than a file of its kind can be.",
+    ),
+    errno.ENXIO: (
+        "is a FIFO without a reader, or a device that is gone",
+        "Replace {path} with the regular file or directory it stands for, or remove it.",
+    ),
+    errno.ENODEV: (
+        "is a device, or on a file system, that does not support the operation",
+        "Replace {path} with a regular file or directory on a POSIX file system.",
+    ),
+    errno.ENOMEDIUM: (
+        "is on a device with no medium",
+        "Mount the volume holding {path}, then run again.",
+    ),
+    errno.EMEDIUMTYPE: (
+        "is on a medium of the wrong type",
+        "Mount the right volume at {path}, then run again.",
+    ),
 }
 #: errno values of a failure that may pass by itself (exit 75).
 _TRANSIENT: frozenset[int] = frozenset(
@@ -317,6 +350,35 @@ _TRANSIENT: frozenset[int] = frozenset(
         errno.ENOLCK, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EREMOTEIO, errno.ECOMM,
         errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EHOSTUNREACH,
         errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ETXTBSY,
+        # A network file system's or FUSE mount's connection (gcsfuse: "Transport endpoint is
+        # not connected"), a lock or a buffer that may come back.
+        errno.ENOTCONN, errno.ENOLINK, errno.ETIME, errno.ENONET, errno.ENETRESET,
+        errno.ECANCELED, errno.ENOBUFS, errno.EDEADLK, errno.ESHUTDOWN, errno.EPROTO,
+        errno.ENODATA,
+    }
+)  # fmt: skip
+#: errno values that no failure of the environment explains: the loader called wrongly (a bad
+#: descriptor or argument), met a state it should have handled itself (a name that exists or
+#: vanished, a directory not empty), or a code no file-system call returns. Exit 1 with the
+#: traceback: a bug to fix. ``tests/test_failure_classes.py`` checks that every errno is in
+#: exactly one class.
+BUG_ERRNOS: frozenset[int] = frozenset(
+    {
+        errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EBADF, errno.EINVAL, errno.EFAULT,
+        errno.ENOSYS, errno.ESPIPE, errno.ENOTTY, errno.EPIPE, errno.E2BIG, errno.ENOEXEC,
+        errno.ESRCH, errno.ECHILD, errno.EDOM, errno.ERANGE, errno.EILSEQ, errno.EBADFD,
+        errno.ENOTBLK, errno.ENOMSG, errno.EIDRM, errno.ECHRNG, errno.EL2NSYNC, errno.EL3HLT,
+        errno.EL3RST, errno.ELNRNG, errno.EUNATCH, errno.ENOCSI, errno.EL2HLT, errno.EBADE,
+        errno.EBADR, errno.EXFULL, errno.ENOANO, errno.EBADRQC, errno.EBADSLT, errno.EBFONT,
+        errno.ENOSTR, errno.ENOSR, errno.ENOPKG, errno.EREMOTE, errno.EADV, errno.ESRMNT,
+        errno.EMULTIHOP, errno.EDOTDOT, errno.ENOTUNIQ, errno.EREMCHG, errno.ELIBACC,
+        errno.ELIBBAD, errno.ELIBSCN, errno.ELIBMAX, errno.ELIBEXEC, errno.ERESTART,
+        errno.ESTRPIPE, errno.EUSERS, errno.ENOTSOCK, errno.EDESTADDRREQ, errno.EMSGSIZE,
+        errno.EPROTOTYPE, errno.ENOPROTOOPT, errno.EPROTONOSUPPORT, errno.ESOCKTNOSUPPORT,
+        errno.EPFNOSUPPORT, errno.EAFNOSUPPORT, errno.EADDRINUSE, errno.EADDRNOTAVAIL,
+        errno.EISCONN, errno.ETOOMANYREFS, errno.EALREADY, errno.EINPROGRESS, errno.ENOTNAM,
+        errno.ENAVAIL, errno.EISNAM, errno.ENOKEY, errno.EKEYEXPIRED, errno.EKEYREVOKED,
+        errno.EKEYREJECTED, errno.EOWNERDEAD, errno.ENOTRECOVERABLE, errno.ERFKILL,
     }
 )  # fmt: skip
 #: The errno values every file-system call site is tested with (tests/test_fault_injection.py).

@@ -219,3 +219,49 @@ def test_a_setting_that_cannot_work_is_not_retried(exc):
     with pytest.raises(SourceError) as caught:
         Funnel(30.0)(fail, what="hf://org/name")
     assert len(calls) == 1 and caught.value.exit_code == 2, caught.value
+
+
+def _os_errors() -> list[OSError]:
+    """An OSError for every errno this platform defines, each as the built-in subclass Python
+    raises for it (FileNotFoundError, ConnectionResetError, ...): generated, not listed."""
+    import errno
+    import os
+
+    return [OSError(code, os.strerror(code), "/volume/a name") for code in sorted(errno.errorcode)]
+
+
+def test_every_errno_has_exactly_one_class():
+    """Mapped to a typed error (2 or 75) or declared a bug: a code in neither (a new one, or
+    one dropped from a class) fails here."""
+    import errno
+
+    from loader.errors import BUG_ERRNOS, typed_os_error
+
+    unmapped, both = [], []
+    for exc in _os_errors():
+        typed = typed_os_error(exc)
+        if typed is None and exc.errno not in BUG_ERRNOS:
+            unmapped.append(errno.errorcode[exc.errno])
+        if typed is not None and exc.errno in BUG_ERRNOS:
+            both.append(errno.errorcode[exc.errno])
+    assert not unmapped and not both, (unmapped, both)
+
+
+@pytest.mark.parametrize("exc", _os_errors(), ids=lambda e: __import__("errno").errorcode[e.errno])
+def test_an_os_error_reaching_the_command_line_gets_its_class(capsys, exc):
+    """Through the one funnel of every command: an error line and a hint (2 or 75), or, for a
+    code declared a bug, exit 1 with the traceback; never anything else."""
+    import argparse
+
+    from loader.cli import EXIT_BUG, run_command
+    from loader.errors import BUG_ERRNOS
+
+    def command(args):
+        raise exc
+
+    code = run_command(command, argparse.Namespace())
+    err = capsys.readouterr().err
+    if exc.errno in BUG_ERRNOS:
+        assert code == EXIT_BUG
+    else:
+        assert code in (2, 75) and "hint:" in err and "a name" in err, (code, err)
