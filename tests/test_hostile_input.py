@@ -370,3 +370,10 @@ def test_an_os_error_quotes_a_name_with_a_line_break():
     )
     assert typed is not None and "\n" not in str(typed), typed
     assert "\n" not in str(NotOursError("/r/.staging/a\nerror: x", "a link", "a directory"))
+
+
+def test_a_source_that_is_a_link_loop_says_so(tmp_path, capsys):
+    loop = tmp_path / "ckpt"
+    loop.symlink_to(loop)
+    code, _, err = cli(capsys, *_run_args(loop, tmp_path / "root"))
+    _user_error(code, err, "symbolic link that leads nowhere")

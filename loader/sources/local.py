@@ -135,6 +135,12 @@ def fingerprint_source(
 
 def _checked_root(uri: SourceURI) -> Path:
     root = Path(uri.location)
+    if not root.exists() and root.is_symlink():
+        raise SourceNotFoundError(
+            f"Local source {shown(root)} (from {uri.raw!r}) is a symbolic link that leads "
+            "nowhere (a loop or a missing target).",
+            "Point the loader at the checkpoint directory itself, or fix the link.",
+        )
     if not root.exists():
         raise SourceNotFoundError(
             f"Local source {root} (from {uri.raw!r}) does not exist.",
