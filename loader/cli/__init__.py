@@ -77,8 +77,23 @@ class Parser(argparse.ArgumentParser):
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def _command(self) -> argparse.ArgumentParser | None:
+        """On the main parser, the parser of the command given (argparse reports a command's
+        unknown option from the main parser); None elsewhere or without one."""
+        given = [t for t in getattr(self, "_given", []) if not t.startswith("-")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return next((action.choices[t] for t in given if t in action.choices), None)
+        return None
+
+    def _known_options(self) -> list[str]:
+        """This parser's options and those of the command given."""
+        command = self._command()
+        extra = list(command._option_string_actions) if command is not None else []
+        return [*self._option_string_actions, *extra]
+
     def _unknown_options(self) -> list[str]:
-        known = list(self._option_string_actions)
+        known = self._known_options()
         unknown = []
         for token in getattr(self, "_given", []):
             if token == "--":
@@ -109,13 +124,14 @@ class Parser(argparse.ArgumentParser):
             self.exit(2)
         unknown = self._unknown_options()
         if unknown:
-            options = [o for o in self._option_string_actions if o.startswith("--")]
+            options = [o for o in self._known_options() if o.startswith("--")]
             close = difflib.get_close_matches(unknown[0], options, n=1, cutoff=0.6)
             message = f"unknown option {unknown[0]}" + (
                 f" (did you mean {close[0]}?)" if close else ""
             )
-        print(f"error: {self.prog}: {message}", file=sys.stderr)
-        print(f"hint: `{self.prog} --help` lists the options and arguments.", file=sys.stderr)
+        prog = getattr(self._command(), "prog", self.prog)
+        print(f"error: {prog}: {message}", file=sys.stderr)
+        print(f"hint: `{prog} --help` lists the options and arguments.", file=sys.stderr)
         self.exit(2)
 
 
