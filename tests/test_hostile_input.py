@@ -377,3 +377,19 @@ def test_a_source_that_is_a_link_loop_says_so(tmp_path, capsys):
     loop.symlink_to(loop)
     code, _, err = cli(capsys, *_run_args(loop, tmp_path / "root"))
     _user_error(code, err, "symbolic link that leads nowhere")
+
+
+@pytest.mark.parametrize("where", ["root", "work-dir", "root-is-source"])
+def test_a_repository_or_work_dir_inside_the_local_source_is_refused(
+    source, tmp_path, capsys, where
+):
+    """What the loader writes there would become part of the source: the next run found the
+    source changed (exit 2) for a key it had just published."""
+    root = source if where == "root-is-source" else source / "models"
+    extra = ("--work-dir", str(source / "work")) if where == "work-dir" else ()
+    if where == "work-dir":
+        root = tmp_path / "root"
+    before = sorted(p.name for p in source.iterdir())
+    code, _, err = cli(capsys, *_run_args(source, root, *extra))
+    _user_error(code, err, "lies in the local source", "outside the checkpoint directory")
+    assert sorted(p.name for p in source.iterdir()) == before
