@@ -94,3 +94,6 @@ LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s")
 PRUNE_KEEP = Limit("the number of keys kept per model name", 2, 1)
 #: Parallel download and conversion workers (None: chosen per source).
 WORKERS = Limit("the number of workers", None, 1)
+#: The byte-range slice size large gs:// objects are split into, in MiB (one slice per download
+#: worker is held in memory; one request each, and the unit a killed download resumes from).
+SLICE_MIB = Limit("the slice size", 16, 1, " MiB")

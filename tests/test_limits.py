@@ -62,6 +62,8 @@ def test_every_entry_point_checks_the_same_bound():
             ["fetch", "gs://b/p", "/tmp/x", "--retry-deadline", "0"],
             "--retry-deadline must be more than 0 s, got 0 s",
         ),
+        # 0 was taken as "not set" (the default slice) and -1 named in bytes, not the flag
+        (["fetch", "gs://b/p", "/tmp/x", "--slice-mib", "0"], "--slice-mib must be at least 1 MiB"),
     ],
 )
 def test_the_command_line_names_its_flag(capsys, argv, words):

@@ -60,6 +60,7 @@ from loader.errors import (
     SourcePermissionError,
     TransientSourceError,
 )
+from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel, status_of
@@ -83,7 +84,7 @@ log = logging.getLogger(__name__)
 
 #: Byte-range slice size for large objects (each slice is read into memory whole: at most
 #: ``workers`` of them at once).
-SLICE_BYTES = 16 * 1024 * 1024
+SLICE_BYTES = int(SLICE_MIB.default or 16) * 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
 
