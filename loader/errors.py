@@ -120,6 +120,16 @@ class ResourceExhaustedError(LoaderError):
     )
 
 
+def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
+    """The transient error of a machine that ran out of memory or threads (None: another
+    failure), wherever it was raised: in the loader or in a library it called."""
+    if isinstance(exc, MemoryError):
+        return ResourceExhaustedError("The loader ran out of memory.")
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
+    return None
+
+
 class SpecialFileError(SourceError):
     """A FIFO, device or socket where the loader reads a file: never read (it may block
     forever or never end)."""

@@ -265,3 +265,28 @@ def test_an_os_error_reaching_the_command_line_gets_its_class(capsys, exc):
         assert code == EXIT_BUG
     else:
         assert code in (2, 75) and "hint:" in err and "a name" in err, (code, err)
+
+
+@pytest.mark.parametrize(
+    "raised",
+    ["MemoryError()", 'RuntimeError("can\'t start new thread")'],
+    ids=["memory", "threads"],
+)
+def test_resource_exhaustion_inside_a_library_call_stays_transient(raised):
+    """Raised from a library's own code (here: a function whose module is requests'), it was a
+    permanent SourceError (2) naming the library, where running again may well succeed."""
+    from loader.errors import EXIT_TRANSIENT
+    from loader.sources.failures import Funnel
+
+    namespace: dict = {"__name__": "requests.fake"}
+    exec(f"def call():\n    raise {raised}\n", namespace)
+    calls = []
+
+    def fail():
+        calls.append(1)
+        namespace["call"]()
+
+    with pytest.raises(Exception) as caught:
+        Funnel(30.0)(fail, what="gs://b/p")
+    assert getattr(caught.value, "exit_code", None) == EXIT_TRANSIENT, caught.value
+    assert len(calls) == 1  # not retried in place: the process may need more room

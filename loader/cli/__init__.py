@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__
-from loader.errors import LoaderError, ResourceExhaustedError, typed_os_error
+from loader.errors import LoaderError, resource_exhaustion, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -339,16 +339,6 @@ def _cwd_gone(exc: OSError) -> LoaderError | None:
             "The current working directory was deleted, so a relative path cannot be resolved.",
             "Run from an existing directory, or pass absolute paths.",
         )
-    return None
-
-
-def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
-    """The transient error of a machine that ran out of memory or threads (None: another
-    failure)."""
-    if isinstance(exc, MemoryError):
-        return ResourceExhaustedError("The loader ran out of memory.")
-    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
-        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
     return None
 
 

@@ -34,10 +34,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loader.errors import (
+    LoaderError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    resource_exhaustion,
 )
 
 log = logging.getLogger(__name__)
@@ -303,10 +305,14 @@ class Funnel:
 
     # --- typed errors ---------------------------------------------------------------------
 
-    def typed(self, exc: BaseException, what: str) -> SourceError | None:
-        """The typed error a permanent failure stands for (``None``: not one we can name)."""
+    def typed(self, exc: BaseException, what: str) -> LoaderError | None:
+        """The typed error a permanent failure stands for (``None``: not one we can name);
+        memory or threads running out, even inside a library, is transient
+        (:func:`~loader.errors.resource_exhaustion`), never a permanent source error."""
         if isinstance(exc, SourceError):
             return exc
+        if (exhausted := resource_exhaustion(exc)) is not None:
+            return exhausted
         if (dns := dns_error(exc, what) or settings_error(exc, what)) is not None:
             return dns
         if self.specific is not None and (found := self.specific(exc, what)) is not None:
@@ -336,7 +342,7 @@ class Funnel:
 
         return on_error
 
-    def _typed_or_raise(self, exc: Exception, what: str) -> SourceError:
+    def _typed_or_raise(self, exc: Exception, what: str) -> LoaderError:
         typed = self.typed(exc, what)
         if typed is None or typed is exc:
             raise exc
