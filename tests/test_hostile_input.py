@@ -393,3 +393,28 @@ def test_a_repository_or_work_dir_inside_the_local_source_is_refused(
     code, _, err = cli(capsys, *_run_args(source, root, *extra))
     _user_error(code, err, "lies in the local source", "outside the checkpoint directory")
     assert sorted(p.name for p in source.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["fetch-copy", "fetch-in-place", "convert", "convert-link"])
+def test_a_result_path_with_a_line_break_is_never_printed_as_two_lines(
+    source, tmp_path, capsys, command
+):
+    """fetch and convert print their result's path as the last line, like run: a path with a
+    line break is refused (before any work where the argument holds it), never printed."""
+    odd = tmp_path / "a\nb"
+    if command == "fetch-copy":
+        argv = ["fetch", str(source), str(odd), "--copy"]
+    elif command == "fetch-in-place":
+        shutil.copytree(source, odd)
+        argv = ["fetch", str(odd)]
+    elif command == "convert":
+        argv = ["convert", "--tp-size", "1", str(source), str(odd)]
+    else:  # the argument is one line; the directory it resolves to is not
+        odd.mkdir()
+        (tmp_path / "link").symlink_to(odd)
+        argv = ["convert", "--tp-size", "1", str(source), str(tmp_path / "link")]
+    code, out, err = cli(capsys, *argv)
+    _user_error(code, err, "holds a line break", "'" + str(tmp_path) + "/a\\nb")
+    assert out == [], out
+    if command in ("fetch-copy", "convert"):
+        assert not odd.exists()  # refused before anything was written

@@ -225,6 +225,34 @@ def limit_argument(
     parser.set_defaults(limit_flags={**flags, limit: flag})
 
 
+#: Characters that would split the one line a command prints as its result.
+LINE_BREAKS = "\n\r\0"
+
+
+def one_line_path(what: str, value: object, hint: str | None = None) -> None:
+    """Refuse ``value`` (the argument ``what``) if it holds a line break or a NUL: the last line
+    ``run``, ``fetch`` and ``convert`` print is the path of their result, which must be one
+    line for a script reading it. Checked before any work."""
+    if value is not None and any(c in str(value) for c in LINE_BREAKS):
+        raise LoaderError(
+            f"{what} {str(value)!r} holds a line break or a NUL: the last line the command "
+            "prints is the path of its result, which must be one line.",
+            hint or f"Pass {what} as a path without line breaks.",
+        )
+
+
+def print_path(path: object) -> None:
+    """Print the result's path as the command's last line; one that resolved to a name with a
+    line break (through a link) is an error, never two lines a script would misread."""
+    one_line_path(
+        "The result's path",
+        path,
+        "It was written there; rename it (or the link that leads to it) to a name without "
+        "line breaks, then run again.",
+    )
+    print(path, flush=True)
+
+
 def _message(exc: LoaderError, args: argparse.Namespace) -> str:
     """The error's message; a setting's error names the flag that set it."""
     if isinstance(exc, SettingError):

@@ -33,7 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from loader import fs
+    from loader.cli import one_line_path, print_path
     from loader.convert import convert_checkpoint
+
+    one_line_path("OUTPUT_DIR", args.output_dir)
 
     # SIGTERM unwinds like Ctrl-C (loader.cli.run_command), so temp files are removed.
     with fs.confined(args.output_dir), fs.followed(args.source_dir):
@@ -46,5 +49,5 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             overwrite=args.force,
         )
-    print(result.output_path.resolve())
+    print_path(result.output_path.resolve())
     return 0

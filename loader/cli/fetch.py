@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from loader.cli import limit_argument
+from loader.cli import limit_argument, one_line_path, print_path
 from loader.errors import LoaderError
 from loader.limits import RETRY_DEADLINE_S, SLICE_MIB, WORKERS
 from loader.progress import human_bytes
@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     from loader.sources import fetch
 
     SLICE_MIB.check(args.slice_mib)
+    one_line_path("DEST", args.dest)
+    if _is_local(args.uri) and not args.copy:
+        one_line_path("URI", args.uri)  # printed as the result: used in place
     if args.dest is not None and not args.copy and _is_local(args.uri):
         raise LoaderError(
             f"{args.uri} is a local checkpoint, used in place: DEST ({args.dest}) would be ignored",
@@ -100,5 +103,5 @@ def run(args: argparse.Namespace) -> int:
         args.uri,
         result.revision or "-",
     )
-    print(result.path)
+    print_path(result.path)
     return 0

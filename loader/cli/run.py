@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loader.cli import limit_argument
+from loader.cli import limit_argument, print_path
 from loader.errors import LoaderError
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS
 from loader.parallel import Parallelism
@@ -176,7 +176,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     result = run(request_from_args(args))
-    print(result.path, flush=True)
+    print_path(result.path)
     return 0
 
 
