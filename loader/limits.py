@@ -30,10 +30,13 @@ class Limit:
     exclusive: bool = False
     #: What goes wrong below the least value, for the error.
     why: str = ""
+    #: The largest value that works (None: no bound but finiteness).
+    most: float | None = None
 
     @property
     def bound(self) -> str:
-        return f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
+        above = f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
+        return above if self.most is None else f"{above} and at most {self.format(self.most)}"
 
     def format(self, value: float) -> str:
         return f"{value:g}{self.unit}"
@@ -44,6 +47,8 @@ class Limit:
         if value is None:
             return True
         if not math.isfinite(value):
+            return False
+        if self.most is not None and value > self.most:
             return False
         return value > self.least or (value == self.least and not self.exclusive)
 
@@ -71,7 +76,8 @@ class SettingError(LoaderError):
     def says(self, subject: str) -> str:
         """The error's sentence with ``subject`` as its subject."""
         finite = math.isfinite(self.value)
-        why = f": {self.limit.why}" if self.limit.why and finite else ""
+        below = finite and self.value <= self.limit.least
+        why = f": {self.limit.why}" if self.limit.why and below else ""
         return (
             f"{subject} must be {'' if finite else 'a finite number '}{self.limit.bound}, got "
             f"{self.limit.format(self.value)}{why}."
@@ -97,3 +103,7 @@ WORKERS = Limit("the number of workers", None, 1)
 #: The byte-range slice size large gs:// objects are split into, in MiB (one slice per download
 #: worker is held in memory; one request each, and the unit a killed download resumes from).
 SLICE_MIB = Limit("the slice size", 16, 1, " MiB")
+#: The memory of one GPU, in GiB, that ``run`` and ``plan`` check a configuration against
+#: (None: not checked). At most the chart's bound (``cluster.gpuMemoryGiB``), far beyond any
+#: GPU made: a larger number is a typo.
+GPU_MEMORY_GIB = Limit("the memory of one GPU", None, 0.0, " GiB", exclusive=True, most=1024.0)

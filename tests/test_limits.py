@@ -103,3 +103,42 @@ def test_a_setting_must_be_a_finite_number(setting, value):
     with pytest.raises(SettingError) as info:
         _request(**{setting: value})
     assert "must be a finite number" in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e308", "0", "-1"])
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_the_gpu_memory_is_a_checked_setting(tmp_path, capsys, command, value):
+    """plan died with a traceback on NaN or a number whose bytes overflow (int(inf)); run took
+    infinity as fitting anything."""
+    if command == "plan":
+        argv = ["plan", "--model", "codegen-350m", "--gpus-per-node", "8"]
+    else:
+        argv = ["run", "--source", str(tmp_path), "--repository", str(tmp_path / "r"),
+                "--model-name", "m", "--tp-size", "1", "--pp-size", "1", "--instance-count", "1"]  # fmt: skip
+    assert main([*argv, "--gpu-memory-gib", value]) == 2
+    err = capsys.readouterr().err
+    assert "error: --gpu-memory-gib must be " in err and "hint: Set the memory of one GPU" in err
+
+
+def test_the_gpu_memory_bound_is_the_charts():
+    import json
+
+    from loader.limits import GPU_MEMORY_GIB
+
+    schema = json.loads(Path("charts/model-triton/values.schema.json").read_text())
+    (bound,) = {
+        p["maximum"]
+        for p in _properties(schema)
+        if isinstance(p, dict) and p.get("description") == "Memory of one GPU in GiB."
+    }
+    assert GPU_MEMORY_GIB.most == bound
+
+
+def _properties(node):
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _properties(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _properties(value)

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.errors import LoaderError, RepositoryError, shown
-from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS
+from loader.limits import (
+    GPU_MEMORY_GIB,
+    LOCK_EXPIRY_S,
+    LOCK_TIMEOUT_S,
+    PRUNE_KEEP,
+    RETRY_DEADLINE_S,
+    WORKERS,
+)
 from loader.parallel import Parallelism
 from loader.plan import Topology
 from loader.repository.key import ServingSettings, model_key
@@ -52,6 +59,7 @@ class RunRequest:
         RETRY_DEADLINE_S.check(self.retry_deadline_s)
         PRUNE_KEEP.check(self.prune_keep)
         WORKERS.check(self.workers)
+        GPU_MEMORY_GIB.check(self.gpu_memory_gib)
         check_settings(self.model_name, self.parallelism, self.settings)
         for flag, value in (("--repository", self.repository), ("--work-dir", self.work_dir)):
             if value is not None and any(c in str(value) for c in "\n\r\0"):
