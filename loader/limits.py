@@ -34,9 +34,13 @@ class Limit:
     most: float | None = None
 
     @property
+    def lower(self) -> str:
+        return f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
+
+    @property
     def bound(self) -> str:
-        above = f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
-        return above if self.most is None else f"{above} and at most {self.format(self.most)}"
+        upper = "" if self.most is None else f" and at most {self.format(self.most)}"
+        return self.lower + upper
 
     def format(self, value: float) -> str:
         return f"{value:g}{self.unit}"
@@ -75,17 +79,22 @@ class SettingError(LoaderError):
 
     def says(self, subject: str) -> str:
         """The error's sentence with ``subject`` as its subject."""
-        finite = math.isfinite(self.value)
-        below = finite and self.value <= self.limit.least
-        why = f": {self.limit.why}" if self.limit.why and below else ""
-        return (
-            f"{subject} must be {'' if finite else 'a finite number '}{self.limit.bound}, got "
-            f"{self.limit.format(self.value)}{why}."
-        )
+        limit, value = self.limit, self.value
+        if not math.isfinite(value):
+            bound, why = f"a finite number {limit.bound}", ""
+        elif limit.most is not None and value > limit.most:
+            bound, why = f"at most {limit.format(limit.most)}", ""
+        else:
+            bound, why = limit.lower, f": {limit.why}" if limit.why else ""
+        return f"{subject} must be {bound}, got {limit.format(value)}{why}."
 
+
+#: The longest wait any setting may ask for: beyond it a number is a typo, and a Job that
+#: retries or waits that long waits forever in effect.
+WEEK_S = 7 * 24 * 3600.0
 
 #: How long a failing source is retried (and one network read waited for).
-RETRY_DEADLINE_S = Limit("the retry deadline", 300.0, 0.0, " s", exclusive=True)
+RETRY_DEADLINE_S = Limit("the retry deadline", 300.0, 0.0, " s", exclusive=True, most=WEEK_S)
 #: A publish lock without a heartbeat for this long is taken over by a waiting loader.
 LOCK_EXPIRY_S = Limit(
     "the publish lock expiry",
@@ -93,9 +102,10 @@ LOCK_EXPIRY_S = Limit(
     1.0,
     " s",
     why="a waiting loader would take over the lock of a loader that merely paused",
+    most=WEEK_S,
 )
 #: How long a loader waits for another one publishing the same key.
-LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s")
+LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s", most=WEEK_S)
 #: Published keys kept per model name by pruning.
 PRUNE_KEEP = Limit("the number of keys kept per model name", 2, 1)
 #: Parallel download and conversion workers (None: chosen per source).

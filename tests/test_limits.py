@@ -142,3 +142,20 @@ def _properties(node):
     elif isinstance(node, list):
         for value in node:
             yield from _properties(value)
+
+
+@pytest.mark.parametrize("setting", ["lock_expiry_s", "lock_timeout_s", "retry_deadline_s"])
+def test_a_wait_longer_than_a_week_is_a_typo(setting):
+    """1e308 s passed as finite and retried a source that fails forever, in effect."""
+    with pytest.raises(SettingError) as info:
+        _request(**{setting: 1e308})
+    assert "must be at most 604800 s, got 1e+308 s" in info.value.message, info.value.message
+    _request(**{setting: 7 * 24 * 3600.0})  # a week itself is accepted
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_convert_checks_its_workers_like_run(tmp_path, capsys, value):
+    """convert took -1 workers (and ran with the default)."""
+    argv = ["convert", "--tp-size", "1", "--workers", value, str(tmp_path), str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert f"error: --workers must be at least 1, got {value}." in capsys.readouterr().err

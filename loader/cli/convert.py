@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from loader.cli import limit_argument
+from loader.limits import WORKERS
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -22,8 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pipeline-parallel size the model will run with (checked only)",
     )
     p.add_argument("--dtype", default=None, help="fp16 or fp32 (default: the source's dtype)")
-    p.add_argument(
-        "--workers", type=int, default=None, help="worker threads (default: CPU count, at most 4)"
+    limit_argument(
+        p, "--workers", WORKERS, type=int, help="worker threads (default: CPU count, at most 4)"
     )
     p.add_argument(
         "--force", action="store_true", help="replace OUTPUT_DIR/<T>-gpu if it exists (atomically)"
