@@ -159,3 +159,17 @@ def test_convert_checks_its_workers_like_run(tmp_path, capsys, value):
     argv = ["convert", "--tp-size", "1", "--workers", value, str(tmp_path), str(tmp_path / "o")]
     assert main(argv) == 2
     assert f"error: --workers must be at least 1, got {value}." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--gpus-per-node", "--gpus-per-replica", "--replicas-per-node", "--max-batch-size",
+     "--max-sequence-length"],
+)  # fmt: skip
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_plan_refuses_a_count_below_one(capsys, flag, value):
+    """plan printed rows of negative working memory (and 'fits') for them."""
+    argv = ["plan", "--model", "codegen-350m", "--gpus-per-node", "8", flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} must be at least 1, got {value}." in err and "hint:" in err, err
