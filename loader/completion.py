@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from loader import fs
 from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError
 from loader.repository.tensors import ENSEMBLE_INPUTS
 
@@ -79,10 +80,17 @@ class Completion:
     cum_log_prob: float
 
 
+#: The largest request file read (bench/test.json is a few kB): a larger one is a mistake.
+REQUEST_FILE_LIMIT = 16 * 1024 * 1024
+
+
 def load_request(path: Path | str) -> dict[str, list[Any]]:
-    """The first request of a perf_analyzer input-data file, as ``name -> values``."""
+    """The first request of a perf_analyzer input-data file, as ``name -> values``. Only a
+    regular file of at most :data:`REQUEST_FILE_LIMIT` bytes is read (a FIFO blocked forever,
+    /dev/zero filled the memory)."""
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = fs.read_file(Path(path), limit=REQUEST_FILE_LIMIT)
+        document = json.loads(raw.decode("utf-8"))
         entry = document["data"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise InvalidRequestError(

@@ -40,6 +40,14 @@ class LoaderError(Exception):
         return f"{self.message} {self.remediation}"
 
 
+def shown(name: object) -> str:
+    """A name (a path, a file or tensor name read from a checkpoint or a listing) as a message
+    shows it: as it is when every character prints, else quoted with escapes (``'a\\nb'``), so
+    that a name can never start a line of its own in the log (a forged ``error:`` line)."""
+    text = str(name)
+    return text if text.isprintable() else repr(text)
+
+
 def some_names(names: Iterable[str]) -> str:
     """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``."""
     names = list(names)
@@ -112,11 +120,22 @@ class ResourceExhaustedError(LoaderError):
     )
 
 
+def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
+    """The transient error of a machine that ran out of memory or threads (None: another
+    failure), wherever it was raised: in the loader or in a library it called."""
+    if isinstance(exc, MemoryError):
+        return ResourceExhaustedError("The loader ran out of memory.")
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
+    return None
+
+
 class SpecialFileError(SourceError):
     """A FIFO, device or socket where the loader reads a file: never read (it may block
     forever or never end)."""
 
     def __init__(self, path: object, found: str) -> None:
+        path = shown(path)
         super().__init__(
             f"{path} is {found}, not a regular file; the loader reads only regular files "
             "(a FIFO, device or socket may block forever or never end).",
@@ -228,6 +247,7 @@ class NotOursError(RepositoryError):
 
     def __init__(self, path: Path | str, found: str, expected: str) -> None:
         self.path = Path(path)
+        path = shown(path)
         super().__init__(
             f"{path} is {found}, where the loader expected {expected}; the loader did not "
             "create it and leaves it alone (it never follows, writes through or removes what "
@@ -299,6 +319,39 @@ _ENVIRONMENT: dict[int, tuple[str, str]] = {
         "has too many links or entries",
         "Remove unused entries under the directory of {path} (model-loader prune).",
     ),
+    errno.EOPNOTSUPP: (
+        "is on a file system that does not support an operation the loader needs",
+        "Keep the repository root and --work-dir on a POSIX file system (ext4, xfs, NFS); the "
+        "one holding {path} is not.",
+    ),
+    errno.EUCLEAN: (
+        "is on a file system whose structure is damaged",
+        "Check the volume holding {path} (its kernel log; fsck it or replace it).",
+    ),
+    errno.EBADMSG: (
+        "is on a file system that found damaged data or metadata",
+        "Check the volume holding {path} (its kernel log; fsck it or replace it).",
+    ),
+    errno.EOVERFLOW: (
+        "is larger than this system can address",
+        "Check {path}: it is far larger than a file of its kind can be.",
+    ),
+    errno.ENXIO: (
+        "is a FIFO without a reader, or a device that is gone",
+        "Replace {path} with the regular file or directory it stands for, or remove it.",
+    ),
+    errno.ENODEV: (
+        "is a device, or on a file system, that does not support the operation",
+        "Replace {path} with a regular file or directory on a POSIX file system.",
+    ),
+    errno.ENOMEDIUM: (
+        "is on a device with no medium",
+        "Mount the volume holding {path}, then run again.",
+    ),
+    errno.EMEDIUMTYPE: (
+        "is on a medium of the wrong type",
+        "Mount the right volume at {path}, then run again.",
+    ),
 }
 #: errno values of a failure that may pass by itself (exit 75).
 _TRANSIENT: frozenset[int] = frozenset(
@@ -307,6 +360,35 @@ _TRANSIENT: frozenset[int] = frozenset(
         errno.ENOLCK, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EREMOTEIO, errno.ECOMM,
         errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EHOSTUNREACH,
         errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ETXTBSY,
+        # A network file system's or FUSE mount's connection (gcsfuse: "Transport endpoint is
+        # not connected"), a lock or a buffer that may come back.
+        errno.ENOTCONN, errno.ENOLINK, errno.ETIME, errno.ENONET, errno.ENETRESET,
+        errno.ECANCELED, errno.ENOBUFS, errno.EDEADLK, errno.ESHUTDOWN, errno.EPROTO,
+        errno.ENODATA,
+    }
+)  # fmt: skip
+#: errno values that no failure of the environment explains: the loader called wrongly (a bad
+#: descriptor or argument), met a state it should have handled itself (a name that exists or
+#: vanished, a directory not empty), or a code no file-system call returns. Exit 1 with the
+#: traceback: a bug to fix. ``tests/test_failure_classes.py`` checks that every errno is in
+#: exactly one class.
+BUG_ERRNOS: frozenset[int] = frozenset(
+    {
+        errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EBADF, errno.EINVAL, errno.EFAULT,
+        errno.ENOSYS, errno.ESPIPE, errno.ENOTTY, errno.EPIPE, errno.E2BIG, errno.ENOEXEC,
+        errno.ESRCH, errno.ECHILD, errno.EDOM, errno.ERANGE, errno.EILSEQ, errno.EBADFD,
+        errno.ENOTBLK, errno.ENOMSG, errno.EIDRM, errno.ECHRNG, errno.EL2NSYNC, errno.EL3HLT,
+        errno.EL3RST, errno.ELNRNG, errno.EUNATCH, errno.ENOCSI, errno.EL2HLT, errno.EBADE,
+        errno.EBADR, errno.EXFULL, errno.ENOANO, errno.EBADRQC, errno.EBADSLT, errno.EBFONT,
+        errno.ENOSTR, errno.ENOSR, errno.ENOPKG, errno.EREMOTE, errno.EADV, errno.ESRMNT,
+        errno.EMULTIHOP, errno.EDOTDOT, errno.ENOTUNIQ, errno.EREMCHG, errno.ELIBACC,
+        errno.ELIBBAD, errno.ELIBSCN, errno.ELIBMAX, errno.ELIBEXEC, errno.ERESTART,
+        errno.ESTRPIPE, errno.EUSERS, errno.ENOTSOCK, errno.EDESTADDRREQ, errno.EMSGSIZE,
+        errno.EPROTOTYPE, errno.ENOPROTOOPT, errno.EPROTONOSUPPORT, errno.ESOCKTNOSUPPORT,
+        errno.EPFNOSUPPORT, errno.EAFNOSUPPORT, errno.EADDRINUSE, errno.EADDRNOTAVAIL,
+        errno.EISCONN, errno.ETOOMANYREFS, errno.EALREADY, errno.EINPROGRESS, errno.ENOTNAM,
+        errno.ENAVAIL, errno.EISNAM, errno.ENOKEY, errno.EKEYEXPIRED, errno.EKEYREVOKED,
+        errno.EKEYREJECTED, errno.EOWNERDEAD, errno.ENOTRECOVERABLE, errno.ERFKILL,
     }
 )  # fmt: skip
 #: The errno values every file-system call site is tested with (tests/test_fault_injection.py).
@@ -323,8 +405,8 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
     code = exc.errno
     if code is None:
         return None
-    path = exc.filename if exc.filename is not None else "a file"
-    where = f"{path} (to {exc.filename2})" if exc.filename2 is not None else f"{path}"
+    path = shown(exc.filename) if exc.filename is not None else "a file"
+    where = f"{path} (to {shown(exc.filename2)})" if exc.filename2 is not None else f"{path}"
     reason = exc.strerror or errno.errorcode.get(code, str(code))
     if code in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientDiskSpaceError(

@@ -10,6 +10,7 @@ same error (:func:`loader.cli.limit_argument`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loader.errors import LoaderError
@@ -29,17 +30,31 @@ class Limit:
     exclusive: bool = False
     #: What goes wrong below the least value, for the error.
     why: str = ""
+    #: The largest value that works (None: no bound but finiteness).
+    most: float | None = None
+
+    @property
+    def lower(self) -> str:
+        return f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
 
     @property
     def bound(self) -> str:
-        return f"{'more than' if self.exclusive else 'at least'} {self.format(self.least)}"
+        upper = "" if self.most is None else f" and at most {self.format(self.most)}"
+        return self.lower + upper
 
     def format(self, value: float) -> str:
         return f"{value:g}{self.unit}"
 
     def ok(self, value: float | None) -> bool:
-        """Whether ``value`` works (None: not set, the caller's own default applies)."""
-        return value is None or value > self.least or (value == self.least and not self.exclusive)
+        """Whether ``value`` works (None: not set, the caller's own default applies). Only a
+        finite number does: infinity would wait or retry forever, NaN passes no comparison."""
+        if value is None:
+            return True
+        if not math.isfinite(value):
+            return False
+        if self.most is not None and value > self.most:
+            return False
+        return value > self.least or (value == self.least and not self.exclusive)
 
     def check(self, value: float | None) -> None:
         """Raise a :class:`SettingError` unless ``value`` works."""
@@ -64,12 +79,22 @@ class SettingError(LoaderError):
 
     def says(self, subject: str) -> str:
         """The error's sentence with ``subject`` as its subject."""
-        why = f": {self.limit.why}" if self.limit.why else ""
-        return f"{subject} must be {self.limit.bound}, got {self.limit.format(self.value)}{why}."
+        limit, value = self.limit, self.value
+        if not math.isfinite(value):
+            bound, why = f"a finite number {limit.bound}", ""
+        elif limit.most is not None and value > limit.most:
+            bound, why = f"at most {limit.format(limit.most)}", ""
+        else:
+            bound, why = limit.lower, f": {limit.why}" if limit.why else ""
+        return f"{subject} must be {bound}, got {limit.format(value)}{why}."
 
+
+#: The longest wait any setting may ask for: beyond it a number is a typo, and a Job that
+#: retries or waits that long waits forever in effect.
+WEEK_S = 7 * 24 * 3600.0
 
 #: How long a failing source is retried (and one network read waited for).
-RETRY_DEADLINE_S = Limit("the retry deadline", 300.0, 0.0, " s", exclusive=True)
+RETRY_DEADLINE_S = Limit("the retry deadline", 300.0, 0.0, " s", exclusive=True, most=WEEK_S)
 #: A publish lock without a heartbeat for this long is taken over by a waiting loader.
 LOCK_EXPIRY_S = Limit(
     "the publish lock expiry",
@@ -77,10 +102,18 @@ LOCK_EXPIRY_S = Limit(
     1.0,
     " s",
     why="a waiting loader would take over the lock of a loader that merely paused",
+    most=WEEK_S,
 )
 #: How long a loader waits for another one publishing the same key.
-LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s")
+LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s", most=WEEK_S)
 #: Published keys kept per model name by pruning.
 PRUNE_KEEP = Limit("the number of keys kept per model name", 2, 1)
 #: Parallel download and conversion workers (None: chosen per source).
 WORKERS = Limit("the number of workers", None, 1)
+#: The byte-range slice size large gs:// objects are split into, in MiB (one slice per download
+#: worker is held in memory; one request each, and the unit a killed download resumes from).
+SLICE_MIB = Limit("the slice size", 16, 1, " MiB")
+#: The memory of one GPU, in GiB, that ``run`` and ``plan`` check a configuration against
+#: (None: not checked). At most the chart's bound (``cluster.gpuMemoryGiB``), far beyond any
+#: GPU made: a larger number is a typo.
+GPU_MEMORY_GIB = Limit("the memory of one GPU", None, 0.0, " GiB", exclusive=True, most=1024.0)

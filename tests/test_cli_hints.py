@@ -59,6 +59,24 @@ def test_a_mistyped_option_is_named_with_the_one_meant_before_any_missing_one(
     assert not (tmp_path / "models").exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ("--retry-deadlne", "unknown option --retry-deadlne (did you mean --retry-deadline?)"),
+        ("--hf-token-file", "unknown option --hf-token-file"),  # fetch's, not run's
+    ],
+)
+def test_an_unknown_option_beside_every_required_one_is_named_not_a_good_one(
+    capsys, tmp_path, extra, said
+):
+    """argparse reports it from the main parser, which knows none of run's options: the first
+    of those (--source) was named as unknown."""
+    code, err = _exit(capsys, *_run_args(tmp_path / "ckpt", tmp_path / "models"), extra, "3")
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[0] == f"error: model-loader run: {said}", err
+    assert lines[1] == "hint: `model-loader run --help` lists the options and arguments."
+
+
 def test_plan_takes_a_model_name_in_any_case_and_refuses_an_unknown_one_in_two_lines(capsys):
     code, err = _exit(
         capsys, "plan", "--model", "CodeGen-16B", "--gpus-per-node", "16", "--gpu-memory-gib", "40"

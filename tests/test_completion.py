@@ -132,3 +132,23 @@ def test_the_clients_warn_about_a_greedy_temperature_before_sending(client):
     assert "--top-p" in alone.stderr
     sampled = run("--temperature", "0.2", "--top-p", "0.95")
     assert sampled.returncode == 2 and "greedy" not in sampled.stderr, sampled.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "too-large"])
+def test_a_request_file_is_read_only_when_it_is_a_small_regular_file(tmp_path, kind):
+    """A FIFO blocked `complete --request` forever and /dev/zero filled its memory."""
+    import os
+
+    from loader.errors import LoaderError
+
+    path = tmp_path / "request.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path("/dev/zero")
+    else:
+        prompt = "x" * (17 * 1024 * 1024)  # a valid request, larger than any real one
+        path.write_text('{"data": [{"prompt": {"content": ["' + prompt + '"], "shape": [1]}}]}')
+    with pytest.raises(LoaderError) as info:
+        load_request(path)
+    assert info.value.exit_code == 2 and str(path) in info.value.message

@@ -137,3 +137,156 @@ def test_a_value_a_library_refuses_is_a_source_error_not_a_bug():
     from loader.errors import SourceError
 
     assert isinstance(caught.value, SourceError), caught.value
+
+
+@pytest.mark.parametrize(
+    "value", ["http://[bad", "http://127.0.0.1:99999", "notaurl", "ftp://host", "http://"]
+)
+@pytest.mark.parametrize(
+    ("variable", "source"),
+    [("HF_ENDPOINT", "hf://org/name"), ("STORAGE_EMULATOR_HOST", "gs://b/p")],
+)
+def test_an_endpoint_setting_no_library_can_use_is_named(
+    tmp_path, capsys, monkeypatch, variable, source, value
+):
+    """Refused before any library parses it (huggingface_hub raised a ValueError at import, or
+    httpx an UnsupportedProtocol that was retried until the deadline)."""
+    monkeypatch.setenv(variable, value)
+    code, _, err = cli(capsys, *run_argv(source, tmp_path / "root", "--retry-deadline", "30"))
+    assert code == 2 and f"error: {variable}=" in err and f"hint: Set {variable} to" in err, err
+
+
+@pytest.mark.parametrize("token", ["tökén", "abc\ndef", "hf_ab cd", "hf_\x07"])
+def test_a_hub_token_no_header_can_carry_is_refused_without_showing_it(
+    tmp_path, capsys, monkeypatch, token
+):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # refused before any request
+    monkeypatch.setenv("HF_TOKEN", token)
+    code, _, err = cli(capsys, *run_argv("hf://org/name", tmp_path / "root"))
+    assert code == 2 and "token from HF_TOKEN" in err and "hint:" in err, err
+    assert token.strip() not in err
+
+
+def test_a_hub_setting_the_library_cannot_parse_is_named(tmp_path):
+    """huggingface_hub parses its HF_HUB_* numbers at import (a fresh process: this one has
+    imported it already)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_ETAG_TIMEOUT": "abc", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    argv = [sys.executable, "-m", "loader", *run_argv("hf://org/name", tmp_path / "root")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "HF_HUB_ETAG_TIMEOUT" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def _settings_failures() -> list[BaseException]:
+    """Failures a setting causes, as each stack raises them: no retry can help."""
+    import ssl
+
+    import httpx
+    import requests
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    found: list[BaseException] = [
+        httpx.UnsupportedProtocol("Request URL is missing an 'http://' or 'https://' protocol."),
+        OfflineModeIsEnabled("offline mode is enabled"),
+    ]
+    try:
+        import httpx2
+
+        found.append(httpx2.UnsupportedProtocol("Request URL has an unsupported protocol"))
+    except ImportError:
+        pass
+    verify = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    found.append(requests.exceptions.SSLError(verify))
+    return found
+
+
+@pytest.mark.parametrize("exc", _settings_failures(), ids=lambda e: type(e).__name__)
+def test_a_setting_that_cannot_work_is_not_retried(exc):
+    from loader.errors import SourceError
+    from loader.sources.failures import Funnel
+
+    assert not is_transient(exc)
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise exc
+
+    with pytest.raises(SourceError) as caught:
+        Funnel(30.0)(fail, what="hf://org/name")
+    assert len(calls) == 1 and caught.value.exit_code == 2, caught.value
+
+
+def _os_errors() -> list[OSError]:
+    """An OSError for every errno this platform defines, each as the built-in subclass Python
+    raises for it (FileNotFoundError, ConnectionResetError, ...): generated, not listed."""
+    import errno
+    import os
+
+    return [OSError(code, os.strerror(code), "/volume/a name") for code in sorted(errno.errorcode)]
+
+
+def test_every_errno_has_exactly_one_class():
+    """Mapped to a typed error (2 or 75) or declared a bug: a code in neither (a new one, or
+    one dropped from a class) fails here."""
+    import errno
+
+    from loader.errors import BUG_ERRNOS, typed_os_error
+
+    unmapped, both = [], []
+    for exc in _os_errors():
+        typed = typed_os_error(exc)
+        if typed is None and exc.errno not in BUG_ERRNOS:
+            unmapped.append(errno.errorcode[exc.errno])
+        if typed is not None and exc.errno in BUG_ERRNOS:
+            both.append(errno.errorcode[exc.errno])
+    assert not unmapped and not both, (unmapped, both)
+
+
+@pytest.mark.parametrize("exc", _os_errors(), ids=lambda e: __import__("errno").errorcode[e.errno])
+def test_an_os_error_reaching_the_command_line_gets_its_class(capsys, exc):
+    """Through the one funnel of every command: an error line and a hint (2 or 75), or, for a
+    code declared a bug, exit 1 with the traceback; never anything else."""
+    import argparse
+
+    from loader.cli import EXIT_BUG, run_command
+    from loader.errors import BUG_ERRNOS
+
+    def command(args):
+        raise exc
+
+    code = run_command(command, argparse.Namespace())
+    err = capsys.readouterr().err
+    if exc.errno in BUG_ERRNOS:
+        assert code == EXIT_BUG
+    else:
+        assert code in (2, 75) and "hint:" in err and "a name" in err, (code, err)
+
+
+@pytest.mark.parametrize(
+    "raised",
+    ["MemoryError()", 'RuntimeError("can\'t start new thread")'],
+    ids=["memory", "threads"],
+)
+def test_resource_exhaustion_inside_a_library_call_stays_transient(raised):
+    """Raised from a library's own code (here: a function whose module is requests'), it was a
+    permanent SourceError (2) naming the library, where running again may well succeed."""
+    from loader.errors import EXIT_TRANSIENT
+    from loader.sources.failures import Funnel
+
+    namespace: dict = {"__name__": "requests.fake"}
+    exec(f"def call():\n    raise {raised}\n", namespace)
+    calls = []
+
+    def fail():
+        calls.append(1)
+        namespace["call"]()
+
+    with pytest.raises(Exception) as caught:
+        Funnel(30.0)(fail, what="gs://b/p")
+    assert getattr(caught.value, "exit_code", None) == EXIT_TRANSIENT, caught.value
+    assert len(calls) == 1  # not retried in place: the process may need more room

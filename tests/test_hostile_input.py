@@ -337,3 +337,84 @@ def test_a_repository_root_with_room_for_the_weights_only_is_refused_before_writ
     assert out == []
     assert list(root.glob("tiny@*")) == []
     assert list((root / ".staging").iterdir()) == []
+
+
+def _plant_fifo(entry: Path) -> None:
+    os.mkfifo(entry)
+
+
+def _plant_dangling_link(entry: Path) -> None:
+    entry.symlink_to("nowhere")
+
+
+def _plant_link_out(entry: Path) -> None:
+    entry.symlink_to("/etc/hostname")
+
+
+@pytest.mark.parametrize("plant", [_plant_fifo, _plant_dangling_link, _plant_link_out])
+def test_a_name_in_a_source_cannot_forge_a_line_of_the_error(source, tmp_path, capsys, plant):
+    """A file name with a line break is quoted with escapes: every line of stderr is still the
+    loader's own (no forged ``error:`` or ``hint:`` line)."""
+    plant(source / "x\nerror: forged\rhint: forged")
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, "'", "\\nerror: forged\\rhint: forged")
+    assert not [line for line in err.splitlines() if "forged" in line.split(":")[0]], err
+    assert "\r" not in err, err
+
+
+def test_an_os_error_quotes_a_name_with_a_line_break():
+    from loader.errors import NotOursError, typed_os_error
+
+    typed = typed_os_error(
+        OSError(errno.EACCES, "Permission denied", "/r/a\nerror: x", None, "b\n")
+    )
+    assert typed is not None and "\n" not in str(typed), typed
+    assert "\n" not in str(NotOursError("/r/.staging/a\nerror: x", "a link", "a directory"))
+
+
+def test_a_source_that_is_a_link_loop_says_so(tmp_path, capsys):
+    loop = tmp_path / "ckpt"
+    loop.symlink_to(loop)
+    code, _, err = cli(capsys, *_run_args(loop, tmp_path / "root"))
+    _user_error(code, err, "symbolic link that leads nowhere")
+
+
+@pytest.mark.parametrize("where", ["root", "work-dir", "root-is-source"])
+def test_a_repository_or_work_dir_inside_the_local_source_is_refused(
+    source, tmp_path, capsys, where
+):
+    """What the loader writes there would become part of the source: the next run found the
+    source changed (exit 2) for a key it had just published."""
+    root = source if where == "root-is-source" else source / "models"
+    extra = ("--work-dir", str(source / "work")) if where == "work-dir" else ()
+    if where == "work-dir":
+        root = tmp_path / "root"
+    before = sorted(p.name for p in source.iterdir())
+    code, _, err = cli(capsys, *_run_args(source, root, *extra))
+    _user_error(code, err, "lies in the local source", "outside the checkpoint directory")
+    assert sorted(p.name for p in source.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["fetch-copy", "fetch-in-place", "convert", "convert-link"])
+def test_a_result_path_with_a_line_break_is_never_printed_as_two_lines(
+    source, tmp_path, capsys, command
+):
+    """fetch and convert print their result's path as the last line, like run: a path with a
+    line break is refused (before any work where the argument holds it), never printed."""
+    odd = tmp_path / "a\nb"
+    if command == "fetch-copy":
+        argv = ["fetch", str(source), str(odd), "--copy"]
+    elif command == "fetch-in-place":
+        shutil.copytree(source, odd)
+        argv = ["fetch", str(odd)]
+    elif command == "convert":
+        argv = ["convert", "--tp-size", "1", str(source), str(odd)]
+    else:  # the argument is one line; the directory it resolves to is not
+        odd.mkdir()
+        (tmp_path / "link").symlink_to(odd)
+        argv = ["convert", "--tp-size", "1", str(source), str(tmp_path / "link")]
+    code, out, err = cli(capsys, *argv)
+    _user_error(code, err, "holds a line break", "'" + str(tmp_path) + "/a\\nb")
+    assert out == [], out
+    if command in ("fetch-copy", "convert"):
+        assert not odd.exists()  # refused before anything was written

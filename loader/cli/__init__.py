@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__, stages
-from loader.errors import LoaderError, ResourceExhaustedError, typed_os_error
+from loader.errors import LoaderError, resource_exhaustion, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -77,8 +77,23 @@ class Parser(argparse.ArgumentParser):
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def _command(self) -> argparse.ArgumentParser | None:
+        """On the main parser, the parser of the command given (argparse reports a command's
+        unknown option from the main parser); None elsewhere or without one."""
+        given = [t for t in getattr(self, "_given", []) if not t.startswith("-")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return next((action.choices[t] for t in given if t in action.choices), None)
+        return None
+
+    def _known_options(self) -> list[str]:
+        """This parser's options and those of the command given."""
+        command = self._command()
+        extra = list(command._option_string_actions) if command is not None else []
+        return [*self._option_string_actions, *extra]
+
     def _unknown_options(self) -> list[str]:
-        known = list(self._option_string_actions)
+        known = self._known_options()
         unknown = []
         for token in getattr(self, "_given", []):
             if token == "--":
@@ -109,13 +124,14 @@ class Parser(argparse.ArgumentParser):
             self.exit(2)
         unknown = self._unknown_options()
         if unknown:
-            options = [o for o in self._option_string_actions if o.startswith("--")]
+            options = [o for o in self._known_options() if o.startswith("--")]
             close = difflib.get_close_matches(unknown[0], options, n=1, cutoff=0.6)
             message = f"unknown option {unknown[0]}" + (
                 f" (did you mean {close[0]}?)" if close else ""
             )
-        print(f"error: {self.prog}: {message}", file=sys.stderr)
-        print(f"hint: `{self.prog} --help` lists the options and arguments.", file=sys.stderr)
+        prog = getattr(self._command(), "prog", self.prog)
+        print(f"error: {prog}: {message}", file=sys.stderr)
+        print(f"hint: `{prog} --help` lists the options and arguments.", file=sys.stderr)
         self.exit(2)
 
 
@@ -207,6 +223,34 @@ def limit_argument(
     parser.add_argument(flag, default=default, help=help + shown, **kwargs)  # type: ignore[arg-type]
     flags = dict(parser.get_default("limit_flags") or {})
     parser.set_defaults(limit_flags={**flags, limit: flag})
+
+
+#: Characters that would split the one line a command prints as its result.
+LINE_BREAKS = "\n\r\0"
+
+
+def one_line_path(what: str, value: object, hint: str | None = None) -> None:
+    """Refuse ``value`` (the argument ``what``) if it holds a line break or a NUL: the last line
+    ``run``, ``fetch`` and ``convert`` print is the path of their result, which must be one
+    line for a script reading it. Checked before any work."""
+    if value is not None and any(c in str(value) for c in LINE_BREAKS):
+        raise LoaderError(
+            f"{what} {str(value)!r} holds a line break or a NUL: the last line the command "
+            "prints is the path of its result, which must be one line.",
+            hint or f"Pass {what} as a path without line breaks.",
+        )
+
+
+def print_path(path: object) -> None:
+    """Print the result's path as the command's last line; one that resolved to a name with a
+    line break (through a link) is an error, never two lines a script would misread."""
+    one_line_path(
+        "The result's path",
+        path,
+        "It was written there; rename it (or the link that leads to it) to a name without "
+        "line breaks, then run again.",
+    )
+    print(path, flush=True)
 
 
 def _message(exc: LoaderError, args: argparse.Namespace) -> str:
@@ -323,16 +367,6 @@ def _cwd_gone(exc: OSError) -> LoaderError | None:
             "The current working directory was deleted, so a relative path cannot be resolved.",
             "Run from an existing directory, or pass absolute paths.",
         )
-    return None
-
-
-def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
-    """The transient error of a machine that ran out of memory or threads (None: another
-    failure)."""
-    if isinstance(exc, MemoryError):
-        return ResourceExhaustedError("The loader ran out of memory.")
-    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
-        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
     return None
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from loader.cli import limit_argument
+from loader.limits import WORKERS
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -22,8 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pipeline-parallel size the model will run with (checked only)",
     )
     p.add_argument("--dtype", default=None, help="fp16 or fp32 (default: the source's dtype)")
-    p.add_argument(
-        "--workers", type=int, default=None, help="worker threads (default: CPU count, at most 4)"
+    limit_argument(
+        p, "--workers", WORKERS, type=int, help="worker threads (default: CPU count, at most 4)"
     )
     p.add_argument(
         "--force", action="store_true", help="replace OUTPUT_DIR/<T>-gpu if it exists (atomically)"
@@ -33,7 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from loader import fs
+    from loader.cli import one_line_path, print_path
     from loader.convert import convert_checkpoint
+
+    one_line_path("OUTPUT_DIR", args.output_dir)
 
     # SIGTERM unwinds like Ctrl-C (loader.cli.run_command), so temp files are removed.
     with fs.confined(args.output_dir), fs.followed(args.source_dir):
@@ -46,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             overwrite=args.force,
         )
-    print(result.output_path.resolve())
+    print_path(result.output_path.resolve())
     return 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from loader.cli import limit_argument
+from loader.cli import limit_argument, one_line_path, print_path
 from loader.errors import LoaderError
-from loader.limits import RETRY_DEADLINE_S, WORKERS
+from loader.limits import RETRY_DEADLINE_S, SLICE_MIB, WORKERS
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="total time to keep retrying transient failures",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--slice-mib",
+        SLICE_MIB,
         type=int,
-        default=None,
-        help="byte-range slice size for large gs:// objects, in MiB (default: 16; each of the "
-        "--workers downloads holds one slice in memory)",
+        help="byte-range slice size for large gs:// objects, in MiB (each of the --workers "
+        "downloads holds one slice in memory)",
     )
     p.set_defaults(func=run)
 
@@ -72,6 +73,10 @@ def _is_local(uri: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from loader.sources import fetch
 
+    SLICE_MIB.check(args.slice_mib)
+    one_line_path("DEST", args.dest)
+    if _is_local(args.uri) and not args.copy:
+        one_line_path("URI", args.uri)  # printed as the result: used in place
     if args.dest is not None and not args.copy and _is_local(args.uri):
         raise LoaderError(
             f"{args.uri} is a local checkpoint, used in place: DEST ({args.dest}) would be ignored",
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             hf_token_file=args.hf_token_file,
             retry_deadline_s=args.retry_deadline,
-            slice_bytes=args.slice_mib * 1024 * 1024 if args.slice_mib else None,
+            slice_bytes=args.slice_mib * 1024 * 1024,
         )
     log.info(
         "fetched %s files (%s, %s downloaded now) from %s, revision %s",
@@ -98,5 +103,5 @@ def run(args: argparse.Namespace) -> int:
         args.uri,
         result.revision or "-",
     )
-    print(result.path)
+    print_path(result.path)
     return 0

@@ -6,7 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from loader.cli import limit_argument
 from loader.errors import LoaderError, SourceError
+from loader.limits import GPU_MEMORY_GIB
 from loader.parallel import Parallelism
 from loader.plan import MODEL_PRESETS, ModelShape, Topology, format_table, plan_row
 
@@ -66,10 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpus-per-replica", type=int, default=None, help="GPUs one replica sees (default: T x P)"
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--gpu-memory-gib",
-        type=float,
-        default=None,
+        GPU_MEMORY_GIB,
         help="memory of one GPU (default: not checked, the verdict is `unchecked`)",
     )
     p.add_argument(
@@ -128,7 +130,22 @@ def _shape(args: argparse.Namespace) -> tuple[ModelShape, str, str]:
     return ModelShape.from_hf_config(config), config_dtype(config), str(uri.location)
 
 
+#: plan's counts: each, when given, at least 1 (0 or less printed rows of negative memory).
+_COUNTS = ("gpus_per_node", "gpus_per_replica", "replicas_per_node", "max_batch_size",
+           "max_sequence_length")  # fmt: skip
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in _COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise LoaderError(f"{flag} must be at least 1, got {value}.", f"Pass {flag} 1 or more.")
+
+
 def main(args: argparse.Namespace) -> int:
+    GPU_MEMORY_GIB.check(args.gpu_memory_gib)
+    _check_counts(args)
     shape, source_dtype, origin = _shape(args)
     dtype = args.dtype or source_dtype
     node = args.gpus_per_node

@@ -9,9 +9,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loader.cli import limit_argument
+from loader.cli import limit_argument, print_path
 from loader.errors import LoaderError
-from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS
+from loader.limits import (
+    GPU_MEMORY_GIB,
+    LOCK_EXPIRY_S,
+    LOCK_TIMEOUT_S,
+    PRUNE_KEEP,
+    RETRY_DEADLINE_S,
+    WORKERS,
+)
 from loader.parallel import Parallelism
 from loader.repository.key import BACKENDS, ServingSettings
 from loader.run import VERIFY_MODES, RunRequest, run
@@ -90,10 +97,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="GPUs one Triton replica sees (default: T x P)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--gpu-memory-gib",
-        type=float,
-        default=None,
+        GPU_MEMORY_GIB,
         help="GPU memory per GPU; refuse a configuration that cannot fit",
     )
     p.add_argument(
@@ -176,7 +183,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     result = run(request_from_args(args))
-    print(result.path, flush=True)
+    print_path(result.path)
     return 0
 
 

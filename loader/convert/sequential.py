@@ -21,6 +21,7 @@ from pathlib import Path
 from loader import digest, fs, stages
 from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
+from loader.limits import WORKERS
 from loader.parallel import Parallelism
 from loader.progress import byte_progress, human_bytes
 
@@ -98,6 +99,7 @@ def convert_checkpoint(
     divisible by it; files do not depend on it). ``overwrite`` replaces an existing ``<T>-gpu``
     (atomically) instead of refusing.
     """
+    WORKERS.check(workers)
     source_dir = Path(source_dir)
     parallelism = Parallelism(tp=tp_size, pp=pp_size)
     if dtype is not None:

@@ -262,6 +262,7 @@ def _prune(
 ) -> PruneReport:
     root = Path(root).absolute()
     PRUNE_KEEP.check(keep)
+    LOCK_EXPIRY_S.check(lock_expiry_s)
     if not root.is_dir():
         raise RepositoryError(
             f"The repository root {root} does not exist.",

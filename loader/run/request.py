@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.errors import RepositoryError
-from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS
+from loader.errors import LoaderError, RepositoryError, shown
+from loader.limits import (
+    GPU_MEMORY_GIB,
+    LOCK_EXPIRY_S,
+    LOCK_TIMEOUT_S,
+    PRUNE_KEEP,
+    RETRY_DEADLINE_S,
+    WORKERS,
+)
 from loader.parallel import Parallelism
 from loader.plan import Topology
 from loader.repository.key import ServingSettings, model_key
 from loader.repository.validate import check_settings
+from loader.sources import parse_uri
 
 #: Ways of verifying a published key (see :attr:`RunRequest.verify`).
 VERIFY_MODES = ("quick", "full")
@@ -50,6 +59,7 @@ class RunRequest:
         RETRY_DEADLINE_S.check(self.retry_deadline_s)
         PRUNE_KEEP.check(self.prune_keep)
         WORKERS.check(self.workers)
+        GPU_MEMORY_GIB.check(self.gpu_memory_gib)
         check_settings(self.model_name, self.parallelism, self.settings)
         for flag, value in (("--repository", self.repository), ("--work-dir", self.work_dir)):
             if value is not None and any(c in str(value) for c in "\n\r\0"):
@@ -58,12 +68,36 @@ class RunRequest:
                     "loader prints is the published path, which must be one line.",
                     f"Use a {flag} path without line breaks.",
                 )
+        self._check_apart()
         if self.verify not in VERIFY_MODES:
             raise RepositoryError(
                 f"The verification mode must be one of {', '.join(VERIFY_MODES)}, got "
                 f"{self.verify!r}.",
                 "Verify quick (the default) or full (re-hash every file).",
             )
+
+    def _check_apart(self) -> None:
+        """A local source must not hold the repository root or the work directory: what the
+        loader writes there would become part of the source, and every later run would find
+        the source changed (its fingerprint covers every file below it)."""
+        try:
+            uri = parse_uri(self.source)
+        except LoaderError:
+            return  # said by the fetch, with its own hint
+        if uri.scheme != "file" or not os.path.isdir(uri.location):
+            return  # a missing source is said by the fetch
+        source = Path(os.path.realpath(uri.location))
+        for flag, value in (("--repository", self.repository), ("--work-dir", self.work_dir)):
+            if value is None:
+                continue
+            where = Path(os.path.realpath(Path(value).absolute()))
+            if where == source or source in where.parents:
+                raise RepositoryError(
+                    f"{flag} {shown(value)} lies in the local source {shown(source)}: what the "
+                    "loader writes there would become part of the source, which every later "
+                    "run would then find changed.",
+                    f"Point {flag} outside the checkpoint directory.",
+                )
 
     @property
     def root(self) -> Path:

@@ -7,12 +7,14 @@ gs:// and hf:// sources run every remote call through a :class:`Funnel`:
 * :func:`retry_after_s` reads the server's ``Retry-After`` (seconds or an HTTP date); the
   funnel never asks again sooner than that.
 * A permanent failure becomes a typed :class:`~loader.errors.SourceError` naming what was
-  read: a host name that does not resolve first (:func:`dns_error`: never retried), the
-  source's own mapping (:data:`Specific`: credentials, gated repositories, missing
-  revisions), then the HTTP status (401/403 permission, 404 not found; 412, replaced
-  meanwhile, is transient: the upload is in progress), and any other failure of the source's
-  libraries (:func:`library_error`: a value they refuse). ``tests/test_failure_classes.py``
-  checks every exception class those libraries define.
+  read: a host name that does not resolve first (:func:`dns_error`: never retried), a
+  failure of the settings next (:func:`settings_error`: a URL without a usable scheme,
+  offline mode, a certificate that does not verify; never retried), the source's own
+  mapping (:data:`Specific`: credentials, gated repositories, missing revisions), then the
+  HTTP status (401/403 permission, 404 not found; 412, replaced meanwhile, is transient: the
+  upload is in progress), and any other failure of the source's libraries
+  (:func:`library_error`: a value they refuse). ``tests/test_failure_classes.py`` checks
+  every exception class those libraries define.
 * Retrying ends at the deadline (``--retry-deadline``) with a
   :class:`~loader.errors.TransientSourceError` (exit code 75) quoting the last failure.
 
@@ -32,10 +34,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loader.errors import (
+    LoaderError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    resource_exhaustion,
 )
 
 log = logging.getLogger(__name__)
@@ -175,6 +179,39 @@ def dns_error(exc: BaseException, what: str) -> SourceError | None:
     )
 
 
+#: Failures of the settings, not of the network: retrying cannot help. Class names, as each
+#: HTTP stack (httpx and its fork, requests, huggingface_hub) spells them, each with its hint.
+_SETTINGS_FAILURES: dict[str, str] = {
+    "UnsupportedProtocol": "Write the endpoint as http://HOST[:PORT] or https://HOST[:PORT] "
+    "(HF_ENDPOINT, STORAGE_EMULATOR_HOST, a proxy setting).",
+    "OfflineModeIsEnabled": "Unset HF_HUB_OFFLINE (the Hub library refuses every request while "
+    "it is set).",
+    "SSLCertVerificationError": "Check the endpoint's host name and certificate; behind a proxy "
+    "that presents its own certificate, point REQUESTS_CA_BUNDLE / SSL_CERT_FILE at its CA.",
+}
+
+
+def settings_failure(exc: BaseException) -> tuple[BaseException, str] | None:
+    """The failure behind ``exc`` that a setting causes (a URL without a usable scheme,
+    offline mode, a certificate that does not verify) and its hint; None if none."""
+    for found in _everything_in(exc):
+        for cls in type(found).__mro__:
+            if cls.__name__ in _SETTINGS_FAILURES:
+                return found, _SETTINGS_FAILURES[cls.__name__]
+    return None
+
+
+def settings_error(exc: BaseException, what: str) -> SourceError | None:
+    """The typed error of a failure a setting causes while reading ``what`` (None: not one)."""
+    found = settings_failure(exc)
+    if found is None:
+        return None
+    cause, hint = found
+    return SourceError(
+        f"Reading {what} cannot work as set up: {type(cause).__name__}: {cause}", hint
+    )
+
+
 #: The libraries a remote source calls (their top-level packages): an exception of theirs, or
 #: one raised from their code (a ``ValueError`` about an option), is about the source or the
 #: options given, never a bug of the loader.
@@ -211,10 +248,11 @@ def library_error(exc: BaseException, what: str) -> SourceError | None:
 
 def is_transient(exc: BaseException) -> bool:
     """Connection problems, timeouts, 408/429/5xx: worth retrying. A typed error of ours
-    never is (it was already judged permanent), nor a host name that does not resolve."""
+    never is (it was already judged permanent), nor a host name that does not resolve, nor a
+    failure of the settings (:func:`settings_failure`)."""
     if isinstance(exc, SourceError):
         return False
-    if name_resolution_failure(exc) is not None:
+    if name_resolution_failure(exc) is not None or settings_failure(exc) is not None:
         return False
     if isinstance(exc, _transport_errors()):
         return True
@@ -267,11 +305,15 @@ class Funnel:
 
     # --- typed errors ---------------------------------------------------------------------
 
-    def typed(self, exc: BaseException, what: str) -> SourceError | None:
-        """The typed error a permanent failure stands for (``None``: not one we can name)."""
+    def typed(self, exc: BaseException, what: str) -> LoaderError | None:
+        """The typed error a permanent failure stands for (``None``: not one we can name);
+        memory or threads running out, even inside a library, is transient
+        (:func:`~loader.errors.resource_exhaustion`), never a permanent source error."""
         if isinstance(exc, SourceError):
             return exc
-        if (dns := dns_error(exc, what)) is not None:
+        if (exhausted := resource_exhaustion(exc)) is not None:
+            return exhausted
+        if (dns := dns_error(exc, what) or settings_error(exc, what)) is not None:
             return dns
         if self.specific is not None and (found := self.specific(exc, what)) is not None:
             return found
@@ -300,7 +342,7 @@ class Funnel:
 
         return on_error
 
-    def _typed_or_raise(self, exc: Exception, what: str) -> SourceError:
+    def _typed_or_raise(self, exc: Exception, what: str) -> LoaderError:
         typed = self.typed(exc, what)
         if typed is None or typed is exc:
             raise exc

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loader.errors import shown
+
 #: Differences listed in an error message at most.
 _LIST_AT_MOST = 5
 
@@ -85,9 +87,9 @@ class Fingerprint:
             for rel in set(self.files) & set(current.files)
             if self.files[rel] != current.files[rel]
         )
-        found += [f"{rel} changed" for rel in changed]
-        found += [f"{rel} was removed" for rel in removed]
-        found += [f"{rel} was added" for rel in added]
+        found += [f"{shown(rel)} changed" for rel in changed]
+        found += [f"{shown(rel)} was removed" for rel in removed]
+        found += [f"{shown(rel)} was added" for rel in added]
         return found
 
 

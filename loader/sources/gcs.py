@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -61,8 +60,9 @@ from loader.errors import (
     SourcePermissionError,
     TransientSourceError,
 )
+from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
@@ -84,7 +84,7 @@ log = logging.getLogger(__name__)
 
 #: Byte-range slice size for large objects (each slice is read into memory whole: at most
 #: ``workers`` of them at once).
-SLICE_BYTES = 16 * 1024 * 1024
+SLICE_BYTES = int(SLICE_MIB.default or 16) * 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
 
@@ -213,7 +213,7 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     from google.cloud import storage
     from requests.adapters import HTTPAdapter
 
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+    if settings.endpoint("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials
 
         client = storage.Client(credentials=AnonymousCredentials(), project="emulator")

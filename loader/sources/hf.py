@@ -52,7 +52,7 @@ from loader.formats.huggingface import (
     is_weight_file,
 )
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
@@ -116,10 +116,10 @@ def resolve_token(options: FetchOptions) -> str | None:
     import and treats an unreadable or empty file as no token, where a mounted Secret that is
     missing deserves an error naming it."""
     if options.hf_token:
-        return options.hf_token
+        return settings.token(options.hf_token, "the hf_token given")
     token_file, source = options.hf_token_file, "--hf-token-file"
-    if not token_file and os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"].strip()
+    if not token_file and os.environ.get("HF_TOKEN", "").strip():
+        return settings.token(os.environ["HF_TOKEN"].strip(), "HF_TOKEN")
     if not token_file:
         source = next((v for v in TOKEN_FILE_VARIABLES if os.environ.get(v)), "")
         token_file = os.environ.get(source) if source else None
@@ -146,7 +146,7 @@ def _read_token_file(token_file: str, source: str) -> str:
             f"The Hugging Face token file {token_file} ({source}) is empty.",
             "Put the token in the file (or the Kubernetes Secret).",
         )
-    if not token.isprintable() or any(c.isspace() for c in token):
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
         raise SourcePermissionError(
             f"The Hugging Face token file {token_file} ({source}) holds more than one printable "
             "word.",
@@ -318,10 +318,11 @@ def fingerprint_source(
     revision = uri.revision or DEFAULT_REVISION
     if _COMMIT.fullmatch(revision):
         return Fingerprint(uri=uri.canonical, commit=revision)
+    settings.import_hub("huggingface_hub.hf_api")
     from huggingface_hub import HfApi
 
     token = resolve_token(options)
-    api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+    api = HfApi(endpoint=settings.endpoint("HF_ENDPOINT"))
     commit = _resolve_commit(api, uri, revision, token, _funnel(uri, revision, options))
     return Fingerprint(uri=uri.canonical, commit=commit)
 
@@ -332,6 +333,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             f"Fetching {uri.raw} needs a destination directory.",
             "Pass a destination (model-loader fetch URI DEST).",
         )
+    settings.import_hub("huggingface_hub.hf_api")
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
@@ -339,7 +341,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     revision = uri.revision or DEFAULT_REVISION
     funnel = _funnel(uri, revision, options)
     # Read at call time (the Hub library reads it once, at import).
-    endpoint = os.environ.get("HF_ENDPOINT") or None
+    endpoint = settings.endpoint("HF_ENDPOINT")
     api = HfApi(endpoint=endpoint)
     commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)

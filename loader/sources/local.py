@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs
-from loader.errors import SourceError, SourceNotFoundError, SpecialFileError
+from loader.errors import SourceError, SourceNotFoundError, SpecialFileError, shown
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
@@ -70,13 +70,14 @@ def list_files(root: Path) -> list[str]:
                 target = path.resolve(strict=True)
             except (OSError, RuntimeError) as exc:  # a loop, a dangling link
                 raise SourceError(
-                    f"{path} in the local source is a symbolic link that leads nowhere "
+                    f"{shown(path)} in the local source is a symbolic link that leads nowhere "
                     f"({type(exc).__name__}: a loop or a missing target).",
                     "Replace the link with the file itself, or remove it.",
                 ) from None
             if not any(target.is_relative_to(place) for place in allowed):
                 raise SourceError(
-                    f"{path} in the local source is a symbolic link to {target}, outside the "
+                    f"{shown(path)} in the local source is a symbolic link to {shown(target)}, "
+                    "outside the "
                     "source directory; the loader does not follow links out of a source.",
                     "Replace the link with the file itself (cp --dereference), or point the "
                     "loader at a directory that holds the files.",
@@ -134,6 +135,12 @@ def fingerprint_source(
 
 def _checked_root(uri: SourceURI) -> Path:
     root = Path(uri.location)
+    if not root.exists() and root.is_symlink():
+        raise SourceNotFoundError(
+            f"Local source {shown(root)} (from {uri.raw!r}) is a symbolic link that leads "
+            "nowhere (a loop or a missing target).",
+            "Point the loader at the checkpoint directory itself, or fix the link.",
+        )
     if not root.exists():
         raise SourceNotFoundError(
             f"Local source {root} (from {uri.raw!r}) does not exist.",

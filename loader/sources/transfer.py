@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loader import fs
-from loader.errors import InsufficientDiskSpaceError, SourceError
+from loader.errors import InsufficientDiskSpaceError, SourceError, shown
 from loader.fs import Dir
 from loader.progress import human_bytes
 
@@ -55,9 +55,10 @@ def safe_path(dest: Path, relpath: str) -> Path:
         if path.is_symlink() or (path.exists() and not path.is_dir()):
             what = "a symbolic link" if path.is_symlink() else "a file"
             raise SourceError(
-                f"{path} is {what}, so {relpath} cannot be written under {dest}: the loader "
-                "writes only into real directories under the destination.",
-                f"Remove {path} or choose another destination directory.",
+                f"{shown(path)} is {what}, so {shown(relpath)} cannot be written under "
+                f"{shown(dest)}: the loader writes only into real directories under the "
+                "destination.",
+                f"Remove {shown(path)} or choose another destination directory.",
             )
         if not path.exists():
             try:

@@ -1,0 +1,77 @@
+"""The environment settings a remote source's libraries read, checked before they read them.
+
+A value these libraries cannot use fails inside them in ways that say nothing of the setting:
+huggingface_hub parses ``HF_ENDPOINT`` and its ``HF_HUB_*`` numbers when it is imported (a
+``ValueError`` from the standard library), httpx refuses a token it cannot encode as a header
+(``UnicodeEncodeError``). Each is a :class:`~loader.errors.SourceError` naming the setting here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import urllib.parse
+from types import ModuleType
+
+from loader.errors import SourceError, SourcePermissionError
+
+#: The schemes an endpoint may use.
+SCHEMES = ("http", "https")
+
+
+def endpoint(variable: str) -> str | None:
+    """The URL in the environment variable ``variable`` (None: unset or empty), refused unless
+    it is ``http(s)://HOST[:PORT][/PATH]``."""
+    value = os.environ.get(variable) or None
+    if value is None:
+        return None
+    why = _url_problem(value)
+    if why is not None:
+        raise SourceError(
+            f"{variable}={value!r} is not a URL the loader can use ({why}).",
+            f"Set {variable} to http://HOST[:PORT] or https://HOST[:PORT], or unset it.",
+        )
+    return value
+
+
+def _url_problem(value: str) -> str | None:
+    if not value.isprintable() or any(c.isspace() for c in value):
+        return "it holds a space or a control character"
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port = parts.port  # parsed on access: out of range or not a number raises
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in SCHEMES:
+        return f"the scheme must be {' or '.join(SCHEMES)}"
+    if not parts.hostname:
+        return "it names no host"
+    if port == 0:
+        return "port 0 is no port"
+    return None
+
+
+def import_hub(name: str = "huggingface_hub") -> ModuleType:
+    """Import huggingface_hub (or one of its modules): it reads its ``HF_*`` settings at import,
+    and a value it cannot parse is an error naming them, not a traceback."""
+    endpoint("HF_ENDPOINT")
+    try:
+        return importlib.import_module(name)
+    except (ValueError, TypeError) as exc:
+        settings = sorted(k for k in os.environ if k.startswith(("HF_", "HUGGINGFACE_")))
+        raise SourceError(
+            f"The Hugging Face Hub library refuses its settings in the environment ({exc}).",
+            f"Check these environment variables, or unset them: {', '.join(settings)}.",
+        ) from exc
+
+
+def token(value: str, source: str) -> str:
+    """A Hub token from ``source`` (a flag or a variable), refused unless it is one word of
+    visible ASCII: it travels as an HTTP header, which holds nothing else."""
+    if not value.isascii() or not value.isprintable() or any(c.isspace() for c in value):
+        raise SourcePermissionError(
+            f"The Hugging Face token from {source} holds more than one word of visible ASCII "
+            "(a space, a line break, a control or non-ASCII character).",
+            f"Set {source} to the token itself (hf_...), nothing around it.",
+        )
+    return value
