@@ -236,6 +236,23 @@ def is_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
 
 
+#: The mode of every directory the loader creates: Triton runs as another uid and must enter
+#: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
+DIR_MODE = 0o755
+
+
+def _give_mode(path: str | Path, mode: int, *, dir_fd: int | None = None) -> None:
+    """Give the directory the loader has just created at ``path`` exactly ``mode`` (a umask
+    such as 077 takes bits away at ``mkdir``): through a descriptor opened without following
+    a link, so a link swapped in meanwhile is never followed."""
+    fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def _component(name: str) -> str:
     if not is_name(name):
         raise ValueError(f"not a single path component: {name!r}")
@@ -288,7 +305,14 @@ class Dir:
         path = Path(path).absolute()
         if create:
             _seam("mkdir", path)
+            missing = []
+            for level in (path, *path.parents):
+                if os.path.lexists(level):
+                    break
+                missing.append(level)
             path.mkdir(parents=True, exist_ok=True)
+            for made in reversed(missing):  # Triton (another uid) reads them, whatever the umask
+                _give_mode(made, DIR_MODE)
         _seam("open", path)
         return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
 
@@ -342,6 +366,7 @@ class Dir:
         try:
             with _naming(self.path / name, relative=True):
                 os.mkdir(_component(name), mode, dir_fd=self.fd)
+                _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits away
             return True
         except FileExistsError:
             if not exist_ok:

@@ -304,6 +304,29 @@ def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(sour
         )
 
 
+def test_every_level_the_loader_creates_is_entered_by_another_uid_under_a_strict_umask(
+    source, tmp_path
+):
+    """ROOT (when the loader creates it), ``<name>@<revision>`` and the key: Triton runs as
+    another uid and must enter each one; a ROOT the user made keeps the user's mode."""
+    made, given = tmp_path / "made" / "root", tmp_path / "given"
+    made.parent.mkdir()
+    given.mkdir(mode=0o750)
+    given.chmod(0o750)
+    for root in (made, given):
+        proc = subprocess.run(
+            [sys.executable, "-c", "import os, sys; os.umask(0o077); from loader.cli import main; "
+             "sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        published = Path(proc.stdout.splitlines()[-1])
+        for level in (published.parent, published):
+            assert stat.S_IMODE(level.stat().st_mode) == 0o755, (level, oct(level.stat().st_mode))
+    assert stat.S_IMODE(made.stat().st_mode) == 0o755
+    assert stat.S_IMODE(given.stat().st_mode) == 0o750
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of a chosen size (root only: mount needs it); yields a function making one."""

@@ -66,7 +66,7 @@ DOWNLOAD_MARKER = ".model-loader-download"
 #: its first line is the key.
 STAGING_MARKER = manifest.STAGING_MARKER
 FILE_MODE = 0o644
-DIR_MODE = 0o755
+DIR_MODE = fs.DIR_MODE
 
 
 def published_path(root: Path, key: str) -> Path:

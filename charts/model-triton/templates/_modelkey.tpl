@@ -55,6 +55,8 @@ without ORG/NAME or with an empty `@`, a file:// URI that is not a plain absolut
 {{- end -}}
 {{- else if and (eq $scheme "file") (not (regexMatch "^(localhost)?/[^%?#]*$" $rest)) -}}
 {{- $problems = append $problems (printf "model-triton: model.source %q is not a plain absolute path; write file:///ABSOLUTE/PATH as it is on disk (no %%-escapes, '?' or '#'), without a host." $source) -}}
+{{- else if and (has $scheme (list "file" "path")) (hasPrefix (printf "%s/" (trimSuffix "/" (clean (regexReplaceAll "^localhost" $rest "")))) (printf "%s/" (include "model-triton.modelsMountPath" .))) -}}
+{{- $problems = append $problems (printf "model-triton: model.source %q holds the model volume (%s), where the loader publishes: what it writes there would become part of the source, which every later run would find changed; point model.source at the checkpoint's own directory." $source (include "model-triton.modelsMountPath" .)) -}}
 {{- end -}}
 {{- toJson $problems -}}
 {{- end -}}
