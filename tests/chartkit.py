@@ -110,7 +110,9 @@ def names_a_key(error: str, keys) -> bool:
 
 def generated(strategy, count: int) -> list:
     """``count`` examples drawn by Hypothesis (its edge-case bias included), for a batched run
-    whose failures are reported together."""
+    whose failures are reported together. Derandomized: the same examples on every run, so a
+    check that the batch reaches both verdicts (``assert_class``) cannot fail by the luck of
+    one draw (40 cases all refused happened about once in three full runs)."""
     from hypothesis import HealthCheck, given, settings
 
     found: list = []
@@ -119,6 +121,7 @@ def generated(strategy, count: int) -> list:
         max_examples=count,
         deadline=None,
         database=None,
+        derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
     @given(strategy)
