@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,24 @@ def scratch() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def snapshot(path: Path) -> dict[str, str]:
+    """Every entry under ``path`` (links not followed): what it is and holds."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(path).as_posix()
+            if p.is_symlink():
+                found[rel] = "link:" + os.readlink(p)
+            elif p.is_fifo():
+                found[rel] = "fifo"
+            elif p.is_file():
+                found[rel] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                found[rel] = "dir"
+    return found
 
 
 def _run_argv(source: str, root: Path, *extra: str) -> list[str]:

@@ -284,16 +284,21 @@ def test_fetch_copy_never_writes_through_a_link_in_dest(source, tmp_path):
     assert (dest / "extras" / "notes.txt").read_text() == "nested"
 
 
-def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(source, tmp_path):
-    (source / "merges.txt").chmod(0o600)
-    root = tmp_path / "root"
+def _published_under_a_strict_umask(source: Path, root: Path) -> Path:
+    """``model-loader run`` of ``source`` into ``root`` with umask 077; the published path."""
     proc = subprocess.run(
         [sys.executable, "-c", "import os, sys; os.umask(0o077); from loader.cli import main; "
          "sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    published = Path(proc.stdout.splitlines()[-1])
+    return Path(proc.stdout.splitlines()[-1])
+
+
+def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(source, tmp_path):
+    (source / "merges.txt").chmod(0o600)
+    root = tmp_path / "root"
+    published = _published_under_a_strict_umask(source, root)
     for path in [published, *published.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
@@ -314,13 +319,7 @@ def test_every_level_the_loader_creates_is_entered_by_another_uid_under_a_strict
     given.mkdir(mode=0o750)
     given.chmod(0o750)
     for root in (made, given):
-        proc = subprocess.run(
-            [sys.executable, "-c", "import os, sys; os.umask(0o077); from loader.cli import main; "
-             "sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        published = Path(proc.stdout.splitlines()[-1])
+        published = _published_under_a_strict_umask(source, root)
         for level in (published.parent, published):
             assert stat.S_IMODE(level.stat().st_mode) == 0o755, (level, oct(level.stat().st_mode))
     assert stat.S_IMODE(made.stat().st_mode) == 0o755

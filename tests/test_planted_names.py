@@ -25,7 +25,6 @@ followed or written through.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -39,7 +38,7 @@ from loader import fs
 from loader.cli import main
 from loader.repository import manifest
 from loader.repository.publish import DOWNLOAD_MARKER, STAGING_MARKER
-from tests.fault_sweep import scratch
+from tests.fault_sweep import scratch, snapshot
 from tests.faults import site_here
 from tests.tiers import FAST_TIER
 
@@ -112,23 +111,6 @@ def _tree(root: Path) -> list[str]:
 
 
 # --- planting ---------------------------------------------------------------------------------
-
-
-def _snapshot(path: Path) -> dict[str, str]:
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = p.relative_to(path).as_posix()
-            if p.is_symlink():
-                found[rel] = "link:" + os.readlink(p)
-            elif p.is_fifo():
-                found[rel] = "fifo"
-            elif p.is_file():
-                found[rel] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
-            else:
-                found[rel] = "dir"
-    return found
 
 
 def _marker_for(rel: str) -> str | None:
@@ -255,8 +237,8 @@ def _case(template: Path, source: str, rel: str, kind: str, extra: tuple[str, ..
         key = f"{KEY_DIR}/{_variant(template, source)}"
         if not _plant(root, rel, kind, outside, key):
             return None
-        before_outside = _snapshot(outside)
-        before = _snapshot(root)
+        before_outside = snapshot(outside)
+        before = snapshot(root)
         for argv in (_argv(source, root, *extra), _prune_argv(root)):
             log = base / "log"
             code = _forked(argv, log)
@@ -274,11 +256,11 @@ def _case(template: Path, source: str, rel: str, kind: str, extra: tuple[str, ..
                     return f"published at {published}"
                 if manifest.verify(published, key=key) != []:
                     return "published a copy that does not verify"
-        if _snapshot(outside) != before_outside:
+        if snapshot(outside) != before_outside:
             return "something outside ROOT changed"
         if kind in ("file", "journal"):  # a regular file at a name the loader writes may be
             return None  # rewritten there (it cannot tell it from its own); never followed
-        return _left_alone(before, _snapshot(root), rel)
+        return _left_alone(before, snapshot(root), rel)
 
 
 _VARIANTS: dict[tuple[str, str], str] = {}
@@ -352,32 +334,15 @@ def test_local_run_at_every_name_it_makes(tiny_checkpoint_with_tokenizer, empty,
 
 # --- gs:// ------------------------------------------------------------------------------------
 
-BUCKET = "models"
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    from tests.servers import GcsServer
-    from tests.tinymodels import make_sharded_checkpoint
-
-    sharded = make_sharded_checkpoint(tmp_path_factory.mktemp("sharded") / "ckpt", seed=5)
-    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
-    server.upload_dir(BUCKET, "org/sharded", sharded)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STORAGE_EMULATOR_HOST", server.url)
-    yield f"gs://{BUCKET}/org/sharded"
-    mp.undo()
-    server.stop()
-
 
 @pytest.mark.server
 @pytest.mark.parametrize("extra", [(), ("--no-overlap",)], ids=["overlapped", "whole"])
 @pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
                          ids=["each-name", "every-kind"])  # fmt: skip
-def test_gcs_run_at_every_name_it_makes(gcs, empty, dead, extra, every):
-    names = _clean_names(gcs, empty, dead, extra)
+def test_gcs_run_at_every_name_it_makes(gs, empty, dead, extra, every):
+    names = _clean_names(gs, empty, dead, extra)
     assert any(n.endswith(".journal") for n in names) or extra, names
-    _sweep(empty, gcs, names, extra, every)
+    _sweep(empty, gs, names, extra, every)
 
 
 class _KillAfterTheMove:
@@ -394,7 +359,7 @@ class _KillAfterTheMove:
 
 
 @pytest.fixture(scope="module")
-def killed(gcs, tmp_path_factory) -> Path:
+def killed(gs, tmp_path_factory) -> Path:
     """A root an overlapped run left when it was killed right after moving its outputs into
     its staging directory (outputs, journal, download directory, staging directory, lock)."""
     root = tmp_path_factory.mktemp("killed") / "root"
@@ -406,7 +371,7 @@ def killed(gcs, tmp_path_factory) -> Path:
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
             with fs.inject(_KillAfterTheMove()):
-                code = main(_argv(gcs, root))
+                code = main(_argv(gs, root))
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -418,11 +383,11 @@ def killed(gcs, tmp_path_factory) -> Path:
 @pytest.mark.server
 @pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
                          ids=["each-name", "every-kind"])  # fmt: skip
-def test_resume_at_every_name_a_killed_run_left(gcs, killed, dead, every):
-    clean = _clean_names(gcs, killed, dead, ())
+def test_resume_at_every_name_a_killed_run_left(gs, killed, dead, every):
+    clean = _clean_names(gs, killed, dead, ())
     names = list(dict.fromkeys(_tree(killed) + clean))
     assert any(n.endswith(".journal") for n in names), names
-    _sweep(killed, gcs, names, (), every)
+    _sweep(killed, gs, names, (), every)
 
 
 def test_a_journal_names_only_a_staging_directory(tmp_path):

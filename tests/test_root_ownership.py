@@ -13,7 +13,6 @@ nothing planted changes or disappears.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -31,6 +30,7 @@ from loader.cli.run import request_from_args
 from loader.fs import host_digest
 from loader.repository import manifest
 from loader.repository.key import key_filename
+from tests.fault_sweep import snapshot
 from tests.tiers import examples
 
 KINDS = ("absent", "link-dir", "link-file", "file", "dir", "marked-other")
@@ -48,22 +48,6 @@ PLACES = (
     ".work/{k}",
 )
 MARKERS = (".model-loader-staging", ".model-loader-download", "manifest.json")
-
-
-def _snapshot(path: Path) -> dict[str, str]:
-    """Every entry under ``path`` (links not followed): what it is and holds."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = p.relative_to(path).as_posix()
-            if p.is_symlink():
-                found[rel] = "link:" + os.readlink(p)
-            elif p.is_file():
-                found[rel] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
-            else:
-                found[rel] = "dir"
-    return found
 
 
 def _plant(root: Path, rel: str, kind: str, outside: Path) -> list[str]:
@@ -143,8 +127,8 @@ def test_what_the_loader_did_not_make_under_root_is_left_alone(
         planted: list[str] = []
         for place, kind in zip(PLACES, kinds, strict=True):
             planted += _plant(root, place.format(**names), kind, outside)
-        before_outside = _snapshot(outside)
-        before = {rel: v for rel, v in _snapshot(root).items() if rel in planted}
+        before_outside = snapshot(outside)
+        before = {rel: v for rel, v in snapshot(root).items() if rel in planted}
 
         code = main(argv)
         out, err = capsys.readouterr()
@@ -161,8 +145,8 @@ def test_what_the_loader_did_not_make_under_root_is_left_alone(
         problem = _typed(code, err)
         assert problem is None, (kinds, "prune", problem)
 
-        assert _snapshot(outside) == before_outside, (kinds, "something outside ROOT changed")
-        after = _snapshot(root)
+        assert snapshot(outside) == before_outside, (kinds, "something outside ROOT changed")
+        after = snapshot(root)
         changed = {rel: (v, after.get(rel)) for rel, v in before.items() if after.get(rel) != v}
         assert not changed, (kinds, changed)
         shutil.rmtree(root, ignore_errors=True)
