@@ -355,8 +355,8 @@ class ThrottleProxy:
         return self.fail_first is None or self.requests < self.fail_first
 
     def _serve(self, client: socket.socket) -> None:
-        client.settimeout(10)
-        try:
+        try:  # stop() may have closed the socket already
+            client.settimeout(10)
             head = client.recv(65536, socket.MSG_PEEK)
         except OSError:
             client.close()

@@ -8,7 +8,8 @@ How a fetch runs:
 * The objects are listed once; their sizes, CRC32C checksums and generations are the plan.
   Files already in ``dest`` with the same size and CRC32C are kept (a rerun downloads only
   what is missing).
-* Large objects are split into byte-range slices (``Blob.download_to_file(start=, end=)``),
+* Large objects are split into byte-range slices (one ranged GET each, the request
+  ``Blob.download_to_file(start=, end=, raw_download=True)`` makes),
   and slices of all objects are downloaded by one pool of threads into
   ``dest/.partial/<path>.<generation>.<owner>`` (:mod:`loader.sources.transfer`: never another
   loader's file). Each finished slice is appended to a journal beside
@@ -19,10 +20,11 @@ How a fetch runs:
   cannot mix two versions: its next slice fails (412) and the fetch ends as transient (exit
   75), as does a download whose bytes miss the object's checksum (a proxy answering with a
   page of its own): running again fetches it again.
-* Each slice is one request whose body is read whole (``single_shot_download``: a few large
-  reads instead of a Python loop over 8 KiB pieces, so the CPU a gigabyte costs is mostly the
-  kernel's copies), so memory in flight is about ``workers x slice``. The CRC32C of every slice
-  is computed from its bytes as they arrive; once the object is complete the slices' values are
+* Each slice is one request whose body is read in pieces of 1 MiB (:data:`PIECE_BYTES`), each
+  written at its offset and added to the slice's CRC32C while it is still in the CPU's cache:
+  a few hundred Python calls per gigabyte, memory the allocator reuses, so the CPU a gigabyte
+  costs is mostly the kernel's copies (a slice read whole was fresh memory every time). Once
+  the object is complete the slices' values are
   combined (:func:`~loader.sources.transfer.crc32c_combine`) and compared with the object's
   CRC32C, and only then is the file renamed into place: nothing is read back (slices a killed
   run wrote are the exception: they are read back, never trusted). An object without a CRC32C
@@ -30,9 +32,9 @@ How a fetch runs:
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: small objects are fetched first, then large ones in name order, each started only when
   the caller admits it, and the caller hears of every verified file at once.
-* Transient failures (connection errors, 429, 5xx) are retried per call by the library with
-  a ``google.api_core.retry.Retry`` (exponential backoff, ``Retry-After`` honoured) within a
-  total deadline (:mod:`loader.sources.failures`); a missing bucket or object and permission
+* Transient failures (connection errors, 429, 5xx) are retried per call (the listing by the
+  library with a ``google.api_core.retry.Retry``, a slice by tenacity; exponential backoff,
+  ``Retry-After`` honoured) within a total deadline (:mod:`loader.sources.failures`); a missing bucket or object and permission
   problems fail at once with the URI in the message.
 
 Credentials: Application Default Credentials (GKE Workload Identity, or
@@ -82,8 +84,7 @@ from loader.sources.transfer import (
 
 log = logging.getLogger(__name__)
 
-#: Byte-range slice size for large objects (each slice is read into memory whole: at most
-#: ``workers`` of them at once).
+#: Byte-range slice size for large objects (one request each; a failed one is asked again whole).
 SLICE_BYTES = int(SLICE_MIB.default or 16) * 1024 * 1024
 #: Parallel downloads when the caller does not choose.
 DEFAULT_WORKERS = 16
@@ -423,11 +424,11 @@ def _download_slice(
 ) -> None:
     """Bytes ``start..end`` of the object into its partial file, then a journal line.
 
-    ``Blob.download_to_file`` with a byte range, pinned to the listed generation (412 if the
-    object was replaced meanwhile), the body read whole; its retry asks again for a read that
-    was cut. Every wait (the connection, each read of the body) ends at the retry deadline.
-    The slice's CRC32C, from the bytes received, goes to ``obj.crcs``. An object gone or replaced since the listing (404, 412) is a source still being uploaded:
-    transient.
+    One ranged GET (:func:`_get_range`), pinned to the listed generation (412 if the object was
+    replaced meanwhile); a transient failure asks for the slice again, until the retry
+    deadline, and every wait (the connection, each read of the body) ends by then too. The
+    slice's CRC32C, from the bytes received, goes to ``obj.crcs``. An object gone or replaced
+    since the listing (404, 412) is a source still being uploaded: transient.
     """
     start, end = obj.slices[index]
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
@@ -438,19 +439,8 @@ def _download_slice(
             writer = _SliceWriter(fh, start, end - start + 1, progress, what, obj.partial)
             try:
                 with stages.stage("fetch: HTTP GET slice (incl. write, crc)", end - start + 1):
-                    _while_uploaded(what, lambda: funnel.gcs(
-                        lambda retry: obj.blob.download_to_file(
-                            writer,
-                            start=start,
-                            end=end,
-                            raw_download=True,
-                            checksum=None,  # the whole file is verified once complete
-                            if_generation_match=obj.blob.generation,
-                            timeout=timeout,
-                            retry=retry,
-                            single_shot_download=True,
-                        ),
-                        what=what,
+                    _while_uploaded(what, lambda: funnel(
+                        lambda: _get_range(obj, start, end, writer, timeout), what=what
                     ))  # fmt: skip
                 writer.check_complete()
             except BaseException:
@@ -466,6 +456,47 @@ def _download_slice(
         fs.append(obj.journal, f"{start} {end}\n".encode())
         obj.done.add(index)
         obj.crcs[index] = crc
+
+
+#: How much of a response body one read takes and one write hands to the file: a piece stays
+#: in the CPU's cache from the socket to the page cache and its memory is reused by the
+#: allocator, where a whole 16 MiB slice read at once is fresh memory every time (one page
+#: fault per page received); Python's cost per piece is nothing at this size.
+PIECE_BYTES = 1024 * 1024
+
+
+def _get_range(obj: _Object, start: int, end: int, writer: _SliceWriter, timeout: Any) -> None:
+    """One attempt at bytes ``start..end`` of the listed generation, streamed into ``writer``
+    piece by piece (a retry starts the slice again). The request is the one
+    ``Blob.download_to_file(raw_download=True)`` makes: the object's media link pinned with
+    ``ifGenerationMatch``, ``accept-encoding: gzip`` (the stored bytes, never transcoded), on
+    the client's authorized session (whose hook refuses a response longer than the range);
+    an error status is the library's exception for it (``from_http_response``)."""
+    from google.api_core.exceptions import from_http_response
+
+    blob = obj.blob
+    writer.seek(0)
+    url = blob.media_link or blob._get_download_url(blob.client)
+    separator = "&" if "?" in url else "?"
+    response = blob.client._http.get(
+        f"{url}{separator}ifGenerationMatch={int(blob.generation)}",
+        headers={"accept-encoding": "gzip", "Range": f"bytes={start}-{end}"},
+        stream=True,
+        timeout=timeout,
+    )
+    with response:
+        if response.status_code >= 300:
+            raise from_http_response(response)
+        remaining = end - start + 1
+        while remaining > 0:
+            piece = response.raw.read(min(PIECE_BYTES, remaining), decode_content=False)
+            if not piece:
+                break
+            writer.write(piece)
+            remaining -= len(piece)
+        if remaining == 0:  # all read: the connection goes back to the pool (as the library does)
+            response._content_consumed = True
+    writer.check_complete()
 
 
 def _while_uploaded(what: str, call: Any) -> None:
