@@ -130,8 +130,13 @@ def test_a_bound_preprocessing_enforces_is_refused_in_this_models_field_names():
     )
 
 
-def test_the_writer_copies_the_model_its_tokenizer_module():
-    assert [relative for _, relative in model_files("llm")] == ["1/model.py", "1/tokenization.py"]
+def test_the_writer_copies_the_model_its_bls_steps_and_tokenizer_module():
+    assert [relative for _, relative in model_files("llm")] == [
+        "1/model.py",
+        "1/bls.py",
+        "1/tokenization.py",
+    ]
+    assert [relative for _, relative in model_files("streaming")] == ["1/model.py", "1/bls.py"]
 
 
 def test_word_lists_are_fastertransformers_layout():
@@ -219,7 +224,7 @@ def test_a_published_repository_holds_llm_with_the_checkpoints_context(plain):
     ini = (plain / "fastertransformer" / "1" / "1-gpu" / "config.ini").read_text()
     [line] = [x for x in ini.splitlines() if x.startswith("max_pos_seq_len")]
     assert params["max_model_len"] == line.split("=")[1].strip()
-    for name in ("model.py", "tokenization.py", "tokenizer"):
+    for name in ("model.py", "bls.py", "tokenization.py", "tokenizer"):
         assert (plain / "llm" / "1" / name).exists(), name
 
 

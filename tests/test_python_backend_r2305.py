@@ -388,7 +388,7 @@ def _model_module(name: str):
         spec.loader.exec_module(module)
     finally:
         sys.path[:] = saved
-        for name in ("triton_python_backend_utils", "tokenization"):
+        for name in ("triton_python_backend_utils", "tokenization", "bls"):
             sys.modules.pop(name, None)
     return module
 

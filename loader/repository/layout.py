@@ -7,7 +7,7 @@
       preprocessing/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
       fastertransformer/config.pbtxt, 1/<T>-gpu/*   (+ 1/model.py, 1/loader/ with --backend python)
       postprocessing/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
-      llm/config.pbtxt, 1/model.py, 1/tokenization.py, 1/tokenizer/*
+      llm/config.pbtxt, 1/model.py, 1/bls.py, 1/tokenization.py, 1/tokenizer/*
 
 The ``<T>-gpu`` weights are converted straight into ``fastertransformer/1/`` by the pipeline
 (written once); this module writes everything else. A model whose config names the Python

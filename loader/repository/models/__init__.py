@@ -16,11 +16,11 @@ model directory         files (destination relative to the model directory)
                         ``formats/fastertransformer.py`` and every module of
                         ``loader/reference/`` (the package the model imports)
 ``<NAME>`` (streaming)  with ``--streaming`` only, in place of the ensemble: ``1/model.py``
-                        (from ``streaming/model.py``), installed under the role name
-                        ``streaming``
+                        (from ``streaming/model.py``) and ``1/bls.py`` (the steps it shares
+                        with ``llm``), installed under the role name ``streaming``
 ``llm``                 in every repository: ``1/model.py`` (from ``llm/model.py``),
-                        ``1/tokenization.py`` (+ ``1/tokenizer/*``: it tokenizes stop and
-                        bad words and decodes text)
+                        ``1/bls.py``, ``1/tokenization.py`` (+ ``1/tokenizer/*``: it
+                        tokenizes stop and bad words and decodes text)
 ======================  ==================================================================
 """
 
@@ -37,6 +37,8 @@ _TOKENIZING = ("preprocessing", "postprocessing", "llm")
 #: The decoupled model a streaming repository serves under the model's name.
 STREAMING = "streaming"
 PYTHON_MODELS = (*_TOKENIZING, "fastertransformer", STREAMING)
+#: The models that call the others through BLS get the steps they share.
+_BLS = {model: [(MODELS_DIR / "bls.py", "1/bls.py")] for model in ("llm", STREAMING)}
 
 
 def model_files(model: str) -> list[tuple[Path, str]]:
@@ -44,10 +46,11 @@ def model_files(model: str) -> list[tuple[Path, str]]:
     if model in _TOKENIZING:
         return [
             (MODELS_DIR / model / "model.py", "1/model.py"),
+            *_BLS.get(model, []),
             (MODELS_DIR / "tokenization.py", "1/tokenization.py"),
         ]
     if model == STREAMING:
-        return [(MODELS_DIR / model / "model.py", "1/model.py")]
+        return [(MODELS_DIR / model / "model.py", "1/model.py"), *_BLS[model]]
     if model == "fastertransformer":
         files = [
             (MODELS_DIR / model / "model.py", "1/model.py"),

@@ -42,7 +42,7 @@ Bad input is answered with a Triton error whose message starts with the field's 
 must be at least 1 (got 0)``); what FasterTransformer cannot do is refused the same way (top-k
 beyond its kernels' 1024, a bad word ending in token 0, which it never bans, ...). Every BLS call
 asks for CPU memory: the FasterTransformer backend answers in GPU memory (see
-``streaming/model.py``, "Memory").
+``bls.py``, "Memory").
 """
 
 from __future__ import annotations
@@ -55,11 +55,23 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from bls import (
+    ANSWER,
+    FASTERTRANSFORMER,
+    FT_INPUTS,
+    FT_RESULTS,
+    POSTPROCESSING,
+    PREPROCESSING,
+    REPLACEMENT,
+    REQUEST_FIELDS,
+    StepError,
+    bls_request,
+    checked,
+    outputs_of,
+    send,
+    sender_cancelled,
+)
 from tokenization import TOKENIZER_DIR, load_tokenizer
-
-PREPROCESSING = "preprocessing"
-FASTERTRANSFORMER = "fastertransformer"
-POSTPROCESSING = "postprocessing"
 
 #: This model's input -> (``preprocessing``'s input, its numpy dtype).
 FIELDS = {
@@ -87,34 +99,9 @@ INPUTS = (
 )
 #: Every output (``tensors.LLM_OUTPUTS``).
 OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "cum_log_probs")
-#: Every input of ``fastertransformer`` (``tensors.FASTERTRANSFORMER_INPUTS``): what
-#: ``preprocessing`` returns.
-FT_INPUTS = (
-    "input_ids",
-    "input_lengths",
-    "request_output_len",
-    "start_id",
-    "end_id",
-    "runtime_top_k",
-    "beam_width",
-    "runtime_top_p",
-    "temperature",
-    "len_penalty",
-    "repetition_penalty",
-    "beam_search_diversity_rate",
-    "random_seed",
-    "is_return_log_probs",
-    "bad_words_list",
-    "stop_words_list",
-)
-FT_RESULTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
-#: What ``postprocessing`` also needs from ``preprocessing``'s outputs.
-REQUEST_FIELDS = ("input_lengths", "request_output_len", "end_id")
-ANSWER = ("completion", "output_ids", "sequence_length", "cum_log_probs")
 #: FasterTransformer's top-k kernels take k up to 1024 and clip larger values silently
 #: (``TopKSamplingLayer``; the CPU reference's ``TOP_K_MAX``).
 TOP_K_MAX = 1024
-REPLACEMENT = "\ufffd"
 STOP, LENGTH = "stop", "length"
 
 
@@ -123,31 +110,6 @@ class FieldError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-
-
-class StepError(RuntimeError):
-    """A composing model answered with an error."""
-
-
-def _cancelled(sender: object) -> bool:
-    """``is_cancelled`` exists from python_backend r23.10 on; on 23.05 a stream runs to its end."""
-    is_cancelled = getattr(sender, "is_cancelled", None)
-    return bool(is_cancelled()) if is_cancelled is not None else False
-
-
-def _request(model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]) -> object:
-    return pb_utils.InferenceRequest(
-        model_name=model,
-        requested_output_names=list(outputs),
-        inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
-        preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
-    )
-
-
-def _checked(response: object) -> object:
-    if response.has_error():
-        raise StepError(response.error().message())
-    return response
 
 
 def in_llm_terms(message: str) -> str:
@@ -162,18 +124,6 @@ def in_llm_terms(message: str) -> str:
         if "_" in theirs:  # an input's name, never a word of the prose (as "prompt" is)
             message = re.sub(rf"\b{theirs}\b", ours, message)
     return message
-
-
-def _outputs(response: object, names: tuple[str, ...], model: str) -> dict[str, np.ndarray]:
-    found = {}
-    for name in names:
-        tensor = pb_utils.get_output_tensor_by_name(response, name)
-        if tensor is not None:
-            found[name] = tensor.as_numpy()
-    missing = [name for name in names if name not in found]
-    if missing:
-        raise StepError(f"{model} sent a response without {', '.join(missing)}")
-    return found
 
 
 def _text(value: object) -> str:
@@ -359,11 +309,11 @@ class TritonPythonModel:
                 self._threads.discard(threading.current_thread())
 
     def _generate(self, req: Request, sender: object) -> None:
-        preprocessed = _request(PREPROCESSING, req.client, FT_INPUTS).exec()
+        preprocessed = bls_request(PREPROCESSING, req.client, FT_INPUTS).exec()
         if preprocessed.has_error():  # a bound refused the request: the client's field named
             field, _, why = in_llm_terms(preprocessed.error().message()).partition(": ")
             raise FieldError(field, why) if why else StepError(field)
-        ft_inputs = _outputs(preprocessed, FT_INPUTS, PREPROCESSING)
+        ft_inputs = outputs_of(preprocessed, FT_INPUTS, PREPROCESSING)
         prompt_tokens = int(ft_inputs["input_lengths"].reshape(-1)[0])
         if self.max_model_len is not None and prompt_tokens + req.max_tokens > self.max_model_len:
             raise FieldError(
@@ -378,8 +328,8 @@ class TritonPythonModel:
         end_id = int(ft_inputs["end_id"].reshape(-1)[0])
         answer = Answer(req, self.tokenizer, prompt_tokens, end_id)
         if not self.can_stream:
-            snapshot = _outputs(
-                _checked(_request(FASTERTRANSFORMER, ft_inputs, FT_RESULTS).exec()),
+            snapshot = outputs_of(
+                send(FASTERTRANSFORMER, ft_inputs, FT_RESULTS),
                 FT_RESULTS,
                 FASTERTRANSFORMER,
             )
@@ -389,14 +339,14 @@ class TritonPythonModel:
             )
             return
         last, cancelled = None, False
-        for response in _request(FASTERTRANSFORMER, ft_inputs, FT_RESULTS).exec(decoupled=True):
-            _checked(response)
+        for response in bls_request(FASTERTRANSFORMER, ft_inputs, FT_RESULTS).exec(decoupled=True):
+            checked(response)
             if cancelled or not response.output_tensors():
                 continue  # an empty final response, or a stream nobody listens to any more
-            if _cancelled(sender):
+            if sender_cancelled(sender):
                 cancelled = True  # let the generation end; it cannot be called back
                 continue
-            last = _outputs(response, FT_RESULTS, FASTERTRANSFORMER)
+            last = outputs_of(response, FT_RESULTS, FASTERTRANSFORMER)
             if not req.stream:
                 continue  # one answer, from the last snapshot
             if answer.update(self._postprocess(last, fields)):
@@ -416,8 +366,8 @@ class TritonPythonModel:
 
     @staticmethod
     def _postprocess(snapshot: dict[str, np.ndarray], fields: dict[str, np.ndarray]) -> dict:
-        response = _checked(_request(POSTPROCESSING, {**snapshot, **fields}, ANSWER).exec())
-        return _outputs(response, ANSWER, POSTPROCESSING)
+        response = send(POSTPROCESSING, {**snapshot, **fields}, ANSWER)
+        return outputs_of(response, ANSWER, POSTPROCESSING)
 
     def finalize(self) -> None:
         with self._lock:

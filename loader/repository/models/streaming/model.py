@@ -20,13 +20,8 @@ response is flagged final and carries the rest of the text (often empty), so the
 Every response also carries ``is_final`` (BOOL [1]), true in the last one only: a Triton 23.05
 gRPC client is not told of the final flag, so this is how it sees the end of the stream.
 
-**Memory.** The FasterTransformer backend answers with GPU buffers (BE
-``ModelInstanceState::ReadOutputTensors`` hands ``BackendOutputResponder::ProcessTensor``
-``TRITONSERVER_MEMORY_GPU``), and a BLS request that states no preferred memory keeps that memory
-type (python_backend r23.05 ``request_executor.cc``, ``ResponseAlloc``); ``as_numpy()`` on such a
-tensor raises "Tensor is stored in GPU and cannot be converted to NumPy" (``pb_tensor.cc``,
-``PbTensor::AsNumpy``). Every BLS request here asks for CPU memory
-(``pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)``, in r23.05).
+**Memory.** Every request it sends asks for CPU memory: the FasterTransformer backend answers
+in GPU memory (``bls.py``, "Memory").
 
 Why not an ensemble: the increment needs the text already sent for this request. An ensemble
 step is stateless and FasterTransformer sends every request of a batch a response at every step
@@ -48,10 +43,22 @@ import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-PREPROCESSING = "preprocessing"
-FASTERTRANSFORMER = "fastertransformer"
-POSTPROCESSING = "postprocessing"
+from bls import (
+    ANSWER,
+    FASTERTRANSFORMER,
+    FT_INPUTS,
+    FT_RESULTS,
+    POSTPROCESSING,
+    PREPROCESSING,
+    REPLACEMENT,
+    REQUEST_FIELDS,
+    StepError,
+    bls_request,
+    checked,
+    outputs_of,
+    send,
+    sender_cancelled,
+)
 
 #: The client's inputs ``preprocessing`` takes (the ensemble's, ``tensors.PREPROCESSING_INPUTS``).
 CLIENT_INPUTS = (
@@ -66,75 +73,6 @@ CLIENT_INPUTS = (
     "random_seed",
     "is_return_log_probs",
 )
-#: Every input of ``fastertransformer`` (``tensors.FASTERTRANSFORMER_INPUTS``): what
-#: ``preprocessing`` returns.
-FT_INPUTS = (
-    "input_ids",
-    "input_lengths",
-    "request_output_len",
-    "start_id",
-    "end_id",
-    "runtime_top_k",
-    "beam_width",
-    "runtime_top_p",
-    "temperature",
-    "len_penalty",
-    "repetition_penalty",
-    "beam_search_diversity_rate",
-    "random_seed",
-    "is_return_log_probs",
-    "bad_words_list",
-    "stop_words_list",
-)
-#: ``fastertransformer``'s outputs (all four: ``preprocessing`` asks for the log probabilities).
-FT_RESULTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
-#: What ``postprocessing`` also needs from ``preprocessing``'s outputs.
-REQUEST_FIELDS = ("input_lengths", "request_output_len", "end_id")
-#: ``postprocessing``'s outputs, passed to the client (``completion`` as an increment).
-ANSWER = ("completion", "output_ids", "sequence_length", "cum_log_probs")
-#: What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
-REPLACEMENT = "\ufffd"
-
-
-class StepError(RuntimeError):
-    """A composing model answered with an error."""
-
-
-def _cancelled(sender: object) -> bool:
-    """``InferenceResponseSender.is_cancelled`` exists from python_backend r23.10 on; on 23.05
-    a cancelled stream is not seen, and the generation simply runs to its end."""
-    is_cancelled = getattr(sender, "is_cancelled", None)
-    return bool(is_cancelled()) if is_cancelled is not None else False
-
-
-def _request(model: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]) -> object:
-    """A BLS request whose results come back in CPU memory (see "Memory" above)."""
-    return pb_utils.InferenceRequest(
-        model_name=model,
-        requested_output_names=list(outputs),
-        inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
-        preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
-    )
-
-
-def _exec(request: object) -> object:
-    response = request.exec()
-    if response.has_error():
-        raise StepError(response.error().message())
-    return response
-
-
-def _outputs(response: object, names: tuple[str, ...], model: str) -> dict[str, np.ndarray]:
-    """The named outputs of a response, as NumPy arrays."""
-    found = {}
-    for name in names:
-        tensor = pb_utils.get_output_tensor_by_name(response, name)
-        if tensor is not None:
-            found[name] = tensor.as_numpy()
-    missing = [name for name in names if name not in found]
-    if missing:
-        raise StepError(f"{model} sent a response without {', '.join(missing)}")
-    return found
 
 
 class TextIncrements:
@@ -202,23 +140,20 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 client[name] = tensor.as_numpy()
-        ft_inputs = _outputs(
-            _exec(_request(PREPROCESSING, client, FT_INPUTS)), FT_INPUTS, PREPROCESSING
-        )
+        ft_inputs = outputs_of(send(PREPROCESSING, client, FT_INPUTS), FT_INPUTS, PREPROCESSING)
         fields = {name: ft_inputs[name] for name in REQUEST_FIELDS}
-        stream = _request(FASTERTRANSFORMER, ft_inputs, FT_RESULTS).exec(decoupled=True)
+        stream = bls_request(FASTERTRANSFORMER, ft_inputs, FT_RESULTS).exec(decoupled=True)
         increments = TextIncrements()
         answer: dict[str, np.ndarray] | None = None
         cancelled = False
         for response in stream:
-            if response.has_error():
-                raise StepError(response.error().message())
+            checked(response)
             if cancelled or not response.output_tensors():
                 continue  # an empty final response, or a stream nobody listens to any more
-            if _cancelled(sender):
+            if sender_cancelled(sender):
                 cancelled = True  # let the generation end; it cannot be called back
                 continue
-            snapshot = _outputs(response, FT_RESULTS, FASTERTRANSFORMER)
+            snapshot = outputs_of(response, FT_RESULTS, FASTERTRANSFORMER)
             latest = self._answer(snapshot, fields)
             if answer is not None and np.array_equal(
                 latest["sequence_length"], answer["sequence_length"]
@@ -245,8 +180,8 @@ class TritonPythonModel:
         snapshot: dict[str, np.ndarray], fields: dict[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """``postprocessing``'s answer to one FasterTransformer snapshot."""
-        response = _exec(_request(POSTPROCESSING, {**snapshot, **fields}, ANSWER))
-        return _outputs(response, ANSWER, POSTPROCESSING)
+        response = send(POSTPROCESSING, {**snapshot, **fields}, ANSWER)
+        return outputs_of(response, ANSWER, POSTPROCESSING)
 
     @staticmethod
     def _response(completion: np.ndarray, answer: dict[str, np.ndarray], *, final: bool) -> object:
