@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -450,3 +451,65 @@ def test_the_streaming_models_tensor_names_are_the_contracts():
     assert tuple(t.name for t in tensors.POSTPROCESSING_OUTPUTS) == streaming_model.ANSWER
     names = {t.name for t in tensors.POSTPROCESSING_INPUTS}
     assert set(streaming_model.REQUEST_FIELDS) | set(streaming_model.FT_RESULTS) == names
+
+
+def _bls_module():
+    """``bls.py`` imported against the stub, as the models import it."""
+    models = ROOT / "loader" / "repository" / "models"
+    saved = list(sys.path)
+    sys.path[:0] = [str(STUB.parent)]
+    try:
+        spec = importlib.util.spec_from_file_location("bls_steps", models / "bls.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+        sys.modules.pop("triton_python_backend_utils", None)
+    return module
+
+
+class _Request:
+    def __init__(self, sender, kind: str) -> None:
+        self.sender, self.kind = sender, kind
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def test_a_failed_request_ends_its_stream_and_unloading_waits_once_for_all(capsys):
+    """Every failure ends the client's stream with the error (a client's own mistake is not
+    logged as the model's); ``finalize`` waits for the requests still served for one deadline
+    in all, not one per request, and says how many it left."""
+    bls = _bls_module()
+    pb = bls.pb_utils
+    release = threading.Event()
+
+    class ClientMistake(ValueError):
+        pass
+
+    def serve(request, sender):
+        if request.kind == "block":
+            release.wait(60)
+        raise (ClientMistake if request.kind == "client" else RuntimeError)("no good")
+
+    threads = bls.RequestThreads(serve, name="llm", quiet=(ClientMistake,))
+    kinds = ("client", "ours", "block", "block", "block")
+    senders = [pb.InferenceResponseSender() for _ in kinds]
+    requests = [_Request(sender, kind) for sender, kind in zip(senders, kinds, strict=True)]
+    try:
+        threads.start(requests[:2])
+        for sender in senders[:2]:
+            assert pb.wait_final(sender, 30)
+            [(response, flags)] = pb.sent(sender)
+            assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            assert response.error().message() == "no good"
+        threads.join(timeout_s=5)  # both finished: no warning
+        logged = capsys.readouterr().out
+        assert logged.count("llm request failed: no good") == 1  # the model's failure only
+        assert "still being served" not in logged
+
+        threads.start(requests[2:])
+        threads.join(timeout_s=0.2)
+        assert "llm: unloading with 3 request(s) still being served" in capsys.readouterr().out
+    finally:
+        release.set()

@@ -16,6 +16,10 @@ tensor raises "Tensor is stored in GPU and cannot be converted to NumPy" (``pb_t
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -97,3 +101,65 @@ def outputs_of(response: object, names: tuple[str, ...], model: str) -> dict[str
     if missing:
         raise StepError(f"{model} sent a response without {', '.join(missing)}")
     return found
+
+
+#: How long ``finalize`` waits, in all, for the requests still being served.
+FINALIZE_WAIT_S = 30.0
+
+
+class RequestThreads:
+    """Each request served in its own thread, so ``execute`` returns at once and one instance
+    streams any number of requests. A request that fails ends its client's stream with the
+    error (a failure of the kinds in ``quiet`` is the client's and is not logged)."""
+
+    def __init__(
+        self,
+        serve: Callable[[object, object], None],
+        *,
+        name: str,
+        quiet: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        self._serve, self._name, self._quiet = serve, name, quiet
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def start(self, requests: list) -> None:
+        for request in requests:
+            thread = threading.Thread(target=self._run, args=(request,), daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+
+    def _run(self, request: object) -> None:
+        sender = request.get_response_sender()
+        try:
+            self._serve(request, sender)
+        except Exception as exc:  # every failure must end the client's stream
+            if not isinstance(exc, self._quiet):
+                pb_utils.Logger.log_error(f"{self._name} request failed: {exc}")
+            try:
+                sender.send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[], error=pb_utils.TritonError(str(exc))
+                    ),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+            except Exception as send_failure:  # the client is gone (e.g. it cancelled)
+                pb_utils.Logger.log_warn(f"could not send the error to the client: {send_failure}")
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def join(self, timeout_s: float = FINALIZE_WAIT_S) -> None:
+        """Wait for the requests being served, :data:`FINALIZE_WAIT_S` in all (not per request):
+        the instance's unloading never waits longer than that, however many are left."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        left = sum(thread.is_alive() for thread in threads)
+        if left:
+            pb_utils.Logger.log_warn(
+                f"{self._name}: unloading with {left} request(s) still being served"
+            )

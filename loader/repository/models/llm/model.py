@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +63,7 @@ from bls import (
     PREPROCESSING,
     REPLACEMENT,
     REQUEST_FIELDS,
+    RequestThreads,
     StepError,
     bls_request,
     checked,
@@ -277,36 +277,14 @@ class TritonPythonModel:
         )
         self.tokenizer = load_tokenizer(Path(__file__).parent / TOKENIZER_DIR)
         self.logger = pb_utils.Logger
-        self._threads: set[threading.Thread] = set()
-        self._lock = threading.Lock()
+        self._requests = RequestThreads(self._serve, name="llm", quiet=(FieldError,))
 
     def execute(self, requests: list) -> None:
-        for request in requests:
-            thread = threading.Thread(target=self._serve, args=(request,), daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+        self._requests.start(requests)
         return None
 
-    def _serve(self, request: object) -> None:
-        sender = request.get_response_sender()
-        try:
-            self._generate(Request(request, self.tokenizer, can_stream=self.can_stream), sender)
-        except Exception as exc:  # every failure must end the client's stream
-            if not isinstance(exc, FieldError):
-                self.logger.log_error(f"llm request failed: {exc}")
-            try:
-                sender.send(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[], error=pb_utils.TritonError(str(exc))
-                    ),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                )
-            except Exception as send_failure:  # the client is gone (e.g. it cancelled)
-                self.logger.log_warn(f"could not send the error to the client: {send_failure}")
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+    def _serve(self, request: object, sender: object) -> None:
+        self._generate(Request(request, self.tokenizer, can_stream=self.can_stream), sender)
 
     def _generate(self, req: Request, sender: object) -> None:
         preprocessed = bls_request(PREPROCESSING, req.client, FT_INPUTS).exec()
@@ -370,10 +348,7 @@ class TritonPythonModel:
         return outputs_of(response, ANSWER, POSTPROCESSING)
 
     def finalize(self) -> None:
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout=30)
+        self._requests.join()
 
 
 class Answer:

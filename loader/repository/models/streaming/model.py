@@ -39,7 +39,6 @@ request is served as usual.
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -52,6 +51,7 @@ from bls import (
     PREPROCESSING,
     REPLACEMENT,
     REQUEST_FIELDS,
+    RequestThreads,
     StepError,
     bls_request,
     checked,
@@ -105,34 +105,11 @@ class TritonPythonModel:
                 "{ decoupled: true }; publish the repository again with model-loader run"
             )
         self.logger = pb_utils.Logger
-        self._threads: set[threading.Thread] = set()
-        self._lock = threading.Lock()
+        self._requests = RequestThreads(self._stream, name="streaming")
 
     def execute(self, requests: list) -> None:
-        for request in requests:
-            thread = threading.Thread(target=self._serve, args=(request,), daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+        self._requests.start(requests)
         return None
-
-    def _serve(self, request: object) -> None:
-        sender = request.get_response_sender()
-        try:
-            self._stream(request, sender)
-        except Exception as exc:  # every failure must end the client's stream
-            self.logger.log_error(f"streaming request failed: {exc}")
-            error = pb_utils.TritonError(str(exc))
-            try:
-                sender.send(
-                    pb_utils.InferenceResponse(output_tensors=[], error=error),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                )
-            except Exception as send_failure:  # the client is gone (e.g. it cancelled)
-                self.logger.log_warn(f"could not send the error to the client: {send_failure}")
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     def _stream(self, request: object, sender: object) -> None:
         client = {}
@@ -192,7 +169,4 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self) -> None:
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout=30)
+        self._requests.join()
