@@ -10,7 +10,9 @@ sharded safetensors with random weights, then in one run measures, ``--repeat`` 
 * ``model-loader convert`` at T=1 and T=2 with ``--dtype fp32``,
 
 (with ``--baseline CHECKOUT``, each convert also with that checkout's loader, in the same
-rounds) and prints per row: seconds (the fastest run, each started after ``sync``), CPU seconds
+rounds) and prints per row: seconds (the fastest run, each started after ``sync`` and on
+recently freed memory, :func:`loader.bench.machine.recycle_pages`; ``--cold-pages``: as
+found), CPU seconds
 (user + system of the process tree, median) and CPU seconds per GB written, MB/s (bytes written
 per second), the efficiency convert/cp (throughput against the cp row above it), the peak
 anonymous memory (RssAnon summed over the process tree, sampled from ``/proc`` every 50 ms)
@@ -168,11 +170,16 @@ def tree_rss_anon(pid: int) -> int:
     return total * 1024
 
 
-def measure(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float, int, float]:
-    """Run ``cmd``; return (wall seconds, CPU seconds, peak RssAnon of its process tree, the
-    1-minute load average it started under)."""
+def measure(
+    cmd: list[str], env: dict[str, str], cwd: Path, recycle: int = 0
+) -> tuple[float, float, int, float]:
+    """Run ``cmd`` (with ``recycle`` bytes: on that much recently freed memory,
+    :func:`loader.bench.machine.recycle_pages`); return (wall seconds, CPU seconds, peak
+    RssAnon of its process tree, the 1-minute load average it started under)."""
     peak = 0
     subprocess.run(["sync"], check=True)  # start without another run's dirty pages to flush
+    if recycle:
+        machine.recycle_pages(cwd, recycle)
     load = machine.load_average()
     cpu = sum(machine.children_cpu_seconds())
     started = time.monotonic()
@@ -235,6 +242,12 @@ def main() -> int:
         "--output-dir", type=Path, default=None, help="where convert.json goes (bench/work/results)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier convert.json")
+    parser.add_argument(
+        "--cold-pages",
+        action="store_true",
+        help="start each command with the free memory as found, not recycled just before "
+        "(on a VM that hands free memory back, its first touch costs several times more)",
+    )
     args = parser.parse_args()
 
     [results] = machine.output_files(
@@ -260,6 +273,8 @@ def main() -> int:
                 label = f"convert T={tp}" + (f" --dtype {dtype}" if dtype else "") + suffix
                 runs.append((label, tp, dtype, 0, env))
     warm(source)
+    # Every command starts on recently freed memory, as much as the fp32 rows write.
+    recycle = 0 if args.cold_pages else 2 * weight_bytes + 512 * MIB
     measured: dict[str, list[tuple[float, float, int, int, float]]] = {r[0]: [] for r in runs}
     for round_ in range(args.repeat):
         print(f"round {round_ + 1} of {args.repeat}:", flush=True)
@@ -274,7 +289,7 @@ def main() -> int:
             else:
                 cmd = [*loader, str(source), str(out), "--tp-size", str(tp), *extra]
                 cmd += ["--dtype", dtype] if dtype else []
-            seconds, cpu, peak, load = measure(cmd, env, work)
+            seconds, cpu, peak, load = measure(cmd, env, work, recycle)
             written = dir_bytes(out)
             shutil.rmtree(out, ignore_errors=True)
             measured[label].append((seconds, cpu, written, peak, load))
@@ -366,12 +381,15 @@ def main() -> int:
     command = f"python scripts/bench_convert.py --layers {args.layers} --repeat {args.repeat}"
     if args.baseline is not None:
         command += f" --baseline {args.baseline}"
+    if args.cold_pages:
+        command += " --cold-pages"
     results.write_text(
         json.dumps(
             {
                 "command": command,
                 "machine": {**machine.describe(), **load},
                 "memory_bound_mib": round(bound / MIB),
+                "recycled_bytes_before_each_command": recycle,
                 "rows": rows,
                 "cpu_share_of_baseline": shares,
                 "goal_met": not misses,

@@ -72,15 +72,24 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def timed(
-    name: str, argv: list[str], env: dict, cwd: Path, profile: Path | None, server_pid: int
+    name: str,
+    argv: list[str],
+    env: dict,
+    cwd: Path,
+    profile: Path | None,
+    server_pid: int,
+    recycle: int = 0,
 ) -> dict:
-    """Run ``argv`` once (after ``sync``); wall, CPU, the emulator's CPU meanwhile, load, io
-    pressure and, with ``profile``, its stages."""
+    """Run ``argv`` once (after ``sync`` and, with ``recycle`` bytes, after recycling that much
+    memory: :func:`loader.bench.machine.recycle_pages`); wall, CPU, the emulator's CPU
+    meanwhile, load, io pressure and, with ``profile``, its stages."""
     env = dict(env)
     if profile is not None:
         profile.unlink(missing_ok=True)
         env["MODEL_LOADER_PROFILE"] = str(profile)
     subprocess.run(["sync"], check=True)
+    if recycle:
+        machine.recycle_pages(cwd, recycle)
     io = machine.pressure("io")
     server_cpu = tree_cpu_seconds(server_pid)
     run = machine.measured(argv, env=env, cwd=cwd)
@@ -101,6 +110,19 @@ def timed(
         "server_cpu_s": server_cpu,
         "stages": stages,
     }
+
+
+#: The overlapped run of a checkpoint a third the size: with the full one, it separates the
+#: run's fixed CPU (start-up, the small files, build and publish) from its CPU per GB.
+SMALL = "run (overlapped, 1/3 the layers)"
+
+
+def run_command(loader: list[str], source: str, repository: Path) -> list[str]:
+    """``model-loader run`` of ``source`` into ``repository``, T=1, P=1, one instance."""
+    return [
+        *loader, "run", "--source", source, "--model-name", "bench", "--tp-size", "1",
+        "--pp-size", "1", "--instance-count", "1", "--repository", str(repository),
+    ]  # fmt: skip
 
 
 def fresh(path: Path) -> Path:
@@ -178,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the fastest counts")
     parser.add_argument(
+        "--cold-pages",
+        action="store_true",
+        help="start each command with the free memory as found, not recycled just before "
+        "(on a VM that hands free memory back, its first touch costs several times more)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         default=None,
@@ -206,17 +234,26 @@ def main(argv: list[str] | None = None) -> int:
     cs_bytes = bench_coldstart.build_checkpoint(
         cs_src, args.cs_layers, args.cs_hidden, args.shard_mib
     )
+    small_layers = max(1, args.cs_layers // 3)
+    small_src = cs_src.with_name(f"src-{small_layers}x{args.cs_hidden}-{args.shard_mib}")
+    small_bytes = bench_coldstart.build_checkpoint(
+        small_src, small_layers, args.cs_hidden, args.shard_mib
+    )
     bench_convert.warm(convert_src)
     bench_convert.warm(cs_src)
+    bench_convert.warm(small_src)
     env = machine.loader_env(None)
     loader = [sys.executable, "-m", "loader", "-q"]
     shards = [str(f) for f in sorted(convert_src.glob("*.safetensors"))]
+    #: Every command starts on recently freed memory, as much as the largest writes.
+    recycle = 0 if args.cold_pages else convert_bytes + 512 * MIB
     watch = machine.LoadWatch()
     out, prof = work / "out", work / "stages.json"
     rounds: dict[str, list[dict]] = collections.defaultdict(list)
     server = GcsServer(work).start()
     try:
         server.upload_dir(bench_coldstart.BUCKET, bench_coldstart.PREFIX, cs_src)
+        server.upload_dir(bench_coldstart.BUCKET, "small", small_src)
         source = f"gs://{bench_coldstart.BUCKET}/{bench_coldstart.PREFIX}"
         gcs_env = {**env, "STORAGE_EMULATOR_HOST": server.url}
         commands = {
@@ -237,23 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                 [*loader, "convert", str(cs_src), str(out / "c"), "--tp-size", "1"],
                 prof,
             ),
-            "run (overlapped)": (
-                [
-                    *loader,
-                    "run",
-                    "--source",
-                    source,
-                    "--model-name",
-                    "bench",
-                    "--tp-size",
-                    "1",
-                    "--pp-size",
-                    "1",
-                    "--instance-count",
-                    "1",
-                    "--repository",
-                    str(out / "r"),
-                ],
+            "run (overlapped)": (run_command(loader, source, out / "r"), prof),
+            SMALL: (
+                run_command(loader, f"gs://{bench_coldstart.BUCKET}/small", out / "r"),
                 prof,
             ),
         }
@@ -267,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {i + 1} of {args.repeat}:", flush=True)
             for name, (cmd, profile) in commands.items():
                 fresh(out)
-                rounds[name].append(timed(name, cmd, envs[name], work, profile, server.proc.pid))
+                rounds[name].append(
+                    timed(name, cmd, envs[name], work, profile, server.proc.pid, recycle)
+                )
         spied = {}
         py_spy = find_py_spy(args.py_spy)
         if py_spy is not None:
@@ -314,18 +339,33 @@ def main(argv: list[str] | None = None) -> int:
         sorted(r["cpu_s"] for r in rounds["run (overlapped)"])[args.repeat // 2] / cs_gb
     )
     throughput_vs_cp = 1 / ratios["convert / cp (time)"]
+    small_gb = small_bytes / 1e9
+    small_cpu = sorted(r["cpu_s"] for r in rounds[SMALL])[args.repeat // 2]
+    big_cpu = sorted(r["cpu_s"] for r in rounds["run (overlapped)"])[args.repeat // 2]
+    marginal_cpu_per_gb = (big_cpu - small_cpu) / (cs_gb - small_gb)
+    fixed_cpu = big_cpu - marginal_cpu_per_gb * cs_gb
 
     command = (
-        f"python scripts/bench_profile.py --layers {args.layers} --tp-size {args.tp_size} "
-        f"--cs-layers {args.cs_layers} --cs-hidden {args.cs_hidden} --shard-mib "
-        f"{args.shard_mib} --repeat {args.repeat}"
-    ) + (f" --baseline {args.baseline}" if args.baseline is not None else "")
+        (
+            f"python scripts/bench_profile.py --layers {args.layers} --tp-size {args.tp_size} "
+            f"--cs-layers {args.cs_layers} --cs-hidden {args.cs_hidden} --shard-mib "
+            f"{args.shard_mib} --repeat {args.repeat}"
+        )
+        + (f" --baseline {args.baseline}" if args.baseline is not None else "")
+        + (" --cold-pages" if args.cold_pages else "")
+    )
     lines = [
         "# Conversion profile, stage by stage",
         "",
         f"Made by `{command}` (`make bench-profile`); {os.cpu_count()} CPUs, "
-        f"{watch.words()}. Each process started after `sync`, sources in the page cache. "
-        "Explained in docs/conversion-profile.md.",
+        f"{watch.words()}. Each process started after `sync`, sources in the page cache, "
+        + (
+            "free memory as found (`--cold-pages`). "
+            if args.cold_pages
+            else f"on recently freed memory ({recycle / 1e9:.1f} GB written and deleted just "
+            "before: `loader.bench.machine.recycle_pages`). "
+        )
+        + "Explained in docs/conversion-profile.md.",
         "",
         "## Side by side (median of the rounds' ratios)",
         "",
@@ -346,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         f"| overlapped run, CPU s per GB | {run_cpu_per_gb:.2f} | <= {GOAL_CPU_PER_GB} | "
         + ", ".join(f"{r['cpu_s'] / cs_gb:.2f}" for r in rounds["run (overlapped)"])
         + " | |",
+        f"| overlapped run, CPU s per GB beyond its fixed {fixed_cpu:.2f} CPU s (medians of "
+        f"{cs_gb:.2f} GB and {small_gb:.2f} GB: the slope) | {marginal_cpu_per_gb:.2f} | <= "
+        f"{GOAL_CPU_PER_GB} | | |",
     ]
     run_best = best["run (overlapped)"]
     floor = (run_best["cpu_s"] + run_best["server_cpu_s"]) / (os.cpu_count() or 1)
@@ -368,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, r in best.items():
         gb = convert_bytes / 1e9 if name in ("cp", conv, f"{conv} [baseline]") else cs_gb
+        gb = small_gb if name == SMALL else gb
         lines.append(
             f"| {name} | {r['seconds']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] / gb:.2f} | "
             f"{r['server_cpu_s']:.2f} | {r['load']:.1f} | {r['io_pressure']} |"
@@ -389,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ratios": ratios,
                 "per_round": per_round,
                 "run_cpu_s_per_gb": run_cpu_per_gb,
+                "run_marginal_cpu_s_per_gb": marginal_cpu_per_gb,
+                "run_fixed_cpu_s": fixed_cpu,
                 "rounds": rounds,
                 "py_spy": spied,
             },
