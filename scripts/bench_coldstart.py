@@ -157,9 +157,13 @@ class DiskSampler:
         self.peak = max(self.peak, self._sample())
 
 
-def measure(name: str, argv: list[str], dest: Path, env: dict) -> dict:
+def measure(name: str, argv: list[str], dest: Path, env: dict, recycle: int = 0) -> dict:
+    """Run one variant into a fresh ``dest`` (with ``recycle`` bytes: on that much recently
+    freed memory, :func:`loader.bench.machine.recycle_pages`)."""
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
+    if recycle:
+        machine.recycle_pages(dest.parent, recycle)
     with DiskSampler(dest) as sampler:
         run = machine.measured(argv, env=env, cwd=dest.parent)
     if run.returncode != 0:
@@ -210,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir", type=Path, default=None, help="where the results go (bench/work/results)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace earlier results")
+    parser.add_argument(
+        "--cold-pages",
+        action="store_true",
+        help="start each command with the free memory as found, not recycled just before "
+        "(on a VM that hands free memory back, its first touch costs several times more)",
+    )
     args = parser.parse_args(argv)
 
     results, _ = machine.output_files(
@@ -227,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint: {gb:.2f} GB, {len(shards)} fp16 shards, in {src}")
     shutil.rmtree(work / "storage", ignore_errors=True)
     server = GcsServer(work).start()
+    # Every command starts on recently freed memory, as much as a run writes (two copies).
+    recycle = 0 if args.cold_pages else 2 * checkpoint_bytes + 512 * 1024 * 1024
     watch = machine.LoadWatch()
     loaders = {"": machine.loader_env(None)}
     if args.baseline is not None:
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 for suffix, env in loaders.items():
                     env = {**env, "STORAGE_EMULATOR_HOST": server.url}
                     runs[name + suffix].append(
-                        measure(name + suffix, command(work / "dest"), work / "dest", env)
+                        measure(name + suffix, command(work / "dest"), work / "dest", env, recycle)
                     )
     finally:
         server.stop()
@@ -395,7 +407,14 @@ def main(argv: list[str] | None = None) -> int:
         f"A {gb:.2f} GB fp16 CodeGen checkpoint ({args.layers} layers, "
         f"width {args.hidden}, {len(shards)} safetensors shards, random weights) on a local "
         "fake-gcs-server; each variant ran "
-        f"{args.repeat} times in a fresh directory, interleaved; times and CPU seconds (user + "
+        f"{args.repeat} times in a fresh directory, interleaved, "
+        + (
+            "on free memory as found (`--cold-pages`)"
+            if args.cold_pages
+            else f"each on recently freed memory ({recycle / 1e9:.1f} GB written and deleted "
+            "just before: `loader.bench.machine.recycle_pages`)"
+        )
+        + "; times and CPU seconds (user + "
         "system of the loader's process tree) are medians, CPU s/GB per GB of checkpoint, "
         "peak disk the most a sampler (every 100 ms) saw under its destination, written to "
         "disk what the loader's processes sent to storage (written less cancelled: pages of "
