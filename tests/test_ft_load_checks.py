@@ -6,6 +6,9 @@ range applies."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +17,7 @@ from hypothesis import strategies as st
 from loader.convert import convert_checkpoint
 from loader.convert.codegen import CodeGenArchitecture
 from loader.convert.gptj import GptJArchitecture
-from loader.errors import CheckpointError, ParallelismError
+from loader.errors import CheckpointError, ParallelismError, PlacementError
 from loader.formats.fastertransformer import (
     INT32_MAX,
     SUPPORTED_HEAD_SIZES,
@@ -24,6 +27,7 @@ from loader.formats.fastertransformer import (
     check_loadable,
 )
 from loader.parallel import Parallelism
+from loader.plan import MODEL_PRESETS, check_index_range, check_memory, estimate_memory
 from loader.reference import GptJ, load_ft_checkpoint
 from tests.tiers import examples
 from tests.tinymodels import make_tiny_checkpoint
@@ -297,3 +301,64 @@ def test_the_cpu_reference_reads_a_rotary_dimension_of_0_as_none(tmp_path):
     near, _ = model.forward(ids, position_ids=np.array([[0, 1]]))
     far, _ = model.forward(ids, position_ids=np.array([[0, 5]]))
     np.testing.assert_array_equal(near, far)
+
+
+# -- 32-bit indices of a full batch ----------------------------------------------------------------
+
+
+def test_a_full_batch_past_a_kernels_32_bit_index_is_refused_with_the_largest_batch_that_fits():
+    """GPT-J 6B at T = 1: 64 rows of 2048 tokens are 64 x 2048 x 16384 = 2**31 MLP activations,
+    past the int `m * n` of the GELU kernel, though 64 rows fit an H200's memory."""
+    gptj = MODEL_PRESETS["gpt-j-6b"]
+    check_index_range(gptj, Parallelism(tp=1), max_batch_size=63)
+    with pytest.raises(PlacementError, match="MLP activations") as caught:
+        check_index_range(gptj, Parallelism(tp=1), max_batch_size=64)
+    assert "at most 63 or raise --tp-size" in caught.value.remediation
+    check_index_range(gptj, Parallelism(tp=2), max_batch_size=64)
+    estimate = estimate_memory(gptj, Parallelism(tp=1), dtype="fp16", max_batch_size=64)
+    check_memory(estimate, 141.0)  # the memory plan alone would have let it through
+
+
+def wraps(value: int, bits: int = 32, signed: bool = True) -> bool:
+    """Whether ``value`` computed in a C integer of that kind differs from the true value."""
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    return not low <= value <= high
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=examples(300))
+@given(
+    preset=st.sampled_from(sorted(MODEL_PRESETS)),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    batch=st.integers(1, 4096),
+    seq=st.sampled_from([128, 2048, 8192, 32768, 65536]),
+)
+def test_a_full_batch_passes_exactly_when_no_kernel_index_wraps(preset, tp, batch, seq):
+    """Property: the largest index each kernel computes for a full batch (written out from the
+    kernels, independently of loader.plan) wraps in its 32-bit type iff check_index_range
+    refuses the batch (up to the one element the check keeps in reserve)."""
+    shape = dataclasses.replace(MODEL_PRESETS[preset], n_positions=seq)
+    if shape.n_head % tp or shape.n_inner % tp:
+        return
+    n = shape.n_embd // tp
+    tokens = batch * seq
+    padded = math.ceil(math.ceil(shape.vocab_size / tp) / 8) * 8 * tp  # GptJ.cc, fp16
+    largest = {
+        # add_fusedQKV_bias_transpose_kernel: src_v_idx of the last token and element
+        "qkv": ((tokens - 1) * 3 * n + (n - 1) + 2 * n, True),
+        # generic_activation / addBiasGeluV2: the loop bound m * n itself
+        "mlp": (tokens * (shape.n_inner // tp), True),
+        # buildDecoderAttentionMaskKernel: the last row's offset plus its last element
+        "mask": ((batch - 1) * seq * seq + seq * seq - 1, False),
+        # topk_stage1 / invokeTopKSampling: batch_size * vocab_size
+        "logits": (batch * padded, True),
+    }
+    wrapped = [k for k, (v, signed) in largest.items() if wraps(v, signed=signed)]
+    if wrapped:
+        with pytest.raises(PlacementError):
+            check_index_range(shape, Parallelism(tp=tp), max_batch_size=batch)
+        return
+    try:
+        check_index_range(shape, Parallelism(tp=tp), max_batch_size=batch)
+    except PlacementError:  # only at the boundary: one element more than the largest index
+        at_edge = {k: wraps(v + 1, signed=s) for k, (v, s) in largest.items()}
+        assert any(at_edge.values()), largest
