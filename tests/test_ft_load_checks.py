@@ -362,3 +362,10 @@ def test_a_full_batch_passes_exactly_when_no_kernel_index_wraps(preset, tp, batc
     except PlacementError:  # only at the boundary: one element more than the largest index
         at_edge = {k: wraps(v + 1, signed=s) for k, (v, s) in largest.items()}
         assert any(at_edge.values()), largest
+
+
+def test_a_number_outside_the_32_bit_range_fastertransformer_reads_is_refused(tmp_path):
+    with pytest.raises(UnloadableConfigError, match="end_id = 1099511627776 is outside"):
+        ft_config({**GPTJ_6B, "eos_token_id": 2**40})  # written by convert before
+    with pytest.raises(UnloadableConfigError, match="start_id = -1 is outside"):
+        FTConfig.from_ini(write_ini(tmp_path, tiny(320), start_id="-1"))

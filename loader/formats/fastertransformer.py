@@ -118,6 +118,17 @@ def check_loadable(config: FTConfig, *, where: str, tp: int | None = None) -> No
     Each check names the upstream code it follows; ``docs/fastertransformer.md`` ("What the
     loader refuses before converting") lists them."""
     tp = config.tensor_para_size if tp is None else tp
+    # GptJTritonModel.cc: INIReader::GetInteger returns a long, stored in `int` (the ids) and
+    # `size_t` members and passed on as `int` (GptJWeight's sizes): outside 0..INT32_MAX a
+    # value is truncated or, negative, becomes a huge size.
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, int) and not 0 <= value <= INT32_MAX:
+            raise UnloadableConfigError(
+                f"{where}: {field.name} = {value} is outside the 32-bit integer range "
+                f"FasterTransformer reads it into (0 to {INT32_MAX}).",
+                "Use the checkpoint's original config.json.",
+            )
     for name in ("head_num", "size_per_head", "inter_size", "num_layer", "vocab_size"):
         if getattr(config, name) < 1:
             raise UnloadableConfigError(
