@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from loader.convert import convert_checkpoint
 from loader.convert.codegen import CodeGenArchitecture
 from loader.convert.gptj import GptJArchitecture
-from loader.errors import CheckpointError, ParallelismError, PlacementError
+from loader.errors import CheckpointError, LoaderError, ParallelismError, PlacementError
 from loader.formats.fastertransformer import (
     INT32_MAX,
     SUPPORTED_HEAD_SIZES,
@@ -369,3 +369,46 @@ def test_a_number_outside_the_32_bit_range_fastertransformer_reads_is_refused(tm
         ft_config({**GPTJ_6B, "eos_token_id": 2**40})  # written by convert before
     with pytest.raises(UnloadableConfigError, match="start_id = -1 is outside"):
         FTConfig.from_ini(write_ini(tmp_path, tiny(320), start_id="-1"))
+
+
+@pytest.mark.parametrize("key", ["tensor_para_size", "head_num", "num_layer", "vocab_size"])
+def test_a_config_ini_size_of_0_is_a_typed_error(tmp_path, key):
+    """Not a division by zero in the checks themselves."""
+    with pytest.raises(UnloadableConfigError, match=f"{key} is 0"):
+        FTConfig.from_ini(write_ini(tmp_path, tiny(320), **{key: "0"}))
+
+
+_INI_INTS = ["head_num", "size_per_head", "inter_size", "num_layer", "rotary_embedding",
+             "vocab_size", "start_id", "end_id", "tensor_para_size"]  # fmt: skip
+_EDGES = [-1, 0, 1, 2, 3, 7, 8, 32, 256, INT32_MAX, INT32_MAX + 1, 2**24 + 1, 2**40]
+
+
+def loads_or_typed_error(path) -> None:
+    """from_ini returns a config that passes check_loadable, or raises a LoaderError."""
+    try:
+        config = FTConfig.from_ini(path)
+    except LoaderError as exc:
+        assert exc.remediation
+        return
+    check_loadable(config, where="x")
+
+
+@pytest.mark.parametrize("value", _EDGES)
+@pytest.mark.parametrize("key", _INI_INTS)
+def test_every_edge_of_every_config_ini_number_loads_or_is_a_typed_error(tmp_path, key, value):
+    loads_or_typed_error(write_ini(tmp_path, tiny(320), **{key: str(value)}))
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=examples(200))
+@given(
+    values=st.dictionaries(
+        st.sampled_from(_INI_INTS),
+        st.sampled_from(_EDGES) | st.integers(-(2**40), 2**40),
+        min_size=2,
+        max_size=3,
+    )
+)
+def test_any_config_ini_numbers_load_or_are_a_typed_error(tmp_path_factory, values):
+    """Property: the same for two or three numbers changed at once."""
+    path = tmp_path_factory.mktemp("ini")
+    loads_or_typed_error(write_ini(path, tiny(320), **{k: str(v) for k, v in values.items()}))

@@ -129,11 +129,14 @@ def check_loadable(config: FTConfig, *, where: str, tp: int | None = None) -> No
                 f"FasterTransformer reads it into (0 to {INT32_MAX}).",
                 "Use the checkpoint's original config.json.",
             )
-    for name in ("head_num", "size_per_head", "inter_size", "num_layer", "vocab_size"):
-        if getattr(config, name) < 1:
+    sizes = {
+        name: getattr(config, name)
+        for name in ("head_num", "size_per_head", "inter_size", "num_layer", "vocab_size")
+    }
+    for name, value in {**sizes, "tensor_para_size": tp}.items():
+        if value < 1:
             raise UnloadableConfigError(
-                f"{where}: {name} is {getattr(config, name)}; FasterTransformer needs at least 1.",
-                _FIX,
+                f"{where}: {name} is {value}; FasterTransformer needs at least 1.", _FIX
             )
     hidden = config.hidden_size
     # GptJWeight.cc (GptJWeight::mallocWeights, loadModel) and GptJDecoderLayerWeight.cc
