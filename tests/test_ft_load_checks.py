@@ -241,8 +241,15 @@ def test_an_mlp_width_per_rank_the_gelu_kernel_cannot_handle_is_refused(n_inner,
     hf = {**GPTJ_6B, "n_embd": 256, "n_head": 8, "rotary_dim": 32, "n_inner": n_inner}
     with pytest.raises(UnloadableParallelismError, match=fragment) as caught:
         ft_config(hf, tp)
-    assert "--tp-size" in caught.value.remediation
+    assert caught.value.remediation.startswith("Choose a smaller --tp-size: 1")
     ft_config(hf, 1)  # the same model at T = 1 passes
+
+
+@pytest.mark.parametrize("n_inner", [101, 6])
+def test_an_mlp_width_no_tensor_parallel_size_helps_is_a_checkpoint_error(n_inner):
+    hf = {**GPTJ_6B, "n_embd": 256, "n_head": 8, "rotary_dim": 32, "n_inner": n_inner}
+    with pytest.raises(UnloadableConfigError, match=f"inter_size {n_inner} is not a width"):
+        ft_config(hf, 1)
 
 
 # -- config.ini as FasterTransformer reads it ----------------------------------------------------

@@ -186,17 +186,33 @@ def check_loadable(config: FTConfig, *, where: str, tp: int | None = None) -> No
                 "Such a vocabulary cannot be served by FasterTransformer's GPT-J (a float "
                 "holds whole numbers exactly only up to 16777216).",
             )
-    local_inter = config.inter_size // tp
+
     # activation_kernels.cu, invokeAddBiasGeluV2 and invokeGenericActivation: fp16 works on
     # pairs (n / 2: an odd width leaves its last column without bias and GELU) and launches
     # n / 4 / 2 threads per block (none below 8).
-    if local_inter % 2 or local_inter < MIN_INTER_PER_RANK:
+    def activates(width: int) -> bool:
+        return width % 2 == 0 and width >= MIN_INTER_PER_RANK
+
+    if not activates(config.inter_size):
+        raise UnloadableConfigError(
+            f"{where}: inter_size {config.inter_size} is not a width FasterTransformer's fp16 "
+            f"GELU kernel handles (an even number, at least {MIN_INTER_PER_RANK}).",
+            "Such a model cannot be served by FasterTransformer's GPT-J.",
+        )
+    local_inter = config.inter_size // tp
+    if not activates(local_inter):
+        fits = [
+            t
+            for t in range(1, min(tp, 64))
+            if config.head_num % t == 0
+            and config.inter_size % t == 0
+            and activates(config.inter_size // t)
+        ]
         raise UnloadableParallelismError(
             f"{where}: inter_size {config.inter_size} split {tp} ways leaves each rank "
             f"{local_inter} MLP columns; FasterTransformer's fp16 GELU kernel needs an even "
             f"number, at least {MIN_INTER_PER_RANK}.",
-            "Choose a smaller --tp-size (the MLP width per rank must be even and at least "
-            f"{MIN_INTER_PER_RANK}).",
+            f"Choose a smaller --tp-size: {', '.join(map(str, fits))}.",
         )
 
 
