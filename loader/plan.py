@@ -1,6 +1,6 @@
 """Cluster topology x model size -> FasterTransformer placement and GPU-memory plan.
 
-Two jobs, used by ``model-loader run`` (before anything is written) and ``model-loader plan``:
+Three jobs, used by ``model-loader run`` (before anything is written) and ``model-loader plan``:
 
 * :func:`check_placement`: the FasterTransformer backend's rules (``docs/fastertransformer.md``, "Instances") and the
   chart's node rule. A Triton replica sees ``G`` GPUs (``--gpus-per-replica``, default T x P);
@@ -10,6 +10,9 @@ Two jobs, used by ``model-loader run`` (before anything is written) and ``model-
   shared by the instances placed on it) plus, per instance placed on the GPU, its working
   memory: the KV cache for ``max_batch_size`` x ``max_seq_len`` and the context-phase buffers,
   plus a fixed runtime overhead (CUDA context, cuBLAS workspace, NCCL buffers).
+* :func:`check_index_range`: a full batch (``max_batch_size`` rows of ``n_positions`` tokens)
+  within the 32-bit integers FT's kernels index their buffers with (:func:`index_limits`), which
+  no amount of GPU memory lifts.
 
 The estimate follows FT's GPT-J allocation (``GptJWeight``, ``ParallelGpt`` buffers): weights
 per rank = layers of its pipeline stage split T ways + the embedding, final norm and lm_head
@@ -238,6 +241,80 @@ def estimate_memory(
     return MemoryEstimate(weights, working, per_gpu, RUNTIME_OVERHEAD_BYTES)
 
 
+#: The largest index a C ``int`` (signed) and ``unsigned int`` hold.
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+
+
+def index_limits(
+    shape: ModelShape, parallelism: Parallelism, *, max_seq_len: int | None = None
+) -> list[tuple[str, int, int, bool]]:
+    """What one row of a full batch adds to each buffer FasterTransformer indexes with a 32-bit
+    integer: ``(what, elements per row, the integer's limit, whether T splits it)``. Rows are
+    ``max_seq_len`` (default ``n_positions``) tokens long, the most ``preprocessing`` lets a
+    request have."""
+    tp, seq, h = parallelism.tp, max_seq_len or shape.n_positions, shape.n_embd
+    return [
+        # kernels/unfused_attention_kernels.cu, add_fusedQKV_bias_transpose_kernel (the rotary
+        # variant GPT-J's context attention runs): `token_idx * 3 * n` in int. The KV cache of
+        # one layer, B x S x h/T, indexed in int by the generation kernel
+        # (decoder_masked_multihead_attention_template.hpp, `bhi * memory_max_len * Dh`), and
+        # the pipeline hand-over (GptJContextDecoder.cc, `int data_size`) are smaller.
+        ("fused QKV activations (tokens x 3 x hidden / T)", seq * 3 * h // tp, INT32_MAX, True),
+        # kernels/activation_kernels.cu, invokeAddBiasGeluV2 / generic_activation: `m * n` in int.
+        ("MLP activations (tokens x n_inner / T)", seq * shape.n_inner // tp, INT32_MAX, True),
+        # kernels/gpt_kernels.cu, buildDecoderAttentionMaskKernel: `blockIdx.x *
+        # mask_size_per_seq`, an unsigned int.
+        ("context attention mask (rows x tokens x tokens)", seq * seq, UINT32_MAX, False),
+        # kernels/sampling_topk_kernels.cu, topk_stage1 (`batch_id * vocab_size`) and
+        # invokeTopKSampling (`batch_size * vocab_size`), in int, over the gathered logits.
+        (
+            "logits (rows x padded vocabulary)",
+            _padded_vocab(shape.vocab_size, tp),
+            INT32_MAX,
+            False,
+        ),
+    ]
+
+
+def max_batch_for_indices(
+    shape: ModelShape, parallelism: Parallelism, *, max_seq_len: int | None = None
+) -> int:
+    """The largest ``max_batch_size`` whose full batch stays within :func:`index_limits`."""
+    limits = index_limits(shape, parallelism, max_seq_len=max_seq_len)
+    return min(limit // per_row for _, per_row, limit, _ in limits)
+
+
+def check_index_range(
+    shape: ModelShape,
+    parallelism: Parallelism,
+    *,
+    max_batch_size: int,
+    max_seq_len: int | None = None,
+) -> None:
+    """Raise :class:`PlacementError` when a full batch (``max_batch_size`` rows of the longest
+    sequence) would index one of FasterTransformer's buffers past the 32-bit integer its kernel
+    computes the index in: the index wraps and the kernel reads and writes the wrong elements
+    (garbage, or an illegal address), whatever the GPU memory."""
+    seq = max_seq_len or shape.n_positions
+    for what, per_row, limit, split in index_limits(shape, parallelism, max_seq_len=max_seq_len):
+        if max_batch_size * per_row <= limit:
+            continue
+        most = max_batch_for_indices(shape, parallelism, max_seq_len=max_seq_len)
+        if most >= 1:
+            fix = f"Lower --max-batch-size to at most {most}" + (
+                " or raise --tp-size." if split else "."
+            )
+        else:
+            fix = f"Serve the model with a shorter context than {seq} tokens (n_positions)."
+        raise PlacementError(
+            f"A full batch of {max_batch_size} rows of {seq} tokens gives FasterTransformer "
+            f"{max_batch_size * per_row} elements of {what} per GPU, beyond the 32-bit index "
+            f"({limit}) its kernel computes; it would read and write the wrong elements.",
+            fix,
+        )
+
+
 def check_memory(estimate: MemoryEstimate, gpu_memory_gib: float | None) -> None:
     """Raise :class:`PlacementError` if the estimate exceeds the GPU's memory; with no GPU
     memory given, if it exceeds :data:`LARGEST_GPU_MEMORY_GIB` (no node could serve it: an
@@ -295,6 +372,9 @@ def plan_row(
         check_placement(parallelism, topology, n_layer=shape.n_layer)
         parallelism.split(shape.n_head, "the attention head count")
         parallelism.split(shape.n_inner, "the MLP width (n_inner)")
+        check_index_range(
+            shape, parallelism, max_batch_size=max_batch_size, max_seq_len=max_seq_len
+        )
     except (ParallelismError, UnsupportedHeadSizeError) as exc:
         problem = f"{exc.message} {exc.remediation}"
         return PlanRow(parallelism, topology, None, gpu_memory_gib, "invalid", problem)

@@ -240,3 +240,21 @@ def test_a_head_size_fastertransformer_cannot_generate_with(good, tmp_path, caps
         capsys, out, [str(source), str(out), "--tp-size", "1"],
         "heads of size 16", "supports only head sizes 32, 48, 64",
     )  # fmt: skip
+
+
+def test_an_mlp_width_per_rank_fastertransformer_cannot_activate(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(good), str(out), "--tp-size", "4"],  # n_inner 100 / 4 = 25: odd
+        "leaves each rank 25 MLP columns", "Choose a smaller --tp-size",
+    )  # fmt: skip
+
+
+def test_a_rotary_dimension_fastertransformer_applies_differently(good, tmp_path, capsys):
+    source = variant(good, tmp_path)
+    edit_config(source, rotary_dim=33)  # heads of 32: beyond the head, the tensors unchanged
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(source), str(out), "--tp-size", "1"],
+        "rotary_dim 33 is not between 1 and the head size 32",
+    )  # fmt: skip

@@ -249,6 +249,22 @@ def test_an_instance_count_or_batch_no_gpu_can_hold_is_refused_without_gpu_memor
     assert not root.exists()
 
 
+def test_a_batch_past_a_kernels_32_bit_index_is_refused_though_memory_would_hold_it(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    # 8192 rows of 512 tokens at T = 2: 8192 x 512 x 1024 / 2 = 2**31 MLP activations per GPU,
+    # past the int index of FasterTransformer's GELU kernel (loader.plan.check_index_range);
+    # about 125 GiB per GPU, which the memory check alone lets through.
+    root = tmp_path / "root"
+    code, out, err = cli(
+        capsys, *_args(tiny_checkpoint_with_tokenizer, root, "--max-batch-size", "8192")
+    )
+    assert code == 2 and out == []
+    assert "MLP activations" in err and "at most 8191" in err
+    assert "Traceback" not in err
+    assert not root.exists()
+
+
 def test_layers_not_divisible_by_pipeline_size_are_refused(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):

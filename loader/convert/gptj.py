@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from loader.errors import CheckpointError
-from loader.formats.fastertransformer import FTConfig, check_head_size
+from loader.formats.fastertransformer import (
+    FTConfig,
+    UnloadableConfigError,
+    check_head_size,
+    check_loadable,
+)
 from loader.parallel import Parallelism
 
 from .registry import register
@@ -76,7 +81,20 @@ class GptJArchitecture:
         inter = _int(hf, "n_inner") or 4 * hidden
         head_dim = hidden // heads
         check_head_size(head_dim, where=f"config.json (n_embd {hidden} / n_head {heads})")
-        rotary = _int(hf, "rotary_dim") or head_dim
+        rotary = _int(hf, "rotary_dim")
+        if rotary is None:
+            rotary = head_dim
+        elif not 0 < rotary <= head_dim:
+            # Hugging Face's GPT-J and CodeGen attention (apply_rotary_pos_emb) fail on a
+            # rotary_dim of 0 or beyond the head; FasterTransformer would run them with other
+            # frequencies (a larger rotary dimension divides every one of them).
+            raise UnloadableConfigError(
+                f"config.json rotary_dim {rotary} is not between 1 and the head size "
+                f"{head_dim} (n_embd {hidden} / n_head {heads}); the model does not run in "
+                "Hugging Face's GPT-J or CodeGen either.",
+                "Use the checkpoint's original config.json (rotary_dim is at most n_embd / "
+                "n_head, or null for the whole head).",
+            )
         activation = hf.get("activation_function", "gelu_new")
         if activation not in SUPPORTED_ACTIVATIONS:
             raise CheckpointError(
@@ -92,12 +110,12 @@ class GptJArchitecture:
         bos = _int(hf, "bos_token_id")
         end_id = eos if eos is not None else (bos if bos is not None else 0)
         start_id = bos if bos is not None else end_id
-        return FTConfig(
+        config = FTConfig(
             head_num=heads,
             size_per_head=head_dim,
             inter_size=inter,
             num_layer=layers,
-            rotary_embedding=min(rotary, head_dim),
+            rotary_embedding=rotary,
             vocab_size=vocab,
             start_id=start_id,
             end_id=end_id,
@@ -105,6 +123,8 @@ class GptJArchitecture:
             model_name=model_name,
             max_pos_seq_len=_int(hf, "n_positions") or 2048,
         )
+        check_loadable(config, where="config.json", tp=parallelism.tp)
+        return config
 
     def check_heads(self, heads: int, hidden: int) -> None:
         """How the checkpoint stores its attention heads allows this many (GPT-J: any)."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.errors import CheckpointError
+from loader.errors import CheckpointError, ParallelismError
 
 SECTION = "gptj"
 
@@ -53,6 +55,165 @@ def check_head_size(head_size: int, *, where: str = "the checkpoint") -> None:
     """Raise :class:`UnsupportedHeadSizeError` unless FasterTransformer can generate with it."""
     if head_size not in SUPPORTED_HEAD_SIZES:
         raise UnsupportedHeadSizeError(head_size, where=where)
+
+
+#: The largest value of a C ``int``: FasterTransformer computes the sizes of its weight buffers
+#: and most kernel indices in ``int``.
+INT32_MAX = 2**31 - 1
+
+#: Elements one thread of the attention kernels rotates at once, by the kernel's head-size
+#: bucket (the head size rounded up to a power of two, ``Dh_MAX``), for fp16 and bf16, the
+#: widest: ``kernels/decoder_masked_multihead_attention/decoder_masked_multihead_attention_template.hpp``,
+#: ``Qk_vec_m_`` (fp32 uses at most as many). ``apply_rotary_embedding``
+#: (``kernels/decoder_masked_multihead_attention_utils.h``) rotates a whole vector once its first
+#: element is below ``rotary_embedding_dim``, so a rotary dimension that is not a multiple of the
+#: width also rotates the dimensions after it, with frequencies the model was never trained with.
+ROTARY_VECTOR_WIDTH: dict[int, int] = {32: 2, 64: 2, 128: 4, 256: 8}
+
+#: The smallest per-rank MLP width the GELU kernel can launch for in fp16
+#: (``kernels/activation_kernels.cu``, ``invokeGenericActivation``: ``block.x = n / 4 / 2``,
+#: zero threads below 8).
+MIN_INTER_PER_RANK = 8
+
+#: The smallest vocabulary the logits kernel can launch for in fp32 (the same
+#: ``invokeGenericActivation``, ``block.x = vocab_size_padded / 4``).
+MIN_VOCAB_SIZE = 4
+
+
+class UnloadableConfigError(CheckpointError):
+    """A hyper-parameter FasterTransformer's GPT-J would fail on or compute garbage with."""
+
+
+class UnloadableParallelismError(ParallelismError):
+    """A tensor-parallel size that leaves FasterTransformer a per-rank width it cannot handle."""
+
+
+def rotary_vector_width(size_per_head: int) -> int:
+    """The width of :data:`ROTARY_VECTOR_WIDTH` for a head size (its power-of-two bucket)."""
+    bucket = 1 << max(size_per_head - 1, 1).bit_length()
+    return ROTARY_VECTOR_WIDTH.get(max(bucket, 32), ROTARY_VECTOR_WIDTH[256])
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (a C ``float``)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def padded_vocab_size(vocab_size: int, tp: int, *, half: bool) -> int:
+    """``vocab_size_padded_`` as FasterTransformer computes it, in float arithmetic
+    (``models/gptj/GptJ.cc``, the ``GptJ`` constructor: ``ceil(vocab_size_ / 1.f / T)``, then
+    rounded up to a multiple of 8 for ``half``, times T). A float holds whole numbers exactly
+    only up to 2**24, so a larger vocabulary can come out smaller than it is."""
+    local = math.ceil(_f32(_f32(float(vocab_size)) / float(tp)))
+    if half:
+        local = math.ceil(_f32(float(local)) / 8.0) * 8
+    return local * tp
+
+
+def check_loadable(config: FTConfig, *, where: str, tp: int | None = None) -> None:
+    """Refuse hyper-parameters FasterTransformer's GPT-J loads but cannot compute with, or fails
+    on, for tensor-parallel size ``tp`` (``config.tensor_para_size`` when None). ``where`` names
+    the source of the numbers in the message (``config.json`` or a ``config.ini`` path).
+
+    Each check names the upstream code it follows; ``docs/fastertransformer.md`` ("What the
+    loader refuses before converting") lists them."""
+    tp = config.tensor_para_size if tp is None else tp
+    # GptJTritonModel.cc: INIReader::GetInteger returns a long, stored in `int` (the ids) and
+    # `size_t` members and passed on as `int` (GptJWeight's sizes): outside 0..INT32_MAX a
+    # value is truncated or, negative, becomes a huge size.
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, int) and not 0 <= value <= INT32_MAX:
+            raise UnloadableConfigError(
+                f"{where}: {field.name} = {value} is outside the 32-bit integer range "
+                f"FasterTransformer reads it into (0 to {INT32_MAX}).",
+                "Use the checkpoint's original config.json.",
+            )
+    sizes = {
+        name: getattr(config, name)
+        for name in ("head_num", "size_per_head", "inter_size", "num_layer", "vocab_size")
+    }
+    for name, value in {**sizes, "tensor_para_size": tp}.items():
+        if value < 1:
+            raise UnloadableConfigError(
+                f"{where}: {name} is {value}; FasterTransformer needs at least 1.", _FIX
+            )
+    hidden = config.hidden_size
+    # GptJWeight.cc (GptJWeight::mallocWeights, loadModel) and GptJDecoderLayerWeight.cc
+    # (mallocWeights, loadModel) hold the sizes in `int` and multiply them before the cast to
+    # size_t: a product beyond INT32_MAX wraps, and the buffer and the bytes read are wrong.
+    for what, product in (
+        ("vocab_size x hidden size (the embedding table)", config.vocab_size * hidden),
+        ("3 x hidden size x hidden size (a layer's QKV weight)", 3 * hidden * hidden),
+        ("hidden size x inter_size (a layer's MLP weight)", hidden * config.inter_size),
+    ):
+        if product > INT32_MAX:
+            raise UnloadableConfigError(
+                f"{where}: {what} is {product}, beyond the 32-bit int FasterTransformer "
+                f"computes its weight buffers' sizes in (at most {INT32_MAX}); the buffers "
+                "would be allocated and filled with a wrapped size.",
+                "Such a model cannot be served by FasterTransformer's GPT-J; use a smaller "
+                "n_embd, n_inner or vocab_size.",
+            )
+    rotary, width = config.rotary_embedding, rotary_vector_width(config.size_per_head)
+    # decoder_masked_multihead_attention_template.hpp and unfused_attention_kernels.cu
+    # (add_fusedQKV_bias_transpose_kernel) rotate vectors of `width` elements while
+    # `width * tidx < rotary_embedding_dim`; beyond the head the rotary dimension changes
+    # every frequency (rotary_embedding_coefficient divides by it).
+    if rotary < 0 or rotary > config.size_per_head or rotary % width:
+        raise UnloadableConfigError(
+            f"{where}: the rotary dimension {rotary} is not one FasterTransformer applies as "
+            f"the model does: it must be between 0 and the head size {config.size_per_head} "
+            f"and a multiple of {width}, the width its attention kernels rotate at once for "
+            "this head size.",
+            f"Use a checkpoint whose rotary_dim is a multiple of {width} up to "
+            f"{config.size_per_head} (every published GPT-J and CodeGen model's is).",
+        )
+    if config.vocab_size < MIN_VOCAB_SIZE:
+        raise UnloadableConfigError(
+            f"{where}: vocab_size {config.vocab_size} is below {MIN_VOCAB_SIZE}, the smallest "
+            "vocabulary FasterTransformer's logits kernel launches for.",
+            "Use the checkpoint's original config.json.",
+        )
+    for half in (False, True):
+        padded = padded_vocab_size(config.vocab_size, tp, half=half)
+        if padded < config.vocab_size:
+            raise UnloadableConfigError(
+                f"{where}: vocab_size {config.vocab_size} pads to {padded} rows in "
+                f"FasterTransformer's float arithmetic (GptJ.cc, vocab_size_padded_) at "
+                f"tensor-parallel size {tp}, fewer than it has: the output embedding would be "
+                "copied past its buffer.",
+                "Such a vocabulary cannot be served by FasterTransformer's GPT-J (a float "
+                "holds whole numbers exactly only up to 16777216).",
+            )
+
+    # activation_kernels.cu, invokeAddBiasGeluV2 and invokeGenericActivation: fp16 works on
+    # pairs (n / 2: an odd width leaves its last column without bias and GELU) and launches
+    # n / 4 / 2 threads per block (none below 8).
+    def activates(width: int) -> bool:
+        return width % 2 == 0 and width >= MIN_INTER_PER_RANK
+
+    if not activates(config.inter_size):
+        raise UnloadableConfigError(
+            f"{where}: inter_size {config.inter_size} is not a width FasterTransformer's fp16 "
+            f"GELU kernel handles (an even number, at least {MIN_INTER_PER_RANK}).",
+            "Such a model cannot be served by FasterTransformer's GPT-J.",
+        )
+    local_inter = config.inter_size // tp
+    if not activates(local_inter):
+        fits = [
+            t
+            for t in range(1, min(tp, 64))
+            if config.head_num % t == 0
+            and config.inter_size % t == 0
+            and activates(config.inter_size // t)
+        ]
+        raise UnloadableParallelismError(
+            f"{where}: inter_size {config.inter_size} split {tp} ways leaves each rank "
+            f"{local_inter} MLP columns; FasterTransformer's fp16 GELU kernel needs an even "
+            f"number, at least {MIN_INTER_PER_RANK}.",
+            f"Choose a smaller --tp-size: {', '.join(map(str, fits))}.",
+        )
 
 
 #: Keys FasterTransformer itself requires (it exits when one is missing).
@@ -149,6 +310,7 @@ class FTConfig:
                 f"{path} weight_data_type {config.weight_data_type!r} is not one of "
                 f"{', '.join(WEIGHT_DATA_TYPES)}"
             )
+        check_loadable(config, where=str(path))
         return config
 
 
@@ -158,6 +320,15 @@ def _format(value: object) -> str:
     return str(value)
 
 
+#: An integer as FasterTransformer reads it and Python reads it alike: ``INIReader::GetInteger``
+#: (``3rdparty/INIReader.h``) is ``strtol(value, &end, 0)``, which reads ``010`` as octal 8,
+#: ``0x10`` as 16 and ``1_0`` as 1, where ``int()`` reads 10, refuses, and reads 10.
+_DECIMAL = re.compile(r"[+-]?(0|[1-9][0-9]*)")
+
+
 def _parse(type_name: object, raw: str) -> object:
     kind = {"int": int, "float": float, "str": str}[str(type_name)]
-    return kind(raw.strip())
+    value = raw.strip()
+    if kind is int and not _DECIMAL.fullmatch(value):
+        raise ValueError(f"{value!r} is not a plain decimal integer")
+    return kind(value)

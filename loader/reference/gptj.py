@@ -67,13 +67,18 @@ class GptJ:
         self.tp = ckpt.tensor_para_size
         self.head_dim = cfg.size_per_head
         self.local_heads = cfg.head_num // self.tp
-        self.rotary_dim = min(cfg.rotary_embedding or cfg.size_per_head, cfg.size_per_head)
+        # 0 means no rotary embedding, as in FasterTransformer (`rotary_embedding_dim > 0`);
+        # FTConfig.from_ini refuses a dimension beyond the head or not a multiple of the
+        # kernels' vector width.
+        self.rotary_dim = cfg.rotary_embedding
         if self.rotary_dim % 2:
             raise ValueError(f"rotary_embedding must be even, got {cfg.rotary_embedding}")
         h = cfg.hidden_size
         # [h, 3, c] viewed as [h, 3c]: one matmul gives this rank's q|k|v.
         self._qkv = [[lw.qkv.reshape(h, -1) for lw in rank.layers] for rank in ckpt.ranks]
-        self._inv_freq = 1.0 / (10000.0 ** (np.arange(0, self.rotary_dim, 2) / self.rotary_dim))
+        self._inv_freq = 1.0 / (
+            10000.0 ** (np.arange(0, self.rotary_dim, 2) / max(self.rotary_dim, 1))
+        )
         self._scale = np.float32(1.0 / np.sqrt(self.head_dim))
 
     # -- cache helpers ---------------------------------------------------------------------

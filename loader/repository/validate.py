@@ -13,7 +13,10 @@ traceback:
   as a C ``int`` (``INIReader::GetInteger`` into the ``int start_id, int end_id`` and the sizes
   of ``GptJTritonModel``'s constructor, ``src/fastertransformer/triton_backend/gptj/
   GptJTritonModel.cc``), so each must fit in int32; ``start_id`` and ``end_id`` are token ids:
-  below ``vocab_size`` (an end id beyond it never ends a generation);
+  below ``vocab_size`` (an end id beyond it never ends a generation); what FasterTransformer's
+  kernels need of the model's numbers was checked when the plan was made
+  (:func:`loader.formats.fastertransformer.check_loadable`, from ``ft_config``), and of a full
+  batch after the memory plan (:func:`loader.plan.check_index_range`);
 * **config.pbtxt** (:func:`check_settings`): each number within the range of its
   ``ModelConfig`` field (``max_batch_size``, ``instance_group.count`` and
   ``preferred_batch_size`` are int32, ``max_queue_delay_microseconds`` uint64), then every

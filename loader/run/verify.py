@@ -16,7 +16,7 @@ from pathlib import Path
 from loader.checkpoint import read_hf_config, read_inventory
 from loader.convert.plan import ConversionPlan, plan_conversion
 from loader.formats.huggingface import config_dtype
-from loader.plan import ModelShape, check_memory, estimate_memory
+from loader.plan import ModelShape, check_index_range, check_memory, estimate_memory
 from loader.repository import layout, validate
 from loader.run.request import RunRequest
 
@@ -63,6 +63,12 @@ def verify(request: RunRequest, checkpoint: Path) -> Verified:
         gpus_per_replica=request.topology.gpus_per_replica,
     )
     check_memory(estimate, request.gpu_memory_gib)
+    # After the memory check, which names an absurd batch size or instance count as such.
+    check_index_range(
+        ModelShape.from_ft_config(plan.config),
+        request.parallelism,
+        max_batch_size=request.settings.max_batch_size,
+    )
     if request.gpu_memory_gib is not None:
         log.info(
             "memory per GPU: about %.1f GiB of %g GiB",
