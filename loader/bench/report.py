@@ -390,7 +390,7 @@ def write_text(path: Path, text: str) -> Path:
     return _atomic_write(path, lambda f: f.write(text))
 
 
-RESULT_FILES = (TABLES_FILE, CSV_FILE, PLOT_FILE, SUMMARY_FILE, README_FILE)
+RESULT_FILES = (TABLES_FILE, CSV_FILE, PLOT_FILE, SUMMARY_FILE)
 
 
 def check_output_dir(output_dir: Path, *, overwrite: bool) -> None:

@@ -13,7 +13,8 @@ Four modes, one per flag, each a function of :data:`MODES` that returns a
 
 Tables go to stdout as levels are measured; logs go to stderr. Every mode writes
 ``tables.txt``, ``results.csv``, ``throughput_vs_p95_latency.png`` and ``summary.txt`` into
-``--output-dir``. Arguments after ``--`` are passed to perf_analyzer unchanged.
+``--output-dir``; ``--serving-experiment`` also ``README.md``, from those files
+(:mod:`loader.bench.serving_readme`). Arguments after ``--`` are passed to perf_analyzer unchanged.
 """
 
 from __future__ import annotations
