@@ -234,3 +234,14 @@ def test_a_directory_without_results_is_a_measurement_error(tmp_path):
     with pytest.raises(MeasurementError, match=r"summary\.txt"):
         read_run(tmp_path)
     assert readme_text(read_run(COMMITTED)) == readme_from_directory(COMMITTED)
+
+
+def test_a_run_without_unstable_levels_says_every_one_was_stable(tmp_path):
+    sweeps = [
+        Sweep("i1-batching-off", [level(4, 3, counts=(30, 30))], settings=OFF),
+        Sweep("i1-batching-on", [level(4, 6, counts=(40, 10))], settings=ON),
+    ]
+    text = flat(written(tmp_path, sweeps, notes={**NOTES, "requests": "test: bench/t.json"}))
+    assert "2 levels in all, every one stable." in text
+    assert "did not settle" not in text
+    assert "**2.00x**" in text

@@ -160,7 +160,8 @@ def run_experiment(
                 f"{k} {' '.join(f'{v:.1f}' for v in values)}" for k, values in load_at_start.items()
             )
             + f"; now {os.getloadavg()[0]:.1f}",
-            "load average (1 min) of the whole run": watch.words(),
+            "load average (1 min) of the whole run": f"{watch.before:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end",
             "duration": f"{time.monotonic() - started:.0f} s",
         }
         for sweep in result.sweeps:

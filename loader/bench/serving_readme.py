@@ -246,8 +246,9 @@ def batch_lines(run: ServingRun) -> list[str]:
         ]
     lines = [
         f"Triton's own statistics of the `{GENERATING_MODEL}` model, read before and after "
-        f"the perf_analyzer run of concurrency {top} (its last one, where the windows were "
-        "widened), give the requests it served and the executions (batches) it ran them in:",
+        f"the perf_analyzer run of concurrency {top} (the last run of the level, where an "
+        "unstable one was measured again with longer windows), give the requests it served and "
+        "the executions (batches) it ran them in:",
         "",
         "| configuration | request file | requests | executions | average batch |",
         "|---|---|---|---|---|",
@@ -377,7 +378,11 @@ def _lines(run: ServingRun) -> list[str]:
         f"{len({s.label for s in run.sweeps})} configurations, each with "
         f"{' and '.join(_named(w, requests) for w in workloads)} at concurrency "
         f"{', '.join(map(str, levels))}; latency is the client's p95. {measured} levels in all, "
-        f"{len(unstable)} of them unstable (in the tables, never chosen).",
+        + (
+            f"{len(unstable)} of them unstable (in the tables, never chosen)."
+            if unstable
+            else "every one stable."
+        ),
         "",
         *_configurations(run),
         "",
