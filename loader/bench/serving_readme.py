@@ -186,6 +186,11 @@ def _ratio(a: float, b: float) -> str:
     return f"**{a / b:.2f}x**" if b > 0 else "no ratio (the baseline measured 0 infer/s)"
 
 
+def _stable_at(sweep: Sweep, concurrency: int) -> bool:
+    m = sweep.at(concurrency)
+    return m is not None and m.stable
+
+
 def gain_lines(off: Sweep, on: Sweep) -> list[str]:
     """Batching on against off on one request file: best stable level against best stable
     level, then at the highest level both measured stably (and which levels above it were not)."""
@@ -204,7 +209,7 @@ def gain_lines(off: Sweep, on: Sweep) -> list[str]:
     shared = sorted(
         {m.concurrency for m in on.measurements} & {m.concurrency for m in off.measurements}
     )
-    both = [c for c in shared if (a := on.at(c)) and (b := off.at(c)) and a.stable and b.stable]
+    both = [c for c in shared if _stable_at(on, c) and _stable_at(off, c)]
     if not both:
         lines.append("- at the same level: no level that both measured stably")
         return lines
@@ -218,7 +223,7 @@ def gain_lines(off: Sweep, on: Sweep) -> list[str]:
     )
     above = []
     for level in (c for c in shared if c > top):
-        shaky = [s.label for s in (on, off) if not s.at(level).stable]  # type: ignore[union-attr]
+        shaky = [s.label for s in (on, off) if not _stable_at(s, level)]
         above.append(f"concurrency {level} ({' and '.join(shaky)} unstable)")
     if above:
         text += "; higher levels not compared: " + ", ".join(above)
