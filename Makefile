@@ -119,7 +119,7 @@ bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequ
 bench-profile: install ## where convert's and the overlapped run's time goes, stage by stage (wall, CPU, queued, blocked, faults), ratios to cp and to the slowest stage, py-spy's top functions
 	$(BIN)/python scripts/bench_profile.py $(BENCH_FLAGS)
 
-bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most)
+bench-serving: install ## perf_analyzer sweep of instance count x dynamic batching on the CPU Triton (13 min at most); writes README.md from its results
 	$(BIN)/python scripts/bench --serving-experiment $(if $(BENCH_OUTPUT),--output-dir $(BENCH_OUTPUT)/serving --overwrite)
 
 bench-completions: install ## the completions service's cost: latency and throughput through it vs Triton directly, by concurrency (CPU Triton)

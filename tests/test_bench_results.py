@@ -145,6 +145,46 @@ def test_results_csv_round_trips_every_configuration():
     assert back[1].measurements == sweeps[1].sorted()
 
 
+def test_triton_batch_counts_round_trip_and_give_the_average_batch():
+    level = Measurement(16, 40.0, 500_000, inference_count=199, execution_count=33)
+    [back] = sweeps_from_csv(sweeps_to_csv([Sweep("b", [level], workload="mixed")]))
+    assert back.measurements == [level]
+    assert back.measurements[0].average_batch == pytest.approx(199 / 33)
+    assert Measurement(1, 1.0, 1).average_batch is None
+    assert Measurement(1, 1.0, 1, inference_count=0, execution_count=0).average_batch is None
+
+
+def test_a_results_csv_of_an_earlier_version_reads_its_missing_columns_as_not_measured():
+    """results.csv files written before a column was added are still read (the committed ones)."""
+    older = [c for c in RESULT_COLUMNS if c not in ("cpu_ms_per_request", "inference_count")]
+    text = (
+        ",".join(older)
+        + "\n"
+        + ",".join(
+            {"configuration": "a", "workload": "test", "concurrency": "4", "stable": "yes"}.get(
+                c, "1" if c in ("throughput_infer_per_sec", "p95_latency_us") else ""
+            )
+            for c in older
+        )
+        + "\n"
+    )
+    [back] = sweeps_from_csv(text)
+    assert back.measurements == [Measurement(4, 1.0, 1)]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        ",".join((*RESULT_COLUMNS, "surprise")),  # a column we never wrote
+        ",".join(c for c in RESULT_COLUMNS if c != "p95_latency_us"),  # a required one missing
+        ",".join((*RESULT_COLUMNS, "note")),  # a column twice
+    ],
+)
+def test_a_csv_that_is_not_a_results_csv_is_refused(header):
+    with pytest.raises(MeasurementError, match="not a bench results CSV"):
+        sweeps_from_csv(header + "\n")
+
+
 def test_best_configuration_respects_the_latency_budget():
     naive = recorded_sweep("http_c1-4", "naive")
     batching = recorded_sweep("grpc_i2_batching_c1-16", "batching")

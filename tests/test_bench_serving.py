@@ -213,6 +213,15 @@ def test_tune_measures_batching_off_and_on_and_prints_the_values_snippet(
         ("i1-batching-on", "mix"),
     ]
     assert (tmp_path / "tune" / "logs" / "tritonserver-i1-batching-on.log").is_file()
+    # Triton's own counts of the generating model around each level: without dynamic batching
+    # every request is an execution of its own; with it, never more executions than requests.
+    for s in sweeps:
+        [level] = s.measurements
+        assert level.inference_count is not None and level.inference_count >= 3 * 3, s.name
+        if s.label == "i1-batching-off":
+            assert level.execution_count == level.inference_count, s.name
+        else:
+            assert 1 <= level.execution_count <= level.inference_count, s.name
     # The winner's worst ratio to the best over both workloads is within 5 % of the other's.
     suffix = "on" if batching["enabled"] else "off"
 

@@ -8,9 +8,11 @@ line a target is ``[LABEL=]PATH`` or ``[LABEL=][http|grpc://]HOST:PORT``.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +24,7 @@ from loader.bench.settings import SweepSettings
 from loader.bench.sweep import sweep
 from loader.endpoint import Endpoint, parse_endpoint
 from loader.errors import LoaderError
+from loader.repository.config import FASTERTRANSFORMER
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +162,7 @@ def _sweep_workloads(
     deadline: float | None = None,
     into: list[Sweep],
     cpu_seconds: Callable[[], float | None] | None = None,
+    model_counts: Callable[[], tuple[int, int] | None] | None = None,
 ) -> None:
     report = None if on_measurement is None else (lambda m: on_measurement(target, m))
     for workload in settings.workloads:
@@ -177,6 +181,7 @@ def _sweep_workloads(
             perf_analyzer=settings.perf_analyzer,
             on_measurement=report,
             cpu_seconds=cpu_seconds,
+            model_counts=model_counts,
             deadline=deadline,
             into=result,
         )
@@ -215,10 +220,16 @@ def _sweep_target(
         # gRPC the chart restricts them to the admin header, which it sends (-H).
         headers = set(restricted_protocols(server.pod_args).values())
         endpoint = Endpoint(address=address, protocol=settings.protocol, headers=tuple(headers))
+        counts = (
+            model_counts(server.http_url, FASTERTRANSFORMER)
+            if FASTERTRANSFORMER in variants.model_dirs(repository)
+            else None
+        )
         try:
             _sweep_workloads(
-                target, endpoint, name, settings, cpu_seconds=server.cpu_seconds, **callbacks
-            )
+                target, endpoint, name, settings, cpu_seconds=server.cpu_seconds,
+                model_counts=counts, **callbacks,
+            )  # fmt: skip
         except LoaderError as exc:
             if log_path is not None:
                 log.error("%s: Triton's log is %s", target.label, log_path)
@@ -229,3 +240,44 @@ def _sweep_target(
                     f"measurement (code {code})"
                 ) from exc
             raise
+
+
+#: How long :func:`model_counts` waits for Triton's statistics to stop moving.
+COUNTS_SETTLE_S = 2.0
+
+
+def model_counts(http_url: str, model: str) -> Callable[[], tuple[int, int] | None]:
+    """A reader of ``model``'s ``inference_count`` and ``execution_count`` in the statistics of
+    the Triton at ``http_url`` (``host:port``; ``GET /v2/models/<model>/stats``): the requests
+    it served and the executions (batches) it ran them in. Triton updates them just after a
+    response goes out, so a read right after perf_analyzer's last response could miss one: the
+    reader reads until two reads 50 ms apart agree (at most :data:`COUNTS_SETTLE_S`). ``None``
+    when Triton does not answer or the answer holds no counts: the level is then reported
+    without them."""
+    url = f"http://{http_url}/v2/models/{model}/stats"
+
+    def read() -> tuple[int, int] | None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                stats = json.load(response)["model_stats"]
+            total = [0, 0]
+            for entry in stats:  # one per loaded version
+                total[0] += int(entry["inference_count"])
+                total[1] += int(entry["execution_count"])
+            return total[0], total[1]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("no statistics of %s from %s: %s", model, url, exc)
+            return None
+
+    def settled() -> tuple[int, int] | None:
+        last = read()
+        deadline = time.monotonic() + COUNTS_SETTLE_S
+        while last is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = read()
+            if now == last:
+                return now
+            last = now
+        return last
+
+    return settled

@@ -11,7 +11,9 @@ CodeGen's 50256 there). The
 report (tables, CSV, PNG, summary) goes to the output directory; the summary names the best
 configuration per workload, the gain of each over the naive one (I=1, no batching; best stable
 level against best stable level), the unstable levels, and the values the chart should
-default to.
+default to, with the command, the machine and the load it ran under. ``README.md`` is written
+last, from those files (:mod:`loader.bench.serving_readme`), with Triton's own count of the
+batches each level ran (:mod:`loader.bench.compare` reads them around every level).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loader.bench.compare import Target
+from loader.bench.machine import LoadWatch
 from loader.bench.perf_analyzer import PerfAnalyzerOptions
 from loader.bench.report import Report, gain_text
 from loader.bench.results import Measurement
+from loader.bench.serving_readme import readme_from_directory
 from loader.bench.settings import SweepSettings
 from loader.bench.tune import TuneResult, plan_variants, tune, values_snippet
 
@@ -125,14 +129,17 @@ def run_experiment(
     settings: SweepSettings,
     *,
     concurrency_range: str = CONCURRENCY_RANGE,
+    command: str = "",
     on_start: Callable[[Target, str], None] | None = None,
     on_measurement: Callable[[Target, Measurement], None] | None = None,
     on_partial: Callable[[Report], None] | None = None,
 ) -> Report:
     """Publish the demo model, tune its variants under ``settings``; the report to write
-    (``on_partial`` gets the report so far after every level)."""
+    (``on_partial`` gets the report so far after every level). ``command`` is the command
+    line that started the run, for the summary and the README."""
     work_dir = Path(work_dir) / "serving-experiment"
     started = time.monotonic()
+    watch = LoadWatch()
     repository = publish_demo_repository(work_dir)
     load_at_start: dict[str, list[float]] = {}
 
@@ -142,7 +149,8 @@ def run_experiment(
             on_start(target, workload)
 
     def report(result: TuneResult, *, final: bool) -> Report:
-        notes: dict[str, str] = {
+        notes: dict[str, str] = {"command": command} if command else {}
+        notes |= {
             "model": _model_note(work_dir),
             "requests": "; ".join(f"{w.name}: {_shown(w.path)}" for w in settings.workloads),
             "measurement": _measurement_note(settings, concurrency_range),
@@ -152,6 +160,8 @@ def run_experiment(
                 f"{k} {' '.join(f'{v:.1f}' for v in values)}" for k, values in load_at_start.items()
             )
             + f"; now {os.getloadavg()[0]:.1f}",
+            "load average (1 min) of the whole run": f"{watch.before:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end",
             "duration": f"{time.monotonic() - started:.0f} s",
         }
         for sweep in result.sweeps:
@@ -190,6 +200,7 @@ def run_experiment(
             by_round=result.by_round,
             status=_status(result, final=final),
             request_files=settings.request_files(),
+            readme=readme_from_directory,
         )
 
     planned = plan_variants(

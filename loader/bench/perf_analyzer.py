@@ -293,10 +293,13 @@ def _run_once(
     options: PerfAnalyzerOptions,
     binary: Path,
     cpu_seconds: Callable[[], float | None] | None = None,
+    model_counts: Callable[[], tuple[int, int] | None] | None = None,
 ) -> tuple[Measurement, str]:
     """One perf_analyzer run: the level measured from its exported windows (``stable`` by our
     test) and perf_analyzer's output; with ``cpu_seconds`` (the server's CPU clock), the
-    server's CPU time per request over the whole run."""
+    server's CPU time per request over the whole run; with ``model_counts`` (Triton's
+    ``inference_count`` and ``execution_count`` of the generating model), how many requests
+    that model served during the run and in how many executions."""
     with tempfile.TemporaryDirectory(prefix="perf-analyzer-") as tmp:
         csv_path = Path(tmp) / "level.csv"
         export_path = Path(tmp) / "level.json"
@@ -307,9 +310,11 @@ def _run_once(
             for b, a in zip(hidden, cmd, strict=True)
         ]
         log.debug("running %s", " ".join(shown))
+        counts_before = model_counts() if model_counts is not None else None
         cpu_before = cpu_seconds() if cpu_seconds is not None else None
         code, output = run_process(cmd, options.timeout_s)
         cpu_after = cpu_seconds() if cpu_seconds is not None else None
+        counts_after = model_counts() if model_counts is not None else None
         if code != 0 and _GAVE_UP.search(output):
             # Even with its check off, perf_analyzer gives up when a window completed no
             # request (InferenceProfiler::DetermineStability); it exports nothing then.
@@ -344,6 +349,12 @@ def _run_once(
         measured = dataclasses.replace(
             measured, cpu_ms_per_request=(cpu_after - cpu_before) * 1000 / completed
         )
+    if counts_before is not None and counts_after is not None:
+        measured = dataclasses.replace(
+            measured,
+            inference_count=counts_after[0] - counts_before[0],
+            execution_count=counts_after[1] - counts_before[1],
+        )
     if server:
         measured = dataclasses.replace(
             measured,
@@ -361,14 +372,17 @@ def measure_level(
     options: PerfAnalyzerOptions,
     binary: Path,
     cpu_seconds: Callable[[], float | None] | None = None,
+    model_counts: Callable[[], tuple[int, int] | None] | None = None,
 ) -> LevelResult:
     """Measure one concurrency level, widening the windows of an unstable one (see the module
-    docstring); raise the typed error of any failure other than instability."""
+    docstring); raise the typed error of any failure other than instability. The server's CPU
+    time and Triton's counts (``cpu_seconds``, ``model_counts``) are those of the last run."""
     attempt = options
     for widening in range(options.widenings + 1):
         measured, output = _run_once(
-            endpoint, model, concurrency, options=attempt, binary=binary, cpu_seconds=cpu_seconds
-        )
+            endpoint, model, concurrency, options=attempt, binary=binary,
+            cpu_seconds=cpu_seconds, model_counts=model_counts,
+        )  # fmt: skip
         if measured.stable or widening == options.widenings:
             return LevelResult(concurrency, measured, output, attempt.window())
         wider = attempt.widened()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -41,6 +41,7 @@ TABLES_FILE = "tables.txt"
 CSV_FILE = "results.csv"
 PLOT_FILE = "throughput_vs_p95_latency.png"
 SUMMARY_FILE = "summary.txt"
+README_FILE = "README.md"
 
 
 def bullet(key: str, value: object) -> str:
@@ -92,6 +93,9 @@ class Report:
     #: Each workload's request file, by the workload's label in the sweeps ("" for a run with
     #: one): the plot shows what was asked and generated tokens per second.
     request_files: Mapping[str, Path] = field(default_factory=dict)
+    #: Writes ``README.md`` from the files already written to the output directory (its
+    #: argument), so that the README says what they say (the serving experiment's).
+    readme: Callable[[Path], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -404,9 +408,10 @@ def check_output_dir(output_dir: Path, *, overwrite: bool) -> None:
 def write_report(
     report: Report, output_dir: Path, *, max_p95_ms: float | None = None, plot: bool = True
 ) -> dict[str, Path]:
-    """Write tables, CSV, plot and summary (with the notes and values) into ``output_dir``;
-    their paths by kind. Without ``plot`` (partial results written while measuring, where
-    drawing would compete for the CPU) the plot is left as it is."""
+    """Write tables, CSV, plot and summary (with the notes and values) into ``output_dir``, then
+    the README when the report has a writer for one (read from those files); their paths by
+    kind. Without ``plot`` (partial results written while measuring, where drawing would
+    compete for the CPU) the plot is left as it is."""
     output_dir = Path(output_dir)
     summary = summary_text(
         report.sweeps, max_p95_ms=max_p95_ms, baseline=report.baseline, by_round=report.by_round
@@ -431,6 +436,8 @@ def write_report(
             max_p95_ms=max_p95_ms,
             shapes={label: shape for label, shape in shapes.items() if shape is not None},
         )
+    if report.readme is not None:
+        paths["readme"] = write_text(output_dir / README_FILE, report.readme(output_dir))
     return paths
 
 

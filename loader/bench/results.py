@@ -73,10 +73,22 @@ class Measurement:
     rounds: int = 1
     throughput_low: float | None = None
     throughput_high: float | None = None
+    #: Triton's own statistics of the generating model (``/v2/models/<name>/stats``) read
+    #: before and after the level's perf_analyzer run: the requests it counted and the
+    #: executions (batches) it ran them in (local servers only).
+    inference_count: int | None = None
+    execution_count: int | None = None
 
     @property
     def p95_ms(self) -> float:
         return self.p95_us / 1000.0
+
+    @property
+    def average_batch(self) -> float | None:
+        """Requests per execution of the generating model (None where not counted)."""
+        if self.inference_count is None or not self.execution_count:
+            return None
+        return self.inference_count / self.execution_count
 
 
 @dataclass
@@ -254,8 +266,20 @@ RESULT_COLUMNS: tuple[str, ...] = (
     "rounds",
     "throughput_low",
     "throughput_high",
+    "inference_count",
+    "execution_count",
     "stable",
     "note",
+)
+#: The columns every results CSV has had; the others may be missing from one written by an
+#: earlier version (read as not measured).
+REQUIRED_RESULT_COLUMNS: tuple[str, ...] = (
+    "configuration",
+    "workload",
+    "concurrency",
+    "throughput_infer_per_sec",
+    "p95_latency_us",
+    "stable",
 )
 
 
@@ -278,6 +302,8 @@ def sweeps_to_csv(sweeps: Iterable[Sweep]) -> str:
                     m.rounds,
                     "" if m.throughput_low is None else format_number(m.throughput_low),
                     "" if m.throughput_high is None else format_number(m.throughput_high),
+                    "" if m.inference_count is None else m.inference_count,
+                    "" if m.execution_count is None else m.execution_count,
                     "yes" if m.stable else "no",
                     m.note,
                 )
@@ -286,15 +312,23 @@ def sweeps_to_csv(sweeps: Iterable[Sweep]) -> str:
 
 
 def sweeps_from_csv(text: str) -> list[Sweep]:
-    """Read back what :func:`sweeps_to_csv` wrote (configurations in first-seen order)."""
+    """Read back what :func:`sweeps_to_csv` wrote (configurations in first-seen order); a CSV
+    of an earlier version, without some of the optional columns, reads them as not measured."""
     reader = csv.DictReader(io.StringIO(text))
-    if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
+    header = tuple(reader.fieldnames or ())
+    unknown = [c for c in header if c not in RESULT_COLUMNS]
+    if (
+        unknown
+        or any(c not in header for c in REQUIRED_RESULT_COLUMNS)
+        or len(set(header)) < len(header)
+    ):
         raise MeasurementError(
-            f"not a bench results CSV (header: {','.join(reader.fieldnames or [])})",
+            f"not a bench results CSV (header: {','.join(header)})",
             "Pass a results.csv written by scripts/bench.",
         )
     sweeps: dict[tuple[str, str], Sweep] = {}
-    for row in reader:
+    for found in reader:
+        row = {c: found.get(c) or "" for c in RESULT_COLUMNS}
         key = (row["configuration"], row["workload"])
         sweep = sweeps.setdefault(key, Sweep(key[0], workload=key[1]))
         sweep.measurements.append(
@@ -311,6 +345,8 @@ def sweeps_from_csv(text: str) -> list[Sweep]:
                 rounds=int(row["rounds"] or 1),
                 throughput_low=_float_or_none(row["throughput_low"]),
                 throughput_high=_float_or_none(row["throughput_high"]),
+                inference_count=_int_or_none(row["inference_count"]),
+                execution_count=_int_or_none(row["execution_count"]),
                 stable=row["stable"] != "no",
                 note=row["note"],
             )

@@ -70,12 +70,14 @@ def sweep(
     perf_analyzer: str | Path | None = None,
     on_measurement: Callable[[Measurement], None] | None = None,
     cpu_seconds: Callable[[], float | None] | None = None,
+    model_counts: Callable[[], tuple[int, int] | None] | None = None,
     deadline: float | None = None,
     into: Sweep | None = None,
 ) -> Sweep:
     """Measure ``model`` at every level; unstable levels are kept, marked unstable.
 
-    ``cpu_seconds`` reads the server's CPU clock (a local server); no level starts after
+    ``cpu_seconds`` reads the server's CPU clock and ``model_counts`` Triton's request and
+    execution counts of the generating model (a local server); no level starts after
     ``deadline`` (``time.monotonic()``), so a capped run keeps the levels it measured. The
     measurements go into ``into`` when given (a caller watching a run as it goes)."""
     binary = find_perf_analyzer(perf_analyzer)
@@ -89,8 +91,9 @@ def sweep(
             )
             break
         level = measure_level(
-            endpoint, model, concurrency, options=options, binary=binary, cpu_seconds=cpu_seconds
-        )
+            endpoint, model, concurrency, options=options, binary=binary,
+            cpu_seconds=cpu_seconds, model_counts=model_counts,
+        )  # fmt: skip
         if not level.measurement.stable:
             log.warning(
                 "%s: concurrency %s did not settle with windows of %s; reported as unstable (%s)",

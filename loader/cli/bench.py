@@ -13,7 +13,8 @@ Four modes, one per flag, each a function of :data:`MODES` that returns a
 
 Tables go to stdout as levels are measured; logs go to stderr. Every mode writes
 ``tables.txt``, ``results.csv``, ``throughput_vs_p95_latency.png`` and ``summary.txt`` into
-``--output-dir``. Arguments after ``--`` are passed to perf_analyzer unchanged.
+``--output-dir``; ``--serving-experiment`` also ``README.md``, from those files
+(:mod:`loader.bench.serving_readme`). Arguments after ``--`` are passed to perf_analyzer unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -251,6 +253,7 @@ def run_experiment(args: argparse.Namespace, extra: tuple[str, ...], out: Path) 
         Path(args.work_dir),
         settings,
         concurrency_range=args.concurrency_range or experiment.CONCURRENCY_RANGE,
+        command=getattr(args, "command_line", ""),
         on_start=lambda t, workload: printer.start(t.label, t.settings, workload),
         on_measurement=lambda t, m: printer.measurement(m),
         on_partial=PARTIAL.write,
@@ -320,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     own, extra = _split_extra(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
+    # What the summary and the README name as the command that made the results.
+    args.command_line = shlex.join(["scripts/bench", *own, *(["--", *extra] if extra else [])])
     try:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
