@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__, stages
+from loader.cli import supervise
 from loader.errors import LoaderError, resource_exhaustion, typed_os_error
 from loader.limits import Limit, SettingError
 
@@ -371,7 +372,19 @@ def _cwd_gone(exc: OSError) -> LoaderError | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run the command ``argv`` and return its exit code. Without ``argv`` (the console script,
+    ``python -m loader``) the command line is the process's own, and a command that maps
+    source files runs in a supervised child (:mod:`loader.cli.supervise`); with ``argv`` it
+    runs here."""
+    if argv is None:
+        argv = sys.argv[1:]
+        if commands_for(argv) in [(name,) for name in supervise.SUPERVISED]:
+            outcome = supervise.supervise()
+            if isinstance(outcome, LoaderError):
+                return report(outcome)
+            if outcome is not None:
+                return outcome
+    argv = list(argv)
     parser = build_parser(commands_for(argv))
     args = parser.parse_args(argv)
     try:

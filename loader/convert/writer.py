@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from loader import digest as digests
-from loader import fs, stages
+from loader import fs, ledger, stages
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
 from loader.errors import CheckpointError, OutputExistsError
 from loader.fs import Dir
@@ -118,6 +118,7 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
         # Made inside the block that removes it: a signal right after it leaves nothing.
         with Dir.open(parent) as d:
             d.mkdir(tmp.name)
+        ledger.note_temporary(tmp)  # a supervisor removes it should this process be killed
         yield tmp
         with stages.stage("rename into place"):
             _put_in_place(tmp, final, token, overwrite=overwrite)
