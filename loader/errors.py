@@ -171,7 +171,7 @@ class SourceShrankError(MappedReadError):
 
     def __init__(self, shrank: Iterable[tuple[object, int, int | None]], *, killed: bool = False):
         described = [
-            f"{shown(path)} ({was} bytes when mapped, "
+            f"{shown(path)} ({was} bytes when the loader opened it, "
             + ("gone or replaced now)" if now is None else f"{now} now)")
             for path, was, now in shrank
         ]
