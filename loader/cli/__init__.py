@@ -12,10 +12,13 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
 2     a user mistake (a :class:`~loader.errors.LoaderError`: an error line and a hint, no
       traceback); running it again unchanged cannot succeed
 75    a transient failure (a source still failing at ``--retry-deadline``, a publish lock held
-      too long or taken over): running it again later may succeed
+      too long or taken over, a source file cut short while it was read): running it again
+      later may succeed
 130   interrupted (Ctrl-C)
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
+128+n ``convert`` or ``run`` killed by signal n (SIGKILL: 137, SIGSEGV: 139): its supervisor
+      (:mod:`loader.cli.supervise`) prints the error and removes what it left
 ====  ==========================================================================================
 """
 
