@@ -10,6 +10,7 @@ and then cuts the file short or signals the child, as another process or the ker
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -191,6 +192,40 @@ def test_a_signal_to_the_supervisor_reaches_the_command(sig, code, said, medium,
     assert stdout == ""
     assert list((root / STAGING_DIR).iterdir()) == []
     assert list((root / LOCKS_DIR).iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_terminals_ctrl_c_reaches_the_command_once(medium, tmp_path):
+    """Ctrl-C on a terminal signals its whole foreground process group, the supervisor and
+    its child alike: the supervisor does not send it a second time (which would interrupt the
+    child's unwinding)."""
+    import pty
+
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "loader", *map(str, _convert_argv(medium, out))]
+    pid, terminal = pty.fork()
+    if pid == 0:  # the loader, on the new terminal
+        os.chdir(ROOT)
+        os.execve(sys.executable, argv, {**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith(".2-gpu.partial-") for p in out.iterdir()):
+            assert time.monotonic() < deadline, "the conversion never started writing"
+            time.sleep(0.001)
+        os.write(terminal, b"\x03")
+        said = b""
+        with contextlib.suppress(OSError):  # EIO once the loader closed the terminal
+            while chunk := os.read(terminal, 4096):
+                said += chunk
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(terminal)
+    text = said.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 130, text
+    assert text.count("interrupted") == 1
+    assert "Traceback" not in text
+    assert list(out.iterdir()) == []
 
 
 def test_main_with_argv_runs_in_this_process(tiny_checkpoint_with_tokenizer, tmp_path, capsys):

@@ -13,9 +13,9 @@ thread, nothing open but the standard streams), and:
   the same unwinding on SIGTERM and Ctrl-C, the same exit code. It records in a shared memory
   block (:mod:`loader.ledger`) each file it maps with its size at that moment, each publish
   lock it takes and the temporary directory of a conversion;
-* the **parent** forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the child (which runs in a
-  process group of its own, so that a terminal's Ctrl-C reaches it once, through here) and
-  waits. A child that exits is answered with its exit code, unchanged. A child that dies of a
+* the **parent** passes SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to it on to the child
+  (those a terminal sends reach the child directly: both are in its foreground process group)
+  and waits. A child that exits is answered with its exit code, unchanged. A child that dies of a
   signal the parent forwarded: the parent removes what the child left (below) and dies of that
   signal too (the status is what it was without a supervisor). A child that dies of any other
   signal: the parent removes what only the child
@@ -62,6 +62,8 @@ SUPERVISED = ("loader.cli.convert", "loader.cli.run")
 #: Signals the parent passes on to the child.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1
+#: ``si_code`` of a signal the kernel sent (``include/uapi/asm-generic/siginfo.h``).
+_SI_KERNEL = 0x80
 
 
 def supervise() -> int | LoaderError | None:
@@ -73,7 +75,9 @@ def supervise() -> int | LoaderError | None:
     sys.stdout.flush()
     sys.stderr.flush()
     parent = os.getpid()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # until the handlers are set
+    # Blocked from now on in the parent, which takes them with sigwaitinfo (a PID 1 of a
+    # container gets them too: a blocked signal is never discarded).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGCHLD))
     try:
         pid = os.fork()
     except OSError:
@@ -84,36 +88,39 @@ def supervise() -> int | LoaderError | None:
         _child(parent, mask)
         return None
     ledger.stop()
-    forwarded: set[int] = set()
-
-    def forward(signum: int, frame: object) -> None:
-        forwarded.add(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-    with contextlib.suppress(OSError):
-        os.setpgid(pid, pid)  # the child does it too: whichever runs first
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    try:
-        _, status = os.waitpid(pid, 0)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    status, received = _wait(pid)
     if os.WIFEXITED(status):
         return os.WEXITSTATUS(status)
     sig = os.WTERMSIG(status)
-    if sig in forwarded:  # the signal this process got: end as it would have ended unsupervised
+    if sig in received:  # the signal this process got: end as it would have ended unsupervised
         report_removed(clean_up(ledger.entries(block), pid))
         signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)  # (PID 1 of a container is not killed by its own signal)
+        os.kill(os.getpid(), sig)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (sig,))  # dies here, unless it is PID 1
         return 128 + sig
     return died(sig, ledger.entries(block), pid)
 
 
+def _wait(pid: int) -> tuple[int, set[int]]:
+    """Wait for the child ``pid`` to end, passing on each signal of :data:`FORWARDED` sent to
+    this process alone; its wait status and the signals this process received. A signal the
+    kernel sent (``SI_KERNEL``: a terminal's Ctrl-C, Ctrl-\\ or hang-up, sent to the whole
+    foreground process group) reached the child too: it is not sent twice."""
+    received: set[int] = set()
+    while True:
+        info = signal.sigwaitinfo((*FORWARDED, signal.SIGCHLD))
+        if info.si_signo == signal.SIGCHLD:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == pid:
+                return status, received
+            continue  # the child stopped or went on
+        received.add(info.si_signo)
+        if info.si_code != _SI_KERNEL:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, info.si_signo)
+
+
 def _child(parent: int, mask: set[signal.Signals]) -> None:
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
@@ -155,12 +162,18 @@ def bus_error(recorded: ledger.Entries) -> MappedReadError:
     if shrank:
         return SourceShrankError(shrank, killed=True)
     named = sorted({shown(entry["path"]) for entry in recorded.mapped})
-    more = " (more were not recorded)" if recorded.dropped else ""
+    if not named and not recorded.dropped:
+        return MappedReadError(
+            "The loader was killed by SIGBUS (a bus error) before it mapped any source file: "
+            "a library's own mapped file failed to read, or another process sent the signal.",
+            "Run the loader again; if it keeps failing, check the storage it reads and writes "
+            "(the kernel log, the volume's events).",
+        )
+    more = " (and more not recorded)" if recorded.dropped else ""
     return MappedReadError(
         "The loader was killed by SIGBUS (a bus error) reading a memory-mapped file, and none "
-        f"of the files it mapped is shorter now: {', '.join(named) or 'none recorded'}{more}. "
-        "The storage failed to deliver a page (an I/O error), or a file was cut short and "
-        "written again meanwhile."
+        f"of the files it mapped is shorter now: {', '.join(named)}{more}. The storage failed "
+        "to deliver a page (an I/O error), or a file was cut short and written again meanwhile."
     )
 
 
