@@ -24,6 +24,7 @@ import pytest
 from loader import ledger
 from loader.checkpoint import open_checkpoint
 from loader.cli import main
+from loader.cli.supervise import clean_up
 from loader.errors import EXIT_TRANSIENT, SourceShrankError
 from loader.repository.lock import LOCKS_DIR
 from loader.repository.publish import STAGING_DIR
@@ -256,3 +257,40 @@ def test_a_file_cut_short_before_it_is_mapped_is_a_transient_error(
     assert f"{weights} ({size} bytes when the loader opened it, {size - 1} now)" in (
         caught.value.message
     )
+
+
+def _temporary(path: Path) -> dict:
+    st = os.lstat(path)
+    return {"kind": "temporary", "path": str(path), "dev": st.st_dev, "ino": st.st_ino}
+
+
+def test_only_the_very_directory_the_child_made_is_removed(tmp_path):
+    """What a dead child recorded is removed only while it is still that directory: one made
+    again under its name, a link put there, or a name without the child's pid stays."""
+    pid = 4242
+    made = tmp_path / f".2-gpu.partial-{pid}-0a1b2c3d"
+    made.mkdir()
+    (made / "model.wte.bin").write_bytes(b"x")
+    again = tmp_path / f".1-gpu.partial-{pid}-0a1b2c3d"
+    again.mkdir()
+    recorded_again = _temporary(again)
+    moved = again.rename(tmp_path / "moved")  # kept: its inode cannot be reused
+    again.mkdir()  # another directory under the recorded name
+    target = tmp_path / "users"
+    target.mkdir()
+    (target / "keep").write_text("mine")
+    linked = tmp_path / f".4-gpu.partial-{pid}-0a1b2c3d"
+    linked.symlink_to(target)
+    other = tmp_path / f".8-gpu.partial-{pid + 1}-0a1b2c3d"
+    other.mkdir()
+    recorded = ledger.Entries(
+        mapped=[],
+        temporary=[_temporary(made), recorded_again, _temporary(linked), _temporary(other)],
+        locks=[],
+        dropped=0,
+    )
+
+    assert clean_up(recorded, pid) == [made]
+    assert not made.exists()
+    assert again.is_dir() and moved.is_dir() and linked.is_symlink() and other.is_dir()
+    assert (target / "keep").read_text() == "mine"
