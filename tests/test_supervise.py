@@ -196,6 +196,20 @@ def test_a_signal_to_the_supervisor_reaches_the_command(sig, code, said, medium,
 
 
 @pytest.mark.slow
+def test_the_command_dies_with_its_supervisor(medium, tmp_path):
+    """``kill -9`` of the loader stops its work at once, as it did without a supervisor (the
+    next loader of the key removes what it left): no orphan goes on to publish."""
+    root = tmp_path / "root"
+    proc = _start(*_run_argv(medium, root))
+    _mapping_child(proc, medium / "model.safetensors")
+    proc.kill()
+    _, err = proc.communicate(timeout=120)  # its pipes close once the child is gone too
+    assert proc.returncode == -signal.SIGKILL
+    assert not list(root.glob("m@*/*")), err  # the child did not go on to publish
+    assert list((root / STAGING_DIR).iterdir())  # left, as by any loader killed with -9
+
+
+@pytest.mark.slow
 def test_a_terminals_ctrl_c_reaches_the_command_once(medium, tmp_path):
     """Ctrl-C on a terminal signals its whole foreground process group, the supervisor and
     its child alike: the supervisor does not send it a second time (which would interrupt the

@@ -31,8 +31,9 @@ thread, nothing open but the standard streams), and:
   - any other signal: :class:`~loader.errors.KilledError` naming it, exit 128 + its number
     (``SIGKILL``, 137: most often the OOM killer; the hint says so).
 
-The child asks the kernel to send it SIGTERM should the parent die first (``PR_SET_PDEATHSIG``):
-it then unwinds as if Kubernetes had stopped it.
+The child asks the kernel to kill it (SIGKILL) should the parent die first
+(``PR_SET_PDEATHSIG``): ``kill -9`` of the loader stops its work at once, as it did before there
+was a supervisor, and the next loader of the key removes what it left.
 
 :func:`loader.cli.main` supervises only when it reads the process's own command line (no
 ``argv``: the console script and ``python -m loader``); ``main(argv)`` called in a process, as
@@ -125,10 +126,10 @@ def _child(parent: int, mask: set[signal.Signals]) -> None:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    if os.getppid() != parent:  # the parent died before the request above: stop as it asks
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request above: as it asks
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def died(sig: int, recorded: ledger.Entries, pid: int) -> LoaderError:
