@@ -169,10 +169,9 @@ class SourceShrankError(MappedReadError):
         "named."
     )
 
-    def __init__(self, shrank: Iterable[tuple[object, int, int | None]], *, killed: bool = False):
+    def __init__(self, shrank: Iterable[tuple[object, int, int]], *, killed: bool = False):
         described = [
-            f"{shown(path)} ({was} bytes when the loader opened it, "
-            + ("gone or replaced now)" if now is None else f"{now} now)")
+            f"{shown(path)} ({was} bytes when the loader opened it, {now} now)"
             for path, was, now in shrank
         ]
         how = (

@@ -56,8 +56,6 @@ from pathlib import Path
 from loader import ledger
 from loader.errors import KilledError, LoaderError, MappedReadError, SourceShrankError, shown
 
-log = logging.getLogger(__name__)
-
 #: The command modules whose processes map source files (:data:`loader.cli.COMMANDS`).
 SUPERVISED = ("loader.cli.convert", "loader.cli.run")
 #: Signals the parent passes on to the child.
@@ -147,7 +145,7 @@ def report_removed(paths: list[Path]) -> None:
 
 def bus_error(recorded: ledger.Entries) -> MappedReadError:
     """SIGBUS: the mapped files that are shorter now than when they were mapped."""
-    shrank: list[tuple[str, int, int | None]] = []
+    shrank: list[tuple[str, int, int]] = []
     seen: set[tuple[str, int, int]] = set()
     for entry in recorded.mapped:
         path, size = entry["path"], entry["size"]
