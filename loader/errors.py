@@ -177,7 +177,7 @@ class SourceShrankError(MappedReadError):
         how = (
             "reading past its new end killed the reader with SIGBUS"
             if killed
-            else "it is shorter than when its header was checked"
+            else "the loader stopped reading it"
         )
         super().__init__(
             f"A source file shrank while the loader read it: {'; '.join(described)}; {how}."

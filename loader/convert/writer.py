@@ -37,7 +37,7 @@ import numpy as np
 from loader import digest as digests
 from loader import fs, ledger, stages
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
-from loader.errors import CheckpointError, OutputExistsError
+from loader.errors import CheckpointError, OutputExistsError, SourceShrankError
 from loader.fs import Dir
 from loader.progress import Progress
 
@@ -198,7 +198,7 @@ def write_file(
                         copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                         col += width
             with stages.stage("write" if data is not direct else "fault-in + write", data.nbytes):
-                fs.write_fd(fh.fileno(), data, path)
+                _write(fh.fileno(), data, path, ckpt)
             if digest is not None:  # the buffer just written, not a copy read back
                 with stages.stage("digest", data.nbytes):
                     digest.update(memoryview(data).cast("B"))
@@ -206,6 +206,19 @@ def write_file(
             progress.update(data.nbytes)
             del data, blocks, direct
     return written, None if digest is None else digest.hexdigest()
+
+
+def _write(fd: int, data: np.ndarray, path: Path, ckpt: Checkpoint) -> None:
+    """Write ``data`` (maybe a view of a source's memory map) to ``fd``. The kernel answers
+    EFAULT where it cannot read the mapped pages: a source cut short meanwhile, the error that
+    names it (transient); any other ``EFAULT`` stays the bug it is."""
+    try:
+        fs.write_fd(fd, data, path)
+    except OSError as exc:
+        shrank = ckpt.shrunk() if exc.errno == errno.EFAULT else []
+        if shrank:
+            raise SourceShrankError(shrank) from exc
+        raise
 
 
 def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
