@@ -68,7 +68,9 @@ _SI_KERNEL = 0x80
 def supervise() -> int | LoaderError | None:
     """Fork; in the child (or where forking is not possible): None, run the command here. In
     the parent, once the child is gone: its exit code, or the error that says how it died."""
-    if threading.active_count() != 1 or not hasattr(os, "fork"):
+    if not hasattr(os, "fork") or not hasattr(signal, "sigwaitinfo"):
+        return None  # not Linux (macOS has no sigwaitinfo): unsupervised
+    if threading.active_count() != 1:
         return None  # never fork with threads: a lock another thread held stays held
     block = ledger.open_shared()
     sys.stdout.flush()
