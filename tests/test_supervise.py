@@ -100,6 +100,16 @@ def medium(tmp_path: Path) -> Path:
         # Every output is cast from the map: the read past the end is SIGBUS, always.
         ("convert", "fp32", ["reading past its new end killed the reader with SIGBUS."]),
         ("run", "fp32", ["reading past its new end killed the reader with SIGBUS."]),
+        # Outputs that are a plain run of source bytes are copied by the kernel
+        # (copy_file_range): it reads nothing past the new end, and the converter says so.
+        (
+            "convert",
+            "fp16",
+            [
+                "the loader stopped reading it.",
+                "reading past its new end killed the reader with SIGBUS.",
+            ],
+        ),
         # Outputs kept in the source's dtype are written straight from the map: write(2)
         # answers EFAULT for those pages, which the converter reports itself (or a cast
         # reads past the end first: SIGBUS).

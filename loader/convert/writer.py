@@ -171,7 +171,13 @@ def write_file(
     with fh:
         span = _byte_span(out, ckpt, dtype) if digest is None else None
         if span is not None and _copy_in_kernel(
-            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
+            span,
+            out.nbytes(dtype.itemsize),
+            fh,
+            ckpt,
+            progress=progress,
+            step=chunk_bytes,
+            stop=stop,
         ):
             return out.nbytes(dtype.itemsize), None
         for start in range(0, out.rows, step):
@@ -242,6 +248,7 @@ def _copy_in_kernel(
     span: tuple[Path, int],
     nbytes: int,
     fh,
+    ckpt: Checkpoint,
     *,
     progress: Progress,
     step: int,
@@ -265,7 +272,10 @@ def _copy_in_kernel(
                 if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
                     return False
                 raise
-            if n == 0:
+            if n == 0:  # cut short since its header was checked: the error naming it
+                shrank = ckpt.shrunk()
+                if shrank:
+                    raise SourceShrankError(shrank)
                 raise CheckpointError(f"{path} ended early while reading it; was it modified?")
             done += n
             progress.update(n)
