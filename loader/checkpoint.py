@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loader import fs
-from loader.errors import CheckpointError, DtypeError, some_names
+from loader import fs, ledger
+from loader.errors import CheckpointError, DtypeError, SourceShrankError, some_names
 from loader.formats import jsondoc
 from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
@@ -131,6 +131,8 @@ def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
 
 class ShardFile(Protocol):
     path: Path
+    #: The file's size when it was opened (its header checked).
+    size: int
 
     def infos(self) -> dict[str, TensorInfo]: ...
 
@@ -206,6 +208,7 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise _corrupt(path, "header is not a JSON object")
         self._data_start = 8 + header_len
+        self.size = size
         self._infos: dict[str, TensorInfo] = {}
         self._offsets: dict[str, int] = {}
         spans: list[tuple[int, int, str]] = []
@@ -240,6 +243,10 @@ class SafetensorsFile:
         info = self._infos[name]
         if self._mmap is None:
             with fs.open_read(self.path) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < self.size:  # cut short since its header was checked
+                    raise SourceShrankError([(self.path, self.size, size)])
+                ledger.note_mapped(self.path, fh.fileno())
                 self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         offset = self._data_start + self._offsets[name]
         if info.nbytes and hasattr(mmap, "MADV_WILLNEED"):  # start reading it in now
@@ -273,6 +280,10 @@ class TorchFile:
                 "Install torch (pip install 'model-triton-loader[torch]') or use safetensors.",
             ) from exc
         self._torch = torch
+        self.size = os.stat(path).st_size
+        if ledger.active():  # the size it is mapped at, for the supervisor
+            with fs.open_read(path) as fh:
+                ledger.note_mapped(path, fh.fileno())
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:
@@ -522,6 +533,19 @@ class Checkpoint:
     @property
     def files(self) -> list[Path]:
         return [s.path for s in self.shards.values()]
+
+    def shrunk(self) -> list[tuple[Path, int, int]]:
+        """``(path, size when opened, size now)`` of each weight file that is shorter now: a
+        file cut short while it is read (its mapped pages past the new end cannot be read)."""
+        found = []
+        for shard in self.shards.values():
+            try:
+                now = os.stat(shard.path).st_size
+            except OSError:
+                continue
+            if now < shard.size:
+                found.append((shard.path, shard.size, now))
+        return found
 
     def close(self) -> None:
         for shard in self.shards.values():

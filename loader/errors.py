@@ -10,8 +10,10 @@ the retry deadline), worth retrying as it is. Anything else is a bug and exits w
 from __future__ import annotations
 
 import errno
+import signal
 from collections.abc import Iterable
 from pathlib import Path
+from typing import ClassVar
 
 #: Names a message shows before it says how many more there are.
 SHOWN_NAMES = 6
@@ -141,6 +143,74 @@ class SpecialFileError(SourceError):
             "(a FIFO, device or socket may block forever or never end).",
             f"Replace {path} with the regular file it stands for, or remove it.",
         )
+
+
+class MappedReadError(LoaderError):
+    """A memory-mapped file (a checkpoint's weights) could not be read: the kernel answered
+    the read with a bus error (``SIGBUS``), which kills the process at once. The supervising
+    process of ``convert`` and ``run`` reports it (:mod:`loader.cli.supervise`). Transient:
+    running again reads the file again."""
+
+    exit_code = EXIT_TRANSIENT
+    default_remediation = (
+        "Check the storage holding those files (the kernel log, the volume's events), then run "
+        "the loader again."
+    )
+
+
+class SourceShrankError(MappedReadError):
+    """A file the loader was reading (memory-mapped) got shorter meanwhile: something truncated
+    or rewrote it in place. Transient: a rerun reads the file again, and a file left cut short
+    is then refused by its header check (exit 2, naming it)."""
+
+    default_remediation = (
+        "Let nothing write the source while the loader reads it (a copy or download still "
+        "running, a sync), then run the loader again; a file left cut short is then refused, "
+        "named."
+    )
+
+    def __init__(self, shrank: Iterable[tuple[object, int, int]], *, killed: bool = False):
+        described = [
+            f"{shown(path)} ({was} bytes when the loader opened it, {now} now)"
+            for path, was, now in shrank
+        ]
+        how = (
+            "reading past its new end killed the reader with SIGBUS"
+            if killed
+            else "the loader stopped reading it"
+        )
+        super().__init__(
+            f"A source file shrank while the loader read it: {'; '.join(described)}; {how}."
+        )
+
+
+class KilledError(LoaderError):
+    """The process doing a command was killed by a signal other than SIGBUS (the supervisor
+    of ``convert`` and ``run`` reports it); the exit code stays the conventional 128 + the
+    signal's number."""
+
+    #: Signal -> what most often sends it, and what to do.
+    HINTS: ClassVar[dict[int, str]] = {
+        signal.SIGKILL: "Most often the kernel's OOM killer (see the kernel log, or the pod's "
+        "OOMKilled status): give the loader more memory (the Job's resources.limits.memory) "
+        "or fewer workers (--workers), then run it again.",
+        signal.SIGSEGV: "A crash in native code (a bug): run again with PYTHONFAULTHANDLER=1 "
+        "and report it with the stack that prints.",
+        signal.SIGABRT: "A native library aborted (a bug, or memory running out): run again "
+        "with PYTHONFAULTHANDLER=1 and report it with the log.",
+    }
+
+    def __init__(self, signum: int) -> None:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        super().__init__(
+            f"The loader was killed by {name} before it finished; what it had written "
+            "is not published.",
+            self.HINTS.get(signum, f"Find what sends {name} to the loader, then run it again."),
+        )
+        self.exit_code = 128 + signum
 
 
 class SourceNotFoundError(SourceError):

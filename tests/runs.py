@@ -3,6 +3,7 @@ where a published repository and its weights are."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,18 @@ def cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str], str]
     code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out.splitlines(), captured.err
+
+
+def loader_processes(proc: subprocess.Popen) -> list[int]:
+    """The pids of ``model-loader`` started as ``proc``: its supervised child (``convert``,
+    ``run``: loader.cli.supervise) first, if it has one, then ``proc`` itself. Stopping the
+    loader (SIGSTOP) stops both: a signal that cannot be caught is not passed on."""
+    children = [
+        int(pid)
+        for task in Path(f"/proc/{proc.pid}/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]
+    return [*children, proc.pid]
 
 
 def published(root: Path, model: str = "tiny") -> Path:

@@ -20,6 +20,7 @@ import pytest
 from loader import fs
 from loader.cli import main
 from loader.repository import manifest
+from tests import runs
 from tests.servers import GcsServer, ThrottleProxy
 
 BUCKET = "models"
@@ -161,13 +162,16 @@ def test_a_stalled_loader_and_its_successor_never_share_a_partial_file(
         [sys.executable, "-m", "loader", *_argv(root, "--lock-expiry-s", "1", *PATHS[path])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    stopped: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while not _partials(root):
             assert stalled.poll() is None, stalled.communicate()[1][-2000:]
             assert time.monotonic() < deadline, "the first loader never started downloading"
             time.sleep(0.02)
-        stalled.send_signal(signal.SIGSTOP)
+        stopped = runs.loader_processes(stalled)  # its supervised child too
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
         theirs = _partials(root)
 
         ours: set[str] = set()
@@ -187,8 +191,9 @@ def test_a_stalled_loader_and_its_successor_never_share_a_partial_file(
         (published,) = _published(root)
         assert manifest.verify(published) == []
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            stalled.send_signal(signal.SIGCONT)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         proxy.stop()
     _, stderr = stalled.communicate(timeout=120)
     assert stalled.returncode in (0, 75), stderr[-2000:]

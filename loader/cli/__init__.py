@@ -12,10 +12,13 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
 2     a user mistake (a :class:`~loader.errors.LoaderError`: an error line and a hint, no
       traceback); running it again unchanged cannot succeed
 75    a transient failure (a source still failing at ``--retry-deadline``, a publish lock held
-      too long or taken over): running it again later may succeed
+      too long or taken over, a source file cut short while it was read): running it again
+      later may succeed
 130   interrupted (Ctrl-C)
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
+128+n ``convert`` or ``run`` killed by signal n (SIGKILL: 137, SIGSEGV: 139): its supervisor
+      (:mod:`loader.cli.supervise`) prints the error and removes what it left
 ====  ==========================================================================================
 """
 
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from loader import __version__, stages
+from loader.cli import supervise
 from loader.errors import LoaderError, resource_exhaustion, typed_os_error
 from loader.limits import Limit, SettingError
 
@@ -371,7 +375,19 @@ def _cwd_gone(exc: OSError) -> LoaderError | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run the command ``argv`` and return its exit code. Without ``argv`` (the console script,
+    ``python -m loader``) the command line is the process's own, and a command that maps
+    source files runs in a supervised child (:mod:`loader.cli.supervise`); with ``argv`` it
+    runs here."""
+    if argv is None:
+        argv = sys.argv[1:]
+        if commands_for(argv) in [(name,) for name in supervise.SUPERVISED]:
+            outcome = supervise.supervise()
+            if isinstance(outcome, LoaderError):
+                return report(outcome)
+            if outcome is not None:
+                return outcome
+    argv = list(argv)
     parser = build_parser(commands_for(argv))
     args = parser.parse_args(argv)
     try:

@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from loader import digest as digests
-from loader import fs, stages
+from loader import fs, ledger, stages
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
-from loader.errors import CheckpointError, OutputExistsError
+from loader.errors import CheckpointError, OutputExistsError, SourceShrankError
 from loader.fs import Dir
 from loader.progress import Progress
 
@@ -118,6 +118,7 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
         # Made inside the block that removes it: a signal right after it leaves nothing.
         with Dir.open(parent) as d:
             d.mkdir(tmp.name)
+        ledger.note_temporary(tmp)  # a supervisor removes it should this process be killed
         yield tmp
         with stages.stage("rename into place"):
             _put_in_place(tmp, final, token, overwrite=overwrite)
@@ -170,7 +171,13 @@ def write_file(
     with fh:
         span = _byte_span(out, ckpt, dtype) if digest is None else None
         if span is not None and _copy_in_kernel(
-            span, out.nbytes(dtype.itemsize), fh, progress=progress, step=chunk_bytes, stop=stop
+            span,
+            out.nbytes(dtype.itemsize),
+            fh,
+            ckpt,
+            progress=progress,
+            step=chunk_bytes,
+            stop=stop,
         ):
             return out.nbytes(dtype.itemsize), None
         for start in range(0, out.rows, step):
@@ -197,7 +204,7 @@ def write_file(
                         copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                         col += width
             with stages.stage("write" if data is not direct else "fault-in + write", data.nbytes):
-                fs.write_fd(fh.fileno(), data, path)
+                _write(fh.fileno(), data, path, ckpt)
             if digest is not None:  # the buffer just written, not a copy read back
                 with stages.stage("digest", data.nbytes):
                     digest.update(memoryview(data).cast("B"))
@@ -205,6 +212,19 @@ def write_file(
             progress.update(data.nbytes)
             del data, blocks, direct
     return written, None if digest is None else digest.hexdigest()
+
+
+def _write(fd: int, data: np.ndarray, path: Path, ckpt: Checkpoint) -> None:
+    """Write ``data`` (maybe a view of a source's memory map) to ``fd``. The kernel answers
+    EFAULT where it cannot read the mapped pages: a source cut short meanwhile, the error that
+    names it (transient); any other ``EFAULT`` stays the bug it is."""
+    try:
+        fs.write_fd(fd, data, path)
+    except OSError as exc:
+        shrank = ckpt.shrunk() if exc.errno == errno.EFAULT else []
+        if shrank:
+            raise SourceShrankError(shrank) from exc
+        raise
 
 
 def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
@@ -228,6 +248,7 @@ def _copy_in_kernel(
     span: tuple[Path, int],
     nbytes: int,
     fh,
+    ckpt: Checkpoint,
     *,
     progress: Progress,
     step: int,
@@ -251,7 +272,10 @@ def _copy_in_kernel(
                 if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
                     return False
                 raise
-            if n == 0:
+            if n == 0:  # cut short since its header was checked: the error naming it
+                shrank = ckpt.shrunk()
+                if shrank:
+                    raise SourceShrankError(shrank)
                 raise CheckpointError(f"{path} ended early while reading it; was it modified?")
             done += n
             progress.update(n)

@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from loader import ledger
 from loader.errors import LockLostError, LockTimeoutError, PublishError
 from loader.formats import jsondoc
 from loader.fs import Dir, fsync_fd, pid_alive, pid_space, read_fd, rewrite_fd
@@ -133,6 +134,7 @@ class PublishLock:
         while True:
             if self._create():
                 self.waited_s = time.monotonic() - start
+                ledger.note_lock(self.root, self.key, self.expiry_s)  # for a supervisor
                 self._start_heartbeat()
                 log.info("holding publish lock %s", self.path)
                 return self
