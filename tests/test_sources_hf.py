@@ -15,7 +15,7 @@ from loader.errors import CheckpointError, SourceNotFoundError, SourcePermission
 from loader.repository import manifest
 from loader.sources import fetch, transfer
 from tests.runs import use_hub
-from tests.servers import OlahServer, git
+from tests.servers import HeaderRelay, OlahServer, git
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
@@ -141,31 +141,56 @@ def test_rerun_skips_verified_files_and_replaces_a_damaged_one(hub, tmp_path):
     assert damaged.read_bytes() == ckpt_bytes
 
 
+@pytest.fixture
+def relays(hub, monkeypatch):
+    """The Hub behind a relay that records headers (HF_ENDPOINT), which sends file downloads to
+    a second relay of another origin (the Hub's storage host)."""
+    storage = HeaderRelay(hub.url).start()
+    endpoint = HeaderRelay(hub.url, redirect_to=storage.url).start()
+    monkeypatch.setenv("HF_ENDPOINT", endpoint.url)
+    yield endpoint, storage
+    endpoint.stop()
+    storage.stop()
+
+
 @pytest.mark.parametrize("variable", ["HF_TOKEN_PATH", "HF_TOKEN_FILE"])
 def test_token_file_is_sent_to_the_hub_and_never_logged(
-    hub, tmp_path, monkeypatch, caplog, variable
+    hub, relays, tmp_path, monkeypatch, caplog, variable
 ):
-    """huggingface_hub's HF_TOKEN_PATH, and HF_TOKEN_FILE as another name for it."""
-    import huggingface_hub
-
+    """huggingface_hub's HF_TOKEN_PATH, and HF_TOKEN_FILE as another name for it: every request
+    to the Hub carries it (the listing, each file's download), none to the storage host."""
+    endpoint, _ = relays
     secret = "hf_secretTokenValue1234567890"
     token_file = tmp_path / "token"
     token_file.write_text(secret + "\n")
     monkeypatch.setenv(variable, str(token_file))
-    sent = []
-    real = huggingface_hub.snapshot_download
-
-    def spy(*args, **kwargs):
-        sent.append(kwargs.get("token"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
     with caplog.at_level(logging.DEBUG):
         result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
     assert result.revision == hub.revisions["main"]
-    assert sent and set(sent) == {secret}
+    downloads = [r for r in endpoint.requests if "/resolve/" in r[1]]
+    assert len(downloads) == len(result.files)
+    assert {r[2].get("authorization") for r in endpoint.requests} == {f"Bearer {secret}"}
     assert caplog.records
     assert secret not in caplog.text
+
+
+def test_a_download_redirected_to_another_host_carries_no_token(
+    hub, relays, tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch
+):
+    """The Hub sends large files to its storage host: the redirect is followed, the token stays
+    with the Hub's origin."""
+    endpoint, storage = relays
+    monkeypatch.setenv("HF_TOKEN", "hf_secretTokenValue1234567890")
+    result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    redirected = sorted(r[1] for r in endpoint.requests if "/resolve/" in r[1])
+    assert sorted(r[1] for r in storage.requests) == redirected
+    assert len(storage.requests) == len(result.files)
+    assert all("authorization" not in r[2] for r in storage.requests)
+    assert all("authorization" in r[2] for r in endpoint.requests)
+    for rel in result.files:
+        assert filecmp.cmp(
+            tiny_checkpoint_with_tokenizer / rel, tmp_path / "dest" / rel, shallow=False
+        )
 
 
 def test_token_sources_in_order_and_a_missing_file_named_with_its_variable(tmp_path, monkeypatch):

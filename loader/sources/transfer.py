@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -90,18 +91,26 @@ def adopt(ours: Path, *, companions: tuple[str, ...] = ()) -> bool:
     host's, is left alone. True if something was taken over."""
     if fs.lexists(ours):
         return False
-    stem = ours.name[: -len(fs.owner())]
     with Dir.open(ours.parent) as d:
-        for name in d.names():
-            tag = name[len(stem) :]
-            if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
-                continue
-            d.rename(name, d, ours.name, how="replace")
-            for suffix in companions:
-                if d.lstat(name + suffix) is not None:
-                    d.rename(name + suffix, d, ours.name + suffix, how="replace")
-            log.info("resuming the partial download %s of a stopped run", d.path / name)
-            return True
+        return adopt_in(d, ours.name, companions=companions)
+
+
+def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
+    """:func:`adopt` relative to the open directory ``d``: ``ours`` is this process's name
+    there (``<name>.<owner>``)."""
+    if d.lstat(ours) is not None:
+        return False
+    stem = ours[: -len(fs.owner())]
+    for name in d.names():
+        tag = name[len(stem) :]
+        if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
+            continue
+        d.rename(name, d, ours, how="replace")
+        for suffix in companions:
+            if d.lstat(name + suffix) is not None:
+                d.rename(name + suffix, d, ours + suffix, how="replace")
+        log.info("resuming the partial download %s of a stopped run", d.path / name)
+        return True
     return False
 
 
@@ -146,14 +155,19 @@ def remove_own_partials(dest: Path) -> None:
     what other owners write there stays."""
     if not fs.lexists(dest / PARTIAL_DIR):
         return
-    ours = fs.owner()
     with Dir.open(dest) as d:
-        if not d.is_dir(PARTIAL_DIR):
-            return
-        with d.sub(PARTIAL_DIR) as sub:
-            empty = _partials(sub, lambda tag: tag != ours)
-        if empty:
-            d.rmdir(PARTIAL_DIR)
+        remove_own_partials_in(d)
+
+
+def remove_own_partials_in(d: Dir) -> None:
+    """:func:`remove_own_partials` of the open destination directory ``d``."""
+    if not d.is_dir(PARTIAL_DIR):
+        return
+    ours = fs.owner()
+    with d.sub(PARTIAL_DIR) as sub:
+        empty = _partials(sub, lambda tag: tag != ours)
+    if empty:
+        d.rmdir(PARTIAL_DIR)
 
 
 def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = True) -> None:
@@ -261,12 +275,17 @@ def file_md5(path: Path) -> str:
     return base64.b64encode(digest.digest()).decode("ascii")
 
 
-def ensure_disk_space(dest: Path, needed: int, *, what: str) -> None:
-    """Raise :class:`InsufficientDiskSpaceError` unless ``needed`` bytes fit under ``dest``."""
-    probe = dest
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+def ensure_disk_space(dest: Path, needed: int, *, what: str, directory: Dir | None = None) -> None:
+    """Raise :class:`InsufficientDiskSpaceError` unless ``needed`` bytes fit under ``dest``
+    (``directory``: ``dest`` open already, asked through its descriptor)."""
+    if directory is not None:
+        found = os.fstatvfs(directory.fd)
+        free = found.f_bavail * found.f_frsize
+    else:
+        probe = dest
+        while not probe.exists():
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
     if needed + DISK_MARGIN > free:
         raise InsufficientDiskSpaceError(
             f"Not enough free disk space under {dest} for {what}: need {human_bytes(needed)} "
