@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from loader.errors import CheckpointError, SourceNotFoundError, SourcePermissionError
+from loader.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    NotOursError,
+    SourceNotFoundError,
+    SourcePermissionError,
+)
 from loader.repository import manifest
 from loader.sources import fetch, transfer
 from tests.runs import use_hub
-from tests.servers import HeaderRelay, OlahServer, git
+from tests.servers import HeaderRelay, OlahServer, ThrottleProxy, git
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
@@ -293,3 +299,105 @@ def test_a_hugging_face_cache_snapshot_is_a_local_source_and_links_leaving_it_ar
     (lookalike / "model.safetensors").symlink_to(weights.resolve())
     with pytest.raises(SourceError, match="outside the source directory"):
         fetch(str(lookalike))
+
+
+@pytest.fixture
+def dead_owner() -> str:
+    """The owner tag of a loader of this host that is gone."""
+    from loader import fs
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return f"{pid}-{fs.host_digest()}"
+
+
+def _stopped_download(dest: Path, owner: str, name: str, data: bytes) -> Path:
+    """What a stopped run left: ``data`` as the first bytes of ``name`` being downloaded."""
+    staging = dest / transfer.PARTIAL_DIR / f"hf.{owner}"
+    staging.mkdir(parents=True)
+    (staging / f"{name}.incomplete").write_bytes(data)
+    return staging
+
+
+@pytest.mark.parametrize("ignores_range", [False, True], ids=["range", "server-ignores-range"])
+def test_a_stopped_runs_download_is_resumed_from_its_last_byte(
+    hub, dead_owner, tmp_path, monkeypatch, ignores_range
+):
+    """A range request for the rest; a server that answers it with the whole file gets the file
+    written from its start (a prefix of wrong bytes cannot survive: the hash is checked)."""
+    weights = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    half = len(weights) // 2
+    dest = tmp_path / "dest"
+    prefix = b"\0" * half if ignores_range else weights[:half]
+    _stopped_download(dest, dead_owner, "model.safetensors", prefix)
+    if ignores_range:
+        proxy = ThrottleProxy(hub.port, strip_range=True).start()
+        monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+    relay = HeaderRelay(proxy.url if ignores_range else hub.url).start()
+    monkeypatch.setenv("HF_ENDPOINT", relay.url)
+    try:
+        fetch("hf://org/tiny-gptj", dest)
+    finally:
+        relay.stop()
+        if ignores_range:
+            proxy.stop()
+    (request,) = [r for r in relay.requests if r[1].endswith("/model.safetensors")]
+    assert request[2].get("range") == f"bytes={half}-"
+    assert (dest / "model.safetensors").read_bytes() == weights
+    assert not (dest / transfer.PARTIAL_DIR).exists()
+
+
+def test_a_stopped_runs_download_of_other_bytes_is_discarded(hub, dead_owner, tmp_path):
+    weights = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    dest = tmp_path / "dest"
+    staging = _stopped_download(dest, dead_owner, "model.safetensors", b"\0" * len(weights))
+    with pytest.raises(ChecksumMismatchError, match=r"model\.safetensors"):
+        fetch("hf://org/tiny-gptj", dest)
+    assert not (dest / "model.safetensors").exists()
+    assert not list(dest.rglob("model.safetensors.incomplete"))
+    assert not staging.exists()  # taken over by this run
+    fetch("hf://org/tiny-gptj", dest)
+    assert (dest / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ".partial",
+        ".partial/hf.OWNER",
+        ".partial/hf.OWNER/model.safetensors.incomplete",
+        ".partial/hf.DEAD/model.safetensors.incomplete",
+        "config.json",
+    ],
+)
+def test_a_link_planted_where_the_download_writes_is_never_followed(
+    hub, dead_owner, tmp_path, where
+):
+    """At every name an hf:// fetch creates below DEST (this run's and a stopped run's staging
+    directory, the file being downloaded, the final name): the link is refused or replaced,
+    never written through."""
+    from loader import fs
+
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    precious = outside / "dir" / "model.safetensors.incomplete"
+    precious.write_bytes(b"not the loader's")
+    dest = tmp_path / "dest"
+    rel = where.replace("OWNER", fs.owner()).replace("DEAD", dead_owner)
+    planted = dest / rel
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    target = precious if rel.endswith((".incomplete", ".json")) else outside / "dir"
+    planted.symlink_to(target)
+    before = sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*.*"))
+    try:
+        fetch("hf://org/tiny-gptj", dest)
+    except NotOursError as exc:
+        assert str(tmp_path) in exc.message
+    else:
+        assert not planted.is_symlink() or rel.startswith(".partial/hf.")
+        assert filecmp.cmp(hub.mirrors / "models/org/tiny-gptj/config.json", dest / "config.json")
+    after = sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*.*"))
+    assert after == before
+    assert sorted(p.name for p in (outside / "dir").iterdir()) == [precious.name]
