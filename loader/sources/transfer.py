@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,15 +54,19 @@ def safe_path(dest: Path, relpath: str) -> Path:
     parts = Path(relpath).parts
     for part in parts[:-1]:
         path = path / part
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            what = "a symbolic link" if path.is_symlink() else "a file"
+        try:
+            found = fs.stat_path(path)  # the entry itself; below a confined tree, by descriptors
+        except FileNotFoundError:
+            found = None
+        if found is not None and not stat.S_ISDIR(found.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a file"
             raise SourceError(
                 f"{shown(path)} is {what}, so {shown(relpath)} cannot be written under "
                 f"{shown(dest)}: the loader writes only into real directories under the "
                 "destination.",
                 f"Remove {shown(path)} or choose another destination directory.",
             )
-        if not path.exists():
+        if found is None:
             try:
                 with Dir.open(path.parent) as parent:
                     parent.mkdir(path.name)
