@@ -401,3 +401,19 @@ def test_a_link_planted_where_the_download_writes_is_never_followed(
     after = sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*.*"))
     assert after == before
     assert sorted(p.name for p in (outside / "dir").iterdir()) == [precious.name]
+
+
+@pytest.mark.parametrize("location", ["http://127.0.0.1:99999", "http://[::1"])
+def test_a_redirect_to_something_that_is_not_a_url_is_a_source_error(
+    hub, tmp_path, monkeypatch, location
+):
+    from loader.errors import SourceError
+
+    relay = HeaderRelay(hub.url, redirect_to=location).start()
+    monkeypatch.setenv("HF_ENDPOINT", relay.url)
+    try:
+        with pytest.raises(SourceError, match="not a URL") as info:
+            fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    finally:
+        relay.stop()
+    assert "HF_ENDPOINT" in info.value.remediation

@@ -406,9 +406,18 @@ class _Hub:
             response = session.send(request, stream=True, follow_redirects=False)
             if not response.has_redirect_location:
                 return response
-            target = urljoin(url, response.headers["Location"])
+            location = response.headers["Location"]
             response.close()
-            if _origin(target) != origin:
+            try:
+                target = urljoin(url, location)
+                leaves = _origin(target) != origin
+            except ValueError:  # a port out of range, a broken IPv6 address
+                raise SourceError(
+                    f"hf://{self.repo}@{self.commit}/{rel}: the Hub redirected the download to "
+                    f"{location!r}, which is not a URL.",
+                    "Check HF_ENDPOINT and any proxy in between.",
+                ) from None
+            if leaves:
                 headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             url = target
         raise SourceError(
