@@ -417,3 +417,13 @@ def test_a_redirect_to_something_that_is_not_a_url_is_a_source_error(
     finally:
         relay.stop()
     assert "HF_ENDPOINT" in info.value.remediation
+
+
+def test_too_little_free_space_is_refused_before_any_download(hub, tmp_path, monkeypatch):
+    from loader.errors import InsufficientDiskSpaceError
+
+    monkeypatch.setattr(transfer, "DISK_MARGIN", 1 << 60)
+    with pytest.raises(InsufficientDiskSpaceError, match="hf://org/tiny-gptj"):
+        fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    assert visible(tmp_path / "dest") == []
+    assert not (tmp_path / "dest" / transfer.PARTIAL_DIR).exists()
