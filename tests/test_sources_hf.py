@@ -427,3 +427,38 @@ def test_too_little_free_space_is_refused_before_any_download(hub, tmp_path, mon
         fetch("hf://org/tiny-gptj", tmp_path / "dest")
     assert visible(tmp_path / "dest") == []
     assert not (tmp_path / "dest" / transfer.PARTIAL_DIR).exists()
+
+
+def test_progress_counts_every_byte_once_a_resumed_file_included(
+    hub, dead_owner, tmp_path, monkeypatch
+):
+    import contextlib
+    import threading
+
+    from loader.sources import hf
+
+    reports: list[tuple[int | None, list[int]]] = []
+    lock = threading.Lock()
+
+    class Recorder:
+        def __init__(self, total: int | None) -> None:
+            self.updates: list[int] = []
+            reports.append((total, self.updates))
+
+        def update(self, n: int) -> None:
+            with lock:
+                self.updates.append(n)
+
+    @contextlib.contextmanager
+    def recording(what: str, total: int | None, **_: object):
+        yield Recorder(total)
+
+    monkeypatch.setattr(hf, "byte_progress", recording)
+    weights = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    dest = tmp_path / "dest"
+    _stopped_download(dest, dead_owner, "model.safetensors", weights[: len(weights) // 3])
+    result = fetch("hf://org/tiny-gptj", dest, workers=3)
+    ((total, updates),) = reports
+    assert total == result.downloaded_bytes == result.bytes
+    assert all(n > 0 for n in updates)
+    assert sum(updates) == total
