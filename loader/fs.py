@@ -171,6 +171,16 @@ def confined(*paths: Path | str | None) -> contextlib.AbstractContextManager[Non
     return _zone(_confined, paths)
 
 
+def confined_within(path: Path | str | None) -> contextlib.AbstractContextManager[None]:
+    """:func:`confined` of ``path`` unless it is in a confined tree already (then that tree's
+    walk, from its own anchor, stays in force: a link at any level below the anchor, ``path``'s
+    own levels included, is refused). What a library call writes below a directory it was
+    given (:func:`loader.sources.fetch`'s ``dest``) is confined whoever calls it."""
+    if path is None or _below(path) is not None:
+        return contextlib.nullcontext()
+    return confined(path)
+
+
 def followed(*paths: Path | str | None) -> contextlib.AbstractContextManager[None]:
     """Paths the user named to be read as given even inside a :func:`confined` tree (a local
     source kept under the repository root may use links): read-only operations below them
@@ -763,6 +773,17 @@ def stat_path(path: Path, *, follow: bool = False) -> os.stat_result:
         return found
     _seam("stat", path)
     return os.stat(path, follow_symlinks=follow)
+
+
+def regular_size(path: Path, *, follow: bool = False) -> int | None:
+    """The size of the regular file at ``path``; None when nothing is there, or something
+    else (a directory, a FIFO, a link unless ``follow``). Below a :func:`confined` tree no
+    level is followed (a link on the way is a :class:`NotOursError`)."""
+    try:
+        found = stat_path(path, follow=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) else None
 
 
 def read_file(path: Path, *, limit: int) -> bytes:

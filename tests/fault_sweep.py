@@ -386,6 +386,42 @@ def gs(tmp_path_factory, sharded):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory, sharded):
+    """``hf://org/sharded``: the sharded checkpoint on the olah Hub mirror (HF_ENDPOINT)."""
+    from tests.runs import use_hub
+    from tests.servers import OlahServer
+
+    base = tmp_path_factory.mktemp("olah")
+    server = OlahServer(base)
+    server.make_repo("org/sharded", {p.name: p for p in sharded.iterdir() if p.is_file()})
+    server.start()
+    patch = pytest.MonkeyPatch()
+    use_hub(patch, server.url, base / "hf-home")
+    yield "hf://org/sharded"
+    patch.undo()
+    server.stop()
+
+
+def hf_scenarios(sharded: Path, hf: str) -> dict[str, Scenario]:
+    return {
+        "fetch-hf": Scenario(
+            "fetch-hf",
+            lambda base: ["fetch", hf, str(base / "copy"), *REMOTE],
+            lambda base: _same_files(sharded, base / "copy"),
+        ),
+        "run-overlapped-hf": Scenario(
+            "run-overlapped-hf",
+            lambda base: _run_argv(hf, base / "root", "--revision", "r1", *REMOTE),
+            _keys_absent_or_complete,
+        ),
+    }
+
+
+#: Commands on an hf:// source (the olah Hub mirror).
+HF_COMMANDS = ("fetch-hf", "run-overlapped-hf")
+
+
 def catalog_of(all_scenarios: dict[str, Scenario], commands: tuple[str, ...]) -> dict:
     """Each command's sites, each site under the first command that makes it (the later ones
     need not fail it again)."""

@@ -8,6 +8,8 @@
   leave the machine. It runs in its own working directory (it writes ``./logs``).
 * :class:`ThrottleProxy`: a TCP relay that forwards bytes at a bounded rate (to slow a download
   enough to kill it halfway) or answers every request with a fixed HTTP status.
+* :class:`HeaderRelay`: an HTTP relay that records every request's headers, and may redirect
+  file downloads to another relay (a storage host of another origin).
 """
 
 from __future__ import annotations
@@ -436,3 +438,71 @@ class ThrottleProxy:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
                 s.close()
+
+
+class HeaderRelay:
+    """An HTTP relay on 127.0.0.1 towards ``target`` (a base URL) that records every request:
+    ``(method, path, headers)``, the header names in lower case. With ``redirect_to`` (another
+    base URL), a ``GET`` whose path holds ``/resolve/`` is answered ``302`` to the same path
+    there instead of being relayed: what the Hub does for a large file (its storage host)."""
+
+    def __init__(self, target: str, *, redirect_to: str | None = None) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        relay = self
+        upstream = urllib.parse.urlsplit(target)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                relay.requests.append((self.command, self.path, headers))
+                if redirect_to and self.command == "GET" and "/resolve/" in self.path:
+                    self.send_response(302)
+                    self.send_header("Location", redirect_to + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
+                sent = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                conn.request(self.command, self.path, body=body, headers=sent)
+                answer = conn.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                length_header = answer.getheader("Content-Length")
+                if self.command == "HEAD" and length_header is not None:
+                    self.send_header("Content-Length", length_header)
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_HEAD = do_POST = _relay
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def start(self) -> HeaderRelay:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -91,7 +91,8 @@ def _library_exception_classes() -> list[type[BaseException]]:
     import inspect
 
     modules = ["google.api_core.exceptions", "google.auth.exceptions", "requests.exceptions",
-               "urllib3.exceptions", "huggingface_hub.errors", "httpx", "httpcore"]  # fmt: skip
+               "urllib3.exceptions", "huggingface_hub.errors", "httpx", "httpcore", "httpx2",
+               "httpcore2"]  # fmt: skip
     found: dict[str, type[BaseException]] = {}
     for name in modules:
         try:

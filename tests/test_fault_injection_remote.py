@@ -1,6 +1,6 @@
-"""The fault-injection sweep of the gs:// commands, against the GCS emulator: `fetch` of a gs://
-prefix and the overlapped `run` (the conversion while the shards download, its journal, the
-move into staging). Every site they make that the local commands do not fails once, the
+"""The fault-injection sweep of the remote commands, against the GCS emulator and the olah Hub
+mirror: `fetch` of a gs:// prefix or an hf:// repository and the overlapped `run` (the
+conversion while the shards download, its journal, the move into staging). Every site they make that the local commands do not fails once, the
 errnos in rotation; what must hold after each is ``tests/fault_sweep.py``'s.
 """
 
@@ -11,8 +11,10 @@ import logging
 import pytest
 
 from tests.fault_sweep import (
+    HF_COMMANDS,
     REMOTE_COMMANDS,
     catalog_of,
+    hf_scenarios,
     remote_scenarios,
     rotation,
     sweep,
@@ -32,6 +34,23 @@ def remote(sharded, gs):
 def test_every_file_system_call_site_of_a_gs_source_fails_typed(remote, command, caplog):
     caplog.set_level(logging.INFO)
     scenarios, catalog = remote
+    sites = catalog[command]
+    assert len(sites) > 5
+    failures = sweep(scenarios[command], sites, rotation, caplog)
+    assert not failures, f"{len(failures)} of {len(sites)} sites:\n" + "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def remote_hf(sharded, hf):
+    found = hf_scenarios(sharded, hf)
+    return found, catalog_of(found, HF_COMMANDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", HF_COMMANDS)
+def test_every_file_system_call_site_of_an_hf_source_fails_typed(remote_hf, command, caplog):
+    caplog.set_level(logging.INFO)
+    scenarios, catalog = remote_hf
     sites = catalog[command]
     assert len(sites) > 5
     failures = sweep(scenarios[command], sites, rotation, caplog)

@@ -223,6 +223,21 @@ def test_a_token_file_that_is_not_one_word_of_text_is_a_clear_error(tmp_path, co
     assert "hf_one" not in info.value.message  # the token never shows
 
 
+@pytest.mark.parametrize("name", ["../x", "a/../b", "a//b", "/etc/passwd", "a/./b", "x\0y", ""])
+def test_a_hub_listing_name_that_is_not_a_plain_relative_path_is_refused(name):
+    """What the Hub's listing names reaches the file system only as single names below DEST."""
+    from loader.errors import SourceError
+    from loader.sources import parse_uri
+    from loader.sources.hf import _names
+
+    with pytest.raises(SourceError, match="not a relative path of plain names"):
+        _names(parse_uri("hf://org/name"), name)
+    assert _names(parse_uri("hf://org/name"), "sub/model.safetensors") == [
+        "sub",
+        "model.safetensors",
+    ]
+
+
 @pytest.mark.parametrize("name", ["tiny\n", "x" * 300])
 def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
     argv = _run_args(source, tmp_path / "root")

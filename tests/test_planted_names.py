@@ -4,10 +4,10 @@ neither follow it nor lose anything to it.
 
 The names come from a clean run: every path the seam of ``loader.fs`` sees under ROOT
 (``tests/faults.py``), the run's own owner tag replaced by a dead loader's (so a staging
-directory's name is a dead loader's leftover). The scenarios: a local source, ``gs://``
-fetched whole (``--no-overlap``) and overlapped, and a resume (an overlapped run killed once its
-outputs were moved into its staging directory: the names are those of the tree it left, where
-each entry is replaced). At each name, one of:
+directory's name is a dead loader's leftover). The scenarios: a local source, ``gs://`` and
+``hf://`` fetched whole (``--no-overlap``) and overlapped, and a resume (an overlapped run
+killed once its outputs were moved into its staging directory: the names are those of the
+tree it left, where each entry is replaced). At each name, one of:
 
 * a link to a directory outside ROOT, a link to a file outside ROOT, a relative link whose
   ``..`` leads out of ROOT;
@@ -343,6 +343,19 @@ def test_gcs_run_at_every_name_it_makes(gs, empty, dead, extra, every):
     names = _clean_names(gs, empty, dead, extra)
     assert any(n.endswith(".journal") for n in names) or extra, names
     _sweep(empty, gs, names, extra, every)
+
+
+# --- hf:// ------------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("extra", [(), ("--no-overlap",)], ids=["overlapped", "whole"])
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
+                         ids=["each-name", "every-kind"])  # fmt: skip
+def test_hf_run_at_every_name_it_makes(hf, empty, dead, extra, every):
+    names = _clean_names(hf, empty, dead, extra)
+    assert any(n.endswith(".incomplete") and "/.partial/hf." in n for n in names), names
+    _sweep(empty, hf, names, extra, every)
 
 
 class _KillAfterTheMove:

@@ -20,6 +20,7 @@ from loader import fs
 from loader.errors import (
     ChecksumMismatchError,
     InsufficientDiskSpaceError,
+    NotOursError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
@@ -588,6 +589,21 @@ def test_a_destination_holding_a_link_to_elsewhere_is_never_written_through(shar
     dest.mkdir()
     elsewhere.mkdir()
     (dest / "extras").symlink_to(elsewhere)
-    with pytest.raises(SourceError, match="symbolic link"):
+    with pytest.raises(NotOursError, match="symbolic link"):
         fetch(f"gs://{BUCKET}/team/a/b/tiny-sharded", dest)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_link_planted_at_a_folder_below_dest_is_never_followed(sharded, tmp_path):
+    """A library call (no command confined it): ``dest/extras`` is a link to a folder outside
+    holding the object's very bytes. It is neither taken as the object nor written through."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_bytes((sharded / "extras" / "notes.txt").read_bytes())
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "extras").symlink_to(outside)
+    with pytest.raises(NotOursError, match="extras"):
+        fetch(f"gs://{BUCKET}/team/a/b/tiny-sharded", dest)
+    assert sorted(p.name for p in outside.iterdir()) == ["notes.txt"]
+    assert (dest / "extras").is_symlink()

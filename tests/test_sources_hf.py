@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from loader.errors import CheckpointError, SourceNotFoundError, SourcePermissionError
+from loader.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
+    NotOursError,
+    SourceNotFoundError,
+    SourcePermissionError,
+)
 from loader.repository import manifest
 from loader.sources import fetch, transfer
 from tests.runs import use_hub
-from tests.servers import OlahServer, git
+from tests.servers import HeaderRelay, OlahServer, ThrottleProxy, git
 
 pytestmark = pytest.mark.server  # starts a real server (see markers in pyproject.toml)
 
@@ -141,31 +147,56 @@ def test_rerun_skips_verified_files_and_replaces_a_damaged_one(hub, tmp_path):
     assert damaged.read_bytes() == ckpt_bytes
 
 
+@pytest.fixture
+def relays(hub, monkeypatch):
+    """The Hub behind a relay that records headers (HF_ENDPOINT), which sends file downloads to
+    a second relay of another origin (the Hub's storage host)."""
+    storage = HeaderRelay(hub.url).start()
+    endpoint = HeaderRelay(hub.url, redirect_to=storage.url).start()
+    monkeypatch.setenv("HF_ENDPOINT", endpoint.url)
+    yield endpoint, storage
+    endpoint.stop()
+    storage.stop()
+
+
 @pytest.mark.parametrize("variable", ["HF_TOKEN_PATH", "HF_TOKEN_FILE"])
 def test_token_file_is_sent_to_the_hub_and_never_logged(
-    hub, tmp_path, monkeypatch, caplog, variable
+    hub, relays, tmp_path, monkeypatch, caplog, variable
 ):
-    """huggingface_hub's HF_TOKEN_PATH, and HF_TOKEN_FILE as another name for it."""
-    import huggingface_hub
-
+    """huggingface_hub's HF_TOKEN_PATH, and HF_TOKEN_FILE as another name for it: every request
+    to the Hub carries it (the listing, each file's download), none to the storage host."""
+    endpoint, _ = relays
     secret = "hf_secretTokenValue1234567890"
     token_file = tmp_path / "token"
     token_file.write_text(secret + "\n")
     monkeypatch.setenv(variable, str(token_file))
-    sent = []
-    real = huggingface_hub.snapshot_download
-
-    def spy(*args, **kwargs):
-        sent.append(kwargs.get("token"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
     with caplog.at_level(logging.DEBUG):
         result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
     assert result.revision == hub.revisions["main"]
-    assert sent and set(sent) == {secret}
+    downloads = [r for r in endpoint.requests if "/resolve/" in r[1]]
+    assert len(downloads) == len(result.files)
+    assert {r[2].get("authorization") for r in endpoint.requests} == {f"Bearer {secret}"}
     assert caplog.records
     assert secret not in caplog.text
+
+
+def test_a_download_redirected_to_another_host_carries_no_token(
+    hub, relays, tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch
+):
+    """The Hub sends large files to its storage host: the redirect is followed, the token stays
+    with the Hub's origin."""
+    endpoint, storage = relays
+    monkeypatch.setenv("HF_TOKEN", "hf_secretTokenValue1234567890")
+    result = fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    redirected = sorted(r[1] for r in endpoint.requests if "/resolve/" in r[1])
+    assert sorted(r[1] for r in storage.requests) == redirected
+    assert len(storage.requests) == len(result.files)
+    assert all("authorization" not in r[2] for r in storage.requests)
+    assert all("authorization" in r[2] for r in endpoint.requests)
+    for rel in result.files:
+        assert filecmp.cmp(
+            tiny_checkpoint_with_tokenizer / rel, tmp_path / "dest" / rel, shallow=False
+        )
 
 
 def test_token_sources_in_order_and_a_missing_file_named_with_its_variable(tmp_path, monkeypatch):
@@ -268,3 +299,166 @@ def test_a_hugging_face_cache_snapshot_is_a_local_source_and_links_leaving_it_ar
     (lookalike / "model.safetensors").symlink_to(weights.resolve())
     with pytest.raises(SourceError, match="outside the source directory"):
         fetch(str(lookalike))
+
+
+@pytest.fixture
+def dead_owner() -> str:
+    """The owner tag of a loader of this host that is gone."""
+    from loader import fs
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return f"{pid}-{fs.host_digest()}"
+
+
+def _stopped_download(dest: Path, owner: str, name: str, data: bytes) -> Path:
+    """What a stopped run left: ``data`` as the first bytes of ``name`` being downloaded."""
+    staging = dest / transfer.PARTIAL_DIR / f"hf.{owner}"
+    staging.mkdir(parents=True)
+    (staging / f"{name}.incomplete").write_bytes(data)
+    return staging
+
+
+@pytest.mark.parametrize("ignores_range", [False, True], ids=["range", "server-ignores-range"])
+def test_a_stopped_runs_download_is_resumed_from_its_last_byte(
+    hub, dead_owner, tmp_path, monkeypatch, ignores_range
+):
+    """A range request for the rest; a server that answers it with the whole file gets the file
+    written from its start (a prefix of wrong bytes cannot survive: the hash is checked)."""
+    weights = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    half = len(weights) // 2
+    dest = tmp_path / "dest"
+    prefix = b"\0" * half if ignores_range else weights[:half]
+    _stopped_download(dest, dead_owner, "model.safetensors", prefix)
+    if ignores_range:
+        proxy = ThrottleProxy(hub.port, strip_range=True).start()
+        monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+    relay = HeaderRelay(proxy.url if ignores_range else hub.url).start()
+    monkeypatch.setenv("HF_ENDPOINT", relay.url)
+    try:
+        fetch("hf://org/tiny-gptj", dest)
+    finally:
+        relay.stop()
+        if ignores_range:
+            proxy.stop()
+    (request,) = [r for r in relay.requests if r[1].endswith("/model.safetensors")]
+    assert request[2].get("range") == f"bytes={half}-"
+    assert (dest / "model.safetensors").read_bytes() == weights
+    assert not (dest / transfer.PARTIAL_DIR).exists()
+
+
+def test_a_stopped_runs_download_of_other_bytes_is_discarded(hub, dead_owner, tmp_path):
+    weights = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    dest = tmp_path / "dest"
+    staging = _stopped_download(dest, dead_owner, "model.safetensors", b"\0" * len(weights))
+    with pytest.raises(ChecksumMismatchError, match=r"model\.safetensors"):
+        fetch("hf://org/tiny-gptj", dest)
+    assert not (dest / "model.safetensors").exists()
+    assert not list(dest.rglob("model.safetensors.incomplete"))
+    assert not staging.exists()  # taken over by this run
+    fetch("hf://org/tiny-gptj", dest)
+    assert (dest / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        ".partial",
+        ".partial/hf.OWNER",
+        ".partial/hf.OWNER/model.safetensors.incomplete",
+        ".partial/hf.DEAD/model.safetensors.incomplete",
+        "config.json",
+    ],
+)
+def test_a_link_planted_where_the_download_writes_is_never_followed(
+    hub, dead_owner, tmp_path, where
+):
+    """At every name an hf:// fetch creates below DEST (this run's and a stopped run's staging
+    directory, the file being downloaded, the final name): the link is refused or replaced,
+    never written through."""
+    from loader import fs
+
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    precious = outside / "dir" / "model.safetensors.incomplete"
+    precious.write_bytes(b"not the loader's")
+    dest = tmp_path / "dest"
+    rel = where.replace("OWNER", fs.owner()).replace("DEAD", dead_owner)
+    planted = dest / rel
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    target = precious if rel.endswith((".incomplete", ".json")) else outside / "dir"
+    planted.symlink_to(target)
+    before = sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*.*"))
+    try:
+        fetch("hf://org/tiny-gptj", dest)
+    except NotOursError as exc:
+        assert str(tmp_path) in exc.message
+    else:
+        assert not planted.is_symlink() or rel.startswith(".partial/hf.")
+        assert filecmp.cmp(hub.mirrors / "models/org/tiny-gptj/config.json", dest / "config.json")
+    after = sorted((p.relative_to(outside), p.read_bytes()) for p in outside.rglob("*.*"))
+    assert after == before
+    assert sorted(p.name for p in (outside / "dir").iterdir()) == [precious.name]
+
+
+@pytest.mark.parametrize("location", ["http://127.0.0.1:99999", "http://[::1"])
+def test_a_redirect_to_something_that_is_not_a_url_is_a_source_error(
+    hub, tmp_path, monkeypatch, location
+):
+    from loader.errors import SourceError
+
+    relay = HeaderRelay(hub.url, redirect_to=location).start()
+    monkeypatch.setenv("HF_ENDPOINT", relay.url)
+    try:
+        with pytest.raises(SourceError, match="not a URL") as info:
+            fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    finally:
+        relay.stop()
+    assert "HF_ENDPOINT" in info.value.remediation
+
+
+def test_too_little_free_space_is_refused_before_any_download(hub, tmp_path, monkeypatch):
+    from loader.errors import InsufficientDiskSpaceError
+
+    monkeypatch.setattr(transfer, "DISK_MARGIN", 1 << 60)
+    with pytest.raises(InsufficientDiskSpaceError, match="hf://org/tiny-gptj"):
+        fetch("hf://org/tiny-gptj", tmp_path / "dest")
+    assert visible(tmp_path / "dest") == []
+    assert not (tmp_path / "dest" / transfer.PARTIAL_DIR).exists()
+
+
+def test_progress_counts_every_byte_once_a_resumed_file_included(
+    hub, dead_owner, tmp_path, monkeypatch
+):
+    import contextlib
+    import threading
+
+    from loader.sources import hf
+
+    reports: list[tuple[int | None, list[int]]] = []
+    lock = threading.Lock()
+
+    class Recorder:
+        def __init__(self, total: int | None) -> None:
+            self.updates: list[int] = []
+            reports.append((total, self.updates))
+
+        def update(self, n: int) -> None:
+            with lock:
+                self.updates.append(n)
+
+    @contextlib.contextmanager
+    def recording(what: str, total: int | None, **_: object):
+        yield Recorder(total)
+
+    monkeypatch.setattr(hf, "byte_progress", recording)
+    weights = (hub.mirrors / "models" / "org" / "tiny-gptj" / "model.safetensors").read_bytes()
+    dest = tmp_path / "dest"
+    _stopped_download(dest, dead_owner, "model.safetensors", weights[: len(weights) // 3])
+    result = fetch("hf://org/tiny-gptj", dest, workers=3)
+    ((total, updates),) = reports
+    assert total == result.downloaded_bytes == result.bytes
+    assert all(n > 0 for n in updates)
+    assert sum(updates) == total

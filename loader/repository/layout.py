@@ -50,7 +50,11 @@ def weights_dir(staging: Path) -> Path:
 def tokenizer_files(checkpoint_dir: Path) -> list[Path]:
     """The checkpoint's tokenizer files; a :class:`CheckpointError` if it has no tokenizer."""
     checkpoint_dir = Path(checkpoint_dir)
-    present = [checkpoint_dir / n for n in TOKENIZER_FILES if (checkpoint_dir / n).is_file()]
+    present = [
+        checkpoint_dir / n
+        for n in TOKENIZER_FILES
+        if fs.regular_size(checkpoint_dir / n, follow=True) is not None
+    ]
     names = {p.name for p in present}
     if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:
         raise CheckpointError(

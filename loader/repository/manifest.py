@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loader import digest
+from loader import digest, fs
 from loader.formats import jsondoc
 from loader.fs import Dir, fsync_path, write_file
 from loader.progress import byte_progress
@@ -101,7 +101,7 @@ def _hash_all(
 ) -> dict[str, str]:
     """The ``algorithm`` digest of each file ``rels`` under ``root`` (never through a link)."""
     rels = list(rels)
-    total = sum((root / rel).stat(follow_symlinks=False).st_size for rel in rels)
+    total = sum(fs.stat_path(root / rel).st_size for rel in rels)
     with (
         byte_progress(what, total) as progress,
         ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,

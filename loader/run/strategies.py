@@ -99,7 +99,7 @@ class Overlapped(Sequential):
 
     def fetch(self, **options: object) -> FetchResult:
         first = super().fetch(hooks=ArrivalHooks(include=lambda rel: not is_weight_file(rel)))
-        if not any((first.path / f.index).is_file() for f in WEIGHT_FILES):
+        if not any(fs.regular_size(first.path / f.index) is not None for f in WEIGHT_FILES):
             log.info("%s is not sharded: converting after the download", self.request.source)
             return super().fetch()
         self._first = first

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader import fs
 from loader.checkpoint import read_hf_config, read_inventory
 from loader.convert.plan import ConversionPlan, plan_conversion
 from loader.formats.huggingface import config_dtype
@@ -38,7 +39,8 @@ class Verified:
     def besides_weights(self) -> int:
         """Bytes the repository holds besides the converted weights: two tokenizer copies and
         the rest (:data:`REPOSITORY_EXTRA_BYTES`)."""
-        return 2 * sum(p.stat().st_size for p in self.tokenizer) + REPOSITORY_EXTRA_BYTES
+        sizes = (fs.stat_path(p, follow=True).st_size for p in self.tokenizer)
+        return 2 * sum(sizes) + REPOSITORY_EXTRA_BYTES
 
 
 def verify(request: RunRequest, checkpoint: Path) -> Verified:

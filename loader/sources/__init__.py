@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from loader import fs
 from loader.errors import SourceError
 from loader.limits import RETRY_DEADLINE_S
 from loader.sources.fingerprint import Fingerprint
@@ -244,7 +245,8 @@ def fetch(
     come from ``hf_token``, the file ``hf_token_file``, or the ``HF_TOKEN`` / ``HF_TOKEN_FILE``
     environment variables. ``retry_deadline_s`` bounds the total time spent retrying transient
     failures. ``slice_bytes`` sets the byte-range size large gs:// objects are split into (each
-    slice is one request and the unit a killed download resumes from).
+    slice is one request and the unit a killed download resumes from). Below ``dest`` no
+    symbolic link is followed, whoever calls (:func:`loader.fs.confined_within`).
     """
     parsed = parse_uri(uri)
     RETRY_DEADLINE_S.check(retry_deadline_s)
@@ -260,7 +262,8 @@ def fetch(
     )
     backend = importlib.import_module(SCHEMES[parsed.scheme])
     dest_path = Path(dest).absolute() if dest is not None else None
-    return backend.fetch_source(parsed, dest_path, options)
+    with fs.confined_within(dest_path):  # below DEST no link is followed, whoever calls
+        return backend.fetch_source(parsed, dest_path, options)
 
 
 def fingerprint(

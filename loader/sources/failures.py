@@ -3,7 +3,8 @@
 gs:// and hf:// sources run every remote call through a :class:`Funnel`:
 
 * :func:`is_transient` says whether a failure is worth retrying: connection problems and
-  timeouts (requests, urllib3, httpx, the standard library's), HTTP 408, 429 and 5xx.
+  timeouts (requests, urllib3, httpx and httpcore, huggingface_hub's forks of them httpx2 and
+  httpcore2, the standard library's), HTTP 408, 429 and 5xx.
 * :func:`retry_after_s` reads the server's ``Retry-After`` (seconds or an HTTP date); the
   funnel never asks again sooner than that.
 * A permanent failure becomes a typed :class:`~loader.errors.SourceError` naming what was
@@ -138,6 +139,12 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
         except ImportError:
             continue
         errors += [module.TransportError, module.RemoteProtocolError]
+    for name in ("httpcore", "httpcore2"):  # what httpx wraps, should one come through as is
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        errors += [module.NetworkError, module.TimeoutException, module.RemoteProtocolError]
     return tuple(errors)
 
 
@@ -215,7 +222,8 @@ def settings_error(exc: BaseException, what: str) -> SourceError | None:
 #: The libraries a remote source calls (their top-level packages): an exception of theirs, or
 #: one raised from their code (a ``ValueError`` about an option), is about the source or the
 #: options given, never a bug of the loader.
-LIBRARIES = ("google", "requests", "urllib3", "huggingface_hub", "httpx", "httpcore", "tenacity")
+LIBRARIES = ("google", "requests", "urllib3", "huggingface_hub", "httpx", "httpcore", "httpx2",
+             "httpcore2", "tenacity")  # fmt: skip
 
 
 def _from_libraries(exc: BaseException) -> bool:

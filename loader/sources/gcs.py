@@ -371,7 +371,7 @@ class _SliceWriter:
 
 def _verified(path: Path, blob: Any) -> bool:
     """True if ``path`` holds exactly the object's bytes (size, then CRC32C or MD5)."""
-    if not path.is_file() or path.stat().st_size != int(blob.size or 0):
+    if fs.regular_size(path) != int(blob.size or 0):
         return False
     if blob.crc32c:
         return file_crc32c(path) == blob.crc32c
@@ -382,11 +382,7 @@ def _verified(path: Path, blob: Any) -> bool:
 
 def _load_journal(obj: _Object) -> None:
     """Mark slices recorded by an earlier run as done (only if the partial file is intact)."""
-    if not (obj.partial.is_file() and obj.journal.is_file()):
-        fs.unlink(obj.partial)
-        fs.unlink(obj.journal)
-        return
-    if obj.partial.stat().st_size != obj.size:
+    if fs.regular_size(obj.journal) is None or fs.regular_size(obj.partial) != obj.size:
         fs.unlink(obj.partial)
         fs.unlink(obj.journal)
         return
@@ -403,7 +399,7 @@ def _prepare(obj: _Object, dest: Path) -> None:
     safe_path(dest, obj.partial.relative_to(dest).as_posix())
     adopt(obj.partial, companions=(".slices",))
     _load_journal(obj)
-    if not obj.partial.exists():
+    if not fs.lexists(obj.partial):
         with fs.create(obj.partial) as fh:
             fs.truncate(fh.fileno(), obj.size, obj.partial)
         fs.write_file(obj.journal, b"")
@@ -530,7 +526,7 @@ def _received_crc32c(obj: _Object) -> int:
 def _arrived_intact(obj: _Object) -> bool:
     """True if the partial file holds exactly the object's bytes: size, then the CRC32C of
     what arrived, or the MD5 read back for an object that records no CRC32C."""
-    if not obj.partial.is_file() or obj.partial.stat().st_size != obj.size:
+    if fs.regular_size(obj.partial) != obj.size:
         return False
     if obj.blob.crc32c:
         return crc32c_text(_received_crc32c(obj)) == obj.blob.crc32c
@@ -589,7 +585,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
             continue
         final = dest / rel
-        if not final.is_symlink() and _verified(final, blob):
+        if _verified(final, blob):
             log.debug("already present and verified: %s", final)
             present.append((rel, final))
             continue

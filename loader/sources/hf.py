@@ -6,11 +6,17 @@
   weights in ONE format (safetensors with its index if present, else PyTorch ``.bin`` with its
   index), the tokenizer files and ``generation_config.json``. Other formats (``*.msgpack``,
   ``*.h5``, ``*.onnx``, ...) and sub-folders are left out.
-* ``snapshot_download`` writes into ``dest/.partial/hf.<owner>/`` (its own metadata there makes a
-  rerun resume; named after this process, :mod:`loader.sources.transfer`, so a loader that lost
-  its lock never writes into its successor's downloads); each file is then verified against the Hub's listing (SHA-256 for LFS files, the git
-  blob id otherwise) and only then moved to ``dest/<path>``. Files already in ``dest`` that
-  verify are not downloaded again.
+* Each file is streamed with huggingface_hub's own HTTP session (its URL from ``hf_hub_url``,
+  its headers from ``build_hf_headers``; redirects to the Hub's storage host are followed here,
+  and the token is sent to the Hub's origin only) into ``<path>.incomplete`` under
+  ``dest/.partial/hf.<owner>/`` (named after this process, :mod:`loader.sources.transfer`, so a loader that
+  lost its lock never writes into its successor's downloads). Everything below ``dest`` is
+  reached through directory descriptors, one name at a time (:class:`loader.fs.Dir`): a file is
+  created with ``O_EXCL``, nothing is opened through a link, and a name from the Hub's listing
+  that is not a plain relative path is refused. A rerun resumes a stopped run's file with a
+  ``Range`` request. Each file's hash is computed as its bytes arrive and checked against the
+  Hub's listing (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed
+  to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: the small files (config, index, tokenizer) come first, then the weight shards one at a
   time in name order, each started once the caller admits it; the caller hears of every file
@@ -19,8 +25,9 @@
   huggingface_hub's ``$HF_TOKEN_PATH`` (``$HF_TOKEN_FILE`` is read as another name for it; a
   mounted Kubernetes Secret), else the library's own stored login. It is passed to the Hub,
   never logged. ``$HF_ENDPOINT`` selects a mirror of the Hub.
-* Transient failures (connection errors, 429, 5xx) are retried with tenacity within the retry
-  deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`).
+* Transient failures (connection errors, 429, 5xx, a connection cut mid-file) are retried with
+  tenacity within the retry deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`);
+  a retry resumes the file from its last byte. ``--workers`` files download at once.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -36,11 +44,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
 from loader import fs
 from loader.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    NotOursError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
@@ -51,16 +61,16 @@ from loader.formats.huggingface import (
     WEIGHT_FILES,
     is_weight_file,
 )
+from loader.fs import Dir
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
-    adopt,
+    PARTIAL_DIR,
+    adopt_in,
     ensure_disk_space,
-    own_partial,
-    place,
-    remove_own_partials,
+    remove_own_partials_in,
 )
 
 log = logging.getLogger(__name__)
@@ -225,22 +235,20 @@ class RemoteFile:
     blob_id: str | None
     sha256: str | None
 
-    def verify(self, local: Path) -> bool:
-        if not local.is_file() or local.stat().st_size != self.size:
-            return False
+    def hasher(self) -> Any:
+        """A digest to feed the file's bytes: SHA-256 for an LFS file, else the git blob id
+        (SHA-1 of ``blob <size>\\0`` and the bytes); None when the listing names neither."""
         if self.sha256:
-            return _hash_file(local, hashlib.sha256()) == self.sha256
+            return hashlib.sha256()
         if self.blob_id:
-            header = f"blob {self.size}\0".encode()
-            return _hash_file(local, hashlib.sha1(header, usedforsecurity=False)) == self.blob_id
-        return True
+            return hashlib.sha1(f"blob {self.size}\0".encode(), usedforsecurity=False)
+        return None
 
-
-def _hash_file(path: Path, digest: Any) -> str:
-    with fs.open_read(path) as fh:
-        while chunk := fh.read(8 * 1024 * 1024):
-            digest.update(chunk)
-    return digest.hexdigest()
+    def matches(self, size: int, digest: Any) -> bool:
+        """Whether ``size`` bytes whose digest (:meth:`hasher`) is ``digest`` are this file."""
+        if size != self.size:
+            return False
+        return digest is None or digest.hexdigest() == (self.sha256 or self.blob_id)
 
 
 def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[str, RemoteFile]:
@@ -252,47 +260,6 @@ def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[s
         sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
         files[entry.path] = RemoteFile(entry.path, int(entry.size), entry.blob_id, sha256)
     return files
-
-
-@contextmanager
-def _watch_bytes(root: Path, progress: Progress, *, interval: float = 0.5) -> Iterator[None]:
-    """Report the growth of the files under ``root`` to ``progress`` while the block runs
-    (huggingface_hub counts bytes only on its own tqdm bars, which it draws per file and
-    never hands to a caller)."""
-    stop = threading.Event()
-
-    def size() -> int:
-        # The downloaded files and the Hub's ``*.incomplete`` files, not its metadata.
-        return sum(
-            p.stat().st_size
-            for p in root.rglob("*")
-            if p.is_file() and (p.suffix == ".incomplete" or ".cache" not in p.parts)
-        )
-
-    base = size()
-    seen = 0
-
-    def loop() -> None:
-        nonlocal seen
-        while not stop.wait(interval):
-            try:
-                now = size() - base
-            except FileNotFoundError:
-                continue
-            if now > seen:
-                progress.update(now - seen)
-                seen = now
-
-    thread = threading.Thread(target=loop, name="hf-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        final = size() - base
-        if final > seen:
-            progress.update(final - seen)
 
 
 # --- fetch -------------------------------------------------------------------------------
@@ -327,15 +294,249 @@ def fingerprint_source(
     return Fingerprint(uri=uri.canonical, commit=commit)
 
 
+def _names(uri: SourceURI, rel: str) -> list[str]:
+    """The names of ``rel``'s levels, each one name (no ``..``, no empty part, no NUL): what
+    the Hub's listing says reaches the file system only as names relative to a descriptor."""
+    parts = rel.split("/")
+    if not all(fs.is_name(part) for part in parts):
+        raise SourceError(
+            f"{uri.raw}: the Hub lists a file named {rel!r}, which is not a relative path of "
+            "plain names; nothing was written for it.",
+            "Check the repository's files (or the mirror HF_ENDPOINT names).",
+        )
+    return parts
+
+
+@contextmanager
+def _level(d: Dir, parts: list[str], *, create: bool) -> Iterator[Dir | None]:
+    """The directory holding ``parts[-1]`` below ``d``, entered one name at a time (created
+    level by level with ``create``); None when a level is missing and ``create`` is False."""
+    if len(parts) == 1:
+        yield d
+        return
+    try:
+        sub = d.walk("/".join(parts[:-1]), create=create)
+    except FileNotFoundError:
+        if create:
+            raise
+        yield None
+        return
+    with sub:
+        yield sub
+
+
+def _intact(d: Dir, parts: list[str], remote: RemoteFile) -> bool:
+    """Whether the regular file ``parts`` below ``d`` is ``remote``'s (a link, or anything but
+    a regular file there, is not)."""
+    with _level(d, parts, create=False) as parent:
+        if parent is None:
+            return False
+        try:
+            fd = parent.open_file(parts[-1], os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotOursError):
+            return False
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size != remote.size:
+                return False
+            digest = remote.hasher()
+            _feed(digest, fd, remote.size, parent.path / parts[-1])
+            return remote.matches(found.st_size, digest)
+        finally:
+            os.close(fd)
+
+
+def _feed(digest: Any, fd: int, size: int, path: Path) -> None:
+    """Feed the first ``size`` bytes of the file open at ``fd`` to ``digest`` (if any)."""
+    offset = 0
+    while digest is not None and offset < size:
+        chunk = fs.pread(fd, min(_CHUNK, size - offset), offset, path)
+        if not chunk:
+            break
+        digest.update(chunk)
+        offset += len(chunk)
+
+
+#: What a file being downloaded is called in the staging directory, after its own name.
+INCOMPLETE = ".incomplete"
+_CHUNK = 8 * 1024 * 1024
+#: Redirects followed for one file (the Hub sends large files to its storage host).
+MAX_REDIRECTS = 10
+
+
+class _Stopped(BaseException):
+    """Another download failed, or the fetch was interrupted: this one stops at its next
+    chunk (what it wrote stays under ``.partial/`` for a rerun to resume)."""
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+@dataclass
+class _Hub:
+    """How every file of one fetch is requested: its URL, the headers (the token only to the
+    Hub's own origin), the library's HTTP session and timeout."""
+
+    repo: str
+    commit: str
+    endpoint: str | None
+    headers: dict[str, str]
+    stop: threading.Event
+
+    def get(self, rel: str, start: int) -> Any:
+        """The streamed response to ``GET`` of ``rel`` from byte ``start``, redirects
+        followed here: the ``Authorization`` header goes to the Hub's origin only, never to
+        the storage or CDN host a redirect names."""
+        from huggingface_hub import constants, hf_hub_url
+        from huggingface_hub.utils import get_session
+
+        url = hf_hub_url(self.repo, rel, revision=self.commit, endpoint=self.endpoint)
+        origin = _origin(url)
+        headers = dict(self.headers)
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        session = get_session()
+        for _ in range(MAX_REDIRECTS + 1):
+            request = session.build_request(
+                "GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
+            )
+            response = session.send(request, stream=True, follow_redirects=False)
+            if not response.has_redirect_location:
+                return response
+            location = response.headers["Location"]
+            response.close()
+            try:
+                target = urljoin(url, location)
+                leaves = _origin(target) != origin
+            except ValueError:  # a port out of range, a broken IPv6 address
+                raise SourceError(
+                    f"hf://{self.repo}@{self.commit}/{rel}: the Hub redirected the download to "
+                    f"{location!r}, which is not a URL.",
+                    "Check HF_ENDPOINT and any proxy in between.",
+                ) from None
+            if leaves:
+                headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            url = target
+        raise SourceError(
+            f"hf://{self.repo}@{self.commit}/{rel}: more than {MAX_REDIRECTS} redirects.",
+            "Check HF_ENDPOINT and any proxy in between.",
+        )
+
+
+def _open_incomplete(d: Dir, name: str) -> int:
+    """This fetch's file being downloaded, ``name`` in ``d``: an existing regular file (a
+    stopped run's, resumed) or a new one (``O_EXCL``); never through a link."""
+    try:
+        fd = d.open_file(name, os.O_RDWR | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return d.open_file(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise d.not_ours(name, "a file the loader downloads")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _download(
+    hub: _Hub,
+    remote: RemoteFile,
+    parent: Dir,
+    name: str,
+    progress: Progress,
+    reported: list[int],
+    *,
+    durable: bool,
+) -> tuple[int, Any]:
+    """Download ``remote`` into ``name`` in ``parent`` (``<file>.incomplete`` in the staging
+    directory), resuming what is there; its size and digest (:meth:`RemoteFile.hasher`),
+    computed as the bytes arrive. ``reported``: the bytes of this file told to ``progress``
+    so far (a retry does not count them again)."""
+    path = parent.path / name
+    fd = _open_incomplete(parent, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > remote.size:
+            fs.truncate(fd, 0, path)
+            size = 0
+        digest = remote.hasher()
+        _feed(digest, fd, size, path)
+        if size < remote.size:
+            size, digest = _stream(hub, remote, fd, path, size, digest, progress, reported)
+        if size > reported[0]:
+            progress.update(size - reported[0])
+            reported[0] = size
+        if durable:
+            fs.fsync_fd(fd, path)
+    finally:
+        os.close(fd)
+    return size, digest
+
+
+def _stream(
+    hub: _Hub,
+    remote: RemoteFile,
+    fd: int,
+    path: Path,
+    size: int,
+    digest: Any,
+    progress: Progress,
+    reported: list[int],
+) -> tuple[int, Any]:
+    from huggingface_hub.utils import hf_raise_for_status
+
+    response = hub.get(remote.path, size)
+    try:
+        if response.status_code == 416 and size:  # the range is past the end: start over
+            response.close()
+            fs.truncate(fd, 0, path)
+            return _stream(hub, remote, fd, path, 0, remote.hasher(), progress, reported)
+        hf_raise_for_status(response)
+        resumed = response.status_code == 206 and response.headers.get(
+            "Content-Range", ""
+        ).startswith(f"bytes {size}-")
+        if size and not resumed:  # the server sent the whole file (or another range)
+            if response.status_code == 206:
+                response.close()
+                fs.truncate(fd, 0, path)
+                return _stream(hub, remote, fd, path, 0, remote.hasher(), progress, reported)
+            fs.truncate(fd, 0, path)
+            size, digest = 0, remote.hasher()
+        os.lseek(fd, size, os.SEEK_SET)
+        for chunk in response.iter_bytes(_CHUNK):
+            if hub.stop.is_set():
+                raise _Stopped
+            if size + len(chunk) > remote.size:
+                break  # more than the listing says: judged by the size check
+            fs.write_fd(fd, chunk, path)
+            if digest is not None:
+                digest.update(chunk)
+            size += len(chunk)
+            if size > reported[0]:
+                progress.update(size - reported[0])
+                reported[0] = size
+        else:
+            return size, digest
+        return size + 1, digest  # one byte too many: never matches
+    finally:
+        response.close()
+
+
 def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> FetchResult:
+    """Download the files a conversion needs into ``dest``: each one streamed with the Hub
+    library's HTTP session into a file created relative to a descriptor of this fetch's
+    staging directory (``dest/.partial/hf.<owner>/``, entered one name at a time, never
+    through a link), verified as it arrives, then renamed into ``dest``."""
     if dest is None:
         raise SourceError(
             f"Fetching {uri.raw} needs a destination directory.",
             "Pass a destination (model-loader fetch URI DEST).",
         )
     settings.import_hub("huggingface_hub.hf_api")
-    from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import build_hf_headers
 
     token = resolve_token(options)
     revision = uri.revision or DEFAULT_REVISION
@@ -347,73 +548,43 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
+    names = {rel: _names(uri, rel) for rel in wanted}
 
-    fs.makedirs(dest)
     hooks = options.hooks or ArrivalHooks()
     chosen = [
         f for f in wanted if f not in hooks.skip and (hooks.include is None or hooks.include(f))
     ]
-    present = [f for f in chosen if remote[f].verify(dest / f)]
-    missing = [f for f in chosen if f not in present]
-    total = sum(remote[f].size for f in wanted)
-    needed = sum(remote[f].size for f in missing)
-    if options.check_disk_space:
-        ensure_disk_space(dest, needed, what=uri.raw)
-    log.info(
-        "fetching %s@%s: %s files (%s); %s to download, %s already present",
-        uri.location,
-        commit[:12],
-        len(wanted),
-        human_bytes(total),
-        human_bytes(needed),
-        len(chosen) - len(missing),
-    )
-
-    if hooks.arrived is not None:
-        for rel in present:
-            hooks.arrived(rel, dest / rel)
-    if missing:
-        staging = own_partial(dest, "hf")
-        adopt(staging)
-        fs.makedirs(staging)
-        disable_progress_bars()
-
-        def download(files: list[str], progress: Progress) -> None:
-            with _watch_bytes(staging, progress):
-                funnel(
-                    lambda: _interruptible(
-                        lambda: snapshot_download(
-                            uri.location,
-                            revision=commit,
-                            local_dir=staging,
-                            allow_patterns=files,
-                            token=token,
-                            endpoint=endpoint,
-                            max_workers=options.workers or DEFAULT_WORKERS,
-                        )
-                    ),
-                    what=f"{uri.raw} (download)",
-                )
-            for rel in files:
-                _verify_and_place(
-                    uri, commit, remote[rel], staging / rel, dest, rel, durable=not hooks.transient
-                )
-                if hooks.arrived is not None:
-                    hooks.arrived(rel, dest / rel)
-
-        with byte_progress(f"hf://{uri.location}", needed) as progress:
-            if options.hooks is None:
-                download(missing, progress)
-            else:
-                # The small files together first, then the shards one at a time.
-                small = [f for f in missing if not is_weight_file(f)]
-                if small:
-                    download(small, progress)
-                for rel in sorted(f for f in missing if is_weight_file(f)):
-                    while hooks.admit is not None and not hooks.admit(rel):
-                        time.sleep(ADMIT_POLL_S)
-                    download([rel], progress)
-        remove_own_partials(dest)
+    with Dir.open(dest, create=True) as target:
+        present = [f for f in chosen if _intact(target, names[f], remote[f])]
+        missing = [f for f in chosen if f not in present]
+        total = sum(remote[f].size for f in wanted)
+        needed = sum(remote[f].size for f in missing)
+        if options.check_disk_space:
+            ensure_disk_space(dest, needed, what=uri.raw, directory=target)
+        log.info(
+            "fetching %s@%s: %s files (%s); %s to download, %s already present",
+            uri.location,
+            commit[:12],
+            len(wanted),
+            human_bytes(total),
+            human_bytes(needed),
+            len(chosen) - len(missing),
+        )
+        if hooks.arrived is not None:
+            for rel in present:
+                hooks.arrived(rel, dest / rel)
+        if missing:
+            headers = build_hf_headers(token=token)
+            headers["Accept-Encoding"] = "identity"  # the bytes as listed, resumable by range
+            hub = _Hub(uri.location, commit, endpoint, headers, threading.Event())
+            with target.sub(PARTIAL_DIR, create=True) as partial:
+                ours = f"hf.{fs.owner()}"
+                adopt_in(partial, ours)
+                with partial.sub(ours, create=True) as staging:
+                    _fetch_missing(
+                        uri, hub, remote, names, missing, staging, target, funnel, options
+                    )
+            remove_own_partials_in(target)
     return FetchResult(
         path=dest,
         revision=commit,
@@ -424,51 +595,119 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     )
 
 
-def _interruptible(fn: Any) -> Any:
-    """Run ``fn`` in a daemon thread and wait for it here, so SIGTERM or Ctrl-C in the main
-    thread unwinds at once (the Hub library's own thread pool would first finish every queued
-    download); what the abandoned thread still writes lands under ``.partial/`` only."""
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
+def _fetch_missing(
+    uri: SourceURI,
+    hub: _Hub,
+    remote: dict[str, RemoteFile],
+    names: dict[str, list[str]],
+    missing: list[str],
+    staging: Dir,
+    target: Dir,
+    funnel: Funnel,
+    options: FetchOptions,
+) -> None:
+    hooks = options.hooks or ArrivalHooks()
+    durable = not hooks.transient
+    dest = target.path
 
-    def target() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            done.set()
+    def one(rel: str, progress: Progress) -> None:
+        parts = names[rel]
+        reported = [0]
+        with _level(staging, parts, create=True) as parent:
+            assert parent is not None
+            name = parts[-1] + INCOMPLETE
+            size, digest = funnel(
+                lambda: _download(
+                    hub, remote[rel], parent, name, progress, reported, durable=durable
+                ),
+                what=f"{uri.raw} ({rel})",
+            )
+            _verify_and_place(
+                uri, hub.commit, remote[rel], size, digest, parent, name, target, parts
+            )
+        if hooks.arrived is not None:
+            hooks.arrived(rel, dest / rel)
 
-    threading.Thread(target=target, name="hf-download", daemon=True).start()
-    while not done.wait(0.2):
-        pass
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    def download(files: list[str], progress: Progress) -> None:
+        _in_parallel(files, lambda rel: one(rel, progress), hub.stop, options.workers)
+
+    needed = sum(remote[f].size for f in missing)
+    with byte_progress(f"hf://{uri.location}", needed) as progress:
+        if options.hooks is None:
+            download(missing, progress)
+        else:
+            # The small files together first, then the shards one at a time.
+            small = [f for f in missing if not is_weight_file(f)]
+            if small:
+                download(small, progress)
+            for rel in sorted(f for f in missing if is_weight_file(f)):
+                while hooks.admit is not None and not hooks.admit(rel):
+                    time.sleep(ADMIT_POLL_S)
+                download([rel], progress)
+
+
+def _in_parallel(files: list[str], job: Any, stop: threading.Event, workers: int | None) -> None:
+    """``job(rel)`` for every file, on up to ``workers`` daemon threads, waited for here: a
+    SIGTERM or Ctrl-C in the main thread unwinds at once (the threads stop at their next
+    chunk; what they wrote lands under ``.partial/`` only), and the first failure stops the
+    others and is raised."""
+    todo = list(files)
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                if not todo:
+                    return
+                rel = todo.pop(0)
+            try:
+                job(rel)
+            except _Stopped:
+                return
+            except BaseException as exc:
+                failures.append(exc)
+                stop.set()
+                return
+
+    threads = [
+        threading.Thread(target=worker, name="hf-download", daemon=True)
+        for _ in range(max(1, min(workers or DEFAULT_WORKERS, len(todo))))
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.2)
+    except BaseException:
+        stop.set()
+        raise
+    if failures:
+        raise failures[0]
 
 
 def _verify_and_place(
     uri: SourceURI,
     commit: str,
     remote: RemoteFile,
-    staged: Path,
-    dest: Path,
-    rel: str,
-    *,
-    durable: bool = True,
+    size: int,
+    digest: Any,
+    parent: Dir,
+    name: str,
+    target: Dir,
+    parts: list[str],
 ) -> None:
-    final = dest / rel
-    if not staged.is_file():
-        raise SourceNotFoundError(
-            f"{uri.raw}: {remote.path} was not downloaded.",
-            "Check the repository's files at that revision.",
-        )
-    if not remote.verify(staged):
-        fs.unlink(staged)
+    """Rename the downloaded ``name`` in ``parent`` to ``parts`` below ``target`` if its size
+    and hash are the Hub's; else discard it (:class:`ChecksumMismatchError`)."""
+    if not remote.matches(size, digest):
+        parent.unlink(name, missing_ok=True)
         raise ChecksumMismatchError(
             f"hf://{uri.location}@{commit}/{remote.path}: downloaded bytes do not match the "
             "Hub's hash for the file; the download was discarded.",
             "Run the loader again; if this repeats, the repository file or a mirror in between "
             "is corrupt.",
         )
-    place(staged, final, dest=dest, durable=durable)
+    with _level(target, parts, create=True) as final:
+        assert final is not None
+        parent.rename(name, final, parts[-1], how="replace")

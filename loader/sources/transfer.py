@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,15 +54,19 @@ def safe_path(dest: Path, relpath: str) -> Path:
     parts = Path(relpath).parts
     for part in parts[:-1]:
         path = path / part
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            what = "a symbolic link" if path.is_symlink() else "a file"
+        try:
+            found = fs.stat_path(path)  # the entry itself; below a confined tree, by descriptors
+        except FileNotFoundError:
+            found = None
+        if found is not None and not stat.S_ISDIR(found.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a file"
             raise SourceError(
                 f"{shown(path)} is {what}, so {shown(relpath)} cannot be written under "
                 f"{shown(dest)}: the loader writes only into real directories under the "
                 "destination.",
                 f"Remove {shown(path)} or choose another destination directory.",
             )
-        if not path.exists():
+        if found is None:
             try:
                 with Dir.open(path.parent) as parent:
                     parent.mkdir(path.name)
@@ -90,18 +96,26 @@ def adopt(ours: Path, *, companions: tuple[str, ...] = ()) -> bool:
     host's, is left alone. True if something was taken over."""
     if fs.lexists(ours):
         return False
-    stem = ours.name[: -len(fs.owner())]
     with Dir.open(ours.parent) as d:
-        for name in d.names():
-            tag = name[len(stem) :]
-            if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
-                continue
-            d.rename(name, d, ours.name, how="replace")
-            for suffix in companions:
-                if d.lstat(name + suffix) is not None:
-                    d.rename(name + suffix, d, ours.name + suffix, how="replace")
-            log.info("resuming the partial download %s of a stopped run", d.path / name)
-            return True
+        return adopt_in(d, ours.name, companions=companions)
+
+
+def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
+    """:func:`adopt` relative to the open directory ``d``: ``ours`` is this process's name
+    there (``<name>.<owner>``)."""
+    if d.lstat(ours) is not None:
+        return False
+    stem = ours[: -len(fs.owner())]
+    for name in d.names():
+        tag = name[len(stem) :]
+        if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
+            continue
+        d.rename(name, d, ours, how="replace")
+        for suffix in companions:
+            if d.lstat(name + suffix) is not None:
+                d.rename(name + suffix, d, ours + suffix, how="replace")
+        log.info("resuming the partial download %s of a stopped run", d.path / name)
+        return True
     return False
 
 
@@ -146,14 +160,19 @@ def remove_own_partials(dest: Path) -> None:
     what other owners write there stays."""
     if not fs.lexists(dest / PARTIAL_DIR):
         return
-    ours = fs.owner()
     with Dir.open(dest) as d:
-        if not d.is_dir(PARTIAL_DIR):
-            return
-        with d.sub(PARTIAL_DIR) as sub:
-            empty = _partials(sub, lambda tag: tag != ours)
-        if empty:
-            d.rmdir(PARTIAL_DIR)
+        remove_own_partials_in(d)
+
+
+def remove_own_partials_in(d: Dir) -> None:
+    """:func:`remove_own_partials` of the open destination directory ``d``."""
+    if not d.is_dir(PARTIAL_DIR):
+        return
+    ours = fs.owner()
+    with d.sub(PARTIAL_DIR) as sub:
+        empty = _partials(sub, lambda tag: tag != ours)
+    if empty:
+        d.rmdir(PARTIAL_DIR)
 
 
 def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = True) -> None:
@@ -261,12 +280,17 @@ def file_md5(path: Path) -> str:
     return base64.b64encode(digest.digest()).decode("ascii")
 
 
-def ensure_disk_space(dest: Path, needed: int, *, what: str) -> None:
-    """Raise :class:`InsufficientDiskSpaceError` unless ``needed`` bytes fit under ``dest``."""
-    probe = dest
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+def ensure_disk_space(dest: Path, needed: int, *, what: str, directory: Dir | None = None) -> None:
+    """Raise :class:`InsufficientDiskSpaceError` unless ``needed`` bytes fit under ``dest``
+    (``directory``: ``dest`` open already, asked through its descriptor)."""
+    if directory is not None:
+        found = os.fstatvfs(directory.fd)
+        free = found.f_bavail * found.f_frsize
+    else:
+        probe = dest
+        while not probe.exists():
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
     if needed + DISK_MARGIN > free:
         raise InsufficientDiskSpaceError(
             f"Not enough free disk space under {dest} for {what}: need {human_bytes(needed)} "
