@@ -1,0 +1,99 @@
+"""The contracts that keep the loader safe, one unit test per line that holds them (the fast
+tier): each test fails when that one line is removed or weakened. ``tests/test_safety_lines.py``
+drives whole runs; these call the piece itself, so the cases a run rarely meets are pinned too:
+
+* ``loader.fs``: a ``..`` below a confined tree, a link or a file where ``Dir.mkdir`` finds its
+  directory, a link at a name ``Dir.chmod`` is given, a special file at a marker, the owner tag
+  of another host;
+* the publish lock: a lock moved by a waiter while it changed, a lock file removed under its
+  holder, a lock whose first write failed;
+* publish and prune: the host of a staging directory's owner, a key replaced meanwhile, a
+  replaced copy that is incomplete, the order of fsyncs and renames;
+* the download area and partial downloads of a remote source: what the loader did not create
+  is never used or removed;
+* the source fingerprint: every kind of change is a change.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from loader import fs
+from loader.errors import NotOursError
+
+# --- loader.fs --------------------------------------------------------------------------------
+
+
+def test_a_dot_dot_below_a_confined_tree_is_refused_as_not_ours(tmp_path):
+    """``..`` is never taken below ROOT: a typed error naming the path (exit 2), not a
+    traceback, whichever operation is asked."""
+    (tmp_path / "root" / "sub").mkdir(parents=True)
+    (tmp_path / "outside").write_text("not the loader's\n")
+    up = tmp_path / "root" / "sub" / ".." / ".." / "outside"
+    with fs.confined(tmp_path / "root"):
+        for call in (
+            lambda: fs.read_file(up, limit=100),
+            lambda: fs.write_file(up, b"x"),
+            lambda: fs.unlink(up),
+            lambda: fs.Dir.open(tmp_path / "root" / "sub" / ".."),
+        ):
+            with pytest.raises(NotOursError, match=r"'\.\.'"):
+                call()
+    assert (tmp_path / "outside").read_text() == "not the loader's\n"
+
+
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_mkdir_of_an_existing_name_accepts_only_a_real_directory(tmp_path, planted):
+    """``Dir.mkdir(exist_ok=True)`` answers a link or a file at the name with
+    :class:`NotOursError`: the callers that go on into the directory must never get there."""
+    (tmp_path / "outside").mkdir()
+    entry = tmp_path / "root" / "entry"
+    entry.parent.mkdir()
+    if planted == "link":
+        entry.symlink_to(tmp_path / "outside")
+    else:
+        entry.write_text("a user's file\n")
+    with fs.Dir.open(tmp_path / "root") as d:
+        with pytest.raises(NotOursError):
+            d.mkdir("entry", exist_ok=True)
+        assert d.mkdir("entry2", exist_ok=True) and not d.mkdir("entry2", exist_ok=True)
+    assert entry.is_symlink() if planted == "link" else entry.read_text() == "a user's file\n"
+
+
+def test_a_marked_directory_is_durable_with_its_marker_before_it_gets_its_name(tmp_path):
+    """``make_marked``: the marker and the temporary directory's entry for it are fsynced before
+    the rename gives the directory its name, and the parent after: a crash never leaves the name
+    without its marker."""
+    calls: list[tuple[str, str]] = []
+    with fs.Dir.open(tmp_path) as d, fs.inject(lambda op, path: calls.append((op, path))):
+        assert d.make_marked("made", ".marker", "the-key")
+    (rename,) = [i for i, (op, _) in enumerate(calls) if op.startswith("rename")]
+    tmp = calls[rename][1].split(" -> ")[0]
+    synced = [path for op, path in calls[:rename] if op == "fsync"]
+    assert f"{tmp}/.marker" in synced and tmp in synced, calls
+    assert ("fsync", str(tmp_path)) in calls[rename:], calls
+    assert (tmp_path / "made" / ".marker").read_text() == "the-key\n"
+
+
+@pytest.mark.parametrize("first_line", ["m@r/tp1-pp1-i1-0123abcd.old", "m@r/tp1-pp1-i1-0123abc"])
+def test_a_marker_is_the_loaders_only_when_its_first_line_is_the_key_itself(tmp_path, first_line):
+    """A marker whose first line merely starts with the key (or is the start of it) names
+    another tree: the directory is not the loader's for that key, so it is never removed."""
+    key = "m@r/tp1-pp1-i1-0123abcd"
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / ".marker").write_text(f"{first_line}\n")
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / ".marker").write_text(f"{key}\nanything after the first line\n")
+    with fs.Dir.open(tmp_path) as d:
+        assert not d.marked("tree", ".marker", key)
+        assert d.marked("ours", ".marker", key)
+
+
+def test_a_fifo_at_a_file_the_loader_reads_is_refused_never_read(tmp_path):
+    """``Dir.read`` (markers, locks, journals, manifests) refuses a FIFO: read, it would block
+    while a writer holds it open, or pass for an empty file."""
+    os.mkfifo(tmp_path / "lock")
+    with fs.Dir.open(tmp_path) as d, pytest.raises(NotOursError, match="special file"):
+        d.read("lock")
