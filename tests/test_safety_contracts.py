@@ -17,6 +17,9 @@ drives whole runs; these call the piece itself, so the cases a run rarely meets 
 from __future__ import annotations
 
 import os
+import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +100,52 @@ def test_a_fifo_at_a_file_the_loader_reads_is_refused_never_read(tmp_path):
     os.mkfifo(tmp_path / "lock")
     with fs.Dir.open(tmp_path) as d, pytest.raises(NotOursError, match="special file"):
         d.read("lock")
+
+
+def test_dir_chmod_never_changes_what_a_link_points_to(tmp_path):
+    """``Dir.chmod`` skips a link (``chmod`` follows one): a file outside the tree keeps its
+    mode."""
+    (tmp_path / "outside").write_text("a user's file\n")
+    os.chmod(tmp_path / "outside", 0o600)
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "entry").symlink_to(tmp_path / "outside")
+    with fs.Dir.open(tmp_path / "tree") as d:
+        d.chmod("entry", 0o644)
+    assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
+
+
+# --- partial downloads: whose they are ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_partial_downloads_of_a_live_owner_or_another_host_are_never_adopted_or_removed(
+    tmp_path, dead_pid
+):
+    """A partial file is taken over (:func:`adopt`) or removed (:func:`clear_partials`) only
+    when its owner ran on this host, in this pid space, and is gone: a live loader's, or one of
+    another host whose pid means nothing here, may still be written."""
+    from loader.sources.transfer import PARTIAL_DIR, adopt, clear_partials, own_partial
+
+    dest = tmp_path / "dest"
+    partial = dest / PARTIAL_DIR
+    partial.mkdir(parents=True)
+    live = partial / f"w.safetensors.{os.getppid()}-{fs.host_digest()}"
+    other_host = partial / f"w.safetensors.{dead_pid}-0a1b2c3d"
+    for path in (live, other_host):
+        path.write_bytes(b"being written\n")
+    assert not fs.owner_gone(other_host.name.rsplit(".", 1)[1])
+    with fs.confined(dest):
+        assert not adopt(own_partial(dest, "w.safetensors"))
+        clear_partials(dest)
+    assert live.read_bytes() == other_host.read_bytes() == b"being written\n"
+    dead = partial / f"w.safetensors.{dead_pid}-{fs.host_digest()}"
+    dead.write_bytes(b"left by a killed run\n")
+    with fs.confined(dest):
+        clear_partials(dest)
+    assert not dead.exists() and live.exists() and other_host.exists()
