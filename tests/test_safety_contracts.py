@@ -16,6 +16,7 @@ drives whole runs; these call the piece itself, so the cases a run rarely meets 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -149,3 +150,88 @@ def test_partial_downloads_of_a_live_owner_or_another_host_are_never_adopted_or_
     with fs.confined(dest):
         clear_partials(dest)
     assert not dead.exists() and live.exists() and other_host.exists()
+
+
+# --- the publish lock -------------------------------------------------------------------------
+
+KEY = "m@r/tp1-pp1-i1-0123abcd"
+
+
+def _holder(root):
+    """A holder whose heartbeat does not beat during the test: only ``held()`` can tell."""
+    from loader.repository.lock import PublishLock
+
+    return PublishLock(root, KEY, expiry_s=600, heartbeat_s=300).acquire()
+
+
+def test_a_take_over_of_a_lock_that_changed_since_it_was_judged_puts_it_back(tmp_path):
+    """A waiter judged a lock stale, and its holder beat meanwhile: the waiter moves the lock
+    it no longer judged, sees that, and puts it back: the holder keeps it."""
+    from loader.repository.lock import LOCKS_DIR, PublishLock
+
+    holder = _holder(tmp_path)
+    try:
+        waiter = PublishLock(tmp_path, KEY, expiry_s=600)
+        with fs.Dir.open(tmp_path) as r:
+            waiter._dir = r.sub(LOCKS_DIR)
+        judged = b'{"pid": 1, "beats": 0}'  # what the waiter read before the holder's beat
+        try:
+            waiter._take_over(judged)
+        finally:
+            waiter._dir.close()
+        assert holder.held()
+        holder.check_held()
+        assert os.listdir(tmp_path / LOCKS_DIR) == [holder.path.name]
+    finally:
+        holder.release()
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_holder_notices_at_once_that_its_lock_file_is_no_longer_its(tmp_path, how):
+    """``check_held`` looks at the lock path itself (not only at what the heartbeat saw): a lock
+    file removed, or taken over and created anew, between two beats stops the holder before it
+    publishes; and its release leaves the new holder's file alone."""
+    from loader.errors import LockLostError
+
+    holder = _holder(tmp_path)
+    try:
+        os.unlink(holder.path)
+        if how == "replaced":
+            holder.path.write_text('{"token": "the new holder"}')
+        assert not holder.held()
+        with pytest.raises(LockLostError):
+            holder.check_held()
+    finally:
+        holder.release()
+    if how == "replaced":
+        assert holder.path.read_text() == '{"token": "the new holder"}'
+
+
+def test_a_lock_whose_first_write_fails_is_removed(tmp_path):
+    """An empty lock file would make every later loader wait for the expiry: a lock whose
+    record could not be written (ENOSPC) is removed before the error goes up."""
+    import errno
+
+    from loader.repository.lock import PublishLock, lock_path
+
+    def full(op: str, path: str) -> None:
+        if op == "write" and path.endswith(".lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    with fs.inject(full), pytest.raises(OSError, match="No space"):
+        PublishLock(tmp_path, KEY, expiry_s=600).acquire()
+    assert not fs.lexists(lock_path(tmp_path, KEY))
+    _holder(tmp_path).release()
+
+
+def test_a_file_the_loader_creates_never_reuses_an_existing_one(tmp_path):
+    """``fs.create`` (the converter's outputs, copied files) makes a new file: a hard link
+    planted at its name (``O_NOFOLLOW`` cannot tell one) is refused, and the file it shares
+    with a user's keeps its bytes."""
+    (tmp_path / "users.bin").write_bytes(b"a user's data\n")
+    (tmp_path / "out").mkdir()
+    os.link(tmp_path / "users.bin", tmp_path / "out" / "model.wte.bin")
+    for zone in (fs.confined(tmp_path / "out"), contextlib.nullcontext()):
+        with zone, pytest.raises(FileExistsError):
+            fs.create(tmp_path / "out" / "model.wte.bin")
+    assert (tmp_path / "users.bin").read_bytes() == b"a user's data\n"
