@@ -235,3 +235,54 @@ def test_a_file_the_loader_creates_never_reuses_an_existing_one(tmp_path):
         with zone, pytest.raises(FileExistsError):
             fs.create(tmp_path / "out" / "model.wte.bin")
     assert (tmp_path / "users.bin").read_bytes() == b"a user's data\n"
+
+
+# --- durability order -------------------------------------------------------------------------
+
+
+def _staged(root, key: str, content: bytes):
+    from loader.repository import manifest, publish
+
+    staging = publish.new_staging_dir(root, key)
+    (staging / "m").mkdir()
+    (staging / "m" / "weights.bin").write_bytes(content)
+    manifest.write_manifest(staging, manifest.build_manifest(staging, {"key": key}))
+    manifest.write_ready(staging, key)
+    return staging
+
+
+def test_a_replaced_copy_is_removed_only_once_the_new_one_is_durable_under_the_key(tmp_path):
+    """``--force``: the exchange puts the new copy under the key; the key's directory is fsynced
+    before the old copy is deleted, so a crash never leaves the key without either."""
+    from loader.repository import publish
+
+    publish.publish(_staged(tmp_path, KEY, b"old"), tmp_path, KEY)
+    staging = _staged(tmp_path, KEY, b"new")
+    events: list[tuple[str, str]] = []
+    with fs.inject(lambda op, path: events.append((op, path))):
+        publish.publish(staging, tmp_path, KEY, replace=True)
+    swapped = events.index(("rename-exchange", f"{staging} -> {tmp_path / KEY}"))
+    deleted = next(
+        i for i, (op, path) in enumerate(events) if op in ("unlink", "rmdir") and i > swapped
+    )
+    assert ("fsync", str((tmp_path / KEY).parent)) in events[swapped:deleted], events[swapped:]
+    assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"new"
+
+
+def test_the_manifest_and_ready_are_durable_when_written(tmp_path):
+    """``manifest.json`` is fsynced when written, ``.ready`` too, and then the directory that
+    names them: a reader after a crash never finds a ``.ready`` without its manifest."""
+    from loader.repository import manifest
+
+    tree = tmp_path / "tree"
+    (tree / "m").mkdir(parents=True)
+    (tree / "m" / "weights.bin").write_bytes(b"w")
+    events: list[tuple[str, str]] = []
+    with fs.inject(lambda op, path: events.append((op, path))):
+        manifest.write_manifest(tree, manifest.build_manifest(tree, {"key": KEY}))
+        manifest.write_ready(tree, KEY)
+    wrote_manifest = events.index(("write", str(tree / manifest.MANIFEST)))
+    wrote_ready = events.index(("write", str(tree / manifest.READY)))
+    assert ("fsync", str(tree / manifest.MANIFEST)) in events[wrote_manifest:wrote_ready]
+    assert ("fsync", str(tree / manifest.READY)) in events[wrote_ready:]
+    assert events[-1] == ("fsync", str(tree)), events[wrote_ready:]
