@@ -26,6 +26,7 @@ import pytest
 
 from loader import fs
 from loader.errors import NotOursError
+from loader.repository.key import key_filename
 
 # --- loader.fs --------------------------------------------------------------------------------
 
@@ -286,3 +287,60 @@ def test_the_manifest_and_ready_are_durable_when_written(tmp_path):
     assert ("fsync", str(tree / manifest.MANIFEST)) in events[wrote_manifest:wrote_ready]
     assert ("fsync", str(tree / manifest.READY)) in events[wrote_ready:]
     assert events[-1] == ("fsync", str(tree)), events[wrote_ready:]
+
+
+# --- publish: what is the loader's --------------------------------------------------------------
+
+
+def test_seal_refuses_a_link_in_the_tree_it_makes_durable(tmp_path):
+    """The staged tree holds only files and directories the loader wrote: ``seal`` (modes,
+    fsyncs) answers a link with :class:`NotOursError`, never follows it to chmod or fsync."""
+    from loader.repository import publish
+
+    (tmp_path / "outside").write_text("a user's file\n")
+    os.chmod(tmp_path / "outside", 0o600)
+    staging = publish.new_staging_dir(tmp_path / "root", KEY)
+    (staging / "m").mkdir()
+    (staging / "m" / "planted").symlink_to(tmp_path / "outside")
+    with pytest.raises(NotOursError, match="planted"):
+        publish.seal(staging)
+    assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("found", ["another key's marker", "no marker"])
+def test_a_failed_run_discards_its_staging_directory_only_while_it_is_the_loaders(tmp_path, found):
+    """``discard_staging`` removes the staging directory of a failed run only if it still
+    carries the marker naming the run's key: what was put in its place is left alone."""
+    from loader.repository import publish
+
+    staging = publish.new_staging_dir(tmp_path, KEY)
+    marker = staging / publish.STAGING_MARKER
+    if found == "no marker":
+        marker.unlink()
+    else:
+        marker.write_text("other@r/tp1-pp1-i1-0123abcd\n")
+    (staging / "users-data.txt").write_text("keep me\n")
+    publish.discard_staging(staging, KEY)
+    assert (staging / "users-data.txt").read_text() == "keep me\n"
+    marker.write_text(f"{KEY}\n")
+    publish.discard_staging(staging, KEY)
+    assert not staging.exists()
+
+
+def test_only_a_complete_replaced_copy_is_put_back_under_its_key(tmp_path):
+    """``recover`` (a replacement stopped between its two renames): a copy in ``.trash`` goes
+    back under the absent key only if it verifies complete; an incomplete one stays where it
+    is, and the key stays absent (the run publishes it again)."""
+    from loader.repository import publish
+
+    publish.publish(_staged(tmp_path, KEY, b"w"), tmp_path, KEY)
+    trash = tmp_path / publish.TRASH_DIR
+    trash.mkdir()
+    copy = trash / f"{key_filename(KEY)}.0123456789ab"
+    (tmp_path / KEY).rename(copy)
+    (copy / "m" / "weights.bin").unlink()  # incomplete: a file the manifest lists is missing
+    assert publish.recover(tmp_path, KEY) is None
+    assert not (tmp_path / KEY).exists() and copy.is_dir()
+    (copy / "m" / "weights.bin").write_bytes(b"w")
+    assert publish.recover(tmp_path, KEY) == tmp_path / KEY
+    assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"w"
