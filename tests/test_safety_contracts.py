@@ -344,3 +344,65 @@ def test_only_a_complete_replaced_copy_is_put_back_under_its_key(tmp_path):
     (copy / "m" / "weights.bin").write_bytes(b"w")
     assert publish.recover(tmp_path, KEY) == tmp_path / KEY
     assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"w"
+
+
+# --- the download area of a remote source -------------------------------------------------------
+
+
+def _remote(root):
+    from loader.cli import build_parser
+    from loader.cli.run import request_from_args
+    from tests.runs import run_argv
+
+    request = request_from_args(build_parser().parse_args(run_argv("gs://b/m", root)))
+    return request, root / ".work" / key_filename(request.key)
+
+
+def test_a_download_directory_the_loader_did_not_make_is_neither_used_nor_removed(tmp_path):
+    """``WORK/<key>`` holding a user's file and no marker for the key: a run refuses it
+    (:class:`NotOursError`) before writing into it, and removing an earlier run's download
+    directory leaves it alone."""
+    from loader.run.strategies import remove_download, strategy_for
+
+    root = tmp_path / "root"
+    request, download = _remote(root)
+    download.mkdir(parents=True)
+    (download / "users-data.txt").write_text("keep me\n")
+    with fs.confined(root):
+        with (
+            pytest.raises(NotOursError, match="download directory"),
+            strategy_for(request, root, request.key),
+        ):
+            pass
+        remove_download(request, root, request.key)
+    assert sorted(p.name for p in download.iterdir()) == ["users-data.txt"]
+
+
+@pytest.mark.parametrize("staging_is", ["a dead loader's", "another key's", "a live loader's"])
+def test_outputs_are_taken_back_only_from_a_dead_loaders_staging_directory_of_the_key(
+    tmp_path, dead_pid, staging_is
+):
+    """A journal under ``WORK/<key>/converted`` says the outputs moved into a staging directory:
+    they come back only from one that carries the key's marker and whose loader is gone; from
+    another key's, or from a loader still at work, nothing is taken."""
+    from loader.convert.overlapped import MOVED, Journal
+    from loader.repository.publish import DOWNLOAD_MARKER, STAGING_MARKER
+    from loader.run.strategies import strategy_for
+
+    root = tmp_path / "root"
+    request, download = _remote(root)
+    pid = os.getppid() if staging_is == "a live loader's" else dead_pid
+    name = f"{key_filename(request.key)}.{pid}-{fs.host_digest()}.0123456789ab"
+    staging = root / ".staging" / name
+    outputs = staging / "fastertransformer" / "1" / "1-gpu"
+    outputs.mkdir(parents=True)
+    (outputs / "model.wte.bin").write_bytes(b"converted\n")
+    marked = "other@r/tp1-pp1-i1-0123abcd" if staging_is == "another key's" else request.key
+    (staging / STAGING_MARKER).write_text(f"{marked}\n")
+    (download / "converted").mkdir(parents=True)
+    (download / DOWNLOAD_MARKER).write_text(f"{request.key}\n")
+    (download / "converted" / f"1-gpu{Journal.SUFFIX}").write_text(f"header\n{MOVED}{name}\n")
+    with fs.confined(root), strategy_for(request, root, request.key):
+        taken = (download / "converted" / "1-gpu" / "model.wte.bin").exists()
+    assert taken == (staging_is == "a dead loader's")
+    assert (outputs / "model.wte.bin").exists() == (not taken)
