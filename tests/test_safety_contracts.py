@@ -406,3 +406,101 @@ def test_outputs_are_taken_back_only_from_a_dead_loaders_staging_directory_of_th
         taken = (download / "converted" / "1-gpu" / "model.wte.bin").exists()
     assert taken == (staging_is == "a dead loader's")
     assert (outputs / "model.wte.bin").exists() == (not taken)
+
+
+# --- prune decides again under the key's lock ---------------------------------------------------
+
+OLD, NEW = "m@r1/tp1-pp1-i1-0123abcd", "m@r2/tp1-pp1-i1-0123abcd"
+
+
+def _two_keys(root) -> None:
+    """``OLD`` and ``NEW`` of one model, published: ``prune --keep 1`` removes ``OLD``."""
+    import json
+
+    from loader.repository import manifest, publish
+
+    for key, created in ((OLD, "2026-01-01T00:00:00Z"), (NEW, "2026-01-02T00:00:00Z")):
+        staging = _staged(root, key, key.encode())
+        data = json.loads((staging / manifest.MANIFEST).read_text())
+        (staging / manifest.MANIFEST).write_text(json.dumps({**data, "created_at": created}))
+        publish.publish(staging, root, key)
+
+
+def _when_locked(key: str, change):
+    """A hook of ``loader.fs`` that calls ``change()`` once, as prune opens ``key``'s lock:
+    between prune's first look and its second under the lock."""
+    done: list[bool] = []
+
+    def hook(op: str, path: str) -> None:
+        if not done and op == "open" and path.endswith(f"/{key_filename(key)}.lock"):
+            done.append(True)
+            change()
+
+    return hook, done
+
+
+def test_prune_keeps_a_key_replaced_by_an_identical_copy_after_it_looked(tmp_path):
+    """A key published again after prune looked is kept, even with the same manifest and
+    creation time (another copy: other inodes)."""
+    import shutil
+
+    from loader.repository.prune import prune
+
+    root = tmp_path / "root"
+    _two_keys(root)
+
+    def republish() -> None:
+        shutil.copytree(root / OLD, tmp_path / "copy")
+        (root / OLD).rename(tmp_path / "aside")
+        (tmp_path / "copy").rename(root / OLD)
+
+    hook, done = _when_locked(OLD, republish)
+    with fs.inject(hook):
+        report = prune(root, keep=1)
+    assert done and (root / OLD / "m" / "weights.bin").read_bytes() == OLD.encode()
+    assert (OLD, "published again since prune looked") in report.kept
+
+
+@pytest.mark.parametrize("change", ["marker", "activity"])
+def test_prune_keeps_a_staging_directory_that_changed_after_it_looked(tmp_path, change):
+    """A staging directory prune judged a leftover is removed only if, under the key's lock, it
+    still carries the key's marker and is still idle: a user's directory put in its place, or
+    one its loader (on another host: judged by its silence) writes to again, stays."""
+    from loader.repository import publish
+    from loader.repository.prune import prune
+
+    root = tmp_path / "root"
+    staging = publish.new_staging_dir(root, OLD)
+    staging = staging.rename(staging.with_name(staging.name.replace(fs.host_digest(), "0a1b2c3d")))
+    then = 1_000_000_000
+    for path in (staging, *staging.iterdir()):
+        os.utime(path, (then, then))
+
+    def changed() -> None:
+        (staging / "weights.bin").write_bytes(b"written again\n")
+        if change == "marker":  # an old directory of a user's: idle, without the marker
+            (staging / publish.STAGING_MARKER).write_text("a user's file\n")
+            for path in (staging, *staging.iterdir()):
+                os.utime(path, (then, then))
+
+    hook, done = _when_locked(OLD, changed)
+    with fs.inject(hook):
+        prune(root, lock_expiry_s=60)
+    assert done and (staging / "weights.bin").read_bytes() == b"written again\n"
+
+
+def test_prune_leaves_a_key_alone_when_a_link_is_at_its_lock_path(tmp_path):
+    """A link at a key's lock path: prune neither follows it nor stops; that key is kept (its
+    lock cannot be told) and the others are pruned."""
+    from loader.repository.lock import lock_path
+    from loader.repository.prune import prune
+
+    root = tmp_path / "root"
+    _two_keys(root)
+    (tmp_path / "outside").write_text("{}")
+    lock = lock_path(root, OLD)
+    lock.parent.mkdir(exist_ok=True)
+    lock.symlink_to(tmp_path / "outside")
+    report = prune(root, keep=1)
+    assert (root / OLD).is_dir() and lock.is_symlink()
+    assert (OLD, "its publish lock is live") in report.kept
