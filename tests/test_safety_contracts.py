@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -442,8 +443,6 @@ def _when_locked(key: str, change):
 def test_prune_keeps_a_key_replaced_by_an_identical_copy_after_it_looked(tmp_path):
     """A key published again after prune looked is kept, even with the same manifest and
     creation time (another copy: other inodes)."""
-    import shutil
-
     from loader.repository.prune import prune
 
     root = tmp_path / "root"
@@ -504,3 +503,25 @@ def test_prune_leaves_a_key_alone_when_a_link_is_at_its_lock_path(tmp_path):
     report = prune(root, keep=1)
     assert (root / OLD).is_dir() and lock.is_symlink()
     assert (OLD, "its publish lock is live") in report.kept
+
+
+def test_a_manifest_makes_a_tree_the_loaders_only_for_the_key_it_names(tmp_path):
+    """A published copy is recognised by its manifest naming the key: a directory at the key's
+    path (or in ``.trash`` under its name) whose manifest names another key is neither
+    replaced by ``--force`` nor cleared as a leftover."""
+    import json
+
+    from loader.repository import manifest, publish
+
+    root = tmp_path / "root"
+    theirs = root / KEY
+    theirs.mkdir(parents=True)
+    (theirs / manifest.MANIFEST).write_text(json.dumps({"key": "other@r/v", "files": []}))
+    (theirs / "users-data.txt").write_text("keep me\n")
+    trash = root / publish.TRASH_DIR / f"{key_filename(KEY)}.0123456789ab"
+    shutil.copytree(theirs, trash)
+    with pytest.raises(NotOursError):
+        publish.publish(_staged(root, KEY, b"w"), root, KEY, replace=True)
+    assert publish.clear_leftovers(root, KEY, idle_s=0) == []
+    for tree in (theirs, trash):
+        assert (tree / "users-data.txt").read_text() == "keep me\n"
