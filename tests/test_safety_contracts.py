@@ -525,3 +525,34 @@ def test_a_manifest_makes_a_tree_the_loaders_only_for_the_key_it_names(tmp_path)
     assert publish.clear_leftovers(root, KEY, idle_s=0) == []
     for tree in (theirs, trash):
         assert (tree / "users-data.txt").read_text() == "keep me\n"
+
+
+# --- the source fingerprint -------------------------------------------------------------------
+
+
+def test_every_kind_of_source_change_is_a_change():
+    """A changed source is never reported as the one a key was built from: another URI, another
+    commit (``hf://``), a file changed, removed or added; the stat stamps alone (a cache) are
+    no change."""
+    from loader.sources.fingerprint import Fingerprint
+
+    files = {
+        "config.json": {"size": 2, "blake3": "a" * 64},
+        "w.bin": {"size": 4, "blake3": "b" * 64},
+    }
+    built = Fingerprint("hf://org/m", commit="c" * 40, files=files, stamps={"w.bin": [1, 2, 3]})
+    same = Fingerprint.from_dict(
+        {**built.as_dict(), "stamps": {"w.bin": [4, 5, 6]}}  # touched, same content
+    )
+    assert built.changes(same) == []
+    variants = {
+        "uri": Fingerprint("hf://org/other", commit="c" * 40, files=files),
+        "commit": Fingerprint("hf://org/m", commit="d" * 40, files=files),
+        "changed": Fingerprint("hf://org/m", commit="c" * 40,
+                               files={**files, "w.bin": {"size": 4, "blake3": "e" * 64}}),
+        "removed": Fingerprint("hf://org/m", commit="c" * 40, files={"w.bin": files["w.bin"]}),
+        "added": Fingerprint("hf://org/m", commit="c" * 40,
+                             files={**files, "x.bin": {"size": 1, "blake3": "f" * 64}}),
+    }  # fmt: skip
+    for what, now in variants.items():
+        assert len(built.changes(now)) == 1, (what, built.changes(now))
