@@ -556,3 +556,35 @@ def test_every_kind_of_source_change_is_a_change():
     }  # fmt: skip
     for what, now in variants.items():
         assert len(built.changes(now)) == 1, (what, built.changes(now))
+
+
+# --- what a complete published key is -----------------------------------------------------------
+
+
+def _plant_link(d) -> None:
+    (d / "m" / "planted").symlink_to("/etc/hostname")
+
+
+def _remove_directory(d) -> None:
+    (d / "m" / "weights.bin").unlink()
+    (d / "m").rmdir()
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda d: (d / ".ready").write_text("other@r/tp1-pp1-i1-0123abcd\n"), "names another key"),
+        (_plant_link, "unexpected a symbolic link m/planted"),
+        (_remove_directory, "missing directory m"),
+    ],
+)
+def test_verify_finds_what_the_size_and_digest_checks_cannot(tmp_path, damage, expected):
+    """A key is complete only with a ``.ready`` naming it, nothing but what its manifest lists
+    (no link), and every directory it lists."""
+    from loader.repository import manifest
+
+    staged = _staged(tmp_path, KEY, b"w")
+    assert manifest.verify(staged, key=KEY) == []
+    damage(staged)
+    problems = manifest.verify(staged, key=KEY)
+    assert any(expected in p for p in problems), problems
