@@ -588,3 +588,38 @@ def test_verify_finds_what_the_size_and_digest_checks_cannot(tmp_path, damage, e
     damage(staged)
     problems = manifest.verify(staged, key=KEY)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_download_is_durable_before_it_gets_its_final_name(tmp_path):
+    """``place``: a verified download is fsynced under its temporary name, then renamed: a
+    file under its final name after a crash is whole."""
+    from loader.sources.transfer import partial_path, place
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    tmp = partial_path(dest, "w.bin")
+    tmp.write_bytes(b"downloaded\n")
+    events: list[tuple[str, str]] = []
+    with fs.confined(dest), fs.inject(lambda op, path: events.append((op, path))):
+        place(tmp, dest / "w.bin", dest=dest)
+    renamed = next(i for i, (op, _) in enumerate(events) if op.startswith("rename"))
+    assert ("fsync", str(tmp)) in events[:renamed], events
+    assert (dest / "w.bin").read_bytes() == b"downloaded\n"
+
+
+def test_a_lock_of_another_host_is_never_taken_over_by_its_pid(tmp_path, dead_pid):
+    """A lock record of another host (an older loader's, without its pid space) names a pid
+    that means nothing here: absent here, it is still not judged dead; only the expiry
+    tells."""
+    import json
+
+    from loader.errors import LockTimeoutError
+    from loader.repository.lock import PublishLock, lock_path
+
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    record = json.dumps({"pid": dead_pid, "host": "another-node", "token": "t", "beats": 1})
+    path.write_text(record)
+    with pytest.raises(LockTimeoutError):
+        PublishLock(tmp_path, KEY, expiry_s=600, timeout_s=0.5, poll_s=0.05).acquire()
+    assert path.read_text() == record
