@@ -117,6 +117,39 @@ def test_dir_chmod_never_changes_what_a_link_points_to(tmp_path):
     assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
 
 
+def test_a_fifo_with_a_reader_is_never_written_to(tmp_path):
+    """A FIFO someone reads from opens for writing without blocking: the file the loader
+    writes (a journal, a manifest) is refused there by its kind, and nothing reaches the
+    reader."""
+    os.mkfifo(tmp_path / "journal")
+    reader = os.open(tmp_path / "journal", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        for zone in (fs.confined(tmp_path), contextlib.nullcontext()):
+            with zone, pytest.raises(NotOursError):
+                fs.write_file(tmp_path / "journal", b"written\n")
+        assert os.read(reader, 100) == b""  # nothing was written into it
+    finally:
+        os.close(reader)
+
+
+def test_the_loaders_new_names_never_take_over_an_existing_entry(tmp_path):
+    """``make_marked`` never replaces what is at its name (an empty directory of a user's
+    included), and ``Dir.write`` creates its file: a hard link planted at the name is
+    refused, the file it shares keeps its bytes."""
+    (tmp_path / "theirs").mkdir()
+    inode = (tmp_path / "theirs").stat().st_ino
+    (tmp_path / "users.txt").write_text("a user's data\n")
+    (tmp_path / "fresh").mkdir()
+    os.link(tmp_path / "users.txt", tmp_path / "fresh" / ".marker")
+    with fs.Dir.open(tmp_path) as d:
+        assert not d.make_marked("theirs", ".marker", KEY)
+        with d.sub("fresh") as fresh, pytest.raises(FileExistsError):
+            fresh.write(".marker", b"the key\n")
+    assert (tmp_path / "theirs").stat().st_ino == inode
+    assert os.listdir(tmp_path / "theirs") == []
+    assert (tmp_path / "users.txt").read_text() == "a user's data\n"
+
+
 # --- partial downloads: whose they are ---------------------------------------------------------
 
 
