@@ -656,3 +656,26 @@ def test_a_lock_of_another_host_is_never_taken_over_by_its_pid(tmp_path, dead_pi
     with pytest.raises(LockTimeoutError):
         PublishLock(tmp_path, KEY, expiry_s=600, timeout_s=0.5, poll_s=0.05).acquire()
     assert path.read_text() == record
+
+
+def test_a_replacement_without_renameat2_that_fails_puts_the_previous_copy_back(tmp_path):
+    """Where the file system lacks ``RENAME_EXCHANGE`` the published copy is moved aside into
+    ``.trash`` first; when the new copy cannot then be renamed into place, the previous copy
+    goes back under the key at once: the key is never left absent by a failure."""
+    import errno
+
+    from loader.repository import manifest, publish
+
+    publish.publish(_staged(tmp_path, KEY, b"old"), tmp_path, KEY)
+    staging = _staged(tmp_path, KEY, b"new")
+
+    def no_exchange(op: str, path: str) -> None:
+        if op == "rename-exchange":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if op == "rename" and path.startswith(f"{staging} -> "):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    with fs.inject(no_exchange), pytest.raises(OSError, match="Input/output"):
+        publish.publish(staging, tmp_path, KEY, replace=True)
+    assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"old"
+    assert manifest.verify(tmp_path / KEY, key=KEY) == []
