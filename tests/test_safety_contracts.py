@@ -187,6 +187,25 @@ def test_partial_downloads_of_a_live_owner_or_another_host_are_never_adopted_or_
     assert not dead.exists() and live.exists() and other_host.exists()
 
 
+def test_a_fetch_removes_only_its_own_partial_files(tmp_path, dead_pid):
+    """At its end a fetch removes its own partial files: another owner's, even a gone one's
+    (the next run resumes or clears them), stay."""
+    from loader.sources.transfer import PARTIAL_DIR, own_partial, remove_own_partials
+
+    dest = tmp_path / "dest"
+    (dest / PARTIAL_DIR).mkdir(parents=True)
+    others = [
+        dest / PARTIAL_DIR / f"w.safetensors.{pid}-{fs.host_digest()}"
+        for pid in (os.getppid(), dead_pid)
+    ]
+    for path in others:
+        path.write_bytes(b"another loader's\n")
+    with fs.confined(dest):
+        own_partial(dest, "w.safetensors").write_bytes(b"ours\n")
+        remove_own_partials(dest)
+    assert sorted((dest / PARTIAL_DIR).iterdir()) == sorted(others)
+
+
 # --- the publish lock -------------------------------------------------------------------------
 
 KEY = "m@r/tp1-pp1-i1-0123abcd"
