@@ -698,3 +698,23 @@ def test_a_replacement_without_renameat2_that_fails_puts_the_previous_copy_back(
         publish.publish(staging, tmp_path, KEY, replace=True)
     assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"old"
     assert manifest.verify(tmp_path / KEY, key=KEY) == []
+
+
+def test_prune_counts_a_lock_of_another_host_live_while_its_file_is_fresh(tmp_path):
+    """A lock of another host (its pid means nothing here) is live while its file was written
+    within the expiry: its key is kept, and ``--dry-run`` says so rather than listing it."""
+    import json
+
+    from loader.repository.lock import lock_path
+    from loader.repository.prune import prune
+
+    root = tmp_path / "root"
+    _two_keys(root)
+    lock = lock_path(root, OLD)
+    lock.parent.mkdir(exist_ok=True)
+    lock.write_text(json.dumps({"pid": 1, "host": "another-node", "token": "t", "beats": 9}))
+    for dry_run in (True, False):
+        report = prune(root, keep=1, dry_run=dry_run)
+        assert (OLD, "its publish lock is live") in report.kept
+        assert report.removed == []
+    assert (root / OLD).is_dir()
