@@ -11,7 +11,9 @@ drives whole runs; these call the piece itself, so the cases a run rarely meets 
   replaced copy that is incomplete, the order of fsyncs and renames;
 * the download area and partial downloads of a remote source: what the loader did not create
   is never used or removed;
-* the source fingerprint: every kind of change is a change.
+* the source fingerprint: every kind of change is a change;
+* what is published loads: the tokenizer's ids and size, ``config.ini``'s numbers at their
+  bounds.
 """
 
 from __future__ import annotations
@@ -718,3 +720,57 @@ def test_prune_counts_a_lock_of_another_host_live_while_its_file_is_fresh(tmp_pa
         assert (OLD, "its publish lock is live") in report.kept
         assert report.removed == []
     assert (root / OLD).is_dir()
+
+
+# --- what FasterTransformer and the tokenizer models load -----------------------------------------
+
+
+def test_the_tokenizers_ids_must_all_index_the_embedding(tiny_checkpoint_with_tokenizer):
+    """Every id the tokenizer produces is below ``vocab_size``: the largest one equal to it is
+    already one past the embedding."""
+    from loader.errors import CheckpointError
+    from loader.repository import layout
+    from loader.repository.models.tokenization import load_tokenizer
+    from loader.repository.validate import check_tokenizer
+
+    checkpoint = tiny_checkpoint_with_tokenizer
+    files = layout.tokenizer_files(checkpoint)
+    largest = max(load_tokenizer(checkpoint).get_vocab(with_added_tokens=True).values())
+    check_tokenizer(checkpoint, files, largest + 1)
+    with pytest.raises(CheckpointError, match=f"ids up to {largest}"):
+        check_tokenizer(checkpoint, files, largest)
+
+
+def test_a_tokenizer_file_beyond_its_limit_is_refused_before_it_is_read(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """A tokenizer file larger than :data:`MAX_TOKENIZER_BYTES` is refused by its size, never
+    loaded (a sparse file here: nothing is written)."""
+    from loader.errors import CheckpointError
+    from loader.repository import layout
+    from loader.repository.validate import MAX_TOKENIZER_BYTES, check_tokenizer
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for path in layout.tokenizer_files(tiny_checkpoint_with_tokenizer):
+        shutil.copyfile(path, checkpoint / path.name)
+    os.truncate(checkpoint / "tokenizer.json", MAX_TOKENIZER_BYTES + 1)
+    with pytest.raises(CheckpointError, match="more than a tokenizer file can"):
+        check_tokenizer(checkpoint, layout.tokenizer_files(checkpoint), 10**6)
+
+
+@pytest.mark.parametrize("field", ["start_id", "end_id", "inter_size"])
+def test_a_negative_number_of_config_ini_is_refused(field):
+    """FasterTransformer reads each number of ``[gptj]`` as a C ``int`` that is a size or a
+    token id: a negative one is refused like one beyond int32."""
+    import dataclasses
+
+    from loader.errors import CheckpointError
+    from loader.formats.fastertransformer import FTConfig
+    from loader.repository.validate import check_ft_config
+
+    config = FTConfig(head_num=2, size_per_head=8, inter_size=64, num_layer=2,
+                      rotary_embedding=8, vocab_size=100, start_id=1, end_id=2)  # fmt: skip
+    check_ft_config(config)
+    with pytest.raises(CheckpointError, match=f"{field} = -1"):
+        check_ft_config(dataclasses.replace(config, **{field: -1}))
