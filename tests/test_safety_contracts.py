@@ -152,7 +152,20 @@ def test_the_loaders_new_names_never_take_over_an_existing_entry(tmp_path):
     assert (tmp_path / "users.txt").read_text() == "a user's data\n"
 
 
-# --- partial downloads: whose they are ---------------------------------------------------------
+def test_a_file_the_loader_creates_never_reuses_an_existing_one(tmp_path):
+    """``fs.create`` (the converter's outputs, copied files) makes a new file: a hard link
+    planted at its name (``O_NOFOLLOW`` cannot tell one) is refused, and the file it shares
+    with a user's keeps its bytes."""
+    (tmp_path / "users.bin").write_bytes(b"a user's data\n")
+    (tmp_path / "out").mkdir()
+    os.link(tmp_path / "users.bin", tmp_path / "out" / "model.wte.bin")
+    for zone in (fs.confined(tmp_path / "out"), contextlib.nullcontext()):
+        with zone, pytest.raises(FileExistsError):
+            fs.create(tmp_path / "out" / "model.wte.bin")
+    assert (tmp_path / "users.bin").read_bytes() == b"a user's data\n"
+
+
+# --- partial downloads: whose they are, and when they are whole ----------------------------
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +219,23 @@ def test_a_fetch_removes_only_its_own_partial_files(tmp_path, dead_pid):
         own_partial(dest, "w.safetensors").write_bytes(b"ours\n")
         remove_own_partials(dest)
     assert sorted((dest / PARTIAL_DIR).iterdir()) == sorted(others)
+
+
+def test_a_download_is_durable_before_it_gets_its_final_name(tmp_path):
+    """``place``: a verified download is fsynced under its temporary name, then renamed: a
+    file under its final name after a crash is whole."""
+    from loader.sources.transfer import partial_path, place
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    tmp = partial_path(dest, "w.bin")
+    tmp.write_bytes(b"downloaded\n")
+    events: list[tuple[str, str]] = []
+    with fs.confined(dest), fs.inject(lambda op, path: events.append((op, path))):
+        place(tmp, dest / "w.bin", dest=dest)
+    renamed = next(i for i, (op, _) in enumerate(events) if op.startswith("rename"))
+    assert ("fsync", str(tmp)) in events[:renamed], events
+    assert (dest / "w.bin").read_bytes() == b"downloaded\n"
 
 
 # --- the publish lock -------------------------------------------------------------------------
@@ -280,17 +310,22 @@ def test_a_lock_whose_first_write_fails_is_removed(tmp_path):
     _holder(tmp_path).release()
 
 
-def test_a_file_the_loader_creates_never_reuses_an_existing_one(tmp_path):
-    """``fs.create`` (the converter's outputs, copied files) makes a new file: a hard link
-    planted at its name (``O_NOFOLLOW`` cannot tell one) is refused, and the file it shares
-    with a user's keeps its bytes."""
-    (tmp_path / "users.bin").write_bytes(b"a user's data\n")
-    (tmp_path / "out").mkdir()
-    os.link(tmp_path / "users.bin", tmp_path / "out" / "model.wte.bin")
-    for zone in (fs.confined(tmp_path / "out"), contextlib.nullcontext()):
-        with zone, pytest.raises(FileExistsError):
-            fs.create(tmp_path / "out" / "model.wte.bin")
-    assert (tmp_path / "users.bin").read_bytes() == b"a user's data\n"
+def test_a_lock_of_another_host_is_never_taken_over_by_its_pid(tmp_path, dead_pid):
+    """A lock record of another host (an older loader's, without its pid space) names a pid
+    that means nothing here: absent here, it is still not judged dead; only the expiry
+    tells."""
+    import json
+
+    from loader.errors import LockTimeoutError
+    from loader.repository.lock import PublishLock, lock_path
+
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    record = json.dumps({"pid": dead_pid, "host": "another-node", "token": "t", "beats": 1})
+    path.write_text(record)
+    with pytest.raises(LockTimeoutError):
+        PublishLock(tmp_path, KEY, expiry_s=600, timeout_s=0.5, poll_s=0.05).acquire()
+    assert path.read_text() == record
 
 
 # --- durability order -------------------------------------------------------------------------
@@ -342,6 +377,29 @@ def test_the_manifest_and_ready_are_durable_when_written(tmp_path):
     assert ("fsync", str(tree / manifest.MANIFEST)) in events[wrote_manifest:wrote_ready]
     assert ("fsync", str(tree / manifest.READY)) in events[wrote_ready:]
     assert events[-1] == ("fsync", str(tree)), events[wrote_ready:]
+
+
+def test_a_replacement_without_renameat2_that_fails_puts_the_previous_copy_back(tmp_path):
+    """Where the file system lacks ``RENAME_EXCHANGE`` the published copy is moved aside into
+    ``.trash`` first; when the new copy cannot then be renamed into place, the previous copy
+    goes back under the key at once: the key is never left absent by a failure."""
+    import errno
+
+    from loader.repository import manifest, publish
+
+    publish.publish(_staged(tmp_path, KEY, b"old"), tmp_path, KEY)
+    staging = _staged(tmp_path, KEY, b"new")
+
+    def no_exchange(op: str, path: str) -> None:
+        if op == "rename-exchange":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if op == "rename" and path.startswith(f"{staging} -> "):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    with fs.inject(no_exchange), pytest.raises(OSError, match="Input/output"):
+        publish.publish(staging, tmp_path, KEY, replace=True)
+    assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"old"
+    assert manifest.verify(tmp_path / KEY, key=KEY) == []
 
 
 # --- publish: what is the loader's --------------------------------------------------------------
@@ -399,6 +457,28 @@ def test_only_a_complete_replaced_copy_is_put_back_under_its_key(tmp_path):
     (copy / "m" / "weights.bin").write_bytes(b"w")
     assert publish.recover(tmp_path, KEY) == tmp_path / KEY
     assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"w"
+
+
+def test_a_manifest_makes_a_tree_the_loaders_only_for_the_key_it_names(tmp_path):
+    """A published copy is recognised by its manifest naming the key: a directory at the key's
+    path (or in ``.trash`` under its name) whose manifest names another key is neither
+    replaced by ``--force`` nor cleared as a leftover."""
+    import json
+
+    from loader.repository import manifest, publish
+
+    root = tmp_path / "root"
+    theirs = root / KEY
+    theirs.mkdir(parents=True)
+    (theirs / manifest.MANIFEST).write_text(json.dumps({"key": "other@r/v", "files": []}))
+    (theirs / "users-data.txt").write_text("keep me\n")
+    trash = root / publish.TRASH_DIR / f"{key_filename(KEY)}.0123456789ab"
+    shutil.copytree(theirs, trash)
+    with pytest.raises(NotOursError):
+        publish.publish(_staged(root, KEY, b"w"), root, KEY, replace=True)
+    assert publish.clear_leftovers(root, KEY, idle_s=0) == []
+    for tree in (theirs, trash):
+        assert (tree / "users-data.txt").read_text() == "keep me\n"
 
 
 # --- the download area of a remote source -------------------------------------------------------
@@ -559,26 +639,24 @@ def test_prune_leaves_a_key_alone_when_a_link_is_at_its_lock_path(tmp_path):
     assert (OLD, "its publish lock is live") in report.kept
 
 
-def test_a_manifest_makes_a_tree_the_loaders_only_for_the_key_it_names(tmp_path):
-    """A published copy is recognised by its manifest naming the key: a directory at the key's
-    path (or in ``.trash`` under its name) whose manifest names another key is neither
-    replaced by ``--force`` nor cleared as a leftover."""
+def test_prune_counts_a_lock_of_another_host_live_while_its_file_is_fresh(tmp_path):
+    """A lock of another host (its pid means nothing here) is live while its file was written
+    within the expiry: its key is kept, and ``--dry-run`` says so rather than listing it."""
     import json
 
-    from loader.repository import manifest, publish
+    from loader.repository.lock import lock_path
+    from loader.repository.prune import prune
 
     root = tmp_path / "root"
-    theirs = root / KEY
-    theirs.mkdir(parents=True)
-    (theirs / manifest.MANIFEST).write_text(json.dumps({"key": "other@r/v", "files": []}))
-    (theirs / "users-data.txt").write_text("keep me\n")
-    trash = root / publish.TRASH_DIR / f"{key_filename(KEY)}.0123456789ab"
-    shutil.copytree(theirs, trash)
-    with pytest.raises(NotOursError):
-        publish.publish(_staged(root, KEY, b"w"), root, KEY, replace=True)
-    assert publish.clear_leftovers(root, KEY, idle_s=0) == []
-    for tree in (theirs, trash):
-        assert (tree / "users-data.txt").read_text() == "keep me\n"
+    _two_keys(root)
+    lock = lock_path(root, OLD)
+    lock.parent.mkdir(exist_ok=True)
+    lock.write_text(json.dumps({"pid": 1, "host": "another-node", "token": "t", "beats": 9}))
+    for dry_run in (True, False):
+        report = prune(root, keep=1, dry_run=dry_run)
+        assert (OLD, "its publish lock is live") in report.kept
+        assert report.removed == []
+    assert (root / OLD).is_dir()
 
 
 # --- the source fingerprint -------------------------------------------------------------------
@@ -642,84 +720,6 @@ def test_verify_finds_what_the_size_and_digest_checks_cannot(tmp_path, damage, e
     damage(staged)
     problems = manifest.verify(staged, key=KEY)
     assert any(expected in p for p in problems), problems
-
-
-def test_a_download_is_durable_before_it_gets_its_final_name(tmp_path):
-    """``place``: a verified download is fsynced under its temporary name, then renamed: a
-    file under its final name after a crash is whole."""
-    from loader.sources.transfer import partial_path, place
-
-    dest = tmp_path / "dest"
-    dest.mkdir()
-    tmp = partial_path(dest, "w.bin")
-    tmp.write_bytes(b"downloaded\n")
-    events: list[tuple[str, str]] = []
-    with fs.confined(dest), fs.inject(lambda op, path: events.append((op, path))):
-        place(tmp, dest / "w.bin", dest=dest)
-    renamed = next(i for i, (op, _) in enumerate(events) if op.startswith("rename"))
-    assert ("fsync", str(tmp)) in events[:renamed], events
-    assert (dest / "w.bin").read_bytes() == b"downloaded\n"
-
-
-def test_a_lock_of_another_host_is_never_taken_over_by_its_pid(tmp_path, dead_pid):
-    """A lock record of another host (an older loader's, without its pid space) names a pid
-    that means nothing here: absent here, it is still not judged dead; only the expiry
-    tells."""
-    import json
-
-    from loader.errors import LockTimeoutError
-    from loader.repository.lock import PublishLock, lock_path
-
-    path = lock_path(tmp_path, KEY)
-    path.parent.mkdir(parents=True)
-    record = json.dumps({"pid": dead_pid, "host": "another-node", "token": "t", "beats": 1})
-    path.write_text(record)
-    with pytest.raises(LockTimeoutError):
-        PublishLock(tmp_path, KEY, expiry_s=600, timeout_s=0.5, poll_s=0.05).acquire()
-    assert path.read_text() == record
-
-
-def test_a_replacement_without_renameat2_that_fails_puts_the_previous_copy_back(tmp_path):
-    """Where the file system lacks ``RENAME_EXCHANGE`` the published copy is moved aside into
-    ``.trash`` first; when the new copy cannot then be renamed into place, the previous copy
-    goes back under the key at once: the key is never left absent by a failure."""
-    import errno
-
-    from loader.repository import manifest, publish
-
-    publish.publish(_staged(tmp_path, KEY, b"old"), tmp_path, KEY)
-    staging = _staged(tmp_path, KEY, b"new")
-
-    def no_exchange(op: str, path: str) -> None:
-        if op == "rename-exchange":
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
-        if op == "rename" and path.startswith(f"{staging} -> "):
-            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
-
-    with fs.inject(no_exchange), pytest.raises(OSError, match="Input/output"):
-        publish.publish(staging, tmp_path, KEY, replace=True)
-    assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"old"
-    assert manifest.verify(tmp_path / KEY, key=KEY) == []
-
-
-def test_prune_counts_a_lock_of_another_host_live_while_its_file_is_fresh(tmp_path):
-    """A lock of another host (its pid means nothing here) is live while its file was written
-    within the expiry: its key is kept, and ``--dry-run`` says so rather than listing it."""
-    import json
-
-    from loader.repository.lock import lock_path
-    from loader.repository.prune import prune
-
-    root = tmp_path / "root"
-    _two_keys(root)
-    lock = lock_path(root, OLD)
-    lock.parent.mkdir(exist_ok=True)
-    lock.write_text(json.dumps({"pid": 1, "host": "another-node", "token": "t", "beats": 9}))
-    for dry_run in (True, False):
-        report = prune(root, keep=1, dry_run=dry_run)
-        assert (OLD, "its publish lock is live") in report.kept
-        assert report.removed == []
-    assert (root / OLD).is_dir()
 
 
 # --- what FasterTransformer and the tokenizer models load -----------------------------------------
