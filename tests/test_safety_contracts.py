@@ -19,6 +19,7 @@ drives whole runs; these call the piece itself, so the cases a run rarely meets 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import stat
@@ -314,7 +315,6 @@ def test_a_lock_of_another_host_is_never_taken_over_by_its_pid(tmp_path, dead_pi
     """A lock record of another host (an older loader's, without its pid space) names a pid
     that means nothing here: absent here, it is still not judged dead; only the expiry
     tells."""
-    import json
 
     from loader.errors import LockTimeoutError
     from loader.repository.lock import PublishLock, lock_path
@@ -463,7 +463,6 @@ def test_a_manifest_makes_a_tree_the_loaders_only_for_the_key_it_names(tmp_path)
     """A published copy is recognised by its manifest naming the key: a directory at the key's
     path (or in ``.trash`` under its name) whose manifest names another key is neither
     replaced by ``--force`` nor cleared as a leftover."""
-    import json
 
     from loader.repository import manifest, publish
 
@@ -550,7 +549,6 @@ OLD, NEW = "m@r1/tp1-pp1-i1-0123abcd", "m@r2/tp1-pp1-i1-0123abcd"
 
 def _two_keys(root) -> None:
     """``OLD`` and ``NEW`` of one model, published: ``prune --keep 1`` removes ``OLD``."""
-    import json
 
     from loader.repository import manifest, publish
 
@@ -642,7 +640,6 @@ def test_prune_leaves_a_key_alone_when_a_link_is_at_its_lock_path(tmp_path):
 def test_prune_counts_a_lock_of_another_host_live_while_its_file_is_fresh(tmp_path):
     """A lock of another host (its pid means nothing here) is live while its file was written
     within the expiry: its key is kept, and ``--dry-run`` says so rather than listing it."""
-    import json
 
     from loader.repository.lock import lock_path
     from loader.repository.prune import prune
@@ -657,6 +654,25 @@ def test_prune_counts_a_lock_of_another_host_live_while_its_file_is_fresh(tmp_pa
         assert (OLD, "its publish lock is live") in report.kept
         assert report.removed == []
     assert (root / OLD).is_dir()
+
+
+def test_prune_counts_only_trees_whose_manifest_names_their_own_key(tmp_path):
+    """A directory at a key's place whose manifest names another key (a copy, a user's tree)
+    is not a published key: it is neither removed nor counted among the newest, so the real
+    newest key stays."""
+
+    from loader.repository import manifest
+    from loader.repository.prune import prune
+
+    root = tmp_path / "root"
+    _two_keys(root)
+    planted = root / "m@r3" / "tp1-pp1-i1-0123abcd"
+    shutil.copytree(root / NEW, planted)
+    data = json.loads((planted / manifest.MANIFEST).read_text())
+    data.update(key="m@r9/tp1-pp1-i1-0123abcd", created_at="2026-01-03T00:00:00Z")
+    (planted / manifest.MANIFEST).write_text(json.dumps(data))
+    prune(root, keep=1)
+    assert not (root / OLD).exists() and (root / NEW).is_dir() and planted.is_dir()
 
 
 # --- the source fingerprint -------------------------------------------------------------------
@@ -697,6 +713,12 @@ def _plant_link(d) -> None:
     (d / "m" / "planted").symlink_to("/etc/hostname")
 
 
+def _manifest_of_another_key(d) -> None:
+
+    data = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps({**data, "key": "other@r/tp1-pp1-i1-0123abcd"}))
+
+
 def _remove_directory(d) -> None:
     (d / "m" / "weights.bin").unlink()
     (d / "m").rmdir()
@@ -708,6 +730,7 @@ def _remove_directory(d) -> None:
         (lambda d: (d / ".ready").write_text("other@r/tp1-pp1-i1-0123abcd\n"), "names another key"),
         (_plant_link, "unexpected a symbolic link m/planted"),
         (_remove_directory, "missing directory m"),
+        (_manifest_of_another_key, "manifest.json names key 'other@r"),
     ],
 )
 def test_verify_finds_what_the_size_and_digest_checks_cannot(tmp_path, damage, expected):
@@ -720,6 +743,26 @@ def test_verify_finds_what_the_size_and_digest_checks_cannot(tmp_path, damage, e
     damage(staged)
     problems = manifest.verify(staged, key=KEY)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_key_holding_another_keys_copy_is_not_already_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A rerun checks that the repository at its key was published for that key: a complete
+    copy of another key put there (the same source, another revision) is never reported as
+    already published; it is not the loader's for this key either, so it is left as it is
+    (exit 2, naming it)."""
+    from tests.runs import cli, run_argv
+
+    root, source = tmp_path / "root", tiny_checkpoint_with_tokenizer
+    for revision in ("r1", "r2"):
+        assert cli(capsys, *run_argv(source, root, "--revision", revision))[0] == 0
+    (r1,), (r2,) = (root / "tiny@r1").iterdir(), (root / "tiny@r2").iterdir()
+    shutil.rmtree(r2)
+    shutil.copytree(r1, r2)
+    code, _, err = cli(capsys, *run_argv(source, root, "--revision", "r2"))
+    assert code == 2 and "did not create it" in err and "hint:" in err, err
+    assert json.loads((r2 / "manifest.json").read_text())["key"] == f"tiny@r1/{r1.name}"
 
 
 # --- what FasterTransformer and the tokenizer models load -----------------------------------------
