@@ -402,6 +402,28 @@ def test_a_replacement_without_renameat2_that_fails_puts_the_previous_copy_back(
     assert manifest.verify(tmp_path / KEY, key=KEY) == []
 
 
+def test_without_renameat2_a_key_that_appeared_meanwhile_is_never_replaced(tmp_path):
+    """Where ``RENAME_NOREPLACE`` is missing, ``rename(2)`` would replace an empty directory:
+    a key that appeared while the loader published (another loader's, still empty) is a
+    :class:`PublishError`, nothing is renamed onto it."""
+    import errno
+
+    from loader.errors import PublishError
+    from loader.repository import publish
+
+    staging = _staged(tmp_path, KEY, b"w")
+    target = tmp_path / KEY
+
+    def appears(op: str, path: str) -> None:
+        if op == "rename-noreplace" and path.endswith(f"-> {target}"):
+            target.mkdir()
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+
+    with fs.inject(appears), pytest.raises(PublishError, match="appeared"):
+        publish.publish(staging, tmp_path, KEY)
+    assert list(target.iterdir()) == [] and staging.is_dir()
+
+
 # --- publish: what is the loader's --------------------------------------------------------------
 
 
@@ -743,6 +765,24 @@ def test_verify_finds_what_the_size_and_digest_checks_cannot(tmp_path, damage, e
     damage(staged)
     problems = manifest.verify(staged, key=KEY)
     assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize("seal", ["inode only", "none"])
+def test_a_quick_verification_trusts_only_a_whole_seal(tmp_path, seal):
+    """A quick verification skips re-hashing a file only when the manifest's seal for it has
+    the inode and the modification time (and the change time): a seal cut short (a damaged or
+    hand-edited manifest) re-hashes, so bytes changed in place are found."""
+    from loader.repository import manifest
+
+    staged = _staged(tmp_path, KEY, b"weights!")
+    data = json.loads((staged / manifest.MANIFEST).read_text())
+    for entry in data["files"]:
+        entry["seal"] = entry["seal"][:1] if seal == "inode only" else []
+    (staged / manifest.MANIFEST).write_text(json.dumps(data))
+    with open(staged / "m" / "weights.bin", "r+b") as fh:  # same inode, same size
+        fh.write(b"W")
+    problems = manifest.verify(staged, key=KEY, quick=True)
+    assert any("m/weights.bin blake3 differs" in p for p in problems), problems
 
 
 def test_a_key_holding_another_keys_copy_is_not_already_published(
