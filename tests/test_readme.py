@@ -111,8 +111,10 @@ def _free_ports(count: int) -> list[int]:
 def script(blocks: list[Block], ports: dict[str, int]) -> str:
     parts = [
         "set -euo pipefail",
-        # every server a block left in the background stops (SIGTERM: it stops its Triton)
-        "trap 'kill -TERM $(jobs -p) 2>/dev/null || true; wait || true' EXIT",
+        # every server a block left in the background stops (SIGTERM: it stops its Triton), and
+        # a local cluster a failed block left up goes down (the next run would find its release)
+        "trap 'kill -TERM $(jobs -p) 2>/dev/null || true; wait || true; "
+        "make -s cluster-down >/dev/null 2>&1 || true' EXIT",
     ]
     for block in blocks:
         code = runnable(block)
