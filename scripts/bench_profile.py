@@ -171,8 +171,11 @@ def find_py_spy(arg: str | None) -> str | None:
 
 
 def sampled(py_spy: str, name: str, argv: list[str], env: dict, cwd: Path, raw: Path) -> list:
-    """Sample ``argv`` with py-spy (100 Hz, idle threads too); the top functions by samples."""
-    cmd = [py_spy, "record", "--idle", "--format", "raw", "-r", "100", "-o", str(raw), "--", *argv]
+    """Sample ``argv`` with py-spy (100 Hz, idle threads too, its child processes too: the
+    loader works in a child of its supervisor); the top functions by samples, the supervisor's
+    waiting left out."""
+    cmd = [py_spy, "record", "--idle", "--subprocesses", "--format", "raw", "-r", "100"]
+    cmd += ["-o", str(raw), "--", *argv]
     subprocess.run(["sync"], check=True)
     done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     if done.returncode != 0 or not raw.is_file():
@@ -182,7 +185,7 @@ def sampled(py_spy: str, name: str, argv: list[str], env: dict, cwd: Path, raw: 
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
+        if not stack or not count.isdigit() or "loader/cli/supervise.py" in stack:
             continue
         leaf[stack.split(";")[-1]] += int(count)  # the function running (or waiting)
         total += int(count)
