@@ -262,15 +262,20 @@ def _keys_absent_or_complete(base: Path) -> list[str]:
 
 
 def remote_scenarios(sharded: Path, gs: str) -> dict[str, Scenario]:
+    return _remote_scenarios(sharded, gs, fetch="fetch-gs", run="run-overlapped")
+
+
+def _remote_scenarios(sharded: Path, uri: str, *, fetch: str, run: str) -> dict[str, Scenario]:
+    """A fetch of the remote ``uri`` and an overlapped run of it, under these names."""
     return {
-        "fetch-gs": Scenario(
-            "fetch-gs",
-            lambda base: ["fetch", gs, str(base / "copy"), *REMOTE],
+        fetch: Scenario(
+            fetch,
+            lambda base: ["fetch", uri, str(base / "copy"), *REMOTE],
             lambda base: _same_files(sharded, base / "copy"),
         ),
-        "run-overlapped": Scenario(
-            "run-overlapped",
-            lambda base: _run_argv(gs, base / "root", "--revision", "r1", *REMOTE),
+        run: Scenario(
+            run,
+            lambda base: _run_argv(uri, base / "root", "--revision", "r1", *REMOTE),
             _keys_absent_or_complete,
         ),
     }
@@ -404,18 +409,7 @@ def hf(tmp_path_factory, sharded):
 
 
 def hf_scenarios(sharded: Path, hf: str) -> dict[str, Scenario]:
-    return {
-        "fetch-hf": Scenario(
-            "fetch-hf",
-            lambda base: ["fetch", hf, str(base / "copy"), *REMOTE],
-            lambda base: _same_files(sharded, base / "copy"),
-        ),
-        "run-overlapped-hf": Scenario(
-            "run-overlapped-hf",
-            lambda base: _run_argv(hf, base / "root", "--revision", "r1", *REMOTE),
-            _keys_absent_or_complete,
-        ),
-    }
+    return _remote_scenarios(sharded, hf, fetch="fetch-hf", run="run-overlapped-hf")
 
 
 #: Commands on an hf:// source (the olah Hub mirror).
