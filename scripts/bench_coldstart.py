@@ -214,12 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir", type=Path, default=None, help="where the results go (bench/work/results)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace earlier results")
-    parser.add_argument(
-        "--cold-pages",
-        action="store_true",
-        help="start each command with the free memory as found, not recycled just before "
-        "(on a VM that hands free memory back, its first touch costs several times more)",
-    )
+    machine.add_cold_pages_option(parser)
     args = parser.parse_args(argv)
 
     results, _ = machine.output_files(

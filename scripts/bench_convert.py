@@ -242,12 +242,7 @@ def main() -> int:
         "--output-dir", type=Path, default=None, help="where convert.json goes (bench/work/results)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier convert.json")
-    parser.add_argument(
-        "--cold-pages",
-        action="store_true",
-        help="start each command with the free memory as found, not recycled just before "
-        "(on a VM that hands free memory back, its first touch costs several times more)",
-    )
+    machine.add_cold_pages_option(parser)
     args = parser.parse_args()
 
     [results] = machine.output_files(

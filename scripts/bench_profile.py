@@ -202,12 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cs-hidden", type=int, default=1024)
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the fastest counts")
-    parser.add_argument(
-        "--cold-pages",
-        action="store_true",
-        help="start each command with the free memory as found, not recycled just before "
-        "(on a VM that hands free memory back, its first touch costs several times more)",
-    )
+    machine.add_cold_pages_option(parser)
     parser.add_argument(
         "--baseline",
         type=Path,

@@ -23,6 +23,7 @@ ran after a pause.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import resource
@@ -57,6 +58,17 @@ def pressure(resource: str) -> float | None:
 
 #: One write of :func:`recycle_pages`.
 _RECYCLE_CHUNK = 16 * 1024 * 1024
+
+
+def add_cold_pages_option(parser: argparse.ArgumentParser) -> None:
+    """``--cold-pages``: a benchmark's commands start on free memory as found instead of on
+    memory :func:`recycle_pages` freed just before."""
+    parser.add_argument(
+        "--cold-pages",
+        action="store_true",
+        help="start each command with the free memory as found, not recycled just before "
+        "(on a VM that hands free memory back, its first touch costs several times more)",
+    )
 
 
 def recycle_pages(directory: Path, nbytes: int) -> None:
