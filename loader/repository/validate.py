@@ -34,12 +34,11 @@ from pathlib import Path
 
 from loader import fs
 from loader.errors import CheckpointError, RepositoryError
-from loader.formats.fastertransformer import FTConfig
+from loader.formats.fastertransformer import INT32_MAX, FTConfig
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings
 
-INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 #: The largest tokenizer file copied into a repository (real ones are a few MB).
 MAX_TOKENIZER_BYTES = 256 * 2**20
