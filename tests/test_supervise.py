@@ -24,7 +24,7 @@ import pytest
 from loader import ledger
 from loader.checkpoint import open_checkpoint
 from loader.cli import main
-from loader.cli.supervise import clean_up
+from loader.cli.supervise import FORWARDED, clean_up
 from loader.errors import EXIT_TRANSIENT, SourceShrankError
 from loader.repository.lock import LOCKS_DIR
 from loader.repository.publish import STAGING_DIR
@@ -33,7 +33,12 @@ from tests.test_convert_signals import write_medium_gptj
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _no_core_dump() -> None:
+def _as_a_shell_starts_it() -> None:
+    """The dispositions an interactive shell gives a command it starts: the signals these tests
+    send are not ignored, whatever this test process inherited (``nohup`` ignores SIGHUP, a
+    script's background job SIGINT, and an ignored signal stays ignored across ``exec``)."""
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a child killed by SIGSEGV dumps none
 
 
@@ -42,7 +47,7 @@ def _start(*argv: object) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "loader", *map(str, argv)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_no_core_dump,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_as_a_shell_starts_it,
     )  # fmt: skip
 
 
@@ -263,6 +268,7 @@ def test_a_terminals_ctrl_c_reaches_the_command_once(medium, tmp_path):
     pid, terminal = pty.fork()
     if pid == 0:  # the loader, on the new terminal
         os.chdir(ROOT)
+        _as_a_shell_starts_it()
         os.execve(sys.executable, argv, {**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         deadline = time.monotonic() + 120

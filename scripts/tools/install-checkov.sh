@@ -28,4 +28,5 @@ else
   [[ "$got" == "$version" ]] || { echo "checkov reports $got, not $version" >&2; exit 1; }
   touch "$stamp"
 fi
-ln -sfn "$venv/bin/checkov" "$bin/checkov"
+# relative: the link keeps working wherever the tools directory is moved or linked from
+ln -sfn ../checkov-venv/bin/checkov "$bin/checkov"
