@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 #: pytest-xdist workers (auto: one per CPU). A test file runs on one worker (its module's
 #: servers start once); session fixtures are built once and shared.
 TEST_WORKERS ?= auto
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: help install venv triton-venv tools helm kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
         bench-fetch bench-coldstart bench-profile bench-serving bench-completions bench-llm \

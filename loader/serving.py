@@ -70,6 +70,9 @@ PORT_IN_USE = "already in use"
 EXIT_TIMEOUT_EXPIRED = "Exit timeout expired"
 #: What it counts down for, one line a second (``Timeout 12: Found 1 HTTP service connections``).
 _WAITED_FOR = re.compile(r"Timeout \d+: Found (\d+ [^\n\"]+)")
+#: A model's load and unload as Triton logs them (``model_lifecycle.cc``).
+_LOADED = re.compile(r"successfully loaded '([^']+)'")
+_UNLOADED = re.compile(r"successfully unloaded '([^']+)'")
 #: Triton's log lines that name why it stopped, most telling first.
 _CAUSES = (
     re.compile(r"failed to start .*already in use.*|Socket .* already in use.*"),
@@ -383,6 +386,18 @@ def rendered_pod_args(
             f"the chart does not render for these values: {exc}",
             "Fix the values helm names (scripts/render_chart.py -f FILE shows the rendering).",
         ) from exc
+
+
+def exit_wait(log_text: str) -> str | None:
+    """What a server whose log is ``log_text`` waited for until its exit timeout ran out (the
+    counts it logged each second, and the models it never finished unloading), or None when it
+    did not wait that long."""
+    if EXIT_TIMEOUT_EXPIRED not in log_text:
+        return None
+    waited = sorted({m[1] for m in _WAITED_FOR.finditer(log_text) if not m[1].startswith("0 ")})
+    said = "; ".join(waited) or "what it waited for is in its log"
+    live = sorted(set(_LOADED.findall(log_text)) - set(_UNLOADED.findall(log_text)))
+    return said + (f"; never unloaded: {', '.join(live)}" if live else "")
 
 
 class TritonServer:
@@ -732,10 +747,10 @@ class TritonServer:
             self._log_file.close()
             self._log_file = None
         text = self.log_text() if process is not None else ""
-        if EXIT_TIMEOUT_EXPIRED in text:
+        waited_for = exit_wait(text)
+        if waited_for is not None:
             self.exit_timed_out = True
-            waited = sorted({m[1] for m in _WAITED_FOR.finditer(text) if not m[1].startswith("0 ")})
-            self.exit_waited_for = "; ".join(waited) or "what it waited for is in its log"
+            self.exit_waited_for = waited_for
             log.warning(
                 "tritonserver waited its whole --exit-timeout-secs=%s before exiting (it found %s): "
                 "a client kept an HTTP connection or a request open (on SIGTERM Triton waits for "

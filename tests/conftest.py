@@ -28,6 +28,35 @@ from tests.tiers import FAST_TIER
 pytest_plugins = ["tests.fault_sweep"]
 
 
+#: The test files that take longest under ``make test``, longest first (the sum of their tests'
+#: durations, from ``--durations``). xdist hands files to workers in collection order
+#: (``--no-loadscope-reorder`` in the Makefile; its default orders by the number of tests,
+#: which sends the few long sweeps last), so no long file starts near the end and keeps one
+#: worker busy alone while the others wait. A file not listed keeps its place after these.
+LONGEST_FIRST = (
+    "test_planted_names",
+    "test_readme",
+    "test_fault_injection_remote",
+    "test_chart_cluster",
+    "test_kill_points",
+    "test_chart_scheduling",
+    "test_bench_serving",
+    "test_streaming",
+    "test_completions_service",
+    "test_chart_lifecycle",
+    "test_serving",
+    "test_chart_operations",
+    "test_chart_openai_cluster",
+    "test_chart_key",
+    "test_serving_process",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _triton_stops_without_waiting_out_its_exit_timeout() -> Iterator[None]:
     """A test that leaves a client's HTTP connection open makes Triton wait its whole
@@ -51,7 +80,9 @@ def _triton_stops_without_waiting_out_its_exit_timeout() -> Iterator[None]:
         )
         if "HTTP service connection" in self.exit_waited_for:
             pytest.fail(f"{message}: close every HTTP client before the server stops", False)
-        warnings.warn(message, stacklevel=2)
+        # The server's warnings and errors say what the model was still doing.
+        said = [line for line in self.log_text().splitlines() if line[:1] in "WE"]
+        warnings.warn(message + "".join(f"\n  {line}" for line in said[-12:]), stacklevel=2)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TritonServer, "stop", checked)

@@ -161,6 +161,26 @@ def test_the_cause_in_a_triton_log_comes_before_the_cuda_noise():
     assert serving.log_cause("I1130 1 2 x.cc:1] all good\n") is None
 
 
+def test_an_exit_timeout_names_what_it_waited_for_and_the_models_never_unloaded():
+    """The lines Triton 23.05 logs on SIGTERM (``src/main.cc``, ``server.cc``,
+    ``model_lifecycle.cc``), one model still answering a request when the timeout ran out."""
+    lines = [
+        "I1202 1 2 model_lifecycle.cc:693] \"successfully loaded 'postprocessing' version 1\"",
+        "I1202 1 2 model_lifecycle.cc:693] \"successfully loaded 'codegen' version 1\"",
+        'I1202 1 2 server.cc:345] "Timeout 40: Found 2 live models and 0 in-flight '
+        'non-inference requests"',
+        "I1202 1 2 model_lifecycle.cc:624] \"successfully unloaded 'postprocessing' version 1\"",
+        'I1202 1 2 server.cc:345] "Timeout 1: Found 1 live models and 0 in-flight '
+        'non-inference requests"',
+        'E1202 1 2 main.cc:277] "Exit timeout expired. Exiting immediately."',
+    ]
+    assert serving.exit_wait("\n".join(lines)) == (
+        "1 live models and 0 in-flight non-inference requests; "
+        "2 live models and 0 in-flight non-inference requests; never unloaded: codegen"
+    )
+    assert serving.exit_wait("\n".join(lines[:-1])) is None  # it stopped in time
+
+
 def test_the_loaders_root_and_a_gpu_only_repository_are_refused_with_what_to_serve(
     repository, tmp_path
 ):
