@@ -24,7 +24,7 @@ TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: help install venv triton-venv tools helm kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
-        bench-fetch bench-coldstart bench-profile bench-serving bench-completions bench-llm \
+        bench-fetch bench-fetch-perf bench-coldstart bench-profile bench-serving bench-completions bench-llm \
         staging-deploy cluster-up cluster-down clean
 
 help: ## list the targets
@@ -112,6 +112,9 @@ bench-convert: install ## converter throughput vs cp (efficiency), CPU s per GB,
 
 bench-fetch: install ## GCS download: plain single stream vs the loader
 	$(BIN)/python scripts/bench_fetch.py $(BENCH_FLAGS)
+
+bench-fetch-perf: install ## where a gs:// download's CPU goes below Python (perf record with call chains): socket receive, page-cache write, page faults, Python, CRC32C; per GB beyond the fixed cost
+	$(BIN)/python scripts/perf_fetch.py $(if $(BENCH_OUTPUT),--output $(BENCH_OUTPUT)/fetch-perf.md)
 
 bench-coldstart: install ## gs:// checkpoint to .ready: fetch, convert, run sequential and overlapped; time, CPU s per GB, overlap efficiency, disk, load
 	$(BIN)/python scripts/bench_coldstart.py $(BENCH_FLAGS) $(BASELINE_FLAGS)
