@@ -30,7 +30,6 @@ from loader.parallel import Parallelism
 from loader.plan import MODEL_PRESETS, check_index_range, check_memory, estimate_memory
 from loader.reference import GptJ, load_ft_checkpoint
 from tests.tiers import examples
-from tests.tinymodels import make_tiny_checkpoint
 
 GPTJ_6B = {
     "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_layer": 28, "rotary_dim": 64,
@@ -289,11 +288,13 @@ def test_config_ini_gets_the_same_checks_on_read(tmp_path):
             FTConfig.from_ini(write_ini(tmp_path, tiny(320), **raw))
 
 
-def test_the_cpu_reference_reads_a_rotary_dimension_of_0_as_none(tmp_path):
+def test_the_cpu_reference_reads_a_rotary_dimension_of_0_as_none(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
     """FasterTransformer applies no rotary embedding when rotary_embedding is 0
     (``rotary_embedding_dim > 0`` guards it in both attention kernels); nor does the CPU
     reference: a pair of tokens scores the same at positions (0, 1) and (0, 5)."""
-    source = make_tiny_checkpoint(tmp_path / "src", n_layer=1)
+    source = tiny_checkpoint_with_tokenizer
     out = convert_checkpoint(source, tmp_path / "out", tp_size=1).output_path
     ini = out / "config.ini"
     ini.write_text(
