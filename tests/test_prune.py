@@ -24,6 +24,7 @@ from loader.repository.publish import (
     WORK_DIR,
     host_digest,
 )
+from tests.tiers import FAST_TIER
 
 
 def _publish(capsys, source: Path, root: Path, name: str, revision: str, created: str) -> Path:
@@ -181,7 +182,7 @@ def test_a_key_published_again_while_prune_works_is_kept(
     template = tree.root.with_name("template")
     shutil.copytree(tree.root, template, symlinks=True)
     checked = 0
-    for site in list(recorder.sites)[:14]:
+    for site in list(recorder.sites)[: 6 if FAST_TIER else 14]:  # the fast tier: the first 6
         shutil.rmtree(tree.root)
         shutil.copytree(template, tree.root, symlinks=True)
         done: list[int] = []
