@@ -14,6 +14,10 @@ tree it left, where each entry is replaced). At each name, one of:
 * a user's file, a directory holding a user's file, a FIFO (never to be read: it would block);
 * in a journal, lines naming ``..`` and paths (``moved-into ..``, an output ``../x``).
 
+``make test`` plants at every name of the local, overlapped ``gs://`` and resume runs, and at
+the names of the whole ``gs://`` and the ``hf://`` runs outside the staging tree, which every
+source's run builds alike (:data:`SHARED_TREE`); ``make test-faults`` at every name of every run.
+
 A missing parent is made a directory (the loader's marker in it where the loader's would carry
 one). The property, for ``run`` and then ``prune`` (each in a forked process, with an alarm
 against a hang): exit 0 (``run``: the key a real directory under ROOT that verifies complete) or
@@ -270,8 +274,25 @@ def _variant(template: Path, source: str) -> str:
     return _VARIANTS[(str(template), source)]
 
 
-def _sweep(template: Path, source: str, names: list[str], extra: tuple[str, ...], every: bool):
+#: Where every source's run builds the same repository: ``make test`` plants there in the local,
+#: the overlapped gs:// and the resume sweeps, and leaves it out of the whole gs:// and the hf://
+#: sweeps, which plant at the names their own download and conversion make (``make
+#: test-faults`` plants everywhere in every sweep).
+SHARED_TREE = ".staging"
+
+
+def _sweep(
+    template: Path,
+    source: str,
+    names: list[str],
+    extra: tuple[str, ...],
+    every: bool,
+    *,
+    shared: bool = True,
+):
     names = _thin(names)
+    if not (shared or every):
+        names = [n for n in names if n.split("/")[0] != SHARED_TREE]
     cases = [(rel, kind) for rel in names for kind in KINDS]
     if not every:  # a link out of ROOT at every name, and one other kind per name, turning
         others = KINDS[1:]
@@ -342,7 +363,7 @@ def test_local_run_at_every_name_it_makes(tiny_checkpoint_with_tokenizer, empty,
 def test_gcs_run_at_every_name_it_makes(gs, empty, dead, extra, every):
     names = _clean_names(gs, empty, dead, extra)
     assert any(n.endswith(".journal") for n in names) or extra, names
-    _sweep(empty, gs, names, extra, every)
+    _sweep(empty, gs, names, extra, every, shared=not extra)
 
 
 # --- hf:// ------------------------------------------------------------------------------------
@@ -358,7 +379,7 @@ def test_gcs_run_at_every_name_it_makes(gs, empty, dead, extra, every):
 def test_hf_run_at_every_name_it_makes(hf, empty, dead, extra, every):
     names = _clean_names(hf, empty, dead, extra)
     assert any(n.endswith(".incomplete") and "/.partial/hf." in n for n in names), names
-    _sweep(empty, hf, names, extra, every)
+    _sweep(empty, hf, names, extra, every, shared=False)
 
 
 class _KillAfterTheMove:
