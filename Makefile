@@ -18,10 +18,14 @@ export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 #: (install-aiperf.sh, about 1 GB) only by `make bench-llm`.
 TOOL_SCRIPTS := $(filter-out scripts/tools/install-kube.sh scripts/tools/install-aiperf.sh,$(sort $(wildcard scripts/tools/install-*.sh)))
 PYTEST_ARGS ?=
-#: pytest-xdist workers (auto: one per CPU). A test file runs on one worker (its module's
-#: servers start once); session fixtures are built once and shared.
-TEST_WORKERS ?= auto
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+#: pytest-xdist workers: one more than the CPUs (a part of the suite waits on servers, control
+#: planes and timers, and a third worker fills that time: 2 workers left about 40% of 2 CPUs
+#: idle). A test file runs on one worker (its module's servers start once); session fixtures
+#: are built once and shared.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+#: The fast tier and the exhaustive sweeps wait on little: one worker per CPU.
+FAST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest --dist loadfile --no-loadscope-reorder
 
 .PHONY: help install venv triton-venv tools helm kube test test-fast test-e2e test-faults lint fmt demo bench bench-convert \
         bench-fetch bench-fetch-perf bench-coldstart bench-profile bench-serving bench-completions bench-llm \
@@ -66,18 +70,18 @@ $(TOOLS)/bin/kube.stamp: scripts/tools/install-kube.sh $(wildcard tools/kube/*)
 
 #: The control plane's Go build is CPU-bound, the virtualenvs and tools mostly download and
 #: unpack: `make test` builds them side by side (their lines interleave, each names its step).
-test: ## run every test, in parallel (TEST_WORKERS=auto)
+test: ## run every test, in parallel (TEST_WORKERS: one more than the CPUs)
 	@$(MAKE) --no-print-directory -j3 install kube triton-venv
-	$(PYTEST) --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 test-fast: install ## the fast tier: units and renders, no server, nothing slow
-	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -m "not server and not slow" $(PYTEST_ARGS)
+	MODEL_TRITON_TEST_TIER=fast $(PYTEST) -n $(FAST_WORKERS) -m "not server and not slow" $(PYTEST_ARGS)
 
 test-e2e: install kube ## make staging-deploy end to end on the local control plane alone
-	$(PYTEST) -m e2e tests/test_staging_deploy.py $(PYTEST_ARGS)
+	$(PYTEST) -n $(TEST_WORKERS) -m e2e tests/test_staging_deploy.py $(PYTEST_ARGS)
 
 test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch, every kind of entry planted at every name under ROOT (not in test: ~10 min on 2 cores)
-	$(PYTEST) -m exhaustive $(sort $(wildcard tests/test_fault_every_errno_*.py)) tests/test_planted_names.py $(PYTEST_ARGS)
+	$(PYTEST) -n $(FAST_WORKERS) -m exhaustive $(sort $(wildcard tests/test_fault_every_errno_*.py)) tests/test_planted_names.py $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
 #: modules a repository copies next to them.
