@@ -32,6 +32,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from loader import fs
 from loader.errors import InsufficientDiskSpaceError, SourceError, shown
@@ -212,18 +213,24 @@ def crc32c_text(value: int) -> str:
 
 def range_crc32c(path: Path, start: int = 0, length: int | None = None) -> int:
     """The CRC32C of ``length`` bytes of a file from ``start`` (to its end when None)."""
+    with fs.open_read(path) as fh:
+        return crc32c_of(fh, start, length)
+
+
+def crc32c_of(fh: BinaryIO, start: int = 0, length: int | None = None) -> int:
+    """The CRC32C of ``length`` bytes of the open file ``fh`` from ``start`` (to its end when
+    None)."""
     import google_crc32c
 
     crc = 0
-    with fs.open_read(path) as fh:
-        fh.seek(start)
-        left = length
-        while left is None or left > 0:
-            chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
-            if not chunk:
-                break
-            crc = google_crc32c.extend(crc, chunk)
-            left = None if left is None else left - len(chunk)
+    fh.seek(start)
+    left = length
+    while left is None or left > 0:
+        chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
+        if not chunk:
+            break
+        crc = google_crc32c.extend(crc, chunk)
+        left = None if left is None else left - len(chunk)
     return crc
 
 
@@ -271,12 +278,17 @@ def crc32c_combine(first: int, second: int, second_length: int) -> int:
 
 def file_md5(path: Path) -> str:
     """The MD5 of a file as Cloud Storage writes it: base64 of the 16-byte digest."""
+    with fs.open_read(path) as fh:
+        return md5_of(fh)
+
+
+def md5_of(fh: BinaryIO) -> str:
+    """:func:`file_md5` of the open file ``fh`` (read from its current offset)."""
     import hashlib
 
     digest = hashlib.md5(usedforsecurity=False)
-    with fs.open_read(path) as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
+    while chunk := fh.read(_CHUNK):
+        digest.update(chunk)
     return base64.b64encode(digest.digest()).decode("ascii")
 
 
