@@ -944,22 +944,6 @@ def rename(source: Path, target: Path) -> None:
     os.rename(source, target)
 
 
-def unlink(path: Path, *, missing_ok: bool = True) -> None:
-    try:
-        located = _locate(path)
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise
-    if located is not None:
-        d, name = located
-        with d:
-            d.unlink(name, missing_ok=missing_ok)
-        return
-    _seam("unlink", path)
-    Path(path).unlink(missing_ok=missing_ok)
-
-
 def copy_range(src_fd: int, dst_fd: int, count: int, offset: int, path: object) -> int:
     """``copy_file_range`` of ``count`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``."""
     _seam("copy", path)
