@@ -268,9 +268,8 @@ def test_a_fifo_where_the_loader_writes_a_file_is_refused(tmp_path):
     (tmp_path / "sub").mkdir()
     fifo = tmp_path / "sub" / "journal.tmp"
     os.mkfifo(fifo)
-    with fs.confined(tmp_path):
-        with pytest.raises(NotOursError):
-            fs.write_file(fifo, b"x")
+    with fs.confined(tmp_path), pytest.raises(NotOursError):
+        fs.write_file(fifo, b"x")
     with fs.Dir.open(tmp_path / "sub") as d:  # every way a Dir writes or reads a file
         for call in (
             lambda: d.append(fifo.name, b"x"),
