@@ -30,7 +30,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -287,6 +287,7 @@ class TorchFile:
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:
+            _unless_shrunk(path, self.size, exc)
             raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
@@ -315,6 +316,18 @@ class TorchFile:
 
     def close(self) -> None:
         self._state = {}
+
+
+def _unless_shrunk(path: Path, size: int, exc: BaseException) -> None:
+    """A file that is shorter now than when it was opened failed to parse because another
+    process cut it short meanwhile (a transient error: the next run reads it again), not
+    because it is corrupt."""
+    try:
+        now = os.stat(path).st_size
+    except OSError:
+        return
+    if now < size:
+        raise SourceShrankError([(path, size, now)]) from exc
 
 
 def _torch_dtype_name(dtype: Any) -> str | None:
@@ -352,6 +365,9 @@ class Inventory:
     listing: str
     #: tensor name -> weight file (a plain file name inside ``directory``)
     placement: dict[str, str]
+    #: weight file -> its size when the inventory read it (the single weight file): opened
+    #: again shorter, it was cut short meanwhile, not corrupt (:class:`SourceShrankError`)
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @property
     def sharded(self) -> bool:
@@ -367,7 +383,17 @@ class Inventory:
         path = self.directory / name
         if not path.is_file():
             raise self.missing([name])
-        return OPENERS[self.layout.name](path)
+        seen = self.sizes.get(name)
+        try:
+            shard = OPENERS[self.layout.name](path)
+        except CheckpointError as exc:
+            if seen is not None:
+                _unless_shrunk(path, seen, exc)
+            raise
+        if seen is not None and shard.size < seen:
+            shard.close()
+            raise SourceShrankError([(path, seen, shard.size)])
+        return shard
 
     def check_placement(
         self, name: str, infos: Mapping[str, TensorInfo], *, unlisted: Callable[[str], bool]
@@ -402,20 +428,26 @@ class Inventory:
         )
 
 
-def read_inventory(directory: Path | str) -> Inventory:
+def read_inventory(directory: Path | str, *, seen: Mapping[str, int] | None = None) -> Inventory:
     """The inventory of ``directory``, in the first layout of
-    :data:`~loader.formats.huggingface.WEIGHT_FILES` it has an index or a single file of."""
+    :data:`~loader.formats.huggingface.WEIGHT_FILES` it has an index or a single file of.
+    ``seen``: the sizes an earlier inventory of it recorded (:attr:`Inventory.sizes`); a
+    weight file shorter now was cut short meanwhile (:class:`SourceShrankError`)."""
     directory = Path(directory)
     for layout in WEIGHT_FILES:
         if (directory / layout.index).is_file():
             return Inventory(directory, layout, layout.index, _read_index(directory, layout))
         if (directory / layout.single).is_file():
-            shard = OPENERS[layout.name](directory / layout.single)
+            prior = Inventory(directory, layout, layout.single, {}, dict(seen or {}))
+            shard = prior.open(layout.single)
             try:
                 names = list(shard.infos())
             finally:
                 shard.close()
-            return Inventory(directory, layout, layout.single, dict.fromkeys(names, layout.single))
+            placement = dict.fromkeys(names, layout.single)
+            return Inventory(
+                directory, layout, layout.single, placement, {layout.single: shard.size}
+            )
     present = sorted(p.name for p in directory.iterdir())[:20]
     looked_for = ", ".join(f"{lay.single} / {lay.index}" for lay in WEIGHT_FILES)
     raise CheckpointError(

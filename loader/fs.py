@@ -488,15 +488,80 @@ class Dir:
 
     def write(self, name: str, data: bytes, *, exclusive: bool = True, sync: bool = True) -> None:
         """Write the file ``name`` (created with ``O_EXCL`` unless ``exclusive`` is False:
-        then an existing regular file is overwritten); fsynced unless ``sync`` is False."""
+        then an existing regular file is overwritten, anything else there is
+        :class:`NotOursError`); fsynced unless ``sync`` is False."""
         flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        fd = self.open_file(name, flags)
+        fd = self._open_regular(name, flags, "a file the loader writes")
         try:
             write_fd(fd, data, self.path / name)
             if sync:
                 fsync_fd(fd, self.path / name)
         finally:
             os.close(fd)
+
+    def _open_regular(self, name: str, flags: int, expected: str) -> int:
+        """``openat`` of the regular file ``name`` (:meth:`open_file`), opened without blocking
+        on a FIFO: a link, FIFO, socket, device or directory there is a :class:`NotOursError`
+        (never read or written: it may block forever or never end)."""
+        fd = self.open_file(name, flags | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise self.not_ours(name, expected)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def regular_size(self, name: str) -> int | None:
+        """The size of the regular file ``name``; None when nothing is there, or something
+        else (a link, a directory, a FIFO)."""
+        found = self.lstat(name)
+        return found.st_size if found is not None and stat.S_ISREG(found.st_mode) else None
+
+    def create(self, name: str) -> BinaryIO:
+        """The new file ``name`` (``O_EXCL``, never through a link), open for unbuffered
+        writing."""
+        fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        return open(fd, "wb", buffering=0, closefd=True)
+
+    def append(self, name: str, data: bytes, *, sync: bool = False) -> None:
+        """Append ``data`` to the regular file ``name`` (created if absent); fsynced with
+        ``sync``."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        fd = self._open_regular(name, flags, "a file the loader writes")
+        try:
+            write_fd(fd, data, self.path / name)
+            if sync:
+                fsync_fd(fd, self.path / name)
+        finally:
+            os.close(fd)
+
+    def open_read(self, name: str) -> BinaryIO:
+        """The regular file ``name`` open for reading (anything else: :class:`NotOursError`)."""
+        return open(self._open_regular(name, os.O_RDONLY, "a file the loader reads"), "rb")
+
+    def open_update(self, name: str) -> BinaryIO:
+        """The existing regular file ``name`` open for reading and writing in place,
+        unbuffered (anything else: :class:`NotOursError`)."""
+        fd = self._open_regular(name, os.O_RDWR, "a file the loader writes")
+        return open(fd, "r+b", buffering=0)
+
+    def fsync_file(self, name: str) -> None:
+        """Make the content of the regular file ``name`` durable."""
+        fd = self._open_regular(name, os.O_RDONLY, "a file the loader writes")
+        try:
+            fsync_fd(fd, self.path / name)
+        finally:
+            os.close(fd)
+
+    def enter(self, names: tuple[str, ...] | list[str]) -> Dir:
+        """A new :class:`Dir` of ``names`` below this one (this one stays open), entered one
+        name at a time, never through a link; this directory again when ``names`` is empty."""
+        if not names:
+            _seam("open", self.path)
+            return Dir(os.dup(self.fd), self.path)
+        return self.sub(names[0]).walk_in(tuple(names[1:]))
 
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file
@@ -717,12 +782,6 @@ def write_file(path: Path, data: bytes, *, sync: bool = False) -> None:
     _write(path, data, os.O_TRUNC, sync)
 
 
-def append(path: Path, data: bytes, *, sync: bool = False) -> None:
-    """Append ``data`` to the regular file at ``path`` (created if absent, never through a
-    link); fsynced with ``sync``."""
-    _write(path, data, os.O_APPEND, sync)
-
-
 def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | mode
     fd = _open_below(path, flags)
@@ -844,16 +903,6 @@ def copy_file(source: Path, target: Path) -> None:
             write_fd(dst.fileno(), chunk, target)
 
 
-def open_update(path: Path) -> BinaryIO:
-    """The existing regular file ``path`` open for reading and writing in place, unbuffered
-    (never through a link)."""
-    fd = _open_below(path, os.O_RDWR)
-    if fd is None:
-        _seam("open", path)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    return open(fd, "r+b", buffering=0)
-
-
 def truncate(fd: int, size: int, path: object) -> None:
     _seam("write", path)
     with _naming(path):
@@ -893,22 +942,6 @@ def rename(source: Path, target: Path) -> None:
         raise NotOursError(target, f"a rename from {source}", "both names in the loader's tree")
     _seam("rename", f"{source} -> {target}")
     os.rename(source, target)
-
-
-def unlink(path: Path, *, missing_ok: bool = True) -> None:
-    try:
-        located = _locate(path)
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise
-    if located is not None:
-        d, name = located
-        with d:
-            d.unlink(name, missing_ok=missing_ok)
-        return
-    _seam("unlink", path)
-    Path(path).unlink(missing_ok=missing_ok)
 
 
 def copy_range(src_fd: int, dst_fd: int, count: int, offset: int, path: object) -> int:

@@ -4,12 +4,15 @@ they arrive, in any order, without reading the file back."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+
 import google_crc32c
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.sources.transfer import crc32c_combine, crc32c_text, file_crc32c, range_crc32c
+from loader.sources.transfer import crc32c_combine, crc32c_of, crc32c_text, md5_of
 
 
 @settings(max_examples=300, deadline=None)
@@ -44,7 +47,10 @@ def test_a_file_s_value_in_cloud_storage_s_spelling(tmp_path):
     data = bytes(range(256)) * 1000
     path = tmp_path / "f"
     path.write_bytes(data)
-    assert file_crc32c(path) == crc32c_text(google_crc32c.value(data))
+    with open(path, "rb") as fh:
+        assert crc32c_text(crc32c_of(fh)) == crc32c_text(google_crc32c.value(data))
+        assert crc32c_of(fh, 1000, 5000) == google_crc32c.value(data[1000:6000])
+        assert crc32c_of(fh, len(data) - 10, 100) == google_crc32c.value(data[-10:])
+        fh.seek(0)
+        assert md5_of(fh) == base64.b64encode(hashlib.md5(data).digest()).decode("ascii")
     assert crc32c_text(0xE3069283) == "4waSgw=="  # CRC32C("123456789"), the check value
-    assert range_crc32c(path, 1000, 5000) == google_crc32c.value(data[1000:6000])
-    assert range_crc32c(path, len(data) - 10, 100) == google_crc32c.value(data[-10:])

@@ -441,3 +441,61 @@ def test_a_journal_names_only_a_staging_directory(tmp_path):
                 journal.record_move(bad)
         journal.record_move("tiny@r1.123-abcdef01.0123456789ab")
         assert journal.moved_to() == "tiny@r1.123-abcdef01.0123456789ab"
+        journal.close()
+
+
+def test_a_journal_keeps_only_outputs_named_by_one_name_in_its_directory(tmp_path):
+    """Output lines naming ``..``, a path, NUL or a dot file keep nothing and reach nothing:
+    the outputs are names in the output directory's descriptor."""
+    from loader import digest
+    from loader.convert.overlapped import Journal
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the loader's")
+    st = victim.stat()
+    hexdigest = digest.of_bytes(b"not the loader's")
+    (tmp_path / "work" / "out").mkdir(parents=True)
+    with fs.confined(tmp_path / "work"):
+        journal = Journal(tmp_path / "work" / "out", "h")
+        lines = [
+            f"{bad} {st.st_size} {hexdigest} {st.st_ino} {st.st_mtime_ns}"
+            for bad in ("../../victim", str(victim), "x\0y", "..", ".", "a/../../victim")
+        ]
+        journal.path.write_text(f"{journal.header}\n" + "\n".join(lines) + "\n")
+        try:
+            assert journal.resume() == {}
+        finally:
+            journal.close()
+    assert victim.read_bytes() == b"not the loader's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim", "work"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_fifo_or_link_at_the_journal_is_refused_not_read(tmp_path, kind):
+    from loader.convert.overlapped import Journal
+    from loader.errors import NotOursError
+
+    outside = tmp_path / "outside"
+    outside.write_text("h b3\nmoved-into x\n")
+    (tmp_path / "work").mkdir()
+    journal_path = tmp_path / "work" / "out.journal"
+    if kind == "fifo":
+        os.mkfifo(journal_path)
+    else:
+        journal_path.symlink_to(outside)
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(30)  # a FIFO read would block forever
+    try:
+        with fs.confined(tmp_path / "work"):
+            journal = Journal(tmp_path / "work" / "out", "h")
+            try:
+                with pytest.raises(NotOursError):
+                    journal.moved_to()
+                with pytest.raises(NotOursError):
+                    journal.record_move("name")
+            finally:
+                journal.close()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert outside.read_text() == "h b3\nmoved-into x\n"

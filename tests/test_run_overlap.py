@@ -111,14 +111,14 @@ def test_shards_are_neither_fsynced_nor_read_back_and_every_output_is_made_durab
     read_back: list[str] = []
 
     def recording(real):
-        def read(path, *args, **kwargs):
-            read_back.append(Path(path).name)
-            return real(path, *args, **kwargs)
+        def read(fh, *args, **kwargs):
+            read_back.append(Path(os.readlink(f"/proc/self/fd/{fh.fileno()}")).name)
+            return real(fh, *args, **kwargs)
 
         return read
 
     monkeypatch.setattr(os, "fsync", fsync)
-    for name in ("range_crc32c", "file_crc32c", "file_md5"):
+    for name in ("crc32c_of", "md5_of"):
         monkeypatch.setattr(gcs, name, recording(getattr(gcs, name)))
     root = tmp_path / "models"
     assert main(_argv(SOURCE, root)) == 0

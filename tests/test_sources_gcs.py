@@ -182,15 +182,15 @@ def no_read_back(monkeypatch) -> list[Path]:
     present: list[Path] = []
     real = gcs._verified
 
-    def verified(path, blob):
-        present.append(Path(path))
-        return real(path, blob)
+    def verified(top, rel, blob):
+        present.append(top.path / rel)
+        return real(top, rel, blob)
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"a download was read back: {args}")
 
     monkeypatch.setattr(gcs, "_verified", verified)
-    for name in ("range_crc32c", "file_crc32c", "file_md5"):
+    for name in ("crc32c_of", "md5_of"):
         monkeypatch.setattr(gcs, name, refuse)
     return present
 
@@ -278,13 +278,13 @@ def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
         f"0 {SLICE - 1}\n{SLICE} {2 * SLICE - 1}\n"
     )
     read_back: list[tuple[int, int]] = []
-    real = gcs.range_crc32c
+    real = gcs.crc32c_of
 
-    def recorded(path, start=0, length=None):
+    def recorded(fh, start=0, length=None):
         read_back.append((start, length))
-        return real(path, start, length)
+        return real(fh, start, length)
 
-    monkeypatch.setattr(gcs, "range_crc32c", recorded)
+    monkeypatch.setattr(gcs, "crc32c_of", recorded)
     if damaged:
         with pytest.raises(ChecksumMismatchError) as info:
             fetch(f"gs://{BUCKET}/{prefix}", dest, slice_bytes=SLICE)
@@ -298,6 +298,63 @@ def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
     else:
         assert read_back == [(0, SLICE), (SLICE, SLICE)]
         assert result.downloaded_bytes == len(data) - 2 * SLICE
+
+
+@pytest.mark.parametrize(
+    "planted", ["partial-link", "journal-link", "journal-fifo", "journal-lines"]
+)
+def test_what_a_stopped_run_left_is_never_followed_or_read_blocking(
+    server, tmp_path, monkeypatch, planted
+):
+    """The partial file and journal a gone run left are taken over as names in their
+    directory: a link there is never followed (what it points to stays as it was), a FIFO is
+    never read (no hang), and journal lines that are not two numbers naming a slice (paths,
+    ``..``, NUL, a third field) are ignored. The fetch then completes from the bucket."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(3 * SLICE + 10)
+    (src / "model.safetensors").write_bytes(data)
+    prefix = f"planted-{planted}/ckpt"
+    server.upload_dir(BUCKET, prefix, src)
+    (blob,) = server.client().list_blobs(BUCKET, prefix=prefix)
+    dest = tmp_path / "dest"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    owner = f"{gone.pid}-{fs.host_digest()}"
+    partial = dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}.{owner}"
+    journal = partial.with_name(partial.name + ".slices")
+    partial.parent.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not the loader's\n" * 100)
+    partial.write_bytes(data[:SLICE] + bytes(len(data) - SLICE))
+    journal.write_text(f"0 {SLICE - 1}\n")
+    if planted == "partial-link":
+        partial.unlink()
+        partial.symlink_to(outside)
+    elif planted == "journal-link":
+        journal.unlink()
+        journal.symlink_to(outside)
+    elif planted == "journal-fifo":
+        journal.unlink()
+        os.mkfifo(journal)
+    else:
+        journal.write_text(f"x y\n../../outside 1\n0 {SLICE - 1} 7\n-1 5\n\0 \0\n0 {SLICE - 1}\n")
+
+    def hang(*_):
+        raise AssertionError("the fetch blocked on what was planted")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        result = fetch(f"gs://{BUCKET}/{prefix}", dest, slice_bytes=SLICE)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (dest / "model.safetensors").read_bytes() == data
+    assert outside.read_bytes() == b"not the loader's\n" * 100
+    resumed = SLICE if planted == "journal-lines" else 0  # the one line naming a slice
+    assert result.downloaded_bytes == len(data) - resumed
+    assert not (dest / transfer.PARTIAL_DIR).exists()
 
 
 def test_not_enough_disk_space_fails_before_downloading(single, tmp_path, monkeypatch):

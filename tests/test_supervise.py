@@ -374,3 +374,124 @@ def test_only_the_very_directory_the_child_made_is_removed(tmp_path):
     assert not made.exists()
     assert again.is_dir() and moved.is_dir() and linked.is_symlink() and other.is_dir()
     assert (target / "keep").read_text() == "mine"
+
+
+def _bin_of(safetensors_dir: Path) -> None:
+    """The same checkpoint as a single ``pytorch_model.bin`` (torch.save of its tensors)."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = safetensors_dir / "model.safetensors"
+    torch.save(load_file(weights), safetensors_dir / "pytorch_model.bin")
+    weights.unlink()
+
+
+def _cut_short_while_mapped(proc: subprocess.Popen, pid: int, weights: Path) -> tuple[int, str]:
+    """Cut ``weights`` to half while ``pid`` (``proc``'s converter) holds it mapped and is
+    stopped; the converter's size, and ``proc``'s stderr once it ended."""
+    _stop(pid)
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)
+    os.kill(pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    return size, err
+
+
+def _said_shrank(err: str, weights: Path, size: int) -> None:
+    said = (
+        f"error: A source file shrank while the loader read it: {weights} ({size} bytes when "
+        f"the loader opened it, {size // 2} now); "
+    )
+    assert said in err, err
+    assert err.rstrip().splitlines()[-1].startswith("hint: Let nothing write the source")
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["convert", "run"])
+def test_a_torch_bin_cut_short_under_the_map_is_a_transient_error_naming_it(
+    command, medium, tmp_path
+):
+    _bin_of(medium)
+    weights, out = medium / "pytorch_model.bin", tmp_path / "out"
+    out.mkdir()
+    argv = _convert_argv(medium, out) if command == "convert" else _run_argv(medium, out)
+    argv = [*argv, "--dtype", "fp32"]  # every output cast from torch's map: SIGBUS
+    proc = _start(*argv)
+    size, err = _cut_short_while_mapped(proc, _mapping_child(proc, weights), weights)
+
+    assert proc.returncode == EXIT_TRANSIENT, err
+    _said_shrank(err, weights, size)
+    assert [p for p in out.rglob("*") if p.name not in (LOCKS_DIR, STAGING_DIR)] == []
+
+    rerun = _start(*argv)  # the file left cut short: refused, named, nothing left
+    _, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 2, err
+    assert f"error: {weights} is truncated or corrupt" in err
+    assert "Traceback" not in err
+    assert [p for p in out.rglob("*") if p.name not in (LOCKS_DIR, STAGING_DIR)] == []
+
+
+def _mapping_child_of(proc: subprocess.Popen, below: Path, name: str) -> tuple[int, Path]:
+    """``proc``'s child once it has a file ``name`` below ``below`` mapped, and that file."""
+    deadline = time.monotonic() + 300
+    prefix = os.path.realpath(below) + "/"
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the child never mapped the weights"
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                try:
+                    maps = Path(f"/proc/{child}/maps").read_text().splitlines()
+                except OSError:
+                    continue
+                for line in maps:
+                    path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                    if path.startswith(prefix) and path.endswith("/" + name):
+                        return int(child), Path(path)
+        time.sleep(0.001)
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    from tests.servers import GcsServer
+
+    srv = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_the_loaders_own_copy_cut_short_under_the_map_is_transient_and_fetched_again(
+    gcs, medium, tmp_path, monkeypatch
+):
+    """A ``gs://`` checkpoint that is not sharded is converted from the loader's own copy
+    (``.work/<key>/source``): that copy cut short while mapped is the same typed error, and
+    the next run finds the copy no longer matching the bucket's checksum, fetches it again
+    and publishes."""
+    from loader.repository import manifest
+    from loader.repository.publish import WORK_DIR
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+    gcs.upload_dir("models", "medium", medium)
+    root = tmp_path / "root"
+    root.mkdir()
+    argv = [*_run_argv("gs://models/medium", root), "--dtype", "fp32"]
+    proc = _start(*argv)
+    child, weights = _mapping_child_of(proc, root / WORK_DIR, "model.safetensors")
+    assert weights.parent.name == "source"
+    size, err = _cut_short_while_mapped(proc, child, weights)
+
+    assert proc.returncode == EXIT_TRANSIENT, err
+    _said_shrank(err, weights, size)
+    assert {p.name for p in root.iterdir()} <= {WORK_DIR, LOCKS_DIR, STAGING_DIR}
+    for kept in (LOCKS_DIR, STAGING_DIR):  # no lock, no staging directory; the copy is kept
+        assert not (root / kept).exists() or list((root / kept).iterdir()) == []
+
+    rerun = _start(*argv)
+    stdout, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    published = Path(stdout.splitlines()[-1])
+    assert manifest.verify(published) == []
+    assert not (root / WORK_DIR).exists() or list((root / WORK_DIR).iterdir()) == []

@@ -25,6 +25,7 @@ The outputs are written into a directory of the download area, never where Trito
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -54,10 +55,11 @@ SLICE_BYTES = 16 * 2**20
 ADMIT_WAIT_S = 1.0
 
 
-def _start_writeback(path: Path) -> None:
-    """Have the kernel start writing ``path`` back now, without waiting (the fsync that follows
-    then finds its pages on their way, and the cache keeps no copy of weights already used)."""
-    with fs.open_read(path, follow=False) as fh:
+def _start_writeback(d: Dir, name: str) -> None:
+    """Have the kernel start writing ``d/name`` back now, without waiting (the fsync that
+    follows then finds its pages on their way, and the cache keeps no copy of weights already
+    used)."""
+    with d.open_read(name) as fh:
         os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
@@ -98,23 +100,57 @@ class Journal:
     then ``name size digest inode mtime_ns`` per output, appended once the output is durable
     (fsynced), and ``moved-into <name>`` once the finished outputs were moved into the staging
     directory ``ROOT/.staging/<name>`` (from which a run killed before publishing gets them
-    back: :meth:`moved_to`). Only names are recorded, never paths."""
+    back: :meth:`moved_to`). Only names are recorded, never paths.
+
+    The directory holding both is opened once (``parent``, or :meth:`Dir.open` of it: below a
+    confined tree, one name at a time, never through a link) and every step is that
+    descriptor and one name (:meth:`close` closes what it opened)."""
 
     SUFFIX = ".journal"
 
-    def __init__(self, directory: Path, header: str, algorithm: str = digest.DEFAULT) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        header: str,
+        algorithm: str = digest.DEFAULT,
+        *,
+        parent: Dir | None = None,
+    ) -> None:
         self.directory = Path(directory).absolute()
         self.path = self.directory.with_name(self.directory.name + self.SUFFIX)
         self.algorithm = algorithm
         #: a journal of another algorithm is not reused: its digests would not compare
         self.header = f"{header} {algorithm}"
+        self._given = parent
+        self._parent: Dir | None = parent
+        self._outputs: Dir | None = None
+
+    def parent(self, *, create: bool = False) -> Dir:
+        """The directory holding the outputs' directory and the journal, open."""
+        if self._parent is None:
+            self._parent = Dir.open(self.directory.parent, create=create)
+        return self._parent
+
+    def outputs(self) -> Dir:
+        """The outputs' directory, open (made by :meth:`resume`)."""
+        if self._outputs is None:
+            self._outputs = self.parent().sub(self.directory.name, what="output directory")
+        return self._outputs
+
+    def close(self) -> None:
+        if self._outputs is not None:
+            self._outputs.close()
+            self._outputs = None
+        if self._parent is not None and self._parent is not self._given:
+            self._parent.close()
+        self._parent = self._given
 
     def _lines(self) -> list[str]:
         try:
-            data = fs.read_file(self.path, limit=fs.SMALL_FILE_BYTES)
+            data = self.parent().read(self.path.name)
         except FileNotFoundError:
             return []
-        return data.decode("utf-8", "replace").splitlines()
+        return [] if data is None else data.decode("utf-8", "replace").splitlines()
 
     def moved_to(self) -> str | None:
         """The staging directory (its name in ``ROOT/.staging``) the finished outputs were last
@@ -129,19 +165,18 @@ class Journal:
         the recorded digest (each is read once more: a resumed run is not the common path).
         Anything else in the directory is removed (a link there is unlinked, never followed),
         and the journal rewritten to list what was kept."""
+        parent = self.parent(create=True)
         lines = self._lines()
-        fs.makedirs(self.directory.parent)
-        with Dir.open(self.directory.parent) as parent:
-            parent.mkdir(self.directory.name, exist_ok=True, what="output directory")
-            with parent.sub(self.directory.name, what="output directory") as d:
-                kept = self._verified(d, lines[1:]) if lines[:1] == [self.header] else {}
-                for name in d.names():
-                    if name not in kept:
-                        d.remove_tree(name)
+        parent.mkdir(self.directory.name, exist_ok=True, what="output directory")
+        d = self.outputs()
+        kept = self._verified(d, lines[1:]) if lines[:1] == [self.header] else {}
+        for name in d.names():
+            if name not in kept:
+                d.remove_tree(name)
         text = self.header + "\n" + "".join(self._line(n, s, h) for n, (s, h) in kept.items())
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fs.write_file(tmp, text.encode(), sync=True)
-        fs.rename(tmp, self.path)
+        tmp = self.path.name + ".tmp"
+        parent.write(tmp, text.encode(), exclusive=False, sync=True)
+        parent.rename(tmp, parent, self.path.name, how="replace")
         if kept:
             log.info("resuming: %d output file(s) already written in %s", len(kept), self.directory)
         return kept
@@ -153,7 +188,7 @@ class Journal:
             if len(fields) != 5 or fields[0] in kept:
                 continue
             name, size, recorded, ino, mtime = fields
-            if name.startswith(".") or "/" in name or not _HEX64.fullmatch(recorded):
+            if not fs.is_name(name) or name.startswith(".") or not _HEX64.fullmatch(recorded):
                 continue
             found = d.lstat(name)
             if found is None or not stat.S_ISREG(found.st_mode):
@@ -169,17 +204,21 @@ class Journal:
 
     def record(self, name: str, size: int, digest: str) -> None:
         """Journal ``name`` as written; call once it is fsynced."""
-        fs.append(self.path, self._line(name, size, digest).encode())
+        self.parent().append(self.path.name, self._line(name, size, digest).encode())
 
     def record_move(self, staging: str) -> None:
         """Journal that the outputs are about to move into the staging directory named
         ``staging`` (durably, before the move)."""
         if not fs.is_name(staging):
             raise ValueError(f"not a staging directory name: {staging!r}")
-        fs.append(self.path, f"{MOVED}{staging}\n".encode(), sync=True)
+        self.parent().append(self.path.name, f"{MOVED}{staging}\n".encode(), sync=True)
 
     def _line(self, name: str, size: int, digest: str) -> str:
-        found = fs.stat_path(self.directory / name)
+        found = self.outputs().lstat(name)
+        if found is None:
+            raise FileNotFoundError(
+                errno.ENOENT, os.strerror(errno.ENOENT), str(self.directory / name)
+            )
         return f"{name} {size} {digest} {found.st_ino} {found.st_mtime_ns}\n"
 
 
@@ -205,7 +244,15 @@ class OverlappedConversion:
             self.out_dir, f"{revision} {plan.out_dtype} {plan.parallelism.tp}", digest.DEFAULT
         )
         #: output name -> (size, digest) of every output written (resumed ones included)
-        self.written: dict[str, tuple[int, str]] = self._journal.resume()
+        try:
+            self.written: dict[str, tuple[int, str]] = self._journal.resume()
+        except BaseException:
+            self._journal.close()
+            raise
+        #: the outputs' directory, open: every output is a name in it
+        self._out = self._journal.outputs()
+        #: shard name -> its directory, open (a shard is deleted as a name in it)
+        self._shard_dirs: dict[str, Dir] = {}
         self.schedule = Schedule(plan.needs, done=self.written, window=window)
         self._shards = Checkpoint(self.out_dir)
         self._progress = progress
@@ -249,19 +296,26 @@ class OverlappedConversion:
         if not self.schedule.reads(rel):
             return
         with stages.stage("open + map + check shard"):
-            shard = OPENERS[self.plan.inventory.layout.name](path)
+            where = Dir.open(Path(path).parent)  # below the download area: no link followed
+            try:
+                shard = OPENERS[self.plan.inventory.layout.name](path)
+            except BaseException:
+                where.close()
+                raise
         try:
             with stages.stage("open + map + check shard"):
                 self.plan.check_file(rel, shard.infos())
             with self._cond:
                 self._raise_if_failed()
                 self._shards.add(shard, only=self.plan.expected)
-                held = sum(fs.stat_path(s.path).st_size for s in self._shards.shards.values())
+                self._shard_dirs[shard.path.name] = where
+                held = sum(s.size for s in self._shards.shards.values())
                 self.peak_shard_bytes = max(self.peak_shard_bytes, held)
                 self._follow(self.schedule.arrived(rel))
         except BaseException:
-            if rel not in self._shards.shards:
+            if shard.path.name not in self._shard_dirs:
                 shard.close()
+                where.close()
             raise
 
     # --- writing --------------------------------------------------------------------------
@@ -272,7 +326,8 @@ class OverlappedConversion:
             shard = self._shards.remove(rel)
             with stages.stage("unmap + delete shard"):
                 shard.close()
-                fs.unlink(shard.path)
+                with self._shard_dirs.pop(shard.path.name) as where:
+                    where.unlink(shard.path.name, missing_ok=True)
         outputs = {out.name: out for out in self.plan.outputs if out.name in step.write}
         for name in step.write:
             self._pool.submit(self._write, outputs[name])
@@ -287,7 +342,7 @@ class OverlappedConversion:
             )  # fmt: skip
             assert hexdigest is not None
             with stages.stage("start writeback (fadvise)"):
-                _start_writeback(self.out_dir / out.name)
+                _start_writeback(self._out, out.name)
             with self._cond:
                 self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
@@ -302,7 +357,7 @@ class OverlappedConversion:
         the writers go on)."""
         try:
             with stages.stage("fsync output", size):
-                fs.fsync_path(self.out_dir / name)
+                self._out.fsync_file(name)
             with stages.stage("journal"):
                 self._journal.record(name, size, digest)
             with self._cond:
@@ -338,7 +393,7 @@ class OverlappedConversion:
             self._raise_if_failed()
         ini = self.plan.config_ini()
         with stages.stage("config.ini"):
-            fs.write_file(self.out_dir / CONFIG_INI, ini, sync=True)
+            self._out.write(CONFIG_INI, ini, exclusive=False, sync=True)
         digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
         return ConvertResult.since(self.started, self.out_dir, self.plan, digests)
 
@@ -348,12 +403,12 @@ class OverlappedConversion:
         :meth:`Journal.moved_to`) and stays until the download directory is removed. Returns
         ``result`` there."""
         final = Path(directory).absolute() / self.plan.output_dir_name
-        fs.makedirs(final.parent)
-        staging = staging_name(final)
-        if staging is not None:
-            self._journal.record_move(staging)
-        with stages.stage("move into staging"):
-            fs.rename(self.out_dir, final)
+        with Dir.open(final.parent, create=True) as to:  # one name at a time, no link
+            staging = staging_name(final)
+            if staging is not None:
+                self._journal.record_move(staging)
+            with stages.stage("move into staging"):
+                self._journal.parent().rename(self.out_dir.name, to, final.name, how="replace")
         return ConvertResult(final, result.plan, result.digests, result.seconds)
 
     def close(self) -> None:
@@ -362,6 +417,10 @@ class OverlappedConversion:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._syncer.shutdown(wait=True, cancel_futures=True)
         self._shards.close()
+        for where in self._shard_dirs.values():
+            where.close()
+        self._shard_dirs.clear()
+        self._journal.close()
 
     def __enter__(self) -> OverlappedConversion:
         return self

@@ -107,7 +107,7 @@ def _run(request: RunRequest) -> RunResult:
             before = None
             if fetched is not None:  # a local source, read in place: fingerprinted first,
                 before = fingerprint(request.source, workers=request.workers)
-                verified = verify(request, fetched.path)  # then verified and read
+                verified = verify(request, fetched.path, again=verified)  # verified, read
             with stages.stage("run: fetch (what verify needs)"):
                 fetched = fetched or strategy.fetch()
             with stages.stage("run: verify"):

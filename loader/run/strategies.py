@@ -277,7 +277,7 @@ def _reclaim(converted: Path, root: Path, key: str, *, idle_s: float) -> None:
         journals = [n for n in out.names() if n.endswith(Journal.SUFFIX)]
         for name in journals:
             output = name[: -len(Journal.SUFFIX)]
-            staging = Journal(out.path / output, "").moved_to()
+            staging = Journal(out.path / output, "", parent=out).moved_to()
             if staging is None or not fs.is_name(output) or out.lstat(output) is not None:
                 continue
             with Dir.open(root) as r:

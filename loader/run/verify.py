@@ -43,13 +43,14 @@ class Verified:
         return 2 * sum(sizes) + REPOSITORY_EXTRA_BYTES
 
 
-def verify(request: RunRequest, checkpoint: Path) -> Verified:
+def verify(request: RunRequest, checkpoint: Path, *, again: Verified | None = None) -> Verified:
     """Check the checkpoint in ``checkpoint`` (its weight files need not be there yet, when an
-    index lists them) for ``request``."""
+    index lists them) for ``request``; ``again``: what an earlier check of it found (a weight
+    file shorter now was cut short meanwhile: a transient error, not a corrupt file)."""
     config = read_hf_config(checkpoint)
-    plan = plan_conversion(
-        config, read_inventory(checkpoint), parallelism=request.parallelism, dtype=request.dtype
-    )
+    seen = again.plan.inventory.sizes if again is not None else None
+    inventory = read_inventory(checkpoint, seen=seen)
+    plan = plan_conversion(config, inventory, parallelism=request.parallelism, dtype=request.dtype)
     log.debug(
         "checked %s for %s: the conversion plan holds (heads, widths, layers, dtype)",
         checkpoint,

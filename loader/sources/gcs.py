@@ -44,8 +44,10 @@ anonymous credentials. Nothing secret is logged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import re
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -62,6 +64,7 @@ from loader.errors import (
     SourcePermissionError,
     TransientSourceError,
 )
+from loader.fs import Dir
 from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
@@ -69,15 +72,13 @@ from loader.sources.failures import Funnel, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
-    adopt,
+    adopt_in,
     crc32c_combine,
+    crc32c_of,
     crc32c_text,
     ensure_disk_space,
-    file_crc32c,
-    file_md5,
+    md5_of,
     own_partial,
-    place,
-    range_crc32c,
     remove_own_partials,
     safe_path,
 )
@@ -102,6 +103,9 @@ class _Object:
     final: Path
     partial: Path
     slices: list[tuple[int, int]]
+    #: the partial file's directory, open (every step on the partial file and its journal is
+    #: this descriptor and one name: nothing below it is followed)
+    where: Dir | None = None
     done: set[int] = field(default_factory=set)
     resumed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -109,8 +113,19 @@ class _Object:
     crcs: dict[int, int] = field(default_factory=dict)
 
     @property
-    def journal(self) -> Path:
-        return self.partial.with_name(self.partial.name + ".slices")
+    def name(self) -> str:
+        """The partial file's name in :attr:`where`."""
+        return self.partial.name
+
+    @property
+    def journal(self) -> str:
+        """The journal's name in :attr:`where` (beside the partial file)."""
+        return self.partial.name + ".slices"
+
+    @property
+    def d(self) -> Dir:
+        assert self.where is not None, "prepared first"
+        return self.where
 
     @property
     def size(self) -> int:
@@ -369,40 +384,84 @@ class _SliceWriter:
             )
 
 
-def _verified(path: Path, blob: Any) -> bool:
-    """True if ``path`` holds exactly the object's bytes (size, then CRC32C or MD5)."""
-    if fs.regular_size(path) != int(blob.size or 0):
+def _verified(top: Dir, rel: str, blob: Any) -> bool:
+    """True if ``rel`` below ``top`` holds exactly the object's bytes (size, then CRC32C or
+    MD5)."""
+    *parents, name = rel.split("/")
+    try:
+        d = top.enter(parents)
+    except (FileNotFoundError, NotADirectoryError):
         return False
-    if blob.crc32c:
-        return file_crc32c(path) == blob.crc32c
-    if blob.md5_hash:
-        return file_md5(path) == blob.md5_hash
+    with d:
+        if d.regular_size(name) != int(blob.size or 0):
+            return False
+        if blob.crc32c:
+            with d.open_read(name) as fh:
+                return crc32c_text(crc32c_of(fh)) == blob.crc32c
+        if blob.md5_hash:
+            with d.open_read(name) as fh:
+                return md5_of(fh) == blob.md5_hash
     return False
 
 
+_SLICE_LINE = re.compile(r"(\d{1,20}) (\d{1,20})")
+
+
 def _load_journal(obj: _Object) -> None:
-    """Mark slices recorded by an earlier run as done (only if the partial file is intact)."""
-    if fs.regular_size(obj.journal) is None or fs.regular_size(obj.partial) != obj.size:
-        fs.unlink(obj.partial)
-        fs.unlink(obj.journal)
+    """Mark slices recorded by an earlier run as done (only if the partial file is intact;
+    a line that is not two numbers naming one of the object's slices is ignored)."""
+    d = obj.d
+    if d.regular_size(obj.journal) is None or d.regular_size(obj.name) != obj.size:
+        d.unlink(obj.name, missing_ok=True)
+        d.unlink(obj.journal, missing_ok=True)
         return
     index = {s: i for i, s in enumerate(obj.slices)}
-    journal = fs.read_file(obj.journal, limit=fs.SMALL_FILE_BYTES).decode("ascii", "replace")
+    journal = (d.read(obj.journal) or b"").decode("ascii", "replace")
     for line in journal.splitlines():
-        fields = line.split()
-        if len(fields) == 2 and (key := (int(fields[0]), int(fields[1]))) in index:
+        match = _SLICE_LINE.fullmatch(line.strip())
+        if match and (key := (int(match[1]), int(match[2]))) in index:
             obj.done.add(index[key])
     obj.resumed = sum(obj.slices[i][1] - obj.slices[i][0] + 1 for i in obj.done)
 
 
-def _prepare(obj: _Object, dest: Path) -> None:
-    safe_path(dest, obj.partial.relative_to(dest).as_posix())
-    adopt(obj.partial, companions=(".slices",))
+def _prepare(obj: _Object, dest: Path, dirs: _Dirs) -> None:
+    """Open the partial file's directory (created), take over a stopped run's partial file,
+    read its journal, or start an empty partial file and journal."""
+    rel = obj.partial.relative_to(dest).as_posix()
+    safe_path(dest, rel)  # a link or file on the way: a SourceError saying so
+    obj.where = dirs.get(rel)
+    d = obj.d
+    adopt_in(d, obj.name, companions=(".slices",))
     _load_journal(obj)
-    if not fs.lexists(obj.partial):
-        with fs.create(obj.partial) as fh:
+    if d.lstat(obj.name) is None:
+        with d.create(obj.name) as fh:
             fs.truncate(fh.fileno(), obj.size, obj.partial)
-        fs.write_file(obj.journal, b"")
+        d.write(obj.journal, b"", exclusive=False, sync=False)
+
+
+class _Dirs:
+    """The directories of a fetch's files below ``dest``, each opened once (one name at a
+    time from ``dest``, never through a link) and shared by the objects in it."""
+
+    def __init__(self, top: Dir) -> None:
+        self.top = top
+        self._open: dict[tuple[str, ...], Dir] = {}
+        self._lock = threading.Lock()
+
+    def get(self, rel: str) -> Dir:
+        """The open directory holding the file ``rel`` (a path below ``dest``)."""
+        parents = tuple(rel.split("/")[:-1])
+        with self._lock:
+            found = self._open.get(parents)
+            if found is None:
+                found = self._open[parents] = self.top.enter(parents)
+            return found
+
+    def close(self) -> None:
+        for d in self._open.values():
+            d.close()
+        self._open.clear()
+        self.top.close()
 
 
 #: Longest single network wait (connect, one read) when the retry deadline leaves more time.
@@ -430,7 +489,7 @@ def _download_slice(
     what = f"object gs://{obj.blob.bucket.name}/{obj.blob.name}"
     if end >= start:
         timeout = (_timeout(funnel, CONNECT_TIMEOUT_S), _timeout(funnel, READ_TIMEOUT_S))
-        with fs.open_update(obj.partial) as fh:
+        with obj.d.open_update(obj.name) as fh:
             fh.seek(start)
             writer = _SliceWriter(fh, start, end - start + 1, progress, what, obj.partial)
             try:
@@ -449,7 +508,7 @@ def _download_slice(
     else:
         crc = 0  # an empty object
     with obj.lock:
-        fs.append(obj.journal, f"{start} {end}\n".encode())
+        obj.d.append(obj.journal, f"{start} {end}\n".encode())
         obj.done.add(index)
         obj.crcs[index] = crc
 
@@ -514,33 +573,38 @@ def _received_crc32c(obj: _Object) -> int:
     """The CRC32C of the complete partial file, combined from its slices' values: those this run
     received, and, read back from the file, those a killed run wrote."""
     crc = 0
-    for index, (start, end) in enumerate(obj.slices):
-        length = end - start + 1
-        part = obj.crcs.get(index)
-        if part is None:
-            part = range_crc32c(obj.partial, start, length)
-        crc = crc32c_combine(crc, part, length)
+    with contextlib.ExitStack() as stack:
+        fh = None
+        for index, (start, end) in enumerate(obj.slices):
+            length = end - start + 1
+            part = obj.crcs.get(index)
+            if part is None:
+                fh = fh or stack.enter_context(obj.d.open_read(obj.name))
+                part = crc32c_of(fh, start, length)
+            crc = crc32c_combine(crc, part, length)
     return crc
 
 
 def _arrived_intact(obj: _Object) -> bool:
     """True if the partial file holds exactly the object's bytes: size, then the CRC32C of
     what arrived, or the MD5 read back for an object that records no CRC32C."""
-    if fs.regular_size(obj.partial) != obj.size:
+    if obj.d.regular_size(obj.name) != obj.size:
         return False
     if obj.blob.crc32c:
         return crc32c_text(_received_crc32c(obj)) == obj.blob.crc32c
     if obj.blob.md5_hash:
-        return file_md5(obj.partial) == obj.blob.md5_hash
+        with obj.d.open_read(obj.name) as fh:
+            return md5_of(fh) == obj.blob.md5_hash
     return False
 
 
-def _finish(obj: _Object, dest: Path, *, durable: bool = True) -> None:
+def _finish(obj: _Object, dest: Path, dirs: _Dirs, *, durable: bool = True) -> None:
     """Verify the complete temporary file and move it into place (``durable``: fsynced)."""
+    d = obj.d
     if not _arrived_intact(obj):
         expected = obj.blob.crc32c or obj.blob.md5_hash
-        fs.unlink(obj.partial)
-        fs.unlink(obj.journal)
+        d.unlink(obj.name, missing_ok=True)
+        d.unlink(obj.journal, missing_ok=True)
         message = (
             f"gs://{obj.blob.bucket.name}/{obj.blob.name}: downloaded bytes do not match "
             f"the checksum in the object's metadata ({expected}); the download was "
@@ -553,8 +617,11 @@ def _finish(obj: _Object, dest: Path, *, durable: bool = True) -> None:
                 "from scratch; if that fails too, re-upload the object.",
             )
         raise ChecksumMismatchError(message)
-    place(obj.partial, obj.final, dest=dest, durable=durable)
-    fs.unlink(obj.journal)
+    safe_path(dest, obj.rel)  # its directories: real ones (a SourceError otherwise)
+    if durable:
+        d.fsync_file(obj.name)
+    d.rename(obj.name, dirs.get(obj.rel), obj.final.name, how="replace")
+    d.unlink(obj.journal, missing_ok=True)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
 
 
@@ -574,7 +641,26 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(options)
     client = funnel.gcs(lambda _: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
-    fs.makedirs(dest)
+    dirs = _Dirs(Dir.open(dest, create=True))
+    abandoned = threading.Event()
+    try:
+        return _fetch_into(uri, dest, dirs, blobs, options, funnel, workers, abandoned)
+    finally:
+        if not abandoned.is_set():  # else threads still write there: the process is ending
+            dirs.close()
+
+
+def _fetch_into(
+    uri: SourceURI,
+    dest: Path,
+    dirs: _Dirs,
+    blobs: list[Any],
+    options: FetchOptions,
+    funnel: Funnel,
+    workers: int,
+    abandoned: threading.Event,
+) -> FetchResult:
+    slice_bytes = options.slice_bytes or SLICE_BYTES
 
     hooks = options.hooks or ArrivalHooks()
     objects: list[_Object] = []
@@ -585,7 +671,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
             continue
         final = dest / rel
-        if _verified(final, blob):
+        if _verified(dirs.top, rel, blob):
             log.debug("already present and verified: %s", final)
             present.append((rel, final))
             continue
@@ -602,7 +688,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     total = sum(int(b.size or 0) for b in blobs)
     objects.sort(key=lambda obj: (obj.size > slice_bytes, obj.rel))
     for obj in objects:
-        _prepare(obj, dest)
+        _prepare(obj, dest, dirs)
     needed = sum(obj.size - obj.resumed for obj in objects)
     if options.check_disk_space:
         ensure_disk_space(dest, needed, what=uri.raw)
@@ -619,7 +705,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         for rel, final in present:
             hooks.arrived(rel, final)
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
-        _run(objects, funnel, progress, workers, dest, hooks)
+        _run(objects, funnel, progress, workers, dest, dirs, hooks, abandoned)
     remove_own_partials(dest)
     return FetchResult(
         path=dest,
@@ -641,7 +727,9 @@ def _run(
     progress: Progress,
     workers: int,
     dest: Path,
+    dirs: _Dirs,
     hooks: ArrivalHooks,
+    abandoned: threading.Event,
 ) -> None:
     """Download every missing slice with one thread pool; finish each object on its last slice
     (and tell ``hooks.arrived``); an object starts once ``hooks.admit`` lets it."""
@@ -660,7 +748,7 @@ def _run(
         else:
             last = True
         if last:
-            _finish(obj, dest, durable=not hooks.transient)
+            _finish(obj, dest, dirs, durable=not hooks.transient)
             if hooks.arrived is not None:
                 hooks.arrived(obj.rel, obj.final)
 
@@ -685,6 +773,7 @@ def _run(
         # Interrupted (SIGTERM, Ctrl-C): start no further slice and do not wait for the ones in
         # flight (they write under .partial/ only; the journal keeps what they finished).
         stop.set()
+        abandoned.set()  # the directories stay open for the slices still in flight
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     stop.set()

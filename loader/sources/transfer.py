@@ -32,6 +32,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from loader import fs
 from loader.errors import InsufficientDiskSpaceError, SourceError, shown
@@ -50,31 +51,55 @@ _CHUNK = 8 * 1024 * 1024
 def safe_path(dest: Path, relpath: str) -> Path:
     """``dest / relpath`` with its directories created, each a real directory (no symbolic link,
     no file in the way): a :class:`SourceError` otherwise."""
-    path = Path(dest)
+    parts = _names(relpath)
+    with _enter(dest, relpath, parts[:-1]):
+        pass
+    return Path(dest).joinpath(*parts)
+
+
+def _names(relpath: str | Path) -> tuple[str, ...]:
+    """The names of a path relative to DEST (one name each: no ``..``, no ``/``)."""
     parts = Path(relpath).parts
-    for part in parts[:-1]:
-        path = path / part
-        try:
-            found = fs.stat_path(path)  # the entry itself; below a confined tree, by descriptors
-        except FileNotFoundError:
-            found = None
-        if found is not None and not stat.S_ISDIR(found.st_mode):
-            what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a file"
-            raise SourceError(
-                f"{shown(path)} is {what}, so {shown(relpath)} cannot be written under "
-                f"{shown(dest)}: the loader writes only into real directories under the "
-                "destination.",
-                f"Remove {shown(path)} or choose another destination directory.",
-            )
-        if found is None:
-            try:
-                with Dir.open(path.parent) as parent:
-                    parent.mkdir(path.name)
-            except FileExistsError:
-                pass
-            except NotADirectoryError as exc:
-                raise SourceError(f"Cannot create {path}: {exc.strerror}.") from exc
-    return path / parts[-1] if parts else path
+    for part in parts:
+        if not fs.is_name(part):
+            raise SourceError(f"{shown(relpath)} is not a path below the destination.")
+    return parts
+
+
+def _enter(dest: Path, relpath: str | Path, parts: tuple[str, ...]) -> Dir:
+    """The directory ``parts`` below ``dest``, open: entered one name at a time from ``dest``
+    (the user's path, followed as given; below it never through a link), each level created
+    if absent; a link or a file on the way is a :class:`SourceError` naming it."""
+    d = Dir.open(dest)
+    try:
+        for part in parts:
+            found = d.lstat(part)
+            if found is not None and not stat.S_ISDIR(found.st_mode):
+                _not_a_directory(dest, relpath, d.path / part, found.st_mode)
+            if found is None:
+                try:
+                    d.mkdir(part)
+                except FileExistsError:
+                    pass
+                except NotADirectoryError as exc:
+                    raise SourceError(f"Cannot create {d.path / part}: {exc.strerror}.") from exc
+            following = d.sub(part)
+            d.close()
+            d = following
+    except BaseException:
+        d.close()
+        raise
+    return d
+
+
+def _not_a_directory(dest: Path, relpath: str | Path, path: Path, mode: int) -> None:
+    what = "a symbolic link" if stat.S_ISLNK(mode) else "a file"
+    raise SourceError(
+        f"{shown(path)} is {what}, so {shown(relpath)} cannot be written under "
+        f"{shown(dest)}: the loader writes only into real directories under the "
+        "destination.",
+        f"Remove {shown(path)} or choose another destination directory.",
+    )
 
 
 def partial_path(dest: Path, relpath: str) -> Path:
@@ -94,8 +119,6 @@ def adopt(ours: Path, *, companions: tuple[str, ...] = ()) -> bool:
     ``ours`` (``<name>.<their owner>`` beside it), with its ``companions`` (suffixes of
     files that go with it, such as a journal): a rerun resumes it. A live owner's, or another
     host's, is left alone. True if something was taken over."""
-    if fs.lexists(ours):
-        return False
     with Dir.open(ours.parent) as d:
         return adopt_in(d, ours.name, companions=companions)
 
@@ -142,10 +165,13 @@ def clear_partials(dest: Path) -> None:
     """Remove what stopped runs left under ``dest``'s partial directory: entries of gone
     owners of this host and entries naming no owner (older loaders); a link there is
     removed, never followed. A live owner's, or another host's, stay."""
-    partial = dest / PARTIAL_DIR
-    if not fs.lexists(partial):
+    try:
+        d = Dir.open(dest)
+    except FileNotFoundError:
         return
-    with Dir.open(dest) as d:
+    with d:
+        if d.lstat(PARTIAL_DIR) is None:
+            return
         if not d.is_dir(PARTIAL_DIR):
             d.unlink(PARTIAL_DIR)
             return
@@ -158,9 +184,11 @@ def clear_partials(dest: Path) -> None:
 def remove_own_partials(dest: Path) -> None:
     """Remove this process's partial files under ``dest`` (and ``.partial`` once empty);
     what other owners write there stays."""
-    if not fs.lexists(dest / PARTIAL_DIR):
+    try:
+        d = Dir.open(dest)
+    except FileNotFoundError:
         return
-    with Dir.open(dest) as d:
+    with d:
         remove_own_partials_in(d)
 
 
@@ -185,13 +213,22 @@ def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = T
     back, it never costs a disk write; after a crash the next run finds it damaged (its checksum)
     or missing, and downloads it again.
     """
-    if dest is not None:
-        safe_path(dest, final.relative_to(dest).as_posix())
+    if dest is None:
+        source = Dir.open(tmp.parent)
     else:
-        fs.makedirs(final.parent)
-    if durable:
-        fs.fsync_path(tmp)
-    fs.rename(tmp, final)
+        source = _enter(dest, tmp.relative_to(dest), _names(tmp.relative_to(dest))[:-1])
+    try:
+        if dest is None:
+            target = Dir.open(final.parent, create=True)
+        else:
+            target = _enter(dest, final.relative_to(dest), _names(final.relative_to(dest))[:-1])
+    except BaseException:
+        source.close()
+        raise
+    with source, target:
+        if durable:
+            source.fsync_file(tmp.name)
+        source.rename(tmp.name, target, final.name, how="replace")
 
 
 @contextmanager
@@ -201,7 +238,9 @@ def temporary_download(dest: Path, relpath: str) -> Iterator[Path]:
     try:
         yield tmp
     except BaseException:
-        fs.unlink(tmp)
+        rel = tmp.relative_to(dest)
+        with _enter(dest, rel, _names(rel)[:-1]) as d:
+            d.unlink(tmp.name, missing_ok=True)
         raise
 
 
@@ -210,26 +249,21 @@ def crc32c_text(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
-def range_crc32c(path: Path, start: int = 0, length: int | None = None) -> int:
-    """The CRC32C of ``length`` bytes of a file from ``start`` (to its end when None)."""
+def crc32c_of(fh: BinaryIO, start: int = 0, length: int | None = None) -> int:
+    """The CRC32C of ``length`` bytes of the open file ``fh`` from ``start`` (to its end when
+    None)."""
     import google_crc32c
 
     crc = 0
-    with fs.open_read(path) as fh:
-        fh.seek(start)
-        left = length
-        while left is None or left > 0:
-            chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
-            if not chunk:
-                break
-            crc = google_crc32c.extend(crc, chunk)
-            left = None if left is None else left - len(chunk)
+    fh.seek(start)
+    left = length
+    while left is None or left > 0:
+        chunk = fh.read(_CHUNK if left is None else min(_CHUNK, left))
+        if not chunk:
+            break
+        crc = google_crc32c.extend(crc, chunk)
+        left = None if left is None else left - len(chunk)
     return crc
-
-
-def file_crc32c(path: Path) -> str:
-    """The CRC32C of a file as Cloud Storage writes it (:func:`crc32c_text`)."""
-    return crc32c_text(range_crc32c(path))
 
 
 #: The CRC-32C (Castagnoli) polynomial without its x^32 term, bit-reversed: CRC32C keeps its
@@ -269,14 +303,14 @@ def crc32c_combine(first: int, second: int, second_length: int) -> int:
     return _times(shift, first) ^ second
 
 
-def file_md5(path: Path) -> str:
-    """The MD5 of a file as Cloud Storage writes it: base64 of the 16-byte digest."""
+def md5_of(fh: BinaryIO) -> str:
+    """The MD5 of the open file ``fh`` (read from its current offset) as Cloud Storage writes
+    it: base64 of the 16-byte digest."""
     import hashlib
 
     digest = hashlib.md5(usedforsecurity=False)
-    with fs.open_read(path) as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
+    while chunk := fh.read(_CHUNK):
+        digest.update(chunk)
     return base64.b64encode(digest.digest()).decode("ascii")
 
 
