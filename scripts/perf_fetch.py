@@ -64,16 +64,16 @@ def _kind(chain: list[tuple[str, str]]) -> str:
     for name, pattern in CHAIN_KINDS:
         if any(pattern.match(symbol) for symbol, _ in chain):
             return name
-    dso = chain[0][1] if chain else "?"
+    dso = Path(chain[0][1]).name if chain else "?"  # the object's name, not its folders
     if "kernel" in dso:
         return "kernel: other"
-    if "python" in dso:
-        return "Python interpreter"
     if "crc32c" in dso:
         return "CRC32C (google-crc32c)"
-    if "libc" in dso or "ld-linux" in dso:
+    if "python" in dso:
+        return "Python interpreter"
+    if dso.startswith(("libc.", "libc-", "ld-linux")):
         return "libc (memcpy, malloc, ...)"
-    return f"other: {Path(dso.strip('()')).name}"
+    return "other libraries"
 
 
 _FRAME = re.compile(r"^\s+[0-9a-f]+ (.+?)(?:\+0x[0-9a-f]+)? \((.*)\)$")
