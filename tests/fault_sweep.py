@@ -416,10 +416,16 @@ def hf_scenarios(sharded: Path, hf: str) -> dict[str, Scenario]:
 HF_COMMANDS = ("fetch-hf", "run-overlapped-hf")
 
 
-def catalog_of(all_scenarios: dict[str, Scenario], commands: tuple[str, ...]) -> dict:
+def catalog_of(
+    all_scenarios: dict[str, Scenario],
+    commands: tuple[str, ...],
+    *,
+    failed_elsewhere: frozenset[Site] = frozenset(),
+) -> dict:
     """Each command's sites, each site under the first command that makes it (the later ones
-    need not fail it again)."""
-    seen: set[Site] = set()
+    need not fail it again), less ``failed_elsewhere``: the very sites, with the same callers,
+    that another sweep of the same run fails."""
+    seen: set[Site] = set(failed_elsewhere)
     found = {}
     for command in commands:
         sites = [s for s in record(all_scenarios[command], _NoLog()) if s not in seen]

@@ -1,7 +1,9 @@
 """The fault-injection sweep of the remote commands, against the GCS emulator and the olah Hub
 mirror: `fetch` of a gs:// prefix or an hf:// repository and the overlapped `run` (the
-conversion while the shards download, its journal, the move into staging). Every site they make that the local commands do not fails once, the
-errnos in rotation; what must hold after each is ``tests/fault_sweep.py``'s.
+conversion while the shards download, its journal, the move into staging). Every site they make
+fails once, the errnos in rotation, but those ``tests/test_fault_injection.py`` fails (the same
+site with the same callers: publishing, verifying); what must hold after each is
+``tests/fault_sweep.py``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import pytest
 
 from tests.fault_sweep import (
     HF_COMMANDS,
+    LOCAL,
     REMOTE_COMMANDS,
+    call_sites,
     catalog_of,
     hf_scenarios,
     remote_scenarios,
@@ -24,9 +28,17 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def remote(sharded, gs):
+def failed_locally(local) -> frozenset:
+    """The sites ``tests/test_fault_injection.py`` fails (publishing a repository, verifying,
+    pruning: the same code with the same callers whatever the source): not failed again here."""
+    _, catalog = local
+    return frozenset(site for command in LOCAL for site in call_sites(catalog[command]))
+
+
+@pytest.fixture(scope="module")
+def remote(sharded, gs, failed_locally):
     found = remote_scenarios(sharded, gs)
-    return found, catalog_of(found, REMOTE_COMMANDS)
+    return found, catalog_of(found, REMOTE_COMMANDS, failed_elsewhere=failed_locally)
 
 
 @pytest.mark.slow
@@ -46,9 +58,9 @@ def _every_site_fails_typed(remote: tuple, command: str, caplog) -> None:
 
 
 @pytest.fixture(scope="module")
-def remote_hf(sharded, hf):
+def remote_hf(sharded, hf, failed_locally):
     found = hf_scenarios(sharded, hf)
-    return found, catalog_of(found, HF_COMMANDS)
+    return found, catalog_of(found, HF_COMMANDS, failed_elsewhere=failed_locally)
 
 
 @pytest.mark.slow
