@@ -490,8 +490,11 @@ class Dir:
         """Write the file ``name`` (created with ``O_EXCL`` unless ``exclusive`` is False:
         then an existing regular file is overwritten, anything else there is
         :class:`NotOursError`); fsynced unless ``sync`` is False."""
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        fd = self._open_regular(name, flags, "a file the loader writes")
+        self._write(name, data, os.O_EXCL if exclusive else os.O_TRUNC, sync=sync)
+
+    def _write(self, name: str, data: bytes, mode: int, *, sync: bool) -> None:
+        """``data`` into the regular file ``name``, opened with ``O_CREAT`` and ``mode``."""
+        fd = self._open_regular(name, os.O_WRONLY | os.O_CREAT | mode, "a file the loader writes")
         try:
             write_fd(fd, data, self.path / name)
             if sync:
@@ -528,14 +531,7 @@ class Dir:
     def append(self, name: str, data: bytes, *, sync: bool = False) -> None:
         """Append ``data`` to the regular file ``name`` (created if absent); fsynced with
         ``sync``."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        fd = self._open_regular(name, flags, "a file the loader writes")
-        try:
-            write_fd(fd, data, self.path / name)
-            if sync:
-                fsync_fd(fd, self.path / name)
-        finally:
-            os.close(fd)
+        self._write(name, data, os.O_APPEND, sync=sync)
 
     def open_read(self, name: str) -> BinaryIO:
         """The regular file ``name`` open for reading (anything else: :class:`NotOursError`)."""

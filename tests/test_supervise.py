@@ -53,19 +53,9 @@ def _start(*argv: object) -> subprocess.Popen:
 
 def _mapping_child(proc: subprocess.Popen, path: Path) -> int:
     """The pid of ``proc``'s child once it has ``path`` memory-mapped."""
-    wanted = os.path.realpath(path)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the child never mapped the weights"
-        for task in Path(f"/proc/{proc.pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                try:
-                    if wanted in Path(f"/proc/{child}/maps").read_text():
-                        return int(child)
-                except OSError:
-                    pass
-        time.sleep(0.001)
+    child, mapped = _mapping_child_of(proc, path.parent, path.name)
+    assert mapped == Path(os.path.realpath(path)), mapped
+    return child
 
 
 def _stop(pid: int) -> None:
@@ -434,7 +424,7 @@ def test_a_torch_bin_cut_short_under_the_map_is_a_transient_error_naming_it(
 
 def _mapping_child_of(proc: subprocess.Popen, below: Path, name: str) -> tuple[int, Path]:
     """``proc``'s child once it has a file ``name`` below ``below`` mapped, and that file."""
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 300  # a download comes first where the source is remote
     prefix = os.path.realpath(below) + "/"
     while True:
         assert proc.poll() is None, proc.communicate()
