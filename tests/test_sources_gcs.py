@@ -250,6 +250,22 @@ def test_a_server_that_ignores_the_byte_range_is_refused_before_its_body_is_read
         same_tree(src, tmp_path / "dest")
 
 
+def _left_by_a_gone_run(server, tmp_path: Path, prefix: str, size: int) -> tuple[bytes, Path, Path]:
+    """``size`` random bytes uploaded as ``prefix/model.safetensors``; the bytes, the fetch's
+    DEST and where a loader that is gone left that object's partial file."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(size)
+    (src / "model.safetensors").write_bytes(data)
+    server.upload_dir(BUCKET, prefix, src)
+    (blob,) = server.client().list_blobs(BUCKET, prefix=prefix)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # the run that left them
+    gone.wait()
+    owner = f"{gone.pid}-{fs.host_digest()}"
+    dest = tmp_path / "dest"
+    return data, dest, dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}.{owner}"
+
+
 @pytest.mark.parametrize("damaged", [False, True])
 def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
     server, tmp_path, monkeypatch, damaged
@@ -257,18 +273,8 @@ def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
     """What a killed run left (a partial file, a journal of its finished slices) may have lost
     a slice the journal lists (it is not fsynced for a transient fetch): those slices' CRC32C
     comes from the disk, so a lost one fails the checksum and the next run starts over."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = os.urandom(4 * SLICE + 100)
-    (src / "model.safetensors").write_bytes(data)
     prefix = f"resume-{damaged}/ckpt"
-    server.upload_dir(BUCKET, prefix, src)
-    (blob,) = server.client().list_blobs(BUCKET, prefix=prefix)
-    dest = tmp_path / "dest"
-    killed = subprocess.Popen([sys.executable, "-c", "pass"])  # the run that left them: gone
-    killed.wait()
-    owner = f"{killed.pid}-{fs.host_digest()}"
-    partial = dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}.{owner}"
+    data, dest, partial = _left_by_a_gone_run(server, tmp_path, prefix, 4 * SLICE + 100)
     partial.parent.mkdir(parents=True)
     kept = bytearray(data[: 2 * SLICE]) + bytes(len(data) - 2 * SLICE)
     if damaged:
@@ -310,18 +316,8 @@ def test_what_a_stopped_run_left_is_never_followed_or_read_blocking(
     directory: a link there is never followed (what it points to stays as it was), a FIFO is
     never read (no hang), and journal lines that are not two numbers naming a slice (paths,
     ``..``, NUL, a third field) are ignored. The fetch then completes from the bucket."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = os.urandom(3 * SLICE + 10)
-    (src / "model.safetensors").write_bytes(data)
     prefix = f"planted-{planted}/ckpt"
-    server.upload_dir(BUCKET, prefix, src)
-    (blob,) = server.client().list_blobs(BUCKET, prefix=prefix)
-    dest = tmp_path / "dest"
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    owner = f"{gone.pid}-{fs.host_digest()}"
-    partial = dest / transfer.PARTIAL_DIR / f"model.safetensors.{blob.generation}.{owner}"
+    data, dest, partial = _left_by_a_gone_run(server, tmp_path, prefix, 3 * SLICE + 10)
     journal = partial.with_name(partial.name + ".slices")
     partial.parent.mkdir(parents=True)
     outside = tmp_path / "outside"
