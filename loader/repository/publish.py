@@ -249,7 +249,7 @@ def recover(root: Path, key: str) -> Path | None:
     return None
 
 
-def clear_leftovers(root: Path, key: str, *, idle_s: float, keep: Path | None = None) -> list[Path]:
+def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
     """Remove what earlier loaders of ``key`` left: abandoned staging directories and the
     key's ``.trash`` entries, only those carrying the loader's marker (:func:`owned`). Call
     under the key's lock, after :func:`recover`."""
@@ -260,7 +260,7 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float, keep: Path | None = 
         for name in _entries(r, STAGING_DIR, prefix):
             with r.sub(STAGING_DIR) as base:
                 path = base.path / name
-                if path == keep or not abandoned_in(base, name, prefix, idle_s=idle_s):
+                if not abandoned_in(base, name, prefix, idle_s=idle_s):
                     continue
                 if _remove_ours(base, name, key, "leftover staging directory"):
                     removed.append(path)
