@@ -49,7 +49,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -264,9 +264,24 @@ def server_environment(
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS reports free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    (port,) = free_ports(1, host)
+    return port
+
+
+def free_ports(count: int, host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` different TCP ports the OS reports free on ``host`` right now, none of
+    ``avoid``: each socket stays bound until all are chosen (one bound and closed at a time,
+    the OS may hand the same port out twice, and Triton given one port for two endpoints
+    stops at once, printing its usage)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
 
 
 #: ``grpc.health.v1.HealthCheckResponse.ServingStatus`` values.
@@ -560,11 +575,11 @@ class TritonServer:
         raise AssertionError("unreachable")
 
     def _pick_ports(self) -> Ports:
-        return Ports(
-            http=self._requested.http or free_port(self.host),
-            grpc=self._requested.grpc or free_port(self.host),
-            metrics=self._requested.metrics or free_port(self.host),
-        )
+        """The requested ports, and different free ones for the endpoints given none."""
+        requested = [self._requested.http, self._requested.grpc, self._requested.metrics]
+        free = iter(free_ports(requested.count(0), self.host, avoid=requested))
+        http, grpc, metrics = (port or next(free) for port in requested)
+        return Ports(http=http, grpc=grpc, metrics=metrics)
 
     def _check_given_ports(self) -> None:
         """Refuse at once a port given explicitly that something already listens on."""

@@ -96,19 +96,30 @@ def test_a_free_port_taken_before_the_server_binds_it_is_replaced(
     repository, listening_socket, monkeypatch
 ):
     taken = listening_socket.getsockname()[1]
-    real_free_port = serving.free_port
-    handed_out = []
+    real_free_ports = serving.free_ports
+    rounds: list[list[int]] = []
 
-    def first_taken(host: str = "127.0.0.1") -> int:
-        port = taken if not handed_out else real_free_port(host)
-        handed_out.append(port)
-        return port
+    def first_taken(count: int, host: str = "127.0.0.1", *, avoid=()) -> list[int]:
+        ports = real_free_ports(count, host, avoid=(*avoid, taken))
+        if not rounds:
+            ports[0] = taken
+        rounds.append(ports)
+        return ports
 
-    monkeypatch.setattr(serving, "free_port", first_taken)
+    monkeypatch.setattr(serving, "free_ports", first_taken)
     with TritonServer(repository) as server:
         assert server.ports.http != taken
         np.testing.assert_array_equal(_double(server), [[2, 4, 6]])
-    assert handed_out[0] == taken and len(handed_out) == 6  # two rounds of three ports
+    assert [len(r) for r in rounds] == [3, 3] and rounds[0][0] == taken  # two rounds of three
+
+
+def test_the_free_ports_of_one_server_are_different_and_avoid_the_given_ones():
+    """Chosen one bound socket at a time, the OS may hand one port out twice, and Triton given
+    one port for two endpoints stops at once with its usage."""
+    for _ in range(50):
+        first = serving.free_port()
+        ports = serving.free_ports(3, avoid=[first])
+        assert len(set(ports)) == 3 and first not in ports
 
 
 def test_a_second_server_on_busy_ports_fails_at_once_naming_the_port(repository, tmp_path):
