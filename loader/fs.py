@@ -779,16 +779,20 @@ def write_file(path: Path, data: bytes, *, sync: bool = False) -> None:
 
 
 def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
+    located = _locate(path)
+    if located is not None:  # below a confined tree: the descriptor's own write
+        d, name = located
+        with d:
+            d._write(name, data, mode, sync=sync)
+        return
     flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | mode
-    fd = _open_below(path, flags)
-    if fd is None:
-        _seam("open", path)
-        try:
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
-                raise NotOursError(path, "a special file", "a file the loader writes") from exc
-            raise
+    _seam("open", path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+            raise NotOursError(path, "a special file", "a file the loader writes") from exc
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotOursError(path, _kind(os.fstat(fd).st_mode), "a file the loader writes")
