@@ -27,12 +27,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from loader.serving import free_port
 
 #: Starts of a server: the free port it was given can be taken by another process (tests run in
 #: parallel) before the server binds it; then it exits and starts again on another.
