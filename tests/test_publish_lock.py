@@ -73,9 +73,12 @@ def test_a_lock_of_another_host_expires_when_its_heartbeat_stops(tmp_path: Path)
 
 
 def test_a_lock_with_a_live_heartbeat_is_not_taken_over(tmp_path: Path):
-    holder = PublishLock(tmp_path, KEY, expiry_s=0.4, heartbeat_s=0.05).acquire()
+    # The waiter waits longer than the expiry, so a holder without heartbeats would be taken
+    # over; the expiry is 50 heartbeats, so only a heartbeat thread starved for 2.5 s (not a
+    # busy 2-core machine's 0.4 s) would be judged dead.
+    holder = PublishLock(tmp_path, KEY, expiry_s=2.5, heartbeat_s=0.05).acquire()
     try:
-        waiter = PublishLock(tmp_path, KEY, expiry_s=0.4, timeout_s=1.2, poll_s=0.05)
+        waiter = PublishLock(tmp_path, KEY, expiry_s=2.5, timeout_s=3.5, poll_s=0.05)
         with pytest.raises(LockTimeoutError) as info:
             waiter.acquire()
         assert "pid" in info.value.message
