@@ -6,8 +6,11 @@ single response. Triton 23.05 does not tell a gRPC client which response is the 
 end is read from the data: every response but the last has ``finish_reason`` "" (empty), the
 last "length" or "stop". Then the stream is closed.
 
-Closing the stream early (the HTTP client left, a stop sequence was seen, the deadline passed)
-cancels the gRPC call. What Triton does with the model's work then depends on its version
+A finished stream is half-closed and its end read (:func:`finish_stream`), never cancelled:
+Triton 24.10 (the CPU server the tests run) kept a model whose finished gRPC stream a client
+had cancelled referenced, and at SIGTERM waited its whole ``--exit-timeout-secs`` for it to
+unload. Closing the stream early (the HTTP client left, a stop sequence was seen, the deadline
+passed) cancels the gRPC call. What Triton does with the model's work then depends on its version
 (``docs/completions.md``): 23.05 has no request cancellation, so the model generates on, up to
 ``max_tokens``, and Triton drops the responses.
 
@@ -54,6 +57,8 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30000),
     ("grpc.keepalive_timeout_ms", 10000),
 ]
+#: Seconds Triton may take to end a stream whose last response has arrived.
+STREAM_END_S = 5.0
 #: Seconds a readiness or metadata call may take.
 PROBE_TIMEOUT_S = 2.0
 #: The ``llm`` model's inputs that carry an OpenAI field, by the field's name in an error.
@@ -315,6 +320,7 @@ class Triton:
             await done.wait()  # the stream stays open for the responses
 
         responses = self.client.stream_infer(requests(), stream_timeout=self.timeout_s)
+        finished = False
         try:
             async for result, error in responses:
                 if error is not None:
@@ -323,8 +329,9 @@ class Triton:
                         self.forget()
                     raise failure
                 piece = piece_of(result)
+                finished = piece.finish_reason is not None
                 yield piece
-                if piece.finish_reason is not None:
+                if finished:
                     return
             raise Unavailable(
                 f"Triton at {self.url} closed the stream before the model finished",
@@ -337,5 +344,24 @@ class Triton:
             raise failure from exc
         finally:
             done.set()
-            with contextlib.suppress(Exception):
-                responses.cancel()
+            if finished:
+                await finish_stream(responses)
+            else:
+                with contextlib.suppress(Exception):
+                    responses.cancel()
+
+
+async def finish_stream(responses: object, timeout_s: float = STREAM_END_S) -> None:
+    """End a gRPC stream whose last response has arrived (its request iterator has returned,
+    so the client has half-closed it): read until Triton closes it, and cancel it only if that
+    takes longer than ``timeout_s`` or fails. A response after the last one is dropped."""
+
+    async def drained() -> None:
+        async for _ in responses:
+            pass
+
+    try:
+        await asyncio.wait_for(drained(), timeout_s)
+    except (TimeoutError, grpc.aio.AioRpcError, InferenceServerException):
+        with contextlib.suppress(Exception):
+            responses.cancel()

@@ -124,10 +124,10 @@ class StreamingClient:
             self._inbox = inbox
         return self._inbox
 
-    def _reset(self) -> None:
+    def _reset(self, *, cancel: bool = True) -> None:
         if self._inbox is not None:
             self._inbox = None
-            self._client.stop_stream(cancel_requests=True)
+            self._client.stop_stream(cancel_requests=cancel)
 
     def stream(self, model: str, request: dict[str, list[Any]]) -> Iterator[StreamEvent]:
         """Send ``request`` (``name -> values``, as :func:`loader.completion.load_request`
@@ -181,7 +181,11 @@ class StreamingClient:
                 self._reset()
 
     def close(self) -> None:
-        self._reset()
+        # Every request on the stream has its final response (an unfinished one was cancelled
+        # when its iteration ended): half-close the stream and let Triton end it. Cancelling
+        # it made Triton 24.10 keep the model referenced, and wait its whole
+        # --exit-timeout-secs at SIGTERM for it to unload.
+        self._reset(cancel=False)
         self._client.close()
 
     def __enter__(self) -> StreamingClient:

@@ -65,6 +65,7 @@ from completions_service.triton import (  # noqa: E402
     CHANNEL_OPTIONS,
     Generation,
     build_inputs,
+    finish_stream,
     model_info,
     piece_of,
 )
@@ -140,6 +141,7 @@ async def direct_request(client, model, info, stream: bool, max_tokens: int) -> 
     start = time.perf_counter()
     first = last = None
     tokens = 0
+    end = None
     responses = client.stream_infer(requests())
     try:
         async for result, error in responses:
@@ -154,11 +156,15 @@ async def direct_request(client, model, info, stream: bool, max_tokens: int) -> 
             if piece.finish_reason is not None:
                 if not stream:
                     tokens = piece.completion_tokens or tokens
+                end = now
                 break
     finally:
         done.set()
-        responses.cancel()
-    end = time.perf_counter() - start
+        if end is not None:
+            await finish_stream(responses)  # as the service ends a finished stream
+        else:
+            responses.cancel()
+    end = end if end is not None else time.perf_counter() - start
     return Sample(end, first if first is not None else end, last or end, tokens)
 
 

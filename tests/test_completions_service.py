@@ -438,3 +438,36 @@ def test_a_restricted_model_config_protocol_needs_the_header_and_says_so(reposit
         with CompletionsService(triton.grpc_url, log=tmp_path / "svc.log", extra=extra) as svc:
             assert call(svc, "GET", "/health/ready")[0] == 200
             assert complete(svc, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_finished_completion_closes_its_triton_stream_without_cancelling_it(
+    repository, keys, tmp_path
+):
+    """The service half-closes the gRPC stream of a completion that finished and reads its
+    end; it cancels only a stream it leaves early. Cancelling finished streams made Triton 24.10
+    (the local server) keep the model referenced now and then, so that at SIGTERM it waited its
+    whole --exit-timeout-secs for it to unload. Triton runs with --log-verbose=1, which the
+    chart does not render: it logs each stream cancellation it notices only at that level."""
+    said = "Cancellation notification received for ModelStreamInferHandler"
+    triton = TritonServer(repository, log_verbose=1)
+    with triton:
+
+        def cancellations() -> int:
+            return sum(said in line for line in triton.log_text().splitlines())
+
+        extra = ["--api-keys-file", str(keys)]
+        with CompletionsService(triton, log=tmp_path / "service.log", extra=extra) as svc:
+            for stream in (False, True, False, True):
+                answer = complete(svc, prompt=f"finished {stream}", max_tokens=3, stream=stream)
+                chunks = list(answer) if stream else [answer]
+                assert chunks[-1].choices[0].finish_reason == "length"
+            time.sleep(0.5)  # a cancellation would be logged by now
+            assert cancellations() == 0
+            stream = complete(svc, prompt="leave", max_tokens=200, stream=True, temperature=0)
+            next(iter(stream))
+            stream.close()
+            deadline = time.monotonic() + 30
+            while not cancellations() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert cancellations() == 1
+    assert triton.exit_waited_for == ""

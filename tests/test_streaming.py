@@ -666,3 +666,38 @@ def test_generate_on_a_streaming_repository_is_200_with_an_error_and_generate_st
         ]
     assert events and events[-1]["is_final"] and not any(e["is_final"] for e in events[:-1])
     assert "".join(e["completion"] for e in events)
+
+
+
+def _cancellations(server: TritonServer) -> list[str]:
+    """The gRPC stream cancellations Triton noticed (logged at --log-verbose=1)."""
+    said = "Cancellation notification received for ModelStreamInferHandler"
+    return [line for line in server.log_text().splitlines() if said in line]
+
+
+def test_a_finished_stream_is_closed_without_cancelling_it_and_an_abandoned_one_is_cancelled(
+    streaming_repository,
+):
+    """``StreamingClient`` half-closes a stream whose requests all finished and lets Triton
+    end it. Cancelling such a stream made Triton 24.10 (the local server) keep the model
+    referenced now and then: at SIGTERM it waited its whole --exit-timeout-secs (40 s) for the
+    model to unload. The server runs with --log-verbose=1, which the chart does not render:
+    Triton logs each stream cancellation it notices only at that level."""
+    server = TritonServer(streaming_repository, log_verbose=1)
+    with server:
+        for _ in range(3):
+            assert collect(iter(_stream(server, {**SEED_REQUEST, "request_output_len": [2]})))
+        with StreamingClient(server.grpc_url, timeout_s=60) as client:
+            for _ in range(2):
+                assert collect(client.stream(MODEL, {**SEED_REQUEST, "request_output_len": [2]}))
+        assert _cancellations(server) == []
+        abandoned = stream_completion(
+            server.grpc_url, MODEL, {**SEED_REQUEST, "request_output_len": [40]}
+        )
+        next(abandoned)
+        abandoned.close()
+        deadline = time.monotonic() + 30
+        while not _cancellations(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _cancellations(server)
+    assert server.exit_waited_for == ""
