@@ -409,6 +409,12 @@ def exit_wait(log_text: str) -> str | None:
     did not wait that long."""
     if EXIT_TIMEOUT_EXPIRED not in log_text:
         return None
+    return waiting_for(log_text)
+
+
+def waiting_for(log_text: str) -> str:
+    """What a stopping server whose log is ``log_text`` waits for so far: the counts it logged
+    each second, and the models not unloaded yet."""
     waited = sorted({m[1] for m in _WAITED_FOR.finditer(log_text) if not m[1].startswith("0 ")})
     said = "; ".join(waited) or "what it waited for is in its log"
     live = sorted(set(_LOADED.findall(log_text)) - set(_UNLOADED.findall(log_text)))

@@ -470,4 +470,3 @@ def test_a_finished_completion_closes_its_triton_stream_without_cancelling_it(
             while not cancellations() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert cancellations() == 1
-    assert triton.exit_waited_for == ""

@@ -668,7 +668,6 @@ def test_generate_on_a_streaming_repository_is_200_with_an_error_and_generate_st
     assert "".join(e["completion"] for e in events)
 
 
-
 def _cancellations(server: TritonServer) -> list[str]:
     """The gRPC stream cancellations Triton noticed (logged at --log-verbose=1)."""
     said = "Cancellation notification received for ModelStreamInferHandler"
@@ -700,4 +699,3 @@ def test_a_finished_stream_is_closed_without_cancelling_it_and_an_abandoned_one_
         while not _cancellations(server) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _cancellations(server)
-    assert server.exit_waited_for == ""
