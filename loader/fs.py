@@ -559,6 +559,28 @@ class Dir:
             return Dir(os.dup(self.fd), self.path)
         return self.sub(names[0]).walk_in(tuple(names[1:]))
 
+    def makedirs(self, names: tuple[str, ...] | list[str]) -> Dir:
+        """A new :class:`Dir` of ``names`` below this one (this one stays open), each level
+        created if absent and entered one name at a time, never through a link (a link or a
+        file where a directory belongs is a :class:`NotOursError`)."""
+        if not names:
+            return self.enter(())
+        return self.sub(names[0], create=True).walk_in(tuple(names[1:]), create=True)
+
+    def copy_in(self, name: str, source: Path) -> None:
+        """Copy the file ``source`` (a path the user named, or the loader's own package file:
+        read as given, :func:`open_read`) to the new file ``name`` (``O_EXCL``, never through
+        a link), in bounded chunks."""
+        target = self.path / name
+        with open_read(source) as src, self.create(name) as dst:
+            while True:
+                _seam("read", source)
+                with _naming(source):
+                    chunk = src.read(_COPY_CHUNK)
+                if not chunk:
+                    break
+                write_fd(dst.fileno(), chunk, target)
+
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file
         ``marker`` whose first line is ``owner``: the loader made it (the only kind of tree it

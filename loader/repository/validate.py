@@ -25,6 +25,11 @@ traceback:
 
 The safetensors headers get the checks of the ``safetensors`` library where they are read
 (:class:`loader.checkpoint.SafetensorsFile`).
+
+This module only reads, and only the checkpoint: its tokenizer files are taken by path, as the
+tokenizer library takes them (the user's own directory, links followed as given; or the
+download area, which :mod:`loader.fs` walks from its anchor one name at a time). It writes
+nothing.
 """
 
 from __future__ import annotations
