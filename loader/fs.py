@@ -428,6 +428,12 @@ class Dir:
         except FileNotFoundError:
             return None
 
+    def stat(self) -> os.stat_result:
+        """This directory itself (``fstat`` of its descriptor)."""
+        _seam("stat", self.path)
+        with _naming(self.path):
+            return os.fstat(self.fd)
+
     def kind(self, name: str) -> str | None:
         """``a directory``, ``a file``, ``a symbolic link``, ``a special file``, or None."""
         found = self.lstat(name)
