@@ -60,7 +60,7 @@ def tokenizer_files(checkpoint_dir: Path) -> list[Path]:
     present = [
         checkpoint_dir / n
         for n in TOKENIZER_FILES
-        if fs.regular_size(checkpoint_dir / n, follow=True) is not None
+        if fs.regular_size(checkpoint_dir / n) is not None
     ]
     names = {p.name for p in present}
     if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:

@@ -105,7 +105,7 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
     """Load the tokenizer the repository will hold, as its models will (see the module
     docstring); a :class:`CheckpointError` naming the file otherwise."""
     for path in files:
-        size = fs.stat_path(path, follow=True).st_size
+        size = fs.stat_path(path).st_size
         if size > MAX_TOKENIZER_BYTES:
             raise CheckpointError(
                 f"{path} holds {size} bytes, more than a tokenizer file can "

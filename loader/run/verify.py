@@ -42,7 +42,7 @@ class Verified:
     def besides_weights(self) -> int:
         """Bytes the repository holds besides the converted weights: two tokenizer copies and
         the rest (:data:`REPOSITORY_EXTRA_BYTES`)."""
-        sizes = (fs.stat_path(p, follow=True).st_size for p in self.tokenizer)
+        sizes = (fs.stat_path(p).st_size for p in self.tokenizer)
         return 2 * sum(sizes) + REPOSITORY_EXTRA_BYTES
 
 
