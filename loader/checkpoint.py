@@ -17,6 +17,11 @@ safetensors the (simple, documented) header is parsed here directly so the view 
 zero-copy; PyTorch files are opened with ``torch.load(mmap=True, weights_only=True)`` (torch is
 imported only for them). bfloat16 tensors come back as their ``uint16`` bit patterns, tagged
 ``"bf16"`` in :attr:`TensorInfo.dtype`.
+
+A checkpoint is only read, by path (:func:`loader.fs.open_read`, :func:`loader.fs.read_file`):
+the user's own directory, followed as given (its links too), or one downloaded below ``ROOT`` or
+``--work-dir``, which :mod:`loader.fs` walks from its anchor one name at a time, never through
+a link. Nothing here writes.
 """
 
 from __future__ import annotations

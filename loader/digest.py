@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import blake3
 
 from loader import fs
+from loader.fs import Dir
 
 #: The algorithm new manifests and conversions use.
 DEFAULT = "blake3"
@@ -57,17 +58,36 @@ def of_file(
     algorithm: str = DEFAULT,
     *,
     progress: Callable[[int], object] | None = None,
-    follow: bool = True,
 ) -> str:
     """The hex digest of the file at ``path``, read in :data:`CHUNK_BYTES` pieces into one
-    buffer; ``progress(n)`` hears of every piece. Opened through :mod:`loader.fs`; with
-    ``follow`` False never through a link at its last component (a repository's file)."""
+    buffer; ``progress(n)`` hears of every piece. Opened through :mod:`loader.fs`, as given (a
+    source's file, read as the user named it: :func:`of_file_in` reads the loader's own)."""
+    with fs.open_read(path) as fh:
+        return _of_stream(fh, algorithm, progress)
+
+
+def of_file_in(
+    d: Dir,
+    rel: str,
+    algorithm: str = DEFAULT,
+    *,
+    progress: Callable[[int], object] | None = None,
+) -> str:
+    """The hex digest of the regular file ``rel`` (``a/b/c``: names, each checked) below the
+    directory open as ``d`` (a repository the loader wrote), entered one name at a time and
+    opened without following any link (anything but a regular file is a
+    :class:`~loader.errors.NotOursError`)."""
+    *levels, name = rel.split("/")
+    with d.enter(levels) as where, where.open_read(name) as fh:
+        return _of_stream(fh, algorithm, progress)
+
+
+def _of_stream(fh: BinaryIO, algorithm: str, progress: Callable[[int], object] | None) -> str:
     hasher = new(algorithm)
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
-    with fs.open_read(path, follow=follow) as fh:
-        while n := fh.readinto(buf):
-            hasher.update(view[:n])
-            if progress is not None:
-                progress(n)
+    while n := fh.readinto(buf):
+        hasher.update(view[:n])
+        if progress is not None:
+            progress(n)
     return hasher.hexdigest()

@@ -18,7 +18,13 @@ name at a time (:class:`Dir`):
   :mod:`loader.repository.publish`).
 
 Paths the user names (``--repository``, ``--work-dir``, a local source) are followed as given:
-they are the user's choice. Below them, nothing is.
+they are the user's choice. Below them, nothing is. Every operation that writes, creates,
+renames or removes is a method of :class:`Dir` taking one name without separators; a path
+below a tree the loader writes is reached from its anchor with :meth:`Dir.open` (one name at a
+time) or :meth:`Dir.walk_in` / :meth:`Dir.makedirs` of checked names. The module's functions
+that take a path only read, and only sources (:func:`read_file`, :func:`open_read`,
+:func:`stat_path`, :func:`regular_size`: a checkpoint, a tokenizer, a token or request file);
+below a :func:`confined` tree they too walk from the anchor, never through a link.
 
 **The seam.** Every call that reaches the operating system goes through :func:`_seam` first,
 with the operation's name and its path. :func:`inject` installs a hook there that may raise an
@@ -213,17 +219,15 @@ def _below(path: Path | str, *, reading: bool = False) -> tuple[Path, tuple[str,
     return anchor, rest
 
 
-def _locate(
-    path: Path | str, *, create: bool = False, reading: bool = False
-) -> tuple[Dir, str] | None:
-    """The open parent directory of a confined ``path`` (entered one name at a time, never
-    through a link; created with ``create``) and its last name; None for a path followed as
-    given, or the confined tree itself. The caller closes the directory."""
-    found = _below(path, reading=reading)
+def _locate(path: Path | str) -> tuple[Dir, str] | None:
+    """The open parent directory of a confined ``path`` that is read (entered one name at a
+    time, never through a link) and its last name; None for a path followed as given, or the
+    confined tree itself. The caller closes the directory."""
+    found = _below(path, reading=True)
     if found is None or not found[1]:
         return None
     anchor, rest = found
-    return Dir._open_given(anchor).walk_in(rest[:-1], create=create), rest[-1]
+    return Dir._open_given(anchor).walk_in(rest[:-1]), rest[-1]
 
 
 _RENAME_NOREPLACE = 1
@@ -237,6 +241,8 @@ _renameat2 = getattr(_libc, "renameat2", None)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: What the loader reads of its own small files (markers, locks, journals) at most.
 SMALL_FILE_BYTES = 16 * 2**20
+#: What :meth:`Dir.copy_in` reads and writes at a time.
+_COPY_CHUNK = 8 * 2**20
 
 
 def is_name(name: str) -> bool:
@@ -428,6 +434,12 @@ class Dir:
         except FileNotFoundError:
             return None
 
+    def stat(self) -> os.stat_result:
+        """This directory itself (``fstat`` of its descriptor)."""
+        _seam("stat", self.path)
+        with _naming(self.path):
+            return os.fstat(self.fd)
+
     def kind(self, name: str) -> str | None:
         """``a directory``, ``a file``, ``a symbolic link``, ``a special file``, or None."""
         found = self.lstat(name)
@@ -558,6 +570,28 @@ class Dir:
             _seam("open", self.path)
             return Dir(os.dup(self.fd), self.path)
         return self.sub(names[0]).walk_in(tuple(names[1:]))
+
+    def makedirs(self, names: tuple[str, ...] | list[str]) -> Dir:
+        """A new :class:`Dir` of ``names`` below this one (this one stays open), each level
+        created if absent and entered one name at a time, never through a link (a link or a
+        file where a directory belongs is a :class:`NotOursError`)."""
+        if not names:
+            return self.enter(())
+        return self.sub(names[0], create=True).walk_in(tuple(names[1:]), create=True)
+
+    def copy_in(self, name: str, source: Path) -> None:
+        """Copy the file ``source`` (a path the user named, or the loader's own package file:
+        read as given, :func:`open_read`) to the new file ``name`` (``O_EXCL``, never through
+        a link), in bounded chunks."""
+        target = self.path / name
+        with open_read(source) as src, self.create(name) as dst:
+            while True:
+                _seam("read", source)
+                with _naming(source):
+                    chunk = src.read(_COPY_CHUNK)
+                if not chunk:
+                    break
+                write_fd(dst.fileno(), chunk, target)
 
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file
@@ -727,34 +761,19 @@ def fsync_fd(fd: int, path: object) -> None:
         os.fsync(fd)
 
 
-def fsync_path(path: Path, *, directory: bool = False) -> None:
-    """fsync the file (or directory) at ``path``."""
-    located = _locate(path)
-    if located is not None:
-        d, name = located
-        with d:
-            if directory:
-                with d.sub(name) as sub:
-                    sub.fsync()
-                return
-            fd = d.open_file(name, os.O_RDONLY)
-            try:
-                fsync_fd(fd, d.path / name)
-            finally:
-                os.close(fd)
-        return
-    _seam("open", path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
-    try:
-        fsync_fd(fd, path)
-    finally:
-        os.close(fd)
+# --- reading a source by path ------------------------------------------------------------------
+#
+# What the loader takes by path is only ever read, and is a source: a checkpoint, tokenizer or
+# token file the user named (followed as given, its links too: :func:`followed`), or a
+# checkpoint downloaded below ``ROOT`` or ``--work-dir`` (below a :func:`confined` tree: walked
+# from its anchor one name at a time, never through a link). Nothing here writes: what the
+# loader writes is a :class:`Dir` and one name.
 
 
-def _open_below(path: Path, flags: int, *, reading: bool = False) -> int | None:
+def _open_below(path: Path, flags: int) -> int | None:
     """``openat`` of a confined ``path`` (never through a link); None for a path followed as
     given."""
-    located = _locate(path, reading=reading)
+    located = _locate(path)
     if located is None:
         return None
     d, name = located
@@ -762,84 +781,28 @@ def _open_below(path: Path, flags: int, *, reading: bool = False) -> int | None:
         return d.open_file(name, flags)
 
 
-def create(path: Path) -> BinaryIO:
-    """A new file at ``path`` (``O_EXCL``, never through a link), open for unbuffered
-    writing: the converter's outputs, inside a directory the loader just created."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd = _open_below(path, flags)
-    if fd is None:
-        _seam("open", path)
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    return open(fd, "wb", buffering=0, closefd=True)
-
-
-def write_file(path: Path, data: bytes, *, sync: bool = False) -> None:
-    """Write ``data`` to a new or existing regular file at ``path`` (never through a link)."""
-    _write(path, data, os.O_TRUNC, sync)
-
-
-def _write(path: Path, data: bytes, mode: int, sync: bool) -> None:
+def stat_path(path: Path) -> os.stat_result:
+    """The entry at ``path``, a link followed (a path the user named); below a
+    :func:`confined` tree no level is followed (a link there is a :class:`NotOursError`)."""
     located = _locate(path)
-    if located is not None:  # below a confined tree: the descriptor's own write
-        d, name = located
-        with d:
-            d._write(name, data, mode, sync=sync)
-        return
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | mode
-    _seam("open", path)
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
-            raise NotOursError(path, "a special file", "a file the loader writes") from exc
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotOursError(path, _kind(os.fstat(fd).st_mode), "a file the loader writes")
-        write_fd(fd, data, path)
-        if sync:
-            fsync_fd(fd, path)
-    finally:
-        os.close(fd)
-
-
-def lexists(path: Path) -> bool:
-    """Whether anything (a link too) is at ``path``."""
-    try:
-        located = _locate(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    if located is not None:
-        d, name = located
-        with d:
-            return d.lstat(name) is not None
-    _seam("stat", path)
-    return os.path.lexists(path)
-
-
-def stat_path(path: Path, *, follow: bool = False) -> os.stat_result:
-    """The entry at ``path`` itself (a link is not followed unless ``follow``: a path the user
-    named; below a :func:`confined` tree never)."""
-    located = _locate(path, reading=True)
     if located is not None:
         d, name = located
         with d:
             found = d.lstat(name)
         if found is None:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-        if follow and stat.S_ISLNK(found.st_mode):
+        if stat.S_ISLNK(found.st_mode):
             raise d.not_ours(name, "a file or directory the loader reads")
         return found
     _seam("stat", path)
-    return os.stat(path, follow_symlinks=follow)
+    return os.stat(path)
 
 
-def regular_size(path: Path, *, follow: bool = False) -> int | None:
-    """The size of the regular file at ``path``; None when nothing is there, or something
-    else (a directory, a FIFO, a link unless ``follow``). Below a :func:`confined` tree no
-    level is followed (a link on the way is a :class:`NotOursError`)."""
+def regular_size(path: Path) -> int | None:
+    """The size of the regular file at ``path`` (:func:`stat_path`); None when nothing is
+    there, or something else (a directory, a FIFO)."""
     try:
-        found = stat_path(path, follow=follow)
+        found = stat_path(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     return found.st_size if stat.S_ISREG(found.st_mode) else None
@@ -864,21 +827,19 @@ def _regular(fd: int, path: object) -> None:
         raise SpecialFileError(path, _special(mode))
 
 
-def open_read(path: Path, *, follow: bool = True) -> BinaryIO:
-    """``path`` open for reading (a checkpoint file); with ``follow`` False, never through a
-    link at its last component (a repository's file); below a :func:`confined` tree never
-    through a link at all. Anything but a regular file is a :class:`NotOursError`."""
-    return open(_open_regular(path, follow=follow), "rb")
+def open_read(path: Path) -> BinaryIO:
+    """``path`` open for reading (a checkpoint file; links followed, below a :func:`confined`
+    tree never). Anything but a regular file is refused (:func:`_regular`)."""
+    return open(_open_regular(path), "rb")
 
 
-def _open_regular(path: Path, *, follow: bool = True) -> int:
+def _open_regular(path: Path) -> int:
     """A descriptor of the regular file ``path``, opened without blocking on a FIFO: a FIFO,
     device or socket is never read (it may block forever or never end)."""
-    fd = _open_below(path, os.O_RDONLY | os.O_NONBLOCK, reading=follow)
+    fd = _open_below(path, os.O_RDONLY | os.O_NONBLOCK)
     if fd is None:
         _seam("open", path)
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         _regular(fd, path)
         os.set_blocking(fd, True)
@@ -888,60 +849,10 @@ def _open_regular(path: Path, *, follow: bool = True) -> int:
     return fd
 
 
-_COPY_CHUNK = 8 * 2**20
-
-
-def copy_file(source: Path, target: Path) -> None:
-    """Copy ``source`` to the new file ``target`` (never through a link), in bounded chunks."""
-    with open_read(source) as src, create(target) as dst:
-        while True:
-            _seam("read", source)
-            with _naming(source):
-                chunk = src.read(_COPY_CHUNK)
-            if not chunk:
-                break
-            write_fd(dst.fileno(), chunk, target)
-
-
 def truncate(fd: int, size: int, path: object) -> None:
     _seam("write", path)
     with _naming(path):
         os.ftruncate(fd, size)
-
-
-def makedirs(path: Path) -> None:
-    """``path`` and its missing parents, as directories (below a :func:`confined` tree, one
-    name at a time: a link where a directory belongs is a :class:`NotOursError`)."""
-    found = _below(path)
-    if found is not None:
-        Dir.open(path, create=True).close()
-        return
-    _seam("mkdir", path)
-    Path(path).mkdir(parents=True, exist_ok=True)
-
-
-def rename(source: Path, target: Path) -> None:
-    """``rename(2)`` by path (inside a tree the loader made; relative to descriptors below a
-    :func:`confined` tree)."""
-    src = _locate(source)
-    try:
-        dst = _locate(target)
-    except BaseException:
-        if src is not None:
-            src[0].close()
-        raise
-    if src is not None and dst is not None:
-        (sd, sname), (td, tname) = src, dst
-        with sd, td:
-            sd.rename(sname, td, tname, how="replace")
-        return
-    if src is not None or dst is not None:
-        for located in (src, dst):
-            if located is not None:
-                located[0].close()
-        raise NotOursError(target, f"a rename from {source}", "both names in the loader's tree")
-    _seam("rename", f"{source} -> {target}")
-    os.rename(source, target)
 
 
 def copy_range(src_fd: int, dst_fd: int, count: int, offset: int, path: object) -> int:

@@ -242,13 +242,13 @@ def test_n_inner_unset_means_four_times_n_embd(converted):
 
 def test_every_output_file_is_opened_for_writing_exactly_once(sources, tmp_path, monkeypatch):
     opened: list[str] = []
-    real_create = fs.create
+    real_create = fs.Dir.create
 
-    def counting_create(path):
-        opened.append(Path(path).name)
-        return real_create(path)
+    def counting_create(d, name):
+        opened.append(name)
+        return real_create(d, name)
 
-    monkeypatch.setattr(fs, "create", counting_create)
+    monkeypatch.setattr(fs.Dir, "create", counting_create)
     result = convert_checkpoint(
         sources["codegen-fp32-bin-sharded"], tmp_path, tp_size=2, workers=2, chunk_bytes=512
     )

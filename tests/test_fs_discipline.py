@@ -100,3 +100,43 @@ def test_run_force_prune_convert_and_fetch_change_files_only_through_loader_fs(
     assert found == [], "\n".join(
         sorted(set(f.split(" from ")[1] + " " + f.split()[0] for f in found))
     )
+
+
+#: The functions of loader.fs that take a path: only ever to read a source (a checkpoint, a
+#: tokenizer, a token or request file), or to name the trees that are confined or followed.
+READS_A_PATH = {"open_read", "read_file", "regular_size", "stat_path"}
+NAMES_A_TREE = {"confined", "confined_within", "followed"}
+
+
+def test_loader_fs_writes_only_through_a_directory_and_one_name(tmp_path):
+    """Below ROOT, everything the loader creates, writes, renames or removes is a ``Dir`` and
+    one name: no function of loader.fs takes a path to change something. A path-taking
+    function added to the module fails here until it is listed as a reader; each reader,
+    given a path below a confined tree, refuses a link on the way and changes nothing."""
+    import inspect
+
+    from loader import fs
+    from loader.errors import NotOursError
+
+    takes_path = {
+        name
+        for name, function in inspect.getmembers(fs, inspect.isfunction)
+        if function.__module__ == fs.__name__
+        and not name.startswith("_")
+        and any(
+            "Path" in str(p.annotation) for p in inspect.signature(function).parameters.values()
+        )
+    }
+    assert takes_path == READS_A_PATH | NAMES_A_TREE
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "file").write_text("not the loader's\n")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "sub").symlink_to(tmp_path / "outside")
+    path = tmp_path / "root" / "sub" / "file"
+    with fs.confined(tmp_path / "root"), watching() as found:
+        for name in sorted(READS_A_PATH):
+            call = getattr(fs, name)
+            with pytest.raises(NotOursError):
+                call(path, limit=100) if name == "read_file" else call(path)
+    assert found == []
+    assert os.listdir(tmp_path / "outside") == ["file"]

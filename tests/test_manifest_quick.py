@@ -73,13 +73,13 @@ def test_model_loader_convert_computes_no_digest(
 def hashed(monkeypatch) -> list[Path]:
     """Every file the manifest module reads to hash it, in order."""
     seen: list[Path] = []
-    real = digest.of_file
+    real = digest.of_file_in
 
-    def counting(path: Path, *args, **kwargs) -> str:
-        seen.append(Path(path))
-        return real(path, *args, **kwargs)
+    def counting(d, rel: str, *args, **kwargs) -> str:
+        seen.append(d.path / rel)
+        return real(d, rel, *args, **kwargs)
 
-    monkeypatch.setattr(digest, "of_file", counting)
+    monkeypatch.setattr(digest, "of_file_in", counting)
     return seen
 
 

@@ -336,7 +336,7 @@ class OverlappedConversion:
     def _write(self, out: OutputFile) -> None:
         try:
             size, hexdigest = write_file(
-                out, self._shards, self.out_dir, dtype=self.plan.np_dtype,
+                out, self._shards, self._out, dtype=self.plan.np_dtype,
                 progress=self._progress, chunk_bytes=self._chunk_bytes, stop=self._stop,
                 algorithm=digest.DEFAULT,
             )  # fmt: skip

@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from loader import digest, fs, stages
+from loader import digest, stages
 from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
 from loader.limits import WORKERS
@@ -147,7 +147,7 @@ def convert_planned(
         )  # fmt: skip
         with atomic_directory(final, overwrite=overwrite) as tmp:
             ini = plan.config_ini()
-            fs.write_file(tmp / CONFIG_INI, ini)
+            tmp.write(CONFIG_INI, ini, sync=False)
             with (
                 byte_progress(f"convert {final.name}", total) as progress,
                 stages.stage("write outputs (all writers, wall of the pool)"),

@@ -3,7 +3,9 @@ that is renamed into place only when everything succeeded.
 
 * :func:`atomic_directory` creates ``.<name>.partial-<pid>-<random>`` beside the final directory,
   yields it, and renames it to the final name at the end; on any failure (or interrupt) it is
-  removed, so Triton can never load a half-written ``<T>-gpu``. A run killed with SIGKILL leaves
+  removed, so Triton can never load a half-written ``<T>-gpu``. It opens the parent once and
+  yields the temp directory open: every step after, and every output, is a descriptor and one
+  name (:class:`loader.fs.Dir`), never a path. A run killed with SIGKILL leaves
   its ``.partial`` directory (never a ``<T>-gpu``); the next run names it in a warning.
 * :func:`write_outputs` writes :class:`~loader.convert.splits.OutputFile` s with a small thread
   pool (the transposes, casts and writes release the GIL). Each job holds at most one chunk
@@ -65,73 +67,77 @@ class _Stopped(Exception):
     """Another job failed or the run was interrupted; stop writing."""
 
 
-def _leftovers(parent: Path, name: str) -> list[Path]:
-    return sorted(parent.glob(f".{name}.partial-*")) + sorted(parent.glob(f".{name}.old-*"))
+def _leftovers(parent: Dir, name: str) -> list[Path]:
+    names = parent.names()
+    return [
+        parent.path / n
+        for prefix in (f".{name}.partial-", f".{name}.old-")
+        for n in names
+        if n.startswith(prefix)
+    ]
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove a tree this module created (relative to descriptors: no link followed)."""
-    with Dir.open(path.parent) as parent:
-        parent.remove_tree(path.name)
-
-
-def _put_in_place(tmp: Path, final: Path, token: str, *, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` to ``final`` (replacing it, atomically, with ``overwrite``)."""
-    parent = final.parent
-    if final.exists():
+def _put_in_place(parent: Dir, tmp: str, final: Path, token: str, *, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``final`` (replacing it, atomically, with ``overwrite``):
+    names in ``parent``, the directory holding both."""
+    name = final.name
+    if parent.lstat(name) is not None:
         if not overwrite:
             raise OutputExistsError(f"{final} already exists.")
-        old = parent / f".{final.name}.old-{token}"
-        fs.rename(final, old)
+        old = f".{name}.old-{token}"
+        parent.rename(name, parent, old, how="replace")
         try:
-            fs.rename(tmp, final)
+            parent.rename(tmp, parent, name, how="replace")
         except BaseException:
-            fs.rename(old, final)  # put the previous conversion back
+            parent.rename(old, parent, name, how="replace")  # put the previous conversion back
             raise
-        _remove_tree(old)
+        parent.remove_tree(old)
     else:
         try:
-            with Dir.open(parent) as d:
-                d.rename(tmp.name, d, final.name, how="noreplace")
+            parent.rename(tmp, parent, name, how="noreplace")
         except OSError as exc:  # another run published the same directory meanwhile
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 raise OutputExistsError(f"{final} was created by another run meanwhile.") from exc
             if exc.errno not in fs.NO_RENAMEAT2:
                 raise
-            fs.rename(tmp, final)
+            parent.rename(tmp, parent, name, how="replace")
 
 
 @contextmanager
-def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temp dir beside ``final``; rename it to ``final`` when the block succeeds.
-    A failure to create or fill it is the file system's typed error
-    (:func:`loader.errors.typed_os_error`, through the command line's funnel)."""
+def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Dir]:
+    """Yield a fresh temp dir beside ``final``, open (every output is a name in it); rename it
+    to ``final`` when the block succeeds. ``final``'s parent is opened once (below a
+    :func:`~loader.fs.confined` tree one name at a time, never through a link) and every step
+    after is that descriptor and one name. A failure to create or fill it is the file system's
+    typed error (:func:`loader.errors.typed_os_error`, through the command line's funnel)."""
     final = Path(final).absolute()
     parent = final.parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]
     token = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp = parent / f".{final.name}.partial-{token}"
-    fs.makedirs(parent)
-    for stale in _leftovers(parent, final.name):
-        log.warning("%s was left by an interrupted run; remove it when no loader is running", stale)
-    try:
-        # Made inside the block that removes it: a signal right after it leaves nothing.
-        with Dir.open(parent) as d:
-            d.mkdir(tmp.name)
-        ledger.note_temporary(tmp)  # a supervisor removes it should this process be killed
-        yield tmp
-        with stages.stage("rename into place"):
-            _put_in_place(tmp, final, token, overwrite=overwrite)
-    except BaseException:
-        with suppress(OSError):
-            _remove_tree(tmp)
-        for path in created:  # innermost first; only the directories this run created
-            try:
-                with Dir.open(path.parent) as d:
-                    d.rmdir(path.name)
-            except OSError:
-                break
-        raise
+    tmp = f".{final.name}.partial-{token}"
+    with Dir.open(parent, create=True) as d:
+        for stale in _leftovers(d, final.name):
+            log.warning(
+                "%s was left by an interrupted run; remove it when no loader is running", stale
+            )
+        try:
+            # Made inside the block that removes it: a signal right after it leaves nothing.
+            d.mkdir(tmp)
+            ledger.note_temporary(d.path / tmp)  # a supervisor removes it should this be killed
+            with d.sub(tmp) as out:
+                yield out
+            with stages.stage("rename into place"):
+                _put_in_place(d, tmp, final, token, overwrite=overwrite)
+        except BaseException:
+            with suppress(OSError):
+                d.remove_tree(tmp)
+            for path in created:  # innermost first; only the directories this run created
+                try:
+                    with Dir.open(path.parent) as above:
+                        above.rmdir(path.name)
+                except OSError:
+                    break
+            raise
 
 
 _buffers = threading.local()
@@ -149,7 +155,7 @@ def _chunk_buffer(nbytes: int) -> np.ndarray:
 def write_file(
     out: OutputFile,
     ckpt: Checkpoint,
-    directory: Path,
+    directory: Dir,
     *,
     dtype: np.dtype,
     progress: Progress,
@@ -165,9 +171,9 @@ def write_file(
     step = max(1, chunk_bytes // row_bytes)
     written = 0
     digest = None if algorithm is None else digests.new(algorithm)
-    path = Path(directory) / out.name
+    path = directory.path / out.name
     with stages.stage("open output"):
-        fh = fs.create(path)
+        fh = directory.create(out.name)
     with fh:
         span = _byte_span(out, ckpt, dtype) if digest is None else None
         if span is not None and _copy_in_kernel(
@@ -290,7 +296,7 @@ def _largest_first(outputs: Sequence[OutputFile]) -> list[OutputFile]:
 def write_outputs(
     outputs: Sequence[OutputFile],
     ckpt: Checkpoint,
-    directory: Path,
+    directory: Dir,
     *,
     dtype: np.dtype,
     progress: Progress,

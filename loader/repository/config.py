@@ -42,7 +42,7 @@ from types import ModuleType
 
 from google.protobuf import text_format
 
-from loader import fs
+from loader.fs import Dir
 from loader.parallel import Parallelism
 from loader.repository import tensors
 from loader.repository.bounds import RequestBounds
@@ -82,6 +82,8 @@ POSTPROCESSING = "postprocessing"
 ENSEMBLE = "ensemble"
 #: The model with Triton's LLM convention (``text_input``, ``max_tokens`` -> ``text_output``).
 LLM = "llm"
+#: The file of a model directory that holds its config.
+CONFIG_FILE = "config.pbtxt"
 
 
 #: Internal ensemble tensor names (between steps; never seen by clients).
@@ -328,12 +330,14 @@ def to_text(config: mc.ModelConfig) -> str:
     return text_format.MessageToString(config)
 
 
-def write_config(config: mc.ModelConfig, model_dir: Path) -> Path:
-    """Write ``model_dir/config.pbtxt``."""
-    path = Path(model_dir) / "config.pbtxt"
-    fs.makedirs(path.parent)
-    fs.write_file(path, to_text(config).encode("utf-8"))
-    return path
+def write_config(config: mc.ModelConfig, model_dir: Path | Dir) -> Path:
+    """Write ``model_dir/config.pbtxt``: a name in the directory open as ``model_dir``, or in
+    the directory at that path (created if absent, :meth:`loader.fs.Dir.open`)."""
+    if isinstance(model_dir, Dir):
+        model_dir.write(CONFIG_FILE, to_text(config).encode("utf-8"), exclusive=False, sync=False)
+        return model_dir.path / CONFIG_FILE
+    with Dir.open(model_dir, create=True) as d:
+        return write_config(config, d)
 
 
 def read_config(path: Path) -> mc.ModelConfig:

@@ -13,6 +13,12 @@ The ``<T>-gpu`` weights are converted straight into ``fastertransformer/1/`` by 
 (written once); this module writes everything else. A model whose config names the Python
 backend gets its files from :mod:`loader.repository.models`; the tokenising models get the
 checkpoint's own tokenizer files.
+
+The staging directory is the loader's: it is entered once and everything in it is written as a
+descriptor and one name (:class:`loader.fs.Dir`). The checkpoint's tokenizer files are a source
+the loader only reads, by path (:func:`tokenizer_files`): the user's own directory, whose links
+are followed as given, or the download area, which :mod:`loader.fs` walks from its anchor one
+name at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from loader import fs
 from loader.errors import CheckpointError
 from loader.formats.huggingface import TOKENIZER_FILES
+from loader.fs import Dir
 from loader.repository.config import (
     FASTERTRANSFORMER,
     LLM,
@@ -53,7 +60,7 @@ def tokenizer_files(checkpoint_dir: Path) -> list[Path]:
     present = [
         checkpoint_dir / n
         for n in TOKENIZER_FILES
-        if fs.regular_size(checkpoint_dir / n, follow=True) is not None
+        if fs.regular_size(checkpoint_dir / n) is not None
     ]
     names = {p.name for p in present}
     if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:
@@ -67,27 +74,30 @@ def tokenizer_files(checkpoint_dir: Path) -> list[Path]:
 
 
 def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) -> list[Path]:
-    """Write every model directory (configs last) into ``staging``; returns the written files."""
-    staging = Path(staging)
+    """Write every model directory (configs last) into ``staging``; returns the written files.
+    ``staging`` is opened once (below ROOT from ROOT, one name at a time); every directory and
+    file below it is a descriptor and one name (:class:`loader.fs.Dir`), never a path."""
     written: list[Path] = []
     configs = build_all(spec)
-    for name, config in configs.items():
-        model_dir = staging / name
-        fs.makedirs(model_dir / VERSION)
-        if config.backend == "python":
-            # The model clients call is a Python model only when it streams.
-            role = STREAMING if name == spec.name else name
-            for source, relative in model_files(role):
-                fs.makedirs((model_dir / relative).parent)
-                fs.copy_file(source, model_dir / relative)
-                written.append(model_dir / relative)
-        if name in TOKENIZING_MODELS:
-            target = model_dir / VERSION / TOKENIZER_DIR
-            fs.makedirs(target)
-            for source in tokenizer:
-                fs.copy_file(source, target / source.name)
-                written.append(target / source.name)
-    for name, config in configs.items():
-        written.append(write_config(config, staging / name))
-    log.info("wrote %d model directories into %s", len(configs), staging)
+    with Dir.open(staging) as base:
+        for name, config in configs.items():
+            with base.sub(name, create=True) as model_dir:
+                model_dir.mkdir(VERSION, exist_ok=True)
+                if config.backend == "python":
+                    # The model clients call is a Python model only when it streams.
+                    role = STREAMING if name == spec.name else name
+                    for source, relative in model_files(role):
+                        *levels, file_name = relative.split("/")
+                        with model_dir.makedirs(levels) as d:
+                            d.copy_in(file_name, source)
+                            written.append(d.path / file_name)
+                if name in TOKENIZING_MODELS:
+                    with model_dir.makedirs((VERSION, TOKENIZER_DIR)) as d:
+                        for source in tokenizer:
+                            d.copy_in(source.name, source)
+                            written.append(d.path / source.name)
+        for name, config in configs.items():
+            with base.sub(name) as model_dir:
+                written.append(write_config(config, model_dir))
+        log.info("wrote %d model directories into %s", len(configs), base.path)
     return written

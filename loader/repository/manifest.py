@@ -36,13 +36,12 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loader import digest, fs
+from loader import digest
 from loader.formats import jsondoc
-from loader.fs import Dir, fsync_path, write_file
+from loader.fs import Dir
 from loader.progress import byte_progress
 
 log = logging.getLogger(__name__)
@@ -97,20 +96,18 @@ class _Tree:
 
 
 def _hash_all(
-    root: Path, rels: Iterable[str], what: str, workers: int | None, algorithm: str
+    d: Dir, files: dict[str, os.stat_result], what: str, workers: int | None, algorithm: str
 ) -> dict[str, str]:
-    """The ``algorithm`` digest of each file ``rels`` under ``root`` (never through a link)."""
-    rels = list(rels)
-    total = sum(fs.stat_path(root / rel).st_size for rel in rels)
+    """The ``algorithm`` digest of each file ``files`` names (relative to ``d``, with its
+    size as listed), entered from ``d`` one name at a time, never through a link."""
+    rels = list(files)
+    total = sum(files[rel].st_size for rel in rels)
     with (
         byte_progress(what, total) as progress,
         ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
     ):
         digests = pool.map(
-            lambda rel: digest.of_file(
-                root / rel, algorithm, progress=progress.update, follow=False
-            ),
-            rels,
+            lambda rel: digest.of_file_in(d, rel, algorithm, progress=progress.update), rels
         )
         return dict(zip(rels, digests, strict=True))
 
@@ -149,7 +146,18 @@ def build_manifest(
     """
     root = Path(root).absolute()
     with Dir.open(root) as d:
-        tree = _Tree(d)
+        return _build_in(d, meta, workers=workers, known=known)
+
+
+def _build_in(
+    d: Dir,
+    meta: dict,
+    *,
+    workers: int | None,
+    known: dict[str, tuple[int, str | None]] | None,
+) -> dict:
+    root = d.path
+    tree = _Tree(d)
     if tree.others:
         rel, what = next(iter(tree.others.items()))
         raise OSError(errno.ELOOP, f"{what} in a repository being built", str(root / rel))
@@ -167,8 +175,8 @@ def build_manifest(
         for rel, (_size, hexdigest) in known.items()
         if rel in stats and hexdigest is not None
     }
-    digests.update(_hash_all(root, [r for r in rels if r not in digests], "hashing repository",
-                             workers, algorithm))  # fmt: skip
+    todo = {rel: stats[rel] for rel in rels if rel not in digests}
+    digests.update(_hash_all(d, todo, "hashing repository", workers, algorithm))
     files = [
         {
             "path": rel,
@@ -188,21 +196,19 @@ def build_manifest(
 
 
 def write_manifest(root: Path, manifest: dict) -> Path:
-    path = Path(root) / MANIFEST
-    write_file(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(), sync=True)
-    return path
+    """Write ``root/manifest.json`` (fsynced): one name in ``root``, opened once."""
+    data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+    with Dir.open(root) as d:
+        d.write(MANIFEST, data, exclusive=False, sync=True)
+        return d.path / MANIFEST
 
 
 def write_ready(root: Path, key: str) -> Path:
     """Write ``.ready`` (last) and fsync the directory so both markers are durable."""
-    path = Path(root) / READY
-    write_file(path, f"{key}\n".encode(), sync=True)
-    fsync_dir(Path(root))
-    return path
-
-
-def fsync_dir(path: Path) -> None:
-    fsync_path(Path(path), directory=True)
+    with Dir.open(root) as d:
+        d.write(READY, f"{key}\n".encode(), exclusive=False, sync=True)
+        d.fsync()
+        return d.path / READY
 
 
 def _parse(data: bytes | None) -> dict | None:
@@ -331,7 +337,8 @@ def verify_in(
             len(listed),
         )
     if checksums and not problems:
-        digests = _hash_all(d.path, to_hash, "verifying repository", workers, algorithm)
+        todo = {rel: tree.files[rel] for rel in to_hash}
+        digests = _hash_all(d, todo, "verifying repository", workers, algorithm)
         problems += [
             f"{rel} {algorithm} differs from the manifest"
             for rel in to_hash

@@ -105,6 +105,21 @@ def open_published(root: Path, key: str) -> Dir | None:
         return None
 
 
+def present(root: Path, key: str) -> bool:
+    """Whether anything (a link too) is at ``ROOT/<key>``, looked up from ``ROOT`` one name at
+    a time (a link or a file at ``ROOT/<name>@<revision>`` is a :class:`NotOursError`).
+    Reads only."""
+    parent_name, variant = _split(key)
+    try:
+        with Dir.open(root) as r:
+            if r.lstat(parent_name) is None:
+                return False
+            with r.sub(parent_name, what="key directory") as parent:
+                return parent.lstat(variant) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def discard_staging(staging: Path, key: str) -> None:
     """Remove the staging directory ``staging`` of ``key`` (if it is still the loader's)."""
     staging = Path(staging).absolute()
@@ -202,7 +217,7 @@ def replaced_copy_waiting(root: Path, key: str) -> bool:
     """Whether ``key`` is absent and ``.trash`` holds an entry named after it (a replacement
     the fallback started and a kill stopped: :func:`recover` puts it back). Reads only."""
     root = Path(root).absolute()
-    if fs.lexists(published_path(root, key)):
+    if present(root, key):
         return False
     prefix = key_filename(key) + "."
     try:

@@ -25,6 +25,11 @@ traceback:
 
 The safetensors headers get the checks of the ``safetensors`` library where they are read
 (:class:`loader.checkpoint.SafetensorsFile`).
+
+This module only reads, and only the checkpoint: its tokenizer files are taken by path, as the
+tokenizer library takes them (the user's own directory, links followed as given; or the
+download area, which :mod:`loader.fs` walks from its anchor one name at a time). It writes
+nothing.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
     """Load the tokenizer the repository will hold, as its models will (see the module
     docstring); a :class:`CheckpointError` naming the file otherwise."""
     for path in files:
-        size = fs.stat_path(path, follow=True).st_size
+        size = fs.stat_path(path).st_size
         if size > MAX_TOKENIZER_BYTES:
             raise CheckpointError(
                 f"{path} holds {size} bytes, more than a tokenizer file can "

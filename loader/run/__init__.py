@@ -132,7 +132,7 @@ def _run(request: RunRequest) -> RunResult:
                     )
                 lock.check_held()
                 with stages.stage("run: publish (rename to ROOT/<key>)"):
-                    publish.publish(staging, root, key, replace=_present(target))
+                    publish.publish(staging, root, key, replace=publish.present(root, key))
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))
@@ -158,11 +158,6 @@ def _tidy(request: RunRequest, root: Path, key: str) -> None:
         log.warning("could not remove what an earlier run of %s left: %s", key, exc)
     finally:
         lock.release()
-
-
-def _present(target: Path) -> bool:
-    """Whether something is at ``target`` (a link too: publishing then says what it found)."""
-    return os.path.lexists(target)
 
 
 def _writable(root: Path) -> None:

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 #: Source schemes whose fetch delivers files one by one (:class:`~loader.sources.ArrivalHooks`).
 OVERLAP_SCHEMES = frozenset({"gs", "hf"})
+#: The directory of a download directory that an overlapped conversion writes its outputs
+#: (and their journals) into.
+CONVERTED = "converted"
 
 
 class Strategy(Protocol):
@@ -94,12 +97,14 @@ class Overlapped(Sequential):
     def __init__(self, request: RunRequest, download: Path, root: Path) -> None:
         super().__init__(request, download)
         self.root = root
-        self.converted = download / "converted"
+        self.converted = download / CONVERTED
         self._first: FetchResult | None = None
 
     def fetch(self, **options: object) -> FetchResult:
         first = super().fetch(hooks=ArrivalHooks(include=lambda rel: not is_weight_file(rel)))
-        if not any(fs.regular_size(first.path / f.index) is not None for f in WEIGHT_FILES):
+        with Dir.open(first.path) as fetched:  # the download area: never through a link
+            indexed = any(fetched.regular_size(f.index) is not None for f in WEIGHT_FILES)
+        if not indexed:
             log.info("%s is not sharded: converting after the download", self.request.source)
             return super().fetch()
         self._first = first
@@ -185,12 +190,8 @@ def strategy_for(request: RunRequest, root: Path, key: str) -> Iterator[Strategy
         yield Sequential(request, None)
         return
     download = _download_dir(request, root, key)
-    _reclaim(download / "converted", root, key, idle_s=request.lock_expiry_s)
-    overlap = (
-        request.overlap
-        and scheme in OVERLAP_SCHEMES
-        and fs.stat_path(download).st_dev == fs.stat_path(root, follow=True).st_dev
-    )
+    _reclaim(download, root, key, idle_s=request.lock_expiry_s)
+    overlap = request.overlap and scheme in OVERLAP_SCHEMES and _same_disk(download, root)
     yield Overlapped(request, download, root) if overlap else Sequential(request, download)
     try:
         _remove_download(download, key)
@@ -198,13 +199,21 @@ def strategy_for(request: RunRequest, root: Path, key: str) -> Iterator[Strategy
         log.warning("could not remove the download directory %s: %s", download, exc)
 
 
-def _work(request: RunRequest, root: Path) -> Dir:
+def _same_disk(download: Path, root: Path) -> bool:
+    """Whether the download directory is on ``ROOT``'s file system (both open as
+    descriptors: the download directory entered from its anchor, never through a link)."""
+    with Dir.open(download) as d, Dir.open(root) as r:
+        return d.stat().st_dev == r.stat().st_dev
+
+
+def _work(request: RunRequest, root: Path, *, create: bool = True) -> Dir:
     """``WORK``, open: ``--work-dir`` (the user's path, followed as given) or ``ROOT/.work``
-    (the loader's: never through a link)."""
+    (the loader's: never through a link); without ``create`` a missing one is a
+    ``FileNotFoundError``."""
     if request.work_dir:
-        return Dir.open(Path(request.work_dir).absolute(), create=True)
-    with Dir.open(root, create=True) as r:
-        return r.sub(publish.WORK_DIR, create=True, what="download area")
+        return Dir.open(Path(request.work_dir).absolute(), create=create)
+    with Dir.open(root, create=create) as r:
+        return r.sub(publish.WORK_DIR, create=create, what="download area")
 
 
 def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
@@ -246,9 +255,12 @@ def download_left(request: RunRequest, root: Path, key: str) -> Path | None:
     """The download directory of ``key`` if one is there (reads only)."""
     if parse_uri(request.source).scheme == "file":
         return None
-    work = Path(request.work_dir).absolute() if request.work_dir else root / publish.WORK_DIR
-    path = work / download_name(request, root, key)
-    return path if fs.lexists(path) else None
+    name = download_name(request, root, key)
+    try:
+        with _work(request, root, create=False) as work:
+            return work.path / name if work.lstat(name) is not None else None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _remove_download(path: Path, key: str) -> None:
@@ -264,16 +276,18 @@ def _remove_download(path: Path, key: str) -> None:
                 root.rmdir(publish.WORK_DIR)  # other keys' downloads may arrive meanwhile
 
 
-def _reclaim(converted: Path, root: Path, key: str, *, idle_s: float) -> None:
+def _reclaim(download: Path, root: Path, key: str, *, idle_s: float) -> None:
     """Outputs of an overlapped conversion that a killed run had moved into its staging
-    directory (:meth:`~loader.convert.overlapped.Journal.moved_to`) go back to ``converted``,
-    so this run keeps them, before the staging directory is cleared as a leftover. Only from
-    an abandoned staging directory of ``key`` that carries the loader's marker, named by one
-    name in ``ROOT/.staging`` and reached from there one name at a time (never through a link):
-    nothing a journal says leads anywhere else."""
-    if not fs.lexists(converted):
-        return
-    with Dir.open(converted) as out:
+    directory (:meth:`~loader.convert.overlapped.Journal.moved_to`) go back to
+    ``download/converted``, so this run keeps them, before the staging directory is cleared as
+    a leftover. Only from an abandoned staging directory of ``key`` that carries the loader's
+    marker, named by one name in ``ROOT/.staging`` and reached from there one name at a time
+    (never through a link): nothing a journal says leads anywhere else."""
+    with Dir.open(download) as d:
+        if d.lstat(CONVERTED) is None:
+            return
+        out = d.sub(CONVERTED)
+    with out:
         journals = [n for n in out.names() if n.endswith(Journal.SUFFIX)]
         for name in journals:
             output = name[: -len(Journal.SUFFIX)]

@@ -5,6 +5,9 @@ tensors and its tokenizer tell, checked before anything is written.
 against the model's dimensions, the tensors, the output dtype), checks the GPU memory when the
 request gives one, and finds the tokenizer files the repository copies; what Triton will load
 of them (the tokenizer, config.ini's numbers) is checked by :mod:`loader.repository.validate`.
+
+It only reads, and only the checkpoint, by path: the user's own directory (links followed as
+given) or the download area, which :mod:`loader.fs` walks from its anchor one name at a time.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class Verified:
     def besides_weights(self) -> int:
         """Bytes the repository holds besides the converted weights: two tokenizer copies and
         the rest (:data:`REPOSITORY_EXTRA_BYTES`)."""
-        sizes = (fs.stat_path(p, follow=True).st_size for p in self.tokenizer)
+        sizes = (fs.stat_path(p).st_size for p in self.tokenizer)
         return 2 * sum(sizes) + REPOSITORY_EXTRA_BYTES
 
 

@@ -10,31 +10,41 @@ A symbolic link inside the source that leads out of it is refused (a
 file from outside the directory it was pointed at. Links within the source are followed, and
 so are the links of a Hugging Face cache snapshot (``.../models--ORG--NAME/snapshots/<commit>``,
 what ``hf download`` and ``snapshot_download`` write) into that cache entry's own ``blobs/``.
+
+The source is the user's, and only read: it is taken by path, as the user named it (links
+within it followed, above). What a copy writes below ``dest`` is the loader's: ``dest`` is
+opened once and every file there is reached from it one name at a time, never through a link
+(:class:`loader.fs.Dir`; its directories and temporary names: :mod:`loader.sources.transfer`).
 """
 
 from __future__ import annotations
 
-import filecmp
 import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from loader import digest, fs
-from loader.errors import SourceError, SourceNotFoundError, SpecialFileError, shown
+from loader.errors import NotOursError, SourceError, SourceNotFoundError, SpecialFileError, shown
+from loader.fs import Dir
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     clear_partials,
     ensure_disk_space,
+    enter_parent,
     place,
     remove_own_partials,
     temporary_download,
 )
 
 log = logging.getLogger(__name__)
+
+#: Bytes of a source file and its copy compared at a time.
+_COMPARE_CHUNK = 8 * 2**20
 
 
 #: Names of a Hugging Face cache entry's folder (``<kind>--<org>--<name>``).
@@ -175,9 +185,9 @@ def _copy(
 ) -> FetchResult:
     if dest.resolve() == root.resolve():
         return FetchResult(path=root, revision=None, files=files, bytes=total)
-    fs.makedirs(dest)
-    clear_partials(dest)
-    todo = [f for f in files if not _same(root / f, dest / f)]
+    with Dir.open(dest, create=True) as d:
+        clear_partials(dest)
+        todo = [f for f in files if not _same(root / f, d, f)]
     needed = sum((root / f).stat().st_size for f in todo)
     if options.check_disk_space:
         ensure_disk_space(dest, needed, what=f"copying {root}")
@@ -185,22 +195,42 @@ def _copy(
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:
             with temporary_download(dest, rel) as tmp:
-                fs.copy_file(root / rel, tmp)
-                if not filecmp.cmp(root / rel, tmp, shallow=False):
+                with enter_parent(dest, tmp) as d:
+                    d.copy_in(tmp.name, root / rel)
+                    with fs.open_read(root / rel) as src, d.open_read(tmp.name) as copy:
+                        size = _equal(src, copy)
+                if size is None:
                     raise SourceError(
                         f"Copy of {root / rel} differs from its source.",
                         "Check the disks (the copy was discarded) and run again.",
                     )
                 place(tmp, dest / rel, dest=dest)
-            progress.update((dest / rel).stat().st_size)
+            progress.update(size)
     remove_own_partials(dest)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
 
 
-def _same(src: Path, dst: Path) -> bool:
-    return (
-        not dst.is_symlink()
-        and dst.is_file()
-        and dst.stat().st_size == src.stat().st_size
-        and filecmp.cmp(src, dst, shallow=False)
-    )
+def _same(src: Path, d: Dir, rel: str) -> bool:
+    """Whether ``rel`` below DEST (open as ``d``: entered one name at a time, never through a
+    link) is a regular file holding what the source file ``src`` holds."""
+    *levels, name = rel.split("/")
+    try:
+        with d.enter(levels) as where:
+            if where.regular_size(name) != src.stat().st_size:
+                return False
+            with fs.open_read(src) as fh, where.open_read(name) as copy:
+                return _equal(fh, copy) is not None
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return False
+
+
+def _equal(a: BinaryIO, b: BinaryIO) -> int | None:
+    """The size of two open files holding the same bytes; None when they differ."""
+    size = 0
+    while True:
+        chunk = a.read(_COMPARE_CHUNK)
+        if chunk != b.read(len(chunk) or 1):
+            return None
+        if not chunk:
+            return size
+        size += len(chunk)

@@ -57,6 +57,14 @@ def safe_path(dest: Path, relpath: str) -> Path:
     return Path(dest).joinpath(*parts)
 
 
+def enter_parent(dest: Path, path: Path) -> Dir:
+    """The directory holding ``path`` (a path below ``dest``), open: entered one name at a
+    time from ``dest`` as :func:`safe_path` makes it (a link or a file on the way is a
+    :class:`SourceError`)."""
+    rel = Path(path).relative_to(dest)
+    return _enter(dest, rel, _names(rel)[:-1])
+
+
 def _names(relpath: str | Path) -> tuple[str, ...]:
     """The names of a path relative to DEST (one name each: no ``..``, no ``/``)."""
     parts = Path(relpath).parts
