@@ -89,35 +89,46 @@ def new_staging_dir(root: Path, key: str) -> Path:
         return base.path / name
 
 
-def open_published(root: Path, key: str) -> Dir | None:
-    """The published directory of ``key``, opened from ``ROOT`` without following any link
-    (a link or a file there is a :class:`NotOursError`); None when absent."""
+def _key_directory(root: Path, key: str) -> tuple[Dir, str] | None:
+    """``ROOT/<name>@<revision>`` of ``key``, opened from ``ROOT`` without following a link (a
+    link or a file there is a :class:`NotOursError`), and the variant's name in it; None when
+    ROOT or that directory is absent. The caller closes the directory."""
     parent_name, variant = _split(key)
     try:
         with Dir.open(root) as r:
             if r.lstat(parent_name) is None:
                 return None
-            with r.sub(parent_name, what="key directory") as parent:
-                if parent.lstat(variant) is None:
-                    return None
-                return parent.sub(variant, what="published repository")
+            return r.sub(parent_name, what="key directory"), variant
     except FileNotFoundError:
         return None
+
+
+def open_published(root: Path, key: str) -> Dir | None:
+    """The published directory of ``key``, opened from ``ROOT`` without following any link
+    (a link or a file there is a :class:`NotOursError`); None when absent."""
+    found = _key_directory(root, key)
+    if found is None:
+        return None
+    parent, variant = found
+    with parent:
+        if parent.lstat(variant) is None:
+            return None
+        return parent.sub(variant, what="published repository")
 
 
 def present(root: Path, key: str) -> bool:
     """Whether anything (a link too) is at ``ROOT/<key>``, looked up from ``ROOT`` one name at
     a time (a link or a file at ``ROOT/<name>@<revision>`` is a :class:`NotOursError`).
     Reads only."""
-    parent_name, variant = _split(key)
     try:
-        with Dir.open(root) as r:
-            if r.lstat(parent_name) is None:
-                return False
-            with r.sub(parent_name, what="key directory") as parent:
-                return parent.lstat(variant) is not None
-    except (FileNotFoundError, NotADirectoryError):
+        found = _key_directory(root, key)
+    except NotADirectoryError:
         return False
+    if found is None:
+        return False
+    parent, variant = found
+    with parent:
+        return parent.lstat(variant) is not None
 
 
 def discard_staging(staging: Path, key: str) -> None:
