@@ -427,3 +427,34 @@ def test_a_file_in_the_way_of_a_users_output_is_named(sources, tmp_path):
     with pytest.raises(OutputPathError, match=f"{tmp_path / 'dangling'} is a file"):
         convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path / "dangling", tp_size=1)
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_the_levels_an_output_directory_needs_are_looked_up_through_descriptors(tmp_path, outside):
+    """Which levels of ``<T>-gpu``'s parent are missing (created, and removed again on failure)
+    is asked through the seam one name at a time, before anything is made: a dangling link at a
+    level below ROOT is refused (nothing made where it leads), never taken for a missing level."""
+    from loader.errors import NotOursError
+
+    root = tmp_path / "root"
+    (root / "work").mkdir(parents=True)
+    seen: list[tuple[str, str]] = []
+    with (
+        fs.confined(root),
+        fs.inject(lambda op, path: seen.append((op, path))),
+        pytest.raises(RuntimeError),
+        writer.atomic_directory(root / "work/a/b/1-gpu"),
+    ):
+        raise RuntimeError("failed while writing")
+    made = [(op, p) for op, p in seen if op == "mkdir"]
+    assert made[0] == ("mkdir", str(root / "work/a"))
+    assert seen.index(("stat", str(root / "work/a"))) < seen.index(made[0])
+    assert os.listdir(root / "work") == []  # the levels this run made are gone, none other
+    (root / "work" / "a").symlink_to(outside / "nowhere")
+    with (
+        fs.confined(root),
+        pytest.raises(NotOursError, match=str(root / "work/a")),
+        writer.atomic_directory(root / "work/a/b/1-gpu"),
+    ):
+        pass
+    assert sorted(os.listdir(outside)) == ["1-gpu", "converted", "user.txt"]
+    assert os.readlink(root / "work" / "a") == str(outside / "nowhere")
