@@ -324,3 +324,20 @@ def test_a_copy_onto_the_source_itself_has_nothing_to_do(local_ckpt, tmp_path):
     (tmp_path / "same").symlink_to(local_ckpt)
     assert fetch(str(local_ckpt), tmp_path / "same", copy=True).path == local_ckpt
     assert _tree(local_ckpt) == before
+
+
+def test_the_disk_space_probe_never_follows_a_link_below_a_confined_tree(tmp_path):
+    """Where a download goes below ROOT, the deepest level there is asked for its disk through
+    a descriptor: a link on the way (to another disk, say) is refused, never asked through."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (outside / "key").mkdir(parents=True)
+    (outside / "key" / "user.txt").write_text("the user's")
+    root.mkdir()
+    (root / ".work").symlink_to(outside)
+    with fs.confined(root), pytest.raises(NotOursError, match=str(root / ".work")):
+        ensure_disk_space(root / ".work" / "key" / "source", 1, what="a download")
+    assert _tree(outside) == {"key": None, "key/user.txt": b"the user's"}
+    (root / ".work").unlink()
+    (root / ".work").mkdir()
+    with fs.confined(root):
+        ensure_disk_space(root / ".work" / "key" / "source", 1, what="a download")
