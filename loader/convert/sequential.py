@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from loader import digest, stages
-from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
+from loader.checkpoint import Checkpoint, is_regular_file, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
 from loader.fs import Dir
 from loader.limits import WORKERS
@@ -67,7 +67,7 @@ def open_planned(plan: ConversionPlan) -> tuple[ConversionPlan, Checkpoint]:
     inventory = plan.inventory
     ckpt = Checkpoint(inventory.directory)
     try:
-        present = [name for name in inventory.files if (inventory.directory / name).is_file()]
+        present = [name for name in inventory.files if is_regular_file(inventory.directory / name)]
         for name in present:
             shard = inventory.open(name)
             try:
