@@ -105,6 +105,19 @@ class TensorInfo:
         return math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize
 
 
+def is_regular_file(path: Path) -> bool:
+    """Whether a regular file is at ``path`` (:func:`loader.fs.regular_size`: the user's
+    directory followed as given; below ``ROOT`` or ``--work-dir`` walked one name at a time, a
+    link there a :class:`~loader.errors.NotOursError`, never looked through). A link loop is
+    no file."""
+    try:
+        return fs.regular_size(path) is not None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return False
+        raise
+
+
 def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory as a dict (at most
     :data:`~loader.formats.jsondoc.MAX_CONFIG_BYTES`; deeper nesting than a parser takes is a
@@ -275,7 +288,7 @@ class TorchFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        if not path.is_file():
+        if not is_regular_file(path):
             raise CheckpointError(f"{path} is missing.")
         try:
             import torch
@@ -386,7 +399,7 @@ class Inventory:
     def open(self, name: str) -> ShardFile:
         """Open (and check the header of) the weight file ``name``."""
         path = self.directory / name
-        if not path.is_file():
+        if not is_regular_file(path):
             raise self.missing([name])
         seen = self.sizes.get(name)
         try:
@@ -440,9 +453,9 @@ def read_inventory(directory: Path | str, *, seen: Mapping[str, int] | None = No
     weight file shorter now was cut short meanwhile (:class:`SourceShrankError`)."""
     directory = Path(directory)
     for layout in WEIGHT_FILES:
-        if (directory / layout.index).is_file():
+        if is_regular_file(directory / layout.index):
             return Inventory(directory, layout, layout.index, _read_index(directory, layout))
-        if (directory / layout.single).is_file():
+        if is_regular_file(directory / layout.single):
             prior = Inventory(directory, layout, layout.single, {}, dict(seen or {}))
             shard = prior.open(layout.single)
             try:
@@ -594,7 +607,7 @@ def open_checkpoint(directory: Path | str) -> Checkpoint:
     directory = Path(directory)
     config = read_hf_config(directory)
     inventory = read_inventory(directory)
-    missing = [name for name in inventory.files if not (directory / name).is_file()]
+    missing = [name for name in inventory.files if not is_regular_file(directory / name)]
     if missing:
         raise inventory.missing(missing)
     ckpt = Checkpoint(directory, config)

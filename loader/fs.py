@@ -332,6 +332,46 @@ class Dir:
         _seam("open", path)
         return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
 
+    @classmethod
+    def deepest(cls, path: Path | str) -> tuple[Dir, tuple[str, ...]]:
+        """The deepest level of ``path`` that exists, open, and the names below it that do not
+        (what ``Dir.open(path, create=True)`` would create); only looks. Below a
+        :func:`confined` tree it is entered from the anchor one name at a time (a link, or a
+        file where a directory belongs, is a :class:`NotOursError`, never followed); a path
+        the user named is followed as given, and a level of it that is there but no directory
+        (a file, a dangling link) is a ``NotADirectoryError`` naming it."""
+        found = _below(path)
+        anchor, rest = (Path(path).absolute(), ()) if found is None else found
+        current, missing = cls._deepest_given(anchor)
+        if missing:
+            return current, missing + rest
+        try:
+            for i, name in enumerate(rest):
+                if current.lstat(name) is None:
+                    return current, rest[i:]
+                current = current.walk_in((name,))
+        except BaseException:
+            current.close()
+            raise
+        return current, ()
+
+    @classmethod
+    def _deepest_given(cls, path: Path) -> tuple[Dir, tuple[str, ...]]:
+        missing: list[str] = []
+        for level in (path, *path.parents):
+            _seam("stat", level)
+            try:
+                found = os.stat(level)
+            except (FileNotFoundError, NotADirectoryError):
+                if os.path.lexists(level) and os.path.islink(level):
+                    raise NotADirectoryError(errno.ENOTDIR, "a dangling link", str(level)) from None
+                missing.append(level.name)
+                continue
+            if not stat.S_ISDIR(found.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(level))
+            return cls._open_given(level), tuple(reversed(missing))
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))  # no "/"
+
     def sub(self, name: str, *, create: bool = False, what: str = "directory") -> Dir:
         """The directory ``name`` in this one, never through a link; with ``create`` made if
         absent. A link or a file there is a :class:`NotOursError` (``what`` names it)."""

@@ -162,3 +162,33 @@ def test_iter_tensors_yields_every_tensor_once(checkpoints):
     path = checkpoints[("bin", True)]
     seen = [name for name, _ in iter_tensors(path)]
     assert sorted(seen) == sorted(read_state_dict(path))
+
+
+@pytest.mark.parametrize("target", ["elsewhere", "nowhere"])
+def test_a_link_at_a_weight_file_below_a_confined_tree_is_refused_not_looked_through(
+    tmp_path, target
+):
+    """A checkpoint downloaded below ROOT or the work directory is looked at one name at a
+    time: a weight file replaced by a link (to a user's file outside, or leading nowhere) is a
+    NotOursError naming it, not a file that is there (read through) nor one that is missing
+    (looked through to its target)."""
+    from loader import fs
+    from loader.convert import convert_checkpoint
+    from loader.errors import NotOursError
+
+    root = tmp_path / "root"
+    source = make_tiny_checkpoint(root / ".work" / "key" / "source")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    weights = source / "model.safetensors"
+    shutil.move(weights, outside / "elsewhere")
+    before = (outside / "elsewhere").read_bytes()
+    weights.symlink_to(outside / target)
+    with fs.confined(root):
+        with pytest.raises(NotOursError, match=str(weights)):
+            open_checkpoint(source)
+        with pytest.raises(NotOursError, match=str(weights)):
+            convert_checkpoint(source, root / ".work" / "key" / "converted", tp_size=1)
+    assert sorted(p.name for p in outside.iterdir()) == ["elsewhere"]
+    assert (outside / "elsewhere").read_bytes() == before
+    assert not (root / ".work" / "key" / "converted").exists()

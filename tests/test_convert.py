@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -353,3 +354,107 @@ def test_a_directory_published_meanwhile_is_not_overwritten(sources, tmp_path, m
         convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path, tp_size=1)
     assert _leftovers(tmp_path) == ["1-gpu"]
     assert (tmp_path / "1-gpu" / "config.ini").read_text() == "[gptj]\n"
+
+
+def _tree(directory: Path) -> dict[str, str]:
+    """Every entry below ``directory`` (not following links) and each file's text."""
+    return {
+        str(p.relative_to(directory)): p.read_text() if p.is_file() else "/"
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    """A user's directory outside ROOT that looks like each level of an output directory."""
+    out = tmp_path / "outside"
+    (out / "converted" / "1-gpu").mkdir(parents=True)
+    (out / "converted" / "1-gpu" / "config.ini").write_text("the user's\n")
+    (out / "1-gpu").mkdir()
+    (out / "user.txt").write_text("the user's\n")
+    return out
+
+
+@pytest.mark.parametrize("level", ["work", "work/converted", "work/converted/1-gpu"])
+def test_a_link_on_the_way_to_a_confined_output_is_refused_not_read_through(
+    sources, tmp_path, outside, level
+):
+    """``run`` converts into its work directory, a confined tree: whether the output directory
+    is there, what is in the way, and whether ``<T>-gpu`` exists are looked up one name at a
+    time; a link at any level is a NotOursError naming it, never followed (a ``1-gpu`` beside
+    the link's target would otherwise read as "already exists", or be written into)."""
+    from loader.errors import NotOursError
+
+    root = tmp_path / "root"
+    planted = root / level
+    planted.parent.mkdir(parents=True)
+    planted.symlink_to(outside)
+    before = _tree(outside)
+    with fs.confined(root), pytest.raises(NotOursError, match=str(planted)):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], root / "work" / "converted", tp_size=1)
+    assert _tree(outside) == before
+    assert planted.is_symlink() and os.readlink(planted) == str(outside)
+
+
+def test_the_free_space_probe_never_follows_a_link_in_a_confined_tree(tmp_path, outside):
+    """The free-space check asks the deepest existing level through its descriptor: a link on
+    the way to it (below ROOT) is refused, the disk it leads to never asked."""
+    from loader.convert.sequential import _check_free_space
+    from loader.errors import InsufficientDiskSpaceError, NotOursError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "work").symlink_to(outside)
+    with fs.confined(root):
+        with pytest.raises(NotOursError, match=str(root / "work")):
+            _check_free_space(root / "work" / "converted", 1)
+        (root / "work").unlink()
+        (root / "work").mkdir()
+        _check_free_space(root / "work" / "converted" / "missing", 1)
+        with pytest.raises(InsufficientDiskSpaceError, match=f"{root / 'work'} has"):
+            _check_free_space(root / "work" / "converted", 2**62)
+
+
+def test_a_file_in_the_way_of_a_users_output_is_named(sources, tmp_path):
+    """OUTPUT_DIR the user names is followed as given; a file (or a dangling link) where a
+    directory belongs is an OutputPathError naming it."""
+    from loader.errors import OutputPathError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputPathError, match=f"{tmp_path / 'file'} is a file"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path / "file" / "out", tp_size=1)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OutputPathError, match=f"{tmp_path / 'dangling'} is a file"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path / "dangling", tp_size=1)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_the_levels_an_output_directory_needs_are_looked_up_through_descriptors(tmp_path, outside):
+    """Which levels of ``<T>-gpu``'s parent are missing (created, and removed again on failure)
+    is asked through the seam one name at a time, before anything is made: a dangling link at a
+    level below ROOT is refused (nothing made where it leads), never taken for a missing level."""
+    from loader.errors import NotOursError
+
+    root = tmp_path / "root"
+    (root / "work").mkdir(parents=True)
+    seen: list[tuple[str, str]] = []
+    with (
+        fs.confined(root),
+        fs.inject(lambda op, path: seen.append((op, path))),
+        pytest.raises(RuntimeError),
+        writer.atomic_directory(root / "work/a/b/1-gpu"),
+    ):
+        raise RuntimeError("failed while writing")
+    made = [(op, p) for op, p in seen if op == "mkdir"]
+    assert made[0] == ("mkdir", str(root / "work/a"))
+    assert seen.index(("stat", str(root / "work/a"))) < seen.index(made[0])
+    assert os.listdir(root / "work") == []  # the levels this run made are gone, none other
+    (root / "work" / "a").symlink_to(outside / "nowhere")
+    with (
+        fs.confined(root),
+        pytest.raises(NotOursError, match=str(root / "work/a")),
+        writer.atomic_directory(root / "work/a/b/1-gpu"),
+    ):
+        pass
+    assert sorted(os.listdir(outside)) == ["1-gpu", "converted", "user.txt"]
+    assert os.readlink(root / "work" / "a") == str(outside / "nowhere")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
+from loader import fs
 from loader.cli import main
 from loader.errors import (
     CheckpointError,
     InsufficientDiskSpaceError,
+    NotOursError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
@@ -285,3 +289,55 @@ def test_cli_fetch_of_a_local_path_with_dest_but_no_copy_is_refused(local_ckpt, 
     assert not dest.exists()
     assert main(["fetch", str(local_ckpt), str(dest), "--copy"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == str(dest)
+
+
+def _tree(directory: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+def test_a_link_at_a_confined_copys_destination_is_refused_not_taken_for_the_source(
+    local_ckpt, tmp_path
+):
+    """``run`` copies into its work directory (a confined tree): a link planted there that
+    leads to the source itself is not read through to decide the copy has nothing to do (the
+    checkpoint would then be used from wherever the link leads); it is a NotOursError naming
+    it, and the source is left as it was."""
+    root = tmp_path / "root"
+    dest = root / ".work" / "key" / "source"
+    dest.parent.mkdir(parents=True)
+    dest.symlink_to(local_ckpt)
+    before = _tree(local_ckpt)
+    with fs.confined(root), pytest.raises(NotOursError, match=str(dest)):
+        fetch(str(local_ckpt), dest, copy=True)
+    assert _tree(local_ckpt) == before
+    assert os.readlink(dest) == str(local_ckpt)
+
+
+def test_a_copy_onto_the_source_itself_has_nothing_to_do(local_ckpt, tmp_path):
+    """DEST the user names is followed as given: the source itself, or a link to it, is a copy
+    with nothing to do, and the source is left as it was."""
+    before = _tree(local_ckpt)
+    assert fetch(str(local_ckpt), local_ckpt, copy=True).path == local_ckpt
+    (tmp_path / "same").symlink_to(local_ckpt)
+    assert fetch(str(local_ckpt), tmp_path / "same", copy=True).path == local_ckpt
+    assert _tree(local_ckpt) == before
+
+
+def test_the_disk_space_probe_never_follows_a_link_below_a_confined_tree(tmp_path):
+    """Where a download goes below ROOT, the deepest level there is asked for its disk through
+    a descriptor: a link on the way (to another disk, say) is refused, never asked through."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (outside / "key").mkdir(parents=True)
+    (outside / "key" / "user.txt").write_text("the user's")
+    root.mkdir()
+    (root / ".work").symlink_to(outside)
+    with fs.confined(root), pytest.raises(NotOursError, match=str(root / ".work")):
+        ensure_disk_space(root / ".work" / "key" / "source", 1, what="a download")
+    assert _tree(outside) == {"key": None, "key/user.txt": b"the user's"}
+    (root / ".work").unlink()
+    (root / ".work").mkdir()
+    with fs.confined(root):
+        ensure_disk_space(root / ".work" / "key" / "source", 1, what="a download")

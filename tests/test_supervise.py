@@ -485,3 +485,25 @@ def test_the_loaders_own_copy_cut_short_under_the_map_is_transient_and_fetched_a
     published = Path(stdout.splitlines()[-1])
     assert manifest.verify(published) == []
     assert not (root / WORK_DIR).exists() or list((root / WORK_DIR).iterdir()) == []
+
+
+def test_a_link_at_roots_lock_directory_is_refused_when_clearing_a_key(tmp_path):
+    """Clearing a dead loader's key looks for its lock in ROOT's lock directory through a
+    descriptor: a link planted there (to a directory holding a lock file of that name) is a
+    NotOursError naming it, never looked through, and nothing it leads to changes."""
+    from loader.cli.supervise import _clear_key
+    from loader.errors import NotOursError
+    from loader.repository.lock import lock_path
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    held = lock_path(root, "tiny@r1/1")
+    (outside / held.name).write_text("a user's file\n")
+    (root / LOCKS_DIR).symlink_to(outside)
+    with pytest.raises(NotOursError, match=str(root / LOCKS_DIR)):
+        _clear_key(root, "tiny@r1/1", 1.0)
+    assert os.listdir(outside) == [held.name]
+    assert (outside / held.name).read_text() == "a user's file\n"
+    (root / LOCKS_DIR).unlink()
+    assert _clear_key(root, "tiny@r1/1", 1.0) == []  # nothing there: nothing said removed

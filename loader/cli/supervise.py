@@ -233,7 +233,9 @@ def _clear_key(root: Path, key: str, expiry_s: float) -> list[Path]:
     try:
         with fs.confined(root):
             held = lock_path(root, key)
-            left = os.path.lexists(held)
+            left = False  # whether a lock is there: ROOT's lock directory entered, never followed
+            with contextlib.suppress(FileNotFoundError), fs.Dir.open(held.parent) as locks:
+                left = locks.lstat(held.name) is not None
             lock = try_lock(root, key, expiry_s)
             if lock is None:
                 return []

@@ -14,13 +14,14 @@ plan already made (``model-loader run`` verifies the checkpoint before it takes 
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import time
 from pathlib import Path
 
 from loader import digest, stages
-from loader.checkpoint import Checkpoint, read_hf_config, read_inventory
+from loader.checkpoint import Checkpoint, is_regular_file, read_hf_config, read_inventory
 from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
+from loader.fs import Dir
 from loader.limits import WORKERS
 from loader.parallel import Parallelism
 from loader.progress import byte_progress, human_bytes
@@ -32,29 +33,31 @@ from .writer import DEFAULT_CHUNK_BYTES, atomic_directory, default_workers, writ
 log = logging.getLogger(__name__)
 
 
+def _output_level(output_dir: Path) -> tuple[Dir, tuple[str, ...]]:
+    """The deepest existing level of OUTPUT_DIR, open, and the names still to create: below a
+    confined tree (``run``'s work directory) entered one name at a time, a link on the way a
+    :class:`~loader.errors.NotOursError`, never followed. OUTPUT_DIR must be a directory or
+    creatable as one: an :class:`OutputPathError` naming the file in the way otherwise (the
+    write itself maps a read-only file system the same way,
+    :func:`~loader.convert.writer.atomic_directory`)."""
+    try:
+        return Dir.deepest(output_dir)
+    except NotADirectoryError as exc:
+        raise OutputPathError(
+            f"Cannot write the converted checkpoint under {output_dir}: {exc.filename} is a "
+            "file, not a directory."
+        ) from None
+
+
 def _check_free_space(directory: Path, needed: int) -> None:
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    level, _ = _output_level(directory)
+    with level:
+        found = os.fstatvfs(level.fd)  # the disk of the level found, through its descriptor
+    free = found.f_bavail * found.f_frsize
     if free < needed:
         raise InsufficientDiskSpaceError(
-            f"Converting needs {human_bytes(needed)} but {probe} has {human_bytes(free)} free."
+            f"Converting needs {human_bytes(needed)} but {level.path} has {human_bytes(free)} free."
         )
-
-
-def _check_output_dir(output_dir: Path) -> None:
-    """OUTPUT_DIR must be a directory or creatable as one: an :class:`OutputPathError` naming
-    the file in the way otherwise (the write itself maps a read-only file system the same way,
-    :func:`~loader.convert.writer.atomic_directory`)."""
-    for path in (output_dir, *output_dir.parents):
-        if path.exists() or path.is_symlink():
-            if not path.is_dir():
-                raise OutputPathError(
-                    f"Cannot write the converted checkpoint under {output_dir}: {path} is a file, "
-                    "not a directory."
-                )
-            return
 
 
 def open_planned(plan: ConversionPlan) -> tuple[ConversionPlan, Checkpoint]:
@@ -64,7 +67,7 @@ def open_planned(plan: ConversionPlan) -> tuple[ConversionPlan, Checkpoint]:
     inventory = plan.inventory
     ckpt = Checkpoint(inventory.directory)
     try:
-        present = [name for name in inventory.files if (inventory.directory / name).is_file()]
+        present = [name for name in inventory.files if is_regular_file(inventory.directory / name)]
         for name in present:
             shard = inventory.open(name)
             try:
@@ -131,8 +134,12 @@ def convert_planned(
     started = time.monotonic()
     output_dir = Path(output_dir)
     final = output_dir / plan.output_dir_name
-    _check_output_dir(output_dir)
-    if final.exists() and not overwrite:
+    level, missing = _output_level(output_dir)
+    with level:  # what is at ``final`` is looked at, never followed
+        there = None if missing else level.kind(final.name)
+        if there == "a symbolic link" and not overwrite:
+            raise level.not_ours(final.name, "a converted checkpoint's directory")
+    if there is not None and not overwrite:
         raise OutputExistsError(f"{final} already exists.")
     with stages.stage("open + map + check headers"):
         plan, ckpt = open_planned(plan)

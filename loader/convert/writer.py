@@ -108,14 +108,14 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Dir]:
     """Yield a fresh temp dir beside ``final``, open (every output is a name in it); rename it
     to ``final`` when the block succeeds. ``final``'s parent is opened once (below a
     :func:`~loader.fs.confined` tree one name at a time, never through a link) and every step
-    after is that descriptor and one name. A failure to create or fill it is the file system's
+    after is that descriptor and one name; which of its levels are missing is looked up the same
+    way (:meth:`~loader.fs.Dir.deepest`), and those this run created are removed on failure. A failure to create or fill it is the file system's
     typed error (:func:`loader.errors.typed_os_error`, through the command line's funnel)."""
     final = Path(final).absolute()
-    parent = final.parent
-    created = [p for p in (parent, *parent.parents) if not p.exists()]
     token = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = f".{final.name}.partial-{token}"
-    with Dir.open(parent, create=True) as d:
+    top, missing = Dir.deepest(final.parent)  # this run creates ``missing`` below ``top``
+    with top, top.makedirs(missing) as d:
         for stale in _leftovers(d, final.name):
             log.warning(
                 "%s was left by an interrupted run; remove it when no loader is running", stale
@@ -131,10 +131,10 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Dir]:
         except BaseException:
             with suppress(OSError):
                 d.remove_tree(tmp)
-            for path in created:  # innermost first; only the directories this run created
+            for n in range(len(missing), 0, -1):  # innermost first; only those this run made
                 try:
-                    with Dir.open(path.parent) as above:
-                        above.rmdir(path.name)
+                    with top.enter(missing[: n - 1]) as above:
+                        above.rmdir(missing[n - 1])
                 except OSError:
                     break
             raise

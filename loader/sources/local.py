@@ -183,7 +183,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
 def _copy(
     root: Path, dest: Path, files: list[str], total: int, options: FetchOptions
 ) -> FetchResult:
-    if dest.resolve() == root.resolve():
+    if _is_source(dest, root):
         return FetchResult(path=root, revision=None, files=files, bytes=total)
     with Dir.open(dest, create=True) as d:
         clear_partials(dest)
@@ -208,6 +208,19 @@ def _copy(
             progress.update(size)
     remove_own_partials(dest)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
+
+
+def _is_source(dest: Path, root: Path) -> bool:
+    """Whether DEST is the source directory itself (a copy onto itself has nothing to do):
+    DEST looked up through descriptors (below a confined tree one name at a time, a link there
+    a :class:`NotOursError`, never followed), the source followed as the user gave it."""
+    level, missing = Dir.deepest(dest)
+    with level:
+        if missing:
+            return False
+        here = level.stat()
+    there = fs.stat_path(root)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _same(src: Path, d: Dir, rel: str) -> bool:

@@ -27,7 +27,6 @@ import base64
 import logging
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -324,15 +323,15 @@ def md5_of(fh: BinaryIO) -> str:
 
 def ensure_disk_space(dest: Path, needed: int, *, what: str, directory: Dir | None = None) -> None:
     """Raise :class:`InsufficientDiskSpaceError` unless ``needed`` bytes fit under ``dest``
-    (``directory``: ``dest`` open already, asked through its descriptor)."""
+    (``directory``: ``dest`` open already; else the deepest level of ``dest`` there, looked up
+    through descriptors, :meth:`~loader.fs.Dir.deepest`): asked through its descriptor."""
     if directory is not None:
         found = os.fstatvfs(directory.fd)
-        free = found.f_bavail * found.f_frsize
     else:
-        probe = dest
-        while not probe.exists():
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
+        level, _ = Dir.deepest(dest)
+        with level:
+            found = os.fstatvfs(level.fd)
+    free = found.f_bavail * found.f_frsize
     if needed + DISK_MARGIN > free:
         raise InsufficientDiskSpaceError(
             f"Not enough free disk space under {dest} for {what}: need {human_bytes(needed)} "
