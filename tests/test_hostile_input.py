@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -200,9 +201,9 @@ def test_the_free_space_check_counts_everything_the_repository_holds(
 
     extra = 2 * sum(p.stat().st_size for p in tokenizer_files(source)) + REPOSITORY_EXTRA_BYTES
     weights -= extra
-    usage = shutil.disk_usage(tmp_path)
+    free = weights + extra // 2  # the weights fit, the rest of the repository does not
     monkeypatch.setattr(
-        convert.shutil, "disk_usage", lambda p: usage._replace(free=weights + extra // 2)
+        convert.os, "fstatvfs", lambda fd: types.SimpleNamespace(f_bavail=free, f_frsize=1)
     )
     code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
     _user_error(code, err, "Converting needs")
