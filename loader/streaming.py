@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,6 +40,9 @@ from loader.errors import EndpointError
 
 log = logging.getLogger(__name__)
 
+#: Seconds Triton may take to end a half-closed stream whose requests all finished; then it
+#: is cancelled.
+STREAM_END_S = 5.0
 #: The response parameter Triton (after 23.05) sets on the last response of a stream.
 FINAL_PARAMETER = "triton_final_response"
 #: The output our streaming model sets on its last response (all a 23.05 client can see).
@@ -125,9 +129,23 @@ class StreamingClient:
         return self._inbox
 
     def _reset(self, *, cancel: bool = True) -> None:
-        if self._inbox is not None:
-            self._inbox = None
-            self._client.stop_stream(cancel_requests=cancel)
+        if self._inbox is None:
+            return
+        self._inbox = None
+        if cancel:
+            self._client.stop_stream(cancel_requests=True)
+            return
+        # Half-close, and wait for Triton to end the stream (tritonclient waits without a
+        # limit); a stream still open after STREAM_END_S (a server that went silent) is
+        # cancelled, which ends the wait.
+        closing = threading.Thread(
+            target=self._client.stop_stream, name="stream-close", daemon=True
+        )
+        closing.start()
+        closing.join(STREAM_END_S)
+        if closing.is_alive():
+            self._client.stop_stream(cancel_requests=True)
+            closing.join()
 
     def stream(self, model: str, request: dict[str, list[Any]]) -> Iterator[StreamEvent]:
         """Send ``request`` (``name -> values``, as :func:`loader.completion.load_request`
