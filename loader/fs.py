@@ -717,8 +717,23 @@ class Dir:
         if found is None or stat.S_ISLNK(found.st_mode) or stat.S_IMODE(found.st_mode) == mode:
             return
         _seam("chmod", self.path / name)
-        with _naming(self.path / name, relative=True):
-            os.chmod(_component(name), mode, dir_fd=self.fd, follow_symlinks=True)
+        # Opened without following a link and changed through the descriptor: a link swapped
+        # in since the look above is not followed (``chmod`` by name would follow it).
+        try:
+            fd = os.open(
+                _component(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=self.fd,
+            )  # fmt: skip
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link now: skipped, as above
+                return
+            raise _named(exc, self.path / name) from None
+        try:
+            with _naming(self.path / name):
+                if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+                    os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
     def fsync(self) -> None:
         """Make this directory's entries durable."""

@@ -134,6 +134,35 @@ def test_run_never_creates_the_parents_of_the_repository_root(capsys, source, tm
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--repository", ""],
+        ["run", "--repository", "{root}", "--work-dir", ""],
+        ["prune", "--repository", ""],
+        ["fetch", "--copy", "{source}", ""],
+        ["convert", "--tp-size", "1", "{source}", ""],
+        ["convert", "--tp-size", "1", "", "{root}"],
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(
+    capsys, source, tmp_path, monkeypatch, argv
+):
+    """``--repository "$ROOT"`` with ROOT unset is a mistake: it must not publish, prune, copy
+    or convert into whatever directory the command was started in."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    argv = [a.format(source=source, root=tmp_path / "models") for a in argv]
+    if argv[0] == "run":
+        argv = _run_args(source, tmp_path / "models")[:3] + argv[1:] + _run_args(source, "x")[5:]
+    code, err = _exit(capsys, *argv)
+    assert code == 2
+    assert "an empty path would mean the current directory" in err
+    assert list(cwd.iterdir()) == []
+    assert not (tmp_path / "models").exists()
+
+
 def test_preferred_batch_sizes_without_dynamic_batching_are_refused(capsys, source, tmp_path):
     argv = _run_args(source, tmp_path / "models", "--no-dynamic-batching")
     code, err = _exit(capsys, *argv, "--preferred-batch-size", "4")

@@ -300,6 +300,23 @@ def test_fetch_copy_never_writes_through_a_link_in_dest(source, tmp_path):
     assert (dest / "extras" / "notes.txt").read_text() == "nested"
 
 
+@pytest.mark.parametrize("kind", ["file", "special file"])
+def test_fetch_copy_names_what_stands_where_a_directory_of_the_source_goes(source, tmp_path, kind):
+    """A file or a FIFO at the name of one of the source's directories in DEST is refused
+    by what it is (a FIFO is not called a file), and left as it is."""
+    (source / "extras").mkdir()
+    (source / "extras" / "notes.txt").write_text("nested")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    if kind == "file":
+        (dest / "extras").write_text("a user's file\n")
+    else:
+        os.mkfifo(dest / "extras")
+    with pytest.raises(SourceError, match=f"extras is a {kind}[ ,]"):
+        fetch(str(source), dest, copy=True)
+    assert (dest / "extras").is_fifo() == (kind != "file")
+
+
 def _published_under_a_strict_umask(source: Path, root: Path) -> Path:
     """``model-loader run`` of ``source`` into ``root`` with umask 077; the published path."""
     proc = subprocess.run(

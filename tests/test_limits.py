@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loader.cli import build_parser, main
-from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP, RETRY_DEADLINE_S, SettingError
+from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP, RETRY_DEADLINE_S, WORKERS, SettingError
 from loader.parallel import Parallelism
 from loader.repository.key import ServingSettings
 from loader.run import RunRequest
@@ -52,6 +52,9 @@ def test_every_entry_point_checks_the_same_bound():
     with pytest.raises(SettingError) as info:
         fetch("/nowhere", retry_deadline_s=-1)
     assert info.value.limit is RETRY_DEADLINE_S
+    with pytest.raises(SettingError) as info:
+        fetch("/nowhere", workers=0)
+    assert info.value.limit is WORKERS
 
 
 @pytest.mark.parametrize(
@@ -64,6 +67,12 @@ def test_every_entry_point_checks_the_same_bound():
         ),
         # 0 was taken as "not set" (the default slice) and -1 named in bytes, not the flag
         (["fetch", "gs://b/p", "/tmp/x", "--slice-mib", "0"], "--slice-mib must be at least 1 MiB"),
+        # 0 was taken as "not set"; -5 reached ThreadPoolExecutor in the gs:// backend (a ValueError)
+        (["fetch", "gs://b/p", "/tmp/x", "--workers", "0"], "--workers must be at least 1, got 0"),
+        (
+            ["fetch", "--copy", "/nowhere", "/tmp/x", "--workers", "-5"],
+            "--workers must be at least 1",
+        ),
     ],
 )
 def test_the_command_line_names_its_flag(capsys, argv, words):

@@ -119,6 +119,28 @@ def test_dir_chmod_never_changes_what_a_link_points_to(tmp_path):
     assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
 
 
+def test_dir_chmod_never_follows_a_link_swapped_in_after_it_looked(tmp_path):
+    """Someone who can write the volume swaps a link in between ``Dir.chmod``'s look at the
+    entry and its chmod (the seam runs there): the file outside the tree keeps its mode, the
+    link is left as it is."""
+    (tmp_path / "outside").write_text("a user's file\n")
+    os.chmod(tmp_path / "outside", 0o600)
+    (tmp_path / "tree").mkdir()
+    entry = tmp_path / "tree" / "entry"
+    entry.write_text("the loader's file\n")
+    os.chmod(entry, 0o600)
+
+    def swap(op: str, path: str) -> None:
+        if op == "chmod" and path == str(entry):
+            entry.unlink()
+            entry.symlink_to(tmp_path / "outside")
+
+    with fs.Dir.open(tmp_path / "tree") as d, fs.inject(swap):
+        d.chmod("entry", 0o644)
+    assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
+    assert entry.is_symlink()
+
+
 def test_a_fifo_with_a_reader_is_never_written_to(tmp_path):
     """A FIFO someone reads from opens for writing without blocking: the file the loader
     writes (a journal, a manifest) is refused there by its kind, and nothing reaches the

@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from loader import __version__, stages
@@ -231,6 +232,21 @@ def limit_argument(
 
 #: Characters that would split the one line a command prints as its result.
 LINE_BREAKS = "\n\r\0"
+
+
+def nonempty(value: str) -> str:
+    """An argparse ``type`` for a path argument: an empty one (an unset variable in a script)
+    is refused, never taken as the current directory (``Path("")`` is ``.``)."""
+    if not value:
+        raise argparse.ArgumentTypeError(
+            "an empty path would mean the current directory (is a variable in the command unset?)"
+        )
+    return value
+
+
+def nonempty_path(value: str) -> Path:
+    """:func:`nonempty` as a :class:`~pathlib.Path`."""
+    return Path(nonempty(value))
 
 
 def one_line_path(what: str, value: object, hint: str | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loader.cli import limit_argument
+from loader.cli import limit_argument, nonempty
 from loader.limits import WORKERS
 
 
@@ -15,8 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Convert a Hugging Face checkpoint directory to "
         "OUTPUT_DIR/<T>-gpu/ in the FasterTransformer GPT-J format.",
     )
-    p.add_argument("source_dir", metavar="SOURCE_DIR")
-    p.add_argument("output_dir", metavar="OUTPUT_DIR")
+    p.add_argument("source_dir", metavar="SOURCE_DIR", type=nonempty)
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", type=nonempty)
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel size T")
     p.add_argument(
         "--pp-size",

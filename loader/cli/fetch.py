@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from loader.cli import limit_argument, one_line_path, print_path
+from loader.cli import limit_argument, nonempty, one_line_path, print_path
 from loader.errors import LoaderError
 from loader.limits import RETRY_DEADLINE_S, SLICE_MIB, WORKERS
 from loader.progress import human_bytes
@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "dest",
         metavar="DEST",
+        type=nonempty,
         nargs="?",
         default=None,
         help="destination directory (not needed for a local source used in place)",

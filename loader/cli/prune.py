@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from loader.cli import limit_argument
+from loader.cli import limit_argument, nonempty_path
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.progress import human_bytes
 
@@ -22,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repository",
         required=True,
-        type=Path,
+        type=nonempty_path,
         metavar="ROOT",
         help="repository root (the shared volume, e.g. /models)",
     )

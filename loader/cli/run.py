@@ -7,9 +7,8 @@ chart's Job read it); logs go to standard error.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from loader.cli import limit_argument, print_path
+from loader.cli import limit_argument, nonempty_path, print_path
 from loader.errors import LoaderError
 from loader.limits import (
     GPU_MEMORY_GIB,
@@ -36,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repository",
         required=True,
-        type=Path,
+        type=nonempty_path,
         metavar="ROOT",
         help="repository root (the shared volume, e.g. /models)",
     )
@@ -117,7 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--work-dir",
-        type=Path,
+        type=nonempty_path,
         default=None,
         help="where remote checkpoints are downloaded, into WORK/<key>/ (removed after "
         "publishing; default: ROOT/.work)",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loader.cli import nonempty_path
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -16,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--values/--set): only the model path, the ports and the addresses are this machine's. "
         "Needs the [serve] extra and the checkout's helm.",
     )
-    p.add_argument("repository", type=Path, metavar="REPOSITORY")
+    p.add_argument("repository", type=nonempty_path, metavar="REPOSITORY")
     p.add_argument(
         "-f",
         "--values",

@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlsplit
 
 from loader import fs
 from loader.errors import SourceError
-from loader.limits import RETRY_DEADLINE_S
+from loader.limits import RETRY_DEADLINE_S, WORKERS
 from loader.sources.fingerprint import Fingerprint
 
 #: URI scheme -> module that implements ``fetch_source(uri: SourceURI, dest, options)``.
@@ -250,6 +250,7 @@ def fetch(
     """
     parsed = parse_uri(uri)
     RETRY_DEADLINE_S.check(retry_deadline_s)
+    WORKERS.check(workers)  # a pool of 0 or fewer threads is a ValueError deep in a backend
     options = FetchOptions(
         copy=copy,
         workers=workers,
@@ -278,6 +279,7 @@ def fingerprint(
     :mod:`loader.sources.fingerprint`). ``recorded``, an earlier fingerprint of the same source,
     lets a local source skip hashing files whose stat stamps did not change."""
     parsed = parse_uri(uri)
+    WORKERS.check(workers)
     options = FetchOptions(
         workers=workers, hf_token_file=hf_token_file, retry_deadline_s=retry_deadline_s
     )
