@@ -363,7 +363,7 @@ class Dir:
             try:
                 found = os.stat(level)
             except (FileNotFoundError, NotADirectoryError):
-                if os.path.lexists(level) and os.path.islink(level):
+                if os.path.islink(level):
                     raise NotADirectoryError(errno.ENOTDIR, "a dangling link", str(level)) from None
                 missing.append(level.name)
                 continue
@@ -603,21 +603,20 @@ class Dir:
         finally:
             os.close(fd)
 
-    def enter(self, names: tuple[str, ...] | list[str]) -> Dir:
+    def enter(self, names: tuple[str, ...] | list[str], *, create: bool = False) -> Dir:
         """A new :class:`Dir` of ``names`` below this one (this one stays open), entered one
-        name at a time, never through a link; this directory again when ``names`` is empty."""
+        name at a time, never through a link (each level created if absent with ``create``);
+        this directory again when ``names`` is empty."""
         if not names:
             _seam("open", self.path)
             return Dir(os.dup(self.fd), self.path)
-        return self.sub(names[0]).walk_in(tuple(names[1:]))
+        return self.sub(names[0], create=create).walk_in(tuple(names[1:]), create=create)
 
     def makedirs(self, names: tuple[str, ...] | list[str]) -> Dir:
         """A new :class:`Dir` of ``names`` below this one (this one stays open), each level
         created if absent and entered one name at a time, never through a link (a link or a
         file where a directory belongs is a :class:`NotOursError`)."""
-        if not names:
-            return self.enter(())
-        return self.sub(names[0], create=True).walk_in(tuple(names[1:]), create=True)
+        return self.enter(names, create=True)
 
     def copy_in(self, name: str, source: Path) -> None:
         """Copy the file ``source`` (a path the user named, or the loader's own package file:
