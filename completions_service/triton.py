@@ -6,7 +6,7 @@ single response. Triton 23.05 does not tell a gRPC client which response is the 
 end is read from the data: every response but the last has ``finish_reason`` "" (empty), the
 last "length" or "stop". Then the stream is closed.
 
-A finished stream is half-closed and its end read (:func:`finish_stream`), never cancelled:
+A finished stream is half-closed and its end read (:func:`end_stream`), never cancelled:
 Triton 24.10 (the CPU server the tests run) kept a model whose finished gRPC stream a client
 had cancelled referenced, and at SIGTERM waited its whole ``--exit-timeout-secs`` for it to
 unload. Closing the stream early (the HTTP client left, a stop sequence was seen, the deadline
@@ -344,24 +344,24 @@ class Triton:
             raise failure from exc
         finally:
             done.set()
-            if finished:
-                await finish_stream(responses)
-            else:
-                with contextlib.suppress(Exception):
-                    responses.cancel()
+            await end_stream(responses, finished=finished)
 
 
-async def finish_stream(responses: object, timeout_s: float = STREAM_END_S) -> None:
-    """End a gRPC stream whose last response has arrived (its request iterator has returned,
-    so the client has half-closed it): read until Triton closes it, and cancel it only if that
-    takes longer than ``timeout_s`` or fails. A response after the last one is dropped."""
+async def end_stream(responses: object, *, finished: bool, timeout_s: float = STREAM_END_S) -> None:
+    """End a gRPC stream whose request iterator has returned (the client has half-closed it).
+    A ``finished`` one (its last response has arrived) is read until Triton closes it, and
+    cancelled only if that takes longer than ``timeout_s`` or fails (a response after the last
+    one is dropped); one left early is cancelled at once."""
 
     async def drained() -> None:
         async for _ in responses:
             pass
 
-    try:
-        await asyncio.wait_for(drained(), timeout_s)
-    except (TimeoutError, grpc.aio.AioRpcError, InferenceServerException):
-        with contextlib.suppress(Exception):
-            responses.cancel()
+    if finished:
+        try:
+            await asyncio.wait_for(drained(), timeout_s)
+            return
+        except (TimeoutError, grpc.aio.AioRpcError, InferenceServerException):
+            pass
+    with contextlib.suppress(Exception):
+        responses.cancel()

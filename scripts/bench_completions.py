@@ -65,7 +65,7 @@ from completions_service.triton import (  # noqa: E402
     CHANNEL_OPTIONS,
     Generation,
     build_inputs,
-    finish_stream,
+    end_stream,
     model_info,
     piece_of,
 )
@@ -160,10 +160,7 @@ async def direct_request(client, model, info, stream: bool, max_tokens: int) -> 
                 break
     finally:
         done.set()
-        if end is not None:
-            await finish_stream(responses)  # as the service ends a finished stream
-        else:
-            responses.cancel()
+        await end_stream(responses, finished=end is not None)  # as the service ends a stream
     end = end if end is not None else time.perf_counter() - start
     return Sample(end, first if first is not None else end, last or end, tokens)
 
