@@ -116,6 +116,27 @@ def _rewrite_blob(repo: Path, name: str, data: bytes) -> None:
     obj.write_bytes(zlib.compress(b"blob %d\0" % len(data) + data))
 
 
+def _hold_until_the_rest_is_journaled(monkeypatch: pytest.MonkeyPatch, shard: str) -> None:
+    """Hold ``shard``'s download until every output that does not read it is written and
+    journaled. Without the hold, how many outputs the failing run leaves depends on how far the
+    writers got before the download failed (a race on a busy machine); the loader itself
+    neither waits nor orders its fetch like this."""
+    real = overlapped.OverlappedConversion.admit
+
+    def admit(self: overlapped.OverlappedConversion, rel: str) -> bool:
+        if rel == shard:
+            rest = {name for name, reads in self.plan.needs.items() if shard not in reads}
+            with self._cond:
+                assert self._cond.wait_for(
+                    lambda: self._error is not None
+                    or (rest <= self.written.keys() and not self._syncing),
+                    timeout=120,
+                ), "the outputs of the other shards were not written within 120 s"
+        return real(self, rel)
+
+    monkeypatch.setattr(overlapped.OverlappedConversion, "admit", admit)
+
+
 def test_a_shard_not_matching_the_hubs_hash_aborts_without_publishing_and_the_rerun_resumes(
     hub, sequential, checkpoint, tmp_path, capsys, monkeypatch
 ):
@@ -126,6 +147,7 @@ def test_a_shard_not_matching_the_hubs_hash_aborts_without_publishing_and_the_re
     _rewrite_blob(hub.late_corrupt, last.name, bytes(bad))
     root = tmp_path / "models"
     source = "hf://org/late-corrupt"
+    _hold_until_the_rest_is_journaled(monkeypatch, last.name)
     try:
         assert main(_argv(source, root)) == ChecksumMismatchError.exit_code
         err = capsys.readouterr().err
