@@ -128,8 +128,10 @@ def _hold_until_the_rest_is_journaled(monkeypatch: pytest.MonkeyPatch, shard: st
             rest = {name for name, reads in self.plan.needs.items() if shard not in reads}
             with self._cond:
                 assert self._cond.wait_for(
-                    lambda: self._error is not None
-                    or (rest <= self.written.keys() and not self._syncing),
+                    lambda: (
+                        self._error is not None
+                        or (rest <= self.written.keys() and not self._syncing)
+                    ),
                     timeout=120,
                 ), "the outputs of the other shards were not written within 120 s"
         return real(self, rel)

@@ -234,6 +234,43 @@ def test_partial_downloads_of_a_live_owner_or_another_host_are_never_adopted_or_
     assert not dead.exists() and live.exists() and other_host.exists()
 
 
+def test_what_names_no_owner_under_partial_is_the_users_and_stays(tmp_path, dead_pid, caplog):
+    """Only a gone owner's partial files are cleared: entries naming no owner, a link and a
+    file where ``.partial`` goes were not written by this loader and stay (a warning names
+    them); a gone owner's file beside them goes."""
+    from loader.sources.transfer import PARTIAL_DIR, clear_partials
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"the user's\n")
+    dest = tmp_path / "dest"
+    partial = dest / PARTIAL_DIR
+    (partial / "notes").mkdir(parents=True)
+    (partial / "notes" / "todo.txt").write_bytes(b"the user's\n")
+    (partial / "w.safetensors").write_bytes(b"the user's\n")
+    (partial / "elsewhere").symlink_to(outside)
+    dead = partial / f"x.safetensors.{dead_pid}-{fs.host_digest()}"
+    dead.write_bytes(b"left by a killed run\n")
+    with fs.confined(dest), caplog.at_level("WARNING"):
+        clear_partials(dest)
+    assert not dead.exists()
+    assert sorted(p.name for p in partial.iterdir()) == ["elsewhere", "notes", "w.safetensors"]
+    assert (partial / "notes" / "todo.txt").read_bytes() == b"the user's\n"
+    assert (partial / "elsewhere").is_symlink() and (outside / "keep").exists()
+    assert "3 entries this loader did not write" in caplog.text
+    for planted in ("file", "link"):
+        other = tmp_path / f"dest-{planted}"
+        other.mkdir()
+        if planted == "file":
+            (other / PARTIAL_DIR).write_bytes(b"the user's\n")
+        else:
+            (other / PARTIAL_DIR).symlink_to(outside)
+        with fs.confined(other):
+            clear_partials(other)
+        assert (other / PARTIAL_DIR).is_symlink() == (planted == "link")
+        assert (other / PARTIAL_DIR).exists() and (outside / "keep").exists()
+
+
 def test_a_fetch_removes_only_its_own_partial_files(tmp_path, dead_pid):
     """At its end a fetch removes its own partial files: another owner's, even a gone one's
     (the next run resumes or clears them), stay."""

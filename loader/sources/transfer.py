@@ -9,8 +9,9 @@ Partial names carry their owner (:func:`loader.fs.owner`: pid and host), so two 
 write the same partial file: not even a loader that stalled, lost its publish lock and still
 has downloads landing while its successor fetches the same key. What a gone owner of this host
 left is taken over (a rerun resumes it: :func:`adopt`) or removed (:func:`clear_partials`);
-what a live owner or another host's writes is left alone, and each fetch removes only its own
-partial files at the end (:func:`remove_own_partials`).
+what a live owner or another host's writes is left alone, and so is what names no owner
+(the loader did not write it). Each fetch removes only its own partial files at the end
+(:func:`remove_own_partials`).
 
 CRC32C: Cloud Storage records each object's CRC32C; a download computes the CRC32C of every
 byte-range slice from the bytes as they arrive, and :func:`crc32c_combine` joins the slices'
@@ -153,19 +154,25 @@ def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
     return False
 
 
-def _partials(d: Dir, keep: object) -> bool:
+def _partials(d: Dir, keep: object, foreign: list[str] | None = None) -> bool:
     """Remove the entries under ``d`` that ``keep(owner tag or None)`` refuses, then the empty
-    directories; whether ``d`` is empty now."""
+    directories; whether ``d`` is empty now. ``foreign`` collects the entries kept that name
+    no owner (relative to the directory first called)."""
     empty = True
     for name in d.names():
         tag = fs.owner_in(name)
         if tag is None and d.is_dir(name):
+            inner: list[str] | None = None if foreign is None else []
             with d.sub(name) as sub:
-                if _partials(sub, keep):
+                if _partials(sub, keep, inner):
                     d.rmdir(name)
                     continue
+            if foreign is not None and inner is not None:
+                foreign.extend(f"{name}/{n}" for n in inner)
             empty = False
         elif keep(tag):  # type: ignore[operator]
+            if tag is None and foreign is not None:
+                foreign.append(name)
             empty = False
         else:
             d.remove_tree(name)
@@ -173,23 +180,34 @@ def _partials(d: Dir, keep: object) -> bool:
 
 
 def clear_partials(dest: Path) -> None:
-    """Remove what stopped runs left under ``dest``'s partial directory: entries of gone
-    owners of this host and entries naming no owner (older loaders); a link there is
-    removed, never followed. A live owner's, or another host's, stay."""
+    """Remove what stopped runs of this loader left under ``dest``'s partial directory: the
+    entries of gone owners of this host. Everything else stays: a live owner's, another
+    host's, and whatever names no owner (this loader did not write it: a warning names how
+    many). A ``.partial`` that is not a directory (a file, a link) is left as it is; the first
+    download into it then fails with a message saying to remove it."""
     try:
         d = Dir.open(dest)
     except FileNotFoundError:
         return
     with d:
-        if d.lstat(PARTIAL_DIR) is None:
-            return
         if not d.is_dir(PARTIAL_DIR):
-            d.unlink(PARTIAL_DIR)
             return
+        foreign: list[str] = []
+
+        def keep(tag: str | None) -> bool:
+            return tag is None or not fs.owner_gone(tag)
+
         with d.sub(PARTIAL_DIR) as sub:
-            empty = _partials(sub, lambda tag: tag is not None and not fs.owner_gone(tag))
+            empty = _partials(sub, keep, foreign)
         if empty:
             d.rmdir(PARTIAL_DIR)
+        elif foreign:
+            log.warning(
+                "%s holds %d entr%s this loader did not write (%s), left in place: remove "
+                "what is not needed",
+                d.path / PARTIAL_DIR, len(foreign), "y" if len(foreign) == 1 else "ies",
+                ", ".join(shown(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else ""),
+            )  # fmt: skip
 
 
 def remove_own_partials(dest: Path) -> None:
