@@ -594,12 +594,15 @@ def test_a_download_directory_the_loader_did_not_make_is_neither_used_nor_remove
     (download / "users-data.txt").write_text("keep me\n")
     with fs.confined(root):
         with (
-            pytest.raises(NotOursError, match="download directory"),
+            pytest.raises(NotOursError, match="download directory") as refused,
             strategy_for(request, root, request.key),
         ):
             pass
         remove_download(request, root, request.key)
     assert sorted(p.name for p in download.iterdir()) == ["users-data.txt"]
+    # The message says what is missing (the marker) and what to do (move the directory).
+    assert f"without the loader's marker for {request.key}" in str(refused.value)
+    assert refused.value.remediation.startswith(f"Move {download} out of the repository root")
 
 
 @pytest.mark.parametrize("staging_is", ["a dead loader's", "another key's", "a live loader's"])

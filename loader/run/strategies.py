@@ -228,6 +228,13 @@ def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
         if not work.make_marked(name, publish.DOWNLOAD_MARKER, key) and not work.marked(
             name, publish.DOWNLOAD_MARKER, key
         ):
+            if work.is_dir(name):  # a directory whose marker is gone or names another key
+                raise NotOursError(
+                    work.path / name,
+                    f"a directory without the loader's marker for {key} "
+                    f"({publish.DOWNLOAD_MARKER} naming the key)",
+                    "the loader's download directory",
+                )
             raise work.not_ours(name, f"the loader's download directory for {key}")
         return work.path / name
 
