@@ -294,9 +294,13 @@ def test_fetch_copy_never_writes_through_a_link_in_dest(source, tmp_path):
     assert list(elsewhere.iterdir()) == []
     (dest / "extras").unlink()
     shutil.rmtree(dest / ".partial")
-    (dest / ".partial").symlink_to(elsewhere)  # a link where downloads go is removed, not used
+    (dest / ".partial").symlink_to(elsewhere)  # a link where downloads go: neither used nor removed
+    with pytest.raises(SourceError, match=r"\.partial is a symbolic link") as refused:
+        fetch(str(source), dest, copy=True)
+    assert refused.value.remediation.startswith(f"Remove {dest / '.partial'}")
+    assert list(elsewhere.iterdir()) == [] and (dest / ".partial").is_symlink()
+    (dest / ".partial").unlink()
     fetch(str(source), dest, copy=True)
-    assert list(elsewhere.iterdir()) == []
     assert (dest / "extras" / "notes.txt").read_text() == "nested"
 
 
