@@ -4,6 +4,7 @@ a complete config.ini, each file written once, and an atomic output directory.""
 from __future__ import annotations
 
 import configparser
+import contextlib
 import json
 import os
 import shutil
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+import loader.convert.sequential as sequential
 import loader.convert.writer as writer
 from loader import fs
 from loader.convert import convert_checkpoint
-from loader.errors import OutputExistsError
+from loader.errors import NotOursError, OutputExistsError
 from tests.tinymodels import make_tiny_checkpoint, read_state_dict
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -327,6 +329,55 @@ def test_an_existing_output_is_refused_then_replaced_with_force(sources, tmp_pat
     assert again.output_path == first.output_path
     assert "weight_data_type = fp16" in (again.output_path / "config.ini").read_text()
     assert _leftovers(tmp_path) == ["1-gpu"]
+
+
+@pytest.mark.parametrize("planted", ["a user's file", "a subdirectory", "a link", "a file"])
+def test_force_replaces_only_what_a_conversion_writes(sources, tmp_path, planted):
+    """``overwrite`` (``convert --force``) replaces a ``<T>-gpu`` that holds only a conversion's
+    files; one holding anything else, a link there or a file is the user's: refused before any
+    work, and after (a directory that changed while converting), nothing of it lost."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("the user's\n")
+    out = tmp_path / "out"
+    first = convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=1)
+    final = first.output_path
+    if planted == "a user's file":
+        (final / "notes.txt").write_text("the user's\n")
+    elif planted == "a subdirectory":
+        (final / "old").mkdir()
+    else:
+        shutil.rmtree(final)
+        if planted == "a link":
+            final.symlink_to(outside)
+        else:
+            final.write_text("the user's\n")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(NotOursError, match="to replace") as refused:
+        convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=1, overwrite=True)
+    assert "Move" in refused.value.remediation
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (outside / "keep.txt").read_text() == "the user's\n"
+    if planted in ("a user's file", "a subdirectory"):
+        # Planted while the conversion runs: the check before renaming refuses it too.
+        (final / "notes.txt").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (final / "old").rmdir()
+        real = writer.write_outputs
+
+        def plant_then_write(*args, **kwargs):
+            (final / "late.txt").write_text("the user's\n")
+            return real(*args, **kwargs)
+
+        with (
+            pytest.MonkeyPatch.context() as patch,
+            pytest.raises(NotOursError, match=r"late\.txt"),
+        ):
+            patch.setattr(writer, "write_outputs", plant_then_write)
+            patch.setattr(sequential, "write_outputs", plant_then_write)
+            convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=1, overwrite=True)
+        assert (final / "late.txt").read_text() == "the user's\n"
+        assert sorted(p.name for p in out.iterdir()) == ["1-gpu"]
 
 
 def test_a_directory_left_by_a_killed_run_is_reported_and_kept(sources, tmp_path, caplog):

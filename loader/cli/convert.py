@@ -29,7 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p, "--workers", WORKERS, type=int, help="worker threads (default: CPU count, at most 4)"
     )
     p.add_argument(
-        "--force", action="store_true", help="replace OUTPUT_DIR/<T>-gpu if it exists (atomically)"
+        "--force",
+        action="store_true",
+        help="replace OUTPUT_DIR/<T>-gpu if it exists and holds only a conversion's files "
+        "(config.ini, *.bin), atomically",
     )
     p.set_defaults(func=run)
 

@@ -20,7 +20,12 @@ from pathlib import Path
 
 from loader import digest, stages
 from loader.checkpoint import Checkpoint, is_regular_file, read_hf_config, read_inventory
-from loader.errors import InsufficientDiskSpaceError, OutputExistsError, OutputPathError
+from loader.errors import (
+    InsufficientDiskSpaceError,
+    NotOursError,
+    OutputExistsError,
+    OutputPathError,
+)
 from loader.fs import Dir
 from loader.limits import WORKERS
 from loader.parallel import Parallelism
@@ -28,7 +33,13 @@ from loader.progress import byte_progress, human_bytes
 
 from .dtypes import output_dtype_name
 from .plan import CONFIG_INI, ConversionPlan, ConvertResult, plan_conversion
-from .writer import DEFAULT_CHUNK_BYTES, atomic_directory, default_workers, write_outputs
+from .writer import (
+    DEFAULT_CHUNK_BYTES,
+    atomic_directory,
+    default_workers,
+    not_replaceable,
+    write_outputs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +150,9 @@ def convert_planned(
         there = None if missing else level.kind(final.name)
         if there == "a symbolic link" and not overwrite:
             raise level.not_ours(final.name, "a converted checkpoint's directory")
+        why = None if there is None or not overwrite else not_replaceable(level, final.name)
+        if why is not None:  # refused before the work, not after
+            raise NotOursError(final, why, "a converted checkpoint's directory (to replace)")
     if there is not None and not overwrite:
         raise OutputExistsError(f"{final} already exists.")
     with stages.stage("open + map + check headers"):

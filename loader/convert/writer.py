@@ -39,10 +39,17 @@ import numpy as np
 from loader import digest as digests
 from loader import fs, ledger, stages
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
-from loader.errors import CheckpointError, OutputExistsError, SourceShrankError
+from loader.errors import (
+    CheckpointError,
+    NotOursError,
+    OutputExistsError,
+    SourceShrankError,
+    shown,
+)
 from loader.fs import Dir
 from loader.progress import Progress
 
+from .plan import CONFIG_INI
 from .splits import OutputFile
 from .transpose import copy_into
 
@@ -77,13 +84,34 @@ def _leftovers(parent: Dir, name: str) -> list[Path]:
     ]
 
 
+def not_replaceable(parent: Dir, name: str) -> str | None:
+    """Why ``--force`` may not replace ``parent/name`` (None: it may): only a directory that
+    holds nothing but what a conversion writes (``config.ini`` and ``*.bin`` regular files)
+    is replaced; a link, a file, or a directory holding anything else was not made by a
+    conversion and is the user's."""
+    kind = parent.kind(name)
+    if kind != "a directory":
+        return kind
+    with parent.sub(name) as d:
+        for entry in d.names():
+            found = d.kind(entry)
+            if found not in (None, "a file"):
+                return f"a directory holding {found} ({shown(entry)})"
+            if entry != CONFIG_INI and not entry.endswith(".bin"):
+                return f"a directory holding a file no conversion writes ({shown(entry)})"
+    return None
+
+
 def _put_in_place(parent: Dir, tmp: str, final: Path, token: str, *, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` to ``final`` (replacing it, atomically, with ``overwrite``):
-    names in ``parent``, the directory holding both."""
+    """Rename the finished ``tmp`` to ``final`` (replacing it, atomically, with ``overwrite``,
+    if it holds only a conversion's files): names in ``parent``, the directory holding both."""
     name = final.name
     if parent.lstat(name) is not None:
         if not overwrite:
             raise OutputExistsError(f"{final} already exists.")
+        why = not_replaceable(parent, name)
+        if why is not None:
+            raise NotOursError(final, why, "a converted checkpoint's directory (to replace)")
         old = f".{name}.old-{token}"
         parent.rename(name, parent, old, how="replace")
         try:
