@@ -380,6 +380,26 @@ def test_force_replaces_only_what_a_conversion_writes(sources, tmp_path, planted
         assert sorted(p.name for p in out.iterdir()) == ["1-gpu"]
 
 
+def test_force_keeps_the_replaced_directory_when_something_lands_in_it_meanwhile(
+    sources, tmp_path, caplog
+):
+    """A file planted in the old ``<T>-gpu`` after the last look, as the new one is renamed in:
+    the old directory is kept under its ``.old-`` name (a warning names it), not removed."""
+    out = tmp_path / "out"
+    final = convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=1).output_path
+
+    def hook(op: str, path: str) -> None:
+        if op == "rename" and ".1-gpu.partial-" in path.split(" -> ")[0]:
+            (old,) = out.glob(".1-gpu.old-*")
+            (old / "late.txt").write_text("the user's\n")
+
+    with fs.inject(hook), caplog.at_level("WARNING", logger="loader.convert.writer"):
+        convert_checkpoint(sources["gptj-fp32-safetensors"], out, tp_size=1, overwrite=True)
+    (old,) = out.glob(".1-gpu.old-*")
+    assert (old / "late.txt").read_text() == "the user's\n"
+    assert "late.txt" in caplog.text and (final / "config.ini").exists()
+
+
 def test_a_directory_left_by_a_killed_run_is_reported_and_kept(sources, tmp_path, caplog):
     stale = tmp_path / ".1-gpu.partial-999999-abcd"
     stale.mkdir()

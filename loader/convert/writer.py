@@ -119,6 +119,10 @@ def _put_in_place(parent: Dir, tmp: str, final: Path, token: str, *, overwrite: 
         except BaseException:
             parent.rename(old, parent, name, how="replace")  # put the previous conversion back
             raise
+        late = not_replaceable(parent, old)
+        if late is not None:  # something else landed in it since it was looked at: kept
+            log.warning("keeping %s (the replaced %s): it is %s", parent.path / old, name, late)
+            return
         parent.remove_tree(old)
     else:
         try:
