@@ -283,14 +283,16 @@ def _special(mode: int) -> str:
     return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What an entry of ``mode`` (an ``lstat``'s) is, for messages: ``a symbolic link``, ``a
+    directory``, ``a file``, ``a FIFO``, ``a socket``, ``a device`` or ``a special file``."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISREG(mode):
         return "a file"
-    return "a special file"
+    return _special(mode)
 
 
 class Dir:
@@ -339,7 +341,8 @@ class Dir:
         :func:`confined` tree it is entered from the anchor one name at a time (a link, or a
         file where a directory belongs, is a :class:`NotOursError`, never followed); a path
         the user named is followed as given, and a level of it that is there but no directory
-        (a file, a dangling link) is a ``NotADirectoryError`` naming it."""
+        (a file, a FIFO, a dangling link) is a ``NotADirectoryError`` naming it, its
+        ``strerror`` saying what it is (``a FIFO``)."""
         found = _below(path)
         anchor, rest = (Path(path).absolute(), ()) if found is None else found
         current, missing = cls._deepest_given(anchor)
@@ -364,11 +367,16 @@ class Dir:
                 found = os.stat(level)
             except (FileNotFoundError, NotADirectoryError):
                 if os.path.islink(level):
-                    raise NotADirectoryError(errno.ENOTDIR, "a dangling link", str(level)) from None
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "a dangling symbolic link", str(level)
+                    ) from None
                 missing.append(level.name)
                 continue
-            if not stat.S_ISDIR(found.st_mode):
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(level))
+            if not stat.S_ISDIR(found.st_mode):  # strerror: what it is
+                what = kind_of(found.st_mode)
+                if os.path.islink(level):
+                    what = f"a symbolic link to {what}"
+                raise NotADirectoryError(errno.ENOTDIR, what, str(level))
             return cls._open_given(level), tuple(reversed(missing))
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))  # no "/"
 
@@ -481,9 +489,10 @@ class Dir:
             return os.fstat(self.fd)
 
     def kind(self, name: str) -> str | None:
-        """``a directory``, ``a file``, ``a symbolic link``, ``a special file``, or None."""
+        """What ``name`` is (:func:`kind_of`: ``a directory``, ``a file``, ``a FIFO``, ...), or
+        None when absent."""
         found = self.lstat(name)
-        return None if found is None else _kind(found.st_mode)
+        return None if found is None else kind_of(found.st_mode)
 
     def is_dir(self, name: str) -> bool:
         found = self.lstat(name)
@@ -502,7 +511,7 @@ class Dir:
         except OSError:
             what = "something else"
         else:
-            what = _kind(found.st_mode)
+            what = kind_of(found.st_mode)
             if stat.S_ISLNK(found.st_mode):
                 with contextlib.suppress(OSError):
                     what += f" to {os.readlink(name, dir_fd=self.fd)}"

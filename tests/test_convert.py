@@ -495,9 +495,17 @@ def test_a_file_in_the_way_of_a_users_output_is_named(sources, tmp_path):
     with pytest.raises(OutputPathError, match=f"{tmp_path / 'file'} is a file"):
         convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path / "file" / "out", tp_size=1)
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
-    with pytest.raises(OutputPathError, match=f"{tmp_path / 'dangling'} is a file"):
+    with pytest.raises(
+        OutputPathError, match=f"{tmp_path / 'dangling'} is a dangling symbolic link, not a dir"
+    ):
         convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path / "dangling", tp_size=1)
     assert not (tmp_path / "nowhere").exists()
+    # Each is named for what it is: a FIFO, and a link to one, are not called files.
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")
+    for name, what in (("fifo", "a FIFO"), ("to-fifo", "a symbolic link to a FIFO")):
+        with pytest.raises(OutputPathError, match=f"{tmp_path / name} is {what}, not a dir"):
+            convert_checkpoint(sources["gptj-fp32-safetensors"], tmp_path / name, tp_size=1)
 
 
 def test_the_levels_an_output_directory_needs_are_looked_up_through_descriptors(tmp_path, outside):

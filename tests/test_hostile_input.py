@@ -304,7 +304,7 @@ def test_fetch_copy_never_writes_through_a_link_in_dest(source, tmp_path):
     assert (dest / "extras" / "notes.txt").read_text() == "nested"
 
 
-@pytest.mark.parametrize("kind", ["file", "special file"])
+@pytest.mark.parametrize("kind", ["file", "FIFO"])
 def test_fetch_copy_names_what_stands_where_a_directory_of_the_source_goes(source, tmp_path, kind):
     """A file or a FIFO at the name of one of the source's directories in DEST is refused
     by what it is (a FIFO is not called a file), and left as it is."""

@@ -55,8 +55,8 @@ def _output_level(output_dir: Path) -> tuple[Dir, tuple[str, ...]]:
         return Dir.deepest(output_dir)
     except NotADirectoryError as exc:
         raise OutputPathError(
-            f"Cannot write the converted checkpoint under {output_dir}: {exc.filename} is a "
-            "file, not a directory."
+            f"Cannot write the converted checkpoint under {output_dir}: {exc.filename} is "
+            f"{exc.strerror}, not a directory."
         ) from None
 
 

@@ -39,7 +39,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loader import digest
+from loader import digest, fs
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.progress import byte_progress
@@ -90,9 +90,7 @@ class _Tree:
             elif stat.S_ISREG(found.st_mode):
                 self.files[rel] = found
             else:
-                self.others[rel] = (
-                    "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a special file"
-                )
+                self.others[rel] = fs.kind_of(found.st_mode)
 
 
 def _hash_all(

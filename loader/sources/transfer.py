@@ -101,11 +101,7 @@ def _enter(dest: Path, relpath: str | Path, parts: tuple[str, ...]) -> Dir:
 
 
 def _not_a_directory(dest: Path, relpath: str | Path, path: Path, mode: int) -> None:
-    what = (
-        "a symbolic link" if stat.S_ISLNK(mode)
-        else "a file" if stat.S_ISREG(mode)
-        else "a special file (a FIFO, socket or device)"
-    )  # fmt: skip
+    what = fs.kind_of(mode)
     raise SourceError(
         f"{shown(path)} is {what}, so {shown(relpath)} cannot be written under "
         f"{shown(dest)}: the loader writes only into real directories under the "
