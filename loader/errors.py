@@ -378,8 +378,9 @@ _ENVIRONMENT: dict[int, tuple[str, str]] = {
         "Move the directory {path} away, then run again.",
     ),
     errno.ENOTDIR: (
-        "has a file where the loader expected a directory",
-        "Move the file in the way of {path} away, then run again.",
+        "(or a level above it) is not a directory where the loader expected one",
+        "Move what stands at {path} (or at the level above it that is no directory) away, or "
+        "point the loader at another directory, then run again.",
     ),
     errno.EFBIG: (
         "is too large",

@@ -328,11 +328,19 @@ class Dir:
                 if os.path.lexists(level):
                     break
                 missing.append(level)
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):  # a level is no directory
+                cls._deepest_given(path)[0].close()  # raises, naming it and what it is
+                raise
             for made in reversed(missing):  # Triton (another uid) reads them, whatever the umask
                 _give_mode(made, DIR_MODE)
         _seam("open", path)
-        return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+        try:
+            return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+        except NotADirectoryError:
+            cls._deepest_given(path)[0].close()  # raises, naming the level and what it is
+            raise
 
     @classmethod
     def deepest(cls, path: Path | str) -> tuple[Dir, tuple[str, ...]]:
@@ -869,6 +877,39 @@ def regular_size(path: Path) -> int | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return found.st_size if stat.S_ISREG(found.st_mode) else None
+
+
+def not_a_directory(path: Path) -> str:
+    """What keeps ``path`` from being a directory, for a message: ``does not exist``, ``is a
+    FIFO, not a directory``, ``is a dangling symbolic link``, ``is a symbolic link to a file,
+    not a directory``, ``lies below something that is no directory`` (``is a directory`` when
+    it is one). Only looks; below a :func:`confined` tree a link is never followed (it is
+    ``a symbolic link``)."""
+    try:
+        located = _locate(path)
+        if located is not None:
+            d, name = located
+            with d:
+                found = d.lstat(name)
+            if found is None:
+                return "does not exist"
+            what = kind_of(found.st_mode)
+        else:
+            _seam("stat", path)
+            try:
+                found = os.stat(path)
+            except FileNotFoundError:
+                return "is a dangling symbolic link" if os.path.islink(path) else "does not exist"
+            what = kind_of(found.st_mode)
+            if os.path.islink(path):
+                what = f"a symbolic link to {what}"
+    except NotADirectoryError:
+        return "lies below something that is no directory"
+    except NotOursError:
+        return "lies below a symbolic link the loader does not follow there"
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror})"
+    return "is a directory" if what == "a directory" else f"is {what}, not a directory"
 
 
 def read_file(path: Path, *, limit: int) -> bytes:

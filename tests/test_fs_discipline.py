@@ -106,6 +106,8 @@ def test_run_force_prune_convert_and_fetch_change_files_only_through_loader_fs(
 #: tokenizer, a token or request file), or to name the trees that are confined or followed.
 READS_A_PATH = {"open_read", "read_file", "regular_size", "stat_path"}
 NAMES_A_TREE = {"confined", "confined_within", "followed"}
+#: ... or to say, in a message, what stands where the user named a directory.
+DESCRIBES_A_PATH = {"not_a_directory"}
 
 
 def test_loader_fs_writes_only_through_a_directory_and_one_name(tmp_path):
@@ -127,7 +129,7 @@ def test_loader_fs_writes_only_through_a_directory_and_one_name(tmp_path):
             "Path" in str(p.annotation) for p in inspect.signature(function).parameters.values()
         )
     }
-    assert takes_path == READS_A_PATH | NAMES_A_TREE
+    assert takes_path == READS_A_PATH | NAMES_A_TREE | DESCRIBES_A_PATH
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "file").write_text("not the loader's\n")
     (tmp_path / "root").mkdir()
@@ -140,3 +142,26 @@ def test_loader_fs_writes_only_through_a_directory_and_one_name(tmp_path):
                 call(path, limit=100) if name == "read_file" else call(path)
     assert found == []
     assert os.listdir(tmp_path / "outside") == ["file"]
+
+
+def test_describing_a_path_follows_no_link_below_a_confined_tree(tmp_path):
+    """``not_a_directory`` says what stands at a path: a link the user named is followed (to
+    say what it leads to), one below a confined tree is only named, never followed."""
+    from loader import fs
+
+    (tmp_path / "outside").mkdir()
+    os.mkfifo(tmp_path / "outside" / "fifo")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "sub").symlink_to(tmp_path / "outside")
+    (tmp_path / "root" / "to-fifo").symlink_to(tmp_path / "outside" / "fifo")
+    seen: list[tuple[str, str]] = []
+    with fs.inject(lambda op, path: seen.append((op, path))):
+        given = fs.not_a_directory(tmp_path / "root" / "to-fifo")
+        with fs.confined(tmp_path / "root"):
+            below = fs.not_a_directory(tmp_path / "root" / "to-fifo")
+            through = fs.not_a_directory(tmp_path / "root" / "sub" / "fifo")
+    assert given == "is a symbolic link to a FIFO, not a directory"
+    assert below == "is a symbolic link, not a directory"
+    assert through == "lies below a symbolic link the loader does not follow there"
+    assert fs.not_a_directory(tmp_path / "root" / "nothing") == "does not exist"
+    assert fs.not_a_directory(tmp_path / "root") == "is a directory"

@@ -139,6 +139,47 @@ def test_convert_into_a_file_or_under_a_file_is_a_user_error(source, tmp_path, c
     assert blocker.read_text() == "x"
 
 
+def _plant(path: Path, kind: str, elsewhere: Path) -> str:
+    """Put ``kind`` at ``path``; what the loader must call it."""
+    if kind == "file":
+        path.write_text("the user's\n")
+        return "a file"
+    if kind == "FIFO":
+        os.mkfifo(path)
+        return "a FIFO"
+    if kind == "dangling link":
+        path.symlink_to(elsewhere / "nowhere")
+        return "a dangling symbolic link"
+    path.symlink_to(elsewhere / "file")
+    return "a symbolic link to a file"
+
+
+@pytest.mark.parametrize("kind", ["file", "FIFO", "dangling link", "link to a file"])
+@pytest.mark.parametrize("option", ["run --repository", "fetch DEST", "convert OUTPUT_DIR"])
+def test_a_directory_the_user_names_that_is_none_is_named_for_what_it_is(
+    source, tmp_path, capsys, kind, option
+):
+    """ROOT, DEST or OUTPUT_DIR (or a level above it) holding no directory: exit 2 naming
+    what stands there (a dangling link was a traceback, a FIFO was called a file), and
+    nothing created where a link leads."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "file").write_text("the user's\n")
+    planted = tmp_path / "planted"
+    what = _plant(planted, kind, elsewhere)
+    for target in (planted, planted / "below"):
+        if option == "run --repository":
+            argv = _run_args(source, target)
+        elif option == "fetch DEST":
+            argv = ["fetch", "--copy", str(source), str(target)]
+        else:
+            argv = ["convert", str(source), str(target), "--tp-size", "1"]
+        code, _, err = cli(capsys, *argv)
+        _user_error(code, err, f"{planted} ", what)
+    assert sorted(os.listdir(elsewhere)) == ["file"]
+    assert (elsewhere / "file").read_text() == "the user's\n"
+
+
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A directory nobody may write to: a read-only tmpfs for root, mode 0555 otherwise."""

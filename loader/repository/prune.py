@@ -265,7 +265,7 @@ def _prune(
     LOCK_EXPIRY_S.check(lock_expiry_s)
     if not root.is_dir():
         raise RepositoryError(
-            f"The repository root {root} does not exist.",
+            f"The repository root {root} {fs.not_a_directory(root)}.",
             "Point --repository at the model repository volume (e.g. /models).",
         )
     wanted = {in_use_key(root, value) for value in in_use}

@@ -163,7 +163,8 @@ def _tidy(request: RunRequest, root: Path, key: str) -> None:
 def _writable(root: Path) -> None:
     if not root.parent.is_dir():
         raise RepositoryError(
-            f"The repository root {root} cannot be created: {root.parent} does not exist.",
+            f"The repository root {root} cannot be created: {root.parent} "
+            f"{fs.not_a_directory(root.parent)}.",
             "Point --repository at the model repository volume (e.g. /models) or a folder "
             "inside an existing directory; the loader creates at most the root itself.",
         )
