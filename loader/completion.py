@@ -116,8 +116,54 @@ def _numpy(name: str, values: list[Any]) -> tuple[np.ndarray, str]:
     if dtype == "BYTES":
         array = np.array([[str(v).encode("utf-8")] for v in values], dtype=np.object_)
     else:
-        array = np.array([[v] for v in values], dtype=triton_to_np_dtype(dtype))
+        np_dtype = np.dtype(triton_to_np_dtype(dtype))
+        array = np.array([[_value(name, dtype, np_dtype, v)] for v in values], dtype=np_dtype)
     return array, dtype
+
+
+def _value(name: str, dtype: str, np_dtype: np.dtype, value: Any) -> Any:
+    """``value`` as the input ``name`` of ``dtype`` holds it: a number of that kind and range
+    (a JSON string, a fraction for an integer, or a number past the type is refused, never
+    wrapped or rounded into another value). What the numbers mean is the server's to check."""
+    if np_dtype.kind == "b":
+        if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return bool(value)
+        raise InvalidRequestError(
+            f"the input {name} ({dtype}) must be true or false, got {value!r}",
+            f"Pass {name} as true or false.",
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(
+            f"the input {name} ({dtype}) must be a number, got {value!r}",
+            f"Pass {name} as a JSON number.",
+        )
+    if np_dtype.kind in "iu":
+        info = np.iinfo(np_dtype)
+        if isinstance(value, float) and not value.is_integer():
+            raise InvalidRequestError(
+                f"the input {name} ({dtype}) must be a whole number, got {value!r}",
+                f"Pass {name} as a whole number from {info.min} to {info.max}.",
+            )
+        if not info.min <= value <= info.max:
+            raise InvalidRequestError(
+                f"the input {name} ({dtype}) must be from {info.min} to {info.max}, got {value!r}",
+                f"Pass {name} within the range of {dtype}.",
+            )
+        return int(value)
+    largest = float(np.finfo(np_dtype).max)
+    if abs(value) > largest:  # NaN passes: the server decides what it means
+        raise InvalidRequestError(
+            f"the input {name} ({dtype}) must be at most {largest:g} in size, got {value!r}",
+            f"Pass {name} within the range of {dtype}.",
+        )
+    return value
+
+
+def check_inputs(request: dict[str, list[Any]]) -> None:
+    """Refuse a request whose inputs the ensemble does not have or whose values its types
+    cannot hold (:class:`InvalidRequestError`), before anything is sent."""
+    for name, values in request.items():
+        _numpy(name, values)
 
 
 def build_inputs(client_module: Any, request: dict[str, list[Any]]) -> list[Any]:

@@ -253,6 +253,38 @@ def test_scripts_complete_parses_url_exactly_as_the_loader_does(protocol):
         assert got == expected, url
 
 
+#: Values a request file or an option may hold for the numeric inputs, good and bad.
+VALUE_FORMS = [
+    0, 1, 2**32 - 1, 2**32, 2**64 - 1, 2**64, -1, 1.0, 1.5, -0.0, 1e38, 1e39, 3.5e38,
+    float("nan"), float("inf"), True, False, "1", "abc", None, [1],
+]  # fmt: skip
+
+
+def test_scripts_complete_refuses_the_same_input_values_as_the_loader():
+    """scripts/complete keeps its own copy of the value rules: for every numeric input, both
+    clients accept the same values as the same numbers and refuse the same ones, with the
+    same message."""
+    from loader.completion import check_inputs
+    from loader.errors import InvalidRequestError
+
+    script = _scripts_complete()
+    for name in set(script.INPUT_TYPES) - {"prompt"}:
+        for value in VALUE_FORMS:
+            try:
+                check_inputs({name: [value]})
+                expected = None
+            except InvalidRequestError as exc:
+                expected = exc.message
+            try:
+                got = script.checked(name, value)
+                refused = None
+            except script.ClientError as exc:
+                refused = str(exc)
+            assert refused == expected, (name, value)
+            if refused is None and value == value:  # accepted alike (NaN is not equal to itself)
+                assert got == value, (name, value, got)
+
+
 def test_streaming_needs_grpc(tmp_path):
     with pytest.raises(LoaderError, match="only over gRPC"):
         measure_level(

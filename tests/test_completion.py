@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from loader.completion import build_inputs, complete, load_request
+from loader.completion import build_inputs, check_inputs, complete, load_request
 from loader.errors import EndpointError, InvalidRequestError
 
 SEED = Path(__file__).resolve().parent.parent / "bench" / "test.json"
@@ -66,6 +67,40 @@ def test_a_file_without_data_is_a_typed_error(tmp_path):
 def test_an_unknown_input_is_a_typed_error():
     with pytest.raises(InvalidRequestError, match="no input named 'top_k'"):
         build_inputs(httpclient, {"top_k": [1]})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("request_output_len", 2**32, "from 0 to 4294967295"),  # was wrapped to 0
+        ("request_output_len", 99999999999, "from 0 to 4294967295"),
+        ("runtime_top_k", -1, "from 0 to 4294967295"),  # was wrapped to 4294967295
+        ("runtime_top_k", 1.5, "whole number"),  # was rounded down
+        ("runtime_top_k", "abc", "must be a number"),  # was a ValueError
+        ("random_seed", -1, "from 0 to 18446744073709551615"),
+        ("temperature", 1e40, "at most 3.40282e+38"),  # was inf
+        ("temperature", "0.5", "must be a number"),
+        ("is_return_log_probs", 2, "true or false"),
+        ("runtime_top_k", True, "must be a number"),
+    ],
+)
+def test_a_value_its_input_type_cannot_hold_is_refused_never_wrapped(field, value, needle):
+    """A request file's value (or an option's) that the input's type cannot hold is refused
+    before sending: numpy would wrap it (``-1`` as UINT32 is 4294967295), round it, or make it
+    infinite, and the server would answer another request than the one asked."""
+    with pytest.raises(InvalidRequestError, match=f"the input {field} .*{re.escape(needle)}"):
+        check_inputs({"prompt": ["x"], field: [value]})
+    check_inputs({"prompt": ["x"], "request_output_len": [2**32 - 1], "random_seed": [2**64 - 1],
+                  "temperature": [float("nan")], "is_return_log_probs": [True]})  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [["--max-tokens", "99999999999"], ["--top-k", "-1"]])
+def test_the_complete_command_refuses_an_option_past_its_input_type(argv, capsys):
+    from loader.cli import main
+
+    code = main(["complete", "--url", "127.0.0.1:1", "--model", "codegen", *argv, "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "from 0 to 4294967295" in err and "Traceback" not in err, err
 
 
 def test_an_unknown_protocol_is_a_typed_error():

@@ -105,6 +105,9 @@ def build_request(args: argparse.Namespace) -> dict[str, list[Any]]:
         value = getattr(args, option)
         if value is not None:
             request[field] = [value]
+    from loader.completion import check_inputs
+
+    check_inputs(request)
     if int(request["request_output_len"][0]) < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", "Pass --max-tokens 1 or more.")
     return request
