@@ -117,3 +117,13 @@ SLICE_MIB = Limit("the slice size", 16, 1, " MiB")
 #: (None: not checked). At most the chart's bound (``cluster.gpuMemoryGiB``), far beyond any
 #: GPU made: a larger number is a typo.
 GPU_MEMORY_GIB = Limit("the memory of one GPU", None, 0.0, " GiB", exclusive=True, most=1024.0)
+
+#: Bounds of the deployment's counts, the chart's own (``values.schema.json``): a key the loader
+#: publishes, or a plan it prints, is one the chart can install. Far beyond any node or model
+#: deployed today; a larger number is a typo.
+#: ``model.tensorParallelSize`` and ``model.pipelineParallelSize``.
+PARALLEL_SIZE_MOST = 32
+#: ``triton.instanceCount``: each FasterTransformer instance holds its own copy of the weights.
+INSTANCE_COUNT_MOST = 16
+#: ``cluster.gpusPerNode``.
+GPUS_PER_NODE_MOST = 64

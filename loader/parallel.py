@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loader.errors import ParallelismError, PlacementError
+from loader.limits import INSTANCE_COUNT_MOST, PARALLEL_SIZE_MOST
 
 
 @dataclass(frozen=True)
@@ -20,15 +21,20 @@ class Parallelism:
     instance_count: int = 1
 
     def __post_init__(self) -> None:
-        for name, value in (
-            ("tensor-parallel size", self.tp),
-            ("pipeline-parallel size", self.pp),
-            ("instance count", self.instance_count),
+        for name, value, most in (
+            ("tensor-parallel size", self.tp, PARALLEL_SIZE_MOST),
+            ("pipeline-parallel size", self.pp, PARALLEL_SIZE_MOST),
+            ("instance count", self.instance_count, INSTANCE_COUNT_MOST),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ParallelismError(
                     f"The {name} must be a whole number >= 1, got {value!r}.",
                     "Pass --tp-size, --pp-size and --instance-count as positive integers.",
+                )
+            if value > most:
+                raise ParallelismError(
+                    f"The {name} must be at most {most} (the chart's bound), got {value}.",
+                    f"Pass a {name} from 1 to {most}.",
                 )
 
     @property

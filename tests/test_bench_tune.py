@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from loader.bench.report import Winner
@@ -139,3 +140,60 @@ def test_the_experiments_chart_default_is_what_the_chart_ships():
     assert list(triton["dynamicBatching"]["preferredBatchSize"]) == list(
         experiment.PREFERRED_BATCH_SIZES
     )
+
+
+# --- what tune refuses before it starts anything ----------------------------------------------
+
+
+def _streaming_repository(root):
+    """A repository whose one model is decoupled, as ``run --streaming`` publishes its front."""
+    model = root / "codegen"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        'name: "codegen"\nbackend: "python"\nmax_batch_size: 8\n'
+        "model_transaction_policy { decoupled: true }\n"
+    )
+    return root
+
+
+def test_tune_refuses_a_streaming_repository_before_copying_or_serving_it(tmp_path, capsys):
+    """perf_analyzer's HTTP client cannot send a decoupled model anything: tune started its
+    servers, then failed quoting perf_analyzer's first log line ("Successfully read data")."""
+    from loader.cli import main
+
+    repository = _streaming_repository(tmp_path / "repo")
+    work = tmp_path / "work"
+    code = main(["tune", "--repository", str(repository), "--work-dir", str(work)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "streams its responses" in err and "without --streaming" in err, err
+    assert not work.exists()  # refused before any variant was made
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--max-instances", "100000"], "--max-instances must be from 1 to 16"),  # it hung
+        (["--instance-counts", "1", "17"], "instance counts must be from 1 to 16"),
+        (["--concurrency-range", "1:999999999:1"], "asks for 999999999 levels"),  # OOM-killed
+        (["--concurrency-range", "1:2048"], "Keep END at most 1024"),
+        (["--work-dir", "{fifo}"], "is a FIFO, not a directory"),  # was a traceback
+        (["--output-dir", "{dangling}/results"], "is a dangling symbolic link"),
+    ],
+)
+def test_tune_refuses_options_past_their_bounds_at_once(tmp_path, capsys, argv, needle):
+    import os
+
+    from loader.cli import main
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    argv = [a.format(fifo=tmp_path / "fifo", dangling=tmp_path / "dangling") for a in argv]
+    repository = _streaming_repository(tmp_path / "repo")
+    try:
+        code = main(["tune", "--repository", str(repository), *argv])
+    except SystemExit as exc:  # argparse's own refusal of the value (exit 2, its message)
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "nowhere").exists()

@@ -182,3 +182,42 @@ def test_plan_refuses_a_count_below_one(capsys, flag, value):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: {flag} must be at least 1, got {value}." in err and "hint:" in err, err
+
+
+def test_the_deployment_count_bounds_are_the_charts():
+    """run, plan and tune refuse what the chart would refuse at install (run published
+    --instance-count 17, a key no release could serve)."""
+    import json
+
+    from loader.limits import GPUS_PER_NODE_MOST, INSTANCE_COUNT_MOST, PARALLEL_SIZE_MOST
+
+    props = json.loads(Path("charts/model-triton/values.schema.json").read_text())["properties"]
+    assert props["triton"]["properties"]["instanceCount"]["maximum"] == INSTANCE_COUNT_MOST
+    assert props["cluster"]["properties"]["gpusPerNode"]["maximum"] == GPUS_PER_NODE_MOST
+    for key in ("tensorParallelSize", "pipelineParallelSize"):
+        assert props["model"]["properties"][key]["maximum"] == PARALLEL_SIZE_MOST
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--instance-count", "17", "The instance count must be at most 16"),
+        ("--tp-size", "64", "The tensor-parallel size must be at most 32"),
+        ("--pp-size", "33", "The pipeline-parallel size must be at most 32"),
+    ],
+)
+def test_run_refuses_a_count_past_the_charts_bound(tmp_path, capsys, flag, value, words):
+    argv = ["run", "--source", str(tmp_path), "--repository", str(tmp_path / "r"),
+            "--model-name", "m", "--tp-size", "1", "--pp-size", "1", "--instance-count", "1"]  # fmt: skip
+    argv[argv.index(flag) + 1] = value
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_plan_refuses_a_node_past_the_charts_bound(capsys):
+    assert main(["plan", "--model", "codegen-350m", "--gpus-per-node", "65"]) == 2
+    assert (
+        "--gpus-per-node must be at most 64 (the chart's bound), got 65." in capsys.readouterr().err
+    )
+    assert main(["plan", "--model", "codegen-350m", "--gpus-per-node", "64"]) == 0

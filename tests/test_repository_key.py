@@ -130,12 +130,13 @@ def test_revision_that_cannot_be_a_directory_name_is_refused(revision):
 
 
 def test_longest_name_and_revision_still_fit_every_file_name_the_key_makes():
+    from loader.limits import INSTANCE_COUNT_MOST, PARALLEL_SIZE_MOST
     from loader.repository.key import MAX_PART_BYTES
 
     key = model_key(
         "n" * MAX_PART_BYTES,
         "/x",
-        Parallelism(64, 64, 64),
+        Parallelism(PARALLEL_SIZE_MOST, PARALLEL_SIZE_MOST, INSTANCE_COUNT_MOST),
         ServingSettings(),
         revision="r" * MAX_PART_BYTES,
     )

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from loader.bench import variants
 from loader.bench.perf_analyzer import find_perf_analyzer
@@ -23,7 +24,7 @@ from loader.bench.results import Measurement, Sweep, median_sweeps
 from loader.bench.settings import SweepSettings
 from loader.bench.sweep import sweep
 from loader.endpoint import Endpoint, parse_endpoint
-from loader.errors import LoaderError
+from loader.errors import LoaderError, MeasurementError
 from loader.repository.config import FASTERTRANSFORMER
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,21 @@ def _sweep_workloads(
         )
 
 
+def check_drivable(label: str, config: Any, name: str, settings: SweepSettings) -> None:
+    """Refuse, before a server starts, to measure a decoupled (``--streaming``) model other
+    than by gRPC streaming: perf_analyzer's HTTP client cannot send it a request at all
+    ("HTTP end point doesn't support models with decoupled transaction policy")."""
+    decoupled = config is not None and config.model_transaction_policy.decoupled
+    if decoupled and not (settings.protocol == "grpc" and settings.options.streaming):
+        raise MeasurementError(
+            f"{label}: the model {name!r} streams its responses (decoupled: a repository "
+            "published with --streaming), and perf_analyzer can drive such a model only over "
+            "gRPC with --streaming, timing the first response alone",
+            "Measure a key published without --streaming (its instance count and batching "
+            "apply to the streaming one too), or time streaming with scripts/bench --ttft.",
+        )
+
+
 def _sweep_target(
     target: Target,
     settings: SweepSettings,
@@ -208,7 +224,9 @@ def _sweep_target(
     from loader.serving import TritonServer, restricted_protocols
 
     repository = Path(target.repository)
-    name = settings.model or variants.ensemble_name(variants.read_configs(repository))
+    configs = variants.read_configs(repository)
+    name = settings.model or variants.ensemble_name(configs)
+    check_drivable(target.label, configs.get(name), name, settings)
     log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)

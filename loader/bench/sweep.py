@@ -21,6 +21,11 @@ from loader.errors import LoaderError
 
 log = logging.getLogger(__name__)
 
+#: The most requests in flight a sweep asks for, and the most levels it measures: each level
+#: takes a measurement of its own (seconds to minutes), so beyond these a range is a typo.
+MAX_CONCURRENCY = 1024
+MAX_LEVELS = 64
+
 _RANGE = re.compile(r"^(\d+)(?::(\d+)(?::(\d+))?)?$")
 
 
@@ -39,6 +44,14 @@ def parse_concurrency_range(text: str) -> list[int]:
         raise LoaderError(
             f"empty or invalid concurrency range: {text!r}",
             "START must be at least 1, END at least START, and STEP at least 1.",
+        )
+    levels = (end - start) // step + 1
+    if end > MAX_CONCURRENCY or levels > MAX_LEVELS:
+        raise LoaderError(
+            f"concurrency range {text!r} asks for {levels} levels up to {end} requests at once",
+            f"Keep END at most {MAX_CONCURRENCY} and the levels at most {MAX_LEVELS} (a larger "
+            "STEP): each level is a measurement of its own, and each request in flight a "
+            "client thread.",
         )
     return list(range(start, end + 1, step))
 

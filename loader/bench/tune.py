@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.bench import variants as variants_mod
-from loader.bench.compare import Comparison, Target, compare
+from loader.bench.compare import Comparison, Target, check_drivable, compare
 from loader.bench.report import Winner
 from loader.bench.results import Measurement, Sweep, format_number
 from loader.bench.settings import SweepSettings
 from loader.bench.variants import Variant
 from loader.errors import LoaderError
+from loader.limits import INSTANCE_COUNT_MOST
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,11 @@ def plan_variants(
     batching: Sequence[bool] = (False, True),
 ) -> list[Variant]:
     """Every combination, fewest instances first, batching off before on."""
-    if not instance_counts or any(i < 1 for i in instance_counts):
+    if not instance_counts or any(not 1 <= i <= INSTANCE_COUNT_MOST for i in instance_counts):
         raise LoaderError(
-            f"instance counts must be 1 or more, got {list(instance_counts)}",
-            "Pass --max-instances K (K >= 1) or --instance-counts 1 2 4.",
+            f"instance counts must be from 1 to {INSTANCE_COUNT_MOST} (the chart's bound), got "
+            f"{list(instance_counts)}",
+            f"Pass --max-instances K (1 to {INSTANCE_COUNT_MOST}) or --instance-counts 1 2 4.",
         )
     return [
         Variant(
@@ -205,6 +207,9 @@ def tune(
     """Measure every ``planned`` variant of ``repository`` (see :func:`plan_variants`) and pick
     the winner."""
     work_dir = Path(work_dir)
+    configs = variants_mod.read_configs(repository)
+    name = settings.model or variants_mod.ensemble_name(configs)
+    check_drivable(str(repository), configs.get(name), name, settings)  # before any copy
     targets = []
     for variant in planned:
         path = variants_mod.make_variant(repository, work_dir / variant.label, variant)

@@ -249,6 +249,24 @@ def nonempty_path(value: str) -> Path:
     return Path(nonempty(value))
 
 
+def directory_path(value: str) -> Path:
+    """An argparse ``type`` for a directory the command creates if needed (``--work-dir``,
+    ``--output-dir``): refused at once when it, or the deepest level of it that exists, is no
+    directory (a file, a FIFO, a dangling link), naming what stands there."""
+    from loader import fs
+
+    path = nonempty_path(value)
+    for level in (path, *path.parents):
+        what = fs.not_a_directory(level)
+        if what == "is a directory":
+            break
+        if what != "does not exist":
+            raise argparse.ArgumentTypeError(
+                f"{level} {what}; pass a directory, or a path where one can be created"
+            )
+    return path
+
+
 def one_line_path(what: str, value: object, hint: str | None = None) -> None:
     """Refuse ``value`` (the argument ``what``) if it holds a line break or a NUL: the last line
     ``run``, ``fetch`` and ``convert`` print is the path of their result, which must be one

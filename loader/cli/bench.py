@@ -43,6 +43,7 @@ from loader.cli import (
     Parser,
     add_log_options,
     configure_logging,
+    directory_path,
     report,
     require_extra,
     run_command,
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--label", help="name of the configuration in --url and --ttft modes")
     parser.add_argument(
         "--output-dir",
-        type=Path,
+        type=directory_path,
         default=None,
         help="where tables.txt, results.csv, the PNG and summary.txt go "
         "(default <work-dir>/<UTC time>)",
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--work-dir",
-        type=Path,
+        type=directory_path,
         default=Path("bench/work"),
         help="scratch space: the experiment's checkpoint and variants, default output "
         "(default bench/work)",

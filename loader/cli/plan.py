@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loader.cli import limit_argument
 from loader.errors import LoaderError, SourceError
-from loader.limits import GPU_MEMORY_GIB
+from loader.limits import GPU_MEMORY_GIB, GPUS_PER_NODE_MOST
 from loader.parallel import Parallelism
 from loader.plan import MODEL_PRESETS, ModelShape, Topology, format_table, plan_row
 
@@ -141,6 +141,12 @@ def _check_counts(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             raise LoaderError(f"{flag} must be at least 1, got {value}.", f"Pass {flag} 1 or more.")
+    if args.gpus_per_node > GPUS_PER_NODE_MOST:
+        raise LoaderError(
+            f"--gpus-per-node must be at most {GPUS_PER_NODE_MOST} (the chart's bound), got "
+            f"{args.gpus_per_node}.",
+            f"Pass the GPUs of one node, 1 to {GPUS_PER_NODE_MOST}.",
+        )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from loader.bench.tune import DEFAULT_TOLERANCE
+from loader.cli import directory_path
 from loader.errors import LoaderError
 
 #: Rounds by default: a choice is certain only when at least two rounds agree.
@@ -72,13 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--work-dir",
-        type=Path,
+        type=directory_path,
         default=None,
         help="where the variants and server logs go (default bench/work/tune-<UTC time>)",
     )
     p.add_argument(
         "--output-dir",
-        type=Path,
+        type=directory_path,
         default=None,
         help="tables, CSV, plot and summary (default: <work-dir>/results)",
     )
@@ -99,11 +100,13 @@ def run(args: argparse.Namespace) -> int:
     from loader.bench.report import Report, TablePrinter, check_output_dir, write_report
     from loader.bench.tune import TuneResult, plan_variants, tune, values_snippet
     from loader.cli.measurement import settings_from_args
+    from loader.limits import INSTANCE_COUNT_MOST
 
-    if args.max_instances < 1:
+    if not 1 <= args.max_instances <= INSTANCE_COUNT_MOST:
         raise LoaderError(
-            f"--max-instances must be at least 1, got {args.max_instances}",
-            "Pass --max-instances 1 or more.",
+            f"--max-instances must be from 1 to {INSTANCE_COUNT_MOST} (the chart's bound for "
+            f"triton.instanceCount), got {args.max_instances}",
+            f"Pass --max-instances 1 to {INSTANCE_COUNT_MOST}.",
         )
     if not 0 <= args.tolerance < 1:
         raise LoaderError(
