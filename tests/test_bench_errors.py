@@ -52,12 +52,19 @@ def read(name: str) -> str:
         ("error_model_not_found.txt", ModelNotFoundError),
         ("error_missing_input.txt", MeasurementError),
         ("error_restricted_grpc.txt", EndpointError),
+        ("error_decoupled_http.txt", MeasurementError),
     ],
 )
 def test_recorded_perf_analyzer_failures_become_typed_errors(recording, error):
     exc = error_for(ENDPOINT, "codegen", read(recording))
     assert type(exc) is error
     assert exc.remediation
+
+
+def test_a_decoupled_model_over_http_says_it_streams_and_what_to_measure_instead():
+    exc = error_for(ENDPOINT, "codegen", read("error_decoupled_http.txt"))
+    assert "streams its responses" in exc.message and "not http" in exc.message
+    assert "without --streaming" in exc.remediation
 
 
 def test_missing_input_error_says_which_tensor_and_how_to_fix_it():

@@ -215,9 +215,20 @@ def _window_too_short(endpoint: Endpoint, model: str, output: str) -> LoaderErro
     )
 
 
+def _decoupled_over_http(endpoint: Endpoint, model: str, output: str) -> LoaderError:
+    return MeasurementError(
+        f"{model!r} streams its responses (a decoupled model), which perf_analyzer can drive "
+        f"only over gRPC with --streaming, not {endpoint.protocol}: {_tail(output)}",
+        "Measure the model of a key published without --streaming, or pass a gRPC --url with "
+        "-- --streaming (it times the first response alone; scripts/bench --ttft times every "
+        "token).",
+    )
+
+
 #: Output pattern -> the typed error it means; the first match wins.
 ERROR_PATTERNS: tuple[tuple[re.Pattern[str], Callable[[Endpoint, str, str], LoaderError]], ...] = (
     (re.compile(r"This protocol is restricted, expecting header"), _restricted),
+    (re.compile(r"doesn't support models with decoupled transaction policy"), _decoupled_over_http),
     (
         re.compile(
             r"Couldn't connect to server|failed to connect to all addresses|Connection refused"
