@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from loader import fs
 from loader.errors import RepositoryError, ServerStartError, ToolMissingError
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def check_repository(repository: Path) -> None:
     models, and one whose models need FasterTransformer's GPU backend."""
     if not repository.is_dir():
         raise RepositoryError(
-            f"model repository {repository} does not exist",
+            f"model repository {repository} {fs.not_a_directory(Path(repository))}",
             "Pass the directory `model-loader run` printed as its last line.",
         )
     configs = sorted(repository.glob("*/config.pbtxt"))

@@ -84,6 +84,9 @@ def test_the_environment_puts_this_interpreter_first():
 def test_a_missing_repository_is_a_typed_error(tmp_path):
     with pytest.raises(RepositoryError, match="does not exist"):
         TritonServer(tmp_path / "nope").start()
+    os.mkfifo(tmp_path / "fifo")  # named for what it is (it was said not to exist)
+    with pytest.raises(RepositoryError, match="is a FIFO, not a directory"):
+        TritonServer(tmp_path / "fifo").start()
 
 
 def test_a_port_given_explicitly_and_taken_is_refused_before_starting(repository, listening_socket):

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loader import fs
 from loader.errors import RepositoryError
 from loader.parallel import Parallelism
 from loader.repository.config import (
@@ -70,7 +71,7 @@ def model_dirs(repository: Path) -> dict[str, Path]:
     repository = Path(repository)
     if not repository.is_dir():
         raise RepositoryError(
-            f"model repository {repository} does not exist",
+            f"model repository {repository} {fs.not_a_directory(Path(repository))}",
             "Pass the directory `model-loader run` printed as its last line.",
         )
     found = {
