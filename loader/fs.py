@@ -860,10 +860,10 @@ def stat_path(path: Path) -> os.stat_result:
         d, name = located
         with d:
             found = d.lstat(name)
+            if found is not None and stat.S_ISLNK(found.st_mode):
+                raise d.not_ours(name, "a file or directory the loader reads")
         if found is None:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-        if stat.S_ISLNK(found.st_mode):
-            raise d.not_ours(name, "a file or directory the loader reads")
         return found
     _seam("stat", path)
     return os.stat(path)
@@ -883,32 +883,25 @@ def not_a_directory(path: Path) -> str:
     """What keeps ``path`` from being a directory, for a message: ``does not exist``, ``is a
     FIFO, not a directory``, ``is a dangling symbolic link``, ``is a symbolic link to a file,
     not a directory``, ``lies below something that is no directory`` (``is a directory`` when
-    it is one). Only looks; below a :func:`confined` tree a link is never followed (it is
-    ``a symbolic link``)."""
+    it is one). Only looks (:func:`stat_path`); below a :func:`confined` tree a link is never
+    followed (it is ``a symbolic link``)."""
     try:
-        located = _locate(path)
-        if located is not None:
-            d, name = located
-            with d:
-                found = d.lstat(name)
-            if found is None:
-                return "does not exist"
-            what = kind_of(found.st_mode)
-        else:
-            _seam("stat", path)
-            try:
-                found = os.stat(path)
-            except FileNotFoundError:
-                return "is a dangling symbolic link" if os.path.islink(path) else "does not exist"
-            what = kind_of(found.st_mode)
-            if os.path.islink(path):
-                what = f"a symbolic link to {what}"
+        below = _below(path, reading=True)
+        given = below is None or not below[1]  # a path the user named: followed as given
+        found = stat_path(path)
+    except FileNotFoundError:
+        return "is a dangling symbolic link" if given and os.path.islink(path) else "does not exist"
+    except NotOursError as exc:
+        if exc.path == Path(path).absolute() and os.path.islink(path):
+            return "is a symbolic link, not a directory"
+        return "lies below a symbolic link the loader does not follow there"
     except NotADirectoryError:
         return "lies below something that is no directory"
-    except NotOursError:
-        return "lies below a symbolic link the loader does not follow there"
     except OSError as exc:
         return f"cannot be looked at ({exc.strerror})"
+    what = kind_of(found.st_mode)
+    if given and os.path.islink(path):
+        what = f"a symbolic link to {what}"
     return "is a directory" if what == "a directory" else f"is {what}, not a directory"
 
 

@@ -148,6 +148,7 @@ def test_describing_a_path_follows_no_link_below_a_confined_tree(tmp_path):
     """``not_a_directory`` says what stands at a path: a link the user named is followed (to
     say what it leads to), one below a confined tree is only named, never followed."""
     from loader import fs
+    from loader.errors import NotOursError
 
     (tmp_path / "outside").mkdir()
     os.mkfifo(tmp_path / "outside" / "fifo")
@@ -165,3 +166,8 @@ def test_describing_a_path_follows_no_link_below_a_confined_tree(tmp_path):
     assert through == "lies below a symbolic link the loader does not follow there"
     assert fs.not_a_directory(tmp_path / "root" / "nothing") == "does not exist"
     assert fs.not_a_directory(tmp_path / "root") == "is a directory"
+    # stat_path's refusal names the link and where it leads (it asked a closed descriptor,
+    # and said "something else").
+    with fs.confined(tmp_path / "root"), pytest.raises(NotOursError) as refused:
+        fs.stat_path(tmp_path / "root" / "to-fifo")
+    assert f"is a symbolic link to {tmp_path / 'outside' / 'fifo'}" in refused.value.message

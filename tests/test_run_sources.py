@@ -212,7 +212,7 @@ def test_a_download_directory_the_loader_did_not_create_is_refused_and_kept(
     (theirs / "theirs.txt").write_text("x")
     code, _, err = cli(capsys, *argv)
     assert code == 2, err
-    assert f"{theirs} is a directory, where the loader expected the loader's download" in err
+    assert f"{theirs} is a directory without the loader's marker for {key}" in err
     assert [p.name for p in theirs.iterdir()] == ["theirs.txt"]  # nothing written into it
     assert (theirs / "theirs.txt").read_text() == "x"
 
