@@ -16,7 +16,12 @@
   that is not a plain relative path is refused. A rerun resumes a stopped run's file with a
   ``Range`` request. Each file's hash is computed as its bytes arrive and checked against the
   Hub's listing (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed
-  to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again.
+  to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the
+  Hub (or a mirror) answers is checked before it is used: the revision's commit must be a git
+  commit id (the one the URI names, if it names one), every listed file needs a size and a
+  well-formed hash, a path listed twice must not differ, and a name must print and fit the file
+  system with ``.incomplete``; else a :class:`~loader.errors.SourceError` (exit 2), nothing
+  listed unpinned or taken unverified.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: the small files (config, index, tokenizer) come first, then the weight shards one at a
   time in name order, each started once the caller admits it; the caller hears of every file
@@ -54,6 +59,7 @@ from loader.errors import (
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
+    shown,
 )
 from loader.formats.huggingface import (
     CONFIG_FILE,
@@ -251,14 +257,45 @@ class RemoteFile:
         return digest is None or digest.hexdigest() == (self.sha256 or self.blob_id)
 
 
+#: The hashes a listing entry must carry: a git blob id (SHA-1) and, for an LFS file, SHA-256.
+_BLOB_ID = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _forged(uri: SourceURI, what: str) -> SourceError:
+    return SourceError(
+        f"{uri.raw}: the Hub's file list {what}; nothing can be verified against it, so "
+        "nothing was downloaded.",
+        "Check HF_ENDPOINT: the Hub, or the mirror or proxy it names, answers a file list "
+        "that is not the Hub's.",
+    )
+
+
 def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[str, RemoteFile]:
-    files = {}
+    """The files of the listing at ``commit``, each with a size and a hash the downloaded
+    bytes are checked against: an entry without them (a size that is no count of bytes, no
+    well-formed blob id or SHA-256), a path that is no text, or one path listed twice with
+    other contents is a forged listing (:class:`~loader.errors.SourceError`), never a file
+    taken unverified."""
+    files: dict[str, RemoteFile] = {}
     for entry in api.list_repo_tree(uri.location, revision=commit, recursive=True, token=token):
         if not hasattr(entry, "size") or getattr(entry, "blob_id", None) is None:
             continue  # a folder
+        path, size = entry.path, entry.size
+        if not isinstance(path, str):
+            raise _forged(uri, f"names a file {path!r}, which is not a path")
+        if type(size) is not int or size < 0:
+            raise _forged(uri, f"gives {shown(path)} the size {size!r}")
+        blob_id = str(entry.blob_id).lower()
         lfs = getattr(entry, "lfs", None)
         sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
-        files[entry.path] = RemoteFile(entry.path, int(entry.size), entry.blob_id, sha256)
+        if lfs is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256.lower())):
+            raise _forged(uri, f"gives the LFS file {shown(path)} no SHA-256 ({sha256!r})")
+        if lfs is None and not _BLOB_ID.fullmatch(blob_id):
+            raise _forged(uri, f"gives {shown(path)} no git blob id ({entry.blob_id!r})")
+        found = RemoteFile(path, size, blob_id, sha256.lower() if sha256 else None)
+        if files.setdefault(path, found) != found:
+            raise _forged(uri, f"lists {shown(path)} twice, with other sizes or hashes")
     return files
 
 
@@ -271,11 +308,30 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 def _resolve_commit(
     api: Any, uri: SourceURI, revision: str, token: str | None, funnel: Funnel
 ) -> str:
+    """The commit ``revision`` names now: a full git commit id, or a
+    :class:`~loader.errors.SourceError` (nothing is listed or downloaded unpinned, nor
+    recorded under another commit than the one a commit id in the URI names)."""
     info = funnel(
         lambda: api.model_info(uri.location, revision=revision, token=token),
         what=f"{uri.raw} (model info)",
     )
-    return info.sha
+    commit = getattr(info, "sha", None)
+    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit.lower()):
+        raise SourceError(
+            f"{uri.raw}: the Hub answered {commit!r} as the commit of revision {revision!r}, "
+            "which is not a git commit id; nothing was downloaded.",
+            "Check HF_ENDPOINT: the Hub, or the mirror or proxy it names, answers a model "
+            "info that is not the Hub's.",
+        )
+    commit = commit.lower()
+    if _COMMIT.fullmatch(revision) and commit != revision:
+        raise SourceError(
+            f"{uri.raw}: the Hub answered commit {commit} for the commit id {revision}; "
+            "nothing was downloaded.",
+            "Check HF_ENDPOINT: the Hub, or the mirror or proxy it names, answers a model "
+            "info that is not the Hub's.",
+        )
+    return commit
 
 
 def fingerprint_source(
@@ -294,15 +350,29 @@ def fingerprint_source(
     return Fingerprint(uri=uri.canonical, commit=commit)
 
 
+#: The longest name a file system takes (bytes), ``NAME_MAX`` on Linux.
+NAME_MAX = 255
+
+
 def _names(uri: SourceURI, rel: str) -> list[str]:
-    """The names of ``rel``'s levels, each one name (no ``..``, no empty part, no NUL): what
-    the Hub's listing says reaches the file system only as names relative to a descriptor."""
+    """The names of ``rel``'s levels, each one name (no ``..``, no empty part, no NUL) that
+    prints (no line break or other control character: a name shows in the log as it is), and
+    short enough to be downloaded under its own name plus ``.incomplete``: what the Hub's
+    listing says reaches the file system only as names relative to a descriptor."""
     parts = rel.split("/")
-    if not all(fs.is_name(part) for part in parts):
+    if not all(fs.is_name(part) for part in parts) or not rel.isprintable():
         raise SourceError(
             f"{uri.raw}: the Hub lists a file named {rel!r}, which is not a relative path of "
             "plain names; nothing was written for it.",
             "Check the repository's files (or the mirror HF_ENDPOINT names).",
+        )
+    if any(len(os.fsencode(part + INCOMPLETE)) > NAME_MAX for part in parts):
+        raise SourceError(
+            f"{uri.raw}: the Hub lists a file named {rel[:60]!r}... ({len(os.fsencode(rel))} "
+            f"bytes), longer than a file system takes (with {INCOMPLETE!r} while it downloads: "
+            f"at most {NAME_MAX - len(INCOMPLETE)} bytes); nothing was written for it.",
+            "Rename the file in the repository (or use a copy of the checkpoint with shorter "
+            "file names).",
         )
     return parts
 

@@ -1,0 +1,320 @@
+"""hf:// sources against a hostile Hub: :class:`tests.servers.ForgedHub` answers the bits of
+the Hub's API huggingface_hub calls (model info, the file list, ``resolve``) with forged
+listings, commit ids, names and bodies. Whatever it answers, the loader exits with a class
+(0, 2 or 75, never a traceback), writes nothing outside DEST, publishes nothing it could not
+verify, and never sends or prints the token elsewhere. A canary directory beside DEST is
+checksummed after every command."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.errors import LoaderError
+from loader.sources import fetch
+from tests.runs import cli, use_hub
+from tests.servers import ForgedHub
+from tests.tiers import examples
+
+pytestmark = pytest.mark.server  # starts a server (in-process, 127.0.0.1)
+
+CONFIG = b'{"model_type": "gptj"}'
+WEIGHTS = bytes(range(256)) * 40
+FILES = {"config.json": CONFIG, "model.safetensors": WEIGHTS}
+TOKEN = "hf_forgedHubTokenNeverShown0123"
+
+
+def blob(data: bytes) -> str:
+    """The git blob id of ``data``: what the Hub lists for a file not in LFS."""
+    return hashlib.sha1(f"blob {len(data)}\0".encode() + data, usedforsecurity=False).hexdigest()
+
+
+def entry(path: object, data: bytes, **forged: object) -> dict:
+    """A listing entry for ``data`` at ``path`` as the Hub spells it, ``forged`` replacing
+    fields."""
+    return {"type": "file", "path": path, "size": len(data), "oid": blob(data), **forged}
+
+
+@pytest.fixture(scope="module")
+def hub():
+    server = ForgedHub().start()
+    yield server
+    server.stop()
+
+
+def tree_digest(top: Path) -> str:
+    """A digest of everything below ``top``: names, kinds, modes, link targets, contents."""
+    digest = hashlib.sha256()
+    for path in sorted(top.rglob("*")):
+        info = path.lstat()
+        digest.update(f"{path.relative_to(top)}\0{info.st_mode}\0".encode())
+        if path.is_symlink():
+            digest.update(os.readlink(path).encode())
+        elif path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture
+def canary(tmp_path):
+    """A directory outside DEST that must be the same after every command."""
+    top = tmp_path / "canary"
+    (top / "sub").mkdir(parents=True)
+    (top / "model.safetensors").write_bytes(b"canary weights")
+    (top / "sub" / "config.json").write_bytes(b"{}")
+    before = tree_digest(top)
+    yield top
+    assert tree_digest(top) == before, "a file outside DEST was changed"
+
+
+@pytest.fixture(autouse=True)
+def endpoint(monkeypatch, hub, tmp_path):
+    use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
+
+
+def _fetch(capsys, repo: str, dest: Path, *extra: str) -> tuple[int, str]:
+    code, _, err = cli(capsys, "fetch", f"hf://{repo}", str(dest), "--retry-deadline", "3", *extra)
+    assert code in (0, 2, 75), err
+    assert "Traceback" not in err, err
+    if code:
+        assert "error:" in err and "hint:" in err, err
+    return code, err
+
+
+def published(dest: Path) -> list[str]:
+    """The files in DEST, its own leftovers (``.partial``) aside."""
+    if not dest.exists():
+        return []
+    return sorted(p.name for p in dest.iterdir() if not p.name.startswith("."))
+
+
+# --- forged listings ---------------------------------------------------------------------
+
+FORGED_LISTINGS = {
+    "size null": [entry("model.safetensors", WEIGHTS, size=None)],
+    "size text": [entry("model.safetensors", WEIGHTS, size="700")],
+    "size negative": [entry("model.safetensors", WEIGHTS, size=-1)],
+    "size fraction": [entry("model.safetensors", WEIGHTS, size=10240.5)],
+    "size true": [entry("model.safetensors", b"x", size=True)],
+    "path null": [entry(None, WEIGHTS), entry("model.safetensors", WEIGHTS)],
+    "path number": [entry(7, WEIGHTS), entry("model.safetensors", WEIGHTS)],
+    "blob id empty": [entry("model.safetensors", WEIGHTS, oid="")],
+    "blob id short": [entry("model.safetensors", WEIGHTS, oid="abc123")],
+    "lfs sha256 empty": [
+        entry("model.safetensors", WEIGHTS, lfs={"size": len(WEIGHTS), "oid": "", "pointerSize": 1})
+    ],
+    "lfs sha256 not hex": [
+        entry(
+            "model.safetensors",
+            WEIGHTS,
+            lfs={"size": len(WEIGHTS), "oid": "z" * 64, "pointerSize": 1},
+        )
+    ],
+    "listed twice": [entry("model.safetensors", WEIGHTS), entry("model.safetensors", b"other")],
+}
+
+
+@pytest.mark.parametrize("forged", FORGED_LISTINGS.values(), ids=FORGED_LISTINGS.keys())
+def test_a_forged_listing_is_refused_before_anything_is_downloaded(
+    hub, forged, capsys, tmp_path, canary
+):
+    """Before: a size that is no number was a TypeError or ValueError (exit 1, a traceback); an
+    entry without a usable hash was taken by its size alone (published unverified); a file
+    listed twice, the last entry."""
+    repo = f"forged/{abs(hash(repr(forged)))}"
+    hub.add(repo, FILES, listing=[entry("config.json", CONFIG), *forged])
+    hub.requests.clear()
+    code, err = _fetch(capsys, repo, tmp_path / "dest")
+    assert code == 2, err
+    assert "the Hub's file list" in err and "HF_ENDPOINT" in err, err
+    assert published(tmp_path / "dest") == []
+    assert not any("/resolve/" in path for path, _ in hub.requests)
+
+
+def test_a_listing_without_a_hash_never_publishes_other_bytes_of_the_same_size(
+    hub, capsys, tmp_path, canary
+):
+    """Before: an entry whose blob id was empty was checked by its size alone, and bytes of
+    that size that are not the file were published (exit 0)."""
+    other = bytes(reversed(WEIGHTS))
+    hub.add("forged/no-hash", {**FILES, "model.safetensors": other},
+            listing=[entry("config.json", CONFIG), entry("model.safetensors", WEIGHTS, oid="")])  # fmt: skip
+    code, err = _fetch(capsys, "forged/no-hash", tmp_path / "dest")
+    assert code == 2, err
+    assert "model.safetensors" not in published(tmp_path / "dest")
+
+
+# --- forged commit ids -------------------------------------------------------------------
+
+PINNED = "0123456789abcdef0123456789abcdef01234567"
+FORGED_COMMITS = {
+    "none": ("main", {"id": "forged/c"}),
+    "a number": ("main", {"id": "forged/c", "sha": 5}),
+    "a path": ("main", {"id": "forged/c", "sha": "../../../../etc"}),
+    "too short": ("main", {"id": "forged/c", "sha": "a" * 39}),
+    "another commit for a commit id": (PINNED, {"id": "forged/c", "sha": "b" * 40}),
+}
+
+
+@pytest.mark.parametrize(("revision", "info"), FORGED_COMMITS.values(), ids=FORGED_COMMITS.keys())
+def test_a_forged_commit_id_is_refused_before_the_listing(
+    hub, revision, info, capsys, tmp_path, canary
+):
+    """Before: a model info without ``sha`` listed and downloaded ``main`` unpinned, then failed
+    with a TypeError (exit 1); a commit that is no commit id reached the download URLs; another
+    commit than the one pinned was downloaded and recorded under it."""
+    hub.add("forged/c", FILES, info=info)
+    hub.requests.clear()
+    code, err = _fetch(capsys, f"forged/c@{revision}", tmp_path / "dest")
+    assert code == 2, err
+    assert "commit" in err and "HF_ENDPOINT" in err, err
+    assert [path for path, _ in hub.requests if "/tree/" in path or "/resolve/" in path] == []
+    assert published(tmp_path / "dest") == []
+
+
+def test_a_commit_id_in_upper_case_is_the_same_commit(hub, capsys, tmp_path):
+    """The Hub spells commit ids in lower case; one answered in upper case is the same commit
+    (pinned and recorded in lower case), not a forgery."""
+    sha = hub.add("forged/upper", FILES)
+    hub.repos["forged/upper"]["info"] = {"id": "forged/upper", "sha": sha.upper()}
+    code, err = _fetch(capsys, "forged/upper", tmp_path / "dest")
+    assert code == 0, err
+    assert published(tmp_path / "dest") == ["config.json", "model.safetensors"]
+
+
+# --- names -------------------------------------------------------------------------------
+
+#: Characters a forged shard name is made of: path separators, dots, control characters,
+#: quotes, non-ASCII letters, a backslash, a space.
+_CHARS = st.sampled_from([*"/.\0\n\r\t\\ '\"%?#~-_aZ9", "é", "\u202e", "\x7f"])
+_MIDDLES = st.one_of(
+    st.text(_CHARS, max_size=12),
+    st.sampled_from(["..", "/..", "/../..", "x" * 240, "x" * 300, "a/b", "", "\x7f"]),
+)
+
+
+@settings(max_examples=examples(60), deadline=None, derandomize=True, database=None)
+@given(middles=st.lists(_MIDDLES, min_size=1, max_size=3), bare=st.booleans())
+def test_no_name_in_a_listing_reaches_a_path_outside_dest(hub, middles, bare):
+    """Shard names generated from separators, ``..``, control characters and long runs:
+    each fetch either places exactly the listed files, each under its own name directly in
+    DEST, or is refused as bad input; nothing appears beside DEST."""
+    with tempfile.TemporaryDirectory() as top:
+        top = Path(top)
+        canary = top / "canary"
+        canary.mkdir()
+        (canary / "keep").write_bytes(b"keep")
+        before = tree_digest(canary)
+        names = [m if bare else f"model-{m}.safetensors" for m in middles]
+        files = {"config.json": CONFIG, **{n: n.encode("utf-8") for n in names}}
+        repo = f"names/r{abs(hash(tuple(names)))}"
+        hub.add(repo, files)
+        dest = top / "dest"
+        try:
+            result = fetch(f"hf://{repo}", dest, retry_deadline_s=2)
+        except LoaderError as exc:
+            assert exc.exit_code == 2, exc
+        else:
+            assert result.files, names
+            for rel in result.files:
+                assert fs_name(rel), rel
+                assert (dest / rel).read_bytes() == files[rel]
+        assert {p.name for p in top.iterdir()} <= {"canary", "dest"}
+        assert tree_digest(canary) == before
+        if dest.exists():  # nothing but the files and the loader's own leftovers
+            assert all(p.name in files or p.name == ".partial" for p in dest.iterdir())
+
+
+def fs_name(rel: str) -> bool:
+    return "/" not in rel and "\0" not in rel and rel.isprintable() and rel not in (".", "..")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model-\n.safetensors", "model-\r\nerror: forged.safetensors", "model-\x1b[2J.safetensors"],
+    ids=["newline", "forged log line", "escape"],
+)
+def test_a_name_with_a_control_character_is_refused_and_shown_escaped(
+    hub, name, capsys, tmp_path, canary
+):
+    """Before: a name with a line break was downloaded under it, and printed as it was in the
+    log (a line of its own: a forged ``error:`` line)."""
+    repo = f"names/ctl{abs(hash(name))}"
+    hub.add(repo, {"config.json": CONFIG, name: b"w"})
+    code, err = _fetch(capsys, repo, tmp_path / "dest")
+    assert code == 2, err
+    assert repr(name) in err
+    assert not any(line.startswith("error: forged") for line in err.splitlines())
+    assert not (tmp_path / "dest").exists() or not any(
+        "\n" in p.name or "\x1b" in p.name for p in (tmp_path / "dest").rglob("*")
+    )
+
+
+def test_a_name_too_long_to_download_is_refused_naming_the_hub(hub, capsys, tmp_path, canary):
+    """Before: a name that fits the file system but not with ``.incomplete`` failed at its
+    download with ENAMETOOLONG, and the hint asked for a shorter --repository or --work-dir."""
+    name = "model-" + "x" * 230 + ".safetensors"  # 248 bytes, 259 while it downloads
+    hub.add("names/long", {"config.json": CONFIG, name: b"w"})
+    code, err = _fetch(capsys, "names/long", tmp_path / "dest")
+    assert code == 2, err
+    assert "longer than a file system takes" in err and "--repository" not in err, err
+
+
+# --- failures of the Hub -----------------------------------------------------------------
+
+STATUSES = {
+    "401": (401, {}, 2, "token"),
+    "403": (403, {}, 2, "token"),
+    "gated": (403, {"X-Error-Code": "GatedRepo", "X-Error-Message": "gated"}, 2, "terms"),
+    "429": (429, {"Retry-After": "1"}, 75, "kept failing"),
+    "503": (503, {}, 75, "kept failing"),
+    "451": (451, {}, 2, "451"),
+}
+
+
+@pytest.mark.parametrize("where", ["model info", "file"])
+@pytest.mark.parametrize(
+    ("status", "headers", "exit_code", "says"), STATUSES.values(), ids=STATUSES.keys()
+)
+def test_each_failure_of_the_hub_exits_with_its_class_and_never_shows_the_token(
+    hub, where, status, headers, exit_code, says, capsys, tmp_path, canary
+):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    repo = f"status/{status}-{abs(hash(repr(headers)))}-{where.replace(' ', '-')}"
+    if where == "model info":
+        hub.add(repo, FILES, status=status, headers=headers)
+    else:
+        hub.add(repo, FILES, serve={
+            "model.safetensors": lambda h: h.answer(status, b"{}", headers)})  # fmt: skip
+    code, err = _fetch(
+        capsys, repo, tmp_path / "dest", "--hf-token-file", str(token_file), "--retry-deadline", "1"
+    )
+    assert code == exit_code, err
+    assert says in err, err
+    assert TOKEN not in err
+    assert "model.safetensors" not in published(tmp_path / "dest")
+
+
+def test_a_redirect_to_a_host_that_does_not_resolve_fails_at_once_with_a_hint(
+    hub, capsys, tmp_path, canary
+):
+    location = "http://no-such-host.invalid/blob"
+    try:
+        socket.getaddrinfo("no-such-host.invalid", 80)
+    except OSError:
+        pass
+    else:  # pragma: no cover - a resolver that answers for .invalid
+        pytest.skip("this resolver answers for .invalid")
+    hub.add("status/dns", FILES, serve={
+        "model.safetensors": lambda h: h.answer(302, b"", {"Location": location})})  # fmt: skip
+    code, err = _fetch(capsys, "status/dns", tmp_path / "dest", "--retry-deadline", "120")
+    assert code == 2, err
+    assert "Cannot resolve the host" in err and "HF_ENDPOINT" in err
