@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.errors import LoaderError
+from loader.errors import LoaderError, TransientSourceError
 from loader.sources import fetch
 from tests.runs import cli, use_hub
 from tests.servers import ForgedHub
@@ -265,6 +265,78 @@ def test_a_name_too_long_to_download_is_refused_naming_the_hub(hub, capsys, tmp_
     code, err = _fetch(capsys, "names/long", tmp_path / "dest")
     assert code == 2, err
     assert "longer than a file system takes" in err and "--repository" not in err, err
+
+
+# --- bodies ------------------------------------------------------------------------------
+
+
+def _counting(first, then):
+    """A ``serve`` that answers the first request with ``first``, the others with ``then``."""
+    calls = []
+
+    def serve(handler):
+        calls.append(handler.headers.get("Range"))
+        (first if len(calls) == 1 else then)(handler)
+
+    serve.calls = calls
+    return serve
+
+
+def _whole_or_range(handler) -> None:
+    start = int((handler.headers.get("Range") or "bytes=0-")[6:-1])
+    if start:
+        end = len(WEIGHTS) - 1
+        handler.answer(
+            206, WEIGHTS[start:], {"Content-Range": f"bytes {start}-{end}/{len(WEIGHTS)}"}
+        )
+    else:
+        handler.answer(200, WEIGHTS)
+
+
+def _cut_by_close(handler) -> None:
+    """A body delimited by the connection's close (HTTP/1.0), cut after 1000 bytes."""
+    handler.protocol_version = "HTTP/1.0"
+    handler.send_response(200)
+    handler.end_headers()
+    handler.wfile.write(WEIGHTS[:1000])
+    handler.close_connection = True
+
+
+def _cut_chunked(handler) -> None:
+    """A chunked body that ends properly after 1000 bytes."""
+    handler.send_response(200)
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    handler.wfile.write(b"3e8\r\n" + WEIGHTS[:1000] + b"\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("cut", [_cut_by_close, _cut_chunked], ids=["close", "chunked"])
+def test_a_body_that_ends_early_is_resumed_from_its_last_byte(hub, cut, capsys, tmp_path, canary):
+    """Before: a body that ended cleanly before the listed size was taken as the whole file,
+    failed its hash and was discarded (exit 75, the bytes downloaded again from 0)."""
+    serve = _counting(cut, _whole_or_range)
+    repo = f"bodies/{cut.__name__}"
+    hub.add(repo, FILES, serve={"model.safetensors": serve})
+    code, err = _fetch(capsys, repo, tmp_path / "dest")
+    assert code == 0, err
+    assert serve.calls == [None, "bytes=1000-"]
+    assert (tmp_path / "dest" / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_a_part_answered_for_the_whole_file_is_written_nowhere(hub, capsys, tmp_path, canary):
+    """A ``206`` for bytes 5- of a request for the whole file: transient at once (its bytes
+    are not the file's start), never written as the file's start nor retried as a cut body
+    until the deadline."""
+
+    def part(handler):
+        end = len(WEIGHTS) - 1
+        handler.answer(206, WEIGHTS[5:], {"Content-Range": f"bytes 5-{end}/{len(WEIGHTS)}"})
+
+    hub.add("bodies/part", FILES, serve={"model.safetensors": part})
+    with pytest.raises(TransientSourceError, match="a part of the file"):
+        fetch("hf://bodies/part", tmp_path / "dest", retry_deadline_s=60)
+    staged = list((tmp_path / "dest").rglob("model.safetensors*"))
+    assert all(p.stat().st_size == 0 for p in staged), staged
 
 
 # --- failures of the Hub -----------------------------------------------------------------

@@ -32,7 +32,9 @@
   never logged. ``$HF_ENDPOINT`` selects a mirror of the Hub.
 * Transient failures (connection errors, 429, 5xx, a connection cut mid-file) are retried with
   tenacity within the retry deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`);
-  a retry resumes the file from its last byte. ``--workers`` files download at once.
+  a retry resumes the file from its last byte. A body that ends cleanly before the listed size
+  (closed, or a chunked one cut short) is such a cut too (:class:`CutShort`). ``--workers``
+  files download at once.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from loader.errors import (
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
+    TransientSourceError,
     shown,
 )
 from loader.formats.huggingface import (
@@ -439,6 +442,12 @@ class _Stopped(BaseException):
     chunk (what it wrote stays under ``.partial/`` for a rerun to resume)."""
 
 
+class CutShort(ConnectionError):
+    """A file's answer ended before its listed size without an error of the connection (a
+    body delimited by the connection's close, or a chunked one, cut short): a transient
+    failure, retried from the last byte written (:class:`~loader.sources.failures.Funnel`)."""
+
+
 def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
     port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
@@ -567,6 +576,12 @@ def _stream(
         resumed = response.status_code == 206 and response.headers.get(
             "Content-Range", ""
         ).startswith(f"bytes {size}-")
+        if not size and response.status_code == 206 and not resumed:
+            raise TransientSourceError(  # a part it was not asked for: nothing of it written
+                f"hf://{hub.repo}@{hub.commit}/{remote.path}: the Hub answered a part of the file "
+                f"({response.headers.get('Content-Range')!r}) when asked for all of it.",
+                "Check HF_ENDPOINT and any proxy in between, then run the loader again.",
+            )
         if size and not resumed:  # the server sent the whole file (or another range)
             if response.status_code == 206:
                 response.close()
@@ -588,6 +603,11 @@ def _stream(
                 progress.update(size - reported[0])
                 reported[0] = size
         else:
+            if size < remote.size:  # the body ended early: retried from this byte
+                raise CutShort(
+                    f"the Hub's answer for {remote.path} ended after {size} of its "
+                    f"{remote.size} bytes"
+                )
             return size, digest
         return size + 1, digest  # one byte too many: never matches
     finally:
