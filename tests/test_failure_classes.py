@@ -291,3 +291,22 @@ def test_resource_exhaustion_inside_a_library_call_stays_transient(raised):
         Funnel(30.0)(fail, what="gs://b/p")
     assert getattr(caught.value, "exit_code", None) == EXIT_TRANSIENT, caught.value
     assert len(calls) == 1  # not retried in place: the process may need more room
+
+
+@pytest.mark.parametrize(
+    ("what", "starts"),
+    [("hf://org/name (config.json)", "hf://org/name"), ("gs://bucket/x", "gs://bucket/x"),
+     ("bucket gs://b", "Bucket gs://b"), ("object gs://b/o", "Object gs://b/o")],
+)  # fmt: skip
+def test_a_404_names_what_was_read_with_a_uri_spelled_as_written(what, starts):
+    """A URI starting the sentence kept its scheme's spelling (``Hf://``, ``Gs://`` before)."""
+    from loader.errors import SourceNotFoundError
+    from loader.sources.failures import by_status
+
+    class NotFound(Exception):
+        class response:  # what an HTTP library's error carries
+            status_code = 404
+
+    error = by_status(NotFound(), what, permission_hint="")
+    assert isinstance(error, SourceNotFoundError)
+    assert error.message == f"{starts}{what[len(starts) :]} does not exist (404)."

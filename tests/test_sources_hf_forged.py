@@ -390,3 +390,11 @@ def test_a_redirect_to_a_host_that_does_not_resolve_fails_at_once_with_a_hint(
     code, err = _fetch(capsys, "status/dns", tmp_path / "dest", "--retry-deadline", "120")
     assert code == 2, err
     assert "Cannot resolve the host" in err and "HF_ENDPOINT" in err
+
+
+def test_a_source_error_names_a_uri_as_it_is_written(hub, capsys, tmp_path):
+    """Before: a 404 started the sentence with ``Hf://`` (the first letter capitalised)."""
+    hub.add("status/gone", FILES, serve={"model.safetensors": lambda h: h.answer(404, b"{}")})
+    code, err = _fetch(capsys, "status/gone", tmp_path / "dest")
+    assert code == 2, err
+    assert "error: hf://status/gone (model.safetensors) does not exist (404)." in err

@@ -267,6 +267,14 @@ def is_transient(exc: BaseException) -> bool:
     return status_of(exc) in TRANSIENT_STATUS
 
 
+def sentence(what: str) -> str:
+    """``what`` to start a sentence: its first letter capitalised, unless it starts with a
+    URI (``hf://``, ``gs://``), which keeps its spelling."""
+    if "://" in what.split(" ", 1)[0]:
+        return what
+    return what[:1].upper() + what[1:]
+
+
 def by_status(exc: BaseException, what: str, *, permission_hint: str) -> SourceError | None:
     """The typed error an HTTP status stands for; ``None`` if it names none."""
     status = status_of(exc)
@@ -276,7 +284,7 @@ def by_status(exc: BaseException, what: str, *, permission_hint: str) -> SourceE
         )
     if status == 404:
         return SourceNotFoundError(
-            f"{what[:1].upper()}{what[1:]} does not exist (404).", "Check the names in the URI."
+            f"{sentence(what)} does not exist (404).", "Check the names in the URI."
         )
     if status == 412:
         return TransientSourceError(
