@@ -239,6 +239,37 @@ def test_a_hub_listing_name_that_is_not_a_plain_relative_path_is_refused(name):
     ]
 
 
+@pytest.mark.parametrize(
+    "name", ["model-\n.safetensors", "model-\x1b[2J.safetensors", "\x7f", "a/b\rc"]
+)
+def test_a_hub_listing_name_with_a_control_character_is_refused_and_shown_escaped(name):
+    """A name that does not print would show in the log as it is (a line break starts a line
+    of its own: a forged ``error:`` line)."""
+    from loader.sources import parse_uri
+    from loader.sources.hf import _names
+
+    with pytest.raises(SourceError, match="not a relative path of plain names") as info:
+        _names(parse_uri("hf://org/name"), name)
+    assert repr(name) in info.value.message and name not in info.value.message
+
+
+@pytest.mark.parametrize(
+    "uri", ["hf://org/na\nme", "hf://org/name@main\nerror: forged", "hf://org/name@ma\tin"]
+)
+def test_fetch_refuses_an_hf_uri_with_a_control_character_in_one_line(
+    uri, tmp_path, capsys, monkeypatch
+):
+    """``run`` refused one already (the model key); ``fetch`` passed it to the Hub library
+    and printed the library's refusal with the line break in it."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # never asked: refused before
+    code, _, err = cli(capsys, "fetch", uri, str(tmp_path / "dest"))
+    assert code == 2, err
+    assert "control character" in err
+    lines = err.splitlines()
+    assert [line.split(":")[0] for line in lines if line] == ["error", "hint"], err
+    assert not (tmp_path / "dest").exists()
+
+
 @pytest.mark.parametrize("name", ["tiny\n", "x" * 300])
 def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
     argv = _run_args(source, tmp_path / "root")
