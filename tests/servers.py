@@ -512,9 +512,12 @@ class ForgedHub:
 
     * ``GET /api/models/ORG/NAME/revision/REV`` answers ``{"id", "sha"}`` (``info`` replaces
       the body, ``status`` an HTTP status for every call);
-    * ``GET /api/models/ORG/NAME/tree/COMMIT`` answers the listing;
-    * ``GET /ORG/NAME/resolve/COMMIT/FILE`` answers the file's bytes from a ``Range`` start,
-      or what ``serve[FILE]`` does with the handler (a forged answer of its own).
+    * ``GET /api/models/ORG/NAME/tree/COMMIT`` answers the listing at that commit;
+    * ``GET /ORG/NAME/resolve/COMMIT/FILE`` answers the file's bytes at that commit from a
+      ``Range`` start, or what ``serve[FILE]`` does with the handler (a forged answer of its
+      own).
+
+    :meth:`move` makes the branch name a new commit (a revision that moves).
     """
 
     def __init__(self) -> None:
@@ -558,7 +561,7 @@ class ForgedHub:
                             info = info()
                         self.answer(200, json.dumps(info).encode())
                     else:
-                        listing = repo["listing"]
+                        listing = repo["commits"].get(api[3], repo)["listing"]
                         self.answer(200, json.dumps(listing).encode())
                     return
                 file = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path, re.S)
@@ -570,7 +573,7 @@ class ForgedHub:
                 if serve is not None:
                     serve(self)
                     return
-                data = repo["files"].get(file[3])
+                data = repo["commits"].get(file[2], repo)["files"].get(file[3])
                 if data is None:
                     self.answer(404, b"not found", {"X-Error-Code": "EntryNotFound"})
                     return
@@ -594,6 +597,14 @@ class ForgedHub:
     ) -> str:
         """Serve ``repo_id`` with ``files`` (each listed with its true size and git blob id
         unless ``listing`` replaces the listing); its commit id, a hash of the content."""
+        self.repos[repo_id] = {"commits": {}, **extra}
+        return self.move(repo_id, files, listing=listing)
+
+    def move(
+        self, repo_id: str, files: dict[str, bytes], *, listing: list[dict] | None = None
+    ) -> str:
+        """A new commit of ``repo_id`` holding ``files``, which its branch now names (the
+        earlier commits stay served by their ids); its commit id."""
         import hashlib
 
         def blob(data: bytes) -> str:
@@ -606,7 +617,9 @@ class ForgedHub:
                 for name, data in files.items()
             ]
         sha = hashlib.sha1(repr(sorted(files.items())).encode()).hexdigest()
-        self.repos[repo_id] = {"sha": sha, "files": dict(files), "listing": listing, **extra}
+        repo = self.repos[repo_id]
+        repo.update(sha=sha, files=dict(files), listing=listing)
+        repo["commits"][sha] = {"files": dict(files), "listing": listing}
         return sha
 
     def start(self) -> ForgedHub:
