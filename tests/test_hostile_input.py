@@ -270,6 +270,25 @@ def test_fetch_refuses_an_hf_uri_with_a_control_character_in_one_line(
     assert not (tmp_path / "dest").exists()
 
 
+def test_fetch_refuses_an_empty_hf_token_file_never_falling_back_to_another_token(
+    tmp_path, capsys, monkeypatch
+):
+    """``--hf-token-file "$TOKEN_FILE"`` with the variable unset: before, the empty name was
+    taken as no file, and the fetch went on with ``$HF_TOKEN`` or the stored login instead
+    (here: asking a Hub that is not there until the retry deadline, exit 75)."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # never asked: refused before
+    monkeypatch.setenv("HF_TOKEN", "hf_anotherTokenThanTheFileOne")
+    try:
+        code, _, err = cli(capsys, "fetch", "hf://org/name", str(tmp_path / "dest"),
+                           "--hf-token-file", "", "--retry-deadline", "1")  # fmt: skip
+    except SystemExit as exc:  # refused by argparse
+        code, err = exc.code, capsys.readouterr().err
+    assert code == 2, err
+    assert "--hf-token-file" in err and "unset" in err
+    assert "hf_anotherTokenThanTheFileOne" not in err
+    assert not (tmp_path / "dest").exists()
+
+
 @pytest.mark.parametrize("name", ["tiny\n", "x" * 300])
 def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
     argv = _run_args(source, tmp_path / "root")
