@@ -182,6 +182,24 @@ def test_a_hub_setting_the_library_cannot_parse_is_named(tmp_path):
     assert "HF_HUB_ETAG_TIMEOUT" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("value", [-1, -0.5])
+def test_a_negative_hub_download_timeout_is_named_before_anything_is_asked(
+    value, tmp_path, capsys, monkeypatch
+):
+    """huggingface_hub takes a negative HF_HUB_DOWNLOAD_TIMEOUT as it is (read at its import:
+    set here on the module); the HTTP library refused it only at the first file, as a
+    failure of the source whose hint named no variable."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", str(value))
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", value)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    code, _, err = cli(capsys, "fetch", "hf://org/name", str(tmp_path / "dest"),
+                       "--retry-deadline", "1")  # fmt: skip
+    assert code == 2, err
+    assert f"HF_HUB_DOWNLOAD_TIMEOUT='{value}'" in err and "more than 0" in err, err
+
+
 def _settings_failures() -> list[BaseException]:
     """Failures a setting causes, as each stack raises them: no retry can help."""
     import ssl
