@@ -328,3 +328,25 @@ def test_a_404_names_what_was_read_with_a_uri_spelled_as_written(what, starts):
     error = by_status(NotFound(), what, permission_hint="")
     assert isinstance(error, SourceNotFoundError)
     assert error.message == f"{starts}{what[len(starts) :]} does not exist (404)."
+
+
+def test_an_endpoint_refused_is_named_without_its_password(monkeypatch):
+    from loader.errors import SourceError
+    from loader.sources import settings
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror:pa55w0rd@mirror.local:99999")
+    with pytest.raises(SourceError, match="HF_ENDPOINT") as info:
+        settings.endpoint("HF_ENDPOINT")
+    assert "pa55w0rd" not in str(info.value) and "***@mirror.local:99999" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [("for url 'http://u:p@h:1/x'", "for url 'http://***@h:1/x'"),
+     ("https://tok@h/a and gs://b/o", "https://***@h/a and gs://b/o"),
+     ("no url here: a@b", "no url here: a@b"), ("http://h/p?a=b@c", "http://h/p?a=b@c")],
+)  # fmt: skip
+def test_credentials_of_a_url_in_a_failure_are_redacted(text, shown):
+    from loader.errors import redacted
+
+    assert redacted(text) == shown

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -398,3 +400,38 @@ def test_a_source_error_names_a_uri_as_it_is_written(hub, capsys, tmp_path):
     code, err = _fetch(capsys, "status/gone", tmp_path / "dest")
     assert code == 2, err
     assert "error: hf://status/gone (model.safetensors) does not exist (404)." in err
+
+
+@pytest.mark.parametrize("where", ["model info", "file", "redirect"])
+def test_credentials_in_hf_endpoint_are_never_shown(hub, where, capsys, tmp_path, monkeypatch):
+    """A mirror behind basic authentication: HF_ENDPOINT=http://USER:PASSWORD@HOST. Before,
+    the HTTP library's error quoted the URL with them, and the loader printed it in its
+    warnings and its error line."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url.replace("http://", "http://mirror:pa55w0rd@"))
+    repo = f"creds/{where.replace(' ', '-')}"
+    if where == "model info":
+        hub.add(repo, FILES, status=500)
+    elif where == "file":
+        hub.add(repo, FILES, serve={"model.safetensors": lambda h: h.answer(503, b"{}")})
+    else:
+        hub.add(repo, FILES, serve={"model.safetensors": lambda h: h.answer(
+            302, b"", {"Location": "http://mirror:pa55w0rd@127.0.0.1:99999/x"})})  # fmt: skip
+    code, _, err = cli(capsys, "-v", "fetch", f"hf://{repo}", str(tmp_path / "dest"),
+                       "--retry-deadline", "1")  # fmt: skip
+    assert code in (2, 75), err
+    assert "pa55w0rd" not in err, err
+    assert "***@127.0.0.1" in err, err  # the URL still shows, where it went
+
+
+def test_credentials_in_hf_endpoint_are_never_logged_even_at_debug(hub, tmp_path):
+    """At -vv the HTTP library logs every request with its URL; before, with the user name
+    and password of HF_ENDPOINT in it (a process of its own: its logging as the CLI sets it
+    up)."""
+    hub.add("creds/debug", FILES, status=500)
+    env = {**os.environ, "HF_ENDPOINT": hub.url.replace("http://", "http://mirror:pa55w0rd@")}
+    argv = [sys.executable, "-m", "loader", "-vv", "fetch", "hf://creds/debug",
+            str(tmp_path / "dest"), "--retry-deadline", "1"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 75, done.stderr
+    assert "HTTP Request: GET http://***@127.0.0.1" in done.stderr, done.stderr[-3000:]
+    assert "pa55w0rd" not in done.stderr + done.stdout

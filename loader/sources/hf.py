@@ -62,6 +62,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    redacted,
     shown,
 )
 from loader.formats.huggingface import (
@@ -216,7 +217,7 @@ def _specific(uri: SourceURI, revision: str):
             )
         if isinstance(exc, RemoteEntryNotFoundError):
             return SourceNotFoundError(
-                f"{uri.raw}: a file listed by the Hub is missing ({exc}).",
+                f"{uri.raw}: a file listed by the Hub is missing ({redacted(str(exc))}).",
                 "Check the repository's files at that revision.",
             )
         return None
@@ -493,7 +494,7 @@ class _Hub:
             except ValueError:  # a port out of range, a broken IPv6 address
                 raise SourceError(
                     f"hf://{self.repo}@{self.commit}/{rel}: the Hub redirected the download to "
-                    f"{location!r}, which is not a URL.",
+                    f"{redacted(location)!r}, which is not a URL.",
                     "Check HF_ENDPOINT and any proxy in between.",
                 ) from None
             if leaves:

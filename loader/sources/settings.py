@@ -29,10 +29,18 @@ def endpoint(variable: str) -> str | None:
     why = _url_problem(value)
     if why is not None:
         raise SourceError(
-            f"{variable}={value!r} is not a URL the loader can use ({why}).",
+            f"{variable}={_without_password(value)!r} is not a URL the loader can use ({why}).",
             f"Set {variable} to http://HOST[:PORT] or https://HOST[:PORT], or unset it.",
         )
     return value
+
+
+def _without_password(value: str) -> str:
+    """``value`` with what a URL holds before ``@`` (a user name and password) as ``***``."""
+    scheme, sep, rest = value.partition("://")
+    return (
+        f"{scheme}{sep}***@{rest.split('@', 1)[1]}" if sep and "@" in rest.split("/")[0] else value
+    )
 
 
 def _url_problem(value: str) -> str | None:
