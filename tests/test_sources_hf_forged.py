@@ -435,3 +435,55 @@ def test_credentials_in_hf_endpoint_are_never_logged_even_at_debug(hub, tmp_path
     assert done.returncode == 75, done.stderr
     assert "HTTP Request: GET http://***@127.0.0.1" in done.stderr, done.stderr[-3000:]
     assert "pa55w0rd" not in done.stderr + done.stdout
+
+
+@pytest.fixture
+def dead_owner() -> str:
+    """The owner tag of a loader of this host that is gone."""
+    from loader import fs
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return f"{pid}-{fs.host_digest()}"
+
+
+def test_a_rerun_after_the_branch_moved_downloads_a_stopped_runs_file_again_at_once(
+    hub, dead_owner, capsys, tmp_path, canary
+):
+    """A run stopped halfway through the old commit's file; ``main`` moved to a commit whose
+    file of that name differs. Before, the rerun resumed the old bytes, failed the hash and
+    discarded them (exit 75, "corrupt at its source"), and only the run after it fetched the
+    file; now the same run downloads it again from its start."""
+    from loader.sources import transfer
+
+    old = bytes(range(256)) * 40
+    new = bytes(reversed(old))
+    hub.add("moved/resume", {**FILES, "model.safetensors": old})
+    hub.move("moved/resume", {**FILES, "model.safetensors": new})
+    dest = tmp_path / "dest"
+    staging = dest / transfer.PARTIAL_DIR / f"hf.{dead_owner}"
+    staging.mkdir(parents=True)
+    (staging / "model.safetensors.incomplete").write_bytes(old[:4000])
+    hub.requests.clear()
+    code, err = _fetch(capsys, "moved/resume", dest)
+    assert code == 0, err
+    assert (dest / "model.safetensors").read_bytes() == new
+    ranges = [h.get("range") for p, h in hub.requests if p.endswith("/model.safetensors")]
+    assert ranges == ["bytes=4000-", None]
+    assert not (dest / transfer.PARTIAL_DIR).exists()
+
+
+def test_a_file_that_fails_its_hash_from_its_start_is_not_downloaded_twice(
+    hub, capsys, tmp_path, canary
+):
+    """Downloaded again from its start only when the bytes a stopped run left were resumed:
+    a file whose own bytes do not match is discarded at once (exit 75)."""
+    hub.add("moved/corrupt", FILES, listing=[entry("config.json", CONFIG),
+            entry("model.safetensors", bytes(reversed(WEIGHTS)))])  # fmt: skip
+    hub.requests.clear()
+    code, err = _fetch(capsys, "moved/corrupt", tmp_path / "dest")
+    assert code == 75, err
+    assert "do not match the Hub's hash" in err
+    assert len([p for p, _ in hub.requests if p.endswith("/model.safetensors")]) == 1

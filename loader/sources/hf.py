@@ -14,7 +14,9 @@
   reached through directory descriptors, one name at a time (:class:`loader.fs.Dir`): a file is
   created with ``O_EXCL``, nothing is opened through a link, and a name from the Hub's listing
   that is not a plain relative path is refused. A rerun resumes a stopped run's file with a
-  ``Range`` request. Each file's hash is computed as its bytes arrive and checked against the
+  ``Range`` request; if the file then fails its hash, the stopped run's bytes were not the
+  file's (another commit's file of that name, or bytes lost in a crash) and it is downloaded
+  again from its start before it is judged corrupt. Each file's hash is computed as its bytes arrive and checked against the
   Hub's listing (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed
   to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the
   Hub (or a mirror) answers is checked before it is used: the revision's commit must be a git
@@ -707,12 +709,30 @@ def _fetch_missing(
         with _level(staging, parts, create=True) as parent:
             assert parent is not None
             name = parts[-1] + INCOMPLETE
-            size, digest = funnel(
-                lambda: _download(
-                    hub, remote[rel], parent, name, progress, reported, durable=durable
-                ),
-                what=f"{uri.raw} ({rel})",
-            )
+
+            def fetched() -> tuple[int, Any]:
+                return funnel(
+                    lambda: _download(
+                        hub, remote[rel], parent, name, progress, reported, durable=durable
+                    ),
+                    what=f"{uri.raw} ({rel})",
+                )
+
+            left = parent.regular_size(name)  # what a stopped run wrote, resumed
+            size, digest = fetched()
+            if left and not remote[rel].matches(size, digest):
+                # The stopped run's bytes may be another commit's file of that name (the
+                # branch moved since) or lost in a crash before they reached the disk: the
+                # file is downloaded again from its start before it is judged corrupt.
+                log.warning(
+                    "%s: the %s bytes a stopped run downloaded of %s are not the file's now; "
+                    "downloading it again from its start",
+                    uri.raw,
+                    left,
+                    shown(rel),
+                )
+                parent.unlink(name)
+                size, digest = fetched()
             _verify_and_place(
                 uri, hub.commit, remote[rel], size, digest, parent, name, target, parts
             )
