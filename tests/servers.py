@@ -510,8 +510,8 @@ class ForgedHub:
     ``resolve`` URL serves. Every request is recorded: ``(path, headers)``, header names in
     lower case.
 
-    * ``GET /api/models/ORG/NAME/revision/REV`` answers ``{"id", "sha"}`` (``info`` replaces
-      the body, ``status`` an HTTP status for every call);
+    * ``GET /api/models/ORG/NAME/revision/REV`` (and ``/api/models/ORG/NAME``) answers
+      ``{"id", "sha"}`` (``info`` replaces the body, ``status`` an HTTP status for every call);
     * ``GET /api/models/ORG/NAME/tree/COMMIT`` answers the listing at that commit;
     * ``GET /ORG/NAME/resolve/COMMIT/FILE`` answers the file's bytes at that commit from a
       ``Range`` start, or what ``serve[FILE]`` does with the handler (a forged answer of its
@@ -543,9 +543,13 @@ class ForgedHub:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
-                path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+                raw = urllib.parse.urlsplit(self.path).path  # a revision's "/" is %2F here
+                path = urllib.parse.unquote(raw)
                 hub.requests.append((path, {k.lower(): v for k, v in self.headers.items()}))
-                api = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)", path)
+                # The repository's own page answers its model info at main, as the Hub does.
+                api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", raw)
+                if api and api[2] == "revision" and "revision" in hub.repos.get(api[1], {}):
+                    hub.repos[api[1]]["revision"].append(urllib.parse.unquote(api[3]))
                 if api:
                     repo = hub.repos.get(api[1])
                     if repo is None:
@@ -555,7 +559,7 @@ class ForgedHub:
                     if repo.get("status"):
                         self.answer(repo["status"], b"{}", repo.get("headers"))
                         return
-                    if api[2] == "revision":
+                    if api[2] in ("revision", None):
                         info = repo.get("info", {"id": api[1], "sha": repo["sha"]})
                         if callable(info):
                             info = info()
@@ -564,7 +568,9 @@ class ForgedHub:
                         listing = repo["commits"].get(api[3], repo)["listing"]
                         self.answer(200, json.dumps(listing).encode())
                     return
-                file = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path, re.S)
+                file = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", raw, re.S)
+                if file:  # the parts as named, once the route is known
+                    file = [None, *(urllib.parse.unquote(part) for part in file.groups())]
                 repo = hub.repos.get(file[1]) if file else None
                 if repo is None:
                     self.answer(404, b"not found", {"X-Error-Code": "EntryNotFound"})

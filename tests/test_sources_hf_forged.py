@@ -487,3 +487,35 @@ def test_a_file_that_fails_its_hash_from_its_start_is_not_downloaded_twice(
     assert code == 75, err
     assert "do not match the Hub's hash" in err
     assert len([p for p, _ in hub.requests if p.endswith("/model.safetensors")]) == 1
+
+
+@pytest.mark.parametrize("revision", ["..", ".", "main/..", "a b", "x.lock", ".hidden", "a~1"])
+def test_a_revision_no_git_name_can_be_is_refused_before_the_hub_is_asked(
+    hub, revision, capsys, tmp_path, canary
+):
+    """Before: ``@..`` made the Hub's URL for the revision ``/api/models/ORG/NAME``, the
+    repository's own page, which answers main's commit: the fetch took main (exit 0) under
+    a revision that names nothing. The key takes such a source (as the chart does); the
+    fetch refuses it (and ``run``'s fingerprint of a published key alike)."""
+    from loader.errors import SourceError
+    from loader.sources import fingerprint
+
+    hub.add("dots/repo", FILES)
+    hub.requests.clear()
+    code, err = _fetch(capsys, f"dots/repo@{revision}", tmp_path / "dest")
+    assert code == 2, err
+    assert "no branch, tag or commit" in err and "refs/pr/N" in err
+    with pytest.raises(SourceError, match="no branch, tag or commit"):
+        fingerprint(f"hf://dots/repo@{revision}")
+    assert hub.requests == []
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_revision_git_names_with_slashes_reaches_the_hub_as_one(hub, capsys, tmp_path):
+    """``refs/pr/1`` (a pull request's head) is one revision: quoted into one part of the
+    Hub's URL, and its commit is what is fetched."""
+    hub.add("dots/pr", FILES, revision=[])
+    code, err = _fetch(capsys, "dots/pr@refs/pr/1", tmp_path / "dest")
+    assert code == 0, err
+    assert hub.repos["dots/pr"]["revision"] == ["refs/pr/1"]
+    assert published(tmp_path / "dest") == ["config.json", "model.safetensors"]

@@ -204,12 +204,6 @@ def _parse_gs(uri: str) -> SourceURI:
 
 
 def _parse_hf(uri: str) -> SourceURI:
-    if not uri.isprintable():  # no repository id or revision holds one; a message shows it
-        raise SourceError(
-            f"hf:// URI {uri!r} holds a control character (a line break, a tab).",
-            "Write Hugging Face sources as hf://ORG/NAME or hf://ORG/NAME@REVISION, nothing "
-            "around them.",
-        )
     rest = uri.split("://", 1)[1]
     repo_id, at, revision = rest.partition("@")
     repo_id = repo_id.strip("/")

@@ -340,10 +340,42 @@ def _resolve_commit(
     return commit
 
 
+#: What git refuses in a reference name (``git check-ref-format``): ``..``, ``@{``, a space or
+#: any of ``~^:?*[\``, a part ending in ``.lock``, an empty part.
+_NOT_IN_REF = re.compile(r"\.\.|@\{|[\s~^:?*\[\\]|\.lock(/|$)|//|^/|/$")
+
+
+def _usable(uri: SourceURI) -> None:
+    """Refuse (exit 2) an hf:// URI that would be quoted as it is in every message (a
+    character that does not print: a line break, a tab, a line separator) or whose revision
+    is no name git gives a branch, tag or commit: the Hub's URLs would read ``.`` and ``..``
+    as path steps (``@..`` asked for the repository's own page: ``main``'s commit). The key
+    takes such a source (as the chart does); it is refused here, before the Hub is asked."""
+    if not uri.raw.isprintable():
+        raise SourceError(
+            f"hf:// URI {uri.raw!r} holds a character that does not print (a line break, a tab).",
+            "Write Hugging Face sources as hf://ORG/NAME or hf://ORG/NAME@REVISION, nothing "
+            "around them.",
+        )
+    revision = uri.revision
+    if revision is not None and (
+        _NOT_IN_REF.search(revision)
+        or any(part.startswith(".") for part in revision.split("/"))
+        or revision.endswith(".")
+        or revision == "@"
+    ):
+        raise SourceError(
+            f"{uri.raw}: no branch, tag or commit of a repository can be called {revision!r}.",
+            "Write the branch, tag or commit after '@' as git names it (refs/pr/N for a pull "
+            "request): no '..', no part starting with '.', no space or any of ~^:?*[\\.",
+        )
+
+
 def fingerprint_source(
     uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
 ) -> Fingerprint:
     """The commit the URI's revision (default ``main``) names now (no call for a commit id)."""
+    _usable(uri)
     revision = uri.revision or DEFAULT_REVISION
     if _COMMIT.fullmatch(revision):
         return Fingerprint(uri=uri.canonical, commit=revision)
@@ -627,6 +659,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             f"Fetching {uri.raw} needs a destination directory.",
             "Pass a destination (model-loader fetch URI DEST).",
         )
+    _usable(uri)
     settings.import_hub("huggingface_hub.hf_api")
     from huggingface_hub import HfApi
     from huggingface_hub.utils import build_hf_headers
