@@ -120,6 +120,10 @@ FORGED_LISTINGS = {
         )
     ],
     "listed twice": [entry("model.safetensors", WEIGHTS), entry("model.safetensors", b"other")],
+    "listed twice alike": [
+        entry("model.safetensors", WEIGHTS),
+        entry("model.safetensors", WEIGHTS),
+    ],
 }
 
 
@@ -151,6 +155,19 @@ def test_a_listing_without_a_hash_never_publishes_other_bytes_of_the_same_size(
     code, err = _fetch(capsys, "forged/no-hash", tmp_path / "dest")
     assert code == 2, err
     assert "model.safetensors" not in published(tmp_path / "dest")
+
+
+def test_a_listing_whose_pages_repeat_is_refused_at_the_first_repeat(hub, capsys, tmp_path, canary):
+    """Each page names the next in a ``Link`` header, and the Hub library follows them as
+    long as they come: pages that repeat (here 40 times; a loop never ends) are refused at
+    the second. Before, every page was asked for and its entries taken again."""
+    hub.add("forged/pages", FILES, pages=40)
+    hub.requests.clear()
+    code, err = _fetch(capsys, "forged/pages", tmp_path / "dest")
+    assert code == 2, err
+    assert "twice" in err, err
+    assert len([p for p, _ in hub.requests if "/tree/" in p]) == 2
+    assert published(tmp_path / "dest") == []
 
 
 # --- forged commit ids -------------------------------------------------------------------

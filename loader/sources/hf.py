@@ -21,7 +21,7 @@
   to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the
   Hub (or a mirror) answers is checked before it is used: the revision's commit must be a git
   commit id (the one the URI names, if it names one), every listed file needs a size and a
-  well-formed hash, a path listed twice must not differ, and a name must print and fit the file
+  well-formed hash, no path is listed twice, and a name must print and fit the file
   system with ``.incomplete``; else a :class:`~loader.errors.SourceError` (exit 2), nothing
   listed unpinned or taken unverified.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
@@ -263,6 +263,8 @@ class RemoteFile:
         return digest is None or digest.hexdigest() == (self.sha256 or self.blob_id)
 
 
+#: Entries of one repository's file list at most (the largest models list a few thousand).
+MAX_LISTED = 1_000_000
 #: The hashes a listing entry must carry: a git blob id (SHA-1) and, for an LFS file, SHA-256.
 _BLOB_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -280,14 +282,21 @@ def _forged(uri: SourceURI, what: str) -> SourceError:
 def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[str, RemoteFile]:
     """The files of the listing at ``commit``, each with a size and a hash the downloaded
     bytes are checked against: an entry without them (a size that is no count of bytes, no
-    well-formed blob id or SHA-256), a path that is no text, or one path listed twice with
-    other contents is a forged listing (:class:`~loader.errors.SourceError`), never a file
-    taken unverified."""
+    well-formed blob id or SHA-256), a path that is no text, one path listed twice (pages
+    that repeat would never end) or more than :data:`MAX_LISTED` entries is a forged listing
+    (:class:`~loader.errors.SourceError`), never a file taken unverified."""
     files: dict[str, RemoteFile] = {}
+    listed: set[object] = set()
     for entry in api.list_repo_tree(uri.location, revision=commit, recursive=True, token=token):
+        path = getattr(entry, "path", None)
+        if path in listed:  # pages that repeat (a loop of Link headers) never end otherwise
+            raise _forged(uri, f"lists {shown(path)} twice")
+        if len(listed) >= MAX_LISTED:
+            raise _forged(uri, f"lists more than {MAX_LISTED} files and folders")
+        listed.add(path if isinstance(path, str) else repr(path))
         if not hasattr(entry, "size") or getattr(entry, "blob_id", None) is None:
             continue  # a folder
-        path, size = entry.path, entry.size
+        size = entry.size
         if not isinstance(path, str):
             raise _forged(uri, f"names a file {path!r}, which is not a path")
         if type(size) is not int or size < 0:
@@ -299,9 +308,7 @@ def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[s
             raise _forged(uri, f"gives the LFS file {shown(path)} no SHA-256 ({sha256!r})")
         if lfs is None and not _BLOB_ID.fullmatch(blob_id):
             raise _forged(uri, f"gives {shown(path)} no git blob id ({entry.blob_id!r})")
-        found = RemoteFile(path, size, blob_id, sha256.lower() if sha256 else None)
-        if files.setdefault(path, found) != found:
-            raise _forged(uri, f"lists {shown(path)} twice, with other sizes or hashes")
+        files[path] = RemoteFile(path, size, blob_id, sha256.lower() if sha256 else None)
     return files
 
 
