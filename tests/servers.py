@@ -513,7 +513,7 @@ class ForgedHub:
     * ``GET /api/models/ORG/NAME/revision/REV`` (and ``/api/models/ORG/NAME``) answers
       ``{"id", "sha"}`` (``info`` replaces the body, ``status`` an HTTP status for every call);
     * ``GET /api/models/ORG/NAME/tree/COMMIT`` answers the listing at that commit (``pages``
-      times, each page naming the next in a ``Link`` header);
+      times, each page naming the next in a ``Link`` header, on ``next_url`` if given);
     * ``GET /ORG/NAME/resolve/COMMIT/FILE`` answers the file's bytes at that commit from a
       ``Range`` start, or what ``serve[FILE]`` does with the handler (a forged answer of its
       own).
@@ -570,7 +570,8 @@ class ForgedHub:
                         pages = repo.get("pages", 1)  # the same page again, behind a Link
                         page = int(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
                                    .get("page", ["1"])[0])  # fmt: skip
-                        more = {"Link": f'<{hub.url}{raw}?page={page + 1}>; rel="next"'}
+                        base = repo.get("next_url", hub.url)  # another origin, if forged
+                        more = {"Link": f'<{base}{raw}?page={page + 1}>; rel="next"'}
                         self.answer(200, json.dumps(listing).encode(),
                                     more if page < pages else None)  # fmt: skip
                     return

@@ -536,3 +536,20 @@ def test_a_revision_git_names_with_slashes_reaches_the_hub_as_one(hub, capsys, t
     assert code == 0, err
     assert hub.repos["dots/pr"]["revision"] == ["refs/pr/1"]
     assert published(tmp_path / "dest") == ["config.json", "model.safetensors"]
+
+
+def test_the_token_never_goes_to_another_origin_a_listing_page_names(hub, capsys, tmp_path):
+    """The Hub library follows a ``Link: <URL>; rel="next"`` of the file list with the same
+    headers, wherever URL is; before, the token went to whatever host a listing page named."""
+    elsewhere = ForgedHub().start()
+    try:
+        elsewhere.add("pages/elsewhere", FILES)
+        hub.add("pages/elsewhere", FILES, pages=2, next_url=elsewhere.url)
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN)
+        _fetch(capsys, "pages/elsewhere", tmp_path / "dest", "--hf-token-file", str(token_file))
+        assert [p for p, _ in elsewhere.requests if "/tree/" in p]  # the page was asked for
+        assert all("authorization" not in headers for _, headers in elsewhere.requests)
+        assert all(h.get("authorization") == f"Bearer {TOKEN}" for _, h in hub.requests[-2:])
+    finally:
+        elsewhere.stop()

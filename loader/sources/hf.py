@@ -8,18 +8,19 @@
   ``*.h5``, ``*.onnx``, ...) and sub-folders are left out.
 * Each file is streamed with huggingface_hub's own HTTP session (its URL from ``hf_hub_url``,
   its headers from ``build_hf_headers``; redirects to the Hub's storage host are followed here,
-  and the token is sent to the Hub's origin only) into ``<path>.incomplete`` under
-  ``dest/.partial/hf.<owner>/`` (named after this process, :mod:`loader.sources.transfer`, so a loader that
-  lost its lock never writes into its successor's downloads). Everything below ``dest`` is
+  and the token is sent to the Hub's origin only, by the library's own requests too) into
+  ``<path>.incomplete`` under ``dest/.partial/hf.<owner>/`` (named after this process,
+  :mod:`loader.sources.transfer`, so a loader that lost its lock never writes into its
+  successor's downloads). Everything below ``dest`` is
   reached through directory descriptors, one name at a time (:class:`loader.fs.Dir`): a file is
   created with ``O_EXCL``, nothing is opened through a link, and a name from the Hub's listing
   that is not a plain relative path is refused. A rerun resumes a stopped run's file with a
   ``Range`` request; if the file then fails its hash, the stopped run's bytes were not the
   file's (another commit's file of that name, or bytes lost in a crash) and it is downloaded
-  again from its start before it is judged corrupt. Each file's hash is computed as its bytes arrive and checked against the
-  Hub's listing (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed
-  to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the
-  Hub (or a mirror) answers is checked before it is used: the revision's commit must be a git
+  again from its start before it is judged corrupt. Each file's hash is computed as its bytes
+  arrive and checked against the Hub's listing (SHA-256 for LFS files, the git blob id
+  otherwise); only then is the file renamed to ``dest/<path>``. Files already in ``dest`` that
+  verify are not downloaded again. What the Hub (or a mirror) answers is checked before it is used: the revision's commit must be a git
   commit id (the one the URI names, if it names one), every listed file needs a size and a
   well-formed hash, no path is listed twice, and a name must print and fit the file
   system with ``.incomplete``; else a :class:`~loader.errors.SourceError` (exit 2), nothing
@@ -390,6 +391,7 @@ def fingerprint_source(
     from huggingface_hub import HfApi
 
     token = resolve_token(options)
+    _token_to_the_hub_only()
     api = HfApi(endpoint=settings.endpoint("HF_ENDPOINT"))
     commit = _resolve_commit(api, uri, revision, token, _funnel(uri, revision, options))
     return Fingerprint(uri=uri.canonical, commit=commit)
@@ -488,6 +490,26 @@ class CutShort(ConnectionError):
     """A file's answer ended before its listed size without an error of the connection (a
     body delimited by the connection's close, or a chunked one, cut short): a transient
     failure, retried from the last byte written (:class:`~loader.sources.failures.Funnel`)."""
+
+
+def _token_to_the_hub_only() -> None:
+    """Every request of the Hub library's HTTP session (model info, each page of the file
+    list) carries the token to the Hub's origin only: the library sends its headers to
+    whatever URL a page's ``Link: <URL>; rel="next"`` names. A request hook on the session
+    (added once; a new session gets it again) drops ``Authorization`` elsewhere."""
+    from huggingface_hub.utils import get_session
+
+    hooks = get_session().event_hooks["request"]
+    if _drop_token_elsewhere not in hooks:
+        hooks.append(_drop_token_elsewhere)
+
+
+def _drop_token_elsewhere(request: Any) -> None:
+    from huggingface_hub import constants
+
+    hub = settings.endpoint("HF_ENDPOINT") or constants.ENDPOINT
+    if _origin(str(request.url)) != _origin(hub):
+        request.headers.pop("Authorization", None)
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -676,6 +698,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(uri, revision, options)
     # Read at call time (the Hub library reads it once, at import).
     endpoint = settings.endpoint("HF_ENDPOINT")
+    _token_to_the_hub_only()
     api = HfApi(endpoint=endpoint)
     commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
