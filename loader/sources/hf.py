@@ -11,20 +11,20 @@
   and the token is sent to the Hub's origin only, by the library's own requests too) into
   ``<path>.incomplete`` under ``dest/.partial/hf.<owner>/`` (named after this process,
   :mod:`loader.sources.transfer`, so a loader that lost its lock never writes into its
-  successor's downloads). Everything below ``dest`` is
-  reached through directory descriptors, one name at a time (:class:`loader.fs.Dir`): a file is
-  created with ``O_EXCL``, nothing is opened through a link, and a name from the Hub's listing
-  that is not a plain relative path is refused. A rerun resumes a stopped run's file with a
-  ``Range`` request; if the file then fails its hash, the stopped run's bytes were not the
-  file's (another commit's file of that name, or bytes lost in a crash) and it is downloaded
-  again from its start before it is judged corrupt. Each file's hash is computed as its bytes
-  arrive and checked against the Hub's listing (SHA-256 for LFS files, the git blob id
-  otherwise); only then is the file renamed to ``dest/<path>``. Files already in ``dest`` that
-  verify are not downloaded again. What the Hub (or a mirror) answers is checked before it is used: the revision's commit must be a git
-  commit id (the one the URI names, if it names one), every listed file needs a size and a
-  well-formed hash, no path is listed twice, and a name must print and fit the file
-  system with ``.incomplete``; else a :class:`~loader.errors.SourceError` (exit 2), nothing
-  listed unpinned or taken unverified.
+  successor's downloads). Everything below ``dest`` is reached through directory descriptors,
+  one name at a time (:class:`loader.fs.Dir`): a file is created with ``O_EXCL``, nothing is
+  opened through a link, and a name from the Hub's listing that is not a plain relative path is
+  refused. A rerun resumes a stopped run's file with a ``Range`` request; if the file then fails
+  its hash, the stopped run's bytes were not the file's (another commit's file of that name, or
+  bytes lost in a crash) and it is downloaded again from its start before it is judged corrupt.
+  Each file's hash is computed as its bytes arrive and checked against the Hub's listing
+  (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed to
+  ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the Hub
+  (or a mirror) answers is checked before it is used: the revision's commit must be a git commit
+  id (the one the URI names, if it names one), every listed file needs a size and a well-formed
+  hash, no path is listed twice, and a name must print and fit the file system with
+  ``.incomplete``; else a :class:`~loader.errors.SourceError` (exit 2), nothing listed unpinned
+  or taken unverified.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: the small files (config, index, tokenizer) come first, then the weight shards one at a
   time in name order, each started once the caller admits it; the caller hears of every file
