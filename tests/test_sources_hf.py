@@ -53,6 +53,10 @@ def hub(tiny_checkpoint_with_tokenizer, tiny_sharded_bin_checkpoint, tmp_path_fa
     srv.bin_files = {p.name: p for p in bin_ckpt.iterdir() if p.is_file()}
     srv.make_repo("org/tiny-bin", {**srv.bin_files, "flax_model.msgpack": b"x"})
     srv.make_repo("org/no-weights", {"config.json": b"{}", "flax_model.msgpack": b"x"})
+    links = srv.make_repo("org/links", {"model.safetensors": b"w" * 100})
+    (links / "config.json").symlink_to("../../../../../../../../../../etc/hostname")
+    (links / "tokenizer.json").symlink_to("model.safetensors")
+    srv.commit(links, {}, "links committed as links")
     srv.start()
     yield srv
     srv.stop()
@@ -118,6 +122,17 @@ def test_a_repository_without_supported_weights_is_a_checkpoint_error(hub, tmp_p
     with pytest.raises(CheckpointError, match=r"flax_model\.msgpack"):
         fetch("hf://org/no-weights", tmp_path / "dest")
     assert visible(tmp_path / "dest") == []
+
+
+def test_a_link_committed_in_the_repository_is_a_file_of_its_text_never_a_link(hub, tmp_path):
+    """git keeps a symbolic link as a blob of its target's path, and the Hub lists and serves
+    that blob: DEST gets a regular file holding the path, verified by its blob id; nothing
+    there is a link, nothing outside DEST is read."""
+    dest = tmp_path / "dest"
+    fetch("hf://org/links", dest)
+    assert not any(p.is_symlink() for p in dest.rglob("*"))
+    assert (dest / "config.json").read_bytes() == b"../../../../../../../../../../etc/hostname"
+    assert (dest / "tokenizer.json").read_bytes() == b"model.safetensors"
 
 
 def test_unknown_repository_is_a_not_found_error_naming_the_uri(hub, tmp_path):
