@@ -308,7 +308,10 @@ def configure_logging(verbose: int, quiet: bool) -> None:
 def _redact(record: logging.LogRecord) -> bool:
     """A log filter: the credentials of a URL in a line are never written (an HTTP library
     logs each request's URL, with those ``HF_ENDPOINT`` may carry, at -vv)."""
-    message = record.getMessage()
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed call: the handler reports it as logging does
+        return True
     if "@" in message:
         record.msg, record.args = redacted(message), None
     return True
