@@ -184,13 +184,11 @@ def test_a_branch_that_moves_during_the_run_is_never_published_under_either_comm
     last = sorted(n for n in files if n.startswith("model-"))[-1]
     moved = bytearray(files[last])
     moved[-100:-96] = b"\x01\x02\x03\x04"  # tensor bytes: the shard still reads
-    from tests.test_sources_hf_forged import tree_digest
-
     canary = tmp_path / "canary"  # beside ROOT: the same after every command
     (canary / "sub").mkdir(parents=True)
     (canary / "sub" / last).write_bytes(b"not the loader's")
     (canary / "link").symlink_to(canary / "sub")
-    before = tree_digest(canary)
+    before = runs.tree_digest(canary)
     hub = ForgedHub().start()
     try:
         old = hub.add("org/moving", files)
@@ -210,7 +208,7 @@ def test_a_branch_that_moves_during_the_run_is_never_published_under_either_comm
         assert code == 75, err
         assert "changed while it was loading" in err and old in err
         assert not list(root.glob("tiny@*/*"))  # nothing published
-        assert tree_digest(canary) == before
+        assert runs.tree_digest(canary) == before
 
         new = hub.repos["org/moving"]["sha"]
         assert main(_argv("hf://org/moving", root)) == 0
@@ -219,6 +217,6 @@ def test_a_branch_that_moves_during_the_run_is_never_published_under_either_comm
         assert recorded["commit"] == new != old
         assert manifest.verify(repository) == []
         assert runs.weights(repository) != runs.weights(sequential)  # the moved shard's
-        assert tree_digest(canary) == before
+        assert runs.tree_digest(canary) == before
     finally:
         hub.stop()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from loader.errors import LoaderError, TransientSourceError
 from loader.sources import fetch
-from tests.runs import cli, use_hub
+from tests.runs import cli, tree_digest, use_hub
 from tests.servers import ForgedHub
 from tests.tiers import examples
 
@@ -49,19 +49,6 @@ def hub():
     server = ForgedHub().start()
     yield server
     server.stop()
-
-
-def tree_digest(top: Path) -> str:
-    """A digest of everything below ``top``: names, kinds, modes, link targets, contents."""
-    digest = hashlib.sha256()
-    for path in sorted(top.rglob("*")):
-        info = path.lstat()
-        digest.update(f"{path.relative_to(top)}\0{info.st_mode}\0".encode())
-        if path.is_symlink():
-            digest.update(os.readlink(path).encode())
-        elif path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 @pytest.fixture
