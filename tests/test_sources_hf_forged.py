@@ -263,6 +263,24 @@ def test_a_name_with_a_control_character_is_refused_and_shown_escaped(
     )
 
 
+@pytest.mark.parametrize(
+    "pair",
+    [("model-00001-of-00002.safetensors", "model-00001-OF-00002.safetensors"),
+     ("model-\u00e9.safetensors", "model-e\u0301.safetensors"),
+     ("model-\ufb01.safetensors", "model-fi.safetensors")],
+    ids=["case", "composed", "ligature"],
+)  # fmt: skip
+def test_names_that_alias_on_some_file_systems_are_refused(hub, pair, capsys, tmp_path, canary):
+    """Before: both were downloaded; on a case-insensitive or normalising volume one file
+    stood for both names, and the conversion would read one shard's bytes as the other's."""
+    repo = f"names/alias{abs(hash(pair))}"
+    hub.add(repo, {"config.json": CONFIG, pair[0]: b"one", pair[1]: b"two"})
+    code, err = _fetch(capsys, repo, tmp_path / "dest")
+    assert code == 2, err
+    assert "differ only in case" in err
+    assert published(tmp_path / "dest") == []
+
+
 def test_a_name_too_long_to_download_is_refused_naming_the_hub(hub, capsys, tmp_path, canary):
     """Before: a name that fits the file system but not with ``.incomplete`` failed at its
     download with ENAMETOOLONG, and the hint asked for a shorter --repository or --work-dir."""

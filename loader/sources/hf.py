@@ -49,6 +49,7 @@ import re
 import stat
 import threading
 import time
+import unicodedata
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -424,6 +425,23 @@ def _names(uri: SourceURI, rel: str) -> list[str]:
     return parts
 
 
+def _distinct(uri: SourceURI, wanted: list[str]) -> None:
+    """Refuse two files to fetch whose names differ only in case or in how their letters are
+    composed (Unicode normalisation): a case-insensitive or normalising file system (SMB, some
+    NFS servers) keeps one file for both, and each would be taken for the other."""
+    seen: dict[str, str] = {}
+    for rel in wanted:
+        key = unicodedata.normalize("NFKC", rel).casefold()
+        if key in seen:
+            raise SourceError(
+                f"{uri.raw}: the Hub lists {shown(seen[key])} and {shown(rel)}, which differ "
+                "only in case or in how their letters are written; some file systems keep one "
+                "file for both, so neither was downloaded.",
+                "Remove or rename one of them in the repository.",
+            )
+        seen[key] = rel
+
+
 @contextmanager
 def _level(d: Dir, parts: list[str], *, create: bool) -> Iterator[Dir | None]:
     """The directory holding ``parts[-1]`` below ``d``, entered one name at a time (created
@@ -705,6 +723,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
     names = {rel: _names(uri, rel) for rel in wanted}
+    _distinct(uri, wanted)
 
     hooks = options.hooks or ArrivalHooks()
     chosen = [
