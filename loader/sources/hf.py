@@ -22,9 +22,9 @@
   ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the Hub
   (or a mirror) answers is checked before it is used: the revision's commit must be a git commit
   id (the one the URI names, if it names one), every listed file needs a size and a well-formed
-  hash, no path is listed twice, and a name must print and fit the file system with
-  ``.incomplete``; else a :class:`~loader.errors.SourceError` (exit 2), nothing listed unpinned
-  or taken unverified.
+  hash, no path is listed twice, and a name must print, fit the file system with ``.incomplete``
+  and differ from the others in more than case or Unicode composition; else a
+  :class:`~loader.errors.SourceError` (exit 2), nothing listed unpinned or taken unverified.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: the small files (config, index, tokenizer) come first, then the weight shards one at a
   time in name order, each started once the caller admits it; the caller hears of every file
