@@ -113,3 +113,50 @@ def test_a_fifo_as_the_hub_token_file_is_refused(tmp_path):
     os.mkfifo(tmp_path / "token")
     with pytest.raises(SourceError):
         _read_token_file(str(tmp_path / "token"), "--hf-token-file")
+
+
+@pytest.mark.parametrize("kind", ["dir", "device", "dangling link", "link to a fifo", "socket"])
+@pytest.mark.parametrize("variable", ["--hf-token-file", "HF_TOKEN_PATH", "HF_TOKEN_FILE"])
+def test_a_token_file_that_is_no_regular_file_is_refused_never_read(
+    tmp_path, monkeypatch, kind, variable
+):
+    """Whichever way it is named. A link to a regular file is read (a mounted Kubernetes
+    Secret is one: ``token -> ..data/token``); a link to anything else is refused like it."""
+    import socket
+
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    path = tmp_path / "token"
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/null")
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "missing")
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "fifo")
+        path.symlink_to(tmp_path / "fifo")
+    else:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))  # the socket file stays
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    options = FetchOptions()
+    if variable.startswith("--"):
+        options = FetchOptions(hf_token_file=str(path))
+    else:
+        monkeypatch.setenv(variable, str(path))
+    with pytest.raises(SourceError) as info:
+        resolve_token(options)
+    assert str(path) in info.value.message and info.value.exit_code == 2
+
+
+def test_a_token_file_behind_a_link_is_read_as_a_mounted_secret_is(tmp_path):
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    (tmp_path / "..data").mkdir()
+    (tmp_path / "..data" / "token").write_text("hf_fromTheSecret\n")
+    (tmp_path / "token").symlink_to("..data/token")
+    assert resolve_token(FetchOptions(hf_token_file=str(tmp_path / "token"))) == "hf_fromTheSecret"
