@@ -94,6 +94,7 @@ FORGED_LISTINGS = {
     "size true": [entry("model.safetensors", b"x", size=True)],
     "path null": [entry(None, WEIGHTS), entry("model.safetensors", WEIGHTS)],
     "path number": [entry(7, WEIGHTS), entry("model.safetensors", WEIGHTS)],
+    "path list": [entry(["a"], WEIGHTS), entry("model.safetensors", WEIGHTS)],
     "blob id empty": [entry("model.safetensors", WEIGHTS, oid="")],
     "blob id short": [entry("model.safetensors", WEIGHTS, oid="abc123")],
     "lfs sha256 empty": [

@@ -288,14 +288,15 @@ def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[s
     that repeat would never end) or more than :data:`MAX_LISTED` entries is a forged listing
     (:class:`~loader.errors.SourceError`), never a file taken unverified."""
     files: dict[str, RemoteFile] = {}
-    listed: set[object] = set()
+    listed: set[str] = set()
     for entry in api.list_repo_tree(uri.location, revision=commit, recursive=True, token=token):
         path = getattr(entry, "path", None)
-        if path in listed:  # pages that repeat (a loop of Link headers) never end otherwise
-            raise _forged(uri, f"lists {shown(path)} twice")
+        seen = path if isinstance(path, str) else repr(path)  # JSON may give a list
+        if seen in listed:  # pages that repeat (a loop of Link headers) never end otherwise
+            raise _forged(uri, f"lists {shown(seen)} twice")
         if len(listed) >= MAX_LISTED:
             raise _forged(uri, f"lists more than {MAX_LISTED} files and folders")
-        listed.add(path if isinstance(path, str) else repr(path))
+        listed.add(seen)
         if not hasattr(entry, "size") or getattr(entry, "blob_id", None) is None:
             continue  # a folder
         size = entry.size
