@@ -559,3 +559,42 @@ def test_the_token_never_goes_to_another_origin_a_listing_page_names(hub, capsys
         assert all(h.get("authorization") == f"Bearer {TOKEN}" for _, h in hub.requests[-2:])
     finally:
         elsewhere.stop()
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=5), inner, max_size=2)
+    ),
+    max_leaves=4,
+)
+_fields = {
+    "path": st.sampled_from(["model.safetensors", "config.json"]) | _json,
+    "size": st.sampled_from([len(WEIGHTS), 0, -1, 2**64, 10**30]) | _json,
+    "oid": st.just(blob(WEIGHTS)) | st.sampled_from(["", "0" * 40, "A" * 40]) | _json,
+    "lfs": st.none()
+    | st.just({"size": len(WEIGHTS), "oid": hashlib.sha256(WEIGHTS).hexdigest(), "pointerSize": 1})
+    | _json,
+    "type": st.sampled_from(["file", "directory"]) | _json,
+}
+
+
+@settings(max_examples=examples(50), deadline=None, derandomize=True, database=None)
+@given(forged=st.fixed_dictionaries({}, optional=_fields))
+def test_a_listing_entry_of_any_json_is_refused_or_verified(hub, forged):
+    """One entry of the file list with every field any JSON value (or left out): the fetch
+    places the weights only if they are the bytes the entry's hash names, and any other end is
+    a typed error (exit 2 or 75), never another exception."""
+    weights = {"type": "file", "path": "model.safetensors", "size": len(WEIGHTS),
+               "oid": blob(WEIGHTS), **forged}  # fmt: skip
+    repo = f"json/r{abs(hash(repr(weights)))}"
+    hub.add(repo, FILES, listing=[entry("config.json", CONFIG), weights])
+    with tempfile.TemporaryDirectory() as top:
+        dest = Path(top) / "dest"
+        try:
+            fetch(f"hf://{repo}", dest, retry_deadline_s=1)
+        except LoaderError as exc:
+            assert exc.exit_code in (2, 75), exc
+        else:
+            assert (dest / "model.safetensors").read_bytes() == WEIGHTS
+        assert {p.name for p in Path(top).iterdir()} <= {"dest"}
