@@ -598,3 +598,30 @@ def test_a_listing_entry_of_any_json_is_refused_or_verified(hub, forged):
         else:
             assert (dest / "model.safetensors").read_bytes() == WEIGHTS
         assert {p.name for p in Path(top).iterdir()} <= {"dest"}
+
+
+#: The commit id ForgedHub gives FILES (a hash of the content).
+_FILES_SHA = hashlib.sha1(repr(sorted(FILES.items())).encode(), usedforsecurity=False).hexdigest()
+_shas = st.sampled_from([_FILES_SHA, _FILES_SHA.upper(), _FILES_SHA[:39], " " + _FILES_SHA])
+
+
+@settings(max_examples=examples(30), deadline=None, derandomize=True, database=None)
+@given(
+    info=_json
+    | st.fixed_dictionaries({"id": st.just("x/y") | _json}, optional={"sha": _shas | _json})
+)
+def test_a_model_info_of_any_json_is_refused_or_pins_a_commit(hub, info):
+    """The Hub's answer for the revision, any JSON: either a commit id that every later
+    request names, or a typed error before the file list is asked for."""
+    repo = f"json/info{abs(hash(repr(info)))}"
+    hub.add(repo, FILES, info=info)
+    hub.requests.clear()
+    with tempfile.TemporaryDirectory() as top:
+        try:
+            result = fetch(f"hf://{repo}", Path(top) / "dest", retry_deadline_s=1)
+        except LoaderError as exc:
+            assert exc.exit_code in (2, 75), exc
+            assert not [p for p, _ in hub.requests if "/tree/" in p or "/resolve/" in p]
+        else:
+            assert result.revision == info["sha"].lower() == _FILES_SHA
+            assert all(result.revision in p for p, _ in hub.requests if "/revision/" not in p)
