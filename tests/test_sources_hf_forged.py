@@ -625,3 +625,20 @@ def test_a_model_info_of_any_json_is_refused_or_pins_a_commit(hub, info):
         else:
             assert result.revision == info["sha"].lower() == _FILES_SHA
             assert all(result.revision in p for p, _ in hub.requests if "/revision/" not in p)
+
+
+def test_a_fifo_as_the_stored_login_ends_the_fetch_at_once(hub, tmp_path):
+    """``$HF_HOME/token``, the token ``hf auth login`` stores, as a FIFO: before, the Hub
+    library opened it to read the token and the fetch waited forever (a process of its own:
+    the library reads HF_HOME at import)."""
+    hub.add("login/fifo", FILES)
+    home = tmp_path / "hf-home"
+    home.mkdir()
+    os.mkfifo(home / "token")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_TOKEN")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home))
+    argv = [sys.executable, "-m", "loader", "fetch", "hf://login/fifo", str(tmp_path / "dest")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"{home / 'token'}" in done.stderr and "is a FIFO" in done.stderr
+    assert "Traceback" not in done.stderr

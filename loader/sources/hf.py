@@ -148,8 +148,43 @@ def resolve_token(options: FetchOptions) -> str | None:
         source = next((v for v in TOKEN_FILE_VARIABLES if os.environ.get(v)), "")
         token_file = os.environ.get(source) if source else None
     if not token_file:
+        _stored_login_is_a_file()
         return None
     return _read_token_file(token_file, source)
+
+
+def _stored_login_is_a_file() -> None:
+    """With no token named, huggingface_hub reads the one ``hf auth login`` stored (its
+    ``HF_TOKEN_PATH``, ``$HF_HOME/token``) by opening it as it is: a FIFO there would hold the
+    fetch forever, a directory fail as a library error. Anything there but a regular file (a
+    link to one is one: a mounted Secret) is refused first, named (exit 2); the library still
+    reads the file itself (it refreshes a stored OAuth token)."""
+    constants = settings.import_hub("huggingface_hub.constants")
+    if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN:
+        return  # the library does not look for it
+    path = Path(constants.HF_TOKEN_PATH)
+    try:
+        found = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # no stored login: no token
+    except OSError as exc:
+        raise SourcePermissionError(
+            f"Cannot look at the stored Hugging Face login {path} ({exc.strerror}).",
+            f"Pass a token ({TOKEN_HINT}), or fix or remove {path}.",
+        ) from exc
+    if not stat.S_ISREG(found.st_mode):
+        mode = found.st_mode
+        kind = (
+            "a directory" if stat.S_ISDIR(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else "a device"
+        )  # fmt: skip
+        raise SourcePermissionError(
+            f"The stored Hugging Face login {path} (where `hf auth login` keeps the token, "
+            f"under HF_HOME) is {kind}, not a file; the loader never reads it.",
+            f"Remove {path}, or pass a token ({TOKEN_HINT}).",
+        )
 
 
 def _read_token_file(token_file: str, source: str) -> str:
