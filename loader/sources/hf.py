@@ -29,10 +29,11 @@
   on: the small files (config, index, tokenizer) come first, then the weight shards one at a
   time in name order, each started once the caller admits it; the caller hears of every file
   as soon as it is verified and in place.
-* Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named by
-  huggingface_hub's ``$HF_TOKEN_PATH`` (``$HF_TOKEN_FILE`` is read as another name for it; a
-  mounted Kubernetes Secret), else the library's own stored login. It is passed to the Hub,
-  never logged. ``$HF_ENDPOINT`` selects a mirror of the Hub.
+* Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named
+  by huggingface_hub's ``$HF_TOKEN_PATH`` (``$HF_TOKEN_FILE`` is read as another name for it; a
+  mounted Kubernetes Secret), else the library's own stored login (looked at first: anything
+  there but a regular file is refused). It is passed to the Hub, never logged. ``$HF_ENDPOINT``
+  selects a mirror of the Hub.
 * Transient failures (connection errors, 429, 5xx, a connection cut mid-file) are retried with
   tenacity within the retry deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`);
   a retry resumes the file from its last byte. A body that ends cleanly before the listed size
