@@ -10,6 +10,7 @@ the retry deadline), worth retrying as it is. Anything else is a bug and exits w
 from __future__ import annotations
 
 import errno
+import re
 import signal
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,6 +49,17 @@ def shown(name: object) -> str:
     that a name can never start a line of its own in the log (a forged ``error:`` line)."""
     text = str(name)
     return text if text.isprintable() else repr(text)
+
+
+#: The user name and password a URL may carry (``http://USER:PASSWORD@HOST``): an endpoint
+#: such as ``HF_ENDPOINT`` may hold them, and HTTP libraries quote the URL in their errors and
+#: their log lines.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@'\"]+@")
+
+
+def redacted(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``."""
+    return _USERINFO.sub(r"\1***@", text)
 
 
 def some_names(names: Iterable[str]) -> str:

@@ -3,6 +3,8 @@ where a published repository and its weights are."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -143,3 +145,16 @@ def never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the sequential strategy converted while downloading")
 
     monkeypatch.setattr(OverlappedConversion, "__init__", refuse)
+
+
+def tree_digest(top: Path) -> str:
+    """A digest of everything below ``top``: names, kinds, modes, link targets, contents."""
+    digest = hashlib.sha256()
+    for path in sorted(top.rglob("*")):
+        info = path.lstat()
+        digest.update(f"{path.relative_to(top)}\0{info.st_mode}\0".encode())
+        if path.is_symlink():
+            digest.update(os.readlink(path).encode())
+        elif path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()

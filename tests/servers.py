@@ -501,3 +501,145 @@ class HeaderRelay:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class ForgedHub:
+    """An in-process HTTP server on 127.0.0.1 speaking the bits of the Hub's API that hf://
+    sources use, with whatever a hostile or broken Hub (or mirror) answers: a repository is a
+    commit id and a listing of entries as the Hub's tree API spells them, and the bytes each
+    ``resolve`` URL serves. Every request is recorded: ``(path, headers)``, header names in
+    lower case.
+
+    * ``GET /api/models/ORG/NAME/revision/REV`` (and ``/api/models/ORG/NAME``) answers
+      ``{"id", "sha"}`` (``info`` replaces the body, ``status`` an HTTP status for every call);
+    * ``GET /api/models/ORG/NAME/tree/COMMIT`` answers the listing at that commit (``pages``
+      times, each page naming the next in a ``Link`` header, on ``next_url`` if given);
+    * ``GET /ORG/NAME/resolve/COMMIT/FILE`` answers the file's bytes at that commit from a
+      ``Range`` start, or what ``serve[FILE]`` does with the handler (a forged answer of its
+      own).
+
+    :meth:`move` makes the branch name a new commit (a revision that moves).
+    """
+
+    def __init__(self) -> None:
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.repos: dict[str, dict] = {}
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def answer(self, status: int, body: bytes, headers: dict[str, str] | None = None):
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                raw = urllib.parse.urlsplit(self.path).path  # a revision's "/" is %2F here
+                path = urllib.parse.unquote(raw)
+                hub.requests.append((path, {k.lower(): v for k, v in self.headers.items()}))
+                # The repository's own page answers its model info at main, as the Hub does.
+                api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", raw)
+                if api and api[2] == "revision" and "revision" in hub.repos.get(api[1], {}):
+                    hub.repos[api[1]]["revision"].append(urllib.parse.unquote(api[3]))
+                if api:
+                    repo = hub.repos.get(api[1])
+                    if repo is None:
+                        self.answer(404, b'{"error": "Repository not found"}',
+                                    {"X-Error-Code": "RepoNotFound"})  # fmt: skip
+                        return
+                    if repo.get("status"):
+                        self.answer(repo["status"], b"{}", repo.get("headers"))
+                        return
+                    if api[2] in ("revision", None):
+                        info = repo.get("info", {"id": api[1], "sha": repo["sha"]})
+                        if callable(info):
+                            info = info()
+                        self.answer(200, json.dumps(info).encode())
+                    else:
+                        listing = repo["commits"].get(api[3], repo)["listing"]
+                        pages = repo.get("pages", 1)  # the same page again, behind a Link
+                        page = int(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                                   .get("page", ["1"])[0])  # fmt: skip
+                        base = repo.get("next_url", hub.url)  # another origin, if forged
+                        more = {"Link": f'<{base}{raw}?page={page + 1}>; rel="next"'}
+                        self.answer(200, json.dumps(listing).encode(),
+                                    more if page < pages else None)  # fmt: skip
+                    return
+                file = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", raw, re.S)
+                if file:  # the parts as named, once the route is known
+                    file = [None, *(urllib.parse.unquote(part) for part in file.groups())]
+                repo = hub.repos.get(file[1]) if file else None
+                if repo is None:
+                    self.answer(404, b"not found", {"X-Error-Code": "EntryNotFound"})
+                    return
+                serve = repo.get("serve", {}).get(file[3])
+                if serve is not None:
+                    serve(self)
+                    return
+                data = repo["commits"].get(file[2], repo)["files"].get(file[3])
+                if data is None:
+                    self.answer(404, b"not found", {"X-Error-Code": "EntryNotFound"})
+                    return
+                start = int(
+                    re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "bytes=0-")[1]
+                )
+                if start:
+                    self.answer(206, data[start:],
+                                {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"})  # fmt: skip
+                else:
+                    self.answer(200, data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def add(
+        self, repo_id: str, files: dict[str, bytes], *, listing: list[dict] | None = None, **extra
+    ) -> str:
+        """Serve ``repo_id`` with ``files`` (each listed with its true size and git blob id
+        unless ``listing`` replaces the listing); its commit id, a hash of the content."""
+        self.repos[repo_id] = {"commits": {}, **extra}
+        return self.move(repo_id, files, listing=listing)
+
+    def move(
+        self, repo_id: str, files: dict[str, bytes], *, listing: list[dict] | None = None
+    ) -> str:
+        """A new commit of ``repo_id`` holding ``files``, which its branch now names (the
+        earlier commits stay served by their ids); its commit id."""
+        import hashlib
+
+        def blob(data: bytes) -> str:
+            head = f"blob {len(data)}\0".encode()
+            return hashlib.sha1(head + data, usedforsecurity=False).hexdigest()
+
+        if listing is None:
+            listing = [
+                {"type": "file", "path": name, "size": len(data), "oid": blob(data)}
+                for name, data in files.items()
+            ]
+        sha = hashlib.sha1(repr(sorted(files.items())).encode()).hexdigest()
+        repo = self.repos[repo_id]
+        repo.update(sha=sha, files=dict(files), listing=listing)
+        repo["commits"][sha] = {"files": dict(files), "listing": listing}
+        return sha
+
+    def start(self) -> ForgedHub:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

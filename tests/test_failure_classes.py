@@ -182,6 +182,24 @@ def test_a_hub_setting_the_library_cannot_parse_is_named(tmp_path):
     assert "HF_HUB_ETAG_TIMEOUT" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("value", [-1, -0.5])
+def test_a_negative_hub_download_timeout_is_named_before_anything_is_asked(
+    value, tmp_path, capsys, monkeypatch
+):
+    """huggingface_hub takes a negative HF_HUB_DOWNLOAD_TIMEOUT as it is (read at its import:
+    set here on the module); the HTTP library refused it only at the first file, as a
+    failure of the source whose hint named no variable."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", str(value))
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", value)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    code, _, err = cli(capsys, "fetch", "hf://org/name", str(tmp_path / "dest"),
+                       "--retry-deadline", "1")  # fmt: skip
+    assert code == 2, err
+    assert f"HF_HUB_DOWNLOAD_TIMEOUT='{value}'" in err and "more than 0" in err, err
+
+
 def _settings_failures() -> list[BaseException]:
     """Failures a setting causes, as each stack raises them: no retry can help."""
     import ssl
@@ -291,3 +309,44 @@ def test_resource_exhaustion_inside_a_library_call_stays_transient(raised):
         Funnel(30.0)(fail, what="gs://b/p")
     assert getattr(caught.value, "exit_code", None) == EXIT_TRANSIENT, caught.value
     assert len(calls) == 1  # not retried in place: the process may need more room
+
+
+@pytest.mark.parametrize(
+    ("what", "starts"),
+    [("hf://org/name (config.json)", "hf://org/name"), ("gs://bucket/x", "gs://bucket/x"),
+     ("bucket gs://b", "Bucket gs://b"), ("object gs://b/o", "Object gs://b/o")],
+)  # fmt: skip
+def test_a_404_names_what_was_read_with_a_uri_spelled_as_written(what, starts):
+    """A URI starting the sentence kept its scheme's spelling (``Hf://``, ``Gs://`` before)."""
+    from loader.errors import SourceNotFoundError
+    from loader.sources.failures import by_status
+
+    class NotFound(Exception):
+        class response:  # what an HTTP library's error carries
+            status_code = 404
+
+    error = by_status(NotFound(), what, permission_hint="")
+    assert isinstance(error, SourceNotFoundError)
+    assert error.message == f"{starts}{what[len(starts) :]} does not exist (404)."
+
+
+def test_an_endpoint_refused_is_named_without_its_password(monkeypatch):
+    from loader.errors import SourceError
+    from loader.sources import settings
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror:pa55w0rd@mirror.local:99999")
+    with pytest.raises(SourceError, match="HF_ENDPOINT") as info:
+        settings.endpoint("HF_ENDPOINT")
+    assert "pa55w0rd" not in str(info.value) and "***@mirror.local:99999" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [("for url 'http://u:p@h:1/x'", "for url 'http://***@h:1/x'"),
+     ("https://tok@h/a and gs://b/o", "https://***@h/a and gs://b/o"),
+     ("no url here: a@b", "no url here: a@b"), ("http://h/p?a=b@c", "http://h/p?a=b@c")],
+)  # fmt: skip
+def test_credentials_of_a_url_in_a_failure_are_redacted(text, shown):
+    from loader.errors import redacted
+
+    assert redacted(text) == shown

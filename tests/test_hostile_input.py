@@ -280,6 +280,59 @@ def test_a_hub_listing_name_that_is_not_a_plain_relative_path_is_refused(name):
     ]
 
 
+@pytest.mark.parametrize(
+    "name", ["model-\n.safetensors", "model-\x1b[2J.safetensors", "\x7f", "a/b\rc"]
+)
+def test_a_hub_listing_name_with_a_control_character_is_refused_and_shown_escaped(name):
+    """A name that does not print would show in the log as it is (a line break starts a line
+    of its own: a forged ``error:`` line)."""
+    from loader.sources import parse_uri
+    from loader.sources.hf import _names
+
+    with pytest.raises(SourceError, match="not a relative path of plain names") as info:
+        _names(parse_uri("hf://org/name"), name)
+    assert repr(name) in info.value.message and name not in info.value.message
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["hf://org/na\nme", "hf://org/name@main\nerror: forged", "hf://org/name@ma\tin",
+     "hf://org/name@ma\x85in", "hf://org/na\u2028me"],
+)  # fmt: skip
+def test_fetch_refuses_an_hf_uri_with_a_control_character_in_one_line(
+    uri, tmp_path, capsys, monkeypatch
+):
+    """``fetch`` passed it to the Hub library and printed the library's refusal with the line
+    break in it (``run``'s key refuses ASCII control characters, not a line separator or
+    NEL, which the chart's key takes alike: the fetch refuses them)."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # never asked: refused before
+    code, _, err = cli(capsys, "fetch", uri, str(tmp_path / "dest"))
+    assert code == 2, err
+    assert "does not print" in err
+    lines = err.splitlines()
+    assert [line.split(":")[0] for line in lines if line] == ["error", "hint"], err
+    assert not (tmp_path / "dest").exists()
+
+
+def test_fetch_refuses_an_empty_hf_token_file_never_falling_back_to_another_token(
+    tmp_path, capsys, monkeypatch
+):
+    """``--hf-token-file "$TOKEN_FILE"`` with the variable unset: before, the empty name was
+    taken as no file, and the fetch went on with ``$HF_TOKEN`` or the stored login instead
+    (here: asking a Hub that is not there until the retry deadline, exit 75)."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # never asked: refused before
+    monkeypatch.setenv("HF_TOKEN", "hf_anotherTokenThanTheFileOne")
+    try:
+        code, _, err = cli(capsys, "fetch", "hf://org/name", str(tmp_path / "dest"),
+                           "--hf-token-file", "", "--retry-deadline", "1")  # fmt: skip
+    except SystemExit as exc:  # refused by argparse
+        code, err = exc.code, capsys.readouterr().err
+    assert code == 2, err
+    assert "--hf-token-file" in err and "unset" in err
+    assert "hf_anotherTokenThanTheFileOne" not in err
+    assert not (tmp_path / "dest").exists()
+
+
 @pytest.mark.parametrize("name", ["tiny\n", "x" * 300])
 def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
     argv = _run_args(source, tmp_path / "root")

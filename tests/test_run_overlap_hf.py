@@ -170,3 +170,55 @@ def test_a_shard_not_matching_the_hubs_hash_aborts_without_publishing_and_the_re
     assert 1 <= len(arrivals.shards) < len(list(checkpoint.glob("model-*.safetensors")))
     assert manifest.verify(repository) == []
     assert runs.weights(repository) == runs.weights(sequential)
+
+
+def test_a_branch_that_moves_during_the_run_is_never_published_under_either_commit(
+    sequential, checkpoint, tmp_path, capsys, monkeypatch
+):
+    """The Hub's ``main`` moves to a commit with another last shard after the run resolved it
+    once (a forged Hub, tests.servers.ForgedHub, moving it on the model info call the run makes
+    first): the overlapped run fetches the shards of the new commit into a conversion begun
+    from the old one's config and index, and must publish nothing (exit 75); the rerun
+    publishes the new commit's weights recorded as the new commit, never as the old."""
+    from tests.servers import ForgedHub
+
+    files = {name: path.read_bytes() for name, path in _files(checkpoint).items()}
+    last = sorted(n for n in files if n.startswith("model-"))[-1]
+    moved = bytearray(files[last])
+    moved[-100:-96] = b"\x01\x02\x03\x04"  # tensor bytes: the shard still reads
+    canary = tmp_path / "canary"  # beside ROOT: the same after every command
+    (canary / "sub").mkdir(parents=True)
+    (canary / "sub" / last).write_bytes(b"not the loader's")
+    (canary / "link").symlink_to(canary / "sub")
+    before = runs.tree_digest(canary)
+    hub = ForgedHub().start()
+    try:
+        old = hub.add("org/moving", files)
+        calls = []
+
+        def info() -> dict:  # the branch moves once the run has asked where it is
+            calls.append(hub.repos["org/moving"]["sha"])
+            if len(calls) == 1:
+                hub.move("org/moving", {**files, last: bytes(moved)})
+            return {"id": "org/moving", "sha": calls[-1]}
+
+        hub.repos["org/moving"]["info"] = info
+        runs.use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
+        root = tmp_path / "models"
+        code = main(_argv("hf://org/moving", root))
+        err = capsys.readouterr().err
+        assert code == 75, err
+        assert "changed while it was loading" in err and old in err
+        assert not list(root.glob("tiny@*/*"))  # nothing published
+        assert runs.tree_digest(canary) == before
+
+        new = hub.repos["org/moving"]["sha"]
+        assert main(_argv("hf://org/moving", root)) == 0
+        repository = runs.published(root)
+        recorded = manifest.read_manifest(repository)[manifest.SOURCE_FINGERPRINT]
+        assert recorded["commit"] == new != old
+        assert manifest.verify(repository) == []
+        assert runs.weights(repository) != runs.weights(sequential)  # the moved shard's
+        assert runs.tree_digest(canary) == before
+    finally:
+        hub.stop()

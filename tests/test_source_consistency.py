@@ -113,3 +113,84 @@ def test_a_fifo_as_the_hub_token_file_is_refused(tmp_path):
     os.mkfifo(tmp_path / "token")
     with pytest.raises(SourceError):
         _read_token_file(str(tmp_path / "token"), "--hf-token-file")
+
+
+@pytest.mark.parametrize("kind", ["dir", "device", "dangling link", "link to a fifo", "socket"])
+@pytest.mark.parametrize("variable", ["--hf-token-file", "HF_TOKEN_PATH", "HF_TOKEN_FILE"])
+def test_a_token_file_that_is_no_regular_file_is_refused_never_read(
+    tmp_path, monkeypatch, kind, variable
+):
+    """Whichever way it is named. A link to a regular file is read (a mounted Kubernetes
+    Secret is one: ``token -> ..data/token``); a link to anything else is refused like it."""
+    import socket
+
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    path = tmp_path / "token"
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/null")
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "missing")
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "fifo")
+        path.symlink_to(tmp_path / "fifo")
+    else:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))  # the socket file stays
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    options = FetchOptions()
+    if variable.startswith("--"):
+        options = FetchOptions(hf_token_file=str(path))
+    else:
+        monkeypatch.setenv(variable, str(path))
+    with pytest.raises(SourceError) as info:
+        resolve_token(options)
+    assert str(path) in info.value.message and info.value.exit_code == 2
+
+
+def test_a_token_file_behind_a_link_is_read_as_a_mounted_secret_is(tmp_path):
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    (tmp_path / "..data").mkdir()
+    (tmp_path / "..data" / "token").write_text("hf_fromTheSecret\n")
+    (tmp_path / "token").symlink_to("..data/token")
+    assert resolve_token(FetchOptions(hf_token_file=str(tmp_path / "token"))) == "hf_fromTheSecret"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "link to a fifo", "file", "none"])
+def test_the_stored_login_is_looked_at_before_the_hub_library_opens_it(tmp_path, monkeypatch, kind):
+    """With no token named, huggingface_hub opens ``$HF_HOME/token`` as it is: a FIFO there
+    held the fetch forever. Anything there but a regular file is refused first; a file (or
+    none) is left to the library, which reads it itself."""
+    from huggingface_hub import constants
+
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    stored = tmp_path / "token"
+    if kind == "fifo":
+        os.mkfifo(stored)
+    elif kind == "dir":
+        stored.mkdir()
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "fifo")
+        stored.symlink_to(tmp_path / "fifo")
+    elif kind == "file":
+        stored.write_text("hf_stored\n")
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(stored))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)
+    if kind in ("file", "none"):
+        assert resolve_token(FetchOptions()) is None  # the library's own
+        return
+    with pytest.raises(SourceError, match="stored Hugging Face login") as info:
+        resolve_token(FetchOptions())
+    assert str(stored) in info.value.message and info.value.exit_code == 2
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", True)
+    assert resolve_token(FetchOptions()) is None  # the library never looks

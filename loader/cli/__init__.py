@@ -41,7 +41,7 @@ from typing import NoReturn
 
 from loader import __version__, stages
 from loader.cli import supervise
-from loader.errors import LoaderError, resource_exhaustion, typed_os_error
+from loader.errors import LoaderError, redacted, resource_exhaustion, typed_os_error
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -315,9 +315,24 @@ def configure_logging(verbose: int, quiet: bool) -> None:
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for handler in logging.getLogger().handlers:
+        if _redact not in handler.filters:
+            handler.addFilter(_redact)
     if level > logging.DEBUG:
         for noisy in ("urllib3", "google", "filelock", "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _redact(record: logging.LogRecord) -> bool:
+    """A log filter: the credentials of a URL in a line are never written (an HTTP library
+    logs each request's URL, with those ``HF_ENDPOINT`` may carry, at -vv)."""
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed call: the handler reports it as logging does
+        return True
+    if "@" in message:
+        record.msg, record.args = redacted(message), None
+    return True
 
 
 class Terminated(KeyboardInterrupt):

@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hf-token-file",
         default=None,
+        type=token_file,
         help="file holding a Hugging Face token (default: $HF_TOKEN, else the file named by "
         "$HF_TOKEN_PATH or $HF_TOKEN_FILE, else the token `hf auth login` stored)",
     )
@@ -65,6 +66,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "downloads holds one slice in memory)",
     )
     p.set_defaults(func=run)
+
+
+def token_file(value: str) -> str:
+    """An argparse ``type`` for ``--hf-token-file``: an empty name (an unset variable in a
+    script) is refused, never taken for no file (the fetch would go on with another token)."""
+    if not value:
+        raise argparse.ArgumentTypeError(
+            "an empty name names no token file (is a variable in the command unset?); drop "
+            "the option to use $HF_TOKEN or the stored login"
+        )
+    return value
 
 
 def _is_local(uri: str) -> bool:

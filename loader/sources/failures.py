@@ -40,6 +40,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    redacted,
     resource_exhaustion,
 )
 
@@ -68,6 +69,16 @@ def _causes(exc: BaseException):
         current = current.__cause__ or (
             None if current.__suppress_context__ else current.__context__
         )
+
+
+def described(exc: BaseException) -> str:
+    """``Type: message`` of a failure for a message or the log, credentials in URLs
+    :func:`redacted`."""
+    try:
+        text = str(exc)
+    except Exception:  # an exception built without the fields its __str__ reads
+        text = "(no message)"
+    return f"{type(exc).__name__}: {redacted(text)}"
 
 
 def _response(exc: BaseException) -> Any:
@@ -214,9 +225,7 @@ def settings_error(exc: BaseException, what: str) -> SourceError | None:
     if found is None:
         return None
     cause, hint = found
-    return SourceError(
-        f"Reading {what} cannot work as set up: {type(cause).__name__}: {cause}", hint
-    )
+    return SourceError(f"Reading {what} cannot work as set up: {described(cause)}", hint)
 
 
 #: The libraries a remote source calls (their top-level packages): an exception of theirs, or
@@ -243,12 +252,8 @@ def library_error(exc: BaseException, what: str) -> SourceError | None:
     names (a value it refuses, a response it cannot parse); None for anything else."""
     if not isinstance(exc, Exception) or not _from_libraries(exc):
         return None
-    try:
-        text = str(exc)
-    except Exception:  # an exception built without the fields its __str__ reads
-        text = "(no message)"
     return SourceError(
-        f"Reading {what} failed: {type(exc).__name__}: {text}",
+        f"Reading {what} failed: {described(exc)}",
         "Check the source URI and the options given for it (run with -v for the library's "
         "details).",
     )
@@ -267,6 +272,14 @@ def is_transient(exc: BaseException) -> bool:
     return status_of(exc) in TRANSIENT_STATUS
 
 
+def sentence(what: str) -> str:
+    """``what`` to start a sentence: its first letter capitalised, unless it starts with a
+    URI (``hf://``, ``gs://``), which keeps its spelling."""
+    if "://" in what.split(" ", 1)[0]:
+        return what
+    return what[:1].upper() + what[1:]
+
+
 def by_status(exc: BaseException, what: str, *, permission_hint: str) -> SourceError | None:
     """The typed error an HTTP status stands for; ``None`` if it names none."""
     status = status_of(exc)
@@ -276,7 +289,7 @@ def by_status(exc: BaseException, what: str, *, permission_hint: str) -> SourceE
         )
     if status == 404:
         return SourceNotFoundError(
-            f"{what[:1].upper()}{what[1:]} does not exist (404).", "Check the names in the URI."
+            f"{sentence(what)} does not exist (404).", "Check the names in the URI."
         )
     if status == 412:
         return TransientSourceError(
@@ -289,7 +302,7 @@ def by_status(exc: BaseException, what: str, *, permission_hint: str) -> SourceE
 def _gave_up(what: str, attempts: int, started: float, exc: BaseException) -> TransientSourceError:
     return TransientSourceError(
         f"{what} kept failing for {time.monotonic() - started:.0f} s ({attempts} attempts); "
-        f"last error: {type(exc).__name__}: {exc}",
+        f"last error: {described(exc)}",
     )
 
 
@@ -335,11 +348,10 @@ class Funnel:
             attempts[0] += 1
             wait = retry_after_s(exc)
             log.warning(
-                "%s failed (attempt %s: %s: %s); retrying%s",
+                "%s failed (attempt %s: %s); retrying%s",
                 what,
                 attempts[0],
-                type(exc).__name__,
-                exc,
+                described(exc),
                 f" after the server's Retry-After of {wait:g} s" if wait else "",
             )
             if wait:

@@ -68,7 +68,7 @@ from loader.fs import Dir
 from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
-from loader.sources.failures import Funnel, status_of
+from loader.sources.failures import Funnel, sentence, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
@@ -211,7 +211,7 @@ def _specific(exc: BaseException, what: str) -> SourceError | None:
         )
     if status_of(exc) == 404:
         return SourceNotFoundError(
-            f"{what[:1].upper()}{what[1:]} does not exist (404).",
+            f"{sentence(what)} does not exist (404).",
             "Check the bucket and object names in the gs:// URI.",
         )
     return None

@@ -8,26 +8,37 @@
   ``*.h5``, ``*.onnx``, ...) and sub-folders are left out.
 * Each file is streamed with huggingface_hub's own HTTP session (its URL from ``hf_hub_url``,
   its headers from ``build_hf_headers``; redirects to the Hub's storage host are followed here,
-  and the token is sent to the Hub's origin only) into ``<path>.incomplete`` under
-  ``dest/.partial/hf.<owner>/`` (named after this process, :mod:`loader.sources.transfer`, so a loader that
-  lost its lock never writes into its successor's downloads). Everything below ``dest`` is
-  reached through directory descriptors, one name at a time (:class:`loader.fs.Dir`): a file is
-  created with ``O_EXCL``, nothing is opened through a link, and a name from the Hub's listing
-  that is not a plain relative path is refused. A rerun resumes a stopped run's file with a
-  ``Range`` request. Each file's hash is computed as its bytes arrive and checked against the
-  Hub's listing (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed
-  to ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again.
+  and the token is sent to the Hub's origin only, by the library's own requests too) into
+  ``<path>.incomplete`` under ``dest/.partial/hf.<owner>/`` (named after this process,
+  :mod:`loader.sources.transfer`, so a loader that lost its lock never writes into its
+  successor's downloads). Everything below ``dest`` is reached through directory descriptors,
+  one name at a time (:class:`loader.fs.Dir`): a file is created with ``O_EXCL``, nothing is
+  opened through a link, and a name from the Hub's listing that is not a plain relative path is
+  refused. A rerun resumes a stopped run's file with a ``Range`` request; if the file then fails
+  its hash, the stopped run's bytes were not the file's (another commit's file of that name, or
+  bytes lost in a crash) and it is downloaded again from its start before it is judged corrupt.
+  Each file's hash is computed as its bytes arrive and checked against the Hub's listing
+  (SHA-256 for LFS files, the git blob id otherwise); only then is the file renamed to
+  ``dest/<path>``. Files already in ``dest`` that verify are not downloaded again. What the Hub
+  (or a mirror) answers is checked before it is used: the revision's commit must be a git commit
+  id (the one the URI names, if it names one), every listed file needs a size and a well-formed
+  hash, no path is listed twice, and a name must print, fit the file system with ``.incomplete``
+  and differ from the others in more than case or Unicode composition; else a
+  :class:`~loader.errors.SourceError` (exit 2), nothing listed unpinned or taken unverified.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: the small files (config, index, tokenizer) come first, then the weight shards one at a
   time in name order, each started once the caller admits it; the caller hears of every file
   as soon as it is verified and in place.
-* Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named by
-  huggingface_hub's ``$HF_TOKEN_PATH`` (``$HF_TOKEN_FILE`` is read as another name for it; a
-  mounted Kubernetes Secret), else the library's own stored login. It is passed to the Hub,
-  never logged. ``$HF_ENDPOINT`` selects a mirror of the Hub.
+* Token: ``hf_token``, else the file ``hf_token_file``, else ``$HF_TOKEN``, else the file named
+  by huggingface_hub's ``$HF_TOKEN_PATH`` (``$HF_TOKEN_FILE`` is read as another name for it; a
+  mounted Kubernetes Secret), else the library's own stored login (looked at first: anything
+  there but a regular file is refused). It is passed to the Hub, never logged. ``$HF_ENDPOINT``
+  selects a mirror of the Hub.
 * Transient failures (connection errors, 429, 5xx, a connection cut mid-file) are retried with
   tenacity within the retry deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`);
-  a retry resumes the file from its last byte. ``--workers`` files download at once.
+  a retry resumes the file from its last byte. A body that ends cleanly before the listed size
+  (closed, or a chunked one cut short) is such a cut too (:class:`CutShort`). ``--workers``
+  files download at once.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import re
 import stat
 import threading
 import time
+import unicodedata
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +66,9 @@ from loader.errors import (
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
+    TransientSourceError,
+    redacted,
+    shown,
 )
 from loader.formats.huggingface import (
     CONFIG_FILE,
@@ -134,8 +149,43 @@ def resolve_token(options: FetchOptions) -> str | None:
         source = next((v for v in TOKEN_FILE_VARIABLES if os.environ.get(v)), "")
         token_file = os.environ.get(source) if source else None
     if not token_file:
+        _stored_login_is_a_file()
         return None
     return _read_token_file(token_file, source)
+
+
+def _stored_login_is_a_file() -> None:
+    """With no token named, huggingface_hub reads the one ``hf auth login`` stored (its
+    ``HF_TOKEN_PATH``, ``$HF_HOME/token``) by opening it as it is: a FIFO there would hold the
+    fetch forever, a directory fail as a library error. Anything there but a regular file (a
+    link to one is one: a mounted Secret) is refused first, named (exit 2); the library still
+    reads the file itself (it refreshes a stored OAuth token)."""
+    constants = settings.import_hub("huggingface_hub.constants")
+    if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN:
+        return  # the library does not look for it
+    path = Path(constants.HF_TOKEN_PATH)
+    try:
+        found = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # no stored login: no token
+    except OSError as exc:
+        raise SourcePermissionError(
+            f"Cannot look at the stored Hugging Face login {path} ({exc.strerror}).",
+            f"Pass a token ({TOKEN_HINT}), or fix or remove {path}.",
+        ) from exc
+    if not stat.S_ISREG(found.st_mode):
+        mode = found.st_mode
+        kind = (
+            "a directory" if stat.S_ISDIR(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else "a device"
+        )  # fmt: skip
+        raise SourcePermissionError(
+            f"The stored Hugging Face login {path} (where `hf auth login` keeps the token, "
+            f"under HF_HOME) is {kind}, not a file; the loader never reads it.",
+            f"Remove {path}, or pass a token ({TOKEN_HINT}).",
+        )
 
 
 def _read_token_file(token_file: str, source: str) -> str:
@@ -207,7 +257,7 @@ def _specific(uri: SourceURI, revision: str):
             )
         if isinstance(exc, RemoteEntryNotFoundError):
             return SourceNotFoundError(
-                f"{uri.raw}: a file listed by the Hub is missing ({exc}).",
+                f"{uri.raw}: a file listed by the Hub is missing ({redacted(str(exc))}).",
                 "Check the repository's files at that revision.",
             )
         return None
@@ -251,14 +301,53 @@ class RemoteFile:
         return digest is None or digest.hexdigest() == (self.sha256 or self.blob_id)
 
 
+#: Entries of one repository's file list at most (the largest models list a few thousand).
+MAX_LISTED = 1_000_000
+#: The hashes a listing entry must carry: a git blob id (SHA-1) and, for an LFS file, SHA-256.
+_BLOB_ID = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _forged(uri: SourceURI, what: str) -> SourceError:
+    return SourceError(
+        f"{uri.raw}: the Hub's file list {what}; nothing can be verified against it, so "
+        "nothing was downloaded.",
+        "Check HF_ENDPOINT: the Hub, or the mirror or proxy it names, answers a file list "
+        "that is not the Hub's.",
+    )
+
+
 def _listing(api: Any, uri: SourceURI, commit: str, token: str | None) -> dict[str, RemoteFile]:
-    files = {}
+    """The files of the listing at ``commit``, each with a size and a hash the downloaded
+    bytes are checked against: an entry without them (a size that is no count of bytes, no
+    well-formed blob id or SHA-256), a path that is no text, one path listed twice (pages
+    that repeat would never end) or more than :data:`MAX_LISTED` entries is a forged listing
+    (:class:`~loader.errors.SourceError`), never a file taken unverified."""
+    files: dict[str, RemoteFile] = {}
+    listed: set[str] = set()
     for entry in api.list_repo_tree(uri.location, revision=commit, recursive=True, token=token):
+        path = getattr(entry, "path", None)
+        seen = path if isinstance(path, str) else repr(path)  # JSON may give a list
+        if seen in listed:  # pages that repeat (a loop of Link headers) never end otherwise
+            raise _forged(uri, f"lists {shown(seen)} twice")
+        if len(listed) >= MAX_LISTED:
+            raise _forged(uri, f"lists more than {MAX_LISTED} files and folders")
+        listed.add(seen)
         if not hasattr(entry, "size") or getattr(entry, "blob_id", None) is None:
             continue  # a folder
+        size = entry.size
+        if not isinstance(path, str):
+            raise _forged(uri, f"names a file {path!r}, which is not a path")
+        if type(size) is not int or size < 0:
+            raise _forged(uri, f"gives {shown(path)} the size {size!r}")
+        blob_id = str(entry.blob_id).lower()
         lfs = getattr(entry, "lfs", None)
         sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
-        files[entry.path] = RemoteFile(entry.path, int(entry.size), entry.blob_id, sha256)
+        if lfs is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256.lower())):
+            raise _forged(uri, f"gives the LFS file {shown(path)} no SHA-256 ({sha256!r})")
+        if lfs is None and not _BLOB_ID.fullmatch(blob_id):
+            raise _forged(uri, f"gives {shown(path)} no git blob id ({entry.blob_id!r})")
+        files[path] = RemoteFile(path, size, blob_id, sha256.lower() if sha256 else None)
     return files
 
 
@@ -271,17 +360,68 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 def _resolve_commit(
     api: Any, uri: SourceURI, revision: str, token: str | None, funnel: Funnel
 ) -> str:
+    """The commit ``revision`` names now: a full git commit id, or a
+    :class:`~loader.errors.SourceError` (nothing is listed or downloaded unpinned, nor
+    recorded under another commit than the one a commit id in the URI names)."""
     info = funnel(
         lambda: api.model_info(uri.location, revision=revision, token=token),
         what=f"{uri.raw} (model info)",
     )
-    return info.sha
+    commit = getattr(info, "sha", None)
+    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit.lower()):
+        raise SourceError(
+            f"{uri.raw}: the Hub answered {commit!r} as the commit of revision {revision!r}, "
+            "which is not a git commit id; nothing was downloaded.",
+            "Check HF_ENDPOINT: the Hub, or the mirror or proxy it names, answers a model "
+            "info that is not the Hub's.",
+        )
+    commit = commit.lower()
+    if _COMMIT.fullmatch(revision) and commit != revision:
+        raise SourceError(
+            f"{uri.raw}: the Hub answered commit {commit} for the commit id {revision}; "
+            "nothing was downloaded.",
+            "Check HF_ENDPOINT: the Hub, or the mirror or proxy it names, answers a model "
+            "info that is not the Hub's.",
+        )
+    return commit
+
+
+#: What git refuses in a reference name (``git check-ref-format``): ``..``, ``@{``, a space or
+#: any of ``~^:?*[\``, a part ending in ``.lock``, an empty part.
+_NOT_IN_REF = re.compile(r"\.\.|@\{|[\s~^:?*\[\\]|\.lock(/|$)|//|^/|/$")
+
+
+def _usable(uri: SourceURI) -> None:
+    """Refuse (exit 2) an hf:// URI that would be quoted as it is in every message (a
+    character that does not print: a line break, a tab, a line separator) or whose revision
+    is no name git gives a branch, tag or commit: the Hub's URLs would read ``.`` and ``..``
+    as path steps (``@..`` asked for the repository's own page: ``main``'s commit). The key
+    takes such a source (as the chart does); it is refused here, before the Hub is asked."""
+    if not uri.raw.isprintable():
+        raise SourceError(
+            f"hf:// URI {uri.raw!r} holds a character that does not print (a line break, a tab).",
+            "Write Hugging Face sources as hf://ORG/NAME or hf://ORG/NAME@REVISION, nothing "
+            "around them.",
+        )
+    revision = uri.revision
+    if revision is not None and (
+        _NOT_IN_REF.search(revision)
+        or any(part.startswith(".") for part in revision.split("/"))
+        or revision.endswith(".")
+        or revision == "@"
+    ):
+        raise SourceError(
+            f"{uri.raw}: no branch, tag or commit of a repository can be called {revision!r}.",
+            "Write the branch, tag or commit after '@' as git names it (refs/pr/N for a pull "
+            "request): no '..', no part starting with '.', no space or any of ~^:?*[\\.",
+        )
 
 
 def fingerprint_source(
     uri: SourceURI, options: FetchOptions, *, recorded: Fingerprint | None = None
 ) -> Fingerprint:
     """The commit the URI's revision (default ``main``) names now (no call for a commit id)."""
+    _usable(uri)
     revision = uri.revision or DEFAULT_REVISION
     if _COMMIT.fullmatch(revision):
         return Fingerprint(uri=uri.canonical, commit=revision)
@@ -289,22 +429,54 @@ def fingerprint_source(
     from huggingface_hub import HfApi
 
     token = resolve_token(options)
+    _token_to_the_hub_only()
     api = HfApi(endpoint=settings.endpoint("HF_ENDPOINT"))
     commit = _resolve_commit(api, uri, revision, token, _funnel(uri, revision, options))
     return Fingerprint(uri=uri.canonical, commit=commit)
 
 
+#: The longest name a file system takes (bytes), ``NAME_MAX`` on Linux.
+NAME_MAX = 255
+
+
 def _names(uri: SourceURI, rel: str) -> list[str]:
-    """The names of ``rel``'s levels, each one name (no ``..``, no empty part, no NUL): what
-    the Hub's listing says reaches the file system only as names relative to a descriptor."""
+    """The names of ``rel``'s levels, each one name (no ``..``, no empty part, no NUL) that
+    prints (no line break or other control character: a name shows in the log as it is), and
+    short enough to be downloaded under its own name plus ``.incomplete``: what the Hub's
+    listing says reaches the file system only as names relative to a descriptor."""
     parts = rel.split("/")
-    if not all(fs.is_name(part) for part in parts):
+    if not all(fs.is_name(part) for part in parts) or not rel.isprintable():
         raise SourceError(
             f"{uri.raw}: the Hub lists a file named {rel!r}, which is not a relative path of "
             "plain names; nothing was written for it.",
             "Check the repository's files (or the mirror HF_ENDPOINT names).",
         )
+    if any(len(os.fsencode(part + INCOMPLETE)) > NAME_MAX for part in parts):
+        raise SourceError(
+            f"{uri.raw}: the Hub lists a file named {rel[:60]!r}... ({len(os.fsencode(rel))} "
+            f"bytes), longer than a file system takes (with {INCOMPLETE!r} while it downloads: "
+            f"at most {NAME_MAX - len(INCOMPLETE)} bytes); nothing was written for it.",
+            "Rename the file in the repository (or use a copy of the checkpoint with shorter "
+            "file names).",
+        )
     return parts
+
+
+def _distinct(uri: SourceURI, wanted: list[str]) -> None:
+    """Refuse two files to fetch whose names differ only in case or in how their letters are
+    composed (Unicode normalisation): a case-insensitive or normalising file system (SMB, some
+    NFS servers) keeps one file for both, and each would be taken for the other."""
+    seen: dict[str, str] = {}
+    for rel in wanted:
+        key = unicodedata.normalize("NFKC", rel).casefold()
+        if key in seen:
+            raise SourceError(
+                f"{uri.raw}: the Hub lists {shown(seen[key])} and {shown(rel)}, which differ "
+                "only in case or in how their letters are written; some file systems keep one "
+                "file for both, so neither was downloaded.",
+                "Remove or rename one of them in the repository.",
+            )
+        seen[key] = rel
 
 
 @contextmanager
@@ -369,6 +541,32 @@ class _Stopped(BaseException):
     chunk (what it wrote stays under ``.partial/`` for a rerun to resume)."""
 
 
+class CutShort(ConnectionError):
+    """A file's answer ended before its listed size without an error of the connection (a
+    body delimited by the connection's close, or a chunked one, cut short): a transient
+    failure, retried from the last byte written (:class:`~loader.sources.failures.Funnel`)."""
+
+
+def _token_to_the_hub_only() -> None:
+    """Every request of the Hub library's HTTP session (model info, each page of the file
+    list) carries the token to the Hub's origin only: the library sends its headers to
+    whatever URL a page's ``Link: <URL>; rel="next"`` names. A request hook on the session
+    (added once; a new session gets it again) drops ``Authorization`` elsewhere."""
+    from huggingface_hub.utils import get_session
+
+    hooks = get_session().event_hooks["request"]
+    if _drop_token_elsewhere not in hooks:
+        hooks.append(_drop_token_elsewhere)
+
+
+def _drop_token_elsewhere(request: Any) -> None:
+    from huggingface_hub import constants
+
+    hub = settings.endpoint("HF_ENDPOINT") or constants.ENDPOINT
+    if _origin(str(request.url)) != _origin(hub):
+        request.headers.pop("Authorization", None)
+
+
 def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
     port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
@@ -414,7 +612,7 @@ class _Hub:
             except ValueError:  # a port out of range, a broken IPv6 address
                 raise SourceError(
                     f"hf://{self.repo}@{self.commit}/{rel}: the Hub redirected the download to "
-                    f"{location!r}, which is not a URL.",
+                    f"{redacted(location)!r}, which is not a URL.",
                     "Check HF_ENDPOINT and any proxy in between.",
                 ) from None
             if leaves:
@@ -497,6 +695,12 @@ def _stream(
         resumed = response.status_code == 206 and response.headers.get(
             "Content-Range", ""
         ).startswith(f"bytes {size}-")
+        if not size and response.status_code == 206 and not resumed:
+            raise TransientSourceError(  # a part it was not asked for: nothing of it written
+                f"hf://{hub.repo}@{hub.commit}/{remote.path}: the Hub answered a part of the file "
+                f"({response.headers.get('Content-Range')!r}) when asked for all of it.",
+                "Check HF_ENDPOINT and any proxy in between, then run the loader again.",
+            )
         if size and not resumed:  # the server sent the whole file (or another range)
             if response.status_code == 206:
                 response.close()
@@ -518,6 +722,11 @@ def _stream(
                 progress.update(size - reported[0])
                 reported[0] = size
         else:
+            if size < remote.size:  # the body ended early: retried from this byte
+                raise CutShort(
+                    f"the Hub's answer for {remote.path} ended after {size} of its "
+                    f"{remote.size} bytes"
+                )
             return size, digest
         return size + 1, digest  # one byte too many: never matches
     finally:
@@ -534,6 +743,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             f"Fetching {uri.raw} needs a destination directory.",
             "Pass a destination (model-loader fetch URI DEST).",
         )
+    _usable(uri)
     settings.import_hub("huggingface_hub.hf_api")
     from huggingface_hub import HfApi
     from huggingface_hub.utils import build_hf_headers
@@ -543,12 +753,14 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(uri, revision, options)
     # Read at call time (the Hub library reads it once, at import).
     endpoint = settings.endpoint("HF_ENDPOINT")
+    _token_to_the_hub_only()
     api = HfApi(endpoint=endpoint)
     commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
     names = {rel: _names(uri, rel) for rel in wanted}
+    _distinct(uri, wanted)
 
     hooks = options.hooks or ArrivalHooks()
     chosen = [
@@ -616,12 +828,30 @@ def _fetch_missing(
         with _level(staging, parts, create=True) as parent:
             assert parent is not None
             name = parts[-1] + INCOMPLETE
-            size, digest = funnel(
-                lambda: _download(
-                    hub, remote[rel], parent, name, progress, reported, durable=durable
-                ),
-                what=f"{uri.raw} ({rel})",
-            )
+
+            def fetched() -> tuple[int, Any]:
+                return funnel(
+                    lambda: _download(
+                        hub, remote[rel], parent, name, progress, reported, durable=durable
+                    ),
+                    what=f"{uri.raw} ({rel})",
+                )
+
+            left = parent.regular_size(name)  # what a stopped run wrote, resumed
+            size, digest = fetched()
+            if left and not remote[rel].matches(size, digest):
+                # The stopped run's bytes may be another commit's file of that name (the
+                # branch moved since) or lost in a crash before they reached the disk: the
+                # file is downloaded again from its start before it is judged corrupt.
+                log.warning(
+                    "%s: the %s bytes a stopped run downloaded of %s are not the file's now; "
+                    "downloading it again from its start",
+                    uri.raw,
+                    left,
+                    shown(rel),
+                )
+                parent.unlink(name)
+                size, digest = fetched()
             _verify_and_place(
                 uri, hub.commit, remote[rel], size, digest, parent, name, target, parts
             )

@@ -3,7 +3,8 @@
 A value these libraries cannot use fails inside them in ways that say nothing of the setting:
 huggingface_hub parses ``HF_ENDPOINT`` and its ``HF_HUB_*`` numbers when it is imported (a
 ``ValueError`` from the standard library), httpx refuses a token it cannot encode as a header
-(``UnicodeEncodeError``). Each is a :class:`~loader.errors.SourceError` naming the setting here.
+(``UnicodeEncodeError``), httpx refuses a negative timeout (``HF_HUB_DOWNLOAD_TIMEOUT``) only
+at the first download. Each is a :class:`~loader.errors.SourceError` naming the setting here.
 """
 
 from __future__ import annotations
@@ -28,10 +29,18 @@ def endpoint(variable: str) -> str | None:
     why = _url_problem(value)
     if why is not None:
         raise SourceError(
-            f"{variable}={value!r} is not a URL the loader can use ({why}).",
+            f"{variable}={_without_password(value)!r} is not a URL the loader can use ({why}).",
             f"Set {variable} to http://HOST[:PORT] or https://HOST[:PORT], or unset it.",
         )
     return value
+
+
+def _without_password(value: str) -> str:
+    """``value`` with what a URL holds before ``@`` (a user name and password) as ``***``."""
+    scheme, sep, rest = value.partition("://")
+    return (
+        f"{scheme}{sep}***@{rest.split('@', 1)[1]}" if sep and "@" in rest.split("/")[0] else value
+    )
 
 
 def _url_problem(value: str) -> str | None:
@@ -56,13 +65,34 @@ def import_hub(name: str = "huggingface_hub") -> ModuleType:
     and a value it cannot parse is an error naming them, not a traceback."""
     endpoint("HF_ENDPOINT")
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
     except (ValueError, TypeError) as exc:
         settings = sorted(k for k in os.environ if k.startswith(("HF_", "HUGGINGFACE_")))
         raise SourceError(
             f"The Hugging Face Hub library refuses its settings in the environment ({exc}).",
             f"Check these environment variables, or unset them: {', '.join(settings)}.",
         ) from exc
+    _hub_timeouts()
+    return module
+
+
+#: The Hub library's timeouts (seconds) read from the environment at its import: a negative
+#: one is taken as it is (0 or unset is its default), and refused by the HTTP library only at
+#: the first download, as a failure of "the source".
+HUB_TIMEOUTS = ("HF_HUB_DOWNLOAD_TIMEOUT", "HF_HUB_ETAG_TIMEOUT")
+
+
+def _hub_timeouts() -> None:
+    from huggingface_hub import constants
+
+    for variable in HUB_TIMEOUTS:
+        value = getattr(constants, variable, None)
+        if isinstance(value, int | float) and not value > 0:
+            raise SourceError(
+                f"{variable}={os.environ.get(variable, str(value))!r} is no timeout (the Hugging "
+                "Face Hub library reads it in seconds).",
+                f"Set {variable} to a number of seconds more than 0, or unset it (10 s).",
+            )
 
 
 def token(value: str, source: str) -> str:
