@@ -7,7 +7,10 @@ once a second. Without a keys file every request is admitted.
 
 from __future__ import annotations
 
+import errno
 import hmac
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -21,9 +24,31 @@ class KeyFileError(ValueError):
     """The keys file cannot be used (missing, unreadable, no key in it)."""
 
 
+#: A keys or token file larger than this is not one (a mistaken path: a log, a device).
+SECRET_FILE_BYTES = 1 << 20
+
+
+def read_secret_file(path: Path) -> str:
+    """The text of the small regular file ``path`` (a link is followed: a mounted Secret is
+    one). A FIFO, socket, device or directory is refused without being read (a FIFO would
+    block the service for ever); so is a file over :data:`SECRET_FILE_BYTES`. ``OSError`` or
+    ``UnicodeDecodeError`` otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket, device or directory)")
+        if found.st_size > SECRET_FILE_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {SECRET_FILE_BYTES} bytes")
+        data = os.read(fd, SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8")
+
+
 def read_keys(path: Path) -> tuple[str, ...]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_secret_file(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise KeyFileError(f"cannot read the API keys file {path}: {exc}") from exc
     keys = tuple(

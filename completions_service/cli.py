@@ -1,6 +1,7 @@
 """``completions-service``: the command line (each flag also from ``COMPLETIONS_<FLAG>``).
 
-Exit codes: 0 after a clean shutdown, 2 for a bad flag or keys file (the message says which).
+Exit codes: 0 after a clean shutdown, 2 for a bad flag, keys file or token file (the message
+says which).
 """
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from completions_service.auth import KeyFileError, read_keys
+from completions_service.auth import KeyFileError, read_keys, read_secret_file
 from completions_service.settings import (
     DEFAULT_LISTEN,
     DEFAULT_MAX_BODY_BYTES,
@@ -24,6 +26,8 @@ from completions_service.settings import (
 )
 
 ENV_PREFIX = "COMPLETIONS_"
+#: The longest --request-timeout-s: the chart's bound for ``openai.requestTimeoutSeconds``.
+MAX_REQUEST_TIMEOUT_S = 86400
 
 
 def env_name(flag: str) -> str:
@@ -49,7 +53,15 @@ def listen_address(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
-    return host.strip("[]"), int(port)
+    host = host.strip("[]")
+    try:  # a name no address stands for fails here, not inside the server after start-up
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: {host} is no address of this machine ({exc}); give an IP address to "
+            "listen on, e.g. 0.0.0.0:8080"
+        ) from None
+    return host, int(port)
 
 
 def _at_least(low: int):
@@ -72,6 +84,11 @@ def _seconds(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
     if not number > 0:
         raise argparse.ArgumentTypeError(f"must be above 0 (got {value})")
+    if number > MAX_REQUEST_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_REQUEST_TIMEOUT_S} s, a day (got {value}): the chart's bound "
+            "for openai.requestTimeoutSeconds"
+        )
     return number
 
 
@@ -139,6 +156,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_keys(args.api_keys_file)
         except KeyFileError as exc:
             print(f"completions-service: error: {exc}", file=sys.stderr)
+            return 2
+    if args.triton_protocol_token_file is not None:
+        try:
+            read_secret_file(args.triton_protocol_token_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            print(
+                "completions-service: error: cannot read the Triton protocol token file "
+                f"{args.triton_protocol_token_file}: {exc}",
+                file=sys.stderr,
+            )
             return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -296,6 +296,49 @@ def test_an_http_address_for_triton_is_refused_with_the_grpc_form():
         triton_address("grpc://h")
 
 
+@pytest.mark.parametrize("flag", ["--api-keys-file", "--triton-protocol-token-file"])
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "link to a FIFO", "huge file"])
+def test_a_secret_file_that_is_no_small_regular_file_is_refused_at_start_never_read(
+    tmp_path, capsys, flag, kind
+):
+    """A FIFO as the keys or token file blocked the service before it listened (it waited
+    for a writer for ever); each is refused with exit 2 naming the file. A link to a regular
+    file is read (a mounted Secret is one)."""
+    import os
+
+    from completions_service.cli import main
+
+    path = tmp_path / "secret"
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "link to a FIFO":
+        os.mkfifo(tmp_path / "fifo")
+        path.symlink_to(tmp_path / "fifo")
+    else:
+        path.write_bytes(b"k" * (2 << 20))
+    argv = ["--triton-url", "127.0.0.1:1", "--listen", "127.0.0.1:0", flag, str(path)]
+    if flag == "--triton-protocol-token-file":
+        argv += ["--triton-protocol-header", "x-admin-key"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot read the" in err and str(path) in err, err
+
+
+def test_a_listen_host_with_no_address_or_a_timeout_past_a_day_is_refused_as_a_flag():
+    """An unresolvable --listen host ended in the server's own start-up error (exit 3); a
+    request timeout of 1e308 s was taken."""
+    from completions_service.cli import listen_address
+
+    assert listen_address("127.0.0.1:0") == ("127.0.0.1", 0)
+    with pytest.raises(argparse.ArgumentTypeError, match="no address of this machine"):
+        listen_address("nohost.invalid:8080")
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--request-timeout-s", "1e308"])
+    assert parser().parse_args(["--request-timeout-s", "86400"]).request_timeout_s == 86400
+
+
 # --- the package stands alone -----------------------------------------------------------------
 
 
