@@ -28,6 +28,9 @@ from completions_service.settings import (
 ENV_PREFIX = "COMPLETIONS_"
 #: The longest --request-timeout-s: the chart's bound for ``openai.requestTimeoutSeconds``.
 MAX_REQUEST_TIMEOUT_S = 86400
+#: The chart's bounds for ``openai.maxConcurrency`` and ``maxQueue``, and ``maxBodyBytes``.
+MAX_COUNT = 1_000_000
+MIN_BODY_BYTES, MAX_BODY_BYTES = 1024, 1 << 30
 
 
 def env_name(flag: str) -> str:
@@ -64,7 +67,10 @@ def listen_address(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _at_least(low: int):
+def _within(low: int, high: int):
+    """An integer from ``low`` to ``high``: the chart's bounds for the same setting
+    (``values.schema.json``), so the service takes what a release may set and nothing else."""
+
     def parse(value: str) -> int:
         try:
             number = int(value)
@@ -72,6 +78,8 @@ def _at_least(low: int):
             raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
         if number < low:
             raise argparse.ArgumentTypeError(f"must be at least {low} (got {number})")
+        if number > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high} (got {number})")
         return number
 
     return parse
@@ -111,11 +119,11 @@ def parser() -> argparse.ArgumentParser:
     add("--api-keys-file", "a file of API keys, one per line (default: no key needed)",
         type=Path)  # fmt: skip
     add("--max-concurrency", f"requests in flight to Triton (default {DEFAULT_MAX_CONCURRENCY})",
-        default=DEFAULT_MAX_CONCURRENCY, type=_at_least(1))  # fmt: skip
+        default=DEFAULT_MAX_CONCURRENCY, type=_within(1, MAX_COUNT))  # fmt: skip
     add("--max-queue", f"requests waiting beyond that before a 429 (default {DEFAULT_MAX_QUEUE})",
-        default=DEFAULT_MAX_QUEUE, type=_at_least(0))  # fmt: skip
+        default=DEFAULT_MAX_QUEUE, type=_within(0, MAX_COUNT))  # fmt: skip
     add("--max-body-bytes", f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
-        default=DEFAULT_MAX_BODY_BYTES, type=_at_least(1))  # fmt: skip
+        default=DEFAULT_MAX_BODY_BYTES, type=_within(MIN_BODY_BYTES, MAX_BODY_BYTES))  # fmt: skip
     add("--request-timeout-s", "seconds one completion may take on Triton, else 504 "
         f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})", default=DEFAULT_REQUEST_TIMEOUT_S,
         type=_seconds)  # fmt: skip

@@ -703,6 +703,10 @@ def _openai_property(case: dict, outcome) -> None:
     c = service_container(docs)
     args = flags(c["command"])
     assert set(args) <= SERVICE_FLAGS and args["--triton-model"] == "llm"
+    # What the chart renders, the service's own parser takes (the same bounds on both sides).
+    from completions_service.cli import parser
+
+    parser().parse_args(c["command"][1:])
     for key, flag in (
         ("openai.maxConcurrency", "--max-concurrency"),
         ("openai.maxQueue", "--max-queue"),

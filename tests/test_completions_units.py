@@ -337,6 +337,11 @@ def test_a_listen_host_with_no_address_or_a_timeout_past_a_day_is_refused_as_a_f
     with pytest.raises(SystemExit):
         parser().parse_args(["--request-timeout-s", "1e308"])
     assert parser().parse_args(["--request-timeout-s", "86400"]).request_timeout_s == 86400
+    # The chart's bounds for the counts and the body size (1e8 in flight was taken).
+    for flag, bad in (("--max-concurrency", "1000001"), ("--max-queue", "1000001"),
+                      ("--max-body-bytes", "1023"), ("--max-body-bytes", str((1 << 30) + 1))):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parser().parse_args([flag, bad])
 
 
 # --- the package stands alone -----------------------------------------------------------------
