@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,28 @@ def test_tune_on_a_missing_repository_exits_2(tmp_path):
 )
 def test_concurrency_ranges_include_the_end_like_perf_analyzer(text, levels):
     assert parse_concurrency_range(text) == levels
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--max-p95-ms", "nan"], "--max-p95-ms must be a positive number"),  # it was taken
+        (["--max-p95-ms", "-5"], "--max-p95-ms must be a positive number"),
+        (["--max-minutes", "inf"], "--max-minutes must be a positive, finite number"),
+        (["--input-data", "{fifo}"], "is a FIFO"),  # it was said not to exist
+        (["--input-data", "{dir}"], "is a directory"),
+        (["--concurrency-range", "1:5000"], "asks for 5000 levels"),
+    ],
+)
+def test_scripts_bench_refuses_a_bad_setting_before_measuring(tmp_path, argv, needle):
+    os.mkfifo(tmp_path / "fifo")
+    argv = [a.format(fifo=tmp_path / "fifo", dir=tmp_path) for a in argv]
+    done = subprocess.run(
+        [*BENCH, "--url", "127.0.0.1:1", "--model", "codegen", *argv],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and needle in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "cannot reach Triton" not in done.stderr
 
 
 @pytest.mark.parametrize("text", ["0:4", "4:1", "1:4:0", "a:b", "", "1:2:3:4"])

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loader import fs
 from loader.bench.perf_analyzer import DEFAULT_STABILITY_PERCENTAGE, PerfAnalyzerOptions
 from loader.errors import LoaderError
 
@@ -99,8 +100,10 @@ def workloads_from_paths(paths: Sequence[Path | str]) -> tuple[Workload, ...]:
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
+            what = fs.not_a_directory(path)  # "does not exist", or what stands there
+            what = "is a directory" if what == "is a directory" else what.split(", not a")[0]
             raise LoaderError(
-                f"input data file {path} does not exist",
+                f"input data file {path} {what}",
                 "Pass --input-data with JSON files in perf_analyzer's format (bench/test.json "
                 "is the production request, bench/mixed.json a mix of prompt lengths).",
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -208,9 +209,16 @@ def settings_from_args(
     """The run's :class:`SweepSettings` from the flags (the namespace is left as it is)."""
     files = args.input_data or request_files()
     minutes = args.max_minutes if args.max_minutes is not None else default_minutes
-    if minutes is not None and not minutes > 0:
+    if minutes is not None and not 0 < minutes < math.inf:
         raise LoaderError(
-            f"--max-minutes must be positive, got {minutes:g}", "Pass e.g. --max-minutes 15."
+            f"--max-minutes must be a positive, finite number, got {minutes:g}",
+            "Pass e.g. --max-minutes 15.",
+        )
+    budget = args.max_p95_ms
+    if budget is not None and not 0 < budget < math.inf:  # NaN passed every level's check
+        raise LoaderError(
+            f"--max-p95-ms must be a positive number of milliseconds, got {budget:g}",
+            "Pass e.g. --max-p95-ms 1500, or leave it out for no latency budget.",
         )
     return SweepSettings(
         concurrencies=tuple(parse_concurrency_range(args.concurrency_range or default_range)),
