@@ -197,6 +197,92 @@ def test_a_file_the_loader_creates_never_reuses_an_existing_one(tmp_path):
     assert (tmp_path / "users.bin").read_bytes() == b"a user's data\n"
 
 
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "directory", "file"])
+@pytest.mark.parametrize("call", ["create", "write", "copy_in"])
+def test_a_name_taken_before_the_loader_creates_its_file_is_not_ours(tmp_path, kind, call):
+    """What stands at the name of a file the loader creates new (an output, a marker, a copied
+    file), planted after the loader looked, fails the ``O_EXCL`` create with ``EEXIST``: that
+    is a ``NotOursError`` naming what is there (exit 2), not the exit 1 of a bug's errno, and
+    what is there is never written through; competing callers still see a
+    ``FileExistsError``."""
+    from loader.errors import EXIT_USER_ERROR, typed_os_error
+
+    (tmp_path / "outside").write_text("not the loader's\n")
+    (tmp_path / "source.bin").write_bytes(b"the source\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    planted = out / "model.wte.bin"
+    if kind == "link":
+        planted.symlink_to(tmp_path / "outside")
+    elif kind == "dangling link":
+        planted.symlink_to(tmp_path / "nothing-here")
+    elif kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "directory":
+        planted.mkdir()
+    else:
+        planted.write_text("a user's file\n")
+    with fs.Dir.open(out) as d, pytest.raises(FileExistsError) as raised:
+        {
+            "create": lambda: d.create("model.wte.bin"),
+            "write": lambda: d.write("model.wte.bin", b"bytes"),
+            "copy_in": lambda: d.copy_in("model.wte.bin", tmp_path / "source.bin"),
+        }[call]()
+    typed = typed_os_error(raised.value)
+    assert isinstance(typed, NotOursError) and typed.exit_code == EXIT_USER_ERROR
+    found = {"fifo": "a special file", "directory": "a directory", "file": "a file"}
+    assert f"{planted} is {found.get(kind, 'a symbolic link')}" in typed.message
+    assert (tmp_path / "outside").read_text() == "not the loader's\n"
+    assert not (tmp_path / "nothing-here").exists()
+
+
+_IN_A_REMOVED_DIRECTORY = {
+    "create": lambda d: d.create("model.wte.bin"),
+    "write": lambda d: d.write("journal", b"a line\n"),
+    "mkdir": lambda d: d.mkdir("2-gpu"),
+    "make_marked": lambda d: d.make_marked("tiny@r1", ".marker", KEY),
+    "rename": lambda d: d.rename("partial", d, "config.json"),
+    "link": lambda d: d.link("partial", "config.json"),
+    "unlink": lambda d: d.unlink("partial"),
+    "sub": lambda d: d.sub("converted"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_IN_A_REMOVED_DIRECTORY))
+def test_a_directory_removed_under_the_loader_is_an_error_of_the_environment(tmp_path, call):
+    """A directory the loader works in, removed meanwhile by another process (a user clearing
+    ``.work`` or ``.staging`` under a live run), fails the loader's next call there with
+    ``ENOENT``: that is a typed error naming the directory (75: running again starts anew),
+    not the exit 1 of a name the loader lost (``ENOENT`` is a bug's errno) with a traceback;
+    callers that take a missing name for absent still see a ``FileNotFoundError``."""
+    from loader.errors import EXIT_TRANSIENT, DirectoryRemovedError, typed_os_error
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with fs.Dir.open(work) as d:
+        shutil.rmtree(work)
+        (tmp_path / "canary").mkdir()
+        work.symlink_to(tmp_path / "canary")  # what stands there now is someone else's
+        with pytest.raises(FileNotFoundError) as raised:
+            _IN_A_REMOVED_DIRECTORY[call](d)
+    assert isinstance(raised.value, DirectoryRemovedError)
+    typed = typed_os_error(raised.value)
+    assert typed is not None and typed.exit_code == EXIT_TRANSIENT
+    assert str(work) in typed.message and "removed" in typed.message
+    assert os.listdir(tmp_path / "canary") == []
+
+
+def test_a_name_missing_in_a_directory_still_there_stays_a_bugs_errno(tmp_path):
+    """Only a removed directory makes ``ENOENT`` an error of the environment: a name missing
+    in a directory that is still there is what the loader should have handled (exit 1)."""
+    from loader.errors import DirectoryRemovedError, typed_os_error
+
+    with fs.Dir.open(tmp_path) as d, pytest.raises(FileNotFoundError) as raised:
+        d.rename("partial", d, "config.json")
+    assert not isinstance(raised.value, DirectoryRemovedError)
+    assert typed_os_error(raised.value) is None
+
+
 # --- partial downloads: whose they are, and when they are whole ----------------------------
 
 
