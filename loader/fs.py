@@ -100,14 +100,33 @@ def owner_in(name: str) -> str | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
+    """Whether a process ``pid`` exists on this host (one we may not signal counts) and has not
+    exited: a zombie (killed or ended, not reaped yet: a loader killed with its process group,
+    until its reaper waits for it, or for good under a PID 1 that never reaps) writes nothing
+    any more, and its pid is not reused while it is one."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """Whether every thread of the process ``pid`` is a zombie (``/proc/<pid>/task/*/stat``'s
+    state ``Z`` or ``X``): the process has ended. A group leader that ended while its other
+    threads run is a zombie alone: the process is alive. False when it cannot be told."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as fh:
+                state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
+            if state not in (b"Z", b"X"):
+                return False
+    except (OSError, IndexError):
+        return False
+    return bool(tasks)
 
 
 def owner_gone(tag: str) -> bool:

@@ -146,7 +146,12 @@ class PublishLock:
                 self._take_over(content)
                 continue
             if not announced:
-                log.info("another loader holds %s (%s); waiting", self.path, _describe(content))
+                log.info(
+                    "another loader holds %s (%s)%s",
+                    self.path,
+                    _describe(content),
+                    "; waiting" if self.timeout_s > 0 else "",
+                )
                 announced = True
             if now - start > self.timeout_s:
                 raise LockTimeoutError(
