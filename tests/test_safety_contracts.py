@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -388,6 +389,55 @@ def test_a_take_over_of_a_lock_that_changed_since_it_was_judged_puts_it_back(tmp
         assert os.listdir(tmp_path / LOCKS_DIR) == [holder.path.name]
     finally:
         holder.release()
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "directory"])
+def test_a_take_over_never_removes_what_replaced_the_stale_lock_after_it_was_judged(tmp_path, kind):
+    """A waiter judged a dead holder's lock stale; before its move, someone put a link, a
+    FIFO or a directory at the lock's path. The waiter moves that aside with the lock's
+    rename, finds it is no lock file, and puts it back where it was: refused (2, naming it),
+    never read through, never removed."""
+    from loader.repository.lock import LOCKS_DIR, PublishLock
+
+    (tmp_path / "outside").write_text("not the loader's\n")
+    locks = tmp_path / LOCKS_DIR
+    locks.mkdir()
+    waiter = PublishLock(tmp_path, KEY, expiry_s=600)
+    judged = b'{"pid": 1, "beats": 0}'
+    waiter.path.write_bytes(judged)
+
+    def plant(op: str, path: str) -> None:
+        if op == "rename" and path.startswith(f"{waiter.path} -> "):
+            waiter.path.unlink()
+            if kind == "link":
+                waiter.path.symlink_to(tmp_path / "outside")
+            elif kind == "dangling link":
+                waiter.path.symlink_to(tmp_path / "nothing-here")
+            elif kind == "fifo":
+                os.mkfifo(waiter.path)
+            else:
+                waiter.path.mkdir()
+                (waiter.path / "users.txt").write_text("keep me\n")
+
+    with fs.Dir.open(tmp_path) as r:
+        waiter._dir = r.sub(LOCKS_DIR)
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(30)  # a FIFO opened for reading without O_NONBLOCK waits for a writer forever
+    try:
+        with fs.inject(plant), pytest.raises(NotOursError) as raised:
+            waiter._take_over(judged)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        waiter._dir.close()
+    assert str(waiter.path) in raised.value.message
+    assert os.listdir(locks) == [waiter.path.name]
+    assert (tmp_path / "outside").read_text() == "not the loader's\n"
+    assert not (tmp_path / "nothing-here").exists()
+    if kind == "directory":
+        assert (waiter.path / "users.txt").read_text() == "keep me\n"
+    else:
+        assert waiter.path.is_symlink() or waiter.path.is_fifo()
 
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
