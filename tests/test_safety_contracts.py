@@ -18,6 +18,7 @@ drives whole runs; these call the piece itself, so the cases a run rarely meets 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -607,6 +608,73 @@ def test_seal_refuses_a_link_in_the_tree_it_makes_durable(tmp_path):
     with pytest.raises(NotOursError, match="planted"):
         publish.seal(staging)
     assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
+
+
+class _FifoAtOpen:
+    """A hook of the seam that puts a FIFO in place of the file ``path`` just before the
+    loader opens it (after it looked: a swap by anyone who can write the volume)."""
+
+    def __init__(self, path) -> None:
+        self.path, self.swapped = path, False
+
+    def __call__(self, op: str, path: str) -> None:
+        if op == "open" and path == str(self.path) and not self.swapped:
+            self.swapped = True
+            self.path.unlink()
+            os.mkfifo(self.path)
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int = 30):
+    """A FIFO opened for reading without ``O_NONBLOCK`` waits for a writer forever: fail."""
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_seal_never_opens_a_fifo_swapped_in_for_a_file_after_it_looked(tmp_path):
+    """``seal`` fsyncs each file it found regular: one replaced by a FIFO between its look
+    and its open is refused, never opened to block."""
+    from loader.repository import publish
+
+    staging = publish.new_staging_dir(tmp_path / "root", KEY)
+    (staging / "m").mkdir()
+    (staging / "m" / "config.pbtxt").write_text("name: 'm'\n")
+    hook = _FifoAtOpen(staging / "m" / "config.pbtxt")
+    with _no_hang(), fs.inject(hook), pytest.raises(NotOursError, match=r"config\.pbtxt"):
+        publish.seal(staging)
+    assert hook.swapped
+
+
+def test_a_resumed_journal_never_opens_a_fifo_swapped_in_for_an_output_after_it_looked(
+    tmp_path,
+):
+    """A resumed conversion digests each output its journal names and it found regular, with
+    the inode and time it recorded: one replaced by a FIFO between that look and the open is
+    refused, never opened to block."""
+    from loader import digest
+    from loader.convert.overlapped import Journal
+
+    out = tmp_path / "work" / "out"
+    out.mkdir(parents=True)
+    (out / "model.wte.bin").write_bytes(b"weights")
+    st = (out / "model.wte.bin").stat()
+    with fs.confined(tmp_path / "work"):
+        journal = Journal(out, "h")
+        hexdigest = digest.of_bytes(b"weights")
+        line = f"model.wte.bin {st.st_size} {hexdigest} {st.st_ino} {st.st_mtime_ns}"
+        journal.path.write_text(f"{journal.header}\n{line}\n")
+        hook = _FifoAtOpen(out / "model.wte.bin")
+        try:
+            with _no_hang(), fs.inject(hook), pytest.raises(NotOursError, match=r"model\.wte"):
+                journal.resume()
+        finally:
+            journal.close()
+    assert hook.swapped
 
 
 @pytest.mark.parametrize("found", ["another key's marker", "no marker"])

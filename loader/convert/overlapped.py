@@ -65,15 +65,12 @@ def _start_writeback(d: Dir, name: str) -> None:
 
 def _digest_in(d: Dir, name: str, algorithm: str) -> str:
     """The ``algorithm`` digest of the regular file ``d/name``, read through a descriptor (no
-    link)."""
+    link; anything but a regular file, a FIFO swapped in since the caller looked included, is
+    refused, never opened to block)."""
     hasher = digest.new(algorithm)
-    fd = d.open_file(name, os.O_RDONLY)
-    try:
-        with open(fd, "rb", closefd=False) as fh:
-            while chunk := fh.read(digest.CHUNK_BYTES):
-                hasher.update(chunk)
-    finally:
-        os.close(fd)
+    with d.open_read(name) as fh:
+        while chunk := fh.read(digest.CHUNK_BYTES):
+            hasher.update(chunk)
     return hasher.hexdigest()
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from loader import fs
 from loader.errors import NotOursError, PublishError
-from loader.fs import NO_RENAMEAT2, Dir, fsync_fd, host_digest, pid_alive
+from loader.fs import NO_RENAMEAT2, Dir, host_digest, pid_alive
 from loader.repository import manifest
 from loader.repository.key import key_filename
 
@@ -319,11 +319,7 @@ def _seal(d: Dir) -> None:
             d.chmod(name, DIR_MODE)
         elif stat.S_ISREG(found.st_mode):
             d.chmod(name, FILE_MODE)
-            fd = d.open_file(name, os.O_RDONLY)
-            try:
-                fsync_fd(fd, d.path / name)
-            finally:
-                os.close(fd)
+            d.fsync_file(name)  # a FIFO swapped in meanwhile is refused, never opened to block
         else:
             raise d.not_ours(name, "a file or directory the loader wrote")
     d.fsync()
