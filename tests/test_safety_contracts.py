@@ -26,6 +26,7 @@ import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -634,6 +635,35 @@ def _no_hang(seconds: int = 30):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kind", ["link", "directory"])
+def test_a_new_staging_directory_whose_name_was_taken_meanwhile_is_refused(tmp_path, kind):
+    """The staging directory is made under a temporary name, then renamed to its own (new,
+    random) name: something put at that name in between (its temporary name shows it) is
+    refused (``NotOursError``: 2, naming it), not an ``EEXIST`` (exit 1), and left alone."""
+    from loader.repository import publish
+
+    (tmp_path / "outside").mkdir()
+    planted = []
+
+    def plant(op: str, path: str) -> None:
+        if op == "rename-noreplace" and "/.staging/." in path and not planted:
+            final = Path(path.split(" -> ")[1])
+            if kind == "link":
+                final.symlink_to(tmp_path / "outside")
+            else:
+                final.mkdir()
+                (final / "users.txt").write_text("keep me\n")
+            planted.append(final)
+
+    with fs.inject(plant), pytest.raises(NotOursError) as raised:
+        publish.new_staging_dir(tmp_path / "root", KEY)
+    (final,) = planted
+    assert str(final) in raised.value.message
+    assert os.listdir(final.parent) == [final.name]  # the temporary directory is gone
+    assert os.listdir(tmp_path / "outside") == []
+    assert kind == "link" or (final / "users.txt").read_text() == "keep me\n"
 
 
 def test_seal_never_opens_a_fifo_swapped_in_for_a_file_after_it_looked(tmp_path):
