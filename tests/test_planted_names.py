@@ -393,7 +393,7 @@ class _KillAfterTheMove:
     def __call__(self, op: str, path: str) -> None:
         if self.moved:
             os.kill(os.getpid(), signal.SIGKILL)
-        if op == "rename" and any(f.endswith(":move_into") for f in site_here(op)[1]):
+        if op.startswith("rename") and any(f.endswith(":move_into") for f in site_here(op)[1]):
             self.moved = True
 
 
@@ -522,7 +522,9 @@ def _forked_with(hook: _ReplaceLive, argv: list[str], log: Path) -> tuple[int, s
     return code, hook.record.read_text() if hook.record.exists() else None
 
 
-def _live_case(source: str, target: str, kind: str, kill: bool, before: bool) -> str | None:
+def _live_case(
+    source: str, extra: tuple[str, ...], target: str, kind: str, kill: bool, before: bool
+) -> str | None:
     """A run of ``source`` into an empty root with ``target`` replaced by ``kind`` while it
     works, then a run again and a prune; what went wrong, None, or ``"not met"`` when the
     run made no such entry this time."""
@@ -535,7 +537,7 @@ def _live_case(source: str, target: str, kind: str, kill: bool, before: bool) ->
         before_outside = snapshot(outside)
         hook = _ReplaceLive(root, target, kind, outside, kill, before)
         log = base / "log"
-        code, planted = _forked_with(hook, _argv(source, root), log)
+        code, planted = _forked_with(hook, _argv(source, root, *extra), log)
         if planted is None:
             return "not met"  # the run made no such entry this time (a race of its threads)
         text = log.read_text(errors="replace")
@@ -545,7 +547,7 @@ def _live_case(source: str, target: str, kind: str, kill: bool, before: bool) ->
         if snapshot(outside) != before_outside:
             return "run: something outside ROOT changed"
         before = snapshot(root)
-        for argv in (_argv(source, root), _prune_argv(root)):
+        for argv in (_argv(source, root, *extra), _prune_argv(root)):
             code = _forked(argv, log)
             text = log.read_text(errors="replace")
             problem = _typed(code, text)
@@ -574,22 +576,32 @@ def _live_targets(names: list[str]) -> list[str]:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("every", [False, pytest.param(True, marks=EVERY_KIND)],
-                         ids=["some-names", "every-kind"])  # fmt: skip
-def test_entries_of_a_live_gcs_run_replaced_while_it_works(gs, empty, every):
-    """An overlapped ``gs://`` run whose download area, journals, outputs and staging tree are
+@pytest.mark.parametrize(
+    ("scheme", "extra", "every"),
+    [
+        ("gs", (), False),
+        pytest.param("gs", (), True, marks=EVERY_KIND),
+        # fetched whole and the hf:// run: the same trees but the download's, in make test-faults
+        pytest.param("gs", ("--no-overlap",), True, marks=EVERY_KIND),
+        pytest.param("hf", (), True, marks=EVERY_KIND),
+    ],
+    ids=["gs-some-names", "gs-every-kind", "gs-whole-every-kind", "hf-every-kind"],
+)
+def test_entries_of_a_live_remote_run_replaced_while_it_works(request, empty, scheme, extra, every):
+    """A ``gs://`` or ``hf://`` run whose download area, journals, outputs and staging tree are
     replaced under it (a link out of ROOT, a FIFO, a user's file or directory), going on or
     killed there: it and the run after it end typed, nothing outside ROOT changes, nothing
     planted is followed or changed in place."""
+    source = request.getfixturevalue(scheme)
     with scratch() as base:
         root = base / "root"
         root.mkdir()
         paths = _Paths()
         with fs.inject(paths), contextlib.redirect_stdout(sys.stderr):
-            assert main(_argv(gs, root)) == 0
+            assert main(_argv(source, root, *extra)) == 0
         names = _names(paths.seen, root, "0-00000000")
     targets = _live_targets(names)
-    assert any(t.endswith(".journal") for t in targets), targets
+    assert any(t.endswith(".journal") for t in targets) or extra, targets
     assert any("/.partial/" in t for t in targets), targets
     kinds = ("link-dir", "link-file", "fifo", "dir", "file")
     # every kind at every name; in turn, planted before the loader makes it or once it is
@@ -601,7 +613,7 @@ def test_entries_of_a_live_gcs_run_replaced_while_it_works(gs, empty, every):
         cases = [(t, kinds[i % 3 * 2 % 5], i % 2 == 1, i % 4 >= 2) for i, t in enumerate(picked)]
     failures, met = [], 0
     for target, kind, kill, before in cases:
-        problem = _live_case(gs, target, kind, kill, before)
+        problem = _live_case(source, extra, target, kind, kill, before)
         met += problem != "not met"
         if problem not in (None, "not met"):
             when = (
@@ -684,3 +696,36 @@ def test_a_fifo_or_link_at_the_journal_is_refused_not_read(tmp_path, kind):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert outside.read_text() == "h b3\nmoved-into x\n"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("kind", ["empty dir", "dir"])
+def test_a_directory_put_where_the_outputs_move_into_staging_is_refused_never_replaced(
+    gs, tmp_path, capsys, kind
+):
+    """An overlapped run moves its finished outputs into its staging directory in one rename:
+    a directory someone put at their place meanwhile is refused (2, naming it), neither
+    replaced (an empty one: ``rename`` would have removed it) nor the exit 1 of
+    ``ENOTEMPTY``."""
+    root = tmp_path / "root"
+    planted = []
+
+    def plant(op: str, path: str) -> None:
+        if (
+            op.startswith("rename")
+            and "/converted/" in path
+            and "/.staging/" in path
+            and not planted
+        ):
+            place = Path(path.split(" -> ")[1])
+            place.mkdir()
+            if kind == "dir":
+                (place / "users-data.txt").write_text("keep me\n")
+            planted.append((place, os.stat(place).st_ino))
+
+    with fs.inject(plant):
+        code = main(_argv(gs, root))
+    _, err = capsys.readouterr()
+    assert planted
+    assert code == 2, err
+    assert "error:" in err and "hint:" in err and str(planted[0][0]) in err
