@@ -354,6 +354,34 @@ class TransientFileSystemError(FileSystemError):
     exit_code = EXIT_TRANSIENT
 
 
+class DirectoryRemovedError(FileNotFoundError):
+    """A call relative to a directory the loader had open failed with ``ENOENT`` because the
+    directory itself was removed (or replaced) meanwhile, by another process: not a name the
+    loader lost track of (a bug), but a change of the environment under a running loader.
+    Raised by :mod:`loader.fs`; still a ``FileNotFoundError`` for every caller that treats a
+    missing name as absent; :func:`typed_os_error` makes it a
+    :class:`TransientFileSystemError`."""
+
+    def __init__(self, directory: Path | str, path: Path | str) -> None:
+        super().__init__(
+            errno.ENOENT, "its directory was removed while the loader worked in it", str(path)
+        )
+        self.directory = Path(directory)
+
+
+class NameTakenError(FileExistsError):
+    """A file the loader creates new (``O_CREAT | O_EXCL``: an output, a partial download, a
+    marker) found its name taken by something it did not make there (a link, a FIFO, a user's
+    file or directory, planted meanwhile). Raised by :mod:`loader.fs`; still a
+    ``FileExistsError`` for every caller that competes for a name (the publish lock);
+    :func:`typed_os_error` makes it a :class:`NotOursError` (``EEXIST`` alone is a bug's
+    errno)."""
+
+    def __init__(self, path: Path | str, found: str) -> None:
+        super().__init__(errno.EEXIST, "the name is taken", str(path))
+        self.found = found
+
+
 #: errno -> (what happened, what to do with ``{path}``) for failures of the environment
 #: (exit 2). ENOSPC and EDQUOT are :class:`InsufficientDiskSpaceError`.
 _ENVIRONMENT: dict[int, tuple[str, str]] = {
@@ -488,6 +516,16 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
     code = exc.errno
     if code is None:
         return None
+    if isinstance(exc, NameTakenError):
+        return NotOursError(exc.filename, exc.found, "a new file the loader creates there")
+    if isinstance(exc, DirectoryRemovedError):
+        directory = shown(exc.directory)
+        return TransientFileSystemError(
+            f"The directory {directory} was removed (or replaced) by another process while the "
+            "loader worked in it; nothing was published.",
+            f"Let nothing else remove or replace {directory} while a loader runs (a user, a "
+            "script cleaning the volume); running again starts it anew.",
+        )
     path = shown(exc.filename) if exc.filename is not None else "a file"
     where = f"{path} (to {shown(exc.filename2)})" if exc.filename2 is not None else f"{path}"
     reason = exc.strerror or errno.errorcode.get(code, str(code))

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from loader.errors import NotOursError, SpecialFileError
+from loader.errors import DirectoryRemovedError, NameTakenError, NotOursError, SpecialFileError
 
 # --- owners: who made a temporary name --------------------------------------------------------
 
@@ -100,14 +100,33 @@ def owner_in(name: str) -> str | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
+    """Whether a process ``pid`` exists on this host (one we may not signal counts) and has not
+    exited: a zombie (killed or ended, not reaped yet: a loader killed with its process group,
+    until its reaper waits for it, or for good under a PID 1 that never reaps) writes nothing
+    any more, and its pid is not reused while it is one."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """Whether every thread of the process ``pid`` is a zombie (``/proc/<pid>/task/*/stat``'s
+    state ``Z`` or ``X``): the process has ended. A group leader that ended while its other
+    threads run is a zombie alone: the process is alive. False when it cannot be told."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as fh:
+                state = fh.read(4096).rsplit(b")", 1)[1].split()[0]
+            if state not in (b"Z", b"X"):
+                return False
+    except (OSError, IndexError):
+        return False
+    return bool(tasks)
 
 
 def owner_gone(tag: str) -> bool:
@@ -399,7 +418,7 @@ class Dir:
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise self.not_ours(name, f"the loader's {what}") from exc
-            raise _named(exc, self.path / name) from None
+            raise self._failed(exc, self.path / name) from None
         return Dir(fd, self.path / name)
 
     def walk(self, relpath: str, *, create: bool = False) -> Dir:
@@ -436,7 +455,7 @@ class Dir:
         existing directory is fine (a link or a file is :class:`NotOursError`)."""
         _seam("mkdir", self.path / name)
         try:
-            with _naming(self.path / name, relative=True):
+            with self._naming(self.path / name):
                 os.mkdir(_component(name), mode, dir_fd=self.fd)
                 _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits away
             return True
@@ -514,22 +533,28 @@ class Dir:
 
     def not_ours(self, name: str, expected: str) -> NotOursError:
         """The error for ``name`` holding something else than ``expected``."""
+        return NotOursError(self.path / name, self._found(name), expected)
+
+    def _found(self, name: str) -> str:
+        """What ``name`` is, for a message (a look on a failure's path, not through the
+        seam)."""
         try:
             found = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except OSError:
-            what = "something else"
-        else:
-            what = kind_of(found.st_mode)
-            if stat.S_ISLNK(found.st_mode):
-                with contextlib.suppress(OSError):
-                    what += f" to {os.readlink(name, dir_fd=self.fd)}"
-        return NotOursError(self.path / name, what, expected)
+            return "something else"
+        what = kind_of(found.st_mode)
+        if stat.S_ISLNK(found.st_mode):
+            with contextlib.suppress(OSError):
+                what += f" to {os.readlink(name, dir_fd=self.fd)}"
+        return what
 
     # -- files -----------------------------------------------------------------------------
 
     def open_file(self, name: str, flags: int, mode: int = 0o644) -> int:
         """``openat`` of the file ``name`` with ``O_NOFOLLOW``: a link there is
-        :class:`NotOursError`; returns the descriptor."""
+        :class:`NotOursError`; with ``O_EXCL``, anything there is a
+        :class:`~loader.errors.NameTakenError` (a ``FileExistsError``); returns the
+        descriptor."""
         _seam("open", self.path / name)
         try:
             return os.open(
@@ -538,7 +563,9 @@ class Dir:
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO or socket (O_NONBLOCK)
                 raise self.not_ours(name, "a file the loader writes") from exc
-            raise _named(exc, self.path / name) from None
+            if exc.errno == errno.EEXIST and flags & os.O_EXCL:  # not made by this call
+                raise NameTakenError(self.path / name, self._found(name)) from None
+            raise self._failed(exc, self.path / name) from None
 
     def read(self, name: str, *, limit: int = SMALL_FILE_BYTES) -> bytes | None:
         """The content of the regular file ``name`` (at most ``limit`` bytes); None when
@@ -662,6 +689,40 @@ class Dir:
             return False
         return content is not None and content.decode("utf-8", "replace").split("\n")[0] == owner
 
+    # -- failures ------------------------------------------------------------------------
+
+    def _failed(
+        self, exc: OSError, path: object, path2: object | None = None, *, to: Dir | None = None
+    ) -> OSError:
+        """``exc`` of a call relative to this directory (and ``to``), naming ``path``: an
+        ``ENOENT`` because one of the two directories was itself removed meanwhile (by another
+        process: its descriptor still names it) is a
+        :class:`~loader.errors.DirectoryRemovedError` naming that directory."""
+        if exc.errno == errno.ENOENT:
+            for d in (self, to):
+                if d is not None and d._removed():
+                    return DirectoryRemovedError(d.path, path)
+        return _named(exc, path, path2)
+
+    def _removed(self) -> bool:
+        """Whether this directory was removed since it was opened (no name links to it: a
+        look on a failure's path, like :meth:`not_ours`, not through the seam)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return False
+
+    @contextlib.contextmanager
+    def _naming(self, path: object) -> Iterator[None]:
+        """:func:`_naming` of a call on a name relative to this directory, and
+        :meth:`_failed`'s look at whether the directory was removed."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno is None:
+                raise
+            raise self._failed(exc, path) from None
+
     # -- changing --------------------------------------------------------------------------
 
     def rename(self, name: str, to: Dir, to_name: str, *, how: str = "noreplace") -> None:
@@ -676,7 +737,7 @@ class Dir:
                 os.rename(_component(name), _component(to_name), src_dir_fd=self.fd,
                           dst_dir_fd=to.fd)  # fmt: skip
             except OSError as exc:
-                raise _named(exc, src, dst) from None
+                raise self._failed(exc, src, dst, to=to) from None
             return
         flags = {"noreplace": _RENAME_NOREPLACE, "exchange": _RENAME_EXCHANGE}[how]
         if _renameat2 is None:
@@ -686,12 +747,13 @@ class Dir:
         )
         if result != 0:
             err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+            exc = OSError(err, os.strerror(err), str(src), None, str(dst))
+            raise self._failed(exc, src, dst, to=to)
 
     def link(self, name: str, to_name: str) -> None:
         """A hard link ``to_name`` to the file ``name`` (both in this directory)."""
         _seam("link", f"{self.path / name} -> {self.path / to_name}")
-        with _naming(self.path / to_name, relative=True):
+        with self._naming(self.path / to_name):
             os.link(_component(name), _component(to_name), src_dir_fd=self.fd,
                     dst_dir_fd=self.fd, follow_symlinks=False)  # fmt: skip
 
@@ -700,15 +762,15 @@ class Dir:
         _seam("unlink", self.path / name)
         try:
             os.unlink(_component(name), dir_fd=self.fd)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
             if not missing_ok:
-                raise
+                raise self._failed(exc, self.path / name) from None
         except OSError as exc:
             raise _named(exc, self.path / name) from None
 
     def rmdir(self, name: str) -> None:
         _seam("rmdir", self.path / name)
-        with _naming(self.path / name, relative=True):
+        with self._naming(self.path / name):
             os.rmdir(_component(name), dir_fd=self.fd)
 
     def remove_tree(self, name: str) -> None:

@@ -33,7 +33,9 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -391,7 +393,7 @@ class _KillAfterTheMove:
     def __call__(self, op: str, path: str) -> None:
         if self.moved:
             os.kill(os.getpid(), signal.SIGKILL)
-        if op == "rename" and any(f.endswith(":move_into") for f in site_here(op)[1]):
+        if op.startswith("rename") and any(f.endswith(":move_into") for f in site_here(op)[1]):
             self.moved = True
 
 
@@ -425,6 +427,201 @@ def test_resume_at_every_name_a_killed_run_left(gs, killed, dead, every):
     names = list(dict.fromkeys(_tree(killed) + clean))
     assert any(n.endswith(".journal") for n in names), names
     _sweep(killed, gs, names, (), every)
+
+
+# --- while a run works ----------------------------------------------------------------------
+#
+# The sweeps above plant before a run starts. These plant while one works: the run's hook of the
+# seam of ``loader.fs`` replaces an entry the run made (a directory it works in, a file it wrote)
+# at the first call the run makes on it or below it, then the run goes on (or is killed there,
+# and a second run resumes). The names are those of a clean run, owner tags and random parts
+# made patterns (a live run's own names carry its own).
+
+#: An owner tag with the random part a name of the loader's may carry after it, and the
+#: generation number of a partial download: what differs from one run's names to the next.
+_LIVE_PARTS = re.compile(r"(?<=\.)(\d+-[0-9a-f]{8}(\.[0-9a-f]{8,})?|\d{10,}(?=\.))")
+
+
+def _pattern(rel: str) -> str:
+    return _LIVE_PARTS.sub("*", rel)
+
+
+#: The calls that change a directory: made below one, the loader holds it open.
+_CHANGES = frozenset({"mkdir", "write", "link", "rename", "rename-noreplace", "rename-exchange"})
+
+
+class _ReplaceLive:
+    """At the run's first call on the file ``target`` (a pattern of :func:`_pattern`), or its
+    first call that changes something below the directory ``target`` (the loader holds it open
+    by then), while the loader's own entry is there, replace that entry by ``kind`` (and write
+    its name to ``record``); then go on or, with ``kill``, end the process there (SIGKILL).
+    With ``before``, plant at the first call on ``target`` while nothing is there yet (the
+    name the loader is about to create)."""
+
+    def __init__(
+        self, root: Path, target: str, kind: str, outside: Path, kill: bool, before: bool
+    ) -> None:
+        self.root, self.target, self.kind, self.outside, self.kill, self.before = (
+            root, target, kind, outside, kill, before,
+        )  # fmt: skip
+        self.planted: str | None = None
+        self.record: Path | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str, path: str) -> None:
+        prefix = str(self.root) + os.sep
+        for one in path.split(" -> "):
+            if self.planted is not None or not one.startswith(prefix):
+                continue
+            parts = one[len(prefix) :].split("/")
+            for i in range(1, len(parts) + 1):
+                rel = "/".join(parts[:i])
+                if _pattern(rel) == self.target:
+                    self._replace(rel, below=i < len(parts) and op in _CHANGES)
+                    break
+
+    def _replace(self, rel: str, *, below: bool) -> None:
+        path = self.root / rel
+        with self._lock:
+            found = os.lstat(path) if os.path.lexists(path) else None
+            if self.planted is not None or (found is None) != self.before:
+                return
+            if self.before and (below or not path.parent.is_dir()):
+                return
+            if found is not None and not (
+                (stat.S_ISDIR(found.st_mode) and below) or stat.S_ISREG(found.st_mode)
+            ):
+                return
+            _plant(self.root, rel, self.kind, self.outside, key="")
+            self.planted = rel
+            if self.record is not None:
+                self.record.write_text(rel)  # before a kill
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _forked_with(hook: _ReplaceLive, argv: list[str], log: Path) -> tuple[int, str | None]:
+    """:func:`_forked` with ``hook`` on the seam: the exit code and what the hook replaced."""
+    hook.record = log.with_suffix(".planted")
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            signal.alarm(HANG_S)
+            out = open(log, "w")  # noqa: SIM115 - the child exits below
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            sys.stdout = sys.stderr = out
+            with fs.inject(hook):
+                code = main(argv)
+            out.flush()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return code, hook.record.read_text() if hook.record.exists() else None
+
+
+def _live_case(
+    source: str, extra: tuple[str, ...], target: str, kind: str, kill: bool, before: bool
+) -> str | None:
+    """A run of ``source`` into an empty root with ``target`` replaced by ``kind`` while it
+    works, then a run again and a prune; what went wrong, None, or ``"not met"`` when the
+    run made no such entry this time."""
+    with scratch() as base:
+        root, outside = base / "root", base / "outside"
+        root.mkdir()
+        (outside / "dir").mkdir(parents=True)
+        (outside / "dir" / "precious.txt").write_text("not the loader's\n")
+        (outside / "file.txt").write_text("not the loader's either\n")
+        before_outside = snapshot(outside)
+        hook = _ReplaceLive(root, target, kind, outside, kill, before)
+        log = base / "log"
+        code, planted = _forked_with(hook, _argv(source, root, *extra), log)
+        if planted is None:
+            return "not met"  # the run made no such entry this time (a race of its threads)
+        text = log.read_text(errors="replace")
+        problem = None if kill and code == -signal.SIGKILL else _typed(code, text)
+        if problem is not None:
+            return f"run: {problem}"
+        if snapshot(outside) != before_outside:
+            return "run: something outside ROOT changed"
+        before = snapshot(root)
+        for argv in (_argv(source, root, *extra), _prune_argv(root)):
+            code = _forked(argv, log)
+            text = log.read_text(errors="replace")
+            problem = _typed(code, text)
+            if problem is not None:
+                return f"{argv[0]} after: {problem}"
+            if argv[0] == "run" and code == 0:
+                published = Path(text.strip().splitlines()[-1])
+                if published.is_symlink() or manifest.verify(published) != []:
+                    return f"published {published}, which does not verify"
+        if snapshot(outside) != before_outside:
+            return "something outside ROOT changed"
+        if kind == "file":  # a regular file at a name the loader writes may be rewritten
+            return None
+        return _left_alone(before, snapshot(root), planted)
+
+
+def _live_targets(names: list[str]) -> list[str]:
+    """The patterns of the entries a clean run made and worked in: every directory, and at most
+    :data:`PER_DIRECTORY` files of each (the lock's directory and the published key's are
+    the other sweeps'), in the order the run met them."""
+    patterns = list(dict.fromkeys(_pattern(n) for n in names))
+    return [
+        p for p in _thin(patterns)
+        if p.split("/")[0] in (".work", ".staging") and not p.endswith(".tmp")
+    ]  # fmt: skip
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("scheme", "extra", "every"),
+    [
+        ("gs", (), False),
+        pytest.param("gs", (), True, marks=EVERY_KIND),
+        # fetched whole and the hf:// run: the same trees but the download's, in make test-faults
+        pytest.param("gs", ("--no-overlap",), True, marks=EVERY_KIND),
+        pytest.param("hf", (), True, marks=EVERY_KIND),
+    ],
+    ids=["gs-some-names", "gs-every-kind", "gs-whole-every-kind", "hf-every-kind"],
+)
+def test_entries_of_a_live_remote_run_replaced_while_it_works(request, empty, scheme, extra, every):
+    """A ``gs://`` or ``hf://`` run whose download area, journals, outputs and staging tree are
+    replaced under it (a link out of ROOT, a FIFO, a user's file or directory), going on or
+    killed there: it and the run after it end typed, nothing outside ROOT changes, nothing
+    planted is followed or changed in place."""
+    source = request.getfixturevalue(scheme)
+    with scratch() as base:
+        root = base / "root"
+        root.mkdir()
+        paths = _Paths()
+        with fs.inject(paths), contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root, *extra)) == 0
+        names = _names(paths.seen, root, "0-00000000")
+    targets = _live_targets(names)
+    assert any(t.endswith(".journal") for t in targets) or extra, targets
+    assert any("/.partial/" in t for t in targets), targets
+    kinds = ("link-dir", "link-file", "fifo", "dir", "file")
+    # every kind at every name; in turn, planted before the loader makes it or once it is
+    # there, the run going on or killed there
+    cases = [(t, k, i % 2 == 1, i % 4 >= 2)
+             for i, (t, k) in enumerate((t, k) for t in targets for k in kinds)]  # fmt: skip
+    if not every:  # a link out of ROOT, a FIFO or a file, in turn over some of the names
+        picked = targets[:: max(1, len(targets) // (8 if FAST_TIER else 16))]
+        cases = [(t, kinds[i % 3 * 2 % 5], i % 2 == 1, i % 4 >= 2) for i, t in enumerate(picked)]
+    failures, met = [], 0
+    for target, kind, kill, before in cases:
+        problem = _live_case(source, extra, target, kind, kill, before)
+        met += problem != "not met"
+        if problem not in (None, "not met"):
+            when = (
+                f"{'before it is made' if before else 'live'}, {'killed' if kill else 'going on'}"
+            )
+            failures.append(f"{kind} at {target} ({when}): {problem}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
+    assert met >= len(cases) * 2 // 3, f"only {met} of {len(cases)} entries were met"
 
 
 def test_a_journal_names_only_a_staging_directory(tmp_path):
@@ -499,3 +696,36 @@ def test_a_fifo_or_link_at_the_journal_is_refused_not_read(tmp_path, kind):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert outside.read_text() == "h b3\nmoved-into x\n"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("kind", ["empty dir", "dir"])
+def test_a_directory_put_where_the_outputs_move_into_staging_is_refused_never_replaced(
+    gs, tmp_path, capsys, kind
+):
+    """An overlapped run moves its finished outputs into its staging directory in one rename:
+    a directory someone put at their place meanwhile is refused (2, naming it), neither
+    replaced (an empty one: ``rename`` would have removed it) nor the exit 1 of
+    ``ENOTEMPTY``."""
+    root = tmp_path / "root"
+    planted = []
+
+    def plant(op: str, path: str) -> None:
+        if (
+            op.startswith("rename")
+            and "/converted/" in path
+            and "/.staging/" in path
+            and not planted
+        ):
+            place = Path(path.split(" -> ")[1])
+            place.mkdir()
+            if kind == "dir":
+                (place / "users-data.txt").write_text("keep me\n")
+            planted.append((place, os.stat(place).st_ino))
+
+    with fs.inject(plant):
+        code = main(_argv(gs, root))
+    _, err = capsys.readouterr()
+    assert planted
+    assert code == 2, err
+    assert "error:" in err and "hint:" in err and str(planted[0][0]) in err

@@ -202,3 +202,32 @@ def test_a_key_published_again_while_prune_works_is_kept(
             checked += 1
             assert manifest.verify(tree.keys["r1"]) == [], site
     assert checked > 3
+
+
+def test_a_run_publishing_while_prune_removes_the_key_directory_it_is_about_to_fill(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Prune removes ``<name>@<revision>`` once its last key is gone; a run of another key of
+    it that opened that directory just before (to rename its staging directory into it) finds
+    it removed: it makes it again and publishes, instead of failing (an ``ENOENT`` rename)."""
+    from loader import fs
+
+    root = tmp_path / "root"
+    argv = ["run", "--source", str(tiny_checkpoint_with_tokenizer), "--repository", str(root),
+            "--model-name", "tiny", "--revision", "r1", "--tp-size", "1", "--pp-size", "1",
+            "--instance-count", "1", "--backend", "python"]  # fmt: skip
+    removed = []
+
+    def prune_meanwhile(op: str, path: str) -> None:
+        if op.startswith("rename") and f" -> {root / 'tiny@r1'}/" in path and not removed:
+            (root / "tiny@r1").rmdir()  # what prune's removal of the last key does last
+            removed.append(path)
+
+    with fs.inject(prune_meanwhile):
+        code = main(argv)
+    out, err = capsys.readouterr()
+    assert removed
+    assert code == 0, err
+    published = Path(out.splitlines()[-1])
+    assert published.parent == root / "tiny@r1"
+    assert manifest.verify(published) == []

@@ -62,6 +62,61 @@ def test_a_waiter_takes_over_at_once_when_the_holder_pid_on_this_host_is_gone(tm
     assert time.monotonic() - started < 5
 
 
+def _zombie() -> subprocess.Popen:
+    """A child that has exited and not been reaped yet: what a loader killed with its process
+    group (SIGKILL) is for a moment, until its reaper waits for it, or for good under a PID 1
+    that never reaps."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return proc
+        time.sleep(0.01)
+    raise AssertionError("the child did not exit")
+
+
+def test_a_holder_that_exited_but_was_not_reaped_yet_is_gone(tmp_path: Path, caplog):
+    """A lock whose holder is a zombie (killed, not reaped yet: a resume started within
+    milliseconds of a group SIGKILL) is a dead holder's: taken over at once, by a waiter and by
+    ``try_lock`` (which never waits: it does not say it waits), never waited for until the
+    expiry."""
+    from loader.fs import owner_gone, pid_alive
+    from loader.repository.prune import try_lock
+
+    zombie = _zombie()
+    try:
+        assert not pid_alive(zombie.pid)
+        assert pid_alive(os.getpid())
+        assert owner_gone(f"{zombie.pid}-{__import__('loader.fs').fs.host_digest()}")
+        path = lock_path(tmp_path, KEY)
+        path.parent.mkdir(parents=True)
+        record = {"pid": zombie.pid, "host": os.uname().nodename, "token": "x", "beats": 3}
+        path.write_text(json.dumps(record))
+        caplog.set_level("INFO")
+        lock = try_lock(tmp_path, KEY, 30)
+        assert lock is not None and lock.held()
+        lock.release()
+        assert "waiting" not in caplog.text
+        path.write_text(json.dumps(record))
+        started = time.monotonic()
+        with PublishLock(tmp_path, KEY, expiry_s=30, poll_s=5) as held:
+            assert held.held()
+        assert time.monotonic() - started < 4  # not one poll
+    finally:
+        zombie.wait()
+
+
+def test_try_lock_does_not_say_it_waits_for_a_live_holder(tmp_path: Path, caplog):
+    from loader.repository.prune import try_lock
+
+    caplog.set_level("INFO")
+    with PublishLock(tmp_path, KEY, expiry_s=30):
+        assert try_lock(tmp_path, KEY, 30) is None
+    assert "waiting" not in caplog.text
+    assert "holds" in caplog.text
+
+
 def test_a_lock_of_another_host_expires_when_its_heartbeat_stops(tmp_path: Path):
     path = lock_path(tmp_path, KEY)
     path.parent.mkdir(parents=True)

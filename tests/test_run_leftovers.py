@@ -3,9 +3,15 @@ left; a repository path with a line break is refused (the last line printed is t
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from loader import fs
 from loader.cli import build_parser
@@ -15,19 +21,34 @@ from loader.repository.publish import STAGING_MARKER
 from tests.runs import cli, run_argv
 
 
+@pytest.mark.parametrize("dead", ["reaped", "not reaped yet"])
 def test_a_run_that_finds_its_key_published_removes_a_dead_runs_staging(
-    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, dead
 ):
+    """Also when the dead run is not reaped yet and still holds its lock (a run started within
+    milliseconds of a group SIGKILL of the one before: its child is a zombie until its reaper
+    waits for it): a dead holder's lock is taken over, not left with the staging directory."""
     root = tmp_path / "root"
     argv = run_argv(tiny_checkpoint_with_tokenizer, root)
     assert cli(capsys, *argv)[0] == 0
     key = request_from_args(build_parser().parse_args(argv)).key
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    left = root / ".staging" / f"{key_filename(key)}.{proc.pid}-{fs.host_digest()}.0123456789ab"
-    (left / "fastertransformer").mkdir(parents=True)
-    (left / STAGING_MARKER).write_text(f"{key}\n")
-    code, _, err = cli(capsys, *argv)
+    if dead == "reaped":
+        proc.wait()
+    else:
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)  # exited, not reaped
+        lock = root / ".locks" / f"{key_filename(key)}.lock"
+        lock.parent.mkdir(exist_ok=True)
+        record = {"pid": proc.pid, "host": socket.gethostname(), "pid_space": fs.pid_space()}
+        lock.write_text(json.dumps({**record, "token": "0123", "beats": 1}))
+    try:
+        left = root / ".staging" / f"{key_filename(key)}.{proc.pid}-{fs.host_digest()}.0123456789ab"
+        (left / "fastertransformer").mkdir(parents=True)
+        (left / STAGING_MARKER).write_text(f"{key}\n")
+        code, _, err = cli(capsys, *argv)
+    finally:
+        proc.wait()
     assert code == 0, err
     assert not left.exists()
     assert not (root / ".locks" / f"{key_filename(key)}.lock").exists()

@@ -208,3 +208,27 @@ def test_a_killed_overlapped_run_resumes_without_downloading_verified_shards_aga
     assert len(arrivals.shards) < len(list(checkpoint.glob("model-*.safetensors")))
     assert manifest.verify(repository) == []
     assert runs.weights(repository) == runs.weights(sequential)
+
+
+def test_a_run_whose_empty_work_area_another_loader_removed_meanwhile_makes_it_again(
+    tmp_path, capsys
+):
+    """A loader that finished removes ``ROOT/.work`` once it is empty; another loader of
+    another key that had just opened it (to make its download directory there) finds it
+    removed: it makes it again and goes on, instead of failing."""
+    from loader import fs
+
+    root = tmp_path / "models"
+    removed = []
+
+    def finished_meanwhile(op: str, path: str) -> None:
+        if op == "mkdir" and path.startswith(f"{root / '.work'}/.") and not removed:
+            (root / ".work").rmdir()  # what the other loader's clean-up does last
+            removed.append(path)
+
+    with fs.inject(finished_meanwhile):
+        code = main(_argv(SOURCE, root, "--no-overlap"))
+    _, err = capsys.readouterr()
+    assert removed
+    assert code == 0, err
+    assert manifest.verify(runs.published(root)) == []

@@ -18,12 +18,15 @@ drives whole runs; these call the piece itself, so the cases a run rarely meets 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -197,6 +200,92 @@ def test_a_file_the_loader_creates_never_reuses_an_existing_one(tmp_path):
     assert (tmp_path / "users.bin").read_bytes() == b"a user's data\n"
 
 
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "directory", "file"])
+@pytest.mark.parametrize("call", ["create", "write", "copy_in"])
+def test_a_name_taken_before_the_loader_creates_its_file_is_not_ours(tmp_path, kind, call):
+    """What stands at the name of a file the loader creates new (an output, a marker, a copied
+    file), planted after the loader looked, fails the ``O_EXCL`` create with ``EEXIST``: that
+    is a ``NotOursError`` naming what is there (exit 2), not the exit 1 of a bug's errno, and
+    what is there is never written through; competing callers still see a
+    ``FileExistsError``."""
+    from loader.errors import EXIT_USER_ERROR, typed_os_error
+
+    (tmp_path / "outside").write_text("not the loader's\n")
+    (tmp_path / "source.bin").write_bytes(b"the source\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    planted = out / "model.wte.bin"
+    if kind == "link":
+        planted.symlink_to(tmp_path / "outside")
+    elif kind == "dangling link":
+        planted.symlink_to(tmp_path / "nothing-here")
+    elif kind == "fifo":
+        os.mkfifo(planted)
+    elif kind == "directory":
+        planted.mkdir()
+    else:
+        planted.write_text("a user's file\n")
+    with fs.Dir.open(out) as d, pytest.raises(FileExistsError) as raised:
+        {
+            "create": lambda: d.create("model.wte.bin"),
+            "write": lambda: d.write("model.wte.bin", b"bytes"),
+            "copy_in": lambda: d.copy_in("model.wte.bin", tmp_path / "source.bin"),
+        }[call]()
+    typed = typed_os_error(raised.value)
+    assert isinstance(typed, NotOursError) and typed.exit_code == EXIT_USER_ERROR
+    found = {"fifo": "a special file", "directory": "a directory", "file": "a file"}
+    assert f"{planted} is {found.get(kind, 'a symbolic link')}" in typed.message
+    assert (tmp_path / "outside").read_text() == "not the loader's\n"
+    assert not (tmp_path / "nothing-here").exists()
+
+
+_IN_A_REMOVED_DIRECTORY = {
+    "create": lambda d: d.create("model.wte.bin"),
+    "write": lambda d: d.write("journal", b"a line\n"),
+    "mkdir": lambda d: d.mkdir("2-gpu"),
+    "make_marked": lambda d: d.make_marked("tiny@r1", ".marker", KEY),
+    "rename": lambda d: d.rename("partial", d, "config.json"),
+    "link": lambda d: d.link("partial", "config.json"),
+    "unlink": lambda d: d.unlink("partial"),
+    "sub": lambda d: d.sub("converted"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_IN_A_REMOVED_DIRECTORY))
+def test_a_directory_removed_under_the_loader_is_an_error_of_the_environment(tmp_path, call):
+    """A directory the loader works in, removed meanwhile by another process (a user clearing
+    ``.work`` or ``.staging`` under a live run), fails the loader's next call there with
+    ``ENOENT``: that is a typed error naming the directory (75: running again starts anew),
+    not the exit 1 of a name the loader lost (``ENOENT`` is a bug's errno) with a traceback;
+    callers that take a missing name for absent still see a ``FileNotFoundError``."""
+    from loader.errors import EXIT_TRANSIENT, DirectoryRemovedError, typed_os_error
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with fs.Dir.open(work) as d:
+        shutil.rmtree(work)
+        (tmp_path / "canary").mkdir()
+        work.symlink_to(tmp_path / "canary")  # what stands there now is someone else's
+        with pytest.raises(FileNotFoundError) as raised:
+            _IN_A_REMOVED_DIRECTORY[call](d)
+    assert isinstance(raised.value, DirectoryRemovedError)
+    typed = typed_os_error(raised.value)
+    assert typed is not None and typed.exit_code == EXIT_TRANSIENT
+    assert str(work) in typed.message and "removed" in typed.message
+    assert os.listdir(tmp_path / "canary") == []
+
+
+def test_a_name_missing_in_a_directory_still_there_stays_a_bugs_errno(tmp_path):
+    """Only a removed directory makes ``ENOENT`` an error of the environment: a name missing
+    in a directory that is still there is what the loader should have handled (exit 1)."""
+    from loader.errors import DirectoryRemovedError, typed_os_error
+
+    with fs.Dir.open(tmp_path) as d, pytest.raises(FileNotFoundError) as raised:
+        d.rename("partial", d, "config.json")
+    assert not isinstance(raised.value, DirectoryRemovedError)
+    assert typed_os_error(raised.value) is None
+
+
 # --- partial downloads: whose they are, and when they are whole ----------------------------
 
 
@@ -339,6 +428,55 @@ def test_a_take_over_of_a_lock_that_changed_since_it_was_judged_puts_it_back(tmp
         assert os.listdir(tmp_path / LOCKS_DIR) == [holder.path.name]
     finally:
         holder.release()
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "directory"])
+def test_a_take_over_never_removes_what_replaced_the_stale_lock_after_it_was_judged(tmp_path, kind):
+    """A waiter judged a dead holder's lock stale; before its move, someone put a link, a
+    FIFO or a directory at the lock's path. The waiter moves that aside with the lock's
+    rename, finds it is no lock file, and puts it back where it was: refused (2, naming it),
+    never read through, never removed."""
+    from loader.repository.lock import LOCKS_DIR, PublishLock
+
+    (tmp_path / "outside").write_text("not the loader's\n")
+    locks = tmp_path / LOCKS_DIR
+    locks.mkdir()
+    waiter = PublishLock(tmp_path, KEY, expiry_s=600)
+    judged = b'{"pid": 1, "beats": 0}'
+    waiter.path.write_bytes(judged)
+
+    def plant(op: str, path: str) -> None:
+        if op == "rename" and path.startswith(f"{waiter.path} -> "):
+            waiter.path.unlink()
+            if kind == "link":
+                waiter.path.symlink_to(tmp_path / "outside")
+            elif kind == "dangling link":
+                waiter.path.symlink_to(tmp_path / "nothing-here")
+            elif kind == "fifo":
+                os.mkfifo(waiter.path)
+            else:
+                waiter.path.mkdir()
+                (waiter.path / "users.txt").write_text("keep me\n")
+
+    with fs.Dir.open(tmp_path) as r:
+        waiter._dir = r.sub(LOCKS_DIR)
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(30)  # a FIFO opened for reading without O_NONBLOCK waits for a writer forever
+    try:
+        with fs.inject(plant), pytest.raises(NotOursError) as raised:
+            waiter._take_over(judged)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        waiter._dir.close()
+    assert str(waiter.path) in raised.value.message
+    assert os.listdir(locks) == [waiter.path.name]
+    assert (tmp_path / "outside").read_text() == "not the loader's\n"
+    assert not (tmp_path / "nothing-here").exists()
+    if kind == "directory":
+        assert (waiter.path / "users.txt").read_text() == "keep me\n"
+    else:
+        assert waiter.path.is_symlink() or waiter.path.is_fifo()
 
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
@@ -508,6 +646,102 @@ def test_seal_refuses_a_link_in_the_tree_it_makes_durable(tmp_path):
     with pytest.raises(NotOursError, match="planted"):
         publish.seal(staging)
     assert stat.S_IMODE((tmp_path / "outside").stat().st_mode) == 0o600
+
+
+class _FifoAtOpen:
+    """A hook of the seam that puts a FIFO in place of the file ``path`` just before the
+    loader opens it (after it looked: a swap by anyone who can write the volume)."""
+
+    def __init__(self, path) -> None:
+        self.path, self.swapped = path, False
+
+    def __call__(self, op: str, path: str) -> None:
+        if op == "open" and path == str(self.path) and not self.swapped:
+            self.swapped = True
+            self.path.unlink()
+            os.mkfifo(self.path)
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int = 30):
+    """A FIFO opened for reading without ``O_NONBLOCK`` waits for a writer forever: fail."""
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kind", ["link", "directory"])
+def test_a_new_staging_directory_whose_name_was_taken_meanwhile_is_refused(tmp_path, kind):
+    """The staging directory is made under a temporary name, then renamed to its own (new,
+    random) name: something put at that name in between (its temporary name shows it) is
+    refused (``NotOursError``: 2, naming it), not an ``EEXIST`` (exit 1), and left alone."""
+    from loader.repository import publish
+
+    (tmp_path / "outside").mkdir()
+    planted = []
+
+    def plant(op: str, path: str) -> None:
+        if op == "rename-noreplace" and "/.staging/." in path and not planted:
+            final = Path(path.split(" -> ")[1])
+            if kind == "link":
+                final.symlink_to(tmp_path / "outside")
+            else:
+                final.mkdir()
+                (final / "users.txt").write_text("keep me\n")
+            planted.append(final)
+
+    with fs.inject(plant), pytest.raises(NotOursError) as raised:
+        publish.new_staging_dir(tmp_path / "root", KEY)
+    (final,) = planted
+    assert str(final) in raised.value.message
+    assert os.listdir(final.parent) == [final.name]  # the temporary directory is gone
+    assert os.listdir(tmp_path / "outside") == []
+    assert kind == "link" or (final / "users.txt").read_text() == "keep me\n"
+
+
+def test_seal_never_opens_a_fifo_swapped_in_for_a_file_after_it_looked(tmp_path):
+    """``seal`` fsyncs each file it found regular: one replaced by a FIFO between its look
+    and its open is refused, never opened to block."""
+    from loader.repository import publish
+
+    staging = publish.new_staging_dir(tmp_path / "root", KEY)
+    (staging / "m").mkdir()
+    (staging / "m" / "config.pbtxt").write_text("name: 'm'\n")
+    hook = _FifoAtOpen(staging / "m" / "config.pbtxt")
+    with _no_hang(), fs.inject(hook), pytest.raises(NotOursError, match=r"config\.pbtxt"):
+        publish.seal(staging)
+    assert hook.swapped
+
+
+def test_a_resumed_journal_never_opens_a_fifo_swapped_in_for_an_output_after_it_looked(
+    tmp_path,
+):
+    """A resumed conversion digests each output its journal names and it found regular, with
+    the inode and time it recorded: one replaced by a FIFO between that look and the open is
+    refused, never opened to block."""
+    from loader import digest
+    from loader.convert.overlapped import Journal
+
+    out = tmp_path / "work" / "out"
+    out.mkdir(parents=True)
+    (out / "model.wte.bin").write_bytes(b"weights")
+    st = (out / "model.wte.bin").stat()
+    with fs.confined(tmp_path / "work"):
+        journal = Journal(out, "h")
+        hexdigest = digest.of_bytes(b"weights")
+        line = f"model.wte.bin {st.st_size} {hexdigest} {st.st_ino} {st.st_mtime_ns}"
+        journal.path.write_text(f"{journal.header}\n{line}\n")
+        hook = _FifoAtOpen(out / "model.wte.bin")
+        try:
+            with _no_hang(), fs.inject(hook), pytest.raises(NotOursError, match=r"model\.wte"):
+                journal.resume()
+        finally:
+            journal.close()
+    assert hook.swapped
 
 
 @pytest.mark.parametrize("found", ["another key's marker", "no marker"])

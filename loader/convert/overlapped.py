@@ -65,15 +65,12 @@ def _start_writeback(d: Dir, name: str) -> None:
 
 def _digest_in(d: Dir, name: str, algorithm: str) -> str:
     """The ``algorithm`` digest of the regular file ``d/name``, read through a descriptor (no
-    link)."""
+    link; anything but a regular file, a FIFO swapped in since the caller looked included, is
+    refused, never opened to block)."""
     hasher = digest.new(algorithm)
-    fd = d.open_file(name, os.O_RDONLY)
-    try:
-        with open(fd, "rb", closefd=False) as fh:
-            while chunk := fh.read(digest.CHUNK_BYTES):
-                hasher.update(chunk)
-    finally:
-        os.close(fd)
+    with d.open_read(name) as fh:
+        while chunk := fh.read(digest.CHUNK_BYTES):
+            hasher.update(chunk)
     return hasher.hexdigest()
 
 
@@ -220,6 +217,23 @@ class Journal:
                 errno.ENOENT, os.strerror(errno.ENOENT), str(self.directory / name)
             )
         return f"{name} {size} {digest} {found.st_ino} {found.st_mtime_ns}\n"
+
+
+def _move_new(d: Dir, name: str, to: Dir, to_name: str) -> None:
+    """Rename the directory ``d/name`` to the absent ``to/to_name``: whatever someone put
+    there meanwhile (an empty directory, which ``rename(2)`` would replace, included) is
+    refused (:class:`~loader.errors.NotOursError`) and left as it is."""
+    try:
+        d.rename(name, to, to_name, how="noreplace")
+        return
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise to.not_ours(to_name, "nothing yet (the place of the converted weights)") from None
+        if exc.errno not in fs.NO_RENAMEAT2:
+            raise
+    if to.lstat(to_name) is not None:  # without renameat2: looked at, then renamed
+        raise to.not_ours(to_name, "nothing yet (the place of the converted weights)")
+    d.rename(name, to, to_name, how="replace")
 
 
 class OverlappedConversion:
@@ -408,7 +422,7 @@ class OverlappedConversion:
             if staging is not None:
                 self._journal.record_move(staging)
             with stages.stage("move into staging"):
-                self._journal.parent().rename(self.out_dir.name, to, final.name, how="replace")
+                _move_new(self._journal.parent(), self.out_dir.name, to, final.name)
         return ConvertResult(final, result.plan, result.digests, result.seconds)
 
     def close(self) -> None:

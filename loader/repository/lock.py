@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 from loader import ledger
-from loader.errors import LockLostError, LockTimeoutError, PublishError
+from loader.errors import LockLostError, LockTimeoutError, NotOursError, PublishError
 from loader.formats import jsondoc
-from loader.fs import Dir, fsync_fd, pid_alive, pid_space, read_fd, rewrite_fd
+from loader.fs import Dir, fsync_fd, pid_alive, pid_space, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
 from loader.repository.key import key_filename
 
@@ -146,7 +146,12 @@ class PublishLock:
                 self._take_over(content)
                 continue
             if not announced:
-                log.info("another loader holds %s (%s); waiting", self.path, _describe(content))
+                log.info(
+                    "another loader holds %s (%s)%s",
+                    self.path,
+                    _describe(content),
+                    "; waiting" if self.timeout_s > 0 else "",
+                )
                 announced = True
             if now - start > self.timeout_s:
                 raise LockTimeoutError(
@@ -204,11 +209,18 @@ class PublishLock:
         except FileNotFoundError:
             return  # someone else removed it first
         try:
-            fd = locks.open_file(moved, os.O_RDONLY)
+            content = locks.read(moved, limit=64 * 1024)
+        except NotOursError:
+            # Not a lock file (a link, a FIFO, a directory put at the lock's path after we
+            # judged it): never read or removed; back where it was, and refused.
             try:
-                content = read_fd(fd, locks.path / moved, limit=64 * 1024)
-            finally:
-                os.close(fd)
+                locks.rename(moved, locks, name, how="noreplace")
+            except OSError:  # a new lock is there meanwhile: left beside it, and named
+                raise locks.not_ours(moved, "a publish lock file") from None
+            raise locks.not_ours(name, "a publish lock file") from None
+        if content is None:
+            return  # someone else removed what we moved
+        try:
             if content != stale:
                 # We moved a lock that changed since we judged it: put it back unless a new
                 # one exists already (its holder then notices the loss and stops).

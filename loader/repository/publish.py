@@ -49,8 +49,8 @@ import time
 from pathlib import Path
 
 from loader import fs
-from loader.errors import NotOursError, PublishError
-from loader.fs import NO_RENAMEAT2, Dir, fsync_fd, host_digest, pid_alive
+from loader.errors import DirectoryRemovedError, NotOursError, PublishError
+from loader.fs import NO_RENAMEAT2, Dir, host_digest, pid_alive
 from loader.repository import manifest
 from loader.repository.key import key_filename
 
@@ -84,8 +84,8 @@ def new_staging_dir(root: Path, key: str) -> Path:
     marked as the loader's."""
     name = f"{key_filename(key)}.{fs.owner()}.{secrets.token_hex(6)}"
     with Dir.open(root, create=True) as r, r.sub(STAGING_DIR, create=True) as base:
-        if not base.make_marked(name, STAGING_MARKER, key):
-            raise FileExistsError(errno.EEXIST, "exists", str(base.path / name))
+        if not base.make_marked(name, STAGING_MARKER, key):  # its new name, taken meanwhile
+            raise base.not_ours(name, f"the loader's new staging directory for {key}")
         return base.path / name
 
 
@@ -319,11 +319,7 @@ def _seal(d: Dir) -> None:
             d.chmod(name, DIR_MODE)
         elif stat.S_ISREG(found.st_mode):
             d.chmod(name, FILE_MODE)
-            fd = d.open_file(name, os.O_RDONLY)
-            try:
-                fsync_fd(fd, d.path / name)
-            finally:
-                os.close(fd)
+            d.fsync_file(name)  # a FIFO swapped in meanwhile is refused, never opened to block
         else:
             raise d.not_ours(name, "a file or directory the loader wrote")
     d.fsync()
@@ -346,8 +342,23 @@ def publish(staging: Path, root: Path, key: str, *, replace: bool = False) -> Pa
     root = Path(root).absolute()
     staging = Path(staging).absolute()
     target = published_path(root, key)
-    parent_name, variant = _split(key)
     seal(staging)
+    try:
+        _publish(staging, root, key, replace=replace)
+    except DirectoryRemovedError as exc:
+        # ``prune`` removes ``<name>@<revision>`` once its last key is gone: the one this
+        # loader had just opened (the rename failed: the staging directory is where it was).
+        if exc.directory != root / _split(key)[0]:
+            raise
+        log.info("%s was removed meanwhile (pruned); making it again", exc.directory)
+        _publish(staging, root, key, replace=replace)
+    log.info("published %s", target)
+    return target
+
+
+def _publish(staging: Path, root: Path, key: str, *, replace: bool) -> None:
+    target = published_path(root, key)
+    parent_name, variant = _split(key)
     with Dir.open(root) as r:
         if r.mkdir(parent_name, exist_ok=True, what="key directory"):
             r.fsync()  # the new <name>@<revision> directory is durable before a key is in it
@@ -369,8 +380,6 @@ def publish(staging: Path, root: Path, key: str, *, replace: bool = False) -> Pa
             else:
                 _rename_new(base, staging.name, parent, variant, target)
             parent.fsync()
-    log.info("published %s", target)
-    return target
 
 
 def _appeared(target: Path, exc: OSError) -> PublishError:

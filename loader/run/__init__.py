@@ -150,6 +150,7 @@ def _tidy(request: RunRequest, root: Path, key: str) -> None:
         log.warning("could not look for what an earlier run of %s left: %s", key, exc)
         return
     if lock is None:
+        log.info("another loader holds the lock of %s: what an earlier run left is its own", key)
         return
     try:
         publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)

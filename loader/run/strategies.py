@@ -31,7 +31,7 @@ from loader.convert.overlapped import SLICE_BYTES, Journal, OverlappedConversion
 from loader.convert.plan import ConvertResult
 from loader.convert.schedule import DEFAULT_WINDOW
 from loader.convert.sequential import convert_planned
-from loader.errors import NotOursError, TransientSourceError
+from loader.errors import DirectoryRemovedError, NotOursError, TransientSourceError
 from loader.formats.huggingface import WEIGHT_FILES, is_weight_file
 from loader.fs import Dir
 from loader.progress import byte_progress
@@ -220,6 +220,19 @@ def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
     """``WORK/<key as one name>``, marked as created by the loader (see :func:`_remove_download`).
     One that exists without the loader's marker for ``key`` is not the loader's: a
     :class:`~loader.errors.NotOursError`, nothing written into it."""
+    try:
+        return _make_download_dir(request, root, key)
+    except DirectoryRemovedError as exc:
+        # Another loader's clean-up removes ``ROOT/.work`` once it is empty: the one this
+        # loader had just opened. Made again, once (a link put there instead is refused).
+        if request.work_dir or exc.directory != Path(root).absolute() / publish.WORK_DIR:
+            raise
+        log.info("%s was removed meanwhile (another loader cleared it); making it again",
+                 exc.directory)  # fmt: skip
+        return _make_download_dir(request, root, key)
+
+
+def _make_download_dir(request: RunRequest, root: Path, key: str) -> Path:
     name = download_name(request, root, key)
     with _work(request, root) as work:
         if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
