@@ -233,7 +233,7 @@ def test_a_name_taken_before_the_loader_creates_its_file_is_not_ours(tmp_path, k
         }[call]()
     typed = typed_os_error(raised.value)
     assert isinstance(typed, NotOursError) and typed.exit_code == EXIT_USER_ERROR
-    found = {"fifo": "a special file", "directory": "a directory", "file": "a file"}
+    found = {"fifo": "a FIFO", "directory": "a directory", "file": "a file"}
     assert f"{planted} is {found.get(kind, 'a symbolic link')}" in typed.message
     assert (tmp_path / "outside").read_text() == "not the loader's\n"
     assert not (tmp_path / "nothing-here").exists()
