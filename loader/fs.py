@@ -40,6 +40,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -51,6 +52,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loader.errors import DirectoryRemovedError, NameTakenError, NotOursError, SpecialFileError
+
+log = logging.getLogger(__name__)
 
 # --- owners: who made a temporary name --------------------------------------------------------
 
@@ -731,6 +734,14 @@ class Dir:
         existing entries atomically) or ``replace`` (``renameat``). A file system without
         ``renameat2`` raises an ``OSError`` whose errno is in :data:`NO_RENAMEAT2`."""
         src, dst = self.path / name, to.path / to_name
+        if how == "replace":  # the loader makes only files and directories: it replaces no other
+            there = to.lstat(to_name)
+            if (
+                there is not None
+                and not stat.S_ISREG(there.st_mode)
+                and not stat.S_ISDIR(there.st_mode)
+            ):
+                raise to.not_ours(to_name, "a file or directory of the loader's (to replace)")
         _seam("rename" if how == "replace" else f"rename-{how}", f"{src} -> {dst}")
         if how == "replace":
             try:
@@ -758,7 +769,18 @@ class Dir:
                     dst_dir_fd=self.fd, follow_symlinks=False)  # fmt: skip
 
     def unlink(self, name: str, *, missing_ok: bool = False) -> None:
-        """Remove the file or link ``name`` (a link is removed, not what it points to)."""
+        """Remove the file ``name``. The loader makes only files and directories: a symbolic
+        link, FIFO, socket or device there is someone else's and stays (a warning names it;
+        the caller then finds the name taken where it writes, an error naming it)."""
+        found = self.lstat(name)
+        if found is not None and not stat.S_ISREG(found.st_mode):
+            log.warning(
+                "kept %s (%s): the loader never makes such entries, so it is someone else's; "
+                "remove it when it is not needed",
+                self.path / name,
+                kind_of(found.st_mode),
+            )
+            return
         _seam("unlink", self.path / name)
         try:
             os.unlink(_component(name), dir_fd=self.fd)
@@ -773,20 +795,42 @@ class Dir:
         with self._naming(self.path / name):
             os.rmdir(_component(name), dir_fd=self.fd)
 
-    def remove_tree(self, name: str) -> None:
-        """Remove ``name`` and everything below it, relative to descriptors: a link is
-        unlinked, never followed, and nothing outside ``name`` is touched. Callers remove only
-        trees carrying the loader's marker (:meth:`marked`)."""
+    def remove_tree(self, name: str) -> list[Path]:
+        """Remove ``name`` and everything below it, relative to descriptors, never following a
+        link; nothing outside ``name`` is touched. Callers remove only trees carrying the
+        loader's marker (:meth:`marked`). The loader makes only files and directories: a
+        symbolic link, FIFO, socket or device in the tree is someone else's and stays where it
+        is, with the directories holding it (a warning names it); returns what stayed."""
+        kept = self._remove_tree(name)
+        if kept:
+            log.warning(
+                "kept %s in %s: the loader never makes such entries, so they are someone "
+                "else's; remove them (and the directories holding them) when they are not "
+                "needed",
+                ", ".join(f"{p} ({kind})" for p, kind in kept[:3])
+                + (f" and {len(kept) - 3} more" if len(kept) > 3 else ""),
+                self.path / name,
+            )
+        return [p for p, _ in kept]
+
+    def _remove_tree(self, name: str) -> list[tuple[Path, str]]:
         found = self.lstat(name)
         if found is None:
-            return
+            return []
+        if stat.S_ISREG(found.st_mode):
+            _seam("unlink", self.path / name)
+            with contextlib.suppress(FileNotFoundError), _naming(self.path / name, relative=True):
+                os.unlink(_component(name), dir_fd=self.fd)
+            return []
         if not stat.S_ISDIR(found.st_mode):
-            self.unlink(name, missing_ok=True)
-            return
+            return [(self.path / name, kind_of(found.st_mode))]
+        kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:
             for entry in d.names():
-                d.remove_tree(entry)
-        self.rmdir(name)
+                kept += d._remove_tree(entry)
+        if not kept:
+            self.rmdir(name)
+        return kept
 
     def chmod(self, name: str, mode: int) -> None:
         """Set the mode of ``name`` (not through a link: a link is skipped) unless it has it

@@ -23,7 +23,7 @@ one). The property, for ``run`` and then ``prune`` (each in a forked process, wi
 against a hang): exit 0 (``run``: the key a real directory under ROOT that verifies complete) or
 2/75 with an error and a hint, never a traceback; nothing outside ROOT changes; a planted entry
 is left as it was or (inside a directory carrying the loader's marker) removed whole, never
-followed or written through.
+followed or written through; a link or a FIFO, which the loader never makes, is never removed.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import signal
 import stat
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -223,10 +224,14 @@ def _typed(code: int, text: str) -> str | None:
 
 def _left_alone(before: dict[str, str], after: dict[str, str], planted: str) -> str | None:
     """A planted entry is as it was, or gone whole (removed with a tree carrying the loader's
-    marker): never written through or changed in place."""
+    marker): never written through or changed in place. A link or a FIFO (which the loader
+    never makes) is never removed: it stays, where it was or where the loader moved the tree
+    holding it."""
     mine = {rel: v for rel, v in before.items() if rel == planted or rel.startswith(planted + "/")}
     if all(rel not in after for rel in mine):
-        return None
+        special = Counter(v for v in mine.values() if v.startswith("link:") or v == "fifo")
+        lost = special - Counter(after.values())
+        return f"removed what the loader never makes: {dict(lost)}" if lost else None
     changed = {rel: (v, after.get(rel)) for rel, v in mine.items() if after.get(rel) != v}
     return f"changed in place: {changed}" if changed else None
 

@@ -1162,3 +1162,32 @@ def test_a_negative_number_of_config_ini_is_refused(field):
     check_ft_config(config)
     with pytest.raises(CheckpointError, match=f"{field} = -1"):
         check_ft_config(dataclasses.replace(config, **{field: -1}))
+
+
+def test_removing_a_tree_of_the_loaders_keeps_what_the_loader_never_makes(tmp_path, caplog):
+    """``Dir.remove_tree`` (a marked staging or download directory, a leftover): the loader
+    makes only files and directories, so a link or a FIFO in the tree is someone else's; it
+    stays, with the directories holding it, and a warning names it. The rest goes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("the user's\n")
+    tree = tmp_path / "root" / "tree"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "c").mkdir()
+    (tree / "a" / "b" / "weights.bin").write_bytes(b"ours\n")
+    (tree / "a" / "b" / "elsewhere").symlink_to(outside)
+    (tree / "c" / "out.bin").write_bytes(b"ours\n")
+    os.mkfifo(tree / "pipe")
+    with fs.Dir.open(tmp_path / "root") as root, caplog.at_level("WARNING"):
+        kept = root.remove_tree("tree")
+    assert sorted(kept) == [tree / "a" / "b" / "elsewhere", tree / "pipe"]
+    assert (tree / "a" / "b" / "elsewhere").is_symlink() and (tree / "pipe").is_fifo()
+    assert not (tree / "c").exists() and not (tree / "a" / "b" / "weights.bin").exists()
+    assert sorted(os.listdir(tree)) == ["a", "pipe"]
+    assert (outside / "keep.txt").read_text() == "the user's\n"
+    assert "a symbolic link" in caplog.text and "a FIFO" in caplog.text
+    with fs.Dir.open(tmp_path / "root") as root:  # once they are removed, the tree goes too
+        (tree / "a" / "b" / "elsewhere").unlink()
+        (tree / "pipe").unlink()
+        assert root.remove_tree("tree") == []
+    assert not tree.exists()
