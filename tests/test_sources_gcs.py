@@ -313,8 +313,8 @@ def test_what_a_stopped_run_left_is_never_followed_or_read_blocking(
     server, tmp_path, monkeypatch, planted
 ):
     """The partial file and journal a gone run left are taken over as names in their
-    directory: a link there is never followed (what it points to stays as it was), a FIFO is
-    never read (no hang), and journal lines that are not two numbers naming a slice (paths,
+    directory, when both are files: a link there is never followed nor removed (what it points
+    to stays as it was), a FIFO is never read (no hang) nor removed, and journal lines that are not two numbers naming a slice (paths,
     ``..``, NUL, a third field) are ignored. The fetch then completes from the bucket."""
     prefix = f"planted-{planted}/ckpt"
     data, dest, partial = _left_by_a_gone_run(server, tmp_path, prefix, 3 * SLICE + 10)
@@ -350,7 +350,12 @@ def test_what_a_stopped_run_left_is_never_followed_or_read_blocking(
     assert outside.read_bytes() == b"not the loader's\n" * 100
     resumed = SLICE if planted == "journal-lines" else 0  # the one line naming a slice
     assert result.downloaded_bytes == len(data) - resumed
-    assert not (dest / transfer.PARTIAL_DIR).exists()
+    if planted == "journal-lines":
+        assert not (dest / transfer.PARTIAL_DIR).exists()
+    else:  # a link or a FIFO is not the loader's: neither taken over nor removed
+        assert sorted(p.name for p in (dest / transfer.PARTIAL_DIR).iterdir()) == sorted(
+            p.name for p in (partial, journal)
+        )
 
 
 def test_not_enough_disk_space_fails_before_downloading(single, tmp_path, monkeypatch):

@@ -141,6 +141,8 @@ def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
         tag = name[len(stem) :]
         if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
             continue
+        if any(d.kind(n) not in (None, "a file") for n in (name, *(name + x for x in companions))):
+            continue  # a link or a FIFO there is not a partial download: it stays as it is
         d.rename(name, d, ours, how="replace")
         for suffix in companions:
             if d.lstat(name + suffix) is not None:
