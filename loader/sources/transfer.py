@@ -41,6 +41,9 @@ from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
 
+#: What a partial download never is (the loader makes only files and directories): found at a
+#: gone owner's name, it is left as it is, never taken over.
+LEFT_ALONE = ("a symbolic link", "a FIFO", "a socket", "a device", "a special file")
 #: Directory under DEST that holds downloads in progress.
 PARTIAL_DIR = ".partial"
 #: Bytes kept free beyond what a download needs (file-system metadata, logs).
@@ -141,7 +144,7 @@ def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
         tag = name[len(stem) :]
         if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
             continue
-        if any(d.kind(n) not in (None, "a file") for n in (name, *(name + x for x in companions))):
+        if any(d.kind(n) in LEFT_ALONE for n in (name, *(name + x for x in companions))):
             continue  # a link or a FIFO there is not a partial download: it stays as it is
         d.rename(name, d, ours, how="replace")
         for suffix in companions:
