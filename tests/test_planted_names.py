@@ -190,9 +190,10 @@ def _plant(root: Path, rel: str, kind: str, outside: Path, key: str) -> bool:
 # --- running ----------------------------------------------------------------------------------
 
 
-def _forked(argv: list[str], log: Path) -> int:
+def _forked(argv: list[str], log: Path, hook: fs.Hook | None = None) -> int:
     """``model-loader argv`` in a forked copy of this process, its stdout and stderr into
-    ``log``; the exit code, or minus the signal that ended it (SIGALRM: it hung)."""
+    ``log`` (``hook`` on the seam of ``loader.fs`` while it runs); the exit code, or minus the
+    signal that ended it (SIGALRM: it hung)."""
     pid = os.fork()
     if pid == 0:
         code = 99
@@ -202,7 +203,8 @@ def _forked(argv: list[str], log: Path) -> int:
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
             sys.stdout = sys.stderr = out
-            code = main(argv)
+            with fs.inject(hook) if hook is not None else contextlib.nullcontext():
+                code = main(argv)
             out.flush()
         finally:
             os._exit(code)
@@ -508,22 +510,7 @@ class _ReplaceLive:
 def _forked_with(hook: _ReplaceLive, argv: list[str], log: Path) -> tuple[int, str | None]:
     """:func:`_forked` with ``hook`` on the seam: the exit code and what the hook replaced."""
     hook.record = log.with_suffix(".planted")
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            signal.alarm(HANG_S)
-            out = open(log, "w")  # noqa: SIM115 - the child exits below
-            os.dup2(out.fileno(), 1)
-            os.dup2(out.fileno(), 2)
-            sys.stdout = sys.stderr = out
-            with fs.inject(hook):
-                code = main(argv)
-            out.flush()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    code = _forked(argv, log, hook)
     return code, hook.record.read_text() if hook.record.exists() else None
 
 
