@@ -189,3 +189,41 @@ def test_a_killed_scheduler_is_restarted_and_schedules_again(sandbox):
     )
     log = (sandbox.cluster.root / "supervisor.log").read_text()
     assert "kube-scheduler exited (-9); restart" in log
+
+
+# --------------------------------------------------------------------------- its own health
+
+
+def test_a_stuck_or_ended_kubelet_thread_is_reported_with_where_it_stands(tmp_path):
+    """A sync thread that never comes back (a container start that hangs) leaves every later
+    pod of the worker Pending; the failure message says so first, with the thread's stack."""
+    import threading
+    import time
+
+    from tests.kube.kubelet import FakeKubelet
+
+    kubelet = FakeKubelet(None, tmp_path / "work", owner="test", logs=tmp_path / "logs")
+    release = threading.Event()
+
+    def a_start_that_hangs():
+        kubelet._beat()
+        release.wait(30)
+
+    stuck = threading.Thread(target=a_start_that_hangs, name="kubelet-sync", daemon=True)
+    ended = threading.Thread(target=lambda: None, name="kubelet-watch", daemon=True)
+    kubelet._threads += [stuck, ended]
+    stuck.start()
+    ended.start()
+    ended.join()
+    try:
+        while "kubelet-sync" not in kubelet._beats:
+            time.sleep(0.01)
+        assert kubelet.health() == ["kubelet thread kubelet-watch has ended"]
+        kubelet._beats["kubelet-sync"] -= 61
+        [stuck_line, ended_line] = kubelet.health()
+        assert ended_line == "kubelet thread kubelet-watch has ended"
+        assert stuck_line.startswith("kubelet thread kubelet-sync stuck for 61s at:")
+        assert "a_start_that_hangs" in stuck_line
+    finally:
+        release.set()
+        stuck.join()

@@ -14,9 +14,9 @@ Layout of the work directory::
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,10 +43,15 @@ class ControlPlaneError(RuntimeError):
     """A component did not start; the message names it and the tail of its log."""
 
 
-def die_with_parent() -> None:
-    """In the child: receive SIGTERM when the process that started it dies (even by SIGKILL)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` started so that it receives SIGTERM when the thread that started it ends (even
+    by SIGKILL of the test run): util-linux's ``setpriv --pdeathsig`` sets PR_SET_PDEATHSIG and
+    then executes it, so no Python runs in the forked child (a ``preexec_fn`` does, after a
+    fork of this many-threaded process, and can deadlock there on a lock another thread held:
+    the parent's ``Popen`` then never returns). Without ``setpriv`` (not a Debian system),
+    ``argv`` as it is: a test run killed outright may then leave processes behind."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
 
 
 def _free_port() -> int:
@@ -97,12 +102,11 @@ class ControlPlane:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = (self.logs / f"{name}.log").open("ab")
         proc = subprocess.Popen(
-            [str(self.binary), name, *args],
+            die_with_parent([str(self.binary), name, *args]),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
-            preexec_fn=die_with_parent,
         )
         log.close()
         self.processes[name] = proc

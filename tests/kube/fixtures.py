@@ -220,8 +220,11 @@ class Sandbox:
             raise TimeoutError(f"{exc}\n{self.describe()}") from None
 
     def describe(self) -> str:
-        """What the namespace holds, for a failure message."""
-        lines = []
+        """What the namespace holds, for a failure message: first what keeps the kubelet from
+        working, if anything (a failure message may be cut in its middle)."""
+        lines = self.kubelet.health()
+        if self.kubelet.errors:
+            lines.append(f"kubelet errors: {self.kubelet.errors[-10:]}")
         for d in self.api.list("apps/v1", "Deployment", self.namespace):
             lines.append(f"deployment/{d['metadata']['name']}: {d.get('status')}")
         for rs in self.api.list("apps/v1", "ReplicaSet", self.namespace):
@@ -239,8 +242,6 @@ class Sandbox:
                 f"phase={status.get('phase')} deleting={bool(pod['metadata'].get('deletionTimestamp'))} "
                 f"{' '.join(reasons)}"
             )
-        if self.kubelet.errors:
-            lines.append(f"kubelet errors: {self.kubelet.errors[-10:]}")
         return "\n".join(lines)
 
     def close(self) -> None:
@@ -253,6 +254,9 @@ class Sandbox:
 @pytest.fixture
 def sandbox(kube: Cluster, kubelet: FakeKubelet) -> Iterator[Sandbox]:
     check(kube.root)  # a stopped cluster fails the test with its reason
+    # So does a kubelet that stopped working: no pod of this worker would move again.
+    if problems := kubelet.health():
+        pytest.fail("this worker's fake kubelet stopped working:\n" + "\n".join(problems))
     # A letter first: `--set` would read an all-digit (or "12e3") fence as a number.
     fence = f"f{secrets.token_hex(3)}"
     namespace = f"t-{fence}"

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,6 +295,8 @@ class FakeKubelet:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: When each thread last went round its loop (time.monotonic()).
+        self._beats: dict[str, float] = {}
         self.errors: list[str] = []
 
     # -- set-up
@@ -345,6 +348,27 @@ class FakeKubelet:
             self._threads.append(thread)
         return self
 
+    def health(self) -> list[str]:
+        """What keeps this kubelet from working, for a failure message: a thread that ended,
+        or one that has not gone round its loop for longer than it ever should (the watch
+        waits up to its stream's 90 s read timeout, a sync round makes a few API calls), with
+        where it is stuck."""
+        frames = sys._current_frames()
+        problems = []
+        for thread in self._threads:
+            if not thread.is_alive():
+                problems.append(f"kubelet thread {thread.name} has ended")
+                continue
+            idle = time.monotonic() - self._beats.get(thread.name, time.monotonic())
+            if idle > (150 if thread.name == "kubelet-watch" else 60):
+                frame = frames.get(thread.ident)
+                where = "".join(traceback.format_stack(frame)[-6:]) if frame else "(no frame)"
+                problems.append(f"kubelet thread {thread.name} stuck for {idle:.0f}s at:\n{where}")
+        return problems
+
+    def _beat(self) -> None:
+        self._beats[threading.current_thread().name] = time.monotonic()
+
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
@@ -377,6 +401,7 @@ class FakeKubelet:
         path = "/api/v1/pods"
         params = {"fieldSelector": "spec.nodeName!="}
         while not self._stop.is_set():
+            self._beat()
             try:
                 listed = self.api.request("GET", path, params=params)
                 seen = set()
@@ -388,6 +413,7 @@ class FakeKubelet:
                         self._pods.pop(uid)
                 version = listed["metadata"]["resourceVersion"]
                 for event in self.api.watch(path, resource_version=version, params=params):
+                    self._beat()
                     if self._stop.is_set():
                         return
                     if event["type"] == "ERROR":
@@ -414,6 +440,7 @@ class FakeKubelet:
 
     def _loop(self) -> None:
         while not self._stop.wait(0.1):
+            self._beat()
             with self._lock:
                 pods = list(self._pods.values())
                 gone = set(self._state) - set(self._pods)
@@ -635,15 +662,14 @@ class FakeKubelet:
         log = log_path.open("ab")
         try:
             return subprocess.Popen(
-                [program, *argv[1:]],
+                # A test run killed outright leaves no container process behind.
+                die_with_parent([program, *argv[1:]]),
                 env=environment,
                 cwd=state.workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                # A test run killed outright leaves no container process behind.
-                preexec_fn=die_with_parent,
             )
         finally:
             log.close()
