@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -33,21 +32,31 @@ from tests.test_convert_signals import write_medium_gptj
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _as_a_shell_starts_it() -> None:
-    """The dispositions an interactive shell gives a command it starts: the signals these tests
-    send are not ignored, whatever this test process inherited (``nohup`` ignores SIGHUP, a
-    script's background job SIGINT, and an ignored signal stays ignored across ``exec``)."""
-    for sig in FORWARDED:
-        signal.signal(sig, signal.SIG_DFL)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a child killed by SIGSEGV dumps none
+#: The dispositions an interactive shell gives a command it starts: the signals these tests
+#: send are not ignored, whatever this test process inherited (``nohup`` ignores SIGHUP, a
+#: script's background job SIGINT, and an ignored signal stays ignored across ``exec``); and a
+#: child killed by SIGSEGV dumps no core. A program of its own that then executes the command
+#: (same pid): no Python of this many-threaded test process runs in a forked child, where it
+#: could deadlock on a lock another thread held at the fork.
+_AS_A_SHELL = (
+    "import os, resource, signal, sys\n"
+    f"for sig in {[int(s) for s in FORWARDED]}:\n"
+    "    signal.signal(sig, signal.SIG_DFL)\n"
+    "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n"
+)
+
+
+def _as_a_shell_starts(argv: list[str]) -> list[str]:
+    return [sys.executable, "-c", _AS_A_SHELL, *argv]
 
 
 def _start(*argv: object) -> subprocess.Popen:
     """``model-loader ARGV`` as the installed command starts it."""
     return subprocess.Popen(
-        [sys.executable, "-m", "loader", *map(str, argv)],
+        _as_a_shell_starts([sys.executable, "-m", "loader", *map(str, argv)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_as_a_shell_starts_it,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
 
 
@@ -258,8 +267,8 @@ def test_a_terminals_ctrl_c_reaches_the_command_once(medium, tmp_path):
     pid, terminal = pty.fork()
     if pid == 0:  # the loader, on the new terminal
         os.chdir(ROOT)
-        _as_a_shell_starts_it()
-        os.execve(sys.executable, argv, {**os.environ, "PYTHONPATH": str(ROOT)})
+        wrapped = _as_a_shell_starts(argv)
+        os.execve(wrapped[0], wrapped, {**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         deadline = time.monotonic() + 120
         while not any(p.name.startswith(".2-gpu.partial-") for p in out.iterdir()):
