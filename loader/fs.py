@@ -985,12 +985,12 @@ def regular_size(path: Path) -> int | None:
     return found.st_size if stat.S_ISREG(found.st_mode) else None
 
 
-def not_a_directory(path: Path) -> str:
-    """What keeps ``path`` from being a directory, for a message: ``does not exist``, ``is a
-    FIFO, not a directory``, ``is a dangling symbolic link``, ``is a symbolic link to a file,
-    not a directory``, ``lies below something that is no directory`` (``is a directory`` when
-    it is one). Only looks (:func:`stat_path`); below a :func:`confined` tree a link is never
-    followed (it is ``a symbolic link``)."""
+def what_stands_at(path: Path, wanted: str = "") -> str:
+    """What stands at ``path``, for a message: ``does not exist``, ``is a directory``, ``is a
+    FIFO``, ``is a dangling symbolic link``, ``is a symbolic link to a file``, ``lies below
+    something that is no directory``; with ``wanted`` (``a file``), an entry of
+    another kind says so (``is a FIFO, not a file``). Only looks (:func:`stat_path`);
+    below a :func:`confined` tree a link is never followed (it is ``a symbolic link``)."""
     try:
         below = _below(path, reading=True)
         given = below is None or not below[1]  # a path the user named: followed as given
@@ -999,7 +999,7 @@ def not_a_directory(path: Path) -> str:
         return "is a dangling symbolic link" if given and os.path.islink(path) else "does not exist"
     except NotOursError as exc:
         if exc.path == Path(path).absolute() and os.path.islink(path):
-            return "is a symbolic link, not a directory"
+            return "is a symbolic link"
         return "lies below a symbolic link the loader does not follow there"
     except NotADirectoryError:
         return "lies below something that is no directory"
@@ -1008,7 +1008,16 @@ def not_a_directory(path: Path) -> str:
     what = kind_of(found.st_mode)
     if given and os.path.islink(path):
         what = f"a symbolic link to {what}"
-    return "is a directory" if what == "a directory" else f"is {what}, not a directory"
+    return f"is {what}, not {wanted}" if wanted and what != wanted else f"is {what}"
+
+
+def not_a_directory(path: Path) -> str:
+    """What keeps ``path`` from being a directory, for a message: ``does not exist``, ``is a
+    FIFO, not a directory``, ``is a dangling symbolic link``, ``is a symbolic link to a file,
+    not a directory``, ``lies below something that is no directory`` (``is a directory`` when
+    it is one)."""
+    what = what_stands_at(path, "a directory")
+    return "is a symbolic link, not a directory" if what == "is a symbolic link" else what
 
 
 def read_file(path: Path, *, limit: int) -> bytes:

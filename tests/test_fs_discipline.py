@@ -107,7 +107,7 @@ def test_run_force_prune_convert_and_fetch_change_files_only_through_loader_fs(
 READS_A_PATH = {"open_read", "read_file", "regular_size", "stat_path"}
 NAMES_A_TREE = {"confined", "confined_within", "followed"}
 #: ... or to say, in a message, what stands where the user named a directory.
-DESCRIBES_A_PATH = {"not_a_directory"}
+DESCRIBES_A_PATH = {"not_a_directory", "what_stands_at"}
 
 
 def test_loader_fs_writes_only_through_a_directory_and_one_name(tmp_path):

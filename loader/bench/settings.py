@@ -100,10 +100,8 @@ def workloads_from_paths(paths: Sequence[Path | str]) -> tuple[Workload, ...]:
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
-            what = fs.not_a_directory(path)  # "does not exist", or what stands there
-            what = "is a directory" if what == "is a directory" else what.split(", not a")[0]
             raise LoaderError(
-                f"input data file {path} {what}",
+                f"input data file {path} {fs.what_stands_at(path, 'a file')}",
                 "Pass --input-data with JSON files in perf_analyzer's format (bench/test.json "
                 "is the production request, bench/mixed.json a mix of prompt lengths).",
             )
