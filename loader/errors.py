@@ -63,11 +63,12 @@ def redacted(text: str) -> str:
 
 
 def some_names(names: Iterable[str]) -> str:
-    """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``."""
+    """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``, each as
+    :func:`shown` shows it (a name read from a checkpoint or a listing may hold a line break)."""
     names = list(names)
-    shown = ", ".join(names[:SHOWN_NAMES])
+    first = ", ".join(shown(name) for name in names[:SHOWN_NAMES])
     more = len(names) - SHOWN_NAMES
-    return shown + (f" and {more} more" if more > 0 else "")
+    return first + (f" and {more} more" if more > 0 else "")
 
 
 # --- checkpoints and conversion ------------------------------------------------------------

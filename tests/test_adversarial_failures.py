@@ -1,0 +1,108 @@
+"""Adversarial failures: what a user, a checkpoint or the environment can hand the loader ends
+in a typed error (exit 2 with a hint, 75 for what may pass), never a traceback, a forged line
+of the log or a hang."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.runs import cli
+
+#: A tensor name that, printed as it is, would forge a line of its own in the error output.
+FORGED = "x\nerror: forged"
+
+
+def _read_safetensors(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def _write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _add_entry(path: Path, entry: dict, data: bytes = b"") -> None:
+    """Add the header entry ``FORGED`` to the safetensors file ``path`` (``data`` appended)."""
+    header, body = _read_safetensors(path)
+    header[FORGED] = entry
+    _write_safetensors(path, header, body + data)
+
+
+def _end(path: Path) -> int:
+    return len(_read_safetensors(path)[1])
+
+
+@pytest.fixture
+def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
+    return path
+
+
+def _names_quoted(code: int, err: str) -> None:
+    """The error names the tensor quoted, on the error's own line: no line of its own."""
+    assert code == 2, err
+    assert "Traceback" not in err and "this is a bug" not in err
+    assert "\nerror: forged" not in err, err
+    assert repr(FORGED) in err, err
+    assert "hint:" in err
+
+
+ENTRIES = {
+    "an unsupported dtype": lambda end: (
+        {"dtype": "Q9", "shape": [0], "data_offsets": [0, 0]},
+        b"",
+    ),
+    "an incomplete entry": lambda end: ({"dtype": "F32"}, b""),
+    "a malformed entry": lambda end: (
+        {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]},
+        b"",
+    ),
+    "a span of the wrong length": lambda end: (
+        {"dtype": "F32", "shape": [2], "data_offsets": [end, end + 4]},
+        b"\0" * 4,
+    ),
+    "bytes another tensor holds": lambda end: (
+        {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        b"",
+    ),
+    "a gap before it": lambda end: (
+        {"dtype": "F32", "shape": [1], "data_offsets": [end + 4, end + 8]},
+        b"\0" * 8,
+    ),
+    "a tensor the model does not have": lambda end: (
+        {"dtype": "F32", "shape": [1], "data_offsets": [end, end + 4]},
+        b"\0" * 4,
+    ),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ENTRIES))
+def test_a_tensor_name_from_a_header_never_forges_a_line_of_the_error(
+    source, tmp_path, capsys, what
+):
+    weights = source / "model.safetensors"
+    entry, data = ENTRIES[what](_end(weights))
+    _add_entry(weights, entry, data)
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _names_quoted(code, err)
+    assert not (tmp_path / "out" / "1-gpu").exists()
+
+
+def test_a_tensor_name_a_shard_holds_but_the_index_does_not_list_is_quoted(
+    sharded_fp16_checkpoint, tmp_path, capsys
+):
+    source = tmp_path / "ckpt"
+    shutil.copytree(sharded_fp16_checkpoint, source)
+    shard = sorted(source.glob("model-*.safetensors"))[0]
+    end = _end(shard)
+    _add_entry(shard, {"dtype": "F16", "shape": [2], "data_offsets": [end, end + 4]}, b"\0" * 4)
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _names_quoted(code, err)
