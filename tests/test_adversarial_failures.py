@@ -5,13 +5,19 @@ of the log or a hang."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.runs import cli
+
+ROOT = Path(__file__).resolve().parents[1]
 
 #: A tensor name that, printed as it is, would forge a line of its own in the error output.
 FORGED = "x\nerror: forged"
@@ -106,3 +112,79 @@ def test_a_tensor_name_a_shard_holds_but_the_index_does_not_list_is_quoted(
     _add_entry(shard, {"dtype": "F16", "shape": [2], "data_offsets": [end, end + 4]}, b"\0" * 4)
     code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
     _names_quoted(code, err)
+
+
+# --- MODEL_LOADER_PROFILE: the file the stage totals go to ---------------------------------
+
+
+def _convert_profiled(source: Path, out: Path, profile: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "loader", "-q", "convert", str(source), str(out), "--tp-size", "1"],
+        cwd=ROOT, env={**os.environ, "MODEL_LOADER_PROFILE": profile},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _plant_entry(path: Path, kind: str) -> None:
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(path.parent / "elsewhere.json")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "symbolic link"])
+def test_a_profile_path_where_something_else_stands_is_refused_before_any_work(
+    tiny_checkpoint_with_tokenizer, tmp_path, kind
+):
+    profile = tmp_path / "profile.json"
+    _plant_entry(profile, kind)
+    before = os.lstat(profile)
+    done = _convert_profiled(tiny_checkpoint_with_tokenizer, tmp_path / "out", str(profile))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "MODEL_LOADER_PROFILE" in done.stderr and "hint:" in done.stderr
+    after = os.lstat(profile)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)  # left as it was
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
+
+
+def test_a_profile_path_in_a_missing_directory_is_refused_before_any_work(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    profile = tmp_path / "missing" / "profile.json"
+    done = _convert_profiled(tiny_checkpoint_with_tokenizer, tmp_path / "out", str(profile))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "MODEL_LOADER_PROFILE" in done.stderr and "hint:" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_profile_that_cannot_be_written_at_exit_is_a_warning_that_leaves_nothing(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """The directory is there when the command starts, gone when it ends: the conversion's
+    result stands, one line says the profile was not written, no temporary file is left."""
+    where = tmp_path / "profiles"
+    where.mkdir()
+    profile = where / "profile.json"
+    out = tmp_path / "out"
+    code = (
+        "import os, shutil, sys; from loader import stages; from loader.cli import main; "
+        f"code = main(sys.argv[1:]); os.rename({str(where)!r}, {str(where)!r} + '.moved'); "
+        f"os.mkdir({str(where)!r}); os.mkfifo({str(profile)!r}); sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "-q", "convert", str(tiny_checkpoint_with_tokenizer),
+         str(out), "--tp-size", "1"],
+        cwd=ROOT, env={**os.environ, "MODEL_LOADER_PROFILE": str(profile)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "profile" in done.stderr and str(profile) in done.stderr
+    assert (out / "1-gpu" / "config.ini").is_file()
+    assert stat.S_ISFIFO(os.lstat(profile).st_mode)  # someone else's, left as it was
+    assert sorted(p.name for p in where.iterdir()) == ["profile.json"]
