@@ -188,3 +188,50 @@ def test_a_profile_that_cannot_be_written_at_exit_is_a_warning_that_leaves_nothi
     assert (out / "1-gpu" / "config.ini").is_file()
     assert stat.S_ISFIFO(os.lstat(profile).st_mode)  # someone else's, left as it was
     assert sorted(p.name for p in where.iterdir()) == ["profile.json"]
+
+
+# --- GOOGLE_APPLICATION_CREDENTIALS: the key file the Cloud Storage client reads -------------
+
+
+def _fetch_gs(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", "gs://bucket/prefix", str(tmp_path / "dest"),
+         "--retry-deadline", "5"],
+        cwd=ROOT, env={**clean, "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"), **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def _plant_key(path: Path, kind: str) -> None:
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge file":
+        with path.open("wb") as fh:
+            fh.truncate(64 * 2**20)  # sparse: no disk used
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "huge file", "link to a device"])
+def test_a_credentials_setting_that_names_no_key_file_fails_at_once_naming_it(tmp_path, kind):
+    """A FIFO there hung the client's read for good, /dev/zero read until memory ran out."""
+    key = tmp_path / "key.json"
+    _plant_key(key, kind)
+    done = _fetch_gs(tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(key))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"GOOGLE_APPLICATION_CREDENTIALS={str(key)!r}" in done.stderr
+    assert "hint:" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_it(tmp_path):
+    (tmp_path / "gcloud").mkdir()
+    os.mkfifo(tmp_path / "gcloud" / "application_default_credentials.json")
+    done = _fetch_gs(tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "application_default_credentials.json" in done.stderr and "FIFO" in done.stderr
