@@ -235,3 +235,36 @@ def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "application_default_credentials.json" in done.stderr and "FIFO" in done.stderr
+
+
+# --- the Hugging Face token's settings ----------------------------------------------------
+
+
+def _fetch_hf(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", "hf://org/name", str(tmp_path / "dest"),
+         "--retry-deadline", "5"],
+        cwd=tmp_path,
+        env={**clean, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"),
+             "HF_ENDPOINT": "http://127.0.0.1:1", **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_an_empty_hf_token_path_is_named_not_taken_for_the_working_directory(tmp_path):
+    """The Hub library reads an empty HF_TOKEN_PATH as the file ``.``; the error named ``.`` as
+    "the stored login under HF_HOME", not the setting."""
+    done = _fetch_hf(tmp_path, HF_TOKEN_PATH="")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "HF_TOKEN_PATH" in done.stderr and "empty" in done.stderr, done.stderr
+    assert "hint:" in done.stderr
+
+
+@pytest.mark.parametrize("variable", ["HF_TOKEN_PATH", "HF_TOKEN_FILE"])
+def test_a_token_file_name_with_a_line_break_is_shown_quoted(tmp_path, variable):
+    done = _fetch_hf(tmp_path, **{variable: str(tmp_path / "x\nerror: forged")})
+    assert done.returncode == 2, done.stderr
+    assert "\nerror: forged" not in done.stderr, done.stderr
+    assert "error: forged" in done.stderr
