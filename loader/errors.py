@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import re
+import resource
 import signal
 from collections.abc import Iterable
 from pathlib import Path
@@ -536,6 +537,9 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
             f"Free space on the volume holding {path} (model-loader prune removes old keys and "
             "leftovers) or give it more, then run again.",
         )
+    exhausted = _exhausted(code, where, reason)
+    if exhausted is not None:
+        return exhausted
     if code in _ENVIRONMENT:
         what, hint = _ENVIRONMENT[code]
         return FileSystemError(
@@ -545,6 +549,31 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
         return TransientFileSystemError(
             f"A file-system operation on {where} failed ({reason}); nothing was published.",
             f"Check the volume holding {path} (kernel log, NFS server); running again may succeed.",
+        )
+    return None
+
+
+def _exhausted(code: int, where: str, reason: str) -> ResourceExhaustedError | None:
+    """The process or the machine ran out of file descriptors or kernel memory: not the
+    volume's failure, so the hint names what ran out and what to raise."""
+    if code == errno.EMFILE:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        shown_limit = "unlimited" if limit == resource.RLIM_INFINITY else str(limit)
+        return ResourceExhaustedError(
+            f"The loader ran out of file descriptors ({shown_limit}) at {where} ({reason}); "
+            "nothing was published.",
+            "Raise the loader's limit on open files (ulimit -n, the container runtime's nofile "
+            "limit) or use fewer --workers, then run again.",
+        )
+    if code == errno.ENFILE:
+        return ResourceExhaustedError(
+            f"The machine ran out of open files (its file table is full) at {where} "
+            f"({reason}); nothing was published.",
+            "Run again when fewer files are open on the machine, or raise fs.file-max.",
+        )
+    if code == errno.ENOMEM:
+        return ResourceExhaustedError(
+            f"The kernel ran out of memory at {where} ({reason}); nothing was published."
         )
     return None
 

@@ -268,3 +268,30 @@ def test_a_token_file_name_with_a_line_break_is_shown_quoted(tmp_path, variable)
     assert done.returncode == 2, done.stderr
     assert "\nerror: forged" not in done.stderr, done.stderr
     assert "error: forged" in done.stderr
+
+
+# --- resources: file descriptors ----------------------------------------------------------
+
+
+def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """EMFILE is the process's descriptor limit, not the volume: the hint said to check the
+    volume's kernel log and NFS server."""
+    root = tmp_path / "root"
+    code = (
+        "import resource, sys; from loader.cli import main; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (8, 8)); sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", "--source", str(tiny_checkpoint_with_tokenizer),
+         "--repository", str(root), "--model-name", "m", "--tp-size", "1", "--pp-size", "1",
+         "--instance-count", "1", "--backend", "python", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "file descriptors" in done.stderr and "ulimit -n" in done.stderr, done.stderr
+    assert "(8)" in done.stderr
+    assert "NFS" not in done.stderr
+    assert not list(root.glob("m@*"))
