@@ -295,3 +295,39 @@ def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
     assert "(8)" in done.stderr
     assert "NFS" not in done.stderr
     assert not list(root.glob("m@*"))
+
+
+# --- complete and serve -------------------------------------------------------------------
+
+
+def test_a_request_file_nested_too_deeply_is_a_user_error(tmp_path, capsys):
+    request = tmp_path / "request.json"
+    request.write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = cli(capsys, "complete", "--request", str(request), "--url", "127.0.0.1:1")
+    assert code == 2, err
+    assert "Traceback" not in err and "this is a bug" not in err
+    assert str(request) in err and "hint:" in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:s3cret@127.0.0.1:1", "ftp://user:s3cret@127.0.0.1:1", "http://user:s3cret@"],
+)
+def test_an_endpoint_refused_never_shows_its_password(capsys, url):
+    code, _, err = cli(capsys, "complete", "hi", "--url", url)
+    assert code == 2, err
+    assert "s3cret" not in err, err
+    assert "***@" in err
+
+
+def test_serve_refuses_a_values_file_that_is_a_fifo_without_waiting_on_it(tmp_path):
+    """helm opened the FIFO and waited for a writer for good."""
+    values = tmp_path / "values.yaml"
+    os.mkfifo(values)
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", "serve", str(tmp_path), "-f", str(values)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert str(values) in done.stderr and "FIFO" in done.stderr
