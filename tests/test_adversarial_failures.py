@@ -331,3 +331,41 @@ def test_serve_refuses_a_values_file_that_is_a_fifo_without_waiting_on_it(tmp_pa
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert str(values) in done.stderr and "FIFO" in done.stderr
+
+
+# --- the working directory deleted --------------------------------------------------------
+
+
+def test_a_relative_path_described_after_the_working_directory_was_deleted_is_a_user_error(
+    tmp_path,
+):
+    """What stands at a relative path is described for a message (``tune --repository r``):
+    with the working directory gone that was an UnboundLocalError, exit 1."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        "import os, sys; from loader.cli import main; os.chdir(sys.argv[1]); "
+        "os.rmdir(sys.argv[1]); sys.exit(main(sys.argv[2:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(gone), "tune", "--repository", "r"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "working directory was deleted" in done.stderr
+
+
+def test_what_stands_at_a_relative_path_is_not_guessed_without_a_working_directory(tmp_path):
+    from loader import fs
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    os.chdir(gone)
+    try:
+        gone.rmdir()
+        with pytest.raises(FileNotFoundError):
+            fs.not_a_directory(Path("r"))
+    finally:
+        os.chdir(here)
