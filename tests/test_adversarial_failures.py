@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.runs import cli
+from tests.tiers import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -369,3 +372,58 @@ def test_what_stands_at_a_relative_path_is_not_guessed_without_a_working_directo
             fs.not_a_directory(Path("r"))
     finally:
         os.chdir(here)
+
+
+# --- safetensors headers, generated -------------------------------------------------------
+
+_NAMES = st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=12)
+_NUMBERS = st.one_of(
+    st.integers(min_value=-3, max_value=64),
+    st.integers(min_value=2**62, max_value=2**70),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+)
+_ENTRIES = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "dtype": st.one_of(
+                st.sampled_from(["F32", "F16", "BF16", "I32", "F64", "Q9"]), _NUMBERS
+            ),
+            "shape": st.one_of(st.lists(_NUMBERS, max_size=3), _NUMBERS),
+            "data_offsets": st.one_of(st.lists(_NUMBERS, max_size=3), _NUMBERS),
+        }
+    ),
+    st.fixed_dictionaries({"dtype": st.just("F32")}),
+    _NUMBERS,
+    st.lists(_NUMBERS, max_size=2),
+)
+
+
+@settings(
+    max_examples=examples(300),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    header=st.dictionaries(_NAMES, _ENTRIES, max_size=4),
+    data=st.binary(max_size=64),
+    length_delta=st.sampled_from([0, 0, 0, -1, 1, 2**40]),
+)
+def test_any_safetensors_header_opens_or_is_a_checkpoint_error_on_one_line(
+    tmp_path, header, data, length_delta
+):
+    from loader.checkpoint import SafetensorsFile
+    from loader.errors import CheckpointError, DtypeError
+
+    path = tmp_path / "model.safetensors"
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", max(0, len(raw) + length_delta)) + raw + data)
+    try:
+        SafetensorsFile(path)
+    except (CheckpointError, DtypeError) as exc:
+        for line in (exc.message, exc.remediation):
+            assert line.isprintable(), line  # a name read from the header shown escaped
