@@ -427,3 +427,13 @@ def test_any_safetensors_header_opens_or_is_a_checkpoint_error_on_one_line(
     except (CheckpointError, DtypeError) as exc:
         for line in (exc.message, exc.remediation):
             assert line.isprintable(), line  # a name read from the header shown escaped
+
+
+def test_an_empty_hf_endpoint_is_named_not_left_to_the_library(tmp_path):
+    """The Hub library takes an empty HF_ENDPOINT as its endpoint (no scheme, no host); the
+    error was the HTTP library's "Request URL is missing an 'http://' or 'https://' protocol"."""
+    done = _fetch_hf(tmp_path, HF_ENDPOINT="")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "HF_ENDPOINT" in done.stderr and "empty" in done.stderr, done.stderr
+    assert "hint:" in done.stderr

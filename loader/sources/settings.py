@@ -69,6 +69,13 @@ def _url_problem(value: str) -> str | None:
 def import_hub(name: str = "huggingface_hub") -> ModuleType:
     """Import huggingface_hub (or one of its modules): it reads its ``HF_*`` settings at import,
     and a value it cannot parse is an error naming them, not a traceback."""
+    if os.environ.get("HF_ENDPOINT") == "":  # the library takes it as its endpoint
+        raise SourceError(
+            "HF_ENDPOINT is set but empty: the Hugging Face Hub library would send its requests "
+            "to no host.",
+            "Unset HF_ENDPOINT (https://huggingface.co), or set it to http://HOST[:PORT] or "
+            "https://HOST[:PORT].",
+        )
     endpoint("HF_ENDPOINT")
     try:
         module = importlib.import_module(name)
