@@ -52,6 +52,17 @@ def shown(name: object) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def one_line(text: str) -> str:
+    """Text a library or a server wrote (an exception's message, a response's body) as one
+    line of a message: every run of white space, line breaks included, one space, and any
+    other character that does not print escaped, so that a server's answer can never print a
+    line of the loader's own (a forged ``error:`` or ``hint:``)."""
+    text = " ".join(text.split())
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 #: The user name and password a URL may carry (``http://USER:PASSWORD@HOST``): an endpoint
 #: such as ``HF_ENDPOINT`` may hold them, and HTTP libraries quote the URL in their errors and
 #: their log lines.

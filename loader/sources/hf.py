@@ -67,6 +67,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    one_line,
     redacted,
     shown,
 )
@@ -241,7 +242,7 @@ def _specific(uri: SourceURI, revision: str):
         repo = uri.location
         if isinstance(exc, HFValidationError):
             return SourceError(
-                f"{uri.raw}: the Hub does not accept {repo!r} as a repository id ({exc}).",
+                f"{uri.raw}: the Hub does not accept {repo!r} as a repository id ({one_line(str(exc))}).",
                 "Write hf://<org>/<name>[@revision] with letters, digits, '-', '_' and '.' "
                 "(no '--' or '..', not starting or ending with '-' or '.').",
             )
@@ -265,7 +266,7 @@ def _specific(uri: SourceURI, revision: str):
             )
         if isinstance(exc, RemoteEntryNotFoundError):
             return SourceNotFoundError(
-                f"{uri.raw}: a file listed by the Hub is missing ({redacted(str(exc))}).",
+                f"{uri.raw}: a file listed by the Hub is missing ({one_line(redacted(str(exc)))}).",
                 "Check the repository's files at that revision.",
             )
         return None
