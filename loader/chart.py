@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,10 +45,29 @@ class ChartError(Exception):
 def _value_args(values_files: Iterable[Path | str], set_values: Iterable[str]) -> list[str]:
     args: list[str] = []
     for f in values_files:
+        _regular_values_file(f)
         args += ["-f", str(f)]
     for s in set_values:
         args += ["--set", s]
     return args
+
+
+def _regular_values_file(path: Path | str) -> None:
+    """A values file that is there must be a regular file (through links): helm opens a FIFO
+    and waits for a writer for good, and reads a device such as /dev/zero without end. One
+    that is missing (or a URL, which helm fetches) is left to helm's own error."""
+    try:
+        found = os.stat(path)
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISREG(found.st_mode):
+        kind = (
+            "a directory" if stat.S_ISDIR(found.st_mode)
+            else "a FIFO" if stat.S_ISFIFO(found.st_mode)
+            else "a socket" if stat.S_ISSOCK(found.st_mode)
+            else "a device"
+        )  # fmt: skip
+        raise ChartError(f"the values file {path!r} is {kind}, not a regular file")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from loader import fs, ledger
-from loader.errors import CheckpointError, DtypeError, SourceShrankError, some_names
+from loader.errors import CheckpointError, DtypeError, SourceShrankError, shown, some_names
 from loader.formats import jsondoc
 from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
@@ -175,9 +175,13 @@ def _check_spans(path: Path, spans: list[tuple[int, int, str]], data_size: int) 
     previous = None
     for begin, end, name in sorted(spans):
         if begin < expected:
-            raise _corrupt(path, f"tensor {name} overlaps tensor {previous} (they share bytes)")
+            raise _corrupt(
+                path, f"tensor {shown(name)} overlaps tensor {shown(previous)} (they share bytes)"
+            )
         if begin > expected:
-            raise _corrupt(path, f"tensor {name} starts at byte {begin}, after a gap at {expected}")
+            raise _corrupt(
+                path, f"tensor {shown(name)} starts at byte {begin}, after a gap at {expected}"
+            )
         expected, previous = end, name
     if expected != data_size:
         raise _corrupt(
@@ -240,15 +244,17 @@ class SafetensorsFile:
             except KeyError as exc:
                 if isinstance(entry, dict) and entry.get("dtype") not in _SAFETENSORS_DTYPES:
                     raise DtypeError(
-                        f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}.",
+                        f"{path}: tensor {shown(name)} has unsupported dtype {entry.get('dtype')!r}.",
                         "Convert the checkpoint to fp16, bf16 or fp32 first.",
                     ) from exc
-                raise _corrupt(path, f"header entry for {name} is incomplete") from exc
+                raise _corrupt(path, f"header entry for {shown(name)} is incomplete") from exc
             except (TypeError, ValueError) as exc:
-                raise _corrupt(path, f"header entry for {name} is malformed") from exc
+                raise _corrupt(path, f"header entry for {shown(name)} is malformed") from exc
             info = TensorInfo(name, dtype, shape, path)
             if end - begin != info.nbytes:
-                raise _corrupt(path, f"tensor {name} spans {end - begin} bytes, not {info.nbytes}")
+                raise _corrupt(
+                    path, f"tensor {shown(name)} spans {end - begin} bytes, not {info.nbytes}"
+                )
             self._infos[name] = info
             self._offsets[name] = begin
             spans.append((begin, end, name))
@@ -315,7 +321,7 @@ class TorchFile:
             dtype = _torch_dtype_name(tensor.dtype)
             if dtype is None:
                 raise DtypeError(
-                    f"{path}: tensor {name} has unsupported dtype {tensor.dtype}.",
+                    f"{path}: tensor {shown(name)} has unsupported dtype {tensor.dtype}.",
                     "Convert the checkpoint to fp16, bf16 or fp32 first.",
                 )
             self._infos[name] = TensorInfo(name, dtype, tuple(tensor.shape), path)
@@ -424,7 +430,7 @@ class Inventory:
             if listed == name or (listed is None and unlisted(tensor)):
                 continue
             raise CheckpointError(
-                f"{self.listing} places tensor {tensor} in {listed}, but {name} holds it.",
+                f"{self.listing} places tensor {shown(tensor)} in {listed}, but {name} holds it.",
                 _INDEX_MISMATCH,
             )
         lacking = [t for t, f in self.placement.items() if f == name and t not in infos]
@@ -531,7 +537,7 @@ class Checkpoint:
         for name in infos:
             if name in self.tensors:
                 raise CheckpointError(
-                    f"tensor {name} is stored twice ({self.tensors[name].file.name} and "
+                    f"tensor {shown(name)} is stored twice ({self.tensors[name].file.name} and "
                     f"{shard.path.name})."
                 )
         for name, info in infos.items():

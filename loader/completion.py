@@ -10,7 +10,6 @@ returns a :class:`Completion`. The protocol picks the client module from :data:`
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import numpy as np
 
 from loader import fs
 from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError
+from loader.formats import jsondoc
 from loader.repository.tensors import ENSEMBLE_INPUTS
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def load_request(path: Path | str) -> dict[str, list[Any]]:
     /dev/zero filled the memory)."""
     try:
         raw = fs.read_file(Path(path), limit=REQUEST_FILE_LIMIT)
-        document = json.loads(raw.decode("utf-8"))
+        document = jsondoc.loads(raw.decode("utf-8"))
         entry = document["data"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise InvalidRequestError(

@@ -31,6 +31,13 @@ _URL = re.compile(
     r"(?::(?P<port>\d+))?(?P<path>/.*)?$"
 )
 _FORMS = "host:port (gRPC), grpc://host:port or http://host:port"
+#: A user name and password before the host (``[scheme://]USER:PASSWORD@``): no endpoint takes
+#: them, and an error quoting the URL shows them as ``***``.
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?)[^/@]*@")
+
+
+def _shown(url: str) -> str:
+    return _USERINFO.sub(r"\1***@", url)
 
 
 @dataclass(frozen=True)
@@ -56,12 +63,14 @@ def parse_endpoint(url: str | None, *, protocol: str | None = None) -> Endpoint:
     text = url.strip()
     match = _URL.match(text)
     if not match:
-        raise EndpointSyntaxError(f"not a Triton endpoint: {url!r}", f"Pass --url as {_FORMS}.")
+        raise EndpointSyntaxError(
+            f"not a Triton endpoint: {_shown(url)!r}", f"Pass --url as {_FORMS}."
+        )
     scheme = match["scheme"].lower() if match["scheme"] else None
     if scheme is not None and scheme not in PROTOCOLS:
         secure = " (TLS is not supported: reach the server through a tunnel or port-forward)"
         raise EndpointSyntaxError(
-            f"unknown scheme {scheme}:// in {url!r}"
+            f"unknown scheme {scheme}:// in {_shown(url)!r}"
             + (secure if scheme in ("https", "grpcs") else ""),
             f"Pass --url as {_FORMS}.",
         )
@@ -74,18 +83,18 @@ def parse_endpoint(url: str | None, *, protocol: str | None = None) -> Endpoint:
     host = match["host"]
     if match["path"] not in (None, "/"):
         raise EndpointSyntaxError(
-            f"{url!r} has a path ({match['path']}); a Triton endpoint is a host and a port",
+            f"{_shown(url)!r} has a path ({match['path']}); a Triton endpoint is a host and a port",
             f"Pass --url {chosen}://{host}:{match['port'] or DEFAULT_PORTS[chosen]}.",
         )
     if match["port"] is None:
         raise EndpointSyntaxError(
-            f"{url!r} names no port",
+            f"{_shown(url)!r} names no port",
             f"Add it: --url {host}:{DEFAULT_PORTS['grpc']} (gRPC) or "
             f"http://{host}:{DEFAULT_PORTS['http']} (Triton's default ports).",
         )
     port = int(match["port"])
     if not 0 < port < 65536:
         raise EndpointSyntaxError(
-            f"port {port} out of range in {url!r}", "Use a port from 1 to 65535."
+            f"port {port} out of range in {_shown(url)!r}", "Use a port from 1 to 65535."
         )
     return Endpoint(address=f"{host}:{port}", protocol=chosen)

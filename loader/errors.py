@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import re
+import resource
 import signal
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,6 +52,17 @@ def shown(name: object) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def one_line(text: str) -> str:
+    """Text a library or a server wrote (an exception's message, a response's body) as one
+    line of a message: every run of white space, line breaks included, one space, and any
+    other character that does not print escaped, so that a server's answer can never print a
+    line of the loader's own (a forged ``error:`` or ``hint:``)."""
+    text = " ".join(text.split())
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 #: The user name and password a URL may carry (``http://USER:PASSWORD@HOST``): an endpoint
 #: such as ``HF_ENDPOINT`` may hold them, and HTTP libraries quote the URL in their errors and
 #: their log lines.
@@ -63,11 +75,12 @@ def redacted(text: str) -> str:
 
 
 def some_names(names: Iterable[str]) -> str:
-    """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``."""
+    """The first few of ``names`` for a message: ``a, b, c, d, e, f and 4 more``, each as
+    :func:`shown` shows it (a name read from a checkpoint or a listing may hold a line break)."""
     names = list(names)
-    shown = ", ".join(names[:SHOWN_NAMES])
+    first = ", ".join(shown(name) for name in names[:SHOWN_NAMES])
     more = len(names) - SHOWN_NAMES
-    return shown + (f" and {more} more" if more > 0 else "")
+    return first + (f" and {more} more" if more > 0 else "")
 
 
 # --- checkpoints and conversion ------------------------------------------------------------
@@ -535,6 +548,9 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
             f"Free space on the volume holding {path} (model-loader prune removes old keys and "
             "leftovers) or give it more, then run again.",
         )
+    exhausted = _exhausted(code, where, reason)
+    if exhausted is not None:
+        return exhausted
     if code in _ENVIRONMENT:
         what, hint = _ENVIRONMENT[code]
         return FileSystemError(
@@ -544,6 +560,31 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
         return TransientFileSystemError(
             f"A file-system operation on {where} failed ({reason}); nothing was published.",
             f"Check the volume holding {path} (kernel log, NFS server); running again may succeed.",
+        )
+    return None
+
+
+def _exhausted(code: int, where: str, reason: str) -> ResourceExhaustedError | None:
+    """The process or the machine ran out of file descriptors or kernel memory: not the
+    volume's failure, so the hint names what ran out and what to raise."""
+    if code == errno.EMFILE:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        shown_limit = "unlimited" if limit == resource.RLIM_INFINITY else str(limit)
+        return ResourceExhaustedError(
+            f"The loader ran out of file descriptors ({shown_limit}) at {where} ({reason}); "
+            "nothing was published.",
+            "Raise the loader's limit on open files (ulimit -n, the container runtime's nofile "
+            "limit) or use fewer --workers, then run again.",
+        )
+    if code == errno.ENFILE:
+        return ResourceExhaustedError(
+            f"The machine ran out of open files (its file table is full) at {where} "
+            f"({reason}); nothing was published.",
+            "Run again when fewer files are open on the machine, or raise fs.file-max.",
+        )
+    if code == errno.ENOMEM:
+        return ResourceExhaustedError(
+            f"The kernel ran out of memory at {where} ({reason}); nothing was published."
         )
     return None
 

@@ -991,11 +991,14 @@ def what_stands_at(path: Path, wanted: str = "") -> str:
     something that is no directory``; with ``wanted`` (``a file``), an entry of
     another kind says so (``is a FIFO, not a file``). Only looks (:func:`stat_path`);
     below a :func:`confined` tree a link is never followed (it is ``a symbolic link``)."""
+    given = True
     try:
         below = _below(path, reading=True)
         given = below is None or not below[1]  # a path the user named: followed as given
         found = stat_path(path)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if exc.filename is None:  # no working directory (deleted): nothing relative resolves
+            raise
         return "is a dangling symbolic link" if given and os.path.islink(path) else "does not exist"
     except NotOursError as exc:
         if exc.path == Path(path).absolute() and os.path.islink(path):

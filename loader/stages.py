@@ -20,12 +20,18 @@ count two seconds of ``write``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import resource
+import stat
+import sys
 import threading
 import time
 from pathlib import Path
+
+from loader import fs
+from loader.errors import LoaderError, shown
 
 
 class _Off:
@@ -131,19 +137,72 @@ def snapshot() -> dict:
 
 
 def enable(path: Path | str | None = None) -> None:
-    """Start accumulating; with ``path``, write :func:`snapshot` there (JSON) at exit."""
+    """Start accumulating; with ``path``, write :func:`snapshot` there (JSON) at exit.
+
+    ``path`` is the user's (``MODEL_LOADER_PROFILE``): it must be a file name in an existing
+    directory, where nothing but a regular file stands (that one is replaced), else a
+    :class:`~loader.errors.LoaderError` before any work. At exit the totals are written to a
+    new file beside it and renamed over it through :mod:`loader.fs` (a link, FIFO, device or
+    directory that appeared there meanwhile stays); a failure then is one warning line, and
+    the temporary file is removed."""
     global _enabled, _started_wall, _started_cpu
+    target = None if path is None else _profile_target(path)
     _started_wall, _started_cpu = time.perf_counter(), time.process_time()
     _enabled = True
-    if path is not None:
-        target = Path(path)
+    if target is not None:
+        atexit.register(_dump, target)
 
-        def dump() -> None:
-            tmp = target.with_name(f".{target.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(snapshot(), indent=1) + "\n")
-            tmp.replace(target)
 
-        atexit.register(dump)
+_PROFILE_FIX = (
+    "Set MODEL_LOADER_PROFILE to the name of a file in an existing directory (a file there is "
+    "replaced), or unset it."
+)
+
+
+def _profile_target(path: Path | str) -> Path:
+    """The absolute path ``MODEL_LOADER_PROFILE`` names, checked (see :func:`enable`)."""
+    try:
+        target = Path(path).absolute()
+        found = os.lstat(target) if os.path.lexists(target) else None
+        parent = os.stat(target.parent)
+    except (OSError, ValueError) as exc:
+        raise LoaderError(
+            f"MODEL_LOADER_PROFILE={shown(path)} names no file the profile can be written to "
+            f"({exc}).",
+            _PROFILE_FIX,
+        ) from None
+    if not target.name or not stat.S_ISDIR(parent.st_mode):
+        raise LoaderError(
+            f"MODEL_LOADER_PROFILE={shown(path)} names no file in a directory.", _PROFILE_FIX
+        )
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise LoaderError(
+            f"MODEL_LOADER_PROFILE={shown(path)} names {fs.kind_of(found.st_mode)}: the profile "
+            "is written as a regular file, and the loader replaces nothing else.",
+            _PROFILE_FIX,
+        )
+    return target
+
+
+def _dump(target: Path) -> None:
+    """Write :func:`snapshot` to ``target`` (see :func:`enable`)."""
+    data = (json.dumps(snapshot(), indent=1) + "\n").encode()
+    tmp = f".{target.name}.{os.getpid()}"
+    try:
+        with fs.Dir.open(target.parent) as where:
+            where.write(tmp, data, sync=False)
+            try:
+                where.rename(tmp, where, target.name, how="replace")
+            except BaseException:
+                where.unlink(tmp, missing_ok=True)
+                raise
+    except (OSError, LoaderError) as exc:
+        with contextlib.suppress(OSError):
+            print(
+                f"warning: the stage profile was not written to {shown(target)} "
+                f"(MODEL_LOADER_PROFILE): {exc}",
+                file=sys.stderr,
+            )
 
 
 def disable() -> None:

@@ -283,6 +283,20 @@ def test_scripts_complete_parses_url_exactly_as_the_loader_does(protocol):
         assert got == expected, url
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:s3cret@h:8000", "ftp://user:s3cret@h:1", "grpc://user:s3cret@", "user:s3cret@h"],
+)
+def test_both_clients_refuse_a_url_with_credentials_without_showing_them(url):
+    script = _scripts_complete()
+    with pytest.raises(EndpointSyntaxError) as ours:
+        parse_endpoint(url)
+    with pytest.raises(script.ClientError) as theirs:
+        script.parse_url(url)
+    for said in (str(ours.value), str(theirs.value)):
+        assert "s3cret" not in said, said
+
+
 #: Values a request file or an option may hold for the numeric inputs, good and bad.
 VALUE_FORMS = [
     0, 1, 2**32 - 1, 2**32, 2**64 - 1, 2**64, -1, 1.0, 1.5, -0.0, 1e38, 1e39, 3.5e38,

@@ -642,3 +642,34 @@ def test_a_fifo_as_the_stored_login_ends_the_fetch_at_once(hub, tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"{home / 'token'}" in done.stderr and "is a FIFO" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _answer_with(status: int, body: bytes, headers: dict[str, str]):
+    def serve(handler) -> None:
+        handler.answer(status, body, headers)
+
+    return serve
+
+
+@pytest.mark.parametrize(
+    ("status", "headers"),
+    [(404, {"X-Error-Code": "EntryNotFound"}), (500, {}), (403, {})],
+)
+def test_what_the_hub_answers_in_a_failure_never_forges_a_line_of_the_error(
+    hub, tmp_path, capsys, status, headers
+):
+    """The Hub library puts the server's message on lines of its own in its exception; quoted
+    in the error, a Hub (or mirror) could print a line of the loader's."""
+    body = b'{"error": "gone\\nerror: forged by the hub\\nhint: forged"}'
+    hub.add(
+        f"org/answers-{status}",
+        FILES,
+        serve={"model.safetensors": _answer_with(status, body, {
+            **headers, "X-Error-Message": "gone", "Content-Type": "application/json"})},
+    )  # fmt: skip
+    code, err = _fetch(capsys, f"org/answers-{status}", tmp_path / "dest")
+    assert code in (2, 75), err
+    lines = err.splitlines()
+    assert [line for line in lines if line.startswith("error:")][1:] == [], err
+    assert not any(line.startswith("error: forged") or line == "hint: forged" for line in lines)
+    assert len([line for line in lines if line.startswith("hint:")]) == 1, err

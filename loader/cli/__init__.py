@@ -447,5 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         profile
     ):  # stage-by-stage wall and CPU seconds, as JSON, at exit (docs/conversion-profile.md)
-        stages.enable(profile)
+        try:
+            stages.enable(profile)
+        except LoaderError as exc:
+            return report(exc)
     return run_command(args.func, args)

@@ -40,6 +40,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    one_line,
     redacted,
     resource_exhaustion,
 )
@@ -72,13 +73,13 @@ def _causes(exc: BaseException):
 
 
 def described(exc: BaseException) -> str:
-    """``Type: message`` of a failure for a message or the log, credentials in URLs
-    :func:`redacted`."""
+    """``Type: message`` of a failure for a message or the log, on one line
+    (:func:`~loader.errors.one_line`), credentials in URLs :func:`redacted`."""
     try:
         text = str(exc)
     except Exception:  # an exception built without the fields its __str__ reads
         text = "(no message)"
-    return f"{type(exc).__name__}: {redacted(text)}"
+    return f"{type(exc).__name__}: {one_line(redacted(text))}"
 
 
 def _response(exc: BaseException) -> Any:
@@ -190,7 +191,7 @@ def dns_error(exc: BaseException, what: str) -> SourceError | None:
     if found is None:
         return None
     return SourceError(
-        f"Cannot resolve the host of {what}: {found}.",
+        f"Cannot resolve the host of {what}: {one_line(redacted(str(found)))}.",
         "Check the host name (the URI, HF_ENDPOINT, STORAGE_EMULATOR_HOST or a proxy "
         "setting) and that this pod may reach DNS and that host (a NetworkPolicy egress "
         "rule for port 53 and for the storage endpoint).",

@@ -234,6 +234,7 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
 
         client = storage.Client(credentials=AnonymousCredentials(), project="emulator")
     else:
+        settings.key_files()
         client = storage.Client()
     # The client has no public setting for its connection pool (10 connections), which the
     # download threads would otherwise outnumber.

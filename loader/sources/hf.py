@@ -67,6 +67,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    one_line,
     redacted,
     shown,
 )
@@ -163,6 +164,12 @@ def _stored_login_is_a_file() -> None:
     constants = settings.import_hub("huggingface_hub.constants")
     if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN:
         return  # the library does not look for it
+    if os.environ.get("HF_TOKEN_PATH") == "":  # the library takes it for the file "."
+        raise SourcePermissionError(
+            "HF_TOKEN_PATH is set but empty: the Hugging Face Hub library would read the "
+            "working directory as its token file.",
+            "Unset HF_TOKEN_PATH, or set it to the file holding the token.",
+        )
     path = Path(constants.HF_TOKEN_PATH)
     try:
         found = os.stat(path)
@@ -170,8 +177,8 @@ def _stored_login_is_a_file() -> None:
         return  # no stored login: no token
     except OSError as exc:
         raise SourcePermissionError(
-            f"Cannot look at the stored Hugging Face login {path} ({exc.strerror}).",
-            f"Pass a token ({TOKEN_HINT}), or fix or remove {path}.",
+            f"Cannot look at the stored Hugging Face login {shown(path)} ({exc.strerror}).",
+            f"Pass a token ({TOKEN_HINT}), or fix or remove {shown(path)}.",
         ) from exc
     if not stat.S_ISREG(found.st_mode):
         mode = found.st_mode
@@ -182,9 +189,9 @@ def _stored_login_is_a_file() -> None:
             else "a device"
         )  # fmt: skip
         raise SourcePermissionError(
-            f"The stored Hugging Face login {path} (where `hf auth login` keeps the token, "
-            f"under HF_HOME) is {kind}, not a file; the loader never reads it.",
-            f"Remove {path}, or pass a token ({TOKEN_HINT}).",
+            f"The stored Hugging Face login {shown(path)} (where `hf auth login` keeps the "
+            f"token, under HF_HOME) is {kind}, not a file; the loader never reads it.",
+            f"Remove {shown(path)}, or pass a token ({TOKEN_HINT}).",
         )
 
 
@@ -193,23 +200,25 @@ def _read_token_file(token_file: str, source: str) -> str:
         token = fs.read_file(Path(token_file), limit=64 * 1024).decode("utf-8").strip()
     except UnicodeDecodeError as exc:
         raise SourcePermissionError(
-            f"The Hugging Face token file {token_file} ({source}) is not text (it is not UTF-8).",
+            f"The Hugging Face token file {shown(token_file)} ({source}) is not text (it is not "
+            "UTF-8).",
             "Put the token itself in the file (hf_...), as one line of text.",
         ) from exc
     except OSError as exc:
         raise SourcePermissionError(
-            f"Cannot read the Hugging Face token file {token_file} ({source}: {exc.strerror}).",
+            f"Cannot read the Hugging Face token file {shown(token_file)} ({source}: "
+            f"{exc.strerror}).",
             f"Check {source} and that the Secret is mounted there.",
         ) from exc
     if not token:
         raise SourcePermissionError(
-            f"The Hugging Face token file {token_file} ({source}) is empty.",
+            f"The Hugging Face token file {shown(token_file)} ({source}) is empty.",
             "Put the token in the file (or the Kubernetes Secret).",
         )
     if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
         raise SourcePermissionError(
-            f"The Hugging Face token file {token_file} ({source}) holds more than one printable "
-            "word.",
+            f"The Hugging Face token file {shown(token_file)} ({source}) holds more than one "
+            "printable word.",
             "Put the token itself in the file (hf_...), as one line of text.",
         )
     return token
@@ -233,7 +242,7 @@ def _specific(uri: SourceURI, revision: str):
         repo = uri.location
         if isinstance(exc, HFValidationError):
             return SourceError(
-                f"{uri.raw}: the Hub does not accept {repo!r} as a repository id ({exc}).",
+                f"{uri.raw}: the Hub does not accept {repo!r} as a repository id ({one_line(str(exc))}).",
                 "Write hf://<org>/<name>[@revision] with letters, digits, '-', '_' and '.' "
                 "(no '--' or '..', not starting or ending with '-' or '.').",
             )
@@ -257,7 +266,7 @@ def _specific(uri: SourceURI, revision: str):
             )
         if isinstance(exc, RemoteEntryNotFoundError):
             return SourceNotFoundError(
-                f"{uri.raw}: a file listed by the Hub is missing ({redacted(str(exc))}).",
+                f"{uri.raw}: a file listed by the Hub is missing ({one_line(redacted(str(exc)))}).",
                 "Check the repository's files at that revision.",
             )
         return None

@@ -5,16 +5,22 @@ huggingface_hub parses ``HF_ENDPOINT`` and its ``HF_HUB_*`` numbers when it is i
 ``ValueError`` from the standard library), httpx refuses a token it cannot encode as a header
 (``UnicodeEncodeError``), httpx refuses a negative timeout (``HF_HUB_DOWNLOAD_TIMEOUT``) only
 at the first download. Each is a :class:`~loader.errors.SourceError` naming the setting here.
+The Cloud Storage client reads its key file (``GOOGLE_APPLICATION_CREDENTIALS``, else gcloud's
+``application_default_credentials.json``) whole, with no bound and no timeout: a FIFO there
+blocks it for good, a device such as ``/dev/zero`` until memory runs out; :func:`key_files`
+checks them first.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import stat
 import urllib.parse
 from types import ModuleType
 
-from loader.errors import SourceError, SourcePermissionError
+from loader.errors import SourceError, SourcePermissionError, shown
+from loader.fs import kind_of
 
 #: The schemes an endpoint may use.
 SCHEMES = ("http", "https")
@@ -63,6 +69,13 @@ def _url_problem(value: str) -> str | None:
 def import_hub(name: str = "huggingface_hub") -> ModuleType:
     """Import huggingface_hub (or one of its modules): it reads its ``HF_*`` settings at import,
     and a value it cannot parse is an error naming them, not a traceback."""
+    if os.environ.get("HF_ENDPOINT") == "":  # the library takes it as its endpoint
+        raise SourceError(
+            "HF_ENDPOINT is set but empty: the Hugging Face Hub library would send its requests "
+            "to no host.",
+            "Unset HF_ENDPOINT (https://huggingface.co), or set it to http://HOST[:PORT] or "
+            "https://HOST[:PORT].",
+        )
     endpoint("HF_ENDPOINT")
     try:
         module = importlib.import_module(name)
@@ -105,3 +118,49 @@ def token(value: str, source: str) -> str:
             f"Set {source} to the token itself (hf_...), nothing around it.",
         )
     return value
+
+
+#: The largest key file the Cloud Storage client is let read: a service account key or an
+#: external account's configuration is a few kB.
+MAX_KEY_FILE_BYTES = 2**20
+
+_KEY_FIX = (
+    "Set GOOGLE_APPLICATION_CREDENTIALS to a service account key file (JSON), or unset it to "
+    "use the environment's credentials (Workload Identity in GKE)."
+)
+
+
+def key_files() -> None:
+    """Refuse a Google credentials file the client would read unbounded: what
+    ``GOOGLE_APPLICATION_CREDENTIALS`` names (set and not empty), and gcloud's default
+    credentials file where it exists, must each be a regular file (through links) of at most
+    :data:`MAX_KEY_FILE_BYTES`. A missing file is left to the client (its own error)."""
+    named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or None
+    if named is not None:
+        _key_file(named, f"GOOGLE_APPLICATION_CREDENTIALS={named!r} names", _KEY_FIX)
+        return  # the client reads only this one
+    from google.auth import _cloud_sdk
+
+    default = _cloud_sdk.get_application_default_credentials_path()
+    _key_file(
+        default,
+        f"gcloud's default credentials file {shown(default)} is",
+        "Remove it or replace it with the file `gcloud auth application-default login` "
+        "writes, or set GOOGLE_APPLICATION_CREDENTIALS to a key file.",
+    )
+
+
+def _key_file(path: str, subject: str, fix: str) -> None:
+    try:
+        found = os.stat(path)
+    except (OSError, ValueError):
+        return  # missing, a dangling link, a NUL: the client's own error names it
+    if not stat.S_ISREG(found.st_mode):
+        what = kind_of(found.st_mode)
+        raise SourcePermissionError(f"{subject} {what}, not a key file.", fix)
+    if found.st_size > MAX_KEY_FILE_BYTES:
+        raise SourcePermissionError(
+            f"{subject} a file of {found.st_size} bytes, too large to be a key file "
+            f"(at most {MAX_KEY_FILE_BYTES} bytes).",
+            fix,
+        )

@@ -1,0 +1,439 @@
+"""Adversarial failures: what a user, a checkpoint or the environment can hand the loader ends
+in a typed error (exit 2 with a hint, 75 for what may pass), never a traceback, a forged line
+of the log or a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.runs import cli
+from tests.tiers import examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: A tensor name that, printed as it is, would forge a line of its own in the error output.
+FORGED = "x\nerror: forged"
+
+
+def _read_safetensors(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def _write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _add_entry(path: Path, entry: dict, data: bytes = b"") -> None:
+    """Add the header entry ``FORGED`` to the safetensors file ``path`` (``data`` appended)."""
+    header, body = _read_safetensors(path)
+    header[FORGED] = entry
+    _write_safetensors(path, header, body + data)
+
+
+def _end(path: Path) -> int:
+    return len(_read_safetensors(path)[1])
+
+
+@pytest.fixture
+def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
+    return path
+
+
+def _names_quoted(code: int, err: str) -> None:
+    """The error names the tensor quoted, on the error's own line: no line of its own."""
+    assert code == 2, err
+    assert "Traceback" not in err and "this is a bug" not in err
+    assert "\nerror: forged" not in err, err
+    assert repr(FORGED) in err, err
+    assert "hint:" in err
+
+
+ENTRIES = {
+    "an unsupported dtype": lambda end: (
+        {"dtype": "Q9", "shape": [0], "data_offsets": [0, 0]},
+        b"",
+    ),
+    "an incomplete entry": lambda end: ({"dtype": "F32"}, b""),
+    "a malformed entry": lambda end: (
+        {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]},
+        b"",
+    ),
+    "a span of the wrong length": lambda end: (
+        {"dtype": "F32", "shape": [2], "data_offsets": [end, end + 4]},
+        b"\0" * 4,
+    ),
+    "bytes another tensor holds": lambda end: (
+        {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        b"",
+    ),
+    "a gap before it": lambda end: (
+        {"dtype": "F32", "shape": [1], "data_offsets": [end + 4, end + 8]},
+        b"\0" * 8,
+    ),
+    "a tensor the model does not have": lambda end: (
+        {"dtype": "F32", "shape": [1], "data_offsets": [end, end + 4]},
+        b"\0" * 4,
+    ),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ENTRIES))
+def test_a_tensor_name_from_a_header_never_forges_a_line_of_the_error(
+    source, tmp_path, capsys, what
+):
+    weights = source / "model.safetensors"
+    entry, data = ENTRIES[what](_end(weights))
+    _add_entry(weights, entry, data)
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _names_quoted(code, err)
+    assert not (tmp_path / "out" / "1-gpu").exists()
+
+
+def test_a_tensor_name_a_shard_holds_but_the_index_does_not_list_is_quoted(
+    sharded_fp16_checkpoint, tmp_path, capsys
+):
+    source = tmp_path / "ckpt"
+    shutil.copytree(sharded_fp16_checkpoint, source)
+    shard = sorted(source.glob("model-*.safetensors"))[0]
+    end = _end(shard)
+    _add_entry(shard, {"dtype": "F16", "shape": [2], "data_offsets": [end, end + 4]}, b"\0" * 4)
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _names_quoted(code, err)
+
+
+# --- MODEL_LOADER_PROFILE: the file the stage totals go to ---------------------------------
+
+
+def _convert_profiled(source: Path, out: Path, profile: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "loader", "-q", "convert", str(source), str(out), "--tp-size", "1"],
+        cwd=ROOT, env={**os.environ, "MODEL_LOADER_PROFILE": profile},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _plant_entry(path: Path, kind: str) -> None:
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(path.parent / "elsewhere.json")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "symbolic link"])
+def test_a_profile_path_where_something_else_stands_is_refused_before_any_work(
+    tiny_checkpoint_with_tokenizer, tmp_path, kind
+):
+    profile = tmp_path / "profile.json"
+    _plant_entry(profile, kind)
+    before = os.lstat(profile)
+    done = _convert_profiled(tiny_checkpoint_with_tokenizer, tmp_path / "out", str(profile))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "MODEL_LOADER_PROFILE" in done.stderr and "hint:" in done.stderr
+    after = os.lstat(profile)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)  # left as it was
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
+
+
+def test_a_profile_path_in_a_missing_directory_is_refused_before_any_work(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    profile = tmp_path / "missing" / "profile.json"
+    done = _convert_profiled(tiny_checkpoint_with_tokenizer, tmp_path / "out", str(profile))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "MODEL_LOADER_PROFILE" in done.stderr and "hint:" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_profile_that_cannot_be_written_at_exit_is_a_warning_that_leaves_nothing(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """The directory is there when the command starts, gone when it ends: the conversion's
+    result stands, one line says the profile was not written, no temporary file is left."""
+    where = tmp_path / "profiles"
+    where.mkdir()
+    profile = where / "profile.json"
+    out = tmp_path / "out"
+    code = (
+        "import os, shutil, sys; from loader import stages; from loader.cli import main; "
+        f"code = main(sys.argv[1:]); os.rename({str(where)!r}, {str(where)!r} + '.moved'); "
+        f"os.mkdir({str(where)!r}); os.mkfifo({str(profile)!r}); sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "-q", "convert", str(tiny_checkpoint_with_tokenizer),
+         str(out), "--tp-size", "1"],
+        cwd=ROOT, env={**os.environ, "MODEL_LOADER_PROFILE": str(profile)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "profile" in done.stderr and str(profile) in done.stderr
+    assert (out / "1-gpu" / "config.ini").is_file()
+    assert stat.S_ISFIFO(os.lstat(profile).st_mode)  # someone else's, left as it was
+    assert sorted(p.name for p in where.iterdir()) == ["profile.json"]
+
+
+# --- GOOGLE_APPLICATION_CREDENTIALS: the key file the Cloud Storage client reads -------------
+
+
+def _fetch_gs(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", "gs://bucket/prefix", str(tmp_path / "dest"),
+         "--retry-deadline", "5"],
+        cwd=ROOT, env={**clean, "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"), **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def _plant_key(path: Path, kind: str) -> None:
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge file":
+        with path.open("wb") as fh:
+            fh.truncate(64 * 2**20)  # sparse: no disk used
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "huge file", "link to a device"])
+def test_a_credentials_setting_that_names_no_key_file_fails_at_once_naming_it(tmp_path, kind):
+    """A FIFO there hung the client's read for good, /dev/zero read until memory ran out."""
+    key = tmp_path / "key.json"
+    _plant_key(key, kind)
+    done = _fetch_gs(tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(key))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"GOOGLE_APPLICATION_CREDENTIALS={str(key)!r}" in done.stderr
+    assert "hint:" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_it(tmp_path):
+    (tmp_path / "gcloud").mkdir()
+    os.mkfifo(tmp_path / "gcloud" / "application_default_credentials.json")
+    done = _fetch_gs(tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "application_default_credentials.json" in done.stderr and "FIFO" in done.stderr
+
+
+# --- the Hugging Face token's settings ----------------------------------------------------
+
+
+def _fetch_hf(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", "hf://org/name", str(tmp_path / "dest"),
+         "--retry-deadline", "5"],
+        cwd=tmp_path,
+        env={**clean, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"),
+             "HF_ENDPOINT": "http://127.0.0.1:1", **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_an_empty_hf_token_path_is_named_not_taken_for_the_working_directory(tmp_path):
+    """The Hub library reads an empty HF_TOKEN_PATH as the file ``.``; the error named ``.`` as
+    "the stored login under HF_HOME", not the setting."""
+    done = _fetch_hf(tmp_path, HF_TOKEN_PATH="")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "HF_TOKEN_PATH" in done.stderr and "empty" in done.stderr, done.stderr
+    assert "hint:" in done.stderr
+
+
+@pytest.mark.parametrize("variable", ["HF_TOKEN_PATH", "HF_TOKEN_FILE"])
+def test_a_token_file_name_with_a_line_break_is_shown_quoted(tmp_path, variable):
+    done = _fetch_hf(tmp_path, **{variable: str(tmp_path / "x\nerror: forged")})
+    assert done.returncode == 2, done.stderr
+    assert "\nerror: forged" not in done.stderr, done.stderr
+    assert "error: forged" in done.stderr
+
+
+# --- resources: file descriptors ----------------------------------------------------------
+
+
+def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """EMFILE is the process's descriptor limit, not the volume: the hint said to check the
+    volume's kernel log and NFS server."""
+    root = tmp_path / "root"
+    code = (
+        "import resource, sys; from loader.cli import main; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (8, 8)); sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", "--source", str(tiny_checkpoint_with_tokenizer),
+         "--repository", str(root), "--model-name", "m", "--tp-size", "1", "--pp-size", "1",
+         "--instance-count", "1", "--backend", "python", "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "file descriptors" in done.stderr and "ulimit -n" in done.stderr, done.stderr
+    assert "(8)" in done.stderr
+    assert "NFS" not in done.stderr
+    assert not list(root.glob("m@*"))
+
+
+# --- complete and serve -------------------------------------------------------------------
+
+
+def test_a_request_file_nested_too_deeply_is_a_user_error(tmp_path, capsys):
+    request = tmp_path / "request.json"
+    request.write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = cli(capsys, "complete", "--request", str(request), "--url", "127.0.0.1:1")
+    assert code == 2, err
+    assert "Traceback" not in err and "this is a bug" not in err
+    assert str(request) in err and "hint:" in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:s3cret@127.0.0.1:1", "ftp://user:s3cret@127.0.0.1:1", "http://user:s3cret@"],
+)
+def test_an_endpoint_refused_never_shows_its_password(capsys, url):
+    code, _, err = cli(capsys, "complete", "hi", "--url", url)
+    assert code == 2, err
+    assert "s3cret" not in err, err
+    assert "***@" in err
+
+
+def test_serve_refuses_a_values_file_that_is_a_fifo_without_waiting_on_it(tmp_path):
+    """helm opened the FIFO and waited for a writer for good."""
+    values = tmp_path / "values.yaml"
+    os.mkfifo(values)
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", "serve", str(tmp_path), "-f", str(values)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert str(values) in done.stderr and "FIFO" in done.stderr
+
+
+# --- the working directory deleted --------------------------------------------------------
+
+
+def test_a_relative_path_described_after_the_working_directory_was_deleted_is_a_user_error(
+    tmp_path,
+):
+    """What stands at a relative path is described for a message (``tune --repository r``):
+    with the working directory gone that was an UnboundLocalError, exit 1."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        "import os, sys; from loader.cli import main; os.chdir(sys.argv[1]); "
+        "os.rmdir(sys.argv[1]); sys.exit(main(sys.argv[2:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(gone), "tune", "--repository", "r"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "working directory was deleted" in done.stderr
+
+
+def test_what_stands_at_a_relative_path_is_not_guessed_without_a_working_directory(tmp_path):
+    from loader import fs
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    os.chdir(gone)
+    try:
+        gone.rmdir()
+        with pytest.raises(FileNotFoundError):
+            fs.not_a_directory(Path("r"))
+    finally:
+        os.chdir(here)
+
+
+# --- safetensors headers, generated -------------------------------------------------------
+
+_NAMES = st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=12)
+_NUMBERS = st.one_of(
+    st.integers(min_value=-3, max_value=64),
+    st.integers(min_value=2**62, max_value=2**70),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+)
+_ENTRIES = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "dtype": st.one_of(
+                st.sampled_from(["F32", "F16", "BF16", "I32", "F64", "Q9"]), _NUMBERS
+            ),
+            "shape": st.one_of(st.lists(_NUMBERS, max_size=3), _NUMBERS),
+            "data_offsets": st.one_of(st.lists(_NUMBERS, max_size=3), _NUMBERS),
+        }
+    ),
+    st.fixed_dictionaries({"dtype": st.just("F32")}),
+    _NUMBERS,
+    st.lists(_NUMBERS, max_size=2),
+)
+
+
+@settings(
+    max_examples=examples(300),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    header=st.dictionaries(_NAMES, _ENTRIES, max_size=4),
+    data=st.binary(max_size=64),
+    length_delta=st.sampled_from([0, 0, 0, -1, 1, 2**40]),
+)
+def test_any_safetensors_header_opens_or_is_a_checkpoint_error_on_one_line(
+    tmp_path, header, data, length_delta
+):
+    from loader.checkpoint import SafetensorsFile
+    from loader.errors import CheckpointError, DtypeError
+
+    path = tmp_path / "model.safetensors"
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", max(0, len(raw) + length_delta)) + raw + data)
+    try:
+        SafetensorsFile(path)
+    except (CheckpointError, DtypeError) as exc:
+        for line in (exc.message, exc.remediation):
+            assert line.isprintable(), line  # a name read from the header shown escaped
+
+
+def test_an_empty_hf_endpoint_is_named_not_left_to_the_library(tmp_path):
+    """The Hub library takes an empty HF_ENDPOINT as its endpoint (no scheme, no host); the
+    error was the HTTP library's "Request URL is missing an 'http://' or 'https://' protocol"."""
+    done = _fetch_hf(tmp_path, HF_ENDPOINT="")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "HF_ENDPOINT" in done.stderr and "empty" in done.stderr, done.stderr
+    assert "hint:" in done.stderr
