@@ -277,6 +277,9 @@ def is_name(name: str) -> bool:
 #: The mode of every directory the loader creates: Triton runs as another uid and must enter
 #: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
 DIR_MODE = 0o755
+#: How the files marking a tree as the loader's are named (the staging and download markers):
+#: :meth:`Dir.remove_tree` removes them last.
+MARKER_PREFIX = ".model-loader-"
 
 
 def _give_mode(path: str | Path, mode: int, *, dir_fd: int | None = None) -> None:
@@ -800,8 +803,13 @@ class Dir:
         link; nothing outside ``name`` is touched. Callers remove only trees carrying the
         loader's marker (:meth:`marked`). The loader makes only files and directories: a
         symbolic link, FIFO, socket or device in the tree is someone else's and stays where it
-        is, with the directories holding it (a warning names it); returns what stayed."""
-        kept = self._remove_tree(name)
+        is, with the directories holding it (a warning names it); returns what stayed.
+
+        What makes the tree the loader's goes last: everything below it first, then its own
+        files (a repository's manifest among them), its marker (:data:`MARKER_PREFIX`) last
+        of all, so a removal stopped anywhere (a kill, a failed call) leaves a tree that is
+        still recognisably the loader's and that the next loader removes."""
+        kept = self._remove_tree(name, top=True)
         if kept:
             log.warning(
                 "kept %s in %s: the loader never makes such entries, so they are someone "
@@ -813,7 +821,7 @@ class Dir:
             )
         return [p for p, _ in kept]
 
-    def _remove_tree(self, name: str) -> list[tuple[Path, str]]:
+    def _remove_tree(self, name: str, *, top: bool = False) -> list[tuple[Path, str]]:
         found = self.lstat(name)
         if found is None:
             return []
@@ -826,7 +834,13 @@ class Dir:
             return [(self.path / name, kind_of(found.st_mode))]
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:
-            for entry in d.names():
+            entries = d.names()
+            if top:  # what marks the tree as the loader's last (see remove_tree)
+                files = [n for n in entries if d.kind(n) == "a file"]
+                entries = [n for n in entries if n not in files] + sorted(
+                    files, key=lambda n: n.startswith(MARKER_PREFIX)
+                )
+            for entry in entries:
                 kept += d._remove_tree(entry)
         if not kept:
             self.rmdir(name)

@@ -59,9 +59,9 @@ log = logging.getLogger(__name__)
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
 #: Default parent of download directories (``--work-dir``), and the file marking a download
-#: directory the loader created (the only kind it ever removes).
+#: directory the loader created (the only kind it ever removes; removed last of the tree).
 WORK_DIR = ".work"
-DOWNLOAD_MARKER = ".model-loader-download"
+DOWNLOAD_MARKER = fs.MARKER_PREFIX + "download"
 #: The file marking a staging directory (and so a repository it published) as the loader's:
 #: its first line is the key.
 STAGING_MARKER = manifest.STAGING_MARKER
