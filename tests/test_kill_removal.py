@@ -106,3 +106,51 @@ def test_a_staging_directory_whose_clearing_was_killed_is_cleared_by_the_next_ru
         assert _staged(root) == ["notes.txt"]
         (key,) = root.glob("tiny@r1/*")
         assert manifest.verify(key) == []
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory, tiny_checkpoint_with_tokenizer):
+    from tests.servers import GcsServer
+
+    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    server.upload_dir("models", "org/tiny", tiny_checkpoint_with_tokenizer)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STORAGE_EMULATOR_HOST", server.url)
+    yield server
+    mp.undo()
+    server.stop()
+
+
+class KillAtWorkRemoval(KillAtRemoval):
+    """Kill this process at the ``k``-th unlink or rmdir below ``ROOT/.work`` once the
+    repository is published (the rename out of ``.staging``)."""
+
+    published = False
+
+    def __call__(self, op: str, path: str) -> None:
+        source, _, target = path.partition(" -> ")
+        if op.startswith("rename") and f"/{STAGING_DIR}/" in source and STAGING_DIR not in target:
+            self.published = True
+        if self.published and op in ("unlink", "rmdir") and "/.work/" in path:
+            self.seen += 1
+            if self.seen == self.k:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_download_directory_whose_removal_was_killed_is_removed_and_reused(k, gcs):
+    source = "gs://models/org/tiny"
+    with scratch() as base:
+        root = base / "root"
+        # Published, then killed while removing its download directory (the marker sorts
+        # first among its names).
+        assert forked(_argv(source, root, "--no-overlap"), KillAtWorkRemoval(k)) == KILLED
+        (key,) = root.glob("tiny@r1/*")
+        assert manifest.verify(key) == []
+        with contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root)) == 0  # up to date: it tidies what was left
+            assert not (root / ".work").exists() or list((root / ".work").iterdir()) == []
+            assert main(_argv(source, root, "--force")) == 0  # downloads into it again
+        (key,) = root.glob("tiny@r1/*")
+        assert manifest.verify(key) == []
