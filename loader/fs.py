@@ -47,6 +47,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -503,6 +504,35 @@ class Dir:
             raise
         self.fsync()
         return True
+
+    def unfinished_marked(
+        self, prefix: str, marker: str, owner_line: str, *, idle_s: float
+    ) -> list[str]:
+        """The temporary directories :meth:`make_marked` left here for names starting with
+        ``prefix`` (its process stopped before the rename): holding ``marker`` whose first line
+        is ``owner_line`` (so the loader's), made by a process of this host that is gone, or
+        unchanged for ``idle_s`` seconds (the step between the two takes milliseconds). Call
+        where only one process may make such a name (under the key's lock)."""
+        found = []
+        for name in self.names():
+            if not (name.startswith(f".{prefix}") and name.endswith(".tmp")):
+                continue
+            tag = owner_in(name[: -len(".tmp")])
+            if tag is None or not self.marked(name, marker, owner_line):
+                continue
+            if tag == owner():
+                continue  # this process's own, in the making
+            if not owner_gone(tag):
+                try:
+                    with self.sub(name) as d:
+                        stamps = [d.stat(), *(d.lstat(n) for n in d.names())]
+                except (FileNotFoundError, NotOursError):
+                    continue
+                changed = max(entry.st_mtime for entry in stamps if entry is not None)
+                if time.time() - changed < idle_s:
+                    continue
+            found.append(name)
+        return found
 
     # -- looking ---------------------------------------------------------------------------
 

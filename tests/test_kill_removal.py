@@ -154,3 +154,48 @@ def test_a_download_directory_whose_removal_was_killed_is_removed_and_reused(k, 
             assert main(_argv(source, root, "--force")) == 0  # downloads into it again
         (key,) = root.glob("tiny@r1/*")
         assert manifest.verify(key) == []
+
+
+class KillBeforeMarkedRename:
+    """Kill this process just before the rename that gives a new marked directory below
+    ``under`` its name (:meth:`loader.fs.Dir.make_marked`: the marker is written and synced
+    under a temporary name first)."""
+
+    def __init__(self, under: str) -> None:
+        self.under = under
+
+    def __call__(self, op: str, path: str) -> None:
+        source, _, _ = path.partition(" -> ")
+        if op.startswith("rename") and source.endswith(".tmp") and self.under in source:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_staging_directory_killed_before_its_name_was_given_is_cleared_by_the_next_run(
+    tiny_checkpoint_with_tokenizer, template
+):
+    source = str(tiny_checkpoint_with_tokenizer)
+    with scratch() as base:
+        shutil.copytree(template, base, dirs_exist_ok=True)
+        root = base / "root"
+        killer = KillBeforeMarkedRename(f"/{STAGING_DIR}/")
+        assert forked(_argv(source, root, "--force"), killer) == KILLED
+        assert len(_staged(root)) == 2  # the user's file and the marked temporary directory
+        with contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root, "--force")) == 0
+        assert _staged(root) == ["notes.txt"]
+
+
+@pytest.mark.server
+def test_a_download_directory_killed_before_its_name_was_given_is_cleared_by_the_next_run(gcs):
+    source = "gs://models/org/tiny"
+    with scratch() as base:
+        root = base / "root"
+        (root / ".work").mkdir(parents=True)
+        (root / ".work" / "notes.txt").write_text("the user's")
+        assert forked(_argv(source, root), KillBeforeMarkedRename("/.work/")) == KILLED
+        assert len(list((root / ".work").iterdir())) == 2
+        with contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root)) == 0
+        assert [p.name for p in (root / ".work").iterdir()] == ["notes.txt"]
+        (key,) = root.glob("tiny@r1/*")
+        assert manifest.verify(key) == []

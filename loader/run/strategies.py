@@ -235,6 +235,10 @@ def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
 def _make_download_dir(request: RunRequest, root: Path, key: str) -> Path:
     name = download_name(request, root, key)
     with _work(request, root) as work:
+        for unfinished in work.unfinished_marked(name + ".", publish.DOWNLOAD_MARKER, key,
+                                                 idle_s=request.lock_expiry_s):  # fmt: skip
+            log.info("removing unfinished download directory %s", work.path / unfinished)
+            work.remove_tree(unfinished)
         if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
             with contextlib.suppress(OSError):  # an empty directory holds nothing: made anew
                 work.rmdir(name)
