@@ -102,8 +102,8 @@ class Overlapped(Sequential):
 
     def fetch(self, **options: object) -> FetchResult:
         first = super().fetch(hooks=ArrivalHooks(include=lambda rel: not is_weight_file(rel)))
-        with Dir.open(first.path) as fetched:  # the download area: never through a link
-            indexed = any(fetched.regular_size(f.index) is not None for f in WEIGHT_FILES)
+        # Sharded as the source lists it now (the download area may hold an earlier listing's).
+        indexed = any(f.index in first.files for f in WEIGHT_FILES)
         if not indexed:
             log.info("%s is not sharded: converting after the download", self.request.source)
             return super().fetch()

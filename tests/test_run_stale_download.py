@@ -1,0 +1,104 @@
+"""A remote source whose weights changed format between a killed run and its rerun: the rerun
+converts what the source holds now, never a file an earlier listing put in the download
+directory.
+
+A run killed after its download keeps ``WORK/<key>`` for the next run (it resumes). If the
+source is meanwhile uploaded again in another weight format (safetensors replaced by PyTorch
+``.bin``: other weights), the old files are still in that directory; the checkpoint's layout is
+read from the files there, safetensors first, so without care the rerun would convert the old
+weights and publish them under the new source's fingerprint, and every later run would call
+the key up to date.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader.cli import main
+from loader.repository import manifest
+from tests.runs import weights
+from tests.servers import GcsServer
+from tests.test_kill_points import KILLED, _argv, forked
+from tests.test_kill_removal import KillBeforeMarkedRename
+
+pytestmark = pytest.mark.server
+
+BUCKET, PREFIX = "models", "org/changing"
+SOURCE = f"gs://{BUCKET}/{PREFIX}"
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory, tiny_checkpoint_with_tokenizer) -> tuple[Path, Path]:
+    """The tiny checkpoint (one safetensors file), and the same model with other weights as
+    PyTorch ``.bin`` shards with their index, the same tokenizer."""
+    from tests.tinymodels import SERVING_CONTEXT, make_tiny_checkpoint
+
+    new = make_tiny_checkpoint(tmp_path_factory.mktemp("v1") / "ckpt", arch="gptj", fmt="bin",
+                               sharded=True, seed=11, n_positions=SERVING_CONTEXT)  # fmt: skip
+    for path in tiny_checkpoint_with_tokenizer.iterdir():
+        if not (new / path.name).exists() and not path.name.endswith(".safetensors"):
+            shutil.copyfile(path, new / path.name)
+    assert {p.name for p in new.glob("*.bin*")} and not list(new.glob("*.safetensors*"))
+    return tiny_checkpoint_with_tokenizer, new
+
+
+@pytest.fixture
+def gcs(tmp_path, monkeypatch):
+    server = GcsServer(tmp_path / "gcs").start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    yield server
+    server.stop()
+
+
+def _replace(server: GcsServer, checkpoint: Path) -> None:
+    """The prefix holds ``checkpoint`` and nothing else."""
+    bucket = server.client().bucket(BUCKET)
+    if bucket.exists():
+        for blob in list(bucket.list_blobs(prefix=PREFIX + "/")):
+            blob.delete()
+    server.upload_dir(BUCKET, PREFIX, checkpoint)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_a_rerun_after_the_source_changed_format_converts_what_it_holds_now(
+    overlap, versions, gcs, tmp_path
+):
+    old, new = versions
+    extra = () if overlap else ("--no-overlap",)
+    root = tmp_path / "root"
+    _replace(gcs, old)
+    # Killed once everything was downloaded: just before its staging directory got its name.
+    killer = KillBeforeMarkedRename("/.staging/")
+    assert forked(_argv(SOURCE, root, *extra), killer) == KILLED
+    assert list((root / ".work").glob("*/source/model.safetensors"))  # kept for a rerun
+    _replace(gcs, new)
+    with contextlib.redirect_stdout(sys.stderr):
+        assert main(_argv(SOURCE, root, *extra)) == 0
+        assert main(_argv(SOURCE, tmp_path / "fresh", *extra)) == 0  # no download kept
+    (published,) = root.glob("tiny@r1/*")
+    (fresh,) = (tmp_path / "fresh").glob("tiny@r1/*")
+    assert manifest.verify(published) == []
+    recorded = manifest.read_manifest(published)[manifest.SOURCE_FINGERPRINT]["files"]
+    assert "pytorch_model.bin.index.json" in recorded and "model.safetensors" not in recorded
+    assert weights(published) == weights(fresh)
+
+
+def test_a_rerun_after_the_source_lost_its_config_is_refused_not_run_on_the_old_one(
+    versions, gcs, tmp_path, capsys
+):
+    old, _ = versions
+    root = tmp_path / "root"
+    _replace(gcs, old)
+    killer = KillBeforeMarkedRename("/.staging/")
+    assert forked(_argv(SOURCE, root, "--no-overlap"), killer) == KILLED
+    assert list((root / ".work").glob("*/source/config.json"))  # kept for a rerun
+    gcs.client().bucket(BUCKET).blob(f"{PREFIX}/config.json").delete()
+    assert main(_argv(SOURCE, root, "--no-overlap")) == 2
+    err = capsys.readouterr().err
+    assert f"{SOURCE} holds no config.json" in err
+    assert not list(root.glob("tiny@r1/*"))
