@@ -102,3 +102,23 @@ def test_a_rerun_after_the_source_lost_its_config_is_refused_not_run_on_the_old_
     err = capsys.readouterr().err
     assert f"{SOURCE} holds no config.json" in err
     assert not list(root.glob("tiny@r1/*"))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_a_shard_the_source_no_longer_holds_is_refused_not_read_from_the_last_download(
+    overlap, gcs, tmp_path, capsys
+):
+    from tests.tinymodels import make_sharded_checkpoint
+
+    sharded = make_sharded_checkpoint(tmp_path / "sharded", seed=5)
+    extra = () if overlap else ("--no-overlap",)
+    root = tmp_path / "root"
+    _replace(gcs, sharded)
+    killer = KillBeforeMarkedRename("/.staging/")
+    assert forked(_argv(SOURCE, root, "--no-overlap"), killer) == KILLED  # all downloaded
+    shard = "model-00002-of-00004.safetensors"
+    assert list((root / ".work").glob(f"*/source/{shard}"))
+    gcs.client().bucket(BUCKET).blob(f"{PREFIX}/{shard}").delete()
+    assert main(_argv(SOURCE, root, *extra)) == 2
+    assert f"{shard} listed in model.safetensors.index.json is missing" in capsys.readouterr().err
+    assert not list(root.glob("tiny@r1/*"))
