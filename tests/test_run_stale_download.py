@@ -122,3 +122,21 @@ def test_a_shard_the_source_no_longer_holds_is_refused_not_read_from_the_last_do
     assert main(_argv(SOURCE, root, *extra)) == 2
     assert f"{shard} listed in model.safetensors.index.json is missing" in capsys.readouterr().err
     assert not list(root.glob("tiny@r1/*"))
+
+
+def test_a_tokenizer_file_the_source_no_longer_holds_is_not_published(versions, gcs, tmp_path):
+    old, _ = versions
+    root = tmp_path / "root"
+    _replace(gcs, old)
+    killer = KillBeforeMarkedRename("/.staging/")
+    assert forked(_argv(SOURCE, root, "--no-overlap"), killer) == KILLED
+    gone = "special_tokens_map.json"
+    assert list((root / ".work").glob(f"*/source/{gone}"))
+    gcs.client().bucket(BUCKET).blob(f"{PREFIX}/{gone}").delete()
+    with contextlib.redirect_stdout(sys.stderr):
+        assert main(_argv(SOURCE, root, "--no-overlap")) == 0
+    (published,) = root.glob("tiny@r1/*")
+    assert manifest.verify(published) == []
+    tokenizers = list(published.glob("*/1/tokenizer"))
+    assert tokenizers and all((t / "tokenizer.json").is_file() for t in tokenizers)
+    assert not list(published.rglob(gone))
