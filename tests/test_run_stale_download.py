@@ -140,3 +140,32 @@ def test_a_tokenizer_file_the_source_no_longer_holds_is_not_published(versions, 
     tokenizers = list(published.glob("*/1/tokenizer"))
     assert tokenizers and all((t / "tokenizer.json").is_file() for t in tokenizers)
     assert not list(published.rglob(gone))
+
+
+def test_an_hf_rerun_after_main_moved_to_another_format_converts_the_new_commit(
+    versions, tmp_path, monkeypatch
+):
+    from tests import runs
+    from tests.servers import OlahServer, git
+
+    old, new = versions
+    hub = OlahServer(tmp_path / "olah")
+    repo = hub.make_repo("org/moving", {p.name: p for p in old.iterdir() if p.is_file()})
+    hub.start()
+    try:
+        runs.use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
+        root, source = tmp_path / "root", "hf://org/moving"
+        killer = KillBeforeMarkedRename("/.staging/")
+        assert forked(_argv(source, root, "--no-overlap"), killer) == KILLED
+        assert list((root / ".work").glob("*/source/model.safetensors"))  # kept for a rerun
+        git(repo, "rm", "-q", "model.safetensors")
+        hub.commit(repo, {p.name: p for p in new.iterdir() if p.is_file()}, "as .bin")
+        with contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root, "--no-overlap", "--follow-source")) == 0
+            assert main(_argv(source, tmp_path / "fresh", "--no-overlap")) == 0
+    finally:
+        hub.stop()
+    (published,) = root.glob("tiny@r1/*")
+    (fresh,) = (tmp_path / "fresh").glob("tiny@r1/*")
+    assert manifest.verify(published) == []
+    assert weights(published) == weights(fresh)
