@@ -34,7 +34,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -452,14 +452,29 @@ class Inventory:
         )
 
 
-def read_inventory(directory: Path | str, *, seen: Mapping[str, int] | None = None) -> Inventory:
+def read_inventory(
+    directory: Path | str,
+    *,
+    seen: Mapping[str, int] | None = None,
+    listed: Collection[str] | None = None,
+) -> Inventory:
     """The inventory of ``directory``, in the first layout of
     :data:`~loader.formats.huggingface.WEIGHT_FILES` it has an index or a single file of.
     ``seen``: the sizes an earlier inventory of it recorded (:attr:`Inventory.sizes`); a
-    weight file shorter now was cut short meanwhile (:class:`SourceShrankError`)."""
+    weight file shorter now was cut short meanwhile (:class:`SourceShrankError`). ``listed``:
+    the files the source holds now (a download directory may still hold files an earlier
+    listing put there): only those are read, and an index naming another is refused."""
     directory = Path(directory)
     for layout in WEIGHT_FILES:
-        if is_regular_file(directory / layout.index):
+        if listed is not None and layout.index in listed:
+            inventory = Inventory(directory, layout, layout.index, _read_index(directory, layout))
+            unlisted = [name for name in inventory.files if name not in listed]
+            if unlisted:
+                raise inventory.missing(unlisted)
+            return inventory
+        if listed is not None and layout.single not in listed:
+            continue
+        if listed is None and is_regular_file(directory / layout.index):
             return Inventory(directory, layout, layout.index, _read_index(directory, layout))
         if is_regular_file(directory / layout.single):
             prior = Inventory(directory, layout, layout.single, {}, dict(seen or {}))

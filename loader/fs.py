@@ -47,6 +47,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -277,6 +278,9 @@ def is_name(name: str) -> bool:
 #: The mode of every directory the loader creates: Triton runs as another uid and must enter
 #: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
 DIR_MODE = 0o755
+#: How the files marking a tree as the loader's are named (the staging and download markers):
+#: :meth:`Dir.remove_tree` removes them last.
+MARKER_PREFIX = ".model-loader-"
 
 
 def _give_mode(path: str | Path, mode: int, *, dir_fd: int | None = None) -> None:
@@ -500,6 +504,35 @@ class Dir:
             raise
         self.fsync()
         return True
+
+    def unfinished_marked(
+        self, prefix: str, marker: str, owner_line: str, *, idle_s: float
+    ) -> list[str]:
+        """The temporary directories :meth:`make_marked` left here for names starting with
+        ``prefix`` (its process stopped before the rename): holding ``marker`` whose first line
+        is ``owner_line`` (so the loader's), made by a process of this host that is gone, or
+        unchanged for ``idle_s`` seconds (the step between the two takes milliseconds). Call
+        where only one process may make such a name (under the key's lock)."""
+        found = []
+        for name in self.names():
+            if not (name.startswith(f".{prefix}") and name.endswith(".tmp")):
+                continue
+            tag = owner_in(name[: -len(".tmp")])
+            if tag is None or not self.marked(name, marker, owner_line):
+                continue
+            if tag == owner():
+                continue  # this process's own, in the making
+            if not owner_gone(tag):
+                try:
+                    with self.sub(name) as d:
+                        stamps = [d.stat(), *(d.lstat(n) for n in d.names())]
+                except (FileNotFoundError, NotOursError):
+                    continue
+                changed = max(entry.st_mtime for entry in stamps if entry is not None)
+                if time.time() - changed < idle_s:
+                    continue
+            found.append(name)
+        return found
 
     # -- looking ---------------------------------------------------------------------------
 
@@ -800,8 +833,13 @@ class Dir:
         link; nothing outside ``name`` is touched. Callers remove only trees carrying the
         loader's marker (:meth:`marked`). The loader makes only files and directories: a
         symbolic link, FIFO, socket or device in the tree is someone else's and stays where it
-        is, with the directories holding it (a warning names it); returns what stayed."""
-        kept = self._remove_tree(name)
+        is, with the directories holding it (a warning names it); returns what stayed.
+
+        What makes the tree the loader's goes last: everything below it first, then its own
+        files (a repository's manifest among them), its marker (:data:`MARKER_PREFIX`) last
+        of all, so a removal stopped anywhere (a kill, a failed call) leaves a tree that is
+        still recognisably the loader's and that the next loader removes."""
+        kept = self._remove_tree(name, top=True)
         if kept:
             log.warning(
                 "kept %s in %s: the loader never makes such entries, so they are someone "
@@ -813,7 +851,7 @@ class Dir:
             )
         return [p for p, _ in kept]
 
-    def _remove_tree(self, name: str) -> list[tuple[Path, str]]:
+    def _remove_tree(self, name: str, *, top: bool = False) -> list[tuple[Path, str]]:
         found = self.lstat(name)
         if found is None:
             return []
@@ -826,7 +864,13 @@ class Dir:
             return [(self.path / name, kind_of(found.st_mode))]
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:
-            for entry in d.names():
+            entries = d.names()
+            if top:  # what marks the tree as the loader's last (see remove_tree)
+                files = [n for n in entries if d.kind(n) == "a file"]
+                entries = [n for n in entries if n not in files] + sorted(
+                    files, key=lambda n: n.startswith(MARKER_PREFIX)
+                )
+            for entry in entries:
                 kept += d._remove_tree(entry)
         if not kept:
             self.rmdir(name)

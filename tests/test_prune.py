@@ -231,3 +231,33 @@ def test_a_run_publishing_while_prune_removes_the_key_directory_it_is_about_to_f
     published = Path(out.splitlines()[-1])
     assert published.parent == root / "tiny@r1"
     assert manifest.verify(published) == []
+
+
+def test_unfinished_marked_directories_of_gone_loaders_are_removed_and_others_kept(
+    tmp_path, capsys
+):
+    """A loader killed between making its staging or download directory under its temporary
+    name and renaming it leaves that name: prune removes it when it carries the marker for
+    its key and its owner is gone; a live owner's, and one without the marker, stay."""
+    root = tmp_path / "models"
+    key = "tiny@r1/tp1-pp1-i1-0123abcd"
+    keyfile = key_filename(key)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, live = f"{dead.pid}-{host_digest()}", f"{os.getpid()}-{host_digest()}"
+    staging_name = f"{keyfile}.{gone}.0123456789ab"
+    planted = {
+        root / STAGING_DIR / f".{staging_name}.{gone}.0a1b2c3d.tmp": (STAGING_MARKER, True),
+        root / WORK_DIR / f".{keyfile}.{gone}.0a1b2c3d.tmp": (DOWNLOAD_MARKER, True),
+        root / STAGING_DIR / f".{staging_name}.{live}.0a1b2c3d.tmp": (STAGING_MARKER, False),
+        root / STAGING_DIR / f".{staging_name}.{gone}.99999999.tmp": (None, False),
+    }
+    for path, (marker, _) in planted.items():
+        path.mkdir(parents=True)
+        if marker is not None:
+            (path / marker).write_text(f"{key}\n")
+    code, out = _prune(capsys, root)
+    assert code == 0
+    for path, (_, removed) in planted.items():
+        assert path.exists() != removed, path
+    assert out[-1].startswith("removed 2 item(s)")

@@ -24,6 +24,7 @@ name at a time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 from loader import fs
@@ -54,13 +55,15 @@ def weights_dir(staging: Path) -> Path:
     return Path(staging) / FASTERTRANSFORMER / VERSION
 
 
-def tokenizer_files(checkpoint_dir: Path) -> list[Path]:
-    """The checkpoint's tokenizer files; a :class:`CheckpointError` if it has no tokenizer."""
+def tokenizer_files(checkpoint_dir: Path, listed: Collection[str] | None = None) -> list[Path]:
+    """The checkpoint's tokenizer files (of those ``listed``, the files the source holds now,
+    if given: a download directory may still hold an earlier listing's); a
+    :class:`CheckpointError` if it has no tokenizer."""
     checkpoint_dir = Path(checkpoint_dir)
     present = [
         checkpoint_dir / n
         for n in TOKENIZER_FILES
-        if fs.regular_size(checkpoint_dir / n) is not None
+        if (listed is None or n in listed) and fs.regular_size(checkpoint_dir / n) is not None
     ]
     names = {p.name for p in present}
     if "tokenizer.json" not in names and not {"vocab.json", "merges.txt"} <= names:

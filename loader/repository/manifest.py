@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 READY = ".ready"
 #: The file marking a staging directory, and so the repository it became, as the loader's
-#: (its first line is the key; :mod:`loader.repository.publish`).
-STAGING_MARKER = ".model-loader-staging"
+#: (its first line is the key; :mod:`loader.repository.publish`); removed last of the tree.
+STAGING_MARKER = fs.MARKER_PREFIX + "staging"
 #: The loader's files at the top of a repository that the manifest does not list.
 BOOKKEEPING = frozenset({MANIFEST, READY, STAGING_MARKER})
 #: Manifest field holding the source fingerprint (:mod:`loader.sources.fingerprint`).

@@ -8,7 +8,8 @@ download directory's marker names its key too):
   :func:`loader.repository.publish.clear_leftovers`), replaced copies (``.trash/``, once their
   key is in place again: a copy whose key is absent is put back instead,
   :func:`loader.repository.publish.recover`), download directories (``.work/<key>/``),
-  moved-away stale lock files;
+  the temporary directories of staging and download directories a killed loader never named
+  (:meth:`loader.fs.Dir.unfinished_marked`), moved-away stale lock files;
 * published keys (``ROOT/<name>@<revision>/<parallelism>-<variant>``, recognised by a manifest
   naming that very key) beyond the ``keep`` newest of each model name (by the manifest's
   ``created_at``). A key goes by one rename into ``.trash/`` first, so Triton never sees a
@@ -349,7 +350,48 @@ def _leftovers(root: Path, lock_expiry_s: float) -> list[_Candidate]:
                     found.append(_in(root, WORK_DIR, name, key,
                                      "download directory of an unfinished run",
                                      marker=DOWNLOAD_MARKER))  # fmt: skip
+        for directory, marker in ((STAGING_DIR, STAGING_MARKER), (WORK_DIR, DOWNLOAD_MARKER)):
+            if r.is_dir(directory):
+                with r.sub(directory) as d:
+                    found += _unfinished(root, d, directory, marker, lock_expiry_s)
     return found
+
+
+def _unfinished(
+    root: Path, d: Dir, directory: str, marker: str, lock_expiry_s: float
+) -> list[_Candidate]:
+    """The temporary directories of staging or download directories never named (their
+    loader was killed before the rename: :meth:`loader.fs.Dir.unfinished_marked`)."""
+    found = []
+    for name in d.names():
+        if not name.endswith(".tmp"):
+            continue
+        key = _marker_key(d, name, marker)
+        if key is None:
+            continue
+        prefix = key_filename(key) + "."
+
+        def gone(name: str = name, key: str = key, prefix: str = prefix) -> str | None:
+            with Dir.open(root) as r:
+                if not r.is_dir(directory):
+                    return "gone meanwhile"
+                with r.sub(directory) as sub:
+                    unfinished = sub.unfinished_marked(prefix, marker, key, idle_s=lock_expiry_s)
+            return None if name in unfinished else f"{directory}/{name} is in use or not ours"
+
+        if gone() is None:
+            found.append(_Candidate(key, root / directory / name,
+                                    "directory a loader stopped before naming it", gone,
+                                    _remover(root, directory, name)))  # fmt: skip
+    return found
+
+
+def _remover(root: Path, directory: str, name: str) -> Callable[[], None]:
+    def remove() -> None:
+        with Dir.open(root) as r, r.sub(directory) as d:
+            d.remove_tree(name)
+
+    return remove
 
 
 def _in(

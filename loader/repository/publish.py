@@ -59,9 +59,9 @@ log = logging.getLogger(__name__)
 STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
 #: Default parent of download directories (``--work-dir``), and the file marking a download
-#: directory the loader created (the only kind it ever removes).
+#: directory the loader created (the only kind it ever removes; removed last of the tree).
 WORK_DIR = ".work"
-DOWNLOAD_MARKER = ".model-loader-download"
+DOWNLOAD_MARKER = fs.MARKER_PREFIX + "download"
 #: The file marking a staging directory (and so a repository it published) as the loader's:
 #: its first line is the key.
 STAGING_MARKER = manifest.STAGING_MARKER
@@ -276,9 +276,10 @@ def recover(root: Path, key: str) -> Path | None:
 
 
 def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
-    """Remove what earlier loaders of ``key`` left: abandoned staging directories and the
-    key's ``.trash`` entries, only those carrying the loader's marker (:func:`owned`). Call
-    under the key's lock, after :func:`recover`."""
+    """Remove what earlier loaders of ``key`` left: abandoned staging directories, the
+    key's ``.trash`` entries and the temporary directories of staging directories never named
+    (:meth:`loader.fs.Dir.unfinished_marked`), only those carrying the loader's marker
+    (:func:`owned`). Call under the key's lock, after :func:`recover`."""
     root = Path(root).absolute()
     prefix = key_filename(key)
     removed: list[Path] = []
@@ -294,6 +295,13 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
             with r.sub(TRASH_DIR) as trash:
                 if _remove_ours(trash, name, key, "the replaced copy"):
                     removed.append(trash.path / name)
+        if r.is_dir(STAGING_DIR):  # a staging directory whose loader stopped before naming it
+            with r.sub(STAGING_DIR) as base:
+                for name in base.unfinished_marked(prefix + ".", STAGING_MARKER, key,
+                                                   idle_s=idle_s):  # fmt: skip
+                    log.info("removing unfinished staging directory %s", base.path / name)
+                    base.remove_tree(name)
+                    removed.append(base.path / name)
     return removed
 
 

@@ -110,8 +110,8 @@ def _run(request: RunRequest) -> RunResult:
                 verified = verify(request, fetched.path, again=verified)  # verified, read
             with stages.stage("run: fetch (what verify needs)"):
                 fetched = fetched or strategy.fetch()
-            with stages.stage("run: verify"):
-                verified = verified or verify(request, fetched.path)
+            with stages.stage("run: verify"):  # what the source holds now, nothing else
+                verified = verified or verify(request, fetched.path, listed=fetched.files)
             with _staging(root, key) as staging:
                 with stages.stage("run: convert (overlapped: with the fetch)"):
                     converted = strategy.convert(verified, layout.weights_dir(staging))

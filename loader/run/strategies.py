@@ -102,8 +102,8 @@ class Overlapped(Sequential):
 
     def fetch(self, **options: object) -> FetchResult:
         first = super().fetch(hooks=ArrivalHooks(include=lambda rel: not is_weight_file(rel)))
-        with Dir.open(first.path) as fetched:  # the download area: never through a link
-            indexed = any(fetched.regular_size(f.index) is not None for f in WEIGHT_FILES)
+        # Sharded as the source lists it now (the download area may hold an earlier listing's).
+        indexed = any(f.index in first.files for f in WEIGHT_FILES)
         if not indexed:
             log.info("%s is not sharded: converting after the download", self.request.source)
             return super().fetch()
@@ -235,6 +235,10 @@ def _download_dir(request: RunRequest, root: Path, key: str) -> Path:
 def _make_download_dir(request: RunRequest, root: Path, key: str) -> Path:
     name = download_name(request, root, key)
     with _work(request, root) as work:
+        for unfinished in work.unfinished_marked(name + ".", publish.DOWNLOAD_MARKER, key,
+                                                 idle_s=request.lock_expiry_s):  # fmt: skip
+            log.info("removing unfinished download directory %s", work.path / unfinished)
+            work.remove_tree(unfinished)
         if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
             with contextlib.suppress(OSError):  # an empty directory holds nothing: made anew
                 work.rmdir(name)

@@ -13,13 +13,15 @@ given) or the download area, which :mod:`loader.fs` walks from its anchor one na
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from loader import fs
 from loader.checkpoint import read_hf_config, read_inventory
 from loader.convert.plan import ConversionPlan, plan_conversion
-from loader.formats.huggingface import config_dtype
+from loader.errors import CheckpointError
+from loader.formats.huggingface import CONFIG_FILE, config_dtype
 from loader.plan import ModelShape, check_index_range, check_memory, estimate_memory
 from loader.repository import layout, validate
 from loader.run.request import RunRequest
@@ -46,13 +48,27 @@ class Verified:
         return 2 * sum(sizes) + REPOSITORY_EXTRA_BYTES
 
 
-def verify(request: RunRequest, checkpoint: Path, *, again: Verified | None = None) -> Verified:
+def verify(
+    request: RunRequest,
+    checkpoint: Path,
+    *,
+    again: Verified | None = None,
+    listed: Collection[str] | None = None,
+) -> Verified:
     """Check the checkpoint in ``checkpoint`` (its weight files need not be there yet, when an
     index lists them) for ``request``; ``again``: what an earlier check of it found (a weight
-    file shorter now was cut short meanwhile: a transient error, not a corrupt file)."""
+    file shorter now was cut short meanwhile: a transient error, not a corrupt file);
+    ``listed``: the files the source holds now, the only ones read (a download directory may
+    still hold files of an earlier listing)."""
+    if listed is not None and CONFIG_FILE not in listed:
+        raise CheckpointError(
+            f"{request.source} holds no {CONFIG_FILE}: not a Hugging Face checkpoint.",
+            f"Upload the checkpoint with its {CONFIG_FILE} (as save_pretrained writes it), then "
+            "run again.",
+        )
     config = read_hf_config(checkpoint)
     seen = again.plan.inventory.sizes if again is not None else None
-    inventory = read_inventory(checkpoint, seen=seen)
+    inventory = read_inventory(checkpoint, seen=seen, listed=listed)
     plan = plan_conversion(config, inventory, parallelism=request.parallelism, dtype=request.dtype)
     log.debug(
         "checked %s for %s: the conversion plan holds (heads, widths, layers, dtype)",
@@ -81,7 +97,7 @@ def verify(request: RunRequest, checkpoint: Path, *, again: Verified | None = No
             estimate.total / 2**30,
             request.gpu_memory_gib,
         )
-    tokenizer = layout.tokenizer_files(checkpoint)
+    tokenizer = layout.tokenizer_files(checkpoint, listed)
     validate.check_ft_config(plan.config)
     validate.check_tokenizer(checkpoint, tokenizer, plan.config.vocab_size)
     return Verified(plan, tokenizer)
