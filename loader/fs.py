@@ -20,8 +20,10 @@ name at a time (:class:`Dir`):
   :class:`Dir` entered from a marked tree's top knows the tree (``Dir.made``; below a
   :func:`confined` tree every one is: a path is entered from the anchor). Inode numbers,
   not device numbers, are recorded: an NFS volume mounted again (another pod, a reboot) gets
-  another device number, its files keep their inodes. An entry someone else makes at a name the
-  loader removed may get the removed file's inode number again: that one is not told apart;
+  another device number, its files keep their inodes. What the loader removes from a tree it
+  records as gone first (an entry made at that name afterwards, which may get the freed inode
+  number, is someone else's); only an entry someone else makes where they removed the loader's
+  file, with that file's inode number again, is not told apart;
 * a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
   and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
   servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
@@ -346,10 +348,13 @@ def made_header(marker: str) -> bytes:
     return json.dumps({"marker": _component(marker)}).encode() + b"\n"
 
 
-def made_line(rel: tuple[str, ...] | list[str], found: os.stat_result) -> bytes:
+def made_line(
+    rel: tuple[str, ...] | list[str], found: os.stat_result, *, gone: bool = False
+) -> bytes:
     """The line of a tree's record naming the entry ``rel`` (names below the tree) that
-    ``found`` (its ``fstat``) describes."""
-    kind = "d" if stat.S_ISDIR(found.st_mode) else "f"
+    ``found`` (its ``fstat``) describes; with ``gone``, the line saying the loader is about to
+    remove it (its inode may then be given to someone else's entry at the same name)."""
+    kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
     return json.dumps([found.st_ino, kind, "/".join(map(_component, rel))]).encode() + b"\n"
 
 
@@ -378,13 +383,20 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
         if (
             type(ino) is not int
             or ino <= 0
-            or kind not in ("f", "d")
+            or kind not in ("f", "d", "-")
             or not isinstance(rel, str)
             or not all(is_name(part) for part in rel.split("/"))
         ):
             continue
-        records.setdefault(tuple(rel.split("/")), set()).add((ino, kind))
+        _apply(records, tuple(rel.split("/")), ino, kind)
     return marker, records
+
+
+def _apply(records: Records, rel: tuple[str, ...], ino: int, kind: str) -> None:
+    if kind == "-":
+        records.get(rel, set()).difference_update({(ino, "f"), (ino, "d")})
+    else:
+        records.setdefault(rel, set()).add((ino, kind))
 
 
 class _Made:
@@ -406,10 +418,11 @@ class _Made:
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
-    def record(self, rel: tuple[str, ...], found: os.stat_result) -> None:
+    def record(self, rel: tuple[str, ...], found: os.stat_result, *, gone: bool = False) -> None:
         """Record that the loader made ``rel`` (``found``: its ``fstat``, taken on the
-        descriptor of what this process just created)."""
-        line = made_line(rel, found)
+        descriptor of what this process just created); with ``gone``, that it is about to
+        remove it (a failure between the two keeps it: never removed unrecorded)."""
+        line = made_line(rel, found, gone=gone)
         where = self.path / MADE
         with self.lock:
             _seam("open", where)
@@ -421,8 +434,8 @@ class _Made:
             finally:
                 os.close(fd)
             if self._records is not None:
-                kind = "d" if stat.S_ISDIR(found.st_mode) else "f"
-                self._records.setdefault(tuple(rel), set()).add((found.st_ino, kind))
+                kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
+                _apply(self._records, tuple(rel), found.st_ino, kind)
                 self._size += len(line)
 
     def records(self) -> Records:
@@ -567,12 +580,13 @@ class Dir:
             )
         return inside[0].made(inside[1], found)
 
-    def _record(self, name: str, found: os.stat_result) -> None:
+    def _record(self, name: str, found: os.stat_result, *, gone: bool = False) -> None:
         """Record ``name`` (``found``: its ``fstat`` on the descriptor of what this process just
-        created) in the record of the marked tree this directory is in, if any."""
+        created) in the record of the marked tree this directory is in, if any; with ``gone``,
+        that the loader is about to remove it."""
         inside = self._in_made(name)
         if inside is not None:
-            inside[0].record(inside[1], found)
+            inside[0].record(inside[1], found, gone=gone)
 
     # -- entering --------------------------------------------------------------------------
 
@@ -1127,6 +1141,8 @@ class Dir:
                 kind_of(found.st_mode),
             )
             return
+        if found is not None:
+            self._record(name, found, gone=True)
         _seam("unlink", self.path / name)
         try:
             os.unlink(_component(name), dir_fd=self.fd)
@@ -1144,6 +1160,8 @@ class Dir:
             if found is not None and not self._made_by_loader(name, found):
                 log.warning("kept the directory %s: the loader did not make it", self.path / name)
                 return
+            if found is not None:
+                self._record(name, found, gone=True)
         _seam("rmdir", self.path / name)
         with self._naming(self.path / name):
             os.rmdir(_component(name), dir_fd=self.fd)
@@ -1191,7 +1209,7 @@ class Dir:
         with self.sub(name) as d:
             for entry in d.names():
                 if entry not in (MADE, marker):
-                    kept += d._remove_tree(entry)
+                    kept += d._remove_tree(entry, forget=False)  # the record goes as a whole
             if kept and marker is None:  # the tree stays marked: its record stays with it
                 return kept
             for entry in (marker, MADE):  # the mark first: a tree never stays marked without
@@ -1202,12 +1220,14 @@ class Dir:
             self.rmdir(name)
         return kept
 
-    def _remove_tree(self, name: str) -> list[tuple[Path, str]]:
+    def _remove_tree(self, name: str, *, forget: bool = True) -> list[tuple[Path, str]]:
         found = self.lstat(name)
         if found is None:
             return []
         ours = self._made_by_loader(name, found)
         if stat.S_ISREG(found.st_mode) and ours:
+            if forget:
+                self._record(name, found, gone=True)
             self._unlink_own(name)
             return []
         if not stat.S_ISDIR(found.st_mode):
@@ -1215,11 +1235,13 @@ class Dir:
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:  # what the loader made below a directory it did not is its own
             for entry in d.names():
-                kept += d._remove_tree(entry)
+                kept += d._remove_tree(entry, forget=forget)
         if kept:
             return kept
         if not ours:
             return [(self.path / name, "a directory")]
+        if forget:
+            self._record(name, found, gone=True)
         _seam("rmdir", self.path / name)
         with self._naming(self.path / name):
             os.rmdir(_component(name), dir_fd=self.fd)

@@ -113,6 +113,27 @@ def test_a_users_file_put_where_the_loaders_was_is_kept(tmp_path):
     assert not (tree / "a").exists()
 
 
+@pytest.mark.parametrize("how", ["unlink", "remove_tree"])
+def test_a_users_file_at_the_name_of_one_the_loader_removed_is_kept(tmp_path, how):
+    """What the loader removes it records as gone first: a file made there afterwards (which
+    may well get the removed file's inode number: it is free again) is someone else's."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tmp_path / "staging") as parent, parent.sub("t") as t:
+        if how == "unlink":
+            t.unlink("top.bin")
+        else:
+            assert t.remove_tree("a") == []
+    if how == "unlink":
+        (tree / "top.bin").write_text("a user's\n")
+    else:
+        (tree / "a" / "b").mkdir(parents=True)
+        (tree / "a" / "b" / "w.bin").write_text("a user's\n")
+    users = ("top.bin",) if how == "unlink" else ("a", "a/b", "a/b/w.bin")
+    before = _snapshot(tree)
+    _remove(tree)
+    assert _snapshot(tree) == {rel: before[rel] for rel in users}
+
+
 @pytest.mark.parametrize("how", ["overwrite", "append", "unlink", "exclusive"])
 def test_a_users_file_in_a_marked_tree_is_never_written_or_removed(tmp_path, how, caplog):
     tree = _tree(tmp_path)
@@ -234,10 +255,20 @@ def test_the_record_names_only_single_names_and_inodes():
         json.dumps({"marker": "../../x"}),
         "garbage",
         json.dumps([10, "d", "a"]),
+        json.dumps([11, "f", "gone"]),
+        json.dumps([11, "-", "gone"]),
+        json.dumps([12, "f", "back"]),
+        json.dumps([12, "-", "back"]),
+        json.dumps([12, "f", "back"]),
+        json.dumps([13, "-", "never"]),
     ]
     marker, records = fs.parse_made(head + "\n".join(lines).encode())
     assert marker == MARKER
-    assert records == {("a", "b"): {(5, "f")}, ("a",): {(10, "d")}}
+    assert {rel: v for rel, v in records.items() if v} == {
+        ("a", "b"): {(5, "f")},
+        ("a",): {(10, "d")},
+        ("back",): {(12, "f")},
+    }
     assert fs.parse_made(json.dumps({"marker": "a/b"}).encode())[0] is None
 
 
