@@ -11,7 +11,19 @@ name at a time (:class:`Dir`):
 * a file is opened with ``O_NOFOLLOW``, and created with ``O_EXCL`` where the loader creates it;
 * a tree is removed (:meth:`Dir.remove_tree`) only by callers that found the loader's own marker
   in it (:meth:`Dir.marked`: a regular file naming the key; a published key's manifest counts),
-  relative to descriptors: a link inside is unlinked, never followed;
+  relative to descriptors: a link inside is never followed, and stays;
+* a marked tree holds its record (:data:`MADE`): every regular file and directory the loader
+  creates in it is recorded by its names below the tree and its inode, right after the create
+  (a crash between the two leaves an unrecorded entry, which is merely kept), and before a
+  rename brings it there. Only what the record names is removed, replaced, moved, written or
+  sealed there: anything else in the tree is someone else's and stays exactly as it is. A
+  :class:`Dir` entered from a marked tree's top knows the tree (``Dir.made``; below a
+  :func:`confined` tree every one is: a path is entered from the anchor). Inode numbers,
+  not device numbers, are recorded: an NFS volume mounted again (another pod, a reboot) gets
+  another device number, its files keep their inodes. What the loader removes from a tree it
+  records as gone first (an entry made at that name afterwards, which may get the freed inode
+  number, is someone else's); only an entry someone else makes where they removed the loader's
+  file, with that file's inode number again, is not told apart;
 * a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
   and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
   servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
@@ -40,6 +52,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -283,14 +296,16 @@ DIR_MODE = 0o755
 MARKER_PREFIX = ".model-loader-"
 
 
-def _give_mode(path: str | Path, mode: int, *, dir_fd: int | None = None) -> None:
+def _give_mode(path: str | Path, mode: int, *, dir_fd: int | None = None) -> os.stat_result:
     """Give the directory the loader has just created at ``path`` exactly ``mode`` (a umask
     such as 077 takes bits away at ``mkdir``): through a descriptor opened without following
-    a link, so a link swapped in meanwhile is never followed."""
+    a link, so a link swapped in meanwhile is never followed. Returns what it is (``fstat``)."""
     fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
     try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+        found = os.fstat(fd)
+        if stat.S_IMODE(found.st_mode) != mode:
             os.fchmod(fd, mode)
+        return found
     finally:
         os.close(fd)
 
@@ -321,15 +336,275 @@ def kind_of(mode: int) -> str:
     return _special(mode)
 
 
-class Dir:
-    """An open directory: its descriptor and, for messages, its path. Use as a context manager
-    (the descriptor is closed at the end)."""
+# --- what the loader made: the record of a marked tree -------------------------------------
 
-    __slots__ = ("fd", "path")
+#: The record of a tree the loader marks (:meth:`Dir.make_marked`), at its top: each regular
+#: file and directory the loader created in the tree, by its name below the tree and its inode
+#: number. Only what matches a record (:meth:`Dir.remove_tree`, :meth:`Dir.unlink`) is removed,
+#: replaced or written again; everything else in the tree is someone else's.
+MADE = ".model-loader-made"
+_MADE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def made_header(marker: str) -> bytes:
+    """The first line of a tree's record (:data:`MADE`): the name of the tree's marker, which
+    the loader drops when it keeps something in the tree."""
+    return json.dumps({"marker": _component(marker)}).encode() + b"\n"
+
+
+def made_line(
+    rel: tuple[str, ...] | list[str], found: os.stat_result, *, gone: bool = False
+) -> bytes:
+    """The line of a tree's record naming the entry ``rel`` (names below the tree) that
+    ``found`` (its ``fstat``) describes; with ``gone``, the line saying the loader is about to
+    remove it (its inode may then be given to someone else's entry at the same name)."""
+    kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
+    return json.dumps([found.st_ino, kind, "/".join(map(_component, rel))]).encode() + b"\n"
+
+
+Records = dict[tuple[str, ...], set[tuple[int, str]]]
+
+
+def parse_made(data: bytes) -> tuple[str | None, Records]:
+    """The marker and the records of a tree's record (:data:`MADE`). A line that is not one
+    the loader writes (garbled, a name that is not one component, a number that is not an
+    inode) is skipped: it only ever makes the loader keep more."""
+    marker: str | None = None
+    records: Records = {}
+    for i, line in enumerate(data.split(b"\n")):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if i == 0 and isinstance(item, dict):
+            name = item.get("marker")
+            if isinstance(name, str) and is_name(name):
+                marker = name
+            continue
+        if not (isinstance(item, list) and len(item) == 3):
+            continue
+        ino, kind, rel = item
+        if (
+            type(ino) is not int
+            or ino <= 0
+            or kind not in ("f", "d", "-")
+            or not isinstance(rel, str)
+            or not all(is_name(part) for part in rel.split("/"))
+        ):
+            continue
+        _apply(records, tuple(rel.split("/")), ino, kind)
+    return marker, records
+
+
+def _apply(records: Records, rel: tuple[str, ...], ino: int, kind: str) -> None:
+    if kind == "-":
+        records.get(rel, set()).difference_update({(ino, "f"), (ino, "d")})
+    else:
+        records.setdefault(rel, set()).add((ino, kind))
+
+
+class _Made:
+    """The open record of one marked tree: its top directory's descriptor (a rename of the
+    tree keeps it valid), the records read so far, and this process's appends."""
+
+    __slots__ = ("_records", "_size", "dev", "fd", "lock", "marker", "path")
 
     def __init__(self, fd: int, path: Path) -> None:
         self.fd = fd
         self.path = path
+        self.dev = os.fstat(fd).st_dev
+        self.lock = threading.Lock()
+        self._records: Records | None = None
+        self._size = -1
+        self.marker: str | None = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def record(self, rel: tuple[str, ...], found: os.stat_result, *, gone: bool = False) -> None:
+        """Record that the loader made ``rel`` (``found``: its ``fstat``, taken on the
+        descriptor of what this process just created); with ``gone``, that it is about to
+        remove it (a failure between the two keeps it: never removed unrecorded)."""
+        line = made_line(rel, found, gone=gone)
+        where = self.path / MADE
+        with self.lock:
+            _seam("open", where)
+            fd = os.open(MADE, _MADE_FLAGS, dir_fd=self.fd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise NotOursError(where, "something else", "the loader's record of a tree")
+                write_fd(fd, line, where)
+            finally:
+                os.close(fd)
+            if self._records is not None:
+                kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
+                _apply(self._records, tuple(rel), found.st_ino, kind)
+                self._size += len(line)
+
+    def records(self) -> Records:
+        """What the tree's record holds (read again when another process appended to it)."""
+        with self.lock:
+            _seam("stat", self.path / MADE)
+            try:
+                found = os.stat(MADE, dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                found = None
+            if found is None or not stat.S_ISREG(found.st_mode):
+                self._records, self._size = {}, -1
+                return {}
+            if self._records is None or found.st_size != self._size:
+                _seam("open", self.path / MADE)
+                fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=self.fd)  # fmt: skip
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        return {}
+                    data = read_fd(fd, self.path / MADE, limit=SMALL_FILE_BYTES)
+                finally:
+                    os.close(fd)
+                self.marker, self._records = parse_made(data)
+                self._size = len(data)
+            return self._records
+
+    def made(self, rel: tuple[str, ...], found: os.stat_result | None) -> bool:
+        """Whether the entry ``found`` (an ``lstat``) at ``rel`` is one the loader made: a
+        regular file or directory on the tree's device whose inode is recorded at that name."""
+        if found is None or found.st_dev != self.dev:
+            return False
+        if stat.S_ISREG(found.st_mode):
+            kind = "f"
+        elif stat.S_ISDIR(found.st_mode):
+            kind = "d"
+        else:
+            return False
+        return (found.st_ino, kind) in self.records().get(tuple(rel), ())
+
+
+_made_trees: dict[tuple[int, int], _Made] = {}
+_made_lock = threading.Lock()
+
+
+def _made_at(fd: int, path: Path) -> _Made | None:
+    """The record of the tree whose top is the open directory ``fd``; None when it is no
+    marked tree's top: a tree's top holds its record (:data:`MADE`, a regular file whose first
+    line names the tree's marker) and that marker (a regular file). A file of that name that
+    is not such a record (a user's) makes no tree, and is never written."""
+    top = os.fstat(fd)
+    with _made_lock:
+        known = _made_trees.get((top.st_dev, top.st_ino))
+        if known is not None and os.fstat(known.fd).st_nlink > 0:
+            return known  # (a removed tree's inode given to a new one: its own record)
+    _seam("stat", path / MADE)
+    try:
+        found = os.stat(MADE, dir_fd=fd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise _named(exc, path / MADE) from None
+    if not stat.S_ISREG(found.st_mode):
+        return None
+    _seam("read", path / MADE)
+    try:
+        made_fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                          dir_fd=fd)  # fmt: skip
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a link or FIFO: no record
+            return None
+        raise _named(exc, path / MADE) from None
+    try:
+        with _naming(path / MADE):
+            if not stat.S_ISREG(os.fstat(made_fd).st_mode) or _copied(made_fd):
+                return None
+            head = os.pread(made_fd, 4096, 0).split(b"\n", 1)[0]
+    finally:
+        os.close(made_fd)
+    marker, _ = parse_made(head)
+    if marker is None:
+        return None
+    _seam("stat", path / marker)
+    try:
+        marked = os.stat(marker, dir_fd=fd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise _named(exc, path / marker) from None
+    return _register_made(fd, path) if stat.S_ISREG(marked.st_mode) else None
+
+
+def _copied(made_fd: int) -> bool:
+    """Whether the record open as ``made_fd`` is a copy: its second line, the record's own
+    entry, names another inode than its own. A tree copied file by file (``cp -r``, ``rsync``
+    to another volume; a snapshot or another mount keeps inodes) keeps its names but none of
+    its inode numbers: its record names nothing in it, and the tree is one without a record
+    (removed as before the loader kept records), not one where everything is someone else's."""
+    lines = os.pread(made_fd, 4096, 0).split(b"\n", 2)
+    if len(lines) < 3:
+        return False
+    _, own = parse_made(b"\n" + lines[1])
+    inodes = own.get((MADE,), set())
+    return bool(inodes) and (os.fstat(made_fd).st_ino, "f") not in inodes
+
+
+def _register_made(fd: int, path: Path) -> _Made:
+    """The record of the tree whose top is the open directory ``fd``, kept for this process
+    (a descriptor of its own: a rename of the tree keeps it valid)."""
+    top = os.fstat(fd)
+    with _made_lock:
+        made = _Made(os.dup(fd), path)
+        _made_trees[(top.st_dev, top.st_ino)] = made
+        return made
+
+
+def _forget_made(made: _Made) -> None:
+    with _made_lock:
+        for key, known in list(_made_trees.items()):
+            if known is made:
+                del _made_trees[key]
+
+
+class Dir:
+    """An open directory: its descriptor and, for messages, its path. Use as a context manager
+    (the descriptor is closed at the end)."""
+
+    __slots__ = ("fd", "made", "path")
+
+    def __init__(
+        self, fd: int, path: Path, made: tuple[_Made, tuple[str, ...]] | None = None
+    ) -> None:
+        self.fd = fd
+        self.path = path
+        #: The record of the marked tree this directory is in, and its names below the tree's
+        #: top (None: in no marked tree).
+        self.made = made
+
+    def _in_made(self, name: str) -> tuple[_Made, tuple[str, ...]] | None:
+        """The record of the marked tree ``name`` would be in, and its names below the top."""
+        if self.made is None:
+            return None
+        return self.made[0], (*self.made[1], name)
+
+    def _made_by_loader(self, name: str, found: os.stat_result | None) -> bool:
+        """Whether ``name`` (``found``: its ``lstat``) is the loader's to remove, replace or
+        write again: outside a marked tree any regular file or directory is (only what a
+        caller found in a tree carrying the loader's marker is handed here); inside one, only
+        what the tree's record names."""
+        inside = self._in_made(name)
+        if inside is None:
+            return found is not None and (
+                stat.S_ISREG(found.st_mode) or stat.S_ISDIR(found.st_mode)
+            )
+        return inside[0].made(inside[1], found)
+
+    def _record(self, name: str, found: os.stat_result, *, gone: bool = False) -> None:
+        """Record ``name`` (``found``: its ``fstat`` on the descriptor of what this process just
+        created) in the record of the marked tree this directory is in, if any; with ``gone``,
+        that the loader is about to remove it."""
+        inside = self._in_made(name)
+        if inside is not None:
+            inside[0].record(inside[1], found, gone=gone)
 
     # -- entering --------------------------------------------------------------------------
 
@@ -363,10 +638,24 @@ class Dir:
                 _give_mode(made, DIR_MODE)
         _seam("open", path)
         try:
-            return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except NotADirectoryError:
             cls._deepest_given(path)[0].close()  # raises, naming the level and what it is
             raise
+        return cls._with_made(fd, path, None)
+
+    @classmethod
+    def _with_made(cls, fd: int, path: Path, made: tuple[_Made, tuple[str, ...]] | None) -> Dir:
+        """The open directory ``fd``: in the marked tree ``made`` (entered from a directory in
+        it), or the top of one when it holds a record (:data:`MADE`)."""
+        if made is None:
+            try:
+                top = _made_at(fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            made = None if top is None else (top, ())
+        return cls(fd, path, made)
 
     @classmethod
     def deepest(cls, path: Path | str) -> tuple[Dir, tuple[str, ...]]:
@@ -426,7 +715,7 @@ class Dir:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise self.not_ours(name, f"the loader's {what}") from exc
             raise self._failed(exc, self.path / name) from None
-        return Dir(fd, self.path / name)
+        return Dir._with_made(fd, self.path / name, self._in_made(name))
 
     def walk(self, relpath: str, *, create: bool = False) -> Dir:
         """The directory ``relpath`` (``a/b/c``) below this one, one name at a time."""
@@ -464,7 +753,8 @@ class Dir:
         try:
             with self._naming(self.path / name):
                 os.mkdir(_component(name), mode, dir_fd=self.fd)
-                _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits away
+                made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
+            self._record(name, made)
             return True
         except FileExistsError:
             if not exist_ok:
@@ -479,11 +769,23 @@ class Dir:
         is ``owner_line``, in one step: made under a temporary name (``.<name>.<owner>.tmp``),
         the marker written and fsynced, then renamed to ``name`` without replacing anything.
         A directory of the loader's never exists without its marker (a failure between the
-        two leaves only the temporary name). False when ``name`` exists already."""
+        two leaves only the temporary name). False when ``name`` exists already.
+
+        The tree also holds its record (:data:`MADE`, made first, naming the marker): every
+        file and directory the loader creates in it from then on is recorded there, after it
+        is created, and only what is recorded is ever removed from it."""
         tmp = f".{name}.{owner()}.{secrets.token_hex(4)}.tmp"
         self.mkdir(tmp)
         try:
             with self.sub(tmp) as d:
+                fd = d.open_file(MADE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                try:
+                    head = made_header(marker) + made_line((MADE,), os.fstat(fd))
+                    write_fd(fd, head, d.path / MADE)
+                    fsync_fd(fd, d.path / MADE)
+                finally:
+                    os.close(fd)
+                d.made = (_register_made(d.fd, d.path), ())
                 d.write(marker, f"{owner_line}\n".encode())
                 d.fsync()
             try:
@@ -590,7 +892,39 @@ class Dir:
         """``openat`` of the file ``name`` with ``O_NOFOLLOW``: a link there is
         :class:`NotOursError`; with ``O_EXCL``, anything there is a
         :class:`~loader.errors.NameTakenError` (a ``FileExistsError``); returns the
-        descriptor."""
+        descriptor.
+
+        In a marked tree, a file this call creates is recorded (:data:`MADE`), and an existing
+        one is opened for writing only when the record names it (anything else there is
+        someone else's: :class:`NotOursError`, never truncated or written)."""
+        writing = flags & (os.O_WRONLY | os.O_RDWR)
+        if self.made is None or not (writing or flags & os.O_CREAT):
+            return self._open_file(name, flags, mode)
+        if flags & os.O_CREAT:
+            try:
+                fd = self._open_file(name, (flags & ~os.O_TRUNC) | os.O_EXCL, mode)
+            except FileExistsError:
+                if flags & os.O_EXCL:
+                    raise
+            else:
+                try:
+                    self._record(name, os.fstat(fd))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd
+        fd = self._open_file(name, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC), mode)
+        try:
+            if not self._made_by_loader(name, os.fstat(fd)):
+                raise self.not_ours(name, "a file the loader made (it writes only its own)")
+            if flags & os.O_TRUNC:
+                truncate(fd, 0, self.path / name)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_file(self, name: str, flags: int, mode: int) -> int:
         _seam("open", self.path / name)
         try:
             return os.open(
@@ -689,7 +1023,7 @@ class Dir:
         this directory again when ``names`` is empty."""
         if not names:
             _seam("open", self.path)
-            return Dir(os.dup(self.fd), self.path)
+            return Dir(os.dup(self.fd), self.path, self.made)
         return self.sub(names[0], create=create).walk_in(tuple(names[1:]), create=create)
 
     def makedirs(self, names: tuple[str, ...] | list[str]) -> Dir:
@@ -765,16 +1099,49 @@ class Dir:
         """Rename ``name`` to ``to/to_name`` in one step. ``how``: ``noreplace`` (fails with
         EEXIST when the target exists, even as an empty directory), ``exchange`` (swaps two
         existing entries atomically) or ``replace`` (``renameat``). A file system without
-        ``renameat2`` raises an ``OSError`` whose errno is in :data:`NO_RENAMEAT2`."""
+        ``renameat2`` raises an ``OSError`` whose errno is in :data:`NO_RENAMEAT2`.
+
+        In a marked tree, only what its record names is moved or replaced (anything else is
+        someone else's: :class:`NotOursError`), and what is moved into one is recorded under
+        its new name (a directory: with what the record of its old place names below it)
+        before the rename: a rename never leaves the loader's entry unrecorded (a record of a
+        rename that did not happen names an inode that is the loader's file's elsewhere)."""
         src, dst = self.path / name, to.path / to_name
+        moved = self.lstat(name) if self.made is not None or to.made is not None else None
+        if self.made is not None and moved is not None and not self._made_by_loader(name, moved):
+            raise self.not_ours(name, "a file or directory the loader made (to move)")
         if how == "replace":  # the loader makes only files and directories: it replaces no other
             there = to.lstat(to_name)
-            if (
-                there is not None
-                and not stat.S_ISREG(there.st_mode)
-                and not stat.S_ISDIR(there.st_mode)
-            ):
+            if there is not None and not to._made_by_loader(to_name, there):
                 raise to.not_ours(to_name, "a file or directory of the loader's (to replace)")
+        if moved is not None and to.made is not None:
+            self._record_moved(name, to.made[0], (*to.made[1], to_name), moved)
+        self._rename(name, to, to_name, how, src, dst)
+
+    def _record_moved(
+        self, name: str, into: _Made, rel: tuple[str, ...], moved: os.stat_result
+    ) -> None:
+        """Record in ``into`` at ``rel`` this directory's ``name`` (``moved``: its ``lstat``),
+        about to be renamed there: the entry itself, and below a directory what the record of
+        its place names there (anything, outside a marked tree)."""
+        if not (stat.S_ISREG(moved.st_mode) or stat.S_ISDIR(moved.st_mode)):
+            return
+        into.record(rel, moved)
+        if stat.S_ISDIR(moved.st_mode):
+            with self.sub(name) as d:
+                d._record_below(into, rel)
+
+    def _record_below(self, into: _Made, rel: tuple[str, ...]) -> None:
+        for entry in self.names():
+            found = self.lstat(entry)
+            if found is None or not self._made_by_loader(entry, found):
+                continue  # not the loader's where it is: not the loader's where it goes
+            into.record((*rel, entry), found)
+            if stat.S_ISDIR(found.st_mode):
+                with self.sub(entry) as sub:
+                    sub._record_below(into, (*rel, entry))
+
+    def _rename(self, name: str, to: Dir, to_name: str, how: str, src: Path, dst: Path) -> None:
         _seam("rename" if how == "replace" else f"rename-{how}", f"{src} -> {dst}")
         if how == "replace":
             try:
@@ -800,20 +1167,29 @@ class Dir:
         with self._naming(self.path / to_name):
             os.link(_component(name), _component(to_name), src_dir_fd=self.fd,
                     dst_dir_fd=self.fd, follow_symlinks=False)  # fmt: skip
+        if self.made is not None:
+            found = self.lstat(to_name)
+            if found is not None and self._made_by_loader(name, found):
+                self._record(to_name, found)
 
     def unlink(self, name: str, *, missing_ok: bool = False) -> None:
         """Remove the file ``name``. The loader makes only files and directories: a symbolic
         link, FIFO, socket or device there is someone else's and stays (a warning names it;
-        the caller then finds the name taken where it writes, an error naming it)."""
+        the caller then finds the name taken where it writes, an error naming it). In a
+        marked tree so is a file its record does not name."""
         found = self.lstat(name)
-        if found is not None and not stat.S_ISREG(found.st_mode):
+        if found is not None and not (
+            stat.S_ISREG(found.st_mode) and self._made_by_loader(name, found)
+        ):
             log.warning(
-                "kept %s (%s): the loader never makes such entries, so it is someone else's; "
+                "kept %s (%s): the loader did not make it, so it is someone else's; "
                 "remove it when it is not needed",
                 self.path / name,
                 kind_of(found.st_mode),
             )
             return
+        if found is not None:
+            self._record(name, found, gone=True)
         _seam("unlink", self.path / name)
         try:
             os.unlink(_component(name), dir_fd=self.fd)
@@ -824,6 +1200,15 @@ class Dir:
             raise _named(exc, self.path / name) from None
 
     def rmdir(self, name: str) -> None:
+        """Remove the empty directory ``name``; in a marked tree only one its record names
+        (another stays, a warning naming it)."""
+        if self.made is not None:
+            found = self.lstat(name)
+            if found is not None and not self._made_by_loader(name, found):
+                log.warning("kept the directory %s: the loader did not make it", self.path / name)
+                return
+            if found is not None:
+                self._record(name, found, gone=True)
         _seam("rmdir", self.path / name)
         with self._naming(self.path / name):
             os.rmdir(_component(name), dir_fd=self.fd)
@@ -836,52 +1221,134 @@ class Dir:
         is, with the directories holding it (a warning names it); returns what stayed.
 
         What makes the tree the loader's goes last: everything below it first, then its own
-        files (a repository's manifest among them), its marker (:data:`MARKER_PREFIX`) last
-        of all, so a removal stopped anywhere (a kill, a failed call) leaves a tree that is
-        still recognisably the loader's and that the next loader removes."""
-        kept = self._remove_tree(name, top=True)
+        files (a repository's manifest among them), its marker (:data:`MARKER_PREFIX`) and
+        record last of all, so a removal stopped anywhere (a kill, a failed call) leaves a tree
+        that is still recognisably the loader's and that the next loader removes.
+
+        In a marked tree (``name`` is its top, holding its record :data:`MADE`, or lies in
+        one) only what the record names is removed: a file or directory someone else put
+        there stays too. When anything stays in a tree removed from its top, the tree's
+        marker and record go (the tree is no longer the loader's: later runs refuse its name
+        and say to move it). A tree without a record (made before the loader kept one, or
+        copied file by file, so that its record names other inodes: :func:`_copied`) is removed
+        as before: its files and directories."""
+        found = self.lstat(name)
+        top, record = None, None
+        if found is not None and stat.S_ISDIR(found.st_mode) and self.made is None:
+            with self.sub(name) as d:
+                top = d.made[0] if d.made is not None else None
+                record = d.kind(MADE) if top is None and not d._record_copied() else None
+        if top is not None:
+            kept = self._remove_top(name, top)
+        elif record is not None:  # something else at the record's name: nothing is known
+            kept = [(self.path / name / MADE, f"{record}, not the loader's record: all kept")]
+        else:
+            kept = self._remove_tree(name, top=True)
         if kept:
             log.warning(
-                "kept %s in %s: the loader never makes such entries, so they are someone "
-                "else's; remove them (and the directories holding them) when they are not "
-                "needed",
+                "kept %s in %s: the loader did not make them, so they are someone else's; "
+                "remove them (and the directories holding them) when they are not needed",
                 ", ".join(f"{p} ({kind})" for p, kind in kept[:3])
                 + (f" and {len(kept) - 3} more" if len(kept) > 3 else ""),
                 self.path / name,
             )
         return [p for p, _ in kept]
 
-    def _remove_tree(self, name: str, *, top: bool = False) -> list[tuple[Path, str]]:
-        found = self.lstat(name)
-        if found is None:
-            return []
-        if stat.S_ISREG(found.st_mode):
-            _seam("unlink", self.path / name)
-            with contextlib.suppress(FileNotFoundError), _naming(self.path / name, relative=True):
-                os.unlink(_component(name), dir_fd=self.fd)
-            return []
-        if not stat.S_ISDIR(found.st_mode):
-            return [(self.path / name, kind_of(found.st_mode))]
+    def _remove_top(self, name: str, top: _Made) -> list[tuple[Path, str]]:
+        """Remove the marked tree ``name`` whose record is ``top`` (see :meth:`remove_tree`)."""
+        top.records()  # read before anything goes
+        marker = top.marker
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:
-            entries = d.names()
-            if top:  # what marks the tree as the loader's last (see remove_tree)
-                files = [n for n in entries if d.kind(n) == "a file"]
-                entries = [n for n in entries if n not in files] + sorted(
-                    files, key=lambda n: n.startswith(MARKER_PREFIX)
-                )
-            for entry in entries:
-                kept += d._remove_tree(entry)
+            for entry in d._mark_last([n for n in d.names() if n not in (MADE, marker)]):
+                kept += d._remove_tree(entry, forget=False)  # the record goes as a whole
+            if kept and marker is None:  # the tree stays marked: its record stays with it
+                return kept
+            # When something stays, the mark goes before the record: a tree never stays
+            # marked without its record (it would be taken for one made before records, and
+            # removed whole). When nothing stays, the record goes first and the mark last: a
+            # removal stopped between leaves a marked tree holding nothing else, which the next
+            # loader removes.
+            for entry in (marker, MADE) if kept else (MADE, marker):
+                if entry is not None and d.regular_size(entry) is not None:
+                    d._unlink_own(entry)
+        _forget_made(top)
         if not kept:
             self.rmdir(name)
         return kept
 
+    def _record_copied(self) -> bool:
+        """Whether this directory holds a copied tree's record (:func:`_copied`)."""
+        _seam("open", self.path / MADE)
+        try:
+            fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.fd)  # fmt: skip
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link or FIFO: not a record
+                return False
+            raise _named(exc, self.path / MADE) from None
+        try:
+            with _naming(self.path / MADE):
+                return stat.S_ISREG(os.fstat(fd).st_mode) and _copied(fd)
+        finally:
+            os.close(fd)
+
+    def _mark_last(self, entries: list[str]) -> list[str]:
+        """``entries`` of this directory in the order a tree's top is emptied: directories
+        (and anything else) first, then files, those marking the tree as the loader's
+        (:data:`MARKER_PREFIX`) last."""
+        files = [n for n in entries if self.kind(n) == "a file"]
+        return [n for n in entries if n not in files] + sorted(
+            files, key=lambda n: n.startswith(MARKER_PREFIX)
+        )
+
+    def _remove_tree(
+        self, name: str, *, forget: bool = True, top: bool = False
+    ) -> list[tuple[Path, str]]:
+        found = self.lstat(name)
+        if found is None:
+            return []
+        ours = self._made_by_loader(name, found)
+        if stat.S_ISREG(found.st_mode) and ours:
+            if forget:
+                self._record(name, found, gone=True)
+            self._unlink_own(name)
+            return []
+        if not stat.S_ISDIR(found.st_mode):
+            return [(self.path / name, kind_of(found.st_mode))]
+        kept: list[tuple[Path, str]] = []
+        with self.sub(name) as d:  # what the loader made below a directory it did not is its own
+            entries = d.names()
+            for entry in d._mark_last(entries) if top else entries:  # see remove_tree
+                kept += d._remove_tree(entry, forget=forget)
+        if kept:
+            return kept
+        if not ours:
+            return [(self.path / name, "a directory")]
+        if forget:
+            self._record(name, found, gone=True)
+        _seam("rmdir", self.path / name)
+        with self._naming(self.path / name):
+            os.rmdir(_component(name), dir_fd=self.fd)
+        return []
+
+    def _unlink_own(self, name: str) -> None:
+        _seam("unlink", self.path / name)
+        with contextlib.suppress(FileNotFoundError), _naming(self.path / name, relative=True):
+            os.unlink(_component(name), dir_fd=self.fd)
+
     def chmod(self, name: str, mode: int) -> None:
         """Set the mode of ``name`` (not through a link: a link is skipped) unless it has it
-        already (a mode change moves the ctime, which sealed files keep)."""
+        already (a mode change moves the ctime, which sealed files keep). In a marked tree,
+        a file or directory its record does not name is someone else's: :class:`NotOursError`,
+        its mode unchanged."""
         found = self.lstat(name)
         if found is None or stat.S_ISLNK(found.st_mode) or stat.S_IMODE(found.st_mode) == mode:
             return
+        if self.made is not None and not self._made_by_loader(name, found):
+            raise self.not_ours(name, "a file or directory the loader made (to seal)")
         _seam("chmod", self.path / name)
         # Opened without following a link and changed through the descriptor: a link swapped
         # in since the look above is not followed (``chmod`` by name would follow it).

@@ -18,12 +18,15 @@ tree it left, where each entry is replaced). At each name, one of:
 the names of the whole ``gs://`` and the ``hf://`` runs outside the staging tree, which every
 source's run builds alike (:data:`SHARED_TREE`); ``make test-faults`` at every name of every run.
 
-A missing parent is made a directory (the loader's marker in it where the loader's would carry
-one). The property, for ``run`` and then ``prune`` (each in a forked process, with an alarm
-against a hang): exit 0 (``run``: the key a real directory under ROOT that verifies complete) or
-2/75 with an error and a hint, never a traceback; nothing outside ROOT changes; a planted entry
-is left as it was or (inside a directory carrying the loader's marker) removed whole, never
-followed or written through; a link or a FIFO, which the loader never makes, is never removed.
+A missing parent is made a directory (the loader's marker and record in it where the loader's
+would carry them, the directories below recorded as the loader records its own). The property,
+for ``run`` and then ``prune`` (each in a forked process, with an alarm against a hang): exit 0
+(``run``: the key a real directory under ROOT that verifies complete) or 2/75 with an error and
+a hint, never a traceback; nothing outside ROOT changes; a planted entry of any kind (a file, a
+directory, a link, a FIFO) is left exactly as it was, inside the loader's marked trees too: never
+removed, replaced, written, followed or written through (at most it moved with a directory of
+the loader's holding it). Only a journal's lines, planted into the loader's own journal, may be
+rewritten by the loader.
 """
 
 from __future__ import annotations
@@ -120,6 +123,27 @@ def _tree(root: Path) -> list[str]:
 # --- planting ---------------------------------------------------------------------------------
 
 
+def _copy(template: Path, root: Path) -> None:
+    """``template`` copied to ``root``, the records of its marked trees made to name the copies
+    of what they named (a copy has new inode numbers; without this everything in the copy would
+    be someone else's)."""
+    shutil.copytree(template, root, symlinks=True)
+    for made in root.rglob(fs.MADE):
+        top = made.parent
+        old_top = template / top.relative_to(root)
+        lines = (old_top / fs.MADE).read_bytes().split(b"\n")
+        _, records = fs.parse_made(b"\n".join(lines))
+        out = [lines[0] + b"\n"]
+        for rel, entries in records.items():
+            old, new = old_top.joinpath(*rel), top.joinpath(*rel)
+            if not os.path.lexists(new):
+                continue
+            was = os.lstat(old)
+            if any(ino == was.st_ino for ino, _ in entries):
+                out.append(fs.made_line(rel, os.lstat(new)))
+        made.write_bytes(b"".join(out))
+
+
 def _marker_for(rel: str) -> str | None:
     """The marker a loader's directory at ``rel`` carries (None: it carries none)."""
     parts = rel.split("/")
@@ -131,8 +155,9 @@ def _marker_for(rel: str) -> str | None:
 
 
 def _parents(root: Path, rel: str, key: str) -> None:
-    """Make the missing parents of ``root/rel`` directories, with the loader's marker where its
-    directory carries one."""
+    """Make the missing parents of ``root/rel`` directories, with the loader's marker and
+    record where its directory carries them; one made inside a marked tree is recorded there,
+    as the loader records the directories it makes."""
     parts = rel.split("/")
     for i in range(1, len(parts)):
         sub = "/".join(parts[:i])
@@ -142,7 +167,16 @@ def _parents(root: Path, rel: str, key: str) -> None:
         path.mkdir()
         marker = _marker_for(sub)
         if marker is not None:
+            (path / fs.MADE).write_bytes(fs.made_header(marker))
             (path / marker).write_text(f"{key}\n")
+            with open(path / fs.MADE, "ab") as fh:
+                fh.write(fs.made_line((marker,), os.lstat(path / marker)))
+        for j in range(1, i):
+            top = root.joinpath(*parts[:j])
+            if (top / fs.MADE).is_file() and not (top / fs.MADE).is_symlink():
+                with open(top / fs.MADE, "ab") as fh:
+                    fh.write(fs.made_line(tuple(parts[j:i]), os.lstat(path)))
+                break
 
 
 def _remove(path: Path) -> None:
@@ -162,12 +196,14 @@ def _plant(root: Path, rel: str, kind: str, outside: Path, key: str) -> bool:
         _parents(root, rel, key)
     except (FileExistsError, NotADirectoryError):
         return False
-    if kind == "journal":
-        text = path.read_text() if path.is_file() and not path.is_symlink() else "x\n"
+    if kind == "journal":  # the loader's own journal (its record names it), lines added in place
+        ours = path.is_file() and not path.is_symlink()
+        if not ours:
+            _remove(path)
         hexd = "0" * 64
-        path.unlink(missing_ok=True)
-        path.write_text(text + f"../x 1 {hexd} 1 1\nmoved-into ..\nmoved-into ../../outside\n"
-                        f"moved-into {outside}/dir\n")  # fmt: skip
+        with open(path, "a") as fh:
+            fh.write(("" if ours else "x\n") + f"../x 1 {hexd} 1 1\nmoved-into ..\n"
+                     f"moved-into ../../outside\nmoved-into {outside}/dir\n")  # fmt: skip
         return True
     _remove(path)
     if kind == "link-dir":
@@ -225,15 +261,13 @@ def _typed(code: int, text: str) -> str | None:
 
 
 def _left_alone(before: dict[str, str], after: dict[str, str], planted: str) -> str | None:
-    """A planted entry is as it was, or gone whole (removed with a tree carrying the loader's
-    marker): never written through or changed in place. A link or a FIFO (which the loader
-    never makes) is never removed: it stays, where it was or where the loader moved the tree
-    holding it."""
+    """A planted entry, of any kind, is exactly as it was: never removed, replaced, written
+    through or changed in place. It may have moved with a directory of the loader's holding it
+    (then all of it is still there, elsewhere)."""
     mine = {rel: v for rel, v in before.items() if rel == planted or rel.startswith(planted + "/")}
     if all(rel not in after for rel in mine):
-        special = Counter(v for v in mine.values() if v.startswith("link:") or v == "fifo")
-        lost = special - Counter(after.values())
-        return f"removed what the loader never makes: {dict(lost)}" if lost else None
+        lost = Counter(mine.values()) - Counter(after.values())
+        return f"removed: {dict(lost)}" if lost else None
     changed = {rel: (v, after.get(rel)) for rel, v in mine.items() if after.get(rel) != v}
     return f"changed in place: {changed}" if changed else None
 
@@ -243,11 +277,15 @@ def _case(template: Path, source: str, rel: str, kind: str, extra: tuple[str, ..
     wrong, or None."""
     with scratch() as base:
         root, outside = base / "root", base / "outside"
-        shutil.copytree(template, root, symlinks=True)
+        _copy(template, root)
         (outside / "dir").mkdir(parents=True)
         (outside / "dir" / "precious.txt").write_text("not the loader's\n")
         (outside / "file.txt").write_text("not the loader's either\n")
         key = f"{KEY_DIR}/{_variant(template, source)}"
+        at = root / rel
+        own_journal = (  # lines planted into the loader's own journal (:func:`_plant`)
+            kind == "file" and rel.endswith(".journal") and at.is_file() and not at.is_symlink()
+        )
         if not _plant(root, rel, kind, outside, key):
             return None
         before_outside = snapshot(outside)
@@ -271,8 +309,8 @@ def _case(template: Path, source: str, rel: str, kind: str, extra: tuple[str, ..
                     return "published a copy that does not verify"
         if snapshot(outside) != before_outside:
             return "something outside ROOT changed"
-        if kind in ("file", "journal"):  # a regular file at a name the loader writes may be
-            return None  # rewritten there (it cannot tell it from its own); never followed
+        if own_journal:  # the loader's own file: it may rewrite or remove it (never follow it)
+            return None
         return _left_alone(before, snapshot(root), rel)
 
 
@@ -332,7 +370,7 @@ def _clean_names(source: str, template: Path, dead: str, extra: tuple[str, ...])
     and the key it publishes (kept for the cases)."""
     with scratch() as base:
         root = base / "root"
-        shutil.copytree(template, root, symlinks=True)
+        _copy(template, root)
         paths = _Paths()
         with fs.inject(paths), contextlib.redirect_stdout(sys.stderr):
             assert main(_argv(source, root, *extra)) == 0

@@ -23,11 +23,15 @@ KEY = "m@r/tp1-pp1-i1-0123abcd"
 
 
 def _stage(root: Path) -> Path:
+    """A staging directory filled as the loader fills one: through :class:`loader.fs.Dir`, so
+    its record names every file (what is not recorded there would be someone else's)."""
     staging = publish.new_staging_dir(root, KEY)
-    (staging / "m" / "1").mkdir(parents=True)
-    (staging / "m" / "config.pbtxt").write_text('name: "m"\n')
-    (staging / "fastertransformer" / "1" / "1-gpu").mkdir(parents=True)
-    (staging / "fastertransformer" / "1" / "1-gpu" / "model.wte.bin").write_bytes(b"\x01" * 1000)
+    with fs.Dir.open(staging) as d:
+        d.makedirs(("m", "1")).close()
+        with d.sub("m") as m:
+            m.write("config.pbtxt", b'name: "m"\n')
+        with d.makedirs(("fastertransformer", "1", "1-gpu")) as weights:
+            weights.write("model.wte.bin", b"\x01" * 1000)
     meta = {"key": KEY, "source": "/x"}
     manifest.write_manifest(staging, manifest.build_manifest(staging, meta))
     manifest.write_ready(staging, KEY)
@@ -238,8 +242,9 @@ def test_published_files_are_0644_and_directories_0755_whatever_the_umask(tmp_pa
     old = os.umask(0o077)
     try:
         staging = _stage(tmp_path)
-        (staging / "m" / "private.txt").write_text("x")
-        os.chmod(staging / "m" / "private.txt", 0o600)
+        with fs.Dir.open(staging) as d, d.sub("m") as m:
+            m.write("private.txt", b"x")  # 0600 under this umask
+        assert stat.S_IMODE((staging / "m" / "private.txt").stat().st_mode) == 0o600
         manifest.write_manifest(staging, manifest.build_manifest(staging, {"key": KEY}))
         target = publish.publish(staging, tmp_path, KEY)
     finally:

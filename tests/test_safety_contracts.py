@@ -747,10 +747,14 @@ def test_a_resumed_journal_never_opens_a_fifo_swapped_in_for_an_output_after_it_
 @pytest.mark.parametrize("found", ["another key's marker", "no marker"])
 def test_a_failed_run_discards_its_staging_directory_only_while_it_is_the_loaders(tmp_path, found):
     """``discard_staging`` removes the staging directory of a failed run only if it still
-    carries the marker naming the run's key: what was put in its place is left alone."""
+    carries the marker naming the run's key: what was put in its place is left alone. Even
+    then only what the loader made goes: a user's file stays, and the directory holding it
+    is no longer marked."""
     from loader.repository import publish
 
     staging = publish.new_staging_dir(tmp_path, KEY)
+    with fs.Dir.open(staging) as d:
+        d.write("weights.bin", b"w")
     marker = staging / publish.STAGING_MARKER
     if found == "no marker":
         marker.unlink()
@@ -759,8 +763,16 @@ def test_a_failed_run_discards_its_staging_directory_only_while_it_is_the_loader
     (staging / "users-data.txt").write_text("keep me\n")
     publish.discard_staging(staging, KEY)
     assert (staging / "users-data.txt").read_text() == "keep me\n"
+    assert (staging / "weights.bin").exists()
     marker.write_text(f"{KEY}\n")
     publish.discard_staging(staging, KEY)
+    assert sorted(p.name for p in staging.iterdir()) == ["users-data.txt"]
+    assert (staging / "users-data.txt").read_text() == "keep me\n"
+    publish.discard_staging(staging, KEY)  # no longer the loader's: left alone
+    assert (staging / "users-data.txt").read_text() == "keep me\n"
+    (staging / "users-data.txt").unlink()
+    marker.write_text(f"{KEY}\n")
+    publish.discard_staging(staging, KEY)  # marked, without a record: removed as before
     assert not staging.exists()
 
 

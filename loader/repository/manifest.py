@@ -52,7 +52,7 @@ READY = ".ready"
 #: (its first line is the key; :mod:`loader.repository.publish`); removed last of the tree.
 STAGING_MARKER = fs.MARKER_PREFIX + "staging"
 #: The loader's files at the top of a repository that the manifest does not list.
-BOOKKEEPING = frozenset({MANIFEST, READY, STAGING_MARKER})
+BOOKKEEPING = frozenset({MANIFEST, READY, STAGING_MARKER, fs.MADE})
 #: Manifest field holding the source fingerprint (:mod:`loader.sources.fingerprint`).
 SOURCE_FINGERPRINT = "source_fingerprint"
 #: The format new manifests are written in.

@@ -1,0 +1,342 @@
+"""What the loader made in its marked trees, and only that, is removed, replaced or written
+again (:data:`loader.fs.MADE`): a file or directory someone else put into a tree carrying the
+loader's marker stays exactly as it was, whatever the record of the tree says.
+
+Every test works below a :func:`loader.fs.confined` directory, as every command does: a
+directory deep in a tree is entered from there one name at a time, and so knows its tree."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loader import fs
+from loader.errors import NotOursError
+from tests.tiers import examples
+
+MARKER = ".model-loader-staging"
+KEY = "m@r/v"
+
+
+@pytest.fixture(autouse=True)
+def _confined(tmp_path):
+    with fs.confined(tmp_path):
+        yield
+
+
+def _snapshot(path: Path) -> dict[str, str]:
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(path).as_posix()
+            if p.is_symlink():
+                found[rel] = "link:" + os.readlink(p)
+            elif p.is_file():
+                found[rel] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                found[rel] = "dir"
+    return found
+
+
+def _tree(base: Path) -> Path:
+    """``base/staging/t``: a marked tree the loader filled (a file at its top, one in a
+    directory two levels down)."""
+    with fs.Dir.open(base / "staging", create=True) as parent:
+        assert parent.make_marked("t", MARKER, KEY)
+        with parent.sub("t") as t:
+            t.write("top.bin", b"top")
+            with t.makedirs(("a", "b")) as b:
+                b.write("w.bin", b"w" * 100)
+    return base / "staging" / "t"
+
+
+def _remove(tree: Path) -> list[Path]:
+    with fs.Dir.open(tree.parent) as parent:
+        return parent.remove_tree(tree.name)
+
+
+def _plant(tree: Path) -> dict[str, str]:
+    """A user's file at the top and deep in the tree, and a user's directory: what they hold."""
+    (tree / "notes.txt").write_text("mine\n")
+    (tree / "a" / "b" / "notes.txt").write_text("mine too\n")
+    (tree / "a" / "mine").mkdir()
+    (tree / "a" / "mine" / "data").write_text("keep\n")
+    return {
+        rel: v
+        for rel, v in _snapshot(tree).items()
+        if rel.endswith("notes.txt") or "/mine" in f"/{rel}"
+    }
+
+
+def test_a_tree_with_nothing_else_in_it_is_removed_whole(tmp_path):
+    tree = _tree(tmp_path)
+    assert (tree / fs.MADE).is_file()
+    assert _remove(tree) == []
+    assert not tree.exists()
+
+
+def test_a_users_files_and_directories_in_a_marked_tree_stay_exactly_as_they_were(tmp_path, caplog):
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    with caplog.at_level(logging.WARNING, logger="loader.fs"):
+        kept = _remove(tree)
+    after = _snapshot(tree)
+    assert {rel: after.get(rel) for rel in planted} == planted
+    # What the loader made is gone, the user's directories' parents stay to hold them.
+    assert set(after) == set(planted) | {"a", "a/b"}
+    assert tree / "notes.txt" in kept and tree / "a" / "b" / "notes.txt" in kept
+    # The tree is no longer the loader's: no marker, no record (later runs refuse its name).
+    assert not (tree / MARKER).exists() and not (tree / fs.MADE).exists()
+    with fs.Dir.open(tree.parent) as parent:
+        assert not parent.marked("t", MARKER, KEY)
+    assert "notes.txt" in caplog.text and "someone else's" in caplog.text
+
+
+def test_a_users_file_put_where_the_loaders_was_is_kept(tmp_path):
+    """Same name, another inode: the record names the loader's file, not the name. (A file
+    made after the loader's was removed may get its inode number again: at the same name, it
+    cannot be told from the loader's.)"""
+    tree = _tree(tmp_path)
+    (tree / "users").write_text("a user's, at the loader's old name\n")
+    os.replace(tree / "users", tree / "top.bin")
+    _remove(tree)
+    assert (tree / "top.bin").read_text() == "a user's, at the loader's old name\n"
+    assert not (tree / "a").exists()
+
+
+@pytest.mark.parametrize("how", ["unlink", "remove_tree"])
+def test_a_users_file_at_the_name_of_one_the_loader_removed_is_kept(tmp_path, how):
+    """What the loader removes it records as gone first: a file made there afterwards (which
+    may well get the removed file's inode number: it is free again) is someone else's."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tmp_path / "staging") as parent, parent.sub("t") as t:
+        if how == "unlink":
+            t.unlink("top.bin")
+        else:
+            assert t.remove_tree("a") == []
+    if how == "unlink":
+        (tree / "top.bin").write_text("a user's\n")
+    else:
+        (tree / "a" / "b").mkdir(parents=True)
+        (tree / "a" / "b" / "w.bin").write_text("a user's\n")
+    users = ("top.bin",) if how == "unlink" else ("a", "a/b", "a/b/w.bin")
+    before = _snapshot(tree)
+    _remove(tree)
+    assert _snapshot(tree) == {rel: before[rel] for rel in users}
+
+
+@pytest.mark.parametrize("how", ["overwrite", "append", "unlink", "exclusive"])
+def test_a_users_file_in_a_marked_tree_is_never_written_or_removed(tmp_path, how, caplog):
+    tree = _tree(tmp_path)
+    (tree / "a" / "b" / "config.ini").write_text("the user's\n")
+    with fs.Dir.open(tree / "a" / "b") as b:
+        if how == "overwrite":
+            with pytest.raises(NotOursError) as info:
+                b.write("config.ini", b"the loader's", exclusive=False)
+            assert "config.ini" in str(info.value)
+        elif how == "append":
+            with pytest.raises(NotOursError):
+                b.append("config.ini", b"more")
+        elif how == "unlink":
+            with caplog.at_level(logging.WARNING, logger="loader.fs"):
+                b.unlink("config.ini")
+            assert "config.ini" in caplog.text
+        else:
+            with pytest.raises(FileExistsError):
+                b.write("config.ini", b"the loader's")
+        # the loader's own file there is written again as before
+        b.write("w.bin", b"again", exclusive=False)
+        b.append("w.bin", b"+")
+    assert (tree / "a" / "b" / "config.ini").read_text() == "the user's\n"
+    assert (tree / "a" / "b" / "w.bin").read_bytes() == b"again+"
+
+
+def test_what_the_loader_renames_in_its_trees_stays_its_own(tmp_path):
+    tree = _tree(tmp_path)
+    other = _tree(tmp_path / "other")
+    with fs.Dir.open(tree) as t, fs.Dir.open(other) as o:
+        t.rename("top.bin", t, "renamed.bin", how="noreplace")
+        t.write("partial", b"p")
+        t.rename("partial", t, "renamed.bin", how="replace")  # onto its own file
+        t.rename("a", o, "moved", how="noreplace")  # a directory into another tree
+    (other / "moved" / "b" / "notes.txt").write_text("mine\n")
+    assert _remove(tree) == [] and not tree.exists()
+    _remove(other)
+    assert _snapshot(other) == {
+        "moved": "dir",
+        "moved/b": "dir",
+        "moved/b/notes.txt": _snapshot(other)["moved/b/notes.txt"],
+    }
+
+
+def test_a_users_entry_is_never_moved_or_replaced_in_a_marked_tree(tmp_path):
+    tree = _tree(tmp_path)
+    (tree / "notes.txt").write_text("mine\n")
+    with fs.Dir.open(tree) as t:
+        with pytest.raises(NotOursError):
+            t.rename("notes.txt", t, "x", how="noreplace")
+        t.write("partial", b"p")
+        with pytest.raises(NotOursError):
+            t.rename("partial", t, "notes.txt", how="replace")
+    assert (tree / "notes.txt").read_text() == "mine\n" and (tree / "partial").exists()
+
+
+def test_a_record_that_failed_to_be_written_keeps_the_file(tmp_path):
+    """A file is recorded after it is created: a failure (or a kill) between the two leaves
+    an unrecorded file, which is kept; never a record of a name the loader has not filled."""
+    tree = _tree(tmp_path)
+
+    def fail_the_record(op: str, path: str) -> None:
+        if path.endswith(fs.MADE) and op == "open":
+            raise OSError(errno.EIO, "injected")
+
+    with fs.Dir.open(tree) as t, fs.inject(fail_the_record), pytest.raises(OSError):
+        t.write("late.bin", b"late")
+    assert (tree / "late.bin").exists()
+    _remove(tree)
+    assert _snapshot(tree) == {"late.bin": _snapshot(tree)["late.bin"]}
+
+
+def test_a_users_file_at_the_records_name_makes_no_tree_and_is_never_written(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / fs.MADE).write_text("a user's file\n")
+    with fs.Dir.open(plain) as d:
+        assert d.made is None
+        d.write("f", b"x")
+        d.mkdir("sub")
+    assert (plain / fs.MADE).read_text() == "a user's file\n"
+
+
+@pytest.mark.parametrize("kind", ["file", "dir", "link"])
+def test_a_marked_tree_whose_record_was_replaced_is_kept_whole(tmp_path, kind):
+    tree = _tree(tmp_path)
+    (tree / fs.MADE).unlink()
+    if kind == "file":
+        (tree / fs.MADE).write_text("not a record\n")
+    elif kind == "dir":
+        (tree / fs.MADE).mkdir()
+    else:
+        (tree / fs.MADE).symlink_to(tmp_path)
+    before = _snapshot(tree)
+    assert _remove(tree)
+    assert _snapshot(tree) == before
+
+
+def test_a_tree_made_before_records_were_kept_is_removed_as_before(tmp_path):
+    tree = tmp_path / "old"
+    (tree / "a").mkdir(parents=True)
+    (tree / MARKER).write_text(f"{KEY}\n")
+    (tree / "a" / "w.bin").write_bytes(b"w")
+    os.mkfifo(tree / "a" / "fifo")
+    assert _remove(tree) == [tree / "a" / "fifo"]
+    assert _snapshot(tree) == {"a": "dir", "a/fifo": _snapshot(tree)["a/fifo"]}
+
+
+def test_the_record_names_only_single_names_and_inodes():
+    head = fs.made_header(MARKER)
+    lines = [
+        json.dumps([5, "f", "a/b"]),
+        json.dumps([6, "f", "../x"]),
+        json.dumps([7, "f", "/etc/passwd"]),
+        json.dumps([8, "f", "a//b"]),
+        json.dumps([True, "f", "t"]),
+        json.dumps([-1, "f", "t"]),
+        json.dumps([9, "x", "t"]),
+        json.dumps({"marker": "../../x"}),
+        "garbage",
+        json.dumps([10, "d", "a"]),
+        json.dumps([11, "f", "gone"]),
+        json.dumps([11, "-", "gone"]),
+        json.dumps([12, "f", "back"]),
+        json.dumps([12, "-", "back"]),
+        json.dumps([12, "f", "back"]),
+        json.dumps([13, "-", "never"]),
+    ]
+    marker, records = fs.parse_made(head + "\n".join(lines).encode())
+    assert marker == MARKER
+    assert {rel: v for rel, v in records.items() if v} == {
+        ("a", "b"): {(5, "f")},
+        ("a",): {(10, "d")},
+        ("back",): {(12, "f")},
+    }
+    assert fs.parse_made(json.dumps({"marker": "a/b"}).encode())[0] is None
+
+
+_GARBAGE = st.lists(
+    st.one_of(
+        st.binary(max_size=40),
+        st.tuples(
+            st.integers(min_value=-2, max_value=2**64),
+            st.sampled_from(["f", "d", "x"]),
+            st.lists(
+                st.sampled_from(["a", "b", "..", ".", "", "notes.txt", "/", "mine"]),
+                min_size=1,
+                max_size=4,
+            ).map("/".join),
+        ).map(lambda t: json.dumps(list(t)).encode()),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=examples(60), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(garbage=_GARBAGE, inode_of_users=st.booleans())
+def test_a_forged_or_garbled_record_only_ever_keeps_more(tmp_path_factory, garbage, inode_of_users):
+    base = tmp_path_factory.mktemp("forged")
+    tree = _tree(base)
+    outside = base / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("not the loader's\n")
+    planted = _plant(tree)
+    (tree / "link").symlink_to(outside)
+    lines = list(garbage)
+    if inode_of_users:  # a record naming a user's entry by another name, or at its name by
+        users = os.lstat(tree / "notes.txt").st_ino  # the inode of another entry
+        lines.append(fs.made_line(("elsewhere",), os.lstat(tree / "notes.txt")).rstrip())
+        lines.append(json.dumps([users + 1, "f", "notes.txt"]).encode())
+    with open(tree / fs.MADE, "ab") as fh:
+        fh.write(b"\n".join(lines) + b"\n")
+    before_outside = _snapshot(outside)
+    _remove(tree)
+    after = _snapshot(tree)
+    assert {rel: after.get(rel) for rel in planted} == planted
+    assert after.get("link") == f"link:{outside}"
+    assert _snapshot(outside) == before_outside
+
+
+def test_a_tree_copied_file_by_file_is_removed_whole(tmp_path):
+    """A tree copied to another place (``cp -r``, ``rsync`` to a new volume) keeps its record
+    but none of its inode numbers: the record names nothing there, so the tree counts as one
+    without a record and is removed whole, as before records, instead of being kept for good
+    (a key's old copy in ``.staging``, a download directory every later run refused)."""
+    import shutil
+
+    tree = _tree(tmp_path)
+    copy = tmp_path / "staging" / "copied"
+    shutil.copytree(tree, copy, symlinks=True)
+    assert _remove(copy) == []
+    assert not copy.exists()
+    _plant(tree)  # the original's record still names its own inodes: the user's files stay
+    kept = _remove(tree)
+    assert kept and tree.exists() and (tree / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_record_naming_its_own_inode_is_no_copy(tmp_path):
+    tree = _tree(tmp_path)
+    (tree / "notes.txt").write_text("mine\n")
+    # The record rewritten in place keeps its inode: still the tree's own record.
+    data = (tree / fs.MADE).read_bytes()
+    with open(tree / fs.MADE, "r+b") as f:
+        f.write(data)
+    assert _remove(tree) == [tree / "notes.txt"]
