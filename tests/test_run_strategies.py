@@ -27,10 +27,13 @@ def test_a_source_that_changes_before_an_undeclared_checkpoint_is_fetched_whole_
     def fetch(uri, dest, **options):
         hooks = options.get("hooks")
         dest.mkdir(parents=True, exist_ok=True)
+        files = []
         for path in tiny_sharded_bin_checkpoint.iterdir():
             if hooks is None or hooks.include is None or hooks.include(path.name):
                 shutil.copy(path, dest / path.name)
-        return FetchResult(dest, None, fingerprint=Fingerprint(uri, commit=next(fetched)))
+                files.append(path.name)
+        commit = next(fetched)
+        return FetchResult(dest, None, files, fingerprint=Fingerprint(uri, commit=commit))
 
     monkeypatch.setattr(strategies, "fetch", fetch)
     request = RunRequest(
