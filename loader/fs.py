@@ -495,14 +495,7 @@ def _made_at(fd: int, path: Path) -> _Made | None:
         known = _made_trees.get((top.st_dev, top.st_ino))
         if known is not None and os.fstat(known.fd).st_nlink > 0:
             return known  # (a removed tree's inode given to a new one: its own record)
-    _seam("stat", path / MADE)
-    try:
-        found = os.stat(MADE, dir_fd=fd, follow_symlinks=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        raise _named(exc, path / MADE) from None
-    if not stat.S_ISREG(found.st_mode):
+    if not _regular_at(fd, path, MADE):
         return None
     _seam("read", path / MADE)
     try:
@@ -524,14 +517,20 @@ def _made_at(fd: int, path: Path) -> _Made | None:
     marker, _ = parse_made(head)
     if marker is None:
         return None
-    _seam("stat", path / marker)
+    return _register_made(fd, path) if _regular_at(fd, path, marker) else None
+
+
+def _regular_at(fd: int, path: Path, name: str) -> bool:
+    """Whether a regular file stands at ``name`` in the open directory ``fd`` (``path``), no
+    link followed."""
+    _seam("stat", path / name)
     try:
-        marked = os.stat(marker, dir_fd=fd, follow_symlinks=False)
+        found = os.stat(name, dir_fd=fd, follow_symlinks=False)
     except (FileNotFoundError, NotADirectoryError):
-        return None
+        return False
     except OSError as exc:
-        raise _named(exc, path / marker) from None
-    return _register_made(fd, path) if stat.S_ISREG(marked.st_mode) else None
+        raise _named(exc, path / name) from None
+    return stat.S_ISREG(found.st_mode)
 
 
 def _copied(made_fd: int) -> bool:

@@ -129,10 +129,17 @@ def _convert_profiled(source: Path, out: Path, profile: str) -> subprocess.Compl
 
 
 def _plant_entry(path: Path, kind: str) -> None:
+    """Something other than a regular file at ``path``: a FIFO, a directory, a sparse 64 MiB
+    file, a link to a device or (any other kind) a dangling symbolic link."""
     if kind == "FIFO":
         os.mkfifo(path)
     elif kind == "directory":
         path.mkdir()
+    elif kind == "huge file":
+        with path.open("wb") as fh:
+            fh.truncate(64 * 2**20)  # sparse: no disk used
+    elif kind == "link to a device":
+        path.symlink_to("/dev/zero")
     else:
         path.symlink_to(path.parent / "elsewhere.json")
 
@@ -206,23 +213,11 @@ def _fetch_gs(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _plant_key(path: Path, kind: str) -> None:
-    if kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "huge file":
-        with path.open("wb") as fh:
-            fh.truncate(64 * 2**20)  # sparse: no disk used
-    else:
-        path.symlink_to("/dev/zero")
-
-
 @pytest.mark.parametrize("kind", ["FIFO", "directory", "huge file", "link to a device"])
 def test_a_credentials_setting_that_names_no_key_file_fails_at_once_naming_it(tmp_path, kind):
     """A FIFO there hung the client's read for good, /dev/zero read until memory ran out."""
     key = tmp_path / "key.json"
-    _plant_key(key, kind)
+    _plant_entry(key, kind)
     done = _fetch_gs(tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(key))
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr

@@ -8,7 +8,6 @@ directory deep in a tree is entered from there one name at a time, and so knows 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 
 from loader import fs
 from loader.errors import NotOursError
+from tests.fault_sweep import snapshot as _snapshot
 from tests.tiers import examples
 
 MARKER = ".model-loader-staging"
@@ -30,21 +30,6 @@ KEY = "m@r/v"
 def _confined(tmp_path):
     with fs.confined(tmp_path):
         yield
-
-
-def _snapshot(path: Path) -> dict[str, str]:
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = p.relative_to(path).as_posix()
-            if p.is_symlink():
-                found[rel] = "link:" + os.readlink(p)
-            elif p.is_file():
-                found[rel] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
-            else:
-                found[rel] = "dir"
-    return found
 
 
 def _tree(base: Path) -> Path:
