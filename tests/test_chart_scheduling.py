@@ -249,9 +249,21 @@ def test_a_tainted_dedicated_pool_needs_its_toleration(sandbox):
     # The model is published: once placed, the pods turn available and the rollout below runs
     # (pods that never turn available would let it replace only maxUnavailable of them).
     sandbox.publish(CLAIM, key_of(sandbox))
-    [first, *_] = placed(sandbox, 0, unschedulable=16) and sandbox.unschedulable(TRITON)
-    [condition] = [c for c in first["status"]["conditions"] if c["type"] == "PodScheduled"]
-    assert "untolerated taint" in condition["message"]
+    placed(sandbox, 0, unschedulable=16)
+
+    def for_the_taint():
+        # The scheduler's first attempt may find the claim not bound yet ("unbound immediate
+        # PersistentVolumeClaims"); it tries again once the claim is bound, and the taint is
+        # then what keeps the pods off both nodes (none was placed: above).
+        messages = [
+            c.get("message", "")
+            for p in sandbox.unschedulable(TRITON)
+            for c in p["status"]["conditions"]
+            if c["type"] == "PodScheduled"
+        ]
+        return any("untolerated taint" in m for m in messages)
+
+    sandbox.wait("a pod unschedulable for the taint", for_the_taint, timeout=120)
     tolerations = (
         "cluster.tolerations[0].key=nvidia.com/gpu",
         "cluster.tolerations[0].operator=Exists",
