@@ -69,9 +69,22 @@ def one_line(text: str) -> str:
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/@'\"]+@")
 
 
+#: The query parameters of a signed URL that grant access on their own: a Hub download is
+#: redirected to a storage URL signed for a gated or private file (``X-Amz-Signature``,
+#: ``X-Amz-Credential``, ``X-Amz-Security-Token``, CloudFront's ``Signature``, ``Policy`` and
+#: ``Key-Pair-Id``, GCS's ``X-Goog-Signature``/``X-Goog-Credential``, Azure's ``sig``), valid
+#: for minutes to hours to whoever reads the log. Their values are replaced; the rest of the URL
+#: still shows where the request went.
+_SIGNED = re.compile(
+    r"(?i)([?&;](?:[a-z0-9_-]*(?:signature|credential|security-token|token|policy|key-pair-id)"
+    r"|sig|access_token|api[_-]?key)=)[^&;\s'\"<>#]+"
+)
+
+
 def redacted(text: str) -> str:
-    """``text`` with the credentials of every URL in it replaced by ``***``."""
-    return _USERINFO.sub(r"\1***@", text)
+    """``text`` with the credentials of every URL in it replaced by ``***``: a user name and
+    password, and the values of a signed URL's signature, credential, token and policy."""
+    return _SIGNED.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
 def some_names(names: Iterable[str]) -> str:

@@ -344,7 +344,17 @@ def test_an_endpoint_refused_is_named_without_its_password(monkeypatch):
     ("text", "shown"),
     [("for url 'http://u:p@h:1/x'", "for url 'http://***@h:1/x'"),
      ("https://tok@h/a and gs://b/o", "https://***@h/a and gs://b/o"),
-     ("no url here: a@b", "no url here: a@b"), ("http://h/p?a=b@c", "http://h/p?a=b@c")],
+     ("no url here: a@b", "no url here: a@b"), ("http://h/p?a=b@c", "http://h/p?a=b@c"),
+     # Signed storage URLs a Hub download is redirected to: S3, CloudFront, GCS, Azure.
+     ("for url: https://cdn/x?X-Amz-Credential=AK%2F1&X-Amz-Expires=60&X-Amz-Signature=f0e",
+      "for url: https://cdn/x?X-Amz-Credential=***&X-Amz-Expires=60&X-Amz-Signature=***"),
+     ("https://d/x?Expires=1&Policy=eyJ9&Signature=a~b&Key-Pair-Id=K2 (403)",
+      "https://d/x?Expires=1&Policy=***&Signature=***&Key-Pair-Id=*** (403)"),
+     ("'https://s/b?X-Goog-Signature=ab12&X-Goog-Date=1'",
+      "'https://s/b?X-Goog-Signature=***&X-Goog-Date=1'"),
+     ("https://a/c/b?sv=2020&sig=Zz%3D&se=2", "https://a/c/b?sv=2020&sig=***&se=2"),
+     ("http://u:p@h/x?access_token=t0k", "http://***@h/x?access_token=***"),
+     ("a signature=none outside a URL", "a signature=none outside a URL")],
 )  # fmt: skip
 def test_credentials_of_a_url_in_a_failure_are_redacted(text, shown):
     from loader.errors import redacted

@@ -446,6 +446,24 @@ def test_credentials_in_hf_endpoint_are_never_shown(hub, where, capsys, tmp_path
     assert "***@127.0.0.1" in err, err  # the URL still shows, where it went
 
 
+def test_a_signed_url_the_hub_redirects_to_is_never_shown(hub, capsys, tmp_path):
+    """The Hub redirects a download to a storage URL signed for the file (a gated model's, at
+    that): valid on its own for an hour, it was printed whole in the warnings and the error
+    line, which end up in the Job's logs."""
+    signed = (f"{hub.url}/signed/store/resolve/main/blob?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+              "&X-Amz-Credential=AKIAEXAMPLE%2F20261202&X-Amz-Expires=3600"
+              "&X-Amz-Signature=5ec12e7a11")  # fmt: skip
+    hub.add("signed/redirect", FILES, serve={
+        "model.safetensors": lambda h: h.answer(302, b"", {"Location": signed})})  # fmt: skip
+    # The storage fails (a 500): the Hub library quotes the URL in its error.
+    hub.add("signed/store", FILES, serve={"blob": lambda h: h.answer(500, b"try later")})
+    code, _, err = cli(capsys, "-v", "fetch", "hf://signed/redirect", str(tmp_path / "dest"),
+                       "--retry-deadline", "1")  # fmt: skip
+    assert code in (2, 75), err
+    assert "5ec12e7a11" not in err and "AKIAEXAMPLE" not in err, err
+    assert "X-Amz-Signature=***" in err, err  # the URL still shows, where it went
+
+
 def test_credentials_in_hf_endpoint_are_never_logged_even_at_debug(hub, tmp_path):
     """At -vv the HTTP library logs every request with its URL; before, with the user name
     and password of HF_ENDPOINT in it (a process of its own: its logging as the CLI sets it
