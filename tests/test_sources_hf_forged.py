@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -691,3 +692,36 @@ def test_what_the_hub_answers_in_a_failure_never_forges_a_line_of_the_error(
     assert [line for line in lines if line.startswith("error:")][1:] == [], err
     assert not any(line.startswith("error: forged") or line == "hint: forged" for line in lines)
     assert len([line for line in lines if line.startswith("hint:")]) == 1, err
+
+
+def test_a_body_that_trickles_is_dropped_and_retried_until_the_deadline(
+    hub, capsys, tmp_path, monkeypatch
+):
+    """A server (or proxy) that sends a byte now and then, each within the read timeout, held
+    the download for good: the library's timeout is per read. Below the pace the answer is
+    dropped and the file retried from its last byte, within the retry deadline."""
+    from loader.sources import hf
+
+    monkeypatch.setattr(hf, "STALL_S", 0.5)
+    monkeypatch.setattr(hf, "STALL_BYTES", 1024)
+    answers = []
+
+    def trickle(handler) -> None:
+        answers.append(1)
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(WEIGHTS)))
+        handler.end_headers()
+        try:
+            for byte in WEIGHTS[:200]:  # 10 bytes a second: far below the pace, never idle
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the loader dropped the answer
+            pass
+
+    hub.add("slow/trickle", FILES, serve={"model.safetensors": trickle})
+    code, err = _fetch(capsys, "slow/trickle", tmp_path / "dest")  # --retry-deadline 3
+    assert code == 75, err
+    assert "slowed to" in err and "model.safetensors" in err, err
+    assert len(answers) >= 2  # retried, not given up at the first stall
+    assert "model.safetensors" not in published(tmp_path / "dest")
