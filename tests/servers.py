@@ -265,9 +265,11 @@ def git(repo: Path, *args: str) -> str:
 class ThrottleProxy:
     """An HTTP relay on 127.0.0.1 towards ``target_port``, one request per connection.
 
-    ``rate`` (bytes/s) bounds the server-to-client direction; the first ``cut_first`` relayed
-    responses are cut off after ``cut_after`` bytes; in the first ``flip_first`` relayed
-    responses to a request whose line contains ``fail_path``, the body's byte at offset
+    ``rate`` (bytes/s) bounds the server-to-client direction, relayed in pieces of ``piece``
+    bytes (64 KiB: a low rate then sends a piece and stalls; a small piece trickles); the
+    first ``cut_first`` relayed responses are cut off after ``cut_after`` bytes; in the first
+    ``flip_first`` relayed responses to a request whose line contains ``fail_path``, the
+    body's byte at offset
     ``flip_at`` is inverted (a byte changed in transit); with ``strip_range``, requests lose
     their ``Range`` header (a server that ignores it). With ``status`` set, requests are
     answered with that HTTP status (and the connection closed) instead of being relayed: all of
@@ -291,8 +293,10 @@ class ThrottleProxy:
         flip_at: int = 0,
         strip_range: bool = False,
         body: bytes | None = None,
+        piece: int = 64 * 1024,
     ) -> None:
         self.target_port = target_port
+        self.piece = piece
         #: What an answered request gets instead of a JSON error (a ``text/html`` page).
         self.body = body
         self.rate = rate
@@ -397,7 +401,7 @@ class ThrottleProxy:
         limit: int | None = None,
         flip: int | None = None,
     ) -> None:
-        chunk = 64 * 1024
+        chunk = self.piece
         sent = 0
         head = b""  # the response head, until its end is seen
         body = None  # where in the body the chunk being relayed starts, once the head is through

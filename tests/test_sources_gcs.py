@@ -459,6 +459,23 @@ def test_connections_cut_mid_object_are_retried_and_the_result_verified(
         assert result.downloaded_bytes == 1_000_000
 
 
+def test_an_object_that_trickles_is_dropped_and_retried_until_the_deadline(tmp_path, monkeypatch):
+    """A server or proxy sending a few bytes at a time, each within the read timeout, held the
+    download for good (the timeout is per read): below the pace the answer is dropped and the
+    slice asked for again, within the retry deadline."""
+    from loader.sources import transfer
+
+    monkeypatch.setattr(transfer, "STALL_S", 0.5)
+    monkeypatch.setattr(transfer, "STALL_BYTES", 64 * 1024)
+    # 2 kB every tenth of a second: never idle, 10 kB in half a second, below the pace.
+    proxy = ThrottleProxy(0, rate=20_000, piece=2000)
+    with _one_object_behind(proxy, tmp_path, monkeypatch, "slow", 1_000_000):
+        with pytest.raises(TransientSourceError, match="slowed to") as failed:
+            fetch("gs://slow/ckpt", tmp_path / "dest", workers=1, retry_deadline_s=4)
+        assert "gs://slow/ckpt/model.safetensors" in str(failed.value)
+    assert not (tmp_path / "dest" / "model.safetensors").exists()
+
+
 def test_fetch_killed_with_sigkill_resumes_without_downloading_complete_files(
     tmp_path, monkeypatch
 ):

@@ -700,10 +700,10 @@ def test_a_body_that_trickles_is_dropped_and_retried_until_the_deadline(
     """A server (or proxy) that sends a byte now and then, each within the read timeout, held
     the download for good: the library's timeout is per read. Below the pace the answer is
     dropped and the file retried from its last byte, within the retry deadline."""
-    from loader.sources import hf
+    from loader.sources import transfer
 
-    monkeypatch.setattr(hf, "STALL_S", 0.5)
-    monkeypatch.setattr(hf, "STALL_BYTES", 1024)
+    monkeypatch.setattr(transfer, "STALL_S", 0.5)
+    monkeypatch.setattr(transfer, "STALL_BYTES", 1024)
     answers = []
 
     def trickle(handler) -> None:

@@ -38,7 +38,7 @@
   tenacity within the retry deadline, ``Retry-After`` honoured (:mod:`loader.sources.failures`);
   a retry resumes the file from its last byte. A body that ends cleanly before the listed size
   (closed, or a chunked one cut short) is such a cut too (:class:`CutShort`), and so is one
-  that trickles (:class:`Stalled`: less than :data:`STALL_BYTES` in :data:`STALL_S`). ``--workers``
+  that trickles (:class:`~loader.sources.transfer.Pace`). ``--workers``
   files download at once.
 """
 
@@ -85,6 +85,7 @@ from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
     PARTIAL_DIR,
+    Pace,
     adopt_in,
     ensure_disk_space,
     remove_own_partials_in,
@@ -546,44 +547,11 @@ _CHUNK = 8 * 1024 * 1024
 MAX_REDIRECTS = 10
 
 
-#: A file's body that delivers fewer than :data:`STALL_BYTES` in :data:`STALL_S` seconds has
-#: stalled (a server or proxy trickling a byte now and then, each within the read timeout,
-#: would hold the download for days): the answer is dropped and the file retried from its last
-#: byte, as for a cut (:class:`Stalled`), within the retry deadline.
-STALL_S = 60.0
-STALL_BYTES = 64 * 1024
-
-
-class Stalled(ConnectionError):
-    """A file's answer slowed below :data:`STALL_BYTES` per :data:`STALL_S` seconds: a transient
-    failure, retried from the last byte written."""
-
-
-class _Pace:
-    """Raises :class:`Stalled` from :meth:`arrived` once a span of :data:`STALL_S` seconds
-    delivered fewer than :data:`STALL_BYTES` (each span starts where the last one ended)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.since, self.got = time.monotonic(), 0
-
-    def arrived(self, n: int) -> None:
-        self.got += n
-        elapsed = time.monotonic() - self.since
-        if elapsed < STALL_S:
-            return
-        if self.got < STALL_BYTES:
-            raise Stalled(
-                f"the Hub's answer for {self.what} slowed to {self.got} bytes in "
-                f"{elapsed:.0f} s (less than {STALL_BYTES} bytes in {STALL_S:.0f} s)"
-            )
-        self.since, self.got = time.monotonic(), 0
-
-
 def _pieces(response: Any, what: str) -> Iterator[bytes]:
     """The body of ``response`` in pieces of :data:`_CHUNK` bytes (the last may be shorter),
-    read as it arrives so that a stalled body is noticed (:class:`_Pace`) while a piece fills."""
-    pace, held = _Pace(what), bytearray()
+    read as it arrives so that a stalled body is noticed (:class:`~loader.sources.transfer.Pace`)
+    while a piece fills."""
+    pace, held = Pace(f"the Hub's answer for {what}"), bytearray()
     for piece in response.iter_bytes():
         pace.arrived(len(piece))
         held += piece

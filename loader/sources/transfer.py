@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,42 @@ PARTIAL_DIR = ".partial"
 #: Bytes kept free beyond what a download needs (file-system metadata, logs).
 DISK_MARGIN = 64 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
+
+
+#: A download's answer that delivers fewer than :data:`STALL_BYTES` in :data:`STALL_S` seconds
+#: has stalled: a server or proxy trickling a byte now and then, each within the read timeout
+#: (which is per read), would hold the download for days. It is dropped and retried as a cut
+#: connection (:class:`Stalled`), within the retry deadline.
+STALL_S = 60.0
+STALL_BYTES = 64 * 1024
+
+
+class Stalled(ConnectionError):
+    """An answer slowed below :data:`STALL_BYTES` per :data:`STALL_S` seconds: a transient
+    failure, retried (the connection errors' class)."""
+
+
+class Pace:
+    """Raises :class:`Stalled` from :meth:`arrived` once a span of :data:`STALL_S` seconds
+    delivered fewer than :data:`STALL_BYTES` (each span starts where the last one ended)."""
+
+    __slots__ = ("got", "since", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since, self.got = time.monotonic(), 0
+
+    def arrived(self, n: int) -> None:
+        self.got += n
+        elapsed = time.monotonic() - self.since
+        if elapsed < STALL_S:
+            return
+        if self.got < STALL_BYTES:
+            raise Stalled(
+                f"{self.what} slowed to {self.got} bytes in {elapsed:.0f} s (less than "
+                f"{STALL_BYTES} bytes in {STALL_S:.0f} s)"
+            )
+        self.since, self.got = time.monotonic(), 0
 
 
 def safe_path(dest: Path, relpath: str) -> Path:
