@@ -272,6 +272,11 @@ class ControlPlane:
                 # rate limit (20/s by default) would queue the controllers' own calls.
                 "--kube-api-qps=100",
                 "--kube-api-burst=200",
+                # The HorizontalPodAutoscaler controller acts on a changed autoscaler no sooner
+                # than one sync period after the change (its queue's rate limit is the period,
+                # 15 s by default): a test that waits for it to apply new bounds waits that long
+                # each time. What it does at each sync is the same.
+                "--horizontal-pod-autoscaler-sync-period=2s",
             ]
         return args
 
