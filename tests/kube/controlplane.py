@@ -277,6 +277,9 @@ class ControlPlane:
                 # 15 s by default): a test that waits for it to apply new bounds waits that long
                 # each time. What it does at each sync is the same.
                 "--horizontal-pod-autoscaler-sync-period=2s",
+                # A Job's failed pod is replaced after 1 s, then 2 s, 4 s...: upstream's 10 s,
+                # 20 s... would be most of the wait of a test of retries (tools/kube's flag).
+                "--job-pod-failure-backoff=1s",
             ]
         return args
 
