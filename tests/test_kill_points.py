@@ -112,13 +112,19 @@ def _key(root: Path) -> Path:
     return path
 
 
-def _force_sweep(source: str, template: Path, *, fallback: bool, publishing_only: bool) -> None:
+def _publishing(site: Site) -> bool:
+    """A call publishing itself makes."""
+    return bool(site[1]) and site[1][0].startswith("repository/publish.py")
+
+
+def _force_sweep(source: str, template: Path, *, fallback: bool, publishing: bool) -> None:
+    """Kill ``run --force`` at each of its call sites that publishing makes (``publishing``) or
+    at each of the others: the two tests below kill it at every site once."""
     around = _no_renameat2 if fallback else (lambda h: h)
     with scratch() as base:
         shutil.copytree(template, base, dirs_exist_ok=True)
         sites = _call_sites(_recorded(_argv(source, base / "root", "--force"), around))
-    if publishing_only:  # the calls publishing itself makes
-        sites = [s for s in sites if s[1] and s[1][0].startswith("repository/publish.py")]
+    sites = [s for s in sites if _publishing(s) == publishing]
     assert sites
     failures = []
     for site in sites:
@@ -147,10 +153,12 @@ def _force_sweep(source: str, template: Path, *, fallback: bool, publishing_only
 def test_a_forced_replacement_killed_while_publishing_leaves_a_complete_copy(
     source, template, fallback
 ):
-    _force_sweep(source, template, fallback=fallback, publishing_only=True)
+    _force_sweep(source, template, fallback=fallback, publishing=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_a_forced_replacement_killed_anywhere_leaves_a_complete_copy(source, template, fallback):
-    _force_sweep(source, template, fallback=fallback, publishing_only=False)
+    """Anywhere else: every site the test above does not kill at (the same run, the same
+    checks)."""
+    _force_sweep(source, template, fallback=fallback, publishing=False)

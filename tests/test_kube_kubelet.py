@@ -126,6 +126,26 @@ def test_the_supervisor_restarts_a_component_that_exits_and_gives_up_with_its_lo
     assert "leaderelection lost" in reason
 
 
+def test_a_binary_built_from_other_sources_is_refused_with_the_build_hint(tmp_path):
+    """A binary older than tools/kube (the flags the control plane passes changed since) is
+    named with what to run, before a component fails on a flag it does not know."""
+    from tests.kube.controlplane import ControlPlane, ControlPlaneError, sources_stamp, stale
+
+    binary = tmp_path / "bin" / "kube"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\nexit 1\n")
+    binary.chmod(0o755)
+    stamp = binary.parent / "kube.stamp"
+    stamp.write_text("0" * 64 + "\n")
+    with pytest.raises(ControlPlaneError, match=r"built from other sources .*`make kube`"):
+        ControlPlane(tmp_path / "plane", binary).start()
+    assert not (tmp_path / "plane" / "logs").exists()  # refused before anything started
+    stamp.write_text(sources_stamp() + "\n")
+    assert not stale(binary)
+    stamp.unlink()  # built some other way: not known, not refused
+    assert not stale(binary)
+
+
 def test_the_supervisor_stops_with_the_reason_when_etcd_exits(tmp_path):
     (tmp_path / "etcd.log").write_text("no space left on device\n")
     plane = _Plane(tmp_path, [{"etcd": 2}], fails={"etcd"})

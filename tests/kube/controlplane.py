@@ -14,6 +14,7 @@ Layout of the work directory::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
@@ -36,6 +37,25 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 CONTROLLERS = ("kube-controller-manager", "kube-scheduler")
 SERVICE_CIDR = "10.96.0.0/16"
 BUILD_HINT = "run `make kube` (builds .tools/bin/kube from tools/kube, once)"
+#: The sources scripts/tools/install-kube.sh builds the binary from (their hash: its stamp).
+SOURCES = ROOT / "tools" / "kube"
+
+
+def sources_stamp(sources: Path = SOURCES) -> str:
+    """What scripts/tools/install-kube.sh writes to ``kube.stamp`` next to the binary it
+    builds: the SHA-256 of go.mod, go.sum and the *.go files, in that order."""
+    files = [sources / "go.mod", sources / "go.sum", *sorted(sources.glob("*.go"))]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
+def stale(binary: Path, sources: Path = SOURCES) -> bool:
+    """The binary was built from other sources than ``sources`` (say, before a pull that
+    changed the flags the control plane passes): its stamp says so. No stamp: not known."""
+    try:
+        built = (binary.parent / "kube.stamp").read_text().strip()
+    except FileNotFoundError:
+        return False
+    return built != sources_stamp(sources)
 
 
 class ControlPlaneError(RuntimeError):
@@ -125,6 +145,10 @@ class ControlPlane:
     def start(self, timeout: float = 240.0) -> None:
         if not self.binary.exists():
             raise ControlPlaneError(f"{self.binary} is missing: {BUILD_HINT}")
+        if stale(self.binary):
+            raise ControlPlaneError(
+                f"{self.binary} was built from other sources than {SOURCES}: {BUILD_HINT}"
+            )
         for d in (self.logs, self.pki):
             d.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
@@ -272,6 +296,14 @@ class ControlPlane:
                 # rate limit (20/s by default) would queue the controllers' own calls.
                 "--kube-api-qps=100",
                 "--kube-api-burst=200",
+                # The HorizontalPodAutoscaler controller acts on a changed autoscaler no sooner
+                # than one sync period after the change (its queue's rate limit is the period,
+                # 15 s by default): a test that waits for it to apply new bounds waits that long
+                # each time. What it does at each sync is the same.
+                "--horizontal-pod-autoscaler-sync-period=2s",
+                # A Job's failed pod is replaced after 1 s, then 2 s, 4 s...: upstream's 10 s,
+                # 20 s... would be most of the wait of a test of retries (tools/kube's flag).
+                "--job-pod-failure-backoff=1s",
             ]
         return args
 
