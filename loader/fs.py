@@ -13,17 +13,23 @@ name at a time (:class:`Dir`):
   in it (:meth:`Dir.marked`: a regular file naming the key; a published key's manifest counts),
   relative to descriptors: a link inside is never followed, and stays;
 * a marked tree holds its record (:data:`MADE`): every regular file and directory the loader
-  creates in it is recorded by its names below the tree and its inode, right after the create
-  (a crash between the two leaves an unrecorded entry, which is merely kept), and before a
-  rename brings it there. Only what the record names is removed, replaced, moved, written or
-  sealed there: anything else in the tree is someone else's and stays exactly as it is. A
-  :class:`Dir` entered from a marked tree's top knows the tree (``Dir.made``; below a
-  :func:`confined` tree every one is: a path is entered from the anchor). Inode numbers,
-  not device numbers, are recorded: an NFS volume mounted again (another pod, a reboot) gets
-  another device number, its files keep their inodes. What the loader removes from a tree it
-  records as gone first (an entry made at that name afterwards, which may get the freed inode
-  number, is someone else's); only an entry someone else makes where they removed the loader's
-  file, with that file's inode number again, is not told apart;
+  creates in it is recorded by its names below the tree and its inode, right after the create,
+  and before a rename brings it there. A create is recorded as pending just before it (where
+  nothing stands at the name): a loader stopped between its create and its record (a kill)
+  leaves an empty file or directory at a pending name, which the next one takes as its own
+  while it is still empty (it is all a create leaves). Only what the record names is removed,
+  replaced, moved, written or sealed there: anything else in the tree is someone else's and
+  stays exactly as it is. A :class:`Dir` entered from a marked tree's top knows the tree
+  (``Dir.made``; below a :func:`confined` tree every one is: a path is entered from the
+  anchor). Inode numbers, not device numbers, are recorded: an NFS volume mounted again
+  (another pod, a reboot) gets another device number, its files keep their inodes. What the
+  loader removes from a tree it records as gone first, with its change time (an entry made at
+  that name afterwards, which may get the freed inode number, is someone else's; the entry
+  itself, when the removal was stopped before it happened, still has that change time and is
+  the loader's). Not told apart: an entry someone else makes where they removed the loader's
+  file, with that file's inode number again; an empty file or directory (nothing else) someone
+  makes at a name whose create a loader killed in that instant left pending, before the next
+  loader takes the name;
 * a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
   and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
   servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
@@ -356,12 +362,34 @@ def made_line(
     rel: tuple[str, ...] | list[str], found: os.stat_result, *, gone: bool = False
 ) -> bytes:
     """The line of a tree's record naming the entry ``rel`` (names below the tree) that
-    ``found`` (its ``fstat``) describes; with ``gone``, the line saying the loader is about to
-    remove it (its inode may then be given to someone else's entry at the same name)."""
-    kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
-    return json.dumps([found.st_ino, kind, "/".join(map(_component, rel))]).encode() + b"\n"
+    ``found`` (its ``fstat``) describes; with ``gone``, the lines saying the loader is about
+    to remove it (its inode may then be given to someone else's entry at the same name): the
+    second names its change time too, so that the entry a removal stopped before it happened
+    left (that inode with that very change time) is still told to be the loader's."""
+    name = "/".join(map(_component, rel))
+    if not gone:
+        kind = "d" if stat.S_ISDIR(found.st_mode) else "f"
+        return json.dumps([found.st_ino, kind, name]).encode() + b"\n"
+    return (
+        json.dumps([found.st_ino, "-", name]).encode()
+        + b"\n"
+        + json.dumps([found.st_ino, "-", name, found.st_ctime_ns]).encode()
+        + b"\n"
+    )
 
 
+def pending_line(rel: tuple[str, ...] | list[str], kind: str | None) -> bytes:
+    """The line of a tree's record saying the loader is about to create a file (``kind``
+    ``f``) or directory (``d``) at ``rel``, where nothing stands (inode 0: not known yet);
+    with ``kind`` None, that the create failed. An empty entry of that kind found at ``rel``
+    with no inode recorded there since is the one a loader stopped between its create and
+    its record made (see :meth:`Dir._made_by_loader`)."""
+    return json.dumps([0, kind or "-", "/".join(map(_component, rel))]).encode() + b"\n"
+
+
+#: For each name below a tree: ``(inode, "f" | "d")`` of what the loader made there;
+#: ``(0, "f" | "d")`` while a create there is pending; ``(inode, "-<ctime ns>")`` of what it
+#: was about to remove there.
 Records = dict[tuple[str, ...], set[tuple[int, str]]]
 
 
@@ -381,26 +409,41 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
             if isinstance(name, str) and is_name(name):
                 marker = name
             continue
-        if not (isinstance(item, list) and len(item) == 3):
-            continue
-        ino, kind, rel = item
-        if (
-            type(ino) is not int
-            or ino <= 0
-            or kind not in ("f", "d", "-")
-            or not isinstance(rel, str)
-            or not all(is_name(part) for part in rel.split("/"))
-        ):
-            continue
-        _apply(records, tuple(rel.split("/")), ino, kind)
+        _apply_line(records, item)
     return marker, records
 
 
-def _apply(records: Records, rel: tuple[str, ...], ino: int, kind: str) -> None:
+def _apply_line(records: Records, item: object) -> None:
+    """Apply one line of a record (parsed JSON) to ``records``; one that is not a line the
+    loader writes is skipped."""
+    if not (isinstance(item, list) and len(item) in (3, 4)):
+        return
+    ino, kind, rel = item[:3]
+    changed = item[3] if len(item) == 4 else None
+    if (
+        type(ino) is not int
+        or ino < 0
+        or kind not in ("f", "d", "-")
+        or not isinstance(rel, str)
+        or not all(is_name(part) for part in rel.split("/"))
+        or (changed is not None and (kind != "-" or type(changed) is not int or ino == 0))
+    ):
+        return
+    _apply(records, tuple(rel.split("/")), ino, kind, changed)
+
+
+def _apply(
+    records: Records, rel: tuple[str, ...], ino: int, kind: str, changed: int | None = None
+) -> None:
+    entries = records.setdefault(rel, set())
     if kind == "-":
-        records.get(rel, set()).difference_update({(ino, "f"), (ino, "d")})
+        entries.difference_update({(ino, "f"), (ino, "d")})
+        if changed is not None:
+            entries.add((ino, f"-{changed}"))
     else:
-        records.setdefault(rel, set()).add((ino, kind))
+        if ino:
+            entries.discard((0, kind))  # the pending create, done
+        entries.add((ino, kind))
 
 
 class _Made:
@@ -425,8 +468,16 @@ class _Made:
     def record(self, rel: tuple[str, ...], found: os.stat_result, *, gone: bool = False) -> None:
         """Record that the loader made ``rel`` (``found``: its ``fstat``, taken on the
         descriptor of what this process just created); with ``gone``, that it is about to
-        remove it (a failure between the two keeps it: never removed unrecorded)."""
-        line = made_line(rel, found, gone=gone)
+        remove it (a removal stopped between the two keeps an entry that is still the
+        loader's: the same inode with the same change time)."""
+        self._append(made_line(rel, found, gone=gone))
+
+    def pending(self, rel: tuple[str, ...], kind: str | None) -> None:
+        """Record that the loader is about to create a file (``kind`` ``f``) or directory
+        (``d``) at ``rel``; with None, that the create failed (:func:`pending_line`)."""
+        self._append(pending_line(rel, kind))
+
+    def _append(self, data: bytes) -> None:
         where = self.path / MADE
         with self.lock:
             _seam("open", where)
@@ -434,13 +485,13 @@ class _Made:
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise NotOursError(where, "something else", "the loader's record of a tree")
-                write_fd(fd, line, where)
+                write_fd(fd, data, where)
             finally:
                 os.close(fd)
             if self._records is not None:
-                kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
-                _apply(self._records, tuple(rel), found.st_ino, kind)
-                self._size += len(line)
+                for line in data.splitlines():
+                    _apply_line(self._records, json.loads(line))
+                self._size += len(data)
 
     def records(self) -> Records:
         """What the tree's record holds (read again when another process appended to it)."""
@@ -469,16 +520,27 @@ class _Made:
 
     def made(self, rel: tuple[str, ...], found: os.stat_result | None) -> bool:
         """Whether the entry ``found`` (an ``lstat``) at ``rel`` is one the loader made: a
-        regular file or directory on the tree's device whose inode is recorded at that name."""
+        regular file or directory on the tree's device whose inode is recorded at that name
+        (or was, with that very change time, when a removal of it was stopped before it
+        happened)."""
+        kind = self._kind(found)
+        if kind is None or found is None:
+            return False
+        entries = self.records().get(tuple(rel), ())
+        return (found.st_ino, kind) in entries or (found.st_ino, f"-{found.st_ctime_ns}") in entries
+
+    def pending_at(self, rel: tuple[str, ...], found: os.stat_result | None) -> bool:
+        """Whether a create of an entry of ``found``'s kind at ``rel`` is pending in the record
+        (:func:`pending_line`): recorded as about to happen, with no inode recorded since."""
+        kind = self._kind(found)
+        return kind is not None and (0, kind) in self.records().get(tuple(rel), ())
+
+    def _kind(self, found: os.stat_result | None) -> str | None:
         if found is None or found.st_dev != self.dev:
-            return False
+            return None
         if stat.S_ISREG(found.st_mode):
-            kind = "f"
-        elif stat.S_ISDIR(found.st_mode):
-            kind = "d"
-        else:
-            return False
-        return (found.st_ino, kind) in self.records().get(tuple(rel), ())
+            return "f"
+        return "d" if stat.S_ISDIR(found.st_mode) else None
 
 
 _made_trees: dict[tuple[int, int], _Made] = {}
@@ -595,7 +657,49 @@ class Dir:
             return found is not None and (
                 stat.S_ISREG(found.st_mode) or stat.S_ISDIR(found.st_mode)
             )
-        return inside[0].made(inside[1], found)
+        made, rel = inside
+        if made.made(rel, found):
+            return True
+        if found is None or not made.pending_at(rel, found) or not self._empty(name, found):
+            return False
+        # What a loader stopped between its create and its record left: the empty file or
+        # directory a create pending at this name made. Recorded now, as the record of that
+        # create would have.
+        made.record(rel, found)
+        return True
+
+    def _empty(self, name: str, found: os.stat_result) -> bool:
+        """Whether ``name`` (``found``: its ``lstat``) is an empty regular file with no other
+        link, or an empty directory: all a create leaves before anything is written into it."""
+        if stat.S_ISREG(found.st_mode):
+            return found.st_size == 0 and found.st_nlink == 1
+        _seam("list", self.path / name)
+        try:
+            fd = os.open(_component(name), _DIR_FLAGS, dir_fd=self.fd)
+        except OSError:
+            return False
+        try:
+            return os.fstat(fd).st_ino == found.st_ino and not os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def _pending(self, name: str, kind: str) -> bool:
+        """In a marked tree, record that a file (``kind`` ``f``) or directory (``d``) is about
+        to be created at ``name``, where nothing stands; True when it was recorded (the caller
+        then records the create, or that it failed: :meth:`_not_made`)."""
+        inside = self._in_made(name)
+        if inside is None or self.lstat(name) is not None:
+            return False
+        inside[0].pending(inside[1], kind)
+        return True
+
+    def _not_made(self, name: str) -> None:
+        """Record that the create :meth:`_pending` announced at ``name`` failed (a failure to
+        say so only keeps more: an entry found there must be empty to be taken)."""
+        inside = self._in_made(name)
+        if inside is not None:
+            with contextlib.suppress(OSError):
+                inside[0].pending(inside[1], None)
 
     def _record(self, name: str, found: os.stat_result, *, gone: bool = False) -> None:
         """Record ``name`` (``found``: its ``fstat`` on the descriptor of what this process just
@@ -749,19 +853,27 @@ class Dir:
         """Create the directory ``name``; True when this call created it. With ``exist_ok`` an
         existing directory is fine (a link or a file is :class:`NotOursError`)."""
         _seam("mkdir", self.path / name)
+        pending = self._pending(name, "d")
         try:
             with self._naming(self.path / name):
                 os.mkdir(_component(name), mode, dir_fd=self.fd)
-                made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
-            self._record(name, made)
-            return True
-        except FileExistsError:
-            if not exist_ok:
+        except BaseException as exc:
+            if pending:
+                self._not_made(name)
+            if not isinstance(exc, FileExistsError) or not exist_ok:
                 raise
             found = self.lstat(name)
             if found is None or not stat.S_ISDIR(found.st_mode):
                 raise self.not_ours(name, f"the loader's {what}") from None
+            if self.made is not None:
+                # Taken now if a create of it was stopped before its record (while it is
+                # still empty: what the loader then puts into it is no proof of that).
+                self._made_by_loader(name, found)
             return False
+        with self._naming(self.path / name):
+            made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
+        self._record(name, made)
+        return True
 
     def make_marked(self, name: str, marker: str, owner_line: str) -> bool:
         """Create the directory ``name`` holding the regular file ``marker`` whose first line
@@ -813,27 +925,64 @@ class Dir:
         ``prefix`` (its process stopped before the rename): holding ``marker`` whose first line
         is ``owner_line`` (so the loader's), made by a process of this host that is gone, or
         unchanged for ``idle_s`` seconds (the step between the two takes milliseconds). Call
-        where only one process may make such a name (under the key's lock)."""
+        where only one process may make such a name (under the key's lock).
+
+        One such directory stopped before its marker was whole (holding nothing, or only its
+        record, empty or naming ``marker``, and ``marker`` holding a beginning of
+        ``owner_line``: all :meth:`make_marked` writes first) is removed here, as abandoned as
+        the others: nothing names its key for a caller to find it by."""
         found = []
         for name in self.names():
             if not (name.startswith(f".{prefix}") and name.endswith(".tmp")):
                 continue
             tag = owner_in(name[: -len(".tmp")])
-            if tag is None or not self.marked(name, marker, owner_line):
+            if tag is None or tag == owner():  # this process's own, in the making
                 continue
-            if tag == owner():
-                continue  # this process's own, in the making
-            if not owner_gone(tag):
-                try:
+            if not self.marked(name, marker, owner_line):
+                if self._half_made(name, marker, owner_line) and self._abandoned(name, tag, idle_s):
+                    log.info("removing %s: a loader stopped while it made it", self.path / name)
                     with self.sub(name) as d:
-                        stamps = [d.stat(), *(d.lstat(n) for n in d.names())]
-                except (FileNotFoundError, NotOursError):
-                    continue
-                changed = max(entry.st_mtime for entry in stamps if entry is not None)
-                if time.time() - changed < idle_s:
-                    continue
-            found.append(name)
+                        for entry in (marker, MADE):
+                            if d.regular_size(entry) is not None:
+                                d._unlink_own(entry)
+                    self.rmdir(name)
+                continue
+            if self._abandoned(name, tag, idle_s):
+                found.append(name)
         return found
+
+    def _abandoned(self, name: str, tag: str, idle_s: float) -> bool:
+        """Whether the directory ``name`` of the owner ``tag`` is abandoned: its process, of
+        this host, is gone, or nothing in it changed for ``idle_s`` seconds."""
+        if owner_gone(tag):
+            return True
+        try:
+            with self.sub(name) as d:
+                stamps = [d.stat(), *(d.lstat(n) for n in d.names())]
+        except (FileNotFoundError, NotOursError):
+            return False
+        changed = max(entry.st_mtime for entry in stamps if entry is not None)
+        return time.time() - changed >= idle_s
+
+    def _half_made(self, name: str, marker: str, owner_line: str) -> bool:
+        """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
+        its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
+        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files."""
+        try:
+            with self.sub(name) as d:
+                names = d.names()
+                if not set(names) <= {MADE, marker}:
+                    return False
+                made = d.read(MADE, limit=4096) if MADE in names else b""
+                mark = d.read(marker, limit=4096) if marker in names else b""
+        except (NotOursError, OSError):
+            return False
+        if made is None or mark is None:
+            return False
+        header = made.split(b"\n", 1)[0]
+        return (not made or parse_made(header)[0] == marker) and (
+            f"{owner_line}\n".encode().startswith(mark) and mark != f"{owner_line}\n".encode()
+        )
 
     # -- looking ---------------------------------------------------------------------------
 
@@ -900,10 +1049,13 @@ class Dir:
         if self.made is None or not (writing or flags & os.O_CREAT):
             return self._open_file(name, flags, mode)
         if flags & os.O_CREAT:
+            pending = self._pending(name, "f")
             try:
                 fd = self._open_file(name, (flags & ~os.O_TRUNC) | os.O_EXCL, mode)
-            except FileExistsError:
-                if flags & os.O_EXCL:
+            except BaseException as exc:
+                if pending:
+                    self._not_made(name)
+                if not isinstance(exc, FileExistsError) or flags & os.O_EXCL:
                     raise
             else:
                 try:

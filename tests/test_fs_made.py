@@ -7,7 +7,6 @@ directory deep in a tree is entered from there one name at a time, and so knows 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -175,20 +174,126 @@ def test_a_users_entry_is_never_moved_or_replaced_in_a_marked_tree(tmp_path):
     assert (tree / "notes.txt").read_text() == "mine\n" and (tree / "partial").exists()
 
 
-def test_a_record_that_failed_to_be_written_keeps_the_file(tmp_path):
-    """A file is recorded after it is created: a failure (or a kill) between the two leaves
-    an unrecorded file, which is kept; never a record of a name the loader has not filled."""
+class Stopped(BaseException):
+    """The loader stopped at a call (as a kill would: nothing after it runs)."""
+
+
+def _stop_at(op: str, suffix: str, nth: int = 1):
+    """A hook stopping the loader at the ``nth`` call ``op`` on a path ending in ``suffix``:
+    that call and every one after it fail (no clean-up runs, as after a kill)."""
+    seen = []
+
+    def hook(called: str, path: str) -> None:
+        if len(seen) >= nth or (called == op and path.endswith(suffix)):
+            seen.append(path)
+            if len(seen) >= nth:
+                raise Stopped(path)
+
+    return hook
+
+
+def _fresh_process() -> None:
+    """Forget the records this process keeps open (the next loader reads them anew)."""
+    fs._made_trees.clear()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_what_a_loader_stopped_between_its_create_and_its_record_made_is_its_own(tmp_path, what):
+    """A create is recorded as pending first, then done with its inode: a loader stopped
+    between the two left an empty file or directory at a pending name, which the next one
+    takes as its own (removed with the tree, or used again), never a user's entry."""
     tree = _tree(tmp_path)
+    # The second call opening the record: the first records the pending create.
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", fs.MADE, 2)), pytest.raises(Stopped):
+        if what == "file":
+            t.write("late.bin", b"late")
+        else:
+            t.mkdir("late")
+    assert (tree / ("late.bin" if what == "file" else "late")).exists()
+    _fresh_process()
+    assert _remove(tree) == []
+    assert not tree.exists()
 
-    def fail_the_record(op: str, path: str) -> None:
-        if path.endswith(fs.MADE) and op == "open":
-            raise OSError(errno.EIO, "injected")
 
-    with fs.Dir.open(tree) as t, fs.inject(fail_the_record), pytest.raises(OSError):
+def test_an_empty_directory_a_stopped_create_left_is_taken_when_used_again(tmp_path):
+    """A directory a loader stopped after creating (unrecorded) and the next loader fills
+    (a download resumed into it) is the loader's, and goes with the tree."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", fs.MADE, 2)), pytest.raises(Stopped):
+        t.mkdir("source")
+    _fresh_process()
+    with fs.Dir.open(tree) as t, t.makedirs(("source", "deeper")) as deeper:
+        deeper.write("w.bin", b"w")
+    _fresh_process()
+    assert _remove(tree) == []
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_a_users_entry_at_a_pending_name_is_kept(tmp_path, what):
+    """A pending create whose entry never came (stopped before it): what someone puts at that
+    name afterwards, holding anything, is theirs."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("mkdir", "/late")), pytest.raises(Stopped):
+        t.mkdir("late")
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", "/late.bin")), pytest.raises(Stopped):
         t.write("late.bin", b"late")
-    assert (tree / "late.bin").exists()
-    _remove(tree)
-    assert _snapshot(tree) == {"late.bin": _snapshot(tree)["late.bin"]}
+    assert not (tree / "late").exists() and not (tree / "late.bin").exists()
+    (tree / "late.bin").write_text("mine\n")
+    (tree / "late").mkdir()
+    (tree / "late" / "data").write_text("keep\n")
+    planted = {r: v for r, v in _snapshot(tree).items() if r.startswith("late")}
+    _fresh_process()
+    assert sorted(_remove(tree)) == [tree / "late" / "data", tree / "late.bin"]
+    assert {r: v for r, v in _snapshot(tree).items() if r.startswith("late")} == planted
+
+
+@pytest.mark.parametrize("how", ["unlink", "rmdir", "subtree"])
+def test_what_a_loader_stopped_before_removing_it_left_is_its_own(tmp_path, how):
+    """A removal is recorded first (the entry's inode and change time): a loader stopped
+    between the two left the entry, which the next one still takes as its own."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.mkdir("empty")
+    op, name = {"unlink": ("unlink", "top.bin"), "rmdir": ("rmdir", "empty"),
+                "subtree": ("unlink", "w.bin")}[how]  # fmt: skip
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at(op, f"/{name}")), pytest.raises(Stopped):
+        if how == "unlink":
+            t.unlink("top.bin")
+        elif how == "rmdir":
+            t.rmdir("empty")
+        else:
+            t.remove_tree("a")
+    _fresh_process()
+    assert _remove(tree) == []
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("stop", [("open", fs.MADE, 1), ("write", fs.MADE, 1),
+                                  ("open", MARKER, 1), ("write", MARKER, 1)])  # fmt: skip
+def test_a_marked_directory_stopped_before_its_marker_was_whole_is_removed(tmp_path, stop):
+    """:meth:`loader.fs.Dir.make_marked` stopped before its marker was written: the
+    temporary directory (nothing, or a record and a marker not yet whole in it) is removed
+    by the next loader looking for unfinished ones once its owner is gone; a user's entry
+    in one keeps it."""
+    with fs.Dir.open(tmp_path / "staging", create=True) as parent:
+        with fs.inject(_stop_at(*stop)), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+        dead = tmp.replace(f".{fs.owner()}.", ".999999999-" + fs.host_digest() + ".")
+        os.rename(tmp_path / "staging" / tmp, tmp_path / "staging" / dead)
+        _fresh_process()
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+        assert parent.names() == []
+        # The same, holding a user's file: kept.
+        with fs.inject(_stop_at(*stop)), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+        os.rename(tmp_path / "staging" / tmp, tmp_path / "staging" / dead)
+        (tmp_path / "staging" / dead / "notes.txt").write_text("mine\n")
+        _fresh_process()
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+        assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
 
 
 def test_a_users_file_at_the_records_name_makes_no_tree_and_is_never_written(tmp_path):
