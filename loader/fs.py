@@ -349,7 +349,6 @@ def kind_of(mode: int) -> str:
 #: number. Only what matches a record (:meth:`Dir.remove_tree`, :meth:`Dir.unlink`) is removed,
 #: replaced or written again; everything else in the tree is someone else's.
 MADE = ".model-loader-made"
-_MADE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def made_header(marker: str) -> bytes:
@@ -477,14 +476,34 @@ class _Made:
         (``d``) at ``rel``; with None, that the create failed (:func:`pending_line`)."""
         self._append(pending_line(rel, kind))
 
+    def _open(self, flags: int) -> int:
+        """The record, open with ``flags`` (never through a link, never blocking on a FIFO):
+        anything but a regular file there (put in its place) is a :class:`NotOursError`
+        naming it where the tree is now, as every failure here does."""
+        where = self.path / MADE
+        _seam("open", where)
+        try:
+            fd = os.open(MADE, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise _named(exc, where) from None
+            fd = -1
+        mode = os.fstat(fd).st_mode if fd >= 0 else 0
+        if not stat.S_ISREG(mode):
+            if fd >= 0:
+                os.close(fd)
+            try:
+                found = kind_of(os.stat(MADE, dir_fd=self.fd, follow_symlinks=False).st_mode)
+            except OSError:
+                found = "something else"
+            raise NotOursError(where, found, "the loader's record of a tree")
+        return fd
+
     def _append(self, data: bytes) -> None:
         where = self.path / MADE
         with self.lock:
-            _seam("open", where)
-            fd = os.open(MADE, _MADE_FLAGS, dir_fd=self.fd)
+            fd = self._open(os.O_WRONLY | os.O_APPEND)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise NotOursError(where, "something else", "the loader's record of a tree")
                 write_fd(fd, data, where)
             finally:
                 os.close(fd)
@@ -501,16 +520,19 @@ class _Made:
                 found = os.stat(MADE, dir_fd=self.fd, follow_symlinks=False)
             except FileNotFoundError:
                 found = None
+            except OSError as exc:
+                raise _named(exc, self.path / MADE) from None
             if found is None or not stat.S_ISREG(found.st_mode):
                 self._records, self._size = {}, -1
                 return {}
             if self._records is None or found.st_size != self._size:
-                _seam("open", self.path / MADE)
-                fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=self.fd)  # fmt: skip
                 try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        return {}
+                    fd = self._open(os.O_RDONLY)
+                except NotOursError:  # swapped since: nothing is known to be the loader's
+                    self._records, self._size = {}, -1
+                    return {}
+                try:
+                    os.set_blocking(fd, True)
                     data = read_fd(fd, self.path / MADE, limit=SMALL_FILE_BYTES)
                 finally:
                     os.close(fd)
@@ -617,6 +639,19 @@ def _register_made(fd: int, path: Path) -> _Made:
         made = _Made(os.dup(fd), path)
         _made_trees[(top.st_dev, top.st_ino)] = made
         return made
+
+
+def _trees_moved(src: Path, dst: Path, *, exchange: bool) -> None:
+    """Marked trees at or below ``src`` are now at ``dst`` (and, with ``exchange``, those at
+    ``dst`` at ``src``): what their records' failures name follows them (a tree is made under
+    a temporary name, then renamed)."""
+    moves = ((src, dst), (dst, src)) if exchange else ((src, dst),)
+    with _made_lock:
+        for made in set(_made_trees.values()):
+            for before, after in moves:
+                if made.path == before or before in made.path.parents:
+                    made.path = after / made.path.relative_to(before)
+                    break
 
 
 def _forget_made(made: _Made) -> None:
@@ -1268,6 +1303,7 @@ class Dir:
         if moved is not None and to.made is not None:
             self._record_moved(name, to.made[0], (*to.made[1], to_name), moved)
         self._rename(name, to, to_name, how, src, dst)
+        _trees_moved(src, dst, exchange=how == "exchange")
 
     def _record_moved(
         self, name: str, into: _Made, rel: tuple[str, ...], moved: os.stat_result

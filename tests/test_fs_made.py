@@ -7,6 +7,7 @@ directory deep in a tree is entered from there one name at a time, and so knows 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -430,3 +431,40 @@ def test_a_record_naming_its_own_inode_is_no_copy(tmp_path):
     with open(tree / fs.MADE, "r+b") as f:
         f.write(data)
     assert _remove(tree) == [tree / "notes.txt"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "directory"])
+def test_something_else_put_at_the_records_name_is_refused_naming_it(tmp_path, kind):
+    """A FIFO, link or directory put in place of a tree's record while the loader works in
+    the tree: the next create there is a NotOursError naming the record where the tree is
+    (exit 2), nothing is written through it, and it stays."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        (tree / fs.MADE).unlink()
+        if kind == "fifo":
+            os.mkfifo(tree / fs.MADE)
+        elif kind == "link":
+            (tmp_path / "elsewhere").write_text("")
+            (tree / fs.MADE).symlink_to(tmp_path / "elsewhere")
+        else:
+            (tree / fs.MADE).mkdir()
+        planted = _snapshot(tree)[fs.MADE]
+        with pytest.raises(NotOursError) as failed:
+            t.write("late.bin", b"late")
+    assert failed.value.path == tree / fs.MADE
+    assert _snapshot(tree)[fs.MADE] == planted and not (tree / "late.bin").exists()
+    if kind == "link":
+        assert (tmp_path / "elsewhere").read_text() == ""
+
+
+def test_a_records_failure_names_it_where_the_tree_is_now(tmp_path):
+    """A tree is made under a temporary name and renamed: a failure reading its record later
+    (one grown past any record's size) names the record at the tree's name, not at the
+    temporary one, which is gone."""
+    tree = _tree(tmp_path)
+    with (tree / fs.MADE).open("ab") as record:
+        record.write(b"x" * (fs.SMALL_FILE_BYTES + 1))
+    with fs.Dir.open(tree) as t, pytest.raises(OSError) as failed:
+        t.unlink("top.bin")
+    assert failed.value.errno == errno.EFBIG
+    assert failed.value.filename == str(tree / fs.MADE)
