@@ -449,11 +449,14 @@ class _Made:
     """The open record of one marked tree: its top directory's descriptor (a rename of the
     tree keeps it valid), the records read so far, and this process's appends."""
 
-    __slots__ = ("_records", "_size", "dev", "fd", "lock", "marker", "path")
+    __slots__ = ("_records", "_size", "copied", "dev", "fd", "lock", "marker", "path")
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path, *, copied: bool = False) -> None:
         self.fd = fd
         self.path = path
+        #: The tree was copied file by file (:func:`_copied`): its record's inode numbers are
+        #: the original's, so what it names is told by name alone.
+        self.copied = copied
         self.dev = os.fstat(fd).st_dev
         self.lock = threading.Lock()
         self._records: Records | None = None
@@ -469,7 +472,12 @@ class _Made:
         descriptor of what this process just created); with ``gone``, that it is about to
         remove it (a removal stopped between the two keeps an entry that is still the
         loader's: the same inode with the same change time)."""
-        self._append(made_line(rel, found, gone=gone))
+        data = made_line(rel, found, gone=gone)
+        if gone and self.copied:  # the name goes: the original's inodes at it with it
+            for ino, kind in sorted(self.records().get(tuple(rel), ())):
+                if ino and ino != found.st_ino and kind in ("f", "d"):
+                    data += json.dumps([ino, "-", "/".join(rel)]).encode() + b"\n"
+        self._append(data)
 
     def pending(self, rel: tuple[str, ...], kind: str | None) -> None:
         """Record that the loader is about to create a file (``kind`` ``f``) or directory
@@ -549,7 +557,11 @@ class _Made:
         if kind is None or found is None:
             return False
         entries = self.records().get(tuple(rel), ())
-        return (found.st_ino, kind) in entries or (found.st_ino, f"-{found.st_ctime_ns}") in entries
+        if (found.st_ino, kind) in entries or (found.st_ino, f"-{found.st_ctime_ns}") in entries:
+            return True
+        # A copied tree: a name the loader made (and has not removed) is its own there, any
+        # other name someone else's, as in the original.
+        return self.copied and any(ino and made == kind for ino, made in entries)
 
     def pending_at(self, rel: tuple[str, ...], found: os.stat_result | None) -> bool:
         """Whether a create of an entry of ``found``'s kind at ``rel`` is pending in the record
@@ -593,15 +605,16 @@ def _made_at(fd: int, path: Path) -> _Made | None:
         raise _named(exc, path / MADE) from None
     try:
         with _naming(path / MADE):
-            if not stat.S_ISREG(os.fstat(made_fd).st_mode) or _copied(made_fd):
+            if not stat.S_ISREG(os.fstat(made_fd).st_mode):
                 return None
+            copied = _copied(made_fd)
             head = os.pread(made_fd, 4096, 0).split(b"\n", 1)[0]
     finally:
         os.close(made_fd)
     marker, _ = parse_made(head)
     if marker is None:
         return None
-    return _register_made(fd, path) if _regular_at(fd, path, marker) else None
+    return _register_made(fd, path, copied=copied) if _regular_at(fd, path, marker) else None
 
 
 def _regular_at(fd: int, path: Path, name: str) -> bool:
@@ -621,8 +634,10 @@ def _copied(made_fd: int) -> bool:
     """Whether the record open as ``made_fd`` is a copy: its second line, the record's own
     entry, names another inode than its own. A tree copied file by file (``cp -r``, ``rsync``
     to another volume; a snapshot or another mount keeps inodes) keeps its names but none of
-    its inode numbers: its record names nothing in it, and the tree is one without a record
-    (removed as before the loader kept records), not one where everything is someone else's."""
+    its inode numbers: its record names nothing in it by inode, and what it names is told by
+    name alone (:attr:`_Made.copied`): the loader's files and directories at the names it made,
+    someone else's, copied along, at any other name (neither everything someone else's, kept
+    for good, nor everything the loader's, removed whole)."""
     lines = os.pread(made_fd, 4096, 0).split(b"\n", 2)
     if len(lines) < 3:
         return False
@@ -631,12 +646,12 @@ def _copied(made_fd: int) -> bool:
     return bool(inodes) and (os.fstat(made_fd).st_ino, "f") not in inodes
 
 
-def _register_made(fd: int, path: Path) -> _Made:
+def _register_made(fd: int, path: Path, *, copied: bool = False) -> _Made:
     """The record of the tree whose top is the open directory ``fd``, kept for this process
     (a descriptor of its own: a rename of the tree keeps it valid)."""
     top = os.fstat(fd)
     with _made_lock:
-        made = _Made(os.dup(fd), path)
+        made = _Made(os.dup(fd), path, copied=copied)
         _made_trees[(top.st_dev, top.st_ino)] = made
         return made
 
@@ -1416,9 +1431,9 @@ class Dir:
         one) only what the record names is removed: a file or directory someone else put
         there stays too. When anything stays in a tree removed from its top, the tree's
         marker and record go (the tree is no longer the loader's: later runs refuse its name
-        and say to move it). A tree without a record (made before the loader kept one, or
-        copied file by file, so that its record names other inodes: :func:`_copied`) is removed
-        as before: its files and directories."""
+        and say to move it). In a tree copied file by file (its record names other inodes:
+        :func:`_copied`) what the record names is told by name. A tree without a record (made
+        before the loader kept one) is removed as before: its files and directories."""
         found = self.lstat(name)
         top, record = None, None
         if found is not None and stat.S_ISDIR(found.st_mode) and self.made is None:

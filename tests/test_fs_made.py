@@ -423,6 +423,35 @@ def test_a_tree_copied_file_by_file_is_removed_whole(tmp_path):
     assert kept and tree.exists() and (tree / "notes.txt").read_text() == "mine\n"
 
 
+def test_a_users_files_copied_along_with_a_tree_stay_in_the_copy(tmp_path):
+    """A tree copied file by file with a user's files in it (``rsync`` of the whole volume):
+    in the copy the loader's names are the loader's, the user's files (at names the loader
+    never made) stay exactly as they were; a name the loader removed in the copy is no longer
+    its own there."""
+    import shutil
+
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    copy = tmp_path / "staging" / "copied"
+    shutil.copytree(tree, copy, symlinks=True)
+    with fs.Dir.open(copy) as c:
+        c.unlink("top.bin")
+    (copy / "top.bin").write_text("mine now\n")
+    planted["top.bin"] = _snapshot(copy)["top.bin"]
+    _fresh_process()
+    kept = _remove(copy)
+    assert sorted(kept) == sorted(
+        [
+            copy / "notes.txt",
+            copy / "top.bin",
+            copy / "a" / "b" / "notes.txt",
+            copy / "a" / "mine" / "data",
+        ]
+    )
+    assert {r: v for r, v in _snapshot(copy).items() if r in planted} == planted
+    assert not (copy / "a" / "b" / "w.bin").exists()
+
+
 def test_a_record_naming_its_own_inode_is_no_copy(tmp_path):
     tree = _tree(tmp_path)
     (tree / "notes.txt").write_text("mine\n")
