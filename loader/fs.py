@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loader.errors import DirectoryRemovedError, NameTakenError, NotOursError, SpecialFileError
+from loader.formats import jsondoc
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +401,7 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
     records: Records = {}
     for i, line in enumerate(data.split(b"\n")):
         try:
-            item = json.loads(line)
+            item = jsondoc.loads(line)  # a line nested too deeply is a ValueError too
         except ValueError:
             continue
         if i == 0 and isinstance(item, dict):

@@ -497,3 +497,16 @@ def test_a_records_failure_names_it_where_the_tree_is_now(tmp_path):
         t.unlink("top.bin")
     assert failed.value.errno == errno.EFBIG
     assert failed.value.filename == str(tree / fs.MADE)
+
+
+def test_a_record_line_nested_too_deeply_is_skipped(tmp_path):
+    """A line nested deeper than the JSON parser's stack (``[[[[...``) appended to a tree's
+    record is skipped like any garbled line, not a RecursionError (a traceback, exit 1)."""
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    with (tree / fs.MADE).open("ab") as record:
+        record.write(b"[" * 100_000 + b"\n")
+    _fresh_process()
+    assert _remove(tree)
+    assert {r: v for r, v in _snapshot(tree).items() if r in planted} == planted
+    assert not (tree / "top.bin").exists()
