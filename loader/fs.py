@@ -352,6 +352,12 @@ def kind_of(mode: int) -> str:
 MADE = ".model-loader-made"
 
 
+def _marker_name(name: str) -> bool:
+    """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the
+    record's own): a record's first line naming any other file (rewritten) names no marker."""
+    return name.startswith(MARKER_PREFIX) and name != MADE
+
+
 def made_header(marker: str) -> bytes:
     """The first line of a tree's record (:data:`MADE`): the name of the tree's marker, which
     the loader drops when it keeps something in the tree."""
@@ -406,7 +412,7 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
             continue
         if i == 0 and isinstance(item, dict):
             name = item.get("marker")
-            if isinstance(name, str) and is_name(name):
+            if isinstance(name, str) and is_name(name) and _marker_name(name):
                 marker = name
             continue
         _apply_line(records, item)
@@ -1463,7 +1469,14 @@ class Dir:
         marker = top.marker
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:
-            for entry in d._mark_last([n for n in d.names() if n not in (MADE, marker)]):
+            spared = {MADE} if marker is None else {MADE, marker}
+            mark = None if marker is None else d.lstat(marker)
+            if marker is not None and mark is not None and not d._made_by_loader(marker, mark):
+                # Someone else's file at the marker's name (put where the loader's was, or
+                # named by a first line someone rewrote): it stays, and the record with it.
+                kept.append((d.path / marker, kind_of(mark.st_mode)))
+                marker = None
+            for entry in d._mark_last([n for n in d.names() if n not in spared]):
                 kept += d._remove_tree(entry, forget=False)  # the record goes as a whole
             if kept and marker is None:  # the tree stays marked: its record stays with it
                 return kept

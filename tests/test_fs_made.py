@@ -510,3 +510,36 @@ def test_a_record_line_nested_too_deeply_is_skipped(tmp_path):
     assert _remove(tree)
     assert {r: v for r, v in _snapshot(tree).items() if r in planted} == planted
     assert not (tree / "top.bin").exists()
+
+
+def test_a_record_whose_first_line_names_a_users_file_as_marker_never_removes_it(tmp_path):
+    """A record's first line rewritten to name a user's file in the tree as the marker: that
+    names no marker (a marker's name starts with the loader's prefix), so the file is never
+    taken for the marker, which the removal takes without looking at the record."""
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    data = (tree / fs.MADE).read_bytes().split(b"\n", 1)[1]
+    with (tree / fs.MADE).open("r+b") as record:  # in place: the same inode
+        record.write(fs.made_header("notes.txt")[:-1].ljust(len(fs.made_header(MARKER)) - 1))
+        record.write(b"\n" + data)
+    assert fs.parse_made(json.dumps({"marker": "notes.txt"}).encode())[0] is None
+    _fresh_process()
+    _remove(tree)
+    assert {r: v for r, v in _snapshot(tree).items() if r in planted} == planted
+
+
+def test_a_users_file_at_the_markers_name_stays_and_keeps_the_record(tmp_path):
+    """The loader's marker replaced by someone else's file (the same first line): the
+    record names another inode there, so that file stays, with the record (the tree is
+    still marked by it, and never taken for one made before records)."""
+    tree = _tree(tmp_path)
+    (tmp_path / "theirs").write_bytes((tree / MARKER).read_bytes())
+    (tmp_path / "theirs").replace(tree / MARKER)  # (another inode than the loader's had)
+    users = _snapshot(tree)[MARKER]
+    _fresh_process()
+    assert _remove(tree) == [tree / MARKER]
+    assert _snapshot(tree)[MARKER] == users and (tree / fs.MADE).is_file()
+    assert sorted(_snapshot(tree)) == [fs.MADE, MARKER]
+    _fresh_process()
+    assert _remove(tree) == [tree / MARKER]  # and again: never removed whole
+    assert _snapshot(tree)[MARKER] == users
