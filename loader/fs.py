@@ -593,13 +593,13 @@ def _made_at(fd: int, path: Path) -> _Made | None:
     marked tree's top: a tree's top holds its record (:data:`MADE`, a regular file whose first
     line names the tree's marker) and that marker (a regular file). A file of that name that
     is not such a record (a user's) makes no tree, and is never written."""
+    if not _regular_at(fd, path, MADE):  # (a record gone since it was read: none now)
+        return None
     top = os.fstat(fd)
     with _made_lock:
         known = _made_trees.get((top.st_dev, top.st_ino))
         if known is not None and os.fstat(known.fd).st_nlink > 0:
             return known  # (a removed tree's inode given to a new one: its own record)
-    if not _regular_at(fd, path, MADE):
-        return None
     _seam("read", path / MADE)
     try:
         made_fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

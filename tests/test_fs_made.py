@@ -543,3 +543,17 @@ def test_a_users_file_at_the_markers_name_stays_and_keeps_the_record(tmp_path):
     _fresh_process()
     assert _remove(tree) == [tree / MARKER]  # and again: never removed whole
     assert _snapshot(tree)[MARKER] == users
+
+
+def test_a_tree_whose_record_went_in_another_process_is_one_without_a_record(tmp_path):
+    """A removal killed after the record went, before the marker did, leaves the marker
+    alone in the tree: a process that had the tree's record open before (a long-lived one)
+    takes it as one without a record, as a new process does, and removes it."""
+    import shutil
+
+    tree = _tree(tmp_path)
+    for entry in tree.iterdir():  # what the killed removal took (another process)
+        if entry.name != MARKER:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    assert _remove(tree) == []
+    assert not tree.exists()
