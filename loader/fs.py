@@ -1002,7 +1002,12 @@ class Dir:
                         for entry in (marker, MADE):
                             if d.regular_size(entry) is not None:
                                 d._unlink_own(entry)
-                    self.rmdir(name)
+                    try:
+                        self.rmdir(name)
+                    except OSError as exc:  # something put into it meanwhile: someone's
+                        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                            raise
+                        log.warning("kept %s: something was put into it", self.path / name)
                 continue
             if self._abandoned(name, tag, idle_s):
                 found.append(name)

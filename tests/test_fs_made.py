@@ -557,3 +557,23 @@ def test_a_tree_whose_record_went_in_another_process_is_one_without_a_record(tmp
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     assert _remove(tree) == []
     assert not tree.exists()
+
+
+def test_a_half_made_directory_someone_fills_meanwhile_is_kept(tmp_path):
+    """A file put into a half-made temporary directory while the next loader removes it: the
+    directory stays (not a failure of the run, exit 1, for a directory not empty)."""
+    with fs.Dir.open(tmp_path / "staging", create=True) as parent:
+        with fs.inject(_stop_at("open", MARKER)), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+        dead = tmp.replace(f".{fs.owner()}.", ".999999999-" + fs.host_digest() + ".")
+        os.rename(tmp_path / "staging" / tmp, tmp_path / "staging" / dead)
+        _fresh_process()
+
+        def fill(op: str, path: str) -> None:
+            if op == "rmdir" and path.endswith(dead):
+                (tmp_path / "staging" / dead / "notes.txt").write_text("mine\n")
+
+        with fs.inject(fill):
+            assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+    assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
