@@ -1495,7 +1495,7 @@ class Dir:
                     d._unlink_own(entry)
         _forget_made(top)
         if not kept:
-            self.rmdir(name)
+            kept = self._rmdir_emptied(name)
         return kept
 
     def _record_copied(self) -> bool:
@@ -1550,9 +1550,19 @@ class Dir:
             return [(self.path / name, "a directory")]
         if forget:
             self._record(name, found, gone=True)
+        return self._rmdir_emptied(name)
+
+    def _rmdir_emptied(self, name: str) -> list[tuple[Path, str]]:
+        """Remove the directory ``name`` a removal has just emptied; one someone put something
+        into meanwhile stays (returned as kept, not a failure)."""
         _seam("rmdir", self.path / name)
-        with self._naming(self.path / name):
-            os.rmdir(_component(name), dir_fd=self.fd)
+        try:
+            with self._naming(self.path / name):
+                os.rmdir(_component(name), dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            return [(self.path / name, "a directory something was put into meanwhile")]
         return []
 
     def _unlink_own(self, name: str) -> None:

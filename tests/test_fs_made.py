@@ -577,3 +577,22 @@ def test_a_half_made_directory_someone_fills_meanwhile_is_kept(tmp_path):
         with fs.inject(fill):
             assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
     assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("where", ["top", "below"])
+def test_a_file_put_into_a_directory_while_it_is_removed_stays(tmp_path, where):
+    """Someone puts a file into a directory of the tree just before the loader removes the
+    emptied directory: the directory and the file stay (kept, named), the run goes on (the
+    rmdir's ENOTEMPTY was a bug's exit 1)."""
+    tree = _tree(tmp_path)
+    target = tree if where == "top" else tree / "a" / "b"
+
+    def fill(op: str, path: str) -> None:
+        if op == "rmdir" and path == str(target):
+            (target / "late.txt").write_text("mine\n")
+
+    _fresh_process()
+    with fs.inject(fill):
+        kept = _remove(tree)
+    assert (target / "late.txt").read_text() == "mine\n"
+    assert target in kept
