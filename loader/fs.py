@@ -72,7 +72,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loader.errors import DirectoryRemovedError, NameTakenError, NotOursError, SpecialFileError
-from loader.formats import jsondoc
 
 log = logging.getLogger(__name__)
 
@@ -407,8 +406,8 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
     records: Records = {}
     for i, line in enumerate(data.split(b"\n")):
         try:
-            item = jsondoc.loads(line)  # a line nested too deeply is a ValueError too
-        except ValueError:
+            item = json.loads(line)
+        except (ValueError, RecursionError):  # (a line nested too deeply: garbled too)
             continue
         if i == 0 and isinstance(item, dict):
             name = item.get("marker")
