@@ -13,17 +13,23 @@ name at a time (:class:`Dir`):
   in it (:meth:`Dir.marked`: a regular file naming the key; a published key's manifest counts),
   relative to descriptors: a link inside is never followed, and stays;
 * a marked tree holds its record (:data:`MADE`): every regular file and directory the loader
-  creates in it is recorded by its names below the tree and its inode, right after the create
-  (a crash between the two leaves an unrecorded entry, which is merely kept), and before a
-  rename brings it there. Only what the record names is removed, replaced, moved, written or
-  sealed there: anything else in the tree is someone else's and stays exactly as it is. A
-  :class:`Dir` entered from a marked tree's top knows the tree (``Dir.made``; below a
-  :func:`confined` tree every one is: a path is entered from the anchor). Inode numbers,
-  not device numbers, are recorded: an NFS volume mounted again (another pod, a reboot) gets
-  another device number, its files keep their inodes. What the loader removes from a tree it
-  records as gone first (an entry made at that name afterwards, which may get the freed inode
-  number, is someone else's); only an entry someone else makes where they removed the loader's
-  file, with that file's inode number again, is not told apart;
+  creates in it is recorded by its names below the tree and its inode, right after the create,
+  and before a rename brings it there. A create is recorded as pending just before it (where
+  nothing stands at the name): a loader stopped between its create and its record (a kill)
+  leaves an empty file or directory at a pending name, which the next one takes as its own
+  while it is still empty (it is all a create leaves). Only what the record names is removed,
+  replaced, moved, written or sealed there: anything else in the tree is someone else's and
+  stays exactly as it is. A :class:`Dir` entered from a marked tree's top knows the tree
+  (``Dir.made``; below a :func:`confined` tree every one is: a path is entered from the
+  anchor). Inode numbers, not device numbers, are recorded: an NFS volume mounted again
+  (another pod, a reboot) gets another device number, its files keep their inodes. What the
+  loader removes from a tree it records as gone first, with its change time (an entry made at
+  that name afterwards, which may get the freed inode number, is someone else's; the entry
+  itself, when the removal was stopped before it happened, still has that change time and is
+  the loader's). Not told apart: an entry someone else makes where they removed the loader's
+  file, with that file's inode number again; an empty file or directory (nothing else) someone
+  makes at a name whose create a loader killed in that instant left pending, before the next
+  loader takes the name;
 * a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
   and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
   servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
@@ -343,7 +349,12 @@ def kind_of(mode: int) -> str:
 #: number. Only what matches a record (:meth:`Dir.remove_tree`, :meth:`Dir.unlink`) is removed,
 #: replaced or written again; everything else in the tree is someone else's.
 MADE = ".model-loader-made"
-_MADE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _marker_name(name: str) -> bool:
+    """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the
+    record's own): a record's first line naming any other file (rewritten) names no marker."""
+    return name.startswith(MARKER_PREFIX) and name != MADE
 
 
 def made_header(marker: str) -> bytes:
@@ -356,12 +367,34 @@ def made_line(
     rel: tuple[str, ...] | list[str], found: os.stat_result, *, gone: bool = False
 ) -> bytes:
     """The line of a tree's record naming the entry ``rel`` (names below the tree) that
-    ``found`` (its ``fstat``) describes; with ``gone``, the line saying the loader is about to
-    remove it (its inode may then be given to someone else's entry at the same name)."""
-    kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
-    return json.dumps([found.st_ino, kind, "/".join(map(_component, rel))]).encode() + b"\n"
+    ``found`` (its ``fstat``) describes; with ``gone``, the lines saying the loader is about
+    to remove it (its inode may then be given to someone else's entry at the same name): the
+    second names its change time too, so that the entry a removal stopped before it happened
+    left (that inode with that very change time) is still told to be the loader's."""
+    name = "/".join(map(_component, rel))
+    if not gone:
+        kind = "d" if stat.S_ISDIR(found.st_mode) else "f"
+        return json.dumps([found.st_ino, kind, name]).encode() + b"\n"
+    return (
+        json.dumps([found.st_ino, "-", name]).encode()
+        + b"\n"
+        + json.dumps([found.st_ino, "-", name, found.st_ctime_ns]).encode()
+        + b"\n"
+    )
 
 
+def pending_line(rel: tuple[str, ...] | list[str], kind: str | None) -> bytes:
+    """The line of a tree's record saying the loader is about to create a file (``kind``
+    ``f``) or directory (``d``) at ``rel``, where nothing stands (inode 0: not known yet);
+    with ``kind`` None, that the create failed. An empty entry of that kind found at ``rel``
+    with no inode recorded there since is the one a loader stopped between its create and
+    its record made (see :meth:`Dir._made_by_loader`)."""
+    return json.dumps([0, kind or "-", "/".join(map(_component, rel))]).encode() + b"\n"
+
+
+#: For each name below a tree: ``(inode, "f" | "d")`` of what the loader made there;
+#: ``(0, "f" | "d")`` while a create there is pending; ``(inode, "-<ctime ns>")`` of what it
+#: was about to remove there.
 Records = dict[tuple[str, ...], set[tuple[int, str]]]
 
 
@@ -374,44 +407,62 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
     for i, line in enumerate(data.split(b"\n")):
         try:
             item = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a line nested too deeply: garbled too)
             continue
         if i == 0 and isinstance(item, dict):
             name = item.get("marker")
-            if isinstance(name, str) and is_name(name):
+            if isinstance(name, str) and is_name(name) and _marker_name(name):
                 marker = name
             continue
-        if not (isinstance(item, list) and len(item) == 3):
-            continue
-        ino, kind, rel = item
-        if (
-            type(ino) is not int
-            or ino <= 0
-            or kind not in ("f", "d", "-")
-            or not isinstance(rel, str)
-            or not all(is_name(part) for part in rel.split("/"))
-        ):
-            continue
-        _apply(records, tuple(rel.split("/")), ino, kind)
+        _apply_line(records, item)
     return marker, records
 
 
-def _apply(records: Records, rel: tuple[str, ...], ino: int, kind: str) -> None:
+def _apply_line(records: Records, item: object) -> None:
+    """Apply one line of a record (parsed JSON) to ``records``; one that is not a line the
+    loader writes is skipped."""
+    if not (isinstance(item, list) and len(item) in (3, 4)):
+        return
+    ino, kind, rel = item[:3]
+    changed = item[3] if len(item) == 4 else None
+    if (
+        type(ino) is not int
+        or ino < 0
+        or kind not in ("f", "d", "-")
+        or not isinstance(rel, str)
+        or not all(is_name(part) for part in rel.split("/"))
+        or (changed is not None and (kind != "-" or type(changed) is not int or ino == 0))
+    ):
+        return
+    _apply(records, tuple(rel.split("/")), ino, kind, changed)
+
+
+def _apply(
+    records: Records, rel: tuple[str, ...], ino: int, kind: str, changed: int | None = None
+) -> None:
+    entries = records.setdefault(rel, set())
     if kind == "-":
-        records.get(rel, set()).difference_update({(ino, "f"), (ino, "d")})
+        entries.difference_update({(ino, "f"), (ino, "d")})
+        if changed is not None:
+            entries.add((ino, f"-{changed}"))
     else:
-        records.setdefault(rel, set()).add((ino, kind))
+        if ino:
+            entries.discard((0, kind))  # the pending create, done
+        entries.add((ino, kind))
 
 
 class _Made:
     """The open record of one marked tree: its top directory's descriptor (a rename of the
     tree keeps it valid), the records read so far, and this process's appends."""
 
-    __slots__ = ("_records", "_size", "dev", "fd", "lock", "marker", "path")
+    __slots__ = ("_records", "_size", "copied", "dev", "fd", "lock", "marker", "path")
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path, *, copied: bool = False) -> None:
         self.fd = fd
         self.path = path
+        #: The tree was copied file by file (:func:`_copied`): its record's inode numbers are
+        #: the original's, so what it names is told by name alone.
+        self.copied = copied
         self.dev = os.fstat(fd).st_dev
         self.lock = threading.Lock()
         self._records: Records | None = None
@@ -425,22 +476,55 @@ class _Made:
     def record(self, rel: tuple[str, ...], found: os.stat_result, *, gone: bool = False) -> None:
         """Record that the loader made ``rel`` (``found``: its ``fstat``, taken on the
         descriptor of what this process just created); with ``gone``, that it is about to
-        remove it (a failure between the two keeps it: never removed unrecorded)."""
-        line = made_line(rel, found, gone=gone)
+        remove it (a removal stopped between the two keeps an entry that is still the
+        loader's: the same inode with the same change time)."""
+        data = made_line(rel, found, gone=gone)
+        if gone and self.copied:  # the name goes: the original's inodes at it with it
+            for ino, kind in sorted(self.records().get(tuple(rel), ())):
+                if ino and ino != found.st_ino and kind in ("f", "d"):
+                    data += json.dumps([ino, "-", "/".join(rel)]).encode() + b"\n"
+        self._append(data)
+
+    def pending(self, rel: tuple[str, ...], kind: str | None) -> None:
+        """Record that the loader is about to create a file (``kind`` ``f``) or directory
+        (``d``) at ``rel``; with None, that the create failed (:func:`pending_line`)."""
+        self._append(pending_line(rel, kind))
+
+    def _open(self, flags: int) -> int:
+        """The record, open with ``flags`` (never through a link, never blocking on a FIFO):
+        anything but a regular file there (put in its place) is a :class:`NotOursError`
+        naming it where the tree is now, as every failure here does."""
+        where = self.path / MADE
+        _seam("open", where)
+        try:
+            fd = os.open(MADE, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise _named(exc, where) from None
+            fd = -1
+        mode = os.fstat(fd).st_mode if fd >= 0 else 0
+        if not stat.S_ISREG(mode):
+            if fd >= 0:
+                os.close(fd)
+            try:
+                found = kind_of(os.stat(MADE, dir_fd=self.fd, follow_symlinks=False).st_mode)
+            except OSError:
+                found = "something else"
+            raise NotOursError(where, found, "the loader's record of a tree")
+        return fd
+
+    def _append(self, data: bytes) -> None:
         where = self.path / MADE
         with self.lock:
-            _seam("open", where)
-            fd = os.open(MADE, _MADE_FLAGS, dir_fd=self.fd)
+            fd = self._open(os.O_WRONLY | os.O_APPEND)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise NotOursError(where, "something else", "the loader's record of a tree")
-                write_fd(fd, line, where)
+                write_fd(fd, data, where)
             finally:
                 os.close(fd)
             if self._records is not None:
-                kind = "-" if gone else "d" if stat.S_ISDIR(found.st_mode) else "f"
-                _apply(self._records, tuple(rel), found.st_ino, kind)
-                self._size += len(line)
+                for line in data.splitlines():
+                    _apply_line(self._records, json.loads(line))
+                self._size += len(data)
 
     def records(self) -> Records:
         """What the tree's record holds (read again when another process appended to it)."""
@@ -450,16 +534,19 @@ class _Made:
                 found = os.stat(MADE, dir_fd=self.fd, follow_symlinks=False)
             except FileNotFoundError:
                 found = None
+            except OSError as exc:
+                raise _named(exc, self.path / MADE) from None
             if found is None or not stat.S_ISREG(found.st_mode):
                 self._records, self._size = {}, -1
                 return {}
             if self._records is None or found.st_size != self._size:
-                _seam("open", self.path / MADE)
-                fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=self.fd)  # fmt: skip
                 try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        return {}
+                    fd = self._open(os.O_RDONLY)
+                except NotOursError:  # swapped since: nothing is known to be the loader's
+                    self._records, self._size = {}, -1
+                    return {}
+                try:
+                    os.set_blocking(fd, True)
                     data = read_fd(fd, self.path / MADE, limit=SMALL_FILE_BYTES)
                 finally:
                     os.close(fd)
@@ -469,16 +556,31 @@ class _Made:
 
     def made(self, rel: tuple[str, ...], found: os.stat_result | None) -> bool:
         """Whether the entry ``found`` (an ``lstat``) at ``rel`` is one the loader made: a
-        regular file or directory on the tree's device whose inode is recorded at that name."""
+        regular file or directory on the tree's device whose inode is recorded at that name
+        (or was, with that very change time, when a removal of it was stopped before it
+        happened)."""
+        kind = self._kind(found)
+        if kind is None or found is None:
+            return False
+        entries = self.records().get(tuple(rel), ())
+        if (found.st_ino, kind) in entries or (found.st_ino, f"-{found.st_ctime_ns}") in entries:
+            return True
+        # A copied tree: a name the loader made (and has not removed) is its own there, any
+        # other name someone else's, as in the original.
+        return self.copied and any(ino and made == kind for ino, made in entries)
+
+    def pending_at(self, rel: tuple[str, ...], found: os.stat_result | None) -> bool:
+        """Whether a create of an entry of ``found``'s kind at ``rel`` is pending in the record
+        (:func:`pending_line`): recorded as about to happen, with no inode recorded since."""
+        kind = self._kind(found)
+        return kind is not None and (0, kind) in self.records().get(tuple(rel), ())
+
+    def _kind(self, found: os.stat_result | None) -> str | None:
         if found is None or found.st_dev != self.dev:
-            return False
+            return None
         if stat.S_ISREG(found.st_mode):
-            kind = "f"
-        elif stat.S_ISDIR(found.st_mode):
-            kind = "d"
-        else:
-            return False
-        return (found.st_ino, kind) in self.records().get(tuple(rel), ())
+            return "f"
+        return "d" if stat.S_ISDIR(found.st_mode) else None
 
 
 _made_trees: dict[tuple[int, int], _Made] = {}
@@ -490,13 +592,13 @@ def _made_at(fd: int, path: Path) -> _Made | None:
     marked tree's top: a tree's top holds its record (:data:`MADE`, a regular file whose first
     line names the tree's marker) and that marker (a regular file). A file of that name that
     is not such a record (a user's) makes no tree, and is never written."""
+    if not _regular_at(fd, path, MADE):  # (a record gone since it was read: none now)
+        return None
     top = os.fstat(fd)
     with _made_lock:
         known = _made_trees.get((top.st_dev, top.st_ino))
         if known is not None and os.fstat(known.fd).st_nlink > 0:
             return known  # (a removed tree's inode given to a new one: its own record)
-    if not _regular_at(fd, path, MADE):
-        return None
     _seam("read", path / MADE)
     try:
         made_fd = os.open(MADE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
@@ -509,15 +611,16 @@ def _made_at(fd: int, path: Path) -> _Made | None:
         raise _named(exc, path / MADE) from None
     try:
         with _naming(path / MADE):
-            if not stat.S_ISREG(os.fstat(made_fd).st_mode) or _copied(made_fd):
+            if not stat.S_ISREG(os.fstat(made_fd).st_mode):
                 return None
+            copied = _copied(made_fd)
             head = os.pread(made_fd, 4096, 0).split(b"\n", 1)[0]
     finally:
         os.close(made_fd)
     marker, _ = parse_made(head)
     if marker is None:
         return None
-    return _register_made(fd, path) if _regular_at(fd, path, marker) else None
+    return _register_made(fd, path, copied=copied) if _regular_at(fd, path, marker) else None
 
 
 def _regular_at(fd: int, path: Path, name: str) -> bool:
@@ -537,8 +640,10 @@ def _copied(made_fd: int) -> bool:
     """Whether the record open as ``made_fd`` is a copy: its second line, the record's own
     entry, names another inode than its own. A tree copied file by file (``cp -r``, ``rsync``
     to another volume; a snapshot or another mount keeps inodes) keeps its names but none of
-    its inode numbers: its record names nothing in it, and the tree is one without a record
-    (removed as before the loader kept records), not one where everything is someone else's."""
+    its inode numbers: its record names nothing in it by inode, and what it names is told by
+    name alone (:attr:`_Made.copied`): the loader's files and directories at the names it made,
+    someone else's, copied along, at any other name (neither everything someone else's, kept
+    for good, nor everything the loader's, removed whole)."""
     lines = os.pread(made_fd, 4096, 0).split(b"\n", 2)
     if len(lines) < 3:
         return False
@@ -547,14 +652,27 @@ def _copied(made_fd: int) -> bool:
     return bool(inodes) and (os.fstat(made_fd).st_ino, "f") not in inodes
 
 
-def _register_made(fd: int, path: Path) -> _Made:
+def _register_made(fd: int, path: Path, *, copied: bool = False) -> _Made:
     """The record of the tree whose top is the open directory ``fd``, kept for this process
     (a descriptor of its own: a rename of the tree keeps it valid)."""
     top = os.fstat(fd)
     with _made_lock:
-        made = _Made(os.dup(fd), path)
+        made = _Made(os.dup(fd), path, copied=copied)
         _made_trees[(top.st_dev, top.st_ino)] = made
         return made
+
+
+def _trees_moved(src: Path, dst: Path, *, exchange: bool) -> None:
+    """Marked trees at or below ``src`` are now at ``dst`` (and, with ``exchange``, those at
+    ``dst`` at ``src``): what their records' failures name follows them (a tree is made under
+    a temporary name, then renamed)."""
+    moves = ((src, dst), (dst, src)) if exchange else ((src, dst),)
+    with _made_lock:
+        for made in set(_made_trees.values()):
+            for before, after in moves:
+                if made.path == before or before in made.path.parents:
+                    made.path = after / made.path.relative_to(before)
+                    break
 
 
 def _forget_made(made: _Made) -> None:
@@ -595,7 +713,49 @@ class Dir:
             return found is not None and (
                 stat.S_ISREG(found.st_mode) or stat.S_ISDIR(found.st_mode)
             )
-        return inside[0].made(inside[1], found)
+        made, rel = inside
+        if made.made(rel, found):
+            return True
+        if found is None or not made.pending_at(rel, found) or not self._empty(name, found):
+            return False
+        # What a loader stopped between its create and its record left: the empty file or
+        # directory a create pending at this name made. Recorded now, as the record of that
+        # create would have.
+        made.record(rel, found)
+        return True
+
+    def _empty(self, name: str, found: os.stat_result) -> bool:
+        """Whether ``name`` (``found``: its ``lstat``) is an empty regular file with no other
+        link, or an empty directory: all a create leaves before anything is written into it."""
+        if stat.S_ISREG(found.st_mode):
+            return found.st_size == 0 and found.st_nlink == 1
+        _seam("list", self.path / name)
+        try:
+            fd = os.open(_component(name), _DIR_FLAGS, dir_fd=self.fd)
+        except OSError:
+            return False
+        try:
+            return os.fstat(fd).st_ino == found.st_ino and not os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def _pending(self, name: str, kind: str) -> bool:
+        """In a marked tree, record that a file (``kind`` ``f``) or directory (``d``) is about
+        to be created at ``name``, where nothing stands; True when it was recorded (the caller
+        then records the create, or that it failed: :meth:`_not_made`)."""
+        inside = self._in_made(name)
+        if inside is None or self.lstat(name) is not None:
+            return False
+        inside[0].pending(inside[1], kind)
+        return True
+
+    def _not_made(self, name: str) -> None:
+        """Record that the create :meth:`_pending` announced at ``name`` failed (a failure to
+        say so only keeps more: an entry found there must be empty to be taken)."""
+        inside = self._in_made(name)
+        if inside is not None:
+            with contextlib.suppress(OSError):
+                inside[0].pending(inside[1], None)
 
     def _record(self, name: str, found: os.stat_result, *, gone: bool = False) -> None:
         """Record ``name`` (``found``: its ``fstat`` on the descriptor of what this process just
@@ -749,19 +909,27 @@ class Dir:
         """Create the directory ``name``; True when this call created it. With ``exist_ok`` an
         existing directory is fine (a link or a file is :class:`NotOursError`)."""
         _seam("mkdir", self.path / name)
+        pending = self._pending(name, "d")
         try:
             with self._naming(self.path / name):
                 os.mkdir(_component(name), mode, dir_fd=self.fd)
-                made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
-            self._record(name, made)
-            return True
-        except FileExistsError:
-            if not exist_ok:
+        except BaseException as exc:
+            if pending:
+                self._not_made(name)
+            if not isinstance(exc, FileExistsError) or not exist_ok:
                 raise
             found = self.lstat(name)
             if found is None or not stat.S_ISDIR(found.st_mode):
                 raise self.not_ours(name, f"the loader's {what}") from None
+            if self.made is not None:
+                # Taken now if a create of it was stopped before its record (while it is
+                # still empty: what the loader then puts into it is no proof of that).
+                self._made_by_loader(name, found)
             return False
+        with self._naming(self.path / name):
+            made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
+        self._record(name, made)
+        return True
 
     def make_marked(self, name: str, marker: str, owner_line: str) -> bool:
         """Create the directory ``name`` holding the regular file ``marker`` whose first line
@@ -813,27 +981,69 @@ class Dir:
         ``prefix`` (its process stopped before the rename): holding ``marker`` whose first line
         is ``owner_line`` (so the loader's), made by a process of this host that is gone, or
         unchanged for ``idle_s`` seconds (the step between the two takes milliseconds). Call
-        where only one process may make such a name (under the key's lock)."""
+        where only one process may make such a name (under the key's lock).
+
+        One such directory stopped before its marker was whole (holding nothing, or only its
+        record, empty or naming ``marker``, and ``marker`` holding a beginning of
+        ``owner_line``: all :meth:`make_marked` writes first) is removed here, as abandoned as
+        the others: nothing names its key for a caller to find it by."""
         found = []
         for name in self.names():
             if not (name.startswith(f".{prefix}") and name.endswith(".tmp")):
                 continue
             tag = owner_in(name[: -len(".tmp")])
-            if tag is None or not self.marked(name, marker, owner_line):
+            if tag is None or tag == owner():  # this process's own, in the making
                 continue
-            if tag == owner():
-                continue  # this process's own, in the making
-            if not owner_gone(tag):
-                try:
+            if not self.marked(name, marker, owner_line):
+                if self._half_made(name, marker, owner_line) and self._abandoned(name, tag, idle_s):
+                    log.info("removing %s: a loader stopped while it made it", self.path / name)
                     with self.sub(name) as d:
-                        stamps = [d.stat(), *(d.lstat(n) for n in d.names())]
-                except (FileNotFoundError, NotOursError):
-                    continue
-                changed = max(entry.st_mtime for entry in stamps if entry is not None)
-                if time.time() - changed < idle_s:
-                    continue
-            found.append(name)
+                        for entry in (marker, MADE):
+                            if d.regular_size(entry) is not None:
+                                d._unlink_own(entry)
+                    try:
+                        self.rmdir(name)
+                    except OSError as exc:  # something put into it meanwhile: someone's
+                        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                            raise
+                        log.warning("kept %s: something was put into it", self.path / name)
+                continue
+            if self._abandoned(name, tag, idle_s):
+                found.append(name)
         return found
+
+    def _abandoned(self, name: str, tag: str, idle_s: float) -> bool:
+        """Whether the directory ``name`` of the owner ``tag`` is abandoned: its process, of
+        this host, is gone, or nothing in it changed for ``idle_s`` seconds."""
+        if owner_gone(tag):
+            return True
+        try:
+            with self.sub(name) as d:
+                stamps = [d.stat(), *(d.lstat(n) for n in d.names())]
+        except (FileNotFoundError, NotOursError):
+            return False
+        changed = max(entry.st_mtime for entry in stamps if entry is not None)
+        return time.time() - changed >= idle_s
+
+    def _half_made(self, name: str, marker: str, owner_line: str) -> bool:
+        """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
+        its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
+        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files."""
+        try:
+            with self.sub(name) as d:
+                names = d.names()
+                if not set(names) <= {MADE, marker}:
+                    return False
+                made = d.read(MADE, limit=4096) if MADE in names else b""
+                mark = d.read(marker, limit=4096) if marker in names else b""
+        except (NotOursError, OSError):
+            return False
+        if made is None or mark is None:
+            return False
+        header = made.split(b"\n", 1)[0]
+        return (not made or parse_made(header)[0] == marker) and (
+            f"{owner_line}\n".encode().startswith(mark) and mark != f"{owner_line}\n".encode()
+        )
 
     # -- looking ---------------------------------------------------------------------------
 
@@ -900,10 +1110,13 @@ class Dir:
         if self.made is None or not (writing or flags & os.O_CREAT):
             return self._open_file(name, flags, mode)
         if flags & os.O_CREAT:
+            pending = self._pending(name, "f")
             try:
                 fd = self._open_file(name, (flags & ~os.O_TRUNC) | os.O_EXCL, mode)
-            except FileExistsError:
-                if flags & os.O_EXCL:
+            except BaseException as exc:
+                if pending:
+                    self._not_made(name)
+                if not isinstance(exc, FileExistsError) or flags & os.O_EXCL:
                     raise
             else:
                 try:
@@ -1116,6 +1329,7 @@ class Dir:
         if moved is not None and to.made is not None:
             self._record_moved(name, to.made[0], (*to.made[1], to_name), moved)
         self._rename(name, to, to_name, how, src, dst)
+        _trees_moved(src, dst, exchange=how == "exchange")
 
     def _record_moved(
         self, name: str, into: _Made, rel: tuple[str, ...], moved: os.stat_result
@@ -1228,9 +1442,9 @@ class Dir:
         one) only what the record names is removed: a file or directory someone else put
         there stays too. When anything stays in a tree removed from its top, the tree's
         marker and record go (the tree is no longer the loader's: later runs refuse its name
-        and say to move it). A tree without a record (made before the loader kept one, or
-        copied file by file, so that its record names other inodes: :func:`_copied`) is removed
-        as before: its files and directories."""
+        and say to move it). In a tree copied file by file (its record names other inodes:
+        :func:`_copied`) what the record names is told by name. A tree without a record (made
+        before the loader kept one) is removed as before: its files and directories."""
         found = self.lstat(name)
         top, record = None, None
         if found is not None and stat.S_ISDIR(found.st_mode) and self.made is None:
@@ -1259,7 +1473,14 @@ class Dir:
         marker = top.marker
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:
-            for entry in d._mark_last([n for n in d.names() if n not in (MADE, marker)]):
+            spared = {MADE} if marker is None else {MADE, marker}
+            mark = None if marker is None else d.lstat(marker)
+            if marker is not None and mark is not None and not d._made_by_loader(marker, mark):
+                # Someone else's file at the marker's name (put where the loader's was, or
+                # named by a first line someone rewrote): it stays, and the record with it.
+                kept.append((d.path / marker, kind_of(mark.st_mode)))
+                marker = None
+            for entry in d._mark_last([n for n in d.names() if n not in spared]):
                 kept += d._remove_tree(entry, forget=False)  # the record goes as a whole
             if kept and marker is None:  # the tree stays marked: its record stays with it
                 return kept
@@ -1273,7 +1494,7 @@ class Dir:
                     d._unlink_own(entry)
         _forget_made(top)
         if not kept:
-            self.rmdir(name)
+            kept = self._rmdir_emptied(name)
         return kept
 
     def _record_copied(self) -> bool:
@@ -1328,9 +1549,19 @@ class Dir:
             return [(self.path / name, "a directory")]
         if forget:
             self._record(name, found, gone=True)
+        return self._rmdir_emptied(name)
+
+    def _rmdir_emptied(self, name: str) -> list[tuple[Path, str]]:
+        """Remove the directory ``name`` a removal has just emptied; one someone put something
+        into meanwhile stays (returned as kept, not a failure)."""
         _seam("rmdir", self.path / name)
-        with self._naming(self.path / name):
-            os.rmdir(_component(name), dir_fd=self.fd)
+        try:
+            with self._naming(self.path / name):
+                os.rmdir(_component(name), dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            return [(self.path / name, "a directory something was put into meanwhile")]
         return []
 
     def _unlink_own(self, name: str) -> None:

@@ -175,20 +175,126 @@ def test_a_users_entry_is_never_moved_or_replaced_in_a_marked_tree(tmp_path):
     assert (tree / "notes.txt").read_text() == "mine\n" and (tree / "partial").exists()
 
 
-def test_a_record_that_failed_to_be_written_keeps_the_file(tmp_path):
-    """A file is recorded after it is created: a failure (or a kill) between the two leaves
-    an unrecorded file, which is kept; never a record of a name the loader has not filled."""
+class Stopped(BaseException):
+    """The loader stopped at a call (as a kill would: nothing after it runs)."""
+
+
+def _stop_at(op: str, suffix: str, nth: int = 1):
+    """A hook stopping the loader at the ``nth`` call ``op`` on a path ending in ``suffix``:
+    that call and every one after it fail (no clean-up runs, as after a kill)."""
+    seen = []
+
+    def hook(called: str, path: str) -> None:
+        if len(seen) >= nth or (called == op and path.endswith(suffix)):
+            seen.append(path)
+            if len(seen) >= nth:
+                raise Stopped(path)
+
+    return hook
+
+
+def _fresh_process() -> None:
+    """Forget the records this process keeps open (the next loader reads them anew)."""
+    fs._made_trees.clear()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_what_a_loader_stopped_between_its_create_and_its_record_made_is_its_own(tmp_path, what):
+    """A create is recorded as pending first, then done with its inode: a loader stopped
+    between the two left an empty file or directory at a pending name, which the next one
+    takes as its own (removed with the tree, or used again), never a user's entry."""
     tree = _tree(tmp_path)
+    # The second call opening the record: the first records the pending create.
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", fs.MADE, 2)), pytest.raises(Stopped):
+        if what == "file":
+            t.write("late.bin", b"late")
+        else:
+            t.mkdir("late")
+    assert (tree / ("late.bin" if what == "file" else "late")).exists()
+    _fresh_process()
+    assert _remove(tree) == []
+    assert not tree.exists()
 
-    def fail_the_record(op: str, path: str) -> None:
-        if path.endswith(fs.MADE) and op == "open":
-            raise OSError(errno.EIO, "injected")
 
-    with fs.Dir.open(tree) as t, fs.inject(fail_the_record), pytest.raises(OSError):
+def test_an_empty_directory_a_stopped_create_left_is_taken_when_used_again(tmp_path):
+    """A directory a loader stopped after creating (unrecorded) and the next loader fills
+    (a download resumed into it) is the loader's, and goes with the tree."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", fs.MADE, 2)), pytest.raises(Stopped):
+        t.mkdir("source")
+    _fresh_process()
+    with fs.Dir.open(tree) as t, t.makedirs(("source", "deeper")) as deeper:
+        deeper.write("w.bin", b"w")
+    _fresh_process()
+    assert _remove(tree) == []
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_a_users_entry_at_a_pending_name_is_kept(tmp_path, what):
+    """A pending create whose entry never came (stopped before it): what someone puts at that
+    name afterwards, holding anything, is theirs."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("mkdir", "/late")), pytest.raises(Stopped):
+        t.mkdir("late")
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", "/late.bin")), pytest.raises(Stopped):
         t.write("late.bin", b"late")
-    assert (tree / "late.bin").exists()
-    _remove(tree)
-    assert _snapshot(tree) == {"late.bin": _snapshot(tree)["late.bin"]}
+    assert not (tree / "late").exists() and not (tree / "late.bin").exists()
+    (tree / "late.bin").write_text("mine\n")
+    (tree / "late").mkdir()
+    (tree / "late" / "data").write_text("keep\n")
+    planted = {r: v for r, v in _snapshot(tree).items() if r.startswith("late")}
+    _fresh_process()
+    assert sorted(_remove(tree)) == [tree / "late" / "data", tree / "late.bin"]
+    assert {r: v for r, v in _snapshot(tree).items() if r.startswith("late")} == planted
+
+
+@pytest.mark.parametrize("how", ["unlink", "rmdir", "subtree"])
+def test_what_a_loader_stopped_before_removing_it_left_is_its_own(tmp_path, how):
+    """A removal is recorded first (the entry's inode and change time): a loader stopped
+    between the two left the entry, which the next one still takes as its own."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.mkdir("empty")
+    op, name = {"unlink": ("unlink", "top.bin"), "rmdir": ("rmdir", "empty"),
+                "subtree": ("unlink", "w.bin")}[how]  # fmt: skip
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at(op, f"/{name}")), pytest.raises(Stopped):
+        if how == "unlink":
+            t.unlink("top.bin")
+        elif how == "rmdir":
+            t.rmdir("empty")
+        else:
+            t.remove_tree("a")
+    _fresh_process()
+    assert _remove(tree) == []
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("stop", [("open", fs.MADE, 1), ("write", fs.MADE, 1),
+                                  ("open", MARKER, 1), ("write", MARKER, 1)])  # fmt: skip
+def test_a_marked_directory_stopped_before_its_marker_was_whole_is_removed(tmp_path, stop):
+    """:meth:`loader.fs.Dir.make_marked` stopped before its marker was written: the
+    temporary directory (nothing, or a record and a marker not yet whole in it) is removed
+    by the next loader looking for unfinished ones once its owner is gone; a user's entry
+    in one keeps it."""
+    with fs.Dir.open(tmp_path / "staging", create=True) as parent:
+        with fs.inject(_stop_at(*stop)), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+        dead = tmp.replace(f".{fs.owner()}.", ".999999999-" + fs.host_digest() + ".")
+        os.rename(tmp_path / "staging" / tmp, tmp_path / "staging" / dead)
+        _fresh_process()
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+        assert parent.names() == []
+        # The same, holding a user's file: kept.
+        with fs.inject(_stop_at(*stop)), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+        os.rename(tmp_path / "staging" / tmp, tmp_path / "staging" / dead)
+        (tmp_path / "staging" / dead / "notes.txt").write_text("mine\n")
+        _fresh_process()
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+        assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
 
 
 def test_a_users_file_at_the_records_name_makes_no_tree_and_is_never_written(tmp_path):
@@ -317,6 +423,35 @@ def test_a_tree_copied_file_by_file_is_removed_whole(tmp_path):
     assert kept and tree.exists() and (tree / "notes.txt").read_text() == "mine\n"
 
 
+def test_a_users_files_copied_along_with_a_tree_stay_in_the_copy(tmp_path):
+    """A tree copied file by file with a user's files in it (``rsync`` of the whole volume):
+    in the copy the loader's names are the loader's, the user's files (at names the loader
+    never made) stay exactly as they were; a name the loader removed in the copy is no longer
+    its own there."""
+    import shutil
+
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    copy = tmp_path / "staging" / "copied"
+    shutil.copytree(tree, copy, symlinks=True)
+    with fs.Dir.open(copy) as c:
+        c.unlink("top.bin")
+    (copy / "top.bin").write_text("mine now\n")
+    planted["top.bin"] = _snapshot(copy)["top.bin"]
+    _fresh_process()
+    kept = _remove(copy)
+    assert sorted(kept) == sorted(
+        [
+            copy / "notes.txt",
+            copy / "top.bin",
+            copy / "a" / "b" / "notes.txt",
+            copy / "a" / "mine" / "data",
+        ]
+    )
+    assert {r: v for r, v in _snapshot(copy).items() if r in planted} == planted
+    assert not (copy / "a" / "b" / "w.bin").exists()
+
+
 def test_a_record_naming_its_own_inode_is_no_copy(tmp_path):
     tree = _tree(tmp_path)
     (tree / "notes.txt").write_text("mine\n")
@@ -325,3 +460,139 @@ def test_a_record_naming_its_own_inode_is_no_copy(tmp_path):
     with open(tree / fs.MADE, "r+b") as f:
         f.write(data)
     assert _remove(tree) == [tree / "notes.txt"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "directory"])
+def test_something_else_put_at_the_records_name_is_refused_naming_it(tmp_path, kind):
+    """A FIFO, link or directory put in place of a tree's record while the loader works in
+    the tree: the next create there is a NotOursError naming the record where the tree is
+    (exit 2), nothing is written through it, and it stays."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        (tree / fs.MADE).unlink()
+        if kind == "fifo":
+            os.mkfifo(tree / fs.MADE)
+        elif kind == "link":
+            (tmp_path / "elsewhere").write_text("")
+            (tree / fs.MADE).symlink_to(tmp_path / "elsewhere")
+        else:
+            (tree / fs.MADE).mkdir()
+        planted = _snapshot(tree)[fs.MADE]
+        with pytest.raises(NotOursError) as failed:
+            t.write("late.bin", b"late")
+    assert failed.value.path == tree / fs.MADE
+    assert _snapshot(tree)[fs.MADE] == planted and not (tree / "late.bin").exists()
+    if kind == "link":
+        assert (tmp_path / "elsewhere").read_text() == ""
+
+
+def test_a_records_failure_names_it_where_the_tree_is_now(tmp_path):
+    """A tree is made under a temporary name and renamed: a failure reading its record later
+    (one grown past any record's size) names the record at the tree's name, not at the
+    temporary one, which is gone."""
+    tree = _tree(tmp_path)
+    with (tree / fs.MADE).open("ab") as record:
+        record.write(b"x" * (fs.SMALL_FILE_BYTES + 1))
+    with fs.Dir.open(tree) as t, pytest.raises(OSError) as failed:
+        t.unlink("top.bin")
+    assert failed.value.errno == errno.EFBIG
+    assert failed.value.filename == str(tree / fs.MADE)
+
+
+def test_a_record_line_nested_too_deeply_is_skipped(tmp_path):
+    """A line nested deeper than the JSON parser's stack (``[[[[...``) appended to a tree's
+    record is skipped like any garbled line, not a RecursionError (a traceback, exit 1)."""
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    with (tree / fs.MADE).open("ab") as record:
+        record.write(b"[" * 100_000 + b"\n")
+    _fresh_process()
+    assert _remove(tree)
+    assert {r: v for r, v in _snapshot(tree).items() if r in planted} == planted
+    assert not (tree / "top.bin").exists()
+
+
+def test_a_record_whose_first_line_names_a_users_file_as_marker_never_removes_it(tmp_path):
+    """A record's first line rewritten to name a user's file in the tree as the marker: that
+    names no marker (a marker's name starts with the loader's prefix), so the file is never
+    taken for the marker, which the removal takes without looking at the record."""
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    data = (tree / fs.MADE).read_bytes().split(b"\n", 1)[1]
+    with (tree / fs.MADE).open("r+b") as record:  # in place: the same inode
+        record.write(fs.made_header("notes.txt")[:-1].ljust(len(fs.made_header(MARKER)) - 1))
+        record.write(b"\n" + data)
+    assert fs.parse_made(json.dumps({"marker": "notes.txt"}).encode())[0] is None
+    _fresh_process()
+    _remove(tree)
+    assert {r: v for r, v in _snapshot(tree).items() if r in planted} == planted
+
+
+def test_a_users_file_at_the_markers_name_stays_and_keeps_the_record(tmp_path):
+    """The loader's marker replaced by someone else's file (the same first line): the
+    record names another inode there, so that file stays, with the record (the tree is
+    still marked by it, and never taken for one made before records)."""
+    tree = _tree(tmp_path)
+    (tmp_path / "theirs").write_bytes((tree / MARKER).read_bytes())
+    (tmp_path / "theirs").replace(tree / MARKER)  # (another inode than the loader's had)
+    users = _snapshot(tree)[MARKER]
+    _fresh_process()
+    assert _remove(tree) == [tree / MARKER]
+    assert _snapshot(tree)[MARKER] == users and (tree / fs.MADE).is_file()
+    assert sorted(_snapshot(tree)) == [fs.MADE, MARKER]
+    _fresh_process()
+    assert _remove(tree) == [tree / MARKER]  # and again: never removed whole
+    assert _snapshot(tree)[MARKER] == users
+
+
+def test_a_tree_whose_record_went_in_another_process_is_one_without_a_record(tmp_path):
+    """A removal killed after the record went, before the marker did, leaves the marker
+    alone in the tree: a process that had the tree's record open before (a long-lived one)
+    takes it as one without a record, as a new process does, and removes it."""
+    import shutil
+
+    tree = _tree(tmp_path)
+    for entry in tree.iterdir():  # what the killed removal took (another process)
+        if entry.name != MARKER:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    assert _remove(tree) == []
+    assert not tree.exists()
+
+
+def test_a_half_made_directory_someone_fills_meanwhile_is_kept(tmp_path):
+    """A file put into a half-made temporary directory while the next loader removes it: the
+    directory stays (not a failure of the run, exit 1, for a directory not empty)."""
+    with fs.Dir.open(tmp_path / "staging", create=True) as parent:
+        with fs.inject(_stop_at("open", MARKER)), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+        dead = tmp.replace(f".{fs.owner()}.", ".999999999-" + fs.host_digest() + ".")
+        os.rename(tmp_path / "staging" / tmp, tmp_path / "staging" / dead)
+        _fresh_process()
+
+        def fill(op: str, path: str) -> None:
+            if op == "rmdir" and path.endswith(dead):
+                (tmp_path / "staging" / dead / "notes.txt").write_text("mine\n")
+
+        with fs.inject(fill):
+            assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+    assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("where", ["top", "below"])
+def test_a_file_put_into_a_directory_while_it_is_removed_stays(tmp_path, where):
+    """Someone puts a file into a directory of the tree just before the loader removes the
+    emptied directory: the directory and the file stay (kept, named), the run goes on (the
+    rmdir's ENOTEMPTY was a bug's exit 1)."""
+    tree = _tree(tmp_path)
+    target = tree if where == "top" else tree / "a" / "b"
+
+    def fill(op: str, path: str) -> None:
+        if op == "rmdir" and path == str(target):
+            (target / "late.txt").write_text("mine\n")
+
+    _fresh_process()
+    with fs.inject(fill):
+        kept = _remove(tree)
+    assert (target / "late.txt").read_text() == "mine\n"
+    assert target in kept

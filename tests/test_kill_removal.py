@@ -6,7 +6,9 @@ A tree is the loader's by its marker file (and, for a repository, its manifest n
 a removal that took those first and was stopped there would leave a tree nobody may remove.
 The loader runs in a forked copy of this process and kills itself at the k-th unlink or rmdir
 below ``ROOT/.staging`` (``tests/test_kill_points.py``'s ``forked``), for several k; the next
-``run`` of the key must leave ``.staging`` holding only what a user put there.
+``run`` of the key must leave ``.staging`` holding only what a user put there. The last test
+kills at every write of a marked tree's record (between a create and its record, between a
+removal's record and the removal) and at every removal, locally and from ``gs://``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from loader import fs
 from loader.cli import main
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
@@ -199,3 +202,86 @@ def test_a_download_directory_killed_before_its_name_was_given_is_cleared_by_the
         assert [p.name for p in (root / ".work").iterdir()] == ["notes.txt"]
         (key,) = root.glob("tiny@r1/*")
         assert manifest.verify(key) == []
+
+
+class KillAtRecordOrRemoval:
+    """Kill this process at the ``k``-th call opening a marked tree's record (each create and
+    removal in a tree writes it: the kill falls between a create and its record, or between
+    a removal's record and the removal) or, with ``removal``, at the ``k``-th unlink or rmdir
+    below the root; with ``k`` None, count them."""
+
+    def __init__(self, k: int | None, *, removal: bool) -> None:
+        self.k, self.removal, self.seen = k, removal, 0
+
+    def __call__(self, op: str, path: str) -> None:
+        if self.removal:
+            counted = op in ("unlink", "rmdir") and "/root/" in path
+        else:
+            counted = op == "open" and path.endswith(f"/{fs.MADE}")
+        if counted:
+            self.seen += 1
+            if self.seen == self.k:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _left(root: Path) -> list[str]:
+    """What ``.staging``, ``.work`` and ``.trash`` hold, below the root."""
+    return sorted(
+        str(p.relative_to(root))
+        for d in (STAGING_DIR, ".work", ".trash")
+        if (root / d).is_dir()
+        for p in (root / d).rglob("*")
+    )
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("removal", [False, True], ids=["record", "removal"])
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "gs"])
+def test_a_run_killed_at_any_record_or_removal_leaves_nothing_for_good(
+    removal, remote, request, tiny_checkpoint_with_tokenizer
+):
+    """Killed between any create in a marked tree and its record, between any removal's
+    record and the removal, or at any removal: the next runs publish (0), and the loader's
+    directories keep only the user's files (nothing was left kept as someone else's, and no
+    name refused as one)."""
+    if remote:
+        request.getfixturevalue("gcs")
+    source = "gs://models/org/tiny" if remote else str(tiny_checkpoint_with_tokenizer)
+    users = [f"{STAGING_DIR}/notes.txt", ".work/notes.txt"]
+
+    # Removals: --force over a published key (the old copy goes, and the download directory).
+    extra = ["--force"] if removal else []
+
+    def fresh(base: Path) -> Path:
+        root = base / "root"
+        if removal:
+            with contextlib.redirect_stdout(sys.stderr):
+                assert main(_argv(source, root, "--no-overlap")) == 0
+        for rel in users:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text("the user's")
+        return root
+
+    with scratch() as base:
+        root = fresh(base)
+        counter = KillAtRecordOrRemoval(None, removal=removal)
+        with fs.inject(counter), contextlib.redirect_stdout(sys.stderr):
+            assert main(_argv(source, root, "--no-overlap", *extra)) == 0
+    assert counter.seen > 10
+    failures = []
+    for k in range(1, counter.seen + 1):
+        with scratch() as base:
+            root = fresh(base)
+            argv = _argv(source, root, "--no-overlap", "--lock-expiry-s", "1")
+            if forked([*argv, *extra], KillAtRecordOrRemoval(k, removal=removal)) != KILLED:
+                failures.append(f"{k}: not killed")
+                continue
+            with contextlib.redirect_stdout(sys.stderr):
+                codes = [main(argv), main([*argv, "--force"])]
+            keys = list(root.glob("tiny@r1/*"))
+            left = _left(root)
+            if codes != [0, 0] or len(keys) != 1 or manifest.verify(keys[0]) or left != users:
+                failures.append(f"{k}: exits {codes}, keys {keys}, left {left}")
+            if any((root / rel).read_text() != "the user's" for rel in users):
+                failures.append(f"{k}: a user's file changed")
+    assert not failures, f"{len(failures)} of {counter.seen} kill points:\n" + "\n".join(failures)

@@ -238,7 +238,8 @@ def test_unfinished_marked_directories_of_gone_loaders_are_removed_and_others_ke
 ):
     """A loader killed between making its staging or download directory under its temporary
     name and renaming it leaves that name: prune removes it when it carries the marker for
-    its key and its owner is gone; a live owner's, and one without the marker, stay."""
+    its key and its owner is gone; a live owner's, and one without the marker holding a
+    user's file, stay. One killed before its marker was written (empty) goes too."""
     root = tmp_path / "models"
     key = "tiny@r1/tp1-pp1-i1-0123abcd"
     keyfile = key_filename(key)
@@ -251,11 +252,14 @@ def test_unfinished_marked_directories_of_gone_loaders_are_removed_and_others_ke
         root / WORK_DIR / f".{keyfile}.{gone}.0a1b2c3d.tmp": (DOWNLOAD_MARKER, True),
         root / STAGING_DIR / f".{staging_name}.{live}.0a1b2c3d.tmp": (STAGING_MARKER, False),
         root / STAGING_DIR / f".{staging_name}.{gone}.99999999.tmp": (None, False),
+        root / STAGING_DIR / f".{staging_name}.{gone}.0e0e0e0e.tmp": ("", True),
     }
     for path, (marker, _) in planted.items():
         path.mkdir(parents=True)
-        if marker is not None:
+        if marker:
             (path / marker).write_text(f"{key}\n")
+        elif marker is None:
+            (path / "notes.txt").write_text("mine\n")
     code, out = _prune(capsys, root)
     assert code == 0
     for path, (_, removed) in planted.items():

@@ -194,6 +194,25 @@ def test_leftovers_of_gone_or_silent_loaders_are_cleared_and_live_ones_kept(tmp_
     )
 
 
+def test_a_staging_directory_emptied_by_a_killed_removal_is_removed(tmp_path: Path):
+    """A removal killed after the marker went, before the directory itself did, leaves an
+    empty staging directory of a dead loader: the next loader removes it (an empty directory
+    holds nothing of anyone's); one holding something stays."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    emptied, kept = _stage(tmp_path), _stage(tmp_path)
+    for path in (emptied, kept):
+        for p in sorted(path.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+    (kept / "notes.txt").write_text("mine\n")
+    emptied = emptied.rename(emptied.with_name(
+        emptied.name.replace(f".{os.getpid()}-", f".{dead.pid}-")))  # fmt: skip
+    kept = kept.rename(kept.with_name(kept.name.replace(f".{os.getpid()}-", f".{dead.pid}-")))
+
+    assert publish.clear_leftovers(tmp_path, KEY, idle_s=120) == [emptied]
+    assert not emptied.exists() and (kept / "notes.txt").read_text() == "mine\n"
+
+
 def test_publish_is_one_rename_the_published_directory_is_the_staged_one(tmp_path: Path):
     staging = _stage(tmp_path)
     inodes = {p.relative_to(staging): p.stat().st_ino for p in [staging, *staging.rglob("*")]}

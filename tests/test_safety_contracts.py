@@ -756,6 +756,7 @@ def test_a_failed_run_discards_its_staging_directory_only_while_it_is_the_loader
     with fs.Dir.open(staging) as d:
         d.write("weights.bin", b"w")
     marker = staging / publish.STAGING_MARKER
+    original = marker.stat().st_ino
     if found == "no marker":
         marker.unlink()
     else:
@@ -765,15 +766,23 @@ def test_a_failed_run_discards_its_staging_directory_only_while_it_is_the_loader
     assert (staging / "users-data.txt").read_text() == "keep me\n"
     assert (staging / "weights.bin").exists()
     marker.write_text(f"{KEY}\n")
+    # A marker made again by someone else (another inode than the loader's) is theirs: it
+    # stays, with the record (the tree stays marked by it).
+    theirs = marker.stat().st_ino != original
     publish.discard_staging(staging, KEY)
-    assert sorted(p.name for p in staging.iterdir()) == ["users-data.txt"]
+    assert sorted(p.name for p in staging.iterdir()) == sorted(
+        ["users-data.txt", *([fs.MADE, publish.STAGING_MARKER] if theirs else [])]
+    )
     assert (staging / "users-data.txt").read_text() == "keep me\n"
     publish.discard_staging(staging, KEY)  # no longer the loader's: left alone
     assert (staging / "users-data.txt").read_text() == "keep me\n"
     (staging / "users-data.txt").unlink()
     marker.write_text(f"{KEY}\n")
     publish.discard_staging(staging, KEY)  # marked, without a record: removed as before
-    assert not staging.exists()
+    if theirs:  # (the record stayed with the marker someone made: that marker stays too)
+        assert sorted(p.name for p in staging.iterdir()) == [fs.MADE, publish.STAGING_MARKER]
+    else:
+        assert not staging.exists()
 
 
 def test_only_a_complete_replaced_copy_is_put_back_under_its_key(tmp_path):

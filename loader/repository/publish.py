@@ -40,6 +40,7 @@ lock expiry (its owner lost the lock then, and stops before publishing), and the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -309,6 +310,13 @@ def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
     """Remove the tree ``name`` in ``d`` if it carries the loader's marker for ``key``."""
     path = d.path / name
     if not owned(d, name, key):
+        if d.is_dir(name):
+            # A removal stopped after the marker, before the directory itself went, leaves
+            # it empty: an empty directory holds nothing of anyone's (rmdir fails otherwise).
+            with contextlib.suppress(OSError):
+                d.rmdir(name)
+                log.info("removed the empty %s %s", what, path)
+                return True
         log.warning("leaving %s alone: the loader did not create it", path)
         return False
     log.info("removing %s %s", what, path)
