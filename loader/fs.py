@@ -613,11 +613,11 @@ def _made_at(fd: int, path: Path) -> _Made | None:
         with _naming(path / MADE):
             if not stat.S_ISREG(os.fstat(made_fd).st_mode):
                 return None
-            copied = _copied(made_fd)
-            head = os.pread(made_fd, 4096, 0).split(b"\n", 1)[0]
+            start = os.pread(made_fd, 4096, 0)
+            copied = _copied(made_fd, start)
     finally:
         os.close(made_fd)
-    marker, _ = parse_made(head)
+    marker, _ = parse_made(start.split(b"\n", 1)[0])
     if marker is None:
         return None
     return _register_made(fd, path, copied=copied) if _regular_at(fd, path, marker) else None
@@ -636,15 +636,16 @@ def _regular_at(fd: int, path: Path, name: str) -> bool:
     return stat.S_ISREG(found.st_mode)
 
 
-def _copied(made_fd: int) -> bool:
-    """Whether the record open as ``made_fd`` is a copy: its second line, the record's own
+def _copied(made_fd: int, start: bytes | None = None) -> bool:
+    """Whether the record open as ``made_fd`` (``start``: its first 4096 bytes, when already
+    read) is a copy: its second line, the record's own
     entry, names another inode than its own. A tree copied file by file (``cp -r``, ``rsync``
     to another volume; a snapshot or another mount keeps inodes) keeps its names but none of
     its inode numbers: its record names nothing in it by inode, and what it names is told by
     name alone (:attr:`_Made.copied`): the loader's files and directories at the names it made,
     someone else's, copied along, at any other name (neither everything someone else's, kept
     for good, nor everything the loader's, removed whole)."""
-    lines = os.pread(made_fd, 4096, 0).split(b"\n", 2)
+    lines = (os.pread(made_fd, 4096, 0) if start is None else start).split(b"\n", 2)
     if len(lines) < 3:
         return False
     _, own = parse_made(b"\n" + lines[1])

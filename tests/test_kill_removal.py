@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,14 @@ def template(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> Path:
     return base
 
 
+@contextlib.contextmanager
+def _root_from(template: Path) -> Iterator[Path]:
+    """A scratch copy of ``template``: its ``root``."""
+    with scratch() as base:
+        shutil.copytree(template, base, dirs_exist_ok=True)
+        yield base / "root"
+
+
 def _staged(root: Path) -> list[str]:
     return sorted(p.name for p in (root / STAGING_DIR).iterdir())
 
@@ -68,9 +77,7 @@ def test_a_replaced_copy_whose_removal_was_killed_is_removed_by_the_next_run(
     k, tiny_checkpoint_with_tokenizer, template
 ):
     source = str(tiny_checkpoint_with_tokenizer)
-    with scratch() as base:
-        shutil.copytree(template, base, dirs_exist_ok=True)
-        root = base / "root"
+    with _root_from(template) as root:
         # --force: the new copy is swapped in, the old one (now at the staging name) removed.
         assert forked(_argv(source, root, "--force"), KillAtRemoval(k)) == KILLED
         (key,) = root.glob("tiny@r1/*")
@@ -87,9 +94,7 @@ def test_a_staging_directory_whose_clearing_was_killed_is_cleared_by_the_next_ru
     k, tiny_checkpoint_with_tokenizer, template
 ):
     source = str(tiny_checkpoint_with_tokenizer)
-    with scratch() as base:
-        shutil.copytree(template, base, dirs_exist_ok=True)
-        root = base / "root"
+    with _root_from(template) as root:
         # A dead loader's complete staging directory (its pid is gone: a forked child that
         # exited), as a loader killed just before its rename leaves it.
         (key,) = root.glob("tiny@r1/*")
@@ -177,9 +182,7 @@ def test_a_staging_directory_killed_before_its_name_was_given_is_cleared_by_the_
     tiny_checkpoint_with_tokenizer, template
 ):
     source = str(tiny_checkpoint_with_tokenizer)
-    with scratch() as base:
-        shutil.copytree(template, base, dirs_exist_ok=True)
-        root = base / "root"
+    with _root_from(template) as root:
         killer = KillBeforeMarkedRename(f"/{STAGING_DIR}/")
         assert forked(_argv(source, root, "--force"), killer) == KILLED
         assert len(_staged(root)) == 2  # the user's file and the marked temporary directory
