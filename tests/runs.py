@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loader.cli import main
+from tests import procs
 
 
 def run_argv(
@@ -42,12 +43,7 @@ def loader_processes(proc: subprocess.Popen) -> list[int]:
     """The pids of ``model-loader`` started as ``proc``: its supervised child (``convert``,
     ``run``: loader.cli.supervise) first, if it has one, then ``proc`` itself. Stopping the
     loader (SIGSTOP) stops both: a signal that cannot be caught is not passed on."""
-    children = [
-        int(pid)
-        for task in Path(f"/proc/{proc.pid}/task").iterdir()
-        for pid in (task / "children").read_text().split()
-    ]
-    return [*children, proc.pid]
+    return [*procs.children(proc.pid), proc.pid]
 
 
 def published(root: Path, model: str = "tiny") -> Path:

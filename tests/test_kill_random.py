@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from loader.repository import manifest
+from tests import procs
 from tests.runs import run_argv, weights
 
 pytestmark = pytest.mark.slow  # a dozen loader processes per schedule, killed
@@ -43,11 +44,7 @@ def _loader(argv: list[str]) -> subprocess.Popen:
 
 
 def _children(proc: subprocess.Popen) -> list[int]:
-    try:
-        return [int(pid) for task in Path(f"/proc/{proc.pid}/task").iterdir()
-                for pid in (task / "children").read_text().split()]  # fmt: skip
-    except OSError:
-        return []
+    return procs.children(proc.pid)
 
 
 def _kill(proc: subprocess.Popen, how: str) -> None:

@@ -161,16 +161,15 @@ def test_a_killed_scheduler_is_restarted_and_schedules_again(sandbox):
     import os
     import signal
 
+    from tests import procs
     from tests.kube import nodes as fake
 
     instance = sandbox.cluster.kubeconfig.parent
     marker = f"--kubeconfig={instance / 'kube-scheduler.kubeconfig'}"
     [pid] = [
-        int(p.name)
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit()
-        and marker.encode() in (p / "cmdline").read_bytes().split(b"\0")
-        and b"kube-scheduler" in (p / "cmdline").read_bytes().split(b"\0")
+        pid
+        for pid, argv in procs.command_lines()
+        if marker.encode() in argv and b"kube-scheduler" in argv
     ]
     os.kill(pid, signal.SIGKILL)
     [node] = sandbox.register([fake.FakeNode("cpu", fake.CPU_NODE)])

@@ -27,6 +27,7 @@ from loader.cli.supervise import FORWARDED, clean_up
 from loader.errors import EXIT_TRANSIENT, SourceShrankError
 from loader.repository.lock import LOCKS_DIR
 from loader.repository.publish import STAGING_DIR
+from tests import procs
 from tests.test_convert_signals import write_medium_gptj
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -448,16 +449,15 @@ def _mapping_child_of(proc: subprocess.Popen, below: Path, name: str) -> tuple[i
     while True:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the child never mapped the weights"
-        for task in Path(f"/proc/{proc.pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                try:
-                    maps = Path(f"/proc/{child}/maps").read_text().splitlines()
-                except OSError:
-                    continue
-                for line in maps:
-                    path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                    if path.startswith(prefix) and path.endswith("/" + name):
-                        return int(child), Path(path)
+        for child in procs.children(proc.pid):
+            try:
+                maps = Path(f"/proc/{child}/maps").read_text().splitlines()
+            except OSError:
+                continue
+            for line in maps:
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith(prefix) and path.endswith("/" + name):
+                    return child, Path(path)
         time.sleep(0.001)
 
 
