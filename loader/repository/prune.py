@@ -54,7 +54,7 @@ from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, pid_alive
+from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, lock_like, pid_alive
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
@@ -117,6 +117,8 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
                 content = locks.read(f"{keyfile}.lock", limit=64 * 1024) or b""
             except NotOursError:
                 return True  # a link there: leave the key alone
+    if not lock_like(content):
+        return True  # someone else's file at the lock's name: leave the key alone
     try:
         record = jsondoc.loads(content)
     except ValueError:
@@ -487,6 +489,11 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
     )
 
 
+#: The name a take-over gives the lock file it moves aside (``PublishLock._take_over``):
+#: ``<key as one file name>.lock.stale-<its token>``.
+_MOVED_LOCK = re.compile(r".+\.lock\.stale-[0-9a-f]{16}")
+
+
 def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
     """Lock files a take-over moved away and did not remove (a killed waiter)."""
     removed = []
@@ -495,8 +502,14 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
             return []
         with r.sub(LOCKS_DIR) as locks:
             for name in locks.names():
-                if ".lock.stale-" not in name or locks.kind(name) != "a file":
+                if not _MOVED_LOCK.fullmatch(name) or locks.kind(name) != "a file":
                     continue
+                try:
+                    content = locks.read(name, limit=64 * 1024)
+                except NotOursError:  # swapped for something else since: not ours
+                    continue
+                if content is None or not lock_like(content):
+                    continue  # someone else's file of a similar name
                 if not dry_run:
                     locks.unlink(name, missing_ok=True)
                 removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))
