@@ -350,6 +350,12 @@ def kind_of(mode: int) -> str:
 #: replaced or written again; everything else in the tree is someone else's.
 MADE = ".model-loader-made"
 
+#: How deep a walk of a tree goes (:meth:`Dir.remove_tree`, a repository's verification, the
+#: checks of leftovers): the loader nests its directories a few levels (a repository's deepest
+#: is 5 below its key), so a directory deeper than this below a tree's top is someone else's,
+#: kept and never entered (a chain of them deeper than a recursive walk can follow is no crash).
+MAX_TREE_DEPTH = 64
+
 
 def _marker_name(name: str) -> bool:
     """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the
@@ -1482,7 +1488,7 @@ class Dir:
                 kept.append((d.path / marker, kind_of(mark.st_mode)))
                 marker = None
             for entry in d._mark_last([n for n in d.names() if n not in spared]):
-                kept += d._remove_tree(entry, forget=False)  # the record goes as a whole
+                kept += d._remove_tree(entry, forget=False, depth=1)  # the record goes whole
             if kept and marker is None:  # the tree stays marked: its record stays with it
                 return kept
             # When something stays, the mark goes before the record: a tree never stays
@@ -1526,7 +1532,7 @@ class Dir:
         )
 
     def _remove_tree(
-        self, name: str, *, forget: bool = True, top: bool = False
+        self, name: str, *, forget: bool = True, top: bool = False, depth: int = 0
     ) -> list[tuple[Path, str]]:
         found = self.lstat(name)
         if found is None:
@@ -1539,11 +1545,13 @@ class Dir:
             return []
         if not stat.S_ISDIR(found.st_mode):
             return [(self.path / name, kind_of(found.st_mode))]
+        if depth >= MAX_TREE_DEPTH:
+            return [(self.path / name, f"a directory nested over {MAX_TREE_DEPTH} levels deep")]
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:  # what the loader made below a directory it did not is its own
             entries = d.names()
             for entry in d._mark_last(entries) if top else entries:  # see remove_tree
-                kept += d._remove_tree(entry, forget=forget)
+                kept += d._remove_tree(entry, forget=forget, depth=depth + 1)
         if kept:
             return kept
         if not ours:

@@ -103,3 +103,105 @@ def test_a_run_refuses_a_users_file_at_its_locks_name(tiny_checkpoint_with_token
     assert path.read_text() == "a user's notes\n"
     assert main(["prune", "--repository", str(root), "--keep", "1"]) == 0
     assert path.read_text() == "a user's notes\n"
+
+
+# --- directories nested deeper than any the loader makes ---------------------------------------
+
+#: Far deeper than Python's recursion limit allows a recursive walk to go.
+DEEP = 1500
+
+
+def _nest(top: Path, depth: int = DEEP) -> Path:
+    """A chain of ``depth`` directories below ``top`` (made relative to each, as any user can)
+    with a file at its end; the file's path, for a check from outside (too long for a path)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        leaf = os.open("leaf", os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=fd)
+        os.write(leaf, b"a user's\n")
+        os.close(leaf)
+    finally:
+        os.close(fd)
+    return top
+
+
+def _leaf_left(top: Path, depth: int = DEEP) -> bool:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        leaf = os.open("leaf", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+        try:
+            return os.read(leaf, 100) == b"a user's\n"
+        finally:
+            os.close(leaf)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _run_argv(source: Path, root: Path, *extra: str) -> list[str]:
+    return ["run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+            "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
+            "--lock-expiry-s", "1", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["", "llm/1"])
+def test_a_directory_nested_deeper_than_any_the_loader_makes_is_kept_never_a_crash(
+    tiny_checkpoint_with_tokenizer, tmp_path, where, capsys
+):
+    """A published key holding a chain of directories deeper than a recursive walk can go:
+    checked (not complete: published again), replaced, pruned, each a typed exit; the chain
+    stays, with the user's file at its end."""
+    root = tmp_path / "root"
+    argv = _run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert main(argv) == 0
+    (published,) = root.glob("tiny@*/*")
+    planted = _nest(published / where if where else published)
+    trees = [planted]
+    for step in ([*argv], [*argv, "--force"], ["prune", "--repository", str(root), "--keep", "1"]):
+        code = main(step)
+        err = capsys.readouterr().err
+        assert code in (0, 2), err[-2000:]
+        assert "Traceback" not in err and "this is a bug" not in err
+        assert any(_leaf_left(t) for t in _trees_holding_leaf(root, trees)), step
+    assert main(_run_argv(tiny_checkpoint_with_tokenizer, root)) in (0, 2)
+
+
+def _trees_holding_leaf(root: Path, known: list[Path]) -> list[Path]:
+    """Where the chain may be now: where it was planted, or in a copy of the key the loader
+    moved aside (``.trash/...``) or replaced, at the same place below it."""
+    out = list(known)
+    for base in [root / ".trash", root / ".staging", *root.glob("tiny@*")]:
+        if base.is_dir():
+            for top in base.iterdir():
+                for rel in ("", "llm/1"):
+                    if (top / rel / "d").is_dir():
+                        out.append(top / rel)
+    return out
+
+
+def test_prune_keeps_a_deep_chain_planted_in_a_dead_loaders_staging_directory(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    from loader.repository import publish
+
+    root = tmp_path / "root"
+    assert main(_run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    (published,) = root.glob("tiny@*/*")
+    key = "/".join(published.parts[-2:])
+    staging = publish.new_staging_dir(root, key)
+    dead = staging.with_name(staging.name.replace(f".{os.getpid()}-", ".999999999-"))
+    staging.rename(dead)
+    _nest(dead)
+    code = main(["prune", "--repository", str(root), "--keep", "1", "--lock-expiry-s", "1"])
+    err = capsys.readouterr().err
+    assert code in (0, 2), err[-2000:]
+    assert _leaf_left(dead)

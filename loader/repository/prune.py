@@ -93,15 +93,18 @@ class PruneReport:
         return sum(r.bytes for r in self.removed)
 
 
-def _size(d: Dir, name: str) -> int:
-    """Bytes of the files under ``d/name`` (no link followed)."""
+def _size(d: Dir, name: str, depth: int = 0) -> int:
+    """Bytes of the files under ``d/name`` (no link followed, none deeper than a walk goes:
+    :data:`loader.fs.MAX_TREE_DEPTH`)."""
     found = d.lstat(name)
     if found is None:
         return 0
     if not stat.S_ISDIR(found.st_mode):
         return found.st_size if stat.S_ISREG(found.st_mode) else 0
+    if depth >= fs.MAX_TREE_DEPTH:
+        return 0
     with d.sub(name) as sub:
-        return sum(_size(sub, entry) for entry in sub.names())
+        return sum(_size(sub, entry, depth + 1) for entry in sub.names())
 
 
 def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
