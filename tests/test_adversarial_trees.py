@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -111,6 +112,14 @@ def test_a_run_refuses_a_users_file_at_its_locks_name(tiny_checkpoint_with_token
 DEEP = 1500
 
 
+@pytest.fixture(autouse=True)
+def _chains_removed(tmp_path):
+    """Each test's directory goes with it: the chains below are too deep for the recursive
+    removal pytest does of earlier runs' directories (``rm`` walks any depth)."""
+    yield
+    subprocess.run(["rm", "-rf", "--", str(tmp_path)], check=False)
+
+
 def _nest(top: Path, depth: int = DEEP) -> Path:
     """A chain of ``depth`` directories below ``top`` (made relative to each, as any user can)
     with a file at its end; the file's path, for a check from outside (too long for a path)."""
@@ -205,3 +214,30 @@ def test_prune_keeps_a_deep_chain_planted_in_a_dead_loaders_staging_directory(
     err = capsys.readouterr().err
     assert code in (0, 2), err[-2000:]
     assert _leaf_left(dead)
+
+
+@pytest.mark.parametrize("command", ["run", "fetch"])
+def test_a_local_source_nested_deeper_than_a_walk_goes_is_refused_typed(
+    tiny_checkpoint_with_tokenizer, tmp_path, command, capsys
+):
+    """A local source holding a chain of directories deeper than a recursive walk can go:
+    refused naming it (exit 2), never a crash; a chain under a hidden directory is skipped
+    like everything hidden."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source)
+    (source / ".cache").mkdir()
+    _nest(source / ".cache")
+    argv = (
+        _run_argv(source, tmp_path / "root")
+        if command == "run"
+        else ["fetch", "--copy", str(source), str(tmp_path / "copy")]
+    )
+    assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    _nest(source)
+    code = main([*argv, "--force"] if command == "run" else argv)
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "nested" in err and "hint:" in err
+    assert _leaf_left(source)
