@@ -356,6 +356,11 @@ MADE = ".model-loader-made"
 #: kept and never entered (a chain of them deeper than a recursive walk can follow is no crash).
 MAX_TREE_DEPTH = 64
 
+#: The most levels a name read from a source has (a checkpoint's file ``a/b/c`` has 3): what a
+#: remote listing names is downloaded below a few directories of the loader's own (the download
+#: directory, its partial directory), so the walks that remove it reach all of it.
+MAX_NAME_LEVELS = 32
+
 
 def _marker_name(name: str) -> bool:
     """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the

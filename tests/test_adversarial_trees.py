@@ -241,3 +241,27 @@ def test_a_local_source_nested_deeper_than_a_walk_goes_is_refused_typed(
     assert code == 2, err[-2000:]
     assert "nested" in err and "hint:" in err
     assert _leaf_left(source)
+
+
+# --- names read from a remote listing: no deeper than the loader's walks go ---------------------
+
+
+def test_a_listed_name_nested_deeper_than_the_loader_removes_is_refused():
+    """An object or Hub file nested more levels than the loader's own walks go would be
+    downloaded into a directory its next run could not remove (kept as if someone else's):
+    refused before anything is written, naming it."""
+    from loader import fs
+    from loader.errors import SourceError
+    from loader.sources import parse_uri
+    from loader.sources.gcs import _relpath
+    from loader.sources.hf import _names
+
+    deep = "/".join(["d"] * fs.MAX_NAME_LEVELS) + "/model.safetensors"
+    fine = "/".join(["d"] * (fs.MAX_NAME_LEVELS - 1)) + "/model.safetensors"
+    with pytest.raises(SourceError, match="levels"):
+        _relpath(parse_uri("gs://bucket/p"), f"p/{deep}")
+    with pytest.raises(SourceError, match="levels"):
+        _names(parse_uri("hf://org/name"), deep)
+    assert _relpath(parse_uri("gs://bucket/p"), f"p/{fine}") == fine
+    assert _names(parse_uri("hf://org/name"), fine) == fine.split("/")
+    assert fs.MAX_NAME_LEVELS + 8 <= fs.MAX_TREE_DEPTH  # a download's tree holds it, and more

@@ -162,6 +162,12 @@ def _relpath(uri: SourceURI, name: str) -> str:
             "progress.",
             f"Rename the object (or move it out of {PARTIAL_DIR}/) and run again.",
         )
+    if len(parts) > fs.MAX_NAME_LEVELS:
+        raise SourceError(
+            f"{what} is nested {len(parts)} levels deep below the prefix; the loader downloads "
+            f"no checkpoint file nested more than {fs.MAX_NAME_LEVELS} levels deep.",
+            "Rename the object (or fetch the prefix of the checkpoint itself) and run again.",
+        )
     long = [p for p in parts if len(p.encode("utf-8")) > NAME_MAX - 32]
     if long:
         raise SourceError(

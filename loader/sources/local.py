@@ -101,7 +101,7 @@ def list_files(root: Path) -> list[str]:
 def _entries(root: Path) -> Iterator[Path]:
     """Every entry under ``root`` not hidden and in no hidden directory, one directory at a
     time (no recursion), never entering a link. A directory nested deeper than
-    :data:`loader.fs.MAX_TREE_DEPTH` below ``root`` is a :class:`SourceError`: no checkpoint is
+    :data:`loader.fs.MAX_NAME_LEVELS` below ``root`` is a :class:`SourceError`: no checkpoint is
     laid out that deep, and a chain of them would outgrow any walk."""
     todo = [(root, 0)]
     while todo:
@@ -111,11 +111,11 @@ def _entries(root: Path) -> Iterator[Path]:
         for path in found:
             yield path
             if path.is_dir() and not path.is_symlink():
-                if depth + 1 >= fs.MAX_TREE_DEPTH:
+                if depth + 1 >= fs.MAX_NAME_LEVELS:
                     raise SourceError(
                         f"{shown(path)} in the local source is a directory nested "
-                        f"{depth + 1} levels deep; the loader reads no checkpoint laid out "
-                        f"deeper than {fs.MAX_TREE_DEPTH - 1}.",
+                        f"{depth + 1} levels deep; the loader reads no checkpoint file nested "
+                        f"more than {fs.MAX_NAME_LEVELS} levels deep.",
                         "Point the loader at the checkpoint's own directory, or move the "
                         "deeply nested directories out of it.",
                     )
