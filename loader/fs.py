@@ -547,7 +547,13 @@ class _Made:
                 found = None
             except OSError as exc:
                 raise _named(exc, self.path / MADE) from None
-            if found is None or not stat.S_ISREG(found.st_mode):
+            if (
+                found is None
+                or not stat.S_ISREG(found.st_mode)
+                # grown past any record the loader writes (someone else's doing): a read of it
+                # would be refused, and nothing in it is known to be the loader's
+                or found.st_size > SMALL_FILE_BYTES
+            ):
                 self._records, self._size = {}, -1
                 return {}
             if self._records is None or found.st_size != self._size:
@@ -559,6 +565,11 @@ class _Made:
                 try:
                     os.set_blocking(fd, True)
                     data = read_fd(fd, self.path / MADE, limit=SMALL_FILE_BYTES)
+                except OSError as exc:
+                    if exc.errno != errno.EFBIG:
+                        raise
+                    self._records, self._size = {}, -1  # grown since the look: as above
+                    return {}
                 finally:
                     os.close(fd)
                 self.marker, self._records = parse_made(data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from loader.repository.lock import LOCKS_DIR, PublishLock, lock_path
 from loader.repository.prune import lock_live, prune
 
 KEY = "m@r/tp1-pp1-i1-abcdef01"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _old(path: Path, age_s: float = 10_000) -> None:
@@ -265,3 +267,32 @@ def test_a_listed_name_nested_deeper_than_the_loader_removes_is_refused():
     assert _relpath(parse_uri("gs://bucket/p"), f"p/{fine}") == fine
     assert _names(parse_uri("hf://org/name"), fine) == fine.split("/")
     assert fs.MAX_NAME_LEVELS + 8 <= fs.MAX_TREE_DEPTH  # a download's tree holds it, and more
+
+
+def test_a_published_keys_record_grown_huge_never_stops_its_key_or_prune(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Someone grows a published key's record past what the loader reads: replacing the key,
+    clearing the replaced copy and pruning go on (exit 0), and the copy, whose record tells
+    nothing, is kept whole."""
+    from loader import fs
+
+    root = tmp_path / "root"
+    argv = _run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert main(argv) == 0
+    (published,) = root.glob("tiny@*/*")
+    with open(published / fs.MADE, "r+b") as made:
+        made.truncate(fs.SMALL_FILE_BYTES + 2**20)
+    weights = sorted(p.name for p in (published / "fastertransformer" / "1" / "1-gpu").iterdir())
+    # each in a process of its own, gone before the next (whose leftovers it may clear)
+    for step in ([*argv, "--force"], ["prune", "--repository", str(root), "--keep", "1"],
+                 [*argv, "--force"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "loader", *step], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    kept = [p for p in root.rglob(fs.MADE) if p.stat().st_size > fs.SMALL_FILE_BYTES]
+    assert len(kept) == 1
+    assert (
+        sorted(p.name for p in (kept[0].parent / "fastertransformer" / "1" / "1-gpu").iterdir())
+        == weights
+    )
