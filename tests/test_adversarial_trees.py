@@ -38,14 +38,16 @@ def _old(path: Path, age_s: float = 10_000) -> None:
         ".lock.stale-",
     ],
 )
-def test_prune_keeps_a_users_file_named_like_a_moved_away_lock(tmp_path, name):
+@pytest.mark.parametrize("content", [b"a user's notes\n", b"{" + b" " * 2**17])
+def test_prune_keeps_a_users_file_named_like_a_moved_away_lock(tmp_path, name, content):
     """Only a lock file a take-over moved aside (a lock record, at the name a take-over gives
-    it) is the loader's; a user's file of a similar name, with other content, stays."""
+    it) is the loader's; a user's file of a similar name, with other content (or larger than
+    any lock record), stays, and prune goes on."""
     (tmp_path / LOCKS_DIR).mkdir()
     planted = tmp_path / LOCKS_DIR / name
-    planted.write_text("a user's notes\n")
+    planted.write_bytes(content)
     report = prune(tmp_path, keep=1)
-    assert planted.read_text() == "a user's notes\n"
+    assert planted.read_bytes() == content
     assert planted not in [r.path for r in report.removed]
 
 
@@ -58,7 +60,9 @@ def test_prune_still_removes_a_lock_a_take_over_moved_away(tmp_path):
     assert [r.path for r in report.removed] == [moved]
 
 
-@pytest.mark.parametrize("content", [b"a user's notes at the lock's name\n", b"#!/bin/sh\n"])
+@pytest.mark.parametrize(
+    "content", [b"a user's notes at the lock's name\n", b"#!/bin/sh\n", b"{" + b" " * 2**17]
+)
 def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
     """A file at the lock's path that holds no lock record is no lock of a loader (however
     long it has not changed): the run is refused naming it, and the file stays."""

@@ -29,6 +29,7 @@ removed before the error goes up, so no empty lock is left for the next loader t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -186,7 +187,14 @@ class PublishLock:
 
     def _read(self) -> bytes | None:
         assert self._dir is not None
-        return self._dir.read(self.path.name, limit=64 * 1024)
+        try:
+            return self._dir.read(self.path.name, limit=64 * 1024)
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            raise NotOursError(
+                self.path, "a file larger than any lock record", "a publish lock file"
+            ) from None
 
     def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
         record = _parse(content)
