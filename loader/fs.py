@@ -1292,6 +1292,10 @@ class Dir:
                 content = d.read(marker, limit=4096)
         except (NotOursError, FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return False
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            return False  # larger than any marker the loader writes: not its mark
         return content is not None and content.decode("utf-8", "replace").split("\n")[0] == owner
 
     # -- failures ------------------------------------------------------------------------

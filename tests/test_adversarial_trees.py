@@ -300,3 +300,23 @@ def test_a_published_keys_record_grown_huge_never_stops_its_key_or_prune(
         sorted(p.name for p in (kept[0].parent / "fastertransformer" / "1" / "1-gpu").iterdir())
         == weights
     )
+
+
+@pytest.mark.parametrize("name", [".ready", ".model-loader-staging"])
+def test_a_published_keys_small_file_grown_huge_never_stops_its_key(
+    tiny_checkpoint_with_tokenizer, tmp_path, name, capsys
+):
+    """Someone grows a published key's ``.ready`` or marker past what the loader reads of
+    them: the key is checked (not complete: published again), replaced and pruned, each
+    exit 0, never a refusal that no later run gets past."""
+    root = tmp_path / "root"
+    argv = _run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert main(argv) == 0
+    (published,) = root.glob("tiny@*/*")
+    with open(published / name, "r+b") as grown:
+        grown.truncate(2**20)
+    for step in (argv, [*argv, "--force"], ["prune", "--repository", str(root), "--keep", "1"]):
+        code = main(step)
+        assert code == 0, capsys.readouterr().err[-2000:]
+    (published,) = root.glob("tiny@*/*")
+    assert (published / name).stat().st_size < 4096

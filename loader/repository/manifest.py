@@ -281,7 +281,13 @@ def verify_in(
 ) -> list[str]:
     """:func:`verify` of the repository open as ``d``."""
     problems = []
-    ready = d.read(READY, limit=4096) if d.kind(READY) == "a file" else None
+    try:
+        ready = d.read(READY, limit=4096) if d.kind(READY) == "a file" else None
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        ready = b""
+        problems.append(f"{READY} is larger than any the loader writes")
     if ready is None:
         problems.append(f"{READY} is missing")
     elif key is not None and ready.decode("utf-8", "replace").strip() != key:
