@@ -320,3 +320,25 @@ def test_a_published_keys_small_file_grown_huge_never_stops_its_key(
         assert code == 0, capsys.readouterr().err[-2000:]
     (published,) = root.glob("tiny@*/*")
     assert (published / name).stat().st_size < 4096
+
+
+# --- a conversion's journal grown past what the loader reads -------------------------------------
+
+
+def test_a_journal_grown_past_what_the_loader_reads_resumes_nothing_never_fails(tmp_path):
+    """A journal someone grew past any the loader writes tells nothing: a resume keeps no
+    output and goes on (a failure would stop every later run of the key at its resume)."""
+    from loader import fs
+    from loader.convert.overlapped import Journal
+
+    (tmp_path / "work" / "out").mkdir(parents=True)
+    with fs.confined(tmp_path / "work"):
+        journal = Journal(tmp_path / "work" / "out", "h")
+        with open(journal.path, "wb") as grown:
+            grown.write(b"h b3\nmoved-into x\n")
+            grown.truncate(fs.SMALL_FILE_BYTES + 2**20)
+        try:
+            assert journal.moved_to() is None
+            assert journal.resume() == {}
+        finally:
+            journal.close()
