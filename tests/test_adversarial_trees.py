@@ -342,3 +342,25 @@ def test_a_journal_grown_past_what_the_loader_reads_resumes_nothing_never_fails(
             assert journal.resume() == {}
         finally:
             journal.close()
+
+
+def test_a_slice_journal_grown_past_what_the_loader_reads_resumes_no_slice(tmp_path):
+    """A gs:// download's slice journal someone grew past any the loader writes tells
+    nothing: the partial file's slices are all fetched again, never a stop."""
+    from types import SimpleNamespace
+
+    from loader import fs
+    from loader.sources.gcs import _load_journal, _Object
+
+    partial = tmp_path / "x.safetensors.partial"
+    partial.write_bytes(b"\0" * 100)
+    with open(str(partial) + ".slices", "wb") as grown:
+        grown.write(b"0 99\n")
+        grown.truncate(fs.SMALL_FILE_BYTES + 2**20)
+    blob = SimpleNamespace(size=100)
+    obj = _Object(blob, "x.safetensors", tmp_path / "x.safetensors", partial, [(0, 99)])
+    with fs.confined(tmp_path), fs.Dir.open(tmp_path) as d:
+        obj.where = d
+        _load_journal(obj)
+    assert obj.done == set()
+    assert partial.read_bytes() == b"\0" * 100
