@@ -364,3 +364,32 @@ def test_a_slice_journal_grown_past_what_the_loader_reads_resumes_no_slice(tmp_p
         _load_journal(obj)
     assert obj.done == set()
     assert partial.read_bytes() == b"\0" * 100
+
+
+# --- prune: one key holding someone else's entry at its manifest's name --------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "dir"])
+def test_prune_skips_a_key_whose_manifest_was_replaced_and_prunes_the_others(
+    tiny_checkpoint_with_tokenizer, tmp_path, kind, capsys
+):
+    """A FIFO, link or directory put at one key's ``manifest.json`` makes that directory no
+    key prune recognises (kept, never read through): prune goes on with the others."""
+    root = tmp_path / "root"
+    for revision in ("r1", "r2", "r3"):
+        assert main(_run_argv(tiny_checkpoint_with_tokenizer, root, "--revision", revision)) == 0
+    (odd,) = root.glob("tiny@r2/*")
+    (outside := tmp_path / "outside").write_text("a user's\n")
+    (odd / "manifest.json").unlink()
+    if kind == "fifo":
+        os.mkfifo(odd / "manifest.json")
+    elif kind == "link":
+        (odd / "manifest.json").symlink_to(outside)
+    else:
+        (odd / "manifest.json").mkdir()
+    code = main(["prune", "--repository", str(root), "--keep", "1"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert not list(root.glob("tiny@r1/*"))  # the oldest recognised key went
+    assert list(root.glob("tiny@r3/*"))
+    assert os.path.lexists(odd / "manifest.json")
+    assert outside.read_text() == "a user's\n"

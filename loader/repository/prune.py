@@ -224,8 +224,11 @@ def _published(root: Path) -> list[tuple[str, os.stat_result, dict]]:
                     if entry is None or not stat.S_ISDIR(entry.st_mode):
                         continue
                     key = f"{parent}/{name}"
-                    with p.sub(name) as d:
-                        data = manifest.read_manifest_in(d)
+                    try:
+                        with p.sub(name) as d:
+                            data = manifest.read_manifest_in(d)
+                    except NotOursError:  # a link, FIFO or directory at its manifest's name
+                        continue  # no key prune recognises: kept, never read through
                     if data is not None and data.get("key") == key:
                         found.append((key, entry, data))
     return found
@@ -469,8 +472,11 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
                 now = p.lstat(variant)
                 if now is None:
                     return "gone meanwhile"
-                with p.sub(variant) as d:
-                    fresh = manifest.read_manifest_in(d)
+                try:
+                    with p.sub(variant) as d:
+                        fresh = manifest.read_manifest_in(d)
+                except NotOursError:  # something else put at its manifest's name meanwhile
+                    fresh = None
         if (
             (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev)
             or fresh is None
