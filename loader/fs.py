@@ -350,6 +350,17 @@ def kind_of(mode: int) -> str:
 #: replaced or written again; everything else in the tree is someone else's.
 MADE = ".model-loader-made"
 
+#: How deep a walk of a tree goes (:meth:`Dir.remove_tree`, a repository's verification, the
+#: checks of leftovers): the loader nests its directories a few levels (a repository's deepest
+#: is 5 below its key), so a directory deeper than this below a tree's top is someone else's,
+#: kept and never entered (a chain of them deeper than a recursive walk can follow is no crash).
+MAX_TREE_DEPTH = 64
+
+#: The most levels a name read from a source has (a checkpoint's file ``a/b/c`` has 3): what a
+#: remote listing names is downloaded below a few directories of the loader's own (the download
+#: directory, its partial directory), so the walks that remove it reach all of it.
+MAX_NAME_LEVELS = 32
+
 
 def _marker_name(name: str) -> bool:
     """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the
@@ -536,7 +547,13 @@ class _Made:
                 found = None
             except OSError as exc:
                 raise _named(exc, self.path / MADE) from None
-            if found is None or not stat.S_ISREG(found.st_mode):
+            if (
+                found is None
+                or not stat.S_ISREG(found.st_mode)
+                # grown past any record the loader writes (someone else's doing): a read of it
+                # would be refused, and nothing in it is known to be the loader's
+                or found.st_size > SMALL_FILE_BYTES
+            ):
                 self._records, self._size = {}, -1
                 return {}
             if self._records is None or found.st_size != self._size:
@@ -548,6 +565,11 @@ class _Made:
                 try:
                     os.set_blocking(fd, True)
                     data = read_fd(fd, self.path / MADE, limit=SMALL_FILE_BYTES)
+                except OSError as exc:
+                    if exc.errno != errno.EFBIG:
+                        raise
+                    self._records, self._size = {}, -1  # grown since the look: as above
+                    return {}
                 finally:
                     os.close(fd)
                 self.marker, self._records = parse_made(data)
@@ -1270,6 +1292,10 @@ class Dir:
                 content = d.read(marker, limit=4096)
         except (NotOursError, FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return False
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            return False  # larger than any marker the loader writes: not its mark
         return content is not None and content.decode("utf-8", "replace").split("\n")[0] == owner
 
     # -- failures ------------------------------------------------------------------------
@@ -1482,7 +1508,7 @@ class Dir:
                 kept.append((d.path / marker, kind_of(mark.st_mode)))
                 marker = None
             for entry in d._mark_last([n for n in d.names() if n not in spared]):
-                kept += d._remove_tree(entry, forget=False)  # the record goes as a whole
+                kept += d._remove_tree(entry, forget=False, depth=1)  # the record goes whole
             if kept and marker is None:  # the tree stays marked: its record stays with it
                 return kept
             # When something stays, the mark goes before the record: a tree never stays
@@ -1526,7 +1552,7 @@ class Dir:
         )
 
     def _remove_tree(
-        self, name: str, *, forget: bool = True, top: bool = False
+        self, name: str, *, forget: bool = True, top: bool = False, depth: int = 0
     ) -> list[tuple[Path, str]]:
         found = self.lstat(name)
         if found is None:
@@ -1539,11 +1565,13 @@ class Dir:
             return []
         if not stat.S_ISDIR(found.st_mode):
             return [(self.path / name, kind_of(found.st_mode))]
+        if depth >= MAX_TREE_DEPTH:
+            return [(self.path / name, f"a directory nested over {MAX_TREE_DEPTH} levels deep")]
         kept: list[tuple[Path, str]] = []
         with self.sub(name) as d:  # what the loader made below a directory it did not is its own
             entries = d.names()
             for entry in d._mark_last(entries) if top else entries:  # see remove_tree
-                kept += d._remove_tree(entry, forget=forget)
+                kept += d._remove_tree(entry, forget=forget, depth=depth + 1)
         if kept:
             return kept
         if not ours:

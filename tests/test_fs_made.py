@@ -7,7 +7,6 @@ directory deep in a tree is entered from there one name at a time, and so knows 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -487,16 +486,15 @@ def test_something_else_put_at_the_records_name_is_refused_naming_it(tmp_path, k
 
 
 def test_a_records_failure_names_it_where_the_tree_is_now(tmp_path):
-    """A tree is made under a temporary name and renamed: a failure reading its record later
-    (one grown past any record's size) names the record at the tree's name, not at the
-    temporary one, which is gone."""
+    """A tree is made under a temporary name and renamed: a failure writing its record later
+    (a FIFO put in its place) names the record at the tree's name, not at the temporary one,
+    which is gone."""
     tree = _tree(tmp_path)
-    with (tree / fs.MADE).open("ab") as record:
-        record.write(b"x" * (fs.SMALL_FILE_BYTES + 1))
-    with fs.Dir.open(tree) as t, pytest.raises(OSError) as failed:
-        t.unlink("top.bin")
-    assert failed.value.errno == errno.EFBIG
-    assert failed.value.filename == str(tree / fs.MADE)
+    with fs.Dir.open(tree) as t, pytest.raises(NotOursError) as failed:
+        (tree / fs.MADE).unlink()
+        os.mkfifo(tree / fs.MADE)
+        t.write("new.bin", b"new")
+    assert failed.value.path == tree / fs.MADE
 
 
 def test_a_record_line_nested_too_deeply_is_skipped(tmp_path):
@@ -596,3 +594,21 @@ def test_a_file_put_into_a_directory_while_it_is_removed_stays(tmp_path, where):
         kept = _remove(tree)
     assert (target / "late.txt").read_text() == "mine\n"
     assert target in kept
+
+
+def test_a_record_grown_past_what_the_loader_reads_keeps_the_tree_never_fails(tmp_path, caplog):
+    """A record someone made larger than any the loader writes (a read of it would be
+    refused as too large) tells nothing: the tree is kept whole, with a warning, and no
+    removal of it fails (a failure would stop every later run of its key, and all of prune)."""
+    tree = _tree(tmp_path)
+    planted = _plant(tree)
+    with open(tree / fs.MADE, "r+b") as made:
+        made.seek(0, os.SEEK_END)
+        made.write(b"\n" + b"x" * (fs.SMALL_FILE_BYTES + 1))
+    kept = _remove(tree)
+    assert kept
+    assert (tree / "top.bin").read_bytes() == b"top"
+    assert (tree / "a" / "b" / "w.bin").read_bytes() == b"w" * 100
+    assert {rel: v for rel, v in _snapshot(tree).items() if rel in planted} == planted
+    assert "kept" in caplog.text
+    assert _remove(tree)  # again: the same, no failure

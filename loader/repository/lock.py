@@ -21,13 +21,15 @@ Publishing is safe even then: the final rename never replaces a complete reposit
 
 The lock file is reached through a descriptor of ``ROOT/.locks`` (:mod:`loader.fs`): a link at
 ``.locks`` or at the lock's path is a :class:`~loader.errors.NotOursError` (exit 2, naming it),
-never read or written through. A lock file whose first write fails is removed before the error
-goes up, so no empty lock is left for the next loader to wait on.
+never read or written through; so is a file there that holds no lock record (:func:`lock_like`:
+someone else's, never judged stale, moved or removed). A lock file whose first write fails is
+removed before the error goes up, so no empty lock is left for the next loader to wait on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -46,7 +48,7 @@ from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCKS_DIR", "PublishLock", "local_pid", "lock_path", "pid_alive"]
+__all__ = ["LOCKS_DIR", "PublishLock", "local_pid", "lock_like", "lock_path", "pid_alive"]
 
 LOCKS_DIR = ".locks"
 
@@ -140,6 +142,10 @@ class PublishLock:
                 return self
             now = time.monotonic()
             content = self._read()
+            if content is not None and not lock_like(content):
+                raise NotOursError(
+                    self.path, "a file holding no loader's lock record", "a publish lock file"
+                )
             if content != seen:
                 seen, seen_since = content, now
             if content is not None and self._is_stale(content, unchanged_s=now - seen_since):
@@ -181,7 +187,14 @@ class PublishLock:
 
     def _read(self) -> bytes | None:
         assert self._dir is not None
-        return self._dir.read(self.path.name, limit=64 * 1024)
+        try:
+            return self._dir.read(self.path.name, limit=64 * 1024)
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            raise NotOursError(
+                self.path, "a file larger than any lock record", "a publish lock file"
+            ) from None
 
     def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
         record = _parse(content)
@@ -308,6 +321,15 @@ def local_pid(record: object) -> int | None:
     if not isinstance(pid, int) or isinstance(pid, bool) or space != pid_space():
         return None
     return pid
+
+
+def lock_like(content: bytes) -> bool:
+    """Whether ``content`` may be what a loader left in its lock file: the JSON object it
+    writes (perhaps with the tail of a longer earlier record, a rewrite stopped between its
+    write and its truncation), nothing yet (stopped between the create and the first write),
+    or zeros (a crash before the write reached the disk). Anything else at a lock's name is
+    someone else's file: never judged stale, moved or removed."""
+    return content.startswith(b"{") or not content.strip(b"\0")
 
 
 def _parse(content: bytes | None) -> dict | None:

@@ -73,9 +73,9 @@ class _Tree:
         self.files: dict[str, os.stat_result] = {}
         self.dirs: list[str] = []
         self.others: dict[str, str] = {}
-        self._walk(d, "")
+        self._walk(d, "", 0)
 
-    def _walk(self, d: Dir, prefix: str) -> None:
+    def _walk(self, d: Dir, prefix: str, depth: int) -> None:
         for name in d.names():
             rel = prefix + name
             if not prefix and name in BOOKKEEPING:
@@ -83,10 +83,12 @@ class _Tree:
             found = d.lstat(name)
             if found is None:
                 continue
-            if stat.S_ISDIR(found.st_mode):
+            if stat.S_ISDIR(found.st_mode) and depth >= fs.MAX_TREE_DEPTH:
+                self.others[rel] = f"directory nested over {fs.MAX_TREE_DEPTH} levels deep"
+            elif stat.S_ISDIR(found.st_mode):
                 self.dirs.append(rel)
                 with d.sub(name) as sub:
-                    self._walk(sub, rel + "/")
+                    self._walk(sub, rel + "/", depth + 1)
             elif stat.S_ISREG(found.st_mode):
                 self.files[rel] = found
             else:
@@ -279,7 +281,13 @@ def verify_in(
 ) -> list[str]:
     """:func:`verify` of the repository open as ``d``."""
     problems = []
-    ready = d.read(READY, limit=4096) if d.kind(READY) == "a file" else None
+    try:
+        ready = d.read(READY, limit=4096) if d.kind(READY) == "a file" else None
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        ready = b""
+        problems.append(f"{READY} is larger than any the loader writes")
     if ready is None:
         problems.append(f"{READY} is missing")
     elif key is not None and ready.decode("utf-8", "replace").strip() != key:

@@ -36,6 +36,7 @@ What it never removes, and how it knows:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -54,7 +55,7 @@ from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, pid_alive
+from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, lock_like, pid_alive
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
@@ -93,15 +94,18 @@ class PruneReport:
         return sum(r.bytes for r in self.removed)
 
 
-def _size(d: Dir, name: str) -> int:
-    """Bytes of the files under ``d/name`` (no link followed)."""
+def _size(d: Dir, name: str, depth: int = 0) -> int:
+    """Bytes of the files under ``d/name`` (no link followed, none deeper than a walk goes:
+    :data:`loader.fs.MAX_TREE_DEPTH`)."""
     found = d.lstat(name)
     if found is None:
         return 0
     if not stat.S_ISDIR(found.st_mode):
         return found.st_size if stat.S_ISREG(found.st_mode) else 0
+    if depth >= fs.MAX_TREE_DEPTH:
+        return 0
     with d.sub(name) as sub:
-        return sum(_size(sub, entry) for entry in sub.names())
+        return sum(_size(sub, entry, depth + 1) for entry in sub.names())
 
 
 def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
@@ -117,6 +121,12 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
                 content = locks.read(f"{keyfile}.lock", limit=64 * 1024) or b""
             except NotOursError:
                 return True  # a link there: leave the key alone
+            except OSError as exc:
+                if exc.errno != errno.EFBIG:
+                    raise
+                return True  # larger than any lock record: someone else's, left alone
+    if not lock_like(content):
+        return True  # someone else's file at the lock's name: leave the key alone
     try:
         record = jsondoc.loads(content)
     except ValueError:
@@ -214,8 +224,11 @@ def _published(root: Path) -> list[tuple[str, os.stat_result, dict]]:
                     if entry is None or not stat.S_ISDIR(entry.st_mode):
                         continue
                     key = f"{parent}/{name}"
-                    with p.sub(name) as d:
-                        data = manifest.read_manifest_in(d)
+                    try:
+                        with p.sub(name) as d:
+                            data = manifest.read_manifest_in(d)
+                    except NotOursError:  # a link, FIFO or directory at its manifest's name
+                        continue  # no key prune recognises: kept, never read through
                     if data is not None and data.get("key") == key:
                         found.append((key, entry, data))
     return found
@@ -459,8 +472,11 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
                 now = p.lstat(variant)
                 if now is None:
                     return "gone meanwhile"
-                with p.sub(variant) as d:
-                    fresh = manifest.read_manifest_in(d)
+                try:
+                    with p.sub(variant) as d:
+                        fresh = manifest.read_manifest_in(d)
+                except NotOursError:  # something else put at its manifest's name meanwhile
+                    fresh = None
         if (
             (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev)
             or fresh is None
@@ -487,6 +503,11 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
     )
 
 
+#: The name a take-over gives the lock file it moves aside (``PublishLock._take_over``):
+#: ``<key as one file name>.lock.stale-<its token>``.
+_MOVED_LOCK = re.compile(r".+\.lock\.stale-[0-9a-f]{16}")
+
+
 def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
     """Lock files a take-over moved away and did not remove (a killed waiter)."""
     removed = []
@@ -495,8 +516,18 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
             return []
         with r.sub(LOCKS_DIR) as locks:
             for name in locks.names():
-                if ".lock.stale-" not in name or locks.kind(name) != "a file":
+                if not _MOVED_LOCK.fullmatch(name) or locks.kind(name) != "a file":
                     continue
+                try:
+                    content = locks.read(name, limit=64 * 1024)
+                except NotOursError:  # swapped for something else since: not ours
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.EFBIG:
+                        raise
+                    continue  # larger than any lock record: someone else's
+                if content is None or not lock_like(content):
+                    continue  # someone else's file of a similar name
                 if not dry_run:
                     locks.unlink(name, missing_ok=True)
                 removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))

@@ -162,18 +162,18 @@ def _owner(name: str, prefix: str) -> tuple[int, str] | None:
     return (int(pid), host) if pid.isdigit() and host else None
 
 
-def _last_change(d: Dir, name: str) -> float:
+def _last_change(d: Dir, name: str, depth: int = 0) -> float:
     """The newest modification time of ``d/name`` and everything under it (no link
-    followed)."""
+    followed, nothing deeper than a walk goes: :data:`loader.fs.MAX_TREE_DEPTH`)."""
     found = d.lstat(name)
     if found is None:
         raise FileNotFoundError(errno.ENOENT, "gone", str(d.path / name))
     newest = found.st_mtime
-    if stat.S_ISDIR(found.st_mode):
+    if stat.S_ISDIR(found.st_mode) and depth < fs.MAX_TREE_DEPTH:
         with d.sub(name) as sub:
             for entry in sub.names():
                 try:
-                    newest = max(newest, _last_change(sub, entry))
+                    newest = max(newest, _last_change(sub, entry, depth + 1))
                 except FileNotFoundError:
                     continue
     return newest
@@ -324,14 +324,20 @@ def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
     return True
 
 
-def _seal(d: Dir) -> None:
+def _seal(d: Dir, depth: int = 0) -> None:
     for name in d.names():
         found = d.lstat(name)
         if found is None:
             continue
+        if stat.S_ISDIR(found.st_mode) and depth >= fs.MAX_TREE_DEPTH:
+            raise NotOursError(
+                d.path / name,
+                f"a directory nested over {fs.MAX_TREE_DEPTH} levels deep",
+                "a directory the loader wrote",
+            )
         if stat.S_ISDIR(found.st_mode):
             with d.sub(name) as sub:
-                _seal(sub)
+                _seal(sub, depth + 1)
             d.chmod(name, DIR_MODE)
         elif stat.S_ISREG(found.st_mode):
             d.chmod(name, FILE_MODE)

@@ -45,6 +45,7 @@ anonymous credentials. Nothing secret is logged.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import re
@@ -161,6 +162,12 @@ def _relpath(uri: SourceURI, name: str) -> str:
             f"{what} lies under {PARTIAL_DIR}/, the name the loader keeps for downloads in "
             "progress.",
             f"Rename the object (or move it out of {PARTIAL_DIR}/) and run again.",
+        )
+    if len(parts) > fs.MAX_NAME_LEVELS:
+        raise SourceError(
+            f"{what} is nested {len(parts)} levels deep below the prefix; the loader downloads "
+            f"no checkpoint file nested more than {fs.MAX_NAME_LEVELS} levels deep.",
+            "Rename the object (or fetch the prefix of the checkpoint itself) and run again.",
         )
     long = [p for p in parts if len(p.encode("utf-8")) > NAME_MAX - 32]
     if long:
@@ -418,7 +425,12 @@ def _load_journal(obj: _Object) -> None:
         d.unlink(obj.journal, missing_ok=True)
         return
     index = {s: i for i, s in enumerate(obj.slices)}
-    journal = (d.read(obj.journal) or b"").decode("ascii", "replace")
+    try:
+        journal = (d.read(obj.journal) or b"").decode("ascii", "replace")
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        journal = ""  # grown past any journal the loader writes: it tells nothing
     for line in journal.splitlines():
         match = _SLICE_LINE.fullmatch(line.strip())
         if match and (key := (int(match[1]), int(match[2]))) in index:

@@ -462,6 +462,13 @@ def _names(uri: SourceURI, rel: str) -> list[str]:
             "plain names; nothing was written for it.",
             "Check the repository's files (or the mirror HF_ENDPOINT names).",
         )
+    if len(parts) > fs.MAX_NAME_LEVELS:
+        raise SourceError(
+            f"{uri.raw}: the Hub lists a file {rel[:60]!r}... nested {len(parts)} levels deep; "
+            f"the loader downloads no file nested more than {fs.MAX_NAME_LEVELS} levels deep; "
+            "nothing was written for it.",
+            "Move the file up in the repository (or use a copy of the checkpoint).",
+        )
     if any(len(os.fsencode(part + INCOMPLETE)) > NAME_MAX for part in parts):
         raise SourceError(
             f"{uri.raw}: the Hub lists a file named {rel[:60]!r}... ({len(os.fsencode(rel))} "

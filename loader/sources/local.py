@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -71,10 +72,8 @@ def list_files(root: Path) -> list[str]:
     """
     allowed = link_boundaries(root)
     files = []
-    for path in root.rglob("*"):
+    for path in _entries(root):
         rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
         if path.is_symlink():
             try:
                 target = path.resolve(strict=True)
@@ -97,6 +96,30 @@ def list_files(root: Path) -> list[str]:
         elif not path.is_dir():
             raise SpecialFileError(path, "a FIFO, device or socket")
     return sorted(files)
+
+
+def _entries(root: Path) -> Iterator[Path]:
+    """Every entry under ``root`` not hidden and in no hidden directory, one directory at a
+    time (no recursion), never entering a link. A directory nested deeper than
+    :data:`loader.fs.MAX_NAME_LEVELS` below ``root`` is a :class:`SourceError`: no checkpoint is
+    laid out that deep, and a chain of them would outgrow any walk."""
+    todo = [(root, 0)]
+    while todo:
+        directory, depth = todo.pop()
+        with os.scandir(directory) as entries:
+            found = [Path(entry.path) for entry in entries if not entry.name.startswith(".")]
+        for path in found:
+            yield path
+            if path.is_dir() and not path.is_symlink():
+                if depth + 1 >= fs.MAX_NAME_LEVELS:
+                    raise SourceError(
+                        f"{shown(path)} in the local source is a directory nested "
+                        f"{depth + 1} levels deep; the loader reads no checkpoint file nested "
+                        f"more than {fs.MAX_NAME_LEVELS} levels deep.",
+                        "Point the loader at the checkpoint's own directory, or move the "
+                        "deeply nested directories out of it.",
+                    )
+                todo.append((path, depth + 1))
 
 
 def _algorithm(recorded: Fingerprint | None) -> str:

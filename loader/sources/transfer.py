@@ -192,17 +192,22 @@ def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
     return False
 
 
-def _partials(d: Dir, keep: object, foreign: list[str] | None = None) -> bool:
+def _partials(d: Dir, keep: object, foreign: list[str] | None = None, depth: int = 0) -> bool:
     """Remove the entries under ``d`` that ``keep(owner tag or None)`` refuses, then the empty
     directories; whether ``d`` is empty now. ``foreign`` collects the entries kept that name
-    no owner (relative to the directory first called)."""
+    no owner (relative to the directory first called). A directory deeper than a walk goes
+    (:data:`loader.fs.MAX_TREE_DEPTH`) is kept as it is, never entered."""
     empty = True
     for name in d.names():
         tag = fs.owner_in(name)
-        if tag is None and d.is_dir(name):
+        if tag is None and d.is_dir(name) and depth >= fs.MAX_TREE_DEPTH:
+            if foreign is not None:
+                foreign.append(name)
+            empty = False
+        elif tag is None and d.is_dir(name):
             inner: list[str] | None = None if foreign is None else []
             with d.sub(name) as sub:
-                if _partials(sub, keep, inner):
+                if _partials(sub, keep, inner, depth + 1):
                     d.rmdir(name)
                     continue
             if foreign is not None and inner is not None:

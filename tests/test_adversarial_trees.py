@@ -1,0 +1,395 @@
+"""Someone else's entries planted in the loader's own directories under ROOT (``.locks/``, ...):
+each stays exactly as it was, and what the loader says about it is a typed error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loader.cli import main
+from loader.errors import NotOursError
+from loader.repository.key import key_filename
+from loader.repository.lock import LOCKS_DIR, PublishLock, lock_path
+from loader.repository.prune import lock_live, prune
+
+KEY = "m@r/tp1-pp1-i1-abcdef01"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _old(path: Path, age_s: float = 10_000) -> None:
+    then = time.time() - age_s
+    os.utime(path, (then, then), follow_symlinks=False)
+
+
+# --- .locks/ ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "notes.lock.stale-1",
+        f"{key_filename(KEY)}.lock.stale-0123456789abcdef",
+        ".lock.stale-",
+    ],
+)
+@pytest.mark.parametrize("content", [b"a user's notes\n", b"{" + b" " * 2**17])
+def test_prune_keeps_a_users_file_named_like_a_moved_away_lock(tmp_path, name, content):
+    """Only a lock file a take-over moved aside (a lock record, at the name a take-over gives
+    it) is the loader's; a user's file of a similar name, with other content (or larger than
+    any lock record), stays, and prune goes on."""
+    (tmp_path / LOCKS_DIR).mkdir()
+    planted = tmp_path / LOCKS_DIR / name
+    planted.write_bytes(content)
+    report = prune(tmp_path, keep=1)
+    assert planted.read_bytes() == content
+    assert planted not in [r.path for r in report.removed]
+
+
+def test_prune_still_removes_a_lock_a_take_over_moved_away(tmp_path):
+    (tmp_path / LOCKS_DIR).mkdir()
+    moved = tmp_path / LOCKS_DIR / f"{key_filename(KEY)}.lock.stale-0123456789abcdef"
+    moved.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"}))
+    report = prune(tmp_path, keep=1)
+    assert not moved.exists()
+    assert [r.path for r in report.removed] == [moved]
+
+
+@pytest.mark.parametrize(
+    "content", [b"a user's notes at the lock's name\n", b"#!/bin/sh\n", b"{" + b" " * 2**17]
+)
+def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
+    """A file at the lock's path that holds no lock record is no lock of a loader (however
+    long it has not changed): the run is refused naming it, and the file stays."""
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    _old(path)
+    lock = PublishLock(tmp_path, KEY, expiry_s=0.2, timeout_s=2, poll_s=0.05)
+    with pytest.raises(NotOursError) as info:
+        lock.acquire()
+    assert str(path) in info.value.message
+    assert path.read_bytes() == content
+    assert sorted(os.listdir(path.parent)) == [path.name]
+    # prune leaves the key alone: what holds its lock's name is not a lock it may judge
+    assert lock_live(tmp_path, key_filename(KEY), expiry_s=0.2)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x00" * 64, b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}', b'{"ke'],
+)
+def test_what_a_stopped_loader_may_leave_at_its_locks_name_is_still_taken_over(tmp_path, content):
+    """Nothing written yet, zeros (a crash before the write reached the disk), a record cut
+    short: a lock a loader left, taken over once it has not changed for the expiry."""
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with PublishLock(tmp_path, KEY, expiry_s=0.2, timeout_s=5, poll_s=0.05) as lock:
+        assert lock.held()
+    assert sorted(os.listdir(path.parent)) == []
+
+
+def test_a_run_refuses_a_users_file_at_its_locks_name(tiny_checkpoint_with_tokenizer, tmp_path):
+    root = tmp_path / "root"
+    argv = ["run", "--source", str(tiny_checkpoint_with_tokenizer), "--repository", str(root),
+            "--model-name", "tiny", "--tp-size", "1", "--pp-size", "1", "--instance-count", "1",
+            "--backend", "python", "--lock-expiry-s", "1"]  # fmt: skip
+    assert main(argv) == 0
+    assert not list((root / LOCKS_DIR).iterdir())  # released
+    (published,) = root.glob("tiny@*/*")
+    path = lock_path(root, f"{published.parent.name}/{published.name}")
+    path.write_text("a user's notes\n")
+    _old(path)
+    assert main([*argv, "--force"]) == 2
+    assert path.read_text() == "a user's notes\n"
+    assert main(["prune", "--repository", str(root), "--keep", "1"]) == 0
+    assert path.read_text() == "a user's notes\n"
+
+
+# --- directories nested deeper than any the loader makes ---------------------------------------
+
+#: Far deeper than Python's recursion limit allows a recursive walk to go.
+DEEP = 1500
+
+
+@pytest.fixture(autouse=True)
+def _chains_removed(tmp_path):
+    """Each test's directory goes with it: the chains below are too deep for the recursive
+    removal pytest does of earlier runs' directories (``rm`` walks any depth)."""
+    yield
+    subprocess.run(["rm", "-rf", "--", str(tmp_path)], check=False)
+
+
+def _nest(top: Path, depth: int = DEEP) -> Path:
+    """A chain of ``depth`` directories below ``top`` (made relative to each, as any user can)
+    with a file at its end; the file's path, for a check from outside (too long for a path)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        leaf = os.open("leaf", os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=fd)
+        os.write(leaf, b"a user's\n")
+        os.close(leaf)
+    finally:
+        os.close(fd)
+    return top
+
+
+def _leaf_left(top: Path, depth: int = DEEP) -> bool:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        leaf = os.open("leaf", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+        try:
+            return os.read(leaf, 100) == b"a user's\n"
+        finally:
+            os.close(leaf)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _run_argv(source: Path, root: Path, *extra: str) -> list[str]:
+    return ["run", "--source", str(source), "--repository", str(root), "--model-name", "tiny",
+            "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
+            "--lock-expiry-s", "1", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["", "llm/1"])
+def test_a_directory_nested_deeper_than_any_the_loader_makes_is_kept_never_a_crash(
+    tiny_checkpoint_with_tokenizer, tmp_path, where, capsys
+):
+    """A published key holding a chain of directories deeper than a recursive walk can go:
+    checked (not complete: published again), replaced, pruned, each a typed exit; the chain
+    stays, with the user's file at its end."""
+    root = tmp_path / "root"
+    argv = _run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert main(argv) == 0
+    (published,) = root.glob("tiny@*/*")
+    planted = _nest(published / where if where else published)
+    trees = [planted]
+    for step in ([*argv], [*argv, "--force"], ["prune", "--repository", str(root), "--keep", "1"]):
+        code = main(step)
+        err = capsys.readouterr().err
+        assert code in (0, 2), err[-2000:]
+        assert "Traceback" not in err and "this is a bug" not in err
+        assert any(_leaf_left(t) for t in _trees_holding_leaf(root, trees)), step
+    assert main(_run_argv(tiny_checkpoint_with_tokenizer, root)) in (0, 2)
+
+
+def _trees_holding_leaf(root: Path, known: list[Path]) -> list[Path]:
+    """Where the chain may be now: where it was planted, or in a copy of the key the loader
+    moved aside (``.trash/...``) or replaced, at the same place below it."""
+    out = list(known)
+    for base in [root / ".trash", root / ".staging", *root.glob("tiny@*")]:
+        if base.is_dir():
+            for top in base.iterdir():
+                for rel in ("", "llm/1"):
+                    if (top / rel / "d").is_dir():
+                        out.append(top / rel)
+    return out
+
+
+def test_prune_keeps_a_deep_chain_planted_in_a_dead_loaders_staging_directory(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    from loader.repository import publish
+
+    root = tmp_path / "root"
+    assert main(_run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    (published,) = root.glob("tiny@*/*")
+    key = "/".join(published.parts[-2:])
+    staging = publish.new_staging_dir(root, key)
+    dead = staging.with_name(staging.name.replace(f".{os.getpid()}-", ".999999999-"))
+    staging.rename(dead)
+    _nest(dead)
+    code = main(["prune", "--repository", str(root), "--keep", "1", "--lock-expiry-s", "1"])
+    err = capsys.readouterr().err
+    assert code in (0, 2), err[-2000:]
+    assert _leaf_left(dead)
+
+
+@pytest.mark.parametrize("command", ["run", "fetch"])
+def test_a_local_source_nested_deeper_than_a_walk_goes_is_refused_typed(
+    tiny_checkpoint_with_tokenizer, tmp_path, command, capsys
+):
+    """A local source holding a chain of directories deeper than a recursive walk can go:
+    refused naming it (exit 2), never a crash; a chain under a hidden directory is skipped
+    like everything hidden."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source)
+    (source / ".cache").mkdir()
+    _nest(source / ".cache")
+    argv = (
+        _run_argv(source, tmp_path / "root")
+        if command == "run"
+        else ["fetch", "--copy", str(source), str(tmp_path / "copy")]
+    )
+    assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    _nest(source)
+    code = main([*argv, "--force"] if command == "run" else argv)
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "nested" in err and "hint:" in err
+    assert _leaf_left(source)
+
+
+# --- names read from a remote listing: no deeper than the loader's walks go ---------------------
+
+
+def test_a_listed_name_nested_deeper_than_the_loader_removes_is_refused():
+    """An object or Hub file nested more levels than the loader's own walks go would be
+    downloaded into a directory its next run could not remove (kept as if someone else's):
+    refused before anything is written, naming it."""
+    from loader import fs
+    from loader.errors import SourceError
+    from loader.sources import parse_uri
+    from loader.sources.gcs import _relpath
+    from loader.sources.hf import _names
+
+    deep = "/".join(["d"] * fs.MAX_NAME_LEVELS) + "/model.safetensors"
+    fine = "/".join(["d"] * (fs.MAX_NAME_LEVELS - 1)) + "/model.safetensors"
+    with pytest.raises(SourceError, match="levels"):
+        _relpath(parse_uri("gs://bucket/p"), f"p/{deep}")
+    with pytest.raises(SourceError, match="levels"):
+        _names(parse_uri("hf://org/name"), deep)
+    assert _relpath(parse_uri("gs://bucket/p"), f"p/{fine}") == fine
+    assert _names(parse_uri("hf://org/name"), fine) == fine.split("/")
+    assert fs.MAX_NAME_LEVELS + 8 <= fs.MAX_TREE_DEPTH  # a download's tree holds it, and more
+
+
+def test_a_published_keys_record_grown_huge_never_stops_its_key_or_prune(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Someone grows a published key's record past what the loader reads: replacing the key,
+    clearing the replaced copy and pruning go on (exit 0), and the copy, whose record tells
+    nothing, is kept whole."""
+    from loader import fs
+
+    root = tmp_path / "root"
+    argv = _run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert main(argv) == 0
+    (published,) = root.glob("tiny@*/*")
+    with open(published / fs.MADE, "r+b") as made:
+        made.truncate(fs.SMALL_FILE_BYTES + 2**20)
+    weights = sorted(p.name for p in (published / "fastertransformer" / "1" / "1-gpu").iterdir())
+    # each in a process of its own, gone before the next (whose leftovers it may clear)
+    for step in ([*argv, "--force"], ["prune", "--repository", str(root), "--keep", "1"],
+                 [*argv, "--force"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "loader", *step], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    kept = [p for p in root.rglob(fs.MADE) if p.stat().st_size > fs.SMALL_FILE_BYTES]
+    assert len(kept) == 1
+    assert (
+        sorted(p.name for p in (kept[0].parent / "fastertransformer" / "1" / "1-gpu").iterdir())
+        == weights
+    )
+
+
+@pytest.mark.parametrize("name", [".ready", ".model-loader-staging"])
+def test_a_published_keys_small_file_grown_huge_never_stops_its_key(
+    tiny_checkpoint_with_tokenizer, tmp_path, name, capsys
+):
+    """Someone grows a published key's ``.ready`` or marker past what the loader reads of
+    them: the key is checked (not complete: published again), replaced and pruned, each
+    exit 0, never a refusal that no later run gets past."""
+    root = tmp_path / "root"
+    argv = _run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert main(argv) == 0
+    (published,) = root.glob("tiny@*/*")
+    with open(published / name, "r+b") as grown:
+        grown.truncate(2**20)
+    for step in (argv, [*argv, "--force"], ["prune", "--repository", str(root), "--keep", "1"]):
+        code = main(step)
+        assert code == 0, capsys.readouterr().err[-2000:]
+    (published,) = root.glob("tiny@*/*")
+    assert (published / name).stat().st_size < 4096
+
+
+# --- a conversion's journal grown past what the loader reads -------------------------------------
+
+
+def test_a_journal_grown_past_what_the_loader_reads_resumes_nothing_never_fails(tmp_path):
+    """A journal someone grew past any the loader writes tells nothing: a resume keeps no
+    output and goes on (a failure would stop every later run of the key at its resume)."""
+    from loader import fs
+    from loader.convert.overlapped import Journal
+
+    (tmp_path / "work" / "out").mkdir(parents=True)
+    with fs.confined(tmp_path / "work"):
+        journal = Journal(tmp_path / "work" / "out", "h")
+        with open(journal.path, "wb") as grown:
+            grown.write(b"h b3\nmoved-into x\n")
+            grown.truncate(fs.SMALL_FILE_BYTES + 2**20)
+        try:
+            assert journal.moved_to() is None
+            assert journal.resume() == {}
+        finally:
+            journal.close()
+
+
+def test_a_slice_journal_grown_past_what_the_loader_reads_resumes_no_slice(tmp_path):
+    """A gs:// download's slice journal someone grew past any the loader writes tells
+    nothing: the partial file's slices are all fetched again, never a stop."""
+    from types import SimpleNamespace
+
+    from loader import fs
+    from loader.sources.gcs import _load_journal, _Object
+
+    partial = tmp_path / "x.safetensors.partial"
+    partial.write_bytes(b"\0" * 100)
+    with open(str(partial) + ".slices", "wb") as grown:
+        grown.write(b"0 99\n")
+        grown.truncate(fs.SMALL_FILE_BYTES + 2**20)
+    blob = SimpleNamespace(size=100)
+    obj = _Object(blob, "x.safetensors", tmp_path / "x.safetensors", partial, [(0, 99)])
+    with fs.confined(tmp_path), fs.Dir.open(tmp_path) as d:
+        obj.where = d
+        _load_journal(obj)
+    assert obj.done == set()
+    assert partial.read_bytes() == b"\0" * 100
+
+
+# --- prune: one key holding someone else's entry at its manifest's name --------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "dir"])
+def test_prune_skips_a_key_whose_manifest_was_replaced_and_prunes_the_others(
+    tiny_checkpoint_with_tokenizer, tmp_path, kind, capsys
+):
+    """A FIFO, link or directory put at one key's ``manifest.json`` makes that directory no
+    key prune recognises (kept, never read through): prune goes on with the others."""
+    root = tmp_path / "root"
+    for revision in ("r1", "r2", "r3"):
+        assert main(_run_argv(tiny_checkpoint_with_tokenizer, root, "--revision", revision)) == 0
+    (odd,) = root.glob("tiny@r2/*")
+    (outside := tmp_path / "outside").write_text("a user's\n")
+    (odd / "manifest.json").unlink()
+    if kind == "fifo":
+        os.mkfifo(odd / "manifest.json")
+    elif kind == "link":
+        (odd / "manifest.json").symlink_to(outside)
+    else:
+        (odd / "manifest.json").mkdir()
+    code = main(["prune", "--repository", str(root), "--keep", "1"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert not list(root.glob("tiny@r1/*"))  # the oldest recognised key went
+    assert list(root.glob("tiny@r3/*"))
+    assert os.path.lexists(odd / "manifest.json")
+    assert outside.read_text() == "a user's\n"
