@@ -131,12 +131,10 @@ def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is missing: not a Hugging Face checkpoint directory."
         ) from exc
-    except OSError as exc:
-        if exc.errno == errno.EFBIG:
-            raise CheckpointError(
-                f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json."
-            ) from exc
-        raise
+    except fs.TooLargeError as exc:
+        raise CheckpointError(
+            f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json."
+        ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{path} cannot be read as JSON: {exc}.") from exc
     if not isinstance(config, dict):
@@ -501,9 +499,7 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
     try:
         document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
         weight_map = dict(jsondoc.loads(document)["weight_map"])
-    except OSError as exc:
-        if exc.errno != errno.EFBIG:
-            raise
+    except fs.TooLargeError as exc:
         raise CheckpointError(
             f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not an index."
         ) from exc

@@ -287,6 +287,17 @@ SMALL_FILE_BYTES = 16 * 2**20
 _COPY_CHUNK = 8 * 2**20
 
 
+class TooLargeError(OSError):
+    """A file read whole is larger than the ``limit`` its reader gives (``errno`` is
+    ``EFBIG``): what the loader writes of its own (a marker, lock, journal, manifest) is never
+    that large, so one that is was put there by someone else, or has grown past what tells
+    anything. Callers catch this type, never the errno."""
+
+    def __init__(self, path: object, limit: int) -> None:
+        super().__init__(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        self.limit = limit
+
+
 def is_name(name: str) -> bool:
     """Whether ``name`` is one name, safe to take relative to a directory: not empty, no ``/``,
     no NUL, not ``.`` or ``..`` (what a journal or manifest records is checked with this on
@@ -565,9 +576,7 @@ class _Made:
                 try:
                     os.set_blocking(fd, True)
                     data = read_fd(fd, self.path / MADE, limit=SMALL_FILE_BYTES)
-                except OSError as exc:
-                    if exc.errno != errno.EFBIG:
-                        raise
+                except TooLargeError:
                     self._records, self._size = {}, -1  # grown since the look: as above
                     return {}
                 finally:
@@ -1292,9 +1301,7 @@ class Dir:
                 content = d.read(marker, limit=4096)
         except (NotOursError, FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return False
-        except OSError as exc:
-            if exc.errno != errno.EFBIG:
-                raise
+        except TooLargeError:
             return False  # larger than any marker the loader writes: not its mark
         return content is not None and content.decode("utf-8", "replace").split("\n")[0] == owner
 
@@ -1672,7 +1679,7 @@ def _named(exc: OSError, path: object, path2: object | None = None) -> OSError:
 
 
 def read_fd(fd: int, path: object, *, limit: int) -> bytes:
-    """Read a whole file from ``fd``; more than ``limit`` bytes is an ``EFBIG`` OSError."""
+    """Read a whole file from ``fd``; more than ``limit`` bytes is a :class:`TooLargeError`."""
     _seam("read", path)
     chunks, size = [], 0
     with _naming(path):
@@ -1680,7 +1687,7 @@ def read_fd(fd: int, path: object, *, limit: int) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+                raise TooLargeError(path, limit)
     return b"".join(chunks)
 
 
@@ -1795,7 +1802,8 @@ def not_a_directory(path: Path) -> str:
 
 def read_file(path: Path, *, limit: int) -> bytes:
     """The content of the regular file at ``path`` (links followed: sources may use them;
-    below a :func:`confined` tree never), at most ``limit`` bytes (``EFBIG`` beyond)."""
+    below a :func:`confined` tree never), at most ``limit`` bytes (:class:`TooLargeError`
+    beyond)."""
     fd = _open_regular(path)
     try:
         return read_fd(fd, path, limit=limit)

@@ -147,9 +147,7 @@ class Journal:
             data = self.parent().read(self.path.name)
         except FileNotFoundError:
             return []
-        except OSError as exc:
-            if exc.errno != errno.EFBIG:
-                raise
+        except fs.TooLargeError:
             return []  # grown past any journal the loader writes: it tells nothing
         return [] if data is None else data.decode("utf-8", "replace").splitlines()
 

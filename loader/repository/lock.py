@@ -29,7 +29,6 @@ removed before the error goes up, so no empty lock is left for the next loader t
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from pathlib import Path
 from loader import ledger
 from loader.errors import LockLostError, LockTimeoutError, NotOursError, PublishError
 from loader.formats import jsondoc
-from loader.fs import Dir, fsync_fd, pid_alive, pid_space, rewrite_fd
+from loader.fs import Dir, TooLargeError, fsync_fd, pid_alive, pid_space, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
 from loader.repository.key import key_filename
 
@@ -189,9 +188,7 @@ class PublishLock:
         assert self._dir is not None
         try:
             return self._dir.read(self.path.name, limit=64 * 1024)
-        except OSError as exc:
-            if exc.errno != errno.EFBIG:
-                raise
+        except TooLargeError:
             raise NotOursError(
                 self.path, "a file larger than any lock record", "a publish lock file"
             ) from None

@@ -226,10 +226,8 @@ def read_manifest_in(d: Dir) -> dict | None:
     with a file list."""
     try:
         return _parse(d.read(MANIFEST, limit=MAX_MANIFEST_BYTES))
-    except OSError as exc:
-        if exc.errno in (errno.EFBIG, errno.EISDIR):
-            return None
-        raise
+    except (fs.TooLargeError, IsADirectoryError):
+        return None
 
 
 def read_manifest(root: Path) -> dict | None:
@@ -283,9 +281,7 @@ def verify_in(
     problems = []
     try:
         ready = d.read(READY, limit=4096) if d.kind(READY) == "a file" else None
-    except OSError as exc:
-        if exc.errno != errno.EFBIG:
-            raise
+    except fs.TooLargeError:
         ready = b""
         problems.append(f"{READY} is larger than any the loader writes")
     if ready is None:

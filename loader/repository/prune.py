@@ -36,7 +36,6 @@ What it never removes, and how it knows:
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
@@ -121,9 +120,7 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
                 content = locks.read(f"{keyfile}.lock", limit=64 * 1024) or b""
             except NotOursError:
                 return True  # a link there: leave the key alone
-            except OSError as exc:
-                if exc.errno != errno.EFBIG:
-                    raise
+            except fs.TooLargeError:
                 return True  # larger than any lock record: someone else's, left alone
     if not lock_like(content):
         return True  # someone else's file at the lock's name: leave the key alone
@@ -522,9 +519,7 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
                     content = locks.read(name, limit=64 * 1024)
                 except NotOursError:  # swapped for something else since: not ours
                     continue
-                except OSError as exc:
-                    if exc.errno != errno.EFBIG:
-                        raise
+                except fs.TooLargeError:
                     continue  # larger than any lock record: someone else's
                 if content is None or not lock_like(content):
                     continue  # someone else's file of a similar name
