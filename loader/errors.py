@@ -9,11 +9,12 @@ the retry deadline), worth retrying as it is. Anything else is a bug and exits w
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import resource
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -349,6 +350,30 @@ class LockTimeoutError(PublishError):
     )
 
 
+#: How the running command's user names the directories it writes below (``--repository or
+#: --work-dir`` for ``run``, ``DEST`` for ``fetch``): hints that say where to point the
+#: loader instead name them (:func:`naming_write_targets`, around :func:`loader.cli.main`'s command).
+_WRITE_TARGETS_DEFAULT = "the loader's output directory"
+_write_targets = _WRITE_TARGETS_DEFAULT
+
+
+@contextlib.contextmanager
+def naming_write_targets(text: str | None) -> Iterator[None]:
+    """While the block runs, hints name ``text`` as where the command writes (None: a command
+    that writes nowhere, or a library caller: a name that needs no command line)."""
+    global _write_targets
+    before, _write_targets = _write_targets, text or _WRITE_TARGETS_DEFAULT
+    try:
+        yield
+    finally:
+        _write_targets = before
+
+
+def write_targets() -> str:
+    """What :func:`naming_write_targets` set: ``--repository (and --work-dir)``."""
+    return _write_targets
+
+
 class NotOursError(RepositoryError):
     """A path under the repository root holds something the loader did not create (a symbolic
     link, a file where its directory belongs): it is left alone, never followed or removed."""
@@ -360,8 +385,7 @@ class NotOursError(RepositoryError):
             f"{path} is {found}, where the loader expected {expected}; the loader did not "
             "create it and leaves it alone (it never follows, writes through or removes what "
             "it did not make).",
-            f"Move {path} out of the repository root (or point --repository elsewhere), then "
-            "run again.",
+            f"Move {path} away (or point {write_targets()} at another directory), then run again.",
         )
 
 
@@ -427,13 +451,12 @@ _ENVIRONMENT: dict[int, tuple[str, str]] = {
     ),
     errno.ENAMETOOLONG: (
         "is too long a name for the file system",
-        "Use a shorter --repository or --work-dir path, or a shorter model name or revision, "
-        "so that {path} fits.",
+        "Use a shorter {targets} path (or shorter names: a model name, a revision, a file in "
+        "the source) so that {path} fits.",
     ),
     errno.EXDEV: (
         "is on another file system than where it must move",
-        "Keep the repository root, its .staging directory and --work-dir on one file system "
-        "({path} is not).",
+        "Keep everything below {targets} on one file system ({path} is not), then run again.",
     ),
     errno.ELOOP: (
         "is a symbolic link (or a loop of them) where the loader follows none",
@@ -458,8 +481,7 @@ _ENVIRONMENT: dict[int, tuple[str, str]] = {
     ),
     errno.EOPNOTSUPP: (
         "is on a file system that does not support an operation the loader needs",
-        "Keep the repository root and --work-dir on a POSIX file system (ext4, xfs, NFS); the "
-        "one holding {path} is not.",
+        "Keep {targets} on a POSIX file system (ext4, xfs, NFS); the one holding {path} is not.",
     ),
     errno.EUCLEAN: (
         "is on a file system whose structure is damaged",
@@ -567,7 +589,8 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
     if code in _ENVIRONMENT:
         what, hint = _ENVIRONMENT[code]
         return FileSystemError(
-            f"{where} {what} ({reason}); nothing was published.", hint.format(path=path)
+            f"{where} {what} ({reason}); nothing was published.",
+            hint.format(path=path, targets=write_targets()),
         )
     if code in _TRANSIENT:
         return TransientFileSystemError(

@@ -210,3 +210,37 @@ def test_make_help_lists_every_documented_target():
     ).stdout  # fmt: skip
     assert "test-e2e" in documented
     assert [line.split()[0] for line in shown.splitlines()] == documented
+
+
+def _plant(where: Path, target: Path) -> None:
+    where.parent.mkdir(parents=True, exist_ok=True)
+    target.mkdir(exist_ok=True)
+    where.symlink_to(target)
+
+
+@pytest.mark.parametrize("command", ["run", "fetch", "convert"])
+def test_a_hint_names_where_this_command_writes_never_another_commands_option(
+    capsys, source, tmp_path, command
+):
+    """A link planted where the command writes is refused, and the hint says to point the
+    command's own argument elsewhere: ``fetch`` and ``convert`` have no --repository."""
+    elsewhere = tmp_path / "elsewhere"
+    if command == "run":
+        _plant(tmp_path / "root" / ".staging", elsewhere)
+        argv, own, foreign = _run_args(source, tmp_path / "root"), "--repository", "DEST"
+    elif command == "fetch":
+        elsewhere.mkdir()
+        (tmp_path / "dest").mkdir()
+        (tmp_path / "dest" / "config.json").symlink_to(elsewhere / "config.json")
+        argv = ["fetch", "--copy", str(source), str(tmp_path / "dest")]
+        own, foreign = "DEST", "--repository"
+    else:
+        _plant(tmp_path / "out" / "1-gpu", elsewhere)
+        argv = ["convert", str(source), str(tmp_path / "out"), "--tp-size", "1", "--force"]
+        own, foreign = "OUTPUT_DIR", "--repository"
+    code, err = _exit(capsys, *argv)
+    assert code == 2, err
+    hint = [line for line in err.splitlines() if line.startswith("hint:")]
+    assert hint and own in hint[-1] and foreign not in hint[-1], err
+    assert list(elsewhere.iterdir()) == []  # nothing written through the link
+    assert "Traceback" not in err

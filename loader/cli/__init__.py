@@ -41,7 +41,13 @@ from typing import NoReturn
 
 from loader import __version__, stages
 from loader.cli import supervise
-from loader.errors import LoaderError, redacted, resource_exhaustion, typed_os_error
+from loader.errors import (
+    LoaderError,
+    naming_write_targets,
+    redacted,
+    resource_exhaustion,
+    typed_os_error,
+)
 from loader.limits import Limit, SettingError
 
 log = logging.getLogger("loader")
@@ -451,4 +457,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             stages.enable(profile)
         except LoaderError as exc:
             return report(exc)
-    return run_command(args.func, args)
+    with naming_write_targets(getattr(args, "writes_below", None)):  # what its hints name
+        return run_command(args.func, args)

@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replace OUTPUT_DIR/<T>-gpu if it exists and holds only a conversion's files "
         "(config.ini, *.bin), atomically",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, writes_below="OUTPUT_DIR")
 
 
 def run(args: argparse.Namespace) -> int:

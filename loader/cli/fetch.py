@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="byte-range slice size for large gs:// objects, in MiB (each of the --workers "
         "downloads holds one slice in memory)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, writes_below="DEST")
 
 
 def token_file(value: str) -> str:

@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a publish lock rewritten within this many seconds is live",
     )
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, writes_below="--repository")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -177,7 +177,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         LOCK_TIMEOUT_S,
         help="give up waiting for another loader after this long",
     )
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, writes_below="--repository (and --work-dir)")
 
 
 def main(args: argparse.Namespace) -> int:
