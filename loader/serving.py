@@ -149,17 +149,28 @@ def link_tree(source: Path, dest: Path) -> Path:
     publishes it again. Links are made to the path as found (not resolved), so a model that
     finds its files beside its ``__file__`` finds the view's."""
     dest.mkdir()
-    for top, dirs, files in os.walk(source):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        here = dest / Path(top).relative_to(source)
-        for name in dirs:
-            link_or_dir = Path(top) / name
-            if link_or_dir.is_symlink():  # os.walk does not descend into it: link it whole
-                (here / name).symlink_to(link_or_dir)
-            else:
-                (here / name).mkdir()
-        for name in files:
-            (here / name).symlink_to(Path(top) / name)
+    todo = [(Path(source), dest, 0)]  # one directory at a time: no recursion however deep
+    while todo:
+        top, here, depth = todo.pop()
+        with os.scandir(top) as scan:
+            entries = sorted(scan, key=lambda e: e.name)
+        for entry in entries:
+            found = Path(top) / entry.name
+            if not entry.is_dir(follow_symlinks=False):  # a file, or a link: linked whole
+                (here / entry.name).symlink_to(found)
+                continue
+            if entry.name == "__pycache__":
+                continue
+            if depth + 1 >= fs.MAX_TREE_DEPTH:
+                raise RepositoryError(
+                    f"{found} is a directory nested {depth + 1} levels deep in the model "
+                    f"repository; no model repository nests directories over "
+                    f"{fs.MAX_TREE_DEPTH} levels deep.",
+                    "Serve the repository the loader published (the path its last line "
+                    "printed), or remove the deeply nested directories from it.",
+                )
+            (here / entry.name).mkdir()
+            todo.append((found, here / entry.name, depth + 1))
     return dest
 
 
