@@ -1006,6 +1006,40 @@ class Dir:
         self.fsync()
         return True
 
+    def mark_in_place(self, marker: str, owner_line: str) -> None:
+        """Make this directory (one the user named, such as ``fetch``'s DEST) the top of a
+        marked tree where it stands: its record (:data:`MADE`, naming ``marker``) and
+        ``marker`` (first line ``owner_line``) written into it. What is in it already stays
+        unrecorded: someone else's, never replaced or removed; what the loader creates here
+        from now on is recorded, and only that is ever replaced or removed. Nothing to do in
+        a marked tree already (a run's download directory). A record a stop left before its
+        marker is taken up; anything else at either name is a :class:`NotOursError`."""
+        if self.made is not None:
+            return
+        found = self.lstat(MADE)
+        if found is None:
+            fd = self.open_file(MADE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                head = made_header(marker) + made_line((MADE,), os.fstat(fd))
+                write_fd(fd, head, self.path / MADE)
+                fsync_fd(fd, self.path / MADE)
+            finally:
+                os.close(fd)
+            self.fsync()
+        else:
+            try:
+                head = self.read(MADE, limit=SMALL_FILE_BYTES) or b""
+            except (TooLargeError, IsADirectoryError):
+                head = b""
+            if parse_made(head.split(b"\n", 1)[0])[0] != marker:
+                raise self.not_ours(MADE, f"the loader's record of what it made here ({MADE})")
+        self.made = (_register_made(self.fd, self.path), ())
+        there = self.lstat(marker)
+        if there is None:
+            self.write(marker, f"{owner_line}\n".encode())
+        elif not stat.S_ISREG(there.st_mode):
+            raise self.not_ours(marker, "the loader's marker file")
+
     def unfinished_marked(
         self, prefix: str, marker: str, owner_line: str, *, idle_s: float
     ) -> list[str]:

@@ -393,3 +393,93 @@ def test_prune_skips_a_key_whose_manifest_was_replaced_and_prunes_the_others(
     assert list(root.glob("tiny@r3/*"))
     assert os.path.lexists(odd / "manifest.json")
     assert outside.read_text() == "a user's\n"
+
+
+# --- the server's view of a repository: no recursion however deep ------------------------------
+
+
+def test_the_servers_view_mirrors_a_repository_and_refuses_one_nested_too_deep(tmp_path):
+    """``link_tree`` (what ``serve`` hands tritonserver) links every file, links a linked
+    directory whole, leaves ``__pycache__`` out; a repository nested deeper than any model is a
+    typed error, never a ``RecursionError`` (a walk that recursed broke near 1,000 levels)."""
+    from loader import fs
+    from loader.errors import RepositoryError
+    from loader.serving import link_tree
+
+    repo = tmp_path / "repo"
+    (repo / "m" / "1" / "__pycache__").mkdir(parents=True)
+    (repo / "m" / "1" / "model.py").write_text("x = 1\n")
+    (repo / "m" / "config.pbtxt").write_text('name: "m"\n')
+    (tmp_path / "shared").mkdir()
+    (repo / "m" / "shared").symlink_to(tmp_path / "shared")
+    view = link_tree(repo, tmp_path / "view")
+    assert os.readlink(view / "m" / "1" / "model.py") == str(repo / "m" / "1" / "model.py")
+    assert os.readlink(view / "m" / "shared") == str(repo / "m" / "shared")
+    assert not (view / "m" / "1" / "__pycache__").exists()
+    assert (view / "m" / "1").is_dir() and not (view / "m" / "1").is_symlink()
+
+    deep = tmp_path / "deep"
+    level = deep
+    for _ in range(fs.MAX_TREE_DEPTH + 1):
+        level = level / "d"
+    os.makedirs(level)
+    with pytest.raises(RepositoryError, match="nested"):
+        link_tree(deep, tmp_path / "deep-view")
+
+
+# --- fetch's DEST: only what a fetch wrote is ever replaced -------------------------------------
+
+
+def _fetch_copy(capsys, source: Path, dest: Path) -> tuple[int, str]:
+    code = main(["fetch", "--copy", str(source), str(dest)])
+    return code, capsys.readouterr().err
+
+
+def test_fetch_never_replaces_a_file_of_dests_that_no_fetch_wrote(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Before: ``fetch --copy SRC DEST`` replaced the user's own ``DEST/config.json`` with the
+    source's whenever the two differed. Now DEST carries the loader's record: a file no fetch
+    wrote is refused, named, and kept; what a fetch wrote is replaced when its source changes."""
+    import shutil
+
+    from loader import fs
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "config.json").write_text('{"mine": true}\n')
+    (dest / "notes.txt").write_text("mine\n")
+    code, err = _fetch_copy(capsys, source, dest)
+    assert code == 2 and "config.json" in err and "hint:" in err, err
+    assert (dest / "config.json").read_text() == '{"mine": true}\n'
+    assert (dest / "notes.txt").read_text() == "mine\n"
+
+    (dest / "config.json").unlink()  # the user moves theirs away: the fetch goes through
+    code, err = _fetch_copy(capsys, source, dest)
+    assert code == 0, err
+    assert (dest / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    assert (dest / fs.MADE).is_file() and (dest / "notes.txt").read_text() == "mine\n"
+
+    changed = json.loads((source / "config.json").read_text()) | {"comment": "changed"}
+    (source / "config.json").write_text(json.dumps(changed))
+    code, err = _fetch_copy(capsys, source, dest)  # the fetch's own file: replaced
+    assert code == 0, err
+    assert json.loads((dest / "config.json").read_text())["comment"] == "changed"
+
+
+def test_a_record_in_dest_naming_another_marker_is_someone_elses_and_refused(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A file at the record's name that is not a fetch's record (a user's, another tool's)
+    is neither read as one nor overwritten: the fetch stops, naming it."""
+    from loader import fs
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / fs.MADE).write_text("not a record\n")
+    code, err = _fetch_copy(capsys, tiny_checkpoint_with_tokenizer, dest)
+    assert code == 2 and fs.MADE in err, err
+    assert (dest / fs.MADE).read_text() == "not a record\n"
+    assert sorted(p.name for p in dest.iterdir()) == [fs.MADE]

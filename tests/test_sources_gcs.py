@@ -27,6 +27,7 @@ from loader.errors import (
     TransientSourceError,
 )
 from loader.sources import fetch, gcs, transfer
+from tests.leftovers import left_by_a_fetch
 from tests.servers import GcsServer, ThrottleProxy, free_port
 from tests.tinymodels import for_tiny_model
 
@@ -143,6 +144,20 @@ def test_a_damaged_local_file_is_downloaded_again(single, tmp_path):
     target.write_bytes(b"\0" * target.stat().st_size)
     result = fetch(f"gs://{BUCKET}/org/tiny", dest)
     assert result.downloaded_bytes == target.stat().st_size
+    same_tree(single, dest)
+
+
+def test_a_file_of_dests_that_no_fetch_wrote_is_never_replaced(single, tmp_path):
+    """DEST already holds the user's own file at an object's name: refused (it is not the
+    loader's to replace), kept byte for byte; once moved away, the fetch goes through."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "config.json").write_text("the user's\n")
+    with pytest.raises(NotOursError, match=r"config\.json"):
+        fetch(f"gs://{BUCKET}/org/tiny", dest)
+    assert (dest / "config.json").read_text() == "the user's\n"
+    (dest / "config.json").unlink()
+    fetch(f"gs://{BUCKET}/org/tiny", dest)
     same_tree(single, dest)
 
 
@@ -275,14 +290,12 @@ def test_slices_a_killed_run_wrote_are_read_back_never_trusted(
     comes from the disk, so a lost one fails the checksum and the next run starts over."""
     prefix = f"resume-{damaged}/ckpt"
     data, dest, partial = _left_by_a_gone_run(server, tmp_path, prefix, 4 * SLICE + 100)
-    partial.parent.mkdir(parents=True)
     kept = bytearray(data[: 2 * SLICE]) + bytes(len(data) - 2 * SLICE)
     if damaged:
         kept[SLICE + 7] ^= 0x01  # a slice the journal lists did not reach the disk intact
-    partial.write_bytes(bytes(kept))
-    partial.with_name(partial.name + ".slices").write_text(
-        f"0 {SLICE - 1}\n{SLICE} {2 * SLICE - 1}\n"
-    )
+    rel = partial.relative_to(dest).as_posix()
+    left_by_a_fetch(dest, rel, bytes(kept))
+    left_by_a_fetch(dest, f"{rel}.slices", f"0 {SLICE - 1}\n{SLICE} {2 * SLICE - 1}\n".encode())
     read_back: list[tuple[int, int]] = []
     real = gcs.crc32c_of
 
@@ -319,11 +332,11 @@ def test_what_a_stopped_run_left_is_never_followed_or_read_blocking(
     prefix = f"planted-{planted}/ckpt"
     data, dest, partial = _left_by_a_gone_run(server, tmp_path, prefix, 3 * SLICE + 10)
     journal = partial.with_name(partial.name + ".slices")
-    partial.parent.mkdir(parents=True)
     outside = tmp_path / "outside"
     outside.write_bytes(b"not the loader's\n" * 100)
-    partial.write_bytes(data[:SLICE] + bytes(len(data) - SLICE))
-    journal.write_text(f"0 {SLICE - 1}\n")
+    rel = partial.relative_to(dest).as_posix()
+    left_by_a_fetch(dest, rel, data[:SLICE] + bytes(len(data) - SLICE))
+    left_by_a_fetch(dest, f"{rel}.slices", f"0 {SLICE - 1}\n".encode())
     if planted == "partial-link":
         partial.unlink()
         partial.symlink_to(outside)
@@ -363,7 +376,8 @@ def test_not_enough_disk_space_fails_before_downloading(single, tmp_path, monkey
     dest = tmp_path / "dest"
     with pytest.raises(InsufficientDiskSpaceError, match="need"):
         fetch(f"gs://{BUCKET}/org/tiny", dest)
-    assert not [p for p in dest.rglob("*") if p.is_file() and p.stat().st_blocks > 0]
+    written = [p for p in dest.rglob("*") if p.is_file() and p.stat().st_blocks > 0]
+    assert {p.name for p in written} <= {fs.MADE, transfer.FETCH_MARKER}  # its record only
 
 
 def test_connection_refused_is_retried_then_a_transient_error(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from loader.errors import (
 )
 from loader.repository import manifest
 from loader.sources import fetch, transfer
+from tests.leftovers import left_by_a_fetch
 from tests.runs import use_hub
 from tests.servers import HeaderRelay, OlahServer, ThrottleProxy, git
 
@@ -329,10 +330,8 @@ def dead_owner() -> str:
 
 def _stopped_download(dest: Path, owner: str, name: str, data: bytes) -> Path:
     """What a stopped run left: ``data`` as the first bytes of ``name`` being downloaded."""
-    staging = dest / transfer.PARTIAL_DIR / f"hf.{owner}"
-    staging.mkdir(parents=True)
-    (staging / f"{name}.incomplete").write_bytes(data)
-    return staging
+    staging = f"{transfer.PARTIAL_DIR}/hf.{owner}"
+    return left_by_a_fetch(dest, f"{staging}/{name}.incomplete", data).parent
 
 
 @pytest.mark.parametrize("ignores_range", [False, True], ids=["range", "server-ignores-range"])
@@ -361,6 +360,20 @@ def test_a_stopped_runs_download_is_resumed_from_its_last_byte(
     assert request[2].get("range") == f"bytes={half}-"
     assert (dest / "model.safetensors").read_bytes() == weights
     assert not (dest / transfer.PARTIAL_DIR).exists()
+
+
+def test_a_file_of_dests_that_no_fetch_wrote_is_never_replaced_by_a_hub_file(hub, tmp_path):
+    """The user's own ``DEST/config.json`` differs from the Hub's: refused, kept byte for
+    byte; the fetch's own files are replaced when the Hub's change (a test of ``gs://`` and
+    ``--copy`` does that part)."""
+    from loader.errors import NotOursError
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "config.json").write_text("the user's\n")
+    with pytest.raises(NotOursError, match=r"config\.json"):
+        fetch("hf://org/tiny-gptj", dest)
+    assert (dest / "config.json").read_text() == "the user's\n"
 
 
 def test_a_stopped_runs_download_of_other_bytes_is_discarded(hub, dead_owner, tmp_path):

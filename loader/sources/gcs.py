@@ -45,7 +45,6 @@ anonymous credentials. Nothing secret is logged.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import re
@@ -71,6 +70,7 @@ from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel, sentence, status_of
 from loader.sources.fingerprint import Fingerprint
+from loader.sources.names import NAME_MAX, listed_parts
 from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
@@ -79,6 +79,7 @@ from loader.sources.transfer import (
     crc32c_of,
     crc32c_text,
     ensure_disk_space,
+    mark_dest,
     md5_of,
     own_partial,
     remove_own_partials,
@@ -141,41 +142,25 @@ def _slices(size: int, slice_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + slice_bytes, size) - 1) for start in range(0, size, slice_bytes)]
 
 
-#: Longest file name (one path component) local file systems take, in bytes.
-NAME_MAX = 255
+#: What an object's name grows by while it downloads: ``.<generation>`` (an int64, 19 digits),
+#: ``.<pid>-<host digest>`` (:func:`loader.fs.owner`: a pid of up to 7 digits) and, for its
+#: journal, ``.slices``.
+_PARTIAL_SUFFIX = len(".") + 19 + len(".") + 7 + len("-") + 8 + len(".slices")
 
 
 def _relpath(uri: SourceURI, name: str) -> str:
+    """The object ``name``'s path below DEST (:func:`loader.sources.names.listed_parts`)."""
     rest = name[len(uri.path) :]
     rel = PurePosixPath(name).name if name == uri.path else rest[1:] if uri.path else rest
-    parts = rel.split("/")
-    what = f"Object gs://{uri.location}/{name!r}"
-    if not rel or "\0" in rel or any(p in ("..", ".", "") for p in parts):
-        # ``p//x`` is refused, never read as ``p/x``: two objects would land in one file
-        raise SourceError(
-            f"{what} has an unsafe name for a local path (an empty, '.' or '..' segment, or "
-            "a NUL); such a name could alias another object's file.",
-            "Rename the object (no '.' or '..' path segments, no '//') and run again.",
-        )
-    if parts[0] == PARTIAL_DIR:
-        raise SourceError(
-            f"{what} lies under {PARTIAL_DIR}/, the name the loader keeps for downloads in "
-            "progress.",
-            f"Rename the object (or move it out of {PARTIAL_DIR}/) and run again.",
-        )
-    if len(parts) > fs.MAX_NAME_LEVELS:
-        raise SourceError(
-            f"{what} is nested {len(parts)} levels deep below the prefix; the loader downloads "
-            f"no checkpoint file nested more than {fs.MAX_NAME_LEVELS} levels deep.",
-            "Rename the object (or fetch the prefix of the checkpoint itself) and run again.",
-        )
-    long = [p for p in parts if len(p.encode("utf-8")) > NAME_MAX - 32]
-    if long:
-        raise SourceError(
-            f"{what} has a path component of {len(long[0].encode('utf-8'))} bytes; local file "
-            f"names hold at most {NAME_MAX} (the loader needs {NAME_MAX - 32} plus a suffix).",
-            "Rename the object with shorter path components and run again.",
-        )
+    listed_parts(
+        rel,
+        what=f"Object gs://{uri.location}/{name[:120]!r}",
+        remedy="Rename the object (plain names of at most "
+        f"{NAME_MAX - _PARTIAL_SUFFIX} bytes, no '.' or '..' level, no '//', nested at most "
+        f"{fs.MAX_NAME_LEVELS} levels, outside {PARTIAL_DIR}/), or fetch the prefix of the "
+        "checkpoint itself, and run again.",
+        suffix=_PARTIAL_SUFFIX,
+    )
     return rel
 
 
@@ -427,9 +412,7 @@ def _load_journal(obj: _Object) -> None:
     index = {s: i for i, s in enumerate(obj.slices)}
     try:
         journal = (d.read(obj.journal) or b"").decode("ascii", "replace")
-    except OSError as exc:
-        if exc.errno != errno.EFBIG:
-            raise
+    except fs.TooLargeError:
         journal = ""  # grown past any journal the loader writes: it tells nothing
     for line in journal.splitlines():
         match = _SLICE_LINE.fullmatch(line.strip())
@@ -703,6 +686,7 @@ def _fetch_into(
             log.debug("already present and verified: %s", final)
             present.append((rel, final))
             continue
+        mark_dest(dirs.top)  # before its first partial file (once): what it makes is recorded
         partial = own_partial(dest, f"{rel}.{blob.generation}")
         objects.append(
             _Object(

@@ -83,11 +83,13 @@ from loader.progress import Progress, byte_progress, human_bytes
 from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
+from loader.sources.names import listed_parts
 from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
     adopt_in,
     ensure_disk_space,
+    mark_dest,
     remove_own_partials_in,
 )
 
@@ -446,38 +448,16 @@ def fingerprint_source(
     return Fingerprint(uri=uri.canonical, commit=commit)
 
 
-#: The longest name a file system takes (bytes), ``NAME_MAX`` on Linux.
-NAME_MAX = 255
-
-
 def _names(uri: SourceURI, rel: str) -> list[str]:
-    """The names of ``rel``'s levels, each one name (no ``..``, no empty part, no NUL) that
-    prints (no line break or other control character: a name shows in the log as it is), and
-    short enough to be downloaded under its own name plus ``.incomplete``: what the Hub's
-    listing says reaches the file system only as names relative to a descriptor."""
-    parts = rel.split("/")
-    if not all(fs.is_name(part) for part in parts) or not rel.isprintable():
-        raise SourceError(
-            f"{uri.raw}: the Hub lists a file named {rel!r}, which is not a relative path of "
-            "plain names; nothing was written for it.",
-            "Check the repository's files (or the mirror HF_ENDPOINT names).",
-        )
-    if len(parts) > fs.MAX_NAME_LEVELS:
-        raise SourceError(
-            f"{uri.raw}: the Hub lists a file {rel[:60]!r}... nested {len(parts)} levels deep; "
-            f"the loader downloads no file nested more than {fs.MAX_NAME_LEVELS} levels deep; "
-            "nothing was written for it.",
-            "Move the file up in the repository (or use a copy of the checkpoint).",
-        )
-    if any(len(os.fsencode(part + INCOMPLETE)) > NAME_MAX for part in parts):
-        raise SourceError(
-            f"{uri.raw}: the Hub lists a file named {rel[:60]!r}... ({len(os.fsencode(rel))} "
-            f"bytes), longer than a file system takes (with {INCOMPLETE!r} while it downloads: "
-            f"at most {NAME_MAX - len(INCOMPLETE)} bytes); nothing was written for it.",
-            "Rename the file in the repository (or use a copy of the checkpoint with shorter "
-            "file names).",
-        )
-    return parts
+    """The levels of the Hub file ``rel`` (:func:`loader.sources.names.listed_parts`): what
+    the Hub's listing says reaches the file system only as names relative to a descriptor."""
+    return listed_parts(
+        rel,
+        what=f"{uri.raw}: the Hub lists a file that",
+        remedy="Rename or move the file in the repository (or use a copy of the checkpoint), "
+        "or check the mirror HF_ENDPOINT names.",
+        suffix=len(INCOMPLETE),
+    )
 
 
 def _distinct(uri: SourceURI, wanted: list[str]) -> None:
@@ -819,6 +799,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
             for rel in present:
                 hooks.arrived(rel, dest / rel)
         if missing:
+            mark_dest(target)  # before its first download: what it creates is recorded
             headers = build_hf_headers(token=token)
             headers["Accept-Encoding"] = "identity"  # the bytes as listed, resumable by range
             hub = _Hub(uri.location, commit, endpoint, headers, threading.Event())

@@ -37,6 +37,7 @@ from loader.sources.transfer import (
     clear_partials,
     ensure_disk_space,
     enter_parent,
+    mark_dest,
     place,
     remove_own_partials,
     temporary_download,
@@ -214,6 +215,9 @@ def _copy(
     needed = sum((root / f).stat().st_size for f in todo)
     if options.check_disk_space:
         ensure_disk_space(dest, needed, what=f"copying {root}")
+    if todo:
+        with Dir.open(dest) as d:
+            mark_dest(d)  # before its first copy: what it creates is recorded
     log.info("copying %s of %s files from %s to %s", len(todo), len(files), root, dest)
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:

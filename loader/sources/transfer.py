@@ -88,6 +88,20 @@ class Pace:
         self.since, self.got = time.monotonic(), 0
 
 
+#: The marker of a DEST the loader keeps a record in (:func:`mark_dest`).
+FETCH_MARKER = fs.MARKER_PREFIX + "fetch"
+
+
+def mark_dest(d: Dir) -> None:
+    """Make DEST (open as ``d``) the top of a tree where the loader records every file and
+    directory it creates (:meth:`loader.fs.Dir.mark_in_place`), before it writes anything
+    there: a file of DEST's that no fetch wrote (a user's own ``config.json``) is never
+    replaced, even when the source's file of that name differs. A run's download directory is
+    such a tree already. Called once the fetch knows it will write (after its checks: a fetch
+    refused before that leaves DEST as it was)."""
+    d.mark_in_place(FETCH_MARKER, "model-loader fetch")
+
+
 def safe_path(dest: Path, relpath: str) -> Path:
     """``dest / relpath`` with its directories created, each a real directory (no symbolic link,
     no file in the way): a :class:`SourceError` otherwise."""

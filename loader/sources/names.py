@@ -1,0 +1,59 @@
+"""What a remote listing names (a ``gs://`` object below its prefix, a file of a Hub
+repository), checked before it reaches the file system: one rule for every remote source.
+
+A listed name becomes a path below DEST one level at a time (:mod:`loader.sources.transfer`),
+so it must be a relative path of plain names (no empty, ``.`` or ``..`` level: ``p//x`` would
+land where ``p/x`` does), print as it is (a line break in a name would start a log line of its
+own), lie outside the loader's own ``.partial/``, go no deeper than the loader's own walks remove (:data:`loader.fs.MAX_NAME_LEVELS`) and
+fit the file system with the suffix its download carries while it is in progress.
+"""
+
+from __future__ import annotations
+
+import os
+
+from loader import fs
+from loader.errors import SourceError
+from loader.sources.transfer import PARTIAL_DIR
+
+#: The longest name (one path component) a local file system takes, in bytes: ``NAME_MAX``.
+NAME_MAX = 255
+
+
+def listed_parts(rel: str, *, what: str, remedy: str, suffix: int) -> list[str]:
+    """The levels of the listed name ``rel`` (``a/b/model.safetensors``), each a plain name;
+    a :class:`SourceError` naming it otherwise (``what``: ``Object gs://b/'p/x'``, ``remedy``:
+    what to change in the source). ``suffix``: the bytes a level's name grows by while its
+    download is in progress. Nothing is written for a refused name."""
+    parts = rel.split("/")
+    if not all(fs.is_name(part) for part in parts) or not rel.isprintable():
+        raise SourceError(
+            f"{what} is named {rel[:120]!r}, which is not a relative path of plain names (an "
+            "empty, '.' or '..' level, a '//', a NUL or a character that does not print); such "
+            "a name could land where another file does, or forge a log line; nothing was "
+            "written for it.",
+            remedy,
+        )
+    if parts[0] == PARTIAL_DIR:
+        raise SourceError(
+            f"{what} is named {rel[:120]!r}, under {PARTIAL_DIR}/, the name the loader keeps "
+            "for downloads in progress; nothing was written for it.",
+            remedy,
+        )
+    if len(parts) > fs.MAX_NAME_LEVELS:
+        raise SourceError(
+            f"{what} is named {rel[:60]!r}..., nested {len(parts)} levels deep; the loader "
+            f"downloads no file nested more than {fs.MAX_NAME_LEVELS} levels deep; nothing was "
+            "written for it.",
+            remedy,
+        )
+    long = [p for p in parts if len(os.fsencode(p)) + suffix > NAME_MAX]
+    if long:
+        raise SourceError(
+            f"{what} is named {rel[:60]!r}..., with a path component of "
+            f"{len(os.fsencode(long[0]))} bytes; a file system takes names of at most "
+            f"{NAME_MAX} bytes, and the loader adds {suffix} while the file downloads (at most "
+            f"{NAME_MAX - suffix} bytes); nothing was written for it.",
+            remedy,
+        )
+    return parts
