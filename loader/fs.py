@@ -1016,28 +1016,34 @@ class Dir:
         marker is taken up; anything else at either name is a :class:`NotOursError`."""
         if self.made is not None:
             return
-        found = self.lstat(MADE)
-        if found is None:
-            fd = self.open_file(MADE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        if self.lstat(MADE) is None:
+            # Written whole under a name of this process's, then linked into place: another
+            # loader marking the same directory at once finds a whole record or none.
+            tmp = f"{MADE}.{owner()}.{secrets.token_hex(4)}.tmp"
+            fd = self.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
-                head = made_header(marker) + made_line((MADE,), os.fstat(fd))
-                write_fd(fd, head, self.path / MADE)
-                fsync_fd(fd, self.path / MADE)
+                try:
+                    head = made_header(marker) + made_line((MADE,), os.fstat(fd))
+                    write_fd(fd, head, self.path / tmp)
+                    fsync_fd(fd, self.path / tmp)
+                finally:
+                    os.close(fd)
+                with contextlib.suppress(FileExistsError):  # another loader's came first
+                    self.link(tmp, MADE)
             finally:
-                os.close(fd)
+                self.unlink(tmp, missing_ok=True)
             self.fsync()
-        else:
-            try:
-                head = self.read(MADE, limit=SMALL_FILE_BYTES) or b""
-            except (TooLargeError, IsADirectoryError):
-                head = b""
-            if parse_made(head.split(b"\n", 1)[0])[0] != marker:
-                raise self.not_ours(MADE, f"the loader's record of what it made here ({MADE})")
+        try:
+            head = self.read(MADE, limit=SMALL_FILE_BYTES) or b""
+        except (TooLargeError, IsADirectoryError):
+            head = b""
+        if parse_made(head.split(b"\n", 1)[0])[0] != marker:
+            raise self.not_ours(MADE, f"the loader's record of what it made here ({MADE})")
         self.made = (_register_made(self.fd, self.path), ())
-        there = self.lstat(marker)
-        if there is None:
+        with contextlib.suppress(NameTakenError):  # another loader's marker came first
             self.write(marker, f"{owner_line}\n".encode())
-        elif not stat.S_ISREG(there.st_mode):
+        there = self.lstat(marker)
+        if there is None or not stat.S_ISREG(there.st_mode):
             raise self.not_ours(marker, "the loader's marker file")
 
     def unfinished_marked(

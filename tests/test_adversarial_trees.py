@@ -483,3 +483,37 @@ def test_a_record_in_dest_naming_another_marker_is_someone_elses_and_refused(
     assert code == 2 and fs.MADE in err, err
     assert (dest / fs.MADE).read_text() == "not a record\n"
     assert sorted(p.name for p in dest.iterdir()) == [fs.MADE]
+
+
+def _mark(dest: str, start: float) -> None:
+    from loader.fs import Dir
+    from loader.sources.transfer import mark_dest
+
+    while time.time() < start:
+        pass
+    with Dir.open(dest) as d:
+        mark_dest(d)
+
+
+def test_fetches_marking_one_dest_at_once_all_go_on_and_leave_one_whole_record(tmp_path):
+    """Several fetches into one DEST mark it at the same moment: none fails, none sees half a
+    record, and DEST holds one record and one marker (no temporary name left)."""
+    import multiprocessing
+
+    from loader import fs
+    from loader.sources.transfer import FETCH_MARKER
+
+    for attempt in range(5):
+        dest = tmp_path / f"dest{attempt}"
+        dest.mkdir()
+        start = time.time() + 0.3
+        ctx = multiprocessing.get_context("fork")
+        procs = [ctx.Process(target=_mark, args=(str(dest), start)) for _ in range(4)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(30)
+        assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+        assert sorted(p.name for p in dest.iterdir()) == sorted([fs.MADE, FETCH_MARKER])
+        marker, _ = fs.parse_made((dest / fs.MADE).read_bytes())
+        assert marker == FETCH_MARKER
