@@ -353,7 +353,7 @@ class LockTimeoutError(PublishError):
 #: How the running command's user names the directories it writes below (``--repository or
 #: --work-dir`` for ``run``, ``DEST`` for ``fetch``): hints that say where to point the
 #: loader instead name them (:func:`naming_write_targets`, around :func:`loader.cli.main`'s command).
-_WRITE_TARGETS_DEFAULT = "the loader's output directory"
+_WRITE_TARGETS_DEFAULT = "the loader's directories"
 _write_targets = _WRITE_TARGETS_DEFAULT
 
 
@@ -385,7 +385,8 @@ class NotOursError(RepositoryError):
             f"{path} is {found}, where the loader expected {expected}; the loader did not "
             "create it and leaves it alone (it never follows, writes through or removes what "
             "it did not make).",
-            f"Move {path} away (or point {write_targets()} at another directory), then run again.",
+            f"Move {path} away (or choose another directory for {write_targets()}), then run "
+            "again.",
         )
 
 
@@ -451,7 +452,7 @@ _ENVIRONMENT: dict[int, tuple[str, str]] = {
     ),
     errno.ENAMETOOLONG: (
         "is too long a name for the file system",
-        "Use a shorter {targets} path (or shorter names: a model name, a revision, a file in "
+        "Use a shorter path for {targets} (or shorter names: a model name, a revision, a file in "
         "the source) so that {path} fits.",
     ),
     errno.EXDEV: (
