@@ -231,6 +231,7 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
     proc = subprocess.Popen(
         [str(script), str(repository), *(["--log-file", str(log_file)] if keep else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a hang dumps where it hangs (below)
     )  # fmt: skip
     try:
         lines = []
@@ -243,7 +244,12 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
         proc.send_signal(signal.SIGTERM)
         # TritonServer.stop's own bound: the chart's --exit-timeout-secs (40) and 10 s, then
         # SIGKILL of the group and 10 s more; 60 s was that bound itself (a busy run hit it).
-        proc.communicate(timeout=120)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"serve-local did not stop within 120 s of SIGTERM; its stacks:\n{err}")
     path = Path(shown.split()[1])
     if keep:
         assert path == log_file and shown == f"log     {log_file}"
