@@ -977,13 +977,7 @@ class Dir:
         self.mkdir(tmp)
         try:
             with self.sub(tmp) as d:
-                fd = d.open_file(MADE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-                try:
-                    head = made_header(marker) + made_line((MADE,), os.fstat(fd))
-                    write_fd(fd, head, d.path / MADE)
-                    fsync_fd(fd, d.path / MADE)
-                finally:
-                    os.close(fd)
+                d._new_record(MADE, marker)
                 d.made = (_register_made(d.fd, d.path), ())
                 d.write(marker, f"{owner_line}\n".encode())
                 d.fsync()
@@ -1006,6 +1000,23 @@ class Dir:
         self.fsync()
         return True
 
+    def _new_record(self, name: str, marker: str) -> None:
+        """Create the file ``name`` (``O_EXCL``) holding a new tree's record: its first line
+        naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced."""
+        fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            write_fd(fd, made_header(marker) + made_line((MADE,), os.fstat(fd)), self.path / name)
+            fsync_fd(fd, self.path / name)
+        except BaseException:
+            os.close(fd)
+            fd = -1
+            with contextlib.suppress(OSError):
+                self.unlink(name, missing_ok=True)  # made by this call (O_EXCL): ours
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
     def mark_in_place(self, marker: str, owner_line: str) -> None:
         """Make this directory (one the user named, such as ``fetch``'s DEST) the top of a
         marked tree where it stands: its record (:data:`MADE`, naming ``marker``) and
@@ -1020,14 +1031,8 @@ class Dir:
             # Written whole under a name of this process's, then linked into place: another
             # loader marking the same directory at once finds a whole record or none.
             tmp = f"{MADE}.{owner()}.{secrets.token_hex(4)}.tmp"
-            fd = self.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            self._new_record(tmp, marker)  # (a failure removes what it made: see below)
             try:
-                try:
-                    head = made_header(marker) + made_line((MADE,), os.fstat(fd))
-                    write_fd(fd, head, self.path / tmp)
-                    fsync_fd(fd, self.path / tmp)
-                finally:
-                    os.close(fd)
                 with contextlib.suppress(FileExistsError):  # another loader's came first
                     self.link(tmp, MADE)
             finally:
