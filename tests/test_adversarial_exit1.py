@@ -4,12 +4,27 @@ what may pass), never exit 1 with a traceback ("unexpected failure (this is a bu
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.runs import cli
+from loader.repository.key import resolve_revision
+from tests.runs import cli, run_argv
+from tests.tiers import examples
+
+SETTINGS = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+#: Bytes no UTF-8 text holds, as Python gives them from a command line (lone surrogates).
+NOT_UTF8 = os.fsdecode(b"\xff\xfe")
 
 
 def _typed(code: int, err: str, *needles: str) -> None:
@@ -62,3 +77,94 @@ def test_a_dotdot_below_an_existing_level_is_followed(source, tmp_path, capsys):
     assert code == 0, err
     assert out[-1] == str(target)
     assert (tmp_path / "b" / "config.json").is_file()
+
+
+# --- a NUL in any argument ------------------------------------------------------------------
+
+
+def _commands(source: Path, tmp: Path) -> dict[str, list[str]]:
+    return {
+        "convert": ["convert", str(source), str(tmp / "out"), "--tp-size", "1"],
+        "fetch": ["fetch", str(source), str(tmp / "dest"), "--copy"],
+        "run": run_argv(source, tmp / "root"),
+        "prune": ["prune", "--repository", str(tmp / "root"), "--in-use", "k"],
+        "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"],
+        "complete": ["complete", "hello", "--url", "127.0.0.1:9", "--model", "m"],
+        "serve": ["serve", str(tmp / "repo"), "--set", "a=b"],
+        "tune": ["tune", "--repository", str(tmp / "repo"), "--model", "m"],
+    }
+
+
+@settings(SETTINGS, max_examples=examples(40))
+@given(data=st.data(), command=st.sampled_from(sorted(_commands(Path("s"), Path("t")))))
+def test_a_nul_in_any_argument_of_any_command_is_a_user_error(
+    source, tmp_path, capsys, data, command
+):
+    """No process's command line holds a NUL, but a caller of ``main`` (a script, scripts/bench)
+    may pass one: it reached ``os.stat`` or ``os.open`` (ValueError: exit 1) wherever a path
+    was checked last. Refused before parsing, naming the argument; nothing is written."""
+    argv = _commands(source, tmp_path)[command]
+    i = data.draw(st.integers(1, len(argv) - 1), label="argument")
+    at = data.draw(st.integers(0, len(argv[i])), label="at")
+    argv[i] = argv[i][:at] + "\0" + argv[i][at:]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "NUL", repr(argv[i]))
+    assert out == []
+    assert not {"out", "dest", "root"} & {p.name for p in tmp_path.iterdir()}
+
+
+# --- bytes that are not UTF-8 --------------------------------------------------------------
+
+
+@settings(SETTINGS, max_examples=examples(20))
+@given(
+    where=st.sampled_from(["prompt", "--model"]),
+    text=st.text(st.characters(blacklist_characters="\0-"), max_size=8),
+    raw=st.binary(min_size=1, max_size=4).filter(lambda b: not _utf8(b)),
+)
+def test_a_prompt_or_model_that_is_not_utf8_is_a_user_error(capsys, where, text, raw):
+    """``complete $'\\xff'`` (a prompt in Latin-1 from a script): the prompt is sent as UTF-8
+    text and the model name is part of a URL; both raised UnicodeEncodeError (exit 1). Now
+    exit 2 naming the argument, before any connection is tried."""
+    value = text + os.fsdecode(raw)
+    argv = ["complete", "--url", "http://127.0.0.1:9", "--timeout", "1"]
+    argv += [value, "--model", "m"] if where == "prompt" else ["hello", "--model", value]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "not UTF-8", repr(value))
+    assert out == []
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_a_local_source_whose_path_is_not_utf8_has_a_key(tmp_path):
+    """A local path is bytes: one that is not UTF-8 names a source all the same, and its key
+    hashes those bytes (before: UnicodeEncodeError, exit 1, for every such source)."""
+    one, other = os.fsdecode(b"/data/ckpt-\xff"), os.fsdecode(b"/data/ckpt-\xfe")
+    assert resolve_revision(one).startswith("src-")
+    assert resolve_revision(one) != resolve_revision(other)
+    assert resolve_revision("/data/ckpt") == resolve_revision("file:///data/ckpt")
+
+
+def test_run_of_a_local_source_whose_path_is_not_utf8_is_no_bug(source, tmp_path, capsys):
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/ckpt-\xff"))
+    source.rename(odd)
+    code, _, err = cli(capsys, *run_argv(odd, tmp_path / "root"))
+    assert code in (0, 2), err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    if code == 2:
+        assert "hint: " in err
+
+
+@pytest.mark.parametrize(
+    "uri", [f"hf://org/{NOT_UTF8}", f"gs://bucket/{NOT_UTF8}"], ids=["hf", "gs"]
+)
+def test_a_remote_uri_that_is_not_utf8_is_a_user_error(tmp_path, capsys, uri):
+    code, out, err = cli(capsys, *run_argv(uri, tmp_path / "root", "--retry-deadline", "1"))
+    _typed(code, err)
+    assert out == []

@@ -46,6 +46,7 @@ from loader.errors import (
     naming_write_targets,
     redacted,
     resource_exhaustion,
+    shown,
     typed_os_error,
 )
 from loader.limits import Limit, SettingError
@@ -378,9 +379,16 @@ def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
     error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
     with contextlib.suppress(OSError):
-        print(f"error: {message}", file=sys.stderr)
-        print(f"hint: {exc.remediation}", file=sys.stderr)
+        print(_writable(f"error: {message}"), file=sys.stderr)
+        print(_writable(f"hint: {exc.remediation}"), file=sys.stderr)
     return exc.exit_code
+
+
+def _writable(text: str) -> str:
+    """``text`` as standard error can write it whatever its encoding: a character it cannot
+    encode (a path's byte that is not UTF-8, a lone surrogate in Python) escaped."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
@@ -406,13 +414,38 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
-        exhausted = resource_exhaustion(exc)
-        if exhausted is not None:
-            log.debug("resource exhaustion", exc_info=True)
-            return report(exhausted, args)
+        typed = resource_exhaustion(exc) or _not_text(exc, args)
+        if typed is not None:
+            log.debug("typed failure", exc_info=True)
+            return report(typed, args)
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
+    """A value the user gave (an argument, an environment variable) holds bytes that are not
+    UTF-8 (a name in another encoding: Python carries them as lone surrogates), and a library
+    had to write it as text (a prompt sent to a server, a URL, a JSON document): the error
+    names that value. None when no value the user gave holds the characters (a bug)."""
+    if not isinstance(exc, UnicodeEncodeError) or exc.start >= exc.end:
+        return None
+    bad = exc.object[exc.start : exc.end]
+    given = [
+        (f"The argument {shown(v)}", v)
+        for value in vars(args).values()
+        for v in (value if isinstance(value, list | tuple) else [value])
+        if isinstance(v, str | os.PathLike)
+    ] + [(f"The environment variable {k}", v) for k, v in os.environ.items()]
+    for what, value in given:
+        if bad in str(value):
+            return LoaderError(
+                f"{what} holds bytes that are not UTF-8 text, and the command must write it "
+                "as text.",
+                "Pass it as UTF-8 text (a terminal or a file in another encoding gives other "
+                "bytes; check the locale).",
+            )
+    return None
 
 
 def _cwd_gone(exc: OSError) -> LoaderError | None:
@@ -443,6 +476,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if outcome is not None:
                 return outcome
     argv = list(argv)
+    held = next((arg for arg in argv if "\0" in arg), None)
+    if held is not None:  # no command line of a process holds one: a caller's mistake
+        return report(
+            LoaderError(
+                f"The argument {shown(held)} holds a NUL character, which no path, name or "
+                "number can hold.",
+                "Pass the argument without the NUL character.",
+            )
+        )
     parser = build_parser(commands_for(argv))
     args = parser.parse_args(argv)
     try:
