@@ -168,3 +168,40 @@ def test_a_remote_uri_that_is_not_utf8_is_a_user_error(tmp_path, capsys, uri):
     code, out, err = cli(capsys, *run_argv(uri, tmp_path / "root", "--retry-deadline", "1"))
     _typed(code, err)
     assert out == []
+
+
+# --- a host name no resolver takes ---------------------------------------------------------
+
+_label = st.text("abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
+#: Host names with one label empty or longer than DNS allows (63): the resolver's IDNA
+#: encoding raises UnicodeError before any lookup.
+_bad_hosts = st.builds(
+    lambda before, bad, after: ".".join([*before, bad, *after]),
+    st.lists(_label, max_size=2),
+    st.sampled_from(["", "a" * 64, "x" * 200]),
+    st.lists(_label, min_size=1, max_size=2),
+)
+
+
+@settings(SETTINGS, max_examples=examples(20))
+@given(host=_bad_hosts, form=st.sampled_from(["http://{}:8000", "{}:8001", "grpc://{}:8001"]))
+def test_complete_to_a_host_no_resolver_takes_is_a_user_error(capsys, host, form):
+    """``--url http://a..b:8000``: the HTTP client's resolver raised UnicodeError (exit 1)."""
+    code, out, err = cli(capsys, "complete", "hi", "--url", form.format(host), "--timeout", "2")
+    _typed(code, err, "empty or over 63 characters")
+    assert out == []
+
+
+@settings(SETTINGS, max_examples=examples(10))
+@given(host=_bad_hosts, variable=st.sampled_from(["HF_ENDPOINT", "STORAGE_EMULATOR_HOST"]))
+def test_an_endpoint_variable_naming_a_host_no_resolver_takes_is_a_user_error(
+    tmp_path, capsys, host, variable
+):
+    """``HF_ENDPOINT=http://a..b``: the Hub client's resolver raised UnicodeError (exit 1);
+    now refused before any request, naming the variable."""
+    uri = "hf://org/name" if variable == "HF_ENDPOINT" else "gs://bucket/x"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(variable, f"http://{host}")
+        code, out, err = cli(capsys, "fetch", uri, str(tmp_path / "d"), "--retry-deadline", "2")
+    _typed(code, err, variable, "empty or over 63 characters")
+    assert out == []
