@@ -4,6 +4,7 @@ what may pass), never exit 1 with a traceback ("unexpected failure (this is a bu
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -204,4 +205,37 @@ def test_an_endpoint_variable_naming_a_host_no_resolver_takes_is_a_user_error(
         env.setenv(variable, f"http://{host}")
         code, out, err = cli(capsys, "fetch", uri, str(tmp_path / "d"), "--retry-deadline", "2")
     _typed(code, err, variable, "empty or over 63 characters")
+    assert out == []
+
+
+# --- a request file of any JSON shape --------------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_entries = (
+    _json
+    | st.dictionaries(st.sampled_from(["prompt", "request_output_len", "x"]), _json, max_size=2)
+    | st.fixed_dictionaries(
+        {"prompt": st.fixed_dictionaries({"content": _json | st.just(["\ud800"]), "shape": _json})}
+    )
+)
+
+
+@settings(SETTINGS, max_examples=examples(60))
+@given(entry=_entries)
+def test_a_request_file_of_any_json_shape_is_a_user_error_or_sent(tmp_path, capsys, entry):
+    """``complete --request FILE``: a data entry that is no object, an input that holds no
+    list, or text with a lone surrogate (``"\\ud800"``, valid JSON) raised AttributeError,
+    TypeError or UnicodeEncodeError (exit 1). Every shape is now refused, naming what is
+    wrong, or sent (here to a closed port: exit 2 too)."""
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"data": [entry]}))
+    argv = ["complete", "--request", str(request), "--url", "http://127.0.0.1:9", "--timeout", "1"]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err)
     assert out == []
