@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ from hypothesis import strategies as st
 from loader.repository.key import resolve_revision
 from tests.runs import cli, run_argv
 from tests.tiers import examples
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = settings(
     deadline=None,
@@ -239,3 +243,30 @@ def test_a_request_file_of_any_json_shape_is_a_user_error_or_sent(tmp_path, caps
     code, out, err = cli(capsys, *argv)
     _typed(code, err)
     assert out == []
+
+
+# --- the prompt on standard input ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stdin", "needle"),
+    [("closed", "standard input, which is closed"), ("/dev/zero", "longer than")],
+)
+def test_a_prompt_from_a_closed_or_endless_standard_input_is_a_user_error(stdin, needle):
+    """``complete - <&-``: ``sys.stdin`` is None (AttributeError, exit 1); ``complete - <
+    /dev/zero`` read until the memory ran out. Both are refused, naming standard input."""
+    command = [sys.executable, "-m", "loader", "complete", "-", "--url", "http://127.0.0.1:9"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if stdin == "closed":
+        done = subprocess.run(
+            command, stdin=None, capture_output=True, text=True, env=env, timeout=120,
+            preexec_fn=lambda: os.close(0),
+        )  # fmt: skip
+    else:
+        with open(stdin, "rb") as source:
+            done = subprocess.run(
+                command, stdin=source, capture_output=True, text=True, env=env, timeout=120
+            )
+    _typed(done.returncode, done.stderr[done.stderr.find("error: ") :], needle)
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
