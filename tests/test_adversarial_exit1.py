@@ -270,3 +270,41 @@ def test_a_prompt_from_a_closed_or_endless_standard_input_is_a_user_error(stdin,
     _typed(done.returncode, done.stderr[done.stderr.find("error: ") :], needle)
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+# --- relative paths after the working directory was deleted --------------------------------
+
+GONE_CWD = {
+    "convert OUTPUT_DIR": ["convert", "{source}", "out", "--tp-size", "1"],
+    "fetch SOURCE": ["fetch", "ckpt"],
+    "fetch DEST": ["fetch", "{source}", "dest", "--copy"],
+    "run --repository": ["run", "--source", "{source}", "--repository", "root",
+                         "--model-name", "m", "--tp-size", "1", "--pp-size", "1",
+                         "--instance-count", "1", "--backend", "python"],
+    "run --work-dir": ["run", "--source", "{source}", "--repository", "{tmp}/root",
+                       "--work-dir", "work", "--model-name", "m", "--tp-size", "1",
+                       "--pp-size", "1", "--instance-count", "1", "--backend", "python"],
+    "prune --repository": ["prune", "--repository", "root"],
+    "plan --source": ["plan", "--source", "ckpt", "--gpus-per-node", "1"],
+    "serve REPOSITORY": ["serve", "repo"],
+    "tune --work-dir": ["tune", "--repository", "{source}", "--work-dir", "work"],
+    "tune --output-dir": ["tune", "--repository", "{source}", "--output-dir", "results"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", sorted(GONE_CWD))
+def test_a_relative_path_after_the_working_directory_was_deleted_is_a_user_error(
+    source, tmp_path, capsys, monkeypatch, where
+):
+    """A Job's or a shell's working directory removed under it: ``tune --work-dir w`` checked
+    the path in its argument's type, outside the command's funnel (FileNotFoundError from
+    ``getcwd``: exit 1). Every command now says the directory is gone."""
+    argv = [a.format(source=source, tmp=tmp_path) for a in GONE_CWD[where]]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "working directory was deleted")
+    assert out == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

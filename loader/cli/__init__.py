@@ -486,7 +486,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     parser = build_parser(commands_for(argv))
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OSError as exc:  # an argument's type looks at the file system (directory_path)
+        typed = typed_os_error(exc) or _cwd_gone(exc)
+        if typed is None:
+            raise
+        return report(typed)
     try:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
