@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -248,6 +249,7 @@ def test_a_request_file_of_any_json_shape_is_a_user_error_or_sent(tmp_path, caps
 # --- the prompt on standard input ----------------------------------------------------------
 
 
+@pytest.mark.slow  # a command in a subprocess of its own
 @pytest.mark.parametrize(
     ("stdin", "needle"),
     [("closed", "standard input, which is closed"), ("/dev/zero", "longer than")],
@@ -308,3 +310,30 @@ def test_a_relative_path_after_the_working_directory_was_deleted_is_a_user_error
     _typed(code, err, "working directory was deleted")
     assert out == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# --- serve: ports and the log file ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", "65536", "99999999999999999999", "1.5", "x"])
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_serve_refuses_a_port_out_of_range_when_parsing(tmp_path, capsys, flag, value):
+    """``serve --http-port 65536``: the free-port check's ``bind`` raised OverflowError
+    (exit 1). Now refused with the arguments, before anything starts."""
+    with pytest.raises(SystemExit) as exited:  # argparse's error exits
+        cli(capsys, "serve", str(tmp_path), flag, value)
+    _typed(exited.value.code, capsys.readouterr().err, flag)
+
+
+@pytest.mark.server  # reaches TritonServer.start (helm template), though no server runs
+def test_serve_refuses_a_log_file_that_is_a_fifo_without_a_reader(
+    published_tiny_python_repository, tmp_path, capsys
+):
+    """``serve --log-file FIFO`` waited forever in ``open`` for a reader; now the FIFO's own
+    error (exit 2), at once."""
+    fifo = tmp_path / "log"
+    os.mkfifo(fifo)
+    repository = str(published_tiny_python_repository)
+    code, _, err = cli(capsys, "serve", repository, "--log-file", str(fifo))
+    _typed(code, err, "FIFO without a reader", str(fifo))
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)

@@ -256,6 +256,20 @@ def nonempty_path(value: str) -> Path:
     return Path(nonempty(value))
 
 
+def port(value: str) -> int:
+    """An argparse ``type`` for a TCP port: 1 to 65535, or 0 for a free one (a socket's
+    ``bind`` raises OverflowError past that range)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{number} is no TCP port; pass 1 to 65535 (0: a free one)"
+        )
+    return number
+
+
 def directory_path(value: str) -> Path:
     """An argparse ``type`` for a directory the command creates if needed (``--work-dir``,
     ``--output-dir``): refused at once when it, or the deepest level of it that exists, is no
