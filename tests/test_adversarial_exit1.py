@@ -337,3 +337,22 @@ def test_serve_refuses_a_log_file_that_is_a_fifo_without_a_reader(
     code, _, err = cli(capsys, "serve", repository, "--log-file", str(fifo))
     _typed(code, err, "FIFO without a reader", str(fifo))
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+# --- a file:// URI the URL parser refuses --------------------------------------------------
+
+
+@pytest.mark.parametrize("uri", ["file://[x/ckpt", "file://;]_:?_]]a..", "file://a]b[/c"])
+@pytest.mark.parametrize("command", ["run", "fetch", "plan"])
+def test_a_file_uri_with_a_bracket_in_its_host_is_a_user_error(tmp_path, capsys, command, uri):
+    """``urlsplit`` raises ValueError ("Invalid IPv6 URL") for a '[' or ']' in the part
+    after ``file://``: exit 1 before; now the URI's typed error."""
+    argv = {
+        "run": run_argv(uri, tmp_path / "root"),
+        "fetch": ["fetch", uri, str(tmp_path / "dest"), "--copy"],
+        "plan": ["plan", "--source", uri, "--gpus-per-node", "1"],
+    }[command]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "file://")
+    assert out == []
+    assert list(tmp_path.iterdir()) == []

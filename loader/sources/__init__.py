@@ -170,7 +170,13 @@ def _refuse_a_mistyped_scheme(uri: str) -> None:
 
 
 def _parse_file(uri: str) -> SourceURI:
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # a '[' or ']' in the host part: "Invalid IPv6 URL"
+        raise SourceError(
+            f"file:// URI {uri!r} does not parse ({exc}).",
+            "Write local paths as file:///absolute/path (three slashes) or as a plain path.",
+        ) from None
     if parts.netloc not in ("", "localhost"):
         raise SourceError(
             f"file:// URI {uri!r} names a host ({parts.netloc!r}).",
