@@ -56,7 +56,7 @@ from types import TracebackType
 from typing import BinaryIO
 
 from loader import fs
-from loader.errors import RepositoryError, ServerStartError, ToolMissingError
+from loader.errors import RepositoryError, ServerStartError, SpecialFileError, ToolMissingError
 
 log = logging.getLogger(__name__)
 
@@ -757,9 +757,14 @@ class TritonServer:
 
     def log_text(self) -> str:
         """The server's log, the paths of the served view written as the repository's."""
-        if self._log_path is None or not self._log_path.exists():
+        if self._log_path is None:
             return ""
-        text = self._log_path.read_text(encoding="utf-8", errors="replace")
+        try:  # only a regular file: --log-file /dev/zero never ends, a FIFO blocks
+            with fs.open_read(self._log_path) as log_file:
+                raw = log_file.read()
+        except (OSError, SpecialFileError):  # gone, or a device the user chose: it tells nothing
+            return ""
+        text = raw.decode("utf-8", errors="replace")
         if self.served != self.repository:
             text = text.replace(str(self.served), str(self.repository))
         return text

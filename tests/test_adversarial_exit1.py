@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import stat
 import subprocess
@@ -356,3 +357,20 @@ def test_a_file_uri_with_a_bracket_in_its_host_is_a_user_error(tmp_path, capsys,
     _typed(code, err, "file://")
     assert out == []
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.server
+def test_serve_with_a_device_as_its_log_file_reports_a_failed_start(
+    published_tiny_python_repository,
+):
+    """``serve --log-file /dev/zero``: a start that failed read the log for its cause, and
+    read /dev/zero until the memory ran out (SIGKILL by the OOM killer). Only a regular file
+    is read: the start's own error, exit 2. In a subprocess under a memory limit."""
+    command = [sys.executable, "-m", "loader", "serve", str(published_tiny_python_repository),
+               "--log-file", "/dev/zero", "--startup-timeout", "0.01"]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)),
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr[done.stderr.find("error: ") :], "not ready")
