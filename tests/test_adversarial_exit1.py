@@ -374,3 +374,30 @@ def test_serve_with_a_device_as_its_log_file_reports_a_failed_start(
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)),
     )  # fmt: skip
     _typed(done.returncode, done.stderr[done.stderr.find("error: ") :], "not ready")
+
+
+# --- standard output's reader goes away ----------------------------------------------------
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize(
+    "argv",
+    [["plan", "--model", "gpt-j-6b", "--gpus-per-node", "8"], ["fetch", "{source}"]],
+    ids=["plan", "fetch"],
+)
+def test_a_reader_closing_standard_output_early_is_no_bug(source, argv):
+    """``model-loader plan | head -c1``: print raised BrokenPipeError (EPIPE, a bug's errno:
+    exit 1 with a traceback). Now an error line and 141, the code of a command killed by
+    SIGPIPE, as a shell pipeline expects."""
+    argv = [a.format(source=source) for a in argv]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    with os.fdopen(write, "wb") as stdout:
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "-q"], stdout=stdout, stderr=subprocess.PIPE,
+            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert done.stderr.startswith("error: Standard output was closed"), done.stderr
+    assert "\nhint: " in done.stderr

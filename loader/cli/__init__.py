@@ -15,6 +15,8 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
       too long or taken over, a source file cut short while it was read): running it again
       later may succeed
 130   interrupted (Ctrl-C)
+141   standard output's reader went away (``| head``) before the command finished writing
+      it: an error line, the code of a command killed by SIGPIPE
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
 128+n ``convert`` or ``run`` killed by signal n (SIGKILL: 137, SIGSEGV: 139): its supervisor
@@ -32,6 +34,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -56,6 +59,8 @@ log = logging.getLogger("loader")
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+#: Standard output's reader went away: the code of a command killed by SIGPIPE.
+EXIT_STDOUT_GONE = 128 + signal.SIGPIPE  # 141
 
 #: Sub-command modules, in the order ``--help`` lists them; each is named after its command.
 COMMANDS: tuple[str, ...] = (
@@ -415,7 +420,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except LoaderError as exc:
         return report(exc, args)
     except OSError as exc:
-        typed = typed_os_error(exc) or _cwd_gone(exc)
+        typed = _stdout_gone(exc) or typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
@@ -460,6 +465,31 @@ def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
                 "bytes; check the locale).",
             )
     return None
+
+
+def _stdout_gone(exc: OSError) -> LoaderError | None:
+    """Standard output's reader went away (``model-loader plan | head -1``): the write's
+    ``EPIPE`` is no bug, and no user mistake either; the exit code is the one a command
+    killed by SIGPIPE has. Only when standard output itself is the broken pipe (``POLLERR``
+    on it), not a socket to a server."""
+    if not isinstance(exc, BrokenPipeError):
+        return None
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, 0)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return None
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)  # the last flush at exit goes nowhere
+    except (AttributeError, OSError, ValueError):  # no standard output with a descriptor
+        return None
+    gone = LoaderError(
+        "Standard output was closed by its reader (a pipe into head?) before the command "
+        "finished writing it; the rest of its output was dropped.",
+        "Read the whole output; if only its start was wanted, ignore this error.",
+    )
+    gone.exit_code = EXIT_STDOUT_GONE
+    return gone
 
 
 def _cwd_gone(exc: OSError) -> LoaderError | None:
