@@ -401,3 +401,25 @@ def test_a_reader_closing_standard_output_early_is_no_bug(source, argv):
     assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
     assert done.stderr.startswith("error: Standard output was closed"), done.stderr
     assert "\nhint: " in done.stderr
+
+
+# --- resource limits -------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["fetch", "convert"])
+def test_a_file_size_limit_is_named_as_the_limit(source, tmp_path, command):
+    """Under ``ulimit -f`` a write past the limit fails with EFBIG (Python ignores SIGXFSZ):
+    the hint said the file was "far larger than a file of its kind can be". It names the
+    process's limit and how to raise it (exit 2), and leaves nothing behind."""
+    out = tmp_path / "out"
+    argv = {"fetch": ["fetch", str(source), str(out), "--copy"],
+            "convert": ["convert", str(source), str(out), "--tp-size", "1"]}[command]  # fmt: skip
+    limit = 64 * 1024
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr, "ulimit -f", f"({limit} bytes")
+    assert done.stdout == ""
