@@ -423,3 +423,58 @@ def test_a_file_size_limit_is_named_as_the_limit(source, tmp_path, command):
     )  # fmt: skip
     _typed(done.returncode, done.stderr, "ulimit -f", f"({limit} bytes")
     assert done.stdout == ""
+
+
+# --- any hostile value for any option ------------------------------------------------------
+
+#: Values libraries refuse: numbers out of every range, text that is no number, control
+#: characters, bytes that are not UTF-8, a very long string.
+HOSTILE = ["", " ", "0", "-1", "99999999999999999999999", "nan", "inf", "-inf", "1e308",
+           "1e-320", "1.5", "0x10", "1_000", "\uff19", "a\nb", "\x1b[2J", "A" * 5000, NOT_UTF8,
+           "..", "gs://", "hf://", "s3://x/y", "file:", "gs://b/../x", "hf://a/../b",
+           "hf://org/name@", "file://host/x", "gs://bucket:99999/x"]  # fmt: skip
+
+
+def _options(source: Path, tmp: Path) -> dict[str, list[str]]:
+    """Each command with every option it takes given (a value of each may be replaced)."""
+    return {
+        "convert": ["convert", str(source), str(tmp / "out"), "--tp-size", "1", "--pp-size", "1",
+                    "--dtype", "fp16", "--workers", "1"],
+        "fetch": ["fetch", str(source), str(tmp / "dest"), "--copy", "--workers", "1",
+                  "--retry-deadline", "2", "--slice-mib", "1"],
+        "prune": ["prune", "--repository", str(tmp / "root"), "--keep", "1", "--in-use", "k",
+                  "--lock-expiry-s", "5"],
+        "plan": ["plan", "--n-embd", "256", "--n-layer", "2", "--n-head", "4", "--vocab-size",
+                 "320", "--n-inner", "1024", "--n-positions", "64", "--tp-size", "1",
+                 "--pp-size", "1", "--instance-count", "1", "--gpus-per-node", "1",
+                 "--replicas-per-node", "1", "--gpus-per-replica", "1", "--gpu-memory-gib", "16",
+                 "--max-batch-size", "8", "--max-sequence-length", "64"],
+        "complete": ["complete", "hi", "--url", "http://127.0.0.1:9", "--model", "m",
+                     "--max-tokens", "4", "--temperature", "1", "--top-k", "1", "--top-p", "0.5",
+                     "--seed", "1", "--timeout", "1"],
+    }  # fmt: skip
+
+
+@settings(SETTINGS, max_examples=examples(80))
+@given(data=st.data(), command=st.sampled_from(sorted(_options(Path("s"), Path("t")))))
+def test_any_hostile_value_of_any_option_is_never_a_bug(
+    source, tmp_path, capsys, monkeypatch, data, command
+):
+    """The generated form of this module's cases: whatever value one argument of a command
+    takes, the command ends in 0, a typed error (2, 75) or argparse's refusal (2), never
+    exit 1 with a traceback. A relative value is a path below this test's own directory."""
+    cwd = tmp_path / "cwd" / "here"
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    argv = _options(source, tmp_path)[command]
+    values = [i for i, a in enumerate(argv) if i > 0 and not a.startswith("--")]
+    i = data.draw(st.sampled_from(values), label="argument")
+    argv[i] = data.draw(st.sampled_from(HOSTILE), label="value")
+    try:
+        code, _, err = cli(capsys, *argv)
+    except SystemExit as exited:  # argparse refused it
+        code, err = exited.code, capsys.readouterr().err
+    assert code in (0, 2, 75), err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    if code:
+        assert "hint: " in err, err
