@@ -478,3 +478,19 @@ def test_any_hostile_value_of_any_option_is_never_a_bug(
     assert "Traceback" not in err and "this is a bug" not in err, err
     if code:
         assert "hint: " in err, err
+
+
+@pytest.mark.parametrize("command", ["run", "fetch", "plan"])
+def test_a_source_under_the_home_of_no_such_user_is_a_user_error(tmp_path, capsys, command):
+    """``--source ~nosuchuser/ckpt``: expanding the user's home raised RuntimeError ("Could
+    not determine home directory": exit 1); now the source's typed error naming it."""
+    uri = "~no-such-user-here/ckpt"
+    argv = {
+        "run": run_argv(uri, tmp_path / "root"),
+        "fetch": ["fetch", uri],
+        "plan": ["plan", "--source", uri, "--gpus-per-node", "1"],
+    }[command]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "'~no-such-user-here'", "does not have")
+    assert out == []
+    assert list(tmp_path.iterdir()) == []

@@ -140,7 +140,15 @@ def parse_uri(uri: str) -> SourceURI:
         raise SourceError("The source URI is empty.")
     if "://" not in uri:
         _refuse_a_mistyped_scheme(uri)
-        return SourceURI(raw=uri, scheme="file", location=_normal_path(Path(uri).expanduser()))
+        try:
+            path = Path(uri).expanduser()
+        except RuntimeError:  # ~USER of no user on this machine
+            raise SourceError(
+                f"The source {uri!r} starts with {uri.split('/', 1)[0]!r}, the home directory "
+                "of a user this machine does not have.",
+                "Write the path in full (or ~/PATH for your own home directory).",
+            ) from None
+        return SourceURI(raw=uri, scheme="file", location=_normal_path(path))
     scheme = uri.split("://", 1)[0].lower()
     parser = _PARSERS.get(scheme)
     if parser is None:
