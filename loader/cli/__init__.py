@@ -443,10 +443,11 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
 
 
 def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
-    """A value the user gave (an argument, an environment variable) holds bytes that are not
+    """An argument the user gave holds bytes that are not
     UTF-8 (a name in another encoding: Python carries them as lone surrogates), and a library
     had to write it as text (a prompt sent to a server, a URL, a JSON document): the error
-    names that value. None when no value the user gave holds the characters (a bug)."""
+    names that argument. None when no argument holds the characters (a bug). The environment
+    variables a library reads are checked where they are read (:mod:`loader.sources.settings`)."""
     if not isinstance(exc, UnicodeEncodeError) or exc.start >= exc.end:
         return None
     bad = exc.object[exc.start : exc.end]
@@ -455,7 +456,7 @@ def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
         for value in vars(args).values()
         for v in (value if isinstance(value, list | tuple) else [value])
         if isinstance(v, str | os.PathLike)
-    ] + [(f"The environment variable {k}", v) for k, v in os.environ.items()]
+    ]
     for what, value in given:
         if bad in str(value):
             return LoaderError(
