@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from loader import fs
-from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError
+from loader.errors import EndpointError, InvalidRequestError, ModelNotFoundError, shown
 from loader.formats import jsondoc
 from loader.repository.tensors import ENSEMBLE_INPUTS
 
@@ -97,9 +97,19 @@ def load_request(path: Path | str) -> dict[str, list[Any]]:
             f"{path} is not a perf_analyzer input file with a data entry: {exc}",
             'Use the format {"data": [{"prompt": {"content": ["..."], "shape": [1]}, ...}]}.',
         ) from exc
+    fix = 'Write each input as {"content": [...], "shape": [...]} or as a list of values.'
+    if not isinstance(entry, dict):
+        raise InvalidRequestError(
+            f"{path}: the first data entry is {type(entry).__name__}, not an object of inputs", fix
+        )
     request = {}
     for name, value in entry.items():
-        request[name] = list(value["content"] if isinstance(value, dict) else value)
+        content = value.get("content") if isinstance(value, dict) else value
+        if not isinstance(content, list):
+            raise InvalidRequestError(
+                f"{path}: the input {name!r} holds no list of values ({shown(value)[:80]})", fix
+            )
+        request[name] = content
     return request
 
 
@@ -114,11 +124,23 @@ def _numpy(name: str, values: list[Any]) -> tuple[np.ndarray, str]:
             f"Use only these inputs: {', '.join(_DTYPES)}.",
         ) from exc
     if dtype == "BYTES":
-        array = np.array([[str(v).encode("utf-8")] for v in values], dtype=np.object_)
+        array = np.array([[_text(name, v)] for v in values], dtype=np.object_)
     else:
         np_dtype = np.dtype(triton_to_np_dtype(dtype))
         array = np.array([[_value(name, dtype, np_dtype, v)] for v in values], dtype=np_dtype)
     return array, dtype
+
+
+def _text(name: str, value: Any) -> bytes:
+    """``value`` of the text input ``name`` as UTF-8 bytes; a lone surrogate (a JSON
+    ``"\\ud800"``, bytes of a command line that are not UTF-8) is refused."""
+    try:
+        return str(value).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"the input {name} holds {shown(value)[:80]}, which is not UTF-8 text ({exc.reason})",
+            f"Pass {name} as UTF-8 text.",
+        ) from None
 
 
 def _value(name: str, dtype: str, np_dtype: np.dtype, value: Any) -> Any:

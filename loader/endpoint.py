@@ -52,6 +52,16 @@ class Endpoint:
         return f"{self.protocol}://{self.address}"
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is no name a resolver can look up (a label empty or over 63 characters:
+    the resolver's IDNA encoding refuses it with a ``UnicodeError``); None when it is one."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return f"the host name {host[:80]!r} has a part that is empty or over 63 characters"
+    return None
+
+
 def parse_endpoint(url: str | None, *, protocol: str | None = None) -> Endpoint:
     """``host:port`` or ``scheme://host:port`` -> :class:`Endpoint`; ``None``: 127.0.0.1 on
     the protocol's default port. :class:`EndpointSyntaxError` if malformed."""
@@ -81,6 +91,9 @@ def parse_endpoint(url: str | None, *, protocol: str | None = None) -> Endpoint:
         )
     chosen = scheme or protocol or DEFAULT_PROTOCOL
     host = match["host"]
+    why = host_problem(host.strip("[]"))
+    if why is not None:
+        raise EndpointSyntaxError(f"{_shown(url)!r}: {why}", f"Pass --url as {_FORMS}.")
     if match["path"] not in (None, "/"):
         raise EndpointSyntaxError(
             f"{_shown(url)!r} has a path ({match['path']}); a Triton endpoint is a host and a port",

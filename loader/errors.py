@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 import resource
 import signal
@@ -587,6 +588,15 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
     exhausted = _exhausted(code, where, reason)
     if exhausted is not None:
         return exhausted
+    if code == errno.EFBIG and reason == os.strerror(errno.EFBIG):  # the kernel's, on a write
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return FileSystemError(
+                f"{where} reached this process's limit on the size of a file it writes "
+                f"({limit} bytes: ulimit -f) ({reason}); nothing was published.",
+                "Raise the loader's file-size limit (ulimit -f unlimited; the container "
+                "runtime's fsize limit), then run again.",
+            )
     if code in _ENVIRONMENT:
         what, hint = _ENVIRONMENT[code]
         return FileSystemError(

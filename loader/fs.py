@@ -71,7 +71,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from loader.errors import DirectoryRemovedError, NameTakenError, NotOursError, SpecialFileError
+from loader.errors import (
+    DirectoryRemovedError,
+    NameTakenError,
+    NotOursError,
+    OutputPathError,
+    SpecialFileError,
+    shown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -883,6 +890,12 @@ class Dir:
                 if os.path.islink(level):
                     raise NotADirectoryError(
                         errno.ENOTDIR, "a dangling symbolic link", str(level)
+                    ) from None
+                if level.name == "..":  # below a level that does not exist: names nothing yet
+                    raise OutputPathError(
+                        f"{shown(path)} has '..' below {shown(level.parent)}, which does not "
+                        "exist: it names no directory the loader could create.",
+                        "Pass the path without '..' (or create the levels before it first).",
                     ) from None
                 missing.append(level.name)
                 continue

@@ -53,9 +53,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 from loader import fs
-from loader.errors import RepositoryError, ServerStartError, ToolMissingError
+from loader.errors import RepositoryError, ServerStartError, SpecialFileError, ToolMissingError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,15 @@ def log_cause(text: str) -> str | None:
         if found:
             return found
     return None
+
+
+def _open_log(path: Path) -> BinaryIO:
+    """``path`` opened to write Triton's log: a FIFO without a reader is refused at once
+    (``ENXIO``, its typed error), never waited on forever; a device such as /dev/null is
+    written as asked."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    os.set_blocking(fd, True)  # Triton's writes wait for a slow reader, as on any pipe
+    return os.fdopen(fd, "wb")
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -620,7 +630,7 @@ class TritonServer:
         return 0 in (self._requested.http, self._requested.grpc, self._requested.metrics)
 
     def _launch(self, install: TritonInstall, backend_dir: Path) -> None:
-        self._log_file = open(self._log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self._log_file = _open_log(self._log_path)
         cmd = self.command(backend_dir)
         log.info(
             "starting tritonserver on %s (HTTP %s, gRPC %s, metrics %s) for %s",
@@ -747,9 +757,14 @@ class TritonServer:
 
     def log_text(self) -> str:
         """The server's log, the paths of the served view written as the repository's."""
-        if self._log_path is None or not self._log_path.exists():
+        if self._log_path is None:
             return ""
-        text = self._log_path.read_text(encoding="utf-8", errors="replace")
+        try:  # only a regular file: --log-file /dev/zero never ends, a FIFO blocks
+            with fs.open_read(self._log_path) as log_file:
+                raw = log_file.read()
+        except (OSError, SpecialFileError):  # gone, or a device the user chose: it tells nothing
+            return ""
+        text = raw.decode("utf-8", errors="replace")
         if self.served != self.repository:
             text = text.replace(str(self.served), str(self.repository))
         return text

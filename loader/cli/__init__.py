@@ -15,6 +15,8 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
       too long or taken over, a source file cut short while it was read): running it again
       later may succeed
 130   interrupted (Ctrl-C)
+141   standard output's reader went away (``| head``) before the command finished writing
+      it: an error line, the code of a command killed by SIGPIPE
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
 128+n ``convert`` or ``run`` killed by signal n (SIGKILL: 137, SIGSEGV: 139): its supervisor
@@ -32,6 +34,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -46,6 +49,7 @@ from loader.errors import (
     naming_write_targets,
     redacted,
     resource_exhaustion,
+    shown,
     typed_os_error,
 )
 from loader.limits import Limit, SettingError
@@ -55,6 +59,8 @@ log = logging.getLogger("loader")
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+#: Standard output's reader went away: the code of a command killed by SIGPIPE.
+EXIT_STDOUT_GONE = 128 + signal.SIGPIPE  # 141
 
 #: Sub-command modules, in the order ``--help`` lists them; each is named after its command.
 COMMANDS: tuple[str, ...] = (
@@ -255,6 +261,20 @@ def nonempty_path(value: str) -> Path:
     return Path(nonempty(value))
 
 
+def port(value: str) -> int:
+    """An argparse ``type`` for a TCP port: 1 to 65535, or 0 for a free one (a socket's
+    ``bind`` raises OverflowError past that range)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{number} is no TCP port; pass 1 to 65535 (0: a free one)"
+        )
+    return number
+
+
 def directory_path(value: str) -> Path:
     """An argparse ``type`` for a directory the command creates if needed (``--work-dir``,
     ``--output-dir``): refused at once when it, or the deepest level of it that exists, is no
@@ -378,9 +398,16 @@ def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
     error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
     with contextlib.suppress(OSError):
-        print(f"error: {message}", file=sys.stderr)
-        print(f"hint: {exc.remediation}", file=sys.stderr)
+        print(_writable(f"error: {message}"), file=sys.stderr)
+        print(_writable(f"hint: {exc.remediation}"), file=sys.stderr)
     return exc.exit_code
+
+
+def _writable(text: str) -> str:
+    """``text`` as standard error can write it whatever its encoding: a character it cannot
+    encode (a path's byte that is not UTF-8, a lone surrogate in Python) escaped."""
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
@@ -393,7 +420,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except LoaderError as exc:
         return report(exc, args)
     except OSError as exc:
-        typed = typed_os_error(exc) or _cwd_gone(exc)
+        typed = _stdout_gone(exc) or typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
@@ -406,13 +433,64 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
-        exhausted = resource_exhaustion(exc)
-        if exhausted is not None:
-            log.debug("resource exhaustion", exc_info=True)
-            return report(exhausted, args)
+        typed = resource_exhaustion(exc) or _not_text(exc, args)
+        if typed is not None:
+            log.debug("typed failure", exc_info=True)
+            return report(typed, args)
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
+    """An argument the user gave holds bytes that are not
+    UTF-8 (a name in another encoding: Python carries them as lone surrogates), and a library
+    had to write it as text (a prompt sent to a server, a URL, a JSON document): the error
+    names that argument. None when no argument holds the characters (a bug). The environment
+    variables a library reads are checked where they are read (:mod:`loader.sources.settings`)."""
+    if not isinstance(exc, UnicodeEncodeError) or exc.start >= exc.end:
+        return None
+    bad = exc.object[exc.start : exc.end]
+    given = [
+        (f"The argument {shown(v)}", v)
+        for value in vars(args).values()
+        for v in (value if isinstance(value, list | tuple) else [value])
+        if isinstance(v, str | os.PathLike)
+    ]
+    for what, value in given:
+        if bad in str(value):
+            return LoaderError(
+                f"{what} holds bytes that are not UTF-8 text, and the command must write it "
+                "as text.",
+                "Pass it as UTF-8 text (a terminal or a file in another encoding gives other "
+                "bytes; check the locale).",
+            )
+    return None
+
+
+def _stdout_gone(exc: OSError) -> LoaderError | None:
+    """Standard output's reader went away (``model-loader plan | head -1``): the write's
+    ``EPIPE`` is no bug, and no user mistake either; the exit code is the one a command
+    killed by SIGPIPE has. Only when standard output itself is the broken pipe (``POLLERR``
+    on it), not a socket to a server."""
+    if not isinstance(exc, BrokenPipeError):
+        return None
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, 0)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return None
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)  # the last flush at exit goes nowhere
+    except (AttributeError, OSError, ValueError):  # no standard output with a descriptor
+        return None
+    gone = LoaderError(
+        "Standard output was closed by its reader (a pipe into head?) before the command "
+        "finished writing it; the rest of its output was dropped.",
+        "Read the whole output; if only its start was wanted, ignore this error.",
+    )
+    gone.exit_code = EXIT_STDOUT_GONE
+    return gone
 
 
 def _cwd_gone(exc: OSError) -> LoaderError | None:
@@ -443,8 +521,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             if outcome is not None:
                 return outcome
     argv = list(argv)
+    held = next((arg for arg in argv if "\0" in arg), None)
+    if held is not None:  # no command line of a process holds one: a caller's mistake
+        return report(
+            LoaderError(
+                f"The argument {shown(held)} holds a NUL character, which no path, name or "
+                "number can hold.",
+                "Pass the argument without the NUL character.",
+            )
+        )
     parser = build_parser(commands_for(argv))
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OSError as exc:  # an argument's type looks at the file system (directory_path)
+        typed = typed_os_error(exc) or _cwd_gone(exc)
+        if typed is None:
+            raise
+        return report(typed)
     try:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:

@@ -90,12 +90,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def read_stdin() -> str:
+    """The prompt on standard input: at most the size of a request file (``< /dev/zero``
+    would fill the memory); bytes that are not UTF-8 kept for the prompt's own check."""
+    from loader.completion import REQUEST_FILE_LIMIT
+
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        raise InvalidRequestError(
+            "'-' reads the prompt from standard input, which is closed",
+            "Pass the prompt as an argument, or give the command a standard input.",
+        )
+    raw = stream.read(REQUEST_FILE_LIMIT + 1)
+    if len(raw) > REQUEST_FILE_LIMIT:
+        raise InvalidRequestError(
+            f"the prompt on standard input is longer than {REQUEST_FILE_LIMIT} bytes",
+            "Pass a shorter prompt (is standard input a device or a stream that never ends?).",
+        )
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def build_request(args: argparse.Namespace) -> dict[str, list[Any]]:
     from loader.completion import load_request
 
     request = load_request(args.request) if args.request else {}
     if args.prompt is not None:
-        request["prompt"] = [sys.stdin.read() if args.prompt == "-" else args.prompt]
+        request["prompt"] = [read_stdin() if args.prompt == "-" else args.prompt]
     if not request.get("prompt") or not request["prompt"][0]:
         raise InvalidRequestError(
             "no prompt", "Pass the prompt as an argument, '-' to read standard input, or --request."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loader.cli import nonempty_path
+from loader.cli import nonempty_path, port
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,9 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="chart value, as helm's --set (repeatable)",
     )
-    p.add_argument("--http-port", type=int, help="HTTP port (default: a free one)")
-    p.add_argument("--grpc-port", type=int, help="gRPC port (default: a free one)")
-    p.add_argument("--metrics-port", type=int, help="metrics port (default: a free one)")
+    p.add_argument("--http-port", type=port, help="HTTP port (default: a free one)")
+    p.add_argument("--grpc-port", type=port, help="gRPC port (default: a free one)")
+    p.add_argument("--metrics-port", type=port, help="metrics port (default: a free one)")
     p.add_argument(
         "--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness"
     )

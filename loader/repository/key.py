@@ -188,7 +188,9 @@ def resolve_revision(source: str, revision: str | None = None) -> str:
     if revision is None:
         revision = parsed.revision
     if revision is None:
-        return "src-" + hashlib.sha256(parsed.canonical.encode("utf-8")).hexdigest()[:10]
+        # A local path's bytes as they are on disk (a name that is not UTF-8 is still a path).
+        spelled = parsed.canonical.encode("utf-8", "surrogateescape")
+        return "src-" + hashlib.sha256(spelled).hexdigest()[:10]
     if not _REVISION.fullmatch(revision):
         raise RepositoryError(
             f"Revision {revision!r} cannot be part of a model key (a directory name).",

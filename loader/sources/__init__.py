@@ -140,7 +140,15 @@ def parse_uri(uri: str) -> SourceURI:
         raise SourceError("The source URI is empty.")
     if "://" not in uri:
         _refuse_a_mistyped_scheme(uri)
-        return SourceURI(raw=uri, scheme="file", location=_normal_path(Path(uri).expanduser()))
+        try:
+            path = Path(uri).expanduser()
+        except RuntimeError:  # ~USER of no user on this machine
+            raise SourceError(
+                f"The source {uri!r} starts with {uri.split('/', 1)[0]!r}, the home directory "
+                "of a user this machine does not have.",
+                "Write the path in full (or ~/PATH for your own home directory).",
+            ) from None
+        return SourceURI(raw=uri, scheme="file", location=_normal_path(path))
     scheme = uri.split("://", 1)[0].lower()
     parser = _PARSERS.get(scheme)
     if parser is None:
@@ -170,7 +178,13 @@ def _refuse_a_mistyped_scheme(uri: str) -> None:
 
 
 def _parse_file(uri: str) -> SourceURI:
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # a '[' or ']' in the host part: "Invalid IPv6 URL"
+        raise SourceError(
+            f"file:// URI {uri!r} does not parse ({exc}).",
+            "Write local paths as file:///absolute/path (three slashes) or as a plain path.",
+        ) from None
     if parts.netloc not in ("", "localhost"):
         raise SourceError(
             f"file:// URI {uri!r} names a host ({parts.netloc!r}).",

@@ -19,6 +19,7 @@ import stat
 import urllib.parse
 from types import ModuleType
 
+from loader.endpoint import host_problem
 from loader.errors import SourceError, SourcePermissionError, shown
 from loader.fs import kind_of
 
@@ -63,7 +64,7 @@ def _url_problem(value: str) -> str | None:
         return "it names no host"
     if port == 0:
         return "port 0 is no port"
-    return None
+    return host_problem(parts.hostname)  # None: a name a resolver can look up
 
 
 def import_hub(name: str = "huggingface_hub") -> ModuleType:

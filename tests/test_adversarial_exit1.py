@@ -1,0 +1,496 @@
+"""Generated hostile input for every command: what a user, a script or the environment hands
+``model-loader`` ends in a typed error (exit 2 with ``error:`` and ``hint:`` lines, 75 for
+what may pass), never exit 1 with a traceback ("unexpected failure (this is a bug)")."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loader.repository.key import resolve_revision
+from tests.runs import cli, run_argv
+from tests.tiers import examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+#: Bytes no UTF-8 text holds, as Python gives them from a command line (lone surrogates).
+NOT_UTF8 = os.fsdecode(b"\xff\xfe")
+
+
+def _typed(code: int, err: str, *needles: str) -> None:
+    """Exit 2 with an error and a hint, no traceback."""
+    assert code == 2, err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    assert err.startswith("error: ") and "\nhint: " in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.fixture
+def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
+    return path
+
+
+# --- a '..' below a level that does not exist ----------------------------------------------
+
+
+def _creating(command: str, source: Path, target: Path) -> list[str]:
+    """``command`` creating the directory ``target`` it writes to."""
+    return {
+        "convert OUTPUT_DIR": ["convert", str(source), str(target), "--tp-size", "1"],
+        "fetch DEST": ["fetch", str(source), str(target), "--copy"],
+    }[command]
+
+
+@pytest.mark.parametrize("command", ["convert OUTPUT_DIR", "fetch DEST"])
+@pytest.mark.parametrize("tail", [("a", "..", "b"), ("a", "b", "..", "..", "c"), ("a", "..")])
+def test_a_dotdot_below_a_missing_level_is_refused_naming_it(
+    source, tmp_path, capsys, command, tail
+):
+    """``OUT/a/../b`` with no ``OUT/a``: which directory it names is decided only once ``a``
+    exists. Before, the loader made ``a`` and then tried to create a directory named ``..``
+    (a ValueError: exit 1, a bug); now exit 2 naming the path, and nothing is created."""
+    target = tmp_path.joinpath("out", *tail)
+    code, out, err = cli(capsys, *_creating(command, source, target))
+    _typed(code, err, "'..'", str(target))
+    assert not (tmp_path / "out").exists()
+    assert out == []
+
+
+def test_a_dotdot_below_an_existing_level_is_followed(source, tmp_path, capsys):
+    """A ``..`` the file system can resolve is the path it names, as before."""
+    (tmp_path / "a").mkdir()
+    target = tmp_path / "a" / ".." / "b"
+    code, out, err = cli(capsys, "fetch", str(source), str(target), "--copy")
+    assert code == 0, err
+    assert out[-1] == str(target)
+    assert (tmp_path / "b" / "config.json").is_file()
+
+
+# --- a NUL in any argument ------------------------------------------------------------------
+
+
+def _commands(source: Path, tmp: Path) -> dict[str, list[str]]:
+    return {
+        "convert": ["convert", str(source), str(tmp / "out"), "--tp-size", "1"],
+        "fetch": ["fetch", str(source), str(tmp / "dest"), "--copy"],
+        "run": run_argv(source, tmp / "root"),
+        "prune": ["prune", "--repository", str(tmp / "root"), "--in-use", "k"],
+        "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"],
+        "complete": ["complete", "hello", "--url", "127.0.0.1:9", "--model", "m"],
+        "serve": ["serve", str(tmp / "repo"), "--set", "a=b"],
+        "tune": ["tune", "--repository", str(tmp / "repo"), "--model", "m"],
+    }
+
+
+@settings(SETTINGS, max_examples=examples(40))
+@given(data=st.data(), command=st.sampled_from(sorted(_commands(Path("s"), Path("t")))))
+def test_a_nul_in_any_argument_of_any_command_is_a_user_error(
+    source, tmp_path, capsys, data, command
+):
+    """No process's command line holds a NUL, but a caller of ``main`` (a script, scripts/bench)
+    may pass one: it reached ``os.stat`` or ``os.open`` (ValueError: exit 1) wherever a path
+    was checked last. Refused before parsing, naming the argument; nothing is written."""
+    argv = _commands(source, tmp_path)[command]
+    i = data.draw(st.integers(1, len(argv) - 1), label="argument")
+    at = data.draw(st.integers(0, len(argv[i])), label="at")
+    argv[i] = argv[i][:at] + "\0" + argv[i][at:]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "NUL", repr(argv[i]))
+    assert out == []
+    assert not {"out", "dest", "root"} & {p.name for p in tmp_path.iterdir()}
+
+
+# --- bytes that are not UTF-8 --------------------------------------------------------------
+
+
+@settings(SETTINGS, max_examples=examples(20))
+@given(
+    where=st.sampled_from(["prompt", "--model"]),
+    text=st.text(st.characters(blacklist_characters="\0-"), max_size=8),
+    raw=st.binary(min_size=1, max_size=4).filter(lambda b: not _utf8(b)),
+)
+def test_a_prompt_or_model_that_is_not_utf8_is_a_user_error(capsys, where, text, raw):
+    """``complete $'\\xff'`` (a prompt in Latin-1 from a script): the prompt is sent as UTF-8
+    text and the model name is part of a URL; both raised UnicodeEncodeError (exit 1). Now
+    exit 2 naming the argument, before any connection is tried."""
+    value = text + os.fsdecode(raw)
+    argv = ["complete", "--url", "http://127.0.0.1:9", "--timeout", "1"]
+    argv += [value, "--model", "m"] if where == "prompt" else ["hello", "--model", value]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "not UTF-8", repr(value))
+    assert out == []
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_a_local_source_whose_path_is_not_utf8_has_a_key(tmp_path):
+    """A local path is bytes: one that is not UTF-8 names a source all the same, and its key
+    hashes those bytes (before: UnicodeEncodeError, exit 1, for every such source)."""
+    one, other = os.fsdecode(b"/data/ckpt-\xff"), os.fsdecode(b"/data/ckpt-\xfe")
+    assert resolve_revision(one).startswith("src-")
+    assert resolve_revision(one) != resolve_revision(other)
+    assert resolve_revision("/data/ckpt") == resolve_revision("file:///data/ckpt")
+
+
+def test_run_of_a_local_source_whose_path_is_not_utf8_is_no_bug(source, tmp_path, capsys):
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/ckpt-\xff"))
+    source.rename(odd)
+    code, _, err = cli(capsys, *run_argv(odd, tmp_path / "root"))
+    assert code in (0, 2), err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    if code == 2:
+        assert "hint: " in err
+
+
+@pytest.mark.parametrize(
+    "uri", [f"hf://org/{NOT_UTF8}", f"gs://bucket/{NOT_UTF8}"], ids=["hf", "gs"]
+)
+def test_a_remote_uri_that_is_not_utf8_is_a_user_error(tmp_path, capsys, uri):
+    code, out, err = cli(capsys, *run_argv(uri, tmp_path / "root", "--retry-deadline", "1"))
+    _typed(code, err)
+    assert out == []
+
+
+# --- a host name no resolver takes ---------------------------------------------------------
+
+_label = st.text("abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
+#: Host names with one label empty or longer than DNS allows (63): the resolver's IDNA
+#: encoding raises UnicodeError before any lookup.
+_bad_hosts = st.builds(
+    lambda before, bad, after: ".".join([*before, bad, *after]),
+    st.lists(_label, max_size=2),
+    st.sampled_from(["", "a" * 64, "x" * 200]),
+    st.lists(_label, min_size=1, max_size=2),
+)
+
+
+@settings(SETTINGS, max_examples=examples(20))
+@given(host=_bad_hosts, form=st.sampled_from(["http://{}:8000", "{}:8001", "grpc://{}:8001"]))
+def test_complete_to_a_host_no_resolver_takes_is_a_user_error(capsys, host, form):
+    """``--url http://a..b:8000``: the HTTP client's resolver raised UnicodeError (exit 1)."""
+    code, out, err = cli(capsys, "complete", "hi", "--url", form.format(host), "--timeout", "2")
+    _typed(code, err, "empty or over 63 characters")
+    assert out == []
+
+
+@settings(SETTINGS, max_examples=examples(10))
+@given(host=_bad_hosts, variable=st.sampled_from(["HF_ENDPOINT", "STORAGE_EMULATOR_HOST"]))
+def test_an_endpoint_variable_naming_a_host_no_resolver_takes_is_a_user_error(
+    tmp_path, capsys, host, variable
+):
+    """``HF_ENDPOINT=http://a..b``: the Hub client's resolver raised UnicodeError (exit 1);
+    now refused before any request, naming the variable."""
+    uri = "hf://org/name" if variable == "HF_ENDPOINT" else "gs://bucket/x"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(variable, f"http://{host}")
+        code, out, err = cli(capsys, "fetch", uri, str(tmp_path / "d"), "--retry-deadline", "2")
+    _typed(code, err, variable, "empty or over 63 characters")
+    assert out == []
+
+
+# --- a request file of any JSON shape --------------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_entries = (
+    _json
+    | st.dictionaries(st.sampled_from(["prompt", "request_output_len", "x"]), _json, max_size=2)
+    | st.fixed_dictionaries(
+        {"prompt": st.fixed_dictionaries({"content": _json | st.just(["\ud800"]), "shape": _json})}
+    )
+)
+
+
+@settings(SETTINGS, max_examples=examples(60))
+@given(entry=_entries)
+def test_a_request_file_of_any_json_shape_is_a_user_error_or_sent(tmp_path, capsys, entry):
+    """``complete --request FILE``: a data entry that is no object, an input that holds no
+    list, or text with a lone surrogate (``"\\ud800"``, valid JSON) raised AttributeError,
+    TypeError or UnicodeEncodeError (exit 1). Every shape is now refused, naming what is
+    wrong, or sent (here to a closed port: exit 2 too)."""
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"data": [entry]}))
+    argv = ["complete", "--request", str(request), "--url", "http://127.0.0.1:9", "--timeout", "1"]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err)
+    assert out == []
+
+
+# --- the prompt on standard input ----------------------------------------------------------
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize(
+    ("stdin", "needle"),
+    [("closed", "standard input, which is closed"), ("/dev/zero", "longer than")],
+)
+def test_a_prompt_from_a_closed_or_endless_standard_input_is_a_user_error(stdin, needle):
+    """``complete - <&-``: ``sys.stdin`` is None (AttributeError, exit 1); ``complete - <
+    /dev/zero`` read until the memory ran out. Both are refused, naming standard input."""
+    command = [sys.executable, "-m", "loader", "complete", "-", "--url", "http://127.0.0.1:9"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if stdin == "closed":
+        done = subprocess.run(
+            command, stdin=None, capture_output=True, text=True, env=env, timeout=120,
+            preexec_fn=lambda: os.close(0),
+        )  # fmt: skip
+    else:
+        with open(stdin, "rb") as source:
+            done = subprocess.run(
+                command, stdin=source, capture_output=True, text=True, env=env, timeout=120
+            )
+    _typed(done.returncode, done.stderr[done.stderr.find("error: ") :], needle)
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+# --- relative paths after the working directory was deleted --------------------------------
+
+GONE_CWD = {
+    "convert OUTPUT_DIR": ["convert", "{source}", "out", "--tp-size", "1"],
+    "fetch SOURCE": ["fetch", "ckpt"],
+    "fetch DEST": ["fetch", "{source}", "dest", "--copy"],
+    "run --repository": ["run", "--source", "{source}", "--repository", "root",
+                         "--model-name", "m", "--tp-size", "1", "--pp-size", "1",
+                         "--instance-count", "1", "--backend", "python"],
+    "run --work-dir": ["run", "--source", "{source}", "--repository", "{tmp}/root",
+                       "--work-dir", "work", "--model-name", "m", "--tp-size", "1",
+                       "--pp-size", "1", "--instance-count", "1", "--backend", "python"],
+    "prune --repository": ["prune", "--repository", "root"],
+    "plan --source": ["plan", "--source", "ckpt", "--gpus-per-node", "1"],
+    "serve REPOSITORY": ["serve", "repo"],
+    "tune --work-dir": ["tune", "--repository", "{source}", "--work-dir", "work"],
+    "tune --output-dir": ["tune", "--repository", "{source}", "--output-dir", "results"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", sorted(GONE_CWD))
+def test_a_relative_path_after_the_working_directory_was_deleted_is_a_user_error(
+    source, tmp_path, capsys, monkeypatch, where
+):
+    """A Job's or a shell's working directory removed under it: ``tune --work-dir w`` checked
+    the path in its argument's type, outside the command's funnel (FileNotFoundError from
+    ``getcwd``: exit 1). Every command now says the directory is gone."""
+    argv = [a.format(source=source, tmp=tmp_path) for a in GONE_CWD[where]]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "working directory was deleted")
+    assert out == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# --- serve: ports and the log file ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", "65536", "99999999999999999999", "1.5", "x"])
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_serve_refuses_a_port_out_of_range_when_parsing(tmp_path, capsys, flag, value):
+    """``serve --http-port 65536``: the free-port check's ``bind`` raised OverflowError
+    (exit 1). Now refused with the arguments, before anything starts."""
+    with pytest.raises(SystemExit) as exited:  # argparse's error exits
+        cli(capsys, "serve", str(tmp_path), flag, value)
+    _typed(exited.value.code, capsys.readouterr().err, flag)
+
+
+@pytest.mark.server  # reaches TritonServer.start (helm template), though no server runs
+def test_serve_refuses_a_log_file_that_is_a_fifo_without_a_reader(
+    published_tiny_python_repository, tmp_path, capsys
+):
+    """``serve --log-file FIFO`` waited forever in ``open`` for a reader; now the FIFO's own
+    error (exit 2), at once."""
+    fifo = tmp_path / "log"
+    os.mkfifo(fifo)
+    repository = str(published_tiny_python_repository)
+    code, _, err = cli(capsys, "serve", repository, "--log-file", str(fifo))
+    _typed(code, err, "FIFO without a reader", str(fifo))
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+# --- a file:// URI the URL parser refuses --------------------------------------------------
+
+
+@pytest.mark.parametrize("uri", ["file://[x/ckpt", "file://;]_:?_]]a..", "file://a]b[/c"])
+@pytest.mark.parametrize("command", ["run", "fetch", "plan"])
+def test_a_file_uri_with_a_bracket_in_its_host_is_a_user_error(tmp_path, capsys, command, uri):
+    """``urlsplit`` raises ValueError ("Invalid IPv6 URL") for a '[' or ']' in the part
+    after ``file://``: exit 1 before; now the URI's typed error."""
+    argv = {
+        "run": run_argv(uri, tmp_path / "root"),
+        "fetch": ["fetch", uri, str(tmp_path / "dest"), "--copy"],
+        "plan": ["plan", "--source", uri, "--gpus-per-node", "1"],
+    }[command]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "file://")
+    assert out == []
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.server
+def test_serve_with_a_device_as_its_log_file_reports_a_failed_start(
+    published_tiny_python_repository,
+):
+    """``serve --log-file /dev/zero``: a start that failed read the log for its cause, and
+    read /dev/zero until the memory ran out (SIGKILL by the OOM killer). Only a regular file
+    is read: the start's own error, exit 2. In a subprocess under a memory limit."""
+    command = [sys.executable, "-m", "loader", "serve", str(published_tiny_python_repository),
+               "--log-file", "/dev/zero", "--startup-timeout", "0.01"]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30)),
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr[done.stderr.find("error: ") :], "not ready")
+
+
+# --- standard output's reader goes away ----------------------------------------------------
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize(
+    "argv",
+    [["plan", "--model", "gpt-j-6b", "--gpus-per-node", "8"], ["fetch", "{source}"]],
+    ids=["plan", "fetch"],
+)
+def test_a_reader_closing_standard_output_early_is_no_bug(source, argv):
+    """``model-loader plan | head -c1``: print raised BrokenPipeError (EPIPE, a bug's errno:
+    exit 1 with a traceback). Now an error line and 141, the code of a command killed by
+    SIGPIPE, as a shell pipeline expects."""
+    argv = [a.format(source=source) for a in argv]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    with os.fdopen(write, "wb") as stdout:
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "-q"], stdout=stdout, stderr=subprocess.PIPE,
+            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert done.stderr.startswith("error: Standard output was closed"), done.stderr
+    assert "\nhint: " in done.stderr
+
+
+# --- resource limits -------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["fetch", "convert"])
+def test_a_file_size_limit_is_named_as_the_limit(source, tmp_path, command):
+    """Under ``ulimit -f`` a write past the limit fails with EFBIG (Python ignores SIGXFSZ):
+    the hint said the file was "far larger than a file of its kind can be". It names the
+    process's limit and how to raise it (exit 2), and leaves nothing behind."""
+    out = tmp_path / "out"
+    argv = {"fetch": ["fetch", str(source), str(out), "--copy"],
+            "convert": ["convert", str(source), str(out), "--tp-size", "1"]}[command]  # fmt: skip
+    limit = 64 * 1024
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr, "ulimit -f", f"({limit} bytes")
+    assert done.stdout == ""
+
+
+# --- any hostile value for any option ------------------------------------------------------
+
+#: Values libraries refuse: numbers out of every range, text that is no number, control
+#: characters, bytes that are not UTF-8, a very long string.
+HOSTILE = ["", " ", "0", "-1", "99999999999999999999999", "nan", "inf", "-inf", "1e308",
+           "1e-320", "1.5", "0x10", "1_000", "\uff19", "a\nb", "\x1b[2J", "A" * 5000, NOT_UTF8,
+           "..", "gs://", "hf://", "s3://x/y", "file:", "gs://b/../x", "hf://a/../b",
+           "hf://org/name@", "file://host/x", "gs://bucket:99999/x"]  # fmt: skip
+
+
+def _options(source: Path, tmp: Path) -> dict[str, list[str]]:
+    """Each command with every option it takes given (a value of each may be replaced)."""
+    return {
+        "convert": ["convert", str(source), str(tmp / "out"), "--tp-size", "1", "--pp-size", "1",
+                    "--dtype", "fp16", "--workers", "1"],
+        "fetch": ["fetch", str(source), str(tmp / "dest"), "--copy", "--workers", "1",
+                  "--retry-deadline", "2", "--slice-mib", "1"],
+        "prune": ["prune", "--repository", str(tmp / "root"), "--keep", "1", "--in-use", "k",
+                  "--lock-expiry-s", "5"],
+        "plan": ["plan", "--n-embd", "256", "--n-layer", "2", "--n-head", "4", "--vocab-size",
+                 "320", "--n-inner", "1024", "--n-positions", "64", "--tp-size", "1",
+                 "--pp-size", "1", "--instance-count", "1", "--gpus-per-node", "1",
+                 "--replicas-per-node", "1", "--gpus-per-replica", "1", "--gpu-memory-gib", "16",
+                 "--max-batch-size", "8", "--max-sequence-length", "64"],
+        "complete": ["complete", "hi", "--url", "http://127.0.0.1:9", "--model", "m",
+                     "--max-tokens", "4", "--temperature", "1", "--top-k", "1", "--top-p", "0.5",
+                     "--seed", "1", "--timeout", "1"],
+    }  # fmt: skip
+
+
+@settings(SETTINGS, max_examples=examples(80))
+@given(data=st.data(), command=st.sampled_from(sorted(_options(Path("s"), Path("t")))))
+def test_any_hostile_value_of_any_option_is_never_a_bug(
+    source, tmp_path, capsys, monkeypatch, data, command
+):
+    """The generated form of this module's cases: whatever value one argument of a command
+    takes, the command ends in 0, a typed error (2, 75) or argparse's refusal (2), never
+    exit 1 with a traceback. A relative value is a path below this test's own directory."""
+    cwd = tmp_path / "cwd" / "here"
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    argv = _options(source, tmp_path)[command]
+    values = [i for i, a in enumerate(argv) if i > 0 and not a.startswith("--")]
+    i = data.draw(st.sampled_from(values), label="argument")
+    argv[i] = data.draw(st.sampled_from(HOSTILE), label="value")
+    try:
+        code, _, err = cli(capsys, *argv)
+    except SystemExit as exited:  # argparse refused it
+        code, err = exited.code, capsys.readouterr().err
+    assert code in (0, 2, 75), err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    if code:
+        assert "hint: " in err, err
+
+
+@pytest.mark.parametrize("command", ["run", "fetch", "plan"])
+def test_a_source_under_the_home_of_no_such_user_is_a_user_error(tmp_path, capsys, command):
+    """``--source ~nosuchuser/ckpt``: expanding the user's home raised RuntimeError ("Could
+    not determine home directory": exit 1); now the source's typed error naming it."""
+    uri = "~no-such-user-here/ckpt"
+    argv = {
+        "run": run_argv(uri, tmp_path / "root"),
+        "fetch": ["fetch", uri],
+        "plan": ["plan", "--source", uri, "--gpus-per-node", "1"],
+    }[command]
+    code, out, err = cli(capsys, *argv)
+    _typed(code, err, "'~no-such-user-here'", "does not have")
+    assert out == []
+    assert list(tmp_path.iterdir()) == []
