@@ -25,6 +25,7 @@ make a download land outside it.
 from __future__ import annotations
 
 import base64
+import errno
 import logging
 import os
 import secrets
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loader import fs
-from loader.errors import InsufficientDiskSpaceError, SourceError, shown
+from loader.errors import DirectoryRemovedError, InsufficientDiskSpaceError, SourceError, shown
 from loader.fs import Dir
 from loader.progress import human_bytes
 
@@ -50,6 +51,9 @@ PARTIAL_DIR = ".partial"
 #: Bytes kept free beyond what a download needs (file-system metadata, logs).
 DISK_MARGIN = 64 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
+#: What removing a directory a walk emptied may meet when another process works beside it: a
+#: file put into it (not empty), or the directory removed already.
+_EMPTIED_MEANWHILE = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT)
 
 
 #: A download's answer that delivers fewer than :data:`STALL_BYTES` in :data:`STALL_S` seconds
@@ -221,8 +225,7 @@ def _partials(d: Dir, keep: object, foreign: list[str] | None = None, depth: int
         elif tag is None and d.is_dir(name):
             inner: list[str] | None = None if foreign is None else []
             with d.sub(name) as sub:
-                if _partials(sub, keep, inner, depth + 1):
-                    d.rmdir(name)
+                if _partials(sub, keep, inner, depth + 1) and _rmdir_emptied(d, name):
                     continue
             if foreign is not None and inner is not None:
                 foreign.extend(f"{name}/{n}" for n in inner)
@@ -231,9 +234,22 @@ def _partials(d: Dir, keep: object, foreign: list[str] | None = None, depth: int
             if tag is None and foreign is not None:
                 foreign.append(name)
             empty = False
-        else:
-            d.remove_tree(name)
+        elif d.remove_tree(name):  # a link or FIFO at a gone owner's name: someone else's, kept
+            empty = False
     return empty
+
+
+def _rmdir_emptied(d: Dir, name: str) -> bool:
+    """Remove the directory ``name`` of ``d`` that a walk just emptied; whether it is gone.
+    Another fetch into the same DEST may put its partial file there meanwhile, or remove the
+    directory first: neither is a failure (what it put there stays, with the directory)."""
+    try:
+        d.rmdir(name)
+    except OSError as exc:
+        if isinstance(exc, DirectoryRemovedError) or exc.errno not in _EMPTIED_MEANWHILE:
+            raise
+        return exc.errno == errno.ENOENT
+    return d.lstat(name) is None
 
 
 def clear_partials(dest: Path) -> None:
@@ -257,7 +273,7 @@ def clear_partials(dest: Path) -> None:
         with d.sub(PARTIAL_DIR) as sub:
             empty = _partials(sub, keep, foreign)
         if empty:
-            d.rmdir(PARTIAL_DIR)
+            _rmdir_emptied(d, PARTIAL_DIR)
         elif foreign:
             log.warning(
                 "%s holds %d entr%s this loader did not write (%s), left in place: remove "
@@ -286,7 +302,7 @@ def remove_own_partials_in(d: Dir) -> None:
     with d.sub(PARTIAL_DIR) as sub:
         empty = _partials(sub, lambda tag: tag != ours)
     if empty:
-        d.rmdir(PARTIAL_DIR)
+        _rmdir_emptied(d, PARTIAL_DIR)
 
 
 def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = True) -> None:
