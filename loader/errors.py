@@ -389,6 +389,26 @@ class NotOursError(RepositoryError):
         )
 
 
+class InTheWayError(NotOursError):
+    """Names a command is about to put its files at hold what it did not write there (a
+    user's file whose bytes differ from the source's, a link, a directory): found before
+    anything is written, named all at once, and never replaced."""
+
+    def __init__(self, found: list[str], where: Path | str) -> None:
+        self.path = Path(where)
+        self.found = list(found)
+        listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        many = len(found) > 1
+        RepositoryError.__init__(
+            self,
+            f"{listed} under {shown(where)}: the loader would put its file{'s' if many else ''} "
+            f"there, but it did not write what stands there now, and it never replaces what it "
+            "did not write (nothing was written).",
+            f"Move {'them' if many else 'it'} away (or point {write_targets()} at another "
+            "directory), then run again.",
+        )
+
+
 # --- the file system ----------------------------------------------------------------------
 
 

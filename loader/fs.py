@@ -1266,6 +1266,13 @@ class Dir:
             raise
         return fd
 
+    def replaceable(self, name: str) -> bool:
+        """Whether the loader may put a file of its own at ``name`` (a rename with
+        ``how="replace"``): nothing is there, or a regular file it may replace (in a marked
+        tree: one its record names)."""
+        found = self.lstat(name)
+        return found is None or (stat.S_ISREG(found.st_mode) and self._made_by_loader(name, found))
+
     def regular_size(self, name: str) -> int | None:
         """The size of the regular file ``name``; None when nothing is there, or something
         else (a link, a directory, a FIFO)."""

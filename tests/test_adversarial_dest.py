@@ -7,6 +7,7 @@ never with a traceback."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,66 @@ def test_a_partial_directory_another_fetch_fills_while_it_is_removed_stays(
             assert other.read_bytes() == b"the other fetch's bytes\n"
         else:
             assert not (dest / PARTIAL_DIR).exists()
+
+
+# --- what stands at a name the fetch writes: refused before anything is written ---------------
+
+
+def test_an_earlier_loaders_dest_whose_source_changed_is_refused_before_anything_is_copied(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """DEST fetched by a loader that kept no record (its files are no fetch's as far as the
+    record tells), the source changed since. Before: the files sorting before the changed one
+    were copied, then the fetch stopped at it (and a gs:// or hf:// fetch downloaded it whole
+    first). Now the fetch names every such file and writes nothing."""
+    source = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source)
+    dest = tmp_path / "dest"
+    shutil.copytree(source, dest)  # what the earlier loader left: the files, no record
+    (source / "config.json").write_text((source / "config.json").read_text() + "\n")
+    (source / "added.txt").write_text("new in the source\n")
+    (dest / "tokenizer.json").write_text("the user's own\n")
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+
+    code, err = _fetch_copy(capsys, source, dest)
+    assert code == 2, err
+    assert "Traceback" not in err
+    error = next(line for line in err.splitlines() if line.startswith("error:"))
+    assert "config.json" in error and "tokenizer.json" in error
+    assert "hint:" in err and "DEST" in err and "--" not in err.split("hint:")[1]
+    assert {p.name: p.read_bytes() for p in dest.iterdir() if p.name in before} == before
+    assert not (dest / "added.txt").exists() and not (dest / PARTIAL_DIR).exists()
+
+
+@pytest.fixture(scope="module")
+def gcs_server(tmp_path_factory):
+    from tests.servers import GcsServer
+
+    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.server
+def test_a_gs_fetch_refuses_what_stands_at_an_objects_name_before_downloading_it(
+    gcs_server, tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch
+):
+    """Before: the whole object was downloaded into ``.partial``, then its rename into place
+    refused; now nothing is downloaded."""
+    from loader.errors import InTheWayError
+    from loader.sources import fetch
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
+    gcs_server.upload_dir("models", "org/tiny", tiny_checkpoint_with_tokenizer)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "model.safetensors").write_bytes(b"the user's\n")
+    (dest / "tokenizer.json").mkdir()
+    with pytest.raises(InTheWayError) as info:
+        fetch("gs://models/org/tiny", dest)
+    assert "model.safetensors" in info.value.message and "tokenizer.json" in info.value.message
+    assert (dest / "model.safetensors").read_bytes() == b"the user's\n"
+    assert sorted(p.name for p in dest.iterdir() if not p.name.startswith(fs.MARKER_PREFIX)) == [
+        "model.safetensors",
+        "tokenizer.json",
+    ]

@@ -82,6 +82,7 @@ from loader.sources.transfer import (
     mark_dest,
     md5_of,
     own_partial,
+    refuse_what_is_in_the_way,
     remove_own_partials,
     safe_path,
 )
@@ -678,22 +679,25 @@ def _fetch_into(
     present: list[tuple[str, Path]] = []
     files = [_relpath(uri, blob.name) for blob in blobs]
     _check_layout(uri, files)
+    todo: list[tuple[Any, str]] = []
     for blob, rel in zip(blobs, files, strict=True):
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
             continue
-        final = dest / rel
         if _verified(dirs.top, rel, blob):
-            log.debug("already present and verified: %s", final)
-            present.append((rel, final))
+            log.debug("already present and verified: %s", dest / rel)
+            present.append((rel, dest / rel))
             continue
-        mark_dest(dirs.top)  # before its first partial file (once): what it makes is recorded
-        partial = own_partial(dest, f"{rel}.{blob.generation}")
+        todo.append((blob, rel))
+    if todo:
+        mark_dest(dirs.top)  # before its first partial file: what it makes is recorded
+        refuse_what_is_in_the_way(dirs.top, [rel for _, rel in todo])
+    for blob, rel in todo:
         objects.append(
             _Object(
                 blob=blob,
                 rel=rel,
-                final=final,
-                partial=partial,
+                final=dest / rel,
+                partial=own_partial(dest, f"{rel}.{blob.generation}"),
                 slices=_slices(int(blob.size or 0), slice_bytes),
             )
         )

@@ -90,6 +90,7 @@ from loader.sources.transfer import (
     adopt_in,
     ensure_disk_space,
     mark_dest,
+    refuse_what_is_in_the_way,
     remove_own_partials_in,
 )
 
@@ -800,6 +801,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                 hooks.arrived(rel, dest / rel)
         if missing:
             mark_dest(target)  # before its first download: what it creates is recorded
+            refuse_what_is_in_the_way(target, ["/".join(names[f]) for f in missing])
             headers = build_hf_headers(token=token)
             headers["Accept-Encoding"] = "identity"  # the bytes as listed, resumable by range
             hub = _Hub(uri.location, commit, endpoint, headers, threading.Event())

@@ -39,6 +39,7 @@ from loader.sources.transfer import (
     enter_parent,
     mark_dest,
     place,
+    refuse_what_is_in_the_way,
     remove_own_partials,
     temporary_download,
 )
@@ -218,6 +219,7 @@ def _copy(
     if todo:
         with Dir.open(dest) as d:
             mark_dest(d)  # before its first copy: what it creates is recorded
+            refuse_what_is_in_the_way(d, todo)
     log.info("copying %s of %s files from %s to %s", len(todo), len(files), root, dest)
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:

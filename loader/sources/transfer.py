@@ -31,13 +31,19 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from loader import fs
-from loader.errors import DirectoryRemovedError, InsufficientDiskSpaceError, SourceError, shown
+from loader.errors import (
+    DirectoryRemovedError,
+    InsufficientDiskSpaceError,
+    InTheWayError,
+    SourceError,
+    shown,
+)
 from loader.fs import Dir
 from loader.progress import human_bytes
 
@@ -104,6 +110,37 @@ def mark_dest(d: Dir) -> None:
     such a tree already. Called once the fetch knows it will write (after its checks: a fetch
     refused before that leaves DEST as it was)."""
     d.mark_in_place(FETCH_MARKER, "model-loader fetch")
+
+
+def refuse_what_is_in_the_way(top: Dir, rels: Iterable[str]) -> None:
+    """Before a fetch writes anything but its record: every name it will put a file at
+    (``rels``, below DEST open as ``top``, marked: :func:`mark_dest`) is free or holds a file
+    a fetch wrote. What else stands there (a user's file whose bytes differ from the
+    source's, a link, a directory, a file where a directory belongs) would stop the fetch only
+    once that file was downloaded, or copied: an :class:`InTheWayError` naming them all, now."""
+    found = [what for rel in rels if (what := _in_the_way(top, rel)) is not None]
+    if found:
+        raise InTheWayError(found, top.path)
+
+
+def _in_the_way(top: Dir, rel: str) -> str | None:
+    """What stands where a fetch would put ``rel`` below ``top`` (or one of its
+    directories), named for a message; None when nothing does."""
+    *levels, name = _names(rel)
+    d = top.enter(())
+    try:
+        for level in levels:
+            found = d.lstat(level)
+            if found is None:
+                return None
+            if not stat.S_ISDIR(found.st_mode):
+                return f"{shown(d.path / level)} ({fs.kind_of(found.st_mode)})"
+            d = d.walk_in((level,))
+        if d.replaceable(name):
+            return None
+        return f"{shown(d.path / name)} ({d.kind(name)})"
+    finally:
+        d.close()
 
 
 def safe_path(dest: Path, relpath: str) -> Path:
