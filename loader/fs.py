@@ -373,6 +373,11 @@ MAX_TREE_DEPTH = 64
 MAX_NAME_LEVELS = 32
 
 
+#: The temporary name of a record :meth:`Dir.mark_in_place` writes whole before it links it
+#: into place: ``<MADE>.<owner>.<8 hex digits>.tmp``.
+_MARKING_TMP = re.compile(re.escape(MADE) + r"\.(\d+-[0-9a-f]{8})\.[0-9a-f]{8}\.tmp")
+
+
 def _marker_name(name: str) -> bool:
     """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the
     record's own): a record's first line naming any other file (rewritten) names no marker."""
@@ -1013,7 +1018,10 @@ class Dir:
         unrecorded: someone else's, never replaced or removed; what the loader creates here
         from now on is recorded, and only that is ever replaced or removed. Nothing to do in
         a marked tree already (a run's download directory). A record a stop left before its
-        marker is taken up; anything else at either name is a :class:`NotOursError`."""
+        marker is taken up; anything else at either name is a :class:`NotOursError`. What a
+        loader stopped while it marked this directory left is removed first
+        (:meth:`_clear_stopped_marking`)."""
+        self._clear_stopped_marking(marker)
         if self.made is not None:
             return
         if self.lstat(MADE) is None:
@@ -1045,6 +1053,27 @@ class Dir:
         there = self.lstat(marker)
         if there is None or not stat.S_ISREG(there.st_mode):
             raise self.not_ours(marker, "the loader's marker file")
+
+    def _clear_stopped_marking(self, marker: str) -> None:
+        """Remove the temporary records (``<MADE>.<owner>.<hex>.tmp``) that loaders of this
+        host, gone now, left here when they were stopped inside :meth:`mark_in_place`: each
+        told by its content, a beginning of the very record that loader wrote into that file
+        (it names the file's own inode). Any other file of such a name is someone else's."""
+        for name in self.names():
+            match = _MARKING_TMP.fullmatch(name)
+            if match is None or not owner_gone(match[1]):
+                continue
+            found = self.lstat(name)
+            if found is None or not stat.S_ISREG(found.st_mode) or found.st_size > 4096:
+                continue
+            try:
+                data = self.read(name, limit=4096)
+            except (NotOursError, OSError):
+                continue
+            whole = made_header(marker) + made_line((MADE,), found)
+            if data is not None and whole.startswith(data):
+                log.info("removing %s: a loader stopped while it marked this directory", name)
+                self._unlink_own(name)
 
     def unfinished_marked(
         self, prefix: str, marker: str, owner_line: str, *, idle_s: float

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,50 @@ def test_a_gs_fetch_refuses_what_stands_at_an_objects_name_before_downloading_it
         "model.safetensors",
         "tokenizer.json",
     ]
+
+
+# --- killed and run again ---------------------------------------------------------------------
+
+#: Runs ``model-loader ARGS...`` and kills itself (SIGKILL) at the first call of the loader's
+#: file-system seam whose operation is ``OP`` and whose path holds ``PART``.
+_KILLED_AT = """
+import os, signal, sys
+from loader import fs
+from loader.cli import main
+op, part, *args = sys.argv[1:]
+def hook(called, path):
+    if called == op and part in path:
+        os.kill(os.getpid(), signal.SIGKILL)
+with fs.inject(hook):
+    sys.exit(main(args))
+"""
+
+
+@pytest.mark.parametrize("op", ["write", "fsync", "link", "unlink"])
+def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_rerun(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, op
+):
+    """Before: a fetch killed between writing its record under a temporary name and removing
+    that name left ``DEST/.model-loader-made.<owner>.<hex>.tmp`` for good (no rerun removed
+    it). Now a rerun removes a gone owner's temporary record, told by its content; a user's
+    file of such a name holding anything else stays."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    args = ["fetch", "--copy", str(tiny_checkpoint_with_tokenizer), str(dest)]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT, op, f"{fs.MADE}.", *args],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert list(dest.glob(f"{fs.MADE}.*.tmp"))  # it left one
+    users = dest / f"{fs.MADE}.{GONE}.0badcafe.tmp"
+    users.write_text("a user's\n")
+
+    code, err = _fetch_copy(capsys, tiny_checkpoint_with_tokenizer, dest)
+    assert code == 0, err
+    _same_files(tiny_checkpoint_with_tokenizer, dest)
+    assert [p.name for p in dest.glob(f"{fs.MADE}.*")] == [users.name]
+    assert users.read_text() == "a user's\n"
