@@ -1532,9 +1532,25 @@ class Dir:
                 return
             if found is not None:
                 self._record(name, found, gone=True)
+        else:
+            found = None
         _seam("rmdir", self.path / name)
-        with self._naming(self.path / name):
-            os.rmdir(_component(name), dir_fd=self.fd)
+        try:
+            with self._naming(self.path / name):
+                os.rmdir(_component(name), dir_fd=self.fd)
+        except OSError:
+            if found is not None:
+                self._still_there(name, found)
+            raise
+
+    def _still_there(self, name: str, found: os.stat_result) -> None:
+        """Record again the directory ``name`` (``found``: its ``lstat`` before) whose removal,
+        recorded as about to happen, failed (another process put something into it): it is
+        still the loader's, whatever its change time becomes."""
+        with contextlib.suppress(OSError):
+            now = self.lstat(name)
+            if now is not None and now.st_ino == found.st_ino and stat.S_ISDIR(now.st_mode):
+                self._record(name, now)
 
     def remove_tree(self, name: str) -> list[Path]:
         """Remove ``name`` and everything below it, relative to descriptors, never following a
@@ -1659,9 +1675,13 @@ class Dir:
             return kept
         if not ours:
             return [(self.path / name, "a directory")]
-        if forget:
-            self._record(name, found, gone=True)
-        return self._rmdir_emptied(name)
+        if not forget:
+            return self._rmdir_emptied(name)
+        self._record(name, found, gone=True)
+        kept = self._rmdir_emptied(name)
+        if kept:  # filled meanwhile: still the loader's directory
+            self._still_there(name, found)
+        return kept
 
     def _rmdir_emptied(self, name: str) -> list[tuple[Path, str]]:
         """Remove the directory ``name`` a removal has just emptied; one someone put something

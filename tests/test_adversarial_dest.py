@@ -61,7 +61,7 @@ def test_a_link_or_fifo_at_a_stopped_fetchs_partial_name_stays_and_the_fetch_fin
     assert os.path.lexists(planted)
 
 
-def test_a_partial_directory_another_fetch_fills_while_it_is_removed_stays(
+def test_a_partial_directory_another_fetch_fills_while_it_is_removed_stays_the_loaders(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):
     """Two fetches into one DEST: one removes ``.partial`` once its own files are gone just
@@ -85,6 +85,12 @@ def test_a_partial_directory_another_fetch_fills_while_it_is_removed_stays(
         _same_files(tiny_checkpoint_with_tokenizer, dest)
         if race == "fills":
             assert other.read_bytes() == b"the other fetch's bytes\n"
+            # The other fetch is done with it: ``.partial`` is still the loader's, and goes
+            # (before: the removal recorded, then failed, lost it: kept as someone else's).
+            other.unlink()
+            code, err = _fetch_copy(capsys, tiny_checkpoint_with_tokenizer, dest)
+            assert code == 0, err
+            assert not (dest / PARTIAL_DIR).exists(), err
         else:
             assert not (dest / PARTIAL_DIR).exists()
 
