@@ -203,3 +203,29 @@ def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_r
     _same_files(tiny_checkpoint_with_tokenizer, dest)
     assert [p.name for p in dest.glob(f"{fs.MADE}.*")] == [users.name]
     assert users.read_text() == "a user's\n"
+
+
+def test_a_partial_directory_another_fetch_removes_before_the_file_is_made_is_made_again(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Two fetches into one DEST: one removes ``.partial/sub`` (empty: it is done) just after
+    the other entered it to create its partial file there. Before: the other stopped with
+    exit 75, saying another process (a user, a script) removed it; now it makes it again."""
+    source = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, source)
+    (source / "sub" / "deep").mkdir(parents=True)
+    (source / "sub" / "deep" / "notes.txt").write_text("nested\n")
+    dest = tmp_path / "dest"
+    removed: list[str] = []
+
+    def hook(op: str, path: str) -> None:
+        if op == "open" and "/.partial/sub/deep/notes.txt." in path and not removed:
+            removed.append(path)
+            os.rmdir(os.path.dirname(path))  # empty: the file is not made yet
+
+    with fs.inject(hook):
+        code, err = _fetch_copy(capsys, source, dest)
+    assert removed, "the race was not run"
+    assert code == 0, err
+    assert (dest / "sub" / "deep" / "notes.txt").read_text() == "nested\n"
+    assert not (dest / PARTIAL_DIR).exists()

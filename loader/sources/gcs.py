@@ -75,6 +75,7 @@ from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
     adopt_in,
+    beside_other_fetches,
     crc32c_combine,
     crc32c_of,
     crc32c_text,
@@ -427,6 +428,7 @@ def _prepare(obj: _Object, dest: Path, dirs: _Dirs) -> None:
     read its journal, or start an empty partial file and journal."""
     rel = obj.partial.relative_to(dest).as_posix()
     safe_path(dest, rel)  # a link or file on the way: a SourceError saying so
+    dirs.drop_removed(rel)  # (tried again: another fetch removed it meanwhile)
     obj.where = dirs.get(rel)
     d = obj.d
     adopt_in(d, obj.name, companions=(".slices",))
@@ -454,6 +456,17 @@ class _Dirs:
             if found is None:
                 found = self._open[parents] = self.top.enter(parents)
             return found
+
+    def drop_removed(self, rel: str) -> None:
+        """Forget the open directory holding ``rel`` if it was removed since it was opened
+        (another fetch into the same DEST removed it empty): the next :meth:`get` opens it
+        anew."""
+        parents = tuple(rel.split("/")[:-1])
+        with self._lock:
+            found = self._open.get(parents)
+            if found is not None and found.stat().st_nlink == 0:
+                found.close()
+                del self._open[parents]
 
     def close(self) -> None:
         for d in self._open.values():
@@ -704,7 +717,7 @@ def _fetch_into(
     total = sum(int(b.size or 0) for b in blobs)
     objects.sort(key=lambda obj: (obj.size > slice_bytes, obj.rel))
     for obj in objects:
-        _prepare(obj, dest, dirs)
+        beside_other_fetches(dest, lambda obj=obj: _prepare(obj, dest, dirs))
     needed = sum(obj.size - obj.resumed for obj in objects)
     if options.check_disk_space:
         ensure_disk_space(dest, needed, what=uri.raw)

@@ -31,10 +31,10 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from loader import fs
 from loader.errors import (
@@ -48,6 +48,7 @@ from loader.fs import Dir
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: What a partial download never is (the loader makes only files and directories): found at a
 #: gone owner's name, it is left as it is, never taken over.
@@ -141,6 +142,30 @@ def _in_the_way(top: Dir, rel: str) -> str | None:
         return f"{shown(d.path / name)} ({d.kind(name)})"
     finally:
         d.close()
+
+
+#: How many times a step that creates a partial file is tried when another fetch into the same
+#: DEST removed the partial directory it had entered (that fetch found it empty: this one had
+#: not created its file there yet).
+PARTIAL_TRIES = 3
+
+
+def beside_other_fetches(dest: Path, step: Callable[[], T]) -> T:
+    """``step()`` (which creates a partial file under ``dest``'s partial directory), tried
+    again when a directory under ``.partial`` it had entered was removed meanwhile: another
+    fetch into the same DEST removes what it found empty there when it is done, which is no
+    failure of this one. A directory removed elsewhere is the error it is."""
+    partials = Path(dest) / PARTIAL_DIR
+    for attempt in range(1, PARTIAL_TRIES + 1):
+        try:
+            return step()
+        except DirectoryRemovedError as exc:
+            if attempt == PARTIAL_TRIES or not (
+                exc.directory == partials or partials in exc.directory.parents
+            ):
+                raise
+            log.info("%s was removed by another fetch meanwhile: trying again", exc.directory)
+    raise AssertionError("unreachable")
 
 
 def safe_path(dest: Path, relpath: str) -> Path:
