@@ -116,7 +116,12 @@ class UnsupportedArchitectureError(CheckpointError):
 class OutputExistsError(LoaderError):
     """The output directory already holds a converted checkpoint for this tensor-parallel size."""
 
-    default_remediation = "Pass --force to replace it, or choose another output directory."
+    def __init__(self, message: str, remediation: str | None = None) -> None:
+        super().__init__(
+            message,
+            remediation
+            or f"Pass --force to replace it, or point {write_targets()} at another directory.",
+        )
 
 
 class DtypeError(LoaderError):

@@ -229,3 +229,23 @@ def test_a_partial_directory_another_fetch_removes_before_the_file_is_made_is_ma
     assert code == 0, err
     assert (dest / "sub" / "deep" / "notes.txt").read_text() == "nested\n"
     assert not (dest / PARTIAL_DIR).exists()
+
+
+# --- convert's OUTPUT_DIR -----------------------------------------------------------------------
+
+
+def test_a_conversion_that_exists_already_is_refused_with_a_hint_naming_output_dir(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Before: the hint said "choose another output directory", naming no argument of the
+    command; now it names OUTPUT_DIR (and the one option that replaces it)."""
+    out = tmp_path / "out"
+    args = ["convert", str(tiny_checkpoint_with_tokenizer), str(out), "--tp-size", "1"]
+    assert main(args) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in (out / "1-gpu").iterdir()}
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    hint = next(line for line in err.splitlines() if line.startswith("hint:"))
+    assert "OUTPUT_DIR" in hint and "--force" in hint, err
+    assert {p.name: p.read_bytes() for p in (out / "1-gpu").iterdir()} == before
