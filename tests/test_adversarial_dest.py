@@ -249,3 +249,44 @@ def test_a_conversion_that_exists_already_is_refused_with_a_hint_naming_output_d
     hint = next(line for line in err.splitlines() if line.startswith("hint:"))
     assert "OUTPUT_DIR" in hint and "--force" in hint, err
     assert {p.name: p.read_bytes() for p in (out / "1-gpu").iterdir()} == before
+
+
+# --- what a killed fetch left, when the rerun finds everything present ---------------------------
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("scheme", ["gs", "hf"])
+def test_a_rerun_that_finds_every_file_present_removes_what_a_killed_fetch_left(
+    gcs_server, tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch, scheme
+):
+    """A fetch killed after its last file was in place, before it removed its partial files
+    (an hf:// fetch's staging directory ``.partial/hf.<owner>``, a gs:// partial file): the
+    rerun has nothing to download. Before: it never looked at ``.partial``, which stayed for
+    good; now what gone owners of this host left there goes (what others put there stays)."""
+    from loader.sources import fetch
+    from tests.leftovers import left_by_a_fetch
+    from tests.servers import ForgedHub
+
+    files = {p.name: p.read_bytes() for p in tiny_checkpoint_with_tokenizer.iterdir()}
+    dest = tmp_path / "dest"
+    hub = ForgedHub().start()
+    try:
+        if scheme == "hf":
+            hub.add("org/tiny", files)
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            uri, left = "hf://org/tiny", f"{PARTIAL_DIR}/hf.{GONE}/model.safetensors.incomplete"
+        else:
+            monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
+            gcs_server.upload_dir("models", "left/tiny", tiny_checkpoint_with_tokenizer)
+            uri, left = "gs://models/left/tiny", f"{PARTIAL_DIR}/model.safetensors.1.{GONE}"
+        fetch(uri, dest)
+        left_by_a_fetch(dest, left, b"half a download")
+        others = dest / PARTIAL_DIR / "someone-elses.txt"
+        others.write_text("not the loader's\n")
+        result = fetch(uri, dest)
+    finally:
+        hub.stop()
+    assert result.downloaded_bytes == 0
+    assert not (dest / left).exists()
+    assert others.read_text() == "not the loader's\n"
+    assert {name: (dest / name).read_bytes() for name in files} == files

@@ -76,6 +76,7 @@ from loader.sources.transfer import (
     Pace,
     adopt_in,
     beside_other_fetches,
+    clear_partials,
     crc32c_combine,
     crc32c_of,
     crc32c_text,
@@ -736,6 +737,8 @@ def _fetch_into(
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
         _run(objects, funnel, progress, workers, dest, dirs, hooks, abandoned)
     remove_own_partials(dest)
+    if options.hooks is None:  # all of it fetched: what stopped runs left, nothing resumes now
+        clear_partials(dest)
     return FetchResult(
         path=dest,
         revision=_revision(blobs),

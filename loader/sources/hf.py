@@ -88,6 +88,7 @@ from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
     adopt_in,
+    clear_partials,
     ensure_disk_space,
     mark_dest,
     refuse_what_is_in_the_way,
@@ -813,6 +814,8 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                         uri, hub, remote, names, missing, staging, target, funnel, options
                     )
             remove_own_partials_in(target)
+    if options.hooks is None:  # all of it fetched: what stopped runs left, nothing resumes now
+        clear_partials(dest)
     return FetchResult(
         path=dest,
         revision=commit,
