@@ -1295,6 +1295,17 @@ class Dir:
             raise
         return fd
 
+    def owns(self, name: str) -> bool:
+        """Whether ``name`` is a regular file or directory the loader made, so that it may move,
+        replace or remove it: outside a marked tree any such entry (only what a caller found
+        in the loader's own place is asked about); inside one, only what its record names."""
+        found = self.lstat(name)
+        return (
+            found is not None
+            and (stat.S_ISREG(found.st_mode) or stat.S_ISDIR(found.st_mode))
+            and self._made_by_loader(name, found)
+        )
+
     def replaceable(self, name: str) -> bool:
         """Whether the loader may put a file of its own at ``name`` (a rename with
         ``how="replace"``): nothing is there, or a regular file it may replace (in a marked

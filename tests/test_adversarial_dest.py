@@ -290,3 +290,31 @@ def test_a_rerun_that_finds_every_file_present_removes_what_a_killed_fetch_left(
     assert not (dest / left).exists()
     assert others.read_text() == "not the loader's\n"
     assert {name: (dest / name).read_bytes() for name in files} == files
+
+
+@pytest.mark.server
+def test_a_stopped_download_no_fetch_recorded_is_not_taken_over_and_the_fetch_finishes(
+    tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch
+):
+    """At a gone owner's staging name (``.partial/hf.<owner>``) stands what DEST's record does
+    not name: a DEST of a loader that kept no record, killed mid-download, or a user's files.
+    Before: the fetch took it over (a rename), which the record refused: exit 2 at every run,
+    for good. Now it is no partial download of a fetch's: left as it is, the file downloaded
+    anew."""
+    from loader.sources import fetch
+    from tests.servers import ForgedHub
+
+    files = {p.name: p.read_bytes() for p in tiny_checkpoint_with_tokenizer.iterdir()}
+    dest = tmp_path / "dest"
+    planted = dest / PARTIAL_DIR / f"hf.{GONE}" / "model.safetensors.incomplete"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"an earlier loader's half download")
+    hub = ForgedHub().start()
+    try:
+        hub.add("org/tiny", files)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        fetch("hf://org/tiny", dest)
+    finally:
+        hub.stop()
+    assert {name: (dest / name).read_bytes() for name in files} == files
+    assert planted.read_bytes() == b"an earlier loader's half download"

@@ -50,9 +50,6 @@ from loader.progress import human_bytes
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: What a partial download never is (the loader makes only files and directories): found at a
-#: gone owner's name, it is left as it is, never taken over.
-LEFT_ALONE = ("a symbolic link", "a FIFO", "a socket", "a device", "a special file")
 #: Directory under DEST that holds downloads in progress.
 PARTIAL_DIR = ".partial"
 #: Bytes kept free beyond what a download needs (file-system metadata, logs).
@@ -261,8 +258,13 @@ def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
         tag = name[len(stem) :]
         if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
             continue
-        if any(d.kind(n) in LEFT_ALONE for n in (name, *(name + x for x in companions))):
-            continue  # a link or a FIFO there is not a partial download: it stays as it is
+        if any(
+            d.lstat(n) is not None and not d.owns(n)
+            for n in (name, *(name + x for x in companions))
+        ):
+            # A link, a FIFO, or what the record of DEST does not name (a user's, an earlier
+            # loader's that kept no record): no partial download of a fetch's; it stays as it is.
+            continue
         d.rename(name, d, ours, how="replace")
         for suffix in companions:
             if d.lstat(name + suffix) is not None:
