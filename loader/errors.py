@@ -314,9 +314,13 @@ class InsufficientDiskSpaceError(LoaderError):
 class OutputPathError(LoaderError):
     """An output directory cannot be created or written (a file in the way, no permission)."""
 
-    default_remediation = (
-        "Choose an output directory that is, or can be created as, a writable directory."
-    )
+    def __init__(self, message: str, remediation: str | None = None) -> None:
+        super().__init__(
+            message,
+            remediation
+            or f"Point {write_targets()} at a directory that is, or can be created as, a "
+            "writable directory.",
+        )
 
 
 # --- repository and publishing -----------------------------------------------------------

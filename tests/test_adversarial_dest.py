@@ -318,3 +318,32 @@ def test_a_stopped_download_no_fetch_recorded_is_not_taken_over_and_the_fetch_fi
         hub.stop()
     assert {name: (dest / name).read_bytes() for name in files} == files
     assert planted.read_bytes() == b"an earlier loader's half download"
+
+
+@pytest.mark.parametrize("case", ["output is a file", "output below a FIFO", "tp 0"])
+def test_convert_hints_name_output_dir_and_only_its_own_options(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, case
+):
+    """Before: an OUTPUT_DIR that cannot be a directory got "Choose an output directory ...",
+    naming no argument; a --tp-size of 0 got "Pass --tp-size, --pp-size and --instance-count
+    ...", an option convert lacks. Now the hint names OUTPUT_DIR, or the one flag at fault."""
+    planted = tmp_path / "planted"
+    out, tp = planted, "1"
+    if case == "output is a file":
+        planted.write_bytes(b"a user's\n")
+    elif case == "output below a FIFO":
+        os.mkfifo(planted)
+        out = planted / "out"
+    else:
+        planted.write_bytes(b"a user's\n")
+        out, tp = tmp_path / "out", "0"
+    code = main(["convert", str(tiny_checkpoint_with_tokenizer), str(out), "--tp-size", tp])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    hint = next(line for line in err.splitlines() if line.startswith("hint:"))
+    if case == "tp 0":
+        assert "--tp-size" in hint and "--instance-count" not in hint, err
+    else:
+        assert "OUTPUT_DIR" in hint, err
+    if planted.is_file():
+        assert planted.read_bytes() == b"a user's\n"
