@@ -117,7 +117,12 @@ class UnsupportedArchitectureError(CheckpointError):
 class OutputExistsError(LoaderError):
     """The output directory already holds a converted checkpoint for this tensor-parallel size."""
 
-    default_remediation = "Pass --force to replace it, or choose another output directory."
+    def __init__(self, message: str, remediation: str | None = None) -> None:
+        super().__init__(
+            message,
+            remediation
+            or f"Pass --force to replace it, or point {write_targets()} at another directory.",
+        )
 
 
 class DtypeError(LoaderError):
@@ -310,9 +315,13 @@ class InsufficientDiskSpaceError(LoaderError):
 class OutputPathError(LoaderError):
     """An output directory cannot be created or written (a file in the way, no permission)."""
 
-    default_remediation = (
-        "Choose an output directory that is, or can be created as, a writable directory."
-    )
+    def __init__(self, message: str, remediation: str | None = None) -> None:
+        super().__init__(
+            message,
+            remediation
+            or f"Point {write_targets()} at a directory that is, or can be created as, a "
+            "writable directory.",
+        )
 
 
 # --- repository and publishing -----------------------------------------------------------
@@ -388,6 +397,26 @@ class NotOursError(RepositoryError):
             "it did not make).",
             f"Move {path} away (or choose another directory for {write_targets()}), then run "
             "again.",
+        )
+
+
+class InTheWayError(NotOursError):
+    """Names a command is about to put its files at hold what it did not write there (a
+    user's file whose bytes differ from the source's, a link, a directory): found before
+    anything is written, named all at once, and never replaced."""
+
+    def __init__(self, found: list[str], where: Path | str) -> None:
+        self.path = Path(where)
+        self.found = list(found)
+        listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        many = len(found) > 1
+        RepositoryError.__init__(
+            self,
+            f"{listed} under {shown(where)}: the loader would put its file{'s' if many else ''} "
+            f"there, but it did not write what stands there now, and it never replaces what it "
+            "did not write (nothing was written).",
+            f"Move {'them' if many else 'it'} away (or point {write_targets()} at another "
+            "directory), then run again.",
         )
 
 

@@ -380,6 +380,11 @@ MAX_TREE_DEPTH = 64
 MAX_NAME_LEVELS = 32
 
 
+#: The temporary name of a record :meth:`Dir.mark_in_place` writes whole before it links it
+#: into place: ``<MADE>.<owner>.<8 hex digits>.tmp``.
+_MARKING_TMP = re.compile(re.escape(MADE) + r"\.(\d+-[0-9a-f]{8})\.[0-9a-f]{8}\.tmp")
+
+
 def _marker_name(name: str) -> bool:
     """Whether ``name`` is one a marker of the loader's has (:data:`MARKER_PREFIX`, not the
     record's own): a record's first line naming any other file (rewritten) names no marker."""
@@ -1037,7 +1042,10 @@ class Dir:
         unrecorded: someone else's, never replaced or removed; what the loader creates here
         from now on is recorded, and only that is ever replaced or removed. Nothing to do in
         a marked tree already (a run's download directory). A record a stop left before its
-        marker is taken up; anything else at either name is a :class:`NotOursError`."""
+        marker is taken up; anything else at either name is a :class:`NotOursError`. What a
+        loader stopped while it marked this directory left is removed first
+        (:meth:`_clear_stopped_marking`)."""
+        self._clear_stopped_marking(marker)
         if self.made is not None:
             return
         if self.lstat(MADE) is None:
@@ -1063,6 +1071,27 @@ class Dir:
         there = self.lstat(marker)
         if there is None or not stat.S_ISREG(there.st_mode):
             raise self.not_ours(marker, "the loader's marker file")
+
+    def _clear_stopped_marking(self, marker: str) -> None:
+        """Remove the temporary records (``<MADE>.<owner>.<hex>.tmp``) that loaders of this
+        host, gone now, left here when they were stopped inside :meth:`mark_in_place`: each
+        told by its content, a beginning of the very record that loader wrote into that file
+        (it names the file's own inode). Any other file of such a name is someone else's."""
+        for name in self.names():
+            match = _MARKING_TMP.fullmatch(name)
+            if match is None or not owner_gone(match[1]):
+                continue
+            found = self.lstat(name)
+            if found is None or not stat.S_ISREG(found.st_mode) or found.st_size > 4096:
+                continue
+            try:
+                data = self.read(name, limit=4096)
+            except (NotOursError, OSError):
+                continue
+            whole = made_header(marker) + made_line((MADE,), found)
+            if data is not None and whole.startswith(data):
+                log.info("removing %s: a loader stopped while it marked this directory", name)
+                self._unlink_own(name)
 
     def unfinished_marked(
         self, prefix: str, marker: str, owner_line: str, *, idle_s: float
@@ -1283,6 +1312,24 @@ class Dir:
             os.close(fd)
             raise
         return fd
+
+    def owns(self, name: str) -> bool:
+        """Whether ``name`` is a regular file or directory the loader made, so that it may move,
+        replace or remove it: outside a marked tree any such entry (only what a caller found
+        in the loader's own place is asked about); inside one, only what its record names."""
+        found = self.lstat(name)
+        return (
+            found is not None
+            and (stat.S_ISREG(found.st_mode) or stat.S_ISDIR(found.st_mode))
+            and self._made_by_loader(name, found)
+        )
+
+    def replaceable(self, name: str) -> bool:
+        """Whether the loader may put a file of its own at ``name`` (a rename with
+        ``how="replace"``): nothing is there, or a regular file it may replace (in a marked
+        tree: one its record names)."""
+        found = self.lstat(name)
+        return found is None or (stat.S_ISREG(found.st_mode) and self._made_by_loader(name, found))
 
     def regular_size(self, name: str) -> int | None:
         """The size of the regular file ``name``; None when nothing is there, or something
@@ -1514,9 +1561,25 @@ class Dir:
                 return
             if found is not None:
                 self._record(name, found, gone=True)
+        else:
+            found = None
         _seam("rmdir", self.path / name)
-        with self._naming(self.path / name):
-            os.rmdir(_component(name), dir_fd=self.fd)
+        try:
+            with self._naming(self.path / name):
+                os.rmdir(_component(name), dir_fd=self.fd)
+        except OSError:
+            if found is not None:
+                self._still_there(name, found)
+            raise
+
+    def _still_there(self, name: str, found: os.stat_result) -> None:
+        """Record again the directory ``name`` (``found``: its ``lstat`` before) whose removal,
+        recorded as about to happen, failed (another process put something into it): it is
+        still the loader's, whatever its change time becomes."""
+        with contextlib.suppress(OSError):
+            now = self.lstat(name)
+            if now is not None and now.st_ino == found.st_ino and stat.S_ISDIR(now.st_mode):
+                self._record(name, now)
 
     def remove_tree(self, name: str) -> list[Path]:
         """Remove ``name`` and everything below it, relative to descriptors, never following a
@@ -1641,9 +1704,13 @@ class Dir:
             return kept
         if not ours:
             return [(self.path / name, "a directory")]
-        if forget:
-            self._record(name, found, gone=True)
-        return self._rmdir_emptied(name)
+        if not forget:
+            return self._rmdir_emptied(name)
+        self._record(name, found, gone=True)
+        kept = self._rmdir_emptied(name)
+        if kept:  # filled meanwhile: still the loader's directory
+            self._still_there(name, found)
+        return kept
 
     def _rmdir_emptied(self, name: str) -> list[tuple[Path, str]]:
         """Remove the directory ``name`` a removal has just emptied; one someone put something

@@ -21,15 +21,15 @@ class Parallelism:
     instance_count: int = 1
 
     def __post_init__(self) -> None:
-        for name, value, most in (
-            ("tensor-parallel size", self.tp, PARALLEL_SIZE_MOST),
-            ("pipeline-parallel size", self.pp, PARALLEL_SIZE_MOST),
-            ("instance count", self.instance_count, INSTANCE_COUNT_MOST),
+        for name, flag, value, most in (
+            ("tensor-parallel size", "--tp-size", self.tp, PARALLEL_SIZE_MOST),
+            ("pipeline-parallel size", "--pp-size", self.pp, PARALLEL_SIZE_MOST),
+            ("instance count", "--instance-count", self.instance_count, INSTANCE_COUNT_MOST),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ParallelismError(
+                raise ParallelismError(  # names the one flag that set it (convert has no other)
                     f"The {name} must be a whole number >= 1, got {value!r}.",
-                    "Pass --tp-size, --pp-size and --instance-count as positive integers.",
+                    f"Pass {flag} as a positive integer.",
                 )
             if value > most:
                 raise ParallelismError(

@@ -75,6 +75,8 @@ from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
     adopt_in,
+    beside_other_fetches,
+    clear_partials,
     crc32c_combine,
     crc32c_of,
     crc32c_text,
@@ -82,6 +84,7 @@ from loader.sources.transfer import (
     mark_dest,
     md5_of,
     own_partial,
+    refuse_what_is_in_the_way,
     remove_own_partials,
     safe_path,
 )
@@ -426,6 +429,7 @@ def _prepare(obj: _Object, dest: Path, dirs: _Dirs) -> None:
     read its journal, or start an empty partial file and journal."""
     rel = obj.partial.relative_to(dest).as_posix()
     safe_path(dest, rel)  # a link or file on the way: a SourceError saying so
+    dirs.drop_removed(rel)  # (tried again: another fetch removed it meanwhile)
     obj.where = dirs.get(rel)
     d = obj.d
     adopt_in(d, obj.name, companions=(".slices",))
@@ -453,6 +457,17 @@ class _Dirs:
             if found is None:
                 found = self._open[parents] = self.top.enter(parents)
             return found
+
+    def drop_removed(self, rel: str) -> None:
+        """Forget the open directory holding ``rel`` if it was removed since it was opened
+        (another fetch into the same DEST removed it empty): the next :meth:`get` opens it
+        anew."""
+        parents = tuple(rel.split("/")[:-1])
+        with self._lock:
+            found = self._open.get(parents)
+            if found is not None and found.stat().st_nlink == 0:
+                found.close()
+                del self._open[parents]
 
     def close(self) -> None:
         for d in self._open.values():
@@ -678,29 +693,32 @@ def _fetch_into(
     present: list[tuple[str, Path]] = []
     files = [_relpath(uri, blob.name) for blob in blobs]
     _check_layout(uri, files)
+    todo: list[tuple[Any, str]] = []
     for blob, rel in zip(blobs, files, strict=True):
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
             continue
-        final = dest / rel
         if _verified(dirs.top, rel, blob):
-            log.debug("already present and verified: %s", final)
-            present.append((rel, final))
+            log.debug("already present and verified: %s", dest / rel)
+            present.append((rel, dest / rel))
             continue
-        mark_dest(dirs.top)  # before its first partial file (once): what it makes is recorded
-        partial = own_partial(dest, f"{rel}.{blob.generation}")
+        todo.append((blob, rel))
+    if todo:
+        mark_dest(dirs.top)  # before its first partial file: what it makes is recorded
+        refuse_what_is_in_the_way(dirs.top, [rel for _, rel in todo])
+    for blob, rel in todo:
         objects.append(
             _Object(
                 blob=blob,
                 rel=rel,
-                final=final,
-                partial=partial,
+                final=dest / rel,
+                partial=own_partial(dest, f"{rel}.{blob.generation}"),
                 slices=_slices(int(blob.size or 0), slice_bytes),
             )
         )
     total = sum(int(b.size or 0) for b in blobs)
     objects.sort(key=lambda obj: (obj.size > slice_bytes, obj.rel))
     for obj in objects:
-        _prepare(obj, dest, dirs)
+        beside_other_fetches(dest, lambda obj=obj: _prepare(obj, dest, dirs))
     needed = sum(obj.size - obj.resumed for obj in objects)
     if options.check_disk_space:
         ensure_disk_space(dest, needed, what=uri.raw)
@@ -719,6 +737,8 @@ def _fetch_into(
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
         _run(objects, funnel, progress, workers, dest, dirs, hooks, abandoned)
     remove_own_partials(dest)
+    if options.hooks is None:  # all of it fetched: what stopped runs left, nothing resumes now
+        clear_partials(dest)
     return FetchResult(
         path=dest,
         revision=_revision(blobs),

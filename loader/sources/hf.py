@@ -88,8 +88,10 @@ from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
     adopt_in,
+    clear_partials,
     ensure_disk_space,
     mark_dest,
+    refuse_what_is_in_the_way,
     remove_own_partials_in,
 )
 
@@ -800,6 +802,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                 hooks.arrived(rel, dest / rel)
         if missing:
             mark_dest(target)  # before its first download: what it creates is recorded
+            refuse_what_is_in_the_way(target, ["/".join(names[f]) for f in missing])
             headers = build_hf_headers(token=token)
             headers["Accept-Encoding"] = "identity"  # the bytes as listed, resumable by range
             hub = _Hub(uri.location, commit, endpoint, headers, threading.Event())
@@ -811,6 +814,8 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                         uri, hub, remote, names, missing, staging, target, funnel, options
                     )
             remove_own_partials_in(target)
+    if options.hooks is None:  # all of it fetched: what stopped runs left, nothing resumes now
+        clear_partials(dest)
     return FetchResult(
         path=dest,
         revision=commit,

@@ -34,11 +34,13 @@ from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.transfer import (
+    beside_other_fetches,
     clear_partials,
     ensure_disk_space,
     enter_parent,
     mark_dest,
     place,
+    refuse_what_is_in_the_way,
     remove_own_partials,
     temporary_download,
 )
@@ -218,23 +220,30 @@ def _copy(
     if todo:
         with Dir.open(dest) as d:
             mark_dest(d)  # before its first copy: what it creates is recorded
+            refuse_what_is_in_the_way(d, todo)
     log.info("copying %s of %s files from %s to %s", len(todo), len(files), root, dest)
     with byte_progress(f"copy {root.name}", needed) as progress:
         for rel in todo:
-            with temporary_download(dest, rel) as tmp:
-                with enter_parent(dest, tmp) as d:
-                    d.copy_in(tmp.name, root / rel)
-                    with fs.open_read(root / rel) as src, d.open_read(tmp.name) as copy:
-                        size = _equal(src, copy)
-                if size is None:
-                    raise SourceError(
-                        f"Copy of {root / rel} differs from its source.",
-                        "Check the disks (the copy was discarded) and run again.",
-                    )
-                place(tmp, dest / rel, dest=dest)
+            size = beside_other_fetches(dest, lambda rel=rel: _copy_one(root, dest, rel))
             progress.update(size)
     remove_own_partials(dest)
     return FetchResult(path=dest, revision=None, files=files, bytes=total, downloaded_bytes=needed)
+
+
+def _copy_one(root: Path, dest: Path, rel: str) -> int:
+    """Copy ``root/rel`` to ``dest/rel`` through a partial file, verified; its size."""
+    with temporary_download(dest, rel) as tmp:
+        with enter_parent(dest, tmp) as d:
+            d.copy_in(tmp.name, root / rel)
+            with fs.open_read(root / rel) as src, d.open_read(tmp.name) as copy:
+                size = _equal(src, copy)
+        if size is None:
+            raise SourceError(
+                f"Copy of {root / rel} differs from its source.",
+                "Check the disks (the copy was discarded) and run again.",
+            )
+        place(tmp, dest / rel, dest=dest)
+    return size
 
 
 def _is_source(dest: Path, root: Path) -> bool:

@@ -25,31 +25,39 @@ make a download land outside it.
 from __future__ import annotations
 
 import base64
+import errno
 import logging
 import os
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from loader import fs
-from loader.errors import InsufficientDiskSpaceError, SourceError, shown
+from loader.errors import (
+    DirectoryRemovedError,
+    InsufficientDiskSpaceError,
+    InTheWayError,
+    SourceError,
+    shown,
+)
 from loader.fs import Dir
 from loader.progress import human_bytes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-#: What a partial download never is (the loader makes only files and directories): found at a
-#: gone owner's name, it is left as it is, never taken over.
-LEFT_ALONE = ("a symbolic link", "a FIFO", "a socket", "a device", "a special file")
 #: Directory under DEST that holds downloads in progress.
 PARTIAL_DIR = ".partial"
 #: Bytes kept free beyond what a download needs (file-system metadata, logs).
 DISK_MARGIN = 64 * 1024 * 1024
 _CHUNK = 8 * 1024 * 1024
+#: What removing a directory a walk emptied may meet when another process works beside it: a
+#: file put into it (not empty), or the directory removed already.
+_EMPTIED_MEANWHILE = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT)
 
 
 #: A download's answer that delivers fewer than :data:`STALL_BYTES` in :data:`STALL_S` seconds
@@ -100,6 +108,61 @@ def mark_dest(d: Dir) -> None:
     such a tree already. Called once the fetch knows it will write (after its checks: a fetch
     refused before that leaves DEST as it was)."""
     d.mark_in_place(FETCH_MARKER, "model-loader fetch")
+
+
+def refuse_what_is_in_the_way(top: Dir, rels: Iterable[str]) -> None:
+    """Before a fetch writes anything but its record: every name it will put a file at
+    (``rels``, below DEST open as ``top``, marked: :func:`mark_dest`) is free or holds a file
+    a fetch wrote. What else stands there (a user's file whose bytes differ from the
+    source's, a link, a directory, a file where a directory belongs) would stop the fetch only
+    once that file was downloaded, or copied: an :class:`InTheWayError` naming them all, now."""
+    found = [what for rel in rels if (what := _in_the_way(top, rel)) is not None]
+    if found:
+        raise InTheWayError(found, top.path)
+
+
+def _in_the_way(top: Dir, rel: str) -> str | None:
+    """What stands where a fetch would put ``rel`` below ``top`` (or one of its
+    directories), named for a message; None when nothing does."""
+    *levels, name = _names(rel)
+    d = top.enter(())
+    try:
+        for level in levels:
+            found = d.lstat(level)
+            if found is None:
+                return None
+            if not stat.S_ISDIR(found.st_mode):
+                return f"{shown(d.path / level)} ({fs.kind_of(found.st_mode)})"
+            d = d.walk_in((level,))
+        if d.replaceable(name):
+            return None
+        return f"{shown(d.path / name)} ({d.kind(name)})"
+    finally:
+        d.close()
+
+
+#: How many times a step that creates a partial file is tried when another fetch into the same
+#: DEST removed the partial directory it had entered (that fetch found it empty: this one had
+#: not created its file there yet).
+PARTIAL_TRIES = 3
+
+
+def beside_other_fetches(dest: Path, step: Callable[[], T]) -> T:
+    """``step()`` (which creates a partial file under ``dest``'s partial directory), tried
+    again when a directory under ``.partial`` it had entered was removed meanwhile: another
+    fetch into the same DEST removes what it found empty there when it is done, which is no
+    failure of this one. A directory removed elsewhere is the error it is."""
+    partials = Path(dest) / PARTIAL_DIR
+    for attempt in range(1, PARTIAL_TRIES + 1):
+        try:
+            return step()
+        except DirectoryRemovedError as exc:
+            if attempt == PARTIAL_TRIES or not (
+                exc.directory == partials or partials in exc.directory.parents
+            ):
+                raise
+            log.info("%s was removed by another fetch meanwhile: trying again", exc.directory)
+    raise AssertionError("unreachable")
 
 
 def safe_path(dest: Path, relpath: str) -> Path:
@@ -195,8 +258,13 @@ def adopt_in(d: Dir, ours: str, *, companions: tuple[str, ...] = ()) -> bool:
         tag = name[len(stem) :]
         if not name.startswith(stem) or fs.owner_in(tag) != tag or not fs.owner_gone(tag):
             continue
-        if any(d.kind(n) in LEFT_ALONE for n in (name, *(name + x for x in companions))):
-            continue  # a link or a FIFO there is not a partial download: it stays as it is
+        if any(
+            d.lstat(n) is not None and not d.owns(n)
+            for n in (name, *(name + x for x in companions))
+        ):
+            # A link, a FIFO, or what the record of DEST does not name (a user's, an earlier
+            # loader's that kept no record): no partial download of a fetch's; it stays as it is.
+            continue
         d.rename(name, d, ours, how="replace")
         for suffix in companions:
             if d.lstat(name + suffix) is not None:
@@ -221,8 +289,7 @@ def _partials(d: Dir, keep: object, foreign: list[str] | None = None, depth: int
         elif tag is None and d.is_dir(name):
             inner: list[str] | None = None if foreign is None else []
             with d.sub(name) as sub:
-                if _partials(sub, keep, inner, depth + 1):
-                    d.rmdir(name)
+                if _partials(sub, keep, inner, depth + 1) and _rmdir_emptied(d, name):
                     continue
             if foreign is not None and inner is not None:
                 foreign.extend(f"{name}/{n}" for n in inner)
@@ -231,9 +298,22 @@ def _partials(d: Dir, keep: object, foreign: list[str] | None = None, depth: int
             if tag is None and foreign is not None:
                 foreign.append(name)
             empty = False
-        else:
-            d.remove_tree(name)
+        elif d.remove_tree(name):  # a link or FIFO at a gone owner's name: someone else's, kept
+            empty = False
     return empty
+
+
+def _rmdir_emptied(d: Dir, name: str) -> bool:
+    """Remove the directory ``name`` of ``d`` that a walk just emptied; whether it is gone.
+    Another fetch into the same DEST may put its partial file there meanwhile, or remove the
+    directory first: neither is a failure (what it put there stays, with the directory)."""
+    try:
+        d.rmdir(name)
+    except OSError as exc:
+        if isinstance(exc, DirectoryRemovedError) or exc.errno not in _EMPTIED_MEANWHILE:
+            raise
+        return exc.errno == errno.ENOENT
+    return d.lstat(name) is None
 
 
 def clear_partials(dest: Path) -> None:
@@ -257,7 +337,7 @@ def clear_partials(dest: Path) -> None:
         with d.sub(PARTIAL_DIR) as sub:
             empty = _partials(sub, keep, foreign)
         if empty:
-            d.rmdir(PARTIAL_DIR)
+            _rmdir_emptied(d, PARTIAL_DIR)
         elif foreign:
             log.warning(
                 "%s holds %d entr%s this loader did not write (%s), left in place: remove "
@@ -286,7 +366,7 @@ def remove_own_partials_in(d: Dir) -> None:
     with d.sub(PARTIAL_DIR) as sub:
         empty = _partials(sub, lambda tag: tag != ours)
     if empty:
-        d.rmdir(PARTIAL_DIR)
+        _rmdir_emptied(d, PARTIAL_DIR)
 
 
 def place(tmp: Path, final: Path, *, dest: Path | None = None, durable: bool = True) -> None:
