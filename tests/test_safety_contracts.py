@@ -857,7 +857,7 @@ def test_a_download_directory_the_loader_did_not_make_is_neither_used_nor_remove
     assert sorted(p.name for p in download.iterdir()) == ["users-data.txt"]
     # The message says what is missing (the marker) and what to do (move the directory).
     assert f"without the loader's marker for {request.key}" in str(refused.value)
-    assert refused.value.remediation.startswith(f"Move {download} out of the repository root")
+    assert refused.value.remediation.startswith(f"Move {download} away")
 
 
 @pytest.mark.parametrize("staging_is", ["a dead loader's", "another key's", "a live loader's"])
