@@ -1,0 +1,210 @@
+"""Safety lines no other test pinned: each test here fails when its one line of the loader is
+removed or weakened (found by mutating the line and running the fast tier; the fast tier
+itself, no server, nothing slow).
+
+* ``loader.fs``: an empty file a user hard-linked at a name a stopped create left pending is
+  never taken as the loader's (writing it would write the user's other name); a marker name
+  taken by something that is not a file makes no marked tree; what marks a tree as the
+  loader's goes last when it is removed; a file read whole past its limit is too large;
+  a name linked to a user's file in a marked tree stays the user's;
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from loader import fs
+from loader.errors import NotOursError
+
+MARKER = ".model-loader-staging"
+KEY = "m@r/v"
+
+
+@pytest.fixture(autouse=True)
+def _confined(tmp_path):
+    with fs.confined(tmp_path):
+        yield
+
+
+class Stopped(BaseException):
+    """The loader stopped at a call (as a kill would: nothing after it runs)."""
+
+
+def _stop_at(op: str, suffix: str):
+    """A hook stopping the loader at the first call ``op`` on a path ending in ``suffix``,
+    and at every call after it."""
+    stopped = []
+
+    def hook(called: str, path: str) -> None:
+        if stopped or (called == op and path.endswith(suffix)):
+            stopped.append(path)
+            raise Stopped(path)
+
+    return hook
+
+
+def _tree(base: Path) -> Path:
+    """``base/staging/t``: a marked tree."""
+    with fs.Dir.open(base / "staging", create=True) as parent:
+        assert parent.make_marked("t", MARKER, KEY)
+    return base / "staging" / "t"
+
+
+# --- loader.fs -------------------------------------------------------------------------------
+
+
+def test_a_users_hard_linked_empty_file_at_a_pending_name_is_never_written_or_removed(tmp_path):
+    """A create recorded as pending whose file never came (the loader stopped before it): an
+    empty file that is also another name of the user's, put there afterwards, looks like what
+    a stopped create leaves but for its second link. Writing it would write the user's other
+    name; it is never taken as the loader's (``Dir._empty``: one link only)."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t, fs.inject(_stop_at("open", "/late.bin")), pytest.raises(Stopped):
+        t.write("late.bin", b"late")
+    assert not (tree / "late.bin").exists()
+    users = tmp_path / "users-empty-file"
+    users.write_bytes(b"")
+    os.link(users, tree / "late.bin")
+    fs._made_trees.clear()  # the next loader, reading the record anew
+    with fs.Dir.open(tree) as t, pytest.raises(NotOursError):
+        t.write("late.bin", b"the loader's data", exclusive=False)
+    assert users.read_bytes() == b""
+    with fs.Dir.open(tree.parent) as parent:
+        kept = parent.remove_tree(tree.name)
+    assert kept == [tree / "late.bin"]
+    assert (tree / "late.bin").exists() and os.stat(users).st_nlink == 2
+
+
+@pytest.mark.parametrize("kind", ["link", "directory"])
+def test_mark_in_place_refuses_a_marker_name_that_holds_no_file(tmp_path, kind):
+    """``Dir.mark_in_place`` in a directory (a fetch's DEST) whose marker's name holds a link
+    or a directory: the marker cannot be written, so no marked tree is made there (a
+    :class:`NotOursError` naming it), and what stood there is left as it was."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    marker = fs.MARKER_PREFIX + "fetch"
+    if kind == "link":
+        (tmp_path / "elsewhere").write_text("theirs\n")
+        (dest / marker).symlink_to(tmp_path / "elsewhere")
+    else:
+        (dest / marker).mkdir()
+    with fs.Dir.open(dest) as d, pytest.raises(NotOursError, match=marker):
+        d.mark_in_place(marker, "model-loader fetch")
+    if kind == "link":
+        assert (dest / marker).is_symlink() and (tmp_path / "elsewhere").read_text() == "theirs\n"
+    else:
+        assert (dest / marker).is_dir() and not any((dest / marker).iterdir())
+
+
+def test_a_file_read_whole_past_its_limit_is_too_large_never_read_to_its_end(tmp_path):
+    """``Dir.read`` of a file longer than its ``limit``: a :class:`loader.fs.TooLargeError`
+    (what the loader writes of its own is never that large), not the first bytes or all."""
+    (tmp_path / "big").write_bytes(b"{" + b" " * 100)
+    with fs.Dir.open(tmp_path) as d:
+        assert d.read("big", limit=101) == b"{" + b" " * 100
+        with pytest.raises(fs.TooLargeError):
+            d.read("big", limit=100)
+
+
+def test_a_file_at_a_lock_path_larger_than_any_lock_record_is_never_taken_over(tmp_path):
+    """A file at a publish lock's path that starts like a lock record but is larger than any
+    (someone else's) is refused, never judged stale after the expiry and removed."""
+    from loader.repository.lock import PublishLock, lock_path
+
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    content = b"{" + b" " * (64 * 1024)
+    path.write_bytes(content)
+    lock = PublishLock(tmp_path, KEY, expiry_s=0.2, heartbeat_s=0.05, timeout_s=2, poll_s=0.05)
+    with pytest.raises(NotOursError, match="larger than any lock record"):
+        lock.acquire()
+    assert path.read_bytes() == content
+
+
+def _unlinks(calls: list[tuple[str, str]], tree: Path) -> list[str]:
+    """The names at the top of ``tree`` unlinked, in order."""
+    return [Path(path).name for op, path in calls if op == "unlink" and Path(path).parent == tree]
+
+
+def test_a_tree_without_a_record_loses_its_marker_last(tmp_path):
+    """A marked tree made before records were kept is removed with its marker file last (after
+    ``manifest.json`` and ``.ready``): a removal stopped anywhere leaves a tree that is still
+    recognisably the loader's, which the next loader removes."""
+    tree = tmp_path / "staging" / "t"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "w.bin").write_bytes(b"w")
+    for name in (MARKER, "manifest.json", ".ready", "zz.bin"):
+        (tree / name).write_text(f"{KEY}\n")
+    calls: list[tuple[str, str]] = []
+    with fs.Dir.open(tree.parent) as parent, fs.inject(lambda op, p: calls.append((op, p))):
+        assert parent.remove_tree("t") == []
+    assert not tree.exists()
+    order = _unlinks(calls, tree)
+    assert sorted(order) == sorted([MARKER, "manifest.json", ".ready", "zz.bin"])
+    assert order[-1] == MARKER
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_marked_trees_record_and_marker_go_in_the_order_that_never_leaves_it_misread(
+    tmp_path, kept
+):
+    """Removing a marked tree whole: its record goes before its marker (stopped between, a
+    marked tree holding nothing else is left, which the next loader removes). When a user's
+    file stays: the marker goes before the record (a tree never stays marked without its
+    record: it would be taken for one made before records, and removed whole)."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("loaders.bin", b"x")
+    if kept:
+        (tree / "users.txt").write_text("mine\n")
+    calls: list[tuple[str, str]] = []
+    with fs.Dir.open(tree.parent) as parent, fs.inject(lambda op, p: calls.append((op, p))):
+        stayed = parent.remove_tree("t")
+    order = [n for n in _unlinks(calls, tree) if n in (MARKER, fs.MADE)]
+    if kept:
+        assert stayed == [tree / "users.txt"] and (tree / "users.txt").read_text() == "mine\n"
+        assert order == [MARKER, fs.MADE]
+    else:
+        assert stayed == [] and not tree.exists()
+        assert order == [fs.MADE, MARKER]
+
+
+def test_a_name_linked_to_a_users_file_in_a_marked_tree_stays_the_users(tmp_path):
+    """``Dir.link`` in a marked tree records the new name only when what it links is the
+    loader's: a second name of a user's file is never written through, nor removed."""
+    tree = _tree(tmp_path)
+    (tree / "users.txt").write_text("mine\n")
+    with fs.Dir.open(tree) as t:
+        t.link("users.txt", "second.txt")
+        with pytest.raises(NotOursError):
+            t.write("second.txt", b"the loader's", exclusive=False)
+    assert (tree / "users.txt").read_text() == "mine\n"
+    with fs.Dir.open(tree.parent) as parent:
+        assert sorted(parent.remove_tree("t")) == [tree / "second.txt", tree / "users.txt"]
+    assert (tree / "second.txt").read_text() == "mine\n"
+
+
+# --- the publish lock ------------------------------------------------------------------------
+
+
+def test_a_holder_that_saw_its_lock_taken_over_stays_lost_when_the_file_comes_back(tmp_path):
+    """A holder's heartbeat that finds its lock file no longer at the lock's path (taken over:
+    another loader may have held the key and published meanwhile) marks the lock lost for
+    good: the file put back at the path later does not make ``check_held`` pass."""
+    from loader.errors import LockLostError
+    from loader.repository.lock import PublishLock
+
+    lock = PublishLock(tmp_path, KEY, expiry_s=5, heartbeat_s=0.02, timeout_s=1, poll_s=0.01)
+    with lock:
+        aside = lock.path.with_name(lock.path.name + ".aside")
+        os.rename(lock.path, aside)
+        thread = lock._thread
+        assert thread is not None
+        thread.join(timeout=5)  # the heartbeat sees the loss and stops
+        os.rename(aside, lock.path)
+        assert lock.held()  # the same file is at the path again ...
+        with pytest.raises(LockLostError):
+            lock.check_held()  # ... but the lock was lost meanwhile
