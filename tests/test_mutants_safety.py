@@ -7,10 +7,14 @@ itself, no server, nothing slow).
   taken by something that is not a file makes no marked tree; what marks a tree as the
   loader's goes last when it is removed; a file read whole past its limit is too large;
   a name linked to a user's file in a marked tree stays the user's;
+* the publish lock: a holder that saw its lock taken over stays lost;
+* prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
+  their directories' times;
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -208,3 +212,31 @@ def test_a_holder_that_saw_its_lock_taken_over_stays_lost_when_the_file_comes_ba
         assert lock.held()  # the same file is at the path again ...
         with pytest.raises(LockLostError):
             lock.check_held()  # ... but the lock was lost meanwhile
+
+
+# --- prune -----------------------------------------------------------------------------------
+
+
+def _forged_key(root: Path, key: str, created_at: str, mtime: float) -> Path:
+    """A published key as prune recognises it: a manifest naming the key, ``created_at``."""
+    path = root / key
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(
+        json.dumps({"key": key, "created_at": created_at, "files": []})
+    )
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_prune_keeps_the_newest_keys_by_their_manifests_creation_time(tmp_path):
+    """The ``keep`` newest keys of a model are the newest by ``created_at`` (when the run
+    published them): a directory's own time (a restore, a copy, a touch) never makes an older
+    key look newer than the one serving."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    newest = _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z", mtime=1_000_000)
+    older = _forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z", mtime=2_000_000)
+    report = prune(root, keep=1)
+    assert [r.path for r in report.removed] == [older]
+    assert newest.is_dir() and not older.exists()
