@@ -9,7 +9,9 @@ itself, no server, nothing slow).
   a name linked to a user's file in a marked tree stays the user's;
 * the publish lock: a holder that saw its lock taken over stays lost;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
-  their directories' times;
+  their directories' times; under a key's lock it puts a replaced copy back before it
+  judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
+  again, since it looked; a file named like a moved lock that holds no lock record stays;
 """
 
 from __future__ import annotations
@@ -240,3 +242,104 @@ def test_prune_keeps_the_newest_keys_by_their_manifests_creation_time(tmp_path):
     report = prune(root, keep=1)
     assert [r.path for r in report.removed] == [older]
     assert newest.is_dir() and not older.exists()
+
+
+OLD, NEW = "m@r1/v", "m@r2/v"
+
+
+def _when_locked(key: str, change):
+    """A hook of ``loader.fs`` calling ``change()`` once, as prune opens ``key``'s lock:
+    between prune's first look and its second under the lock."""
+    from loader.repository.key import key_filename
+
+    done: list[bool] = []
+
+    def hook(op: str, path: str) -> None:
+        if not done and op == "open" and path.endswith(f"/{key_filename(key)}.lock"):
+            done.append(True)
+            change()
+
+    return hook, done
+
+
+def test_prune_keeps_a_key_whose_manifest_changed_after_it_looked(tmp_path):
+    """A key published again after prune looked, in a directory that got the inode of the one
+    prune saw (inodes are reused), is told by its manifest's ``created_at``: it is kept."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    _forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
+    old = _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    republished = {"key": OLD, "created_at": "2026-01-03T00:00:00Z", "files": []}
+
+    def republish() -> None:
+        (old / "manifest.json").write_text(json.dumps(republished))
+
+    hook, done = _when_locked(OLD, republish)
+    with fs.inject(hook):
+        report = prune(root, keep=1)
+    assert done and json.loads((old / "manifest.json").read_text()) == republished
+    assert (OLD, "published again since prune looked") in report.kept
+
+
+def test_prune_keeps_a_staging_directory_its_loader_wrote_to_after_prune_looked(tmp_path):
+    """A staging directory of a loader on another host (judged by its silence) that prune
+    found idle, and that its loader writes to again before prune holds the key's lock, is
+    in use: it stays, with what the loader wrote."""
+    from loader.repository import publish
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    staging = publish.new_staging_dir(root, OLD)
+    staging = staging.rename(staging.with_name(staging.name.replace(fs.host_digest(), "0a1b2c3d")))
+    then = 1_000_000_000
+    for path in (staging, *staging.iterdir()):
+        os.utime(path, (then, then))
+
+    def written_again() -> None:
+        with fs.Dir.open(staging) as d:
+            d.write("weights.bin", b"written again\n")
+
+    hook, done = _when_locked(OLD, written_again)
+    with fs.inject(hook):
+        report = prune(root, lock_expiry_s=60)
+    assert done and (staging / "weights.bin").read_bytes() == b"written again\n"
+    assert (OLD, f"{publish.STAGING_DIR}/{staging.name} is in use again") in report.kept
+
+
+def test_prune_puts_a_replaced_copy_back_under_its_absent_key_never_removes_it(tmp_path):
+    """A complete copy in ``.trash`` whose key is absent (a loader stopped between the two
+    renames of a replacement without ``renameat2``) is the key's only copy: prune puts it
+    back under the key, never removes it as a leftover."""
+    from loader.repository import manifest
+    from loader.repository.key import key_filename
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    (root / OLD.split("/")[0]).mkdir(parents=True)
+    copy = root / ".trash" / f"{key_filename(OLD)}.0123456789ab"
+    (copy / "m").mkdir(parents=True)
+    (copy / "m" / "weights.bin").write_bytes(b"weights")
+    meta = {"key": OLD, "created_at": "2026-01-01T00:00:00Z"}
+    manifest.write_manifest(copy, manifest.build_manifest(copy, meta))
+    manifest.write_ready(copy, OLD)
+    prune(root, keep=1)
+    assert (root / OLD / "m" / "weights.bin").read_bytes() == b"weights"
+    assert manifest.verify(root / OLD, key=OLD) == []
+
+
+def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(tmp_path):
+    """A file in ``.locks`` named like a lock a take-over moved aside, holding no lock record,
+    is someone else's: prune leaves it."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    theirs = locks / "notes.lock.stale-0123456789abcdef"
+    theirs.write_text("a user's notes\n")
+    moved = locks / "m@r1~v.lock.stale-fedcba9876543210"
+    moved.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16}))
+    report = prune(root)
+    assert theirs.read_text() == "a user's notes\n"
+    assert [r.path for r in report.removed] == [moved] and not moved.exists()
