@@ -12,6 +12,8 @@ itself, no server, nothing slow).
   their directories' times; under a key's lock it puts a replaced copy back before it
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
   again, since it looked; a file named like a moved lock that holds no lock record stays;
+* a remote listing's names: each kind of name the rule refuses is refused, a name that only
+  fits without its download suffix among them.
 """
 
 from __future__ import annotations
@@ -343,3 +345,36 @@ def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(t
     report = prune(root)
     assert theirs.read_text() == "a user's notes\n"
     assert [r.path for r in report.removed] == [moved] and not moved.exists()
+
+
+# --- names a remote listing gives ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "config.json\nINFO forged log line",  # a line break: a log line of its own
+        "a\x1b[31mred.bin",  # a terminal escape
+        "a/../../outside.bin",
+        "./model.bin",
+        "a//model.bin",
+        "/model.bin",
+        "a\0b",
+        ".partial/model.bin.1234-0a1b2c3d",  # the loader's own partial downloads
+        "/".join(["d"] * (fs.MAX_NAME_LEVELS + 1)),
+        "m" * 250,  # fits the file system, not with the 10 bytes its download adds
+    ],
+)
+def test_each_kind_of_listed_name_the_rule_refuses_is_refused(rel):
+    """``listed_parts`` refuses, before anything is written, every kind of name its rule
+    names: each case here is refused by one of its checks alone."""
+    from loader.errors import SourceError
+    from loader.sources.names import listed_parts
+
+    with pytest.raises(SourceError, match="nothing was written for it"):
+        listed_parts(rel, what="Object gs://b/p", remedy="Rename it.", suffix=10)
+    assert listed_parts("a/b/model.bin", what="Object", remedy="Rename it.", suffix=10) == [
+        "a",
+        "b",
+        "model.bin",
+    ]
