@@ -13,7 +13,9 @@ itself, no server, nothing slow).
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
   again, since it looked; a file named like a moved lock that holds no lock record stays;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
-  fits without its download suffix among them.
+  fits without its download suffix among them;
+* a checkpoint that declares no dtype: its output dtype is the one most of its bytes are in,
+  also when most of its tensors are in the other.
 """
 
 from __future__ import annotations
@@ -378,3 +380,42 @@ def test_each_kind_of_listed_name_the_rule_refuses_is_refused(rel):
         "b",
         "model.bin",
     ]
+
+
+# --- the dtype of a checkpoint that declares none ---------------------------------------------
+
+
+@pytest.mark.parametrize("most", ["F16", "F32"])
+def test_an_undeclared_dtype_follows_the_bytes_not_the_count_of_tensors(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, most
+):
+    """The largest tensors (most of the bytes, a quarter of the tensors) in one dtype, the many
+    small ones in the other: the output is written in the dtype of the bytes."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from tests.runs import cli, published, run_argv
+
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    for path in tiny_checkpoint_with_tokenizer.iterdir():
+        if path.is_file():
+            (source / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    (source / "config.json").write_text(json.dumps(config))
+    (weights,) = source.glob("*.safetensors")
+    tensors = load_file(weights)
+    big, small = (np.float16, np.float32) if most == "F16" else (np.float32, np.float16)
+    largest = sorted(tensors, key=lambda n: tensors[n].size, reverse=True)[: len(tensors) // 4]
+    converted = {n: t.astype(big if n in largest else small) for n, t in tensors.items()}
+    in_big = [t for t in converted.values() if t.dtype == big]
+    assert len(in_big) < len(converted) / 2  # most tensors are in the other dtype ...
+    assert sum(t.nbytes for t in in_big) > sum(t.nbytes for t in converted.values()) / 2
+    save_file(converted, weights)  # ... most bytes in this one
+    code, _, err = cli(capsys, *run_argv(source, tmp_path / "root"))
+    assert code == 0, err
+    ini = next((published(tmp_path / "root") / "fastertransformer" / "1").rglob("config.ini"))
+    expected = "fp16" if most == "F16" else "fp32"
+    assert f"weight_data_type = {expected}" in ini.read_text()
