@@ -6,7 +6,10 @@ itself, no server, nothing slow).
   never taken as the loader's (writing it would write the user's other name); a marker name
   taken by something that is not a file makes no marked tree; what marks a tree as the
   loader's goes last when it is removed; a file read whole past its limit is too large;
-  a name linked to a user's file in a marked tree stays the user's;
+  a name linked to a user's file in a marked tree stays the user's; a rename never replaces
+  a link or FIFO outside a marked tree either; a marked directory's record is durable before
+  the directory gets its name; a user's file at the record's name of DEST is never taken as
+  the record;
 * the publish lock: a holder that saw its lock taken over stays lost;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
   their directories' times; under a key's lock it puts a replaced copy back before it
@@ -195,6 +198,52 @@ def test_a_name_linked_to_a_users_file_in_a_marked_tree_stays_the_users(tmp_path
     with fs.Dir.open(tree.parent) as parent:
         assert sorted(parent.remove_tree("t")) == [tree / "second.txt", tree / "users.txt"]
     assert (tree / "second.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_rename_outside_a_marked_tree_never_replaces_a_link_or_fifo(tmp_path, kind):
+    """The loader makes only files and directories: a ``replace`` rename onto a link or FIFO,
+    in a directory no marked tree holds, is a :class:`NotOursError`; both stay."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "new.bin").write_bytes(b"new")
+    if kind == "link":
+        (tmp_path / "elsewhere").write_text("theirs\n")
+        (plain / "target").symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(plain / "target")
+    with fs.Dir.open(plain) as d, pytest.raises(NotOursError):
+        d.rename("new.bin", d, "target", how="replace")
+    assert (plain / "new.bin").read_bytes() == b"new"
+    if kind == "link":
+        assert (plain / "target").is_symlink()
+    else:
+        assert (plain / "target").is_fifo()
+
+
+def test_a_marked_directorys_record_is_durable_before_the_directory_gets_its_name(tmp_path):
+    """``make_marked``: the record (what tells the loader's entries from a user's) is fsynced
+    under the temporary name before the rename names the directory."""
+    calls: list[tuple[str, str]] = []
+    with fs.Dir.open(tmp_path) as d, fs.inject(lambda op, path: calls.append((op, path))):
+        assert d.make_marked("made", MARKER, KEY)
+    (rename,) = [i for i, (op, _) in enumerate(calls) if op.startswith("rename")]
+    tmp = calls[rename][1].split(" -> ")[0]
+    assert ("fsync", f"{tmp}/{fs.MADE}") in calls[:rename], calls
+
+
+def test_a_users_file_at_dests_record_name_is_never_taken_as_the_record(tmp_path):
+    """``mark_in_place`` in a directory holding a user's file at the record's name (its first
+    line names no marker of the loader's): a :class:`NotOursError`, and the file is never
+    written (taken as the record, every create would be appended to it)."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / fs.MADE).write_text("my notes\n")
+    with fs.Dir.open(dest) as d, pytest.raises(NotOursError, match=fs.MADE):
+        d.mark_in_place(fs.MARKER_PREFIX + "fetch", "model-loader fetch")
+    with fs.Dir.open(dest) as d:
+        d.write("model.bin", b"weights")
+    assert (dest / fs.MADE).read_text() == "my notes\n"
 
 
 # --- the publish lock ------------------------------------------------------------------------
