@@ -9,7 +9,7 @@ itself, no server, nothing slow).
   a name linked to a user's file in a marked tree stays the user's; a rename never replaces
   a link or FIFO outside a marked tree either; a marked directory's record is durable before
   the directory gets its name; a user's file at the record's name of DEST is never taken as
-  the record;
+  the record; a user's empty directory in a marked tree is never removed by ``rmdir``;
 * the publish lock: a holder that saw its lock taken over stays lost;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
   their directories' times; under a key's lock it puts a replaced copy back before it
@@ -244,6 +244,19 @@ def test_a_users_file_at_dests_record_name_is_never_taken_as_the_record(tmp_path
     with fs.Dir.open(dest) as d:
         d.write("model.bin", b"weights")
     assert (dest / fs.MADE).read_text() == "my notes\n"
+
+
+def test_rmdir_in_a_marked_tree_keeps_a_users_empty_directory(tmp_path, caplog):
+    """``Dir.rmdir`` in a marked tree of a directory its record does not name (a user's, even
+    empty): it stays, and a warning names it."""
+    tree = _tree(tmp_path)
+    (tree / "mine").mkdir()
+    with fs.Dir.open(tree) as t:
+        t.mkdir("ours")
+        t.rmdir("ours")
+        t.rmdir("mine")
+    assert (tree / "mine").is_dir() and not (tree / "ours").exists()
+    assert "kept the directory" in caplog.text and str(tree / "mine") in caplog.text
 
 
 # --- the publish lock ------------------------------------------------------------------------
