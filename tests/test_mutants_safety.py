@@ -9,7 +9,7 @@ itself, no server, nothing slow).
   a name linked to a user's file in a marked tree stays the user's; a rename never replaces
   a link or FIFO outside a marked tree either; a marked directory's record is durable before
   the directory gets its name; a user's file at the record's name of DEST is never taken as
-  the record; a user's empty directory in a marked tree is never removed by ``rmdir``;
+  the record; a user's empty directory in a marked tree is never removed by ``rmdir``, nor with the tree;
 * the publish lock: a holder that saw its lock taken over stays lost;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
   their directories' times; under a key's lock it puts a replaced copy back before it
@@ -257,6 +257,18 @@ def test_rmdir_in_a_marked_tree_keeps_a_users_empty_directory(tmp_path, caplog):
         t.rmdir("mine")
     assert (tree / "mine").is_dir() and not (tree / "ours").exists()
     assert "kept the directory" in caplog.text and str(tree / "mine") in caplog.text
+
+
+def test_removing_a_marked_tree_keeps_a_users_empty_directory_in_it(tmp_path):
+    """A user's empty directory in a marked tree (no record names it) stays when the tree is
+    removed, with the tree's directories holding it; everything the loader made goes."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t, t.makedirs(("a", "b")) as b:
+        b.write("w.bin", b"w")
+    (tree / "a" / "mine").mkdir()
+    with fs.Dir.open(tree.parent) as parent:
+        assert parent.remove_tree("t") == [tree / "a" / "mine"]
+    assert (tree / "a" / "mine").is_dir() and not (tree / "a" / "b").exists()
 
 
 # --- the publish lock ------------------------------------------------------------------------
