@@ -9,7 +9,7 @@ itself, no server, nothing slow).
   a name linked to a user's file in a marked tree stays the user's; a rename never replaces
   a link or FIFO outside a marked tree either; a marked directory's record is durable before
   the directory gets its name; a user's file at the record's name of DEST is never taken as
-  the record; a user's empty directory in a marked tree is never removed by ``rmdir``, nor with the tree;
+  the record; a user's empty directory in a marked tree is never removed by ``rmdir``, nor with the tree; nor is a user's file's mode changed (``chmod``, as sealing does);
 * the publish lock: a holder that saw its lock taken over stays lost;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
   their directories' times; under a key's lock it puts a replaced copy back before it
@@ -269,6 +269,22 @@ def test_removing_a_marked_tree_keeps_a_users_empty_directory_in_it(tmp_path):
     with fs.Dir.open(tree.parent) as parent:
         assert parent.remove_tree("t") == [tree / "a" / "mine"]
     assert (tree / "a" / "mine").is_dir() and not (tree / "a" / "b").exists()
+
+
+def test_chmod_in_a_marked_tree_never_changes_a_users_file(tmp_path):
+    """``Dir.chmod`` (how a staged tree is sealed) of a file in a marked tree its record does
+    not name: a :class:`NotOursError`, its mode unchanged; the loader's own file is changed."""
+    tree = _tree(tmp_path)
+    (tree / "users.txt").write_text("mine\n")
+    os.chmod(tree / "users.txt", 0o600)
+    with fs.Dir.open(tree) as t:
+        t.write("ours.bin", b"x")
+        os.chmod(tree / "ours.bin", 0o600)
+        t.chmod("ours.bin", 0o644)
+        with pytest.raises(NotOursError):
+            t.chmod("users.txt", 0o644)
+    assert (tree / "users.txt").stat().st_mode & 0o777 == 0o600
+    assert (tree / "ours.bin").stat().st_mode & 0o777 == 0o644
 
 
 # --- the publish lock ------------------------------------------------------------------------
