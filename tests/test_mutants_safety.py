@@ -10,7 +10,8 @@ itself, no server, nothing slow).
   a link or FIFO outside a marked tree either; a marked directory's record is durable before
   the directory gets its name; a user's file at the record's name of DEST is never taken as
   the record; a user's empty directory in a marked tree is never removed by ``rmdir``, nor with the tree; nor is a user's file's mode changed (``chmod``, as sealing does);
-* the publish lock: a holder that saw its lock taken over stays lost;
+* the publish lock: a holder that saw its lock taken over stays lost; a user's file at a
+  lock's path is never judged stale and removed;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
   their directories' times; under a key's lock it puts a replaced copy back before it
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
@@ -308,6 +309,20 @@ def test_a_holder_that_saw_its_lock_taken_over_stays_lost_when_the_file_comes_ba
         assert lock.held()  # the same file is at the path again ...
         with pytest.raises(LockLostError):
             lock.check_held()  # ... but the lock was lost meanwhile
+
+
+def test_a_users_file_at_a_lock_path_is_refused_never_taken_over_after_the_expiry(tmp_path):
+    """A file at a publish lock's path that holds no lock record (a user's) is refused at
+    once, never judged by its silence and moved away, however long a waiter may wait."""
+    from loader.repository.lock import PublishLock, lock_path
+
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_text("my notes\n")
+    lock = PublishLock(tmp_path, KEY, expiry_s=0.2, heartbeat_s=0.05, timeout_s=2, poll_s=0.05)
+    with pytest.raises(NotOursError, match="no loader's lock record"):
+        lock.acquire()
+    assert path.read_text() == "my notes\n"
 
 
 # --- prune -----------------------------------------------------------------------------------
