@@ -15,7 +15,10 @@ itself, no server, nothing slow).
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
   their directories' times; under a key's lock it puts a replaced copy back before it
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
-  again, since it looked; a file named like a moved lock that holds no lock record stays;
+  again, since it looked, or a user's directory put in its place; a file named like a moved
+  lock that holds no lock record stays; a download directory's marker is the loader's only
+  at its key's name; a live holder's lock keeps its key in a dry run too; a user's file at a
+  key's lock path keeps the key and stops nothing;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
   fits without its download suffix among them;
 * a checkpoint that declares no dtype: its output dtype is the one most of its bytes are in,
@@ -452,6 +455,88 @@ def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(t
     report = prune(root)
     assert theirs.read_text() == "a user's notes\n"
     assert [r.path for r in report.removed] == [moved] and not moved.exists()
+
+
+def test_prune_keeps_a_users_directory_put_where_a_staging_directory_was(tmp_path):
+    """A staging directory prune judged a leftover, replaced before prune holds the key's lock
+    by a user's old directory of that name (no marker, no record): it is the user's, and
+    stays with everything in it."""
+    from loader.repository import publish
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    staging = publish.new_staging_dir(root, OLD)
+    staging = staging.rename(staging.with_name(staging.name.replace(fs.host_digest(), "0a1b2c3d")))
+    then = 1_000_000_000
+    for path in (staging, *staging.iterdir()):
+        os.utime(path, (then, then))
+
+    def replaced() -> None:
+        staging.rename(tmp_path / "aside")
+        staging.mkdir()
+        (staging / "users.txt").write_text("mine\n")
+        for path in (staging / "users.txt", staging):
+            os.utime(path, (then, then))
+
+    hook, done = _when_locked(OLD, replaced)
+    with fs.inject(hook):
+        report = prune(root, lock_expiry_s=60)
+    assert done and (staging / "users.txt").read_text() == "mine\n"
+    assert (OLD, f"{publish.STAGING_DIR}/{staging.name} is not the loader's") in report.kept
+
+
+def test_prune_leaves_a_download_directory_away_from_its_keys_name(tmp_path):
+    """A directory in ``.work`` carrying a download marker for a key, at another name than
+    that key's (a copy someone made): not the loader's download directory; it stays."""
+    from loader.repository.key import key_filename
+    from loader.repository.prune import prune
+    from loader.repository.publish import DOWNLOAD_MARKER
+
+    root = tmp_path / "models"
+    for name in (key_filename(OLD), "my-backup"):
+        (root / ".work" / name / "source").mkdir(parents=True)
+        (root / ".work" / name / "source" / "model.bin").write_bytes(b"w")
+        (root / ".work" / name / DOWNLOAD_MARKER).write_text(f"{OLD}\n")
+    report = prune(root)
+    assert (root / ".work" / "my-backup" / "source" / "model.bin").read_bytes() == b"w"
+    assert [r.path for r in report.removed] == [root / ".work" / key_filename(OLD)]
+
+
+def test_a_dry_run_keeps_a_key_whose_lock_a_live_process_here_holds(tmp_path):
+    """``prune --dry-run`` does not take locks: a key whose lock a live process on this host
+    holds is reported kept, never as what would go."""
+    from loader.repository.lock import PublishLock
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    _forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
+    old = _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    with PublishLock(root, OLD, expiry_s=60):
+        lock = next((root / ".locks").iterdir())
+        os.utime(lock, (1_000_000, 1_000_000))  # a live holder whose heartbeat is late
+        report = prune(root, keep=1, dry_run=True, lock_expiry_s=60)
+    assert report.removed == [] and (OLD, "its publish lock is live") in report.kept
+    assert old.is_dir()
+
+
+def test_a_users_file_at_a_keys_lock_path_keeps_the_key_and_prune_goes_on(tmp_path):
+    """A user's file at an old key's lock path: the key's lock cannot be told, so the key is
+    kept, the file is left as it was, and prune goes on with the other keys."""
+    from loader.repository.lock import lock_path
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    _forged_key(root, "m@r3/v", "2026-01-03T00:00:00Z", mtime=3_000_000)
+    _forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
+    old = _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    path = lock_path(root, OLD)
+    path.parent.mkdir()
+    path.write_text("my notes\n")
+    os.utime(path, (1_000_000, 1_000_000))
+    report = prune(root, keep=1, lock_expiry_s=60)
+    assert path.read_text() == "my notes\n" and old.is_dir()
+    assert (OLD, "its publish lock is live") in report.kept
+    assert [r.path for r in report.removed] == [root / NEW]
 
 
 # --- names a remote listing gives ------------------------------------------------------------
