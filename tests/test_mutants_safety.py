@@ -17,7 +17,7 @@ itself, no server, nothing slow).
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
   again, since it looked, or a user's directory put in its place; a file named like a moved
   lock that holds no lock record stays; a download directory's marker is the loader's only
-  at its key's name; a live holder's lock keeps its key in a dry run too; a user's file at a
+  at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a user's file at a
   key's lock path keeps the key and stops nothing;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
   fits without its download suffix among them;
@@ -537,6 +537,22 @@ def test_a_users_file_at_a_keys_lock_path_keeps_the_key_and_prune_goes_on(tmp_pa
     assert path.read_text() == "my notes\n" and old.is_dir()
     assert (OLD, "its publish lock is live") in report.kept
     assert [r.path for r in report.removed] == [root / NEW]
+
+
+def test_prune_leaves_a_copy_in_trash_not_named_after_its_key(tmp_path):
+    """A directory in ``.trash`` whose manifest names a published key, at a name the loader
+    never gives a replaced copy (one not starting with the key's file name): someone else's
+    copy, left as it is."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    copy = root / ".trash" / "my-copy"
+    copy.mkdir(parents=True)
+    (copy / "manifest.json").write_text(json.dumps({"key": OLD, "files": []}))
+    (copy / "weights.bin").write_bytes(b"w")
+    prune(root)
+    assert (copy / "weights.bin").read_bytes() == b"w"
 
 
 # --- names a remote listing gives ------------------------------------------------------------
