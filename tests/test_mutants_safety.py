@@ -20,7 +20,8 @@ itself, no server, nothing slow).
   at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a user's file at a
   key's lock path keeps the key and stops nothing;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
-  fits without its download suffix among them;
+  fits without its download suffix among them; a path below DEST with a ``..`` or a file on
+  the way is a typed error; a link left at a gone owner's partial name is never adopted;
 * a checkpoint that declares no dtype: its output dtype is the one most of its bytes are in,
   also when most of its tensors are in the other.
 """
@@ -586,6 +587,44 @@ def test_each_kind_of_listed_name_the_rule_refuses_is_refused(rel):
         "b",
         "model.bin",
     ]
+
+
+@pytest.mark.parametrize(
+    ("rel", "message"),
+    [("../outside.bin", "is not a path below the destination"), ("a/b.bin", "a is a file")],
+)
+def test_a_path_below_dest_through_dot_dot_or_a_file_is_a_source_error(tmp_path, rel, message):
+    """``safe_path``: a ``..`` in a path below DEST, or a file where a directory of it would
+    be, is a :class:`SourceError` naming it (exit 2), never a traceback; nothing is made."""
+    from loader.errors import SourceError
+    from loader.sources.transfer import safe_path
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "a").write_text("the user's\n")
+    with pytest.raises(SourceError, match=message):
+        safe_path(dest, rel)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]
+    assert [p.name for p in dest.iterdir()] == ["a"] and (dest / "a").read_text() == "the user's\n"
+
+
+def test_a_link_at_a_gone_owners_partial_name_is_never_adopted(tmp_path):
+    """A symbolic link named like the partial download of a gone owner of this host: not a
+    partial download (the loader writes none), never taken over; it stays at its name."""
+    import subprocess
+    import sys
+
+    from loader.sources.transfer import adopt
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    partial = tmp_path / "dest" / ".partial"
+    partial.mkdir(parents=True)
+    (tmp_path / "elsewhere").write_bytes(b"theirs")
+    theirs = partial / f"model.bin.{dead.pid}-{fs.host_digest()}"
+    theirs.symlink_to(tmp_path / "elsewhere")
+    assert not adopt(partial / f"model.bin.{fs.owner()}")
+    assert theirs.is_symlink() and sorted(p.name for p in partial.iterdir()) == [theirs.name]
 
 
 # --- the dtype of a checkpoint that declares none ---------------------------------------------
