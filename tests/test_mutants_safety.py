@@ -23,7 +23,9 @@ itself, no server, nothing slow).
   fits without its download suffix among them; a path below DEST with a ``..`` or a file on
   the way is a typed error; a link left at a gone owner's partial name is never adopted;
 * a checkpoint that declares no dtype: its output dtype is the one most of its bytes are in,
-  also when most of its tensors are in the other.
+  also when most of its tensors are in the other; a weight stored in an integer dtype is a
+  typed error; a tensor whose byte span is not what its dtype and shape take is refused when
+  the file is opened.
 """
 
 from __future__ import annotations
@@ -664,3 +666,51 @@ def test_an_undeclared_dtype_follows_the_bytes_not_the_count_of_tensors(
     ini = next((published(tmp_path / "root") / "fastertransformer" / "1").rglob("config.ini"))
     expected = "fp16" if most == "F16" else "fp32"
     assert f"weight_data_type = {expected}" in ini.read_text()
+
+
+def _undeclared_copy(checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    for path in checkpoint.iterdir():
+        if path.is_file():
+            (source / path.name).write_bytes(path.read_bytes())
+    (weights,) = source.glob("*.safetensors")
+    return source, weights
+
+
+def test_a_weight_stored_as_integers_is_a_dtype_error_before_anything_is_written(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A weight the plan converts stored in an integer dtype: a typed error (exit 2) naming the
+    tensor and the dtypes weights may have; nothing is published."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from tests.runs import cli, run_argv
+
+    source, weights = _undeclared_copy(tiny_checkpoint_with_tokenizer, tmp_path)
+    tensors = load_file(weights)
+    name = max(tensors, key=lambda n: tensors[n].size)
+    tensors[name] = tensors[name].astype(np.int32)
+    save_file(tensors, weights)
+    code, _, err = cli(capsys, *run_argv(source, tmp_path / "root"))
+    assert code == 2, err
+    assert f"Tensor {name} in" in err and "weights must be fp32, fp16, bf16" in err
+    assert not any(p.name.startswith("tiny") for p in (tmp_path / "root").glob("*@*"))
+
+
+def test_a_tensor_spanning_other_than_its_dtype_and_shape_take_is_refused_at_open(tmp_path):
+    """A safetensors entry whose byte span is shorter than its dtype and shape take (the rest
+    would be read from past its data): the file is refused when opened, naming the tensor."""
+    import struct
+
+    from loader.checkpoint import open_checkpoint
+    from loader.errors import CheckpointError
+
+    (tmp_path / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header + b"\0" * 4
+    )
+    with pytest.raises(CheckpointError, match="tensor w spans 4 bytes, not 8"):
+        open_checkpoint(tmp_path)
