@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loader.errors import PlacementError, SourceError, SourcePermissionError
+from loader.errors import InTheWayError, PlacementError, SourceError, SourcePermissionError
 from loader.parallel import Parallelism
 from loader.plan import Topology, check_placement
 from loader.repository import manifest
@@ -383,11 +383,11 @@ def test_fetch_copy_never_writes_through_a_link_in_dest(source, tmp_path):
     dest.mkdir()
     elsewhere.mkdir()
     (dest / "extras").symlink_to(elsewhere)
-    with pytest.raises(SourceError, match="symbolic link"):
-        fetch(str(source), dest, copy=True)
+    with pytest.raises(InTheWayError, match=r"extras \(a symbolic link\)"):
+        fetch(str(source), dest, copy=True)  # found before anything is written
     assert list(elsewhere.iterdir()) == []
     (dest / "extras").unlink()
-    shutil.rmtree(dest / ".partial")
+    shutil.rmtree(dest / ".partial", ignore_errors=True)
     (dest / ".partial").symlink_to(elsewhere)  # a link where downloads go: neither used nor removed
     with pytest.raises(SourceError, match=r"\.partial is a symbolic link") as refused:
         fetch(str(source), dest, copy=True)
@@ -410,7 +410,7 @@ def test_fetch_copy_names_what_stands_where_a_directory_of_the_source_goes(sourc
         (dest / "extras").write_text("a user's file\n")
     else:
         os.mkfifo(dest / "extras")
-    with pytest.raises(SourceError, match=f"extras is a {kind}[ ,]"):
+    with pytest.raises(InTheWayError, match=rf"extras \(a {kind}\)"):
         fetch(str(source), dest, copy=True)
     assert (dest / "extras").is_fifo() == (kind != "file")
 
