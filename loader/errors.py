@@ -121,7 +121,7 @@ class OutputExistsError(LoaderError):
         super().__init__(
             message,
             remediation
-            or f"Pass --force to replace it, or point {write_targets()} at another directory.",
+            or f"Pass --force to replace it, or choose another directory for {write_targets()}.",
         )
 
 
@@ -415,8 +415,8 @@ class InTheWayError(NotOursError):
             f"{listed} under {shown(where)}: the loader would put its file{'s' if many else ''} "
             f"there, but it did not write what stands there now, and it never replaces what it "
             "did not write (nothing was written).",
-            f"Move {'them' if many else 'it'} away (or point {write_targets()} at another "
-            "directory), then run again.",
+            f"Move {'them' if many else 'it'} away (or choose another directory for "
+            f"{write_targets()}), then run again.",
         )
 
 
