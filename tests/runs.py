@@ -4,6 +4,7 @@ where a published repository and its weights are."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -30,6 +31,23 @@ def run_argv(
     if backend is not None:
         argv += ["--backend", backend]
     return [*argv, *extra]
+
+
+def checkpoint_copy(checkpoint: Path, dest: Path, *, undeclared: bool = False) -> tuple[Path, Path]:
+    """The files of ``checkpoint`` copied into the new directory ``dest``, and the copy's
+    safetensors weights file; with ``undeclared``, ``config.json`` declares no dtype (no
+    ``torch_dtype``, no ``dtype``): the loader then follows the weights' bytes."""
+    dest.mkdir()
+    for path in checkpoint.iterdir():
+        if path.is_file():
+            (dest / path.name).write_bytes(path.read_bytes())
+    if undeclared:
+        config = json.loads((dest / "config.json").read_text())
+        config.pop("torch_dtype", None)
+        config.pop("dtype", None)
+        (dest / "config.json").write_text(json.dumps(config))
+    (weights,) = dest.glob("*.safetensors")
+    return dest, weights
 
 
 def cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, list[str], str]:

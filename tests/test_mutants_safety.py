@@ -38,6 +38,7 @@ import pytest
 
 from loader import fs
 from loader.errors import NotOursError
+from tests.races import when_locked
 
 MARKER = ".model-loader-staging"
 KEY = "m@r/v"
@@ -362,21 +363,6 @@ def test_prune_keeps_the_newest_keys_by_their_manifests_creation_time(tmp_path):
 OLD, NEW = "m@r1/v", "m@r2/v"
 
 
-def _when_locked(key: str, change):
-    """A hook of ``loader.fs`` calling ``change()`` once, as prune opens ``key``'s lock:
-    between prune's first look and its second under the lock."""
-    from loader.repository.key import key_filename
-
-    done: list[bool] = []
-
-    def hook(op: str, path: str) -> None:
-        if not done and op == "open" and path.endswith(f"/{key_filename(key)}.lock"):
-            done.append(True)
-            change()
-
-    return hook, done
-
-
 def test_prune_keeps_a_key_whose_manifest_changed_after_it_looked(tmp_path):
     """A key published again after prune looked, in a directory that got the inode of the one
     prune saw (inodes are reused), is told by its manifest's ``created_at``: it is kept."""
@@ -390,11 +376,27 @@ def test_prune_keeps_a_key_whose_manifest_changed_after_it_looked(tmp_path):
     def republish() -> None:
         (old / "manifest.json").write_text(json.dumps(republished))
 
-    hook, done = _when_locked(OLD, republish)
+    hook, done = when_locked(OLD, republish)
     with fs.inject(hook):
         report = prune(root, keep=1)
     assert done and json.loads((old / "manifest.json").read_text()) == republished
     assert (OLD, "published again since prune looked") in report.kept
+
+
+#: When the idle directories below were last changed (2001): any expiry has passed.
+_SILENT_SINCE = 1_000_000_000
+
+
+def _idle_staging_of_another_host(root: Path) -> Path:
+    """A staging directory of ``OLD`` named for a loader on another host, silent since 2001:
+    prune judges it by its silence alone."""
+    from loader.repository import publish
+
+    staging = publish.new_staging_dir(root, OLD)
+    staging = staging.rename(staging.with_name(staging.name.replace(fs.host_digest(), "0a1b2c3d")))
+    for path in (staging, *staging.iterdir()):
+        os.utime(path, (_SILENT_SINCE, _SILENT_SINCE))
+    return staging
 
 
 def test_prune_keeps_a_staging_directory_its_loader_wrote_to_after_prune_looked(tmp_path):
@@ -405,17 +407,13 @@ def test_prune_keeps_a_staging_directory_its_loader_wrote_to_after_prune_looked(
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    staging = publish.new_staging_dir(root, OLD)
-    staging = staging.rename(staging.with_name(staging.name.replace(fs.host_digest(), "0a1b2c3d")))
-    then = 1_000_000_000
-    for path in (staging, *staging.iterdir()):
-        os.utime(path, (then, then))
+    staging = _idle_staging_of_another_host(root)
 
     def written_again() -> None:
         with fs.Dir.open(staging) as d:
             d.write("weights.bin", b"written again\n")
 
-    hook, done = _when_locked(OLD, written_again)
+    hook, done = when_locked(OLD, written_again)
     with fs.inject(hook):
         report = prune(root, lock_expiry_s=60)
     assert done and (staging / "weights.bin").read_bytes() == b"written again\n"
@@ -468,20 +466,16 @@ def test_prune_keeps_a_users_directory_put_where_a_staging_directory_was(tmp_pat
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    staging = publish.new_staging_dir(root, OLD)
-    staging = staging.rename(staging.with_name(staging.name.replace(fs.host_digest(), "0a1b2c3d")))
-    then = 1_000_000_000
-    for path in (staging, *staging.iterdir()):
-        os.utime(path, (then, then))
+    staging = _idle_staging_of_another_host(root)
 
     def replaced() -> None:
         staging.rename(tmp_path / "aside")
         staging.mkdir()
         (staging / "users.txt").write_text("mine\n")
         for path in (staging / "users.txt", staging):
-            os.utime(path, (then, then))
+            os.utime(path, (_SILENT_SINCE, _SILENT_SINCE))
 
-    hook, done = _when_locked(OLD, replaced)
+    hook, done = when_locked(OLD, replaced)
     with fs.inject(hook):
         report = prune(root, lock_expiry_s=60)
     assert done and (staging / "users.txt").read_text() == "mine\n"
@@ -641,18 +635,11 @@ def test_an_undeclared_dtype_follows_the_bytes_not_the_count_of_tensors(
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from tests.runs import cli, published, run_argv
+    from tests.runs import checkpoint_copy, cli, published, run_argv
 
-    source = tmp_path / "ckpt"
-    source.mkdir()
-    for path in tiny_checkpoint_with_tokenizer.iterdir():
-        if path.is_file():
-            (source / path.name).write_bytes(path.read_bytes())
-    config = json.loads((source / "config.json").read_text())
-    config.pop("torch_dtype", None)
-    config.pop("dtype", None)
-    (source / "config.json").write_text(json.dumps(config))
-    (weights,) = source.glob("*.safetensors")
+    source, weights = checkpoint_copy(
+        tiny_checkpoint_with_tokenizer, tmp_path / "ckpt", undeclared=True
+    )
     tensors = load_file(weights)
     big, small = (np.float16, np.float32) if most == "F16" else (np.float32, np.float16)
     largest = sorted(tensors, key=lambda n: tensors[n].size, reverse=True)[: len(tensors) // 4]
@@ -668,16 +655,6 @@ def test_an_undeclared_dtype_follows_the_bytes_not_the_count_of_tensors(
     assert f"weight_data_type = {expected}" in ini.read_text()
 
 
-def _undeclared_copy(checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
-    source = tmp_path / "ckpt"
-    source.mkdir()
-    for path in checkpoint.iterdir():
-        if path.is_file():
-            (source / path.name).write_bytes(path.read_bytes())
-    (weights,) = source.glob("*.safetensors")
-    return source, weights
-
-
 def test_a_weight_stored_as_integers_is_a_dtype_error_before_anything_is_written(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):
@@ -686,9 +663,9 @@ def test_a_weight_stored_as_integers_is_a_dtype_error_before_anything_is_written
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from tests.runs import cli, run_argv
+    from tests.runs import checkpoint_copy, cli, run_argv
 
-    source, weights = _undeclared_copy(tiny_checkpoint_with_tokenizer, tmp_path)
+    source, weights = checkpoint_copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
     tensors = load_file(weights)
     name = max(tensors, key=lambda n: tensors[n].size)
     tensors[name] = tensors[name].astype(np.int32)

@@ -33,6 +33,7 @@ import pytest
 from loader import fs
 from loader.errors import NotOursError
 from loader.repository.key import key_filename
+from tests.races import when_locked
 
 # --- loader.fs --------------------------------------------------------------------------------
 
@@ -907,19 +908,6 @@ def _two_keys(root) -> None:
         publish.publish(staging, root, key)
 
 
-def _when_locked(key: str, change):
-    """A hook of ``loader.fs`` that calls ``change()`` once, as prune opens ``key``'s lock:
-    between prune's first look and its second under the lock."""
-    done: list[bool] = []
-
-    def hook(op: str, path: str) -> None:
-        if not done and op == "open" and path.endswith(f"/{key_filename(key)}.lock"):
-            done.append(True)
-            change()
-
-    return hook, done
-
-
 def test_prune_keeps_a_key_replaced_by_an_identical_copy_after_it_looked(tmp_path):
     """A key published again after prune looked is kept, even with the same manifest and
     creation time (another copy: other inodes)."""
@@ -933,7 +921,7 @@ def test_prune_keeps_a_key_replaced_by_an_identical_copy_after_it_looked(tmp_pat
         (root / OLD).rename(tmp_path / "aside")
         (tmp_path / "copy").rename(root / OLD)
 
-    hook, done = _when_locked(OLD, republish)
+    hook, done = when_locked(OLD, republish)
     with fs.inject(hook):
         report = prune(root, keep=1)
     assert done and (root / OLD / "m" / "weights.bin").read_bytes() == OLD.encode()
@@ -962,7 +950,7 @@ def test_prune_keeps_a_staging_directory_that_changed_after_it_looked(tmp_path, 
             for path in (staging, *staging.iterdir()):
                 os.utime(path, (then, then))
 
-    hook, done = _when_locked(OLD, changed)
+    hook, done = when_locked(OLD, changed)
     with fs.inject(hook):
         prune(root, lock_expiry_s=60)
     assert done and (staging / "weights.bin").read_bytes() == b"written again\n"

@@ -26,7 +26,7 @@ from loader.cli.run import request_from_args
 from loader.errors import NotOursError
 from loader.repository.key import key_filename
 from loader.repository.publish import STAGING_MARKER
-from tests.runs import cli, published, run_argv
+from tests.runs import checkpoint_copy, cli, published, run_argv
 
 
 @pytest.fixture(scope="module")
@@ -183,16 +183,9 @@ def test_an_undeclared_dtype_is_the_one_most_bytes_are_in(
     """Most tensors in one dtype, the small rest in the other: the output follows the most."""
     import numpy as np
 
-    source = tmp_path / "ckpt"
-    source.mkdir()
-    for path in tiny_checkpoint_with_tokenizer.iterdir():
-        if path.is_file():
-            (source / path.name).write_bytes(path.read_bytes())
-    config = json.loads((source / "config.json").read_text())
-    config.pop("torch_dtype", None)
-    config.pop("dtype", None)
-    (source / "config.json").write_text(json.dumps(config))
-    (weights,) = source.glob("*.safetensors")
+    source, weights = checkpoint_copy(
+        tiny_checkpoint_with_tokenizer, tmp_path / "ckpt", undeclared=True
+    )
     tensors = load_file(weights)
     big, small = (np.float16, np.float32) if most == "F16" else (np.float32, np.float16)
     by_size = sorted(tensors, key=lambda n: tensors[n].size)
