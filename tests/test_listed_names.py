@@ -17,7 +17,7 @@ from loader.sources.hf import INCOMPLETE, _names
 from loader.sources.names import NAME_MAX, listed_parts
 
 _LEVEL = st.one_of(
-    st.sampled_from(["", ".", "..", ".partial", "a", "model.safetensors", "x\ny", "x\0y"]),
+    st.sampled_from(["", ".", "..", ".partial", fs.MADE, "a", "model.safetensors", "x\ny", "x\0y"]),
     st.text(min_size=1, max_size=12),
     st.integers(200, 300).map(lambda n: "é" * (n // 2)),  # two bytes each: bytes, not chars
 )
@@ -46,7 +46,7 @@ def test_a_name_taken_can_be_created_with_its_download_suffix_and_maps_back(
         assert "\n" not in exc.message and "\0" not in exc.message
         return
     assert "/".join(parts) == rel and len(parts) <= fs.MAX_NAME_LEVELS
-    assert parts[0] != ".partial"
+    assert parts[0] != ".partial" and not parts[0].startswith(fs.MARKER_PREFIX)
     base = tmp_path_factory.mktemp("dest")
     for part in parts:
         with open(base / (part + "x" * suffix), "xb"):  # ENAMETOOLONG would fail here
@@ -77,3 +77,15 @@ def test_an_object_name_too_long_with_its_generation_and_owner_is_refused_before
     with pytest.raises(SourceError, match=f"path component of {len(fits) + 1} bytes"):
         _relpath(parse_uri("gs://bucket/p"), f"p/{fits}m")
     assert len(f".{2**63 - 1}.{4194304}-{'f' * 8}.slices") <= _PARTIAL_SUFFIX
+
+
+@pytest.mark.parametrize("name", [fs.MADE, ".model-loader-fetch", ".model-loader-made/x"])
+def test_an_object_named_like_the_loaders_record_is_refused_never_placed_over_it(name):
+    """Before: a ``gs://`` object named ``.model-loader-made`` at the prefix's top was a
+    listed name like any other, downloaded to the very name of DEST's record of what the
+    loader wrote. A name below the top is no record's and is taken."""
+    with pytest.raises(SourceError, match="record of what it wrote"):
+        _relpath(parse_uri("gs://bucket/p"), f"p/{name}")
+    assert _relpath(parse_uri("gs://bucket/p"), "p/sub/.model-loader-made") == (
+        "sub/.model-loader-made"
+    )

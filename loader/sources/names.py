@@ -4,7 +4,7 @@ repository), checked before it reaches the file system: one rule for every remot
 A listed name becomes a path below DEST one level at a time (:mod:`loader.sources.transfer`),
 so it must be a relative path of plain names (no empty, ``.`` or ``..`` level: ``p//x`` would
 land where ``p/x`` does), print as it is (a line break in a name would start a log line of its
-own), lie outside the loader's own ``.partial/``, go no deeper than the loader's own walks remove (:data:`loader.fs.MAX_NAME_LEVELS`) and
+own), lie outside the loader's own ``.partial/`` and record names (``.model-loader-*``), go no deeper than the loader's own walks remove (:data:`loader.fs.MAX_NAME_LEVELS`) and
 fit the file system with the suffix its download carries while it is in progress.
 """
 
@@ -38,6 +38,13 @@ def listed_parts(rel: str, *, what: str, remedy: str, suffix: int) -> list[str]:
         raise SourceError(
             f"{what} is named {rel[:120]!r}, under {PARTIAL_DIR}/, the name the loader keeps "
             "for downloads in progress; nothing was written for it.",
+            remedy,
+        )
+    if parts[0].startswith(fs.MARKER_PREFIX):
+        raise SourceError(
+            f"{what} is named {rel[:120]!r}, a name starting with {fs.MARKER_PREFIX!r}, which "
+            "the loader keeps for its record of what it wrote (it would replace that record); "
+            "nothing was written for it.",
             remedy,
         )
     if len(parts) > fs.MAX_NAME_LEVELS:
