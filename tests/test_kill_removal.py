@@ -28,7 +28,9 @@ from loader.cli import main
 from loader.repository import manifest
 from loader.repository.publish import STAGING_DIR
 from tests.fault_sweep import scratch
+from tests.faults import site_here
 from tests.test_kill_points import KILLED, _argv, forked
+from tests.tiers import EXHAUSTIVE
 
 pytestmark = pytest.mark.slow  # a dozen forked loaders, each killed
 
@@ -212,10 +214,11 @@ class KillAtRecordOrRemoval:
     removal in a tree writes it: the kill falls between a create and its record, or between
     a removal's record and the removal) or, with ``removal``, at the ``k``-th unlink or rmdir
     below the root; with ``within``, only those whose path holds it; with ``k`` None, count
-    them."""
+    them and note each one's kind (:func:`_kind`)."""
 
     def __init__(self, k: int | None, *, removal: bool, within: str = "/root/") -> None:
         self.k, self.removal, self.within, self.seen = k, removal, within, 0
+        self.kinds: list[tuple] = []
 
     def __call__(self, op: str, path: str) -> None:
         if self.removal:
@@ -224,8 +227,28 @@ class KillAtRecordOrRemoval:
             counted = op == "open" and path.endswith(f"/{fs.MADE}")
         if counted and self.within in path:
             self.seen += 1
-            if self.seen == self.k:
+            if self.k is None:
+                self.kinds.append(_kind(op, path))
+            elif self.seen == self.k:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kind(op: str, path: str) -> tuple:
+    """What tells one kill point from another: the loader's call site and how deep below the
+    root the entry lies (points of one kind differ only in which file of a directory)."""
+    return site_here(op, skip=3), path.partition("/root/")[2].count("/")
+
+
+def _points(kinds: list[tuple], every: bool) -> list[int]:
+    """The kill points (1-based): every one, or the first and the last of each kind."""
+    if every:
+        return list(range(1, len(kinds) + 1))
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    for k, kind in enumerate(kinds, 1):
+        first.setdefault(kind, k)
+        last[kind] = k
+    return sorted({*first.values(), *last.values()})
 
 
 def _left(root: Path) -> list[str]:
@@ -239,10 +262,12 @@ def _left(root: Path) -> list[str]:
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=EXHAUSTIVE)],
+                         ids=["each-kind", "every-point"])  # fmt: skip
 @pytest.mark.parametrize("removal", [False, True], ids=["record", "removal"])
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "gs"])
 def test_a_run_killed_at_any_record_or_removal_leaves_nothing_for_good(
-    removal, remote, request, tiny_checkpoint_with_tokenizer
+    removal, remote, every, request, tiny_checkpoint_with_tokenizer
 ):
     """Killed between any create in a marked tree and its record, between any removal's
     record and the removal, or at any removal: the next runs publish (0), and the loader's
@@ -251,7 +276,11 @@ def test_a_run_killed_at_any_record_or_removal_leaves_nothing_for_good(
 
     From ``gs://``, only the points in the download directory (``.work``) are killed at: the
     rest of a ``--no-overlap`` run is the local run's code on the downloaded copy, whose points
-    the local cases kill at."""
+    the local cases kill at.
+
+    ``make test`` kills at the first and the last point of each kind (a call site of the loader
+    at one depth below the root: about a fifth of the points), ``make test-faults`` at every
+    point."""
     within = "/root/.work/" if remote else "/root/"
     if remote:
         request.getfixturevalue("gcs")
@@ -278,7 +307,8 @@ def test_a_run_killed_at_any_record_or_removal_leaves_nothing_for_good(
             assert main(_argv(source, root, "--no-overlap", *extra)) == 0
     assert counter.seen > (3 if remote else 10)
     failures = []
-    for k in range(1, counter.seen + 1):
+    points = _points(counter.kinds, every)
+    for k in points:
         with scratch() as base:
             root = fresh(base)
             argv = _argv(source, root, "--no-overlap", "--lock-expiry-s", "1")
@@ -294,4 +324,4 @@ def test_a_run_killed_at_any_record_or_removal_leaves_nothing_for_good(
                 failures.append(f"{k}: exits {codes}, keys {keys}, left {left}")
             if any((root / rel).read_text() != "the user's" for rel in users):
                 failures.append(f"{k}: a user's file changed")
-    assert not failures, f"{len(failures)} of {counter.seen} kill points:\n" + "\n".join(failures)
+    assert not failures, f"{len(failures)} of {len(points)} kill points:\n" + "\n".join(failures)

@@ -50,11 +50,11 @@ from loader.repository import manifest
 from loader.repository.publish import DOWNLOAD_MARKER, STAGING_MARKER
 from tests.fault_sweep import scratch, snapshot
 from tests.faults import site_here
-from tests.tiers import FAST_TIER
+from tests.tiers import EXHAUSTIVE, FAST_TIER
 
 #: Every kind at every name: ``make test-faults`` (about 9 min on one core). ``make test`` plants
 #: a link out of ROOT at every name and one other kind per name, in turn.
-EVERY_KIND = [pytest.mark.exhaustive, pytest.mark.slow]
+EVERY_KIND = EXHAUSTIVE
 
 KEY_DIR = "tiny@r1"
 KINDS = ("link-dir", "link-file", "link-up", "file", "dir", "fifo")
