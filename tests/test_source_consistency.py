@@ -4,6 +4,7 @@ refused; a FIFO, device or socket is never read; a link loop is a typed error.""
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -57,6 +58,46 @@ def test_a_local_source_replaced_while_converting_is_not_published(
     assert code == 0, err
     fresh = {p.name: p.read_bytes() for p in sorted(Path(out[-1]).iterdir())}
     assert weights(repo) == fresh  # what was published is the source as it is now
+
+
+def test_bytes_written_through_a_mapping_while_converting_are_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A writer holding the weights file mapped shared changes its bytes while the conversion
+    reads it: a page already dirty takes the write without a fault, so the file's mtime, ctime,
+    inode and size stay what the run's first look saw. The run hashes the source again after
+    converting, never trusting those stamps within the run, so nothing is published under the
+    fingerprint of bytes the source no longer holds."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    path = source / "model.safetensors"
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(fd, size)
+    os.close(fd)
+    mapped[size - 1] = mapped[size - 1]  # the last page dirty and writable before the run
+    written = []
+
+    def write_through_the_mapping(op: str, where: str) -> None:
+        if not written and op == "open" and "/fastertransformer/1/" in where:
+            old = mapped[size - 8 : size]
+            mapped[size - 8 : size] = bytes(8) if old != bytes(8) else b"\x01" * 8
+            written.append(where)
+
+    root = tmp_path / "root"
+    try:
+        with fs.inject(write_through_the_mapping):
+            code, _, err = cli(capsys, *run_argv(source, root))
+    finally:
+        mapped.close()
+    assert written, "the conversion never opened an output"
+    assert code == 75 and "changed while it was loading" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *run_argv(source, root))
+    assert code == 0, err
+    code, out, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    assert code == 0, err
+    fresh = {p.name: p.read_bytes() for p in sorted(Path(out[-1]).iterdir())}
+    assert weights(published(root)) == fresh  # the bytes the source holds, recorded as such
 
 
 @pytest.mark.parametrize("where", ["config.json", "model.safetensors", "extra.bin"])

@@ -115,8 +115,10 @@ def _run(request: RunRequest) -> RunResult:
             with _staging(root, key) as staging:
                 with stages.stage("run: convert (overlapped: with the fetch)"):
                     converted = strategy.convert(verified, layout.weights_dir(staging))
-                if before is not None:  # and still what it was once read
-                    after = fingerprint(request.source, recorded=before, workers=request.workers)
+                if before is not None:  # and still what it was once read: hashed again,
+                    # never through the stat stamps of the first look (a write through a shared
+                    # mapping changes bytes without moving mtime or ctime)
+                    after = fingerprint(request.source, workers=request.workers)
                     unchanged(request.source, before, after)
                 with stages.stage("run: build (model dirs, manifest, .ready)"):
                     build(
