@@ -100,6 +100,35 @@ def test_bytes_written_through_a_mapping_while_converting_are_not_published(
     assert weights(published(root)) == fresh  # the bytes the source holds, recorded as such
 
 
+def test_a_tokenizer_replaced_after_converting_is_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """The tokenizer files are copied into the repository after the weights are converted: a
+    tokenizer.json replaced between the conversion and that copy (one no check has read) is
+    never published under the fingerprint of the one that was checked."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    tokenizer = source / "tokenizer.json"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not a tokenizer")
+    converted, replaced = [], []
+
+    def replace_after_converting(op: str, where: str) -> None:
+        if op == "open" and where.endswith("/preprocessing/1/tokenizer"):
+            converted.append(where)  # the weights are written: the repository is being built
+        elif converted and not replaced and op == "open" and where == str(tokenizer):
+            replaced.append(where)
+            os.replace(broken, tokenizer)  # the user's upload lands meanwhile
+
+    root = tmp_path / "root"
+    with fs.inject(replace_after_converting):
+        code, _, err = cli(capsys, *run_argv(source, root))
+    assert replaced, "the tokenizer was never read after the conversion"
+    assert code == 75 and "changed while it was loading" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *run_argv(source, root))
+    assert code == 2 and "tokenizer" in err and "hint:" in err, err  # refused, as a first look
+
+
 @pytest.mark.parametrize("where", ["config.json", "model.safetensors", "extra.bin"])
 def test_a_fifo_in_a_local_source_is_refused_never_read(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys, where

@@ -115,11 +115,6 @@ def _run(request: RunRequest) -> RunResult:
             with _staging(root, key) as staging:
                 with stages.stage("run: convert (overlapped: with the fetch)"):
                     converted = strategy.convert(verified, layout.weights_dir(staging))
-                if before is not None:  # and still what it was once read: hashed again,
-                    # never through the stat stamps of the first look (a write through a shared
-                    # mapping changes bytes without moving mtime or ctime)
-                    after = fingerprint(request.source, workers=request.workers)
-                    unchanged(request.source, before, after)
                 with stages.stage("run: build (model dirs, manifest, .ready)"):
                     build(
                         staging,
@@ -132,6 +127,12 @@ def _run(request: RunRequest) -> RunResult:
                         verified=verified,
                         converted=converted,
                     )
+                if before is not None:  # and still what it was once every file was read (the
+                    # tokenizer is copied by the build): hashed again, never judged by the stat
+                    # stamps of the first look (a write through a shared mapping changes bytes
+                    # without moving mtime or ctime)
+                    after = fingerprint(request.source, workers=request.workers)
+                    unchanged(request.source, before, after)
                 lock.check_held()
                 with stages.stage("run: publish (rename to ROOT/<key>)"):
                     publish.publish(staging, root, key, replace=publish.present(root, key))
