@@ -100,6 +100,31 @@ def test_bytes_written_through_a_mapping_while_converting_are_not_published(
     assert weights(published(root)) == fresh  # the bytes the source holds, recorded as such
 
 
+def test_a_full_verification_hashes_a_local_source_whatever_its_stat_stamps_say(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Bytes written through a shared mapping after a key was published leave the weights
+    file's mtime, ctime, inode and size as the manifest recorded them: a quick rerun trusts
+    those stamps (it reads only files whose stamps moved), a ``--verify full`` rerun hashes
+    every file of the source again and refuses the changed source."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    path = source / "model.safetensors"
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(fd, size)
+    os.close(fd)
+    try:
+        mapped[size - 1] = mapped[size - 1]  # the last page dirty and writable before the run
+        root = tmp_path / "root"
+        assert cli(capsys, *run_argv(source, root))[0] == 0
+        old = mapped[size - 8 : size]
+        mapped[size - 8 : size] = bytes(8) if old != bytes(8) else b"\x01" * 8
+    finally:
+        mapped.close()
+    code, _, err = cli(capsys, *run_argv(source, root, "--verify", "full"))
+    assert code == 2 and "model.safetensors changed" in err and "hint:" in err, err
+
+
 def test_a_tokenizer_replaced_after_converting_is_not_published(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):
