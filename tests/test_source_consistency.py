@@ -154,6 +154,34 @@ def test_a_tokenizer_replaced_after_converting_is_not_published(
     assert code == 2 and "tokenizer" in err and "hint:" in err, err  # refused, as a first look
 
 
+def test_a_link_out_of_the_source_put_in_before_the_tokenizer_copy_is_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A tokenizer file replaced, once the weights are converted, by a link to a file outside
+    the source (one the loader's user can read) is never copied into a published repository,
+    whose files every uid reads."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    outside = tmp_path / "secret.json"
+    outside.write_text('{"secret": "key"}')
+    building, replaced = [], []
+
+    def link_out_while_building(op: str, where: str) -> None:
+        if op == "open" and where.endswith("/preprocessing/1/tokenizer"):
+            building.append(where)
+        elif building and not replaced and op == "open" and where.startswith(str(source)):
+            replaced.append(where)
+            os.unlink(where)
+            os.symlink(outside, where)
+
+    root = tmp_path / "root"
+    with fs.inject(link_out_while_building):
+        code, _, err = cli(capsys, *run_argv(source, root))
+    assert replaced, "no tokenizer file was read after the conversion"
+    assert code == 2 and "outside the source directory" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    assert not [p for p in root.rglob("*") if p.is_file() and b"secret" in p.read_bytes()]
+
+
 @pytest.mark.parametrize("where", ["config.json", "model.safetensors", "extra.bin"])
 def test_a_fifo_in_a_local_source_is_refused_never_read(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys, where
