@@ -17,7 +17,8 @@
 5. **convert** the weights straight into a new staging directory (written once; free space is
    checked for everything the repository holds), then **build** the rest of the repository
    around them (:mod:`loader.run.build`: the model directories, ``manifest.json``, finally
-   ``.ready``);
+   ``.ready``); a local source, read in place, is then hashed again: one that changed since
+   it was first fingerprinted (weights or the tokenizer the build copied) publishes nothing;
 6. **publish**: rename the staging directory to ``ROOT/<key>`` (atomic); the strategy removes
    its download directory ``WORK/<key>``.
 
