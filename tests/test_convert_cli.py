@@ -258,3 +258,36 @@ def test_a_rotary_dimension_fastertransformer_applies_differently(good, tmp_path
         capsys, out, [str(source), str(out), "--tp-size", "1"],
         "rotary_dim 33 is not between 1 and the head size 32",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tensor", "source"),
+    [
+        ("transformer.h.0.mlp.fc_in.weight", "float32"),  # transposed while cast
+        ("lm_head.bias", "float32"),  # cast as it is
+        ("transformer.h.1.attn.q_proj.weight", "bfloat16"),  # fused into QKV
+    ],
+)
+def test_a_weight_beyond_fp16s_range_is_refused_not_written_as_infinity(
+    good, tmp_path, capsys, tensor, source
+):
+    """A finite weight that fp16 cannot hold (beyond 65504) would be written as infinity:
+    FasterTransformer loads the file and every sum through that weight is inf or NaN."""
+    import torch
+
+    src = variant(good, tmp_path)
+
+    def enlarge(state):
+        for name in state:
+            state[name] = state[name].to(getattr(torch, source))
+        state[tensor].view(-1)[3] = 1e5
+
+    edit_tensors(src, enlarge)
+    edit_config(src, torch_dtype=source)
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "2", "--dtype", "fp16"],
+        tensor, "65504", "--dtype fp32",
+    )  # fmt: skip
+    rc, _, err = run_cli(capsys, str(src), str(out), "--tp-size", "2", "--dtype", "fp32")
+    assert rc == 0, err

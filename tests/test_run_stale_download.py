@@ -169,3 +169,29 @@ def test_an_hf_rerun_after_main_moved_to_another_format_converts_the_new_commit(
     (fresh,) = (tmp_path / "fresh").glob("tiny@r1/*")
     assert manifest.verify(published) == []
     assert weights(published) == weights(fresh)
+
+
+def test_the_tokenizer_checked_is_the_one_published_not_one_an_earlier_listing_left(
+    versions, gcs, tmp_path, capsys
+):
+    """A killed run left tokenizer.json in the download directory; the source then dropped it
+    and holds vocab.json + merges.txt whose ids run past the model's vocabulary. What the
+    repository would hold (those two files) is what is checked, never the file left behind."""
+    import json
+
+    old, _ = versions
+    root = tmp_path / "root"
+    _replace(gcs, old)
+    killer = KillBeforeMarkedRename("/.staging/")
+    assert forked(_argv(SOURCE, root, "--no-overlap"), killer) == KILLED
+    assert list((root / ".work").glob("*/source/tokenizer.json"))
+    bucket = gcs.client().bucket(BUCKET)
+    bucket.blob(f"{PREFIX}/tokenizer.json").delete()
+    vocab = json.loads((old / "vocab.json").read_text())
+    vocab["<beyond>"] = 4000  # an id past vocab_size
+    bucket.blob(f"{PREFIX}/vocab.json").upload_from_string(json.dumps(vocab))
+    with contextlib.redirect_stdout(sys.stderr):
+        assert main(_argv(SOURCE, root, "--no-overlap")) == 2
+    err = capsys.readouterr().err
+    assert "produces ids up to 4000" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@r1/*"))

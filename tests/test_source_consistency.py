@@ -4,6 +4,7 @@ refused; a FIFO, device or socket is never read; a link loop is a typed error.""
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -57,6 +58,128 @@ def test_a_local_source_replaced_while_converting_is_not_published(
     assert code == 0, err
     fresh = {p.name: p.read_bytes() for p in sorted(Path(out[-1]).iterdir())}
     assert weights(repo) == fresh  # what was published is the source as it is now
+
+
+def test_bytes_written_through_a_mapping_while_converting_are_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A writer holding the weights file mapped shared changes its bytes while the conversion
+    reads it: a page already dirty takes the write without a fault, so the file's mtime, ctime,
+    inode and size stay what the run's first look saw. The run hashes the source again after
+    converting, never trusting those stamps within the run, so nothing is published under the
+    fingerprint of bytes the source no longer holds."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    path = source / "model.safetensors"
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(fd, size)
+    os.close(fd)
+    mapped[size - 1] = mapped[size - 1]  # the last page dirty and writable before the run
+    written = []
+
+    def write_through_the_mapping(op: str, where: str) -> None:
+        if not written and op == "open" and "/fastertransformer/1/" in where:
+            old = mapped[size - 8 : size]
+            mapped[size - 8 : size] = bytes(8) if old != bytes(8) else b"\x01" * 8
+            written.append(where)
+
+    root = tmp_path / "root"
+    try:
+        with fs.inject(write_through_the_mapping):
+            code, _, err = cli(capsys, *run_argv(source, root))
+    finally:
+        mapped.close()
+    assert written, "the conversion never opened an output"
+    assert code == 75 and "changed while it was loading" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *run_argv(source, root))
+    assert code == 0, err
+    code, out, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    assert code == 0, err
+    fresh = {p.name: p.read_bytes() for p in sorted(Path(out[-1]).iterdir())}
+    assert weights(published(root)) == fresh  # the bytes the source holds, recorded as such
+
+
+def test_a_full_verification_hashes_a_local_source_whatever_its_stat_stamps_say(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """Bytes written through a shared mapping after a key was published leave the weights
+    file's mtime, ctime, inode and size as the manifest recorded them: a quick rerun trusts
+    those stamps (it reads only files whose stamps moved), a ``--verify full`` rerun hashes
+    every file of the source again and refuses the changed source."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    path = source / "model.safetensors"
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(fd, size)
+    os.close(fd)
+    try:
+        mapped[size - 1] = mapped[size - 1]  # the last page dirty and writable before the run
+        root = tmp_path / "root"
+        assert cli(capsys, *run_argv(source, root))[0] == 0
+        old = mapped[size - 8 : size]
+        mapped[size - 8 : size] = bytes(8) if old != bytes(8) else b"\x01" * 8
+    finally:
+        mapped.close()
+    code, _, err = cli(capsys, *run_argv(source, root, "--verify", "full"))
+    assert code == 2 and "model.safetensors changed" in err and "hint:" in err, err
+
+
+def test_a_tokenizer_replaced_after_converting_is_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """The tokenizer files are copied into the repository after the weights are converted: a
+    tokenizer.json replaced between the conversion and that copy (one no check has read) is
+    never published under the fingerprint of the one that was checked."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    tokenizer = source / "tokenizer.json"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not a tokenizer")
+    converted, replaced = [], []
+
+    def replace_after_converting(op: str, where: str) -> None:
+        if op == "open" and where.endswith("/preprocessing/1/tokenizer"):
+            converted.append(where)  # the weights are written: the repository is being built
+        elif converted and not replaced and op == "open" and where == str(tokenizer):
+            replaced.append(where)
+            os.replace(broken, tokenizer)  # the user's upload lands meanwhile
+
+    root = tmp_path / "root"
+    with fs.inject(replace_after_converting):
+        code, _, err = cli(capsys, *run_argv(source, root))
+    assert replaced, "the tokenizer was never read after the conversion"
+    assert code == 75 and "changed while it was loading" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *run_argv(source, root))
+    assert code == 2 and "tokenizer" in err and "hint:" in err, err  # refused, as a first look
+
+
+def test_a_link_out_of_the_source_put_in_before_the_tokenizer_copy_is_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """A tokenizer file replaced, once the weights are converted, by a link to a file outside
+    the source (one the loader's user can read) is never copied into a published repository,
+    whose files every uid reads."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    outside = tmp_path / "secret.json"
+    outside.write_text('{"secret": "key"}')
+    building, replaced = [], []
+
+    def link_out_while_building(op: str, where: str) -> None:
+        if op == "open" and where.endswith("/preprocessing/1/tokenizer"):
+            building.append(where)
+        elif building and not replaced and op == "open" and where.startswith(str(source)):
+            replaced.append(where)
+            os.unlink(where)
+            os.symlink(outside, where)
+
+    root = tmp_path / "root"
+    with fs.inject(link_out_while_building):
+        code, _, err = cli(capsys, *run_argv(source, root))
+    assert replaced, "no tokenizer file was read after the conversion"
+    assert code == 2 and "outside the source directory" in err and "hint:" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    assert not [p for p in root.rglob("*") if p.is_file() and b"secret" in p.read_bytes()]
 
 
 @pytest.mark.parametrize("where", ["config.json", "model.safetensors", "extra.bin"])

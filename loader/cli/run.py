@@ -163,7 +163,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=VERIFY_MODES,
         default="quick",
         help="how an existing repository is verified: quick (default) re-hashes only the files "
-        "changed since they were written; full re-hashes every file",
+        "changed since they were written; full re-hashes every file, and every file of a local "
+        "source",
     )
     limit_argument(
         p,

@@ -41,10 +41,12 @@ from loader import fs, ledger, stages
 from loader.checkpoint import NUMPY_DTYPES, Checkpoint
 from loader.errors import (
     CheckpointError,
+    DtypeError,
     NotOursError,
     OutputExistsError,
     SourceShrankError,
     shown,
+    some_names,
 )
 from loader.fs import Dir
 from loader.progress import Progress
@@ -201,6 +203,7 @@ def write_file(
     source_dtypes = [ckpt.tensors[p.source].dtype for p in out.parts]
     row_bytes = max(out.row_elements * dtype.itemsize, 1)
     step = max(1, chunk_bytes // row_bytes)
+    narrowing = dtype == np.float16 and any(d != "fp16" for d in source_dtypes)
     written = 0
     digest = None if algorithm is None else digests.new(algorithm)
     path = directory.path / out.name
@@ -236,11 +239,13 @@ def write_file(
                 nbytes = (stop_row - start) * row_bytes
                 data = _chunk_buffer(nbytes).view(dtype).reshape(stop_row - start, -1)
                 col = 0
-                with stages.stage("fault-in + cast/transpose", nbytes):
+                with stages.stage("fault-in + cast/transpose", nbytes), np.errstate(over="ignore"):
                     for block, src_dtype in zip(blocks, source_dtypes, strict=True):
                         width = block.shape[1]
                         copy_into(data[:, col : col + width], block, source_dtype=src_dtype)
                         col += width
+                if narrowing:
+                    _check_in_range(data, blocks, source_dtypes, out)
             with stages.stage("write" if data is not direct else "fault-in + write", data.nbytes):
                 _write(fh.fileno(), data, path, ckpt)
             if digest is not None:  # the buffer just written, not a copy read back
@@ -250,6 +255,41 @@ def write_file(
             progress.update(data.nbytes)
             del data, blocks, direct
     return written, None if digest is None else digest.hexdigest()
+
+
+#: The largest finite fp16 value: a larger fp32 or bf16 weight is infinite once cast.
+FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def _not_finite(values: np.ndarray, source_dtype: str | None = None) -> bool:
+    """Whether ``values`` (fp16 or fp32; ``bf16``: their bits as uint16) hold an infinity or
+    a NaN: every exponent bit set."""
+    if source_dtype == "bf16" or values.dtype == np.float16:
+        mask = np.uint16(0x7F80 if source_dtype == "bf16" else 0x7C00)
+        bits = values.view(np.uint16)
+    else:
+        mask, bits = np.uint32(0x7F800000), values.view(np.uint32)
+    return bool(bits.size) and bool(np.bitwise_and(bits, mask).max() == mask)
+
+
+def _check_in_range(
+    data: np.ndarray, blocks: Sequence[np.ndarray], source_dtypes: Sequence[str], out: OutputFile
+) -> None:
+    """Refuse a chunk cast into fp16 that holds an infinity or NaN its finite sources did not:
+    a weight beyond fp16's range, which FasterTransformer would load and sum into inf and NaN
+    (what the sources already held is written as it is, as a copy of the same dtype is)."""
+    if not _not_finite(data) or any(
+        _not_finite(np.ascontiguousarray(block), dtype)
+        for block, dtype in zip(blocks, source_dtypes, strict=True)
+    ):
+        return
+    raise DtypeError(
+        f"{some_names(sorted(out.sources))} {'holds' if len(out.sources) == 1 else 'hold'} a "
+        f"weight beyond fp16's range (at most {FP16_MAX:g} in magnitude): written in fp16 it "
+        f"would be infinite, and FasterTransformer's sums through it inf or NaN ({out.name}); "
+        "the conversion stopped.",
+        "Convert to fp32 (--dtype fp32), whose range holds the checkpoint's weights.",
+    )
 
 
 def _write(fd: int, data: np.ndarray, path: Path, ckpt: Checkpoint) -> None:

@@ -115,7 +115,9 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
     from loader.repository.models.tokenization import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(checkpoint)
+        # the files the repository will hold, never another file beside them (a download
+        # directory may still hold one an earlier listing put there)
+        tokenizer = load_tokenizer(checkpoint, {path.name for path in files})
         largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     except Exception as exc:  # the tokenizers library raises plain Exceptions
         names = ", ".join(p.name for p in files)

@@ -17,7 +17,8 @@
 5. **convert** the weights straight into a new staging directory (written once; free space is
    checked for everything the repository holds), then **build** the rest of the repository
    around them (:mod:`loader.run.build`: the model directories, ``manifest.json``, finally
-   ``.ready``);
+   ``.ready``); a local source, read in place, is then hashed again: one that changed since
+   it was first fingerprinted (weights or the tokenizer the build copied) publishes nothing;
 6. **publish**: rename the staging directory to ``ROOT/<key>`` (atomic); the strategy removes
    its download directory ``WORK/<key>``.
 
@@ -115,9 +116,6 @@ def _run(request: RunRequest) -> RunResult:
             with _staging(root, key) as staging:
                 with stages.stage("run: convert (overlapped: with the fetch)"):
                     converted = strategy.convert(verified, layout.weights_dir(staging))
-                if before is not None:  # and still what it was once read
-                    after = fingerprint(request.source, recorded=before, workers=request.workers)
-                    unchanged(request.source, before, after)
                 with stages.stage("run: build (model dirs, manifest, .ready)"):
                     build(
                         staging,
@@ -130,6 +128,12 @@ def _run(request: RunRequest) -> RunResult:
                         verified=verified,
                         converted=converted,
                     )
+                if before is not None:  # and still what it was once every file was read (the
+                    # tokenizer is copied by the build): hashed again, never judged by the stat
+                    # stamps of the first look (a write through a shared mapping changes bytes
+                    # without moving mtime or ctime)
+                    after = fingerprint(request.source, workers=request.workers)
+                    unchanged(request.source, before, after)
                 lock.check_held()
                 with stages.stage("run: publish (rename to ROOT/<key>)"):
                     publish.publish(staging, root, key, replace=publish.present(root, key))

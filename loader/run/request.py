@@ -44,7 +44,8 @@ class RunRequest:
     verify_checksums: bool = True
     #: How a published key is verified before "nothing to do": "quick" re-hashes only files
     #: whose seal changed since they were written (:func:`loader.repository.manifest.verify`),
-    #: "full" re-hashes every file.
+    #: "full" re-hashes every file, and every file of a local source (never trusting its stat
+    #: stamps).
     verify: str = "quick"
     lock_expiry_s: float = LOCK_EXPIRY_S.default
     lock_timeout_s: float = LOCK_TIMEOUT_S.default

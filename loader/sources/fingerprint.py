@@ -14,9 +14,10 @@ scheme      fingerprint
 ``file``    every file: relative path, size and digest (BLAKE3, :mod:`loader.digest`; sha256
             in the fingerprints of earlier loaders, and to compare with one of those). The
             digest of a file is computed once; a later run reuses the recorded one while the
-            file's (mtime, ctime, inode, size) are unchanged (ctime cannot be set by users; any
-            write changes it) and hashes the file again otherwise, so a touched but identical
-            file is not a change
+            file's (mtime, ctime, inode, size) are unchanged (ctime cannot be set by users; a
+            write through the file system moves it, one through a shared writable mapping into
+            a page already dirty does not: ``run --verify full`` hashes every file again) and
+            hashes the file again otherwise, so a touched but identical file is not a change
 ==========  ===================================================================================
 
 :meth:`Fingerprint.changes` lists the differences in words; the stat stamps of local files are

@@ -8,6 +8,7 @@ GPT-2 style byte-level BPE (what GPT-J and CodeGen checkpoints ship).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -15,12 +16,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 TOKENIZER_DIR = "tokenizer"
 
 
-def load_tokenizer(directory: Path | str) -> Tokenizer:
+def load_tokenizer(directory: Path | str, names: Collection[str] | None = None) -> Tokenizer:
+    """The tokenizer of ``directory``; with ``names``, of those files only, as a directory
+    holding just them loads (the loader checks what a repository will hold this way)."""
     directory = Path(directory)
-    if (directory / "tokenizer.json").is_file():
+
+    def present(name: str) -> bool:
+        return (names is None or name in names) and (directory / name).is_file()
+
+    if present("tokenizer.json"):
         return Tokenizer.from_file(str(directory / "tokenizer.json"))
     vocab, merges = directory / "vocab.json", directory / "merges.txt"
-    if vocab.is_file() and merges.is_file():
+    if present(vocab.name) and present(merges.name):
         tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
