@@ -129,11 +129,20 @@ def owner_in(name: str) -> str | None:
     return found[-1] if found else None
 
 
+#: The largest pid Linux gives (``PID_MAX_LIMIT`` of a 64-bit kernel).
+PID_MAX = 2**22
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists on this host (one we may not signal counts) and has not
     exited: a zombie (killed or ended, not reaped yet: a loader killed with its process group,
     until its reaper waits for it, or for good under a PID 1 that never reaps) writes nothing
-    any more, and its pid is not reused while it is one."""
+    any more, and its pid is not reused while it is one. A number no process can have (below
+    1, above :data:`PID_MAX`: read from a lock record or a name someone else wrote) is no live
+    process, never handed to ``kill`` (0 and -1 name process groups there; a number too large
+    for a ``pid_t`` is an ``OverflowError``)."""
+    if not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
