@@ -60,6 +60,7 @@ from loader.repository.publish import (
     STAGING_DIR,
     STAGING_MARKER,
     TRASH_DIR,
+    TREE_MARKS,
     WORK_DIR,
     abandoned_in,
     owned,
@@ -241,7 +242,8 @@ class _Candidate:
     reason: str
     #: Under the key's lock: whether it still goes (None: yes), else why it stays.
     recheck: Callable[[], str | None]
-    remove: Callable[[], None]
+    #: Removes it; returns why it stayed after all (None: removed).
+    remove: Callable[[], str | None]
 
 
 def try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
@@ -310,7 +312,10 @@ def _prune(
                     report.kept.append((key, why))
                     continue
                 size = _path_size(c.path)
-                c.remove()
+                why = c.remove()
+                if why is not None:
+                    report.kept.append((key, why))
+                    continue
                 report.removed.append(Removal(c.path, c.reason, size))
                 log.info("removed %s (%s)", c.path, c.reason)
         finally:
@@ -392,14 +397,15 @@ def _unfinished(
         if gone() is None:
             found.append(_Candidate(key, root / directory / name,
                                     "directory a loader stopped before naming it", gone,
-                                    _remover(root, directory, name)))  # fmt: skip
+                                    _remover(root, directory, name, marker)))  # fmt: skip
     return found
 
 
-def _remover(root: Path, directory: str, name: str) -> Callable[[], None]:
-    def remove() -> None:
+def _remover(root: Path, directory: str, name: str, marker: str) -> Callable[[], str | None]:
+    def remove() -> str | None:
         with Dir.open(root) as r, r.sub(directory) as d:
-            d.remove_tree(name)
+            d.remove_tree(name, marks=(marker,))
+        return None
 
     return remove
 
@@ -432,9 +438,10 @@ def _in(
                     return f"{directory}/{name} is in use again"
         return None
 
-    def remove() -> None:
+    def remove() -> str | None:
         with Dir.open(root) as r, r.sub(directory) as d:
-            d.remove_tree(name)
+            d.remove_tree(name, marks=(marker,) if marker else TREE_MARKS)
+        return None
 
     return _Candidate(key, root / directory / name, reason, recheck, remove)
 
@@ -482,18 +489,27 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
             return "published again since prune looked"
         return None
 
-    def remove() -> None:
+    def remove() -> str | None:
         with Dir.open(root) as r, r.sub(TRASH_DIR, create=True) as trash:
             aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
             with r.sub(parent_name) as p:
                 p.rename(variant, trash, aside, how="replace")
                 p.fsync()
-            trash.remove_tree(aside)
+                moved = trash.lstat(aside)
+                if moved is None:
+                    return "gone meanwhile"
+                if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
+                    # Another directory was put at the key's name after the look above (a
+                    # rename of the user's): it goes back, untouched.
+                    trash.rename(aside, p, variant, how="noreplace")
+                    return f"{key} was replaced by another directory meanwhile"
+            trash.remove_tree(aside, marks=TREE_MARKS)
             with r.sub(parent_name) as p:
                 empty = not p.names()
             if empty:
                 with contextlib.suppress(OSError):  # a loader published into it meanwhile
                     r.rmdir(parent_name)  # the <name>@<revision> directory, now empty
+        return None
 
     return _Candidate(
         key, root / key, f"published key beyond the {keep} newest of its model", recheck, remove

@@ -68,6 +68,10 @@ DOWNLOAD_MARKER = fs.MARKER_PREFIX + "download"
 STAGING_MARKER = manifest.STAGING_MARKER
 FILE_MODE = 0o644
 DIR_MODE = fs.DIR_MODE
+#: What marks a staging directory, or a published copy, of a loader that kept no record of what
+#: it made (:meth:`loader.fs.Dir.remove_tree`'s ``marks``): a directory without a record and
+#: without either is someone else's, never removed.
+TREE_MARKS = (STAGING_MARKER, manifest.MANIFEST)
 
 
 def published_path(root: Path, key: str) -> Path:
@@ -137,7 +141,7 @@ def discard_staging(staging: Path, key: str) -> None:
     staging = Path(staging).absolute()
     with Dir.open(staging.parent) as base:
         if owned(base, staging.name, key):
-            base.remove_tree(staging.name)
+            base.remove_tree(staging.name, marks=TREE_MARKS)
 
 
 def owned(parent: Dir, name: str, key: str) -> bool:
@@ -301,7 +305,7 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
                 for name in base.unfinished_marked(prefix + ".", STAGING_MARKER, key,
                                                    idle_s=idle_s):  # fmt: skip
                     log.info("removing unfinished staging directory %s", base.path / name)
-                    base.remove_tree(name)
+                    base.remove_tree(name, marks=TREE_MARKS)
                     removed.append(base.path / name)
     return removed
 
@@ -320,7 +324,7 @@ def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
         log.warning("leaving %s alone: the loader did not create it", path)
         return False
     log.info("removing %s %s", what, path)
-    d.remove_tree(name)
+    d.remove_tree(name, marks=TREE_MARKS)
     return True
 
 
@@ -453,7 +457,7 @@ def _remove_replaced(d: Dir, name: str) -> None:
     """Remove a replaced copy once the new one is in place; a failure only leaves it for the
     next loader of the key (or prune) to remove: the key is published."""
     try:
-        d.remove_tree(name)
+        d.remove_tree(name, marks=TREE_MARKS)
     except OSError as exc:
         log.warning(
             "could not remove the replaced copy %s (%s); the next loader of the key or "

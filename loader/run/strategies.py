@@ -238,7 +238,7 @@ def _make_download_dir(request: RunRequest, root: Path, key: str) -> Path:
         for unfinished in work.unfinished_marked(name + ".", publish.DOWNLOAD_MARKER, key,
                                                  idle_s=request.lock_expiry_s):  # fmt: skip
             log.info("removing unfinished download directory %s", work.path / unfinished)
-            work.remove_tree(unfinished)
+            work.remove_tree(unfinished, marks=(publish.DOWNLOAD_MARKER,))
         if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
             with contextlib.suppress(OSError):  # an empty directory holds nothing: made anew
                 work.rmdir(name)
@@ -294,7 +294,7 @@ def _remove_download(path: Path, key: str) -> None:
         if not work.marked(path.name, publish.DOWNLOAD_MARKER, key):
             log.info("keeping %s: this loader did not create it", path)
             return
-        work.remove_tree(path.name)
+        work.remove_tree(path.name, marks=(publish.DOWNLOAD_MARKER,))
         if path.parent.name == publish.WORK_DIR and not work.names():
             with Dir.open(path.parent.parent) as root, contextlib.suppress(OSError):
                 root.rmdir(publish.WORK_DIR)  # other keys' downloads may arrive meanwhile

@@ -1,0 +1,109 @@
+"""A directory of the user's renamed to the name of a tree the loader is removing, at any
+moment after the loader looked: it is never emptied. ``remove_tree`` reads the record and the
+marks from the very directory it empties (one descriptor), and ``prune`` puts back what its
+rename into ``.trash`` moved when that is not the key it judged."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from loader import fs
+from loader.repository.prune import prune
+
+MARKER = fs.MARKER_PREFIX + "staging"
+
+
+def _loader_tree(parent: Path, *, recorded: bool) -> Path:
+    """A tree of the loader's at ``parent/tree``: marked with its record, or (``recorded``
+    False) as a loader that kept no record made it (its marker only)."""
+    tree = parent / "tree"
+    if recorded:
+        with fs.Dir.open(parent, create=True) as p:
+            assert p.make_marked("tree", MARKER, "m@r/v")
+            with p.sub("tree") as t:
+                t.write("weights.bin", b"w" * 100)
+                with t.makedirs(("sub",)) as s:
+                    s.write("config.ini", b"[x]\n")
+    else:
+        (tree / "sub").mkdir(parents=True)
+        (tree / MARKER).write_text("m@r/v\n")
+        (tree / "weights.bin").write_bytes(b"w" * 100)
+        (tree / "sub" / "config.ini").write_text("[x]\n")
+    return tree
+
+
+def _calls(parent: Path, recorded: bool) -> int:
+    _loader_tree(parent, recorded=recorded)
+    seen: list[str] = []
+    with fs.Dir.open(parent) as p, fs.inject(lambda op, path: seen.append(op)):
+        assert p.remove_tree("tree", marks=(MARKER,)) == []
+    assert not (parent / "tree").exists()
+    return len(seen)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "marker-only"])
+def test_a_users_directory_renamed_to_the_trees_name_at_any_step_stays_whole(
+    tmp_path: Path, recorded: bool
+):
+    steps = _calls(tmp_path / "count", recorded)
+    for step in range(1, steps + 1):
+        parent = tmp_path / f"at-{step}"
+        tree = _loader_tree(parent, recorded=recorded)
+        calls: list[int] = []
+
+        def swap(
+            op: str, path: str, tree: Path = tree, calls: list[int] = calls, step: int = step
+        ) -> None:
+            calls.append(1)
+            if len(calls) == step:
+                tree.rename(tree.with_name("tree.moved"))
+                tree.mkdir()
+                (tree / "notes.txt").write_text("mine")
+                (tree / "sub").mkdir()
+                (tree / "sub" / "data.csv").write_text("1,2\n")
+
+        with fs.Dir.open(parent) as p, fs.inject(swap):
+            p.remove_tree("tree", marks=(MARKER,))
+        assert (tree / "notes.txt").read_text() == "mine", step
+        assert (tree / "sub" / "data.csv").read_text() == "1,2\n", step
+
+
+def _forged_key(root: Path, key: str, created_at: str) -> Path:
+    path = root / key
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"key": key, "created_at": created_at,
+                                                    "files": []}))  # fmt: skip
+    return path
+
+
+def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_moves_it(
+    tmp_path: Path,
+):
+    """prune checked the old key under its lock; the user then moves the key away and puts a
+    directory of theirs at its name, just before prune's rename into ``.trash``: that
+    directory goes back to the key's name, whole, and the key is reported kept."""
+    root = tmp_path / "models"
+    _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    old = _forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z")
+    done: list[bool] = []
+
+    def swap(op: str, path: str) -> None:
+        if not done and op.startswith("rename") and path.split(" -> ")[0] == str(old):
+            done.append(True)
+            old.rename(old.with_name("v.moved"))
+            old.mkdir()
+            (old / "notes.txt").write_text("mine")
+
+    with fs.inject(swap):
+        report = prune(root, keep=1)
+    assert done
+    assert (old / "notes.txt").read_text() == "mine"
+    assert not report.removed
+    assert ("m@r1/v", "m@r1/v was replaced by another directory meanwhile") in report.kept
+    assert not [p for p in (root / ".trash").iterdir()]
+    assert (old.with_name("v.moved") / "manifest.json").is_file()
+    assert os.listdir(old) == ["notes.txt"]
