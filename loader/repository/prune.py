@@ -247,8 +247,9 @@ class _Candidate:
 
 
 def try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
-    """The key's publish lock if no loader holds it now (never waits); None otherwise."""
-    lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01)
+    """The key's publish lock if no loader holds it now (never waits: a lock whose file was not
+    written for ``expiry_s`` is stale); None otherwise."""
+    lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01, judge_by_age=True)
     try:
         return lock.acquire()
     except LockTimeoutError:
