@@ -321,6 +321,24 @@ def is_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
 
 
+#: The most bytes one name takes on the file systems the loader writes to (Linux ``NAME_MAX``).
+NAME_MAX = 255
+
+
+def is_file_name(name: str) -> bool:
+    """:func:`is_name`, and a name a file here can have: at most :data:`NAME_MAX` bytes as the
+    file system is given it (``os.fsencode``), and given at all (a lone surrogate, which a JSON
+    document may spell, is no name). A name read back from what the loader wrote (a record's
+    marker, a journal's outputs, the staging directory it names) is checked with this: any
+    other was never one the loader wrote, and is skipped, never looked up."""
+    if not is_name(name):
+        return False
+    try:
+        return len(os.fsencode(name)) <= NAME_MAX
+    except UnicodeError:
+        return False
+
+
 #: The mode of every directory the loader creates: Triton runs as another uid and must enter
 #: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
 DIR_MODE = 0o755
@@ -454,7 +472,7 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
             continue
         if i == 0 and isinstance(item, dict):
             name = item.get("marker")
-            if isinstance(name, str) and is_name(name) and _marker_name(name):
+            if isinstance(name, str) and is_file_name(name) and _marker_name(name):
                 marker = name
             continue
         _apply_line(records, item)
@@ -473,7 +491,7 @@ def _apply_line(records: Records, item: object) -> None:
         or ino < 0
         or kind not in ("f", "d", "-")
         or not isinstance(rel, str)
-        or not all(is_name(part) for part in rel.split("/"))
+        or not all(is_file_name(part) for part in rel.split("/"))
         or (changed is not None and (kind != "-" or type(changed) is not int or ino == 0))
     ):
         return
