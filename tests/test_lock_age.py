@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from loader.cli import main
+from loader.errors import LockTimeoutError
 from loader.repository import publish
-from loader.repository.lock import lock_path
+from loader.repository.lock import PublishLock, lock_path
 from loader.repository.prune import prune, try_lock
 from tests.runs import run_argv
 
@@ -81,3 +82,49 @@ def test_a_run_finding_its_key_published_removes_what_a_killed_loader_of_another
         assert main(run_argv(tiny_checkpoint_with_tokenizer, root, "--lock-expiry-s", "60")) == 0
     assert "already published" in caplog.text
     assert not staging.exists() and not lock.exists()
+
+
+def _foreign_holder(root: Path, key: str, *, age_s: float, expiry_s: object) -> Path:
+    """A lock of ``key`` whose holder (on another host) says it was given ``expiry_s``."""
+    path = _foreign_lock(root, key, age_s=age_s)
+    record = json.loads(path.read_text())
+    record["expiry_s"] = expiry_s
+    path.write_text(json.dumps(record))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_a_waiter_with_a_shorter_expiry_than_the_holders_waits_out_the_holders(tmp_path: Path):
+    """The holder beats every quarter of its own expiry (here 15 s of 60): a waiter given 1 s
+    never takes its lock between two beats."""
+    path = _foreign_holder(tmp_path, KEY, age_s=0, expiry_s=60.0)
+    before = path.read_bytes()
+    with pytest.raises(LockTimeoutError):
+        PublishLock(tmp_path, KEY, expiry_s=1, timeout_s=3, poll_s=0.1).acquire()
+    assert path.read_bytes() == before
+
+
+def test_prune_with_a_shorter_expiry_than_the_holders_keeps_its_key(tmp_path: Path):
+    root = tmp_path / "models"
+    _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    old = _forged_key(root, KEY, "2026-01-01T00:00:00Z")
+    lock = _foreign_holder(root, KEY, age_s=30, expiry_s=600.0)
+    report = prune(root, keep=1, lock_expiry_s=1)
+    assert not report.removed and (KEY, "its publish lock is live") in report.kept
+    assert old.is_dir() and lock.exists()
+
+
+@pytest.mark.parametrize("bogus", [1e300, -5, 0, "600", True, 10**400, None])
+def test_an_expiry_in_a_lock_record_no_loader_could_be_given_is_ignored(
+    tmp_path: Path, bogus: object
+):
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    record = {"pid": 12345, "host": "loader-7f9c-xk2p", "pid_space": "b:1"}
+    path.write_text(json.dumps(record)[:-1] + f', "expiry_s": {json.dumps(bogus)}}}')
+    then = time.time() - 7200
+    os.utime(path, (then, then))
+    lock = try_lock(tmp_path, KEY, 60)
+    assert lock is not None
+    lock.release()

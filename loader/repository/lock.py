@@ -17,6 +17,11 @@ A waiter polls. It takes over a lock that is *stale*:
   live; else a lock a loader of another node or pod left when it was killed would stop every
   clean-up of its key for good.
 
+Each judges by the longer of its own expiry and the holder's, which the lock record names
+(``expiry_s``): a holder beats every quarter of its own expiry, so a waiter or ``prune`` given
+a shorter ``--lock-expiry-s`` than the holder's would otherwise take over a live lock between
+two beats.
+
 Take-over renames the stale file to a unique name (atomic: only one waiter wins), checks that
 what it moved is the stale lock it judged, and then competes for ``O_EXCL`` creation like any
 other waiter. A holder whose file was taken over notices (its descriptor no longer names the
@@ -51,7 +56,15 @@ from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCKS_DIR", "PublishLock", "local_pid", "lock_like", "lock_path", "pid_alive"]
+__all__ = [
+    "LOCKS_DIR",
+    "PublishLock",
+    "expiry_of",
+    "local_pid",
+    "lock_like",
+    "lock_path",
+    "pid_alive",
+]
 
 LOCKS_DIR = ".locks"
 
@@ -113,6 +126,7 @@ class PublishLock:
             "token": self.token,
             "beats": self._beats,
             "heartbeat_at": time.time(),
+            "expiry_s": self.expiry_s,
         }
         return json.dumps(record).encode()
 
@@ -218,7 +232,7 @@ class PublishLock:
                 "publish lock %s belongs to pid %s, which is gone", self.path, record["pid"]
             )
             return True
-        if unchanged_s >= self.expiry_s:
+        if unchanged_s >= expiry_of(record, self.expiry_s):
             log.warning(
                 "publish lock %s has had no heartbeat for %.0f s; taking it over",
                 self.path,
@@ -335,6 +349,21 @@ def local_pid(record: object) -> int | None:
     if not isinstance(pid, int) or isinstance(pid, bool) or space != pid_space():
         return None
     return pid
+
+
+def expiry_of(record: object, expiry_s: float) -> float:
+    """How long a lock of ``record`` may go without a heartbeat before a loader whose own
+    expiry is ``expiry_s`` judges it stale: the longer of the two (the holder beats every
+    quarter of its own). A value in a record that is no expiry a loader could have been given
+    (:data:`loader.limits.LOCK_EXPIRY_S`) is ignored."""
+    theirs = record.get("expiry_s") if isinstance(record, dict) else None
+    if type(theirs) not in (int, float):
+        return expiry_s
+    try:
+        theirs = float(theirs)
+    except OverflowError:  # an integer no float holds
+        return expiry_s
+    return max(expiry_s, theirs) if LOCK_EXPIRY_S.ok(theirs) else expiry_s
 
 
 def lock_like(content: bytes) -> bool:

@@ -54,7 +54,14 @@ from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, lock_like, pid_alive
+from loader.repository.lock import (
+    LOCKS_DIR,
+    PublishLock,
+    expiry_of,
+    local_pid,
+    lock_like,
+    pid_alive,
+)
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
@@ -132,7 +139,7 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
     pid = local_pid(record)
     if pid is not None:
         return pid_alive(pid)
-    return time.time() - found.st_mtime < expiry_s
+    return time.time() - found.st_mtime < expiry_of(record, expiry_s)
 
 
 def _staging_keyfile(name: str) -> str | None:
