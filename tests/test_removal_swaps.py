@@ -5,6 +5,7 @@ rename into ``.trash`` moved when that is not the key it judged."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from loader import fs
+from loader.cli import main
+from loader.repository import manifest
 from loader.repository.prune import prune
+from tests.runs import published, run_argv
 
 MARKER = fs.MARKER_PREFIX + "staging"
 
@@ -107,3 +111,39 @@ def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_mov
     assert not [p for p in (root / ".trash").iterdir()]
     assert (old.with_name("v.moved") / "manifest.json").is_file()
     assert os.listdir(old) == ["notes.txt"]
+
+
+def _no_renameat2(op: str, path: str) -> None:
+    if op in ("rename-exchange", "rename-noreplace"):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
+def test_a_users_directory_renamed_to_the_key_as_run_replaces_it_stays_at_the_key(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, fallback: bool
+):
+    """``run --force`` checked the published copy; the user then moves it away and puts a
+    directory of theirs at the key's name, just before the replacement: that directory stays
+    at the key, whole, and the run refuses (exit 2) instead of publishing over it."""
+    root = tmp_path / "models"
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    key = published(root)
+    capsys.readouterr()
+    done: list[bool] = []
+
+    def swap(op: str, path: str) -> None:
+        if not done and op.startswith("rename") and f" -> {key}" in path:
+            done.append(True)
+            key.rename(key.with_name("moved"))
+            key.mkdir()
+            (key / "notes.txt").write_text("mine")
+        if fallback:
+            _no_renameat2(op, path)
+
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force"))
+    assert done and code == 2
+    assert "notes.txt" in os.listdir(key) and (key / "notes.txt").read_text() == "mine"
+    assert os.listdir(key) == ["notes.txt"]
+    assert not list((root / ".staging").iterdir())
+    assert manifest.verify(key.with_name("moved")) == []

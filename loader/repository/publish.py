@@ -448,6 +448,11 @@ def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str)
             raise
         _replace_through_trash(r, base, name, parent, variant, key)
         return
+    if not owned(base, name, key):
+        # Someone else's directory was put at the key after it was looked at: the two go back
+        # where they were (it untouched), and nothing is published over it.
+        base.rename(name, parent, variant, how="exchange")
+        raise parent.not_ours(variant, f"a repository the loader published for {key}")
     parent.fsync()
     log.info("replaced the published copy of %s; removing the previous one", key)
     _remove_replaced(base, name)  # the previous copy, now in the staging directory's place
@@ -473,6 +478,9 @@ def _replace_through_trash(
     aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
     with r.sub(TRASH_DIR, create=True) as trash:
         parent.rename(variant, trash, aside, how="replace")
+        if not owned(trash, aside, key):  # put at the key after it was looked at: back
+            trash.rename(aside, parent, variant, how="replace")  # (no renameat2 here)
+            raise parent.not_ours(variant, f"a repository the loader published for {key}")
         log.info("moved the previous %s aside to %s", key, trash.path / aside)
         try:
             base.rename(name, parent, variant, how="replace")
