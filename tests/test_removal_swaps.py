@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,54 @@ def test_a_users_directory_renamed_to_the_key_as_run_replaces_it_stays_at_the_ke
     assert os.listdir(key) == ["notes.txt"]
     assert not list((root / ".staging").iterdir())
     assert manifest.verify(key.with_name("moved")) == []
+
+
+def _at_created(op: str, rel: str) -> bool:
+    return True
+
+
+def _at_converting(op: str, rel: str) -> bool:
+    return op == "write" and rel.endswith(".bin")
+
+
+def _at_building(op: str, rel: str) -> bool:
+    return op == "mkdir" and rel.endswith("/preprocessing")
+
+
+@pytest.mark.parametrize("moment", [_at_created, _at_converting, _at_building],
+                         ids=["created", "converting", "building"])  # fmt: skip
+def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_sealed_or_published(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment
+):
+    """While a run works, the user moves its staging directory away and renames a directory
+    of theirs to its name: the run stops (exit 2) before it seals or publishes anything
+    there; the user's directory keeps its files and their modes, and no key is published."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    done: list[Path] = []
+    once = threading.Lock()  # (the converter writes from several threads)
+
+    def swap(op: str, path: str) -> None:
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not moment(op, rel):
+            return
+        with once:
+            if done:
+                return
+            staging = staging_dir / rel.split("/")[0]
+            staging.rename(tmp_path / "moved")
+            staging.mkdir()
+            (staging / "secret.txt").write_text("mine")
+            (staging / "secret.txt").chmod(0o600)
+            done.append(staging)
+
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    assert done and code == 2
+    (staging,) = done
+    assert (staging / "secret.txt").read_text() == "mine"
+    assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
+    assert not list(root.glob("tiny@*/*"))
+    capsys.readouterr()

@@ -84,6 +84,42 @@ def _split(key: str) -> tuple[str, str]:
     return parent, variant
 
 
+#: What a staging directory is, for :func:`check_staging`: its device and inode.
+Identity = tuple[int, int]
+
+
+def identity(path: Path) -> Identity:
+    """The device and inode of the staging directory at ``path`` (entered without following a
+    link): one without the loader's record (:data:`loader.fs.MADE`) is not the one
+    :func:`new_staging_dir` made (a :class:`~loader.errors.NotOursError`)."""
+    path = Path(path).absolute()
+    with Dir.open(path.parent) as parent, parent.sub(path.name) as d:
+        if d.made is None:
+            raise parent.not_ours(path.name, "the staging directory this run made")
+        found = d.stat()
+    return found.st_dev, found.st_ino
+
+
+def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
+    if expected is None:
+        return
+    found = base.lstat(name)
+    if found is None or (found.st_dev, found.st_ino) != expected:
+        raise base.not_ours(
+            name, "the staging directory this run made (something was renamed to its name "
+            "while the run worked)",
+        )  # fmt: skip
+
+
+def check_staging(staging: Path, expected: Identity) -> None:
+    """That ``staging`` is still the very directory this run made (``expected``: its
+    :func:`identity` then): a directory someone renamed to its name meanwhile is a
+    :class:`~loader.errors.NotOursError`, never built into, sealed or published."""
+    staging = Path(staging).absolute()
+    with Dir.open(staging.parent) as base:
+        _check_at(base, staging.name, expected)
+
+
 def new_staging_dir(root: Path, key: str) -> Path:
     """A fresh, empty staging directory for ``key`` under ``root``, named after its owner and
     marked as the loader's."""
@@ -351,38 +387,53 @@ def _seal(d: Dir, depth: int = 0) -> None:
     d.fsync()
 
 
-def seal(tree: Path) -> None:
+def seal(tree: Path, expected: Identity | None = None) -> None:
     """Give every file 0644 and every directory 0755 (only where the mode differs) and fsync
     them, deepest first, so the data is durable before the rename makes it visible. A link
-    or any other kind of entry in the tree is a :class:`NotOursError`: the loader writes none."""
+    or any other kind of entry in the tree is a :class:`NotOursError`: the loader writes none.
+    With ``expected`` (a staging directory's :func:`identity`), the directory opened is
+    checked to be that very one before any mode changes in it."""
     tree = Path(tree).absolute()
     with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
+        found = d.stat()
+        if expected is not None and (found.st_dev, found.st_ino) != expected:
+            raise parent.not_ours(tree.name, "the staging directory this run made (something "
+                                  "was renamed to its name while the run worked)")  # fmt: skip
         _seal(d)
         parent.chmod(tree.name, DIR_MODE)
 
 
-def publish(staging: Path, root: Path, key: str, *, replace: bool = False) -> Path:
+def publish(
+    staging: Path,
+    root: Path,
+    key: str,
+    *,
+    replace: bool = False,
+    expected: Identity | None = None,
+) -> Path:
     """Rename ``staging`` (a directory of ``ROOT/.staging``) to ``ROOT/<key>`` (see the module
     docstring); with ``replace`` a published copy is exchanged for it. Returns the published
     path."""
     root = Path(root).absolute()
     staging = Path(staging).absolute()
     target = published_path(root, key)
-    seal(staging)
+    seal(staging, expected)
     try:
-        _publish(staging, root, key, replace=replace)
+        _publish(staging, root, key, replace=replace, expected=expected)
     except DirectoryRemovedError as exc:
         # ``prune`` removes ``<name>@<revision>`` once its last key is gone: the one this
         # loader had just opened (the rename failed: the staging directory is where it was).
         if exc.directory != root / _split(key)[0]:
             raise
         log.info("%s was removed meanwhile (pruned); making it again", exc.directory)
-        _publish(staging, root, key, replace=replace)
+        _publish(staging, root, key, replace=replace, expected=expected)
     log.info("published %s", target)
     return target
 
 
-def _publish(staging: Path, root: Path, key: str, *, replace: bool) -> None:
+def _publish(
+    staging: Path, root: Path, key: str, *, replace: bool, expected: Identity | None
+) -> None:
     target = published_path(root, key)
     parent_name, variant = _split(key)
     with Dir.open(root) as r:
@@ -391,6 +442,7 @@ def _publish(staging: Path, root: Path, key: str, *, replace: bool) -> None:
         with r.sub(STAGING_DIR) as base, r.sub(parent_name, what="key directory") as parent:
             if staging.parent != base.path:
                 raise ValueError(f"{staging} is not a directory of {base.path}")
+            _check_at(base, staging.name, expected)
             found = parent.lstat(variant)
             if found is not None and not stat.S_ISDIR(found.st_mode):
                 raise parent.not_ours(variant, "a published repository")
