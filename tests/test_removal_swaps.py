@@ -162,16 +162,27 @@ def _at_building(op: str, rel: str) -> bool:
     return op == "mkdir" and rel.endswith("/preprocessing")
 
 
-@pytest.mark.parametrize("moment", [_at_created, _at_converting, _at_building],
-                         ids=["created", "converting", "building"])  # fmt: skip
+def _at_publishing(op: str, rel: str) -> bool:
+    """The rename of the staging directory to the key (after the last look at it)."""
+    return op.startswith("rename") and " -> " in rel and "/.staging/" not in rel
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new", "force"])
+@pytest.mark.parametrize("moment", [_at_created, _at_converting, _at_building, _at_publishing],
+                         ids=["created", "converting", "building", "publishing"])  # fmt: skip
 def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_sealed_or_published(
-    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment, force: bool
 ):
     """While a run works, the user moves its staging directory away and renames a directory
     of theirs to its name: the run stops (exit 2) before it seals or publishes anything
-    there; the user's directory keeps its files and their modes, and no key is published."""
+    there; the user's directory keeps its files and their modes, and no key is published
+    (with ``--force``: the published copy stays the one that was)."""
     root = tmp_path / "models"
     staging_dir = root / ".staging"
+    before = None
+    if force:
+        assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+        before = (published(root) / "manifest.json").read_bytes()
     done: list[Path] = []
     once = threading.Lock()  # (the converter writes from several threads)
 
@@ -184,7 +195,7 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
         with once:
             if done:
                 return
-            staging = staging_dir / rel.split("/")[0]
+            staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
             staging.rename(tmp_path / "moved")
             staging.mkdir()
             (staging / "secret.txt").write_text("mine")
@@ -192,10 +203,15 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
             done.append(staging)
 
     with fs.inject(swap):
-        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root, *(["--force"] if force else [])))
     assert done and code == 2
     (staging,) = done
+    assert sorted(os.listdir(staging)) == ["secret.txt"]
     assert (staging / "secret.txt").read_text() == "mine"
     assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
-    assert not list(root.glob("tiny@*/*"))
+    if force:
+        assert (published(root) / "manifest.json").read_bytes() == before
+        assert manifest.verify(published(root)) == []
+    else:
+        assert not list(root.glob("tiny@*/*"))
     capsys.readouterr()

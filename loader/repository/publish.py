@@ -454,9 +454,10 @@ def _publish(
             if found is not None and not owned(parent, variant, key):
                 raise parent.not_ours(variant, f"a repository the loader published for {key}")
             if found is not None:
-                _exchange(r, base, staging.name, parent, variant, key)
+                _exchange(r, base, staging.name, parent, variant, key, expected)
             else:
                 _rename_new(base, staging.name, parent, variant, target)
+                _moved_back_unless(base, staging.name, parent, variant, expected, "noreplace")
             parent.fsync()
 
 
@@ -487,7 +488,37 @@ def _rename_new(base: Dir, name: str, parent: Dir, variant: str, target: Path) -
         raise
 
 
-def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str) -> None:
+def _moved_back_unless(
+    base: Dir, name: str, parent: Dir, variant: str, expected: Identity | None, how: str
+) -> None:
+    """After the rename of ``base/name`` to the key: unless what is at the key now is the
+    staging directory this run made (``expected``), it was a directory someone renamed to the
+    staging name in the instant before: it goes back (``how``: ``noreplace`` after a new key,
+    ``exchange`` after a replacement, which brings the published copy back too), and nothing
+    is published."""
+    if expected is None:
+        return
+    found = parent.lstat(variant)
+    if found is not None and (found.st_dev, found.st_ino) == expected:
+        return
+    with contextlib.suppress(OSError):
+        if how == "exchange":
+            base.rename(name, parent, variant, how="exchange")
+        else:
+            parent.rename(variant, base, name, how="noreplace")
+    raise base.not_ours(name, "the staging directory this run made (something was renamed to "
+                        "its name while the run worked)")  # fmt: skip
+
+
+def _exchange(
+    r: Dir,
+    base: Dir,
+    name: str,
+    parent: Dir,
+    variant: str,
+    key: str,
+    expected: Identity | None = None,
+) -> None:
     """Swap the staging directory with the published copy (one step), then remove the old
     copy; where the file system lacks ``RENAME_EXCHANGE``, the fallback through ``.trash``."""
     try:
@@ -495,6 +526,7 @@ def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str)
     except OSError as exc:
         if exc.errno == errno.ENOENT and parent.lstat(variant) is None:  # removed meanwhile
             _rename_new(base, name, parent, variant, parent.path / variant)
+            _moved_back_unless(base, name, parent, variant, expected, "noreplace")
             return
         if exc.errno not in NO_RENAMEAT2:
             raise
@@ -505,6 +537,7 @@ def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str)
         # where they were (it untouched), and nothing is published over it.
         base.rename(name, parent, variant, how="exchange")
         raise parent.not_ours(variant, f"a repository the loader published for {key}")
+    _moved_back_unless(base, name, parent, variant, expected, "exchange")
     parent.fsync()
     log.info("replaced the published copy of %s; removing the previous one", key)
     _remove_replaced(base, name)  # the previous copy, now in the staging directory's place
