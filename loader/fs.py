@@ -129,11 +129,20 @@ def owner_in(name: str) -> str | None:
     return found[-1] if found else None
 
 
+#: The largest pid Linux gives (``PID_MAX_LIMIT`` of a 64-bit kernel).
+PID_MAX = 2**22
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists on this host (one we may not signal counts) and has not
     exited: a zombie (killed or ended, not reaped yet: a loader killed with its process group,
     until its reaper waits for it, or for good under a PID 1 that never reaps) writes nothing
-    any more, and its pid is not reused while it is one."""
+    any more, and its pid is not reused while it is one. A number no process can have (below
+    1, above :data:`PID_MAX`: read from a lock record or a name someone else wrote) is no live
+    process, never handed to ``kill`` (0 and -1 name process groups there; a number too large
+    for a ``pid_t`` is an ``OverflowError``)."""
+    if not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -312,6 +321,24 @@ def is_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
 
 
+#: The most bytes one name takes on the file systems the loader writes to (Linux ``NAME_MAX``).
+NAME_MAX = 255
+
+
+def is_file_name(name: str) -> bool:
+    """:func:`is_name`, and a name a file here can have: at most :data:`NAME_MAX` bytes as the
+    file system is given it (``os.fsencode``), and given at all (a lone surrogate, which a JSON
+    document may spell, is no name). A name read back from what the loader wrote (a record's
+    marker, a journal's outputs, the staging directory it names) is checked with this: any
+    other was never one the loader wrote, and is skipped, never looked up."""
+    if not is_name(name):
+        return False
+    try:
+        return len(os.fsencode(name)) <= NAME_MAX
+    except UnicodeError:
+        return False
+
+
 #: The mode of every directory the loader creates: Triton runs as another uid and must enter
 #: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
 DIR_MODE = 0o755
@@ -445,7 +472,7 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
             continue
         if i == 0 and isinstance(item, dict):
             name = item.get("marker")
-            if isinstance(name, str) and is_name(name) and _marker_name(name):
+            if isinstance(name, str) and is_file_name(name) and _marker_name(name):
                 marker = name
             continue
         _apply_line(records, item)
@@ -464,7 +491,7 @@ def _apply_line(records: Records, item: object) -> None:
         or ino < 0
         or kind not in ("f", "d", "-")
         or not isinstance(rel, str)
-        or not all(is_name(part) for part in rel.split("/"))
+        or not all(is_file_name(part) for part in rel.split("/"))
         or (changed is not None and (kind != "-" or type(changed) is not int or ino == 0))
     ):
         return
@@ -1581,7 +1608,7 @@ class Dir:
             if now is not None and now.st_ino == found.st_ino and stat.S_ISDIR(now.st_mode):
                 self._record(name, now)
 
-    def remove_tree(self, name: str) -> list[Path]:
+    def remove_tree(self, name: str, *, marks: tuple[str, ...] = ()) -> list[Path]:
         """Remove ``name`` and everything below it, relative to descriptors, never following a
         link; nothing outside ``name`` is touched. Callers remove only trees carrying the
         loader's marker (:meth:`marked`). The loader makes only files and directories: a
@@ -1599,17 +1626,18 @@ class Dir:
         marker and record go (the tree is no longer the loader's: later runs refuse its name
         and say to move it). In a tree copied file by file (its record names other inodes:
         :func:`_copied`) what the record names is told by name. A tree without a record (made
-        before the loader kept one) is removed as before: its files and directories."""
+        before the loader kept one) is removed as before: its files and directories; with
+        ``marks``, only when one of those names is a regular file at its top (the loader's
+        marker, a published key's manifest): a directory without either is someone else's,
+        kept whole.
+
+        The tree's top is opened once: what its record and marks are read from is the very
+        directory emptied, and it is removed only while it is still at ``name`` (a directory
+        someone renamed to ``name`` meanwhile, after the caller looked, is never emptied)."""
         found = self.lstat(name)
-        top, record = None, None
         if found is not None and stat.S_ISDIR(found.st_mode) and self.made is None:
             with self.sub(name) as d:
-                top = d.made[0] if d.made is not None else None
-                record = d.kind(MADE) if top is None and not d._record_copied() else None
-        if top is not None:
-            kept = self._remove_top(name, top)
-        elif record is not None:  # something else at the record's name: nothing is known
-            kept = [(self.path / name / MADE, f"{record}, not the loader's record: all kept")]
+                kept = self._remove_opened(name, d, marks)
         else:
             kept = self._remove_tree(name, top=True)
         if kept:
@@ -1622,34 +1650,57 @@ class Dir:
             )
         return [p for p, _ in kept]
 
-    def _remove_top(self, name: str, top: _Made) -> list[tuple[Path, str]]:
-        """Remove the marked tree ``name`` whose record is ``top`` (see :meth:`remove_tree`)."""
+    def _remove_opened(self, name: str, d: Dir, marks: tuple[str, ...]) -> list[tuple[Path, str]]:
+        """Remove the tree ``name`` of this directory (no marked tree's), open as ``d``."""
+        if d.made is not None:
+            return self._remove_top(name, d.made[0], d)
+        record = None if d._record_copied() else d.kind(MADE)
+        if record is not None:  # something else at the record's name: nothing is known
+            return [(d.path / MADE, f"{record}, not the loader's record: all kept")]
+        if marks and not any(d.regular_size(mark) is not None for mark in marks):
+            return [(d.path, "a directory without the loader's record or marker: all kept")]
+        kept: list[tuple[Path, str]] = []
+        for entry in d._mark_last(d.names()):
+            kept += d._remove_tree(entry, depth=1)
+        return kept or self._rmdir_opened(name, d)
+
+    def _rmdir_opened(self, name: str, d: Dir) -> list[tuple[Path, str]]:
+        """Remove the directory ``name``, emptied through ``d``, while it is still that very
+        directory: another one renamed to ``name`` meanwhile stays (the emptied one is left
+        empty where it went)."""
+        now, emptied = self.lstat(name), d.stat()
+        if now is None or (now.st_dev, now.st_ino) != (emptied.st_dev, emptied.st_ino):
+            return [] if now is None else [(self.path / name, "a directory put there meanwhile")]
+        return self._rmdir_emptied(name)
+
+    def _remove_top(self, name: str, top: _Made, d: Dir) -> list[tuple[Path, str]]:
+        """Remove the marked tree ``name`` (open as ``d``) whose record is ``top`` (see
+        :meth:`remove_tree`)."""
         top.records()  # read before anything goes
         marker = top.marker
         kept: list[tuple[Path, str]] = []
-        with self.sub(name) as d:
-            spared = {MADE} if marker is None else {MADE, marker}
-            mark = None if marker is None else d.lstat(marker)
-            if marker is not None and mark is not None and not d._made_by_loader(marker, mark):
-                # Someone else's file at the marker's name (put where the loader's was, or
-                # named by a first line someone rewrote): it stays, and the record with it.
-                kept.append((d.path / marker, kind_of(mark.st_mode)))
-                marker = None
-            for entry in d._mark_last([n for n in d.names() if n not in spared]):
-                kept += d._remove_tree(entry, forget=False, depth=1)  # the record goes whole
-            if kept and marker is None:  # the tree stays marked: its record stays with it
-                return kept
-            # When something stays, the mark goes before the record: a tree never stays
-            # marked without its record (it would be taken for one made before records, and
-            # removed whole). When nothing stays, the record goes first and the mark last: a
-            # removal stopped between leaves a marked tree holding nothing else, which the next
-            # loader removes.
-            for entry in (marker, MADE) if kept else (MADE, marker):
-                if entry is not None and d.regular_size(entry) is not None:
-                    d._unlink_own(entry)
+        spared = {MADE} if marker is None else {MADE, marker}
+        mark = None if marker is None else d.lstat(marker)
+        if marker is not None and mark is not None and not d._made_by_loader(marker, mark):
+            # Someone else's file at the marker's name (put where the loader's was, or
+            # named by a first line someone rewrote): it stays, and the record with it.
+            kept.append((d.path / marker, kind_of(mark.st_mode)))
+            marker = None
+        for entry in d._mark_last([n for n in d.names() if n not in spared]):
+            kept += d._remove_tree(entry, forget=False, depth=1)  # the record goes whole
+        if kept and marker is None:  # the tree stays marked: its record stays with it
+            return kept
+        # When something stays, the mark goes before the record: a tree never stays
+        # marked without its record (it would be taken for one made before records, and
+        # removed whole). When nothing stays, the record goes first and the mark last: a
+        # removal stopped between leaves a marked tree holding nothing else, which the next
+        # loader removes.
+        for entry in (marker, MADE) if kept else (MADE, marker):
+            if entry is not None and d.regular_size(entry) is not None:
+                d._unlink_own(entry)
         _forget_made(top)
         if not kept:
-            kept = self._rmdir_emptied(name)
+            kept = self._rmdir_opened(name, d)
         return kept
 
     def _record_copied(self) -> bool:

@@ -154,9 +154,10 @@ class Journal:
     def moved_to(self) -> str | None:
         """The staging directory (its name in ``ROOT/.staging``) the finished outputs were last
         moved into (a ``moved-into`` line), if any: one name, checked here (no ``/``, no
-        ``..``, no NUL), never a path."""
+        ``..``, no NUL, no longer than a name can be: :func:`loader.fs.is_file_name`), never a
+        path."""
         moves = [line[len(MOVED) :] for line in self._lines() if line.startswith(MOVED)]
-        return moves[-1] if moves and fs.is_name(moves[-1]) else None
+        return moves[-1] if moves and fs.is_file_name(moves[-1]) else None
 
     def resume(self) -> dict[str, tuple[int, str]]:
         """The outputs a killed run finished, as name -> (size, digest): journaled under the
@@ -187,7 +188,7 @@ class Journal:
             if len(fields) != 5 or fields[0] in kept:
                 continue
             name, size, recorded, ino, mtime = fields
-            if not fs.is_name(name) or name.startswith(".") or not _HEX64.fullmatch(recorded):
+            if not fs.is_file_name(name) or name.startswith(".") or not _HEX64.fullmatch(recorded):
                 continue
             found = d.lstat(name)
             if found is None or not stat.S_ISREG(found.st_mode):

@@ -11,7 +11,16 @@ A waiter polls. It takes over a lock that is *stale*:
   :func:`local_pid`), and its pid no longer exists (a killed loader, at once), or
 * the lock's content has not changed for ``expiry_s`` seconds of the waiter's own clock (a
   holder on another node that died; comparing against the waiter's clock avoids trusting
-  clocks of other machines).
+  clocks of other machines). A take that never waits (``timeout_s`` 0: ``prune``, the clean-up
+  of a run that finds its key published) cannot watch the content for that long: it judges by
+  the lock file's modification time instead (``judge_by_age``), as ``prune`` judges a lock
+  live; else a lock a loader of another node or pod left when it was killed would stop every
+  clean-up of its key for good.
+
+Each judges by the longer of its own expiry and the holder's, which the lock record names
+(``expiry_s``): a holder beats every quarter of its own expiry, so a waiter or ``prune`` given
+a shorter ``--lock-expiry-s`` than the holder's would otherwise take over a live lock between
+two beats.
 
 Take-over renames the stale file to a unique name (atomic: only one waiter wins), checks that
 what it moved is the stale lock it judged, and then competes for ``O_EXCL`` creation like any
@@ -47,7 +56,15 @@ from loader.repository.key import key_filename
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCKS_DIR", "PublishLock", "local_pid", "lock_like", "lock_path", "pid_alive"]
+__all__ = [
+    "LOCKS_DIR",
+    "PublishLock",
+    "expiry_of",
+    "local_pid",
+    "lock_like",
+    "lock_path",
+    "pid_alive",
+]
 
 LOCKS_DIR = ".locks"
 
@@ -68,6 +85,7 @@ class PublishLock:
         heartbeat_s: float | None = None,
         timeout_s: float = LOCK_TIMEOUT_S.default,
         poll_s: float = 1.0,
+        judge_by_age: bool = False,
     ) -> None:
         heartbeat_s = heartbeat_s if heartbeat_s is not None else max(expiry_s / 4, 0.05)
         if not expiry_s > 0 or not heartbeat_s < expiry_s:
@@ -84,6 +102,9 @@ class PublishLock:
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        #: Count the content as unchanged since the lock file's modification time (its age on
+        #: this host's clock), not only since this waiter first read it.
+        self.judge_by_age = judge_by_age
         self.token = secrets.token_hex(8)
         self.host = socket.gethostname()
         self._fd: int | None = None
@@ -105,6 +126,7 @@ class PublishLock:
             "token": self.token,
             "beats": self._beats,
             "heartbeat_at": time.time(),
+            "expiry_s": self.expiry_s,
         }
         return json.dumps(record).encode()
 
@@ -146,7 +168,7 @@ class PublishLock:
                     self.path, "a file holding no loader's lock record", "a publish lock file"
                 )
             if content != seen:
-                seen, seen_since = content, now
+                seen, seen_since = content, now - self._age()
             if content is not None and self._is_stale(content, unchanged_s=now - seen_since):
                 self._take_over(content)
                 continue
@@ -193,6 +215,15 @@ class PublishLock:
                 self.path, "a file larger than any lock record", "a publish lock file"
             ) from None
 
+    def _age(self) -> float:
+        """With ``judge_by_age``, how long ago the lock file was last written (0 otherwise, or
+        when it is gone)."""
+        if not self.judge_by_age:
+            return 0.0
+        assert self._dir is not None
+        found = self._dir.lstat(self.path.name)
+        return 0.0 if found is None else max(0.0, time.time() - found.st_mtime)
+
     def _is_stale(self, content: bytes, *, unchanged_s: float) -> bool:
         record = _parse(content)
         local = record and local_pid(record) is not None
@@ -201,7 +232,7 @@ class PublishLock:
                 "publish lock %s belongs to pid %s, which is gone", self.path, record["pid"]
             )
             return True
-        if unchanged_s >= self.expiry_s:
+        if unchanged_s >= expiry_of(record, self.expiry_s):
             log.warning(
                 "publish lock %s has had no heartbeat for %.0f s; taking it over",
                 self.path,
@@ -318,6 +349,21 @@ def local_pid(record: object) -> int | None:
     if not isinstance(pid, int) or isinstance(pid, bool) or space != pid_space():
         return None
     return pid
+
+
+def expiry_of(record: object, expiry_s: float) -> float:
+    """How long a lock of ``record`` may go without a heartbeat before a loader whose own
+    expiry is ``expiry_s`` judges it stale: the longer of the two (the holder beats every
+    quarter of its own). A value in a record that is no expiry a loader could have been given
+    (:data:`loader.limits.LOCK_EXPIRY_S`) is ignored."""
+    theirs = record.get("expiry_s") if isinstance(record, dict) else None
+    if type(theirs) not in (int, float):
+        return expiry_s
+    try:
+        theirs = float(theirs)
+    except OverflowError:  # an integer no float holds
+        return expiry_s
+    return max(expiry_s, theirs) if LOCK_EXPIRY_S.ok(theirs) else expiry_s
 
 
 def lock_like(content: bytes) -> bool:

@@ -54,12 +54,20 @@ from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
 from loader.repository import manifest
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, local_pid, lock_like, pid_alive
+from loader.repository.lock import (
+    LOCKS_DIR,
+    PublishLock,
+    expiry_of,
+    local_pid,
+    lock_like,
+    pid_alive,
+)
 from loader.repository.publish import (
     DOWNLOAD_MARKER,
     STAGING_DIR,
     STAGING_MARKER,
     TRASH_DIR,
+    TREE_MARKS,
     WORK_DIR,
     abandoned_in,
     owned,
@@ -131,7 +139,7 @@ def lock_live(root: Path, keyfile: str, *, expiry_s: float) -> bool:
     pid = local_pid(record)
     if pid is not None:
         return pid_alive(pid)
-    return time.time() - found.st_mtime < expiry_s
+    return time.time() - found.st_mtime < expiry_of(record, expiry_s)
 
 
 def _staging_keyfile(name: str) -> str | None:
@@ -241,12 +249,14 @@ class _Candidate:
     reason: str
     #: Under the key's lock: whether it still goes (None: yes), else why it stays.
     recheck: Callable[[], str | None]
-    remove: Callable[[], None]
+    #: Removes it; returns why it stayed after all (None: removed).
+    remove: Callable[[], str | None]
 
 
 def try_lock(root: Path, key: str, expiry_s: float) -> PublishLock | None:
-    """The key's publish lock if no loader holds it now (never waits); None otherwise."""
-    lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01)
+    """The key's publish lock if no loader holds it now (never waits: a lock whose file was not
+    written for ``expiry_s`` is stale); None otherwise."""
+    lock = PublishLock(root, key, expiry_s=expiry_s, timeout_s=0, poll_s=0.01, judge_by_age=True)
     try:
         return lock.acquire()
     except LockTimeoutError:
@@ -310,7 +320,10 @@ def _prune(
                     report.kept.append((key, why))
                     continue
                 size = _path_size(c.path)
-                c.remove()
+                why = c.remove()
+                if why is not None:
+                    report.kept.append((key, why))
+                    continue
                 report.removed.append(Removal(c.path, c.reason, size))
                 log.info("removed %s (%s)", c.path, c.reason)
         finally:
@@ -392,14 +405,15 @@ def _unfinished(
         if gone() is None:
             found.append(_Candidate(key, root / directory / name,
                                     "directory a loader stopped before naming it", gone,
-                                    _remover(root, directory, name)))  # fmt: skip
+                                    _remover(root, directory, name, marker)))  # fmt: skip
     return found
 
 
-def _remover(root: Path, directory: str, name: str) -> Callable[[], None]:
-    def remove() -> None:
+def _remover(root: Path, directory: str, name: str, marker: str) -> Callable[[], str | None]:
+    def remove() -> str | None:
         with Dir.open(root) as r, r.sub(directory) as d:
-            d.remove_tree(name)
+            d.remove_tree(name, marks=(marker,))
+        return None
 
     return remove
 
@@ -432,9 +446,10 @@ def _in(
                     return f"{directory}/{name} is in use again"
         return None
 
-    def remove() -> None:
+    def remove() -> str | None:
         with Dir.open(root) as r, r.sub(directory) as d:
-            d.remove_tree(name)
+            d.remove_tree(name, marks=(marker,) if marker else TREE_MARKS)
+        return None
 
     return _Candidate(key, root / directory / name, reason, recheck, remove)
 
@@ -482,18 +497,27 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
             return "published again since prune looked"
         return None
 
-    def remove() -> None:
+    def remove() -> str | None:
         with Dir.open(root) as r, r.sub(TRASH_DIR, create=True) as trash:
             aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
             with r.sub(parent_name) as p:
                 p.rename(variant, trash, aside, how="replace")
                 p.fsync()
-            trash.remove_tree(aside)
+                moved = trash.lstat(aside)
+                if moved is None:
+                    return "gone meanwhile"
+                if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
+                    # Another directory was put at the key's name after the look above (a
+                    # rename of the user's): it goes back, untouched.
+                    trash.rename(aside, p, variant, how="noreplace")
+                    return f"{key} was replaced by another directory meanwhile"
+            trash.remove_tree(aside, marks=TREE_MARKS)
             with r.sub(parent_name) as p:
                 empty = not p.names()
             if empty:
                 with contextlib.suppress(OSError):  # a loader published into it meanwhile
                     r.rmdir(parent_name)  # the <name>@<revision> directory, now empty
+        return None
 
     return _Candidate(
         key, root / key, f"published key beyond the {keep} newest of its model", recheck, remove

@@ -68,6 +68,10 @@ DOWNLOAD_MARKER = fs.MARKER_PREFIX + "download"
 STAGING_MARKER = manifest.STAGING_MARKER
 FILE_MODE = 0o644
 DIR_MODE = fs.DIR_MODE
+#: What marks a staging directory, or a published copy, of a loader that kept no record of what
+#: it made (:meth:`loader.fs.Dir.remove_tree`'s ``marks``): a directory without a record and
+#: without either is someone else's, never removed.
+TREE_MARKS = (STAGING_MARKER, manifest.MANIFEST)
 
 
 def published_path(root: Path, key: str) -> Path:
@@ -78,6 +82,42 @@ def _split(key: str) -> tuple[str, str]:
     """``<name>@<revision>`` and the variant directory of a key."""
     parent, _, variant = key.partition("/")
     return parent, variant
+
+
+#: What a staging directory is, for :func:`check_staging`: its device and inode.
+Identity = tuple[int, int]
+
+
+def identity(path: Path) -> Identity:
+    """The device and inode of the staging directory at ``path`` (entered without following a
+    link): one without the loader's record (:data:`loader.fs.MADE`) is not the one
+    :func:`new_staging_dir` made (a :class:`~loader.errors.NotOursError`)."""
+    path = Path(path).absolute()
+    with Dir.open(path.parent) as parent, parent.sub(path.name) as d:
+        if d.made is None:
+            raise parent.not_ours(path.name, "the staging directory this run made")
+        found = d.stat()
+    return found.st_dev, found.st_ino
+
+
+def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
+    if expected is None:
+        return
+    found = base.lstat(name)
+    if found is None or (found.st_dev, found.st_ino) != expected:
+        raise base.not_ours(
+            name, "the staging directory this run made (something was renamed to its name "
+            "while the run worked)",
+        )  # fmt: skip
+
+
+def check_staging(staging: Path, expected: Identity) -> None:
+    """That ``staging`` is still the very directory this run made (``expected``: its
+    :func:`identity` then): a directory someone renamed to its name meanwhile is a
+    :class:`~loader.errors.NotOursError`, never built into, sealed or published."""
+    staging = Path(staging).absolute()
+    with Dir.open(staging.parent) as base:
+        _check_at(base, staging.name, expected)
 
 
 def new_staging_dir(root: Path, key: str) -> Path:
@@ -137,7 +177,7 @@ def discard_staging(staging: Path, key: str) -> None:
     staging = Path(staging).absolute()
     with Dir.open(staging.parent) as base:
         if owned(base, staging.name, key):
-            base.remove_tree(staging.name)
+            base.remove_tree(staging.name, marks=TREE_MARKS)
 
 
 def owned(parent: Dir, name: str, key: str) -> bool:
@@ -301,7 +341,7 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
                 for name in base.unfinished_marked(prefix + ".", STAGING_MARKER, key,
                                                    idle_s=idle_s):  # fmt: skip
                     log.info("removing unfinished staging directory %s", base.path / name)
-                    base.remove_tree(name)
+                    base.remove_tree(name, marks=TREE_MARKS)
                     removed.append(base.path / name)
     return removed
 
@@ -320,7 +360,7 @@ def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
         log.warning("leaving %s alone: the loader did not create it", path)
         return False
     log.info("removing %s %s", what, path)
-    d.remove_tree(name)
+    d.remove_tree(name, marks=TREE_MARKS)
     return True
 
 
@@ -347,38 +387,53 @@ def _seal(d: Dir, depth: int = 0) -> None:
     d.fsync()
 
 
-def seal(tree: Path) -> None:
+def seal(tree: Path, expected: Identity | None = None) -> None:
     """Give every file 0644 and every directory 0755 (only where the mode differs) and fsync
     them, deepest first, so the data is durable before the rename makes it visible. A link
-    or any other kind of entry in the tree is a :class:`NotOursError`: the loader writes none."""
+    or any other kind of entry in the tree is a :class:`NotOursError`: the loader writes none.
+    With ``expected`` (a staging directory's :func:`identity`), the directory opened is
+    checked to be that very one before any mode changes in it."""
     tree = Path(tree).absolute()
     with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
+        found = d.stat()
+        if expected is not None and (found.st_dev, found.st_ino) != expected:
+            raise parent.not_ours(tree.name, "the staging directory this run made (something "
+                                  "was renamed to its name while the run worked)")  # fmt: skip
         _seal(d)
         parent.chmod(tree.name, DIR_MODE)
 
 
-def publish(staging: Path, root: Path, key: str, *, replace: bool = False) -> Path:
+def publish(
+    staging: Path,
+    root: Path,
+    key: str,
+    *,
+    replace: bool = False,
+    expected: Identity | None = None,
+) -> Path:
     """Rename ``staging`` (a directory of ``ROOT/.staging``) to ``ROOT/<key>`` (see the module
     docstring); with ``replace`` a published copy is exchanged for it. Returns the published
     path."""
     root = Path(root).absolute()
     staging = Path(staging).absolute()
     target = published_path(root, key)
-    seal(staging)
+    seal(staging, expected)
     try:
-        _publish(staging, root, key, replace=replace)
+        _publish(staging, root, key, replace=replace, expected=expected)
     except DirectoryRemovedError as exc:
         # ``prune`` removes ``<name>@<revision>`` once its last key is gone: the one this
         # loader had just opened (the rename failed: the staging directory is where it was).
         if exc.directory != root / _split(key)[0]:
             raise
         log.info("%s was removed meanwhile (pruned); making it again", exc.directory)
-        _publish(staging, root, key, replace=replace)
+        _publish(staging, root, key, replace=replace, expected=expected)
     log.info("published %s", target)
     return target
 
 
-def _publish(staging: Path, root: Path, key: str, *, replace: bool) -> None:
+def _publish(
+    staging: Path, root: Path, key: str, *, replace: bool, expected: Identity | None
+) -> None:
     target = published_path(root, key)
     parent_name, variant = _split(key)
     with Dir.open(root) as r:
@@ -387,6 +442,7 @@ def _publish(staging: Path, root: Path, key: str, *, replace: bool) -> None:
         with r.sub(STAGING_DIR) as base, r.sub(parent_name, what="key directory") as parent:
             if staging.parent != base.path:
                 raise ValueError(f"{staging} is not a directory of {base.path}")
+            _check_at(base, staging.name, expected)
             found = parent.lstat(variant)
             if found is not None and not stat.S_ISDIR(found.st_mode):
                 raise parent.not_ours(variant, "a published repository")
@@ -398,9 +454,10 @@ def _publish(staging: Path, root: Path, key: str, *, replace: bool) -> None:
             if found is not None and not owned(parent, variant, key):
                 raise parent.not_ours(variant, f"a repository the loader published for {key}")
             if found is not None:
-                _exchange(r, base, staging.name, parent, variant, key)
+                _exchange(r, base, staging.name, parent, variant, key, expected)
             else:
                 _rename_new(base, staging.name, parent, variant, target)
+                _moved_back_unless(base, staging.name, parent, variant, expected, "noreplace")
             parent.fsync()
 
 
@@ -431,7 +488,37 @@ def _rename_new(base: Dir, name: str, parent: Dir, variant: str, target: Path) -
         raise
 
 
-def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str) -> None:
+def _moved_back_unless(
+    base: Dir, name: str, parent: Dir, variant: str, expected: Identity | None, how: str
+) -> None:
+    """After the rename of ``base/name`` to the key: unless what is at the key now is the
+    staging directory this run made (``expected``), it was a directory someone renamed to the
+    staging name in the instant before: it goes back (``how``: ``noreplace`` after a new key,
+    ``exchange`` after a replacement, which brings the published copy back too), and nothing
+    is published."""
+    if expected is None:
+        return
+    found = parent.lstat(variant)
+    if found is not None and (found.st_dev, found.st_ino) == expected:
+        return
+    with contextlib.suppress(OSError):
+        if how == "exchange":
+            base.rename(name, parent, variant, how="exchange")
+        else:
+            parent.rename(variant, base, name, how="noreplace")
+    raise base.not_ours(name, "the staging directory this run made (something was renamed to "
+                        "its name while the run worked)")  # fmt: skip
+
+
+def _exchange(
+    r: Dir,
+    base: Dir,
+    name: str,
+    parent: Dir,
+    variant: str,
+    key: str,
+    expected: Identity | None = None,
+) -> None:
     """Swap the staging directory with the published copy (one step), then remove the old
     copy; where the file system lacks ``RENAME_EXCHANGE``, the fallback through ``.trash``."""
     try:
@@ -439,11 +526,18 @@ def _exchange(r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str)
     except OSError as exc:
         if exc.errno == errno.ENOENT and parent.lstat(variant) is None:  # removed meanwhile
             _rename_new(base, name, parent, variant, parent.path / variant)
+            _moved_back_unless(base, name, parent, variant, expected, "noreplace")
             return
         if exc.errno not in NO_RENAMEAT2:
             raise
         _replace_through_trash(r, base, name, parent, variant, key)
         return
+    if not owned(base, name, key):
+        # Someone else's directory was put at the key after it was looked at: the two go back
+        # where they were (it untouched), and nothing is published over it.
+        base.rename(name, parent, variant, how="exchange")
+        raise parent.not_ours(variant, f"a repository the loader published for {key}")
+    _moved_back_unless(base, name, parent, variant, expected, "exchange")
     parent.fsync()
     log.info("replaced the published copy of %s; removing the previous one", key)
     _remove_replaced(base, name)  # the previous copy, now in the staging directory's place
@@ -453,7 +547,7 @@ def _remove_replaced(d: Dir, name: str) -> None:
     """Remove a replaced copy once the new one is in place; a failure only leaves it for the
     next loader of the key (or prune) to remove: the key is published."""
     try:
-        d.remove_tree(name)
+        d.remove_tree(name, marks=TREE_MARKS)
     except OSError as exc:
         log.warning(
             "could not remove the replaced copy %s (%s); the next loader of the key or "
@@ -469,6 +563,9 @@ def _replace_through_trash(
     aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
     with r.sub(TRASH_DIR, create=True) as trash:
         parent.rename(variant, trash, aside, how="replace")
+        if not owned(trash, aside, key):  # put at the key after it was looked at: back
+            trash.rename(aside, parent, variant, how="replace")  # (no renameat2 here)
+            raise parent.not_ours(variant, f"a repository the loader published for {key}")
         log.info("moved the previous %s aside to %s", key, trash.path / aside)
         try:
             base.rename(name, parent, variant, how="replace")

@@ -113,9 +113,10 @@ def _run(request: RunRequest) -> RunResult:
                 fetched = fetched or strategy.fetch()
             with stages.stage("run: verify"):  # what the source holds now, nothing else
                 verified = verified or verify(request, fetched.path, listed=fetched.files)
-            with _staging(root, key) as staging:
+            with _staging(root, key) as (staging, made):
                 with stages.stage("run: convert (overlapped: with the fetch)"):
                     converted = strategy.convert(verified, layout.weights_dir(staging))
+                publish.check_staging(staging, made)  # still the one this run made
                 with stages.stage("run: build (model dirs, manifest, .ready)"):
                     build(
                         staging,
@@ -127,6 +128,7 @@ def _run(request: RunRequest) -> RunResult:
                         or fingerprint(request.source, workers=request.workers),
                         verified=verified,
                         converted=converted,
+                        expected=made,
                     )
                 if before is not None:  # and still what it was once every file was read (the
                     # tokenizer is copied by the build): hashed again, never judged by the stat
@@ -136,7 +138,9 @@ def _run(request: RunRequest) -> RunResult:
                     unchanged(request.source, before, after)
                 lock.check_held()
                 with stages.stage("run: publish (rename to ROOT/<key>)"):
-                    publish.publish(staging, root, key, replace=publish.present(root, key))
+                    publish.publish(
+                        staging, root, key, replace=publish.present(root, key), expected=made
+                    )
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))
@@ -203,14 +207,15 @@ def _stops_if_lost(lock: PublishLock, request: RunRequest, key: str) -> Iterator
 
 
 @contextlib.contextmanager
-def _staging(root: Path, key: str) -> Iterator[Path]:
-    """A new staging directory for ``key``, removed unless the block published it (a
-    failure to remove it is logged: the error that stopped the run is the one reported, and
-    the next loader of the key removes the leftover)."""
+def _staging(root: Path, key: str) -> Iterator[tuple[Path, publish.Identity]]:
+    """A new staging directory for ``key`` and what it is (:func:`publish.identity`: the run
+    builds, seals and publishes only that very directory), removed unless the block published
+    it (a failure to remove it is logged: the error that stopped the run is the one reported,
+    and the next loader of the key removes the leftover)."""
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
     try:
-        yield staging
+        yield staging, publish.identity(staging)
     except BaseException:
         try:
             publish.discard_staging(staging, key)

@@ -33,8 +33,11 @@ def build(
     source_fingerprint: Fingerprint,
     verified: Verified,
     converted: ConvertResult,
+    expected: publish.Identity | None = None,
 ) -> None:
-    """Complete the repository in ``staging`` whose weights ``converted`` wrote there."""
+    """Complete the repository in ``staging`` whose weights ``converted`` wrote there (with
+    ``expected``, its :func:`~loader.repository.publish.identity`: sealed only while it is
+    that very directory)."""
     par, settings = request.parallelism, request.settings
     spec = RepositorySpec(
         name=request.model_name,
@@ -64,7 +67,8 @@ def build(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}
-    publish.seal(staging)  # modes final and data durable before the manifest takes the seals
+    # modes final and data durable before the manifest takes the seals
+    publish.seal(staging, expected)
     manifest.write_manifest(
         staging, manifest.build_manifest(staging, meta, workers=request.workers, known=known)
     )

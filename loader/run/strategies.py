@@ -194,7 +194,7 @@ def strategy_for(request: RunRequest, root: Path, key: str) -> Iterator[Strategy
     overlap = request.overlap and scheme in OVERLAP_SCHEMES and _same_disk(download, root)
     yield Overlapped(request, download, root) if overlap else Sequential(request, download)
     try:
-        _remove_download(download, key)
+        _remove_download(download, key, area=not request.work_dir)
     except OSError as exc:  # the repository is published: the next run or prune removes it
         log.warning("could not remove the download directory %s: %s", download, exc)
 
@@ -238,7 +238,7 @@ def _make_download_dir(request: RunRequest, root: Path, key: str) -> Path:
         for unfinished in work.unfinished_marked(name + ".", publish.DOWNLOAD_MARKER, key,
                                                  idle_s=request.lock_expiry_s):  # fmt: skip
             log.info("removing unfinished download directory %s", work.path / unfinished)
-            work.remove_tree(unfinished)
+            work.remove_tree(unfinished, marks=(publish.DOWNLOAD_MARKER,))
         if work.is_dir(name) and not work.marked(name, publish.DOWNLOAD_MARKER, key):
             with contextlib.suppress(OSError):  # an empty directory holds nothing: made anew
                 work.rmdir(name)
@@ -272,7 +272,7 @@ def remove_download(request: RunRequest, root: Path, key: str) -> None:
     path = download_left(request, root, key)
     if path is not None:
         log.info("removing the download directory %s an earlier run left", path)
-        _remove_download(path, key)
+        _remove_download(path, key, area=not request.work_dir)
 
 
 def download_left(request: RunRequest, root: Path, key: str) -> Path | None:
@@ -287,15 +287,17 @@ def download_left(request: RunRequest, root: Path, key: str) -> Path | None:
         return None
 
 
-def _remove_download(path: Path, key: str) -> None:
-    """Remove a download directory only if the loader created it for ``key``; then
-    ``ROOT/.work`` if that is left empty. Nothing else under ``--work-dir`` is touched."""
+def _remove_download(path: Path, key: str, *, area: bool) -> None:
+    """Remove a download directory only if the loader created it for ``key``; then, with
+    ``area`` (the download directory is in ``ROOT/.work``, the loader's), ``ROOT/.work`` if that
+    is left empty. Nothing else under ``--work-dir`` is touched, nor that directory itself,
+    whatever its name."""
     with Dir.open(path.parent) as work:
         if not work.marked(path.name, publish.DOWNLOAD_MARKER, key):
             log.info("keeping %s: this loader did not create it", path)
             return
-        work.remove_tree(path.name)
-        if path.parent.name == publish.WORK_DIR and not work.names():
+        work.remove_tree(path.name, marks=(publish.DOWNLOAD_MARKER,))
+        if area and path.parent.name == publish.WORK_DIR and not work.names():
             with Dir.open(path.parent.parent) as root, contextlib.suppress(OSError):
                 root.rmdir(publish.WORK_DIR)  # other keys' downloads may arrive meanwhile
 

@@ -1,0 +1,217 @@
+"""A directory of the user's renamed to the name of a tree the loader is removing, at any
+moment after the loader looked: it is never emptied. ``remove_tree`` reads the record and the
+marks from the very directory it empties (one descriptor), and ``prune`` puts back what its
+rename into ``.trash`` moved when that is not the key it judged."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from loader import fs
+from loader.cli import main
+from loader.repository import manifest
+from loader.repository.prune import prune
+from tests.runs import published, run_argv
+
+MARKER = fs.MARKER_PREFIX + "staging"
+
+
+def _loader_tree(parent: Path, *, recorded: bool) -> Path:
+    """A tree of the loader's at ``parent/tree``: marked with its record, or (``recorded``
+    False) as a loader that kept no record made it (its marker only)."""
+    tree = parent / "tree"
+    if recorded:
+        with fs.Dir.open(parent, create=True) as p:
+            assert p.make_marked("tree", MARKER, "m@r/v")
+            with p.sub("tree") as t:
+                t.write("weights.bin", b"w" * 100)
+                with t.makedirs(("sub",)) as s:
+                    s.write("config.ini", b"[x]\n")
+    else:
+        (tree / "sub").mkdir(parents=True)
+        (tree / MARKER).write_text("m@r/v\n")
+        (tree / "weights.bin").write_bytes(b"w" * 100)
+        (tree / "sub" / "config.ini").write_text("[x]\n")
+    return tree
+
+
+def _calls(parent: Path, recorded: bool) -> int:
+    _loader_tree(parent, recorded=recorded)
+    seen: list[str] = []
+    with fs.Dir.open(parent) as p, fs.inject(lambda op, path: seen.append(op)):
+        assert p.remove_tree("tree", marks=(MARKER,)) == []
+    assert not (parent / "tree").exists()
+    return len(seen)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "marker-only"])
+def test_a_users_directory_renamed_to_the_trees_name_at_any_step_stays_whole(
+    tmp_path: Path, recorded: bool
+):
+    steps = _calls(tmp_path / "count", recorded)
+    for step in range(1, steps + 1):
+        parent = tmp_path / f"at-{step}"
+        tree = _loader_tree(parent, recorded=recorded)
+        calls: list[int] = []
+
+        def swap(
+            op: str, path: str, tree: Path = tree, calls: list[int] = calls, step: int = step
+        ) -> None:
+            calls.append(1)
+            if len(calls) == step:
+                tree.rename(tree.with_name("tree.moved"))
+                tree.mkdir()
+                (tree / "notes.txt").write_text("mine")
+                (tree / "sub").mkdir()
+                (tree / "sub" / "data.csv").write_text("1,2\n")
+
+        with fs.Dir.open(parent) as p, fs.inject(swap):
+            p.remove_tree("tree", marks=(MARKER,))
+        assert (tree / "notes.txt").read_text() == "mine", step
+        assert (tree / "sub" / "data.csv").read_text() == "1,2\n", step
+
+
+def _forged_key(root: Path, key: str, created_at: str) -> Path:
+    path = root / key
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"key": key, "created_at": created_at,
+                                                    "files": []}))  # fmt: skip
+    return path
+
+
+def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_moves_it(
+    tmp_path: Path,
+):
+    """prune checked the old key under its lock; the user then moves the key away and puts a
+    directory of theirs at its name, just before prune's rename into ``.trash``: that
+    directory goes back to the key's name, whole, and the key is reported kept."""
+    root = tmp_path / "models"
+    _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    old = _forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z")
+    done: list[bool] = []
+
+    def swap(op: str, path: str) -> None:
+        if not done and op.startswith("rename") and path.split(" -> ")[0] == str(old):
+            done.append(True)
+            old.rename(old.with_name("v.moved"))
+            old.mkdir()
+            (old / "notes.txt").write_text("mine")
+
+    with fs.inject(swap):
+        report = prune(root, keep=1)
+    assert done
+    assert (old / "notes.txt").read_text() == "mine"
+    assert not report.removed
+    assert ("m@r1/v", "m@r1/v was replaced by another directory meanwhile") in report.kept
+    assert not [p for p in (root / ".trash").iterdir()]
+    assert (old.with_name("v.moved") / "manifest.json").is_file()
+    assert os.listdir(old) == ["notes.txt"]
+
+
+def _no_renameat2(op: str, path: str) -> None:
+    if op in ("rename-exchange", "rename-noreplace"):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
+def test_a_users_directory_renamed_to_the_key_as_run_replaces_it_stays_at_the_key(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, fallback: bool
+):
+    """``run --force`` checked the published copy; the user then moves it away and puts a
+    directory of theirs at the key's name, just before the replacement: that directory stays
+    at the key, whole, and the run refuses (exit 2) instead of publishing over it."""
+    root = tmp_path / "models"
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    key = published(root)
+    capsys.readouterr()
+    done: list[bool] = []
+
+    def swap(op: str, path: str) -> None:
+        if not done and op.startswith("rename") and f" -> {key}" in path:
+            done.append(True)
+            key.rename(key.with_name("moved"))
+            key.mkdir()
+            (key / "notes.txt").write_text("mine")
+        if fallback:
+            _no_renameat2(op, path)
+
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force"))
+    assert done and code == 2
+    assert "notes.txt" in os.listdir(key) and (key / "notes.txt").read_text() == "mine"
+    assert os.listdir(key) == ["notes.txt"]
+    assert not list((root / ".staging").iterdir())
+    assert manifest.verify(key.with_name("moved")) == []
+
+
+def _at_created(op: str, rel: str) -> bool:
+    return True
+
+
+def _at_converting(op: str, rel: str) -> bool:
+    return op == "write" and rel.endswith(".bin")
+
+
+def _at_building(op: str, rel: str) -> bool:
+    return op == "mkdir" and rel.endswith("/preprocessing")
+
+
+def _at_publishing(op: str, rel: str) -> bool:
+    """The rename of the staging directory to the key (after the last look at it)."""
+    return op.startswith("rename") and " -> " in rel and "/.staging/" not in rel
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new", "force"])
+@pytest.mark.parametrize("moment", [_at_created, _at_converting, _at_building, _at_publishing],
+                         ids=["created", "converting", "building", "publishing"])  # fmt: skip
+def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_sealed_or_published(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment, force: bool
+):
+    """While a run works, the user moves its staging directory away and renames a directory
+    of theirs to its name: the run stops (exit 2) before it seals or publishes anything
+    there; the user's directory keeps its files and their modes, and no key is published
+    (with ``--force``: the published copy stays the one that was)."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    before = None
+    if force:
+        assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+        before = (published(root) / "manifest.json").read_bytes()
+    done: list[Path] = []
+    once = threading.Lock()  # (the converter writes from several threads)
+
+    def swap(op: str, path: str) -> None:
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not moment(op, rel):
+            return
+        with once:
+            if done:
+                return
+            staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
+            staging.rename(tmp_path / "moved")
+            staging.mkdir()
+            (staging / "secret.txt").write_text("mine")
+            (staging / "secret.txt").chmod(0o600)
+            done.append(staging)
+
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root, *(["--force"] if force else [])))
+    assert done and code == 2
+    (staging,) = done
+    assert sorted(os.listdir(staging)) == ["secret.txt"]
+    assert (staging / "secret.txt").read_text() == "mine"
+    assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
+    if force:
+        assert (published(root) / "manifest.json").read_bytes() == before
+        assert manifest.verify(published(root)) == []
+    else:
+        assert not list(root.glob("tiny@*/*"))
+    capsys.readouterr()
