@@ -167,11 +167,13 @@ def _at_publishing(op: str, rel: str) -> bool:
     return op.startswith("rename") and " -> " in rel and "/.staging/" not in rel
 
 
-@pytest.mark.parametrize("force", [False, True], ids=["new", "force"])
+@pytest.mark.parametrize(
+    "force", [False, True, "no-renameat2"], ids=["new", "force", "force-no-renameat2"]
+)
 @pytest.mark.parametrize("moment", [_at_created, _at_converting, _at_building, _at_publishing],
                          ids=["created", "converting", "building", "publishing"])  # fmt: skip
 def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_sealed_or_published(
-    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment, force: bool
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment, force
 ):
     """While a run works, the user moves its staging directory away and renames a directory
     of theirs to its name: the run stops (exit 2) before it seals or publishes anything
@@ -187,6 +189,8 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     once = threading.Lock()  # (the converter writes from several threads)
 
     def swap(op: str, path: str) -> None:
+        if force == "no-renameat2" and op == "rename-exchange":  # replaced through .trash
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         if done or not path.startswith(f"{staging_dir}/"):
             return
         rel = path[len(f"{staging_dir}/") :]

@@ -530,7 +530,7 @@ def _exchange(
             return
         if exc.errno not in NO_RENAMEAT2:
             raise
-        _replace_through_trash(r, base, name, parent, variant, key)
+        _replace_through_trash(r, base, name, parent, variant, key, expected)
         return
     if not owned(base, name, key):
         # Someone else's directory was put at the key after it was looked at: the two go back
@@ -558,8 +558,13 @@ def _remove_replaced(d: Dir, name: str) -> None:
 
 
 def _replace_through_trash(
-    r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str
+    r: Dir, base: Dir, name: str, parent: Dir, variant: str, key: str, expected: Identity | None
 ) -> None:
+    """Without ``RENAME_EXCHANGE``: the published copy is moved aside into ``.trash``, the
+    staging directory renamed to the key, and the copy then removed. What the rename put at the
+    key is checked to be the staging directory this run made (``expected``): a directory someone
+    renamed to the staging name in the instant before goes back to that name, the previous copy
+    back to the key, and nothing is published."""
     aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
     with r.sub(TRASH_DIR, create=True) as trash:
         parent.rename(variant, trash, aside, how="replace")
@@ -572,5 +577,13 @@ def _replace_through_trash(
         except BaseException:
             trash.rename(aside, parent, variant, how="replace")  # put the previous copy back
             raise
+        found = parent.lstat(variant)
+        if expected is not None and (found is None or (found.st_dev, found.st_ino) != expected):
+            with contextlib.suppress(OSError):
+                if base.lstat(name) is None:  # (a plain rename would replace an empty one)
+                    parent.rename(variant, base, name, how="replace")
+                    trash.rename(aside, parent, variant, how="replace")
+            raise base.not_ours(name, "the staging directory this run made (something was "
+                                "renamed to its name while the run worked)")  # fmt: skip
         parent.fsync()
         _remove_replaced(trash, aside)
