@@ -425,6 +425,39 @@ def test_a_file_size_limit_is_named_as_the_limit(source, tmp_path, command):
     assert done.stdout == ""
 
 
+#: ``python -c`` as the console script runs the loader, once a native exit handler that never
+#: returns is registered (``pause``, through ``__cxa_atexit``), as OpenBLAS's is when one of its
+#: threads spins retrying a buffer that memory no longer holds.
+_STUCK_AT_EXIT = (
+    "import ctypes, sys; libc = ctypes.CDLL(None); "
+    "libc.__cxa_atexit(ctypes.cast(libc.pause, ctypes.c_void_p), None, None); "
+    "from loader.cli import main; sys.exit(main())"
+)
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["convert", "fetch", "plan", "bad"])
+def test_a_native_exit_handler_never_holds_the_process(source, tmp_path, command):
+    """The process of a command ends with its exit code once its own clean-up and Python's
+    exit handlers ran, whatever a native library's exit handler would do: under ``ulimit -v``
+    a run that ran out of memory printed its error line, then hung for ever in OpenBLAS's exit
+    handler, which joins a thread that retries its buffer for ever."""
+    argv = {"convert": ["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"],
+            "fetch": ["fetch", str(source), str(tmp_path / "dest"), "--copy"],
+            "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"],
+            "bad": ["convert", str(tmp_path / "none"), str(tmp_path / "out"), "--tp-size", "1"],
+            }[command]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_AT_EXIT, *argv, "-q"], capture_output=True, text=True,
+        timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    if command == "bad":
+        _typed(done.returncode, done.stderr)
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip(), done.stderr
+
+
 # --- any hostile value for any option ------------------------------------------------------
 
 #: Values libraries refuse: numbers out of every range, text that is no number, control

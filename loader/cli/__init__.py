@@ -27,6 +27,7 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import difflib
 import errno
@@ -386,11 +387,26 @@ def sigterm_unwinds() -> Iterator[None]:
 def _exit_now(code: int) -> NoReturn:
     """Exit at once: every lock and temporary file of this command is already released, and
     worker threads of libraries (a download pool) must not hold the exit past the grace period
-    Kubernetes gives after SIGTERM."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    Kubernetes gives after SIGTERM. A stream that cannot be flushed any more (its reader gone,
+    its volume full) does not change the exit code."""
+    for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+        with contextlib.suppress(Exception):  # None for a closed stream: AttributeError
+            flush()
     os._exit(code)
+
+
+#: The exit code of the command this process ran from its own command line, once it is known.
+_process_exit: list[int] = []
+
+
+def _end_process() -> None:
+    """The process's last exit handler (registered first, so run last): once the command's own
+    clean-up and every Python exit handler ran, end the process with its exit code without the
+    exit handlers of native libraries, which the loader never needs and which can hang it:
+    OpenBLAS's joins its worker threads, and one whose buffer could not be allocated (memory
+    ran out, ``ulimit -v``) retries for ever, so the process hung after its error line."""
+    if _process_exit:
+        _exit_now(_process_exit[-1])
 
 
 def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
@@ -509,9 +525,19 @@ def _cwd_gone(exc: OSError) -> LoaderError | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv`` and return its exit code. Without ``argv`` (the console script,
-    ``python -m loader``) the command line is the process's own, and a command that maps
-    source files runs in a supervised child (:mod:`loader.cli.supervise`); with ``argv`` it
-    runs here."""
+    ``python -m loader``) the command line is the process's own, a command that maps source
+    files runs in a supervised child (:mod:`loader.cli.supervise`), and the process ends with
+    the exit code once Python's exit handlers ran (:func:`_end_process`); with ``argv`` it runs
+    here."""
+    if argv is not None:
+        return _main(argv)
+    atexit.register(_end_process)
+    code = _main(None)
+    _process_exit.append(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if argv is None:
         argv = sys.argv[1:]
         if commands_for(argv) in [(name,) for name in supervise.SUPERVISED]:
