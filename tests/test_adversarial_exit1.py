@@ -458,6 +458,28 @@ def test_a_native_exit_handler_never_holds_the_process(source, tmp_path, command
         assert done.stdout.strip(), done.stderr
 
 
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["convert", "run"])
+def test_running_out_of_address_space_ends_the_process(source, tmp_path, command):
+    """``ulimit -v`` at each of a range of sizes around what the loader needs: each command
+    ends, with 0 or a typed error (75: memory or a thread ran out), within seconds. A library
+    imported once memory ran out failed with an ``ImportError`` (numpy's own, or the dynamic
+    loader's "failed to map segment"): exit 1, a bug. (One BLAS thread: OpenBLAS raises SIGINT
+    in the process when it cannot start its threads.)"""
+    for mib in range(80, 200, 10):
+        out = tmp_path / str(mib)
+        argv = {"convert": ["convert", str(source), str(out), "--tp-size", "1"],
+                "run": run_argv(source, out)}[command]  # fmt: skip
+        limit = mib << 20
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+            timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"},
+            preexec_fn=lambda limit=limit: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        )  # fmt: skip
+        assert done.returncode in (0, 2, 75), (mib, done.stderr)
+        assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
+
+
 # --- any hostile value for any option ------------------------------------------------------
 
 #: Values libraries refuse: numbers out of every range, text that is no number, control

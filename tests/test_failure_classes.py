@@ -360,3 +360,41 @@ def test_credentials_of_a_url_in_a_failure_are_redacted(text, shown):
     from loader.errors import redacted
 
     assert redacted(text) == shown
+
+
+def _import_failed_by(cause: BaseException) -> ImportError:
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            raise ImportError(
+                "Error importing numpy: you should not try to import numpy"
+            ) from inner
+    except ImportError as outer:
+        return outer
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        _import_failed_by(MemoryError()),
+        _import_failed_by(RuntimeError("can't start new thread")),
+        ImportError("/x/_generator.so: failed to map segment from shared object"),
+        ImportError("libgomp.so.1: cannot allocate memory in static TLS block"),
+    ],
+    ids=["memory", "threads", "map-segment", "tls"],
+)
+def test_a_library_import_that_ran_out_of_memory_is_transient(exc):
+    """An extension module imported once memory ran out (``ulimit -v``): numpy wraps the
+    MemoryError in an ImportError of its own, the dynamic loader says it could not map a
+    segment; it was exit 1, a bug."""
+    from loader.errors import EXIT_TRANSIENT, resource_exhaustion
+
+    typed = resource_exhaustion(exc)
+    assert typed is not None and typed.exit_code == EXIT_TRANSIENT
+
+
+def test_an_import_error_with_memory_to_spare_is_not_taken_for_exhaustion():
+    from loader.errors import resource_exhaustion
+
+    assert resource_exhaustion(ImportError("No module named 'nothing_here'")) is None

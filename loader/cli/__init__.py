@@ -556,14 +556,19 @@ def _main(argv: Sequence[str] | None) -> int:
                 "Pass the argument without the NUL character.",
             )
         )
-    parser = build_parser(commands_for(argv))
     try:
+        parser = build_parser(commands_for(argv))  # imports the command's module
         args = parser.parse_args(argv)
     except OSError as exc:  # an argument's type looks at the file system (directory_path)
         typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             raise
         return report(typed)
+    except Exception as exc:  # memory ran out while importing
+        exhausted = resource_exhaustion(exc)
+        if exhausted is None:
+            raise
+        return report(exhausted)
     try:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
