@@ -4,6 +4,7 @@ what may pass), never exit 1 with a traceback ("unexpected failure (this is a bu
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loader.cli import main
 from loader.repository.key import resolve_revision
 from tests.runs import cli, run_argv
 from tests.tiers import examples
@@ -401,6 +403,53 @@ def test_a_reader_closing_standard_output_early_is_no_bug(source, argv):
     assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
     assert done.stderr.startswith("error: Standard output was closed"), done.stderr
     assert "\nhint: " in done.stderr
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "fetch", "plan", "prune"])
+def test_standard_output_on_a_full_volume_is_named_and_what_was_done_stands(
+    source, tmp_path, command
+):
+    """``model-loader run ... > /dev/full``: the key was published, then printing its path
+    failed with ENOSPC, reported as "The volume holding a file ran out of space; nothing was
+    published" with a hint to free space on it. Now standard output is named, and what the
+    command did stands."""
+    root, dest = tmp_path / "root", tmp_path / "dest"
+    argv = {"run": run_argv(source, root), "fetch": ["fetch", str(source), str(dest), "--copy"],
+            "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"],
+            "prune": ["prune", "--repository", str(root), "--keep", "1"]}[command]  # fmt: skip
+    if command == "prune":
+        root.mkdir()
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "-q"], stdout=full, stderr=subprocess.PIPE,
+            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    _typed(done.returncode, done.stderr, "Standard output could not be written")
+    assert "nothing was published" not in done.stderr, done.stderr
+    if command == "run":
+        assert len(list(root.glob("tiny@*/*"))) == 1
+    if command == "fetch":
+        assert {p.name for p in source.iterdir()} <= {p.name for p in dest.iterdir()}
+
+
+def test_standard_output_failing_for_a_moment_is_transient(source, capsys, monkeypatch):
+    """An I/O error writing standard output (a terminal hung up, a network volume): 75, naming
+    standard output, never a file-system failure of the command's own files."""
+
+    class Failing:
+        def write(self, text: str) -> int:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Failing())
+    code = main(["plan", "--source", str(source), "--gpus-per-node", "1"])
+    err = capsys.readouterr().err
+    assert code == 75, err
+    assert err.startswith("error: Standard output could not be written"), err
+    assert "this is a bug" not in err and "\nhint: " in err
 
 
 # --- resource limits -------------------------------------------------------------------------

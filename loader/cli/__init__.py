@@ -431,12 +431,16 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     A failed file-system call becomes its typed error here (:func:`loader.errors.typed_os_error`,
     the one mapping of errno classes)."""
     try:
-        with sigterm_unwinds():
+        with sigterm_unwinds(), _marking_standard_output():
             result = func(args)
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a failure to write what it printed is the command's
     except LoaderError as exc:
         return report(exc, args)
     except OSError as exc:
-        typed = _stdout_gone(exc) or typed_os_error(exc) or _cwd_gone(exc)
+        if getattr(exc, _STANDARD_OUTPUT, False):
+            return report(_stdout_gone(exc) or _stdout_failed(exc), args)
+        typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
@@ -482,6 +486,71 @@ def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
                 "bytes; check the locale).",
             )
     return None
+
+
+#: The attribute :func:`_marking_standard_output` sets on an error of standard output.
+_STANDARD_OUTPUT = "standard_output"
+
+
+class _MarkedOutput:
+    """Standard output as a command writes it: an ``OSError`` of a write or a flush is marked
+    as standard output's (:data:`_STANDARD_OUTPUT`), so that the funnel never takes it for a
+    failure of the files the command works on ("the volume holding a file ran out of space;
+    nothing was published" for ``run > /dev/full``, once the key was published)."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def _marked(self, call: Callable[..., object], *args: object) -> object:
+        try:
+            return call(*args)
+        except OSError as exc:
+            setattr(exc, _STANDARD_OUTPUT, True)
+            raise
+
+    def write(self, text: str) -> object:
+        return self._marked(self._stream.write, text)  # type: ignore[attr-defined]
+
+    def writelines(self, lines: object) -> object:
+        return self._marked(self._stream.writelines, lines)  # type: ignore[attr-defined]
+
+    def flush(self) -> object:
+        return self._marked(self._stream.flush)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _marking_standard_output() -> Iterator[None]:
+    """While the block runs, ``sys.stdout`` is a :class:`_MarkedOutput` (none when it is
+    closed: Python then drops what is printed)."""
+    stream = sys.stdout
+    if stream is None:
+        yield
+        return
+    sys.stdout = _MarkedOutput(stream)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = stream
+
+
+def _stdout_failed(exc: OSError) -> LoaderError:
+    """Standard output could not be written (its volume full, an I/O error, a file-size limit,
+    a descriptor opened only for reading): what the command printed is cut short, while what
+    it did stands; 75 when the failure may pass, else 2."""
+    typed = typed_os_error(exc)
+    reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+    failed = LoaderError(
+        f"Standard output could not be written ({reason}): what the command printed is cut "
+        "short; what it did before stands (a published key stays published).",
+        "Point standard output at a terminal, a pipe or a file on a volume with room, then run "
+        "again to see the output (an already published key is verified, not rebuilt).",
+    )
+    if typed is not None:
+        failed.exit_code = typed.exit_code
+    return failed
 
 
 def _stdout_gone(exc: OSError) -> LoaderError | None:
