@@ -178,7 +178,8 @@ def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
     """The transient error of a machine that ran out of memory or threads (None: another
     failure), wherever it was raised: in the loader or in a library it called, or as the cause
     of another error, as a library's import wraps it: a library imported once memory ran out
-    (``ulimit -v``) fails with an ``ImportError`` whose message may no longer say why."""
+    (``ulimit -v``) fails with an ``ImportError`` (or, from a C extension that lost the cause,
+    a ``SystemError``) whose message may no longer say why."""
     chain = _chain(exc)
     for link in chain:
         if isinstance(link, MemoryError):
@@ -189,14 +190,21 @@ def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
             words in str(link).lower() for words in _NO_MEMORY_TO_LOAD
         ):
             return ResourceExhaustedError(
-                f"The loader ran out of memory while loading a library ({one_line(str(link))})."
+                f"The loader ran out of memory while loading a library ({_quoted(link)})."
             )
-    if any(isinstance(link, ImportError) for link in chain) and _memory_short():
+    if any(isinstance(link, ImportError | SystemError) for link in chain) and _memory_short():
         return ResourceExhaustedError(
-            "The loader ran out of memory while loading a library (its import failed, and "
-            f"{_MEMORY_PROBE >> 20} MiB more cannot be had now)."
+            "The loader ran out of memory while loading a library (its import failed: "
+            f"{_quoted(chain[-1])}; {_MEMORY_PROBE >> 20} MiB more cannot be had now)."
         )
     return None
+
+
+def _quoted(exc: BaseException, limit: int = 200) -> str:
+    """A library's exception as a message quotes it: its type, one line, at most ``limit``
+    characters (numpy's failed import explains itself in twenty lines)."""
+    text = one_line(f"{type(exc).__name__}: {exc}")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -398,3 +398,17 @@ def test_an_import_error_with_memory_to_spare_is_not_taken_for_exhaustion():
     from loader.errors import resource_exhaustion
 
     assert resource_exhaustion(ImportError("No module named 'nothing_here'")) is None
+    assert resource_exhaustion(SystemError("error return without exception set")) is None
+
+
+def test_a_failed_import_while_memory_is_short_is_transient(monkeypatch):
+    """numpy imported under ``ulimit -v``: "PyCapsule_Import could not import module
+    datetime", or a C extension's SystemError, with the MemoryError that caused it lost."""
+    from loader import errors
+
+    monkeypatch.setattr(errors, "_MEMORY_PROBE", 1 << 62)  # no process can have that much
+    for exc in (ImportError('PyCapsule_Import could not import module "datetime"'),
+                SystemError("error return without exception set")):  # fmt: skip
+        typed = errors.resource_exhaustion(exc)
+        assert typed is not None and typed.exit_code == errors.EXIT_TRANSIENT
+        assert len(typed.message) < 400
