@@ -141,6 +141,35 @@ def test_a_value_a_library_refuses_is_a_source_error_not_a_bug():
 
 
 @pytest.mark.parametrize(
+    "body",
+    [b"\x00\xffnot json{{{", b"not json", b"\xff\xfe\x00", b"[1, 2"],
+    ids=["utf-16-guess", "text", "bom", "cut-short"],
+)
+def test_a_response_body_the_standard_library_cannot_decode_is_a_source_error(body):
+    """A Hub answering ``/api/models/...`` with bytes that are no JSON: ``json`` guessed
+    UTF-16 from the NULs and ``codecs`` raised UnicodeDecodeError, in the standard library on
+    the library's behalf (exit 1, a bug); any such failure is the source's."""
+    from loader.errors import SourceError
+    from loader.sources.failures import Funnel
+
+    namespace: dict = {"__name__": "huggingface_hub.fake"}
+    exec("import json\ndef call(body):\n    return json.loads(body)\n", namespace)
+    with pytest.raises(Exception) as caught:
+        Funnel(1.0)(lambda: namespace["call"](body), what="hf://org/name (model info)")
+    assert isinstance(caught.value, SourceError), repr(caught.value)
+
+
+def test_a_standard_library_failure_in_the_loaders_own_code_stays_a_bug():
+    import json
+
+    from loader.sources.failures import Funnel
+
+    with pytest.raises(ValueError) as caught:
+        Funnel(1.0)(lambda: json.loads(b"\x00\xffnot"), what="gs://b/p")
+    assert not hasattr(caught.value, "remediation")
+
+
+@pytest.mark.parametrize(
     "value", ["http://[bad", "http://127.0.0.1:99999", "notaurl", "ftp://host", "http://"]
 )
 @pytest.mark.parametrize(
