@@ -598,3 +598,36 @@ def test_a_source_under_the_home_of_no_such_user_is_a_user_error(tmp_path, capsy
     _typed(code, err, "'~no-such-user-here'", "does not have")
     assert out == []
     assert list(tmp_path.iterdir()) == []
+
+
+# --- a Hub that accepts the connection and never answers --------------------------------
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_hub_that_never_answers_is_transient_at_the_retry_deadline(tmp_path, command):
+    """``HF_ENDPOINT`` naming a server that accepts connections and never answers: the Hub
+    library's session has no timeout and asks for none for the model info or the file list,
+    so ``fetch``, ``run`` and ``plan`` waited for ever whatever ``--retry-deadline`` said.
+    Now each wait is bounded by it: 75 once it passed."""
+    import socket
+    import time
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)  # connections complete in the backlog; nothing is ever read
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        argv = {"fetch": ["fetch", "hf://org/name", str(tmp_path / "dest")],
+                "run": run_argv("hf://org/name", tmp_path / "root")}[command]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": url,
+               "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+        for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
+            env.pop(name, None)
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "2", "-q"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "Traceback" not in done.stderr and "\nhint: " in done.stderr, done.stderr
+    assert time.monotonic() - start < 30
