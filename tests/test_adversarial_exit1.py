@@ -631,3 +631,56 @@ def test_a_hub_that_never_answers_is_transient_at_the_retry_deadline(tmp_path, c
     assert done.returncode == 75, done.stderr
     assert "Traceback" not in done.stderr and "\nhint: " in done.stderr, done.stderr
     assert time.monotonic() - start < 30
+
+
+# --- a storage listing whose pages never end ------------------------------------------------
+
+
+def _endless_listing(repeat: bool):
+    """A Cloud Storage JSON API stand-in whose object listing always has a next page: of a
+    new object each time, or of the same one again."""
+    import itertools
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    counter = itertools.count()
+
+    class Pages(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            n = next(counter)
+            name = "p/config.json" if repeat else f"p/f{n}.json"
+            body = json.dumps({"kind": "storage#objects", "nextPageToken": f"t{n}",
+                               "items": [{"name": name, "bucket": "b", "size": "1"}]}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("repeat", [False, True], ids=["new-objects", "same-object"])
+def test_a_storage_listing_whose_pages_never_end_is_refused(tmp_path, repeat):
+    """``STORAGE_EMULATOR_HOST`` (or a proxy) answering every page of a listing with a next
+    page: fetch read pages for ever (no failure for the retry deadline to end). Now a listing
+    that names an object twice or goes past its bound of pages is refused (2), at once."""
+    server = _endless_listing(repeat)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT),
+               "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+        env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", "fetch", "gs://b/p", str(tmp_path / "dest"), "-q"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    _typed(done.returncode, done.stderr, "The listing of gs://b/p")
+    assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
