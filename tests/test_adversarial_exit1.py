@@ -684,3 +684,17 @@ def test_a_storage_listing_whose_pages_never_end_is_refused(tmp_path, repeat):
         server.shutdown()
     _typed(done.returncode, done.stderr, "The listing of gs://b/p")
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+
+
+def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeypatch, capsys):
+    """Ctrl-C (or OpenBLAS, which raises SIGINT when it cannot start its threads) while
+    ``run``'s module and numpy are imported for parsing: a KeyboardInterrupt traceback. Now
+    "interrupted" and 130, as anywhere else; nothing was done yet."""
+    import loader.cli
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader.cli, "build_parser", interrupted)
+    assert main(["run", "--help"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"

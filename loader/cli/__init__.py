@@ -638,6 +638,10 @@ def _main(argv: Sequence[str] | None) -> int:
         if exhausted is None:
             raise
         return report(exhausted)
+    except KeyboardInterrupt:  # Ctrl-C while the command's module is imported: nothing done yet
+        with contextlib.suppress(OSError, AttributeError):
+            print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
