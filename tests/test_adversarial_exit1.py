@@ -698,3 +698,15 @@ def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeyp
     monkeypatch.setattr(loader.cli, "build_parser", interrupted)
     assert main(["run", "--help"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("name", [NOT_UTF8, f"values-{NOT_UTF8}.yaml"])
+def test_a_values_file_name_that_is_not_utf8_is_helms_error_not_a_bug(tmp_path, name):
+    """``serve -f $'\\xff'``: helm quotes the name in its error, and reading helm's output as
+    UTF-8 raised UnicodeDecodeError (exit 1). Helm's words now come back with that byte
+    escaped: the chart's error, which ``serve`` reports as a user error."""
+    from loader.chart import Chart, ChartError
+
+    with pytest.raises(ChartError) as caught:
+        Chart.in_checkout(ROOT).render(values_files=[tmp_path / name])
+    assert "\\xff" in caught.value.output, caught.value.output
