@@ -98,7 +98,12 @@ class Chart:
 
     def _helm(self, helm: str, args: Sequence[str]) -> str:
         proc = subprocess.run(
-            [str(self.tool(helm)), *args], capture_output=True, text=True, check=False, timeout=120
+            [str(self.tool(helm)), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+            errors="backslashreplace",  # helm quotes a file name given in any bytes
         )
         if proc.returncode != 0:
             output = "\n".join(part for part in (proc.stderr, proc.stdout) if part.strip())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import re
 import resource
@@ -167,14 +168,64 @@ class ResourceExhaustedError(LoaderError):
     )
 
 
+#: What the dynamic loader says when the memory to map a shared object ran out (ENOMEM).
+_NO_MEMORY_TO_LOAD = ("failed to map segment from shared object", "cannot allocate memory")
+#: The memory :func:`_memory_short` asks for (address space only, never touched).
+_MEMORY_PROBE = 64 << 20
+
+
 def resource_exhaustion(exc: BaseException) -> ResourceExhaustedError | None:
     """The transient error of a machine that ran out of memory or threads (None: another
-    failure), wherever it was raised: in the loader or in a library it called."""
-    if isinstance(exc, MemoryError):
-        return ResourceExhaustedError("The loader ran out of memory.")
-    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
-        return ResourceExhaustedError(f"The loader could not start a thread ({exc}).")
+    failure), wherever it was raised: in the loader or in a library it called, or as the cause
+    of another error, as a library's import wraps it: a library imported once memory ran out
+    (``ulimit -v``) fails with an ``ImportError`` (or, from a C extension that lost the cause,
+    a ``SystemError``) whose message may no longer say why."""
+    chain = _chain(exc)
+    for link in chain:
+        if isinstance(link, MemoryError):
+            return ResourceExhaustedError("The loader ran out of memory.")
+        if isinstance(link, RuntimeError) and "can't start new thread" in str(link):
+            return ResourceExhaustedError(f"The loader could not start a thread ({link}).")
+        if isinstance(link, ImportError) and any(
+            words in str(link).lower() for words in _NO_MEMORY_TO_LOAD
+        ):
+            return ResourceExhaustedError(
+                f"The loader ran out of memory while loading a library ({_quoted(link)})."
+            )
+    if any(isinstance(link, ImportError | SystemError) for link in chain) and _memory_short():
+        return ResourceExhaustedError(
+            "The loader ran out of memory while loading a library (its import failed: "
+            f"{_quoted(chain[-1])}; {_MEMORY_PROBE >> 20} MiB more cannot be had now)."
+        )
     return None
+
+
+def _quoted(exc: BaseException, limit: int = 200) -> str:
+    """A library's exception as a message quotes it: its type, one line, at most ``limit``
+    characters (numpy's failed import explains itself in twenty lines)."""
+    text = one_line(f"{type(exc).__name__}: {exc}")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, each once."""
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and all(link is not seen for seen in chain):
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    return chain
+
+
+def _memory_short() -> bool:
+    """Whether this process cannot have :data:`_MEMORY_PROBE` more bytes of memory now (its
+    ``ulimit -v`` reached, or the machine's commit limit): asked of the kernel as an anonymous
+    mapping, never touched, given back at once."""
+    try:
+        mmap.mmap(-1, _MEMORY_PROBE).close()
+    except (OSError, MemoryError, ValueError):
+        return True
+    return False
 
 
 class SpecialFileError(SourceError):

@@ -4,6 +4,7 @@ what may pass), never exit 1 with a traceback ("unexpected failure (this is a bu
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loader.cli import main
 from loader.repository.key import resolve_revision
 from tests.runs import cli, run_argv
 from tests.tiers import examples
@@ -403,6 +405,53 @@ def test_a_reader_closing_standard_output_early_is_no_bug(source, argv):
     assert "\nhint: " in done.stderr
 
 
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "fetch", "plan", "prune"])
+def test_standard_output_on_a_full_volume_is_named_and_what_was_done_stands(
+    source, tmp_path, command
+):
+    """``model-loader run ... > /dev/full``: the key was published, then printing its path
+    failed with ENOSPC, reported as "The volume holding a file ran out of space; nothing was
+    published" with a hint to free space on it. Now standard output is named, and what the
+    command did stands."""
+    root, dest = tmp_path / "root", tmp_path / "dest"
+    argv = {"run": run_argv(source, root), "fetch": ["fetch", str(source), str(dest), "--copy"],
+            "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"],
+            "prune": ["prune", "--repository", str(root), "--keep", "1"]}[command]  # fmt: skip
+    if command == "prune":
+        root.mkdir()
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "-q"], stdout=full, stderr=subprocess.PIPE,
+            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    _typed(done.returncode, done.stderr, "Standard output could not be written")
+    assert "nothing was published" not in done.stderr, done.stderr
+    if command == "run":
+        assert len(list(root.glob("tiny@*/*"))) == 1
+    if command == "fetch":
+        assert {p.name for p in source.iterdir()} <= {p.name for p in dest.iterdir()}
+
+
+def test_standard_output_failing_for_a_moment_is_transient(source, capsys, monkeypatch):
+    """An I/O error writing standard output (a terminal hung up, a network volume): 75, naming
+    standard output, never a file-system failure of the command's own files."""
+
+    class Failing:
+        def write(self, text: str) -> int:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Failing())
+    code = main(["plan", "--source", str(source), "--gpus-per-node", "1"])
+    err = capsys.readouterr().err
+    assert code == 75, err
+    assert err.startswith("error: Standard output could not be written"), err
+    assert "this is a bug" not in err and "\nhint: " in err
+
+
 # --- resource limits -------------------------------------------------------------------------
 
 
@@ -423,6 +472,61 @@ def test_a_file_size_limit_is_named_as_the_limit(source, tmp_path, command):
     )  # fmt: skip
     _typed(done.returncode, done.stderr, "ulimit -f", f"({limit} bytes")
     assert done.stdout == ""
+
+
+#: ``python -c`` as the console script runs the loader, once a native exit handler that never
+#: returns is registered (``pause``, through ``__cxa_atexit``), as OpenBLAS's is when one of its
+#: threads spins retrying a buffer that memory no longer holds.
+_STUCK_AT_EXIT = (
+    "import ctypes, sys; libc = ctypes.CDLL(None); "
+    "libc.__cxa_atexit(ctypes.cast(libc.pause, ctypes.c_void_p), None, None); "
+    "from loader.cli import main; sys.exit(main())"
+)
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["convert", "fetch", "plan", "bad"])
+def test_a_native_exit_handler_never_holds_the_process(source, tmp_path, command):
+    """The process of a command ends with its exit code once its own clean-up and Python's
+    exit handlers ran, whatever a native library's exit handler would do: under ``ulimit -v``
+    a run that ran out of memory printed its error line, then hung for ever in OpenBLAS's exit
+    handler, which joins a thread that retries its buffer for ever."""
+    argv = {"convert": ["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"],
+            "fetch": ["fetch", str(source), str(tmp_path / "dest"), "--copy"],
+            "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"],
+            "bad": ["convert", str(tmp_path / "none"), str(tmp_path / "out"), "--tp-size", "1"],
+            }[command]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_AT_EXIT, *argv, "-q"], capture_output=True, text=True,
+        timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    if command == "bad":
+        _typed(done.returncode, done.stderr)
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip(), done.stderr
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["convert", "run"])
+def test_running_out_of_address_space_ends_the_process(source, tmp_path, command):
+    """``ulimit -v`` at each of a range of sizes around what the loader needs: each command
+    ends, with 0 or a typed error (75: memory or a thread ran out), within seconds. A library
+    imported once memory ran out failed with an ``ImportError`` (numpy's own, or the dynamic
+    loader's "failed to map segment"): exit 1, a bug. (One BLAS thread: OpenBLAS raises SIGINT
+    in the process when it cannot start its threads.)"""
+    for mib in range(80, 200, 10):
+        out = tmp_path / str(mib)
+        argv = {"convert": ["convert", str(source), str(out), "--tp-size", "1"],
+                "run": run_argv(source, out)}[command]  # fmt: skip
+        limit = mib << 20
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+            timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"},
+            preexec_fn=lambda limit=limit: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        )  # fmt: skip
+        assert done.returncode in (0, 2, 75), (mib, done.stderr)
+        assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
 
 
 # --- any hostile value for any option ------------------------------------------------------
@@ -494,3 +598,115 @@ def test_a_source_under_the_home_of_no_such_user_is_a_user_error(tmp_path, capsy
     _typed(code, err, "'~no-such-user-here'", "does not have")
     assert out == []
     assert list(tmp_path.iterdir()) == []
+
+
+# --- a Hub that accepts the connection and never answers --------------------------------
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_hub_that_never_answers_is_transient_at_the_retry_deadline(tmp_path, command):
+    """``HF_ENDPOINT`` naming a server that accepts connections and never answers: the Hub
+    library's session has no timeout and asks for none for the model info or the file list,
+    so ``fetch``, ``run`` and ``plan`` waited for ever whatever ``--retry-deadline`` said.
+    Now each wait is bounded by it: 75 once it passed."""
+    import socket
+    import time
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)  # connections complete in the backlog; nothing is ever read
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        argv = {"fetch": ["fetch", "hf://org/name", str(tmp_path / "dest")],
+                "run": run_argv("hf://org/name", tmp_path / "root")}[command]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": url,
+               "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}  # fmt: skip
+        for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_TOKEN_FILE"):
+            env.pop(name, None)
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "2", "-q"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "Traceback" not in done.stderr and "\nhint: " in done.stderr, done.stderr
+    assert time.monotonic() - start < 30
+
+
+# --- a storage listing whose pages never end ------------------------------------------------
+
+
+def _endless_listing(repeat: bool):
+    """A Cloud Storage JSON API stand-in whose object listing always has a next page: of a
+    new object each time, or of the same one again."""
+    import itertools
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    counter = itertools.count()
+
+    class Pages(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            n = next(counter)
+            name = "p/config.json" if repeat else f"p/f{n}.json"
+            body = json.dumps({"kind": "storage#objects", "nextPageToken": f"t{n}",
+                               "items": [{"name": name, "bucket": "b", "size": "1"}]}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("repeat", [False, True], ids=["new-objects", "same-object"])
+def test_a_storage_listing_whose_pages_never_end_is_refused(tmp_path, repeat):
+    """``STORAGE_EMULATOR_HOST`` (or a proxy) answering every page of a listing with a next
+    page: fetch read pages for ever (no failure for the retry deadline to end). Now a listing
+    that names an object twice or goes past its bound of pages is refused (2), at once."""
+    server = _endless_listing(repeat)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT),
+               "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+        env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", "fetch", "gs://b/p", str(tmp_path / "dest"), "-q"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    _typed(done.returncode, done.stderr, "The listing of gs://b/p")
+    assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+
+
+def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeypatch, capsys):
+    """Ctrl-C (or OpenBLAS, which raises SIGINT when it cannot start its threads) while
+    ``run``'s module and numpy are imported for parsing: a KeyboardInterrupt traceback. Now
+    "interrupted" and 130, as anywhere else; nothing was done yet."""
+    import loader.cli
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader.cli, "build_parser", interrupted)
+    assert main(["run", "--help"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("name", [NOT_UTF8, f"values-{NOT_UTF8}.yaml"])
+def test_a_values_file_name_that_is_not_utf8_is_helms_error_not_a_bug(tmp_path, name):
+    """``serve -f $'\\xff'``: helm quotes the name in its error, and reading helm's output as
+    UTF-8 raised UnicodeDecodeError (exit 1). Helm's words now come back with that byte
+    escaped: the chart's error, which ``serve`` reports as a user error."""
+    from loader.chart import Chart, ChartError
+
+    with pytest.raises(ChartError) as caught:
+        Chart.in_checkout(ROOT).render(values_files=[tmp_path / name])
+    assert "\\xff" in caught.value.output, caught.value.output

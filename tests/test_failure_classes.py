@@ -141,6 +141,35 @@ def test_a_value_a_library_refuses_is_a_source_error_not_a_bug():
 
 
 @pytest.mark.parametrize(
+    "body",
+    [b"\x00\xffnot json{{{", b"not json", b"\xff\xfe\x00", b"[1, 2"],
+    ids=["utf-16-guess", "text", "bom", "cut-short"],
+)
+def test_a_response_body_the_standard_library_cannot_decode_is_a_source_error(body):
+    """A Hub answering ``/api/models/...`` with bytes that are no JSON: ``json`` guessed
+    UTF-16 from the NULs and ``codecs`` raised UnicodeDecodeError, in the standard library on
+    the library's behalf (exit 1, a bug); any such failure is the source's."""
+    from loader.errors import SourceError
+    from loader.sources.failures import Funnel
+
+    namespace: dict = {"__name__": "huggingface_hub.fake"}
+    exec("import json\ndef call(body):\n    return json.loads(body)\n", namespace)
+    with pytest.raises(Exception) as caught:
+        Funnel(1.0)(lambda: namespace["call"](body), what="hf://org/name (model info)")
+    assert isinstance(caught.value, SourceError), repr(caught.value)
+
+
+def test_a_standard_library_failure_in_the_loaders_own_code_stays_a_bug():
+    import json
+
+    from loader.sources.failures import Funnel
+
+    with pytest.raises(ValueError) as caught:
+        Funnel(1.0)(lambda: json.loads(b"\x00\xffnot"), what="gs://b/p")
+    assert not hasattr(caught.value, "remediation")
+
+
+@pytest.mark.parametrize(
     "value", ["http://[bad", "http://127.0.0.1:99999", "notaurl", "ftp://host", "http://"]
 )
 @pytest.mark.parametrize(
@@ -360,3 +389,55 @@ def test_credentials_of_a_url_in_a_failure_are_redacted(text, shown):
     from loader.errors import redacted
 
     assert redacted(text) == shown
+
+
+def _import_failed_by(cause: BaseException) -> ImportError:
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            raise ImportError(
+                "Error importing numpy: you should not try to import numpy"
+            ) from inner
+    except ImportError as outer:
+        return outer
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        _import_failed_by(MemoryError()),
+        _import_failed_by(RuntimeError("can't start new thread")),
+        ImportError("/x/_generator.so: failed to map segment from shared object"),
+        ImportError("libgomp.so.1: cannot allocate memory in static TLS block"),
+    ],
+    ids=["memory", "threads", "map-segment", "tls"],
+)
+def test_a_library_import_that_ran_out_of_memory_is_transient(exc):
+    """An extension module imported once memory ran out (``ulimit -v``): numpy wraps the
+    MemoryError in an ImportError of its own, the dynamic loader says it could not map a
+    segment; it was exit 1, a bug."""
+    from loader.errors import EXIT_TRANSIENT, resource_exhaustion
+
+    typed = resource_exhaustion(exc)
+    assert typed is not None and typed.exit_code == EXIT_TRANSIENT
+
+
+def test_an_import_error_with_memory_to_spare_is_not_taken_for_exhaustion():
+    from loader.errors import resource_exhaustion
+
+    assert resource_exhaustion(ImportError("No module named 'nothing_here'")) is None
+    assert resource_exhaustion(SystemError("error return without exception set")) is None
+
+
+def test_a_failed_import_while_memory_is_short_is_transient(monkeypatch):
+    """numpy imported under ``ulimit -v``: "PyCapsule_Import could not import module
+    datetime", or a C extension's SystemError, with the MemoryError that caused it lost."""
+    from loader import errors
+
+    monkeypatch.setattr(errors, "_MEMORY_PROBE", 1 << 62)  # no process can have that much
+    for exc in (ImportError('PyCapsule_Import could not import module "datetime"'),
+                SystemError("error return without exception set")):  # fmt: skip
+        typed = errors.resource_exhaustion(exc)
+        assert typed is not None and typed.exit_code == errors.EXIT_TRANSIENT
+        assert len(typed.message) < 400

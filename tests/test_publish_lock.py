@@ -165,3 +165,26 @@ def test_heartbeat_rewrites_the_lock_file(tmp_path: Path):
         time.sleep(0.4)
         later = json.loads(lock_path(tmp_path, KEY).read_text())["beats"]
     assert later > first
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("can't start new thread"), KeyboardInterrupt()])
+def test_a_lock_created_but_not_acquired_is_removed(tmp_path: Path, monkeypatch, raised):
+    """The lock file was created, then its heartbeat thread could not start (memory ran out:
+    ``ulimit -v``) or Ctrl-C came: the error went up with the lock file left, naming this
+    process, and every loader of the key on another host waited for it to expire."""
+    import threading
+
+    started = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "publish-lock-heartbeat":
+            raise raised
+        started(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(type(raised)):
+        PublishLock(tmp_path, KEY).acquire()
+    assert not lock_path(tmp_path, KEY).exists()
+    monkeypatch.setattr(threading.Thread, "start", started)
+    with PublishLock(tmp_path, KEY, timeout_s=0):
+        pass

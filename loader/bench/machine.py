@@ -200,7 +200,9 @@ def measured(
     user, sys_ = children_cpu_seconds()
     written = written_bytes()
     started = time.perf_counter()
-    proc = subprocess.run(list(argv), env=env, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(
+        list(argv), env=env, cwd=cwd, capture_output=True, text=True, errors="backslashreplace"
+    )
     seconds = time.perf_counter() - started
     after = written_bytes()
     user_after, sys_after = children_cpu_seconds()

@@ -283,6 +283,7 @@ def run_process(cmd: Sequence[str], timeout_s: float) -> tuple[int, str]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="backslashreplace",  # it quotes a file name given in any bytes
             timeout=timeout_s,
             check=False,
         )

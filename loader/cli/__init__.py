@@ -27,6 +27,7 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import difflib
 import errno
@@ -386,11 +387,26 @@ def sigterm_unwinds() -> Iterator[None]:
 def _exit_now(code: int) -> NoReturn:
     """Exit at once: every lock and temporary file of this command is already released, and
     worker threads of libraries (a download pool) must not hold the exit past the grace period
-    Kubernetes gives after SIGTERM."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    Kubernetes gives after SIGTERM. A stream that cannot be flushed any more (its reader gone,
+    its volume full) does not change the exit code."""
+    for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+        with contextlib.suppress(Exception):  # None for a closed stream: AttributeError
+            flush()
     os._exit(code)
+
+
+#: The exit code of the command this process ran from its own command line, once it is known.
+_process_exit: list[int] = []
+
+
+def _end_process() -> None:
+    """The process's last exit handler (registered first, so run last): once the command's own
+    clean-up and every Python exit handler ran, end the process with its exit code without the
+    exit handlers of native libraries, which the loader never needs and which can hang it:
+    OpenBLAS's joins its worker threads, and one whose buffer could not be allocated (memory
+    ran out, ``ulimit -v``) retries for ever, so the process hung after its error line."""
+    if _process_exit:
+        _exit_now(_process_exit[-1])
 
 
 def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
@@ -415,12 +431,16 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     A failed file-system call becomes its typed error here (:func:`loader.errors.typed_os_error`,
     the one mapping of errno classes)."""
     try:
-        with sigterm_unwinds():
+        with sigterm_unwinds(), _marking_standard_output():
             result = func(args)
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a failure to write what it printed is the command's
     except LoaderError as exc:
         return report(exc, args)
     except OSError as exc:
-        typed = _stdout_gone(exc) or typed_os_error(exc) or _cwd_gone(exc)
+        if getattr(exc, _STANDARD_OUTPUT, False):
+            return report(_stdout_gone(exc) or _stdout_failed(exc), args)
+        typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
@@ -468,6 +488,71 @@ def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
     return None
 
 
+#: The attribute :func:`_marking_standard_output` sets on an error of standard output.
+_STANDARD_OUTPUT = "standard_output"
+
+
+class _MarkedOutput:
+    """Standard output as a command writes it: an ``OSError`` of a write or a flush is marked
+    as standard output's (:data:`_STANDARD_OUTPUT`), so that the funnel never takes it for a
+    failure of the files the command works on ("the volume holding a file ran out of space;
+    nothing was published" for ``run > /dev/full``, once the key was published)."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def _marked(self, call: Callable[..., object], *args: object) -> object:
+        try:
+            return call(*args)
+        except OSError as exc:
+            setattr(exc, _STANDARD_OUTPUT, True)
+            raise
+
+    def write(self, text: str) -> object:
+        return self._marked(self._stream.write, text)  # type: ignore[attr-defined]
+
+    def writelines(self, lines: object) -> object:
+        return self._marked(self._stream.writelines, lines)  # type: ignore[attr-defined]
+
+    def flush(self) -> object:
+        return self._marked(self._stream.flush)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _marking_standard_output() -> Iterator[None]:
+    """While the block runs, ``sys.stdout`` is a :class:`_MarkedOutput` (none when it is
+    closed: Python then drops what is printed)."""
+    stream = sys.stdout
+    if stream is None:
+        yield
+        return
+    sys.stdout = _MarkedOutput(stream)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = stream
+
+
+def _stdout_failed(exc: OSError) -> LoaderError:
+    """Standard output could not be written (its volume full, an I/O error, a file-size limit,
+    a descriptor opened only for reading): what the command printed is cut short, while what
+    it did stands; 75 when the failure may pass, else 2."""
+    typed = typed_os_error(exc)
+    reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+    failed = LoaderError(
+        f"Standard output could not be written ({reason}): what the command printed is cut "
+        "short; what it did before stands (a published key stays published).",
+        "Point standard output at a terminal, a pipe or a file on a volume with room, then run "
+        "again to see the output (an already published key is verified, not rebuilt).",
+    )
+    if typed is not None:
+        failed.exit_code = typed.exit_code
+    return failed
+
+
 def _stdout_gone(exc: OSError) -> LoaderError | None:
     """Standard output's reader went away (``model-loader plan | head -1``): the write's
     ``EPIPE`` is no bug, and no user mistake either; the exit code is the one a command
@@ -509,9 +594,19 @@ def _cwd_gone(exc: OSError) -> LoaderError | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv`` and return its exit code. Without ``argv`` (the console script,
-    ``python -m loader``) the command line is the process's own, and a command that maps
-    source files runs in a supervised child (:mod:`loader.cli.supervise`); with ``argv`` it
-    runs here."""
+    ``python -m loader``) the command line is the process's own, a command that maps source
+    files runs in a supervised child (:mod:`loader.cli.supervise`), and the process ends with
+    the exit code once Python's exit handlers ran (:func:`_end_process`); with ``argv`` it runs
+    here."""
+    if argv is not None:
+        return _main(argv)
+    atexit.register(_end_process)
+    code = _main(None)
+    _process_exit.append(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if argv is None:
         argv = sys.argv[1:]
         if commands_for(argv) in [(name,) for name in supervise.SUPERVISED]:
@@ -530,14 +625,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "Pass the argument without the NUL character.",
             )
         )
-    parser = build_parser(commands_for(argv))
     try:
+        parser = build_parser(commands_for(argv))  # imports the command's module
         args = parser.parse_args(argv)
     except OSError as exc:  # an argument's type looks at the file system (directory_path)
         typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
             raise
         return report(typed)
+    except Exception as exc:  # memory ran out while importing
+        exhausted = resource_exhaustion(exc)
+        if exhausted is None:
+            raise
+        return report(exhausted)
+    except KeyboardInterrupt:  # Ctrl-C while the command's module is imported: nothing done yet
+        with contextlib.suppress(OSError, AttributeError):
+            print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:

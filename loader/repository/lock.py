@@ -143,9 +143,9 @@ class PublishLock:
         try:
             return self._acquire()
         except BaseException:
-            if self._fd is None:
-                self._dir.close()
-                self._dir = None
+            # Created, then failed (no thread for the heartbeat: memory ran out; Ctrl-C): a
+            # lock left here would hold every other host's loader of the key until it expires.
+            self.release()
             raise
 
     def _acquire(self) -> PublishLock:
@@ -272,10 +272,9 @@ class PublishLock:
 
     def _start_heartbeat(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._beat, name="publish-lock-heartbeat", daemon=True
-        )
-        self._thread.start()
+        thread = threading.Thread(target=self._beat, name="publish-lock-heartbeat", daemon=True)
+        thread.start()
+        self._thread = thread  # only a started thread is joined
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import email.utils
 import logging
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -237,15 +238,20 @@ LIBRARIES = ("google", "requests", "urllib3", "huggingface_hub", "httpx", "httpc
 
 
 def _from_libraries(exc: BaseException) -> bool:
+    """Whether a source's library raised ``exc``: its class is one of theirs, or the innermost
+    frame of its traceback outside Python's standard library is theirs (a response's body
+    decoded by ``json`` or ``codecs`` on a library's behalf fails in the standard library)."""
     if type(exc).__module__.split(".")[0] in LIBRARIES:
         return True
+    frames = []
     tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        frames.append(str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0])
         tb = tb.tb_next
-    if tb is None:
-        return False
-    module = str(tb.tb_frame.f_globals.get("__name__", ""))
-    return module.split(".")[0] in LIBRARIES
+    for module in reversed(frames):
+        if module not in sys.stdlib_module_names:
+            return module in LIBRARIES
+    return False
 
 
 def library_error(exc: BaseException, what: str) -> SourceError | None:

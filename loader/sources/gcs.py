@@ -49,6 +49,7 @@ import hashlib
 import logging
 import re
 import threading
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -63,6 +64,7 @@ from loader.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     TransientSourceError,
+    shown,
 )
 from loader.fs import Dir
 from loader.limits import SLICE_MIB
@@ -268,13 +270,50 @@ def _refuse_more_than_the_range(response: Any, *args: Any, **kwargs: Any) -> Non
     )
 
 
+#: Objects one listing holds at most (a checkpoint has a few thousand files at most).
+MAX_LISTED = 1_000_000
+#: Pages of one listing at most: the server's pages hold up to 1000 objects each, so this many
+#: hold :data:`MAX_LISTED`; a server paging one object at a time is stopped as soon.
+MAX_PAGES = 1_000
+
+
+def _bounded(uri: SourceURI, pages: Iterable[Iterable[Any]]) -> list[Any]:
+    """The objects of a listing's ``pages``, or a :class:`~loader.errors.SourceError` once it
+    names an object twice or goes past :data:`MAX_PAGES` pages or :data:`MAX_LISTED` objects:
+    a server (``STORAGE_EMULATOR_HOST``, a proxy) whose pages never end held the loader for
+    ever, with no failure for the retry deadline to end."""
+    objects: list[Any] = []
+    names: set[str] = set()
+    for number, page in enumerate(pages, 1):
+        if number > MAX_PAGES:
+            raise _endless(uri, f"goes on past {MAX_PAGES} pages")
+        for blob in page:
+            name = getattr(blob, "name", None)
+            if name in names:
+                raise _endless(uri, f"lists {shown(name)} twice")
+            if len(names) >= MAX_LISTED:
+                raise _endless(uri, f"lists more than {MAX_LISTED} objects")
+            names.add(name)
+            objects.append(blob)
+    return objects
+
+
+def _endless(uri: SourceURI, what: str) -> SourceError:
+    return SourceError(
+        f"The listing of gs://{uri.location}/{uri.path} {what}; nothing was downloaded.",
+        "Check STORAGE_EMULATOR_HOST, or the proxy in between: the server answers a listing "
+        "that is not Cloud Storage's; or fetch a narrower prefix.",
+    )
+
+
 def _list_objects(client: Any, uri: SourceURI, funnel: Funnel) -> list[Any]:
     bucket_uri = f"gs://{uri.location}"
     prefix = f"{uri.path}/" if uri.path else ""
     timeout = _timeout(funnel, 60)
 
     def listing(retry: Any) -> list[Any]:
-        return list(client.list_blobs(uri.location, prefix=prefix, retry=retry, timeout=timeout))
+        pages = client.list_blobs(uri.location, prefix=prefix, retry=retry, timeout=timeout).pages
+        return _bounded(uri, pages)
 
     listed = funnel.gcs(listing, what=f"bucket {bucket_uri}")
     blobs = [b for b in listed if not b.name.endswith("/")]

@@ -445,6 +445,7 @@ def fingerprint_source(
 
     token = resolve_token(options)
     _token_to_the_hub_only()
+    _waits_bounded(options.retry_deadline_s)
     api = HfApi(endpoint=settings.endpoint("HF_ENDPOINT"))
     commit = _resolve_commit(api, uri, revision, token, _funnel(uri, revision, options))
     return Fingerprint(uri=uri.canonical, commit=commit)
@@ -572,6 +573,34 @@ def _token_to_the_hub_only() -> None:
     hooks = get_session().event_hooks["request"]
     if _drop_token_elsewhere not in hooks:
         hooks.append(_drop_token_elsewhere)
+
+
+def _waits_bounded(deadline_s: float) -> None:
+    """Every request of the Hub library's HTTP session waits at most ``deadline_s`` (the retry
+    deadline, as for gs://) to connect and for each read: the session has no timeout, and the
+    library asks for none (model info, each page of the file list), so a Hub or mirror that
+    accepted the connection and never answered held the loader for ever. A request hook on the
+    session (one, replaced by each fetch) fills in every wait the request leaves unbounded."""
+    from huggingface_hub.utils import get_session
+
+    hooks = get_session().event_hooks["request"]
+    hooks[:] = [hook for hook in hooks if not isinstance(hook, _BoundedWaits)]
+    hooks.append(_BoundedWaits(deadline_s))
+
+
+@dataclass(frozen=True)
+class _BoundedWaits:
+    """A request hook: each wait of a request (connect, read, write, pool) that is unbounded
+    becomes ``deadline_s``."""
+
+    deadline_s: float
+
+    def __call__(self, request: Any) -> None:
+        waits = dict(request.extensions.get("timeout") or {})
+        for wait in ("connect", "read", "write", "pool"):
+            if waits.get(wait) is None:
+                waits[wait] = self.deadline_s
+        request.extensions["timeout"] = waits
 
 
 def _drop_token_elsewhere(request: Any) -> None:
@@ -769,6 +798,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     # Read at call time (the Hub library reads it once, at import).
     endpoint = settings.endpoint("HF_ENDPOINT")
     _token_to_the_hub_only()
+    _waits_bounded(options.retry_deadline_s)
     api = HfApi(endpoint=endpoint)
     commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
