@@ -69,7 +69,7 @@ from loader.errors import (
 from loader.fs import Dir
 from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, answers, settings
 from loader.sources.failures import Funnel, sentence, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.names import NAME_MAX, listed_parts
@@ -240,6 +240,7 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     client._http.mount("https://", adapter)
     client._http.mount("http://", adapter)
     client._http.hooks["response"].append(_refuse_more_than_the_range)
+    client._http.hooks["response"].append(answers.requests_hook("STORAGE_EMULATOR_HOST"))
     return client
 
 

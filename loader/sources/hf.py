@@ -80,7 +80,7 @@ from loader.formats.huggingface import (
 )
 from loader.fs import Dir
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, settings
+from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, answers, settings
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.names import listed_parts
@@ -586,6 +586,10 @@ def _waits_bounded(deadline_s: float) -> None:
     hooks = get_session().event_hooks["request"]
     hooks[:] = [hook for hook in hooks if not isinstance(hook, _BoundedWaits)]
     hooks.append(_BoundedWaits(deadline_s))
+    # and every answer the library reads whole is bounded in size and pace (answers.py)
+    hooks = get_session().event_hooks["response"]
+    hooks[:] = [hook for hook in hooks if not getattr(hook, "bounds_answers", False)]
+    hooks.append(answers.httpx_hook("HF_ENDPOINT"))
 
 
 @dataclass(frozen=True)
@@ -643,8 +647,9 @@ class _Hub:
         session = get_session()
         for _ in range(MAX_REDIRECTS + 1):
             request = session.build_request(
-                "GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
-            )
+                "GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+                extensions={answers.STREAMED: True},  # paced here, bounded by its listed size
+            )  # fmt: skip
             response = session.send(request, stream=True, follow_redirects=False)
             if not response.has_redirect_location:
                 return response
