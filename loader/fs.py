@@ -1608,7 +1608,9 @@ class Dir:
             if now is not None and now.st_ino == found.st_ino and stat.S_ISDIR(now.st_mode):
                 self._record(name, now)
 
-    def remove_tree(self, name: str, *, marks: tuple[str, ...] = ()) -> list[Path]:
+    def remove_tree(
+        self, name: str, *, marks: tuple[str, ...] = (), expected: tuple[int, int] | None = None
+    ) -> list[Path]:
         """Remove ``name`` and everything below it, relative to descriptors, never following a
         link; nothing outside ``name`` is touched. Callers remove only trees carrying the
         loader's marker (:meth:`marked`). The loader makes only files and directories: a
@@ -1633,11 +1635,19 @@ class Dir:
 
         The tree's top is opened once: what its record and marks are read from is the very
         directory emptied, and it is removed only while it is still at ``name`` (a directory
-        someone renamed to ``name`` meanwhile, after the caller looked, is never emptied)."""
+        someone renamed to ``name`` meanwhile, after the caller looked, is never emptied).
+        With ``expected`` (a device and inode), only that very directory is removed: whatever
+        else is at ``name`` is kept whole."""
         found = self.lstat(name)
         if found is not None and stat.S_ISDIR(found.st_mode) and self.made is None:
             with self.sub(name) as d:
-                kept = self._remove_opened(name, d, marks)
+                now = d.stat()
+                if expected is not None and (now.st_dev, now.st_ino) != tuple(expected):
+                    kept = [(d.path, "not the directory the loader made there: all kept")]
+                else:
+                    kept = self._remove_opened(name, d, marks)
+        elif expected is not None:  # not the directory expected, nor one to enter
+            kept = [] if found is None else [(self.path / name, "not the loader's: kept")]
         else:
             kept = self._remove_tree(name, top=True)
         if kept:

@@ -219,3 +219,50 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     else:
         assert not list(root.glob("tiny@*/*"))
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("force", [True, "no-renameat2"], ids=["force", "force-no-renameat2"])
+def test_a_published_copy_the_failed_put_back_left_at_the_staging_name_is_never_removed(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, force
+):
+    """A directory of the user's renamed to the run's staging name in the instant before the
+    replacement went to the key; the rename that puts it back fails: the run stops (exit 2)
+    and removes nothing that is not the very staging directory it made: the previous copy
+    (left at the staging name, or in ``.trash``) is kept whole, the user's directory too."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    before = (published(root) / "manifest.json").read_bytes()
+    capsys.readouterr()
+    done: list[Path] = []
+
+    def swap(op: str, path: str) -> None:
+        if force == "no-renameat2" and op == "rename-exchange":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if done and op.startswith("rename"):  # every rename after the swap: the put-back
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not _at_publishing(op, rel):
+            return
+        staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
+        staging.rename(tmp_path / "moved")
+        staging.mkdir()
+        (staging / "secret.txt").write_text("mine")
+        done.append(staging)
+
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force"))
+    assert done and code == 2
+    copies = [
+        p for p in [*root.glob("tiny@*/*"), *staging_dir.iterdir(), *root.glob(".trash/*")]
+        if (p / "manifest.json").is_file() and (p / "manifest.json").read_bytes() == before
+    ]  # fmt: skip
+    assert len(copies) == 1 and manifest.verify(copies[0]) == [], copies
+    mine = [
+        p for p in [*root.glob("tiny@*/*"), *staging_dir.iterdir()] if (p / "secret.txt").exists()
+    ]
+    assert len(mine) == 1 and os.listdir(mine[0]) == ["secret.txt"]
+    err = capsys.readouterr().err
+    assert "putting it back failed" in err and f"previous copy of the key is at {copies[0]}" in err

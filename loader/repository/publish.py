@@ -172,12 +172,14 @@ def present(root: Path, key: str) -> bool:
         return parent.lstat(variant) is not None
 
 
-def discard_staging(staging: Path, key: str) -> None:
-    """Remove the staging directory ``staging`` of ``key`` (if it is still the loader's)."""
+def discard_staging(staging: Path, key: str, expected: Identity | None = None) -> None:
+    """Remove the staging directory ``staging`` of ``key`` (if it is still the loader's; with
+    ``expected``, its :func:`identity`: only while it is that very directory. A published copy
+    a failed put-back left at its name, or a directory someone renamed there, is kept)."""
     staging = Path(staging).absolute()
     with Dir.open(staging.parent) as base:
         if owned(base, staging.name, key):
-            base.remove_tree(staging.name, marks=TREE_MARKS)
+            base.remove_tree(staging.name, marks=TREE_MARKS, expected=expected)
 
 
 def owned(parent: Dir, name: str, key: str) -> bool:
@@ -501,13 +503,33 @@ def _moved_back_unless(
     found = parent.lstat(variant)
     if found is not None and (found.st_dev, found.st_ino) == expected:
         return
-    with contextlib.suppress(OSError):
+    try:
         if how == "exchange":
             base.rename(name, parent, variant, how="exchange")
         else:
             parent.rename(variant, base, name, how="noreplace")
+    except OSError as exc:
+        raise _not_put_back(base, name, parent, variant, exc, how == "exchange") from exc
     raise base.not_ours(name, "the staging directory this run made (something was renamed to "
                         "its name while the run worked)")  # fmt: skip
+
+
+def _not_put_back(
+    base: Dir, name: str, parent: Dir, variant: str, exc: OSError, previous: str | bool
+) -> PublishError:
+    """What to tell when a directory renamed to the staging name went to the key and the rename
+    putting it back failed: where it is now, and where the previous copy is (``previous``)."""
+    there = (f"; the previous copy of the key is at {previous}" if isinstance(previous, str)
+             else f"; the previous copy of the key is at {base.path / name}" if previous
+             else "")  # fmt: skip
+    return PublishError(
+        f"A directory someone renamed to the staging name {base.path / name} while the run "
+        f"worked went to {parent.path / variant}, and the rename putting it back failed "
+        f"({exc.strerror or exc}){there}; the run stopped, and removed neither.",
+        f"Move {parent.path / variant} back where it belongs"
+        + (" and the previous copy back to the key" if there else "")
+        + ", then run again.",
+    )
 
 
 def _exchange(
@@ -579,10 +601,16 @@ def _replace_through_trash(
             raise
         found = parent.lstat(variant)
         if expected is not None and (found is None or (found.st_dev, found.st_ino) != expected):
-            with contextlib.suppress(OSError):
+            try:
                 if base.lstat(name) is None:  # (a plain rename would replace an empty one)
                     parent.rename(variant, base, name, how="replace")
                     trash.rename(aside, parent, variant, how="replace")
+            except OSError as exc:
+                if parent.lstat(variant) is None:  # the next loader of the key puts it back
+                    raise
+                raise _not_put_back(
+                    base, name, parent, variant, exc, str(trash.path / aside)
+                ) from exc
             raise base.not_ours(name, "the staging directory this run made (something was "
                                 "renamed to its name while the run worked)")  # fmt: skip
         parent.fsync()
