@@ -266,3 +266,8 @@ def test_a_published_copy_the_failed_put_back_left_at_the_staging_name_is_never_
     assert len(mine) == 1 and os.listdir(mine[0]) == ["secret.txt"]
     err = capsys.readouterr().err
     assert "putting it back failed" in err and f"previous copy of the key is at {copies[0]}" in err
+    # The next run finds the user's directory at the key: it refuses, and removes neither.
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force")) == 2
+    assert manifest.verify(copies[0]) == [] and os.listdir(mine[0]) == ["secret.txt"]
+    prune(root, keep=1)  # (nor does prune)
+    assert manifest.verify(copies[0]) == [] and os.listdir(mine[0]) == ["secret.txt"]

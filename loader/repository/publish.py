@@ -334,7 +334,7 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
                     continue
                 if _remove_ours(base, name, key, "leftover staging directory"):
                     removed.append(path)
-        for name in _entries(r, TRASH_DIR, prefix):
+        for name in _entries(r, TRASH_DIR, prefix) if key_is_ours_or_absent(root, key) else ():
             with r.sub(TRASH_DIR) as trash:
                 if _remove_ours(trash, name, key, "the replaced copy"):
                     removed.append(trash.path / name)
@@ -346,6 +346,19 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
                     base.remove_tree(name, marks=TREE_MARKS)
                     removed.append(base.path / name)
     return removed
+
+
+def key_is_ours_or_absent(root: Path, key: str) -> bool:
+    """Whether ``ROOT/<key>`` is absent or the loader's copy of ``key``: while a directory of
+    someone else's is there (one renamed to a staging name that a replacement moved to the key,
+    the rename putting it back failed), the previous copy in ``.trash`` is the key's only
+    copy, kept."""
+    found = _key_directory(root, key)
+    if found is None:
+        return True
+    parent, variant = found
+    with parent:
+        return parent.lstat(variant) is None or owned(parent, variant, key)
 
 
 def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
