@@ -560,6 +560,11 @@ class _Made:
         try:
             fd = os.open(MADE, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as exc:
+            if exc.errno == errno.ENOENT and self._removed():
+                # the tree itself was removed by another process while the loader worked in it
+                raise DirectoryRemovedError(self.path, where) from None
+            if exc.errno == errno.ENOENT:  # removed by someone else: the tree is not known
+                raise NotOursError(where, "no file", "the loader's record of a tree") from None
             if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 raise _named(exc, where) from None
             fd = -1
@@ -573,6 +578,13 @@ class _Made:
                 found = "something else"
             raise NotOursError(where, found, "the loader's record of a tree")
         return fd
+
+    def _removed(self) -> bool:
+        """Whether the tree's top was removed since it was opened (no name links to it)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return False
 
     def _append(self, data: bytes) -> None:
         where = self.path / MADE

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -271,3 +272,43 @@ def test_a_published_copy_the_failed_put_back_left_at_the_staging_name_is_never_
     assert manifest.verify(copies[0]) == [] and os.listdir(mine[0]) == ["secret.txt"]
     prune(root, keep=1)  # (nor does prune)
     assert manifest.verify(copies[0]) == [] and os.listdir(mine[0]) == ["secret.txt"]
+
+
+@pytest.mark.parametrize("moment", [_at_converting, _at_building], ids=["converting", "building"])
+def test_the_runs_staging_directory_removed_while_it_works_is_a_transient_failure(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment
+):
+    """Someone removes the run's staging directory (``rm -rf``) while the run converts or
+    builds, and makes a directory of theirs at its name: the run stops with exit 75 naming
+    the directory removed (the record it appends to is gone with it), never a traceback
+    (exit 1); the new directory stays as it is, and nothing is published."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    done: list[Path] = []
+    once = threading.Lock()
+
+    def remove(op: str, path: str) -> None:
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not moment(op, rel):
+            return
+        with once:
+            if done:
+                return
+            staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
+            shutil.rmtree(staging)
+            staging.mkdir()
+            (staging / "secret.txt").write_text("mine")
+            (staging / "secret.txt").chmod(0o600)
+            done.append(staging)
+
+    with fs.inject(remove):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    err = capsys.readouterr().err
+    assert done and code == 75, err
+    (staging,) = done
+    assert "was removed (or replaced) by another process" in err and str(staging) in err
+    assert os.listdir(staging) == ["secret.txt"]
+    assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
+    assert not list(root.glob("tiny@*/*"))
