@@ -312,3 +312,33 @@ def test_the_runs_staging_directory_removed_while_it_works_is_a_transient_failur
     assert os.listdir(staging) == ["secret.txt"]
     assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
     assert not list(root.glob("tiny@*/*"))
+
+
+def test_the_record_of_the_runs_staging_directory_removed_while_it_works_is_refused(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys
+):
+    """Someone removes only the record of the run's staging directory while it converts: the
+    run stops with exit 2 naming the record, never a traceback, and publishes nothing."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    done: list[Path] = []
+    once = threading.Lock()
+
+    def remove(op: str, path: str) -> None:
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not _at_converting(op, rel):
+            return
+        with once:
+            if not done:
+                record = staging_dir / rel.split("/")[0] / fs.MADE
+                record.unlink()
+                done.append(record)
+
+    with fs.inject(remove):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    err = capsys.readouterr().err
+    assert done and code == 2, err
+    assert f"{done[0]} is no file" in err or str(done[0]) in err
+    assert not list(root.glob("tiny@*/*"))
