@@ -104,11 +104,19 @@ def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
     if expected is None:
         return
     found = base.lstat(name)
-    if found is None or (found.st_dev, found.st_ino) != expected:
+    ours = found is not None and (found.st_dev, found.st_ino) == expected
+    if ours and stat.S_ISDIR(found.st_mode):  # and it holds the record it was made with: a
+        with base.sub(name) as d:  # directory made after it was removed can have its inode
+            ours = d.made is not None and _same(d.stat(), expected)
+    if not ours:
         raise base.not_ours(
             name, "the staging directory this run made (something was renamed to its name "
             "while the run worked)",
         )  # fmt: skip
+
+
+def _same(found: os.stat_result, expected: Identity) -> bool:
+    return (found.st_dev, found.st_ino) == tuple(expected)
 
 
 def check_staging(staging: Path, expected: Identity) -> None:
@@ -410,8 +418,7 @@ def seal(tree: Path, expected: Identity | None = None) -> None:
     checked to be that very one before any mode changes in it."""
     tree = Path(tree).absolute()
     with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
-        found = d.stat()
-        if expected is not None and (found.st_dev, found.st_ino) != expected:
+        if expected is not None and (d.made is None or not _same(d.stat(), expected)):
             raise parent.not_ours(tree.name, "the staging directory this run made (something "
                                   "was renamed to its name while the run worked)")  # fmt: skip
         _seal(d)
