@@ -571,3 +571,37 @@ def test_a_result_path_with_a_line_break_is_never_printed_as_two_lines(
     assert out == [], out
     if command in ("fetch-copy", "convert"):
         assert not odd.exists()  # refused before anything was written
+
+
+def test_numbers_written_in_other_digits_are_no_numbers(tiny_checkpoint_with_tokenizer, tmp_path):
+    """A pid in a staging directory's name, a ``Retry-After`` or ``Content-Length`` a server
+    sends, written with a character ``isdigit`` accepts and ``int`` refuses ("²"): no number,
+    never a ValueError (run, prune: exit 1 with a traceback)."""
+    from loader.cli import main
+    from loader.repository.key import key_filename
+    from loader.repository.prune import prune
+    from loader.sources.failures import retry_after_s
+    from loader.sources.gcs import _refuse_more_than_the_range
+    from tests.runs import published
+
+    root = tmp_path / "models"
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    key = str(published(root).relative_to(root))
+    planted = root / ".staging" / f"{key_filename(key)}.²-00000000.abc"
+    planted.mkdir(parents=True)
+    (planted / "mine.txt").write_text("mine")
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0  # finds it published
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force")) == 0
+    prune(root, keep=1)
+    assert os.listdir(planted) == ["mine.txt"]
+
+    failure = types.SimpleNamespace(response=types.SimpleNamespace(headers={"Retry-After": "²"}))
+    assert retry_after_s(failure) is None  # type: ignore[arg-type]
+    response = types.SimpleNamespace(
+        request=types.SimpleNamespace(headers={"Range": "bytes=0-9"}, url="http://gcs/o"),
+        status_code=206,
+        headers={"Content-Length": "²"},
+        close=lambda: None,
+    )
+    with pytest.raises(SourceError):
+        _refuse_more_than_the_range(response)

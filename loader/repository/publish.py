@@ -209,7 +209,7 @@ def _owner(name: str, prefix: str) -> tuple[int, str] | None:
     """(pid, host digest) from a staging name ``<prefix>.<pid>-<host>.<token>``."""
     owner = name[len(prefix) + 1 :].rsplit(".", 1)[0]
     pid, _, host = owner.partition("-")
-    return (int(pid), host) if pid.isdigit() and host else None
+    return (int(pid), host) if pid.isascii() and pid.isdigit() and host else None
 
 
 def _last_change(d: Dir, name: str, depth: int = 0) -> float:
