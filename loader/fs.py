@@ -1485,6 +1485,23 @@ class Dir:
 
     # -- changing --------------------------------------------------------------------------
 
+    def rename_back(self, name: str, to: Dir, to_name: str) -> None:
+        """Put ``name`` back at the absent ``to/to_name`` (``noreplace``); where the file
+        system lacks ``renameat2`` (:data:`NO_RENAMEAT2`), with ``rename(2)`` after a look that
+        finds nothing there: a put-back that only ``renameat2`` could do failed on such a file
+        system every time, leaving what it moved where it had gone."""
+        try:
+            self.rename(name, to, to_name, how="noreplace")
+            return
+        except OSError as exc:
+            if exc.errno not in NO_RENAMEAT2:
+                raise
+            if to.lstat(to_name) is not None:
+                raise FileExistsError(
+                    errno.EEXIST, os.strerror(errno.EEXIST), str(to.path / to_name)
+                ) from None
+        self.rename(name, to, to_name, how="replace")
+
     def rename(self, name: str, to: Dir, to_name: str, *, how: str = "noreplace") -> None:
         """Rename ``name`` to ``to/to_name`` in one step. ``how``: ``noreplace`` (fails with
         EEXIST when the target exists, even as an empty directory), ``exchange`` (swaps two

@@ -512,7 +512,7 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
                 if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
                     # Another directory was put at the key's name after the look above (a
                     # rename of the user's): it goes back, untouched.
-                    trash.rename(aside, p, variant, how="noreplace")
+                    trash.rename_back(aside, p, variant)
                     return f"{key} was replaced by another directory meanwhile"
             trash.remove_tree(aside, marks=TREE_MARKS)
             with r.sub(parent_name) as p:

@@ -527,7 +527,7 @@ def _moved_back_unless(
         if how == "exchange":
             base.rename(name, parent, variant, how="exchange")
         else:
-            parent.rename(variant, base, name, how="noreplace")
+            parent.rename_back(variant, base, name)
     except OSError as exc:
         raise _not_put_back(base, name, parent, variant, exc, how == "exchange") from exc
     raise base.not_ours(name, "the staging directory this run made (something was renamed to "
