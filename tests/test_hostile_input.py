@@ -605,3 +605,25 @@ def test_numbers_written_in_other_digits_are_no_numbers(tiny_checkpoint_with_tok
     )
     with pytest.raises(SourceError):
         _refuse_more_than_the_range(response)
+
+
+def test_a_tokenizer_that_makes_the_tokenizers_library_panic_is_refused(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """vocab.json + merges.txt (no tokenizer.json) whose ids make the tokenizers library's
+    Rust code panic (pyo3's PanicException, no Exception): exit 2 naming the tokenizer,
+    never a traceback."""
+    from loader.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink(missing_ok=True)
+    (src / "vocab.json").write_text(json.dumps({"a": 0, "b": 2**32 - 1}))
+    (src / "merges.txt").write_text("#version: 0.2\na b\n")
+    root = tmp_path / "models"
+    capsys.readouterr()
+    assert main(run_argv(src, root)) == 2
+    err = capsys.readouterr().err
+    assert "does not load" in err and "vocab.json" in err
+    assert not list(root.glob("tiny@*/*"))
