@@ -560,6 +560,11 @@ class _Made:
         try:
             fd = os.open(MADE, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as exc:
+            if exc.errno == errno.ENOENT and self._removed():
+                # the tree itself was removed by another process while the loader worked in it
+                raise DirectoryRemovedError(self.path, where) from None
+            if exc.errno == errno.ENOENT:  # removed by someone else: the tree is not known
+                raise NotOursError(where, "no file", "the loader's record of a tree") from None
             if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 raise _named(exc, where) from None
             fd = -1
@@ -573,6 +578,13 @@ class _Made:
                 found = "something else"
             raise NotOursError(where, found, "the loader's record of a tree")
         return fd
+
+    def _removed(self) -> bool:
+        """Whether the tree's top was removed since it was opened (no name links to it)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return False
 
     def _append(self, data: bytes) -> None:
         where = self.path / MADE
@@ -1473,6 +1485,23 @@ class Dir:
 
     # -- changing --------------------------------------------------------------------------
 
+    def rename_back(self, name: str, to: Dir, to_name: str) -> None:
+        """Put ``name`` back at the absent ``to/to_name`` (``noreplace``); where the file
+        system lacks ``renameat2`` (:data:`NO_RENAMEAT2`), with ``rename(2)`` after a look that
+        finds nothing there: a put-back that only ``renameat2`` could do failed on such a file
+        system every time, leaving what it moved where it had gone."""
+        try:
+            self.rename(name, to, to_name, how="noreplace")
+            return
+        except OSError as exc:
+            if exc.errno not in NO_RENAMEAT2:
+                raise
+            if to.lstat(to_name) is not None:
+                raise FileExistsError(
+                    errno.EEXIST, os.strerror(errno.EEXIST), str(to.path / to_name)
+                ) from None
+        self.rename(name, to, to_name, how="replace")
+
     def rename(self, name: str, to: Dir, to_name: str, *, how: str = "noreplace") -> None:
         """Rename ``name`` to ``to/to_name`` in one step. ``how``: ``noreplace`` (fails with
         EEXIST when the target exists, even as an empty directory), ``exchange`` (swaps two
@@ -1608,7 +1637,9 @@ class Dir:
             if now is not None and now.st_ino == found.st_ino and stat.S_ISDIR(now.st_mode):
                 self._record(name, now)
 
-    def remove_tree(self, name: str, *, marks: tuple[str, ...] = ()) -> list[Path]:
+    def remove_tree(
+        self, name: str, *, marks: tuple[str, ...] = (), expected: tuple[int, int] | None = None
+    ) -> list[Path]:
         """Remove ``name`` and everything below it, relative to descriptors, never following a
         link; nothing outside ``name`` is touched. Callers remove only trees carrying the
         loader's marker (:meth:`marked`). The loader makes only files and directories: a
@@ -1633,11 +1664,19 @@ class Dir:
 
         The tree's top is opened once: what its record and marks are read from is the very
         directory emptied, and it is removed only while it is still at ``name`` (a directory
-        someone renamed to ``name`` meanwhile, after the caller looked, is never emptied)."""
+        someone renamed to ``name`` meanwhile, after the caller looked, is never emptied).
+        With ``expected`` (a device and inode), only that very directory is removed: whatever
+        else is at ``name`` is kept whole."""
         found = self.lstat(name)
         if found is not None and stat.S_ISDIR(found.st_mode) and self.made is None:
             with self.sub(name) as d:
-                kept = self._remove_opened(name, d, marks)
+                now = d.stat()
+                if expected is not None and (now.st_dev, now.st_ino) != tuple(expected):
+                    kept = [(d.path, "not the directory the loader made there: all kept")]
+                else:
+                    kept = self._remove_opened(name, d, marks)
+        elif expected is not None:  # not the directory expected, nor one to enter
+            kept = [] if found is None else [(self.path / name, "not the loader's: kept")]
         else:
             kept = self._remove_tree(name, top=True)
         if kept:

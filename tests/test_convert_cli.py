@@ -291,3 +291,36 @@ def test_a_weight_beyond_fp16s_range_is_refused_not_written_as_infinity(
     )  # fmt: skip
     rc, _, err = run_cli(capsys, str(src), str(out), "--tp-size", "2", "--dtype", "fp32")
     assert rc == 0, err
+
+
+@pytest.mark.parametrize(
+    ("tensor", "source"),
+    [
+        ("transformer.h.0.mlp.fc_in.weight", "float32"),
+        ("lm_head.bias", "float32"),
+        ("transformer.h.1.attn.q_proj.weight", "bfloat16"),
+    ],
+)
+def test_a_nan_the_source_holds_excuses_no_other_weight_beyond_fp16s_range(
+    good, tmp_path, capsys, tensor, source
+):
+    """A NaN or infinity already in the source is written as it is; a finite weight beyond
+    fp16's range in the same chunk, or in another tensor fused with it, is still refused."""
+    import torch
+
+    src = variant(good, tmp_path)
+
+    def enlarge(state):
+        for name in state:
+            state[name] = state[name].to(getattr(torch, source))
+        state[tensor].view(-1)[0] = float("nan")
+        state[tensor].view(-1)[3] = 1e5
+        state["transformer.h.1.attn.k_proj.weight"].view(-1)[1] = float("inf")
+
+    edit_tensors(src, enlarge)
+    edit_config(src, torch_dtype=source)
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "2", "--dtype", "fp16"],
+        tensor, "65504", "--dtype fp32",
+    )  # fmt: skip

@@ -571,3 +571,59 @@ def test_a_result_path_with_a_line_break_is_never_printed_as_two_lines(
     assert out == [], out
     if command in ("fetch-copy", "convert"):
         assert not odd.exists()  # refused before anything was written
+
+
+def test_numbers_written_in_other_digits_are_no_numbers(tiny_checkpoint_with_tokenizer, tmp_path):
+    """A pid in a staging directory's name, a ``Retry-After`` or ``Content-Length`` a server
+    sends, written with a character ``isdigit`` accepts and ``int`` refuses ("²"): no number,
+    never a ValueError (run, prune: exit 1 with a traceback)."""
+    from loader.cli import main
+    from loader.repository.key import key_filename
+    from loader.repository.prune import prune
+    from loader.sources.failures import retry_after_s
+    from loader.sources.gcs import _refuse_more_than_the_range
+    from tests.runs import published
+
+    root = tmp_path / "models"
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    key = str(published(root).relative_to(root))
+    planted = root / ".staging" / f"{key_filename(key)}.²-00000000.abc"
+    planted.mkdir(parents=True)
+    (planted / "mine.txt").write_text("mine")
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0  # finds it published
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force")) == 0
+    prune(root, keep=1)
+    assert os.listdir(planted) == ["mine.txt"]
+
+    failure = types.SimpleNamespace(response=types.SimpleNamespace(headers={"Retry-After": "²"}))
+    assert retry_after_s(failure) is None  # type: ignore[arg-type]
+    response = types.SimpleNamespace(
+        request=types.SimpleNamespace(headers={"Range": "bytes=0-9"}, url="http://gcs/o"),
+        status_code=206,
+        headers={"Content-Length": "²"},
+        close=lambda: None,
+    )
+    with pytest.raises(SourceError):
+        _refuse_more_than_the_range(response)
+
+
+def test_a_tokenizer_that_makes_the_tokenizers_library_panic_is_refused(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """vocab.json + merges.txt (no tokenizer.json) whose ids make the tokenizers library's
+    Rust code panic (pyo3's PanicException, no Exception): exit 2 naming the tokenizer,
+    never a traceback."""
+    from loader.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink(missing_ok=True)
+    (src / "vocab.json").write_text(json.dumps({"a": 0, "b": 2**32 - 1}))
+    (src / "merges.txt").write_text("#version: 0.2\na b\n")
+    root = tmp_path / "models"
+    capsys.readouterr()
+    assert main(run_argv(src, root)) == 2
+    err = capsys.readouterr().err
+    assert "does not load" in err and "vocab.json" in err
+    assert not list(root.glob("tiny@*/*"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from loader import fs
 from loader.cli import main
+from loader.errors import NotOursError
 from loader.repository import manifest
 from loader.repository.prune import prune
 from tests.runs import published, run_argv
@@ -85,8 +87,9 @@ def _forged_key(root: Path, key: str, created_at: str) -> Path:
     return path
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_moves_it(
-    tmp_path: Path,
+    tmp_path: Path, fallback: bool
 ):
     """prune checked the old key under its lock; the user then moves the key away and puts a
     directory of theirs at its name, just before prune's rename into ``.trash``: that
@@ -97,6 +100,8 @@ def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_mov
     done: list[bool] = []
 
     def swap(op: str, path: str) -> None:
+        if fallback:
+            _no_renameat2(op, path)
         if not done and op.startswith("rename") and path.split(" -> ")[0] == str(old):
             done.append(True)
             old.rename(old.with_name("v.moved"))
@@ -168,7 +173,9 @@ def _at_publishing(op: str, rel: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "force", [False, True, "no-renameat2"], ids=["new", "force", "force-no-renameat2"]
+    "force",
+    [False, "new-no-renameat2", True, "no-renameat2"],
+    ids=["new", "new-no-renameat2", "force", "force-no-renameat2"],
 )
 @pytest.mark.parametrize("moment", [_at_created, _at_converting, _at_building, _at_publishing],
                          ids=["created", "converting", "building", "publishing"])  # fmt: skip
@@ -182,6 +189,8 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     root = tmp_path / "models"
     staging_dir = root / ".staging"
     before = None
+    fallback = force == "new-no-renameat2"  # a new key published without renameat2
+    force = False if fallback else force
     if force:
         assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
         before = (published(root) / "manifest.json").read_bytes()
@@ -191,6 +200,8 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     def swap(op: str, path: str) -> None:
         if force == "no-renameat2" and op == "rename-exchange":  # replaced through .trash
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if fallback:
+            _no_renameat2(op, path)
         if done or not path.startswith(f"{staging_dir}/"):
             return
         rel = path[len(f"{staging_dir}/") :]
@@ -200,6 +211,8 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
             if done:
                 return
             staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
+            if not staging.is_dir():  # (a look before it is made, without renameat2)
+                return
             staging.rename(tmp_path / "moved")
             staging.mkdir()
             (staging / "secret.txt").write_text("mine")
@@ -219,3 +232,153 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     else:
         assert not list(root.glob("tiny@*/*"))
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("force", [True, "no-renameat2"], ids=["force", "force-no-renameat2"])
+def test_a_published_copy_the_failed_put_back_left_at_the_staging_name_is_never_removed(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, force
+):
+    """A directory of the user's renamed to the run's staging name in the instant before the
+    replacement went to the key; the rename that puts it back fails: the run stops (exit 2)
+    and removes nothing that is not the very staging directory it made: the previous copy
+    (left at the staging name, or in ``.trash``) is kept whole, the user's directory too."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
+    before = (published(root) / "manifest.json").read_bytes()
+    capsys.readouterr()
+    done: list[Path] = []
+
+    def swap(op: str, path: str) -> None:
+        if force == "no-renameat2" and op == "rename-exchange":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if done and op.startswith("rename"):  # every rename after the swap: the put-back
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not _at_publishing(op, rel):
+            return
+        staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
+        staging.rename(tmp_path / "moved")
+        staging.mkdir()
+        (staging / "secret.txt").write_text("mine")
+        done.append(staging)
+
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force"))
+    assert done and code == 2
+    copies = [
+        p for p in [*root.glob("tiny@*/*"), *staging_dir.iterdir(), *root.glob(".trash/*")]
+        if (p / "manifest.json").is_file() and (p / "manifest.json").read_bytes() == before
+    ]  # fmt: skip
+    assert len(copies) == 1 and manifest.verify(copies[0]) == [], copies
+    mine = [
+        p for p in [*root.glob("tiny@*/*"), *staging_dir.iterdir()] if (p / "secret.txt").exists()
+    ]
+    assert len(mine) == 1 and os.listdir(mine[0]) == ["secret.txt"]
+    err = capsys.readouterr().err
+    assert "putting it back failed" in err and f"previous copy of the key is at {copies[0]}" in err
+    # The next run finds the user's directory at the key: it refuses, and removes neither.
+    assert main(run_argv(tiny_checkpoint_with_tokenizer, root, "--force")) == 2
+    assert manifest.verify(copies[0]) == [] and os.listdir(mine[0]) == ["secret.txt"]
+    prune(root, keep=1)  # (nor does prune)
+    assert manifest.verify(copies[0]) == [] and os.listdir(mine[0]) == ["secret.txt"]
+
+
+@pytest.mark.parametrize("moment", [_at_converting, _at_building], ids=["converting", "building"])
+def test_the_runs_staging_directory_removed_while_it_works_is_a_transient_failure(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, moment
+):
+    """Someone removes the run's staging directory (``rm -rf``) while the run converts or
+    builds, and makes a directory of theirs at its name: the run stops with exit 75 naming
+    the directory removed (the record it appends to is gone with it; exit 2 when a thread
+    finds the record gone while the directory is still there), never a traceback (exit 1); the new directory stays as it is, and nothing is published."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    done: list[Path] = []
+    once = threading.Lock()
+
+    def remove(op: str, path: str) -> None:
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not moment(op, rel):
+            return
+        with once:
+            if done:
+                return
+            staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
+            shutil.rmtree(staging)
+            staging.mkdir()
+            (staging / "secret.txt").write_text("mine")
+            (staging / "secret.txt").chmod(0o600)
+            done.append(staging)
+
+    with fs.inject(remove):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    err = capsys.readouterr().err
+    # (another converting thread may find the record gone before the directory: exit 2)
+    assert done and code in (75, 2), err
+    (staging,) = done
+    assert "was removed (or replaced) by another process" in err or "no file" in err
+    assert str(staging) in err
+    assert os.listdir(staging) == ["secret.txt"]
+    assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
+    assert not list(root.glob("tiny@*/*"))
+
+
+def test_the_record_of_the_runs_staging_directory_removed_while_it_works_is_refused(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys
+):
+    """Someone removes only the record of the run's staging directory while it converts: the
+    run stops with exit 2 naming the record, never a traceback, and publishes nothing."""
+    root = tmp_path / "models"
+    staging_dir = root / ".staging"
+    done: list[Path] = []
+    once = threading.Lock()
+
+    def remove(op: str, path: str) -> None:
+        if done or not path.startswith(f"{staging_dir}/"):
+            return
+        rel = path[len(f"{staging_dir}/") :]
+        if rel.startswith(".") or not _at_converting(op, rel):
+            return
+        with once:
+            if not done:
+                record = staging_dir / rel.split("/")[0] / fs.MADE
+                record.unlink()
+                done.append(record)
+
+    with fs.inject(remove):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    err = capsys.readouterr().err
+    assert done and code == 2, err
+    assert f"{done[0]} is no file" in err or str(done[0]) in err
+    assert not list(root.glob("tiny@*/*"))
+
+
+def test_the_runs_staging_directory_emptied_and_filled_by_someone_else_is_never_sealed(
+    tmp_path: Path,
+):
+    """Someone empties the run's staging directory (its record with it) and puts files of
+    theirs in it: the same directory, device and inode, but no longer the loader's: it is
+    refused before the build, the seal and the rename, and their file keeps its mode."""
+    from loader.repository import publish
+
+    root = tmp_path / "models"
+    staging = publish.new_staging_dir(root, "m@r/v")
+    made = publish.identity(staging)
+    for entry in staging.iterdir():
+        entry.unlink()
+    (staging / "secret.txt").write_text("mine")
+    (staging / "secret.txt").chmod(0o600)
+    with pytest.raises(NotOursError):
+        publish.check_staging(staging, made)
+    with pytest.raises(NotOursError):
+        publish.seal(staging, made)
+    with pytest.raises(NotOursError):
+        publish.publish(staging, root, "m@r/v", expected=made)
+    assert os.listdir(staging) == ["secret.txt"]
+    assert (staging / "secret.txt").stat().st_mode & 0o777 == 0o600
+    assert not (root / "m@r").exists() or not os.listdir(root / "m@r")

@@ -261,27 +261,33 @@ def write_file(
 FP16_MAX = float(np.finfo(np.float16).max)
 
 
-def _not_finite(values: np.ndarray, source_dtype: str | None = None) -> bool:
-    """Whether ``values`` (fp16 or fp32; ``bf16``: their bits as uint16) hold an infinity or
+def _not_finite(values: np.ndarray, source_dtype: str | None = None) -> np.ndarray:
+    """Which of ``values`` (fp16 or fp32; ``bf16``: their bits as uint16) are an infinity or
     a NaN: every exponent bit set."""
-    if source_dtype == "bf16" or values.dtype == np.float16:
-        mask = np.uint16(0x7F80 if source_dtype == "bf16" else 0x7C00)
-        bits = values.view(np.uint16)
-    else:
-        mask, bits = np.uint32(0x7F800000), values.view(np.uint32)
-    return bool(bits.size) and bool(np.bitwise_and(bits, mask).max() == mask)
+    if source_dtype == "bf16":
+        mask = np.uint16(0x7F80)
+        return np.bitwise_and(values, mask) == mask
+    return ~np.isfinite(values)
 
 
 def _check_in_range(
     data: np.ndarray, blocks: Sequence[np.ndarray], source_dtypes: Sequence[str], out: OutputFile
 ) -> None:
-    """Refuse a chunk cast into fp16 that holds an infinity or NaN its finite sources did not:
-    a weight beyond fp16's range, which FasterTransformer would load and sum into inf and NaN
-    (what the sources already held is written as it is, as a copy of the same dtype is)."""
-    if not _not_finite(data) or any(
-        _not_finite(np.ascontiguousarray(block), dtype)
-        for block, dtype in zip(blocks, source_dtypes, strict=True)
-    ):
+    """Refuse a chunk cast into fp16 where a weight is an infinity or NaN that its own source
+    element was not: a weight beyond fp16's range, which FasterTransformer would load and sum
+    into inf and NaN (what a source already held is written as it is, as a copy of the same
+    dtype is). Element by element: a NaN elsewhere in the same chunk, or the same tensor,
+    excuses no other weight."""
+    if not _not_finite(data).any():
+        return
+    col, made = 0, False
+    for block, dtype in zip(blocks, source_dtypes, strict=True):
+        width = block.shape[1]
+        made = made or bool(
+            (_not_finite(data[:, col : col + width]) & ~_not_finite(block, dtype)).any()
+        )
+        col += width
+    if not made:
         return
     raise DtypeError(
         f"{some_names(sorted(out.sources))} {'holds' if len(out.sources) == 1 else 'hold'} a "

@@ -255,7 +255,7 @@ class PublishLock:
             # Not a lock file (a link, a FIFO, a directory put at the lock's path after we
             # judged it): never read or removed; back where it was, and refused.
             try:
-                locks.rename(moved, locks, name, how="noreplace")
+                locks.rename_back(moved, locks, name)
             except OSError:  # a new lock is there meanwhile: left beside it, and named
                 raise locks.not_ours(moved, "a publish lock file") from None
             raise locks.not_ours(name, "a publish lock file") from None

@@ -70,6 +70,7 @@ from loader.repository.publish import (
     TREE_MARKS,
     WORK_DIR,
     abandoned_in,
+    key_is_ours_or_absent,
     owned,
     recover,
 )
@@ -441,6 +442,8 @@ def _in(
                 ours = _marker_key(d, name, marker) == key if marker else owned(d, name, key)
                 if not ours:
                     return f"{directory}/{name} is not the loader's"
+                if directory == TRASH_DIR and not key_is_ours_or_absent(root, key):
+                    return f"{key} holds a directory not the loader's: {name} is its only copy"
                 if abandoned_too and not abandoned_in(d, name, abandoned_too[0],
                                                       idle_s=abandoned_too[1]):  # fmt: skip
                     return f"{directory}/{name} is in use again"
@@ -509,7 +512,7 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
                 if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
                     # Another directory was put at the key's name after the look above (a
                     # rename of the user's): it goes back, untouched.
-                    trash.rename(aside, p, variant, how="noreplace")
+                    trash.rename_back(aside, p, variant)
                     return f"{key} was replaced by another directory meanwhile"
             trash.remove_tree(aside, marks=TREE_MARKS)
             with r.sub(parent_name) as p:

@@ -104,11 +104,19 @@ def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
     if expected is None:
         return
     found = base.lstat(name)
-    if found is None or (found.st_dev, found.st_ino) != expected:
+    ours = found is not None and (found.st_dev, found.st_ino) == expected
+    if ours and stat.S_ISDIR(found.st_mode):  # and it holds the record it was made with: a
+        with base.sub(name) as d:  # directory made after it was removed can have its inode
+            ours = d.made is not None and _same(d.stat(), expected)
+    if not ours:
         raise base.not_ours(
             name, "the staging directory this run made (something was renamed to its name "
             "while the run worked)",
         )  # fmt: skip
+
+
+def _same(found: os.stat_result, expected: Identity) -> bool:
+    return (found.st_dev, found.st_ino) == tuple(expected)
 
 
 def check_staging(staging: Path, expected: Identity) -> None:
@@ -172,12 +180,14 @@ def present(root: Path, key: str) -> bool:
         return parent.lstat(variant) is not None
 
 
-def discard_staging(staging: Path, key: str) -> None:
-    """Remove the staging directory ``staging`` of ``key`` (if it is still the loader's)."""
+def discard_staging(staging: Path, key: str, expected: Identity | None = None) -> None:
+    """Remove the staging directory ``staging`` of ``key`` (if it is still the loader's; with
+    ``expected``, its :func:`identity`: only while it is that very directory. A published copy
+    a failed put-back left at its name, or a directory someone renamed there, is kept)."""
     staging = Path(staging).absolute()
     with Dir.open(staging.parent) as base:
         if owned(base, staging.name, key):
-            base.remove_tree(staging.name, marks=TREE_MARKS)
+            base.remove_tree(staging.name, marks=TREE_MARKS, expected=expected)
 
 
 def owned(parent: Dir, name: str, key: str) -> bool:
@@ -199,7 +209,7 @@ def _owner(name: str, prefix: str) -> tuple[int, str] | None:
     """(pid, host digest) from a staging name ``<prefix>.<pid>-<host>.<token>``."""
     owner = name[len(prefix) + 1 :].rsplit(".", 1)[0]
     pid, _, host = owner.partition("-")
-    return (int(pid), host) if pid.isdigit() and host else None
+    return (int(pid), host) if pid.isascii() and pid.isdigit() and host else None
 
 
 def _last_change(d: Dir, name: str, depth: int = 0) -> float:
@@ -332,7 +342,7 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
                     continue
                 if _remove_ours(base, name, key, "leftover staging directory"):
                     removed.append(path)
-        for name in _entries(r, TRASH_DIR, prefix):
+        for name in _entries(r, TRASH_DIR, prefix) if key_is_ours_or_absent(root, key) else ():
             with r.sub(TRASH_DIR) as trash:
                 if _remove_ours(trash, name, key, "the replaced copy"):
                     removed.append(trash.path / name)
@@ -344,6 +354,19 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
                     base.remove_tree(name, marks=TREE_MARKS)
                     removed.append(base.path / name)
     return removed
+
+
+def key_is_ours_or_absent(root: Path, key: str) -> bool:
+    """Whether ``ROOT/<key>`` is absent or the loader's copy of ``key``: while a directory of
+    someone else's is there (one renamed to a staging name that a replacement moved to the key,
+    the rename putting it back failed), the previous copy in ``.trash`` is the key's only
+    copy, kept."""
+    found = _key_directory(root, key)
+    if found is None:
+        return True
+    parent, variant = found
+    with parent:
+        return parent.lstat(variant) is None or owned(parent, variant, key)
 
 
 def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
@@ -395,8 +418,7 @@ def seal(tree: Path, expected: Identity | None = None) -> None:
     checked to be that very one before any mode changes in it."""
     tree = Path(tree).absolute()
     with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
-        found = d.stat()
-        if expected is not None and (found.st_dev, found.st_ino) != expected:
+        if expected is not None and (d.made is None or not _same(d.stat(), expected)):
             raise parent.not_ours(tree.name, "the staging directory this run made (something "
                                   "was renamed to its name while the run worked)")  # fmt: skip
         _seal(d)
@@ -501,13 +523,33 @@ def _moved_back_unless(
     found = parent.lstat(variant)
     if found is not None and (found.st_dev, found.st_ino) == expected:
         return
-    with contextlib.suppress(OSError):
+    try:
         if how == "exchange":
             base.rename(name, parent, variant, how="exchange")
         else:
-            parent.rename(variant, base, name, how="noreplace")
+            parent.rename_back(variant, base, name)
+    except OSError as exc:
+        raise _not_put_back(base, name, parent, variant, exc, how == "exchange") from exc
     raise base.not_ours(name, "the staging directory this run made (something was renamed to "
                         "its name while the run worked)")  # fmt: skip
+
+
+def _not_put_back(
+    base: Dir, name: str, parent: Dir, variant: str, exc: OSError, previous: str | bool
+) -> PublishError:
+    """What to tell when a directory renamed to the staging name went to the key and the rename
+    putting it back failed: where it is now, and where the previous copy is (``previous``)."""
+    there = (f"; the previous copy of the key is at {previous}" if isinstance(previous, str)
+             else f"; the previous copy of the key is at {base.path / name}" if previous
+             else "")  # fmt: skip
+    return PublishError(
+        f"A directory someone renamed to the staging name {base.path / name} while the run "
+        f"worked went to {parent.path / variant}, and the rename putting it back failed "
+        f"({exc.strerror or exc}){there}; the run stopped, and removed neither.",
+        f"Move {parent.path / variant} back where it belongs"
+        + (" and the previous copy back to the key" if there else "")
+        + ", then run again.",
+    )
 
 
 def _exchange(
@@ -579,10 +621,16 @@ def _replace_through_trash(
             raise
         found = parent.lstat(variant)
         if expected is not None and (found is None or (found.st_dev, found.st_ino) != expected):
-            with contextlib.suppress(OSError):
+            try:
                 if base.lstat(name) is None:  # (a plain rename would replace an empty one)
                     parent.rename(variant, base, name, how="replace")
                     trash.rename(aside, parent, variant, how="replace")
+            except OSError as exc:
+                if parent.lstat(variant) is None:  # the next loader of the key puts it back
+                    raise
+                raise _not_put_back(
+                    base, name, parent, variant, exc, str(trash.path / aside)
+                ) from exc
             raise base.not_ours(name, "the staging directory this run made (something was "
                                 "renamed to its name while the run worked)")  # fmt: skip
         parent.fsync()

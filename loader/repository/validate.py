@@ -119,7 +119,10 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
         # directory may still hold one an earlier listing put there)
         tokenizer = load_tokenizer(checkpoint, {path.name for path in files})
         largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    except Exception as exc:  # the tokenizers library raises plain Exceptions
+    except BaseException as exc:  # the tokenizers library raises plain Exceptions, and a
+        # panic of its Rust code (pyo3's PanicException, no Exception) on some hostile files
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
         names = ", ".join(p.name for p in files)
         raise CheckpointError(
             f"The tokenizer of {checkpoint} ({names}) does not load: {str(exc)[:300]}.",

@@ -214,11 +214,13 @@ def _staging(root: Path, key: str) -> Iterator[tuple[Path, publish.Identity]]:
     and the next loader of the key removes the leftover)."""
     staging = publish.new_staging_dir(root, key)
     log.info("staging the repository in %s", staging)
+    made = None
     try:
-        yield staging, publish.identity(staging)
+        made = publish.identity(staging)
+        yield staging, made
     except BaseException:
         try:
-            publish.discard_staging(staging, key)
+            publish.discard_staging(staging, key, made)
         except OSError as exc:
             log.warning("could not remove the staging directory %s: %s", staging, exc)
         raise

@@ -113,7 +113,7 @@ def retry_after_s(exc: BaseException, *, now: float | None = None) -> float | No
         if value is None:
             continue
         value = str(value).strip()
-        if value.isdigit():
+        if value.isascii() and value.isdigit():  # (int() and float() refuse "²")
             return float(value)
         try:
             when = email.utils.parsedate_to_datetime(value)

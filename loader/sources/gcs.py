@@ -252,11 +252,11 @@ def _refuse_more_than_the_range(response: Any, *args: Any, **kwargs: Any) -> Non
     if not asked.startswith("bytes=") or response.status_code >= 300:
         return
     first, _, last = asked.removeprefix("bytes=").partition("-")
-    if not (first.isdigit() and last.isdigit()):
+    if not (first.isascii() and last.isascii() and first.isdigit() and last.isdigit()):
         return
     wanted = int(last) - int(first) + 1
     length = response.headers.get("Content-Length", "")
-    within = length.isdigit() and int(length) <= wanted
+    within = length.isascii() and length.isdigit() and int(length) <= wanted
     if response.status_code == 206 and (within or not length):
         return
     if response.status_code == 200 and first == "0" and within:  # the whole object was asked
