@@ -70,6 +70,19 @@ def published(root: Path, model: str = "tiny") -> Path:
     return path
 
 
+def forged_key(root: Path, key: str, created_at: str, mtime: float | None = None) -> Path:
+    """A published key as prune recognises it (no files): a manifest naming ``key`` and
+    ``created_at``; with ``mtime``, the directory's own time."""
+    path = root / key
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(
+        json.dumps({"key": key, "created_at": created_at, "files": []})
+    )
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
 def weights(repository: Path) -> dict[str, bytes]:
     """The converted weight files of a published repository, by name."""
     (folder,) = (repository / "fastertransformer" / "1").glob("*-gpu")

@@ -17,7 +17,7 @@ from loader.errors import LockTimeoutError
 from loader.repository import publish
 from loader.repository.lock import PublishLock, lock_path
 from loader.repository.prune import prune, try_lock
-from tests.runs import run_argv
+from tests.runs import forged_key, run_argv
 
 KEY = "m@r1/v"
 
@@ -32,14 +32,6 @@ def _foreign_lock(root: Path, key: str, *, age_s: float) -> Path:
     path.write_text(json.dumps(record))
     then = time.time() - age_s
     os.utime(path, (then, then))
-    return path
-
-
-def _forged_key(root: Path, key: str, created_at: str) -> Path:
-    path = root / key
-    path.mkdir(parents=True)
-    (path / "manifest.json").write_text(json.dumps({"key": key, "created_at": created_at,
-                                                    "files": []}))  # fmt: skip
     return path
 
 
@@ -58,8 +50,8 @@ def test_try_lock_takes_a_foreign_lock_silent_for_the_expiry_and_only_that(
 
 def test_prune_removes_an_old_key_whose_foreign_lock_is_long_silent(tmp_path: Path):
     root = tmp_path / "models"
-    _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
-    old = _forged_key(root, KEY, "2026-01-01T00:00:00Z")
+    forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    old = forged_key(root, KEY, "2026-01-01T00:00:00Z")
     lock = _foreign_lock(root, KEY, age_s=7200)
     report = prune(root, keep=1, lock_expiry_s=60)
     assert [r.path for r in report.removed] == [old]
@@ -107,8 +99,8 @@ def test_a_waiter_with_a_shorter_expiry_than_the_holders_waits_out_the_holders(t
 
 def test_prune_with_a_shorter_expiry_than_the_holders_keeps_its_key(tmp_path: Path):
     root = tmp_path / "models"
-    _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
-    old = _forged_key(root, KEY, "2026-01-01T00:00:00Z")
+    forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    old = forged_key(root, KEY, "2026-01-01T00:00:00Z")
     lock = _foreign_holder(root, KEY, age_s=30, expiry_s=600.0)
     report = prune(root, keep=1, lock_expiry_s=1)
     assert not report.removed and (KEY, "its publish lock is live") in report.kept

@@ -39,6 +39,7 @@ import pytest
 from loader import fs
 from loader.errors import NotOursError
 from tests.races import when_locked
+from tests.runs import forged_key
 
 MARKER = ".model-loader-staging"
 KEY = "m@r/v"
@@ -335,17 +336,6 @@ def test_a_users_file_at_a_lock_path_is_refused_never_taken_over_after_the_expir
 # --- prune -----------------------------------------------------------------------------------
 
 
-def _forged_key(root: Path, key: str, created_at: str, mtime: float) -> Path:
-    """A published key as prune recognises it: a manifest naming the key, ``created_at``."""
-    path = root / key
-    path.mkdir(parents=True)
-    (path / "manifest.json").write_text(
-        json.dumps({"key": key, "created_at": created_at, "files": []})
-    )
-    os.utime(path, (mtime, mtime))
-    return path
-
-
 def test_prune_keeps_the_newest_keys_by_their_manifests_creation_time(tmp_path):
     """The ``keep`` newest keys of a model are the newest by ``created_at`` (when the run
     published them): a directory's own time (a restore, a copy, a touch) never makes an older
@@ -353,8 +343,8 @@ def test_prune_keeps_the_newest_keys_by_their_manifests_creation_time(tmp_path):
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    newest = _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z", mtime=1_000_000)
-    older = _forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z", mtime=2_000_000)
+    newest = forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z", mtime=1_000_000)
+    older = forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z", mtime=2_000_000)
     report = prune(root, keep=1)
     assert [r.path for r in report.removed] == [older]
     assert newest.is_dir() and not older.exists()
@@ -369,8 +359,8 @@ def test_prune_keeps_a_key_whose_manifest_changed_after_it_looked(tmp_path):
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    _forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
-    old = _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
+    old = forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
     republished = {"key": OLD, "created_at": "2026-01-03T00:00:00Z", "files": []}
 
     def republish() -> None:
@@ -506,8 +496,8 @@ def test_a_dry_run_keeps_a_key_whose_lock_a_live_process_here_holds(tmp_path):
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    _forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
-    old = _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
+    old = forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
     with PublishLock(root, OLD, expiry_s=60):
         lock = next((root / ".locks").iterdir())
         os.utime(lock, (1_000_000, 1_000_000))  # a live holder whose heartbeat is late
@@ -523,9 +513,9 @@ def test_a_users_file_at_a_keys_lock_path_keeps_the_key_and_prune_goes_on(tmp_pa
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    _forged_key(root, "m@r3/v", "2026-01-03T00:00:00Z", mtime=3_000_000)
-    _forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
-    old = _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    forged_key(root, "m@r3/v", "2026-01-03T00:00:00Z", mtime=3_000_000)
+    forged_key(root, NEW, "2026-01-02T00:00:00Z", mtime=2_000_000)
+    old = forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
     path = lock_path(root, OLD)
     path.parent.mkdir()
     path.write_text("my notes\n")
@@ -543,7 +533,7 @@ def test_prune_leaves_a_copy_in_trash_not_named_after_its_key(tmp_path):
     from loader.repository.prune import prune
 
     root = tmp_path / "models"
-    _forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
+    forged_key(root, OLD, "2026-01-01T00:00:00Z", mtime=1_000_000)
     copy = root / ".trash" / "my-copy"
     copy.mkdir(parents=True)
     (copy / "manifest.json").write_text(json.dumps({"key": OLD, "files": []}))

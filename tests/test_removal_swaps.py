@@ -6,7 +6,6 @@ rename into ``.trash`` moved when that is not the key it judged."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import threading
@@ -19,7 +18,7 @@ from loader.cli import main
 from loader.errors import NotOursError
 from loader.repository import manifest
 from loader.repository.prune import prune
-from tests.runs import published, run_argv
+from tests.runs import forged_key, published, run_argv
 
 MARKER = fs.MARKER_PREFIX + "staging"
 
@@ -79,14 +78,6 @@ def test_a_users_directory_renamed_to_the_trees_name_at_any_step_stays_whole(
         assert (tree / "sub" / "data.csv").read_text() == "1,2\n", step
 
 
-def _forged_key(root: Path, key: str, created_at: str) -> Path:
-    path = root / key
-    path.mkdir(parents=True)
-    (path / "manifest.json").write_text(json.dumps({"key": key, "created_at": created_at,
-                                                    "files": []}))  # fmt: skip
-    return path
-
-
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_moves_it(
     tmp_path: Path, fallback: bool
@@ -95,8 +86,8 @@ def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_mov
     directory of theirs at its name, just before prune's rename into ``.trash``: that
     directory goes back to the key's name, whole, and the key is reported kept."""
     root = tmp_path / "models"
-    _forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
-    old = _forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z")
+    forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    old = forged_key(root, "m@r1/v", "2026-01-01T00:00:00Z")
     done: list[bool] = []
 
     def swap(op: str, path: str) -> None:
