@@ -165,9 +165,10 @@ class Volume:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def run(self, revision: str, force: bool) -> None:
-        code, out, err = forked(self.argv(revision, *(["--force"] if force else [])))
-        self.log.append(f"run {revision}{' --force' if force else ''}: exit {code}")
+    def run(self, revision: str, force: bool, option: str = "") -> None:
+        extra = [*(["--force"] if force else []), *option.split()]
+        code, out, err = forked(self.argv(revision, *extra))
+        self.log.append(f"run {revision} {' '.join(extra)}: exit {code}")
         self._exited(code, err)
         if code == 0:
             path = Path(out.splitlines()[-1])
@@ -197,6 +198,16 @@ class Volume:
             if not (self.root / self.keys[revision]).exists():
                 self.damaged.discard(revision)
 
+    def killed_prune(self, keep: int, k: int) -> None:
+        argv = ["prune", "--repository", str(self.root), "--keep", str(keep)]
+        code, _, err = forked(argv, _kill_at(k))
+        self.log.append(f"prune --keep {keep} killed at call {k}: {code}")
+        if code != KILLED:
+            self._exited(code, err)
+        for revision in list(self.damaged):
+            if not (self.root / self.keys[revision]).exists():
+                self.damaged.discard(revision)
+
     def plant(self, place: str, kind: str, loader_name: bool, revision: str) -> None:
         key = self.keys[revision]
         if loader_name:  # the name the loader would give its own entry there
@@ -218,6 +229,16 @@ class Volume:
         target = self.outside / ("dir" if len(self.planted) % 2 else "file")
         self.planted.append(Planted.make(path, kind, target))
         self.log.append(f"plant {kind} {path.relative_to(self.root)}")
+
+    def plant_top(self, name: str, kind: str, inside: bool) -> None:
+        """An entry of the user's where the loader keeps its directories, when none is there
+        yet; a link points outside ROOT or at a published key."""
+        path = self.root / name
+        if os.path.lexists(path):
+            return
+        target = self.root / self.keys["r1"] if inside else self.outside / "dir"
+        self.planted.append(Planted.make(path, kind, target))
+        self.log.append(f"plant {kind} {name}{f' -> {target}' if kind == 'link' else ''}")
 
     def plant_in_key(self, revision: str, kind: str, deep: bool) -> None:
         key = self.root / self.keys[revision]
@@ -308,32 +329,48 @@ class Volume:
 
 @pytest.fixture(scope="module")
 def template(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """A source, a ROOT with both revisions published (their keys learnt from that), and
-    entries outside ROOT for links to point at; then ROOT with r2 removed."""
+    """A volume ``v``: a source, a ROOT with r1 published and entries outside ROOT for links
+    to point at, saved as ``template``; every example starts from a copy of it at the same
+    path (the source's URI is part of what a key was built from). The keys of both
+    revisions."""
     base = tmp_path_factory.mktemp("sequences")
-    shutil.copytree(tiny_checkpoint_with_tokenizer, base / "source")
-    (base / "outside" / "dir").mkdir(parents=True)
-    (base / "outside" / "dir" / "kept").write_text("outside ROOT")
-    (base / "outside" / "file").write_text("outside ROOT")
+    volume = base / "v"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, volume / "source")
+    (volume / "outside" / "dir").mkdir(parents=True)
+    (volume / "outside" / "dir" / "kept").write_text("outside ROOT")
+    (volume / "outside" / "file").write_text("outside ROOT")
     keys = {}
     for revision in REVISIONS:
-        argv = run_argv(base / "source", base / "root", "--revision", revision)
+        argv = run_argv(volume / "source", volume / "root", "--revision", revision)
         with contextlib.redirect_stdout(io.StringIO()) as out:
             assert main(argv) == 0
-        keys[revision] = str(Path(out.getvalue().splitlines()[-1]).relative_to(base / "root"))
-    shutil.rmtree(base / "root" / "tiny@r2")
+        keys[revision] = str(Path(out.getvalue().splitlines()[-1]).relative_to(volume / "root"))
+    shutil.rmtree(volume / "root" / "tiny@r2")
+    shutil.copytree(volume, base / "template", symlinks=True)
     return base, keys
 
 
 _revision = st.sampled_from(REVISIONS)
 STEPS = st.one_of(
-    st.tuples(st.just("run"), _revision, st.booleans()),
+    st.tuples(
+        st.just("run"),
+        _revision,
+        st.booleans(),
+        st.sampled_from(["", "--follow-source", "--no-verify-checksums", "--verify full"]),
+    ),
+    st.tuples(st.just("killed_prune"), st.integers(1, 2), st.integers(1, 60)),
     st.tuples(st.just("killed_run"), _revision, st.booleans(), st.integers(1, 2600)),
     st.tuples(st.just("prune"), st.integers(1, 2)),
     st.tuples(
         st.just("plant"), st.sampled_from(PLACES), st.sampled_from(KINDS), st.booleans(), _revision
     ),
     st.tuples(st.just("damage"), _revision, st.integers(0, 50)),
+    st.tuples(
+        st.just("plant_top"),
+        st.sampled_from([".staging", ".work", ".trash", ".locks", "tiny@r2"]),
+        st.sampled_from(KINDS),
+        st.booleans(),
+    ),
     st.tuples(st.just("plant_in_key"), _revision, st.sampled_from(KINDS), st.booleans()),
     st.tuples(
         st.just("plant_during_run"),
@@ -347,20 +384,20 @@ STEPS = st.one_of(
 
 
 @settings(
-    max_examples=16,
+    max_examples=12,
     deadline=None,
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(steps=st.lists(STEPS, min_size=1, max_size=8))
-def test_any_sequence_of_operations_keeps_the_volume_sound(template, tmp_path, steps):
+def test_any_sequence_of_operations_keeps_the_volume_sound(template, steps):
     base, keys = template
-    with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
-        volume = Volume(Path(scratch) / "v", base, keys)
+    shutil.rmtree(base / "v", ignore_errors=True)
+    volume = Volume(base / "v", base / "template", keys)
+    volume.check()
+    for name, *args in steps:
+        getattr(volume, name)(*args)
         volume.check()
-        for name, *args in steps:
-            getattr(volume, name)(*args)
-            volume.check()
-        volume.run("r1", False)  # whatever came before, a run of the source ends sound
-        volume.check()
+    volume.run("r1", False)  # whatever came before, a run of the source ends sound
+    volume.check()
