@@ -250,12 +250,13 @@ class Volume:
         self.damaged.add(revision)  # not the copy the loader published any more
         self.log.append(f"plant {kind} {path.relative_to(self.root)}")
 
-    def plant_during_run(self, revision: str, kind: str, deep: bool, k: int) -> None:
-        """At the run's k-th file-system call, the user plants an entry inside the staging
-        directory it builds."""
+    def plant_during_run(self, revision: str, kind: str, deep: bool, k: int, where: str) -> None:
+        """At the k-th file-system call of a run (``--force`` when ``where`` is the key), the
+        user plants an entry inside the staging directory it builds or the published key it
+        replaces."""
         record = self.base.parent / "planted.json"
         name, target = f"users-{len(self.planted)}", self.outside / "file"
-        staging = self.root / ".staging"
+        staging, key = self.root / ".staging", self.root / self.keys[revision]
         calls, lock = 0, threading.Lock()  # the hashing workers call the seam too
 
         def hook(op: str, seen: str) -> None:
@@ -266,7 +267,10 @@ class Volume:
                     plant()
 
         def plant() -> None:
-            for top in sorted(staging.iterdir()) if staging.is_dir() else []:
+            tops = (
+                [key] if where == "key" else sorted(staging.iterdir()) if staging.is_dir() else []
+            )
+            for top in tops:
                 folder = (
                     next((top / "fastertransformer" / "1").glob("*-gpu"), None) if deep else top
                 )
@@ -276,16 +280,18 @@ class Volume:
                 record.write_text(json.dumps([str(planted.path), planted.ino, planted.what]))
                 return
 
-        code, _, err = forked(self.argv(revision), hook)
-        self.log.append(f"run {revision} with a {kind} planted at call {k}: exit {code}")
+        extra = ["--force"] if where == "key" else []
+        code, _, err = forked(self.argv(revision, *extra), hook)
+        self.log.append(
+            f"run {revision} {extra} with a {kind} planted in the {where} at {k}: {code}"
+        )
         self._exited(code, err)
         if record.exists():
             path, ino, what = json.loads(record.read_text())
             record.unlink()
             self.planted.append(Planted(Path(path), kind, ino, what, movable=True))
             self.log.append(f"  planted {Path(path).relative_to(self.root)}")
-            if code == 0:
-                self.damaged.add(revision)  # the copy published holds the user's entry
+            self.damaged.add(revision)  # the copy published may hold the user's entry
 
     def damage(self, revision: str, which: int) -> None:
         key = self.root / self.keys[revision]
@@ -378,6 +384,7 @@ STEPS = st.one_of(
         st.sampled_from(KINDS),
         st.booleans(),
         st.integers(1, 2600),
+        st.sampled_from(["staging", "key"]),
     ),
     st.tuples(st.just("change_source")),
 )
