@@ -14,10 +14,10 @@ tree it left, where each entry is replaced). At each name, one of:
 * a user's file, a directory holding a user's file, a FIFO (never to be read: it would block);
 * in a journal, lines naming ``..`` and paths (``moved-into ..``, an output ``../x``).
 
-``make test`` plants at every name of the local, overlapped ``gs://`` and resume runs (the resume
-leaves out the model directories of the staging directory its rerun builds anew), and at
-the names of the whole ``gs://`` and the ``hf://`` runs outside the staging tree, which every
-source's run builds alike (:data:`SHARED_TREE`); ``make test-faults`` at every name of every run.
+``make test`` plants at every name of the local and resume runs (the resume leaves out the model
+directories of the staging directory its rerun builds anew), and at the names of the ``gs://`` and
+``hf://`` runs outside the staging tree, which every source's run builds alike
+(:data:`SHARED_TREE`); ``make test-faults`` at every name of every run.
 
 A missing parent is made a directory (the loader's marker and record in it where the loader's
 would carry them, the directories below recorded as the loader records its own). The property,
@@ -322,10 +322,10 @@ def _variant(template: Path, source: str) -> str:
     return _VARIANTS[(str(template), source)]
 
 
-#: Where every source's run builds the same repository: ``make test`` plants there in the local,
-#: the overlapped gs:// and the resume sweeps, and leaves it out of the whole gs:// and the hf://
-#: sweeps, which plant at the names their own download and conversion make (``make
-#: test-faults`` plants everywhere in every sweep).
+#: Where every source's run builds the same repository: ``make test`` plants there in the local
+#: and the resume sweeps (the resume's staging directory holds the outputs an overlapped run
+#: moved into it), and leaves it out of the gs:// and the hf:// sweeps, which plant at the names
+#: their own download and conversion make (``make test-faults`` plants everywhere in every sweep).
 SHARED_TREE = ".staging"
 
 
@@ -411,7 +411,7 @@ def test_local_run_at_every_name_it_makes(tiny_checkpoint_with_tokenizer, empty,
 def test_gcs_run_at_every_name_it_makes(gs, empty, dead, extra, every):
     names = _clean_names(gs, empty, dead, extra)
     assert any(n.endswith(".journal") for n in names) or extra, names
-    _sweep(empty, gs, names, extra, every, shared=not extra)
+    _sweep(empty, gs, names, extra, every, shared=False)
 
 
 # --- hf:// ------------------------------------------------------------------------------------
