@@ -18,11 +18,13 @@ export PATH := $(CURDIR)/$(TOOLS)/bin:$(CURDIR)/$(BIN):$(PATH)
 #: (install-aiperf.sh, about 1 GB) only by `make bench-llm`.
 TOOL_SCRIPTS := $(filter-out scripts/tools/install-kube.sh scripts/tools/install-aiperf.sh,$(sort $(wildcard scripts/tools/install-*.sh)))
 PYTEST_ARGS ?=
-#: pytest-xdist workers: one more than the CPUs (a part of the suite waits on servers, control
-#: planes and timers, and a third worker fills that time: 2 workers left about 40% of 2 CPUs
-#: idle). A test file runs on one worker (its module's servers start once); session fixtures
-#: are built once and shared.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+#: pytest-xdist workers: two more than the CPUs (a part of the suite waits on servers, control
+#: planes and timers, and the extra workers fill that time: on 2 CPUs, 2 workers left about 40%
+#: of them idle, 3 about 19%; with 4 the suite ran in 9 min 41 s, with 3 in 10 min 47 s holding
+#: two sweeps more, in fresh clones on one machine). A test
+#: file runs on one worker (its module's servers start once); session fixtures are built once
+#: and shared.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
 #: The fast tier and the exhaustive sweeps wait on little: one worker per CPU.
 FAST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest --dist loadfile --no-loadscope-reorder
@@ -70,7 +72,7 @@ $(TOOLS)/bin/kube.stamp: scripts/tools/install-kube.sh $(wildcard tools/kube/*)
 
 #: The control plane's Go build is CPU-bound, the virtualenvs and tools mostly download and
 #: unpack: `make test` builds them side by side (their lines interleave, each names its step).
-test: ## run every test, in parallel (TEST_WORKERS: one more than the CPUs)
+test: ## run every test, in parallel (TEST_WORKERS: two more than the CPUs)
 	@$(MAKE) --no-print-directory -j3 install kube triton-venv
 	$(PYTEST) -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
