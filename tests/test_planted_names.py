@@ -481,7 +481,7 @@ def test_resume_at_every_name_a_killed_run_left(gs, killed, dead, every):
 def _built_anew(name: str, left: list[str]) -> bool:
     """Whether ``name`` lies in a model directory (not the converted weights) of a staging
     directory the killed run did not leave: the rerun builds those as a run from an empty root
-    does, and ``make test`` plants there in the overlapped gs:// sweep."""
+    does, and ``make test`` plants there in the local sweep."""
     parts = name.split("/")
     if parts[0] != SHARED_TREE or len(parts) < 3 or parts[2] == "fastertransformer":
         return False
