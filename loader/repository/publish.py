@@ -104,7 +104,7 @@ def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
     if expected is None:
         return
     found = base.lstat(name)
-    ours = found is not None and (found.st_dev, found.st_ino) == expected
+    ours = _same(found, expected)
     if ours and stat.S_ISDIR(found.st_mode):  # and it holds the record it was made with: a
         with base.sub(name) as d:  # directory made after it was removed can have its inode
             ours = d.made is not None and _same(d.stat(), expected)
@@ -115,8 +115,9 @@ def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
         )  # fmt: skip
 
 
-def _same(found: os.stat_result, expected: Identity) -> bool:
-    return (found.st_dev, found.st_ino) == tuple(expected)
+def _same(found: os.stat_result | None, expected: Identity) -> bool:
+    """Whether ``found`` (an entry's stat; None: no entry) is the directory ``expected`` names."""
+    return found is not None and (found.st_dev, found.st_ino) == tuple(expected)
 
 
 def check_staging(staging: Path, expected: Identity) -> None:
@@ -520,8 +521,7 @@ def _moved_back_unless(
     is published."""
     if expected is None:
         return
-    found = parent.lstat(variant)
-    if found is not None and (found.st_dev, found.st_ino) == expected:
+    if _same(parent.lstat(variant), expected):
         return
     try:
         if how == "exchange":
@@ -619,12 +619,10 @@ def _replace_through_trash(
         except BaseException:
             trash.rename(aside, parent, variant, how="replace")  # put the previous copy back
             raise
-        found = parent.lstat(variant)
-        if expected is not None and (found is None or (found.st_dev, found.st_ino) != expected):
+        if expected is not None and not _same(parent.lstat(variant), expected):
             try:
-                if base.lstat(name) is None:  # (a plain rename would replace an empty one)
-                    parent.rename(variant, base, name, how="replace")
-                    trash.rename(aside, parent, variant, how="replace")
+                parent.rename_back(variant, base, name)
+                trash.rename(aside, parent, variant, how="replace")
             except OSError as exc:
                 if parent.lstat(variant) is None:  # the next loader of the key puts it back
                     raise
