@@ -200,6 +200,15 @@ def tiny_checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> 
     return built_once(tmp_path_factory, "tiny-gptj", build)
 
 
+@pytest.fixture
+def source(tiny_checkpoint_with_tokenizer: Path, tmp_path: Path) -> Path:
+    """A copy of :func:`tiny_checkpoint_with_tokenizer` of the test's own, to change or break
+    (a module that means another source defines its own ``source``)."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def published_tiny_python_repository(
     tiny_checkpoint_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory

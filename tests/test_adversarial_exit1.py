@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import resource
-import shutil
 import stat
 import subprocess
 import sys
@@ -43,13 +42,6 @@ def _typed(code: int, err: str, *needles: str) -> None:
     assert err.startswith("error: ") and "\nhint: " in err, err
     for needle in needles:
         assert needle in err, err
-
-
-@pytest.fixture
-def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
-    return path
 
 
 # --- a '..' below a level that does not exist ----------------------------------------------

@@ -48,13 +48,6 @@ def _end(path: Path) -> int:
     return len(_read_safetensors(path)[1])
 
 
-@pytest.fixture
-def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
-    return path
-
-
 def _names_quoted(code: int, err: str) -> None:
     """The error names the tensor quoted, on the error's own line: no line of its own."""
     assert code == 2, err

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,6 @@ def _run_args(source: Path, root: Path, *extra: str) -> list[str]:
         "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
         *extra,
     ]  # fmt: skip
-
-
-@pytest.fixture
-def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
-    return path
 
 
 @pytest.mark.parametrize(

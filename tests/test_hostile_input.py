@@ -39,13 +39,6 @@ def _user_error(code: int, err: str, *needles: str) -> None:
         assert needle in err, err
 
 
-@pytest.fixture
-def source(tiny_checkpoint_with_tokenizer, tmp_path) -> Path:
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint_with_tokenizer, path)
-    return path
-
-
 def _edit_config(path: Path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(changes)
