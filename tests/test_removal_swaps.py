@@ -185,30 +185,22 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     if force:
         assert main(run_argv(tiny_checkpoint_with_tokenizer, root)) == 0
         before = (published(root) / "manifest.json").read_bytes()
-    done: list[Path] = []
-    once = threading.Lock()  # (the converter writes from several threads)
+
+    def users_in_its_place(staging: Path) -> Path | None:
+        if not staging.is_dir():  # (a look before it is made, without renameat2)
+            return None
+        staging.rename(tmp_path / "moved")
+        return _users_directory_at(staging)
+
+    at_moment = _OnceInStaging(staging_dir, moment, users_in_its_place)
+    done = at_moment.done
 
     def swap(op: str, path: str) -> None:
         if force == "no-renameat2" and op == "rename-exchange":  # replaced through .trash
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         if fallback:
             _no_renameat2(op, path)
-        if done or not path.startswith(f"{staging_dir}/"):
-            return
-        rel = path[len(f"{staging_dir}/") :]
-        if rel.startswith(".") or not moment(op, rel):
-            return
-        with once:
-            if done:
-                return
-            staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
-            if not staging.is_dir():  # (a look before it is made, without renameat2)
-                return
-            staging.rename(tmp_path / "moved")
-            staging.mkdir()
-            (staging / "secret.txt").write_text("mine")
-            (staging / "secret.txt").chmod(0o600)
-            done.append(staging)
+        at_moment(op, path)
 
     with fs.inject(swap):
         code = main(run_argv(tiny_checkpoint_with_tokenizer, root, *(["--force"] if force else [])))
@@ -223,6 +215,38 @@ def test_a_users_directory_renamed_to_the_runs_staging_name_is_never_built_seale
     else:
         assert not list(root.glob("tiny@*/*"))
     capsys.readouterr()
+
+
+class _OnceInStaging:
+    """A hook of the seam: at the first call the run makes at ``moment`` below its staging
+    directory (names starting with ``.`` left out), ``act`` is called once with that staging
+    directory (the converter writes from several threads); ``act`` returns what it changed, kept
+    in ``done``, or None to wait for a later call."""
+
+    def __init__(self, staging_dir: Path, moment, act) -> None:
+        self.staging_dir, self.moment, self.act = staging_dir, moment, act
+        self.done: list[Path] = []
+        self.once = threading.Lock()
+
+    def __call__(self, op: str, path: str) -> None:
+        if self.done or not path.startswith(f"{self.staging_dir}/"):
+            return
+        rel = path[len(f"{self.staging_dir}/") :]
+        if rel.startswith(".") or not self.moment(op, rel):
+            return
+        with self.once:
+            if not self.done:
+                changed = self.act(self.staging_dir / rel.split(" -> ")[0].split("/")[0])
+                if changed is not None:
+                    self.done.append(changed)
+
+
+def _users_directory_at(path: Path) -> Path:
+    """A directory of the user's made at ``path``, holding a 0600 file of theirs."""
+    path.mkdir()
+    (path / "secret.txt").write_text("mine")
+    (path / "secret.txt").chmod(0o600)
+    return path
 
 
 @pytest.mark.parametrize("force", [True, "no-renameat2"], ids=["force", "force-no-renameat2"])
@@ -287,25 +311,13 @@ def test_the_runs_staging_directory_removed_while_it_works_is_a_transient_failur
     finds the record gone while the directory is still there), never a traceback (exit 1); the new directory stays as it is, and nothing is published."""
     root = tmp_path / "models"
     staging_dir = root / ".staging"
-    done: list[Path] = []
-    once = threading.Lock()
 
-    def remove(op: str, path: str) -> None:
-        if done or not path.startswith(f"{staging_dir}/"):
-            return
-        rel = path[len(f"{staging_dir}/") :]
-        if rel.startswith(".") or not moment(op, rel):
-            return
-        with once:
-            if done:
-                return
-            staging = staging_dir / rel.split(" -> ")[0].split("/")[0]
-            shutil.rmtree(staging)
-            staging.mkdir()
-            (staging / "secret.txt").write_text("mine")
-            (staging / "secret.txt").chmod(0o600)
-            done.append(staging)
+    def users_in_its_place(staging: Path) -> Path:
+        shutil.rmtree(staging)
+        return _users_directory_at(staging)
 
+    remove = _OnceInStaging(staging_dir, moment, users_in_its_place)
+    done = remove.done
     with fs.inject(remove):
         code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
     err = capsys.readouterr().err
@@ -326,21 +338,13 @@ def test_the_record_of_the_runs_staging_directory_removed_while_it_works_is_refu
     run stops with exit 2 naming the record, never a traceback, and publishes nothing."""
     root = tmp_path / "models"
     staging_dir = root / ".staging"
-    done: list[Path] = []
-    once = threading.Lock()
 
-    def remove(op: str, path: str) -> None:
-        if done or not path.startswith(f"{staging_dir}/"):
-            return
-        rel = path[len(f"{staging_dir}/") :]
-        if rel.startswith(".") or not _at_converting(op, rel):
-            return
-        with once:
-            if not done:
-                record = staging_dir / rel.split("/")[0] / fs.MADE
-                record.unlink()
-                done.append(record)
+    def remove_its_record(staging: Path) -> Path:
+        (staging / fs.MADE).unlink()
+        return staging / fs.MADE
 
+    remove = _OnceInStaging(staging_dir, _at_converting, remove_its_record)
+    done = remove.done
     with fs.inject(remove):
         code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
     err = capsys.readouterr().err
