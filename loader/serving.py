@@ -67,6 +67,8 @@ LOG_TAIL_LINES = 80
 PORT_ATTEMPTS = 3
 #: What Triton logs when it cannot bind a port.
 PORT_IN_USE = "already in use"
+#: How long :meth:`TritonServer.wait_exit` blocks at a time (a stop signal's longest delay).
+EXIT_POLL_S = 0.2
 #: What Triton logs when SIGTERM's wait for open connections and requests ran out
 #: (``src/main.cc``); it then exits 1.
 EXIT_TIMEOUT_EXPIRED = "Exit timeout expired"
@@ -698,6 +700,17 @@ class TritonServer:
                 return
             time.sleep(0.25)
         raise self.failure(f"tritonserver was not ready within {self.startup_timeout:.0f} s")
+
+    def wait_exit(self) -> int:
+        """Wait until tritonserver exits by itself; its exit code. Waits in short steps, never
+        in one blocking ``waitpid``: SIGTERM or Ctrl-C may be delivered to any thread of this
+        process (gRPC's, a library's), which leaves a blocked main thread blocked and its Python
+        handler never run, so a stopped ``serve`` hung until SIGKILL. Between steps the main
+        thread runs the handler within :data:`EXIT_POLL_S`."""
+        assert self.process is not None
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return self.process.wait(timeout=EXIT_POLL_S)
 
     def failure(self, what: str) -> ServerStartError:
         """A start (or run) failure: the cause from the log first, then the log's tail."""

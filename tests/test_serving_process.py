@@ -259,6 +259,41 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
         assert not path.exists()
 
 
+#: tgkill(2)'s number: the one call that sends a signal to one thread of another process.
+_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repository):
+    """The kernel hands a process's SIGTERM to any thread that does not block it (gRPC's threads
+    do not); a main thread blocked in one ``waitpid`` then never ran its handler and serve
+    hung until SIGKILL. The signal here goes to a thread that is not the main one on purpose."""
+    import ctypes
+    import signal
+    import subprocess
+
+    number = _TGKILL.get(os.uname().machine)
+    if number is None:
+        pytest.skip(f"tgkill's number on {os.uname().machine} is not known here")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loader", "serve", str(repository)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("serving"):
+                break
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        assert others, "serve runs threads besides its main one (gRPC's)"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(number, proc.pid, others[0], int(signal.SIGTERM)) == 0
+        code = proc.wait(timeout=90)  # stop's own bound: --exit-timeout-secs and 10 s, then more
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 143, proc.stderr.read()
+
+
 def test_an_abort_under_load_names_its_cause_and_what_to_check(tmp_path):
     """The bench's local Triton can abort under load when the Python backend's shared-memory
     lock fails (libstdc++'s words for an uncaught exception): the error names it and the hint

@@ -80,6 +80,5 @@ def run(args: argparse.Namespace) -> int:
         kept = "" if args.log_file else " (removed when this stops; --log-file PATH keeps it)"
         print(f"log     {server.log_path}{kept}", flush=True)
         print("serving; press Ctrl-C to stop", flush=True)
-        assert server.process is not None
-        code = server.process.wait()
+        code = server.wait_exit()
         raise server.failure(f"tritonserver exited by itself (code {code})")
