@@ -68,3 +68,43 @@ def test_sigterm_mid_conversion_leaves_no_output_and_no_temp_dir(tmp_path):
     assert "terminated (SIGTERM)" in err
     assert "Traceback" not in err
     assert list(out.iterdir()) == []
+
+
+class _Stop(Exception):
+    """What the test's SIGUSR1 handler raises in the main thread."""
+
+
+def test_a_stop_signal_a_worker_thread_got_ends_the_conversions_wait_at_once():
+    """The kernel may hand SIGTERM or Ctrl-C to a worker thread; Python runs the handler in the
+    main thread, and only once that thread wakes: the conversion's wait wakes in steps, so the
+    stop does not wait for the conversion's end. Here the worker converts until released, and
+    the signal goes to the worker itself."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loader.convert.writer import wait_in_steps
+
+    release = threading.Event()
+
+    def worker() -> None:
+        time.sleep(1)  # the main thread is in its wait by then (and inside pytest.raises anyway)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # to this worker thread
+        release.wait(60)
+
+    def handler(signum, frame):
+        raise _Stop
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    released_late = threading.Timer(30, release.set)  # the wait's end without the steps
+    released_late.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(worker)
+            with pytest.raises(_Stop):
+                wait_in_steps([future])
+            assert not release.is_set(), "the wait ended only with the conversion"
+            release.set()
+    finally:
+        release.set()
+        released_late.cancel()
+        signal.signal(signal.SIGUSR1, previous)

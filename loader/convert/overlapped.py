@@ -43,7 +43,7 @@ from loader.progress import Progress
 from .plan import CONFIG_INI, ConversionPlan, ConvertResult
 from .schedule import DEFAULT_WINDOW, Schedule, Step
 from .splits import OutputFile
-from .writer import DEFAULT_CHUNK_BYTES, default_workers, write_file
+from .writer import DEFAULT_CHUNK_BYTES, WAIT_STEP_S, default_workers, write_file
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +406,7 @@ class OverlappedConversion:
                 missing = self.schedule.missing()
                 if missing:
                     raise self.plan.inventory.missing(missing)
-                self._cond.wait()
+                self._cond.wait(WAIT_STEP_S)  # a stop signal a worker thread got, in time
             self._raise_if_failed()
         ini = self.plan.config_ini()
         with stages.stage("config.ini"):

@@ -30,7 +30,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 #: Writers when none are asked for: the CPUs, at most this many (more only queue on the disk).
 MAX_DEFAULT_WORKERS = 4
+#: How long the main thread blocks at a time while workers convert (a stop signal's delay).
+WAIT_STEP_S = 0.5
 
 
 def default_workers(workers: int | None) -> int:
@@ -371,6 +373,17 @@ def _largest_first(outputs: Sequence[OutputFile]) -> list[OutputFile]:
     return sorted(outputs, key=lambda out: out.rows * out.row_elements, reverse=True)
 
 
+def wait_in_steps(futures: Sequence[Future]) -> None:
+    """Wait until every future is done or one failed, blocking :data:`WAIT_STEP_S` at a time:
+    the kernel may hand SIGTERM or Ctrl-C to a worker thread, which does not wake a main thread
+    blocked on a lock, and Python runs the handler only in the main thread, so one long wait
+    delayed a stop until the whole conversion ended (or Kubernetes' SIGKILL)."""
+    while True:
+        done, pending = wait(futures, timeout=WAIT_STEP_S, return_when=FIRST_EXCEPTION)
+        if not pending or any(not f.cancelled() and f.exception() is not None for f in done):
+            return
+
+
 def write_outputs(
     outputs: Sequence[OutputFile],
     ckpt: Checkpoint,
@@ -395,7 +408,7 @@ def write_outputs(
             for out in ordered
         ]  # fmt: skip
         try:
-            wait(futures, return_when=FIRST_EXCEPTION)
+            wait_in_steps(futures)
         except BaseException:
             stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
