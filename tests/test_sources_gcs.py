@@ -710,6 +710,22 @@ def test_objects_with_reserved_or_overlong_names_are_refused(server, tmp_path, n
     assert not (tmp_path / "dest" / "config.json").exists()
 
 
+def test_a_fetch_planned_from_another_listing_downloads_nothing(single, tmp_path):
+    """An overlapped run plans its conversion from a first fetch of the small files and
+    journals its outputs under that fetch's revision; the fetch of the shards that finds
+    the prefix at another revision (an object uploaded again meanwhile) stops before it
+    writes anything, and one at the same revision fetches."""
+    from loader.sources import ArrivalHooks
+
+    uri = f"gs://{BUCKET}/org/tiny"
+    first = fetch(uri, tmp_path / "first")
+    with pytest.raises(TransientSourceError, match="changed while it was loading"):
+        fetch(uri, tmp_path / "dest", hooks=ArrivalHooks(planned="gen-0123456789abcdef"))
+    assert not (tmp_path / "dest").exists()
+    again = fetch(uri, tmp_path / "dest", hooks=ArrivalHooks(planned=first.revision))
+    assert again.revision == first.revision and (tmp_path / "dest" / "config.json").is_file()
+
+
 def test_a_destination_holding_a_link_to_elsewhere_is_never_written_through(sharded, tmp_path):
     dest, elsewhere = tmp_path / "dest", tmp_path / "elsewhere"
     dest.mkdir()

@@ -69,7 +69,15 @@ from loader.errors import (
 from loader.fs import Dir
 from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, answers, settings
+from loader.sources import (
+    ArrivalHooks,
+    FetchOptions,
+    FetchResult,
+    SourceURI,
+    answers,
+    check_planned,
+    settings,
+)
 from loader.sources.failures import Funnel, sentence, status_of
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.names import NAME_MAX, colliding, listed_parts
@@ -717,6 +725,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(options)
     client = funnel.gcs(lambda _: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
+    check_planned(uri, options.hooks, _revision(blobs))  # before anything of it is written
     dirs = _Dirs(Dir.open(dest, create=True))
     abandoned = threading.Event()
     try:

@@ -79,7 +79,15 @@ from loader.formats.huggingface import (
 )
 from loader.fs import Dir
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, answers, settings
+from loader.sources import (
+    ArrivalHooks,
+    FetchOptions,
+    FetchResult,
+    SourceURI,
+    answers,
+    check_planned,
+    settings,
+)
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
 from loader.sources.names import colliding, listed_parts
@@ -804,6 +812,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     api = HfApi(endpoint=endpoint)
     commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
+    check_planned(uri, options.hooks, commit)  # before anything of it is listed
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
     names = {rel: _names(uri, rel) for rel in wanted}
