@@ -32,7 +32,6 @@ import logging
 import math
 import mmap
 import os
-import re
 import struct
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -369,8 +368,6 @@ OPENERS: dict[str, Callable[[Path], ShardFile]] = {
     "pytorch": TorchFile,
 }
 
-#: A file name an index may give: no directory, no control character.
-_PLAIN_NAME = re.compile(r"[^/\x00-\x1f]+")
 _INDEX_MISMATCH = (
     "The index and the weight files do not match: use a complete, unmodified checkpoint."
 )
@@ -492,9 +489,19 @@ def read_inventory(
     )
 
 
+def _is_shard_name(name: str) -> bool:
+    """Whether an index may name the file ``name``: one name a file can have
+    (:func:`loader.fs.is_file_name`: no ``/``, no NUL, at most ``NAME_MAX`` bytes, no lone
+    surrogate, which a JSON document may spell and no file system takes), every character of
+    which prints (one that does not, a next-line or line-separator character included, would
+    start a line of its own in a message that names the file)."""
+    return fs.is_file_name(name) and name.isprintable()
+
+
 def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
     """An index's weight map; every file it names must be a shard of ``layout`` inside
-    ``directory`` (a name read from a checkpoint never reaches a path unchecked)."""
+    ``directory`` (a name read from a checkpoint never reaches a path unchecked:
+    :func:`_is_shard_name`)."""
     path = directory / layout.index
     try:
         document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
@@ -511,7 +518,7 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
         if not (
             isinstance(tensor, str)
             and isinstance(name, str)
-            and _PLAIN_NAME.fullmatch(name)
+            and _is_shard_name(name)
             and name.startswith(layout.shard_prefix)
             and name.endswith(layout.shard_suffix)
         ):

@@ -620,3 +620,30 @@ def test_a_tokenizer_that_makes_the_tokenizers_library_panic_is_refused(
     err = capsys.readouterr().err
     assert "does not load" in err and "vocab.json" in err
     assert not list(root.glob("tiny@*/*"))
+
+
+@pytest.mark.parametrize(
+    "spelled",
+    ["pytorch_model-\ud800.bin", "pytorch_model-\x85error: forged.bin",
+     "pytorch_model-\u2028error: forged.bin", "pytorch_model-" + "x" * 250 + ".bin"],
+    ids=["lone surrogate", "next line", "line separator", "longer than a file name"],
+)  # fmt: skip
+def test_an_index_naming_a_shard_no_file_can_be_named_is_refused_in_one_line(
+    tiny_sharded_bin_checkpoint, tmp_path, capsys, spelled
+):
+    """Before: a lone surrogate (JSON spells one) reached the file system's encoder, a
+    traceback and exit 1; a next-line or line-separator character was printed as it is in
+    the error, starting a line of its own (``error: forged``) for whoever splits the log in
+    lines; a name longer than a file name can be failed at its lookup with ENAMETOOLONG and
+    a hint to shorten --repository."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(tiny_sharded_bin_checkpoint, src)
+    index = src / "pytorch_model.bin.index.json"
+    document = json.loads(index.read_text())
+    tensor = sorted(document["weight_map"])[0]
+    document["weight_map"][tensor] = spelled
+    index.write_text(json.dumps(document))  # ASCII: the surrogate spelled as \ud800
+    code, _, err = cli(capsys, "convert", str(src), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, "which is not a pytorch_model-*.bin file beside it")
+    assert not [line for line in err.splitlines() if line.startswith("error: forged")], err
+    assert "--repository" not in err, err
