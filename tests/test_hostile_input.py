@@ -248,6 +248,21 @@ def test_gpus_per_replica_zero_is_refused_not_taken_as_the_default(source, tmp_p
     _user_error(code, err, "--gpus-per-replica must be at least 1")
 
 
+@pytest.mark.parametrize("declared", ["auto", "float64", "int8", ["float16"]])
+def test_a_dtype_the_converter_does_not_know_is_sized_as_the_weights_may_be_written(
+    source, tmp_path, capsys, declared
+):
+    """config.json declaring a dtype the converter does not know is taken as declaring none
+    (the weights' bytes decide); the memory check sized the weights in that unknown dtype
+    instead: exit 2, "Cannot size weights of dtype 'auto'", with a hint ("use one of fp32,
+    fp16, bf16") no flag of run follows. Now they are sized as fp32, the widest they are
+    written in, and the run publishes them as it converts them."""
+    _edit_config(source, torch_dtype=declared)
+    code, lines, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    assert code == 0, err
+    assert manifest.read_manifest(Path(lines[-1]))["data_type"] == "fp32"
+
+
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00binary\x00", b"hf_one\nhf_two", b"hf_a b"])
 def test_a_token_file_that_is_not_one_word_of_text_is_a_clear_error(tmp_path, content):
     token_file = tmp_path / "token"
