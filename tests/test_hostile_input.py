@@ -637,6 +637,41 @@ def test_a_tokenizer_that_makes_the_tokenizers_library_panic_is_refused(
     assert not list(root.glob("tiny@*/*"))
 
 
+#: What a tokenizer.json may add to every encoding besides its vocabulary's ids: a
+#: post-processor's special token, the padding's id.
+_INSERTED = {
+    "post-processor": {
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "<x>", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<x>": {"id": "<x>", "ids": [100000], "tokens": ["<x>"]}},
+        }
+    },
+    "padding": {
+        "padding": {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                    "pad_id": 100000, "pad_type_id": 0, "pad_token": "<pad>"}
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", sorted(_INSERTED))
+def test_a_tokenizer_that_inserts_an_id_beyond_the_vocabulary_is_refused(
+    source, tmp_path, capsys, where
+):
+    """Before: only the vocabulary's ids were compared with vocab_size; a tokenizer.json whose
+    post-processor (or padding) inserts id 100000 into every encoding was published, and the
+    preprocessing model sent that id to FasterTransformer's embedding lookup, past the end of
+    its table of 320 rows."""
+    path = source / "tokenizer.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **_INSERTED[where]}))
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, "produces ids up to 100000", "vocab_size 320")
+    assert not list((tmp_path / "root").glob("tiny@*/*"))
+
+
 @pytest.mark.parametrize(
     "spelled",
     ["pytorch_model-\ud800.bin", "pytorch_model-\x85error: forged.bin",
