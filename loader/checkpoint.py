@@ -381,19 +381,21 @@ class _Stand:
 
 
 class _Storages(pickle.Unpickler):
-    """The storages a ``torch.save`` pickle names, key -> (storage type, element count), read
-    without building anything (every class a stand-in)."""
+    """The storages a ``torch.save`` pickle names, (key, storage type, element count) each
+    time one is named, read without building anything (every class a stand-in)."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
-        self.found: dict[str, tuple[str, object]] = {}
+        #: every storage named, as often as named (torch.load views a key at the size it is
+        #: first named with; each naming must fit its record)
+        self.found: list[tuple[str, str, object]] = []
 
     def find_class(self, module: str, name: str) -> type:
         return type(name, (_Stand,), {})
 
     def persistent_load(self, pid: object) -> _Stand:
         if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
-            self.found[str(pid[2])] = (getattr(pid[1], "__name__", ""), pid[4])
+            self.found.append((str(pid[2]), getattr(pid[1], "__name__", ""), pid[4]))
         return _Stand()
 
 
@@ -423,7 +425,7 @@ def _check_records(path: Path) -> None:
                     path, f"its tensor list does not read ({type(exc).__name__})"
                 ) from exc
             records = {info.filename: info.file_size for info in archive.infolist()}
-    for key, (kind, numel) in scan.found.items():
+    for key, kind, numel in scan.found:
         itemsize = _STORAGE_ITEMSIZE.get(kind)
         if itemsize is None:
             continue  # a dtype the tensors' own check refuses
