@@ -27,13 +27,15 @@ a link. Nothing here writes.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import math
 import mmap
 import os
-import re
+import pickle
 import struct
+import zipfile
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,6 +305,7 @@ class TorchFile:
             ) from exc
         self._torch = torch
         self.size = os.stat(path).st_size
+        _check_records(path)
         if ledger.active():  # the size it is mapped at, for the supervisor
             with fs.open_read(path) as fh:
                 ledger.note_mapped(path, fh.fileno())
@@ -340,6 +343,105 @@ class TorchFile:
         self._state = {}
 
 
+#: Bytes per element of the storage types ``torch.save`` names in its pickle
+#: (``torch/serialization.py``, ``persistent_id``: ``("storage", <type>, key, location, numel)``).
+_STORAGE_ITEMSIZE = {
+    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
+    "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
+    "BoolStorage": 1, "UntypedStorage": 1,
+}  # fmt: skip
+#: The largest pickle of a state dict's tensors read (real ones are a few hundred kB).
+_MAX_PICKLE = 64 * 2**20
+
+
+class _Stand:
+    """What any class or call of a pickle stands for while its storages are listed: nothing
+    of the pickle is built or run."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> _Stand:
+        return object.__new__(cls)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> _Stand:
+        return _Stand()
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+    def append(self, value: object) -> None:
+        pass
+
+    def extend(self, values: object) -> None:
+        pass
+
+
+class _Storages(pickle.Unpickler):
+    """The storages a ``torch.save`` pickle names, (key, storage type, element count) each
+    time one is named, read without building anything (every class a stand-in)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        #: every storage named, as often as named (torch.load views a key at the size it is
+        #: first named with; each naming must fit its record)
+        self.found: list[tuple[str, str, object]] = []
+
+    def find_class(self, module: str, name: str) -> type:
+        return type(name, (_Stand,), {})
+
+    def persistent_load(self, pid: object) -> _Stand:
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+            self.found.append((str(pid[2]), getattr(pid[1], "__name__", ""), pid[4]))
+        return _Stand()
+
+
+def _check_records(path: Path) -> None:
+    """Every storage a PyTorch zip archive's pickle names has a record holding its bytes.
+    ``torch.load(mmap=True)`` views each storage at its record's offset for as many bytes as
+    the pickle says, whatever the record holds: a record cut short inside a valid archive
+    would be read on into the records after it (a :class:`CheckpointError` here). A file that
+    is no zip archive is left to ``torch.load`` to refuse."""
+    with fs.open_read(path) as fh:
+        try:
+            archive = zipfile.ZipFile(fh)
+        except (zipfile.BadZipFile, EOFError, ValueError):
+            return
+        with archive:
+            pickles = [n for n in archive.namelist() if n.rpartition("/")[2] == "data.pkl"]
+            if len(pickles) != 1:
+                return
+            prefix = pickles[0][: -len("data.pkl")]
+            if archive.getinfo(pickles[0]).file_size > _MAX_PICKLE:
+                raise _corrupt(path, f"its tensor list is larger than {_MAX_PICKLE // 2**20} MiB")
+            try:
+                scan = _Storages(archive.read(pickles[0]))
+                scan.load()
+            except Exception as exc:  # any malformed pickle: nothing of it was run
+                raise _corrupt(
+                    path, f"its tensor list does not read ({type(exc).__name__})"
+                ) from exc
+            records = {info.filename: info.file_size for info in archive.infolist()}
+    for key, kind, numel in scan.found:
+        itemsize = _STORAGE_ITEMSIZE.get(kind)
+        if itemsize is None:
+            continue  # a dtype the tensors' own check refuses
+        held = records.get(f"{prefix}data/{key}")
+        if held is None:
+            raise _corrupt(path, f"its tensor record {shown(key)} is missing")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise _corrupt(path, f"its tensor record {shown(key)} has {numel!r} elements")
+        if held < numel * itemsize:
+            raise _corrupt(
+                path,
+                f"its tensor record {shown(key)} holds {held} bytes, fewer than the "
+                f"{numel * itemsize} its {numel} {kind} elements take",
+            )
+
+
 def _unless_shrunk(path: Path, size: int, exc: BaseException) -> None:
     """A file that is shorter now than when it was opened failed to parse because another
     process cut it short meanwhile (a transient error: the next run reads it again), not
@@ -369,8 +471,6 @@ OPENERS: dict[str, Callable[[Path], ShardFile]] = {
     "pytorch": TorchFile,
 }
 
-#: A file name an index may give: no directory, no control character.
-_PLAIN_NAME = re.compile(r"[^/\x00-\x1f]+")
 _INDEX_MISMATCH = (
     "The index and the weight files do not match: use a complete, unmodified checkpoint."
 )
@@ -492,9 +592,19 @@ def read_inventory(
     )
 
 
+def _is_shard_name(name: str) -> bool:
+    """Whether an index may name the file ``name``: one name a file can have
+    (:func:`loader.fs.is_file_name`: no ``/``, no NUL, at most ``NAME_MAX`` bytes, no lone
+    surrogate, which a JSON document may spell and no file system takes), every character of
+    which prints (one that does not, a next-line or line-separator character included, would
+    start a line of its own in a message that names the file)."""
+    return fs.is_file_name(name) and name.isprintable()
+
+
 def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
     """An index's weight map; every file it names must be a shard of ``layout`` inside
-    ``directory`` (a name read from a checkpoint never reaches a path unchecked)."""
+    ``directory`` (a name read from a checkpoint never reaches a path unchecked:
+    :func:`_is_shard_name`)."""
     path = directory / layout.index
     try:
         document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
@@ -511,7 +621,7 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
         if not (
             isinstance(tensor, str)
             and isinstance(name, str)
-            and _PLAIN_NAME.fullmatch(name)
+            and _is_shard_name(name)
             and name.startswith(layout.shard_prefix)
             and name.endswith(layout.shard_suffix)
         ):

@@ -115,6 +115,36 @@ def test_a_bin_file_cut_short_names_the_file(checkpoints, tmp_path):
         open_checkpoint(path)
 
 
+def test_a_storage_named_twice_must_fit_its_record_each_time(tmp_path):
+    """torch.load views a storage key at the size it is first named with; a pickle naming
+    key 0 with 1000 elements, then with 2, over a record of 8 bytes is refused (the size it
+    is last named with fits)."""
+    import io
+    import pickle
+    import zipfile
+
+    from loader.checkpoint import _check_records
+
+    class Named:
+        def __init__(self, numel: int) -> None:
+            self.numel = numel
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, Named):
+                return ("storage", torch.FloatStorage, "0", "cpu", obj.numel)
+            return None
+
+    data = io.BytesIO()
+    Pickler(data, protocol=2).dump({"a": Named(1000), "b": Named(2)})
+    path = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", data.getvalue())
+        archive.writestr("archive/data/0", bytes(8))
+    with pytest.raises(CheckpointError, match="holds 8 bytes, fewer than the 4000"):
+        _check_records(path)
+
+
 def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
     path = _copy(checkpoints[("bin", True)], tmp_path / "ck")
     victim = sorted(path.glob("pytorch_model-*.bin"))[0]

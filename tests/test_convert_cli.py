@@ -151,6 +151,37 @@ def test_truncated_bin_shard(good_bin, tmp_path, capsys):
     )  # fmt: skip
 
 
+def _shorten_a_record(path: Path, keep: float) -> None:
+    """Rewrite the zip archive at ``path`` with its largest tensor record cut to ``keep`` of
+    its bytes (the archive itself whole and valid)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = [(info, archive.read(info.filename)) for info in archive.infolist()]
+    largest = max((info for info, _ in members if "/data/" in info.filename),
+                  key=lambda info: info.file_size)  # fmt: skip
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for info, data in members:
+            archive.writestr(info, data[: int(len(data) * keep)] if info is largest else data)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0])
+def test_a_bin_whose_tensor_record_is_shorter_than_its_tensors_is_refused(
+    good_bin, tmp_path, capsys, keep
+):
+    """Before: torch.load(mmap=True) views each storage at its record's offset for as many
+    bytes as the pickle says, whatever the record holds: a record cut short inside a valid
+    zip archive converted without an error, the missing bytes read from the records after
+    it, and run published them as weights."""
+    src = variant(good_bin, tmp_path)
+    _shorten_a_record(src / "pytorch_model.bin", keep)
+    out = tmp_path / "out"
+    assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "1"],
+        f"{src / 'pytorch_model.bin'} is truncated or corrupt", "bytes",
+    )  # fmt: skip
+
+
 def test_unknown_dtype(good, tmp_path, capsys):
     out = tmp_path / "out"
     assert_refused(

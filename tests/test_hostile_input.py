@@ -248,6 +248,21 @@ def test_gpus_per_replica_zero_is_refused_not_taken_as_the_default(source, tmp_p
     _user_error(code, err, "--gpus-per-replica must be at least 1")
 
 
+@pytest.mark.parametrize("declared", ["auto", "float64", "int8", ["float16"]])
+def test_a_dtype_the_converter_does_not_know_is_sized_as_the_weights_may_be_written(
+    source, tmp_path, capsys, declared
+):
+    """config.json declaring a dtype the converter does not know is taken as declaring none
+    (the weights' bytes decide); the memory check sized the weights in that unknown dtype
+    instead: exit 2, "Cannot size weights of dtype 'auto'", with a hint ("use one of fp32,
+    fp16, bf16") no flag of run follows. Now they are sized as fp32, the widest they are
+    written in, and the run publishes them as it converts them."""
+    _edit_config(source, torch_dtype=declared)
+    code, lines, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    assert code == 0, err
+    assert manifest.read_manifest(Path(lines[-1]))["data_type"] == "fp32"
+
+
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00binary\x00", b"hf_one\nhf_two", b"hf_a b"])
 def test_a_token_file_that_is_not_one_word_of_text_is_a_clear_error(tmp_path, content):
     token_file = tmp_path / "token"
@@ -620,3 +635,65 @@ def test_a_tokenizer_that_makes_the_tokenizers_library_panic_is_refused(
     err = capsys.readouterr().err
     assert "does not load" in err and "vocab.json" in err
     assert not list(root.glob("tiny@*/*"))
+
+
+#: What a tokenizer.json may add to every encoding besides its vocabulary's ids: a
+#: post-processor's special token, the padding's id.
+_INSERTED = {
+    "post-processor": {
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "<x>", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<x>": {"id": "<x>", "ids": [100000], "tokens": ["<x>"]}},
+        }
+    },
+    "padding": {
+        "padding": {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                    "pad_id": 100000, "pad_type_id": 0, "pad_token": "<pad>"}
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", sorted(_INSERTED))
+def test_a_tokenizer_that_inserts_an_id_beyond_the_vocabulary_is_refused(
+    source, tmp_path, capsys, where
+):
+    """Before: only the vocabulary's ids were compared with vocab_size; a tokenizer.json whose
+    post-processor (or padding) inserts id 100000 into every encoding was published, and the
+    preprocessing model sent that id to FasterTransformer's embedding lookup, past the end of
+    its table of 320 rows."""
+    path = source / "tokenizer.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **_INSERTED[where]}))
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, "produces ids up to 100000", "vocab_size 320")
+    assert not list((tmp_path / "root").glob("tiny@*/*"))
+
+
+@pytest.mark.parametrize(
+    "spelled",
+    ["pytorch_model-\ud800.bin", "pytorch_model-\x85error: forged.bin",
+     "pytorch_model-\u2028error: forged.bin", "pytorch_model-" + "x" * 250 + ".bin"],
+    ids=["lone surrogate", "next line", "line separator", "longer than a file name"],
+)  # fmt: skip
+def test_an_index_naming_a_shard_no_file_can_be_named_is_refused_in_one_line(
+    tiny_sharded_bin_checkpoint, tmp_path, capsys, spelled
+):
+    """Before: a lone surrogate (JSON spells one) reached the file system's encoder, a
+    traceback and exit 1; a next-line or line-separator character was printed as it is in
+    the error, starting a line of its own (``error: forged``) for whoever splits the log in
+    lines; a name longer than a file name can be failed at its lookup with ENAMETOOLONG and
+    a hint to shorten --repository."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(tiny_sharded_bin_checkpoint, src)
+    index = src / "pytorch_model.bin.index.json"
+    document = json.loads(index.read_text())
+    tensor = sorted(document["weight_map"])[0]
+    document["weight_map"][tensor] = spelled
+    index.write_text(json.dumps(document))  # ASCII: the surrogate spelled as \ud800
+    code, _, err = cli(capsys, "convert", str(src), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, "which is not a pytorch_model-*.bin file beside it")
+    assert not [line for line in err.splitlines() if line.startswith("error: forged")], err
+    assert "--repository" not in err, err

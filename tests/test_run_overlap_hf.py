@@ -222,3 +222,51 @@ def test_a_branch_that_moves_during_the_run_is_never_published_under_either_comm
         assert runs.tree_digest(canary) == before
     finally:
         hub.stop()
+
+
+def test_outputs_of_a_commit_the_branch_left_are_never_kept_once_it_returns(
+    sequential, checkpoint, tmp_path, capsys, monkeypatch
+):
+    """The Hub's ``main`` moves to a commit with another first shard once the run resolved it,
+    then back before the rerun. Before: the run's second fetch resolved ``main`` again and
+    converted the other commit's shards into outputs journaled under the commit the
+    conversion was planned from; it stopped (75), and the rerun, finding ``main`` at that
+    commit again, kept those outputs and published the other commit's weights recorded as
+    this one (every later run then called the key up to date). The second fetch now stops
+    before it downloads a shard of another commit than the one the plan was made from."""
+    from tests.servers import ForgedHub
+
+    files = {name: path.read_bytes() for name, path in _files(checkpoint).items()}
+    first = sorted(n for n in files if n.startswith("model-"))[0]
+    moved = bytearray(files[first])
+    moved[-100:-96] = b"\x01\x02\x03\x04"  # tensor bytes: the shard still reads
+    hub = ForgedHub().start()
+    try:
+        old = hub.add("org/returning", files)
+        calls = []
+
+        def info() -> dict:  # the branch moves once the run has asked where it is
+            calls.append(hub.repos["org/returning"]["sha"])
+            if len(calls) == 1:
+                hub.move("org/returning", {**files, first: bytes(moved)})
+            return {"id": "org/returning", "sha": calls[-1]}
+
+        hub.repos["org/returning"]["info"] = info
+        runs.use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
+        root = tmp_path / "models"
+        code = main(_argv("hf://org/returning", root))
+        err = capsys.readouterr().err
+        assert code == 75, err
+        assert "changed while it was loading" in err and old in err
+        assert not list(root.glob("tiny@*/*"))
+
+        del hub.repos["org/returning"]["info"]
+        assert hub.move("org/returning", files) == old  # main is back where it was
+        code = main(_argv("hf://org/returning", root))
+        assert code == 0, capsys.readouterr().err
+        repository = runs.published(root)
+        assert manifest.read_manifest(repository)[manifest.SOURCE_FINGERPRINT]["commit"] == old
+        assert manifest.verify(repository) == []
+        assert runs.weights(repository) == runs.weights(sequential)
+    finally:
+        hub.stop()

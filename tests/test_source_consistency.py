@@ -224,6 +224,16 @@ def test_gcs_names_that_would_alias_a_local_file_are_refused(name):
         _relpath(parse_uri("gs://bucket/p"), name)
 
 
+@pytest.mark.parametrize("name", ["q/x", "px", "pp/x", ""])
+def test_a_gcs_name_outside_the_prefix_listed_is_refused(name):
+    """Before: the prefix's length was cut off whatever the name: a forged listing naming
+    ``q/x`` beside ``p/x`` gave two objects the one local file ``x``."""
+    from loader.sources.gcs import _relpath
+
+    with pytest.raises(SourceError, match="not below that prefix"):
+        _relpath(parse_uri("gs://bucket/p"), name)
+
+
 def test_gcs_names_map_one_to_one():
     from loader.sources.gcs import _relpath
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -658,19 +659,71 @@ def test_objects_that_cannot_all_be_local_files_are_refused_by_name(tmp_path, mo
 
 
 @pytest.mark.parametrize(
+    "pair",
+    [("config.json", "Config.json"),
+     ("model-\u00e9.safetensors", "model-e\u0301.safetensors"),
+     ("notes/a", "NOTES/A"),
+     ("extra", "EXTRA/b")],
+    ids=["case", "composed", "case in a folder", "a file where a folder goes"],
+)  # fmt: skip
+def test_objects_that_alias_on_some_file_systems_are_refused_by_name(server, tmp_path, pair):
+    """Before: both were downloaded; on a case-insensitive or normalising volume (SMB, some
+    NFS servers) one file stood for both, the last downloaded, and the conversion read the
+    other object's bytes under the name the fingerprint recorded for the first (the Hub's
+    listing was refused for this; the bucket's was not)."""
+    src = tmp_path / "src"
+    for number, name in enumerate(pair):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(f"object {number}")
+    prefix = f"alias-{zlib.crc32(repr(pair).encode())}"
+    server.upload_dir(BUCKET, prefix, src)
+    with pytest.raises(SourceError, match="collide") as info:
+        fetch(f"gs://{BUCKET}/{prefix}", tmp_path / "dest")
+    assert "Rename one of them" in info.value.remediation
+    assert not (tmp_path / "dest").exists() or fs_names(tmp_path / "dest") == []
+
+
+def fs_names(dest: Path) -> list[str]:
+    """What a fetch left under ``dest`` besides its own record and partial directory."""
+    return sorted(
+        p.relative_to(dest).as_posix()
+        for p in dest.rglob("*")
+        if not p.relative_to(dest).parts[0].startswith(".")
+    )
+
+
+@pytest.mark.parametrize(
     ("name", "needle"),
-    [(".partial/x", "downloads in progress"), ("x" * 230, "path component of 230 bytes")],
-)
+    [(".partial/x", "downloads in progress"), (".Partial/x", "downloads in progress"),
+     (".MODEL-LOADER-made", "record of what it wrote"),
+     ("x" * 230, "path component of 230 bytes")],
+)  # fmt: skip
 def test_objects_with_reserved_or_overlong_names_are_refused(server, tmp_path, name, needle):
     src = tmp_path / "src"
     (src / name).parent.mkdir(parents=True, exist_ok=True)
     (src / name).write_text("x")
     (src / "config.json").write_text("{}")
-    prefix = f"odd-{len(name)}"
+    prefix = f"odd-{len(name)}-{zlib.crc32(name.encode())}"
     server.upload_dir(BUCKET, prefix, src)
     with pytest.raises(SourceError, match=needle):
         fetch(f"gs://{BUCKET}/{prefix}", tmp_path / "dest")
     assert not (tmp_path / "dest" / "config.json").exists()
+
+
+def test_a_fetch_planned_from_another_listing_downloads_nothing(single, tmp_path):
+    """An overlapped run plans its conversion from a first fetch of the small files and
+    journals its outputs under that fetch's revision; the fetch of the shards that finds
+    the prefix at another revision (an object uploaded again meanwhile) stops before it
+    writes anything, and one at the same revision fetches."""
+    from loader.sources import ArrivalHooks
+
+    uri = f"gs://{BUCKET}/org/tiny"
+    first = fetch(uri, tmp_path / "first")
+    with pytest.raises(TransientSourceError, match="changed while it was loading"):
+        fetch(uri, tmp_path / "dest", hooks=ArrivalHooks(planned="gen-0123456789abcdef"))
+    assert not (tmp_path / "dest").exists()
+    again = fetch(uri, tmp_path / "dest", hooks=ArrivalHooks(planned=first.revision))
+    assert again.revision == first.revision and (tmp_path / "dest" / "config.json").is_file()
 
 
 def test_a_destination_holding_a_link_to_elsewhere_is_never_written_through(sharded, tmp_path):

@@ -109,6 +109,23 @@ def test_local_copy_copies_then_skips_identical_files(local_ckpt, tmp_path):
     assert (dest / "config.json").read_text() == '{"model_type": "gptj"}'
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["CONFIG.json", "Sub/extra.txt", "SUB", "model.\u017fafetensors"],
+    ids=["case", "case of a folder", "a file where a folder goes", "long s"],
+)
+def test_a_copy_whose_names_alias_on_some_file_systems_copies_nothing(local_ckpt, tmp_path, name):
+    """Before: both names were copied; into a case-insensitive or normalising destination
+    (SMB, some NFS servers) one file stood for both, the one copied last."""
+    (local_ckpt / name).parent.mkdir(exist_ok=True)
+    (local_ckpt / name).write_text("another file")
+    dest = tmp_path / "copy"
+    with pytest.raises(SourceError, match="cannot both be copied") as info:
+        fetch(str(local_ckpt), dest, copy=True)
+    assert "Rename or remove one of them" in info.value.remediation
+    assert not dest.exists()
+
+
 def test_missing_local_path_is_a_not_found_error_naming_it(tmp_path):
     with pytest.raises(SourceNotFoundError, match=str(tmp_path / "absent")):
         fetch(str(tmp_path / "absent"))

@@ -77,6 +77,7 @@ def declared_dtype(config: Mapping[str, object]) -> str | None:
 
 
 def config_dtype(config: Mapping[str, object]) -> str:
-    """The weights' dtype a config.json declares (``fp32`` when it declares none)."""
-    name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return CONFIG_DTYPES.get(name, name)
+    """The dtype to size a config.json's weights in: the one it declares (:func:`declared_dtype`),
+    else ``fp32``, the widest the converter writes, also for a declaration it does not know
+    (``auto``, ``float64``, a list): the converter then follows the weights' own dtypes."""
+    return declared_dtype(config) or "fp32"

@@ -8,7 +8,8 @@ traceback:
   ``load_tokenizer()`` (``loader/repository/models/tokenization.py``, the code the
   ``preprocessing`` and ``postprocessing`` models run) from the checkpoint's files, which the
   repository copies byte for byte; each file at most :data:`MAX_TOKENIZER_BYTES`; every id it
-  produces must index the model's embedding (below ``vocab_size``);
+  produces must index the model's embedding (below ``vocab_size``): its vocabulary's, and
+  those its post-processor and padding add to every encoding;
 * **config.ini** (:func:`check_ft_config`): FasterTransformer reads every number of ``[gptj]``
   as a C ``int`` (``INIReader::GetInteger`` into the ``int start_id, int end_id`` and the sizes
   of ``GptJTritonModel``'s constructor, ``src/fastertransformer/triton_backend/gptj/
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from loader import fs
 from loader.errors import CheckpointError, RepositoryError
@@ -101,6 +103,27 @@ def check_ft_config(config: FTConfig) -> None:
             )
 
 
+#: Texts encoded to see the ids a tokenizer adds to every encoding (a post-processor's
+#: special tokens): an empty one, a short one, and two in a batch of different lengths.
+_PROBES = ("", "a", "Hello, world: a probe of the tokenizer.")
+
+
+def _ids(tokenizer: Any) -> list[int]:
+    """Every id ``tokenizer`` can put in an encoding as the ``preprocessing`` model encodes
+    (``encode_batch``, special tokens added): its vocabulary's (added tokens included), the ids
+    its post-processor adds (encoded probes, padding and truncation off: whatever the
+    post-processor's kind) and the id it pads with."""
+    ids = list(tokenizer.get_vocab(with_added_tokens=True).values())
+    padding = tokenizer.padding
+    if padding is not None:
+        ids.append(padding["pad_id"])
+    probe = type(tokenizer).from_str(tokenizer.to_str())
+    probe.no_padding()
+    probe.no_truncation()
+    ids += [i for encoding in probe.encode_batch(list(_PROBES)) for i in encoding.ids]
+    return ids
+
+
 def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> None:
     """Load the tokenizer the repository will hold, as its models will (see the module
     docstring); a :class:`CheckpointError` naming the file otherwise."""
@@ -118,7 +141,7 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
         # the files the repository will hold, never another file beside them (a download
         # directory may still hold one an earlier listing put there)
         tokenizer = load_tokenizer(checkpoint, {path.name for path in files})
-        largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+        largest = max(_ids(tokenizer), default=-1)
     except BaseException as exc:  # the tokenizers library raises plain Exceptions, and a
         # panic of its Rust code (pyo3's PanicException, no Exception) on some hostile files
         if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":

@@ -156,6 +156,7 @@ class Overlapped(Sequential):
                     arrived=conversion.arrived,
                     admit=conversion.admit,
                     transient=True,
+                    planned=first.revision,  # the revision the outputs are journaled under
                 ),
             )
             _unchanged(request.source, first, fetched)

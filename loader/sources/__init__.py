@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from loader import fs
-from loader.errors import SourceError
+from loader.errors import SourceError, TransientSourceError
 from loader.limits import RETRY_DEADLINE_S, WORKERS
 from loader.sources.fingerprint import Fingerprint
 
@@ -120,7 +120,11 @@ class ArrivalHooks:
     soon after they arrive, so neither their downloaded slices nor the verified files are
     fsynced (a file the kernel drops before writing it back never costs a disk write; after a
     power loss the next run reads back the slices a killed run wrote, so its checksum still
-    catches one that was lost, and the file is downloaded again).
+    catches one that was lost, and the file is downloaded again). ``planned``: the revision
+    (:attr:`FetchResult.revision`) of the fetch the caller planned from (an earlier fetch of
+    the small files): a fetch that finds the source at another revision downloads nothing
+    (:func:`check_planned`), so what the caller consumes is always of the revision it planned
+    from and records.
     """
 
     include: Callable[[str], bool] | None = None
@@ -128,6 +132,21 @@ class ArrivalHooks:
     arrived: Callable[[str, Path], None] | None = None
     admit: Callable[[str], bool] | None = None
     transient: bool = False
+    planned: str | None = None
+
+
+def check_planned(uri: SourceURI, hooks: ArrivalHooks | None, revision: str) -> None:
+    """A :class:`~loader.errors.TransientSourceError` when ``revision``, what the source holds
+    now, is not the revision the caller planned from (``hooks.planned``): the source changed
+    while it was loading (a branch moved, an object was uploaded again); nothing of the new
+    revision is downloaded, so nothing of it is converted under the old one's name."""
+    planned = hooks.planned if hooks is not None else None
+    if planned is not None and revision != planned:
+        raise TransientSourceError(
+            f"The source {uri.raw} changed while it was loading (revision {planned} is now "
+            f"{revision}); nothing of the new revision was downloaded or published.",
+            "Run the loader again once the upload (or copy) is complete.",
+        )
 
 
 def parse_uri(uri: str) -> SourceURI:
@@ -308,6 +327,7 @@ __all__ = [
     "FetchResult",
     "Fingerprint",
     "SourceURI",
+    "check_planned",
     "fetch",
     "fingerprint",
     "parse_uri",

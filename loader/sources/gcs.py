@@ -69,10 +69,18 @@ from loader.errors import (
 from loader.fs import Dir
 from loader.limits import SLICE_MIB
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, answers, settings
+from loader.sources import (
+    ArrivalHooks,
+    FetchOptions,
+    FetchResult,
+    SourceURI,
+    answers,
+    check_planned,
+    settings,
+)
 from loader.sources.failures import Funnel, sentence, status_of
 from loader.sources.fingerprint import Fingerprint
-from loader.sources.names import NAME_MAX, listed_parts
+from loader.sources.names import NAME_MAX, colliding, listed_parts
 from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
@@ -154,7 +162,11 @@ _PARTIAL_SUFFIX = len(".") + 19 + len(".") + 7 + len("-") + 8 + len(".slices")
 
 
 def _relpath(uri: SourceURI, name: str) -> str:
-    """The object ``name``'s path below DEST (:func:`loader.sources.names.listed_parts`)."""
+    """The object ``name``'s path below DEST (:func:`loader.sources.names.listed_parts`); a
+    listing naming an object outside the prefix it was asked for is forged (two such names
+    could land on one file: ``p/x`` and ``q/x`` would both be ``x``)."""
+    if uri.path and name != uri.path and not name.startswith(f"{uri.path}/"):
+        raise _endless(uri, f"names the object {name[:120]!r}, which is not below that prefix")
     rest = name[len(uri.path) :]
     rel = PurePosixPath(name).name if name == uri.path else rest[1:] if uri.path else rest
     listed_parts(
@@ -170,19 +182,25 @@ def _relpath(uri: SourceURI, name: str) -> str:
 
 
 def _check_layout(uri: SourceURI, rels: list[str]) -> None:
-    """Refuse objects that cannot all be files at once (``a`` and ``a/b``)."""
-    names = set(rels)
-    for rel in sorted(names):
-        parts = rel.split("/")
-        for depth in range(1, len(parts)):
-            parent = "/".join(parts[:depth])
-            if parent in names:
-                raise SourceError(
-                    f"Objects gs://{uri.location}/{_join(uri.path, parent)} and "
-                    f"gs://{uri.location}/{_join(uri.path, rel)} collide: one would have to be "
-                    "both a file and a directory locally.",
-                    "Rename one of them (or fetch a narrower prefix) and run again.",
-                )
+    """Refuse objects that cannot all be files at once (``a`` and ``a/b``), on every file system
+    (:func:`loader.sources.names.colliding`: ``a/b`` and ``A/B`` are one file where case or
+    Unicode composition is not told apart, ``a`` and ``A/b`` a file and a directory)."""
+    found = colliding(rels)
+    if found is None:
+        return
+    first, second, nested = found
+    where = (
+        "one would have to be both a file and a directory locally"
+        if nested
+        else "they differ only in case or in how their letters are written, and some file "
+        "systems keep one file for both"
+    )
+    raise SourceError(
+        f"Objects gs://{uri.location}/{_join(uri.path, first)} and "
+        f"gs://{uri.location}/{_join(uri.path, second)} collide: {where}; nothing was "
+        "downloaded.",
+        "Rename one of them (or fetch a narrower prefix) and run again.",
+    )
 
 
 def _join(prefix: str, rel: str) -> str:
@@ -707,6 +725,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     funnel = _funnel(options)
     client = funnel.gcs(lambda _: make_client(pool_size=workers), what=f"gs://{uri.location}")
     blobs = _list_objects(client, uri, funnel)
+    check_planned(uri, options.hooks, _revision(blobs))  # before anything of it is written
     dirs = _Dirs(Dir.open(dest, create=True))
     abandoned = threading.Event()
     try:

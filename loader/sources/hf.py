@@ -51,7 +51,6 @@ import re
 import stat
 import threading
 import time
-import unicodedata
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,10 +79,18 @@ from loader.formats.huggingface import (
 )
 from loader.fs import Dir
 from loader.progress import Progress, byte_progress, human_bytes
-from loader.sources import ArrivalHooks, FetchOptions, FetchResult, SourceURI, answers, settings
+from loader.sources import (
+    ArrivalHooks,
+    FetchOptions,
+    FetchResult,
+    SourceURI,
+    answers,
+    check_planned,
+    settings,
+)
 from loader.sources.failures import Funnel
 from loader.sources.fingerprint import Fingerprint
-from loader.sources.names import listed_parts
+from loader.sources.names import colliding, listed_parts
 from loader.sources.transfer import (
     PARTIAL_DIR,
     Pace,
@@ -465,19 +472,17 @@ def _names(uri: SourceURI, rel: str) -> list[str]:
 
 def _distinct(uri: SourceURI, wanted: list[str]) -> None:
     """Refuse two files to fetch whose names differ only in case or in how their letters are
-    composed (Unicode normalisation): a case-insensitive or normalising file system (SMB, some
-    NFS servers) keeps one file for both, and each would be taken for the other."""
-    seen: dict[str, str] = {}
-    for rel in wanted:
-        key = unicodedata.normalize("NFKC", rel).casefold()
-        if key in seen:
-            raise SourceError(
-                f"{uri.raw}: the Hub lists {shown(seen[key])} and {shown(rel)}, which differ "
-                "only in case or in how their letters are written; some file systems keep one "
-                "file for both, so neither was downloaded.",
-                "Remove or rename one of them in the repository.",
-            )
-        seen[key] = rel
+    composed (:func:`loader.sources.names.colliding`): a case-insensitive or normalising file
+    system (SMB, some NFS servers) keeps one file for both, and each would be taken for the
+    other."""
+    found = colliding(wanted)
+    if found is not None:
+        raise SourceError(
+            f"{uri.raw}: the Hub lists {shown(found[0])} and {shown(found[1])}, which differ "
+            "only in case or in how their letters are written; some file systems keep one "
+            "file for both, so neither was downloaded.",
+            "Remove or rename one of them in the repository.",
+        )
 
 
 @contextmanager
@@ -807,6 +812,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     api = HfApi(endpoint=endpoint)
     commit = _resolve_commit(api, uri, revision, token, funnel)
     log.info("%s: revision %s is commit %s", uri.location, revision, commit)
+    check_planned(uri, options.hooks, commit)  # before anything of it is listed
     remote = funnel(lambda: _listing(api, uri, commit, token), what=f"{uri.raw} (file list)")
     wanted = select_files(remote, repo=f"{uri.location}@{commit}")
     names = {rel: _names(uri, rel) for rel in wanted}

@@ -33,6 +33,7 @@ from loader.fs import Dir
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
 from loader.sources.fingerprint import Fingerprint
+from loader.sources.names import colliding
 from loader.sources.transfer import (
     beside_other_fetches,
     clear_partials,
@@ -211,6 +212,15 @@ def _copy(
 ) -> FetchResult:
     if _is_source(dest, root):
         return FetchResult(path=root, revision=None, files=files, bytes=total)
+    found = colliding(files)
+    if found is not None:
+        raise SourceError(
+            f"{shown(root / found[0])} and {shown(root / found[1])} in the local source cannot "
+            "both be copied: they differ only in case or in how their letters are written (or "
+            "one would be a file where the other's directory goes), and some file systems keep "
+            "one file for both; nothing was copied.",
+            "Rename or remove one of them in the source, then copy it again.",
+        )
     with Dir.open(dest, create=True) as d:
         clear_partials(dest)
         todo = [f for f in files if not _same(root / f, d, f)]

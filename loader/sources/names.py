@@ -6,11 +6,20 @@ so it must be a relative path of plain names (no empty, ``.`` or ``..`` level: `
 land where ``p/x`` does), print as it is (a line break in a name would start a log line of its
 own), lie outside the loader's own ``.partial/`` and record names (``.model-loader-*``), go no deeper than the loader's own walks remove (:data:`loader.fs.MAX_NAME_LEVELS`) and
 fit the file system with the suffix its download carries while it is in progress.
+
+A case-insensitive or normalising file system (SMB, some NFS servers, a volume created with
+Unicode normalisation) keeps one file for names that differ only in case or in how their
+letters are composed: those names are compared folded (:func:`folded`), the loader's own
+names too (``.Partial/`` is ``.partial/`` there), and the names of one listing must stay apart
+once folded (:func:`colliding`): no two naming one file, no file where another's directory
+goes.
 """
 
 from __future__ import annotations
 
 import os
+import unicodedata
+from collections.abc import Iterable
 
 from loader import fs
 from loader.errors import SourceError
@@ -34,13 +43,13 @@ def listed_parts(rel: str, *, what: str, remedy: str, suffix: int) -> list[str]:
             "written for it.",
             remedy,
         )
-    if parts[0] == PARTIAL_DIR:
+    if folded(parts[0]) == folded(PARTIAL_DIR):
         raise SourceError(
             f"{what} is named {rel[:120]!r}, under {PARTIAL_DIR}/, the name the loader keeps "
             "for downloads in progress; nothing was written for it.",
             remedy,
         )
-    if parts[0].startswith(fs.MARKER_PREFIX):
+    if folded(parts[0]).startswith(folded(fs.MARKER_PREFIX)):
         raise SourceError(
             f"{what} is named {rel[:120]!r}, a name starting with {fs.MARKER_PREFIX!r}, which "
             "the loader keeps for its record of what it wrote (it would replace that record); "
@@ -64,3 +73,27 @@ def listed_parts(rel: str, *, what: str, remedy: str, suffix: int) -> list[str]:
             remedy,
         )
     return parts
+
+
+def folded(rel: str) -> str:
+    """``rel`` as a case-insensitive, normalising file system compares it: NFKC, case folded."""
+    return unicodedata.normalize("NFKC", rel).casefold()
+
+
+def colliding(rels: Iterable[str]) -> tuple[str, str, bool] | None:
+    """The first two names of a listing that cannot both be files on every file system, and
+    whether the second would have to be a directory holding the first's file (``a`` and
+    ``A/b``) rather than the same file (``a/b`` and ``A/B``); None when all stay apart."""
+    files: dict[str, str] = {}
+    for rel in sorted(rels):
+        key = folded(rel)
+        if key in files:
+            return files[key], rel, False
+        files[key] = rel
+    for key, rel in sorted(files.items()):
+        parts = key.split("/")
+        for depth in range(1, len(parts)):
+            parent = files.get("/".join(parts[:depth]))
+            if parent is not None:
+                return parent, rel, True
+    return None
