@@ -423,7 +423,7 @@ def seal(tree: Path, expected: Identity | None = None) -> None:
             raise parent.not_ours(tree.name, "the staging directory this run made (something "
                                   "was renamed to its name while the run worked)")  # fmt: skip
         _seal(d)
-        parent.chmod(tree.name, DIR_MODE)
+        d.set_mode(DIR_MODE)  # (by its descriptor: what is at its name now may be another's)
 
 
 def publish(
