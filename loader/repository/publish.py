@@ -328,10 +328,23 @@ def recover(root: Path, key: str) -> Path | None:
                 if parent.lstat(variant) is not None:
                     return None
                 for name in candidates:
-                    with trash.sub(name) as copy:
-                        complete = not manifest.verify_in(copy, key=key, checksums=False)
+                    if not trash.is_dir(name):  # a file or link of someone else's: no copy
+                        continue
+                    try:
+                        with trash.sub(name) as copy:
+                            complete = not manifest.verify_in(copy, key=key, checksums=False)
+                    except NotOursError:  # a link in it, swapped for it: someone else's
+                        continue
                     if complete:
-                        trash.rename(name, parent, variant, how="replace")
+                        try:  # never over what was put at the key while the copy was checked
+                            trash.rename_back(name, parent, variant)
+                        except OSError as exc:
+                            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                                raise
+                            log.warning("left the previous copy of %s at %s: %s appeared "
+                                        "meanwhile", key, trash.path / name,
+                                        parent.path / variant)  # fmt: skip
+                            return None
                         parent.fsync()
                         log.warning(
                             "put the previous copy of %s back from %s (a loader was stopped "
