@@ -4,6 +4,7 @@ the user makes at the key while the copy is checked is never replaced by the put
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -74,17 +75,21 @@ def test_a_users_entry_named_like_a_replaced_copy_is_skipped(
     assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_a_directory_made_at_the_key_while_the_copy_is_checked_is_never_replaced(
-    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, fallback: bool
 ):
     """The key is absent, a replaced copy waits in ``.trash``; while the loader checks that
     copy, the user makes an (empty) directory at the key: the put-back never replaces it (a
-    ``rename(2)`` would, silently); it stays, and so does the copy."""
+    ``rename(2)`` would, silently; without ``renameat2`` the put-back looks first); it stays,
+    and so does the copy."""
     root = tmp_path / "models"
     key, previous = _replaced_copy_waiting(tiny_checkpoint_with_tokenizer, root)
     made: list[os.stat_result] = []
 
     def make_at_key(op: str, path: str) -> None:
+        if fallback and op in ("rename-exchange", "rename-noreplace"):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         if not made and path.startswith(f"{previous}/"):
             key.mkdir()
             key.chmod(0o700)
