@@ -252,6 +252,70 @@ def followed(*paths: Path | str | None) -> contextlib.AbstractContextManager[Non
     return _zone(_followed, paths)
 
 
+#: Directories the loader made and works in by path (a run's staging directory while it
+#: converts and builds): for each path, the device and inode of the very directory made there
+#: and a descriptor of it (to tell it removed from it replaced).
+_pinned: dict[Path, tuple[int, int, int]] = {}
+
+
+@contextlib.contextmanager
+def pinned(path: Path | str, identity: tuple[int, int]) -> Iterator[None]:
+    """While the block runs (all threads), ``path`` is entered (:meth:`Dir.open`, and
+    :meth:`Dir.sub` from its parent) only while it is the directory ``identity`` (its device
+    and inode) names, the one the loader made there: a directory someone renamed to its name
+    since is a :class:`NotOursError` (one whose original was removed: a
+    :class:`~loader.errors.DirectoryRemovedError`), never written into, sealed or read as the
+    loader's. ``path`` must be that directory when the block starts."""
+    path = Path(path).absolute()
+    wanted = (int(identity[0]), int(identity[1]))
+    with Dir.open(path) as d:
+        found = d.stat()
+        if (found.st_dev, found.st_ino) != wanted:
+            raise _not_pinned(path)
+        fd = os.dup(d.fd)
+    with _zones_lock:
+        previous = _pinned.get(path)
+        _pinned[path] = (*wanted, fd)
+    try:
+        yield
+    finally:
+        with _zones_lock:
+            if previous is None:
+                _pinned.pop(path, None)
+            else:
+                _pinned[path] = previous
+        os.close(fd)
+
+
+def _not_pinned(path: Path) -> NotOursError:
+    return NotOursError(
+        path, "another directory (renamed to its name while the loader worked)",
+        "the directory the loader made there",
+    )  # fmt: skip
+
+
+def _check_pinned(fd: int, path: Path) -> None:
+    """That the directory open as ``fd`` is the one pinned at ``path``, if any (:func:`pinned`);
+    else ``fd`` is closed and the error raised."""
+    if not _pinned:
+        return
+    with _zones_lock:
+        wanted = _pinned.get(path)
+    if wanted is None:
+        return
+    found = os.fstat(fd)
+    if (found.st_dev, found.st_ino) == wanted[:2]:
+        return
+    os.close(fd)
+    try:
+        removed = os.fstat(wanted[2]).st_nlink == 0
+    except OSError:
+        removed = False
+    if removed:
+        raise DirectoryRemovedError(path, path)
+    raise _not_pinned(path)
+
+
 def _longest(table: dict[Path, int], parts: tuple[str, ...]) -> Path | None:
     best: Path | None = None
     for anchor in table:
@@ -884,6 +948,7 @@ class Dir:
         except NotADirectoryError:
             cls._deepest_given(path)[0].close()  # raises, naming the level and what it is
             raise
+        _check_pinned(fd, path)
         return cls._with_made(fd, path, None)
 
     @classmethod
@@ -963,6 +1028,7 @@ class Dir:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise self.not_ours(name, f"the loader's {what}") from exc
             raise self._failed(exc, self.path / name) from None
+        _check_pinned(fd, self.path / name)
         return Dir._with_made(fd, self.path / name, self._in_made(name))
 
     def walk(self, relpath: str, *, create: bool = False) -> Dir:
@@ -1848,6 +1914,15 @@ class Dir:
                     os.fchmod(fd, mode)
         finally:
             os.close(fd)
+
+    def set_mode(self, mode: int) -> None:
+        """Give this directory itself ``mode`` unless it has it already: through its
+        descriptor, so a directory someone renamed to its name since it was opened keeps its
+        own."""
+        _seam("chmod", self.path)
+        with _naming(self.path):
+            if stat.S_IMODE(os.fstat(self.fd).st_mode) != mode:
+                os.fchmod(self.fd, mode)
 
     def fsync(self) -> None:
         """Make this directory's entries durable."""

@@ -105,7 +105,7 @@ def test_run_force_prune_convert_and_fetch_change_files_only_through_loader_fs(
 #: The functions of loader.fs that take a path: only ever to read a source (a checkpoint, a
 #: tokenizer, a token or request file), or to name the trees that are confined or followed.
 READS_A_PATH = {"open_read", "read_file", "regular_size", "stat_path"}
-NAMES_A_TREE = {"confined", "confined_within", "followed"}
+NAMES_A_TREE = {"confined", "confined_within", "followed", "pinned"}
 #: ... or to say, in a message, what stands where the user named a directory.
 DESCRIBES_A_PATH = {"not_a_directory", "what_stands_at"}
 

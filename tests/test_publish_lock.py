@@ -188,3 +188,33 @@ def test_a_lock_created_but_not_acquired_is_removed(tmp_path: Path, monkeypatch,
     monkeypatch.setattr(threading.Thread, "start", started)
     with PublishLock(tmp_path, KEY, timeout_s=0):
         pass
+
+
+def test_a_release_never_removes_the_lock_a_waiter_took_over_in_the_instant_before(tmp_path: Path):
+    """The holder stalled past the expiry just as it released: a waiter moved its lock aside as
+    stale and created its own; the release that then resumes removes nothing of the new
+    holder's: it holds the lock (its file at the lock's path) until it releases it."""
+    from loader import fs
+
+    holder = PublishLock(tmp_path, KEY, expiry_s=60, heartbeat_s=0.05).acquire()
+    path = lock_path(tmp_path, KEY)
+    taken: list[PublishLock] = []
+
+    def take_over(op: str, where: str) -> None:
+        if taken or not where.startswith(str(path)) or op not in ("unlink", "rename"):
+            return
+        taken.append(None)  # type: ignore[arg-type]  (re-entered below: once)
+        os.rename(path, tmp_path / "moved")  # what a waiter does with a lock it judged stale
+        os.unlink(tmp_path / "moved")
+        taken[0] = PublishLock(tmp_path, KEY, expiry_s=60, timeout_s=0).acquire()
+
+    with fs.inject(take_over):
+        holder.release()
+    (waiter,) = taken
+    try:
+        assert path.is_file() and waiter.held()
+        assert json.loads(path.read_text())["token"] == waiter.token
+        waiter.check_held()
+    finally:
+        waiter.release()
+    assert not path.exists()

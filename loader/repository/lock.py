@@ -316,8 +316,7 @@ class PublishLock:
             self._thread = None
         try:
             if self._fd is not None and self.held():
-                assert self._dir is not None
-                self._dir.unlink(self.path.name, missing_ok=True)
+                self._remove_own()
         except OSError as exc:
             log.warning("could not remove the publish lock %s (%s); the next loader takes it "
                         "over", self.path, exc)  # fmt: skip
@@ -329,6 +328,28 @@ class PublishLock:
                 self._dir.close()
                 self._dir = None
         log.debug("released publish lock %s", self.path)
+
+    def _remove_own(self) -> None:
+        """Remove the lock file while it is this holder's: moved aside first (one rename), and
+        removed only if what moved is the file this holder's descriptor names. A waiter that
+        took the lock over in the instant after :meth:`held` looked (this holder stalled past
+        the expiry) has its new lock file there: that one goes back, never removed."""
+        assert self._dir is not None and self._fd is not None
+        locks, name = self._dir, self.path.name
+        moved = f"{name}.stale-{secrets.token_hex(8)}"  # (prune removes one a kill left)
+        try:
+            locks.rename(name, locks, moved, how="replace")
+        except FileNotFoundError:
+            return  # taken over and released meanwhile: nothing of ours is there
+        ours, found = os.fstat(self._fd), locks.lstat(moved)
+        if found is None or (found.st_dev, found.st_ino) == (ours.st_dev, ours.st_ino):
+            locks.unlink(moved, missing_ok=True)
+            return
+        try:
+            locks.rename_back(moved, locks, name)
+        except OSError as exc:  # a newer lock there already: that holder's stays
+            log.warning("the publish lock %s was taken over meanwhile and could not be put back "
+                        "(%s); left at %s", self.path, exc, locks.path / moved)  # fmt: skip
 
     def __enter__(self) -> PublishLock:
         return self.acquire()

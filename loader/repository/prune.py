@@ -71,6 +71,7 @@ from loader.repository.publish import (
     WORK_DIR,
     abandoned_in,
     key_is_ours_or_absent,
+    ours,
     owned,
     recover,
 )
@@ -406,14 +407,24 @@ def _unfinished(
         if gone() is None:
             found.append(_Candidate(key, root / directory / name,
                                     "directory a loader stopped before naming it", gone,
-                                    _remover(root, directory, name, marker)))  # fmt: skip
+                                    _remover(root, directory, name, key, marker)))  # fmt: skip
     return found
 
 
-def _remover(root: Path, directory: str, name: str, marker: str) -> Callable[[], str | None]:
+def _remover(
+    root: Path, directory: str, name: str, key: str, marker: str | None
+) -> Callable[[], str | None]:
+    """Removes ``ROOT/<directory>/<name>`` while it is a tree of ``key``'s (``marker``'s, or
+    with None the staging marker's or a manifest's), judged and removed as one directory: one
+    renamed to its name since is kept."""
+
     def remove() -> str | None:
         with Dir.open(root) as r, r.sub(directory) as d:
-            d.remove_tree(name, marks=(marker,))
+            judged = (ours(d, name, key) if marker is None
+                      else ours(d, name, key, marker=marker, manifests=False))  # fmt: skip
+            if judged is None:
+                return f"{directory}/{name} is not the loader's"
+            d.remove_tree(name, marks=(marker,) if marker else TREE_MARKS, expected=judged)
         return None
 
     return remove
@@ -449,12 +460,9 @@ def _in(
                     return f"{directory}/{name} is in use again"
         return None
 
-    def remove() -> str | None:
-        with Dir.open(root) as r, r.sub(directory) as d:
-            d.remove_tree(name, marks=(marker,) if marker else TREE_MARKS)
-        return None
-
-    return _Candidate(key, root / directory / name, reason, recheck, remove)
+    return _Candidate(
+        key, root / directory / name, reason, recheck, _remover(root, directory, name, key, marker)
+    )
 
 
 def _old_keys(root: Path, keep: int, wanted: set[str], report: PruneReport) -> list[_Candidate]:
@@ -514,7 +522,7 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
                     # rename of the user's): it goes back, untouched.
                     trash.rename_back(aside, p, variant)
                     return f"{key} was replaced by another directory meanwhile"
-            trash.remove_tree(aside, marks=TREE_MARKS)
+            trash.remove_tree(aside, marks=TREE_MARKS, expected=(seen.st_dev, seen.st_ino))
             with r.sub(parent_name) as p:
                 empty = not p.names()
             if empty:

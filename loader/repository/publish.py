@@ -187,23 +187,39 @@ def discard_staging(staging: Path, key: str, expected: Identity | None = None) -
     a failed put-back left at its name, or a directory someone renamed there, is kept)."""
     staging = Path(staging).absolute()
     with Dir.open(staging.parent) as base:
-        if owned(base, staging.name, key):
-            base.remove_tree(staging.name, marks=TREE_MARKS, expected=expected)
+        judged = ours(base, staging.name, key)
+        if judged is not None:
+            base.remove_tree(staging.name, marks=TREE_MARKS, expected=expected or judged)
 
 
 def owned(parent: Dir, name: str, key: str) -> bool:
     """Whether ``parent/name`` is a tree the loader made for ``key``: a real directory with the
     staging marker naming ``key``, or a manifest naming it (a published copy)."""
-    if parent.marked(name, STAGING_MARKER, key):
-        return True
+    return ours(parent, name, key) is not None
+
+
+def ours(
+    parent: Dir, name: str, key: str, *, marker: str = STAGING_MARKER, manifests: bool = True
+) -> Identity | None:
+    """The device and inode of ``parent/name`` when it is a tree the loader made for ``key``
+    (``marker``'s first line naming ``key``, or with ``manifests`` a manifest naming it), judged
+    on one descriptor of it; None otherwise. Removing it with ``expected`` set to this removes
+    only the very directory judged: one someone renamed to its name since is kept whole."""
     if not parent.is_dir(name):
-        return False
+        return None
     try:
         with parent.sub(name) as d:
-            data = manifest.read_manifest_in(d)
+            found = d.stat()
+            try:
+                mark = d.read(marker, limit=4096)
+            except (NotOursError, FileNotFoundError, IsADirectoryError, fs.TooLargeError):
+                mark = None
+            if mark is not None and mark.decode("utf-8", "replace").split("\n")[0] == key:
+                return found.st_dev, found.st_ino
+            data = manifest.read_manifest_in(d) if manifests else None
     except (NotOursError, FileNotFoundError, NotADirectoryError):
-        return False
-    return data is not None and data.get("key") == key
+        return None
+    return (found.st_dev, found.st_ino) if data is not None and data.get("key") == key else None
 
 
 def _owner(name: str, prefix: str) -> tuple[int, str] | None:
@@ -312,10 +328,23 @@ def recover(root: Path, key: str) -> Path | None:
                 if parent.lstat(variant) is not None:
                     return None
                 for name in candidates:
-                    with trash.sub(name) as copy:
-                        complete = not manifest.verify_in(copy, key=key, checksums=False)
+                    if not trash.is_dir(name):  # a file or link of someone else's: no copy
+                        continue
+                    try:
+                        with trash.sub(name) as copy:
+                            complete = not manifest.verify_in(copy, key=key, checksums=False)
+                    except NotOursError:  # a link in it, swapped for it: someone else's
+                        continue
                     if complete:
-                        trash.rename(name, parent, variant, how="replace")
+                        try:  # never over what was put at the key while the copy was checked
+                            trash.rename_back(name, parent, variant)
+                        except OSError as exc:
+                            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                                raise
+                            log.warning("left the previous copy of %s at %s: %s appeared "
+                                        "meanwhile", key, trash.path / name,
+                                        parent.path / variant)  # fmt: skip
+                            return None
                         parent.fsync()
                         log.warning(
                             "put the previous copy of %s back from %s (a loader was stopped "
@@ -351,8 +380,11 @@ def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
             with r.sub(STAGING_DIR) as base:
                 for name in base.unfinished_marked(prefix + ".", STAGING_MARKER, key,
                                                    idle_s=idle_s):  # fmt: skip
+                    judged = ours(base, name, key, manifests=False)
+                    if judged is None:  # (renamed away meanwhile)
+                        continue
                     log.info("removing unfinished staging directory %s", base.path / name)
-                    base.remove_tree(name, marks=TREE_MARKS)
+                    base.remove_tree(name, marks=TREE_MARKS, expected=judged)
                     removed.append(base.path / name)
     return removed
 
@@ -373,7 +405,8 @@ def key_is_ours_or_absent(root: Path, key: str) -> bool:
 def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
     """Remove the tree ``name`` in ``d`` if it carries the loader's marker for ``key``."""
     path = d.path / name
-    if not owned(d, name, key):
+    judged = ours(d, name, key)
+    if judged is None:
         if d.is_dir(name):
             # A removal stopped after the marker, before the directory itself went, leaves
             # it empty: an empty directory holds nothing of anyone's (rmdir fails otherwise).
@@ -384,7 +417,7 @@ def _remove_ours(d: Dir, name: str, key: str, what: str) -> bool:
         log.warning("leaving %s alone: the loader did not create it", path)
         return False
     log.info("removing %s %s", what, path)
-    d.remove_tree(name, marks=TREE_MARKS)
+    d.remove_tree(name, marks=TREE_MARKS, expected=judged)
     return True
 
 
@@ -423,7 +456,7 @@ def seal(tree: Path, expected: Identity | None = None) -> None:
             raise parent.not_ours(tree.name, "the staging directory this run made (something "
                                   "was renamed to its name while the run worked)")  # fmt: skip
         _seal(d)
-        parent.chmod(tree.name, DIR_MODE)
+        d.set_mode(DIR_MODE)  # (by its descriptor: what is at its name now may be another's)
 
 
 def publish(
@@ -574,7 +607,8 @@ def _exchange(
             raise
         _replace_through_trash(r, base, name, parent, variant, key, expected)
         return
-    if not owned(base, name, key):
+    previous = ours(base, name, key)
+    if previous is None:
         # Someone else's directory was put at the key after it was looked at: the two go back
         # where they were (it untouched), and nothing is published over it.
         base.rename(name, parent, variant, how="exchange")
@@ -582,14 +616,15 @@ def _exchange(
     _moved_back_unless(base, name, parent, variant, expected, "exchange")
     parent.fsync()
     log.info("replaced the published copy of %s; removing the previous one", key)
-    _remove_replaced(base, name)  # the previous copy, now in the staging directory's place
+    _remove_replaced(base, name, previous)  # the previous copy, in the staging directory's place
 
 
-def _remove_replaced(d: Dir, name: str) -> None:
-    """Remove a replaced copy once the new one is in place; a failure only leaves it for the
-    next loader of the key (or prune) to remove: the key is published."""
+def _remove_replaced(d: Dir, name: str, previous: Identity) -> None:
+    """Remove a replaced copy (``previous``: the very directory judged the key's) once the new
+    one is in place; a failure only leaves it for the next loader of the key (or prune) to
+    remove: the key is published."""
     try:
-        d.remove_tree(name, marks=TREE_MARKS)
+        d.remove_tree(name, marks=TREE_MARKS, expected=previous)
     except OSError as exc:
         log.warning(
             "could not remove the replaced copy %s (%s); the next loader of the key or "
@@ -610,7 +645,8 @@ def _replace_through_trash(
     aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
     with r.sub(TRASH_DIR, create=True) as trash:
         parent.rename(variant, trash, aside, how="replace")
-        if not owned(trash, aside, key):  # put at the key after it was looked at: back
+        previous = ours(trash, aside, key)
+        if previous is None:  # put at the key after it was looked at: back
             trash.rename(aside, parent, variant, how="replace")  # (no renameat2 here)
             raise parent.not_ours(variant, f"a repository the loader published for {key}")
         log.info("moved the previous %s aside to %s", key, trash.path / aside)
@@ -632,4 +668,4 @@ def _replace_through_trash(
             raise base.not_ours(name, "the staging directory this run made (something was "
                                 "renamed to its name while the run worked)")  # fmt: skip
         parent.fsync()
-        _remove_replaced(trash, aside)
+        _remove_replaced(trash, aside, previous)

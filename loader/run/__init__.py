@@ -114,22 +114,25 @@ def _run(request: RunRequest) -> RunResult:
             with stages.stage("run: verify"):  # what the source holds now, nothing else
                 verified = verified or verify(request, fetched.path, listed=fetched.files)
             with _staging(root, key) as (staging, made):
-                with stages.stage("run: convert (overlapped: with the fetch)"):
-                    converted = strategy.convert(verified, layout.weights_dir(staging))
-                publish.check_staging(staging, made)  # still the one this run made
-                with stages.stage("run: build (model dirs, manifest, .ready)"):
-                    build(
-                        staging,
-                        request,
-                        key=key,
-                        source_revision=fetched.revision,
-                        source_fingerprint=fetched.fingerprint
-                        or before
-                        or fingerprint(request.source, workers=request.workers),
-                        verified=verified,
-                        converted=converted,
-                        expected=made,
-                    )
+                # Entered by its path only while it is the very directory made (fs.pinned):
+                # the converter and the build never write into one renamed to its name.
+                with fs.pinned(staging, made):
+                    with stages.stage("run: convert (overlapped: with the fetch)"):
+                        converted = strategy.convert(verified, layout.weights_dir(staging))
+                    publish.check_staging(staging, made)  # still the one this run made
+                    with stages.stage("run: build (model dirs, manifest, .ready)"):
+                        build(
+                            staging,
+                            request,
+                            key=key,
+                            source_revision=fetched.revision,
+                            source_fingerprint=fetched.fingerprint
+                            or before
+                            or fingerprint(request.source, workers=request.workers),
+                            verified=verified,
+                            converted=converted,
+                            expected=made,
+                        )
                 if before is not None:  # and still what it was once every file was read (the
                     # tokenizer is copied by the build): hashed again, never judged by the stat
                     # stamps of the first look (a write through a shared mapping changes bytes

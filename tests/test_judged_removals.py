@@ -1,0 +1,89 @@
+"""What ``prune`` judged the loader's (a staging directory of a loader that is gone, a replaced
+copy in ``.trash``, an old key moved there) is the very directory it removes: a directory of the
+user's renamed to that name at any step after the judgment, even one holding a file named like
+a mark of the loader's (``manifest.json``), is kept whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from loader import fs
+from loader.repository.key import key_filename
+from loader.repository.prune import prune
+from loader.repository.publish import STAGING_MARKER, host_digest
+from tests.runs import forged_key
+
+KEY = "m@r1/v"
+KEYFILE = key_filename(KEY)
+
+
+def _leftovers(root: Path) -> None:
+    """An old key, a replaced copy of a newer one, and a dead loader's staging directory."""
+    forged_key(root, "m@r2/v", "2026-01-02T00:00:00Z")
+    forged_key(root, KEY, "2026-01-01T00:00:00Z")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    newer = key_filename("m@r2/v")
+    with fs.Dir.open(root / ".staging", create=True) as staging:
+        name = f"{newer}.{dead.pid}-{host_digest()}.0123456789ab"
+        assert staging.make_marked(name, STAGING_MARKER, "m@r2/v")
+        with staging.sub(name) as d, d.makedirs(("w",)) as w:
+            w.write("weights.bin", b"w" * 64)
+    with fs.Dir.open(root / ".trash", create=True) as trash:
+        assert trash.make_marked(f"{newer}.aaaaaaaaaaaa", STAGING_MARKER, "m@r2/v")
+        with trash.sub(f"{newer}.aaaaaaaaaaaa") as d:
+            d.write("manifest.json", json.dumps({"key": "m@r2/v", "files": []}).encode())
+
+
+def _top(root: Path, path: str) -> Path | None:
+    """The tree ``path`` (a seam call's) is the top of: a staging directory, a ``.trash``
+    entry, or the old key."""
+    p = Path(path)
+    if " -> " in path:
+        return None
+    if p.parent in (root / ".staging", root / ".trash") and not p.name.startswith("."):
+        return p
+    return p if p == root / KEY else None
+
+
+def _users_directory(at: Path) -> None:
+    at.mkdir()
+    (at / "manifest.json").write_text('{"name": "my-app", "files": []}')
+    (at / "notes.txt").write_text("mine")
+
+
+def test_a_users_directory_renamed_to_a_judged_trees_name_at_any_step_is_kept(tmp_path: Path):
+    counted = tmp_path / "count"
+    _leftovers(counted)
+    steps: list[str] = []
+    with fs.inject(lambda op, path: steps.append(op) if _top(counted, path) else None):
+        report = prune(counted, keep=1)
+    assert len(report.removed) == 3, report
+    for step in range(1, len(steps) + 1):
+        root = tmp_path / f"at-{step}"
+        _leftovers(root)
+        calls: list[str] = []
+        done: list[Path] = []
+
+        def swap(op: str, path: str, root: Path = root, calls=calls, done=done, step=step):
+            top = _top(root, path)
+            if top is None or done or not top.is_dir():
+                return
+            calls.append(op)
+            if len(calls) == step:
+                top.rename(root.parent / f"moved-{step}")
+                _users_directory(top)
+                done.append(top)
+
+        with fs.inject(swap):
+            prune(root, keep=1)
+        if not done:
+            continue
+        mine = [p.parent for p in root.rglob("notes.txt")]
+        assert len(mine) == 1, (step, steps[step - 1])
+        assert sorted(os.listdir(mine[0])) == ["manifest.json", "notes.txt"], step
+        assert (mine[0] / "notes.txt").read_text() == "mine"
