@@ -425,6 +425,69 @@ def test_standard_output_on_a_full_volume_is_named_and_what_was_done_stands(
         assert {p.name for p in source.iterdir()} <= {p.name for p in dest.iterdir()}
 
 
+def _closing(*fds: int):
+    """A ``preexec_fn`` that starts the command with the descriptors ``fds`` closed (``>&-``)."""
+
+    def close() -> None:
+        for fd in fds:
+            os.close(fd)
+
+    return close
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "fetch", "convert", "plan"])
+def test_a_command_started_with_standard_output_closed_is_refused_before_any_work(
+    source, tmp_path, command
+):
+    """``model-loader run ... >&-``: Python drops what is printed to a closed standard output
+    without a word, so the key was published and the command exited 0 without the line that
+    names it (``run`` and ``convert``, supervised, failed in their supervisor instead: exit 1,
+    a traceback). Now refused at once (2, naming standard output), before anything is written,
+    and the same command with standard output open then succeeds."""
+    argv = [a.format(source=source) for a in _commands(source, tmp_path)[command]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], stderr=subprocess.PIPE, text=True,
+        timeout=120, env=env, preexec_fn=_closing(1),
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr, "Standard output is closed", ">/dev/null")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    again = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=120, env=env,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip(), again.stderr
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "fetch"])
+def test_a_command_started_with_standard_error_closed_keeps_its_output_to_the_result(
+    source, tmp_path, command
+):
+    """``model-loader run ... 2>&-``: Python's ``print`` to a closed standard error writes to
+    standard output, so a failed command's ``error:`` and ``hint:`` lines went where a script
+    reads the result's path. Now standard output holds nothing of them (the exit code still
+    says what happened), and a command that succeeds prints its path alone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = _commands(source, tmp_path)[command]
+    bad = [tmp_path / "no-such-checkpoint" if a == str(source) else a for a in argv]
+    failed = subprocess.run(
+        [sys.executable, "-m", "loader", *map(str, bad)], stdout=subprocess.PIPE, text=True,
+        timeout=120, env=env, preexec_fn=_closing(2),
+    )  # fmt: skip
+    assert failed.returncode == 2
+    assert failed.stdout == ""
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv], stdout=subprocess.PIPE, text=True,
+        timeout=120, env=env, preexec_fn=_closing(2),
+    )  # fmt: skip
+    assert done.returncode == 0
+    (line,) = done.stdout.splitlines()
+    assert Path(line).is_dir()
+
+
 def test_standard_output_failing_for_a_moment_is_transient(source, capsys, monkeypatch):
     """An I/O error writing standard output (a terminal hung up, a network volume): 75, naming
     standard output, never a file-system failure of the command's own files."""

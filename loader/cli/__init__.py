@@ -389,9 +389,11 @@ def _exit_now(code: int) -> NoReturn:
     worker threads of libraries (a download pool) must not hold the exit past the grace period
     Kubernetes gives after SIGTERM. A stream that cannot be flushed any more (its reader gone,
     its volume full) does not change the exit code."""
-    for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # None for a closed stream: AttributeError
-            flush()
+            stream.flush()
     os._exit(code)
 
 
@@ -601,9 +603,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     atexit.register(_end_process)
+    _hold_standard_descriptors()
     code = _main(None)
     _process_exit.append(code)
     return code
+
+
+def _hold_standard_descriptors() -> None:
+    """Open ``/dev/null`` on each standard descriptor (0, 1, 2) the process started without
+    (``>&-``, ``2>&-``): else the next file the loader opens takes that number, and what a
+    library writes to its standard error (a native library's warning) or a child process
+    inherits as its output goes into that file. Python has made the stream ``None``; a closed
+    standard error becomes one that writes nowhere (``print`` to ``None`` writes to standard
+    output, which then holds error lines); standard output stays ``None``, which a command
+    refuses (:func:`_stdout_closed`)."""
+    held = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            held.append(fd)
+    if sys.stderr is None and 2 in held:  # never a file that took the number before
+        with contextlib.suppress(OSError):
+            sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")  # noqa: SIM115
+
+
+def _stdout_closed() -> LoaderError:
+    """The error of a command started with standard output closed: what it prints (for
+    ``run``, ``fetch`` and ``convert`` the result's path, as the last line) could not be
+    written, and Python drops it without a word: the command did its work and exited 0, with
+    a script reading an empty result. Refused before any work."""
+    return LoaderError(
+        "Standard output is closed (`>&-`?): what the command prints (the path of its result, "
+        "as the last line, for run, fetch and convert) could not be written, so nothing was "
+        "done.",
+        "Redirect standard output to /dev/null to drop what it prints (`>/dev/null`), or to a "
+        "file or a pipe to read it.",
+    )
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -646,6 +689,8 @@ def _main(argv: Sequence[str] | None) -> int:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
         return report(exc)
+    if sys.stdout is None:
+        return report(_stdout_closed())
     profile = os.environ.get("MODEL_LOADER_PROFILE", "").strip()
     if (
         profile
