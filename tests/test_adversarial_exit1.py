@@ -586,6 +586,40 @@ def test_running_out_of_address_space_ends_the_process(source, tmp_path, command
         assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "convert", "plan"])
+def test_a_blas_that_cannot_start_its_threads_is_no_interruption(source, tmp_path, command):
+    """Threads that cannot be started (here: each thread's stack, the size of ``ulimit -s``,
+    larger than the address space ``ulimit -v`` leaves): OpenBLAS, loaded with numpy, sends
+    SIGINT to its own process when it cannot start its threads. ``run`` took that for Ctrl-C
+    ("interrupted", 130), which no one pressed; ``convert`` and ``plan``, importing numpy
+    later, failed in its import (exit 1, a bug). Now it is memory or threads running out (75),
+    naming OpenBLAS; the same command with room then succeeds."""
+    argv = {"run": run_argv(source, tmp_path / "root"),
+            "convert": ["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"],
+            "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"]}[command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "4"}
+    env.pop("OMP_NUM_THREADS", None)
+
+    def cramped() -> None:
+        resource.setrlimit(resource.RLIMIT_STACK, (1 << 30, 1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=60, env=env, preexec_fn=cramped,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "interrupted" not in done.stderr, done.stderr
+    assert "error: A library the command loads (OpenBLAS" in done.stderr, done.stderr
+    assert "\nhint: " in done.stderr and "Traceback" not in done.stderr, done.stderr
+    again = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=120, env=env,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+
+
 # --- any hostile value for any option ------------------------------------------------------
 
 #: Values libraries refuse: numbers out of every range, text that is no number, control

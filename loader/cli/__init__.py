@@ -47,6 +47,7 @@ from loader import __version__, stages
 from loader.cli import supervise
 from loader.errors import (
     LoaderError,
+    ResourceExhaustedError,
     naming_write_targets,
     redacted,
     resource_exhaustion,
@@ -434,6 +435,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     the one mapping of errno classes)."""
     try:
         with sigterm_unwinds(), _marking_standard_output():
+            _load_blas()
             result = func(args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a failure to write what it printed is the command's
@@ -609,6 +611,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+@contextlib.contextmanager
+def _interrupts_told_apart() -> Iterator[None]:
+    """While the block runs (the command's modules are imported, numpy and its OpenBLAS with
+    them), SIGINT is held back, then taken with who sent it. OpenBLAS sends SIGINT to itself
+    when it cannot start its threads (threads or memory ran out: ``ulimit -u`` or ``-v``, a
+    pod's pid limit), then goes on with threads that do not exist; Python took that for Ctrl-C:
+    ``run`` said "interrupted" (130), which no user did, and a command importing numpy later
+    failed in its import (exit 1, a bug). Now that is :class:`ResourceExhaustedError` (75); a
+    SIGINT from anyone else is an interruption, as before, once the block ends. Outside the main thread, or where signals cannot be taken
+    with their sender: no-op."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "sigtimedwait"
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+    try:
+        yield
+    finally:
+        sent = None
+        if signal.SIGINT in signal.sigpending():
+            sent = signal.sigtimedwait((signal.SIGINT,), 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if sent is not None:
+            if sent.si_pid == os.getpid() and sent.si_code <= 0:  # sent (kill, raise) by us
+                raise ResourceExhaustedError(
+                    "A library the command loads (OpenBLAS, with numpy) could not start its "
+                    "threads: threads or memory ran out (its own lines above say which), and "
+                    "it sent the loader an interrupt.",
+                    "Run again with more room: a higher process and thread limit (`ulimit -u`, "
+                    "the pod's pid limit) or memory limit, or fewer threads for OpenBLAS "
+                    "(OPENBLAS_NUM_THREADS=1 is enough for the loader).",
+                )
+            raise KeyboardInterrupt
+
+
+def _load_blas() -> None:
+    """Import numpy, which loads OpenBLAS and starts its threads, with SIGINT told apart
+    (:func:`_interrupts_told_apart`), before the command imports it wherever it first needs it
+    (``plan`` reading a checkpoint's config: numpy then failed to import, a bug's exit)."""
+    if "numpy" in sys.modules:
+        return
+    with _interrupts_told_apart():
+        import numpy  # noqa: F401
+
+
 def _hold_standard_descriptors() -> None:
     """Open ``/dev/null`` on each standard descriptor (0, 1, 2) the process started without
     (``>&-``, ``2>&-``): else the next file the loader opens takes that number, and what a
@@ -669,8 +717,11 @@ def _main(argv: Sequence[str] | None) -> int:
             )
         )
     try:
-        parser = build_parser(commands_for(argv))  # imports the command's module
+        with _interrupts_told_apart():
+            parser = build_parser(commands_for(argv))  # imports the command's module
         args = parser.parse_args(argv)
+    except LoaderError as exc:  # a library could not start its threads (_interrupts_told_apart)
+        return report(exc)
     except OSError as exc:  # an argument's type looks at the file system (directory_path)
         typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
