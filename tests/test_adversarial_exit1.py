@@ -777,6 +777,83 @@ def test_a_storage_listing_whose_pages_never_end_is_refused(tmp_path, repeat):
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
 
 
+def _stalled_storage():
+    """A Cloud Storage JSON API stand-in that lists two objects under ``gs://b/p`` and then
+    never answers a download (it accepts the request and sends nothing); the event is set once
+    a download was asked for, and ``release`` ends the stalled answers."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked, release = threading.Event(), threading.Event()
+    listed = [("p/config.json", 200), ("p/model.safetensors", 1 << 20)]
+
+    class Stalling(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if "alt=media" in self.path:
+                asked.set()
+                release.wait(300)
+                return
+            items = [{"kind": "storage#object", "name": name, "bucket": "b", "size": str(size),
+                      "generation": "1", "updated": "2024-01-01T00:00:00Z"}
+                     for name, size in listed]  # fmt: skip
+            body = json.dumps({"kind": "storage#objects", "items": items}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, asked, release
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_ctrl_c_during_a_stalled_download_ends_the_process_at_once(tmp_path, command):
+    """Ctrl-C while a gs:// download waits on a server that stopped answering: the command
+    said "interrupted", released its lock, and then the process stayed, Python waiting at its
+    exit for the download pool's worker, still in a read that ends only at the read timeout
+    (minutes; ``--retry-deadline``). Now it ends at once, 130, leaving no lock."""
+    import signal
+    import time
+
+    server, asked, release = _stalled_storage()
+    root = tmp_path / "root"
+    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
+            "run": run_argv("gs://b/p", root)}[command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no download was asked for"
+            proc.send_signal(signal.SIGINT)
+            start = time.monotonic()
+            out, err = proc.communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        release.set()
+        server.shutdown()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    assert took < 15, f"{took:.0f} s after Ctrl-C"
+    assert out == ""
+    if command == "run":
+        assert not any((root / ".locks").iterdir())
+
+
 def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeypatch, capsys):
     """Ctrl-C (or OpenBLAS, which raises SIGINT when it cannot start its threads) while
     ``run``'s module and numpy are imported for parsing: a KeyboardInterrupt traceback. Now

@@ -608,7 +608,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     _hold_standard_descriptors()
     code = _main(None)
     _process_exit.append(code)
+    if _left_running():
+        # Python would wait for them before its exit handlers run (a download pool's worker
+        # that Ctrl-C left in a read of a stalled server: up to the read timeout, minutes,
+        # after "interrupted"); the exit handlers run now instead, the last one ending the
+        # process (_end_process), as a command killed then would have left them.
+        atexit._run_exitfuncs()
+        _exit_now(code)
     return code
+
+
+def _left_running() -> list[threading.Thread]:
+    """The threads other than this one that would hold the process's exit (not daemons):
+    those of a library's pool the command stopped waiting for."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread is not threading.current_thread() and not thread.daemon and thread.is_alive()
+    ]
 
 
 @contextlib.contextmanager
