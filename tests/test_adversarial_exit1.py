@@ -854,6 +854,52 @@ def test_ctrl_c_during_a_stalled_download_ends_the_process_at_once(tmp_path, com
         assert not any((root / ".locks").iterdir())
 
 
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_second_signal_while_the_command_stops_never_cuts_its_clean_up_short(tmp_path, command):
+    """SIGTERM (the pod deleted) and Ctrl-C together, or a second Ctrl-C while the command
+    stops: the second signal raised its exception inside the clean-up the first one ran,
+    anywhere, Python's own locks included: exit 1 with "RuntimeError: release unlocked lock"
+    (this is a bug), or the process hung with its publish lock held. Now the first signal
+    stops the command and a later one is not raised: it ends at once with the first one's
+    code, no lock left. (Both are sent before the command takes either: Python then runs
+    their handlers one after the other, the second inside the first one's unwinding.)"""
+    import signal
+    import time
+
+    server, asked, release = _stalled_storage()
+    root = tmp_path / "root"
+    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
+            "run": run_argv("gs://b/p", root)}[command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no download was asked for"
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        release.set()
+        server.shutdown()
+    assert proc.returncode in (130, 143), err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    assert took < 15, f"{took:.0f} s after the signals"
+    if command == "run":
+        assert not any((root / ".locks").iterdir())
+
+
 def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeypatch, capsys):
     """Ctrl-C (or OpenBLAS, which raises SIGINT when it cannot start its threads) while
     ``run``'s module and numpy are imported for parsing: a KeyboardInterrupt traceback. Now

@@ -367,22 +367,43 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM arrived: unwinds every ``finally`` and ``except BaseException`` like Ctrl-C."""
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
+#: The signal that began stopping the command (SIGTERM or SIGINT), once one arrived.
+_stopping: list[int] = []
+
+
+def _stop(signum: int, frame: object) -> None:
+    """The first SIGTERM or SIGINT stops the command: :class:`Terminated` or
+    ``KeyboardInterrupt`` raised in the main thread, which then unwinds. A later one (a second
+    Ctrl-C, SIGTERM then Ctrl-C) is taken and not raised: raised inside the clean-up the first
+    one runs, it cut that short at any point, Python's own included (a condition's lock being
+    taken back: "RuntimeError: release unlocked lock", exit 1 with a traceback; or a lock left
+    taken: the process hung with its publish lock held)."""
+    if _stopping:
+        return
+    _stopping.append(signum)
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (the one
-    handler of every command); outside the main thread signals cannot be handled: no-op."""
+    """While the block runs, SIGTERM raises :class:`Terminated` and SIGINT (unless ignored, as
+    a shell does for background jobs) ``KeyboardInterrupt`` in the main thread, the first of
+    them only (:func:`_stop`); once one arrived the handlers stay, so that none raised while
+    the command reports and ends either. Outside the main thread signals cannot be handled:
+    no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    _stopping.clear()
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not _stopping:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _exit_now(code: int) -> NoReturn:
