@@ -146,6 +146,13 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
         ]
     except ImportError:
         pass
+    try:  # a token request of the Google credentials (a metadata server, a token URL) that
+        # failed to connect or timed out: google.auth wraps the HTTP stack's error in its own
+        import google.auth.exceptions
+
+        errors.append(google.auth.exceptions.TransportError)
+    except ImportError:
+        pass
     for name in ("httpx", "httpx2"):
         try:
             module = __import__(name)
