@@ -87,6 +87,22 @@ def test_a_token_request_that_timed_out_or_was_refused_is_transient(exc):
     assert is_transient(exc)
 
 
+def test_a_refresh_its_library_calls_retryable_is_transient_and_no_other():
+    """A token endpoint that answered 429 or 5xx (google.auth's RefreshError, retryable):
+    "No usable Google Cloud credentials" (2), as for credentials that cannot work. Now
+    retried, then 75; a refresh refused for good stays a permission error."""
+    from google.auth.exceptions import RefreshError
+
+    from loader.sources.failures import Funnel
+    from loader.sources.gcs import _specific
+
+    assert is_transient(RefreshError("503 from the token endpoint", retryable=True))
+    refused = RefreshError("invalid_grant")
+    assert not is_transient(refused)
+    typed = Funnel(1.0, specific=_specific).typed(refused, "gs://b/p")
+    assert typed is not None and typed.exit_code == 2
+
+
 @pytest.mark.server
 def test_a_gcs_host_that_does_not_resolve_fails_at_once_with_a_hint(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://no-such-host.invalid:4443")
