@@ -250,6 +250,16 @@ def test_a_subject_token_file_that_is_no_file_fails_at_once_naming_it(tmp_path, 
     assert not (tmp_path / "dest").exists()
 
 
+def test_a_key_file_nested_too_deeply_is_a_source_error_not_a_bug(tmp_path):
+    """A key file of ``[[[[...`` within the size bound: looking in it for a token file must
+    not fail where the client's own reading of it is a typed error."""
+    key = tmp_path / "key.json"
+    key.write_text("[" * 100_000)
+    done = _fetch_gs(tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(key), GOOGLE_CLOUD_PROJECT="p")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+
+
 def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_it(tmp_path):
     (tmp_path / "gcloud").mkdir()
     os.mkfifo(tmp_path / "gcloud" / "application_default_credentials.json")

@@ -14,7 +14,6 @@ checks them first.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import stat
 import urllib.parse
@@ -23,6 +22,7 @@ from types import ModuleType
 
 from loader.endpoint import host_problem
 from loader.errors import LoaderError, SourceError, SourcePermissionError, shown
+from loader.formats import jsondoc
 from loader.fs import kind_of, read_file
 
 #: The schemes an endpoint may use.
@@ -177,7 +177,7 @@ def _token_files(path: str, named_by: str) -> None:
     :func:`_key_file` checks a key file. A file that cannot be read or parsed here is left to
     the client (its own error)."""
     try:
-        info = json.loads(read_file(Path(path), limit=MAX_KEY_FILE_BYTES))
+        info = jsondoc.loads(read_file(Path(path), limit=MAX_KEY_FILE_BYTES))
     except (OSError, ValueError, LoaderError):
         return
     source = info.get("credential_source") if isinstance(info, dict) else None
