@@ -570,8 +570,8 @@ def test_running_out_of_address_space_ends_the_process(source, tmp_path, command
     imported once memory ran out failed with an ``ImportError`` (numpy's own, or the dynamic
     loader's "failed to map segment"): exit 1, a bug. The commands run with one BLAS thread
     (``OPENBLAS_NUM_THREADS=1``), which users' processes do not set: with OpenBLAS's default,
-    a process that cannot start its threads gets SIGINT from OpenBLAS itself and reports an
-    interruption (130), which this test does not cover."""
+    a process that cannot start its threads gets SIGINT from OpenBLAS itself, which
+    test_a_blas_that_cannot_start_its_threads_is_no_interruption covers."""
     for mib in range(80, 200, 10):
         out = tmp_path / str(mib)
         argv = {"convert": ["convert", str(source), str(out), "--tp-size", "1"],
