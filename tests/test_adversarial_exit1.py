@@ -620,6 +620,28 @@ def test_a_blas_that_cannot_start_its_threads_is_no_interruption(source, tmp_pat
     assert again.returncode == 0, again.stderr
 
 
+def test_an_ignored_interrupt_held_back_while_libraries_load_stays_ignored():
+    """SIGINT ignored (a background job of a shell) and sent meanwhile: a blocked signal is
+    kept pending even when ignored, so holding SIGINT back while libraries load must not turn
+    it into an interruption when it is taken."""
+    import signal
+
+    from loader import cli
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    interrupted = False
+    try:
+        with cli._interrupts_told_apart():
+            subprocess.run(["kill", "-INT", str(os.getpid())], check=True)
+            pending = signal.SIGINT in signal.sigpending()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert pending
+    assert not interrupted, "an ignored SIGINT became an interruption"
+
+
 # --- any hostile value for any option ------------------------------------------------------
 
 #: Values libraries refuse: numbers out of every range, text that is no number, control

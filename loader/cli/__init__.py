@@ -657,8 +657,9 @@ def _interrupts_told_apart() -> Iterator[None]:
     pod's pid limit), then goes on with threads that do not exist; Python took that for Ctrl-C:
     ``run`` said "interrupted" (130), which no user did, and a command importing numpy later
     failed in its import (exit 1, a bug). Now that is :class:`ResourceExhaustedError` (75); a
-    SIGINT from anyone else is an interruption, as before, once the block ends. Outside the main thread, or where signals cannot be taken
-    with their sender: no-op."""
+    SIGINT from anyone else is an interruption, as before, once the block ends, unless SIGINT
+    is ignored (a background job: a blocked signal is kept even then). Outside the main
+    thread, or where signals cannot be taken with their sender: no-op."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(
         signal, "sigtimedwait"
     ):
@@ -682,7 +683,8 @@ def _interrupts_told_apart() -> Iterator[None]:
                     "the pod's pid limit) or memory limit, or fewer threads for OpenBLAS "
                     "(OPENBLAS_NUM_THREADS=1 is enough for the loader).",
                 )
-            raise KeyboardInterrupt
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job's
+                raise KeyboardInterrupt
 
 
 def _load_blas() -> None:
