@@ -425,6 +425,69 @@ def test_standard_output_on_a_full_volume_is_named_and_what_was_done_stands(
         assert {p.name for p in source.iterdir()} <= {p.name for p in dest.iterdir()}
 
 
+def _closing(*fds: int):
+    """A ``preexec_fn`` that starts the command with the descriptors ``fds`` closed (``>&-``)."""
+
+    def close() -> None:
+        for fd in fds:
+            os.close(fd)
+
+    return close
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "fetch", "convert", "plan"])
+def test_a_command_started_with_standard_output_closed_is_refused_before_any_work(
+    source, tmp_path, command
+):
+    """``model-loader run ... >&-``: Python drops what is printed to a closed standard output
+    without a word, so the key was published and the command exited 0 without the line that
+    names it (``run`` and ``convert``, supervised, failed in their supervisor instead: exit 1,
+    a traceback). Now refused at once (2, naming standard output), before anything is written,
+    and the same command with standard output open then succeeds."""
+    argv = [a.format(source=source) for a in _commands(source, tmp_path)[command]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], stderr=subprocess.PIPE, text=True,
+        timeout=120, env=env, preexec_fn=_closing(1),
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr, "Standard output is closed", ">/dev/null")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    again = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=120, env=env,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip(), again.stderr
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "fetch"])
+def test_a_command_started_with_standard_error_closed_keeps_its_output_to_the_result(
+    source, tmp_path, command
+):
+    """``model-loader run ... 2>&-``: Python's ``print`` to a closed standard error writes to
+    standard output, so a failed command's ``error:`` and ``hint:`` lines went where a script
+    reads the result's path. Now standard output holds nothing of them (the exit code still
+    says what happened), and a command that succeeds prints its path alone."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = _commands(source, tmp_path)[command]
+    bad = [tmp_path / "no-such-checkpoint" if a == str(source) else a for a in argv]
+    failed = subprocess.run(
+        [sys.executable, "-m", "loader", *map(str, bad)], stdout=subprocess.PIPE, text=True,
+        timeout=120, env=env, preexec_fn=_closing(2),
+    )  # fmt: skip
+    assert failed.returncode == 2
+    assert failed.stdout == ""
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv], stdout=subprocess.PIPE, text=True,
+        timeout=120, env=env, preexec_fn=_closing(2),
+    )  # fmt: skip
+    assert done.returncode == 0
+    (line,) = done.stdout.splitlines()
+    assert Path(line).is_dir()
+
+
 def test_standard_output_failing_for_a_moment_is_transient(source, capsys, monkeypatch):
     """An I/O error writing standard output (a terminal hung up, a network volume): 75, naming
     standard output, never a file-system failure of the command's own files."""
@@ -507,8 +570,8 @@ def test_running_out_of_address_space_ends_the_process(source, tmp_path, command
     imported once memory ran out failed with an ``ImportError`` (numpy's own, or the dynamic
     loader's "failed to map segment"): exit 1, a bug. The commands run with one BLAS thread
     (``OPENBLAS_NUM_THREADS=1``), which users' processes do not set: with OpenBLAS's default,
-    a process that cannot start its threads gets SIGINT from OpenBLAS itself and reports an
-    interruption (130), which this test does not cover."""
+    a process that cannot start its threads gets SIGINT from OpenBLAS itself, which
+    test_a_blas_that_cannot_start_its_threads_is_no_interruption covers."""
     for mib in range(80, 200, 10):
         out = tmp_path / str(mib)
         argv = {"convert": ["convert", str(source), str(out), "--tp-size", "1"],
@@ -521,6 +584,65 @@ def test_running_out_of_address_space_ends_the_process(source, tmp_path, command
         )  # fmt: skip
         assert done.returncode in (0, 2, 75), (mib, done.stderr)
         assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
+
+
+@pytest.mark.slow  # commands in subprocesses of their own
+@pytest.mark.parametrize("command", ["run", "convert", "plan"])
+def test_a_blas_that_cannot_start_its_threads_is_no_interruption(source, tmp_path, command):
+    """Threads that cannot be started (here: each thread's stack, the size of ``ulimit -s``,
+    larger than the address space ``ulimit -v`` leaves): OpenBLAS, loaded with numpy, sends
+    SIGINT to its own process when it cannot start its threads. ``run`` took that for Ctrl-C
+    ("interrupted", 130), which no one pressed; ``convert`` and ``plan``, importing numpy
+    later, failed in its import (exit 1, a bug). Now it is memory or threads running out (75),
+    naming OpenBLAS; the same command with room then succeeds."""
+    argv = {"run": run_argv(source, tmp_path / "root"),
+            "convert": ["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"],
+            "plan": ["plan", "--source", str(source), "--gpus-per-node", "1"]}[command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "4"}
+    env.pop("OMP_NUM_THREADS", None)
+
+    def cramped() -> None:
+        resource.setrlimit(resource.RLIMIT_STACK, (1 << 30, 1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=60, env=env, preexec_fn=cramped,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "interrupted" not in done.stderr, done.stderr
+    assert "error: A library the command loads (OpenBLAS" in done.stderr, done.stderr
+    assert "\nhint: " in done.stderr and "Traceback" not in done.stderr, done.stderr
+    again = subprocess.run(
+        [sys.executable, "-m", "loader", *argv, "-q"], capture_output=True, text=True,
+        timeout=120, env=env,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+
+
+#: A process of one thread (a signal to it is pending in that thread while blocked) that
+#: ignores SIGINT, holds it back as the loader does while libraries load, and is sent one.
+_IGNORED_INTERRUPT = (
+    "import os, signal, subprocess\n"
+    "from loader import cli\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "with cli._interrupts_told_apart():\n"
+    "    subprocess.run(['kill', '-INT', str(os.getpid())], check=True)\n"
+    "    print('pending' if signal.SIGINT in signal.sigpending() else 'gone')\n"
+    "print('went on')\n"
+)
+
+
+def test_an_ignored_interrupt_held_back_while_libraries_load_stays_ignored():
+    """SIGINT ignored (a background job of a shell) and sent meanwhile: a blocked signal is
+    kept pending even when ignored, so holding SIGINT back while libraries load must not turn
+    it into an interruption when it is taken."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IGNORED_INTERRUPT], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["pending", "went", "on"], done.stdout
 
 
 # --- any hostile value for any option ------------------------------------------------------
@@ -678,6 +800,129 @@ def test_a_storage_listing_whose_pages_never_end_is_refused(tmp_path, repeat):
         server.shutdown()
     _typed(done.returncode, done.stderr, "The listing of gs://b/p")
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+
+
+def _stalled_storage():
+    """A Cloud Storage JSON API stand-in that lists two objects under ``gs://b/p`` and then
+    never answers a download (it accepts the request and sends nothing); the event is set once
+    a download was asked for, and ``release`` ends the stalled answers."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked, release = threading.Event(), threading.Event()
+    listed = [("p/config.json", 200), ("p/model.safetensors", 1 << 20)]
+
+    class Stalling(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if "alt=media" in self.path:
+                asked.set()
+                release.wait(300)
+                return
+            items = [{"kind": "storage#object", "name": name, "bucket": "b", "size": str(size),
+                      "generation": "1", "updated": "2024-01-01T00:00:00Z"}
+                     for name, size in listed]  # fmt: skip
+            body = json.dumps({"kind": "storage#objects", "items": items}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, asked, release
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_ctrl_c_during_a_stalled_download_ends_the_process_at_once(tmp_path, command):
+    """Ctrl-C while a gs:// download waits on a server that stopped answering: the command
+    said "interrupted", released its lock, and then the process stayed, Python waiting at its
+    exit for the download pool's worker, still in a read that ends only at the read timeout
+    (minutes; ``--retry-deadline``). Now it ends at once, 130, leaving no lock."""
+    import signal
+    import time
+
+    server, asked, release = _stalled_storage()
+    root = tmp_path / "root"
+    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
+            "run": run_argv("gs://b/p", root)}[command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no download was asked for"
+            proc.send_signal(signal.SIGINT)
+            start = time.monotonic()
+            out, err = proc.communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        release.set()
+        server.shutdown()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    assert took < 15, f"{took:.0f} s after Ctrl-C"
+    assert out == ""
+    if command == "run":
+        assert not any((root / ".locks").iterdir())
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_second_signal_while_the_command_stops_never_cuts_its_clean_up_short(tmp_path, command):
+    """SIGTERM (the pod deleted) and Ctrl-C together, or a second Ctrl-C while the command
+    stops: the second signal raised its exception inside the clean-up the first one ran,
+    anywhere, Python's own locks included: exit 1 with "RuntimeError: release unlocked lock"
+    (this is a bug), or the process hung with its publish lock held. Now the first signal
+    stops the command and a later one is not raised: it ends at once with the first one's
+    code, no lock left. (Both are sent before the command takes either: Python then runs
+    their handlers one after the other, the second inside the first one's unwinding.)"""
+    import signal
+    import time
+
+    server, asked, release = _stalled_storage()
+    root = tmp_path / "root"
+    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
+            "run": run_argv("gs://b/p", root)}[command]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no download was asked for"
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        release.set()
+        server.shutdown()
+    assert proc.returncode in (130, 143), err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    assert took < 15, f"{took:.0f} s after the signals"
+    if command == "run":
+        assert not any((root / ".locks").iterdir())
 
 
 def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeypatch, capsys):

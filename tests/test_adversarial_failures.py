@@ -219,6 +219,47 @@ def test_a_credentials_setting_that_names_no_key_file_fails_at_once_naming_it(tm
     assert not (tmp_path / "dest").exists()
 
 
+def _external_account(token_file: Path) -> dict:
+    """An external account's configuration (workload identity federation) whose subject token
+    the client reads from ``token_file``."""
+    return {"type": "external_account",
+            "audience": "//iam.googleapis.com/projects/1/locations/global/workloadIdentityPools/"
+                        "pool/providers/provider",
+            "subject_token_type": "urn:ietf:params:oauth:token-type:jwt",
+            "token_url": "http://127.0.0.1:1/token",
+            "credential_source": {"file": str(token_file)}}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "link to a device", "directory"])
+def test_a_subject_token_file_that_is_no_file_fails_at_once_naming_it(tmp_path, kind):
+    """The key file may be an external account's configuration, whose subject token the
+    client reads from the file it names at each token refresh, whole and with no timeout: a
+    FIFO there held ``fetch`` for good whatever ``--retry-deadline`` said (a device until
+    memory ran out; a directory was "Reading bucket gs://bucket failed: IsADirectoryError"
+    with a hint to check the URI). Now that file is checked with the key file: 2 at once,
+    naming it."""
+    token = tmp_path / "token"
+    _plant_entry(token, kind)
+    key = tmp_path / "key.json"
+    key.write_text(json.dumps(_external_account(token)))
+    done = _fetch_gs(tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(key), GOOGLE_CLOUD_PROJECT="p")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"The subject token file {token}" in done.stderr, done.stderr
+    assert "credential_source.file" in done.stderr and "hint:" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_key_file_nested_too_deeply_is_a_source_error_not_a_bug(tmp_path):
+    """A key file of ``[[[[...`` within the size bound: looking in it for a token file must
+    not fail where the client's own reading of it is a typed error."""
+    key = tmp_path / "key.json"
+    key.write_text("[" * 100_000)
+    done = _fetch_gs(tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(key), GOOGLE_CLOUD_PROJECT="p")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+
+
 def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_it(tmp_path):
     (tmp_path / "gcloud").mkdir()
     os.mkfifo(tmp_path / "gcloud" / "application_default_credentials.json")

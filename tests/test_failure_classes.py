@@ -58,6 +58,51 @@ def test_a_connection_refused_stays_transient():
     assert is_transient(ConnectionRefusedError(111, "Connection refused"))
 
 
+def _token_request_failures() -> list[BaseException]:
+    """What google.auth raises when a token request (GKE's metadata server, an external
+    account's token or subject URL) timed out or could not connect: its own TransportError,
+    raised from the HTTP stack's error."""
+    import requests
+    from google.auth.exceptions import TransportError
+
+    failures = []
+    for cause in (requests.exceptions.ReadTimeout("Read timed out. (read timeout=5.0)"),
+                  requests.exceptions.ConnectionError("Connection refused")):  # fmt: skip
+        try:
+            try:
+                raise cause
+            except requests.exceptions.RequestException as exc:
+                raise TransportError(exc) from exc
+        except TransportError as wrapped:
+            failures.append(wrapped)
+    return failures
+
+
+@pytest.mark.parametrize("exc", _token_request_failures(), ids=["timeout", "refused"])
+def test_a_token_request_that_timed_out_or_was_refused_is_transient(exc):
+    """Reading gs:// under Workload Identity, the metadata server slow to hand out a token
+    (a pod just started): google.auth's TransportError was a permanent source error, exit 2
+    with "Check the source URI", never retried; the storage library itself retries it. Now it
+    is retried to the deadline, then 75."""
+    assert is_transient(exc)
+
+
+def test_a_refresh_its_library_calls_retryable_is_transient_and_no_other():
+    """A token endpoint that answered 429 or 5xx (google.auth's RefreshError, retryable):
+    "No usable Google Cloud credentials" (2), as for credentials that cannot work. Now
+    retried, then 75; a refresh refused for good stays a permission error."""
+    from google.auth.exceptions import RefreshError
+
+    from loader.sources.failures import Funnel
+    from loader.sources.gcs import _specific
+
+    assert is_transient(RefreshError("503 from the token endpoint", retryable=True))
+    refused = RefreshError("invalid_grant")
+    assert not is_transient(refused)
+    typed = Funnel(1.0, specific=_specific).typed(refused, "gs://b/p")
+    assert typed is not None and typed.exit_code == 2
+
+
 @pytest.mark.server
 def test_a_gcs_host_that_does_not_resolve_fails_at_once_with_a_hint(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://no-such-host.invalid:4443")

@@ -341,8 +341,10 @@ def test_fetch_refuses_an_empty_hf_token_file_never_falling_back_to_another_toke
     assert not (tmp_path / "dest").exists()
 
 
-@pytest.mark.parametrize("name", ["tiny\n", "x" * 300])
+@pytest.mark.parametrize("name", ["tiny\n", "x" * 300, os.fsdecode(b"ti\xffny")])
 def test_run_refuses_a_model_name_with_a_newline_or_over_the_limit(source, tmp_path, capsys, name):
+    """A name that is not UTF-8 text (bytes of another encoding) was refused by the configs'
+    encoding, with a hint naming the numeric flags; now as a name."""
     argv = _run_args(source, tmp_path / "root")
     argv[argv.index("--model-name") + 1] = name
     code, out, err = cli(capsys, *argv)

@@ -162,6 +162,32 @@ def test_in_use_takes_what_users_paste_and_refuses_what_names_no_key(tree, capsy
     assert r1.exists()
 
 
+def test_a_key_whose_lock_was_taken_over_from_a_stalled_prune_is_kept(tree, capsys, monkeypatch):
+    """Prune removes an old key holding its publish lock; stalled past the lock's expiry
+    (stopped, swapped out, a hung volume), its lock is taken over by a loader of that key,
+    which may publish it again or hand it to its user as published. Prune went on and removed
+    the key all the same. Now it checks that it still holds the lock before each removal: the
+    key is kept, and said so."""
+    from loader.repository import prune as pruning
+    from loader.repository.lock import LOCKS_DIR
+
+    r1 = str(tree.keys["r1"].relative_to(tree.root))
+    recover = pruning.recover
+
+    def taken_over(root: Path, key: str) -> None:
+        if key == r1:  # what the successor does: the stale file moved away, its own made
+            lock = root / LOCKS_DIR / f"{key_filename(key)}.lock"
+            lock.rename(lock.with_name(f"{lock.name}.stale-0123456789abcdef"))
+            lock.write_text(json.dumps({"pid": 1, "host": "another-node", "token": "t"}))
+        recover(root, key)
+
+    monkeypatch.setattr(pruning, "recover", taken_over)
+    code, out = _prune(capsys, tree.root, "--keep", "3")
+    assert code == 0
+    assert manifest.verify(tree.keys["r1"]) == []
+    assert f"kept {r1} (its publish lock was taken over meanwhile)" in out
+
+
 def test_a_key_published_again_while_prune_works_is_kept(
     tree, tiny_checkpoint_with_tokenizer, capsys
 ):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ from loader.errors import SourceError, SpecialFileError
 from loader.repository import manifest
 from loader.sources import parse_uri
 from tests.runs import cli, published, run_argv, weights
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _copy(source: Path, to: Path) -> Path:
@@ -286,6 +290,29 @@ def test_a_token_file_that_is_no_regular_file_is_refused_never_read(
     with pytest.raises(SourceError) as info:
         resolve_token(options)
     assert str(path) in info.value.message and info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("variable", ["HF_HOME", "XDG_CACHE_HOME", "HOME"])
+def test_a_stored_login_below_a_file_names_the_setting_that_put_it_there(tmp_path, variable):
+    """``HF_HOME`` (or what it defaults from) naming a file, the token's file mistaken for the
+    Hub's directory: the Hub library's read of ``$HF_HOME/token`` failed with NotADirectoryError,
+    reported as the source's failure with a hint to check the source URI. Now the setting is
+    named, with what to set it to (exit 2, before any request)."""
+    token = tmp_path / "hf-token"
+    token.write_text("hf_x\n")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("HF_", "HUGGINGFACE_")) and k not in ("XDG_CACHE_HOME", "HOME")}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", "fetch", "hf://org/name", str(tmp_path / "dest"),
+         "--retry-deadline", "2", "-q"],
+        env={**clean, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": "http://127.0.0.1:9",
+             variable: str(token)},
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: The stored Hugging Face login"), done.stderr
+    assert f"from {variable})" in done.stderr and f"hint: Set {variable} to" in done.stderr
+    assert "source URI" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_token_file_behind_a_link_is_read_as_a_mounted_secret_is(tmp_path):

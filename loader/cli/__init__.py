@@ -47,6 +47,7 @@ from loader import __version__, stages
 from loader.cli import supervise
 from loader.errors import (
     LoaderError,
+    ResourceExhaustedError,
     naming_write_targets,
     redacted,
     resource_exhaustion,
@@ -366,22 +367,43 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM arrived: unwinds every ``finally`` and ``except BaseException`` like Ctrl-C."""
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
+#: The signal that began stopping the command (SIGTERM or SIGINT), once one arrived.
+_stopping: list[int] = []
+
+
+def _stop(signum: int, frame: object) -> None:
+    """The first SIGTERM or SIGINT stops the command: :class:`Terminated` or
+    ``KeyboardInterrupt`` raised in the main thread, which then unwinds. A later one (a second
+    Ctrl-C, SIGTERM then Ctrl-C) is taken and not raised: raised inside the clean-up the first
+    one runs, it cut that short at any point, Python's own included (a condition's lock being
+    taken back: "RuntimeError: release unlocked lock", exit 1 with a traceback; or a lock left
+    taken: the process hung with its publish lock held)."""
+    if _stopping:
+        return
+    _stopping.append(signum)
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (the one
-    handler of every command); outside the main thread signals cannot be handled: no-op."""
+    """While the block runs, SIGTERM raises :class:`Terminated` and SIGINT (unless ignored, as
+    a shell does for background jobs) ``KeyboardInterrupt`` in the main thread, the first of
+    them only (:func:`_stop`); once one arrived the handlers stay, so that none raised while
+    the command reports and ends either. Outside the main thread signals cannot be handled:
+    no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    _stopping.clear()
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not _stopping:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -389,9 +411,11 @@ def _exit_now(code: int) -> NoReturn:
     worker threads of libraries (a download pool) must not hold the exit past the grace period
     Kubernetes gives after SIGTERM. A stream that cannot be flushed any more (its reader gone,
     its volume full) does not change the exit code."""
-    for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # None for a closed stream: AttributeError
-            flush()
+            stream.flush()
     os._exit(code)
 
 
@@ -432,6 +456,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     the one mapping of errno classes)."""
     try:
         with sigterm_unwinds(), _marking_standard_output():
+            _load_blas()
             result = func(args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a failure to write what it printed is the command's
@@ -601,9 +626,115 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     atexit.register(_end_process)
+    _hold_standard_descriptors()
     code = _main(None)
     _process_exit.append(code)
+    if _left_running():
+        # Python would wait for them before its exit handlers run (a download pool's worker
+        # that Ctrl-C left in a read of a stalled server: up to the read timeout, minutes,
+        # after "interrupted"); the exit handlers run now instead, the last one ending the
+        # process (_end_process), as a command killed then would have left them.
+        atexit._run_exitfuncs()
+        _exit_now(code)
     return code
+
+
+def _left_running() -> list[threading.Thread]:
+    """The threads other than this one that would hold the process's exit (not daemons):
+    those of a library's pool the command stopped waiting for."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread is not threading.current_thread() and not thread.daemon and thread.is_alive()
+    ]
+
+
+@contextlib.contextmanager
+def _interrupts_told_apart() -> Iterator[None]:
+    """While the block runs (the command's modules are imported, numpy and its OpenBLAS with
+    them), SIGINT is held back, then taken with who sent it. OpenBLAS sends SIGINT to itself
+    when it cannot start its threads (threads or memory ran out: ``ulimit -u`` or ``-v``, a
+    pod's pid limit), then goes on with threads that do not exist; Python took that for Ctrl-C:
+    ``run`` said "interrupted" (130), which no user did, and a command importing numpy later
+    failed in its import (exit 1, a bug). Now that is :class:`ResourceExhaustedError` (75); a
+    SIGINT from anyone else is an interruption, as before, once the block ends, unless SIGINT
+    is ignored (a background job: a blocked signal is kept even then). Outside the main
+    thread, or where signals cannot be taken with their sender: no-op."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "sigtimedwait"
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+    try:
+        yield
+    finally:
+        sent = None
+        if signal.SIGINT in signal.sigpending():
+            sent = signal.sigtimedwait((signal.SIGINT,), 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if sent is not None:
+            if sent.si_pid == os.getpid() and sent.si_code <= 0:  # sent (kill, raise) by us
+                raise ResourceExhaustedError(
+                    "A library the command loads (OpenBLAS, with numpy) could not start its "
+                    "threads: threads or memory ran out (its own lines above say which), and "
+                    "it sent the loader an interrupt.",
+                    "Run again with more room: a higher process and thread limit (`ulimit -u`, "
+                    "the pod's pid limit) or memory limit, or fewer threads for OpenBLAS "
+                    "(OPENBLAS_NUM_THREADS=1 is enough for the loader).",
+                )
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a background job's
+                raise KeyboardInterrupt
+
+
+def _load_blas() -> None:
+    """Import numpy, which loads OpenBLAS and starts its threads, with SIGINT told apart
+    (:func:`_interrupts_told_apart`), before the command imports it wherever it first needs it
+    (``plan`` reading a checkpoint's config: numpy then failed to import, a bug's exit)."""
+    if "numpy" in sys.modules:
+        return
+    with _interrupts_told_apart():
+        import numpy  # noqa: F401
+
+
+def _hold_standard_descriptors() -> None:
+    """Open ``/dev/null`` on each standard descriptor (0, 1, 2) the process started without
+    (``>&-``, ``2>&-``): else the next file the loader opens takes that number, and what a
+    library writes to its standard error (a native library's warning) or a child process
+    inherits as its output goes into that file. Python has made the stream ``None``; a closed
+    standard error becomes one that writes nowhere (``print`` to ``None`` writes to standard
+    output, which then holds error lines); standard output stays ``None``, which a command
+    refuses (:func:`_stdout_closed`)."""
+    held = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            held.append(fd)
+    if sys.stderr is None and 2 in held:  # never a file that took the number before
+        with contextlib.suppress(OSError):
+            sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")  # noqa: SIM115
+
+
+def _stdout_closed() -> LoaderError:
+    """The error of a command started with standard output closed: what it prints (for
+    ``run``, ``fetch`` and ``convert`` the result's path, as the last line) could not be
+    written, and Python drops it without a word: the command did its work and exited 0, with
+    a script reading an empty result. Refused before any work."""
+    return LoaderError(
+        "Standard output is closed (`>&-`?): what the command prints (the path of its result, "
+        "as the last line, for run, fetch and convert) could not be written, so nothing was "
+        "done.",
+        "Redirect standard output to /dev/null to drop what it prints (`>/dev/null`), or to a "
+        "file or a pipe to read it.",
+    )
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -626,8 +757,11 @@ def _main(argv: Sequence[str] | None) -> int:
             )
         )
     try:
-        parser = build_parser(commands_for(argv))  # imports the command's module
+        with _interrupts_told_apart():
+            parser = build_parser(commands_for(argv))  # imports the command's module
         args = parser.parse_args(argv)
+    except LoaderError as exc:  # a library could not start its threads (_interrupts_told_apart)
+        return report(exc)
     except OSError as exc:  # an argument's type looks at the file system (directory_path)
         typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
@@ -646,6 +780,8 @@ def _main(argv: Sequence[str] | None) -> int:
         configure_logging(args.verbose, args.quiet)
     except LoaderError as exc:
         return report(exc)
+    if sys.stdout is None:
+        return report(_stdout_closed())
     profile = os.environ.get("MODEL_LOADER_PROFILE", "").strip()
     if (
         profile

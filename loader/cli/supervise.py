@@ -73,8 +73,9 @@ def supervise() -> int | LoaderError | None:
     if threading.active_count() != 1:
         return None  # never fork with threads: a lock another thread held stays held
     block = ledger.open_shared()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: started closed (loader.cli refuses a closed stdout)
+            stream.flush()
     parent = os.getpid()
     # Blocked from now on in the parent, which takes them with sigwaitinfo (a PID 1 of a
     # container gets them too: a blocked signal is never discarded).

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader import fs
-from loader.errors import LockTimeoutError, NotOursError, RepositoryError, some_names
+from loader.errors import LockLostError, LockTimeoutError, NotOursError, RepositoryError, some_names
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
@@ -317,6 +317,9 @@ def _prune(
         try:
             recover(root, key)
             for c in items:
+                if not _still_held(lock):
+                    report.kept.append((key, "its publish lock was taken over meanwhile"))
+                    break
                 why = c.recheck()
                 if why is not None:
                     report.kept.append((key, why))
@@ -340,6 +343,18 @@ def _path_size(path: Path) -> int:
             return _size(d, path.name)
     except (FileNotFoundError, NotADirectoryError):
         return 0
+
+
+def _still_held(lock: PublishLock) -> bool:
+    """Whether prune still holds ``lock``: a prune stalled past the expiry (stopped, swapped
+    out, a hung volume) had its lock taken over by a loader of the key, which may have
+    published it again, or handed it to its user as published, meanwhile; nothing more of
+    the key is removed then."""
+    try:
+        lock.check_held()
+    except (LockLostError, OSError):
+        return False
+    return True
 
 
 def _leftovers(root: Path, lock_expiry_s: float) -> list[_Candidate]:

@@ -44,7 +44,7 @@ from loader.errors import CheckpointError, RepositoryError
 from loader.formats.fastertransformer import INT32_MAX, FTConfig
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
-from loader.repository.key import ServingSettings
+from loader.repository.key import ServingSettings, check_model_name
 
 UINT64_MAX = 2**64 - 1
 #: The largest tokenizer file copied into a repository (real ones are a few MB).
@@ -54,7 +54,10 @@ MAX_TOKENIZER_BYTES = 256 * 2**20
 def check_settings(name: str, parallelism: Parallelism, settings: ServingSettings) -> None:
     """Every number of the repository's ``config.pbtxt`` files within its field's range, and
     the configs built (see the module docstring); a :class:`RepositoryError` naming the flag
-    otherwise."""
+    otherwise. The model name, which the configs hold, is checked first
+    (:func:`~loader.repository.key.check_model_name`): a name that is not UTF-8 text failed in
+    the configs' encoding, reported as a refusal of the numbers."""
+    check_model_name(name)
     numbers = [
         ("--max-batch-size", settings.max_batch_size, INT32_MAX),
         ("--instance-count", parallelism.instance_count, INT32_MAX),

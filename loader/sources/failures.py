@@ -146,6 +146,13 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
         ]
     except ImportError:
         pass
+    try:  # a token request of the Google credentials (a metadata server, a token URL) that
+        # failed to connect or timed out: google.auth wraps the HTTP stack's error in its own
+        import google.auth.exceptions
+
+        errors.append(google.auth.exceptions.TransportError)
+    except ImportError:
+        pass
     for name in ("httpx", "httpx2"):
         try:
             module = __import__(name)
@@ -274,9 +281,20 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if name_resolution_failure(exc) is not None or settings_failure(exc) is not None:
         return False
-    if isinstance(exc, _transport_errors()):
+    if isinstance(exc, _transport_errors()) or _retryable_by_its_library(exc):
         return True
     return status_of(exc) in TRANSIENT_STATUS
+
+
+def _retryable_by_its_library(exc: BaseException) -> bool:
+    """google.auth's own word that a failure may pass (``retryable``: a token endpoint that
+    answered 429 or 5xx, after its own retries): a :class:`RefreshError` otherwise means
+    credentials that cannot work."""
+    try:
+        from google.auth.exceptions import GoogleAuthError
+    except ImportError:
+        return False
+    return isinstance(exc, GoogleAuthError) and getattr(exc, "retryable", False) is True
 
 
 def sentence(what: str) -> str:

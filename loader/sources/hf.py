@@ -186,8 +186,18 @@ def _stored_login_is_a_file() -> None:
     path = Path(constants.HF_TOKEN_PATH)
     try:
         found = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return  # no stored login: no token
+    except NotADirectoryError as exc:  # the library's own read fails on it, as no token
+        set_by = [v for v in ("HF_TOKEN_PATH", "HF_HOME", "XDG_CACHE_HOME", "HOME")
+                  if os.environ.get(v)][:1] or ["HOME"]  # fmt: skip
+        raise SourcePermissionError(
+            f"The stored Hugging Face login {shown(path)} (where `hf auth login` keeps the "
+            f"token; from {set_by[0]}) cannot be looked at: a level of that path is a file, "
+            "not a directory.",
+            f"Set {set_by[0]} to a directory (HF_HOME) or to the token file (HF_TOKEN_PATH), "
+            f"or unset it; or pass a token ({TOKEN_HINT}).",
+        ) from exc
     except OSError as exc:
         raise SourcePermissionError(
             f"Cannot look at the stored Hugging Face login {shown(path)} ({exc.strerror}).",

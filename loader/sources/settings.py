@@ -17,11 +17,13 @@ import importlib
 import os
 import stat
 import urllib.parse
+from pathlib import Path
 from types import ModuleType
 
 from loader.endpoint import host_problem
-from loader.errors import SourceError, SourcePermissionError, shown
-from loader.fs import kind_of
+from loader.errors import LoaderError, SourceError, SourcePermissionError, shown
+from loader.formats import jsondoc
+from loader.fs import kind_of, read_file
 
 #: The schemes an endpoint may use.
 SCHEMES = ("http", "https")
@@ -135,33 +137,58 @@ def key_files() -> None:
     """Refuse a Google credentials file the client would read unbounded: what
     ``GOOGLE_APPLICATION_CREDENTIALS`` names (set and not empty), and gcloud's default
     credentials file where it exists, must each be a regular file (through links) of at most
-    :data:`MAX_KEY_FILE_BYTES`. A missing file is left to the client (its own error)."""
+    :data:`MAX_KEY_FILE_BYTES`; so must the file an external account's configuration (workload
+    identity federation) names for its subject token (``credential_source.file``), which the
+    client reads at each token refresh. A missing file is left to the client (its own error)."""
     named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or None
     if named is not None:
         _key_file(named, f"GOOGLE_APPLICATION_CREDENTIALS={named!r} names", _KEY_FIX)
+        _token_files(named, "GOOGLE_APPLICATION_CREDENTIALS")
         return  # the client reads only this one
     from google.auth import _cloud_sdk
 
     default = _cloud_sdk.get_application_default_credentials_path()
-    _key_file(
-        default,
-        f"gcloud's default credentials file {shown(default)} is",
+    fix = (
         "Remove it or replace it with the file `gcloud auth application-default login` "
-        "writes, or set GOOGLE_APPLICATION_CREDENTIALS to a key file.",
+        "writes, or set GOOGLE_APPLICATION_CREDENTIALS to a key file."
     )
+    _key_file(default, f"gcloud's default credentials file {shown(default)} is", fix)
+    _token_files(default, f"gcloud's default credentials file {shown(default)}")
 
 
-def _key_file(path: str, subject: str, fix: str) -> None:
+def _key_file(path: str, subject: str, fix: str, kind: str = "a key file") -> None:
     try:
         found = os.stat(path)
     except (OSError, ValueError):
         return  # missing, a dangling link, a NUL: the client's own error names it
     if not stat.S_ISREG(found.st_mode):
         what = kind_of(found.st_mode)
-        raise SourcePermissionError(f"{subject} {what}, not a key file.", fix)
+        raise SourcePermissionError(f"{subject} {what}, not {kind}.", fix)
     if found.st_size > MAX_KEY_FILE_BYTES:
         raise SourcePermissionError(
-            f"{subject} a file of {found.st_size} bytes, too large to be a key file "
+            f"{subject} a file of {found.st_size} bytes, too large to be {kind} "
             f"(at most {MAX_KEY_FILE_BYTES} bytes).",
             fix,
+        )
+
+
+def _token_files(path: str, named_by: str) -> None:
+    """Check the subject-token file the credentials file ``path`` (already checked) names, as
+    :func:`_key_file` checks a key file. A file that cannot be read or parsed here is left to
+    the client (its own error)."""
+    try:
+        info = jsondoc.loads(read_file(Path(path), limit=MAX_KEY_FILE_BYTES))
+    except (OSError, ValueError, LoaderError):
+        return
+    source = info.get("credential_source") if isinstance(info, dict) else None
+    token = source.get("file") if isinstance(source, dict) else None
+    if isinstance(token, str) and token:
+        _key_file(
+            token,
+            f"The subject token file {shown(token)} that {named_by} names "
+            "(credential_source.file) is",
+            "Point credential_source.file at the file holding the identity provider's token "
+            "(a regular file, which the platform rewrites), or set "
+            "GOOGLE_APPLICATION_CREDENTIALS to another credentials file.",
+            kind="a token file",
         )
