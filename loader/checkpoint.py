@@ -44,7 +44,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from loader import fs, ledger
-from loader.errors import CheckpointError, DtypeError, SourceShrankError, shown, some_names
+from loader.errors import (
+    CheckpointError,
+    CorruptFileError,
+    DtypeError,
+    SourceShrankError,
+    shown,
+    some_names,
+)
 from loader.formats import jsondoc
 from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
@@ -190,11 +197,8 @@ def _check_spans(path: Path, spans: list[tuple[int, int, str]], data_size: int) 
         )
 
 
-def _corrupt(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is truncated or corrupt: {what}.",
-        "Download or copy that file again (compare its size and checksum with the source).",
-    )
+def _corrupt(path: Path, what: str) -> CorruptFileError:
+    return CorruptFileError(path, what)
 
 
 class SafetensorsFile:

@@ -826,6 +826,10 @@ def _fetch_into(
         bytes=total,
         downloaded_bytes=needed,
         fingerprint=_fingerprint(uri, blobs),
+        # every object fetched was compared with its CRC32C or MD5 (_check_checksums)
+        origins={
+            rel: f"gs://{uri.location}/{blob.name}" for blob, rel in zip(blobs, files, strict=True)
+        },
     )
 
 
