@@ -76,17 +76,27 @@ def test_a_gs_object_that_matched_its_checksum_but_does_not_parse_is_blamed_on_t
     assert "copy that file again" not in err, err
 
 
+@pytest.mark.parametrize("overlap", [[], ["--no-overlap"]], ids=["overlapped", "sequential"])
+@pytest.mark.parametrize("repo", ["single", "sharded"])
 def test_an_hf_file_that_matched_its_hash_but_does_not_parse_is_blamed_on_the_repository(
-    tiny_checkpoint_with_tokenizer, capsys, monkeypatch, tmp_path
+    tiny_checkpoint_with_tokenizer,
+    sharded_fp16_checkpoint,
+    capsys,
+    monkeypatch,
+    tmp_path,
+    repo,
+    overlap,
 ):
+    checkpoint = tiny_checkpoint_with_tokenizer if repo == "single" else sharded_fp16_checkpoint
+    name = "model.safetensors" if repo == "single" else _a_shard(sharded_fp16_checkpoint)
     hub = ForgedHub().start()
     try:
         use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
-        commit = hub.add("org/tiny", _files(tiny_checkpoint_with_tokenizer, "model.safetensors"))
-        err = _refused(capsys, "hf://org/tiny", tmp_path / "models")
+        commit = hub.add(f"org/{repo}", _files(checkpoint, name))
+        err = _refused(capsys, f"hf://org/{repo}", tmp_path / "models", *overlap)
     finally:
         hub.stop()
-    origin = f"hf://org/tiny@{commit}/model.safetensors"
+    origin = f"hf://org/{repo}@{commit}/{name}"
     assert f"{origin} is corrupt at its source: header is not valid JSON" in err, err
     assert f"Replace {origin} at its source" in err, err
     assert "copy that file again" not in err, err
