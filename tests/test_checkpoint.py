@@ -318,3 +318,20 @@ def test_a_link_at_a_weight_file_below_a_confined_tree_is_refused_not_looked_thr
     assert sorted(p.name for p in outside.iterdir()) == ["elsewhere"]
     assert (outside / "elsewhere").read_bytes() == before
     assert not (root / ".work" / "key" / "converted").exists()
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [("notes/readme.txt", b"x")],
+        [("readme.txt", b"x")],
+        [("notes/a", b""), ("other/data.pkl", None)],
+    ],
+    ids=["no tensor list", "no folder", "tensor list outside the first folder"],
+)
+def test_a_zip_archive_torch_load_would_not_read_is_left_to_it(tmp_path, records):
+    """The check has nothing to judge (torch.load refuses such a file): it neither raises
+    nor fails on a record it looked for."""
+    from loader.checkpoint import _check_records
+
+    _check_records(_archive(tmp_path / "pytorch_model.bin", records, _0=1000))
