@@ -26,6 +26,7 @@ a link. Nothing here writes.
 
 from __future__ import annotations
 
+import collections
 import errno
 import io
 import json
@@ -44,7 +45,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from loader import fs, ledger
-from loader.errors import CheckpointError, DtypeError, SourceShrankError, shown, some_names
+from loader.errors import (
+    CheckpointError,
+    CorruptFileError,
+    DtypeError,
+    SourceShrankError,
+    shown,
+    some_names,
+)
 from loader.formats import jsondoc
 from loader.formats.huggingface import CONFIG_FILE, WEIGHT_FILES, WeightFiles
 
@@ -190,11 +198,8 @@ def _check_spans(path: Path, spans: list[tuple[int, int, str]], data_size: int) 
         )
 
 
-def _corrupt(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is truncated or corrupt: {what}.",
-        "Download or copy that file again (compare its size and checksum with the source).",
-    )
+def _corrupt(path: Path, what: str) -> CorruptFileError:
+    return CorruptFileError(path, what)
 
 
 class SafetensorsFile:
@@ -404,21 +409,34 @@ def _check_records(path: Path) -> None:
     ``torch.load(mmap=True)`` views each storage at its record's offset for as many bytes as
     the pickle says, whatever the record holds: a record cut short inside a valid archive
     would be read on into the records after it (a :class:`CheckpointError` here). A file that
-    is no zip archive is left to ``torch.load`` to refuse."""
+    is no zip archive is left to ``torch.load`` to refuse.
+
+    The archive is read as ``torch.load`` reads it: the pickle is ``data.pkl`` in the folder of
+    the archive's first record (another record named ``data.pkl`` elsewhere is not the one
+    read), and a name recorded twice is refused (``zipfile`` reads the last such record,
+    PyTorch's reader may view another)."""
     with fs.open_read(path) as fh:
         try:
             archive = zipfile.ZipFile(fh)
         except (zipfile.BadZipFile, EOFError, ValueError):
             return
         with archive:
-            pickles = [n for n in archive.namelist() if n.rpartition("/")[2] == "data.pkl"]
-            if len(pickles) != 1:
+            names = archive.namelist()
+            twice = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+            if twice:
+                raise _corrupt(
+                    path, f"it holds {len(twice)} record name(s) twice, {shown(twice[0])} first"
+                )
+            if not names or "/" not in names[0]:
+                return  # not in one folder: torch.load refuses it
+            prefix = names[0].partition("/")[0] + "/"
+            listing = f"{prefix}data.pkl"
+            if listing not in names:
                 return
-            prefix = pickles[0][: -len("data.pkl")]
-            if archive.getinfo(pickles[0]).file_size > _MAX_PICKLE:
+            if archive.getinfo(listing).file_size > _MAX_PICKLE:
                 raise _corrupt(path, f"its tensor list is larger than {_MAX_PICKLE // 2**20} MiB")
             try:
-                scan = _Storages(archive.read(pickles[0]))
+                scan = _Storages(archive.read(listing))
                 scan.load()
             except Exception as exc:  # any malformed pickle: nothing of it was run
                 raise _corrupt(

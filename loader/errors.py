@@ -111,6 +111,36 @@ class CheckpointError(LoaderError):
     )
 
 
+class CorruptFileError(CheckpointError):
+    """A checkpoint file whose bytes are not a valid file of its format (``path``: the file,
+    ``what``: what is wrong with it). Its hint assumes a copy damaged on its way here; a file
+    that matched the checksum its remote source lists is corrupt at that source, which
+    :meth:`at_source` says."""
+
+    default_remediation = (
+        "Download or copy that file again (compare its size and checksum with the source)."
+    )
+
+    def __init__(self, path: Path, what: str, *, origin: str | None = None) -> None:
+        self.path = path
+        self.what = what
+        self.origin = origin
+        if origin is None:
+            super().__init__(f"{shown(path)} is truncated or corrupt: {what}.")
+        else:
+            super().__init__(
+                f"{shown(origin)} is corrupt at its source: {what}. Its download ({shown(path)}) "
+                "matched the "
+                "checksum the source lists for it, so fetching it again gives the same bytes.",
+                f"Replace {shown(origin)} at its source with a good copy (upload or push the file "
+                "again), or point the loader at another source or revision, then run again.",
+            )
+
+    def at_source(self, origin: str) -> CorruptFileError:
+        """The same failure of a file verified against ``origin``'s checksum."""
+        return CorruptFileError(self.path, self.what, origin=origin)
+
+
 class UnsupportedArchitectureError(CheckpointError):
     """config.json names a model_type no converter handles."""
 

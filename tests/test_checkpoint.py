@@ -145,6 +145,102 @@ def test_a_storage_named_twice_must_fit_its_record_each_time(tmp_path):
         _check_records(path)
 
 
+def _archive(path: Path, records: list[tuple[str, bytes]], **storages: int) -> Path:
+    """A zip archive of ``records`` (name, bytes), in that order, each ``data.pkl`` in them a
+    pickle naming storage ``KEY`` with ``storages[KEY]`` float elements (``_0`` for ``0``)."""
+    import io
+    import pickle
+    import warnings
+    import zipfile
+
+    class Named:
+        def __init__(self, key: str, numel: object) -> None:
+            self.key, self.numel = key, numel
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, Named):
+                return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel)
+            return None
+
+    data = io.BytesIO()
+    Pickler(data, protocol=2).dump({k: Named(k.lstrip("_"), n) for k, n in storages.items()})
+    with zipfile.ZipFile(path, "w") as archive, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Duplicate name": some tests write one
+        for name, body in records:
+            archive.writestr(name, data.getvalue() if body is None else body)
+    return path
+
+
+def _records_check(path: Path) -> str:
+    import warnings
+
+    from loader.checkpoint import _check_records
+
+    with pytest.raises(CheckpointError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile: "Duplicate name"
+        _check_records(path)
+    return info.value.message
+
+
+@pytest.mark.parametrize(
+    "second", ["archive/data/data.pkl", "archive/x/data.pkl"], ids=["in data", "in a folder"]
+)
+def test_a_second_tensor_list_in_the_archive_hides_no_short_record(tmp_path, second):
+    """torch.load reads ``data.pkl`` in the folder of the first record. Before: another record
+    named ``data.pkl`` turned the check off, and torch.load viewed storage 0's 4000 bytes
+    across the records after its 8."""
+    path = _archive(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)),
+         ("archive/data/1", bytes(4096)), ("archive/version", b"3\n"), (second, b"")],
+        _0=1000,
+    )  # fmt: skip
+    assert "record 0 holds 8 bytes, fewer than the 4000" in _records_check(path)
+
+
+def test_a_record_name_written_twice_is_refused(tmp_path):
+    """zipfile reads the last of two records of one name, PyTorch's reader the first: the
+    8 bytes of the first would be viewed as 4000."""
+    path = _archive(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)),
+         ("archive/data/1", bytes(4096)), ("archive/data/0", bytes(4000))],
+        _0=1000,
+    )  # fmt: skip
+    assert "record name(s) twice, archive/data/0 first" in _records_check(path)
+
+
+@pytest.mark.parametrize(
+    ("records", "numel", "said"),
+    [
+        ([("archive/data/0", bytes(4 * 10 - 1))], 10, "holds 39 bytes, fewer than the 40"),
+        ([], 10, "tensor record 0 is missing"),
+        ([("archive/data/0", bytes(8))], True, "has True elements"),
+        ([("archive/data/0", bytes(8))], -1, "has -1 elements"),
+        ([("archive/data/0", bytes(8))], 2.0, "has 2.0 elements"),
+    ],
+    ids=["one byte short", "missing", "bool", "negative", "float"],
+)
+def test_a_storage_record_the_tensor_list_cannot_view_is_refused(tmp_path, records, numel, said):
+    path = _archive(
+        tmp_path / "pytorch_model.bin", [("archive/data.pkl", None), *records], _0=numel
+    )
+    assert said in _records_check(path)
+
+
+def test_a_tensor_list_that_does_not_read_or_is_too_large_is_refused(tmp_path, monkeypatch):
+    from loader import checkpoint
+
+    path = _archive(tmp_path / "a.bin", [("archive/data.pkl", b"\x80\x02garbage")])
+    assert "its tensor list does not read" in _records_check(path)
+    path = _archive(
+        tmp_path / "b.bin", [("archive/data.pkl", None), ("archive/data/0", bytes(8))], _0=2
+    )
+    monkeypatch.setattr(checkpoint, "_MAX_PICKLE", 16)
+    assert "its tensor list is larger than" in _records_check(path)
+
+
 def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
     path = _copy(checkpoints[("bin", True)], tmp_path / "ck")
     victim = sorted(path.glob("pytorch_model-*.bin"))[0]
@@ -222,3 +318,20 @@ def test_a_link_at_a_weight_file_below_a_confined_tree_is_refused_not_looked_thr
     assert sorted(p.name for p in outside.iterdir()) == ["elsewhere"]
     assert (outside / "elsewhere").read_bytes() == before
     assert not (root / ".work" / "key" / "converted").exists()
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [("notes/readme.txt", b"x")],
+        [("readme.txt", b"x")],
+        [("notes/a", b""), ("other/data.pkl", None)],
+    ],
+    ids=["no tensor list", "no folder", "tensor list outside the first folder"],
+)
+def test_a_zip_archive_torch_load_would_not_read_is_left_to_it(tmp_path, records):
+    """The check has nothing to judge (torch.load refuses such a file): it neither raises
+    nor fails on a record it looked for."""
+    from loader.checkpoint import _check_records
+
+    _check_records(_archive(tmp_path / "pytorch_model.bin", records, _0=1000))

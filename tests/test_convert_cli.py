@@ -335,8 +335,8 @@ def test_a_weight_beyond_fp16s_range_is_refused_not_written_as_infinity(
 def test_a_nan_the_source_holds_excuses_no_other_weight_beyond_fp16s_range(
     good, tmp_path, capsys, tensor, source
 ):
-    """A NaN or infinity already in the source is written as it is; a finite weight beyond
-    fp16's range in the same chunk, or in another tensor fused with it, is still refused."""
+    """A finite weight beyond fp16's range is named as such, with the hint to convert to fp32,
+    even where the same chunk, or another tensor fused with it, holds a NaN or an infinity."""
     import torch
 
     src = variant(good, tmp_path)
@@ -346,7 +346,8 @@ def test_a_nan_the_source_holds_excuses_no_other_weight_beyond_fp16s_range(
             state[name] = state[name].to(getattr(torch, source))
         state[tensor].view(-1)[0] = float("nan")
         state[tensor].view(-1)[3] = 1e5
-        state["transformer.h.1.attn.k_proj.weight"].view(-1)[1] = float("inf")
+        if tensor.startswith("transformer.h.1.attn."):  # fused with it into one file
+            state["transformer.h.1.attn.k_proj.weight"].view(-1)[1] = float("inf")
 
     edit_tensors(src, enlarge)
     edit_config(src, torch_dtype=source)
@@ -355,3 +356,71 @@ def test_a_nan_the_source_holds_excuses_no_other_weight_beyond_fp16s_range(
         capsys, out, [str(src), str(out), "--tp-size", "2", "--dtype", "fp16"],
         tensor, "65504", "--dtype fp32",
     )  # fmt: skip
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("tensor", "source", "dtype", "value"),
+    [
+        ("transformer.ln_f.weight", "float16", "fp16", NAN),  # copied by the kernel
+        ("transformer.h.0.ln_1.bias", "float32", "fp32", INF),  # kept in its dtype
+        ("transformer.h.0.mlp.fc_in.weight", "float32", "fp32", -INF),  # transposed
+        ("transformer.h.1.attn.k_proj.weight", "float32", "fp16", NAN),  # fused, narrowed
+        ("transformer.wte.weight", "bfloat16", "fp16", INF),
+        ("lm_head.bias", "float16", "fp32", -INF),  # widened
+    ],
+)
+def test_a_nan_or_infinity_in_the_source_is_refused_naming_its_tensor(
+    good, tmp_path, capsys, monkeypatch, tensor, source, dtype, value
+):
+    """FasterTransformer loads a file holding one and generates garbage: whatever path its
+    bytes take (a kernel copy, a view written as it is, a cast or a transpose), refused."""
+    import torch
+
+    from loader.convert import writer
+
+    spans = []
+    real_span = writer._byte_span
+
+    def byte_span(out, ckpt, out_dtype):
+        found = real_span(out, ckpt, out_dtype)
+        spans.append((out.sources, found is not None))
+        return found
+
+    monkeypatch.setattr(writer, "_byte_span", byte_span)
+    src = variant(good, tmp_path)
+
+    def damage(state):
+        for name in state:
+            state[name] = state[name].to(getattr(torch, source))
+        state[tensor].view(-1)[5] = value
+
+    edit_tensors(src, damage)
+    edit_config(src, torch_dtype=source)
+    out = tmp_path / "out"
+    err = assert_refused(
+        capsys, out, [str(src), str(out), "--tp-size", "2", "--dtype", dtype],
+        f"{tensor} holds a NaN or an infinite weight", "use another checkpoint or revision",
+    )  # fmt: skip
+    assert "65504" not in err
+    if tensor == "transformer.ln_f.weight":
+        assert ((tensor,), True) in spans  # its bytes were on their way to the kernel copy
+
+
+def test_run_refuses_a_nan_in_the_source_before_publishing(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """run computes every file's digest, so every byte passes through the check."""
+    from tests.runs import checkpoint_copy, cli, run_argv
+
+    src, weights = checkpoint_copy(tiny_checkpoint_with_tokenizer, tmp_path / "src")
+    state = load_file(weights)
+    state["transformer.ln_f.bias"].view(-1)[0] = NAN
+    save_file(state, weights, metadata={"format": "pt"})
+    root = tmp_path / "models"
+    code, _, err = cli(capsys, *run_argv(src, root))
+    assert code == 2, err
+    assert "transformer.ln_f.bias holds a NaN or an infinite weight" in err, err
+    assert not (root / "tiny").exists()

@@ -89,3 +89,32 @@ def test_an_object_named_like_the_loaders_record_is_refused_never_placed_over_it
     assert _relpath(parse_uri("gs://bucket/p"), "p/sub/.model-loader-made") == (
         "sub/.model-loader-made"
     )
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [("Config.json", "config.json"),
+     ("Maß.bin", "MASS.bin"),  # full case folding: ß is ss
+     ("\u03c3.bin", "\u03c2.bin"),  # σ and final ς fold alike
+     ("model-\uff11.bin", "model-1.bin"),  # NFKC: a full-width digit is the digit
+     ("e\u0301", "\u00e9")],
+    ids=["case", "sharp s", "final sigma", "full width", "composed"],
+)  # fmt: skip
+def test_names_one_file_system_may_keep_as_one_fold_alike(one, other):
+    from loader.sources.names import colliding, folded
+
+    assert folded(one) == folded(other)
+    assert colliding([one, other]) == (min(one, other), max(one, other), False)
+    assert colliding([f"d/{one}", "d/x", f"d/{other}"]) is not None
+
+
+def test_colliding_names_the_first_pair_in_name_order_and_what_it_would_be():
+    from loader.sources.names import colliding
+
+    assert colliding(["b", "a", "B"]) == ("B", "b", False)  # the same file
+    assert colliding(["a", "c/x", "A/b"]) == ("a", "A/b", True)  # a file where a folder goes
+    # Of two nested pairs, the one first once folded (not first as listed, not first by code
+    # point: "B/y" sorts before "a"), whatever order the listing gives.
+    for listing in (["B/y", "b", "a/x", "a"], ["a", "a/x", "b", "B/y"]):
+        assert colliding(listing) == ("a", "a/x", True)
+    assert colliding(["a", "ab", "a.b", "b/a"]) is None

@@ -27,7 +27,7 @@ from loader.errors import (
     SourcePermissionError,
     TransientSourceError,
 )
-from loader.sources import fetch, gcs, transfer
+from loader.sources import ArrivalHooks, fetch, gcs, transfer
 from tests.leftovers import left_by_a_fetch
 from tests.servers import GcsServer, ThrottleProxy, free_port
 from tests.tinymodels import for_tiny_model
@@ -189,6 +189,54 @@ def test_object_whose_bytes_do_not_match_its_checksum_is_rejected(server, tmp_pa
     assert not (dest / "model.safetensors").exists()
     leftovers = list((dest / transfer.PARTIAL_DIR).rglob("model.safetensors*"))
     assert leftovers == []
+
+
+@pytest.mark.parametrize(
+    "dropped",
+    [("Md5Hash",), ("Crc32c",)],
+    ids=["crc32c-only-like-a-composite-object", "md5-only"],
+)
+def test_an_object_with_one_of_its_two_checksums_is_fetched_and_verified(server, tmp_path, dropped):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(os.urandom(100_000))
+    prefix = f"onesum-{dropped[0].lower()}"
+    server.upload_dir(BUCKET, prefix, src)
+    server.drop_checksums(BUCKET, f"{prefix}/model.safetensors", *dropped)
+    dest = tmp_path / "dest"
+    fetch(f"gs://{BUCKET}/{prefix}", dest)
+    same_tree(src, dest)
+    # Damaged where it lies: the checksum left still catches it.
+    with open(server.stored_path(BUCKET, f"{prefix}/model.safetensors"), "r+b") as fh:
+        fh.seek(500)
+        fh.write(b"\x00\xff\x00\xff")
+    with pytest.raises(ChecksumMismatchError, match=rf"{prefix}/model\.safetensors"):
+        fetch(f"gs://{BUCKET}/{prefix}", tmp_path / "again")
+
+
+def test_an_object_without_any_checksum_is_refused_before_anything_is_downloaded(server, tmp_path):
+    """No retry could verify its bytes: exit 2 naming it and what to do, never 75 forever."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(os.urandom(100_000))
+    server.upload_dir(BUCKET, "nosum", src)
+    server.drop_checksums(BUCKET, "nosum/model.safetensors", "Crc32c", "Md5Hash")
+    dest = tmp_path / "dest"
+    for _ in range(2):  # the same answer every time
+        with pytest.raises(SourceError) as info:
+            fetch(f"gs://{BUCKET}/nosum", dest, retry_deadline_s=5)
+        assert not isinstance(info.value, TransientSourceError | ChecksumMismatchError)
+        assert info.value.exit_code == 2
+        assert f"gs://{BUCKET}/nosum/model.safetensors" in info.value.message
+        assert "neither a CRC32C nor an MD5" in info.value.message
+        assert "Upload the object again" in info.value.remediation
+        assert not dest.exists() or [p for p in dest.rglob("*") if p.is_file()] == []
+    # A fetch that skips it (already converted) does not need it.
+    fetch(f"gs://{BUCKET}/nosum", dest, hooks=ArrivalHooks(skip=frozenset({"model.safetensors"})))
+    assert (dest / "config.json").read_text() == "{}"
+    assert not (dest / "model.safetensors").exists()
 
 
 @pytest.fixture

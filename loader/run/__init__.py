@@ -34,11 +34,11 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loader import fs, stages
-from loader.errors import LockLostError, RepositoryError
+from loader.errors import CorruptFileError, LockLostError, RepositoryError
 from loader.fs import Dir
 from loader.plan import check_placement
 from loader.repository import layout, publish
@@ -103,7 +103,11 @@ def _run(request: RunRequest) -> RunResult:
         if not request.force and up_to_date(target, key, request, warned):
             log.info("another loader published %s while this one waited; nothing to do", target)
             return _done(request, RunResult(target, key, False, time.monotonic() - started))
-        with _stops_if_lost(lock, request, key), strategy_for(request, root, key) as strategy:
+        with (
+            _stops_if_lost(lock, request, key),
+            strategy_for(request, root, key) as strategy,
+            _blamed_on_the_source(lambda: fetched),
+        ):
             publish.clear_leftovers(root, key, idle_s=request.lock_expiry_s)
             before = None
             if fetched is not None:  # a local source, read in place: fingerprinted first,
@@ -147,6 +151,31 @@ def _run(request: RunRequest) -> RunResult:
     seconds = time.monotonic() - started
     log.info("published %s in %.1f s", target, seconds)
     return _done(request, RunResult(target, key, True, seconds))
+
+
+@contextlib.contextmanager
+def _blamed_on_the_source(fetched: Callable[[], FetchResult | None]) -> Iterator[None]:
+    """A checkpoint file that does not parse although it matched the checksum its remote
+    source lists (``fetched().origins``) is corrupt at that source: downloading it again gives
+    the same bytes, so the error names the object and says to replace it there. A file of a
+    local source keeps the hint to copy it again."""
+    try:
+        yield
+    except CorruptFileError as exc:
+        origin = _origin(fetched(), exc.path)
+        if origin is None or exc.origin is not None:
+            raise
+        raise exc.at_source(origin) from exc
+
+
+def _origin(fetched: FetchResult | None, path: Path) -> str | None:
+    """The remote object ``path`` (a file of ``fetched``) was verified against, if any."""
+    if fetched is None or not fetched.origins:
+        return None
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(fetched.path))
+    if rel.startswith(".."):
+        return None
+    return fetched.origins.get(Path(rel).as_posix())
 
 
 def _tidy(request: RunRequest, root: Path, key: str) -> None:

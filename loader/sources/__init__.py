@@ -80,6 +80,7 @@ class FetchResult:
     ``downloaded_bytes`` counts only what was transferred by this call (0 when everything was
     already present and verified). ``fingerprint`` is what was fetched (see
     :mod:`loader.sources.fingerprint`); ``None`` for local sources (see :func:`fingerprint`).
+    ``origins``: the remote object each file was verified against (empty for local sources).
     """
 
     path: Path
@@ -88,6 +89,10 @@ class FetchResult:
     bytes: int = 0
     downloaded_bytes: int = 0
     fingerprint: Fingerprint | None = None
+    #: Each file (relative to ``path``) that was compared with the checksum its remote source
+    #: lists, with the object it came from (``gs://bucket/name``, ``hf://repo@commit/file``):
+    #: a file that matched it yet does not parse is corrupt at that source.
+    origins: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ How a fetch runs:
   CRC32C, and only then is the file renamed into place: nothing is read back (slices a killed
   run wrote are the exception: they are read back, never trusted). An object without a CRC32C
   is read back for its MD5. A mismatch is a :class:`~loader.errors.ChecksumMismatchError`.
+  An object with neither (no Cloud Storage object lacks a CRC32C; a server standing in for it
+  may) is refused before anything is downloaded (exit 2): no retry could verify it.
 * With :class:`~loader.sources.ArrivalHooks` a caller consumes the files while the fetch goes
   on: small objects are fetched first, then large ones in name order, each started only when
   the caller admits it, and the caller hears of every verified file at once.
@@ -201,6 +203,23 @@ def _check_layout(uri: SourceURI, rels: list[str]) -> None:
         "downloaded.",
         "Rename one of them (or fetch a narrower prefix) and run again.",
     )
+
+
+def _check_checksums(uri: SourceURI, blobs: Iterable[Any], rels: Iterable[str]) -> None:
+    """Refuse, before anything is written, an object whose metadata holds neither a CRC32C nor
+    an MD5: its bytes could never be verified, so no run would ever publish them (Cloud
+    Storage computes a CRC32C for every object it stores, a composite one included; only the
+    MD5 may be missing, and then the CRC32C is checked)."""
+    for blob, rel in zip(blobs, rels, strict=True):
+        if not blob.crc32c and not blob.md5_hash:
+            raise SourceError(
+                f"Object gs://{uri.location}/{_join(uri.path, rel)} has neither a CRC32C nor "
+                "an MD5 checksum in its metadata: its download could not be verified, so it is "
+                "not fetched; nothing was downloaded.",
+                "Upload the object again (gcloud storage cp) so that Cloud Storage computes its "
+                "checksums, or check that STORAGE_EMULATOR_HOST names a server that reports "
+                "them, then run again.",
+            )
 
 
 def _join(prefix: str, rel: str) -> str:
@@ -752,6 +771,8 @@ def _fetch_into(
     present: list[tuple[str, Path]] = []
     files = [_relpath(uri, blob.name) for blob in blobs]
     _check_layout(uri, files)
+    kept = [(b, rel) for b, rel in zip(blobs, files, strict=True) if rel not in hooks.skip]
+    _check_checksums(uri, [b for b, _ in kept], [rel for _, rel in kept])
     todo: list[tuple[Any, str]] = []
     for blob, rel in zip(blobs, files, strict=True):
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
@@ -805,6 +826,10 @@ def _fetch_into(
         bytes=total,
         downloaded_bytes=needed,
         fingerprint=_fingerprint(uri, blobs),
+        # every object fetched was compared with its CRC32C or MD5 (_check_checksums)
+        origins={
+            rel: f"gs://{uri.location}/{blob.name}" for blob, rel in zip(blobs, files, strict=True)
+        },
     )
 
 

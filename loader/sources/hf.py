@@ -874,6 +874,8 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         bytes=total,
         downloaded_bytes=needed,
         fingerprint=Fingerprint(uri=uri.canonical, commit=commit),
+        # every file fetched was compared with the listing's SHA-256 or git blob id
+        origins={rel: f"hf://{uri.location}@{commit}/{rel}" for rel in wanted},
     )
 
 
