@@ -218,3 +218,25 @@ def test_a_release_never_removes_the_lock_a_waiter_took_over_in_the_instant_befo
     finally:
         waiter.release()
     assert not path.exists()
+
+
+def test_a_release_whose_move_aside_fails_still_removes_its_own_lock(tmp_path: Path):
+    """The volume refuses the rename that moves the lock aside (EIO): the lock, still this
+    holder's, is removed by name instead of being left naming this process, which a next run
+    of the same process (a long-lived caller) waited out for its whole --lock-timeout."""
+    import errno
+
+    from loader import fs
+
+    holder = PublishLock(tmp_path, KEY, heartbeat_s=0.05).acquire()
+    path = lock_path(tmp_path, KEY)
+
+    def refuse(op: str, where: str) -> None:
+        if op.startswith("rename") and where.startswith(str(path)):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), where)
+
+    with fs.inject(refuse):
+        holder.release()
+    assert not path.exists() and not list(path.parent.glob("*.stale-*"))
+    with PublishLock(tmp_path, KEY, timeout_s=0):  # taken at once
+        pass

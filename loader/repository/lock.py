@@ -341,6 +341,15 @@ class PublishLock:
             locks.rename(name, locks, moved, how="replace")
         except FileNotFoundError:
             return  # taken over and released meanwhile: nothing of ours is there
+        except OSError as exc:
+            # A volume that refuses the rename (EIO, EPERM of an odd file system) would leave
+            # the lock naming this process: the next run of this process (a long-lived caller)
+            # waited out the whole --lock-timeout. Removed by name while it is still ours, as
+            # before the move aside (only a take-over within this instant is not told apart).
+            log.debug("moving the publish lock %s aside failed (%s)", self.path, exc)
+            if self.held():
+                locks.unlink(name, missing_ok=True)
+            return
         ours, found = os.fstat(self._fd), locks.lstat(moved)
         if found is None or (found.st_dev, found.st_ino) == (ours.st_dev, ours.st_ino):
             locks.unlink(moved, missing_ok=True)
