@@ -1,0 +1,167 @@
+"""A signal that stops a command, whichever thread the kernel hands it to and whatever became of
+standard error: the command unwinds (its lock released, its own files removed) and ends with
+its code (143 SIGTERM, 129 SIGHUP), never a hang, exit 1 or a process left serving; and a
+number is read only as ASCII digits.
+
+The commands run as the installed command does, in processes of their own, started with the
+signals a shell leaves them (:func:`tests.test_supervise._as_a_shell_starts`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import procs
+from tests.runs import run_argv
+from tests.test_adversarial_exit1 import _stalled_storage
+from tests.test_supervise import _as_a_shell_starts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: tgkill(2)'s number: the one call that sends a signal to one thread of another process.
+_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+def to_another_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to a thread of ``pid`` other than its main one, as the kernel may hand a
+    process's signal to any thread that does not block it."""
+    number = _TGKILL.get(os.uname().machine)
+    if number is None:
+        pytest.skip(f"tgkill's number on {os.uname().machine} is not known here")
+    others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    assert others, "the command runs threads besides its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(number, pid, others[0], int(sig)) == 0
+
+
+def _gcs_env(server) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    return env
+
+
+def _stalled_argv(command: str, tmp_path: Path) -> list[str]:
+    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
+            "run": run_argv("gs://b/p", tmp_path / "root")}[command]  # fmt: skip
+    return [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"]
+
+
+def _stopped_while_stalled(tmp_path: Path, command: str, send, **popen) -> tuple[int, str, float]:
+    """Start ``command`` on a storage whose downloads stall, call ``send(proc)`` once a download
+    was asked for; the exit status, standard error (if piped) and the seconds it took to end."""
+    server, asked, release = _stalled_storage()
+    try:
+        proc = subprocess.Popen(
+            _as_a_shell_starts(_stalled_argv(command, tmp_path)), text=True,
+            env=_gcs_env(server), **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no download was asked for"
+            time.sleep(0.5)  # the main thread is in its wait for the downloads
+            send(proc)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        release.set()
+        server.shutdown()
+    return proc.returncode, err or "", took
+
+
+def _nothing_left(tmp_path: Path, command: str) -> None:
+    if command == "run":
+        for what in (".locks", ".staging"):
+            where = tmp_path / "root" / what
+            assert not where.exists() or not any(where.iterdir()), what
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_sigterm_a_download_thread_got_stops_the_command_at_once(tmp_path, command):
+    """The kernel hands a process's SIGTERM to any of its threads that does not block it; one
+    of the download pool's got it while the main thread waited for the downloads in one
+    blocking wait, which such a signal does not wake (and Python runs its handler only in the
+    main thread): on a stalled server the stop waited for the read timeout (minutes), past
+    Kubernetes' grace period. Now the wait wakes every half second and the command stops."""
+
+    def to_a_worker(proc: subprocess.Popen) -> None:
+        pid = (procs.children(proc.pid) or [proc.pid])[0] if command == "run" else proc.pid
+        to_another_thread(pid, signal.SIGTERM)
+
+    code, err, took = _stopped_while_stalled(tmp_path, command, to_a_worker)
+    assert code == 143, err
+    assert "terminated (SIGTERM); stopped cleanly" in err
+    assert took < 15, f"{took:.0f} s after SIGTERM"
+    _nothing_left(tmp_path, command)
+
+
+# --- a streamed completion from a server that went silent ----------------------------------
+
+
+def _silent_triton():
+    """A gRPC server of Triton's inference service whose streams take a request and never
+    answer; the event is set once a request came, ``release`` ends the stalled streams."""
+    from concurrent import futures
+
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    asked, release = threading.Event(), threading.Event()
+
+    class Silent(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ModelStreamInfer(self, request_iterator, context):
+            for _ in request_iterator:
+                asked.set()
+                release.wait(300)
+                return
+            yield  # a generator: the stream's answers (none)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Silent(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, asked, release
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+def test_sigterm_a_grpc_thread_got_stops_a_streamed_completion_at_once():
+    """``complete --stream`` waiting for a server that went silent: a SIGTERM that one of
+    gRPC's threads got waited for the next response, up to the whole ``--timeout``."""
+    server, port, asked, release = _silent_triton()
+    try:
+        proc = subprocess.Popen(
+            _as_a_shell_starts([sys.executable, "-m", "loader", "complete", "hi", "--stream",
+                                "--url", f"127.0.0.1:{port}", "--model", "m", "--timeout", "300"]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no request came"
+            time.sleep(0.5)
+            to_another_thread(proc.pid, signal.SIGTERM)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        release.set()
+        server.stop(0)
+    assert proc.returncode == 143, err
+    assert took < 15, f"{took:.0f} s after SIGTERM"
