@@ -6,6 +6,7 @@ starts in a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -292,6 +293,43 @@ def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repos
             proc.kill()
             proc.wait()
     assert code == 143, proc.stderr.read()
+
+
+def test_a_hang_up_stops_serve_and_its_server(repository):
+    """The terminal ``serve`` ran in closed (SIGHUP): serve died of it at once, and its
+    tritonserver, which leads a session of its own (so a terminal's signals never reach it
+    directly), went on serving its ports and holding its memory, with no one to stop it. Now
+    serve stops like on SIGTERM, tritonserver with it, and exits 129."""
+    import signal
+    import subprocess
+
+    from tests import procs
+    from tests.test_supervise import _as_a_shell_starts
+
+    proc = subprocess.Popen(
+        _as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    server = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("serving"):
+                break
+        (server,) = procs.children(proc.pid)  # tritonserver
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(timeout=90)  # stop's own bound: --exit-timeout-secs and 10 s, then more
+        left = Path(f"/proc/{server}").exists()  # serve reaps the server it stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(server, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == 129, err
+    assert not left, "tritonserver was left running"
+    assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
 
 
 def test_an_abort_under_load_names_its_cause_and_what_to_check(tmp_path):

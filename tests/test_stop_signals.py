@@ -91,6 +91,21 @@ def _nothing_left(tmp_path: Path, command: str) -> None:
 
 @pytest.mark.slow  # a command in a subprocess of its own
 @pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_hang_up_stops_the_command_cleanly(tmp_path, command):
+    """SIGHUP (the terminal the command ran in closed, its ssh session ended): the command died
+    of it at once, with no error line, exit status "killed by SIGHUP"; ``serve`` left its
+    tritonserver serving. Now it unwinds like SIGTERM: its lock released, its staging removed,
+    a last line that says so, exit 129."""
+    code, err, took = _stopped_while_stalled(tmp_path, command, lambda p: p.send_signal(1))
+    assert code == 129, err
+    assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    assert took < 15, f"{took:.0f} s after SIGHUP"
+    _nothing_left(tmp_path, command)
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
 def test_sigterm_a_download_thread_got_stops_the_command_at_once(tmp_path, command):
     """The kernel hands a process's SIGTERM to any of its threads that does not block it; one
     of the download pool's got it while the main thread waited for the downloads in one
@@ -107,6 +122,44 @@ def test_sigterm_a_download_thread_got_stops_the_command_at_once(tmp_path, comma
     assert "terminated (SIGTERM); stopped cleanly" in err
     assert took < 15, f"{took:.0f} s after SIGTERM"
     _nothing_left(tmp_path, command)
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_stop_with_standard_errors_reader_gone_keeps_its_code(tmp_path, command):
+    """``model-loader fetch ... 2>&1 | head -1`` and then SIGTERM: the line "terminated
+    (SIGTERM); stopped cleanly" could not be written (EPIPE), and that error, raised in the
+    command line's own funnel, ended the process with exit 1 (a bug's code), not 143."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone
+    try:
+        code, _, _ = _stopped_while_stalled(
+            tmp_path, command, lambda p: p.send_signal(signal.SIGTERM), stderr=write
+        )
+    finally:
+        os.close(write)
+    assert code == 143
+    _nothing_left(tmp_path, command)
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+def test_a_killed_child_with_standard_errors_reader_gone_keeps_its_code(tmp_path):
+    """``model-loader run ... 2>&1 | head -1``, and the supervised child is killed (the OOM
+    killer): the supervisor's lines about what it removed could not be written, and that
+    error ended it with exit 1; its clean-up stands, its code is the child's signal's."""
+    read, write = os.pipe()
+    os.close(read)
+
+    def kill_child(proc: subprocess.Popen) -> None:
+        (child,) = procs.children(proc.pid)
+        os.kill(child, signal.SIGKILL)
+
+    try:
+        code, _, _ = _stopped_while_stalled(tmp_path, "run", kill_child, stderr=write)
+    finally:
+        os.close(write)
+    assert code == 137
+    _nothing_left(tmp_path, "run")
 
 
 # --- a streamed completion from a server that went silent ----------------------------------

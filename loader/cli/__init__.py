@@ -19,6 +19,8 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
       it: an error line, the code of a command killed by SIGPIPE
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
+129   stopped by SIGHUP (its terminal closed, or its session's leader ended): unwinds like
+      SIGTERM (unless SIGHUP is ignored: ``nohup``)
 128+n ``convert`` or ``run`` killed by signal n (SIGKILL: 137, SIGSEGV: 139): its supervisor
       (:mod:`loader.cli.supervise`) prints the error and removes what it left
 ====  ==========================================================================================
@@ -45,6 +47,7 @@ from typing import NoReturn
 
 from loader import __version__, stages
 from loader.cli import supervise
+from loader.cli.supervise import say
 from loader.errors import (
     LoaderError,
     ResourceExhaustedError,
@@ -363,8 +366,23 @@ def _redact(record: logging.LogRecord) -> bool:
     return True
 
 
+#: The signals other than SIGINT that stop a command and unwind it like Ctrl-C, with the words
+#: its last line gives them. SIGHUP is a stop too: the terminal the command ran in closed (or
+#: its session ended), and dying of it left what only the command removes (a ``serve``'s
+#: tritonserver, which leads a session of its own, went on serving its ports).
+STOPPING: dict[int, str] = {
+    signal.SIGTERM: "terminated (SIGTERM)",
+    signal.SIGHUP: "hung up (SIGHUP: its terminal closed)",
+}
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived: unwinds every ``finally`` and ``except BaseException`` like Ctrl-C."""
+    """SIGTERM (or another signal of :data:`STOPPING`) arrived: unwinds every ``finally`` and
+    ``except BaseException`` like Ctrl-C; the process then exits with 128 + ``signum``."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 #: The signal that began stopping the command (SIGTERM or SIGINT), once one arrived.
@@ -381,21 +399,23 @@ def _stop(signum: int, frame: object) -> None:
     if _stopping:
         return
     _stopping.append(signum)
-    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    raise Terminated(signum) if signum in STOPPING else KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` and SIGINT (unless ignored, as
-    a shell does for background jobs) ``KeyboardInterrupt`` in the main thread, the first of
-    them only (:func:`_stop`); once one arrived the handlers stay, so that none raised while
-    the command reports and ends either. Outside the main thread signals cannot be handled:
-    no-op."""
+    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` and SIGINT
+    ``KeyboardInterrupt`` in the main thread, the first of them only (:func:`_stop`); once one
+    arrived the handlers stay, so that none raised while the command reports and ends either.
+    SIGHUP and SIGINT stay ignored where they are (``nohup``; a shell's background job).
+    Outside the main thread signals cannot be handled: no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _stopping.clear()
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop)}
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _stop)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
     try:
@@ -437,9 +457,7 @@ def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
     """Print a user error as ``error:`` and ``hint:`` lines; its exit code (also when standard
     error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
-    with contextlib.suppress(OSError):
-        print(_writable(f"error: {message}"), file=sys.stderr)
-        print(_writable(f"hint: {exc.remediation}"), file=sys.stderr)
+    say(_writable(f"error: {message}"), _writable(f"hint: {exc.remediation}"))
     return exc.exit_code
 
 
@@ -471,11 +489,11 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
             return EXIT_BUG
         log.debug("file-system failure", exc_info=True)
         return report(typed, args)
-    except Terminated:
-        print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
-        _exit_now(EXIT_TERMINATED)
+    except Terminated as stopped:
+        say(f"{STOPPING.get(stopped.signum, 'terminated')}; stopped cleanly")
+        _exit_now(128 + stopped.signum)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        say("interrupted")
         return EXIT_INTERRUPTED
     except Exception as exc:
         typed = resource_exhaustion(exc) or _not_text(exc, args)
@@ -773,8 +791,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         return report(exhausted)
     except KeyboardInterrupt:  # Ctrl-C while the command's module is imported: nothing done yet
-        with contextlib.suppress(OSError, AttributeError):
-            print("interrupted", file=sys.stderr)
+        say("interrupted")
         return EXIT_INTERRUPTED
     try:
         configure_logging(args.verbose, args.quiet)

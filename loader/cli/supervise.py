@@ -75,7 +75,8 @@ def supervise() -> int | LoaderError | None:
     block = ledger.open_shared()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None: started closed (loader.cli refuses a closed stdout)
-            stream.flush()
+            with contextlib.suppress(OSError, ValueError):  # its reader gone: the child says
+                stream.flush()
     parent = os.getpid()
     # Blocked from now on in the parent, which takes them with sigwaitinfo (a PID 1 of a
     # container gets them too: a blocked signal is never discarded).
@@ -141,9 +142,21 @@ def died(sig: int, recorded: ledger.Entries, pid: int) -> LoaderError:
     return KilledError(sig)
 
 
+def say(*lines: str) -> None:
+    """Write ``lines`` to standard error, as far as it can be written: its reader gone (``2>&1 |
+    head``), its terminal hung up or closed never changes the exit code the lines go with (the
+    write's error, raised out of the command line's funnel, was exit 1)."""
+    stream = sys.stderr
+    if stream is None:  # closed (print would write to standard output)
+        return
+    with contextlib.suppress(OSError, ValueError):
+        for line in lines:
+            print(line, file=stream)
+        stream.flush()
+
+
 def report_removed(paths: list[Path]) -> None:
-    for path in paths:
-        print(f"removed {shown(path)} (left by the killed loader)", file=sys.stderr)
+    say(*(f"removed {shown(path)} (left by the killed loader)" for path in paths))
 
 
 def bus_error(recorded: ledger.Entries) -> MappedReadError:
@@ -198,7 +211,7 @@ def _quietly(what: str, name: object) -> Iterator[None]:
     try:
         yield
     except (OSError, LoaderError) as exc:
-        print(f"could not remove {what % shown(name)} ({exc}); the next run does", file=sys.stderr)
+        say(f"could not remove {what % shown(name)} ({exc}); the next run does")
 
 
 def _remove_temporary(entry: dict, pid: int) -> bool:
