@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from loader.cli import main
 from tests import procs
 from tests.runs import run_argv
 from tests.test_adversarial_exit1 import _stalled_storage
@@ -218,3 +219,43 @@ def test_sigterm_a_grpc_thread_got_stops_a_streamed_completion_at_once():
         server.stop(0)
     assert proc.returncode == 143, err
     assert took < 15, f"{took:.0f} s after SIGTERM"
+
+
+# --- numbers in other scripts' digits ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--model", "gpt-j-6b", "--gpus-per-node", "\uff18"],  # fullwidth 8
+        ["plan", "--model", "gpt-j-6b", "--gpus-per-node", "8", "--tp-size", "\u0662"],  # Arabic 2
+        ["fetch", "{source}", "{tmp}/dest", "--workers", "\uff12"],
+        ["fetch", "{source}", "{tmp}/dest", "--retry-deadline", "\uff13\uff10"],  # a float flag
+        ["serve", "{tmp}/repo", "--http-port", "\uff18\uff10\uff10\uff10"],  # a port
+        ["complete", "hi", "--max-tokens", "\uff14"],
+        ["complete", "hi", "--temperature", "\uff10.5"],
+    ],
+    ids=["gpus", "arabic-tp", "workers", "retry-deadline", "port", "max-tokens", "temperature"],
+)
+def test_a_number_in_digits_other_than_ascii_is_refused(source, tmp_path, capsys, argv):
+    """Python's ``int`` and ``float`` read the digits of every script: ``--workers ２`` (a
+    full-width 2, from a document or an input method) was taken as 2, a value printed and
+    compared as another text than the one given. Refused (2), naming the flag and the
+    character, before anything is done."""
+    argv = [a.format(source=source, tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert "which is no ASCII character" in err and "0-9" in err, err
+    assert err.startswith("error: ") and "\nhint: " in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:\uff18\uff10\uff10\uff11", "http://h:\u0668\u0660"])
+def test_a_port_in_a_url_in_digits_other_than_ascii_is_refused(capsys, url):
+    """``--url 127.0.0.1:８００１``: the port was read as 8001."""
+    code = main(["complete", "hi", "--url", url, "--model", "m"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: not a Triton endpoint") and "\nhint: " in err, err

@@ -95,6 +95,21 @@ class Parser(argparse.ArgumentParser):
     dump, and an unknown option named first, with the option it most likely meant (argparse
     would report a required option as missing before it mentions the typo)."""
 
+    def _get_value(self, action: argparse.Action, arg_string: str) -> object:
+        """A number is written in ASCII digits: Python's ``int`` and ``float`` take any
+        script's (``--workers ９``, ``--tp-size ٢``), which no shell script or manifest means
+        and which prints as another number than the one read."""
+        if (
+            action.type in (int, float) or getattr(action.type, "number", False)
+        ) and not arg_string.isascii():
+            odd = next(c for c in arg_string if not c.isascii())
+            raise argparse.ArgumentError(
+                action,
+                f"{arg_string!r} holds {odd!r} (U+{ord(odd):04X}), which is no ASCII "
+                "character: write the number with the digits 0-9",
+            )
+        return super()._get_value(action, arg_string)
+
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
@@ -278,6 +293,9 @@ def port(value: str) -> int:
             f"{number} is no TCP port; pass 1 to 65535 (0: a free one)"
         )
     return number
+
+
+port.number = True  # type: ignore[attr-defined]  # its text is a number (Parser._get_value)
 
 
 def directory_path(value: str) -> Path:
