@@ -259,3 +259,43 @@ def test_a_port_in_a_url_in_digits_other_than_ascii_is_refused(capsys, url):
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: not a Triton endpoint") and "\nhint: " in err, err
+
+
+# --- a stop that a library turns into an error of its own ------------------------------------
+
+#: ``model-loader plan`` in a process whose numpy import gets the signal ``sys.argv[1]`` and
+#: fails as numpy's C part does then: the signal's exception raised inside it becomes an
+#: ImportError of its own ("PyCapsule_Import could not import module").
+_SIGNALLED_IMPORT = (
+    "import os, signal, sys, time\n"
+    "import loader.cli as cli\n"
+    "def load_blas():\n"
+    "    try:\n"
+    "        os.kill(os.getpid(), int(sys.argv[1]))\n"
+    "        time.sleep(5)\n"
+    "    except BaseException:\n"
+    "        raise ImportError('PyCapsule_Import could not import module \"datetime\"')\n"
+    "cli._load_blas = load_blas\n"
+    "sys.exit(cli.main(['plan', '--model', 'gpt-j-6b', '--gpus-per-node', '8']))\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [(signal.SIGTERM, 143, "terminated (SIGTERM); stopped cleanly"),
+     (signal.SIGHUP, 129, "hung up (SIGHUP: its terminal closed); stopped cleanly"),
+     (signal.SIGINT, 130, "interrupted")],
+)  # fmt: skip
+def test_a_stop_a_library_turns_into_its_own_error_is_still_the_stop(sig, code, said):
+    """SIGTERM while numpy's C part was imported (a command loads it right after parsing):
+    the exception the handler raised inside it came back as numpy's ImportError, and the
+    command ended with exit 1 and a traceback ("this is a bug"). Seen sweeping SIGHUP over the
+    first 0.2 s of ``fetch``. An error raised once a stop arrived is now that stop."""
+    done = subprocess.run(
+        _as_a_shell_starts([sys.executable, "-c", _SIGNALLED_IMPORT, str(int(sig))]),
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert done.stderr.rstrip().splitlines()[-1] == said, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
+    assert done.stdout == ""

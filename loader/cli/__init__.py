@@ -503,17 +503,17 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
             return report(_stdout_gone(exc) or _stdout_failed(exc), args)
         typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
+            if _stopping:
+                return _stopped(_stopping[0], exc)
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
         log.debug("file-system failure", exc_info=True)
         return report(typed, args)
-    except Terminated as stopped:
-        say(f"{STOPPING.get(stopped.signum, 'terminated')}; stopped cleanly")
-        _exit_now(128 + stopped.signum)
-    except KeyboardInterrupt:
-        say("interrupted")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as stopped:
+        return _stopped(getattr(stopped, "signum", signal.SIGINT))
     except Exception as exc:
+        if _stopping:
+            return _stopped(_stopping[0], exc)
         typed = resource_exhaustion(exc) or _not_text(exc, args)
         if typed is not None:
             log.debug("typed failure", exc_info=True)
@@ -521,6 +521,20 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _stopped(signum: int, turned: Exception | None = None) -> int:
+    """The end of a command stopped by ``signum``: its line, and the exit code (a signal of
+    :data:`STOPPING` ends the process here, :func:`_exit_now`). ``turned``: the exception a
+    library made of the stop's (numpy's C part, imported when SIGTERM came, fails its import
+    with an ImportError of its own): the stop's, not a bug."""
+    if turned is not None:
+        log.debug("stopped; a library raised instead", exc_info=turned)
+    if signum in STOPPING:
+        say(f"{STOPPING[signum]}; stopped cleanly")
+        _exit_now(128 + signum)
+    say("interrupted")
+    return EXIT_INTERRUPTED
 
 
 def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
