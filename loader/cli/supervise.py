@@ -13,7 +13,8 @@ thread, nothing open but the standard streams), and:
   the same unwinding on SIGTERM and Ctrl-C, the same exit code. It records in a shared memory
   block (:mod:`loader.ledger`) each file it maps with its size at that moment, each publish
   lock it takes and the temporary directory of a conversion;
-* the **parent** passes SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to it on to the child
+* the **parent** passes SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to it on
+  to the child
   (those a terminal sends reach the child directly: both are in its foreground process group)
   and waits. A child that exits is answered with its exit code, unchanged. A child that dies of a
   signal the parent forwarded: the parent removes what the child left (below) and dies of that
@@ -58,8 +59,13 @@ from loader.errors import KilledError, LoaderError, MappedReadError, SourceShran
 
 #: The command modules whose processes map source files (:data:`loader.cli.COMMANDS`).
 SUPERVISED = ("loader.cli.convert", "loader.cli.run")
-#: Signals the parent passes on to the child.
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: Signals the parent passes on to the child. SIGUSR1 and SIGUSR2, which the loader gives no
+#: meaning, kill the child as they would an unsupervised loader, and the parent (whom they
+#: killed at once, the child then taken by ``PR_SET_PDEATHSIG``, its lock and staging left)
+#: removes what it left first.
+FORWARDED = (
+    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2
+)  # fmt: skip
 _PR_SET_PDEATHSIG = 1
 #: ``si_code`` of a signal the kernel sent (``include/uapi/asm-generic/siginfo.h``).
 _SI_KERNEL = 0x80
