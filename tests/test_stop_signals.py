@@ -32,14 +32,26 @@ ROOT = Path(__file__).resolve().parents[1]
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
 
+def _blocked(pid: int, tid: int) -> int:
+    """The signal mask of thread ``tid`` of ``pid`` (``SigBlk``)."""
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk")).split()[1], 16
+    )
+
+
 def to_another_thread(pid: int, sig: int) -> None:
     """Send ``sig`` to a thread of ``pid`` other than its main one, as the kernel may hand a
     process's signal to any thread that does not block it."""
     number = _TGKILL.get(os.uname().machine)
     if number is None:
         pytest.skip(f"tgkill's number on {os.uname().machine} is not known here")
-    others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
-    assert others, "the command runs threads besides its main one"
+    others = [
+        int(t)
+        for t in os.listdir(f"/proc/{pid}/task")
+        if int(t) != pid and not _blocked(pid, int(t)) & (1 << (sig - 1))
+    ]
+    assert others, "the command runs threads besides its main one that take the signal"
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.syscall(number, pid, others[0], int(sig)) == 0
 
@@ -313,3 +325,33 @@ def test_a_stop_a_library_turns_into_its_own_error_is_still_the_stop(sig, code, 
     assert done.stderr.rstrip().splitlines()[-1] == said, done.stderr
     assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+def test_the_threads_a_library_starts_while_it_loads_never_take_a_stop_signal(tmp_path):
+    """OpenBLAS starts its threads while numpy is imported, with SIGINT held back (so they never
+    take it) but SIGTERM and SIGHUP open: the kernel could hand the process's SIGTERM to one
+    of them, which runs no Python handler and wakes no main thread blocked in a library's
+    wait (``complete --url http://...`` waiting on a stalled server: until ``--timeout``). They
+    now start with every stop signal held back, and take none."""
+    server, asked, release = _stalled_storage()
+    env = {**_gcs_env(server), "OPENBLAS_NUM_THREADS": "3"}
+    stops = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGHUP - 1))
+    try:
+        proc = subprocess.Popen(
+            _as_a_shell_starts(_stalled_argv("fetch", tmp_path)), text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert asked.wait(120), "no download was asked for"
+            masks = [_blocked(proc.pid, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        finally:
+            proc.kill()
+            proc.communicate()
+    finally:
+        release.set()
+        server.shutdown()
+    library = [mask for mask in masks if mask & (1 << (signal.SIGINT - 1))]
+    if not library:
+        pytest.skip("OpenBLAS started no thread of its own here (one CPU)")
+    assert all(mask & stops == stops for mask in library), [hex(m) for m in masks]
