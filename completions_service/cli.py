@@ -38,6 +38,19 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
+def _digits(text: str) -> bool:
+    """Whether ``text`` is a number in ASCII digits (``str.isdigit`` takes ``８`` and ``²``)."""
+    return text.isascii() and text.isdigit()
+
+
+def _ascii(value: str) -> str:
+    """``value``, which ``int`` or ``float`` reads next: ValueError unless it is ASCII (they read
+    the digits of every script: ``８`` was 8)."""
+    if not value.isascii():
+        raise ValueError(value)
+    return value
+
+
 def triton_address(value: str) -> str:
     """``grpc://HOST:PORT`` (or ``HOST:PORT``) -> ``HOST:PORT``."""
     address = value.removeprefix("grpc://")
@@ -47,14 +60,14 @@ def triton_address(value: str) -> str:
             "8001 by default), not an HTTP address"
         )
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not _digits(port) or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r}: expected grpc://HOST:PORT")
     return address
 
 
 def listen_address(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    if not host or not _digits(port) or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
     host = host.strip("[]")
     try:  # a name no address stands for fails here, not inside the server after start-up
@@ -73,7 +86,7 @@ def _within(low: int, high: int):
 
     def parse(value: str) -> int:
         try:
-            number = int(value)
+            number = int(_ascii(value))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
         if number < low:
@@ -87,7 +100,7 @@ def _within(low: int, high: int):
 
 def _seconds(value: str) -> float:
     try:
-        number = float(value)
+        number = float(_ascii(value))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
     if not number > 0:

@@ -115,7 +115,7 @@ def model_info(config: dict, triton_model: str) -> ModelInfo:
     config = config.get("config", config)
     params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
     raw = params.get("max_model_len", "")
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise BackendError(
             f"Triton's model {triton_model!r} declares no usable max_model_len parameter "
             f"(got {raw!r}); serve a repository the loader published with the llm model"

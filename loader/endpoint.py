@@ -28,7 +28,7 @@ DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 _URL = re.compile(
     r"^(?:(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://)?"
     r"(?P<host>[A-Za-z0-9._-]+|\[[0-9a-fA-F:.]+\])"
-    r"(?::(?P<port>\d+))?(?P<path>/.*)?$"
+    r"(?::(?P<port>[0-9]+))?(?P<path>/.*)?$"
 )
 _FORMS = "host:port (gRPC), grpc://host:port or http://host:port"
 #: A user name and password before the host (``[scheme://]USER:PASSWORD@``): no endpoint takes

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 #: Seconds Triton may take to end a half-closed stream whose requests all finished; then it
 #: is cancelled.
 STREAM_END_S = 5.0
+#: Seconds a wait for the next response blocks at a time (:meth:`StreamingClient._next`).
+WAIT_STEP_S = 0.5
 #: The response parameter Triton (after 23.05) sets on the last response of a stream.
 FINAL_PARAMETER = "triton_final_response"
 #: The output our streaming model sets on its last response (all a 23.05 client can see).
@@ -168,14 +170,7 @@ class StreamingClient:
                 enable_empty_final_response=True,
             )
             while True:
-                try:
-                    result, error = inbox.get(timeout=self.timeout_s)
-                except queue.Empty:
-                    raise EndpointError(
-                        f"{where}: no response for {self.timeout_s:.0f} s",
-                        "Check that the model streams (published with --streaming) and the "
-                        "server is not overloaded; raise the timeout for long completions.",
-                    ) from None
+                result, error = self._next(inbox, where)
                 if error is not None:
                     message = error.message() if hasattr(error, "message") else str(error)
                     raise EndpointError(f"{where}: {message}")
@@ -197,6 +192,24 @@ class StreamingClient:
             if not done:
                 # The caller stopped reading, or it failed: the server stops this request.
                 self._reset()
+
+    def _next(self, inbox: queue.Queue[tuple[Any, Any]], where: str) -> tuple[Any, Any]:
+        """The next response (or error) in ``inbox``, waiting up to ``timeout_s`` in steps of
+        :data:`WAIT_STEP_S`: the kernel may hand SIGTERM or Ctrl-C to one of gRPC's threads,
+        which does not wake a main thread blocked on a lock, and Python runs the handler only
+        in the main thread, so one long wait held ``complete``'s stop until the server answered
+        or the whole ``--timeout`` (10 minutes) passed."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return inbox.get(timeout=max(0.0, min(WAIT_STEP_S, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise EndpointError(
+                        f"{where}: no response for {self.timeout_s:.0f} s",
+                        "Check that the model streams (published with --streaming) and the "
+                        "server is not overloaded; raise the timeout for long completions.",
+                    ) from None
 
     def close(self) -> None:
         # Every request on the stream has its final response (an unfinished one was cancelled

@@ -821,9 +821,9 @@ def _stalled_storage():
                 asked.set()
                 release.wait(300)
                 return
+            # A checksum each: an object without one is refused before any download.
             items = [{"kind": "storage#object", "name": name, "bucket": "b", "size": str(size),
-                      "generation": "1", "updated": "2024-01-01T00:00:00Z",
-                      "crc32c": "AAAAAA=="}
+                      "generation": "1", "updated": "2024-01-01T00:00:00Z", "crc32c": "AAAAAA=="}
                      for name, size in listed]  # fmt: skip
             body = json.dumps({"kind": "storage#objects", "items": items}).encode()
             self.send_response(200)

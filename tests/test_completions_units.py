@@ -362,3 +362,27 @@ def test_the_service_never_imports_the_loader():
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("loader", "tests")]
     assert len(list(package.rglob("*.py"))) >= 10
     assert not found
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--max-queue", "\uff13"), ("--max-concurrency", "\u0662"), ("--request-timeout-s", "\uff19"),
+     ("--listen", "127.0.0.1:\uff18\uff10\uff18\uff10"), ("--triton-url", "h:\uff18\uff10\uff10\uff11"),
+     ("--triton-url", "h:\u00b2")],
+)  # fmt: skip
+def test_a_number_in_digits_other_than_ascii_is_refused_as_a_flag(flag, value, capsys):
+    """``--max-queue ３`` was taken as 3, ``--listen 127.0.0.1:８０８０`` as port 8080."""
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["--triton-url", "h:8001", flag, value])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_a_max_model_len_in_digits_other_than_ascii_is_the_models_error():
+    """``max_model_len: "²"`` (a digit to ``str.isdigit``, none to ``int``): ValueError, not
+    the error that names the model's parameter."""
+    from completions_service.triton import BackendError, model_info
+
+    config = {"parameters": {"max_model_len": {"string_value": "\u00b2"}}}
+    with pytest.raises(BackendError, match="max_model_len"):
+        model_info(config, "llm")

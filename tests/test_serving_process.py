@@ -6,6 +6,7 @@ starts in a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -259,6 +260,14 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
         assert not path.exists()
 
 
+def _blocked(pid: int, tid: int) -> int:
+    """The signal mask of thread ``tid`` of ``pid`` (``SigBlk``)."""
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk")).split()[1], 16
+    )
+
+
 #: tgkill(2)'s number: the one call that sends a signal to one thread of another process.
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
@@ -282,7 +291,12 @@ def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repos
         for line in proc.stdout:
             if line.startswith("serving"):
                 break
-        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        # One that takes it: those a library started while it loaded hold stop signals back.
+        others = [
+            int(t)
+            for t in os.listdir(f"/proc/{proc.pid}/task")
+            if int(t) != proc.pid and not _blocked(proc.pid, int(t)) & (1 << (signal.SIGTERM - 1))
+        ]
         assert others, "serve runs threads besides its main one (gRPC's)"
         libc = ctypes.CDLL(None, use_errno=True)
         assert libc.syscall(number, proc.pid, others[0], int(signal.SIGTERM)) == 0
@@ -292,6 +306,43 @@ def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repos
             proc.kill()
             proc.wait()
     assert code == 143, proc.stderr.read()
+
+
+def test_a_hang_up_stops_serve_and_its_server(repository):
+    """The terminal ``serve`` ran in closed (SIGHUP): serve died of it at once, and its
+    tritonserver, which leads a session of its own (so a terminal's signals never reach it
+    directly), went on serving its ports and holding its memory, with no one to stop it. Now
+    serve stops like on SIGTERM, tritonserver with it, and exits 129."""
+    import signal
+    import subprocess
+
+    from tests import procs
+    from tests.test_supervise import _as_a_shell_starts
+
+    proc = subprocess.Popen(
+        _as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    server = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("serving"):
+                break
+        (server,) = procs.children(proc.pid)  # tritonserver
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(timeout=90)  # stop's own bound: --exit-timeout-secs and 10 s, then more
+        left = Path(f"/proc/{server}").exists()  # serve reaps the server it stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(server, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == 129, err
+    assert not left, "tritonserver was left running"
+    assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
 
 
 def test_an_abort_under_load_names_its_cause_and_what_to_check(tmp_path):

@@ -225,7 +225,7 @@ def test_a_run_killed_while_converting_leaves_no_lock_and_no_staging(medium, tmp
     [
         (signal.SIGTERM, 143, "terminated (SIGTERM); stopped cleanly"),
         (signal.SIGINT, 130, "interrupted"),
-        (signal.SIGHUP, -signal.SIGHUP, None),  # no handler: dies of it, as it always did
+        (signal.SIGHUP, 129, "hung up (SIGHUP: its terminal closed); stopped cleanly"),
     ],
 )
 def test_a_signal_to_the_supervisor_reaches_the_command(sig, code, said, medium, tmp_path):

@@ -19,6 +19,8 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
       it: an error line, the code of a command killed by SIGPIPE
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
+129   stopped by SIGHUP (its terminal closed, or its session's leader ended): unwinds like
+      SIGTERM (unless SIGHUP is ignored: ``nohup``)
 128+n ``convert`` or ``run`` killed by signal n (SIGKILL: 137, SIGSEGV: 139): its supervisor
       (:mod:`loader.cli.supervise`) prints the error and removes what it left
 ====  ==========================================================================================
@@ -45,6 +47,7 @@ from typing import NoReturn
 
 from loader import __version__, stages
 from loader.cli import supervise
+from loader.cli.supervise import say
 from loader.errors import (
     LoaderError,
     ResourceExhaustedError,
@@ -91,6 +94,21 @@ class Parser(argparse.ArgumentParser):
     """argparse with our error format: ``error:`` and ``hint:`` lines, exit code 2, no usage
     dump, and an unknown option named first, with the option it most likely meant (argparse
     would report a required option as missing before it mentions the typo)."""
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> object:
+        """A number is written in ASCII digits: Python's ``int`` and ``float`` take any
+        script's (``--workers ９``, ``--tp-size ٢``), which no shell script or manifest means
+        and which prints as another number than the one read."""
+        if (
+            action.type in (int, float) or getattr(action.type, "number", False)
+        ) and not arg_string.isascii():
+            odd = next(c for c in arg_string if not c.isascii())
+            raise argparse.ArgumentError(
+                action,
+                f"{arg_string!r} holds {odd!r} (U+{ord(odd):04X}), which is no ASCII "
+                "character: write the number with the digits 0-9",
+            )
+        return super()._get_value(action, arg_string)
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._given = list(sys.argv[1:] if args is None else args)
@@ -277,6 +295,9 @@ def port(value: str) -> int:
     return number
 
 
+port.number = True  # type: ignore[attr-defined]  # its text is a number (Parser._get_value)
+
+
 def directory_path(value: str) -> Path:
     """An argparse ``type`` for a directory the command creates if needed (``--work-dir``,
     ``--output-dir``): refused at once when it, or the deepest level of it that exists, is no
@@ -363,8 +384,23 @@ def _redact(record: logging.LogRecord) -> bool:
     return True
 
 
+#: The signals other than SIGINT that stop a command and unwind it like Ctrl-C, with the words
+#: its last line gives them. SIGHUP is a stop too: the terminal the command ran in closed (or
+#: its session ended), and dying of it left what only the command removes (a ``serve``'s
+#: tritonserver, which leads a session of its own, went on serving its ports).
+STOPPING: dict[int, str] = {
+    signal.SIGTERM: "terminated (SIGTERM)",
+    signal.SIGHUP: "hung up (SIGHUP: its terminal closed)",
+}
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived: unwinds every ``finally`` and ``except BaseException`` like Ctrl-C."""
+    """SIGTERM (or another signal of :data:`STOPPING`) arrived: unwinds every ``finally`` and
+    ``except BaseException`` like Ctrl-C; the process then exits with 128 + ``signum``."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 #: The signal that began stopping the command (SIGTERM or SIGINT), once one arrived.
@@ -381,21 +417,23 @@ def _stop(signum: int, frame: object) -> None:
     if _stopping:
         return
     _stopping.append(signum)
-    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    raise Terminated(signum) if signum in STOPPING else KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` and SIGINT (unless ignored, as
-    a shell does for background jobs) ``KeyboardInterrupt`` in the main thread, the first of
-    them only (:func:`_stop`); once one arrived the handlers stay, so that none raised while
-    the command reports and ends either. Outside the main thread signals cannot be handled:
-    no-op."""
+    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` and SIGINT
+    ``KeyboardInterrupt`` in the main thread, the first of them only (:func:`_stop`); once one
+    arrived the handlers stay, so that none raised while the command reports and ends either.
+    SIGHUP and SIGINT stay ignored where they are (``nohup``; a shell's background job).
+    Outside the main thread signals cannot be handled: no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _stopping.clear()
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop)}
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _stop)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
     try:
@@ -437,9 +475,7 @@ def report(exc: LoaderError, args: argparse.Namespace | None = None) -> int:
     """Print a user error as ``error:`` and ``hint:`` lines; its exit code (also when standard
     error itself cannot be written: the exit code still says what happened)."""
     message = exc.message if args is None else _message(exc, args)
-    with contextlib.suppress(OSError):
-        print(_writable(f"error: {message}"), file=sys.stderr)
-        print(_writable(f"hint: {exc.remediation}"), file=sys.stderr)
+    say(_writable(f"error: {message}"), _writable(f"hint: {exc.remediation}"))
     return exc.exit_code
 
 
@@ -467,17 +503,17 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
             return report(_stdout_gone(exc) or _stdout_failed(exc), args)
         typed = typed_os_error(exc) or _cwd_gone(exc)
         if typed is None:
+            if _stopping:
+                return _stopped(_stopping[0], exc)
             log.exception("unexpected failure (this is a bug; please report it with the log above)")
             return EXIT_BUG
         log.debug("file-system failure", exc_info=True)
         return report(typed, args)
-    except Terminated:
-        print("terminated (SIGTERM); stopped cleanly", file=sys.stderr)
-        _exit_now(EXIT_TERMINATED)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as stopped:
+        return _stopped(getattr(stopped, "signum", signal.SIGINT))
     except Exception as exc:
+        if _stopping:
+            return _stopped(_stopping[0], exc)
         typed = resource_exhaustion(exc) or _not_text(exc, args)
         if typed is not None:
             log.debug("typed failure", exc_info=True)
@@ -485,6 +521,20 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         log.exception("unexpected failure (this is a bug; please report it with the log above)")
         return EXIT_BUG
     return int(result or 0)
+
+
+def _stopped(signum: int, turned: Exception | None = None) -> int:
+    """The end of a command stopped by ``signum``: its line, and the exit code (a signal of
+    :data:`STOPPING` ends the process here, :func:`_exit_now`). ``turned``: the exception a
+    library made of the stop's (numpy's C part, imported when SIGTERM came, fails its import
+    with an ImportError of its own): the stop's, not a bug."""
+    if turned is not None:
+        log.debug("stopped; a library raised instead", exc_info=turned)
+    if signum in STOPPING:
+        say(f"{STOPPING[signum]}; stopped cleanly")
+        _exit_now(128 + signum)
+    say("interrupted")
+    return EXIT_INTERRUPTED
 
 
 def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
@@ -658,14 +708,18 @@ def _interrupts_told_apart() -> Iterator[None]:
     ``run`` said "interrupted" (130), which no user did, and a command importing numpy later
     failed in its import (exit 1, a bug). Now that is :class:`ResourceExhaustedError` (75); a
     SIGINT from anyone else is an interruption, as before, once the block ends, unless SIGINT
-    is ignored (a background job: a blocked signal is kept even then). Outside the main
-    thread, or where signals cannot be taken with their sender: no-op."""
+    is ignored (a background job: a blocked signal is kept even then). SIGTERM and SIGHUP
+    are held back too, taken once the block ends: raised inside numpy's C part, the stop came
+    back as its ImportError; and the threads a library starts meanwhile keep the mask, so
+    that none of them, running no Python handler and waking no main thread, ever takes a stop
+    signal the kernel hands the process. Outside the main thread, or where signals cannot be
+    taken with their sender: no-op."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(
         signal, "sigtimedwait"
     ):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, *STOPPING))
     try:
         yield
     finally:
@@ -773,8 +827,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         return report(exhausted)
     except KeyboardInterrupt:  # Ctrl-C while the command's module is imported: nothing done yet
-        with contextlib.suppress(OSError, AttributeError):
-            print("interrupted", file=sys.stderr)
+        say("interrupted")
         return EXIT_INTERRUPTED
     try:
         configure_logging(args.verbose, args.quiet)

@@ -13,7 +13,8 @@ thread, nothing open but the standard streams), and:
   the same unwinding on SIGTERM and Ctrl-C, the same exit code. It records in a shared memory
   block (:mod:`loader.ledger`) each file it maps with its size at that moment, each publish
   lock it takes and the temporary directory of a conversion;
-* the **parent** passes SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to it on to the child
+* the **parent** passes SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to it on
+  to the child
   (those a terminal sends reach the child directly: both are in its foreground process group)
   and waits. A child that exits is answered with its exit code, unchanged. A child that dies of a
   signal the parent forwarded: the parent removes what the child left (below) and dies of that
@@ -58,8 +59,13 @@ from loader.errors import KilledError, LoaderError, MappedReadError, SourceShran
 
 #: The command modules whose processes map source files (:data:`loader.cli.COMMANDS`).
 SUPERVISED = ("loader.cli.convert", "loader.cli.run")
-#: Signals the parent passes on to the child.
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: Signals the parent passes on to the child. SIGUSR1 and SIGUSR2, which the loader gives no
+#: meaning, kill the child as they would an unsupervised loader, and the parent (whom they
+#: killed at once, the child then taken by ``PR_SET_PDEATHSIG``, its lock and staging left)
+#: removes what it left first.
+FORWARDED = (
+    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2
+)  # fmt: skip
 _PR_SET_PDEATHSIG = 1
 #: ``si_code`` of a signal the kernel sent (``include/uapi/asm-generic/siginfo.h``).
 _SI_KERNEL = 0x80
@@ -75,7 +81,8 @@ def supervise() -> int | LoaderError | None:
     block = ledger.open_shared()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None: started closed (loader.cli refuses a closed stdout)
-            stream.flush()
+            with contextlib.suppress(OSError, ValueError):  # its reader gone: the child says
+                stream.flush()
     parent = os.getpid()
     # Blocked from now on in the parent, which takes them with sigwaitinfo (a PID 1 of a
     # container gets them too: a blocked signal is never discarded).
@@ -141,9 +148,21 @@ def died(sig: int, recorded: ledger.Entries, pid: int) -> LoaderError:
     return KilledError(sig)
 
 
+def say(*lines: str) -> None:
+    """Write ``lines`` to standard error, as far as it can be written: its reader gone (``2>&1 |
+    head``), its terminal hung up or closed never changes the exit code the lines go with (the
+    write's error, raised out of the command line's funnel, was exit 1)."""
+    stream = sys.stderr
+    if stream is None:  # closed (print would write to standard output)
+        return
+    with contextlib.suppress(OSError, ValueError):
+        for line in lines:
+            print(line, file=stream)
+        stream.flush()
+
+
 def report_removed(paths: list[Path]) -> None:
-    for path in paths:
-        print(f"removed {shown(path)} (left by the killed loader)", file=sys.stderr)
+    say(*(f"removed {shown(path)} (left by the killed loader)" for path in paths))
 
 
 def bus_error(recorded: ledger.Entries) -> MappedReadError:
@@ -198,7 +217,7 @@ def _quietly(what: str, name: object) -> Iterator[None]:
     try:
         yield
     except (OSError, LoaderError) as exc:
-        print(f"could not remove {what % shown(name)} ({exc}); the next run does", file=sys.stderr)
+        say(f"could not remove {what % shown(name)} ({exc}); the next run does")
 
 
 def _remove_temporary(entry: dict, pid: int) -> bool:
