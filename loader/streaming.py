@@ -37,14 +37,13 @@ import numpy as np
 
 from loader.completion import build_inputs
 from loader.errors import EndpointError
+from loader.waits import WAIT_STEP_S
 
 log = logging.getLogger(__name__)
 
 #: Seconds Triton may take to end a half-closed stream whose requests all finished; then it
 #: is cancelled.
 STREAM_END_S = 5.0
-#: Seconds a wait for the next response blocks at a time (:meth:`StreamingClient._next`).
-WAIT_STEP_S = 0.5
 #: The response parameter Triton (after 23.05) sets on the last response of a stream.
 FINAL_PARAMETER = "triton_final_response"
 #: The output our streaming model sets on its last response (all a 23.05 client can see).

@@ -82,7 +82,7 @@ def test_a_stop_signal_a_worker_thread_got_ends_the_conversions_wait_at_once():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from loader.convert.writer import wait_in_steps
+    from loader.waits import wait_in_steps
 
     release = threading.Event()
 

@@ -39,11 +39,12 @@ from loader import digest, fs, stages
 from loader.checkpoint import OPENERS, Checkpoint
 from loader.fs import Dir
 from loader.progress import Progress
+from loader.waits import WAIT_STEP_S
 
 from .plan import CONFIG_INI, ConversionPlan, ConvertResult
 from .schedule import DEFAULT_WINDOW, Schedule, Step
 from .splits import OutputFile
-from .writer import DEFAULT_CHUNK_BYTES, WAIT_STEP_S, default_workers, write_file
+from .writer import DEFAULT_CHUNK_BYTES, default_workers, write_file
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -54,6 +54,7 @@ from loader.errors import (
 )
 from loader.fs import Dir
 from loader.progress import Progress
+from loader.waits import wait_in_steps
 
 from .plan import CONFIG_INI
 from .splits import OutputFile
@@ -65,8 +66,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 #: Writers when none are asked for: the CPUs, at most this many (more only queue on the disk).
 MAX_DEFAULT_WORKERS = 4
-#: How long the main thread blocks at a time while workers convert (a stop signal's delay).
-WAIT_STEP_S = 0.5
 
 
 def default_workers(workers: int | None) -> int:
@@ -438,17 +437,6 @@ def _copy_in_kernel(
 def _largest_first(outputs: Sequence[OutputFile]) -> list[OutputFile]:
     """Longest jobs first, so the workers finish together instead of one writing a big tail."""
     return sorted(outputs, key=lambda out: out.rows * out.row_elements, reverse=True)
-
-
-def wait_in_steps(futures: Sequence[Future]) -> None:
-    """Wait until every future is done or one failed, blocking :data:`WAIT_STEP_S` at a time:
-    the kernel may hand SIGTERM or Ctrl-C to a worker thread, which does not wake a main thread
-    blocked on a lock, and Python runs the handler only in the main thread, so one long wait
-    delayed a stop until the whole conversion ended (or Kubernetes' SIGKILL)."""
-    while True:
-        done, pending = wait(futures, timeout=WAIT_STEP_S, return_when=FIRST_EXCEPTION)
-        if not pending or any(not f.cancelled() and f.exception() is not None for f in done):
-            return
 
 
 def write_outputs(

@@ -43,6 +43,7 @@ from loader import digest, fs
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.progress import byte_progress
+from loader.waits import map_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,8 @@ def _hash_all(
         byte_progress(what, total) as progress,
         ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
     ):
-        digests = pool.map(
-            lambda rel: digest.of_file_in(d, rel, algorithm, progress=progress.update), rels
+        digests = map_in_steps(
+            pool, lambda rel: digest.of_file_in(d, rel, algorithm, progress=progress.update), rels
         )
         return dict(zip(rels, digests, strict=True))
 

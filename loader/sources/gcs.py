@@ -52,7 +52,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -100,6 +100,7 @@ from loader.sources.transfer import (
     remove_own_partials,
     safe_path,
 )
+from loader.waits import wait_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -835,19 +836,6 @@ def _fetch_into(
 
 #: Seconds between two questions to ``ArrivalHooks.admit`` about one object.
 ADMIT_POLL_S = 0.01
-#: Seconds the wait for the downloads blocks at a time (:func:`_wait_in_steps`).
-WAIT_STEP_S = 0.5
-
-
-def _wait_in_steps(futures: list[Future]) -> tuple[set[Future], set[Future]]:
-    """``wait(futures, return_when=FIRST_EXCEPTION)``, blocking :data:`WAIT_STEP_S` at a time:
-    the kernel may hand SIGTERM or Ctrl-C to a download thread, which does not wake a main
-    thread blocked on a lock, and Python runs the handler only in the main thread, so one long
-    wait held a stop until a download ended (a stalled server: its read timeout, minutes)."""
-    while True:
-        done, pending = wait(futures, timeout=WAIT_STEP_S, return_when=FIRST_EXCEPTION)
-        if not pending or any(not f.cancelled() and f.exception() is not None for f in done):
-            return done, pending
 
 
 def _run(
@@ -897,7 +885,7 @@ def _run(
                 break
             missing = [i for i in range(len(obj.slices)) if i not in obj.done]
             futures += [pool.submit(job, obj, i) for i in missing] or [pool.submit(job, obj, None)]
-        done, pending = _wait_in_steps(futures)
+        done, pending = wait_in_steps(futures)  # a stop a download thread took, in time
     except BaseException:
         # Interrupted (SIGTERM, Ctrl-C): start no further slice and do not wait for the ones in
         # flight (they write under .partial/ only; the journal keeps what they finished).

@@ -45,6 +45,7 @@ from loader.sources.transfer import (
     remove_own_partials,
     temporary_download,
 )
+from loader.waits import map_in_steps
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def fingerprint_source(
     if todo:
         log.info("hashing %s file(s) of %s to fingerprint it", len(todo), root)
         with ThreadPoolExecutor(max_workers=options.workers or min(4, os.cpu_count() or 1)) as pool:
-            digests = pool.map(lambda rel: digest.of_file(root / rel, algorithm), todo)
+            digests = map_in_steps(pool, lambda rel: digest.of_file(root / rel, algorithm), todo)
             known.update(zip(todo, digests, strict=True))
     return Fingerprint(
         uri=uri.canonical,
