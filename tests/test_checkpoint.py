@@ -335,3 +335,128 @@ def test_a_zip_archive_torch_load_would_not_read_is_left_to_it(tmp_path, records
     from loader.checkpoint import _check_records
 
     _check_records(_archive(tmp_path / "pytorch_model.bin", records, _0=1000))
+
+
+def _loadable(path: Path, records: list[tuple[str, bytes | None]], pid: tuple, **kw) -> Path:
+    """An archive ``torch.load`` opens (it holds a ``version`` record): ``records`` (name,
+    bytes; None: the pickle) in that order, the pickle a state dict of one float tensor
+    ``w`` of 1000 elements over the storage ``pid`` names; ``kw``: ``compress`` (record
+    names written deflated)."""
+    import collections
+    import io
+    import pickle
+    import zipfile
+
+    class Storage:
+        pass
+
+    class Tensor:
+        def __reduce__(self):
+            args = (Storage(), 0, (1000,), (1,), False, collections.OrderedDict())
+            return torch._utils._rebuild_tensor_v2, args
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return pid if isinstance(obj, Storage) else None
+
+    data = io.BytesIO()
+    Pickler(data, protocol=2).dump({"w": Tensor()})
+    deflated = set(kw.get("compress", ()))
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, body in [*records, ("archive/version", b"3\n")]:
+            method = zipfile.ZIP_DEFLATED if name in deflated else zipfile.ZIP_STORED
+            archive.writestr(name, data.getvalue() if body is None else body, method)
+    return path
+
+
+_FOLLOWING = ("archive/data/1", b"\x11" * 8000)  # what torch.load would read on into
+
+
+@pytest.mark.parametrize(
+    ("pid", "said"),
+    [
+        (("storage", torch.FloatTensor, "0", "cpu", 1000), "with type torch.FloatTensor, not a"),
+        ((b"storage", torch.FloatStorage, "0", "cpu", 1000), "holds 8 bytes, fewer than the 4000"),
+    ],
+    ids=["a tensor type with a dtype", "type name as bytes"],
+)
+def test_a_storage_named_in_a_way_torch_load_takes_is_held_to_its_record(tmp_path, pid, said):
+    """torch.load sizes a storage by its type's ``dtype`` and takes the word ``storage`` as
+    text or bytes. Before: a type that is not a storage class (``torch.FloatTensor`` has a
+    dtype too), or ``b"storage"``, skipped the check, and torch.load viewed 4000 bytes over
+    a record of 8."""
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+        pid,
+    )
+    with pytest.raises(CheckpointError, match=said):
+        TorchFile(path)
+
+
+_PID = ("storage", torch.FloatStorage, "0", "cpu", 1000)
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [("archive/data.pkl", b"\x80\x02}q\x00."), ("archive/DATA.PKL", None),
+         ("archive/data/0", bytes(8)), _FOLLOWING],
+        [("archive/data.pkl", None), ("archive/Data/0", bytes(8)), _FOLLOWING,
+         ("archive/data/0", bytes(4000))],
+        [("archive/Data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+    ],
+    ids=["a second tensor list", "a second record", "the only tensor list"],
+)  # fmt: skip
+def test_record_names_are_compared_as_pytorchs_reader_finds_them(tmp_path, records):
+    """PyTorch's reader finds a record whatever the case of its letters. Before: the check
+    read ``data.pkl`` (an empty state dict) or ``data/0`` (4000 bytes) where torch.load read
+    ``DATA.PKL`` or viewed the 8 bytes of ``Data/0``, or found no ``data.pkl`` at all and
+    left the archive to torch.load, which read ``Data.pkl``."""
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(tmp_path / "pytorch_model.bin", records, _PID)
+    with pytest.raises(CheckpointError, match=r"record name\(s\) twice|holds 8 bytes, fewer"):
+        TorchFile(path)
+
+
+def test_a_compressed_tensor_record_is_refused(tmp_path):
+    """torch.load maps a record's stored bytes; deflated, its 4000 zeros take a few bytes and
+    the view ran on into the next record."""
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(4000)), _FOLLOWING],
+        _PID,
+        compress=["archive/data/0"],
+    )
+    with pytest.raises(CheckpointError, match="record 0 is compressed"):
+        TorchFile(path)
+
+
+def test_a_record_whose_directory_entry_claims_more_bytes_than_it_holds_is_refused(tmp_path):
+    """The central directory says 4000 bytes for a record of 8, the next record right after
+    them: the size is held to where what follows starts (before, torch.load viewed 4000)."""
+    import struct
+
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+        _PID,
+    )
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x01\x02")  # the central directory's first entry
+    while True:
+        name_len = struct.unpack_from("<H", raw, at + 28)[0]
+        if raw[at + 46 : at + 46 + name_len] == b"archive/data/0":
+            struct.pack_into("<II", raw, at + 20, 4000, 4000)  # compressed, uncompressed size
+            break
+        at = raw.index(b"PK\x01\x02", at + 4)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="says it holds 4000 bytes, but what follows"):
+        TorchFile(path)
