@@ -49,8 +49,9 @@ from loader import fs, ledger
 from loader.errors import (
     CheckpointError,
     CorruptFileError,
-    DtypeError,
+    FileContentError,
     SourceShrankError,
+    TensorDtypeError,
     shown,
     some_names,
 )
@@ -143,13 +144,13 @@ def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
             f"{path} is missing: not a Hugging Face checkpoint directory."
         ) from exc
     except fs.TooLargeError as exc:
-        raise CheckpointError(
-            f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json."
+        raise FileContentError(
+            path, f"is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json"
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path} cannot be read as JSON: {exc}.") from exc
+        raise FileContentError(path, f"cannot be read as JSON: {exc}") from exc
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object.")
+        raise FileContentError(path, "does not hold a JSON object")
     return config
 
 
@@ -249,9 +250,10 @@ class SafetensorsFile:
                 begin, end = (_whole(x) for x in entry["data_offsets"])
             except KeyError as exc:
                 if isinstance(entry, dict) and entry.get("dtype") not in _SAFETENSORS_DTYPES:
-                    raise DtypeError(
-                        f"{path}: tensor {shown(name)} has unsupported dtype {entry.get('dtype')!r}.",
-                        "Convert the checkpoint to fp16, bf16 or fp32 first.",
+                    raise TensorDtypeError(
+                        path,
+                        f"holds tensor {shown(name)} in dtype {entry.get('dtype')!r}, which the "
+                        "loader does not read",
                     ) from exc
                 raise _corrupt(path, f"header entry for {shown(name)} is incomplete") from exc
             except (TypeError, ValueError) as exc:
@@ -327,9 +329,10 @@ class TorchFile:
         for name, tensor in self._state.items():
             dtype = _torch_dtype_name(tensor.dtype)
             if dtype is None:
-                raise DtypeError(
-                    f"{path}: tensor {shown(name)} has unsupported dtype {tensor.dtype}.",
-                    "Convert the checkpoint to fp16, bf16 or fp32 first.",
+                raise TensorDtypeError(
+                    path,
+                    f"holds tensor {shown(name)} in dtype {tensor.dtype}, which the loader does "
+                    "not read",
                 )
             self._infos[name] = TensorInfo(name, dtype, tuple(tensor.shape), path)
 
@@ -712,12 +715,12 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
         document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
         weight_map = dict(jsondoc.loads(document)["weight_map"])
     except fs.TooLargeError as exc:
-        raise CheckpointError(
-            f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not an index."
+        raise FileContentError(
+            path, f"is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not an index"
         ) from exc
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"{path} is not a valid index (a JSON object with a weight_map): {exc}."
+        raise FileContentError(
+            path, f"is not a valid index (a JSON object with a weight_map): {exc}"
         ) from exc
     for tensor, name in weight_map.items():
         if not (
@@ -727,9 +730,10 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
             and name.startswith(layout.shard_prefix)
             and name.endswith(layout.shard_suffix)
         ):
-            raise CheckpointError(
-                f"{path} places tensor {tensor!r} in {name!r}, which is not a "
-                f"{layout.shard_prefix}*{layout.shard_suffix} file beside it.",
+            raise FileContentError(
+                path,
+                f"places tensor {tensor!r} in {name!r}, which is not a "
+                f"{layout.shard_prefix}*{layout.shard_suffix} file beside it",
                 _INDEX_MISMATCH,
             )
     return weight_map
