@@ -313,7 +313,11 @@ class TorchFile:
             ) from exc
         self._torch = torch
         self.size = os.stat(path).st_size
-        _check_records(path)
+        try:
+            _check_records(path)
+        except CorruptFileError as exc:
+            _unless_shrunk(path, self.size, exc)
+            raise
         if ledger.active():  # the size it is mapped at, for the supervisor
             with fs.open_read(path) as fh:
                 ledger.note_mapped(path, fh.fileno())
@@ -352,6 +356,8 @@ class TorchFile:
         self._state = {}
 
 
+#: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
+_ZIP_MAGIC = b"PK\x03\x04"
 #: The largest pickle of a state dict's tensors read (real ones are a few hundred kB).
 _MAX_PICKLE = 64 * 2**20
 
@@ -434,7 +440,7 @@ def _data_start(fh: Any, info: zipfile.ZipInfo) -> int | None:
     header, by the name and extra lengths that header gives (None: no local header there)."""
     fh.seek(info.header_offset)
     local = fh.read(30)
-    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+    if len(local) < 30 or local[:4] != _ZIP_MAGIC:
         return None
     name_len, extra_len = struct.unpack_from("<HH", local, 26)
     return info.header_offset + 30 + name_len + extra_len
@@ -445,7 +451,9 @@ def _check_records(path: Path) -> None:
     ``torch.load(mmap=True)`` views each storage at its record's offset for as many bytes as
     the pickle says, whatever the record holds: a record cut short inside a valid archive
     would be read on into the records after it (a :class:`CheckpointError` here). A file that
-    is no zip archive is left to ``torch.load`` to refuse.
+    is no zip archive (it does not start as one: ``torch.load`` opens none other) is left to
+    ``torch.load`` to refuse; one whose directory Python's ``zipfile`` cannot read is refused
+    here (PyTorch's own reader may read it, unchecked: a version field it ignores, say).
 
     The archive is read as ``torch.load`` reads it: the pickle is ``data.pkl`` in the folder of
     the archive's first record (another record named ``data.pkl`` elsewhere is not the one
@@ -459,8 +467,13 @@ def _check_records(path: Path) -> None:
     with fs.open_read(path) as fh:
         try:
             archive = zipfile.ZipFile(fh)
-        except (zipfile.BadZipFile, EOFError, ValueError):
-            return
+        except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
+            fh.seek(0)
+            if fh.read(4) != _ZIP_MAGIC:
+                return  # torch.load(mmap=True) opens no other file
+            raise _corrupt(
+                path, f"its zip directory does not read ({type(exc).__name__}: {exc})"
+            ) from exc
         with archive:
             infos = archive.infolist()
             count = collections.Counter(_folded(i.filename) for i in infos)

@@ -460,3 +460,48 @@ def test_a_record_whose_directory_entry_claims_more_bytes_than_it_holds_is_refus
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="says it holds 4000 bytes, but what follows"):
         TorchFile(path)
+
+
+def test_an_archive_pythons_zip_reader_cannot_read_is_refused_not_left_to_torch(tmp_path):
+    """A central directory entry asking for zip version 12.0: Python's zipfile raised
+    NotImplementedError (exit 1, a traceback), and had the check let it pass as "no zip
+    archive", PyTorch's reader, which ignores that field, viewed 4000 bytes over a record of
+    8. A file that does not start as a zip archive is still left to torch.load."""
+    import struct
+
+    from loader.checkpoint import TorchFile, _check_records
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+        _PID,
+    )
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"PK\x01\x02")  # the central directory's first entry
+    struct.pack_into("<H", raw, entry + 6, 120)  # version needed to extract: 12.0
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="its zip directory does not read"):
+        TorchFile(path)
+    path.write_bytes(b"not a zip archive, nor anything torch.load reads")
+    _check_records(path)
+
+
+def test_a_bin_file_cut_short_while_its_records_are_checked_is_transient(
+    checkpoints, tmp_path, monkeypatch
+):
+    """Cut short after it was opened (another process rewriting it), its zip directory no
+    longer reads: the file shrank meanwhile (75, read again next run), not corrupt (2)."""
+    from loader import checkpoint
+    from loader.checkpoint import TorchFile
+    from loader.errors import SourceShrankError
+
+    path = _copy(checkpoints[("bin", False)], tmp_path / "ck") / "pytorch_model.bin"
+    real = checkpoint._check_records
+
+    def cut_then_check(at: Path) -> None:
+        at.write_bytes(at.read_bytes()[:100])
+        real(at)
+
+    monkeypatch.setattr(checkpoint, "_check_records", cut_then_check)
+    with pytest.raises(SourceShrankError):
+        TorchFile(path)
