@@ -329,6 +329,11 @@ class TorchFile:
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
         self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        odd = [k for k in self._state if not isinstance(k, str)]
+        if odd:  # a safetensors header names every tensor by text, as the plan does
+            raise _corrupt(
+                path, f"it names a tensor by {shown(repr(odd[0])[:80])}, which is not a text name"
+            )
         self._infos = {}
         for name, tensor in self._state.items():
             dtype = _torch_dtype_name(tensor.dtype)

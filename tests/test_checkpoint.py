@@ -505,3 +505,21 @@ def test_a_bin_file_cut_short_while_its_records_are_checked_is_transient(
     monkeypatch.setattr(checkpoint, "_check_records", cut_then_check)
     with pytest.raises(SourceShrankError):
         TorchFile(path)
+
+
+@pytest.mark.parametrize("key", [0, None, b"lm_head.bias", ("lm_head", "bias")], ids=repr)
+def test_a_bin_tensor_named_by_anything_but_text_is_refused(checkpoints, tmp_path, capsys, key):
+    """torch.save keeps any key; the plan reads names as text. Before: an AttributeError or
+    TypeError from the name check (exit 1, "this is a bug")."""
+    from loader.cli import main
+
+    source = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    weights = source / "pytorch_model.bin"
+    state = torch.load(weights, weights_only=True)
+    state[key] = torch.zeros(2)
+    torch.save(state, weights)
+    code = main(["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert f"it names a tensor by {key!r}, which is not a text name" in err, err
