@@ -328,7 +328,8 @@ class TorchFile:
             raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
-        self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        # detached: a parameter saved as one (requires_grad) is read like any tensor
+        self._state = {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)}
         odd = [k for k in self._state if not isinstance(k, str)]
         if odd:  # a safetensors header names every tensor by text, as the plan does
             raise _corrupt(
@@ -336,6 +337,14 @@ class TorchFile:
             )
         self._infos = {}
         for name, tensor in self._state.items():
+            kind = _not_plain(torch, tensor)
+            if kind is not None:
+                raise FileContentError(
+                    path,
+                    f"holds tensor {shown(name)} as {kind}, which the loader does not read",
+                    "Save the checkpoint's tensors as plain dense CPU tensors "
+                    "(torch.save(model.state_dict())) and use that file.",
+                )
             dtype = _torch_dtype_name(tensor.dtype)
             if dtype is None:
                 raise TensorDtypeError(
@@ -575,6 +584,20 @@ def _unless_shrunk(path: Path, size: int, exc: BaseException) -> None:
         return
     if now < size:
         raise SourceShrankError([(path, size, now)]) from exc
+
+
+def _not_plain(torch: Any, tensor: Any) -> str | None:
+    """What ``tensor`` is, where it is no dense run of values in the file that NumPy can view
+    as it is (None: it is one)."""
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.layout != torch.strided:
+        return f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+    if tensor.device.type != "cpu":
+        return f"a {tensor.device.type} tensor (no values in the file)"
+    if tensor.is_neg() or tensor.is_conj():
+        return "a negated or conjugated view (its values are not the bytes stored)"
+    return None
 
 
 def _torch_dtype_name(dtype: Any) -> str | None:

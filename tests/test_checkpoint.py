@@ -523,3 +523,59 @@ def test_a_bin_tensor_named_by_anything_but_text_is_refused(checkpoints, tmp_pat
     assert code == 2, err
     assert "Traceback" not in err, err
     assert f"it names a tensor by {key!r}, which is not a text name" in err, err
+
+
+def _bin_with(source: Path, tensor: str, change) -> Path:
+    weights = source / "pytorch_model.bin"
+    state = torch.load(weights, weights_only=True)
+    state[tensor] = change(state[tensor])
+    torch.save(state, weights)
+    return source
+
+
+def _converted(source: Path, out: Path, capsys) -> tuple[int, str]:
+    from loader.cli import main
+
+    code = main(["convert", str(source), str(out), "--tp-size", "1"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change",
+    [torch.nn.Parameter, lambda t: t.clone().requires_grad_(True)],
+    ids=["parameter", "grad"],
+)
+def test_a_bin_tensor_saved_as_a_parameter_converts_like_any_tensor(
+    checkpoints, tmp_path, capsys, change
+):
+    """torch.save(dict(model.named_parameters())) keeps each tensor's requires_grad: its
+    values were refused by NumPy ("Can't call numpy() on Tensor that requires grad"), exit 1."""
+    plain = _copy(checkpoints[("bin", False)], tmp_path / "plain")
+    assert _converted(plain, tmp_path / "a", capsys)[0] == 0
+    source = _bin_with(_copy(plain, tmp_path / "ck"), "transformer.ln_f.weight", change)
+    code, err = _converted(source, tmp_path / "b", capsys)
+    assert code == 0, err
+    for made in (tmp_path / "a").rglob("*.bin"):
+        assert made.read_bytes() == (tmp_path / "b" / made.relative_to(tmp_path / "a")).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda t: t.to_sparse(), "as a sparse_coo tensor"),
+        (lambda t: t.to("meta"), "as a meta tensor (no values in the file)"),
+        (lambda t: t._neg_view(), "as a negated or conjugated view"),
+    ],
+    ids=["sparse", "meta", "negated"],
+)
+def test_a_bin_tensor_that_is_no_plain_run_of_values_is_refused(
+    checkpoints, tmp_path, capsys, change, said
+):
+    """Before: NumPy's TypeError or RuntimeError (exit 1, "this is a bug")."""
+    source = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    _bin_with(source, "transformer.ln_f.weight", change)
+    code, err = _converted(source, tmp_path / "out", capsys)
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert f"holds tensor transformer.ln_f.weight {said}" in err, err
+    assert "plain dense CPU tensors" in err, err
