@@ -26,6 +26,7 @@ a link. Nothing here writes.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import collections
 import errno
@@ -557,7 +558,7 @@ def _check_storages(
                 f"its tensor record {shown(key)} is compressed (torch.load maps a record's "
                 "bytes as they are stored)",
             )
-        after = next((b for b in bounds if b > info.header_offset), bounds[-1])
+        after = bounds[min(bisect.bisect_right(bounds, info.header_offset), len(bounds) - 1)]
         if start + info.file_size > after:
             raise _corrupt(
                 path,
