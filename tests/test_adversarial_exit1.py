@@ -821,8 +821,10 @@ def _stalled_storage():
                 asked.set()
                 release.wait(300)
                 return
+            # a CRC32C listed, as Cloud Storage lists one for every object (one with neither
+            # checksum is refused before any download is asked for)
             items = [{"kind": "storage#object", "name": name, "bucket": "b", "size": str(size),
-                      "generation": "1", "updated": "2024-01-01T00:00:00Z"}
+                      "generation": "1", "updated": "2024-01-01T00:00:00Z", "crc32c": "AAAAAA=="}
                      for name, size in listed]  # fmt: skip
             body = json.dumps({"kind": "storage#objects", "items": items}).encode()
             self.send_response(200)
