@@ -26,6 +26,8 @@ a link. Nothing here writes.
 
 from __future__ import annotations
 
+import bisect
+import codecs
 import collections
 import errno
 import io
@@ -48,8 +50,9 @@ from loader import fs, ledger
 from loader.errors import (
     CheckpointError,
     CorruptFileError,
-    DtypeError,
+    FileContentError,
     SourceShrankError,
+    TensorDtypeError,
     shown,
     some_names,
 )
@@ -142,13 +145,13 @@ def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
             f"{path} is missing: not a Hugging Face checkpoint directory."
         ) from exc
     except fs.TooLargeError as exc:
-        raise CheckpointError(
-            f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json."
+        raise FileContentError(
+            path, f"is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json"
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path} cannot be read as JSON: {exc}.") from exc
+        raise FileContentError(path, f"cannot be read as JSON: {exc}") from exc
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object.")
+        raise FileContentError(path, "does not hold a JSON object")
     return config
 
 
@@ -248,9 +251,10 @@ class SafetensorsFile:
                 begin, end = (_whole(x) for x in entry["data_offsets"])
             except KeyError as exc:
                 if isinstance(entry, dict) and entry.get("dtype") not in _SAFETENSORS_DTYPES:
-                    raise DtypeError(
-                        f"{path}: tensor {shown(name)} has unsupported dtype {entry.get('dtype')!r}.",
-                        "Convert the checkpoint to fp16, bf16 or fp32 first.",
+                    raise TensorDtypeError(
+                        path,
+                        f"holds tensor {shown(name)} in dtype {entry.get('dtype')!r}, which the "
+                        "loader does not read",
                     ) from exc
                 raise _corrupt(path, f"header entry for {shown(name)} is incomplete") from exc
             except (TypeError, ValueError) as exc:
@@ -310,7 +314,11 @@ class TorchFile:
             ) from exc
         self._torch = torch
         self.size = os.stat(path).st_size
-        _check_records(path)
+        try:
+            _check_records(path)
+        except CorruptFileError as exc:
+            _unless_shrunk(path, self.size, exc)
+            raise
         if ledger.active():  # the size it is mapped at, for the supervisor
             with fs.open_read(path) as fh:
                 ledger.note_mapped(path, fh.fileno())
@@ -321,14 +329,29 @@ class TorchFile:
             raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
-        self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        # detached: a parameter saved as one (requires_grad) is read like any tensor
+        self._state = {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        odd = [k for k in self._state if not isinstance(k, str)]
+        if odd:  # a safetensors header names every tensor by text, as the plan does
+            raise _corrupt(
+                path, f"it names a tensor by {shown(repr(odd[0])[:80])}, which is not a text name"
+            )
         self._infos = {}
         for name, tensor in self._state.items():
+            kind = _not_plain(torch, tensor)
+            if kind is not None:
+                raise FileContentError(
+                    path,
+                    f"holds tensor {shown(name)} as {kind}, which the loader does not read",
+                    "Save the checkpoint's tensors as plain dense CPU tensors "
+                    "(torch.save(model.state_dict())) and use that file.",
+                )
             dtype = _torch_dtype_name(tensor.dtype)
             if dtype is None:
-                raise DtypeError(
-                    f"{path}: tensor {shown(name)} has unsupported dtype {tensor.dtype}.",
-                    "Convert the checkpoint to fp16, bf16 or fp32 first.",
+                raise TensorDtypeError(
+                    path,
+                    f"holds tensor {shown(name)} in dtype {tensor.dtype}, which the loader does "
+                    "not read",
                 )
             self._infos[name] = TensorInfo(name, dtype, tuple(tensor.shape), path)
 
@@ -348,13 +371,8 @@ class TorchFile:
         self._state = {}
 
 
-#: Bytes per element of the storage types ``torch.save`` names in its pickle
-#: (``torch/serialization.py``, ``persistent_id``: ``("storage", <type>, key, location, numel)``).
-_STORAGE_ITEMSIZE = {
-    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
-    "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
-    "BoolStorage": 1, "UntypedStorage": 1,
-}  # fmt: skip
+#: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
+_ZIP_MAGIC = b"PK\x03\x04"
 #: The largest pickle of a state dict's tensors read (real ones are a few hundred kB).
 _MAX_PICKLE = 64 * 2**20
 
@@ -387,21 +405,60 @@ class _Stand:
 
 class _Storages(pickle.Unpickler):
     """The storages a ``torch.save`` pickle names, (key, storage type, element count) each
-    time one is named, read without building anything (every class a stand-in)."""
+    time one is named, read without building anything (every class a stand-in that knows the
+    ``module.name`` the pickle gave it)."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
         #: every storage named, as often as named (torch.load views a key at the size it is
-        #: first named with; each naming must fit its record)
-        self.found: list[tuple[str, str, object]] = []
+        #: first named with; each naming must fit its record); the type is the global's
+        #: ``module.name``, None where the pickle gives anything else
+        self.found: list[tuple[str, str | None, object]] = []
 
-    def find_class(self, module: str, name: str) -> type:
-        return type(name, (_Stand,), {})
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes: real ones
+            return codecs.encode
+        return type(name, (_Stand,), {"_global": f"{module}.{name}"})
 
     def persistent_load(self, pid: object) -> _Stand:
-        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
-            self.found.append((str(pid[2]), getattr(pid[1], "__name__", ""), pid[4]))
+        # torch.load takes the type name as text or as bytes (``_maybe_decode_ascii``)
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage"):
+            kind = pid[1].__dict__.get("_global") if isinstance(pid[1], type) else None
+            self.found.append((str(pid[2]), kind, pid[4]))
         return _Stand()
+
+
+def _storage_itemsizes(torch: Any) -> dict[str, int]:
+    """``module.name`` -> bytes per element of every storage type ``torch.load`` takes in a
+    storage's name (those its ``weights_only`` unpickler allows), as ``torch.load`` sizes it."""
+    sizes = {}
+    for kind in torch._storage_classes:
+        if kind is torch.storage.TypedStorage:
+            continue
+        dtype = (
+            torch.uint8
+            if kind is torch.UntypedStorage
+            else torch.storage._get_dtype_from_pickle_storage_type(kind.__name__)
+        )
+        sizes[f"{kind.__module__}.{kind.__name__}"] = torch._utils._element_size(dtype)
+    return sizes
+
+
+def _folded(name: str) -> bytes:
+    """A record name as PyTorch's reader (miniz) looks it up: its bytes, ASCII letters in
+    lower case (``data/0`` and ``DATA/0`` name one record there)."""
+    return name.encode("utf-8", "surrogatepass").lower()
+
+
+def _data_start(fh: Any, info: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of ``info`` start, as PyTorch's reader finds them: after its local
+    header, by the name and extra lengths that header gives (None: no local header there)."""
+    fh.seek(info.header_offset)
+    local = fh.read(30)
+    if len(local) < 30 or local[:4] != _ZIP_MAGIC:
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", local, 26)
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def _check_records(path: Path) -> None:
@@ -409,31 +466,48 @@ def _check_records(path: Path) -> None:
     ``torch.load(mmap=True)`` views each storage at its record's offset for as many bytes as
     the pickle says, whatever the record holds: a record cut short inside a valid archive
     would be read on into the records after it (a :class:`CheckpointError` here). A file that
-    is no zip archive is left to ``torch.load`` to refuse.
+    is no zip archive (it does not start as one: ``torch.load`` opens none other) is left to
+    ``torch.load`` to refuse; one whose directory Python's ``zipfile`` cannot read is refused
+    here (PyTorch's own reader may read it, unchecked: a version field it ignores, say).
 
     The archive is read as ``torch.load`` reads it: the pickle is ``data.pkl`` in the folder of
     the archive's first record (another record named ``data.pkl`` elsewhere is not the one
-    read), and a name recorded twice is refused (``zipfile`` reads the last such record,
-    PyTorch's reader may view another)."""
+    read); a name recorded twice, or twice but for the case of its letters (PyTorch's reader
+    finds records case-insensitively), is refused (``zipfile`` reads one such record, PyTorch's
+    reader may view another); a storage's type is one ``torch.load`` takes, sized as it sizes
+    it; a storage's record is stored as it is (``torch.load`` maps its bytes, never inflates
+    them) and holds the bytes its directory entry says, before what follows it starts."""
+    import torch
+
     with fs.open_read(path) as fh:
         try:
             archive = zipfile.ZipFile(fh)
-        except (zipfile.BadZipFile, EOFError, ValueError):
-            return
+        except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
+            fh.seek(0)
+            if fh.read(4) != _ZIP_MAGIC:
+                return  # torch.load(mmap=True) opens no other file
+            raise _corrupt(
+                path, f"its zip directory does not read ({type(exc).__name__}: {exc})"
+            ) from exc
         with archive:
-            names = archive.namelist()
-            twice = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+            infos = archive.infolist()
+            count = collections.Counter(_folded(i.filename) for i in infos)
+            twice = sorted(i.filename for i in infos if count[_folded(i.filename)] > 1)
             if twice:
+                doubled = len({_folded(n) for n in twice})
                 raise _corrupt(
-                    path, f"it holds {len(twice)} record name(s) twice, {shown(twice[0])} first"
+                    path,
+                    f"it holds {doubled} record name(s) twice, {shown(twice[0])} first (PyTorch's "
+                    "reader finds a record whatever the case of its letters)",
                 )
-            if not names or "/" not in names[0]:
+            if not infos or "/" not in infos[0].filename:
                 return  # not in one folder: torch.load refuses it
-            prefix = names[0].partition("/")[0] + "/"
-            listing = f"{prefix}data.pkl"
-            if listing not in names:
+            prefix = infos[0].filename.partition("/")[0] + "/"
+            by_name = {_folded(i.filename): i for i in infos}
+            listing = by_name.get(_folded(f"{prefix}data.pkl"))
+            if listing is None:
                 return
-            if archive.getinfo(listing).file_size > _MAX_PICKLE:
+            if listing.file_size > _MAX_PICKLE:
                 raise _corrupt(path, f"its tensor list is larger than {_MAX_PICKLE // 2**20} MiB")
             try:
                 scan = _Storages(archive.read(listing))
@@ -442,21 +516,62 @@ def _check_records(path: Path) -> None:
                 raise _corrupt(
                     path, f"its tensor list does not read ({type(exc).__name__})"
                 ) from exc
-            records = {info.filename: info.file_size for info in archive.infolist()}
-    for key, kind, numel in scan.found:
-        itemsize = _STORAGE_ITEMSIZE.get(kind)
+            bounds = sorted({i.header_offset for i in infos} | {archive.start_dir})
+            records: dict[str, tuple[zipfile.ZipInfo, int]] = {}
+            for key, _, _ in scan.found:
+                info = by_name.get(_folded(f"{prefix}data/{key}"))
+                if info is None or key in records:
+                    continue
+                start = _data_start(fh, info)
+                if start is None:
+                    raise _corrupt(path, f"its tensor record {shown(key)} has no local header")
+                records[key] = info, start
+        _check_storages(path, torch, scan.found, records, bounds)
+
+
+def _check_storages(
+    path: Path,
+    torch: Any,
+    found: Iterable[tuple[str, str | None, object]],
+    records: Mapping[str, tuple[zipfile.ZipInfo, int]],
+    bounds: list[int],
+) -> None:
+    """Every naming of a storage fits its record, and the record holds what it says."""
+    itemsizes = _storage_itemsizes(torch)
+    for key, kind, numel in found:
+        itemsize = itemsizes.get(kind or "")
         if itemsize is None:
-            continue  # a dtype the tensors' own check refuses
-        held = records.get(f"{prefix}data/{key}")
-        if held is None:
+            raise _corrupt(
+                path,
+                f"its tensor list names storage {shown(key)} with "
+                f"{'type ' + shown(kind) if kind else 'no type'}, not a storage type torch.load "
+                "takes",
+            )
+        if key not in records:
             raise _corrupt(path, f"its tensor record {shown(key)} is missing")
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise _corrupt(path, f"its tensor record {shown(key)} has {numel!r} elements")
+        info, start = records[key]
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise _corrupt(
+                path,
+                f"its tensor record {shown(key)} is compressed (torch.load maps a record's "
+                "bytes as they are stored)",
+            )
+        after = bounds[min(bisect.bisect_right(bounds, info.header_offset), len(bounds) - 1)]
+        if start + info.file_size > after:
+            raise _corrupt(
+                path,
+                f"its tensor record {shown(key)} says it holds {info.file_size} bytes, but "
+                f"what follows it starts {max(0, after - start)} bytes in",
+            )
+        held = info.file_size
         if held < numel * itemsize:
             raise _corrupt(
                 path,
                 f"its tensor record {shown(key)} holds {held} bytes, fewer than the "
-                f"{numel * itemsize} its {numel} {kind} elements take",
+                f"{numel * itemsize} its {numel} {(kind or '').rpartition('.')[2]} elements "
+                "take",
             )
 
 
@@ -470,6 +585,20 @@ def _unless_shrunk(path: Path, size: int, exc: BaseException) -> None:
         return
     if now < size:
         raise SourceShrankError([(path, size, now)]) from exc
+
+
+def _not_plain(torch: Any, tensor: Any) -> str | None:
+    """What ``tensor`` is, where it is no dense run of values in the file that NumPy can view
+    as it is (None: it is one)."""
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.layout != torch.strided:
+        return f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+    if tensor.device.type != "cpu":
+        return f"a {tensor.device.type} tensor (no values in the file)"
+    if tensor.is_neg() or tensor.is_conj():
+        return "a negated or conjugated view (its values are not the bytes stored)"
+    return None
 
 
 def _torch_dtype_name(dtype: Any) -> str | None:
@@ -628,12 +757,12 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
         document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
         weight_map = dict(jsondoc.loads(document)["weight_map"])
     except fs.TooLargeError as exc:
-        raise CheckpointError(
-            f"{path} is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not an index."
+        raise FileContentError(
+            path, f"is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not an index"
         ) from exc
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"{path} is not a valid index (a JSON object with a weight_map): {exc}."
+        raise FileContentError(
+            path, f"is not a valid index (a JSON object with a weight_map): {exc}"
         ) from exc
     for tensor, name in weight_map.items():
         if not (
@@ -643,9 +772,10 @@ def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
             and name.startswith(layout.shard_prefix)
             and name.endswith(layout.shard_suffix)
         ):
-            raise CheckpointError(
-                f"{path} places tensor {tensor!r} in {name!r}, which is not a "
-                f"{layout.shard_prefix}*{layout.shard_suffix} file beside it.",
+            raise FileContentError(
+                path,
+                f"places tensor {tensor!r} in {name!r}, which is not a "
+                f"{layout.shard_prefix}*{layout.shard_suffix} file beside it",
                 _INDEX_MISMATCH,
             )
     return weight_map

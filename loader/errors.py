@@ -141,6 +141,27 @@ class CorruptFileError(CheckpointError):
         return CorruptFileError(self.path, self.what, origin=origin)
 
 
+class FileContentError(CheckpointError):
+    """What one file of a checkpoint holds is wrong, though it is a file of its format
+    (``path``: the file, ``what``: what is wrong with it, said after the file's name). A file
+    downloaded from a remote source that matched the checksum the source lists holds what the
+    source holds: :meth:`at_source` names the object, the download's path in parentheses."""
+
+    def __init__(
+        self, path: Path, what: str, remediation: str | None = None, *, origin: str | None = None
+    ) -> None:
+        self.path = path
+        self.what = what
+        self.origin = origin
+        self._remediation = remediation
+        where = shown(path) if origin is None else f"{shown(origin)} (downloaded to {shown(path)})"
+        super().__init__(f"{where} {what}.", remediation)
+
+    def at_source(self, origin: str) -> FileContentError:
+        """The same failure of a file verified against ``origin``'s checksum."""
+        return type(self)(self.path, self.what, self._remediation, origin=origin)
+
+
 class UnsupportedArchitectureError(CheckpointError):
     """config.json names a model_type no converter handles."""
 
@@ -160,6 +181,12 @@ class DtypeError(LoaderError):
     """An unknown or unsupported data type was asked for or found."""
 
     default_remediation = "Use --dtype fp16 or --dtype fp32."
+
+
+class TensorDtypeError(FileContentError, DtypeError):
+    """A tensor of a checkpoint file is stored in a dtype the loader does not read."""
+
+    default_remediation = "Convert the checkpoint to fp16, bf16 or fp32 first."
 
 
 class ParallelismError(LoaderError):

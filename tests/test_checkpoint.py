@@ -335,3 +335,247 @@ def test_a_zip_archive_torch_load_would_not_read_is_left_to_it(tmp_path, records
     from loader.checkpoint import _check_records
 
     _check_records(_archive(tmp_path / "pytorch_model.bin", records, _0=1000))
+
+
+def _loadable(path: Path, records: list[tuple[str, bytes | None]], pid: tuple, **kw) -> Path:
+    """An archive ``torch.load`` opens (it holds a ``version`` record): ``records`` (name,
+    bytes; None: the pickle) in that order, the pickle a state dict of one float tensor
+    ``w`` of 1000 elements over the storage ``pid`` names; ``kw``: ``compress`` (record
+    names written deflated)."""
+    import collections
+    import io
+    import pickle
+    import zipfile
+
+    class Storage:
+        pass
+
+    class Tensor:
+        def __reduce__(self):
+            args = (Storage(), 0, (1000,), (1,), False, collections.OrderedDict())
+            return torch._utils._rebuild_tensor_v2, args
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return pid if isinstance(obj, Storage) else None
+
+    data = io.BytesIO()
+    Pickler(data, protocol=2).dump({"w": Tensor()})
+    deflated = set(kw.get("compress", ()))
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, body in [*records, ("archive/version", b"3\n")]:
+            method = zipfile.ZIP_DEFLATED if name in deflated else zipfile.ZIP_STORED
+            archive.writestr(name, data.getvalue() if body is None else body, method)
+    return path
+
+
+_FOLLOWING = ("archive/data/1", b"\x11" * 8000)  # what torch.load would read on into
+
+
+@pytest.mark.parametrize(
+    ("pid", "said"),
+    [
+        (("storage", torch.FloatTensor, "0", "cpu", 1000), "with type torch.FloatTensor, not a"),
+        ((b"storage", torch.FloatStorage, "0", "cpu", 1000), "holds 8 bytes, fewer than the 4000"),
+    ],
+    ids=["a tensor type with a dtype", "type name as bytes"],
+)
+def test_a_storage_named_in_a_way_torch_load_takes_is_held_to_its_record(tmp_path, pid, said):
+    """torch.load sizes a storage by its type's ``dtype`` and takes the word ``storage`` as
+    text or bytes. Before: a type that is not a storage class (``torch.FloatTensor`` has a
+    dtype too), or ``b"storage"``, skipped the check, and torch.load viewed 4000 bytes over
+    a record of 8."""
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+        pid,
+    )
+    with pytest.raises(CheckpointError, match=said):
+        TorchFile(path)
+
+
+_PID = ("storage", torch.FloatStorage, "0", "cpu", 1000)
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [("archive/data.pkl", b"\x80\x02}q\x00."), ("archive/DATA.PKL", None),
+         ("archive/data/0", bytes(8)), _FOLLOWING],
+        [("archive/data.pkl", None), ("archive/Data/0", bytes(8)), _FOLLOWING,
+         ("archive/data/0", bytes(4000))],
+        [("archive/Data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+    ],
+    ids=["a second tensor list", "a second record", "the only tensor list"],
+)  # fmt: skip
+def test_record_names_are_compared_as_pytorchs_reader_finds_them(tmp_path, records):
+    """PyTorch's reader finds a record whatever the case of its letters. Before: the check
+    read ``data.pkl`` (an empty state dict) or ``data/0`` (4000 bytes) where torch.load read
+    ``DATA.PKL`` or viewed the 8 bytes of ``Data/0``, or found no ``data.pkl`` at all and
+    left the archive to torch.load, which read ``Data.pkl``."""
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(tmp_path / "pytorch_model.bin", records, _PID)
+    with pytest.raises(CheckpointError, match=r"record name\(s\) twice|holds 8 bytes, fewer"):
+        TorchFile(path)
+
+
+def test_a_compressed_tensor_record_is_refused(tmp_path):
+    """torch.load maps a record's stored bytes; deflated, its 4000 zeros take a few bytes and
+    the view ran on into the next record."""
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(4000)), _FOLLOWING],
+        _PID,
+        compress=["archive/data/0"],
+    )
+    with pytest.raises(CheckpointError, match="record 0 is compressed"):
+        TorchFile(path)
+
+
+def test_a_record_whose_directory_entry_claims_more_bytes_than_it_holds_is_refused(tmp_path):
+    """The central directory says 4000 bytes for a record of 8, the next record right after
+    them: the size is held to where what follows starts (before, torch.load viewed 4000)."""
+    import struct
+
+    from loader.checkpoint import TorchFile
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+        _PID,
+    )
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x01\x02")  # the central directory's first entry
+    while True:
+        name_len = struct.unpack_from("<H", raw, at + 28)[0]
+        if raw[at + 46 : at + 46 + name_len] == b"archive/data/0":
+            struct.pack_into("<II", raw, at + 20, 4000, 4000)  # compressed, uncompressed size
+            break
+        at = raw.index(b"PK\x01\x02", at + 4)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="says it holds 4000 bytes, but what follows"):
+        TorchFile(path)
+
+
+def test_an_archive_pythons_zip_reader_cannot_read_is_refused_not_left_to_torch(tmp_path):
+    """A central directory entry asking for zip version 12.0: Python's zipfile raised
+    NotImplementedError (exit 1, a traceback), and had the check let it pass as "no zip
+    archive", PyTorch's reader, which ignores that field, viewed 4000 bytes over a record of
+    8. A file that does not start as a zip archive is still left to torch.load."""
+    import struct
+
+    from loader.checkpoint import TorchFile, _check_records
+
+    path = _loadable(
+        tmp_path / "pytorch_model.bin",
+        [("archive/data.pkl", None), ("archive/data/0", bytes(8)), _FOLLOWING],
+        _PID,
+    )
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"PK\x01\x02")  # the central directory's first entry
+    struct.pack_into("<H", raw, entry + 6, 120)  # version needed to extract: 12.0
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="its zip directory does not read"):
+        TorchFile(path)
+    path.write_bytes(b"not a zip archive, nor anything torch.load reads")
+    _check_records(path)
+
+
+def test_a_bin_file_cut_short_while_its_records_are_checked_is_transient(
+    checkpoints, tmp_path, monkeypatch
+):
+    """Cut short after it was opened (another process rewriting it), its zip directory no
+    longer reads: the file shrank meanwhile (75, read again next run), not corrupt (2)."""
+    from loader import checkpoint
+    from loader.checkpoint import TorchFile
+    from loader.errors import SourceShrankError
+
+    path = _copy(checkpoints[("bin", False)], tmp_path / "ck") / "pytorch_model.bin"
+    real = checkpoint._check_records
+
+    def cut_then_check(at: Path) -> None:
+        at.write_bytes(at.read_bytes()[:100])
+        real(at)
+
+    monkeypatch.setattr(checkpoint, "_check_records", cut_then_check)
+    with pytest.raises(SourceShrankError):
+        TorchFile(path)
+
+
+@pytest.mark.parametrize("key", [0, None, b"lm_head.bias", ("lm_head", "bias")], ids=repr)
+def test_a_bin_tensor_named_by_anything_but_text_is_refused(checkpoints, tmp_path, capsys, key):
+    """torch.save keeps any key; the plan reads names as text. Before: an AttributeError or
+    TypeError from the name check (exit 1, "this is a bug")."""
+    from loader.cli import main
+
+    source = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    weights = source / "pytorch_model.bin"
+    state = torch.load(weights, weights_only=True)
+    state[key] = torch.zeros(2)
+    torch.save(state, weights)
+    code = main(["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert f"it names a tensor by {key!r}, which is not a text name" in err, err
+
+
+def _bin_with(source: Path, tensor: str, change) -> Path:
+    weights = source / "pytorch_model.bin"
+    state = torch.load(weights, weights_only=True)
+    state[tensor] = change(state[tensor])
+    torch.save(state, weights)
+    return source
+
+
+def _converted(source: Path, out: Path, capsys) -> tuple[int, str]:
+    from loader.cli import main
+
+    code = main(["convert", str(source), str(out), "--tp-size", "1"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change",
+    [torch.nn.Parameter, lambda t: t.clone().requires_grad_(True)],
+    ids=["parameter", "grad"],
+)
+def test_a_bin_tensor_saved_as_a_parameter_converts_like_any_tensor(
+    checkpoints, tmp_path, capsys, change
+):
+    """torch.save(dict(model.named_parameters())) keeps each tensor's requires_grad: its
+    values were refused by NumPy ("Can't call numpy() on Tensor that requires grad"), exit 1."""
+    plain = _copy(checkpoints[("bin", False)], tmp_path / "plain")
+    assert _converted(plain, tmp_path / "a", capsys)[0] == 0
+    source = _bin_with(_copy(plain, tmp_path / "ck"), "transformer.ln_f.weight", change)
+    code, err = _converted(source, tmp_path / "b", capsys)
+    assert code == 0, err
+    for made in (tmp_path / "a").rglob("*.bin"):
+        assert made.read_bytes() == (tmp_path / "b" / made.relative_to(tmp_path / "a")).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda t: t.to_sparse(), "as a sparse_coo tensor"),
+        (lambda t: t.to("meta"), "as a meta tensor (no values in the file)"),
+        (lambda t: t._neg_view(), "as a negated or conjugated view"),
+    ],
+    ids=["sparse", "meta", "negated"],
+)
+def test_a_bin_tensor_that_is_no_plain_run_of_values_is_refused(
+    checkpoints, tmp_path, capsys, change, said
+):
+    """Before: NumPy's TypeError or RuntimeError (exit 1, "this is a bug")."""
+    source = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    _bin_with(source, "transformer.ln_f.weight", change)
+    code, err = _converted(source, tmp_path / "out", capsys)
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert f"holds tensor transformer.ln_f.weight {said}" in err, err
+    assert "plain dense CPU tensors" in err, err

@@ -34,6 +34,24 @@ def _files(checkpoint: Path, corrupt: str) -> dict[str, bytes]:
     return files
 
 
+def _in_f8(data: bytes) -> bytes:
+    """``data`` (a safetensors file) with its first tensor said to be F8_E4M3."""
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    first = next(name for name in header if name != "__metadata__")
+    header[first]["dtype"] = "F8_E4M3"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data[8 + length :]
+
+
+#: prefix -> (file, how it is changed, what the error says of it)
+_CONTENT = {
+    "config": ("config.json", lambda _: b"{not json", "cannot be read as JSON"),
+    "dtype": ("model.safetensors", _in_f8, "in dtype 'F8_E4M3', which the loader does not read"),
+}
+
+
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory, tiny_checkpoint_with_tokenizer, sharded_fp16_checkpoint):
     srv = GcsServer(tmp_path_factory.mktemp("gcs")).start()
@@ -44,6 +62,12 @@ def gcs(tmp_path_factory, tiny_checkpoint_with_tokenizer, sharded_fp16_checkpoin
         src = tmp_path_factory.mktemp(prefix)
         for name, data in _files(checkpoint, corrupt).items():
             (src / name).write_bytes(data)
+        srv.upload_dir(BUCKET, prefix, src)
+    for prefix, (name, change, _) in _CONTENT.items():
+        src = tmp_path_factory.mktemp(prefix)
+        for path in tiny_checkpoint_with_tokenizer.iterdir():
+            data = path.read_bytes()
+            (src / path.name).write_bytes(change(data) if path.name == name else data)
         srv.upload_dir(BUCKET, prefix, src)
     yield srv
     srv.stop()
@@ -74,6 +98,22 @@ def test_a_gs_object_that_matched_its_checksum_but_does_not_parse_is_blamed_on_t
     assert f"{origin} is corrupt at its source: header is not valid JSON" in err, err
     assert f"Replace {origin} at its source" in err, err
     assert "copy that file again" not in err, err
+
+
+@pytest.mark.parametrize("overlap", [[], ["--no-overlap"]], ids=["overlapped", "sequential"])
+@pytest.mark.parametrize("prefix", sorted(_CONTENT))
+def test_a_gs_object_whose_content_is_refused_is_named_not_only_its_download(
+    gcs, capsys, monkeypatch, tmp_path, prefix, overlap
+):
+    """A config.json that is no JSON, a tensor in a dtype not read: what is wrong is in the
+    object itself (its download matched the checksum), so the error names the object; it
+    named only the download below ROOT before."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+    name, _, said = _CONTENT[prefix]
+    root = tmp_path / "models"
+    err = _refused(capsys, f"gs://{BUCKET}/{prefix}", root, *overlap)
+    assert f"gs://{BUCKET}/{prefix}/{name} (downloaded to {root}" in err, err
+    assert said in err, err
 
 
 @pytest.mark.parametrize("overlap", [[], ["--no-overlap"]], ids=["overlapped", "sequential"])

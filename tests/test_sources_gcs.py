@@ -237,6 +237,10 @@ def test_an_object_without_any_checksum_is_refused_before_anything_is_downloaded
     fetch(f"gs://{BUCKET}/nosum", dest, hooks=ArrivalHooks(skip=frozenset({"model.safetensors"})))
     assert (dest / "config.json").read_text() == "{}"
     assert not (dest / "model.safetensors").exists()
+    # One object named by its own name: the object named is that one.
+    with pytest.raises(SourceError) as info:
+        fetch(f"gs://{BUCKET}/nosum/model.safetensors", tmp_path / "one", retry_deadline_s=5)
+    assert f"Object gs://{BUCKET}/nosum/model.safetensors has neither" in info.value.message
 
 
 @pytest.fixture

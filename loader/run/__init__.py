@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loader import fs, stages
-from loader.errors import CorruptFileError, LockLostError, RepositoryError
+from loader.errors import CorruptFileError, FileContentError, LockLostError, RepositoryError
 from loader.fs import Dir
 from loader.plan import check_placement
 from loader.repository import layout, publish
@@ -157,11 +157,13 @@ def _run(request: RunRequest) -> RunResult:
 def _blamed_on_the_source(fetched: Callable[[], FetchResult | None]) -> Iterator[None]:
     """A checkpoint file that does not parse although it matched the checksum its remote
     source lists (``fetched().origins``) is corrupt at that source: downloading it again gives
-    the same bytes, so the error names the object and says to replace it there. A file of a
-    local source keeps the hint to copy it again."""
+    the same bytes, so the error names the object and says to replace it there. A file whose
+    content is refused otherwise (a config.json that is no JSON, a tensor in a dtype the loader
+    does not read: :class:`~loader.errors.FileContentError`) is named by its object too, its
+    download in parentheses. A file of a local source keeps the hint to copy it again."""
     try:
         yield
-    except CorruptFileError as exc:
+    except (CorruptFileError, FileContentError) as exc:
         origin = _origin(fetched(), exc.path)
         if origin is None or exc.origin is not None:
             raise

@@ -206,15 +206,16 @@ def _check_layout(uri: SourceURI, rels: list[str]) -> None:
     )
 
 
-def _check_checksums(uri: SourceURI, blobs: Iterable[Any], rels: Iterable[str]) -> None:
+def _check_checksums(uri: SourceURI, blobs: Iterable[Any]) -> None:
     """Refuse, before anything is written, an object whose metadata holds neither a CRC32C nor
     an MD5: its bytes could never be verified, so no run would ever publish them (Cloud
     Storage computes a CRC32C for every object it stores, a composite one included; only the
-    MD5 may be missing, and then the CRC32C is checked)."""
-    for blob, rel in zip(blobs, rels, strict=True):
+    MD5 may be missing, and then the CRC32C is checked). The object is named by its own
+    name (a URI naming one object is its whole name, not a prefix to join to it)."""
+    for blob in blobs:
         if not blob.crc32c and not blob.md5_hash:
             raise SourceError(
-                f"Object gs://{uri.location}/{_join(uri.path, rel)} has neither a CRC32C nor "
+                f"Object gs://{uri.location}/{blob.name} has neither a CRC32C nor "
                 "an MD5 checksum in its metadata: its download could not be verified, so it is "
                 "not fetched; nothing was downloaded.",
                 "Upload the object again (gcloud storage cp) so that Cloud Storage computes its "
@@ -773,7 +774,7 @@ def _fetch_into(
     files = [_relpath(uri, blob.name) for blob in blobs]
     _check_layout(uri, files)
     kept = [(b, rel) for b, rel in zip(blobs, files, strict=True) if rel not in hooks.skip]
-    _check_checksums(uri, [b for b, _ in kept], [rel for _, rel in kept])
+    _check_checksums(uri, [b for b, _ in kept])
     todo: list[tuple[Any, str]] = []
     for blob, rel in zip(blobs, files, strict=True):
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
