@@ -1376,15 +1376,25 @@ class Dir:
     def read(self, name: str, *, limit: int = SMALL_FILE_BYTES) -> bytes | None:
         """The content of the regular file ``name`` (at most ``limit`` bytes); None when
         absent. A link is :class:`NotOursError`; a directory there is ``IsADirectoryError``."""
+        found = self.read_judged(name, limit=limit)
+        return None if found is None else found[0]
+
+    def read_judged(
+        self, name: str, *, limit: int = SMALL_FILE_BYTES
+    ) -> tuple[bytes, tuple[int, int]] | None:
+        """:meth:`read`, and the device and inode of the very file read (for
+        :meth:`unlink_judged`: a file judged by its content is removed only while it is that
+        file)."""
         try:
             fd = self.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
                 raise self.not_ours(name, "a file the loader writes")
             os.set_blocking(fd, True)
-            return read_fd(fd, self.path / name, limit=limit)
+            return read_fd(fd, self.path / name, limit=limit), (found.st_dev, found.st_ino)
         finally:
             os.close(fd)
 
@@ -1672,6 +1682,31 @@ class Dir:
                 raise self._failed(exc, self.path / name) from None
         except OSError as exc:
             raise _named(exc, self.path / name) from None
+
+    def unlink_judged(self, name: str, expected: tuple[int, int], aside: str) -> bool:
+        """Remove the file ``name`` only while it is the very file ``expected`` (its device and
+        inode, as :meth:`read_judged` or ``fstat`` told them) names: it is moved to ``aside`` (a
+        fresh name in this directory) in one rename first, and removed only if what moved is
+        that file. Whatever else was renamed to ``name`` since it was judged (a user's file,
+        link or directory) goes back to ``name``, untouched (left at ``aside`` with a warning
+        when something new is at ``name`` by then). True when the file was removed."""
+        try:
+            self.rename(name, self, aside, how="replace")
+        except FileNotFoundError:
+            return False  # removed meanwhile: nothing left to remove
+        found = self.lstat(aside)
+        if found is None:
+            return False
+        if (found.st_dev, found.st_ino) == tuple(expected) and stat.S_ISREG(found.st_mode):
+            self.unlink(aside, missing_ok=True)
+            return True
+        try:
+            self.rename_back(aside, self, name)
+        except OSError as exc:
+            log.warning("%s was replaced after the loader looked at it, and could not be put "
+                        "back (%s): left at %s", self.path / name, exc.strerror or exc,
+                        self.path / aside)  # fmt: skip
+        return False
 
     def rmdir(self, name: str) -> None:
         """Remove the empty directory ``name``; in a marked tree only one its record names

@@ -566,15 +566,19 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
                 if not _MOVED_LOCK.fullmatch(name) or locks.kind(name) != "a file":
                     continue
                 try:
-                    content = locks.read(name, limit=64 * 1024)
+                    found = locks.read_judged(name, limit=64 * 1024)
                 except NotOursError:  # swapped for something else since: not ours
                     continue
                 except fs.TooLargeError:
                     continue  # larger than any lock record: someone else's
-                if content is None or not lock_like(content):
+                if found is None or not lock_like(found[0]):
                     continue  # someone else's file of a similar name
-                if not dry_run:
-                    locks.unlink(name, missing_ok=True)
+                # Removed only while it is the very file read: a user's file renamed to its
+                # name after the read stays (moved aside to a name prune removes only once
+                # it holds a lock record, and put back when it is not the file read).
+                aside = f"{name.rsplit('.stale-', 1)[0]}.stale-{secrets.token_hex(8)}"
+                if not dry_run and not locks.unlink_judged(name, found[1], aside):
+                    continue
                 removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))
                 log.info("%s %s", "would remove" if dry_run else "removed", locks.path / name)
     return removed
