@@ -332,12 +332,15 @@ def recover(root: Path, key: str) -> Path | None:
                         continue
                     try:
                         with trash.sub(name) as copy:
+                            judged = copy.stat()
                             complete = not manifest.verify_in(copy, key=key, checksums=False)
                     except NotOursError:  # a link in it, swapped for it: someone else's
                         continue
                     if complete:
                         try:  # never over what was put at the key while the copy was checked
                             trash.rename_back(name, parent, variant)
+                        except FileNotFoundError:
+                            continue  # removed by someone else since it was checked
                         except OSError as exc:
                             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                                 raise
@@ -345,6 +348,11 @@ def recover(root: Path, key: str) -> Path | None:
                                         "meanwhile", key, trash.path / name,
                                         parent.path / variant)  # fmt: skip
                             return None
+                        if not _same(parent.lstat(variant), (judged.st_dev, judged.st_ino)):
+                            # Something renamed to the copy's name after it was checked (a
+                            # directory or link of the user's) went to the key: back, untouched.
+                            _put_back_unchecked(parent, variant, trash, name)
+                            continue
                         parent.fsync()
                         log.warning(
                             "put the previous copy of %s back from %s (a loader was stopped "
@@ -354,6 +362,22 @@ def recover(root: Path, key: str) -> Path | None:
                         )
                         return parent.path / variant
     return None
+
+
+def _put_back_unchecked(parent: Dir, variant: str, trash: Dir, name: str) -> None:
+    """Move what :func:`recover` put at the key, which is not the copy it checked, back to
+    its name in ``.trash``; a failure is a :class:`PublishError` saying where it is."""
+    try:
+        parent.rename_back(variant, trash, name)
+    except OSError as exc:
+        raise PublishError(
+            f"{trash.path / name} was replaced after the loader checked it as the previous copy "
+            f"of the key, and went to {parent.path / variant}; the rename putting it back "
+            f"failed ({exc.strerror or exc}).",
+            f"Move {parent.path / variant} back where it belongs, then run again.",
+        ) from exc
+    log.warning("kept %s: renamed there after the loader checked the copy it held",
+                trash.path / name)  # fmt: skip
 
 
 def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
