@@ -294,6 +294,21 @@ def _not_pinned(path: Path) -> NotOursError:
     )  # fmt: skip
 
 
+def _pinned_gone(exc: OSError, path: Path) -> OSError:
+    """``exc`` of entering ``path``; an ``ENOENT`` where ``path`` is pinned (:func:`pinned`)
+    and the very directory made there was removed (nothing stands at its name now) is a
+    :class:`~loader.errors.DirectoryRemovedError`, as when another directory stands there."""
+    if exc.errno != errno.ENOENT or not _pinned:
+        return exc
+    with _zones_lock:
+        wanted = _pinned.get(path)
+    try:
+        removed = wanted is not None and os.fstat(wanted[2]).st_nlink == 0
+    except OSError:
+        removed = False
+    return DirectoryRemovedError(path, path) if removed else exc
+
+
 def _check_pinned(fd: int, path: Path) -> None:
     """That the directory open as ``fd`` is the one pinned at ``path``, if any (:func:`pinned`);
     else ``fd`` is closed and the error raised."""
@@ -948,6 +963,8 @@ class Dir:
         except NotADirectoryError:
             cls._deepest_given(path)[0].close()  # raises, naming the level and what it is
             raise
+        except FileNotFoundError as exc:
+            raise _pinned_gone(exc, path) from None
         _check_pinned(fd, path)
         return cls._with_made(fd, path, None)
 
@@ -1027,7 +1044,7 @@ class Dir:
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise self.not_ours(name, f"the loader's {what}") from exc
-            raise self._failed(exc, self.path / name) from None
+            raise _pinned_gone(self._failed(exc, self.path / name), self.path / name) from None
         _check_pinned(fd, self.path / name)
         return Dir._with_made(fd, self.path / name, self._in_made(name))
 

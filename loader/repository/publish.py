@@ -93,11 +93,24 @@ def identity(path: Path) -> Identity:
     link): one without the loader's record (:data:`loader.fs.MADE`) is not the one
     :func:`new_staging_dir` made (a :class:`~loader.errors.NotOursError`)."""
     path = Path(path).absolute()
-    with Dir.open(path.parent) as parent, parent.sub(path.name) as d:
+    with Dir.open(path.parent) as parent, _entered(parent, path.name) as d:
         if d.made is None:
             raise parent.not_ours(path.name, "the staging directory this run made")
         found = d.stat()
     return found.st_dev, found.st_ino
+
+
+def _entered(parent: Dir, name: str) -> Dir:
+    """The run's staging directory ``parent/name``; gone from its name (removed, or renamed
+    away, by someone else while the run worked) it is a
+    :class:`~loader.errors.DirectoryRemovedError` (exit 75: running again starts anew), not a
+    name the loader lost (a bug's ``ENOENT``)."""
+    try:
+        return parent.sub(name)
+    except FileNotFoundError as exc:
+        if isinstance(exc, DirectoryRemovedError):
+            raise
+        raise DirectoryRemovedError(parent.path / name, parent.path / name) from None
 
 
 def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
@@ -475,7 +488,7 @@ def seal(tree: Path, expected: Identity | None = None) -> None:
     With ``expected`` (a staging directory's :func:`identity`), the directory opened is
     checked to be that very one before any mode changes in it."""
     tree = Path(tree).absolute()
-    with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
+    with Dir.open(tree.parent) as parent, _entered(parent, tree.name) as d:
         if expected is not None and (d.made is None or not _same(d.stat(), expected)):
             raise parent.not_ours(tree.name, "the staging directory this run made (something "
                                   "was renamed to its name while the run worked)")  # fmt: skip
