@@ -1091,6 +1091,8 @@ class Dir:
             if not isinstance(exc, FileExistsError) or not exist_ok:
                 raise
             found = self.lstat(name)
+            if found is None and self._removed():  # this directory was removed meanwhile
+                raise DirectoryRemovedError(self.path, self.path / name) from None
             if found is None or not stat.S_ISDIR(found.st_mode):
                 raise self.not_ours(name, f"the loader's {what}") from None
             if self.made is not None:

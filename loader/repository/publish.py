@@ -117,6 +117,8 @@ def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
     if expected is None:
         return
     found = base.lstat(name)
+    if found is None:  # removed (or moved away) by someone else while the run worked
+        raise DirectoryRemovedError(base.path / name, base.path / name)
     ours = _same(found, expected)
     if ours and stat.S_ISDIR(found.st_mode):  # and it holds the record it was made with: a
         with base.sub(name) as d:  # directory made after it was removed can have its inode
