@@ -268,7 +268,13 @@ def pinned(path: Path | str, identity: tuple[int, int]) -> Iterator[None]:
     loader's. ``path`` must be that directory when the block starts."""
     path = Path(path).absolute()
     wanted = (int(identity[0]), int(identity[1]))
-    with Dir.open(path) as d:
+    try:
+        d = Dir.open(path)
+    except FileNotFoundError as exc:  # removed (or moved away) since it was made
+        if isinstance(exc, DirectoryRemovedError):
+            raise
+        raise DirectoryRemovedError(path, path) from None
+    with d:
         found = d.stat()
         if (found.st_dev, found.st_ino) != wanted:
             raise _not_pinned(path)

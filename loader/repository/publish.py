@@ -121,7 +121,7 @@ def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
         raise DirectoryRemovedError(base.path / name, base.path / name)
     ours = _same(found, expected)
     if ours and stat.S_ISDIR(found.st_mode):  # and it holds the record it was made with: a
-        with base.sub(name) as d:  # directory made after it was removed can have its inode
+        with _entered(base, name) as d:  # directory made after it was removed can have its inode
             ours = d.made is not None and _same(d.stat(), expected)
     if not ours:
         raise base.not_ours(
@@ -522,8 +522,22 @@ def publish(
             raise
         log.info("%s was removed meanwhile (pruned); making it again", exc.directory)
         _publish(staging, root, key, replace=replace, expected=expected)
+    except FileNotFoundError:
+        if _staging_present(staging):
+            raise
+        # The staging directory removed (rm -rf) between the last look and the rename.
+        raise DirectoryRemovedError(staging, staging) from None
     log.info("published %s", target)
     return target
+
+
+def _staging_present(staging: Path) -> bool:
+    """Whether anything is at the staging directory's name (a look on a failure's path)."""
+    try:
+        with Dir.open(staging.parent) as base:
+            return base.lstat(staging.name) is not None
+    except OSError:
+        return False
 
 
 def _publish(
