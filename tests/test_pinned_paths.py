@@ -82,3 +82,34 @@ def test_the_pinned_directory_moved_into_a_new_parent_is_still_the_one_made(tmp_
         made.parent.mkdir()
         (tmp_path / ".staging-aside" / made.name).rename(made)
         assert _entered(made) == [None, None]
+
+
+def test_pinning_a_directory_removed_since_it_was_made_is_a_removed_directory(tmp_path):
+    made = tmp_path / ".staging" / "k.1-h.0123456789ab"
+    identity = _made(made)
+    shutil.rmtree(made)
+    with fs.confined(tmp_path), pytest.raises(DirectoryRemovedError), fs.pinned(made, identity):
+        pass
+
+
+@pytest.mark.parametrize("at", ["rename-noreplace", "open"])
+def test_a_staging_directory_removed_as_it_is_published_is_a_removed_directory(tmp_path, at):
+    """Removed between the last look at it and its rename to the key (or as the check before
+    the rename enters it): the removed directory's error, and nothing at the key."""
+    from loader.repository import publish
+
+    root = tmp_path / "models"
+    key = "m@r1/v"
+    staging = publish.new_staging_dir(root, key)
+    made = publish.identity(staging)
+    sealed: list[str] = []
+
+    def remove(op: str, path: str) -> None:
+        if op == "mkdir" and path == str(root / "m@r1"):
+            sealed.append(op)  # the key's directory made: the publish's own steps follow
+        elif sealed and op == at and path.startswith(str(staging)) and staging.exists():
+            shutil.rmtree(staging)
+
+    with fs.confined(root), fs.inject(remove), pytest.raises(DirectoryRemovedError):
+        publish.publish(staging, root, key, expected=made)
+    assert sealed and not (root / key).exists()
