@@ -268,7 +268,13 @@ def pinned(path: Path | str, identity: tuple[int, int]) -> Iterator[None]:
     loader's. ``path`` must be that directory when the block starts."""
     path = Path(path).absolute()
     wanted = (int(identity[0]), int(identity[1]))
-    with Dir.open(path) as d:
+    try:
+        d = Dir.open(path)
+    except FileNotFoundError as exc:  # removed (or moved away) since it was made
+        if isinstance(exc, DirectoryRemovedError):
+            raise
+        raise DirectoryRemovedError(path, path) from None
+    with d:
         found = d.stat()
         if (found.st_dev, found.st_ino) != wanted:
             raise _not_pinned(path)
@@ -292,6 +298,21 @@ def _not_pinned(path: Path) -> NotOursError:
         path, "another directory (renamed to its name while the loader worked)",
         "the directory the loader made there",
     )  # fmt: skip
+
+
+def _pinned_gone(exc: OSError, path: Path) -> OSError:
+    """``exc`` of entering ``path``; an ``ENOENT`` where ``path`` is pinned (:func:`pinned`)
+    and the very directory made there was removed (nothing stands at its name now) is a
+    :class:`~loader.errors.DirectoryRemovedError`, as when another directory stands there."""
+    if exc.errno != errno.ENOENT or not _pinned:
+        return exc
+    with _zones_lock:
+        wanted = _pinned.get(path)
+    try:
+        removed = wanted is not None and os.fstat(wanted[2]).st_nlink == 0
+    except OSError:
+        removed = False
+    return DirectoryRemovedError(path, path) if removed else exc
 
 
 def _check_pinned(fd: int, path: Path) -> None:
@@ -948,6 +969,8 @@ class Dir:
         except NotADirectoryError:
             cls._deepest_given(path)[0].close()  # raises, naming the level and what it is
             raise
+        except FileNotFoundError as exc:
+            raise _pinned_gone(exc, path) from None
         _check_pinned(fd, path)
         return cls._with_made(fd, path, None)
 
@@ -1027,7 +1050,7 @@ class Dir:
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise self.not_ours(name, f"the loader's {what}") from exc
-            raise self._failed(exc, self.path / name) from None
+            raise _pinned_gone(self._failed(exc, self.path / name), self.path / name) from None
         _check_pinned(fd, self.path / name)
         return Dir._with_made(fd, self.path / name, self._in_made(name))
 
@@ -1074,6 +1097,8 @@ class Dir:
             if not isinstance(exc, FileExistsError) or not exist_ok:
                 raise
             found = self.lstat(name)
+            if found is None and self._removed():  # this directory was removed meanwhile
+                raise DirectoryRemovedError(self.path, self.path / name) from None
             if found is None or not stat.S_ISDIR(found.st_mode):
                 raise self.not_ours(name, f"the loader's {what}") from None
             if self.made is not None:
@@ -1376,15 +1401,25 @@ class Dir:
     def read(self, name: str, *, limit: int = SMALL_FILE_BYTES) -> bytes | None:
         """The content of the regular file ``name`` (at most ``limit`` bytes); None when
         absent. A link is :class:`NotOursError`; a directory there is ``IsADirectoryError``."""
+        found = self.read_judged(name, limit=limit)
+        return None if found is None else found[0]
+
+    def read_judged(
+        self, name: str, *, limit: int = SMALL_FILE_BYTES
+    ) -> tuple[bytes, tuple[int, int]] | None:
+        """:meth:`read`, and the device and inode of the very file read (for
+        :meth:`unlink_judged`: a file judged by its content is removed only while it is that
+        file)."""
         try:
             fd = self.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
                 raise self.not_ours(name, "a file the loader writes")
             os.set_blocking(fd, True)
-            return read_fd(fd, self.path / name, limit=limit)
+            return read_fd(fd, self.path / name, limit=limit), (found.st_dev, found.st_ino)
         finally:
             os.close(fd)
 
@@ -1672,6 +1707,31 @@ class Dir:
                 raise self._failed(exc, self.path / name) from None
         except OSError as exc:
             raise _named(exc, self.path / name) from None
+
+    def unlink_judged(self, name: str, expected: tuple[int, int], aside: str) -> bool:
+        """Remove the file ``name`` only while it is the very file ``expected`` (its device and
+        inode, as :meth:`read_judged` or ``fstat`` told them) names: it is moved to ``aside`` (a
+        fresh name in this directory) in one rename first, and removed only if what moved is
+        that file. Whatever else was renamed to ``name`` since it was judged (a user's file,
+        link or directory) goes back to ``name``, untouched (left at ``aside`` with a warning
+        when something new is at ``name`` by then). True when the file was removed."""
+        try:
+            self.rename(name, self, aside, how="replace")
+        except FileNotFoundError:
+            return False  # removed meanwhile: nothing left to remove
+        found = self.lstat(aside)
+        if found is None:
+            return False
+        if (found.st_dev, found.st_ino) == tuple(expected) and stat.S_ISREG(found.st_mode):
+            self.unlink(aside, missing_ok=True)
+            return True
+        try:
+            self.rename_back(aside, self, name)
+        except OSError as exc:
+            log.warning("%s was replaced after the loader looked at it, and could not be put "
+                        "back (%s): left at %s", self.path / name, exc.strerror or exc,
+                        self.path / aside)  # fmt: skip
+        return False
 
     def rmdir(self, name: str) -> None:
         """Remove the empty directory ``name``; in a marked tree only one its record names

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from loader import fs
 from loader.cli import main
 from loader.errors import NotOursError
 from loader.repository.key import key_filename
@@ -58,6 +59,81 @@ def test_prune_still_removes_a_lock_a_take_over_moved_away(tmp_path):
     report = prune(tmp_path, keep=1)
     assert not moved.exists()
     assert [r.path for r in report.removed] == [moved]
+
+
+def test_prune_never_removes_a_users_file_renamed_over_a_moved_lock_at_any_step(tmp_path):
+    """A lock a take-over moved aside, judged by its content: a user's file renamed to its
+    name at any call prune makes on that name after it looked (before the removal too) is
+    kept, with its content, mode and inode."""
+    name = f"{key_filename(KEY)}.lock.stale-0123456789abcdef"
+    record = json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"})
+
+    def planted(root: Path) -> Path:
+        (root / LOCKS_DIR).mkdir(parents=True)
+        (root / LOCKS_DIR / name).write_text(record)
+        return root / LOCKS_DIR / name
+
+    calls: list[str] = []
+    counted = planted(tmp_path / "count")
+    with fs.inject(lambda op, path: calls.append(op) if path == str(counted) else None):
+        prune(tmp_path / "count", keep=1)
+    assert not counted.exists() and calls
+    for step in range(1, len(calls) + 1):
+        root = tmp_path / f"at-{step}"
+        moved = planted(root)
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("a user's notes\n")
+        theirs.chmod(0o600)
+        seen = os.stat(theirs)
+        seen_calls: list[str] = []
+
+        def swap(op: str, path: str, moved=moved, theirs=theirs, seen_calls=seen_calls):
+            if path != str(moved) or not theirs.exists():
+                return
+            seen_calls.append(op)
+            if len(seen_calls) == step:  # noqa: B023 (called while this step runs)
+                os.rename(theirs, moved)
+
+        with fs.inject(swap):
+            prune(root, keep=1)
+        assert not theirs.exists(), step
+        now = os.lstat(moved)
+        assert (now.st_ino, now.st_mode) == (seen.st_ino, seen.st_mode), (step, calls[step - 1])
+        assert moved.read_text() == "a user's notes\n"
+        assert os.listdir(root / LOCKS_DIR) == [name], step
+
+
+def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_look(tmp_path):
+    """A waiter judged the lock stale; a user's file is renamed to the lock's path before the
+    take-over moves it aside, and a new lock is made there before the take-over looks at what
+    it moved: the user's file is never removed (left beside the new lock, and named)."""
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"}))
+    _old(path)
+    theirs = tmp_path / "theirs"
+    theirs.write_text("a user's notes\n")
+    seen = os.stat(theirs)
+    other: list[PublishLock] = []
+
+    def race(op: str, where: str) -> None:
+        if op == "rename" and where.startswith(f"{path} -> ") and theirs.exists():
+            os.rename(theirs, path)
+        elif op == "open" and ".stale-" in where and not other and not theirs.exists():
+            other.append(PublishLock(tmp_path, KEY, expiry_s=60, timeout_s=0).acquire())
+
+    lock = PublishLock(tmp_path, KEY, expiry_s=0.2, timeout_s=5, poll_s=0.05)
+    try:
+        with fs.inject(race), pytest.raises(NotOursError):
+            lock.acquire()
+        assert other and other[0].held()
+    finally:
+        for held in other:
+            held.release()
+    (left,) = [p for p in path.parent.iterdir()]
+    now = os.lstat(left)
+    assert (now.st_ino, now.st_mode) == (seen.st_ino, seen.st_mode)
+    assert left.read_text() == "a user's notes\n"
 
 
 @pytest.mark.parametrize(

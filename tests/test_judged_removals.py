@@ -87,3 +87,42 @@ def test_a_users_directory_renamed_to_a_judged_trees_name_at_any_step_is_kept(tm
         assert len(mine) == 1, (step, steps[step - 1])
         assert sorted(os.listdir(mine[0])) == ["manifest.json", "notes.txt"], step
         assert (mine[0] / "notes.txt").read_text() == "mine"
+
+
+def test_a_users_directory_renamed_to_a_leftovers_name_while_a_run_clears_it_is_kept(
+    tmp_path: Path,
+):
+    """The clean-up a run of the key makes under its lock (``clear_leftovers``: a dead loader's
+    staging directory, a replaced copy in ``.trash``) removes only the very directory it judged
+    the loader's: one of the user's renamed to that name at any step after is kept whole."""
+    from loader.repository.publish import clear_leftovers
+
+    newer = "m@r2/v"
+    counted = tmp_path / "count"
+    _leftovers(counted)
+    steps: list[str] = []
+    with fs.inject(lambda op, path: steps.append(op) if _top(counted, path) else None):
+        assert len(clear_leftovers(counted, newer, idle_s=60)) == 2
+    for step in range(1, len(steps) + 1):
+        root = tmp_path / f"at-{step}"
+        _leftovers(root)
+        calls: list[str] = []
+        done: list[Path] = []
+
+        def swap(op: str, path: str, root: Path = root, calls=calls, done=done, step=step):
+            top = _top(root, path)
+            if top is None or done or not top.is_dir():
+                return
+            calls.append(op)
+            if len(calls) == step:
+                top.rename(root.parent / f"moved-{step}")
+                _users_directory(top)
+                done.append(top)
+
+        with fs.inject(swap):
+            clear_leftovers(root, newer, idle_s=60)
+        if not done:
+            continue
+        mine = [p.parent for p in root.rglob("notes.txt")]
+        assert len(mine) == 1, (step, steps[step - 1])
+        assert sorted(os.listdir(mine[0])) == ["manifest.json", "notes.txt"], step

@@ -240,3 +240,31 @@ def test_a_release_whose_move_aside_fails_still_removes_its_own_lock(tmp_path: P
     assert not path.exists() and not list(path.parent.glob("*.stale-*"))
     with PublishLock(tmp_path, KEY, timeout_s=0):  # taken at once
         pass
+
+
+def test_a_take_over_whose_moved_lock_prune_removed_meanwhile_goes_on(tmp_path: Path):
+    """A waiter moved a lock it judged stale aside, found it changed since (a late beat of its
+    holder) and puts it back; prune removed it meanwhile as a moved-away lock: nothing is left
+    to put back, and the waiter goes on to take the lock, not a traceback (exit 1)."""
+    from loader import fs
+
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"}))
+    steps: list[str] = []
+
+    def race(op: str, where: str) -> None:
+        if op == "rename" and where.startswith(f"{path} -> ") and not steps:
+            steps.append(op)
+            path.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "beats": 1}))
+        elif op == "link" and steps == ["rename"]:
+            steps.append(op)
+            os.unlink(where.split(" -> ")[0])
+
+    with (
+        fs.inject(race),
+        PublishLock(tmp_path, KEY, expiry_s=0.2, timeout_s=5, poll_s=0.05) as lock,
+    ):
+        assert lock.held()
+    assert steps == ["rename", "link"]
+    assert os.listdir(path.parent) == []

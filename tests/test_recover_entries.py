@@ -105,3 +105,67 @@ def test_a_directory_made_at_the_key_while_the_copy_is_checked_is_never_replaced
     assert os.listdir(key) == []
     assert code == 2, err
     assert manifest.verify(previous) == []
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
+@pytest.mark.parametrize("kind", ["directory", "link"])
+def test_what_is_renamed_to_the_copys_name_after_it_was_checked_never_goes_to_the_key(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys, fallback: bool, kind: str
+):
+    """The key is absent, a replaced copy waits in ``.trash``; after the loader checked that
+    copy and before its put-back, the user moves it away and puts a directory (or a link) of
+    theirs at its name: the put-back never moves theirs to the key (Triton would load it as
+    the key); it goes back to its name untouched, and the run publishes a fresh copy."""
+    root = tmp_path / "models"
+    key, previous = _replaced_copy_waiting(tiny_checkpoint_with_tokenizer, root)
+    swapped: list[os.stat_result] = []
+
+    def swap(op: str, path: str) -> None:
+        if fallback and op in ("rename-exchange", "rename-noreplace"):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if swapped or not path.startswith(f"{previous} -> "):
+            return
+        previous.rename(tmp_path / "moved")
+        if kind == "directory":
+            previous.mkdir()
+            (previous / "notes.txt").write_text("mine")
+            previous.chmod(0o700)
+        else:
+            previous.symlink_to(tmp_path / "moved")
+        swapped.append(os.lstat(previous))
+
+    capsys.readouterr()
+    with fs.inject(swap):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    err = capsys.readouterr().err
+    assert swapped
+    now = os.lstat(previous)
+    assert (now.st_ino, now.st_mode) == (swapped[0].st_ino, swapped[0].st_mode), err
+    if kind == "directory":
+        assert os.listdir(previous) == ["notes.txt"]
+        assert (previous / "notes.txt").read_text() == "mine"
+    assert code == 0, err
+    assert not key.is_symlink() and manifest.verify(key) == []
+
+
+def test_a_copy_removed_by_someone_else_after_it_was_checked_is_only_gone(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys
+):
+    """The copy the loader checked is removed (``rm -rf``) before its put-back: nothing is put
+    back, and the run publishes a fresh copy (exit 0), not a traceback (exit 1)."""
+    root = tmp_path / "models"
+    key, previous = _replaced_copy_waiting(tiny_checkpoint_with_tokenizer, root)
+    removed: list[str] = []
+
+    def remove(op: str, path: str) -> None:
+        if not removed and path.startswith(f"{previous} -> "):
+            shutil.rmtree(previous)
+            removed.append(op)
+
+    capsys.readouterr()
+    with fs.inject(remove):
+        code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
+    err = capsys.readouterr().err
+    assert removed
+    assert code == 0, err
+    assert manifest.verify(key) == []

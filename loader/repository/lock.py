@@ -251,21 +251,25 @@ class PublishLock:
             return  # someone else removed it first
         try:
             content = locks.read(moved, limit=64 * 1024)
-        except NotOursError:
-            # Not a lock file (a link, a FIFO, a directory put at the lock's path after we
-            # judged it): never read or removed; back where it was, and refused.
+        except (NotOursError, TooLargeError):
+            content = b"not a lock"
+        if content is None:
+            return  # someone else removed what we moved
+        if not lock_like(content):
+            # Not a lock file (a link, a FIFO, a directory, a user's file put at the lock's
+            # path after we judged it): never removed; back where it was, and refused.
             try:
                 locks.rename_back(moved, locks, name)
             except OSError:  # a new lock is there meanwhile: left beside it, and named
                 raise locks.not_ours(moved, "a publish lock file") from None
-            raise locks.not_ours(name, "a publish lock file") from None
-        if content is None:
-            return  # someone else removed what we moved
+            raise locks.not_ours(name, "a publish lock file")
         try:
             if content != stale:
                 # We moved a lock that changed since we judged it: put it back unless a new
                 # one exists already (its holder then notices the loss and stops).
-                with contextlib.suppress(FileExistsError):
+                # (FileNotFoundError: prune removed what we moved meanwhile, a moved-away
+                # lock file to it: nothing is left to put back, and its holder stops)
+                with contextlib.suppress(FileExistsError, FileNotFoundError):
                     locks.link(moved, name)
         finally:
             locks.unlink(moved, missing_ok=True)
@@ -335,12 +339,10 @@ class PublishLock:
         took the lock over in the instant after :meth:`held` looked (this holder stalled past
         the expiry) has its new lock file there: that one goes back, never removed."""
         assert self._dir is not None and self._fd is not None
-        locks, name = self._dir, self.path.name
-        moved = f"{name}.stale-{secrets.token_hex(8)}"  # (prune removes one a kill left)
+        ours = os.fstat(self._fd)
+        moved = f"{self.path.name}.stale-{secrets.token_hex(8)}"  # (prune removes one a kill left)
         try:
-            locks.rename(name, locks, moved, how="replace")
-        except FileNotFoundError:
-            return  # taken over and released meanwhile: nothing of ours is there
+            self._dir.unlink_judged(self.path.name, (ours.st_dev, ours.st_ino), moved)
         except OSError as exc:
             # A volume that refuses the rename (EIO, EPERM of an odd file system) would leave
             # the lock naming this process: the next run of this process (a long-lived caller)
@@ -348,17 +350,7 @@ class PublishLock:
             # before the move aside (only a take-over within this instant is not told apart).
             log.debug("moving the publish lock %s aside failed (%s)", self.path, exc)
             if self.held():
-                locks.unlink(name, missing_ok=True)
-            return
-        ours, found = os.fstat(self._fd), locks.lstat(moved)
-        if found is None or (found.st_dev, found.st_ino) == (ours.st_dev, ours.st_ino):
-            locks.unlink(moved, missing_ok=True)
-            return
-        try:
-            locks.rename_back(moved, locks, name)
-        except OSError as exc:  # a newer lock there already: that holder's stays
-            log.warning("the publish lock %s was taken over meanwhile and could not be put back "
-                        "(%s); left at %s", self.path, exc, locks.path / moved)  # fmt: skip
+                self._dir.unlink(self.path.name, missing_ok=True)
 
     def __enter__(self) -> PublishLock:
         return self.acquire()

@@ -225,7 +225,11 @@ def _published(root: Path) -> list[tuple[str, os.stat_result, dict]]:
         for parent in r.names():
             if parent.startswith(".") or "@" not in parent or not r.is_dir(parent):
                 continue
-            with r.sub(parent) as p:
+            try:
+                p = r.sub(parent)
+            except FileNotFoundError:  # removed by someone else since the look
+                continue
+            with p:
                 for name in p.names():
                     entry = p.lstat(name)
                     if entry is None or not stat.S_ISDIR(entry.st_mode):
@@ -236,6 +240,8 @@ def _published(root: Path) -> list[tuple[str, os.stat_result, dict]]:
                             data = manifest.read_manifest_in(d)
                     except NotOursError:  # a link, FIFO or directory at its manifest's name
                         continue  # no key prune recognises: kept, never read through
+                    except FileNotFoundError:  # removed by someone else since the look
+                        continue
                     if data is not None and data.get("key") == key:
                         found.append((key, entry, data))
     return found
@@ -320,12 +326,12 @@ def _prune(
                 if not _still_held(lock):
                     report.kept.append((key, "its publish lock was taken over meanwhile"))
                     break
-                why = c.recheck()
+                why = _gone_meanwhile(c.recheck)
                 if why is not None:
                     report.kept.append((key, why))
                     continue
                 size = _path_size(c.path)
-                why = c.remove()
+                why = _gone_meanwhile(c.remove)
                 if why is not None:
                     report.kept.append((key, why))
                     continue
@@ -335,6 +341,15 @@ def _prune(
             lock.release()
     report.removed += _stale_lock_files(root, dry_run)
     return report
+
+
+def _gone_meanwhile(step: Callable[[], str | None]) -> str | None:
+    """``step()`` (a candidate's recheck or removal); a name it works on that someone else
+    removed since prune looked (``ENOENT``) only means the candidate is gone meanwhile."""
+    try:
+        return step()
+    except FileNotFoundError:
+        return "gone meanwhile"
 
 
 def _path_size(path: Path) -> int:
@@ -526,7 +541,7 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
     def remove() -> str | None:
         with Dir.open(root) as r, r.sub(TRASH_DIR, create=True) as trash:
             aside = f"{key_filename(key)}.{secrets.token_hex(6)}"
-            with r.sub(parent_name) as p:
+            with r.sub(parent_name) as p:  # (removed since the look above: gone meanwhile)
                 p.rename(variant, trash, aside, how="replace")
                 p.fsync()
                 moved = trash.lstat(aside)
@@ -535,13 +550,22 @@ def _old_key(root: Path, key: str, seen: os.stat_result, data: dict, keep: int) 
                 if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
                     # Another directory was put at the key's name after the look above (a
                     # rename of the user's): it goes back, untouched.
-                    trash.rename_back(aside, p, variant)
+                    try:
+                        trash.rename_back(aside, p, variant)
+                    except OSError as exc:
+                        raise RepositoryError(
+                            f"A directory renamed to {p.path / variant} while prune removed "
+                            f"that key was moved to {trash.path / aside}, and the rename "
+                            f"putting it back failed ({exc.strerror or exc}): it is there, "
+                            "untouched.",
+                            f"Move {trash.path / aside} back where it belongs.",
+                        ) from exc
                     return f"{key} was replaced by another directory meanwhile"
             trash.remove_tree(aside, marks=TREE_MARKS, expected=(seen.st_dev, seen.st_ino))
-            with r.sub(parent_name) as p:
-                empty = not p.names()
-            if empty:
-                with contextlib.suppress(OSError):  # a loader published into it meanwhile
+            with contextlib.suppress(OSError):  # removed, or published into, meanwhile
+                with r.sub(parent_name) as p:
+                    empty = not p.names()
+                if empty:
                     r.rmdir(parent_name)  # the <name>@<revision> directory, now empty
         return None
 
@@ -566,15 +590,19 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
                 if not _MOVED_LOCK.fullmatch(name) or locks.kind(name) != "a file":
                     continue
                 try:
-                    content = locks.read(name, limit=64 * 1024)
+                    found = locks.read_judged(name, limit=64 * 1024)
                 except NotOursError:  # swapped for something else since: not ours
                     continue
                 except fs.TooLargeError:
                     continue  # larger than any lock record: someone else's
-                if content is None or not lock_like(content):
+                if found is None or not lock_like(found[0]):
                     continue  # someone else's file of a similar name
-                if not dry_run:
-                    locks.unlink(name, missing_ok=True)
+                # Removed only while it is the very file read: a user's file renamed to its
+                # name after the read stays (moved aside to a name prune removes only once
+                # it holds a lock record, and put back when it is not the file read).
+                aside = f"{name.rsplit('.stale-', 1)[0]}.stale-{secrets.token_hex(8)}"
+                if not dry_run and not locks.unlink_judged(name, found[1], aside):
+                    continue
                 removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))
                 log.info("%s %s", "would remove" if dry_run else "removed", locks.path / name)
     return removed

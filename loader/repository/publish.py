@@ -93,20 +93,35 @@ def identity(path: Path) -> Identity:
     link): one without the loader's record (:data:`loader.fs.MADE`) is not the one
     :func:`new_staging_dir` made (a :class:`~loader.errors.NotOursError`)."""
     path = Path(path).absolute()
-    with Dir.open(path.parent) as parent, parent.sub(path.name) as d:
+    with Dir.open(path.parent) as parent, _entered(parent, path.name) as d:
         if d.made is None:
             raise parent.not_ours(path.name, "the staging directory this run made")
         found = d.stat()
     return found.st_dev, found.st_ino
 
 
+def _entered(parent: Dir, name: str) -> Dir:
+    """The run's staging directory ``parent/name``; gone from its name (removed, or renamed
+    away, by someone else while the run worked) it is a
+    :class:`~loader.errors.DirectoryRemovedError` (exit 75: running again starts anew), not a
+    name the loader lost (a bug's ``ENOENT``)."""
+    try:
+        return parent.sub(name)
+    except FileNotFoundError as exc:
+        if isinstance(exc, DirectoryRemovedError):
+            raise
+        raise DirectoryRemovedError(parent.path / name, parent.path / name) from None
+
+
 def _check_at(base: Dir, name: str, expected: Identity | None) -> None:
     if expected is None:
         return
     found = base.lstat(name)
+    if found is None:  # removed (or moved away) by someone else while the run worked
+        raise DirectoryRemovedError(base.path / name, base.path / name)
     ours = _same(found, expected)
     if ours and stat.S_ISDIR(found.st_mode):  # and it holds the record it was made with: a
-        with base.sub(name) as d:  # directory made after it was removed can have its inode
+        with _entered(base, name) as d:  # directory made after it was removed can have its inode
             ours = d.made is not None and _same(d.stat(), expected)
     if not ours:
         raise base.not_ours(
@@ -332,12 +347,15 @@ def recover(root: Path, key: str) -> Path | None:
                         continue
                     try:
                         with trash.sub(name) as copy:
+                            judged = copy.stat()
                             complete = not manifest.verify_in(copy, key=key, checksums=False)
                     except NotOursError:  # a link in it, swapped for it: someone else's
                         continue
                     if complete:
                         try:  # never over what was put at the key while the copy was checked
                             trash.rename_back(name, parent, variant)
+                        except FileNotFoundError:
+                            continue  # removed by someone else since it was checked
                         except OSError as exc:
                             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                                 raise
@@ -345,6 +363,11 @@ def recover(root: Path, key: str) -> Path | None:
                                         "meanwhile", key, trash.path / name,
                                         parent.path / variant)  # fmt: skip
                             return None
+                        if not _same(parent.lstat(variant), (judged.st_dev, judged.st_ino)):
+                            # Something renamed to the copy's name after it was checked (a
+                            # directory or link of the user's) went to the key: back, untouched.
+                            _put_back_unchecked(parent, variant, trash, name)
+                            continue
                         parent.fsync()
                         log.warning(
                             "put the previous copy of %s back from %s (a loader was stopped "
@@ -354,6 +377,22 @@ def recover(root: Path, key: str) -> Path | None:
                         )
                         return parent.path / variant
     return None
+
+
+def _put_back_unchecked(parent: Dir, variant: str, trash: Dir, name: str) -> None:
+    """Move what :func:`recover` put at the key, which is not the copy it checked, back to
+    its name in ``.trash``; a failure is a :class:`PublishError` saying where it is."""
+    try:
+        parent.rename_back(variant, trash, name)
+    except OSError as exc:
+        raise PublishError(
+            f"{trash.path / name} was replaced after the loader checked it as the previous copy "
+            f"of the key, and went to {parent.path / variant}; the rename putting it back "
+            f"failed ({exc.strerror or exc}).",
+            f"Move {parent.path / variant} back where it belongs, then run again.",
+        ) from exc
+    log.warning("kept %s: renamed there after the loader checked the copy it held",
+                trash.path / name)  # fmt: skip
 
 
 def clear_leftovers(root: Path, key: str, *, idle_s: float) -> list[Path]:
@@ -451,7 +490,7 @@ def seal(tree: Path, expected: Identity | None = None) -> None:
     With ``expected`` (a staging directory's :func:`identity`), the directory opened is
     checked to be that very one before any mode changes in it."""
     tree = Path(tree).absolute()
-    with Dir.open(tree.parent) as parent, parent.sub(tree.name) as d:
+    with Dir.open(tree.parent) as parent, _entered(parent, tree.name) as d:
         if expected is not None and (d.made is None or not _same(d.stat(), expected)):
             raise parent.not_ours(tree.name, "the staging directory this run made (something "
                                   "was renamed to its name while the run worked)")  # fmt: skip
@@ -483,8 +522,22 @@ def publish(
             raise
         log.info("%s was removed meanwhile (pruned); making it again", exc.directory)
         _publish(staging, root, key, replace=replace, expected=expected)
+    except FileNotFoundError:
+        if _staging_present(staging):
+            raise
+        # The staging directory removed (rm -rf) between the last look and the rename.
+        raise DirectoryRemovedError(staging, staging) from None
     log.info("published %s", target)
     return target
+
+
+def _staging_present(staging: Path) -> bool:
+    """Whether anything is at the staging directory's name (a look on a failure's path)."""
+    try:
+        with Dir.open(staging.parent) as base:
+            return base.lstat(staging.name) is not None
+    except OSError:
+        return False
 
 
 def _publish(
