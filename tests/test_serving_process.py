@@ -248,8 +248,10 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
         try:
             proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            servers = _children(proc)
             proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
             _, err = proc.communicate(timeout=30)
+            _kill_with_its_server(proc, servers)
             pytest.fail(f"serve-local did not stop within 120 s of SIGTERM; its stacks:\n{err}")
     path = Path(shown.split()[1])
     if keep:
@@ -266,6 +268,32 @@ def _blocked(pid: int, tid: int) -> int:
     return int(
         next(line for line in status.splitlines() if line.startswith("SigBlk")).split()[1], 16
     )
+
+
+def _children(proc) -> list[int]:
+    """The processes ``proc`` started (its tritonserver), while it lives."""
+    try:
+        return [
+            int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
+    except OSError:
+        return []
+
+
+def _kill_with_its_server(proc, servers: list[int] | None = None) -> None:
+    """SIGKILL a serve that did not stop, and the tritonserver it started (``servers``, else
+    its children now), which runs in a session of its own: serve stops it, a killed serve
+    cannot; no server outlives the test."""
+    import signal
+
+    if servers is None:
+        servers = _children(proc) if proc.poll() is None else []
+    for server in servers:
+        with contextlib.suppress(OSError):
+            os.killpg(server, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
 
 
 #: tgkill(2)'s number: the one call that sends a signal to one thread of another process.
@@ -302,9 +330,7 @@ def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repos
         assert libc.syscall(number, proc.pid, others[0], int(signal.SIGTERM)) == 0
         code = proc.wait(timeout=90)  # stop's own bound: --exit-timeout-secs and 10 s, then more
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_with_its_server(proc)
     assert code == 143, proc.stderr.read()
 
 
