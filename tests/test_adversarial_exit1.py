@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from loader.cli import main
 from loader.repository.key import resolve_revision
 from tests.runs import cli, run_argv
+from tests.stalled import stopped_while_stalled
 from tests.tiers import examples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -802,41 +803,6 @@ def test_a_storage_listing_whose_pages_never_end_is_refused(tmp_path, repeat):
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
 
 
-def _stalled_storage():
-    """A Cloud Storage JSON API stand-in that lists two objects under ``gs://b/p`` and then
-    never answers a download (it accepts the request and sends nothing); the event is set once
-    a download was asked for, and ``release`` ends the stalled answers."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    asked, release = threading.Event(), threading.Event()
-    listed = [("p/config.json", 200), ("p/model.safetensors", 1 << 20)]
-
-    class Stalling(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            if "alt=media" in self.path:
-                asked.set()
-                release.wait(300)
-                return
-            # A checksum each: an object without one is refused before any download.
-            items = [{"kind": "storage#object", "name": name, "bucket": "b", "size": str(size),
-                      "generation": "1", "updated": "2024-01-01T00:00:00Z", "crc32c": "AAAAAA=="}
-                     for name, size in listed]  # fmt: skip
-            body = json.dumps({"kind": "storage#objects", "items": items}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, asked, release
-
-
 @pytest.mark.slow  # a command in a subprocess of its own
 @pytest.mark.parametrize("command", ["fetch", "run"])
 def test_ctrl_c_during_a_stalled_download_ends_the_process_at_once(tmp_path, command):
@@ -845,39 +811,16 @@ def test_ctrl_c_during_a_stalled_download_ends_the_process_at_once(tmp_path, com
     exit for the download pool's worker, still in a read that ends only at the read timeout
     (minutes; ``--retry-deadline``). Now it ends at once, 130, leaving no lock."""
     import signal
-    import time
 
-    server, asked, release = _stalled_storage()
-    root = tmp_path / "root"
-    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
-            "run": run_argv("gs://b/p", root)}[command]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
-    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        try:
-            assert asked.wait(120), "no download was asked for"
-            proc.send_signal(signal.SIGINT)
-            start = time.monotonic()
-            out, err = proc.communicate(timeout=60)
-            took = time.monotonic() - start
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    finally:
-        release.set()
-        server.shutdown()
-    assert proc.returncode == 130, err
+    code, out, err, took = stopped_while_stalled(
+        tmp_path, command, lambda p: p.send_signal(signal.SIGINT)
+    )
+    assert code == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
     assert took < 15, f"{took:.0f} s after Ctrl-C"
     assert out == ""
     if command == "run":
-        assert not any((root / ".locks").iterdir())
+        assert not any((tmp_path / "root" / ".locks").iterdir())
 
 
 @pytest.mark.slow  # a command in a subprocess of its own
@@ -891,39 +834,17 @@ def test_a_second_signal_while_the_command_stops_never_cuts_its_clean_up_short(t
     code, no lock left. (Both are sent before the command takes either: Python then runs
     their handlers one after the other, the second inside the first one's unwinding.)"""
     import signal
-    import time
 
-    server, asked, release = _stalled_storage()
-    root = tmp_path / "root"
-    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
-            "run": run_argv("gs://b/p", root)}[command]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
-    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        try:
-            assert asked.wait(120), "no download was asked for"
-            proc.send_signal(signal.SIGINT)
-            proc.send_signal(signal.SIGTERM)
-            start = time.monotonic()
-            _, err = proc.communicate(timeout=60)
-            took = time.monotonic() - start
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    finally:
-        release.set()
-        server.shutdown()
-    assert proc.returncode in (130, 143), err
+    def ctrl_c_and_sigterm(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
+
+    code, _, err, took = stopped_while_stalled(tmp_path, command, ctrl_c_and_sigterm)
+    assert code in (130, 143), err
     assert "Traceback" not in err and "this is a bug" not in err, err
     assert took < 15, f"{took:.0f} s after the signals"
     if command == "run":
-        assert not any((root / ".locks").iterdir())
+        assert not any((tmp_path / "root" / ".locks").iterdir())
 
 
 def test_ctrl_c_while_the_commands_module_is_imported_is_an_interruption(monkeypatch, capsys):

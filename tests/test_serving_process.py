@@ -350,10 +350,10 @@ def test_a_hang_up_stops_serve_and_its_server(repository):
     import subprocess
 
     from tests import procs
-    from tests.test_supervise import _as_a_shell_starts
+    from tests.stalled import as_a_shell_starts
 
     proc = subprocess.Popen(
-        _as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
+        as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     server = None

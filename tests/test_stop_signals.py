@@ -4,7 +4,7 @@ its code (143 SIGTERM, 129 SIGHUP), never a hang, exit 1 or a process left servi
 number is read only as ASCII digits.
 
 The commands run as the installed command does, in processes of their own, started with the
-signals a shell leaves them (:func:`tests.test_supervise._as_a_shell_starts`).
+signals a shell leaves them (:func:`tests.stalled.as_a_shell_starts`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import pytest
 
 from loader.cli import main
 from tests import procs
-from tests.runs import run_argv
-from tests.test_adversarial_exit1 import _stalled_storage
-from tests.test_supervise import _as_a_shell_starts
+from tests.stalled import (
+    as_a_shell_starts,
+    stopped_while_stalled,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,45 +57,6 @@ def to_another_thread(pid: int, sig: int) -> None:
     assert libc.syscall(number, pid, others[0], int(sig)) == 0
 
 
-def _gcs_env(server) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
-    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    return env
-
-
-def _stalled_argv(command: str, tmp_path: Path) -> list[str]:
-    argv = {"fetch": ["fetch", "gs://b/p", str(tmp_path / "dest")],
-            "run": run_argv("gs://b/p", tmp_path / "root")}[command]  # fmt: skip
-    return [sys.executable, "-m", "loader", *argv, "--retry-deadline", "600", "-q"]
-
-
-def _stopped_while_stalled(tmp_path: Path, command: str, send, **popen) -> tuple[int, str, float]:
-    """Start ``command`` on a storage whose downloads stall, call ``send(proc)`` once a download
-    was asked for; the exit status, standard error (if piped) and the seconds it took to end."""
-    server, asked, release = _stalled_storage()
-    try:
-        proc = subprocess.Popen(
-            _as_a_shell_starts(_stalled_argv(command, tmp_path)), text=True,
-            env=_gcs_env(server), **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
-        )  # fmt: skip
-        try:
-            assert asked.wait(120), "no download was asked for"
-            time.sleep(0.5)  # the main thread is in its wait for the downloads
-            send(proc)
-            start = time.monotonic()
-            _, err = proc.communicate(timeout=60)
-            took = time.monotonic() - start
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    finally:
-        release.set()
-        server.shutdown()
-    return proc.returncode, err or "", took
-
-
 def _nothing_left(tmp_path: Path, command: str) -> None:
     if command == "run":
         for what in (".locks", ".staging"):
@@ -109,7 +71,7 @@ def test_a_hang_up_stops_the_command_cleanly(tmp_path, command):
     of it at once, with no error line, exit status "killed by SIGHUP"; ``serve`` left its
     tritonserver serving. Now it unwinds like SIGTERM: its lock released, its staging removed,
     a last line that says so, exit 129."""
-    code, err, took = _stopped_while_stalled(tmp_path, command, lambda p: p.send_signal(1))
+    code, _, err, took = stopped_while_stalled(tmp_path, command, lambda p: p.send_signal(1))
     assert code == 129, err
     assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
     assert "Traceback" not in err and "this is a bug" not in err, err
@@ -130,7 +92,7 @@ def test_sigterm_a_download_thread_got_stops_the_command_at_once(tmp_path, comma
         pid = (procs.children(proc.pid) or [proc.pid])[0] if command == "run" else proc.pid
         to_another_thread(pid, signal.SIGTERM)
 
-    code, err, took = _stopped_while_stalled(tmp_path, command, to_a_worker)
+    code, _, err, took = stopped_while_stalled(tmp_path, command, to_a_worker)
     assert code == 143, err
     assert "terminated (SIGTERM); stopped cleanly" in err
     assert took < 15, f"{took:.0f} s after SIGTERM"
@@ -146,7 +108,7 @@ def test_a_stop_with_standard_errors_reader_gone_keeps_its_code(tmp_path, comman
     read, write = os.pipe()
     os.close(read)  # the reader is gone
     try:
-        code, _, _ = _stopped_while_stalled(
+        code, *_ = stopped_while_stalled(
             tmp_path, command, lambda p: p.send_signal(signal.SIGTERM), stderr=write
         )
     finally:
@@ -168,7 +130,7 @@ def test_a_killed_child_with_standard_errors_reader_gone_keeps_its_code(tmp_path
         os.kill(child, signal.SIGKILL)
 
     try:
-        code, _, _ = _stopped_while_stalled(tmp_path, "run", kill_child, stderr=write)
+        code, *_ = stopped_while_stalled(tmp_path, "run", kill_child, stderr=write)
     finally:
         os.close(write)
     assert code == 137
@@ -182,7 +144,7 @@ def test_a_signal_the_loader_gives_no_meaning_leaves_nothing_through_its_supervi
     child, killed with it, left its publish lock for the next run to take over. Now the child
     dies of it, and the supervisor removes what it left before it dies of it too (the status an
     unsupervised loader has)."""
-    code, err, _ = _stopped_while_stalled(tmp_path, "run", lambda p: p.send_signal(sig))
+    code, _, err, _ = stopped_while_stalled(tmp_path, "run", lambda p: p.send_signal(sig))
     assert code == -sig, err
     assert "Traceback" not in err, err
     _nothing_left(tmp_path, "run")
@@ -224,7 +186,7 @@ def test_sigterm_a_grpc_thread_got_stops_a_streamed_completion_at_once():
     server, port, asked, release = _silent_triton()
     try:
         proc = subprocess.Popen(
-            _as_a_shell_starts([sys.executable, "-m", "loader", "complete", "hi", "--stream",
+            as_a_shell_starts([sys.executable, "-m", "loader", "complete", "hi", "--stream",
                                 "--url", f"127.0.0.1:{port}", "--model", "m", "--timeout", "300"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -318,7 +280,7 @@ def test_a_stop_a_library_turns_into_its_own_error_is_still_the_stop(sig, code, 
     command ended with exit 1 and a traceback ("this is a bug"). Seen sweeping SIGHUP over the
     first 0.2 s of ``fetch``. An error raised once a stop arrived is now that stop."""
     done = subprocess.run(
-        _as_a_shell_starts([sys.executable, "-c", _SIGNALLED_IMPORT, str(int(sig))]),
+        as_a_shell_starts([sys.executable, "-c", _SIGNALLED_IMPORT, str(int(sig))]),
         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert done.returncode == code, done.stderr
@@ -334,23 +296,14 @@ def test_the_threads_a_library_starts_while_it_loads_never_take_a_stop_signal(tm
     of them, which runs no Python handler and wakes no main thread blocked in a library's
     wait (``complete --url http://...`` waiting on a stalled server: until ``--timeout``). They
     now start with every stop signal held back, and take none."""
-    server, asked, release = _stalled_storage()
-    env = {**_gcs_env(server), "OPENBLAS_NUM_THREADS": "3"}
     stops = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGHUP - 1))
-    try:
-        proc = subprocess.Popen(
-            _as_a_shell_starts(_stalled_argv("fetch", tmp_path)), text=True, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            assert asked.wait(120), "no download was asked for"
-            masks = [_blocked(proc.pid, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")]
-        finally:
-            proc.kill()
-            proc.communicate()
-    finally:
-        release.set()
-        server.shutdown()
+    masks: list[int] = []
+
+    def look_then_kill(proc: subprocess.Popen) -> None:
+        masks.extend(_blocked(proc.pid, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        proc.kill()
+
+    stopped_while_stalled(tmp_path, "fetch", look_then_kill, env={"OPENBLAS_NUM_THREADS": "3"})
     library = [mask for mask in masks if mask & (1 << (signal.SIGINT - 1))]
     if not library:
         pytest.skip("OpenBLAS started no thread of its own here (one CPU)")

@@ -23,39 +23,21 @@ import pytest
 from loader import ledger
 from loader.checkpoint import open_checkpoint
 from loader.cli import main
-from loader.cli.supervise import FORWARDED, clean_up
+from loader.cli.supervise import clean_up
 from loader.errors import EXIT_TRANSIENT, SourceShrankError
 from loader.repository.lock import LOCKS_DIR
 from loader.repository.publish import STAGING_DIR
 from tests import procs
+from tests.stalled import as_a_shell_starts
 from tests.test_convert_signals import write_medium_gptj
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-#: The dispositions an interactive shell gives a command it starts: the signals these tests
-#: send are not ignored, whatever this test process inherited (``nohup`` ignores SIGHUP, a
-#: script's background job SIGINT, and an ignored signal stays ignored across ``exec``); and a
-#: child killed by SIGSEGV dumps no core. A program of its own that then executes the command
-#: (same pid): no Python of this many-threaded test process runs in a forked child, where it
-#: could deadlock on a lock another thread held at the fork.
-_AS_A_SHELL = (
-    "import os, resource, signal, sys\n"
-    f"for sig in {[int(s) for s in FORWARDED]}:\n"
-    "    signal.signal(sig, signal.SIG_DFL)\n"
-    "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
-    "os.execv(sys.argv[1], sys.argv[1:])\n"
-)
-
-
-def _as_a_shell_starts(argv: list[str]) -> list[str]:
-    return [sys.executable, "-c", _AS_A_SHELL, *argv]
-
-
 def _start(*argv: object) -> subprocess.Popen:
     """``model-loader ARGV`` as the installed command starts it."""
     return subprocess.Popen(
-        _as_a_shell_starts([sys.executable, "-m", "loader", *map(str, argv)]),
+        as_a_shell_starts([sys.executable, "-m", "loader", *map(str, argv)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -278,7 +260,7 @@ def test_a_terminals_ctrl_c_reaches_the_command_once(medium, tmp_path):
     pid, terminal = pty.fork()
     if pid == 0:  # the loader, on the new terminal
         os.chdir(ROOT)
-        wrapped = _as_a_shell_starts(argv)
+        wrapped = as_a_shell_starts(argv)
         os.execve(wrapped[0], wrapped, {**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         deadline = time.monotonic() + 120
