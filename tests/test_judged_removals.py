@@ -56,13 +56,15 @@ def _users_directory(at: Path) -> None:
     (at / "notes.txt").write_text("mine")
 
 
-def test_a_users_directory_renamed_to_a_judged_trees_name_at_any_step_is_kept(tmp_path: Path):
+def _kept_at_every_step(tmp_path: Path, judge_and_remove, removed: int) -> None:
+    """``judge_and_remove(root)`` (returning what it removed) run once per step of its own on
+    the leftovers, a directory of the user's renamed to the judged tree's name at that step:
+    it is kept whole, wherever the step falls."""
     counted = tmp_path / "count"
     _leftovers(counted)
     steps: list[str] = []
     with fs.inject(lambda op, path: steps.append(op) if _top(counted, path) else None):
-        report = prune(counted, keep=1)
-    assert len(report.removed) == 3, report
+        assert len(judge_and_remove(counted)) == removed
     for step in range(1, len(steps) + 1):
         root = tmp_path / f"at-{step}"
         _leftovers(root)
@@ -80,13 +82,19 @@ def test_a_users_directory_renamed_to_a_judged_trees_name_at_any_step_is_kept(tm
                 done.append(top)
 
         with fs.inject(swap):
-            prune(root, keep=1)
+            judge_and_remove(root)
         if not done:
             continue
         mine = [p.parent for p in root.rglob("notes.txt")]
         assert len(mine) == 1, (step, steps[step - 1])
         assert sorted(os.listdir(mine[0])) == ["manifest.json", "notes.txt"], step
         assert (mine[0] / "notes.txt").read_text() == "mine"
+
+
+def test_a_users_directory_renamed_to_a_judged_trees_name_at_any_step_is_kept(tmp_path: Path):
+    """``prune`` removes an old key, a replaced copy and a dead loader's staging directory: a
+    directory of the user's renamed to any of those names at any step after is kept whole."""
+    _kept_at_every_step(tmp_path, lambda root: prune(root, keep=1).removed, 3)
 
 
 def test_a_users_directory_renamed_to_a_leftovers_name_while_a_run_clears_it_is_kept(
@@ -97,32 +105,4 @@ def test_a_users_directory_renamed_to_a_leftovers_name_while_a_run_clears_it_is_
     the loader's: one of the user's renamed to that name at any step after is kept whole."""
     from loader.repository.publish import clear_leftovers
 
-    newer = "m@r2/v"
-    counted = tmp_path / "count"
-    _leftovers(counted)
-    steps: list[str] = []
-    with fs.inject(lambda op, path: steps.append(op) if _top(counted, path) else None):
-        assert len(clear_leftovers(counted, newer, idle_s=60)) == 2
-    for step in range(1, len(steps) + 1):
-        root = tmp_path / f"at-{step}"
-        _leftovers(root)
-        calls: list[str] = []
-        done: list[Path] = []
-
-        def swap(op: str, path: str, root: Path = root, calls=calls, done=done, step=step):
-            top = _top(root, path)
-            if top is None or done or not top.is_dir():
-                return
-            calls.append(op)
-            if len(calls) == step:
-                top.rename(root.parent / f"moved-{step}")
-                _users_directory(top)
-                done.append(top)
-
-        with fs.inject(swap):
-            clear_leftovers(root, newer, idle_s=60)
-        if not done:
-            continue
-        mine = [p.parent for p in root.rglob("notes.txt")]
-        assert len(mine) == 1, (step, steps[step - 1])
-        assert sorted(os.listdir(mine[0])) == ["manifest.json", "notes.txt"], step
+    _kept_at_every_step(tmp_path, lambda root: clear_leftovers(root, "m@r2/v", idle_s=60), 2)
