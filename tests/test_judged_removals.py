@@ -15,6 +15,7 @@ from loader import fs
 from loader.repository.key import key_filename
 from loader.repository.prune import prune
 from loader.repository.publish import STAGING_MARKER, host_digest
+from tests.at_step import AtStep, picked_calls
 from tests.runs import forged_key
 
 KEY = "m@r1/v"
@@ -60,30 +61,30 @@ def _kept_at_every_step(tmp_path: Path, judge_and_remove, removed: int) -> None:
     """``judge_and_remove(root)`` (returning what it removed) run once per step of its own on
     the leftovers, a directory of the user's renamed to the judged tree's name at that step:
     it is kept whole, wherever the step falls."""
+
+    def judged_tree(root: Path):
+        def match(op: str, path: str) -> Path | None:
+            top = _top(root, path)
+            return top if top is not None and top.is_dir() else None
+
+        return match
+
     counted = tmp_path / "count"
     _leftovers(counted)
-    steps: list[str] = []
-    with fs.inject(lambda op, path: steps.append(op) if _top(counted, path) else None):
-        assert len(judge_and_remove(counted)) == removed
+    steps, done = picked_calls(judged_tree(counted), lambda: judge_and_remove(counted))
+    assert len(done) == removed
     for step in range(1, len(steps) + 1):
         root = tmp_path / f"at-{step}"
         _leftovers(root)
-        calls: list[str] = []
-        done: list[Path] = []
 
-        def swap(op: str, path: str, root: Path = root, calls=calls, done=done, step=step):
-            top = _top(root, path)
-            if top is None or done or not top.is_dir():
-                return
-            calls.append(op)
-            if len(calls) == step:
-                top.rename(root.parent / f"moved-{step}")
-                _users_directory(top)
-                done.append(top)
+        def swap(top: Path, root: Path = root, step: int = step) -> None:
+            top.rename(root.parent / f"moved-{step}")
+            _users_directory(top)
 
-        with fs.inject(swap):
+        hook = AtStep(step, judged_tree(root), swap)
+        with fs.inject(hook):
             judge_and_remove(root)
-        if not done:
+        if not hook.done:
             continue
         mine = [p.parent for p in root.rglob("notes.txt")]
         assert len(mine) == 1, (step, steps[step - 1])

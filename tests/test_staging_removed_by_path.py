@@ -11,6 +11,7 @@ from pathlib import Path
 
 from loader import fs
 from loader.cli import main
+from tests.at_step import AtStep, picked_calls
 from tests.runs import run_argv
 
 
@@ -26,38 +27,29 @@ def _staging_of(staging_dir: Path, path: str) -> Path | None:
 def test_a_staging_directory_removed_at_any_call_below_it_is_a_typed_error(
     tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys
 ):
+    def staging_dir_in(root: Path):
+        def match(op: str, path: str) -> Path | None:
+            top = _staging_of(root / ".staging", path)
+            return top if top is not None and top.is_dir() else None
+
+        return match
+
     counted = tmp_path / "count"
-    calls: list[str] = []
-
-    def count(op: str, path: str) -> None:
-        if _staging_of(counted / ".staging", path) is not None:
-            calls.append(f"{op} {path}")
-
-    with fs.inject(count):
-        assert main(run_argv(tiny_checkpoint_with_tokenizer, counted)) == 0
+    calls, code = picked_calls(
+        staging_dir_in(counted), lambda: main(run_argv(tiny_checkpoint_with_tokenizer, counted))
+    )
+    assert code == 0
     assert calls
     capsys.readouterr()
     stride = max(1, len(calls) // 40)
     failed: list[str] = []
     for step in range(1, len(calls) + 1, stride):
         root = tmp_path / f"at-{step}"
-        staging_dir = root / ".staging"
-        seen: list[str] = []
-        done: list[Path] = []
-
-        def rm(op: str, path: str, staging_dir: Path = staging_dir, seen=seen, done=done):
-            top = _staging_of(staging_dir, path)
-            if top is None or done or not top.is_dir():
-                return
-            seen.append(op)
-            if len(seen) == step:  # noqa: B023 (called while this step runs)
-                shutil.rmtree(top)
-                done.append(top)
-
-        with fs.inject(rm):
+        hook = AtStep(step, staging_dir_in(root), shutil.rmtree)
+        with fs.inject(hook):
             code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
         err = capsys.readouterr().err
-        if not done:
+        if not hook.done:
             continue
         if code not in (2, 75) or "Traceback" in err:
             last = err.strip().splitlines()[-1:] or [""]

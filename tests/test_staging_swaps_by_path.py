@@ -10,6 +10,7 @@ from pathlib import Path
 
 from loader import fs
 from loader.cli import main
+from tests.at_step import AtStep, picked_calls
 from tests.runs import run_argv
 
 
@@ -32,38 +33,29 @@ def _users_private_directory(path: Path) -> None:
 def test_a_users_directory_renamed_to_the_staging_name_at_any_look_is_never_written_or_sealed(
     tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, capsys
 ):
+    def staging_name_in(root: Path):
+        return lambda op, path: _at_top(root / ".staging", path)
+
     counted = tmp_path / "count"
-    looks: list[str] = []
-
-    def count(op: str, path: str) -> None:
-        if _at_top(counted / ".staging", path) is not None:
-            looks.append(op)
-
-    with fs.inject(count):
-        assert main(run_argv(tiny_checkpoint_with_tokenizer, counted)) == 0
+    looks, code = picked_calls(
+        staging_name_in(counted), lambda: main(run_argv(tiny_checkpoint_with_tokenizer, counted))
+    )
+    assert code == 0
     assert looks
     capsys.readouterr()
     for step in range(1, len(looks) + 1):
         root = tmp_path / f"at-{step}"
-        staging_dir = root / ".staging"
-        calls: list[str] = []
-        done: list[Path] = []
 
-        def swap(op: str, path: str, staging_dir: Path = staging_dir, calls=calls, done=done):
-            name = _at_top(staging_dir, path)
-            if name is None or done:
-                return
-            calls.append(op)
-            if len(calls) == step:  # noqa: B023 (called while this step runs)
-                (staging_dir / name).rename(root.parent / f"moved-{step}")  # noqa: B023
-                _users_private_directory(staging_dir / name)
-                done.append(staging_dir / name)
+        def swap(name: str, root: Path = root, step: int = step) -> None:
+            (root / ".staging" / name).rename(root.parent / f"moved-{step}")
+            _users_private_directory(root / ".staging" / name)
 
-        with fs.inject(swap):
+        hook = AtStep(step, staging_name_in(root), swap)
+        with fs.inject(hook):
             code = main(run_argv(tiny_checkpoint_with_tokenizer, root))
         err = capsys.readouterr().err
-        assert done, step
-        (mine,) = done
+        assert hook.done, step
+        mine = root / ".staging" / hook.done[0]
         assert code == 2, (step, looks[step - 1], err)
         assert os.listdir(mine) == ["secret.txt"], (step, looks[step - 1])
         assert mine.stat().st_mode & 0o777 == 0o700, (step, looks[step - 1])
