@@ -14,10 +14,11 @@ tree it left, where each entry is replaced). At each name, one of:
 * a user's file, a directory holding a user's file, a FIFO (never to be read: it would block);
 * in a journal, lines naming ``..`` and paths (``moved-into ..``, an output ``../x``).
 
-``make test`` plants at every name of the local and resume runs (the resume leaves out the model
-directories of the staging directory its rerun builds anew), and at the names of the ``gs://`` and
-``hf://`` runs outside the staging tree, which every source's run builds alike
-(:data:`SHARED_TREE`); ``make test-faults`` at every name of every run.
+``make test`` plants one kind at each name (in turn, a link out of ROOT at every other one) of
+the local and resume runs (the resume leaves out the model directories of the staging directory
+its rerun builds anew), and at the names of the ``gs://`` and ``hf://`` runs outside the staging
+tree, which every source's run builds alike (:data:`SHARED_TREE`); ``make test-faults`` every
+kind at every name of every run.
 
 A missing parent is made a directory (the loader's marker and record in it where the loader's
 would carry them, the directories below recorded as the loader records its own). The property,
@@ -54,11 +55,13 @@ from tests.faults import site_here
 from tests.tiers import EXHAUSTIVE, FAST_TIER
 
 #: Every kind at every name: ``make test-faults`` (about 9 min on one core). ``make test`` plants
-#: a link out of ROOT at every name and one other kind per name, in turn.
+#: one kind at each name, in turn (:data:`IN_TURN`).
 EVERY_KIND = EXHAUSTIVE
 
 KEY_DIR = "tiny@r1"
 KINDS = ("link-dir", "link-file", "link-up", "file", "dir", "fifo")
+#: The order ``make test`` plants in, one kind per name: a link out of ROOT at every other name.
+IN_TURN = ("link-dir", "file", "link-file", "dir", "link-up", "fifo")
 HANG_S = 120
 #: An owner tag, ``<pid>-<host digest>``, as a dot-separated part of a name.
 _OWNER = re.compile(r"(?<=\.)\d+-[0-9a-f]{8}(?=\.|/|$)")
@@ -342,10 +345,8 @@ def _sweep(
     if not (shared or every):
         names = [n for n in names if n.split("/")[0] != SHARED_TREE]
     cases = [(rel, kind) for rel in names for kind in KINDS]
-    if not every:  # a link out of ROOT at every name, and one other kind per name, turning
-        others = KINDS[1:]
-        cases = [(rel, kind) for i, rel in enumerate(names)
-                 for kind in (KINDS[0], others[i % len(others)])]  # fmt: skip
+    if not every:  # one kind per name, in turn: a link out of ROOT at every other name
+        cases = [(rel, IN_TURN[i % len(IN_TURN)]) for i, rel in enumerate(names)]
         if FAST_TIER:
             cases = cases[:: max(1, len(cases) // 12)]
     assert cases
