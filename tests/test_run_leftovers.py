@@ -54,6 +54,31 @@ def test_a_run_that_finds_its_key_published_removes_a_dead_runs_staging(
     assert not (root / ".locks" / f"{key_filename(key)}.lock").exists()
 
 
+@pytest.mark.parametrize("holder", ["dead", "live"])
+def test_a_run_that_finds_its_key_published_removes_a_dead_holders_lock_alone(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, holder
+):
+    """A run killed after it published and removed its staging directory, before it released
+    its lock, leaves the lock alone: the next run found the key published and left that lock
+    for good (only ``prune`` removed it). Now it takes a dead holder's lock over and releases
+    it; a live holder's stays."""
+    root = tmp_path / "root"
+    argv = run_argv(tiny_checkpoint_with_tokenizer, root)
+    assert cli(capsys, *argv)[0] == 0
+    key = request_from_args(build_parser().parse_args(argv)).key
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    pid = proc.pid if holder == "dead" else os.getpid()
+    lock = root / ".locks" / f"{key_filename(key)}.lock"
+    lock.parent.mkdir(exist_ok=True)
+    record = {"pid": pid, "host": socket.gethostname(), "pid_space": fs.pid_space()}
+    lock.write_text(json.dumps({**record, "key": key, "token": "0123", "beats": 1}))
+    code, _, err = cli(capsys, *argv, "--lock-expiry-s", "60")
+    assert code == 0, err
+    assert lock.exists() == (holder == "live"), err
+    assert list(root.glob("tiny@*/*")) and not any((root / ".staging").iterdir())
+
+
 def test_an_up_to_date_run_writes_nothing_when_nothing_was_left(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):

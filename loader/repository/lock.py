@@ -61,6 +61,7 @@ __all__ = [
     "PublishLock",
     "expiry_of",
     "local_pid",
+    "lock_left",
     "lock_like",
     "lock_path",
     "pid_alive",
@@ -71,6 +72,19 @@ LOCKS_DIR = ".locks"
 
 def lock_path(root: Path, key: str) -> Path:
     return Path(root) / LOCKS_DIR / f"{key_filename(key)}.lock"
+
+
+def lock_left(root: Path, key: str) -> bool:
+    """Whether ``ROOT/.locks`` holds an entry at ``key``'s lock name (reads only): a holder's,
+    live or dead, or whatever stands there."""
+    try:
+        with Dir.open(root) as r:
+            if not r.is_dir(LOCKS_DIR):
+                return False
+            with r.sub(LOCKS_DIR) as locks:
+                return locks.lstat(f"{key_filename(key)}.lock") is not None
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return False
 
 
 class PublishLock:

@@ -42,7 +42,7 @@ from loader.errors import CorruptFileError, FileContentError, LockLostError, Rep
 from loader.fs import Dir
 from loader.plan import check_placement
 from loader.repository import layout, publish
-from loader.repository.lock import PublishLock
+from loader.repository.lock import PublishLock, lock_left
 from loader.repository.prune import prune, try_lock
 from loader.run.build import build
 from loader.run.published import Warnings, up_to_date
@@ -182,10 +182,15 @@ def _origin(fetched: FetchResult | None, path: Path) -> str | None:
 
 def _tidy(request: RunRequest, root: Path, key: str) -> None:
     """A key found published: what an interrupted run of it left (a staging directory, a
-    download) is removed, unless a loader holds the key's lock right now. A failure only
-    leaves it for the next run or ``prune``: the key is published."""
+    download, its lock: one killed after it published) is removed, unless a loader holds the
+    key's lock right now. A failure only leaves it for the next run or ``prune``: the key is
+    published."""
     try:
-        if not publish.staging_left(root, key) and download_left(request, root, key) is None:
+        if (
+            not publish.staging_left(root, key)
+            and download_left(request, root, key) is None
+            and not lock_left(root, key)
+        ):
             return  # nothing to remove: nothing written (the volume may be read-only)
         lock = try_lock(root, key, request.lock_expiry_s)
     except (OSError, RepositoryError) as exc:
