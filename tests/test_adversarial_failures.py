@@ -302,6 +302,74 @@ def test_a_token_file_name_with_a_line_break_is_shown_quoted(tmp_path, variable)
     assert "error: forged" in done.stderr
 
 
+# --- the certificate authorities the HTTP libraries trust ----------------------------------
+
+#: The settings naming them: httpx (hf://) reads the first two, requests (gs://) the last two.
+TRUST = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
+def _trusting(monkeypatch: pytest.MonkeyPatch, path: Path, kind: str) -> None:
+    """Only the setting under test names certificates: ``kind`` is planted at ``path``."""
+    for variable in TRUST:
+        monkeypatch.delenv(variable, raising=False)
+    if kind == "garbage":
+        path.write_bytes(b"not a certificate\n" * 100)
+    elif kind != "missing":
+        _plant_entry(path, kind)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "missing", "garbage", "link to a device"])
+@pytest.mark.parametrize("variable", ["SSL_CERT_FILE", "SSL_CERT_DIR"])
+def test_a_hub_trust_setting_naming_no_certificates_fails_at_once_naming_it(
+    tmp_path, monkeypatch, variable, kind
+):
+    """httpx opens SSL_CERT_FILE (or SSL_CERT_DIR) as it makes the Hub's client, whatever the
+    endpoint's scheme: a FIFO there held ``fetch`` for good, past --retry-deadline; a missing
+    file or one without a certificate was exit 1 with a traceback. Now: 2 at once, naming
+    the setting."""
+    planted = tmp_path / "ca.pem"
+    _trusting(monkeypatch, planted, kind)
+    done = _fetch_hf(tmp_path, **{variable: str(planted)})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert f"{variable}={str(planted)!r}" in done.stderr and "hint:" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "missing", "garbage"])
+@pytest.mark.parametrize("variable", ["REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"])
+def test_a_storage_trust_setting_naming_no_certificates_fails_at_once_naming_it(
+    tmp_path, monkeypatch, variable, kind
+):
+    """requests opens REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at each https request, with no
+    timeout: a FIFO there held ``fetch gs://`` for good once a server took the connection.
+    Now: 2 before any request, naming the setting."""
+    planted = tmp_path / "ca.pem"
+    _trusting(monkeypatch, planted, kind)
+    done = _fetch_gs(
+        tmp_path, STORAGE_EMULATOR_HOST="https://127.0.0.1:1", **{variable: str(planted)}
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert f"{variable}={str(planted)!r}" in done.stderr and "hint:" in done.stderr
+
+
+def test_a_trust_setting_the_library_does_not_read_is_left_alone(tmp_path, monkeypatch):
+    """Only the first setting set is read (requests: REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE):
+    a stale CURL_CA_BUNDLE behind a good REQUESTS_CA_BUNDLE changes nothing."""
+    import certifi
+
+    _trusting(monkeypatch, tmp_path / "ca.pem", "missing")
+    done = _fetch_gs(
+        tmp_path,
+        STORAGE_EMULATOR_HOST="http://127.0.0.1:1",
+        REQUESTS_CA_BUNDLE=certifi.where(),
+        CURL_CA_BUNDLE=str(tmp_path / "ca.pem"),
+    )
+    assert "CURL_CA_BUNDLE" not in done.stderr, done.stderr
+    assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
+
+
 # --- resources: file descriptors ----------------------------------------------------------
 
 
