@@ -370,6 +370,46 @@ def test_a_trust_setting_the_library_does_not_read_is_left_alone(tmp_path, monke
     assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
 
 
+# --- the proxy settings the HTTP libraries read ----------------------------------------------
+
+PROXIES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+def _without_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in (*PROXIES, *(v.upper() for v in PROXIES)):
+        monkeypatch.delenv(variable, raising=False)
+
+
+#: Proxy settings no library here can use: a SOCKS proxy without its module, a scheme no
+#: proxy has, a port out of range, a host that does not parse (with a password, never shown).
+UNUSABLE_PROXIES = ["socks5://127.0.0.1:1", "ftp://proxy", "http://proxy:99999",
+                    "http://user:s3cret@[::1", "user:s3cret@proxy:99999", ":::"]  # fmt: skip
+
+
+@pytest.mark.parametrize("variable", ["HTTP_PROXY", "https_proxy", "ALL_PROXY"])
+@pytest.mark.parametrize("value", UNUSABLE_PROXIES)
+def test_a_proxy_setting_the_hub_library_cannot_use_is_named(
+    tmp_path, monkeypatch, variable, value
+):
+    """httpx reads every proxy setting as it makes the Hub's client: such a value was exit 1
+    with a traceback (ImportError, ValueError, httpx's InvalidURL), whatever the endpoint."""
+    _without_proxies(monkeypatch)
+    done = _fetch_hf(tmp_path, **{variable: value})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert f"{variable}=" in done.stderr and "proxy" in done.stderr and "hint:" in done.stderr
+    assert "s3cret" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["socks5://127.0.0.1:1", "http://proxy:99999"])
+def test_a_proxy_setting_the_storage_library_cannot_use_is_named(tmp_path, monkeypatch, value):
+    """requests refused it as a failure of "the source", with a hint to check the URI."""
+    _without_proxies(monkeypatch)
+    done = _fetch_gs(tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", HTTP_PROXY=value)
+    assert done.returncode == 2, done.stderr
+    assert f"HTTP_PROXY={value!r} is not a proxy" in done.stderr, done.stderr
+
+
 # --- resources: file descriptors ----------------------------------------------------------
 
 

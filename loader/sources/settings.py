@@ -16,10 +16,12 @@ request: :func:`trust_files` checks them first.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import ssl
 import stat
 import urllib.parse
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -55,7 +57,7 @@ def _without_password(value: str) -> str:
     )
 
 
-def _url_problem(value: str) -> str | None:
+def _url_problem(value: str, schemes: tuple[str, ...] = SCHEMES) -> str | None:
     if not value.isprintable() or any(c.isspace() for c in value):
         return "it holds a space or a control character"
     try:
@@ -63,8 +65,8 @@ def _url_problem(value: str) -> str | None:
         port = parts.port  # parsed on access: out of range or not a number raises
     except ValueError as exc:
         return str(exc)
-    if parts.scheme not in SCHEMES:
-        return f"the scheme must be {' or '.join(SCHEMES)}"
+    if parts.scheme not in schemes:
+        return f"the scheme must be {', '.join(schemes[:-1])} or {schemes[-1]}"
     if not parts.hostname:
         return "it names no host"
     if port == 0:
@@ -84,6 +86,7 @@ def import_hub(name: str = "huggingface_hub") -> ModuleType:
         )
     endpoint("HF_ENDPOINT")
     trust_files(HUB_TRUST)
+    proxies(HUB_PROXIES)
     try:
         module = importlib.import_module(name)
     except (ValueError, TypeError) as exc:
@@ -254,3 +257,39 @@ def trust_files(settings: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
             f"can read ({reason}).",
             fix,
         ) from None
+
+
+#: The proxy schemes each HTTP library can use, and the package a SOCKS proxy needs there:
+#: httpx (``hf://``) takes socks5 with socksio, requests (``gs://``) socks4 and socks5 with
+#: PySocks.
+HUB_PROXIES = ("socksio", ("socks5", "socks5h"))
+STORAGE_PROXIES = ("socks", ("socks4", "socks4a", "socks5", "socks5h"))
+
+
+def proxies(library: tuple[str, tuple[str, ...]]) -> None:
+    """Refuse a proxy setting (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, in either case)
+    the HTTP library cannot use: both read them through ``urllib.request.getproxies`` (a value
+    without a scheme is ``http://`` + it), httpx all of them as it makes its client. An
+    unknown scheme, a port out of range or a SOCKS proxy without its package failed inside
+    httpx as a traceback (exit 1), and inside requests as a failure of "the source"."""
+    package, socks = library
+    schemes = (*SCHEMES, *(socks if importlib.util.find_spec(package) else ()))
+    found = urllib.request.getproxies()
+    for scheme in ("http", "https", "all"):
+        value = found.get(scheme)
+        if not value:
+            continue
+        url = value if "://" in value else f"http://{value}"
+        why = _url_problem(url, schemes)
+        if why is None:
+            continue
+        if url.partition("://")[0].lower() in socks and url.partition("://")[0] not in schemes:
+            why = f"a SOCKS proxy needs the Python module {package}, which is not installed"
+        names = (f"{scheme}_proxy", f"{scheme.upper()}_PROXY")
+        variable = next((n for n in names if os.environ.get(n) == value), names[1])
+        raise SourceError(
+            f"{variable}={_without_password(url)[len(url) - len(value) :]!r} is not a proxy "
+            "the loader can use "
+            f"({why}).",
+            f"Set {variable} to http://HOST:PORT (the proxy's address), or unset it.",
+        )
