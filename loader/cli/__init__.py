@@ -746,8 +746,8 @@ def _interrupts_told_apart() -> Iterator[None]:
     ``run`` said "interrupted" (130), which no user did, and a command importing numpy later
     failed in its import (exit 1, a bug). Now that is :class:`ResourceExhaustedError` (75); a
     SIGINT from anyone else is an interruption, as before, once the block ends, unless SIGINT
-    is ignored (a background job: a blocked signal is kept even then). SIGTERM and SIGHUP
-    are held back too, taken once the block ends: raised inside numpy's C part, the stop came
+    is ignored (a background job: a blocked signal is kept even then). SIGTERM, SIGHUP and
+    the signals of :data:`ENDING` are held back too, taken once the block ends: raised inside numpy's C part, the stop came
     back as its ImportError; and the threads a library starts meanwhile keep the mask, so
     that none of them, running no Python handler and waking no main thread, ever takes a stop
     signal the kernel hands the process. Outside the main thread, or where signals cannot be
