@@ -437,6 +437,35 @@ def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
     assert not list(root.glob("m@*"))
 
 
+def test_running_out_of_file_descriptors_leaves_no_empty_directory_in_staging(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """Descriptors running out as a staging directory is made: its create was recorded through
+    a descriptor that could not be had (or its record could not be opened), and its removal
+    opened the directory and its record, which failed too; the typed error left the empty
+    directory in ``.staging``. Now it is removed without one, at every limit where ``run``
+    fails so."""
+    code = (
+        "import resource, sys; from loader.cli import main; n = int(sys.argv[1]); "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); sys.exit(main(sys.argv[2:]))"
+    )
+    for limit in range(6, 15):
+        root = tmp_path / str(limit)
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(limit), "run", "--source",
+             str(tiny_checkpoint_with_tokenizer), "--repository", str(root), "--model-name", "m",
+             "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
+             "-q"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode in (0, 75), done.stderr
+        assert "Traceback" not in done.stderr
+        staging = root / ".staging"
+        made = staging.iterdir() if staging.exists() else []
+        empty = [p.name for p in made if p.is_dir() and not any(p.iterdir())]
+        assert empty == [], f"ulimit -n {limit}: {empty} left"
+
+
 # --- complete and serve -------------------------------------------------------------------
 
 
