@@ -1106,10 +1106,24 @@ class Dir:
                 # still empty: what the loader then puts into it is no proof of that).
                 self._made_by_loader(name, found)
             return False
-        with self._naming(self.path / name):
-            made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
-        self._record(name, made)
+        try:
+            with self._naming(self.path / name):
+                made = _give_mode(_component(name), mode, dir_fd=self.fd)  # the umask took bits
+            self._record(name, made)
+        except BaseException:
+            self._unmade(name)
+            raise
         return True
+
+    def _unmade(self, name: str) -> None:
+        """Remove the directory ``name`` this process just created, whose mode or record could
+        not be written (descriptors ran out: the record is appended through one): still empty,
+        its removal needs no descriptor. It stayed, and the typed error left it (in
+        ``.staging``, until the next loader of the key). Anything put into it meanwhile keeps
+        it (the pending line of its record says whose it is)."""
+        with contextlib.suppress(OSError):
+            _seam("rmdir", self.path / name)
+            os.rmdir(_component(name), dir_fd=self.fd)
 
     def make_marked(self, name: str, marker: str, owner_line: str) -> bool:
         """Create the directory ``name`` holding the regular file ``marker`` whose first line
@@ -1142,8 +1156,10 @@ class Dir:
                     return False
                 self.rename(tmp, self, name, how="replace")  # never onto a non-empty directory
         except BaseException:
-            with contextlib.suppress(OSError):
+            try:
                 self.remove_tree(tmp)
+            except OSError:  # it opens the tree and its record: none left to open?
+                self._unmade(tmp)  # the record's create failed: still empty
             raise
         self.fsync()
         return True

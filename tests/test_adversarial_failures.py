@@ -302,6 +302,114 @@ def test_a_token_file_name_with_a_line_break_is_shown_quoted(tmp_path, variable)
     assert "error: forged" in done.stderr
 
 
+# --- the certificate authorities the HTTP libraries trust ----------------------------------
+
+#: The settings naming them: httpx (hf://) reads the first two, requests (gs://) the last two.
+TRUST = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
+def _trusting(monkeypatch: pytest.MonkeyPatch, path: Path, kind: str) -> None:
+    """Only the setting under test names certificates: ``kind`` is planted at ``path``."""
+    for variable in TRUST:
+        monkeypatch.delenv(variable, raising=False)
+    if kind == "garbage":
+        path.write_bytes(b"not a certificate\n" * 100)
+    elif kind != "missing":
+        _plant_entry(path, kind)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "missing", "garbage", "link to a device"])
+@pytest.mark.parametrize("variable", ["SSL_CERT_FILE", "SSL_CERT_DIR"])
+def test_a_hub_trust_setting_naming_no_certificates_fails_at_once_naming_it(
+    tmp_path, monkeypatch, variable, kind
+):
+    """httpx opens SSL_CERT_FILE (or SSL_CERT_DIR) as it makes the Hub's client, whatever the
+    endpoint's scheme: a FIFO there held ``fetch`` for good, past --retry-deadline; a missing
+    file or one without a certificate was exit 1 with a traceback. Now: 2 at once, naming
+    the setting."""
+    planted = tmp_path / "ca.pem"
+    _trusting(monkeypatch, planted, kind)
+    done = _fetch_hf(tmp_path, **{variable: str(planted)})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert f"{variable}={str(planted)!r}" in done.stderr and "hint:" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "missing", "garbage"])
+@pytest.mark.parametrize("variable", ["REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"])
+def test_a_storage_trust_setting_naming_no_certificates_fails_at_once_naming_it(
+    tmp_path, monkeypatch, variable, kind
+):
+    """requests opens REQUESTS_CA_BUNDLE (or CURL_CA_BUNDLE) at each https request, with no
+    timeout: a FIFO there held ``fetch gs://`` for good once a server took the connection.
+    Now: 2 before any request, naming the setting."""
+    planted = tmp_path / "ca.pem"
+    _trusting(monkeypatch, planted, kind)
+    done = _fetch_gs(
+        tmp_path, STORAGE_EMULATOR_HOST="https://127.0.0.1:1", **{variable: str(planted)}
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert f"{variable}={str(planted)!r}" in done.stderr and "hint:" in done.stderr
+
+
+def test_a_trust_setting_the_library_does_not_read_is_left_alone(tmp_path, monkeypatch):
+    """Only the first setting set is read (requests: REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE):
+    a stale CURL_CA_BUNDLE behind a good REQUESTS_CA_BUNDLE changes nothing."""
+    import certifi
+
+    _trusting(monkeypatch, tmp_path / "ca.pem", "missing")
+    done = _fetch_gs(
+        tmp_path,
+        STORAGE_EMULATOR_HOST="http://127.0.0.1:1",
+        REQUESTS_CA_BUNDLE=certifi.where(),
+        CURL_CA_BUNDLE=str(tmp_path / "ca.pem"),
+    )
+    assert "CURL_CA_BUNDLE" not in done.stderr, done.stderr
+    assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
+
+
+# --- the proxy settings the HTTP libraries read ----------------------------------------------
+
+PROXIES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+def _without_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in (*PROXIES, *(v.upper() for v in PROXIES)):
+        monkeypatch.delenv(variable, raising=False)
+
+
+#: Proxy settings no library here can use: a SOCKS proxy without its module, a scheme no
+#: proxy has, a port out of range, a host that does not parse (with a password, never shown).
+UNUSABLE_PROXIES = ["socks5://127.0.0.1:1", "ftp://proxy", "http://proxy:99999",
+                    "http://user:s3cret@[::1", "user:s3cret@proxy:99999", ":::"]  # fmt: skip
+
+
+@pytest.mark.parametrize("variable", ["HTTP_PROXY", "https_proxy", "ALL_PROXY"])
+@pytest.mark.parametrize("value", UNUSABLE_PROXIES)
+def test_a_proxy_setting_the_hub_library_cannot_use_is_named(
+    tmp_path, monkeypatch, variable, value
+):
+    """httpx reads every proxy setting as it makes the Hub's client: such a value was exit 1
+    with a traceback (ImportError, ValueError, httpx's InvalidURL), whatever the endpoint."""
+    _without_proxies(monkeypatch)
+    done = _fetch_hf(tmp_path, **{variable: value})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert f"{variable}=" in done.stderr and "proxy" in done.stderr and "hint:" in done.stderr
+    assert "s3cret" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["socks5://127.0.0.1:1", "http://proxy:99999"])
+def test_a_proxy_setting_the_storage_library_cannot_use_is_named(tmp_path, monkeypatch, value):
+    """requests refused it as a failure of "the source", with a hint to check the URI."""
+    _without_proxies(monkeypatch)
+    done = _fetch_gs(tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", HTTP_PROXY=value)
+    assert done.returncode == 2, done.stderr
+    assert f"HTTP_PROXY={value!r} is not a proxy" in done.stderr, done.stderr
+
+
 # --- resources: file descriptors ----------------------------------------------------------
 
 
@@ -327,6 +435,35 @@ def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
     assert "(8)" in done.stderr
     assert "NFS" not in done.stderr
     assert not list(root.glob("m@*"))
+
+
+def test_running_out_of_file_descriptors_leaves_no_empty_directory_in_staging(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """Descriptors running out as a staging directory is made: its create was recorded through
+    a descriptor that could not be had (or its record could not be opened), and its removal
+    opened the directory and its record, which failed too; the typed error left the empty
+    directory in ``.staging``. Now it is removed without one, at every limit where ``run``
+    fails so."""
+    code = (
+        "import resource, sys; from loader.cli import main; n = int(sys.argv[1]); "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); sys.exit(main(sys.argv[2:]))"
+    )
+    for limit in range(6, 15):
+        root = tmp_path / str(limit)
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(limit), "run", "--source",
+             str(tiny_checkpoint_with_tokenizer), "--repository", str(root), "--model-name", "m",
+             "--tp-size", "1", "--pp-size", "1", "--instance-count", "1", "--backend", "python",
+             "-q"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode in (0, 75), done.stderr
+        assert "Traceback" not in done.stderr
+        staging = root / ".staging"
+        made = staging.iterdir() if staging.exists() else []
+        empty = [p.name for p in made if p.is_dir() and not any(p.iterdir())]
+        assert empty == [], f"ulimit -n {limit}: {empty} left"
 
 
 # --- complete and serve -------------------------------------------------------------------

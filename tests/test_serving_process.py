@@ -378,6 +378,47 @@ def test_a_hang_up_stops_serve_and_its_server(repository):
     assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
 
 
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGALRM", "SIGQUIT"])
+def test_a_signal_serve_gives_no_meaning_stops_its_server_first(repository, name):
+    """``kill -USR1`` (or SIGALRM, or Ctrl-\\) of ``serve`` killed it at once, and its
+    tritonserver, in a session of its own, went on serving its ports with its temporary
+    directory left. Now serve stops it and removes that directory, then dies of the signal."""
+    import signal
+    import subprocess
+
+    from tests import procs
+    from tests.test_supervise import _as_a_shell_starts
+
+    sig = getattr(signal, name)
+    proc = subprocess.Popen(
+        _as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    server = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("log "):
+                log = Path(line.split()[1])
+            if line.startswith("serving"):
+                break
+        (server,) = procs.children(proc.pid)  # tritonserver
+        proc.send_signal(sig)
+        code = proc.wait(timeout=90)
+        left = Path(f"/proc/{server}").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(server, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == -sig, err
+    assert not left, "tritonserver was left running"
+    assert not log.parent.exists(), "its temporary directory was left"
+    assert err.rstrip().splitlines()[-1] == f"stopped by {name}; cleaned up"
+
+
 def test_an_abort_under_load_names_its_cause_and_what_to_check(tmp_path):
     """The bench's local Triton can abort under load when the Python backend's shared-memory
     lock fails (libstdc++'s words for an uncaught exception): the error names it and the hint

@@ -138,12 +138,16 @@ def test_a_killed_child_with_standard_errors_reader_gone_keeps_its_code(tmp_path
 
 
 @pytest.mark.slow  # a command in a subprocess of its own
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGPROF, signal.SIGRTMIN]
+)
 def test_a_signal_the_loader_gives_no_meaning_leaves_nothing_through_its_supervisor(tmp_path, sig):
     """``kill -USR1`` of ``run`` (its supervisor): the supervisor died of it at once, and its
     child, killed with it, left its publish lock for the next run to take over. Now the child
     dies of it, and the supervisor removes what it left before it dies of it too (the status an
-    unsupervised loader has)."""
+    unsupervised loader has). So for every signal whose default action ends a process: SIGALRM,
+    SIGPROF and the real-time signals left the lock and staging after USR1 and USR2 no longer
+    did."""
     code, _, err, _ = stopped_while_stalled(tmp_path, "run", lambda p: p.send_signal(sig))
     assert code == -sig, err
     assert "Traceback" not in err, err

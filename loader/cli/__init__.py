@@ -17,6 +17,8 @@ Exit codes (the same for every command; a Kubernetes Job's ``podFailurePolicy`` 
 130   interrupted (Ctrl-C)
 141   standard output's reader went away (``| head``) before the command finished writing
       it: an error line, the code of a command killed by SIGPIPE
+128+n stopped by a signal n the loader gives no meaning (SIGUSR1: 138, SIGALRM: 142, SIGQUIT):
+      the command unwinds like SIGTERM, then dies of the signal
 143   stopped by SIGTERM (Kubernetes deleting the Job's pod or draining its node): the command
       unwinds like Ctrl-C (locks released, its own temporary files removed) and exits
 129   stopped by SIGHUP (its terminal closed, or its session's leader ended): unwinds like
@@ -394,6 +396,21 @@ STOPPING: dict[int, str] = {
 }
 
 
+#: The other signals whose default action ends the process, which the loader gives no meaning
+#: (SIGQUIT, SIGUSR1, SIGALRM, the timers' and CPU limit's, the real-time ones), but not a
+#: fault's (SIGSEGV, SIGBUS, ...: a handler for those would run the faulting instruction
+#: again for ever). Each killed a command at once, without its clean-up: ``serve``'s
+#: tritonserver, which leads a session of its own, went on serving its ports with its
+#: temporary directory left, ``prune`` left its lock, ``fetch`` its temporary files. Now they
+#: unwind the command like SIGTERM, then the process dies of the signal (the status it had).
+ENDING: tuple[int, ...] = (
+    *(getattr(signal, name) for name in ("SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM",
+                                         "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR")
+      if hasattr(signal, name)),
+    *(range(signal.SIGRTMIN, signal.SIGRTMAX + 1) if hasattr(signal, "SIGRTMIN") else ()),
+)  # fmt: skip
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (or another signal of :data:`STOPPING`) arrived: unwinds every ``finally`` and
     ``except BaseException`` like Ctrl-C; the process then exits with 128 + ``signum``."""
@@ -417,13 +434,13 @@ def _stop(signum: int, frame: object) -> None:
     if _stopping:
         return
     _stopping.append(signum)
-    raise Terminated(signum) if signum in STOPPING else KeyboardInterrupt
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` and SIGINT
-    ``KeyboardInterrupt`` in the main thread, the first of them only (:func:`_stop`); once one
+    """While the block runs, SIGTERM, SIGHUP and the signals of :data:`ENDING` raise
+    :class:`Terminated` and SIGINT ``KeyboardInterrupt`` in the main thread, the first of them only (:func:`_stop`); once one
     arrived the handlers stay, so that none raised while the command reports and ends either.
     SIGHUP and SIGINT stay ignored where they are (``nohup``; a shell's background job).
     Outside the main thread signals cannot be handled: no-op."""
@@ -434,6 +451,9 @@ def sigterm_unwinds() -> Iterator[None]:
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _stop)}
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _stop)
+    for signum in ENDING:  # those a caller (a test) handles, or ignores, stay so
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, _stop)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _stop)
     try:
@@ -533,8 +553,26 @@ def _stopped(signum: int, turned: Exception | None = None) -> int:
     if signum in STOPPING:
         say(f"{STOPPING[signum]}; stopped cleanly")
         _exit_now(128 + signum)
+    if signum != signal.SIGINT:
+        say(f"stopped by {signal.Signals(signum).name}; cleaned up")
+        _die_of(signum)
     say("interrupted")
     return EXIT_INTERRUPTED
+
+
+def _die_of(signum: int) -> NoReturn:
+    """End the process by ``signum``'s default action, once the command unwound: the status
+    a process killed by it has (``128 + signum`` to a shell; a core for SIGQUIT where cores
+    are kept), as it had before the command cleaned up first."""
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signum,))
+    os._exit(128 + signum)  # not reached where the signal can be taken
 
 
 def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
@@ -708,8 +746,8 @@ def _interrupts_told_apart() -> Iterator[None]:
     ``run`` said "interrupted" (130), which no user did, and a command importing numpy later
     failed in its import (exit 1, a bug). Now that is :class:`ResourceExhaustedError` (75); a
     SIGINT from anyone else is an interruption, as before, once the block ends, unless SIGINT
-    is ignored (a background job: a blocked signal is kept even then). SIGTERM and SIGHUP
-    are held back too, taken once the block ends: raised inside numpy's C part, the stop came
+    is ignored (a background job: a blocked signal is kept even then). SIGTERM, SIGHUP and
+    the signals of :data:`ENDING` are held back too, taken once the block ends: raised inside numpy's C part, the stop came
     back as its ImportError; and the threads a library starts meanwhile keep the mask, so
     that none of them, running no Python handler and waking no main thread, ever takes a stop
     signal the kernel hands the process. Outside the main thread, or where signals cannot be
@@ -719,7 +757,7 @@ def _interrupts_told_apart() -> Iterator[None]:
     ):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, *STOPPING))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, *STOPPING, *ENDING))
     try:
         yield
     finally:

@@ -13,7 +13,8 @@ thread, nothing open but the standard streams), and:
   the same unwinding on SIGTERM and Ctrl-C, the same exit code. It records in a shared memory
   block (:mod:`loader.ledger`) each file it maps with its size at that moment, each publish
   lock it takes and the temporary directory of a conversion;
-* the **parent** passes SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to it on
+* the **parent** passes SIGTERM, SIGINT, SIGHUP, SIGQUIT and every other signal that would
+  end it (SIGUSR1, SIGALRM, the real-time signals, ...: :data:`FORWARDED`) sent to it on
   to the child
   (those a terminal sends reach the child directly: both are in its foreground process group)
   and waits. A child that exits is answered with its exit code, unchanged. A child that dies of a
@@ -59,12 +60,20 @@ from loader.errors import KilledError, LoaderError, MappedReadError, SourceShran
 
 #: The command modules whose processes map source files (:data:`loader.cli.COMMANDS`).
 SUPERVISED = ("loader.cli.convert", "loader.cli.run")
-#: Signals the parent passes on to the child. SIGUSR1 and SIGUSR2, which the loader gives no
-#: meaning, kill the child as they would an unsupervised loader, and the parent (whom they
-#: killed at once, the child then taken by ``PR_SET_PDEATHSIG``, its lock and staging left)
-#: removes what it left first.
+#: The signals other than the stops whose default action ends a process (``signal(7)``), which
+#: the loader gives no meaning: SIGUSR1 and SIGUSR2, SIGALRM (``timeout -s ALRM``), the timers'
+#: and resource limits' signals, those of a fault sent with ``kill``, the real-time ones.
+#: Sent to the supervisor, each killed it at once, the child then taken by
+#: ``PR_SET_PDEATHSIG``, its publish lock and staging directory left to the next run.
+_ENDING = ("SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR",
+           "SIGSYS", "SIGSTKFLT", "SIGTRAP", "SIGABRT", "SIGILL", "SIGFPE", "SIGSEGV", "SIGBUS")  # fmt: skip
+#: Signals the parent passes on to the child: the stops (the child unwinds), and every other
+#: signal that would end the parent (:data:`_ENDING`), which kills the child as it would an
+#: unsupervised loader; the parent removes what the child left, then dies of it too.
 FORWARDED = (
-    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2
+    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+    *(getattr(signal, name) for name in _ENDING if hasattr(signal, name)),
+    *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
 )  # fmt: skip
 _PR_SET_PDEATHSIG = 1
 #: ``si_code`` of a signal the kernel sent (``include/uapi/asm-generic/siginfo.h``).

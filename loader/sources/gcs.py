@@ -266,6 +266,8 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
     from google.cloud import storage
     from requests.adapters import HTTPAdapter
 
+    settings.trust_files(settings.STORAGE_TRUST)
+    settings.proxies(settings.STORAGE_PROXIES)
     if settings.endpoint("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials
 

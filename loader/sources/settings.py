@@ -8,15 +8,20 @@ at the first download. Each is a :class:`~loader.errors.SourceError` naming the 
 The Cloud Storage client reads its key file (``GOOGLE_APPLICATION_CREDENTIALS``, else gcloud's
 ``application_default_credentials.json``) whole, with no bound and no timeout: a FIFO there
 blocks it for good, a device such as ``/dev/zero`` until memory runs out; :func:`key_files`
-checks them first.
+checks them first. The certificate authorities the HTTP libraries trust (``SSL_CERT_FILE``,
+``REQUESTS_CA_BUNDLE``, ...) are read the same way, when a client is made or at each https
+request: :func:`trust_files` checks them first.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import ssl
 import stat
 import urllib.parse
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -52,7 +57,7 @@ def _without_password(value: str) -> str:
     )
 
 
-def _url_problem(value: str) -> str | None:
+def _url_problem(value: str, schemes: tuple[str, ...] = SCHEMES) -> str | None:
     if not value.isprintable() or any(c.isspace() for c in value):
         return "it holds a space or a control character"
     try:
@@ -60,8 +65,8 @@ def _url_problem(value: str) -> str | None:
         port = parts.port  # parsed on access: out of range or not a number raises
     except ValueError as exc:
         return str(exc)
-    if parts.scheme not in SCHEMES:
-        return f"the scheme must be {' or '.join(SCHEMES)}"
+    if parts.scheme not in schemes:
+        return f"the scheme must be {', '.join(schemes[:-1])} or {schemes[-1]}"
     if not parts.hostname:
         return "it names no host"
     if port == 0:
@@ -80,6 +85,8 @@ def import_hub(name: str = "huggingface_hub") -> ModuleType:
             "https://HOST[:PORT].",
         )
     endpoint("HF_ENDPOINT")
+    trust_files(HUB_TRUST)
+    proxies(HUB_PROXIES)
     try:
         module = importlib.import_module(name)
     except (ValueError, TypeError) as exc:
@@ -191,4 +198,98 @@ def _token_files(path: str, named_by: str) -> None:
             "(a regular file, which the platform rewrites), or set "
             "GOOGLE_APPLICATION_CREDENTIALS to another credentials file.",
             kind="a token file",
+        )
+
+
+#: The settings naming the certificate authorities an HTTP library trusts, in the order it
+#: reads them (only the first one set counts), and what each may name. httpx (``hf://``)
+#: reads ``SSL_CERT_FILE``, else ``SSL_CERT_DIR``, as it makes its client; requests
+#: (``gs://``) reads ``REQUESTS_CA_BUNDLE``, else ``CURL_CA_BUNDLE`` (a file or a directory
+#: of certificates), at each https request. Each opens a file by its path with no timeout: a
+#: FIFO there held the loader for good (past every deadline); a missing file, or one holding no
+#: certificate, failed as a traceback (exit 1).
+HUB_TRUST = (("SSL_CERT_FILE", ("a file",)), ("SSL_CERT_DIR", ("a directory",)))
+STORAGE_TRUST = (
+    ("REQUESTS_CA_BUNDLE", ("a file", "a directory")),
+    ("CURL_CA_BUNDLE", ("a file", "a directory")),
+)
+
+#: The largest certificate file the loader lets a library read (a system bundle is ~200 kB).
+MAX_TRUST_FILE_BYTES = 16 * 2**20
+
+
+def trust_files(settings: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+    """Refuse the first of ``settings`` set (not empty) unless it names what its library can
+    read: an existing file of PEM certificates (through links, at most
+    :data:`MAX_TRUST_FILE_BYTES`), or a directory where the setting takes one."""
+    variable, kinds = next(((v, k) for v, k in settings if os.environ.get(v)), (None, ()))
+    if variable is None:
+        return
+    value = os.environ[variable]
+    fix = (
+        f"Set {variable} to the PEM file of the certificate authorities to trust (a proxy's CA "
+        f"bundle), or unset it to trust the bundled ones."
+    )
+    try:
+        found = os.stat(value)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise SourceError(
+            f"{variable}={value!r} names nothing the loader can read ({reason}).", fix
+        ) from None
+    what = kind_of(found.st_mode)
+    if what not in kinds:
+        raise SourceError(f"{variable}={value!r} names {what}, not {' or '.join(kinds)}.", fix)
+    if what != "a file":
+        return
+    if found.st_size > MAX_TRUST_FILE_BYTES:
+        raise SourceError(
+            f"{variable}={value!r} names a file of {found.st_size} bytes, too large to be a "
+            f"certificate bundle (at most {MAX_TRUST_FILE_BYTES} bytes).",
+            fix,
+        )
+    try:
+        ssl.create_default_context(cafile=value)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+        raise SourceError(
+            f"{variable}={value!r} names a file that holds no certificate the TLS library "
+            f"can read ({reason}).",
+            fix,
+        ) from None
+
+
+#: The proxy schemes each HTTP library can use, and the package a SOCKS proxy needs there:
+#: httpx (``hf://``) takes socks5 with socksio, requests (``gs://``) socks4 and socks5 with
+#: PySocks.
+HUB_PROXIES = ("socksio", ("socks5", "socks5h"))
+STORAGE_PROXIES = ("socks", ("socks4", "socks4a", "socks5", "socks5h"))
+
+
+def proxies(library: tuple[str, tuple[str, ...]]) -> None:
+    """Refuse a proxy setting (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, in either case)
+    the HTTP library cannot use: both read them through ``urllib.request.getproxies`` (a value
+    without a scheme is ``http://`` + it), httpx all of them as it makes its client. An
+    unknown scheme, a port out of range or a SOCKS proxy without its package failed inside
+    httpx as a traceback (exit 1), and inside requests as a failure of "the source"."""
+    package, socks = library
+    schemes = (*SCHEMES, *(socks if importlib.util.find_spec(package) else ()))
+    found = urllib.request.getproxies()
+    for scheme in ("http", "https", "all"):
+        value = found.get(scheme)
+        if not value:
+            continue
+        url = value if "://" in value else f"http://{value}"
+        why = _url_problem(url, schemes)
+        if why is None:
+            continue
+        if url.partition("://")[0].lower() in socks and url.partition("://")[0] not in schemes:
+            why = f"a SOCKS proxy needs the Python module {package}, which is not installed"
+        names = (f"{scheme}_proxy", f"{scheme.upper()}_PROXY")
+        variable = next((n for n in names if os.environ.get(n) == value), names[1])
+        raise SourceError(
+            f"{variable}={_without_password(url)[len(url) - len(value) :]!r} is not a proxy "
+            "the loader can use "
+            f"({why}).",
+            f"Set {variable} to http://HOST:PORT (the proxy's address), or unset it.",
         )
