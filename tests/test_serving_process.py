@@ -387,11 +387,11 @@ def test_a_signal_serve_gives_no_meaning_stops_its_server_first(repository, name
     import subprocess
 
     from tests import procs
-    from tests.test_supervise import _as_a_shell_starts
+    from tests.stalled import as_a_shell_starts
 
     sig = getattr(signal, name)
     proc = subprocess.Popen(
-        _as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
+        as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     server = None
