@@ -375,6 +375,10 @@ class TorchFile:
 _ZIP_MAGIC = b"PK\x03\x04"
 #: The largest pickle of a state dict's tensors read (real ones are a few hundred kB).
 _MAX_PICKLE = 64 * 2**20
+#: The most classes (``module.name``) a pickle of a state dict's tensors may name: a real one
+#: names a handful (an ``OrderedDict``, a storage type or two, ``_rebuild_tensor_v2``...), and
+#: ``torch.load`` refuses every one its ``weights_only`` unpickler does not list.
+_MAX_CLASSES = 256
 
 
 class _Stand:
@@ -403,13 +407,21 @@ class _Stand:
         pass
 
 
+class _TooManyClasses(pickle.UnpicklingError):
+    """A pickle naming more than :data:`_MAX_CLASSES` classes."""
+
+
 class _Storages(pickle.Unpickler):
     """The storages a ``torch.save`` pickle names, (key, storage type, element count) each
     time one is named, read without building anything (every class a stand-in that knows the
-    ``module.name`` the pickle gave it)."""
+    ``module.name`` the pickle gave it: one stand-in per name, however often it is named, and
+    at most :data:`_MAX_CLASSES` names; a class made anew for each naming cost about 2 kB and
+    40 us, so a pickle of 5-byte namings within :data:`_MAX_PICKLE` held the check for minutes
+    in tens of GB)."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
+        self._classes: dict[tuple[str, str], type] = {}
         #: every storage named, as often as named (torch.load views a key at the size it is
         #: first named with; each naming must fit its record); the type is the global's
         #: ``module.name``, None where the pickle gives anything else
@@ -418,7 +430,13 @@ class _Storages(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes: real ones
             return codecs.encode
-        return type(name, (_Stand,), {"_global": f"{module}.{name}"})
+        stand = self._classes.get((module, name))
+        if stand is None:
+            if len(self._classes) >= _MAX_CLASSES:
+                raise _TooManyClasses(module, name)
+            stand = type(name, (_Stand,), {"_global": f"{module}.{name}"})
+            self._classes[(module, name)] = stand
+        return stand
 
     def persistent_load(self, pid: object) -> _Stand:
         # torch.load takes the type name as text or as bytes (``_maybe_decode_ascii``)
@@ -512,6 +530,12 @@ def _check_records(path: Path) -> None:
             try:
                 scan = _Storages(archive.read(listing))
                 scan.load()
+            except _TooManyClasses as exc:
+                raise _corrupt(
+                    path,
+                    f"its tensor list names more than {_MAX_CLASSES} classes (a state dict's "
+                    "names a few, and torch.load takes none it does not know)",
+                ) from exc
             except Exception as exc:  # any malformed pickle: nothing of it was run
                 raise _corrupt(
                     path, f"its tensor list does not read ({type(exc).__name__})"

@@ -241,6 +241,34 @@ def test_a_tensor_list_that_does_not_read_or_is_too_large_is_refused(tmp_path, m
     assert "its tensor list is larger than" in _records_check(path)
 
 
+def test_a_tensor_list_naming_one_class_again_and_again_is_checked_in_little_memory(tmp_path):
+    """Every naming of a class (5 bytes: ``GLOBAL 'm n'``) made a class of its own, about 2 kB:
+    100 000 namings in a 0.5 MB pickle held about 200 MB (a 64 MiB one, which the size limit
+    lets through, tens of GB and minutes of CPU)."""
+    import tracemalloc
+    import warnings
+
+    from loader.checkpoint import _check_records
+
+    listing = b"\x80\x02" + b"cm\nn\n" * 100_000 + b"}."  # then an empty state dict
+    path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
+    tracemalloc.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _check_records(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20
+
+
+def test_a_tensor_list_naming_more_classes_than_a_state_dict_is_refused(tmp_path):
+    listing = b"\x80\x02" + b"".join(b"cm\nn%d\n0" % i for i in range(300)) + b"}."
+    path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
+    assert "its tensor list names more than 256 classes" in _records_check(path)
+
+
 def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
     path = _copy(checkpoints[("bin", True)], tmp_path / "ck")
     victim = sorted(path.glob("pytorch_model-*.bin"))[0]
