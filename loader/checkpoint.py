@@ -373,8 +373,12 @@ class TorchFile:
 
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
 _ZIP_MAGIC = b"PK\x03\x04"
-#: The largest pickle of a state dict's tensors read (real ones are a few hundred kB).
-_MAX_PICKLE = 64 * 2**20
+#: The largest pickle of a state dict's tensors read. A real one takes about 100 bytes a
+#: tensor (a GPT-J or CodeGen file of a hundred layers: about 150 kB). Unpickling builds up
+#: to about 220 bytes of objects for each byte (an empty set a byte), and ``torch.load``'s own
+#: unpickler reads it again, in Python: 64 MiB held about 14 GB in the check, or minutes in
+#: ``torch.load``; at 4 MiB, less than a GB and seconds.
+_MAX_PICKLE = 4 * 2**20
 #: The most classes (``module.name``) a pickle of a state dict's tensors may name: a real one
 #: names a handful (an ``OrderedDict``, a storage type or two, ``_rebuild_tensor_v2``...), and
 #: ``torch.load`` refuses every one its ``weights_only`` unpickler does not list.

@@ -241,6 +241,15 @@ def test_a_tensor_list_that_does_not_read_or_is_too_large_is_refused(tmp_path, m
     assert "its tensor list is larger than" in _records_check(path)
 
 
+def test_a_tensor_list_larger_than_a_state_dicts_is_refused_before_it_is_unpickled(tmp_path):
+    """A 5 MiB pickle of empty dicts (a byte each) was within the limit (64 MiB): the check
+    built a dict for each byte, and torch.load did again, in Python (64 MiB of them: about
+    5 GB in the check, then minutes in torch.load; empty sets, about 14 GB in the check)."""
+    listing = b"\x80\x02" + b"}" * (5 * 2**20) + b"."
+    path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
+    assert "its tensor list is larger than 4 MiB" in _records_check(path)
+
+
 def test_a_tensor_list_naming_one_class_again_and_again_is_checked_in_little_memory(tmp_path):
     """Every naming of a class (5 bytes: ``GLOBAL 'm n'``) made a class of its own, about 2 kB:
     100 000 namings in a 0.5 MB pickle held about 200 MB (a 64 MiB one, which the size limit
