@@ -133,20 +133,22 @@ def is_regular_file(path: Path) -> bool:
 
 def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory as a dict (at most
-    :data:`~loader.formats.jsondoc.MAX_CONFIG_BYTES`; deeper nesting than a parser takes is a
+    :data:`~loader.formats.jsondoc.MAX_CONFIG_JSON_BYTES`; deeper nesting than a parser takes is a
     :class:`CheckpointError` like any malformed document)."""
     path = Path(checkpoint_dir) / CONFIG_FILE
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError(f"{checkpoint_dir} is not a directory.")
     try:
-        config = jsondoc.loads(fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8"))
+        data = fs.read_file(path, limit=jsondoc.MAX_CONFIG_JSON_BYTES)
+        config = jsondoc.loads(data.decode("utf-8"))
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"{path} is missing: not a Hugging Face checkpoint directory."
         ) from exc
     except fs.TooLargeError as exc:
         raise FileContentError(
-            path, f"is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json"
+            path,
+            f"is larger than {jsondoc.MAX_CONFIG_JSON_BYTES // 2**20} MiB: not a config.json",
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
         raise FileContentError(path, f"cannot be read as JSON: {exc}") from exc
