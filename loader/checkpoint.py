@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import codecs
 import collections
+import contextlib
 import errno
 import io
 import json
@@ -42,7 +43,7 @@ import zipfile
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -315,20 +316,28 @@ class TorchFile:
                 "Install torch (pip install 'model-triton-loader[torch]') or use safetensors.",
             ) from exc
         self._torch = torch
-        self.size = os.stat(path).st_size
-        try:
-            _check_records(path)
-        except CorruptFileError as exc:
-            _unless_shrunk(path, self.size, exc)
-            raise
-        if ledger.active():  # the size it is mapped at, for the supervisor
-            with fs.open_read(path) as fh:
+        # Opened once: the archive whose records are checked is the one torch.load maps, by
+        # this descriptor (it opened the path again: a FIFO put there meanwhile held it for
+        # good, another archive was loaded unchecked).
+        with fs.open_read(path) as fh:
+            self.size = os.fstat(fh.fileno()).st_size
+            try:
+                _check_records(path, fh)
+            except CorruptFileError as exc:
+                _unless_shrunk(path, self.size, exc)
+                raise
+            if ledger.active():  # the size it is mapped at, for the supervisor
                 ledger.note_mapped(path, fh.fileno())
-        try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as exc:
-            _unless_shrunk(path, self.size, exc)
-            raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
+            try:
+                state = torch.load(
+                    _by_descriptor(path, fh.fileno()),
+                    map_location="cpu",
+                    mmap=True,
+                    weights_only=True,
+                )
+            except Exception as exc:
+                _unless_shrunk(path, self.size, exc)
+                raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
         # detached: a parameter saved as one (requires_grad) is read like any tensor
@@ -371,6 +380,14 @@ class TorchFile:
 
     def close(self) -> None:
         self._state = {}
+
+
+def _by_descriptor(path: Path, fd: int) -> str:
+    """A name that opens the file ``fd`` has open (``torch.load(mmap=True)`` takes a name, and
+    opens it more than once), whatever is at ``path`` now: ``/proc/self/fd/<fd>``; ``path``
+    itself where there is no ``/proc``."""
+    by_fd = f"/proc/self/fd/{fd}"
+    return by_fd if os.path.exists(by_fd) else str(path)
 
 
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
@@ -485,7 +502,7 @@ def _data_start(fh: Any, info: zipfile.ZipInfo) -> int | None:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def _check_records(path: Path) -> None:
+def _check_records(path: Path, opened: BinaryIO | None = None) -> None:
     """Every storage a PyTorch zip archive's pickle names has a record holding its bytes.
     ``torch.load(mmap=True)`` views each storage at its record's offset for as many bytes as
     the pickle says, whatever the record holds: a record cut short inside a valid archive
@@ -500,10 +517,13 @@ def _check_records(path: Path) -> None:
     finds records case-insensitively), is refused (``zipfile`` reads one such record, PyTorch's
     reader may view another); a storage's type is one ``torch.load`` takes, sized as it sizes
     it; a storage's record is stored as it is (``torch.load`` maps its bytes, never inflates
-    them) and holds the bytes its directory entry says, before what follows it starts."""
+    them) and holds the bytes its directory entry says, before what follows it starts.
+    ``opened``: the file, already open (read from its start; left open), else ``path`` is
+    opened."""
     import torch
 
-    with fs.open_read(path) as fh:
+    with contextlib.nullcontext(opened) if opened is not None else fs.open_read(path) as fh:
+        fh.seek(0)
         try:
             archive = zipfile.ZipFile(fh)
         except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:

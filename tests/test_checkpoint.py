@@ -535,9 +535,9 @@ def test_a_bin_file_cut_short_while_its_records_are_checked_is_transient(
     path = _copy(checkpoints[("bin", False)], tmp_path / "ck") / "pytorch_model.bin"
     real = checkpoint._check_records
 
-    def cut_then_check(at: Path) -> None:
+    def cut_then_check(at: Path, *opened) -> None:
         at.write_bytes(at.read_bytes()[:100])
-        real(at)
+        real(at, *opened)
 
     monkeypatch.setattr(checkpoint, "_check_records", cut_then_check)
     with pytest.raises(SourceShrankError):
@@ -616,3 +616,48 @@ def test_a_bin_tensor_that_is_no_plain_run_of_values_is_refused(
     assert "Traceback" not in err, err
     assert f"holds tensor transformer.ln_f.weight {said}" in err, err
     assert "plain dense CPU tensors" in err, err
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "another archive"])
+def test_a_bin_replaced_after_its_records_were_checked_is_not_what_torch_loads(
+    checkpoints, tmp_path, monkeypatch, kind
+):
+    """``torch.load`` opened the file by its path again once its records were checked: a
+    FIFO put there meanwhile held it for good (no writer ever comes), another archive was
+    loaded unchecked (its records never looked at). The archive checked is the one loaded."""
+    import os
+    import threading
+
+    from loader import checkpoint
+
+    source = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    path = source / "pytorch_model.bin"
+    other = tmp_path / "other.bin"
+    torch.save({"planted": torch.zeros(3)}, other)
+    checked = checkpoint._check_records
+
+    def then_replaced(*args, **kwargs):
+        checked(*args, **kwargs)
+        path.unlink()
+        if kind == "FIFO":
+            os.mkfifo(path)
+        else:
+            other.rename(path)
+
+    monkeypatch.setattr(checkpoint, "_check_records", then_replaced)
+    found: list[object] = []
+
+    def read() -> None:
+        try:
+            found.append(set(checkpoint.TorchFile(path).infos()))
+        except Exception as exc:  # what it raised is the finding
+            found.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():  # let it go: a writer that closes at once ends its read
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(30)
+        pytest.fail("torch.load waited on the FIFO put where the checked archive was")
+    assert found == [set(read_state_dict(checkpoints[("bin", False)]))]
