@@ -39,6 +39,7 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import zipfile
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -222,6 +223,7 @@ class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._mmap: mmap.mmap | None = None
+        self._lock = threading.Lock()
         try:
             with fs.open_read(path) as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -232,8 +234,24 @@ class SafetensorsFile:
                 if header_len > min(size - 8, _MAX_HEADER):
                     raise _corrupt(path, f"header length {header_len} exceeds the file size {size}")
                 raw = fh.read(header_len)
+                st = os.fstat(fh.fileno())
+                # Kept open, and mapped from it on the first read: the tensors are read from
+                # the file whose header is checked (it was opened by its path again, and a
+                # file put there meanwhile was read with the first one's header).
+                kept = os.dup(fh.fileno())
         except FileNotFoundError as exc:
             raise CheckpointError(f"{path} is missing.") from exc
+        try:
+            self._read_header(raw, header_len, size)
+        except BaseException:
+            os.close(kept)
+            raise
+        self._fd: int | None = kept
+        #: (device, inode) of the file read: what is at its path may be another file now
+        self.identity = (st.st_dev, st.st_ino)
+
+    def _read_header(self, raw: bytes, header_len: int, size: int) -> None:
+        path = self.path
         try:
             header = jsondoc.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -277,20 +295,33 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         info = self._infos[name]
-        if self._mmap is None:
-            with fs.open_read(self.path) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size < self.size:  # cut short since its header was checked
-                    raise SourceShrankError([(self.path, self.size, size)])
-                ledger.note_mapped(self.path, fh.fileno())
-                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = self._mapped(name)
         offset = self._data_start + self._offsets[name]
         if info.nbytes and hasattr(mmap, "MADV_WILLNEED"):  # start reading it in now
             start = offset - offset % mmap.PAGESIZE
-            self._mmap.madvise(mmap.MADV_WILLNEED, start, offset + info.nbytes - start)
+            mapped.madvise(mmap.MADV_WILLNEED, start, offset + info.nbytes - start)
         count = math.prod(info.shape)
-        arr = np.frombuffer(self._mmap, dtype=NUMPY_DTYPES[info.dtype], count=count, offset=offset)
+        arr = np.frombuffer(mapped, dtype=NUMPY_DTYPES[info.dtype], count=count, offset=offset)
         return arr.reshape(info.shape)
+
+    def _mapped(self, name: str) -> mmap.mmap:
+        """The file's map, made from the descriptor kept open on the first read (the writers'
+        threads read at once)."""
+        with self._lock:
+            if self._mmap is not None:
+                return self._mmap
+            if self._fd is None:
+                raise CheckpointError(
+                    f"{self.path} was closed before tensor {shown(name)} was read."
+                )
+            size = os.fstat(self._fd).st_size
+            if size < self.size:  # cut short since its header was checked
+                raise SourceShrankError([(self.path, self.size, size)])
+            ledger.note_mapped(self.path, self._fd)
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            os.close(self._fd)  # the map holds the file
+            self._fd = None
+            return self._mmap
 
     def data_offset(self, name: str) -> int | None:
         """Byte offset of the tensor's data in the file (it is stored contiguously)."""
@@ -298,7 +329,11 @@ class SafetensorsFile:
 
     def close(self) -> None:
         # Arrays handed out keep the mapping alive; dropping our reference lets it go with them.
-        self._mmap = None
+        with self._lock:
+            self._mmap = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 class TorchFile:
@@ -897,6 +932,13 @@ class Checkpoint:
         shard = self._where[name]
         offset = shard.data_offset(name)
         return None if offset is None else (shard.path, offset)
+
+    def reads_from(self, name: str, found: os.stat_result) -> bool:
+        """Whether ``found`` (``fstat`` of a file opened at :meth:`file_span`'s path) is the
+        very file tensor ``name`` is read from, the one whose header was checked (what is at
+        that path may have been replaced since)."""
+        identity = getattr(self._where[name], "identity", None)
+        return identity is not None and identity == (found.st_dev, found.st_ino)
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, array)`` pairs, one tensor at a time, in file order."""

@@ -661,3 +661,58 @@ def test_a_bin_replaced_after_its_records_were_checked_is_not_what_torch_loads(
         reader.join(30)
         pytest.fail("torch.load waited on the FIFO put where the checked archive was")
     assert found == [set(read_state_dict(checkpoints[("bin", False)]))]
+
+
+def _flipped_copy(path: Path, to: Path) -> None:
+    """A file of ``path``'s size and header whose tensor bytes differ (the last 64 zeroed)."""
+    data = bytearray(path.read_bytes())
+    assert any(data[-64:])
+    data[-64:] = bytes(64)
+    to.write_bytes(bytes(data))
+
+
+def test_a_safetensors_file_replaced_after_its_header_was_checked_is_not_what_is_read(
+    checkpoints, tmp_path
+):
+    """Its tensors were read by opening the path again: another file put there meanwhile (the
+    same size) was read with the first one's header, its bytes never checked."""
+    from loader.checkpoint import SafetensorsFile
+
+    source = _copy(checkpoints[("safetensors", False)], tmp_path / "ck")
+    path = source / "model.safetensors"
+    expected = read_state_dict(source)
+    opened = SafetensorsFile(path)  # its header checked; no tensor read yet
+    _flipped_copy(path, tmp_path / "planted")
+    (tmp_path / "planted").rename(path)
+    for name in opened.infos():
+        np.testing.assert_array_equal(opened.get(name), expected[name].numpy())
+    opened.close()
+
+
+def test_convert_copies_no_byte_of_a_file_put_where_the_checked_one_was(
+    checkpoints, tmp_path, monkeypatch, capsys
+):
+    """An output kept in the source's dtype was copied in the kernel from the file opened by
+    its path again, after the check for NaN had read the mapped one: a file put there
+    meanwhile was copied unchecked. It is written from the file checked."""
+    from loader import checkpoint
+    from loader.cli import main
+
+    source = _copy(checkpoints[("safetensors", False)], tmp_path / "ck")
+    path = source / "model.safetensors"
+    assert main(["convert", str(source), str(tmp_path / "clean"), "--tp-size", "1"]) == 0
+    _flipped_copy(path, tmp_path / "planted")
+    read = checkpoint.SafetensorsFile.get
+
+    def replaced_first(self, name):
+        if (tmp_path / "planted").exists():  # as the first tensor is read
+            (tmp_path / "planted").rename(path)
+        return read(self, name)
+
+    monkeypatch.setattr(checkpoint.SafetensorsFile, "get", replaced_first)
+    assert main(["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"]) == 0
+    assert not (tmp_path / "planted").exists()  # it was put there
+    capsys.readouterr()
+    clean, out = tmp_path / "clean" / "1-gpu", tmp_path / "out" / "1-gpu"
+    for name in sorted(p.name for p in clean.iterdir()):
+        assert (out / name).read_bytes() == (clean / name).read_bytes(), name
