@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import codecs
 import collections
+import contextlib
 import errno
 import io
 import json
@@ -38,11 +39,12 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import zipfile
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -133,20 +135,22 @@ def is_regular_file(path: Path) -> bool:
 
 def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory as a dict (at most
-    :data:`~loader.formats.jsondoc.MAX_CONFIG_BYTES`; deeper nesting than a parser takes is a
+    :data:`~loader.formats.jsondoc.MAX_CONFIG_JSON_BYTES`; deeper nesting than a parser takes is a
     :class:`CheckpointError` like any malformed document)."""
     path = Path(checkpoint_dir) / CONFIG_FILE
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError(f"{checkpoint_dir} is not a directory.")
     try:
-        config = jsondoc.loads(fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8"))
+        data = fs.read_file(path, limit=jsondoc.MAX_CONFIG_JSON_BYTES)
+        config = jsondoc.loads(data.decode("utf-8"))
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"{path} is missing: not a Hugging Face checkpoint directory."
         ) from exc
     except fs.TooLargeError as exc:
         raise FileContentError(
-            path, f"is larger than {jsondoc.MAX_CONFIG_BYTES // 2**20} MiB: not a config.json"
+            path,
+            f"is larger than {jsondoc.MAX_CONFIG_JSON_BYTES // 2**20} MiB: not a config.json",
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
         raise FileContentError(path, f"cannot be read as JSON: {exc}") from exc
@@ -219,6 +223,7 @@ class SafetensorsFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._mmap: mmap.mmap | None = None
+        self._lock = threading.Lock()
         try:
             with fs.open_read(path) as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -229,8 +234,24 @@ class SafetensorsFile:
                 if header_len > min(size - 8, _MAX_HEADER):
                     raise _corrupt(path, f"header length {header_len} exceeds the file size {size}")
                 raw = fh.read(header_len)
+                st = os.fstat(fh.fileno())
+                # Kept open, and mapped from it on the first read: the tensors are read from
+                # the file whose header is checked (it was opened by its path again, and a
+                # file put there meanwhile was read with the first one's header).
+                kept = os.dup(fh.fileno())
         except FileNotFoundError as exc:
             raise CheckpointError(f"{path} is missing.") from exc
+        try:
+            self._read_header(raw, header_len, size)
+        except BaseException:
+            os.close(kept)
+            raise
+        self._fd: int | None = kept
+        #: (device, inode) of the file read: what is at its path may be another file now
+        self.identity = (st.st_dev, st.st_ino)
+
+    def _read_header(self, raw: bytes, header_len: int, size: int) -> None:
+        path = self.path
         try:
             header = jsondoc.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -274,20 +295,33 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         info = self._infos[name]
-        if self._mmap is None:
-            with fs.open_read(self.path) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size < self.size:  # cut short since its header was checked
-                    raise SourceShrankError([(self.path, self.size, size)])
-                ledger.note_mapped(self.path, fh.fileno())
-                self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = self._mapped(name)
         offset = self._data_start + self._offsets[name]
         if info.nbytes and hasattr(mmap, "MADV_WILLNEED"):  # start reading it in now
             start = offset - offset % mmap.PAGESIZE
-            self._mmap.madvise(mmap.MADV_WILLNEED, start, offset + info.nbytes - start)
+            mapped.madvise(mmap.MADV_WILLNEED, start, offset + info.nbytes - start)
         count = math.prod(info.shape)
-        arr = np.frombuffer(self._mmap, dtype=NUMPY_DTYPES[info.dtype], count=count, offset=offset)
+        arr = np.frombuffer(mapped, dtype=NUMPY_DTYPES[info.dtype], count=count, offset=offset)
         return arr.reshape(info.shape)
+
+    def _mapped(self, name: str) -> mmap.mmap:
+        """The file's map, made from the descriptor kept open on the first read (the writers'
+        threads read at once)."""
+        with self._lock:
+            if self._mmap is not None:
+                return self._mmap
+            if self._fd is None:
+                raise CheckpointError(
+                    f"{self.path} was closed before tensor {shown(name)} was read."
+                )
+            size = os.fstat(self._fd).st_size
+            if size < self.size:  # cut short since its header was checked
+                raise SourceShrankError([(self.path, self.size, size)])
+            ledger.note_mapped(self.path, self._fd)
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            os.close(self._fd)  # the map holds the file
+            self._fd = None
+            return self._mmap
 
     def data_offset(self, name: str) -> int | None:
         """Byte offset of the tensor's data in the file (it is stored contiguously)."""
@@ -295,7 +329,11 @@ class SafetensorsFile:
 
     def close(self) -> None:
         # Arrays handed out keep the mapping alive; dropping our reference lets it go with them.
-        self._mmap = None
+        with self._lock:
+            self._mmap = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 class TorchFile:
@@ -313,20 +351,28 @@ class TorchFile:
                 "Install torch (pip install 'model-triton-loader[torch]') or use safetensors.",
             ) from exc
         self._torch = torch
-        self.size = os.stat(path).st_size
-        try:
-            _check_records(path)
-        except CorruptFileError as exc:
-            _unless_shrunk(path, self.size, exc)
-            raise
-        if ledger.active():  # the size it is mapped at, for the supervisor
-            with fs.open_read(path) as fh:
+        # Opened once: the archive whose records are checked is the one torch.load maps, by
+        # this descriptor (it opened the path again: a FIFO put there meanwhile held it for
+        # good, another archive was loaded unchecked).
+        with fs.open_read(path) as fh:
+            self.size = os.fstat(fh.fileno()).st_size
+            try:
+                _check_records(path, fh)
+            except CorruptFileError as exc:
+                _unless_shrunk(path, self.size, exc)
+                raise
+            if ledger.active():  # the size it is mapped at, for the supervisor
                 ledger.note_mapped(path, fh.fileno())
-        try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as exc:
-            _unless_shrunk(path, self.size, exc)
-            raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
+            try:
+                state = torch.load(
+                    _by_descriptor(path, fh.fileno()),
+                    map_location="cpu",
+                    mmap=True,
+                    weights_only=True,
+                )
+            except Exception as exc:
+                _unless_shrunk(path, self.size, exc)
+                raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
         # detached: a parameter saved as one (requires_grad) is read like any tensor
@@ -371,10 +417,26 @@ class TorchFile:
         self._state = {}
 
 
+def _by_descriptor(path: Path, fd: int) -> str:
+    """A name that opens the file ``fd`` has open (``torch.load(mmap=True)`` takes a name, and
+    opens it more than once), whatever is at ``path`` now: ``/proc/self/fd/<fd>``; ``path``
+    itself where there is no ``/proc``."""
+    by_fd = f"/proc/self/fd/{fd}"
+    return by_fd if os.path.exists(by_fd) else str(path)
+
+
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
 _ZIP_MAGIC = b"PK\x03\x04"
-#: The largest pickle of a state dict's tensors read (real ones are a few hundred kB).
-_MAX_PICKLE = 64 * 2**20
+#: The largest pickle of a state dict's tensors read. A real one takes about 100 bytes a
+#: tensor (a GPT-J or CodeGen file of a hundred layers: about 150 kB). Unpickling builds up
+#: to about 220 bytes of objects for each byte (an empty set a byte), and ``torch.load``'s own
+#: unpickler reads it again, in Python: 64 MiB held about 14 GB in the check, or minutes in
+#: ``torch.load``; at 4 MiB, less than a GB and seconds.
+_MAX_PICKLE = 4 * 2**20
+#: The most classes (``module.name``) a pickle of a state dict's tensors may name: a real one
+#: names a handful (an ``OrderedDict``, a storage type or two, ``_rebuild_tensor_v2``...), and
+#: ``torch.load`` refuses every one its ``weights_only`` unpickler does not list.
+_MAX_CLASSES = 256
 
 
 class _Stand:
@@ -403,13 +465,21 @@ class _Stand:
         pass
 
 
+class _TooManyClasses(pickle.UnpicklingError):
+    """A pickle naming more than :data:`_MAX_CLASSES` classes."""
+
+
 class _Storages(pickle.Unpickler):
     """The storages a ``torch.save`` pickle names, (key, storage type, element count) each
     time one is named, read without building anything (every class a stand-in that knows the
-    ``module.name`` the pickle gave it)."""
+    ``module.name`` the pickle gave it: one stand-in per name, however often it is named, and
+    at most :data:`_MAX_CLASSES` names; a class made anew for each naming cost about 2 kB and
+    40 us, so a pickle of 5-byte namings within :data:`_MAX_PICKLE` held the check for minutes
+    in tens of GB)."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
+        self._classes: dict[tuple[str, str], type] = {}
         #: every storage named, as often as named (torch.load views a key at the size it is
         #: first named with; each naming must fit its record); the type is the global's
         #: ``module.name``, None where the pickle gives anything else
@@ -418,7 +488,13 @@ class _Storages(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes: real ones
             return codecs.encode
-        return type(name, (_Stand,), {"_global": f"{module}.{name}"})
+        stand = self._classes.get((module, name))
+        if stand is None:
+            if len(self._classes) >= _MAX_CLASSES:
+                raise _TooManyClasses(module, name)
+            stand = type(name, (_Stand,), {"_global": f"{module}.{name}"})
+            self._classes[(module, name)] = stand
+        return stand
 
     def persistent_load(self, pid: object) -> _Stand:
         # torch.load takes the type name as text or as bytes (``_maybe_decode_ascii``)
@@ -461,7 +537,7 @@ def _data_start(fh: Any, info: zipfile.ZipInfo) -> int | None:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def _check_records(path: Path) -> None:
+def _check_records(path: Path, opened: BinaryIO | None = None) -> None:
     """Every storage a PyTorch zip archive's pickle names has a record holding its bytes.
     ``torch.load(mmap=True)`` views each storage at its record's offset for as many bytes as
     the pickle says, whatever the record holds: a record cut short inside a valid archive
@@ -476,10 +552,13 @@ def _check_records(path: Path) -> None:
     finds records case-insensitively), is refused (``zipfile`` reads one such record, PyTorch's
     reader may view another); a storage's type is one ``torch.load`` takes, sized as it sizes
     it; a storage's record is stored as it is (``torch.load`` maps its bytes, never inflates
-    them) and holds the bytes its directory entry says, before what follows it starts."""
+    them) and holds the bytes its directory entry says, before what follows it starts.
+    ``opened``: the file, already open (read from its start; left open), else ``path`` is
+    opened."""
     import torch
 
-    with fs.open_read(path) as fh:
+    with contextlib.nullcontext(opened) if opened is not None else fs.open_read(path) as fh:
+        fh.seek(0)
         try:
             archive = zipfile.ZipFile(fh)
         except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
@@ -512,6 +591,12 @@ def _check_records(path: Path) -> None:
             try:
                 scan = _Storages(archive.read(listing))
                 scan.load()
+            except _TooManyClasses as exc:
+                raise _corrupt(
+                    path,
+                    f"its tensor list names more than {_MAX_CLASSES} classes (a state dict's "
+                    "names a few, and torch.load takes none it does not know)",
+                ) from exc
             except Exception as exc:  # any malformed pickle: nothing of it was run
                 raise _corrupt(
                     path, f"its tensor list does not read ({type(exc).__name__})"
@@ -847,6 +932,13 @@ class Checkpoint:
         shard = self._where[name]
         offset = shard.data_offset(name)
         return None if offset is None else (shard.path, offset)
+
+    def reads_from(self, name: str, found: os.stat_result) -> bool:
+        """Whether ``found`` (``fstat`` of a file opened at :meth:`file_span`'s path) is the
+        very file tensor ``name`` is read from, the one whose header was checked (what is at
+        that path may have been replaced since)."""
+        identity = getattr(self._where[name], "identity", None)
+        return identity is not None and identity == (found.st_dev, found.st_ino)
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, array)`` pairs, one tensor at a time, in file order."""

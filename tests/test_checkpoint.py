@@ -241,6 +241,43 @@ def test_a_tensor_list_that_does_not_read_or_is_too_large_is_refused(tmp_path, m
     assert "its tensor list is larger than" in _records_check(path)
 
 
+def test_a_tensor_list_larger_than_a_state_dicts_is_refused_before_it_is_unpickled(tmp_path):
+    """A 5 MiB pickle of empty dicts (a byte each) was within the limit (64 MiB): the check
+    built a dict for each byte, and torch.load did again, in Python (64 MiB of them: about
+    5 GB in the check, then minutes in torch.load; empty sets, about 14 GB in the check)."""
+    listing = b"\x80\x02" + b"}" * (5 * 2**20) + b"."
+    path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
+    assert "its tensor list is larger than 4 MiB" in _records_check(path)
+
+
+def test_a_tensor_list_naming_one_class_again_and_again_is_checked_in_little_memory(tmp_path):
+    """Every naming of a class (5 bytes: ``GLOBAL 'm n'``) made a class of its own, about 2 kB:
+    100 000 namings in a 0.5 MB pickle held about 200 MB (a 64 MiB one, which the size limit
+    lets through, tens of GB and minutes of CPU)."""
+    import tracemalloc
+    import warnings
+
+    from loader.checkpoint import _check_records
+
+    listing = b"\x80\x02" + b"cm\nn\n" * 100_000 + b"}."  # then an empty state dict
+    path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
+    tracemalloc.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _check_records(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20
+
+
+def test_a_tensor_list_naming_more_classes_than_a_state_dict_is_refused(tmp_path):
+    listing = b"\x80\x02" + b"".join(b"cm\nn%d\n0" % i for i in range(300)) + b"}."
+    path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
+    assert "its tensor list names more than 256 classes" in _records_check(path)
+
+
 def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
     path = _copy(checkpoints[("bin", True)], tmp_path / "ck")
     victim = sorted(path.glob("pytorch_model-*.bin"))[0]
@@ -498,9 +535,9 @@ def test_a_bin_file_cut_short_while_its_records_are_checked_is_transient(
     path = _copy(checkpoints[("bin", False)], tmp_path / "ck") / "pytorch_model.bin"
     real = checkpoint._check_records
 
-    def cut_then_check(at: Path) -> None:
+    def cut_then_check(at: Path, *opened) -> None:
         at.write_bytes(at.read_bytes()[:100])
-        real(at)
+        real(at, *opened)
 
     monkeypatch.setattr(checkpoint, "_check_records", cut_then_check)
     with pytest.raises(SourceShrankError):
@@ -579,3 +616,103 @@ def test_a_bin_tensor_that_is_no_plain_run_of_values_is_refused(
     assert "Traceback" not in err, err
     assert f"holds tensor transformer.ln_f.weight {said}" in err, err
     assert "plain dense CPU tensors" in err, err
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "another archive"])
+def test_a_bin_replaced_after_its_records_were_checked_is_not_what_torch_loads(
+    checkpoints, tmp_path, monkeypatch, kind
+):
+    """``torch.load`` opened the file by its path again once its records were checked: a
+    FIFO put there meanwhile held it for good (no writer ever comes), another archive was
+    loaded unchecked (its records never looked at). The archive checked is the one loaded."""
+    import os
+    import threading
+
+    from loader import checkpoint
+
+    source = _copy(checkpoints[("bin", False)], tmp_path / "ck")
+    path = source / "pytorch_model.bin"
+    other = tmp_path / "other.bin"
+    torch.save({"planted": torch.zeros(3)}, other)
+    checked = checkpoint._check_records
+
+    def then_replaced(*args, **kwargs):
+        checked(*args, **kwargs)
+        path.unlink()
+        if kind == "FIFO":
+            os.mkfifo(path)
+        else:
+            other.rename(path)
+
+    monkeypatch.setattr(checkpoint, "_check_records", then_replaced)
+    found: list[object] = []
+
+    def read() -> None:
+        try:
+            found.append(set(checkpoint.TorchFile(path).infos()))
+        except Exception as exc:  # what it raised is the finding
+            found.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():  # let it go: a writer that closes at once ends its read
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(30)
+        pytest.fail("torch.load waited on the FIFO put where the checked archive was")
+    assert found == [set(read_state_dict(checkpoints[("bin", False)]))]
+
+
+def _flipped_copy(path: Path, to: Path) -> None:
+    """A file of ``path``'s size and header whose tensor bytes differ (the last 64 zeroed)."""
+    data = bytearray(path.read_bytes())
+    assert any(data[-64:])
+    data[-64:] = bytes(64)
+    to.write_bytes(bytes(data))
+
+
+def test_a_safetensors_file_replaced_after_its_header_was_checked_is_not_what_is_read(
+    checkpoints, tmp_path
+):
+    """Its tensors were read by opening the path again: another file put there meanwhile (the
+    same size) was read with the first one's header, its bytes never checked."""
+    from loader.checkpoint import SafetensorsFile
+
+    source = _copy(checkpoints[("safetensors", False)], tmp_path / "ck")
+    path = source / "model.safetensors"
+    expected = read_state_dict(source)
+    opened = SafetensorsFile(path)  # its header checked; no tensor read yet
+    _flipped_copy(path, tmp_path / "planted")
+    (tmp_path / "planted").rename(path)
+    for name in opened.infos():
+        np.testing.assert_array_equal(opened.get(name), expected[name].numpy())
+    opened.close()
+
+
+def test_convert_copies_no_byte_of_a_file_put_where_the_checked_one_was(
+    checkpoints, tmp_path, monkeypatch, capsys
+):
+    """An output kept in the source's dtype was copied in the kernel from the file opened by
+    its path again, after the check for NaN had read the mapped one: a file put there
+    meanwhile was copied unchecked. It is written from the file checked."""
+    from loader import checkpoint
+    from loader.cli import main
+
+    source = _copy(checkpoints[("safetensors", False)], tmp_path / "ck")
+    path = source / "model.safetensors"
+    assert main(["convert", str(source), str(tmp_path / "clean"), "--tp-size", "1"]) == 0
+    _flipped_copy(path, tmp_path / "planted")
+    read = checkpoint.SafetensorsFile.get
+
+    def replaced_first(self, name):
+        if (tmp_path / "planted").exists():  # as the first tensor is read
+            (tmp_path / "planted").rename(path)
+        return read(self, name)
+
+    monkeypatch.setattr(checkpoint.SafetensorsFile, "get", replaced_first)
+    assert main(["convert", str(source), str(tmp_path / "out"), "--tp-size", "1"]) == 0
+    assert not (tmp_path / "planted").exists()  # it was put there
+    capsys.readouterr()
+    clean, out = tmp_path / "clean" / "1-gpu", tmp_path / "out" / "1-gpu"
+    for name in sorted(p.name for p in clean.iterdir()):
+        assert (out / name).read_bytes() == (clean / name).read_bytes(), name

@@ -196,6 +196,22 @@ def test_outputs_journaled_with_another_digest_are_written_again(tmp_path):
     assert _names(folder) == []
 
 
+def test_outputs_journaled_by_other_converter_code_are_written_again(tmp_path, monkeypatch):
+    """A run killed, then run again by a loader whose converter differs (upgraded meanwhile:
+    a split fixed, a check on the weights added): the outputs the first one wrote are not
+    kept, so none is published as what this loader writes."""
+    from loader.convert import overlapped
+
+    folder = tmp_path / "2-gpu"
+    journal = Journal(folder, "rev fp16 2")
+    journal.resume()
+    journal.record("a.bin", 4, _write(folder, "a.bin", b"aaaa"))
+    assert Journal(folder, "rev fp16 2").resume() == {"a.bin": (4, digest.of_bytes(b"aaaa"))}
+    monkeypatch.setattr(overlapped, "converter_digest", lambda: "0" * 64, raising=False)
+    assert Journal(folder, "rev fp16 2").resume() == {}
+    assert _names(folder) == []
+
+
 def test_an_output_changed_after_it_was_recorded_is_written_again(tmp_path):
     folder = tmp_path / "2-gpu"
     journal = Journal(folder, "h")

@@ -116,6 +116,21 @@ def test_non_numeric_hyper_parameters_are_user_errors(source, tmp_path, capsys, 
     assert not (tmp_path / "root").exists()
 
 
+def test_a_config_json_padded_past_a_real_ones_size_is_refused_before_it_is_parsed(
+    source, tmp_path, capsys
+):
+    """A 2 MiB config.json (real ones are a few kB) was read and parsed, every time a run
+    reads it: padded with empty lists up to the 64 MiB then allowed, about 1.6 GB each."""
+    config = json.loads((source / "config.json").read_text())
+    text = json.dumps(config)[:-1] + ', "notes": [' + ",".join(["[]"] * 2**20) + "]}"
+    (source / "config.json").write_text(text)
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, "config.json is larger than 1 MiB: not a config.json")
+    code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
+    _user_error(code, err, "config.json is larger than 1 MiB: not a config.json")
+    assert not (tmp_path / "root").exists()
+
+
 def test_a_non_numeric_layer_norm_epsilon_is_no_crash(source, tmp_path, capsys):
     """FasterTransformer's GPT-J uses a fixed epsilon: config.json's is not read at all."""
     _edit_config(source, layer_norm_epsilon="tiny")

@@ -26,6 +26,8 @@ The outputs are written into a directory of the download area, never where Trito
 from __future__ import annotations
 
 import errno
+import functools
+import hashlib
 import logging
 import os
 import re
@@ -91,11 +93,32 @@ def staging_name(final: Path) -> str | None:
     return parent.parents[len(WEIGHTS_IN_STAGING) - 1].name
 
 
+@functools.cache
+def converter_digest() -> str:
+    """One SHA-256 over the code that decides what an output file holds: the converter
+    (``loader/convert``), the checkpoint reader and the formats' facts (file names and bytes).
+    A journal records it: outputs a loader with other such code wrote (a killed run, then the
+    loader upgraded, a fix to a split or a check on the weights among the changes) are written
+    again, never published as this loader's."""
+    package = Path(__file__).resolve().parent.parent
+    files = [
+        *sorted((package / "convert").glob("*.py")),
+        package / "checkpoint.py",
+        *sorted((package / "formats").glob("*.py")),
+    ]
+    digest_ = hashlib.sha256()
+    for path in files:
+        data = path.read_bytes()
+        digest_.update(f"{path.relative_to(package).as_posix()}\0{len(data)}\0".encode())
+        digest_.update(data)
+    return digest_.hexdigest()
+
+
 class Journal:
     """The outputs written into a directory, recorded in a file beside it
     (``<directory>.journal``: never among the outputs, which move into a repository): a header
-    naming what they were converted from (source revision, dtype, T) and the digest's algorithm,
-    then ``name size digest inode mtime_ns`` per output, appended once the output is durable
+    naming what they were converted from (source revision, dtype, T), the digest's algorithm
+    and the converter's code (:func:`converter_digest`), then ``name size digest inode mtime_ns`` per output, appended once the output is durable
     (fsynced), and ``moved-into <name>`` once the finished outputs were moved into the staging
     directory ``ROOT/.staging/<name>`` (from which a run killed before publishing gets them
     back: :meth:`moved_to`). Only names are recorded, never paths.
@@ -117,8 +140,9 @@ class Journal:
         self.directory = Path(directory).absolute()
         self.path = self.directory.with_name(self.directory.name + self.SUFFIX)
         self.algorithm = algorithm
-        #: a journal of another algorithm is not reused: its digests would not compare
-        self.header = f"{header} {algorithm}"
+        #: a journal of another algorithm is not reused: its digests would not compare; nor
+        #: one of other converter code: its outputs may hold what this code would not write
+        self.header = f"{header} {algorithm} {converter_digest()}"
         self._given = parent
         self._parent: Dir | None = parent
         self._outputs: Dir | None = None

@@ -379,8 +379,9 @@ def _write(fd: int, data: np.ndarray, path: Path, ckpt: Checkpoint) -> None:
         raise
 
 
-def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int] | None:
-    """(file, offset) when the output is a plain run of source bytes (same dtype, no transpose)."""
+def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path, int, str] | None:
+    """(file, offset, tensor) when the output is a plain run of source bytes (same dtype, no
+    transpose)."""
     if len(out.parts) != 1:
         return None
     part = out.parts[0]
@@ -393,11 +394,11 @@ def _byte_span(out: OutputFile, ckpt: Checkpoint, dtype: np.dtype) -> tuple[Path
     if span is None:
         return None
     path, offset = span
-    return path, offset + part.row_offset * out.row_elements * dtype.itemsize
+    return path, offset + part.row_offset * out.row_elements * dtype.itemsize, part.source
 
 
 def _copy_in_kernel(
-    span: tuple[Path, int],
+    span: tuple[Path, int, str],
     nbytes: int,
     fh,
     ckpt: Checkpoint,
@@ -408,11 +409,16 @@ def _copy_in_kernel(
 ) -> bool:
     """Copy ``nbytes`` from ``span`` into ``fh`` with copy_file_range (no user-space copy).
 
-    Returns False, having copied nothing, where the kernel or filesystem cannot do it.
+    Returns False, having copied nothing, where the kernel or filesystem cannot do it, or
+    where the file at the span's path is no longer the one the tensor is read from (replaced
+    since its header was checked: its bytes were copied unchecked; the caller writes from the
+    checked file's map instead).
     """
-    path, offset = span
+    path, offset, tensor = span
     done = 0
     with fs.open_read(path) as src:
+        if not ckpt.reads_from(tensor, os.fstat(src.fileno())):
+            return False
         while done < nbytes:
             if stop is not None and stop.is_set():
                 raise _Stopped
