@@ -1697,8 +1697,16 @@ class Dir:
                 kind_of(found.st_mode),
             )
             return
-        if found is not None:
-            self._record(name, found, gone=True)
+        if found is not None and self.made is not None:  # judged by its inode: only that file
+            removed = self._unlink_same(name, found)
+            if removed is None and not missing_ok:
+                raise FileNotFoundError(
+                    errno.ENOENT, os.strerror(errno.ENOENT), str(self.path / name)
+                )
+            if removed is False:
+                log.warning("kept %s: put there after the loader looked, so someone else's",
+                            self.path / name)  # fmt: skip
+            return
         _seam("unlink", self.path / name)
         try:
             os.unlink(_component(name), dir_fd=self.fd)
@@ -1707,6 +1715,60 @@ class Dir:
                 raise self._failed(exc, self.path / name) from None
         except OSError as exc:
             raise _named(exc, self.path / name) from None
+
+    def _unlink_same(
+        self, name: str, found: os.stat_result, *, recorded: bool = True
+    ) -> bool | None:
+        """Remove the regular file ``name`` only while it is the very file ``found`` (its
+        ``lstat`` when the loader judged it its own) names: a removal by name would take
+        whatever stands there by then (a user's file renamed to ``name`` after the look). It
+        is moved to a fresh name of this directory in one rename and removed there only if what
+        moved is that file; anything else goes back to ``name`` untouched (left at the fresh
+        name, with a warning, when something new is at ``name`` by then). In a marked tree (with
+        ``recorded``) the fresh name is recorded as the loader's file before the rename, and
+        ``name`` as gone: a loader stopped in between leaves a file the next one removes.
+        True when the file was removed; False when something else was at ``name``; None when
+        nothing was."""
+        aside = f".{MARKER_PREFIX[1:]}gone.{owner()}.{secrets.token_hex(6)}"
+        if recorded:
+            self._record(aside, found)
+            self._record(name, found, gone=True)
+        try:
+            self._rename_fresh(name, aside)
+        except FileNotFoundError as exc:
+            if isinstance(exc, DirectoryRemovedError):
+                raise
+            return None  # removed meanwhile: nothing left to remove
+        now = self.lstat(aside)
+        if now is None:
+            return None
+        if (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino) and stat.S_ISREG(now.st_mode):
+            if recorded:
+                self._record(aside, now, gone=True)
+            self._unlink_own(aside)
+            return True
+        try:
+            self._rename_fresh(aside, name)
+        except OSError as exc:
+            log.warning("%s was replaced after the loader looked at it, and could not be put "
+                        "back (%s): left at %s", self.path / name, exc.strerror or exc,
+                        self.path / aside)  # fmt: skip
+        return False
+
+    def _rename_fresh(self, name: str, to_name: str) -> None:
+        """Rename ``name`` to ``to_name`` of this directory, where nothing stands: without
+        replacing anything (``rename(2)`` after a look where the file system lacks
+        ``renameat2``). No judgment of what moves: the caller's."""
+        src, dst = self.path / name, self.path / to_name
+        try:
+            self._rename(name, self, to_name, "noreplace", src, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in NO_RENAMEAT2:
+                raise
+        if self.lstat(to_name) is not None:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        self._rename(name, self, to_name, "replace", src, dst)
 
     def unlink_judged(self, name: str, expected: tuple[int, int], aside: str) -> bool:
         """Remove the file ``name`` only while it is the very file ``expected`` (its device and
@@ -1843,6 +1905,7 @@ class Dir:
         :meth:`remove_tree`)."""
         top.records()  # read before anything goes
         marker = top.marker
+        record = d.lstat(MADE)
         kept: list[tuple[Path, str]] = []
         spared = {MADE} if marker is None else {MADE, marker}
         mark = None if marker is None else d.lstat(marker)
@@ -1860,9 +1923,23 @@ class Dir:
         # removed whole). When nothing stays, the record goes first and the mark last: a
         # removal stopped between leaves a marked tree holding nothing else, which the next
         # loader removes.
+        # Each only while it is the very file judged above (a file renamed to its name since is
+        # someone else's, and stays). The mark that goes last of all is removed by name after a
+        # last look: moved aside, it would leave (if stopped there) a tree no loader knows.
+        judged = {MADE: record, marker: mark}
         for entry in (marker, MADE) if kept else (MADE, marker):
-            if entry is not None and d.regular_size(entry) is not None:
+            seen = None if entry is None else judged[entry]
+            if seen is None or not stat.S_ISREG(seen.st_mode):
+                continue
+            if kept or entry == MADE:
+                if d._unlink_same(entry, seen, recorded=False) is False:
+                    kept.append((d.path / entry, "a file put there meanwhile"))
+                continue
+            now = d.lstat(entry)
+            if now is not None and (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
                 d._unlink_own(entry)
+            elif now is not None:
+                kept.append((d.path / entry, "a file put there meanwhile"))
         _forget_made(top)
         if not kept:
             kept = self._rmdir_opened(name, d)
@@ -1903,9 +1980,10 @@ class Dir:
             return []
         ours = self._made_by_loader(name, found)
         if stat.S_ISREG(found.st_mode) and ours:
-            if forget:
-                self._record(name, found, gone=True)
-            self._unlink_own(name)
+            if self.made is None:  # no record: any file of a tree the caller judged is its own
+                self._unlink_own(name)
+            elif self._unlink_same(name, found) is False:
+                return [(self.path / name, "a file put there meanwhile")]
             return []
         if not stat.S_ISDIR(found.st_mode):
             return [(self.path / name, kind_of(found.st_mode))]
