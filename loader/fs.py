@@ -1618,14 +1618,64 @@ class Dir:
         moved = self.lstat(name) if self.made is not None or to.made is not None else None
         if self.made is not None and moved is not None and not self._made_by_loader(name, moved):
             raise self.not_ours(name, "a file or directory the loader made (to move)")
+        there = None
         if how == "replace":  # the loader makes only files and directories: it replaces no other
             there = to.lstat(to_name)
             if there is not None and not to._made_by_loader(to_name, there):
                 raise to.not_ours(to_name, "a file or directory of the loader's (to replace)")
         if moved is not None and to.made is not None:
             self._record_moved(name, to.made[0], (*to.made[1], to_name), moved)
-        self._rename(name, to, to_name, how, src, dst)
+        if how == "replace" and to.made is not None and moved is not None:
+            self._replace_judged(name, to, to_name, moved, there)
+        else:
+            self._rename(name, to, to_name, how, src, dst)
         _trees_moved(src, dst, exchange=how == "exchange")
+
+    def _replace_judged(
+        self,
+        name: str,
+        to: Dir,
+        to_name: str,
+        moved: os.stat_result,
+        there: os.stat_result | None,
+    ) -> None:
+        """Rename ``name`` to ``to/to_name`` in a marked tree, replacing only what the look
+        found there (``there``: nothing, or the loader's own file): ``rename(2)`` would replace
+        whatever stands there by then (a user's file renamed to ``to_name`` after the look).
+        Where nothing was, nothing is replaced (something there since is refused, unless it is
+        the loader's own again); the loader's file is swapped out in one exchange and removed
+        only while it is that very file (anything else is swapped back and refused). A
+        directory, and a file system without ``renameat2``, are renamed as before."""
+        src, dst = self.path / name, to.path / to_name
+        for _ in range(3):  # (another loader's file may come and go meanwhile)
+            whole = stat.S_ISREG(moved.st_mode) and (there is None or stat.S_ISREG(there.st_mode))
+            try:
+                if not whole:
+                    break
+                if there is None:
+                    self._rename(name, to, to_name, "noreplace", src, dst)
+                    return
+                if self.made is not None:  # what comes back to ``name`` is the loader's there
+                    self._record(name, there)
+                self._rename(name, to, to_name, "exchange", src, dst)
+            except OSError as exc:
+                if exc.errno in NO_RENAMEAT2:
+                    break
+                gone = exc.errno == errno.ENOENT and not isinstance(exc, DirectoryRemovedError)
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not (there and gone):
+                    raise
+                there = to.lstat(to_name)  # came or went since the look: judged again
+                if there is not None and not to._made_by_loader(to_name, there):
+                    raise NameTakenError(dst, kind_of(there.st_mode)) from None
+                continue
+            back = self.lstat(name)
+            if back is not None and (back.st_dev, back.st_ino) == (there.st_dev, there.st_ino):
+                if self._unlink_same(name, back) is False:
+                    log.warning("kept %s: put there after the loader looked", src)
+                return
+            self._rename(name, to, to_name, "exchange", src, dst)  # the other's goes back
+            raise NameTakenError(dst, "a file put there after the loader looked")
+        self._rename(name, to, to_name, "replace", src, dst)
 
     def _record_moved(
         self, name: str, into: _Made, rel: tuple[str, ...], moved: os.stat_result

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loader import fs
+from loader.errors import NotOursError
 
 MARKER = fs.MARKER_PREFIX + "staging"
 MINE = "the user's\n"
@@ -117,3 +118,47 @@ def test_a_removal_stopped_after_moving_a_file_aside_leaves_it_the_loaders(tmp_p
     with fs.Dir.open(tree.parent) as parent:
         assert parent.remove_tree("t", marks=(MARKER,)) == []
     assert not tree.exists()
+
+
+@pytest.mark.parametrize("before", ["nothing", "the loaders file"])
+@pytest.mark.parametrize(
+    "at", ["stat", "open", "rename"], ids=["at-look", "after-look", "at-rename"]
+)
+def test_a_users_file_renamed_to_the_name_a_file_is_renamed_onto_is_never_replaced(
+    tmp_path, before, at
+):
+    """A file of the loader's renamed over a name (a finished download, an output written
+    under a temporary name): a user's file renamed to that name after the loader looked stays,
+    and the rename is refused naming it; the loader's file it meant to replace goes."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("partial", b"new")
+        if before != "nothing":
+            t.write("out", b"old")
+        looked = []
+
+        def hook(op: str, path: str) -> None:
+            if path.endswith("/out") and op == "stat":
+                looked.append(path)  # the loader's look at the name it renames onto
+            if looked and op.startswith(at) and (tmp_path / "users.txt").exists():
+                os.rename(tmp_path / "users.txt", tree / "out")
+
+        with fs.inject(hook), pytest.raises((FileExistsError, NotOursError)) as info:
+            t.rename("partial", t, "out", how="replace")
+    assert "out" in str(info.value)
+    assert (tree / "out").read_text() == MINE
+    assert (tree / "partial").read_bytes() == b"new"
+    assert {p.name for p in tree.iterdir()} == {"out", "partial", "a", "top.bin", fs.MADE, MARKER}
+
+
+def test_a_file_renamed_onto_the_loaders_own_replaces_it(tmp_path):
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("partial", b"new")
+        t.rename("partial", t, "top.bin", how="replace")
+        t.write("partial", b"newer")
+        t.rename("partial", t, "top.bin", how="replace")
+    assert (tree / "top.bin").read_bytes() == b"newer"
+    assert {p.name for p in tree.iterdir()} == {"a", "top.bin", fs.MADE, MARKER}
+    with fs.Dir.open(tree.parent) as parent:
+        assert parent.remove_tree("t", marks=(MARKER,)) == []
