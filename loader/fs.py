@@ -30,6 +30,12 @@ name at a time (:class:`Dir`):
   file, with that file's inode number again; an empty file or directory (nothing else) someone
   makes at a name whose create a loader killed in that instant left pending, before the next
   loader takes the name;
+* in a marked tree a file judged the loader's is removed or replaced only while it is the very
+  file judged, never by its name alone (someone may rename their own file to that name between
+  the look and the act): it is moved to a fresh recorded name first (:meth:`Dir._unlink_same`)
+  or swapped out in one exchange (:meth:`Dir._replace_judged`), and what moved is removed only
+  if it is that file; anything else goes back (the tree's last mark goes by name after a last
+  look: moved aside, a stop there would leave a tree no loader knows);
 * a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
   and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
   servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
