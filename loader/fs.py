@@ -30,6 +30,12 @@ name at a time (:class:`Dir`):
   file, with that file's inode number again; an empty file or directory (nothing else) someone
   makes at a name whose create a loader killed in that instant left pending, before the next
   loader takes the name;
+* in a marked tree a file judged the loader's is removed or replaced only while it is the very
+  file judged, never by its name alone (someone may rename their own file to that name between
+  the look and the act): it is moved to a fresh recorded name first (:meth:`Dir._unlink_same`)
+  or swapped out in one exchange (:meth:`Dir._replace_judged`), and what moved is removed only
+  if it is that file; anything else goes back (the tree's last mark goes by name after a last
+  look: moved aside, a stop there would leave a tree no loader knows);
 * a published key is replaced in one step, ``renameat2(RENAME_EXCHANGE)`` (:meth:`Dir.rename`),
   and created with ``RENAME_NOREPLACE``; where the file system lacks ``renameat2`` (some NFS
   servers answer EINVAL), :data:`NO_RENAMEAT2` says so and the caller falls back (see
@@ -1634,14 +1640,64 @@ class Dir:
         moved = self.lstat(name) if self.made is not None or to.made is not None else None
         if self.made is not None and moved is not None and not self._made_by_loader(name, moved):
             raise self.not_ours(name, "a file or directory the loader made (to move)")
+        there = None
         if how == "replace":  # the loader makes only files and directories: it replaces no other
             there = to.lstat(to_name)
             if there is not None and not to._made_by_loader(to_name, there):
                 raise to.not_ours(to_name, "a file or directory of the loader's (to replace)")
         if moved is not None and to.made is not None:
             self._record_moved(name, to.made[0], (*to.made[1], to_name), moved)
-        self._rename(name, to, to_name, how, src, dst)
+        if how == "replace" and to.made is not None and moved is not None:
+            self._replace_judged(name, to, to_name, moved, there)
+        else:
+            self._rename(name, to, to_name, how, src, dst)
         _trees_moved(src, dst, exchange=how == "exchange")
+
+    def _replace_judged(
+        self,
+        name: str,
+        to: Dir,
+        to_name: str,
+        moved: os.stat_result,
+        there: os.stat_result | None,
+    ) -> None:
+        """Rename ``name`` to ``to/to_name`` in a marked tree, replacing only what the look
+        found there (``there``: nothing, or the loader's own file): ``rename(2)`` would replace
+        whatever stands there by then (a user's file renamed to ``to_name`` after the look).
+        Where nothing was, nothing is replaced (something there since is refused, unless it is
+        the loader's own again); the loader's file is swapped out in one exchange and removed
+        only while it is that very file (anything else is swapped back and refused). A
+        directory, and a file system without ``renameat2``, are renamed as before."""
+        src, dst = self.path / name, to.path / to_name
+        for _ in range(3):  # (another loader's file may come and go meanwhile)
+            whole = stat.S_ISREG(moved.st_mode) and (there is None or stat.S_ISREG(there.st_mode))
+            try:
+                if not whole:
+                    break
+                if there is None:
+                    self._rename(name, to, to_name, "noreplace", src, dst)
+                    return
+                if self.made is not None:  # what comes back to ``name`` is the loader's there
+                    self._record(name, there)
+                self._rename(name, to, to_name, "exchange", src, dst)
+            except OSError as exc:
+                if exc.errno in NO_RENAMEAT2:
+                    break
+                gone = exc.errno == errno.ENOENT and not isinstance(exc, DirectoryRemovedError)
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) and not (there and gone):
+                    raise
+                there = to.lstat(to_name)  # came or went since the look: judged again
+                if there is not None and not to._made_by_loader(to_name, there):
+                    raise NameTakenError(dst, kind_of(there.st_mode)) from None
+                continue
+            back = self.lstat(name)
+            if back is not None and (back.st_dev, back.st_ino) == (there.st_dev, there.st_ino):
+                if self._unlink_same(name, back) is False:
+                    log.warning("kept %s: put there after the loader looked", src)
+                return
+            self._rename(name, to, to_name, "exchange", src, dst)  # the other's goes back
+            raise NameTakenError(dst, "a file put there after the loader looked")
+        self._rename(name, to, to_name, "replace", src, dst)
 
     def _record_moved(
         self, name: str, into: _Made, rel: tuple[str, ...], moved: os.stat_result
@@ -1713,8 +1769,16 @@ class Dir:
                 kind_of(found.st_mode),
             )
             return
-        if found is not None:
-            self._record(name, found, gone=True)
+        if found is not None and self.made is not None:  # judged by its inode: only that file
+            removed = self._unlink_same(name, found)
+            if removed is None and not missing_ok:
+                raise FileNotFoundError(
+                    errno.ENOENT, os.strerror(errno.ENOENT), str(self.path / name)
+                )
+            if removed is False:
+                log.warning("kept %s: put there after the loader looked, so someone else's",
+                            self.path / name)  # fmt: skip
+            return
         _seam("unlink", self.path / name)
         try:
             os.unlink(_component(name), dir_fd=self.fd)
@@ -1723,6 +1787,60 @@ class Dir:
                 raise self._failed(exc, self.path / name) from None
         except OSError as exc:
             raise _named(exc, self.path / name) from None
+
+    def _unlink_same(
+        self, name: str, found: os.stat_result, *, recorded: bool = True
+    ) -> bool | None:
+        """Remove the regular file ``name`` only while it is the very file ``found`` (its
+        ``lstat`` when the loader judged it its own) names: a removal by name would take
+        whatever stands there by then (a user's file renamed to ``name`` after the look). It
+        is moved to a fresh name of this directory in one rename and removed there only if what
+        moved is that file; anything else goes back to ``name`` untouched (left at the fresh
+        name, with a warning, when something new is at ``name`` by then). In a marked tree (with
+        ``recorded``) the fresh name is recorded as the loader's file before the rename, and
+        ``name`` as gone: a loader stopped in between leaves a file the next one removes.
+        True when the file was removed; False when something else was at ``name``; None when
+        nothing was."""
+        aside = f".{MARKER_PREFIX[1:]}gone.{owner()}.{secrets.token_hex(6)}"
+        if recorded:
+            self._record(aside, found)
+            self._record(name, found, gone=True)
+        try:
+            self._rename_fresh(name, aside)
+        except FileNotFoundError as exc:
+            if isinstance(exc, DirectoryRemovedError):
+                raise
+            return None  # removed meanwhile: nothing left to remove
+        now = self.lstat(aside)
+        if now is None:
+            return None
+        if (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino) and stat.S_ISREG(now.st_mode):
+            if recorded:
+                self._record(aside, now, gone=True)
+            self._unlink_own(aside)
+            return True
+        try:
+            self._rename_fresh(aside, name)
+        except OSError as exc:
+            log.warning("%s was replaced after the loader looked at it, and could not be put "
+                        "back (%s): left at %s", self.path / name, exc.strerror or exc,
+                        self.path / aside)  # fmt: skip
+        return False
+
+    def _rename_fresh(self, name: str, to_name: str) -> None:
+        """Rename ``name`` to ``to_name`` of this directory, where nothing stands: without
+        replacing anything (``rename(2)`` after a look where the file system lacks
+        ``renameat2``). No judgment of what moves: the caller's."""
+        src, dst = self.path / name, self.path / to_name
+        try:
+            self._rename(name, self, to_name, "noreplace", src, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in NO_RENAMEAT2:
+                raise
+        if self.lstat(to_name) is not None:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        self._rename(name, self, to_name, "replace", src, dst)
 
     def unlink_judged(self, name: str, expected: tuple[int, int], aside: str) -> bool:
         """Remove the file ``name`` only while it is the very file ``expected`` (its device and
@@ -1859,6 +1977,7 @@ class Dir:
         :meth:`remove_tree`)."""
         top.records()  # read before anything goes
         marker = top.marker
+        record = d.lstat(MADE)
         kept: list[tuple[Path, str]] = []
         spared = {MADE} if marker is None else {MADE, marker}
         mark = None if marker is None else d.lstat(marker)
@@ -1876,9 +1995,23 @@ class Dir:
         # removed whole). When nothing stays, the record goes first and the mark last: a
         # removal stopped between leaves a marked tree holding nothing else, which the next
         # loader removes.
+        # Each only while it is the very file judged above (a file renamed to its name since is
+        # someone else's, and stays). The mark that goes last of all is removed by name after a
+        # last look: moved aside, it would leave (if stopped there) a tree no loader knows.
+        judged = {MADE: record, marker: mark}
         for entry in (marker, MADE) if kept else (MADE, marker):
-            if entry is not None and d.regular_size(entry) is not None:
+            seen = None if entry is None else judged[entry]
+            if seen is None or not stat.S_ISREG(seen.st_mode):
+                continue
+            if kept or entry == MADE:
+                if d._unlink_same(entry, seen, recorded=False) is False:
+                    kept.append((d.path / entry, "a file put there meanwhile"))
+                continue
+            now = d.lstat(entry)
+            if now is not None and (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
                 d._unlink_own(entry)
+            elif now is not None:
+                kept.append((d.path / entry, "a file put there meanwhile"))
         _forget_made(top)
         if not kept:
             kept = self._rmdir_opened(name, d)
@@ -1919,9 +2052,10 @@ class Dir:
             return []
         ours = self._made_by_loader(name, found)
         if stat.S_ISREG(found.st_mode) and ours:
-            if forget:
-                self._record(name, found, gone=True)
-            self._unlink_own(name)
+            if self.made is None:  # no record: any file of a tree the caller judged is its own
+                self._unlink_own(name)
+            elif self._unlink_same(name, found) is False:
+                return [(self.path / name, "a file put there meanwhile")]
             return []
         if not stat.S_ISDIR(found.st_mode):
             return [(self.path / name, kind_of(found.st_mode))]

@@ -16,7 +16,14 @@ from loader import fs
 from loader.cli import main
 from loader.errors import NotOursError
 from loader.repository.key import key_filename
-from loader.repository.lock import LOCKS_DIR, PublishLock, lock_path
+from loader.repository.lock import (
+    LOCKS_DIR,
+    RECORD_FIELDS,
+    RECORD_START,
+    PublishLock,
+    lock_like,
+    lock_path,
+)
 from loader.repository.prune import lock_live, prune
 
 KEY = "m@r/tp1-pp1-i1-abcdef01"
@@ -137,7 +144,17 @@ def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_
 
 
 @pytest.mark.parametrize(
-    "content", [b"a user's notes at the lock's name\n", b"#!/bin/sh\n", b"{" + b" " * 2**17]
+    "content",
+    [
+        b"a user's notes at the lock's name\n",
+        b"#!/bin/sh\n",
+        b"{" + b" " * 2**17,
+        # JSON objects of the user's: no loader's record begins other than with its key
+        b'{"name": "my-app", "files": []}\n',
+        b"{}",
+        b'{"key"}',
+        b'{"pid": 1, "host": "gone", "notes": "mine"}',
+    ],
 )
 def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
     """A file at the lock's path that holds no lock record is no lock of a loader (however
@@ -154,6 +171,13 @@ def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
     assert sorted(os.listdir(path.parent)) == [path.name]
     # prune leaves the key alone: what holds its lock's name is not a lock it may judge
     assert lock_live(tmp_path, key_filename(KEY), expiry_s=0.2)
+
+
+def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path):
+    with PublishLock(tmp_path, KEY, expiry_s=5) as lock:
+        record = lock.path.read_bytes()
+    assert record.startswith(RECORD_START) and set(json.loads(record)) == RECORD_FIELDS
+    assert all(lock_like(record[:n]) for n in range(len(record) + 1))
 
 
 @pytest.mark.parametrize(

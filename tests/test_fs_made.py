@@ -192,6 +192,20 @@ def _stop_at(op: str, suffix: str, nth: int = 1):
     return hook
 
 
+def _stop_moving(source: str, *, after: bool = False):
+    """A hook stopping the loader at the first rename whose source ends ``source`` (a path
+    and `` -> ``), or (``after``) at the next call after it: every call from there fails."""
+    seen: list[str] = []
+
+    def hook(called: str, path: str) -> None:
+        if seen or (called.startswith("rename") and source in path):
+            seen.append(path)
+            if len(seen) > after:
+                raise Stopped(path)
+
+    return hook
+
+
 def _fresh_process() -> None:
     """Forget the records this process keeps open (the next loader reads them anew)."""
     fs._made_trees.clear()
@@ -255,9 +269,11 @@ def test_what_a_loader_stopped_before_removing_it_left_is_its_own(tmp_path, how)
     tree = _tree(tmp_path)
     with fs.Dir.open(tree) as t:
         t.mkdir("empty")
-    op, name = {"unlink": ("unlink", "top.bin"), "rmdir": ("rmdir", "empty"),
-                "subtree": ("unlink", "w.bin")}[how]  # fmt: skip
-    with fs.Dir.open(tree) as t, fs.inject(_stop_at(op, f"/{name}")), pytest.raises(Stopped):
+    # (a file is moved aside first: removed only while it is the very file judged)
+    op, name = {"unlink": ("rename-noreplace", "top.bin"), "rmdir": ("rmdir", "empty"),
+                "subtree": ("rename-noreplace", "w.bin")}[how]  # fmt: skip
+    hook = _stop_at(op, f"/{name}") if op == "rmdir" else _stop_moving(f"/{name} -> ")
+    with fs.Dir.open(tree) as t, fs.inject(hook), pytest.raises(Stopped):
         if how == "unlink":
             t.unlink("top.bin")
         elif how == "rmdir":

@@ -147,8 +147,15 @@ def test_a_file_at_a_lock_path_larger_than_any_lock_record_is_never_taken_over(t
 
 
 def _unlinks(calls: list[tuple[str, str]], tree: Path) -> list[str]:
-    """The names at the top of ``tree`` unlinked, in order."""
-    return [Path(path).name for op, path in calls if op == "unlink" and Path(path).parent == tree]
+    """The names at the top of ``tree`` unlinked, in order (a file moved aside to be removed
+    goes from its name when it is moved)."""
+    gone = []
+    for op, path in calls:
+        src = Path(path.split(" -> ")[0])
+        aside = " -> " in path and Path(path.split(" -> ")[1]).name.startswith(fs.MARKER_PREFIX)
+        if src.parent == tree and (op == "unlink" or (op.startswith("rename") and aside)):
+            gone.append(src.name)
+    return [n for n in gone if not n.startswith(fs.MARKER_PREFIX + "gone.")]
 
 
 def test_a_tree_without_a_record_loses_its_marker_last(tmp_path):

@@ -133,7 +133,7 @@ class PublishLock:
 
     def _content(self) -> bytes:
         record = {
-            "key": self.key,
+            "key": self.key,  # first: how a loader's record is told (RECORD_START)
             "pid": os.getpid(),
             "host": self.host,
             "pid_space": pid_space(),
@@ -405,9 +405,26 @@ def lock_like(content: bytes) -> bool:
     """Whether ``content`` may be what a loader left in its lock file: the JSON object it
     writes (perhaps with the tail of a longer earlier record, a rewrite stopped between its
     write and its truncation), nothing yet (stopped between the create and the first write),
-    or zeros (a crash before the write reached the disk). Anything else at a lock's name is
-    someone else's file: never judged stale, moved or removed."""
-    return content.startswith(b"{") or not content.strip(b"\0")
+    or zeros (a crash before the write reached the disk). Every record a loader writes begins
+    with its key (:data:`RECORD_START`): a record cut short is a beginning of that, a whole one
+    starts with it; a whole JSON object naming only fields of a record (:data:`RECORD_FIELDS`)
+    is one too, in any order. Anything else at a lock's name (any other JSON object among it: a
+    user's settings, notes) is someone else's file: never judged stale, moved or removed."""
+    if not content.strip(b"\0"):
+        return True
+    if content.startswith(RECORD_START) or RECORD_START.startswith(content):
+        return True
+    record = _parse(content)
+    return bool(record) and set(record) <= RECORD_FIELDS
+
+
+#: How every lock record begins (:meth:`PublishLock._content`: ``json.dumps`` of a dict whose
+#: first entry is the key, as since the first lock record).
+RECORD_START = b'{"key": '
+#: The fields a lock record has (:meth:`PublishLock._content`).
+RECORD_FIELDS = frozenset(
+    {"key", "pid", "host", "pid_space", "token", "beats", "heartbeat_at", "expiry_s"}
+)
 
 
 def _parse(content: bytes | None) -> dict | None:

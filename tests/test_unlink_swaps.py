@@ -1,0 +1,164 @@
+"""A file the loader judged its own in a marked tree is removed only while it is that very
+file: a user's file renamed to its name after the look (at any call up to the removal) stays,
+whatever else of the tree goes. (Not covered: the tree's last mark, removed by name right after
+a last look, and the fresh name a file is moved to.) A removal stopped after the file moved aside leaves a file the
+next loader still knows as its own."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from loader import fs
+from loader.errors import NotOursError
+
+MARKER = fs.MARKER_PREFIX + "staging"
+MINE = "the user's\n"
+
+
+@pytest.fixture(autouse=True)
+def _confined(tmp_path):
+    with fs.confined(tmp_path):
+        yield
+
+
+def _tree(base: Path) -> Path:
+    """``base/staging/t``: a marked tree the loader filled, and a user's file beside it."""
+    with fs.Dir.open(base / "staging", create=True) as parent:
+        assert parent.make_marked("t", MARKER, "m@r/v")
+        with parent.sub("t") as t:
+            t.write("top.bin", b"top")
+            with t.makedirs(("a",)) as a:
+                a.write("w.bin", b"w")
+    (base / "users.txt").write_text(MINE)
+    return base / "staging" / "t"
+
+
+def _names(tree: Path) -> set[Path]:
+    return {p for p in tree.rglob("*") if p.is_file()}
+
+
+def _kept_anywhere(base: Path) -> bool:
+    return any(p.is_file() and p.read_text() == MINE for p in base.rglob("*"))
+
+
+class _RenameOver:
+    """At the ``step``-th call of the seam, if it names a file the tree held before the
+    removal began, rename the user's file onto it (as someone may at any moment)."""
+
+    def __init__(self, base: Path, step: int, names: set[Path]) -> None:
+        self.base, self.step, self.names, self.calls = base, step, names, 0
+        self.at: Path | None = None
+
+    def __call__(self, op: str, path: str) -> None:
+        self.calls += 1
+        if self.calls - 1 != self.step or self.at is not None:
+            return
+        target = Path(path.split(" -> ")[0])
+        if op == "unlink" and target.name == MARKER:
+            return  # the tree's last mark goes by name right after a last look (see fs)
+        if target in self.names and target.is_file():
+            os.rename(self.base / "users.txt", target)
+            self.at = target
+
+
+def _remove_tree(base: Path) -> None:
+    with fs.Dir.open(base / "staging") as parent:
+        parent.remove_tree("t", marks=(MARKER,))
+
+
+def _unlink(base: Path) -> None:
+    with fs.Dir.open(base / "staging" / "t") as t:
+        t.unlink("top.bin", missing_ok=True)
+        with t.sub("a") as a:
+            a.unlink("w.bin", missing_ok=True)
+
+
+@pytest.mark.parametrize("remove", [_remove_tree, _unlink], ids=["remove_tree", "unlink"])
+def test_a_users_file_renamed_onto_a_judged_files_name_at_any_step_stays(tmp_path, remove):
+    counted: list[str] = []
+    _tree(tmp_path / "count")
+    with fs.inject(lambda op, path: counted.append(op)):
+        remove(tmp_path / "count")
+    met = 0
+    for step in range(len(counted)):
+        base = tmp_path / f"at-{step}"
+        tree = _tree(base)
+        hook = _RenameOver(base, step, _names(tree) - {tree / fs.MADE})
+        with fs.inject(hook):
+            remove(base)
+        if hook.at is None:
+            continue
+        met += 1
+        assert _kept_anywhere(base), f"the user's file renamed to {hook.at} at call {step} went"
+        assert hook.at.read_text() == MINE, f"not put back at {hook.at} (call {step})"
+    assert met >= 4, met
+
+
+class Stopped(BaseException):
+    """The loader stopped at a call (as a kill would: nothing after it runs)."""
+
+
+def test_a_removal_stopped_after_moving_a_file_aside_leaves_it_the_loaders(tmp_path):
+    tree = _tree(tmp_path)
+    moved: list[str] = []
+
+    def hook(op: str, path: str) -> None:
+        if moved or (op.startswith("rename") and "/top.bin -> " in path):
+            moved.append(path)
+            if len(moved) > 1:  # the file is aside now: stopped before it is removed
+                raise Stopped(path)
+
+    with fs.Dir.open(tree) as t, fs.inject(hook), pytest.raises(Stopped):
+        t.unlink("top.bin")
+    assert not (tree / "top.bin").exists() and len(_names(tree)) == 4  # aside, w, record, mark
+    fs._made_trees.clear()  # the next loader reads the record anew
+    with fs.Dir.open(tree.parent) as parent:
+        assert parent.remove_tree("t", marks=(MARKER,)) == []
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("before", ["nothing", "the loaders file"])
+@pytest.mark.parametrize(
+    "at", ["stat", "open", "rename"], ids=["at-look", "after-look", "at-rename"]
+)
+def test_a_users_file_renamed_to_the_name_a_file_is_renamed_onto_is_never_replaced(
+    tmp_path, before, at
+):
+    """A file of the loader's renamed over a name (a finished download, an output written
+    under a temporary name): a user's file renamed to that name after the loader looked stays,
+    and the rename is refused naming it; the loader's file it meant to replace goes."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("partial", b"new")
+        if before != "nothing":
+            t.write("out", b"old")
+        looked = []
+
+        def hook(op: str, path: str) -> None:
+            if path.endswith("/out") and op == "stat":
+                looked.append(path)  # the loader's look at the name it renames onto
+            if looked and op.startswith(at) and (tmp_path / "users.txt").exists():
+                os.rename(tmp_path / "users.txt", tree / "out")
+
+        with fs.inject(hook), pytest.raises((FileExistsError, NotOursError)) as info:
+            t.rename("partial", t, "out", how="replace")
+    assert "out" in str(info.value)
+    assert (tree / "out").read_text() == MINE
+    assert (tree / "partial").read_bytes() == b"new"
+    assert {p.name for p in tree.iterdir()} == {"out", "partial", "a", "top.bin", fs.MADE, MARKER}
+
+
+def test_a_file_renamed_onto_the_loaders_own_replaces_it(tmp_path):
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("partial", b"new")
+        t.rename("partial", t, "top.bin", how="replace")
+        t.write("partial", b"newer")
+        t.rename("partial", t, "top.bin", how="replace")
+    assert (tree / "top.bin").read_bytes() == b"newer"
+    assert {p.name for p in tree.iterdir()} == {"a", "top.bin", fs.MADE, MARKER}
+    with fs.Dir.open(tree.parent) as parent:
+        assert parent.remove_tree("t", marks=(MARKER,)) == []
