@@ -17,7 +17,8 @@ itself, no server, nothing slow).
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
   again, since it looked, or a user's directory put in its place; a file named like a moved
   lock that holds no lock record stays; a download directory's marker is the loader's only
-  at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a user's file at a
+  at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a leftover it removes is
+  judged the key's once more as it is removed; a user's file at a
   key's lock path keeps the key and stops nothing;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
   fits without its download suffix among them; a path below DEST with a ``..`` or a file on
@@ -681,3 +682,23 @@ def test_a_tensor_spanning_other_than_its_dtype_and_shape_take_is_refused_at_ope
     )
     with pytest.raises(CheckpointError, match="tensor w spans 4 bytes, not 8"):
         open_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("marker", [None, fs.MARKER_PREFIX + "download"], ids=["staging", "work"])
+def test_prune_removes_only_a_tree_it_judges_the_keys_as_it_removes_it(tmp_path, marker):
+    """What prune rechecked under the key's lock is judged once more on the descriptor it
+    removes: a directory renamed to that name in between, a user's copy of another key's tree
+    (its marker or manifest naming that key), stays whole."""
+    from loader.repository import manifest, publish
+    from loader.repository.prune import _remover
+
+    root = tmp_path / "models"
+    directory = publish.STAGING_DIR if marker is None else publish.WORK_DIR
+    tree = root / directory / "copy"
+    tree.mkdir(parents=True)
+    (tree / (marker or publish.STAGING_MARKER)).write_text(NEW + "\n")
+    (tree / manifest.MANIFEST).write_text(json.dumps({"key": NEW, "files": []}))
+    (tree / "notes.txt").write_text("mine\n")
+    outcome = _remover(root, directory, "copy", OLD, marker)()
+    assert outcome == f"{directory}/copy is not the loader's"
+    assert (tree / "notes.txt").read_text() == "mine\n"
