@@ -297,6 +297,29 @@ def test_chmod_in_a_marked_tree_never_changes_a_users_file(tmp_path):
     assert (tree / "ours.bin").stat().st_mode & 0o777 == 0o644
 
 
+def test_chmod_never_follows_a_link_swapped_in_after_its_look(tmp_path):
+    """A file of the loader's that someone replaces with a link to their own file between
+    ``Dir.chmod``'s look at it and the change (sealing a staged tree): the link is skipped,
+    the file it names keeps its mode."""
+    tree = _tree(tmp_path)
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("mine\n")
+    os.chmod(theirs, 0o600)
+    with fs.Dir.open(tree) as t:
+        t.write("ours.bin", b"x")
+        os.chmod(tree / "ours.bin", 0o600)
+
+        def swap(op: str, path: str) -> None:
+            if op == "chmod" and path.endswith("/ours.bin"):
+                os.unlink(path)
+                os.symlink(theirs, path)
+
+        with fs.inject(swap):
+            t.chmod("ours.bin", 0o644)
+    assert theirs.stat().st_mode & 0o777 == 0o600
+    assert (tree / "ours.bin").is_symlink()
+
+
 # --- the publish lock ------------------------------------------------------------------------
 
 
