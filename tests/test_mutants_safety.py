@@ -323,6 +323,21 @@ def test_chmod_never_follows_a_link_swapped_in_after_its_look(tmp_path):
 # --- the publish lock ------------------------------------------------------------------------
 
 
+def test_a_lock_records_pid_means_a_process_here_only_in_this_pid_space():
+    """A record naming this host and a pid of another pid space (another container's pid
+    namespace, an earlier boot) names no process this loader can see: judged by its expiry,
+    never by whether that pid is alive here (this very process's pid is)."""
+    import socket
+
+    from loader.repository.lock import local_pid
+
+    here = {"host": socket.gethostname(), "pid": os.getpid()}
+    assert local_pid({**here, "pid_space": fs.pid_space()}) == os.getpid()
+    assert local_pid(here) == os.getpid()  # written by a loader that kept no pid space
+    assert local_pid({**here, "pid_space": "another-boot:pid:[4026531836]"}) is None
+    assert local_pid({**here, "host": "another-host", "pid_space": fs.pid_space()}) is None
+
+
 def test_a_holder_that_saw_its_lock_taken_over_stays_lost_when_the_file_comes_back(tmp_path):
     """A holder's heartbeat that finds its lock file no longer at the lock's path (taken over:
     another loader may have held the key and published meanwhile) marks the lock lost for
