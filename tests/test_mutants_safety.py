@@ -487,6 +487,25 @@ def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(t
     assert [r.path for r in report.removed] == [moved] and not moved.exists()
 
 
+def test_prune_leaves_a_users_copy_of_a_lock_record_not_named_as_a_take_over_names_it(tmp_path):
+    """A take-over names the lock it moves aside ``<lock>.stale-<16 hex digits>``: a user's
+    copy of a lock record in ``.locks`` under another name of that kind (a word, a suffix
+    after the digits) is the user's, whatever it holds."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    record = json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16})
+    theirs = [locks / "m@r1~v.lock.stale-copy", locks / "m@r1~v.lock.stale-fedcba9876543210.bak",
+              locks / "m@r1~v.lock.stale-FEDCBA9876543210"]  # fmt: skip
+    for path in theirs:
+        path.write_text(record)
+    report = prune(root)
+    assert [path.read_text() for path in theirs] == [record] * len(theirs)
+    assert report.removed == []
+
+
 def test_prune_keeps_a_users_directory_put_where_a_staging_directory_was(tmp_path):
     """A staging directory prune judged a leftover, replaced before prune holds the key's lock
     by a user's old directory of that name (no marker, no record): it is the user's, and
