@@ -474,9 +474,13 @@ def test_a_compressed_tensor_record_is_refused(tmp_path):
         TorchFile(path)
 
 
-def test_a_record_whose_directory_entry_claims_more_bytes_than_it_holds_is_refused(tmp_path):
-    """The central directory says 4000 bytes for a record of 8, the next record right after
-    them: the size is held to where what follows starts (before, torch.load viewed 4000)."""
+@pytest.mark.parametrize("claimed", [4000, 9])
+def test_a_record_whose_directory_entry_claims_more_bytes_than_it_holds_is_refused(
+    tmp_path, claimed
+):
+    """The central directory says 4000 bytes (or 9: one byte into the next record's header)
+    for a record of 8, the next record right after them: the size is held to where what
+    follows starts (before, torch.load viewed 4000)."""
     import struct
 
     from loader.checkpoint import TorchFile
@@ -491,11 +495,11 @@ def test_a_record_whose_directory_entry_claims_more_bytes_than_it_holds_is_refus
     while True:
         name_len = struct.unpack_from("<H", raw, at + 28)[0]
         if raw[at + 46 : at + 46 + name_len] == b"archive/data/0":
-            struct.pack_into("<II", raw, at + 20, 4000, 4000)  # compressed, uncompressed size
+            struct.pack_into("<II", raw, at + 20, claimed, claimed)  # compressed, uncompressed
             break
         at = raw.index(b"PK\x01\x02", at + 4)
     path.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match="says it holds 4000 bytes, but what follows"):
+    with pytest.raises(CheckpointError, match=f"says it holds {claimed} bytes, but what follows"):
         TorchFile(path)
 
 

@@ -409,6 +409,39 @@ def test_a_nan_or_infinity_in_the_source_is_refused_naming_its_tensor(
         assert ((tensor,), True) in spans  # its bytes were on their way to the kernel copy
 
 
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("value", [INF, -INF, NAN])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_2_byte_weight_that_is_not_finite_is_found_in_any_row_of_a_large_tensor(
+    kind, value, where
+):
+    """The check of 2-byte floats looks at a few rows at a time: an infinity (every exponent
+    bit set, no mantissa bit: the smallest such pattern) or a NaN is found in the first row
+    and in the last one of a tensor many steps long, and the largest finite weights, of
+    either sign, are no such weight."""
+    import numpy as np
+    import torch
+
+    from loader.convert import writer
+
+    rows, cols = 4 * writer._CHECK_ELEMENTS // 1024 + 3, 1024
+    dtype = torch.float16 if kind == "fp16" else torch.bfloat16
+    top = float(torch.finfo(dtype).max)
+    tensor = torch.full((rows, cols), top, dtype=dtype)
+    tensor[1::2] = -top
+    values = tensor.view(torch.int16).numpy().view(np.uint16)
+    if kind == "fp16":
+        values = values.view(np.float16)
+    source = kind if kind == "bf16" else None
+    assert not writer._any_not_finite(values, source)
+    tensor[0 if where == "first" else -1, -1] = value
+    values = tensor.view(torch.int16).numpy().view(np.uint16)
+    if kind == "fp16":
+        values = values.view(np.float16)
+    assert writer._any_not_finite(values, source)
+    assert writer._any_not_finite(values.reshape(rows * 2, cols // 2), source)
+
+
 def test_run_refuses_a_nan_in_the_source_before_publishing(
     tiny_checkpoint_with_tokenizer, tmp_path, capsys
 ):

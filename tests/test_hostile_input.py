@@ -674,18 +674,20 @@ _INSERTED = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("inserted", [100000, 320], ids=["far", "first-past-the-end"])
 @pytest.mark.parametrize("where", sorted(_INSERTED))
 def test_a_tokenizer_that_inserts_an_id_beyond_the_vocabulary_is_refused(
-    source, tmp_path, capsys, where
+    source, tmp_path, capsys, where, inserted
 ):
     """Before: only the vocabulary's ids were compared with vocab_size; a tokenizer.json whose
     post-processor (or padding) inserts id 100000 into every encoding was published, and the
     preprocessing model sent that id to FasterTransformer's embedding lookup, past the end of
-    its table of 320 rows."""
+    its table of 320 rows (id 320 is the first row past it)."""
     path = source / "tokenizer.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **_INSERTED[where]}))
+    added = json.loads(json.dumps(_INSERTED[where]).replace("100000", str(inserted)))
+    path.write_text(json.dumps({**json.loads(path.read_text()), **added}))
     code, _, err = cli(capsys, *_run_args(source, tmp_path / "root"))
-    _user_error(code, err, "produces ids up to 100000", "vocab_size 320")
+    _user_error(code, err, f"produces ids up to {inserted}", "vocab_size 320")
     assert not list((tmp_path / "root").glob("tiny@*/*"))
 
 

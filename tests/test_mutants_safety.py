@@ -17,7 +17,8 @@ itself, no server, nothing slow).
   judges, and keeps a key whose manifest changed, or a staging directory the loader wrote to
   again, since it looked, or a user's directory put in its place; a file named like a moved
   lock that holds no lock record stays; a download directory's marker is the loader's only
-  at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a user's file at a
+  at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a leftover it removes is
+  judged the key's once more as it is removed; a user's file at a
   key's lock path keeps the key and stops nothing;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
   fits without its download suffix among them; a path below DEST with a ``..`` or a file on
@@ -303,7 +304,45 @@ def test_chmod_in_a_marked_tree_never_changes_a_users_file(tmp_path):
     assert (tree / "ours.bin").stat().st_mode & 0o777 == 0o644
 
 
+def test_chmod_never_follows_a_link_swapped_in_after_its_look(tmp_path):
+    """A file of the loader's that someone replaces with a link to their own file between
+    ``Dir.chmod``'s look at it and the change (sealing a staged tree): the link is skipped,
+    the file it names keeps its mode."""
+    tree = _tree(tmp_path)
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("mine\n")
+    os.chmod(theirs, 0o600)
+    with fs.Dir.open(tree) as t:
+        t.write("ours.bin", b"x")
+        os.chmod(tree / "ours.bin", 0o600)
+
+        def swap(op: str, path: str) -> None:
+            if op == "chmod" and path.endswith("/ours.bin"):
+                os.unlink(path)
+                os.symlink(theirs, path)
+
+        with fs.inject(swap):
+            t.chmod("ours.bin", 0o644)
+    assert theirs.stat().st_mode & 0o777 == 0o600
+    assert (tree / "ours.bin").is_symlink()
+
+
 # --- the publish lock ------------------------------------------------------------------------
+
+
+def test_a_lock_records_pid_means_a_process_here_only_in_this_pid_space():
+    """A record naming this host and a pid of another pid space (another container's pid
+    namespace, an earlier boot) names no process this loader can see: judged by its expiry,
+    never by whether that pid is alive here (this very process's pid is)."""
+    import socket
+
+    from loader.repository.lock import local_pid
+
+    here = {"host": socket.gethostname(), "pid": os.getpid()}
+    assert local_pid({**here, "pid_space": fs.pid_space()}) == os.getpid()
+    assert local_pid(here) == os.getpid()  # written by a loader that kept no pid space
+    assert local_pid({**here, "pid_space": "another-boot:pid:[4026531836]"}) is None
+    assert local_pid({**here, "host": "another-host", "pid_space": fs.pid_space()}) is None
 
 
 def test_a_holder_that_saw_its_lock_taken_over_stays_lost_when_the_file_comes_back(tmp_path):
@@ -453,6 +492,25 @@ def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(t
     report = prune(root)
     assert theirs.read_text() == "a user's notes\n"
     assert [r.path for r in report.removed] == [moved] and not moved.exists()
+
+
+def test_prune_leaves_a_users_copy_of_a_lock_record_not_named_as_a_take_over_names_it(tmp_path):
+    """A take-over names the lock it moves aside ``<lock>.stale-<16 hex digits>``: a user's
+    copy of a lock record in ``.locks`` under another name of that kind (a word, a suffix
+    after the digits) is the user's, whatever it holds."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    record = json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16})
+    theirs = [locks / "m@r1~v.lock.stale-copy", locks / "m@r1~v.lock.stale-fedcba9876543210.bak",
+              locks / "m@r1~v.lock.stale-FEDCBA9876543210"]  # fmt: skip
+    for path in theirs:
+        path.write_text(record)
+    report = prune(root)
+    assert [path.read_text() for path in theirs] == [record] * len(theirs)
+    assert report.removed == []
 
 
 def test_prune_keeps_a_users_directory_put_where_a_staging_directory_was(tmp_path):
@@ -688,3 +746,23 @@ def test_a_tensor_spanning_other_than_its_dtype_and_shape_take_is_refused_at_ope
     )
     with pytest.raises(CheckpointError, match="tensor w spans 4 bytes, not 8"):
         open_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("marker", [None, fs.MARKER_PREFIX + "download"], ids=["staging", "work"])
+def test_prune_removes_only_a_tree_it_judges_the_keys_as_it_removes_it(tmp_path, marker):
+    """What prune rechecked under the key's lock is judged once more on the descriptor it
+    removes: a directory renamed to that name in between, a user's copy of another key's tree
+    (its marker or manifest naming that key), stays whole."""
+    from loader.repository import manifest, publish
+    from loader.repository.prune import _remover
+
+    root = tmp_path / "models"
+    directory = publish.STAGING_DIR if marker is None else publish.WORK_DIR
+    tree = root / directory / "copy"
+    tree.mkdir(parents=True)
+    (tree / (marker or publish.STAGING_MARKER)).write_text(NEW + "\n")
+    (tree / manifest.MANIFEST).write_text(json.dumps({"key": NEW, "files": []}))
+    (tree / "notes.txt").write_text("mine\n")
+    outcome = _remover(root, directory, "copy", OLD, marker)()
+    assert outcome == f"{directory}/copy is not the loader's"
+    assert (tree / "notes.txt").read_text() == "mine\n"

@@ -242,6 +242,38 @@ def test_a_release_whose_move_aside_fails_still_removes_its_own_lock(tmp_path: P
         pass
 
 
+def test_a_release_whose_move_aside_fails_keeps_a_lock_taken_over_meanwhile(tmp_path: Path):
+    """The rename that moves the lock aside fails (EIO) just as a waiter, which judged this
+    stalled holder's lock stale, takes it over: the removal by name that follows leaves the
+    waiter's lock file, which no longer names this holder."""
+    import errno
+
+    from loader import fs
+
+    holder = PublishLock(tmp_path, KEY, expiry_s=60, heartbeat_s=0.05).acquire()
+    path = lock_path(tmp_path, KEY)
+    taken: list[PublishLock] = []
+
+    def take_over_and_refuse(op: str, where: str) -> None:
+        if taken or not op.startswith("rename") or not where.startswith(str(path)):
+            return
+        taken.append(None)  # type: ignore[arg-type]  (re-entered below: once)
+        os.rename(path, tmp_path / "moved")  # what a waiter does with a lock it judged stale
+        os.unlink(tmp_path / "moved")
+        taken[0] = PublishLock(tmp_path, KEY, expiry_s=60, timeout_s=0).acquire()
+        raise OSError(errno.EIO, os.strerror(errno.EIO), where)
+
+    with fs.inject(take_over_and_refuse):
+        holder.release()
+    (waiter,) = taken
+    try:
+        assert path.is_file() and waiter.held()
+        assert json.loads(path.read_text())["token"] == waiter.token
+    finally:
+        waiter.release()
+    assert not path.exists()
+
+
 def test_a_take_over_whose_moved_lock_prune_removed_meanwhile_goes_on(tmp_path: Path):
     """A waiter moved a lock it judged stale aside, found it changed since (a late beat of its
     holder) and puts it back; prune removed it meanwhile as a moved-away lock: nothing is left

@@ -78,6 +78,52 @@ def test_a_users_directory_renamed_to_the_trees_name_at_any_step_stays_whole(
         assert (tree / "sub" / "data.csv").read_text() == "1,2\n", step
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "marker-only"])
+def test_a_users_empty_directory_renamed_to_the_trees_name_at_any_step_stays(
+    tmp_path: Path, recorded: bool
+):
+    """An empty directory (a mount point a user made) is what ``rmdir`` would remove at the
+    tree's name: the tree emptied is removed only while it is still at its name (up to its
+    last look at that name: a rename in the instant between that look and the ``rmdir``, the
+    last two calls, is not told apart)."""
+    steps = _calls(tmp_path / "count", recorded)
+    for step in range(1, steps - 1):
+        parent = tmp_path / f"at-{step}"
+        tree = _loader_tree(parent, recorded=recorded)
+        calls: list[int] = []
+
+        def swap(
+            op: str, path: str, tree: Path = tree, calls: list[int] = calls, step: int = step
+        ) -> None:
+            calls.append(1)
+            if len(calls) == step:
+                tree.rename(tree.with_name("tree.moved"))
+                tree.mkdir()
+
+        with fs.Dir.open(parent) as p, fs.inject(swap):
+            p.remove_tree("tree", marks=(MARKER,))
+        assert tree.is_dir(), step
+
+
+@pytest.mark.parametrize("kind", ["file", "link", "fifo"])
+def test_a_users_entry_at_the_name_of_a_judged_tree_is_kept(tmp_path: Path, kind: str):
+    """The loader judged a directory its own (``expected``: its device and inode), and a user
+    put a file, a link or a FIFO at its name since: nothing is removed."""
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("theirs")
+    entry = tmp_path / "tree"
+    if kind == "file":
+        entry.write_text("theirs")
+    elif kind == "link":
+        entry.symlink_to(target)
+    else:
+        os.mkfifo(entry)
+    with fs.Dir.open(tmp_path) as p:
+        kept = p.remove_tree("tree", marks=(MARKER,), expected=(1, 2))
+    assert kept == [entry]
+    assert os.path.lexists(entry) and target.read_text() == "theirs"
+
+
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_prune_puts_back_a_users_directory_renamed_to_an_old_keys_name_as_it_moves_it(
     tmp_path: Path, fallback: bool

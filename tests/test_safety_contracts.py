@@ -826,6 +826,27 @@ def test_a_manifest_makes_a_tree_the_loaders_only_for_the_key_it_names(tmp_path)
         assert (tree / "users-data.txt").read_text() == "keep me\n"
 
 
+def test_a_marker_makes_a_tree_the_loaders_only_for_the_very_key_on_its_first_line(tmp_path):
+    """A staging marker whose first line is the key with more after it (another key's, or a
+    user's note that starts with it) does not make the tree the loader's for that key: it is
+    never judged its own, so never removed as its staging directory."""
+    from loader import fs
+    from loader.repository import publish
+
+    base = tmp_path / "base"
+    for name, first in (("longer", KEY + "-copy"), ("spaced", KEY + " "), ("exact", KEY)):
+        tree = base / name
+        tree.mkdir(parents=True)
+        (tree / publish.STAGING_MARKER).write_text(first + "\nmore\n")
+        (tree / "users-data.txt").write_text("keep me\n")
+    with fs.Dir.open(base) as d:
+        assert publish.ours(d, "longer", KEY) is None
+        assert publish.ours(d, "spaced", KEY, manifests=False) is None
+        assert publish.ours(d, "exact", KEY) is not None
+    publish.discard_staging(base / "longer", KEY)
+    assert (base / "longer" / "users-data.txt").read_text() == "keep me\n"
+
+
 # --- the download area of a remote source -------------------------------------------------------
 
 

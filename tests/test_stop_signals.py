@@ -312,3 +312,29 @@ def test_the_threads_a_library_starts_while_it_loads_never_take_a_stop_signal(tm
     if not library:
         pytest.skip("OpenBLAS started no thread of its own here (one CPU)")
     assert all(mask & stops == stops for mask in library), [hex(m) for m in masks]
+
+
+#: A process that ignores SIGHUP (started under ``nohup``), in a command's stop handling, and
+#: sent a SIGHUP: it goes on; SIGTERM still stops it.
+_IGNORED_HANG_UP = (
+    "import os, signal\n"
+    "from loader import cli\n"
+    "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+    "with cli.sigterm_unwinds():\n"
+    "    os.kill(os.getpid(), signal.SIGHUP)\n"
+    "    print('went on', flush=True)\n"
+    "    try:\n"
+    "        os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    except cli.Terminated:\n"
+    "        print('stopped')\n"
+)
+
+
+def test_a_hang_up_stays_ignored_under_nohup():
+    """``nohup model-loader run ...``: the terminal closing (SIGHUP) was meant not to stop it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IGNORED_HANG_UP], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["went", "on", "stopped"], done.stdout

@@ -52,3 +52,33 @@ def test_results_come_in_the_order_of_the_items():
         assert map_in_steps(pool, lambda i: (time.sleep(0.01 * (5 - i)), i)[1], range(5)) == [
             0, 1, 2, 3, 4,
         ]  # fmt: skip
+
+
+def test_a_failure_ends_the_wait_at_once_and_cancels_the_queue():
+    """One file's failure (a file that cannot be read) while another is still hashed: the
+    wait ends within a step with that failure, and the files not started are never hashed
+    (the wait went on until every file was hashed, the failure reported last)."""
+    started: list[int] = []
+    release = threading.Event()
+
+    def digest(item: int) -> int:
+        started.append(item)
+        if item == 0:
+            raise OSError(5, "Input/output error", "file-0")
+        if item == 1:
+            release.wait(30)
+        time.sleep(0.2)
+        return item
+
+    began = time.monotonic()
+    try:
+        with pytest.raises(OSError, match="Input/output error"), ThreadPoolExecutor(2) as pool:
+            try:
+                map_in_steps(pool, digest, range(20))
+            finally:
+                took = time.monotonic() - began
+                release.set()
+    finally:
+        release.set()
+    assert took < 5, took
+    assert len(started) <= 4, started
