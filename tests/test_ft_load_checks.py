@@ -68,6 +68,22 @@ def ft_config(hf: dict, tp: int = 1):
     return arch.ft_config(hf, parallelism=Parallelism(tp=tp), model_name="m")
 
 
+@pytest.mark.parametrize("positions", [0, None, "absent"])
+def test_a_model_of_no_positions_is_refused_and_an_absent_count_is_gptjs_own(positions):
+    """``n_positions: 0`` was taken as 2048 (``or``), as if absent: refused now; absent or null
+    is GPT-J's own default, 2048."""
+    hf = dict(GPTJ_6B)
+    if positions == "absent":
+        del hf["n_positions"]
+    else:
+        hf["n_positions"] = positions
+    if positions == 0:
+        with pytest.raises(CheckpointError, match="n_positions is 0"):
+            ft_config(hf)
+    else:
+        assert ft_config(hf).max_pos_seq_len == 2048
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_every_published_model_passes_at_every_tp_its_heads_allow(name, tp):

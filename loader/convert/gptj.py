@@ -106,6 +106,13 @@ class GptJArchitecture:
         parallelism.split(heads, "The attention head count")
         parallelism.split(inter, "The MLP width (n_inner)")
         parallelism.check_layers(layers)
+        positions = _int(hf, "n_positions")
+        if positions == 0:  # absent or null: GPT-J's own default, 2048
+            raise CheckpointError(
+                "config.json n_positions is 0: the model would hold no position.",
+                "Use the checkpoint's original config.json (n_positions is the longest sequence "
+                "the model was trained on, e.g. 2048), or leave it out for GPT-J's 2048.",
+            )
         eos = _int(hf, "eos_token_id")
         bos = _int(hf, "bos_token_id")
         end_id = eos if eos is not None else (bos if bos is not None else 0)
@@ -121,7 +128,7 @@ class GptJArchitecture:
             end_id=end_id,
             tensor_para_size=parallelism.tp,
             model_name=model_name,
-            max_pos_seq_len=_int(hf, "n_positions") or 2048,
+            max_pos_seq_len=2048 if positions is None else positions,
         )
         check_loadable(config, where="config.json", tp=parallelism.tp)
         return config
