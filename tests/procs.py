@@ -32,3 +32,14 @@ def children(pid: int) -> list[int]:
         except OSError:  # the thread ended meanwhile
             continue
     return found
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process still running: not gone, and not a zombie (dead, its exit
+    status not yet collected: a child its parent killed and gave up waiting for is reaped by
+    PID 1, or never where PID 1 does not reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
