@@ -57,6 +57,21 @@ def _kill(proc: subprocess.Popen, how: str) -> None:
         os.kill(proc.pid, signal.SIGKILL)  # the child dies with it (PR_SET_PDEATHSIG)
 
 
+def _finishes(proc: subprocess.Popen, root: Path, where: str) -> None:
+    """``proc`` (a run) ends with 0 within a minute; else the failure says what it said and
+    what the lock directory held (a run that waits on a lock says whose)."""
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    if code != 0:
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        locks = {p.name: p.read_bytes()[:300] for p in (root / ".locks").glob("*") if p.is_file()}
+        pytest.fail(f"{where}: the last run ended with {code}\n{err[-3000:]}\nlocks: {locks}")
+
+
 def _published(root: Path) -> list[Path]:
     return [p for p in root.glob("tiny@*/*") if p.is_dir()]
 
@@ -97,7 +112,7 @@ def test_random_kills_never_leave_a_broken_or_stale_key(seed, tmp_path):
         )
         for key in _published(root):
             assert manifest.verify(key) == [], f"{where}, cycle {cycle}: {key} is incomplete"
-    assert _loader(argv).wait(timeout=60) == 0, where
+    _finishes(_loader(argv), root, where)
     (key,) = _published(root)
     assert manifest.verify(key) == [], where
     reference = tmp_path / "reference"
