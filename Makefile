@@ -83,7 +83,7 @@ test-e2e: install kube ## make staging-deploy end to end on the local control pl
 	$(PYTEST) -n $(TEST_WORKERS) -m e2e tests/test_staging_deploy.py $(PYTEST_ARGS)
 
 test-faults: install ## every errno at every file-system call site of run, prune, convert and fetch, every kind of entry planted at every name under ROOT, a kill at every record, removal and site after an overlapped run's move (not in test: ~13 min on 2 cores)
-	$(PYTEST) -n $(FAST_WORKERS) -m exhaustive $(sort $(wildcard tests/test_fault_every_errno_*.py)) tests/test_planted_names.py tests/test_kill_removal.py tests/test_kill_points.py tests/test_kill_points_overlapped.py $(PYTEST_ARGS)
+	MODEL_TRITON_TEST_TIER=faults $(PYTEST) -n $(FAST_WORKERS) -m "exhaustive or sampled" $(sort $(wildcard tests/test_fault_every_errno_*.py)) tests/test_fault_injection_remote.py tests/test_planted_names.py tests/test_kill_removal.py tests/test_kill_points.py tests/test_kill_points_overlapped.py $(PYTEST_ARGS)
 
 #: What runs inside the Triton 23.05 image (Python 3.10): the Python-backend models and the
 #: modules a repository copies next to them.

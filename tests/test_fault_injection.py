@@ -21,6 +21,7 @@ from tests.fault_sweep import (
     rotation,
     sweep,
 )
+from tests.tiers import sampled
 
 # Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
 pytestmark = pytest.mark.slow
@@ -32,5 +33,6 @@ def test_every_file_system_call_site_fails_typed_and_loses_nothing(local, comman
     scenarios, catalog = local
     sites = call_sites(catalog[command])
     assert len(sites) > 5  # the seam sees the command's file-system work
+    sites = sampled(sites)  # every site, with every errno: tests/test_fault_every_errno_*.py
     failures = sweep(scenarios[command], sites, rotation, caplog)
     assert not failures, f"{len(failures)} of {len(sites)} sites:\n" + "\n".join(failures)

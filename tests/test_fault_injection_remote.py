@@ -25,6 +25,7 @@ from tests.fault_sweep import (
     rotation,
     sweep,
 )
+from tests.tiers import SAMPLED, sampled
 
 pytestmark = pytest.mark.server
 
@@ -44,6 +45,7 @@ def remote(sharded, gs, failed_locally):
 
 
 @pytest.mark.slow
+@SAMPLED
 @pytest.mark.parametrize("command", REMOTE_COMMANDS)
 def test_every_file_system_call_site_of_a_gs_source_fails_typed(remote, command, caplog):
     _every_site_fails_typed(remote, command, caplog)
@@ -55,6 +57,7 @@ def _every_site_fails_typed(remote: tuple, command: str, caplog) -> None:
     scenarios, catalog = remote
     sites = catalog[command]
     assert len(sites) > 5
+    sites = sampled(sites)
     failures = sweep(scenarios[command], sites, rotation, caplog)
     assert not failures, f"{len(failures)} of {len(sites)} sites:\n" + "\n".join(failures)
 
@@ -71,6 +74,7 @@ def remote_hf(sharded, hf, failed_locally, remote):
 
 
 @pytest.mark.slow
+@SAMPLED
 @pytest.mark.parametrize("command", HF_COMMANDS)
 def test_every_file_system_call_site_of_an_hf_source_fails_typed(remote_hf, command, caplog):
     _every_site_fails_typed(remote_hf, command, caplog)

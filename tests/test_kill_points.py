@@ -32,7 +32,7 @@ from loader.cli import main
 from loader.repository import manifest
 from tests.fault_sweep import scratch
 from tests.faults import FailAt, Recorder, Site, describe
-from tests.tiers import EXHAUSTIVE
+from tests.tiers import EXHAUSTIVE, SAMPLED, sampled
 
 # Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
 pytestmark = pytest.mark.slow
@@ -127,6 +127,7 @@ def _force_sweep(source: str, template: Path, *, fallback: bool, publishing: boo
         sites = _call_sites(_recorded(_argv(source, base / "root", "--force"), around))
     sites = [s for s in sites if _publishing(s) == publishing]
     assert sites
+    sites = sampled(sites)
     failures = []
     for site in sites:
         with scratch() as base:
@@ -150,6 +151,7 @@ def _force_sweep(source: str, template: Path, *, fallback: bool, publishing: boo
     assert not failures, f"{len(failures)} of {len(sites)} kill points:\n" + "\n".join(failures)
 
 
+@SAMPLED
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_a_forced_replacement_killed_while_publishing_leaves_a_complete_copy(
     source, template, fallback
@@ -158,6 +160,7 @@ def test_a_forced_replacement_killed_while_publishing_leaves_a_complete_copy(
 
 
 @pytest.mark.slow
+@SAMPLED
 @pytest.mark.parametrize("fallback", [False, pytest.param(True, marks=EXHAUSTIVE)],
                          ids=["renameat2", "no-renameat2"])  # fmt: skip
 def test_a_forced_replacement_killed_anywhere_leaves_a_complete_copy(source, template, fallback):

@@ -240,15 +240,13 @@ def _kind(op: str, path: str) -> tuple:
 
 
 def _points(kinds: list[tuple], every: bool) -> list[int]:
-    """The kill points (1-based): every one, or the first and the last of each kind."""
+    """The kill points (1-based): every one, or the first of each kind."""
     if every:
         return list(range(1, len(kinds) + 1))
     first: dict[tuple, int] = {}
-    last: dict[tuple, int] = {}
     for k, kind in enumerate(kinds, 1):
         first.setdefault(kind, k)
-        last[kind] = k
-    return sorted({*first.values(), *last.values()})
+    return sorted(first.values())
 
 
 def _left(root: Path) -> list[str]:
@@ -278,9 +276,8 @@ def test_a_run_killed_at_any_record_or_removal_leaves_nothing_for_good(
     rest of a ``--no-overlap`` run is the local run's code on the downloaded copy, whose points
     the local cases kill at.
 
-    ``make test`` kills at the first and the last point of each kind (a call site of the loader
-    at one depth below the root: about a fifth of the points), ``make test-faults`` at every
-    point."""
+    ``make test`` kills at the first point of each kind (a call site of the loader at one depth
+    below the root: about a tenth of the points), ``make test-faults`` at every point."""
     within = "/root/.work/" if remote else "/root/"
     if remote:
         request.getfixturevalue("gcs")

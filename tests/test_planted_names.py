@@ -14,11 +14,11 @@ tree it left, where each entry is replaced). At each name, one of:
 * a user's file, a directory holding a user's file, a FIFO (never to be read: it would block);
 * in a journal, lines naming ``..`` and paths (``moved-into ..``, an output ``../x``).
 
-``make test`` plants one kind at each name (in turn, a link out of ROOT at every other one) of
-the local and resume runs (the resume leaves out the model directories of the staging directory
-its rerun builds anew), and at the names of the ``gs://`` and ``hf://`` runs outside the staging
-tree, which every source's run builds alike (:data:`SHARED_TREE`); ``make test-faults`` every
-kind at every name of every run.
+``make test`` plants at one name in three (:func:`tests.tiers.sampled`), one kind each (in turn,
+a link out of ROOT at every other one), of the local and resume runs (the resume leaves out the
+model directories of the staging directory its rerun builds anew), and of the ``gs://`` and
+``hf://`` runs outside the staging tree, which every source's run builds alike
+(:data:`SHARED_TREE`); ``make test-faults`` every kind at every name of every run.
 
 A missing parent is made a directory (the loader's marker and record in it where the loader's
 would carry them, the directories below recorded as the loader records its own). The property,
@@ -52,15 +52,15 @@ from loader.repository import manifest
 from loader.repository.publish import DOWNLOAD_MARKER, STAGING_MARKER
 from tests.fault_sweep import scratch, snapshot
 from tests.faults import site_here
-from tests.tiers import EXHAUSTIVE, FAST_TIER
+from tests.tiers import EXHAUSTIVE, FAST_TIER, sampled
 
 #: Every kind at every name: ``make test-faults`` (about 9 min on one core). ``make test`` plants
-#: one kind at each name, in turn (:data:`IN_TURN`).
+#: at one name in three, one kind each, in turn (:data:`IN_TURN`).
 EVERY_KIND = EXHAUSTIVE
 
 KEY_DIR = "tiny@r1"
 KINDS = ("link-dir", "link-file", "link-up", "file", "dir", "fifo")
-#: The order ``make test`` plants in, one kind per name: a link out of ROOT at every other name.
+#: The order ``make test`` plants in, one kind per name: a link out of ROOT at every other one.
 IN_TURN = ("link-dir", "file", "link-file", "dir", "link-up", "fifo")
 HANG_S = 120
 #: An owner tag, ``<pid>-<host digest>``, as a dot-separated part of a name.
@@ -345,8 +345,8 @@ def _sweep(
     if not (shared or every):
         names = [n for n in names if n.split("/")[0] != SHARED_TREE]
     cases = [(rel, kind) for rel in names for kind in KINDS]
-    if not every:  # one kind per name, in turn: a link out of ROOT at every other name
-        cases = [(rel, IN_TURN[i % len(IN_TURN)]) for i, rel in enumerate(names)]
+    if not every:  # one name in three, one kind each, in turn: a link out of ROOT every other
+        cases = [(rel, IN_TURN[i % len(IN_TURN)]) for i, rel in enumerate(sampled(names))]
         if FAST_TIER:
             cases = cases[:: max(1, len(cases) // 12)]
     assert cases
