@@ -3,6 +3,7 @@ listing and the read: a process or thread gone meanwhile is skipped, never an er
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,3 +44,21 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def signal_masks(pid: int) -> dict[int, int]:
+    """The signal mask (``SigBlk``) of each thread of ``pid`` still there when read, by thread
+    id; {} once the process is gone."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return {}
+    masks = {}
+    for tid in tids:
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        line = next(x for x in status.splitlines() if x.startswith("SigBlk"))
+        masks[tid] = int(line.split()[1], 16)
+    return masks

@@ -262,14 +262,6 @@ def test_serve_local_says_whether_its_log_outlives_it(repository, tmp_path, keep
         assert not path.exists()
 
 
-def _blocked(pid: int, tid: int) -> int:
-    """The signal mask of thread ``tid`` of ``pid`` (``SigBlk``)."""
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-    return int(
-        next(line for line in status.splitlines() if line.startswith("SigBlk")).split()[1], 16
-    )
-
-
 def _children(proc) -> list[int]:
     """The processes ``proc`` started (its tritonserver), while it lives."""
     try:
@@ -308,6 +300,8 @@ def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repos
     import signal
     import subprocess
 
+    from tests import procs
+
     number = _TGKILL.get(os.uname().machine)
     if number is None:
         pytest.skip(f"tgkill's number on {os.uname().machine} is not known here")
@@ -320,12 +314,13 @@ def test_serve_stops_when_sigterm_reaches_a_thread_other_than_the_main_one(repos
             if line.startswith("serving"):
                 break
         # One that takes it: those a library started while it loaded hold stop signals back.
+        masks = procs.signal_masks(proc.pid)
         others = [
-            int(t)
-            for t in os.listdir(f"/proc/{proc.pid}/task")
-            if int(t) != proc.pid and not _blocked(proc.pid, int(t)) & (1 << (signal.SIGTERM - 1))
+            tid
+            for tid, mask in masks.items()
+            if tid != proc.pid and not mask & (1 << (signal.SIGTERM - 1))
         ]
-        threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        threads = [tid for tid in masks if tid != proc.pid]
         assert threads, "serve runs threads besides its main one (gRPC's)"
         if others:
             libc = ctypes.CDLL(None, use_errno=True)

@@ -33,25 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
 
-def _blocked(pid: int, tid: int) -> int:
-    """The signal mask of thread ``tid`` of ``pid`` (``SigBlk``)."""
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-    return int(
-        next(line for line in status.splitlines() if line.startswith("SigBlk")).split()[1], 16
-    )
-
-
 def to_another_thread(pid: int, sig: int) -> None:
     """Send ``sig`` to a thread of ``pid`` other than its main one, as the kernel may hand a
     process's signal to any thread that does not block it."""
     number = _TGKILL.get(os.uname().machine)
     if number is None:
         pytest.skip(f"tgkill's number on {os.uname().machine} is not known here")
-    others = [
-        int(t)
-        for t in os.listdir(f"/proc/{pid}/task")
-        if int(t) != pid and not _blocked(pid, int(t)) & (1 << (sig - 1))
-    ]
+    masks = procs.signal_masks(pid)
+    others = [tid for tid, mask in masks.items() if tid != pid and not mask & (1 << (sig - 1))]
     assert others, "the command runs threads besides its main one that take the signal"
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.syscall(number, pid, others[0], int(sig)) == 0
@@ -304,7 +293,7 @@ def test_the_threads_a_library_starts_while_it_loads_never_take_a_stop_signal(tm
     masks: list[int] = []
 
     def look_then_kill(proc: subprocess.Popen) -> None:
-        masks.extend(_blocked(proc.pid, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        masks.extend(procs.signal_masks(proc.pid).values())
         proc.kill()
 
     stopped_while_stalled(tmp_path, "fetch", look_then_kill, env={"OPENBLAS_NUM_THREADS": "3"})
