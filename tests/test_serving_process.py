@@ -342,6 +342,17 @@ def test_a_hang_up_stops_serve_and_its_server(repository):
     directly), went on serving its ports and holding its memory, with no one to stop it. Now
     serve stops like on SIGTERM, tritonserver with it, and exits 129."""
     import signal
+
+    code, left, err, _ = _serve_signalled(repository, signal.SIGHUP)
+    assert code == 129, err
+    assert not left, f"tritonserver was left running\n{err[-2000:]}"
+    assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
+
+
+def _serve_signalled(repository: Path, sig: int) -> tuple[int, bool, str, Path | None]:
+    """``serve repository`` started as a shell starts it, sent ``sig`` once it serves: its exit
+    status, whether its tritonserver still runs, its standard error, and its log's path."""
+    import signal
     import subprocess
 
     from tests import procs
@@ -351,13 +362,15 @@ def test_a_hang_up_stops_serve_and_its_server(repository):
         as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    server = None
+    server, log = None, None
     try:
         for line in proc.stdout:
+            if line.startswith("log "):
+                log = Path(line.split()[1])
             if line.startswith("serving"):
                 break
         (server,) = procs.children(proc.pid)  # tritonserver
-        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(sig)
         code = proc.wait(timeout=90)  # stop's own bound: --exit-timeout-secs and 10 s, then more
         left = procs.running(server)  # stopped (killed at worst), whether reaped or not
     finally:
@@ -367,10 +380,7 @@ def test_a_hang_up_stops_serve_and_its_server(repository):
         if server is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(server, signal.SIGKILL)
-    err = proc.stderr.read()
-    assert code == 129, err
-    assert not left, f"tritonserver was left running\n{err[-2000:]}"
-    assert err.rstrip().splitlines()[-1] == "hung up (SIGHUP: its terminal closed); stopped cleanly"
+    return code, left, proc.stderr.read(), log
 
 
 @pytest.mark.parametrize("name", ["SIGUSR1", "SIGALRM", "SIGQUIT"])
@@ -379,38 +389,12 @@ def test_a_signal_serve_gives_no_meaning_stops_its_server_first(repository, name
     tritonserver, in a session of its own, went on serving its ports with its temporary
     directory left. Now serve stops it and removes that directory, then dies of the signal."""
     import signal
-    import subprocess
-
-    from tests import procs
-    from tests.stalled import as_a_shell_starts
 
     sig = getattr(signal, name)
-    proc = subprocess.Popen(
-        as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    server = None
-    try:
-        for line in proc.stdout:
-            if line.startswith("log "):
-                log = Path(line.split()[1])
-            if line.startswith("serving"):
-                break
-        (server,) = procs.children(proc.pid)  # tritonserver
-        proc.send_signal(sig)
-        code = proc.wait(timeout=90)
-        left = procs.running(server)  # stopped (killed at worst), whether reaped or not
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if server is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(server, signal.SIGKILL)
-    err = proc.stderr.read()
+    code, left, err, log = _serve_signalled(repository, sig)
     assert code == -sig, err
     assert not left, f"tritonserver was left running\n{err[-2000:]}"
-    assert not log.parent.exists(), "its temporary directory was left"
+    assert log is not None and not log.parent.exists(), "its temporary directory was left"
     assert err.rstrip().splitlines()[-1] == f"stopped by {name}; cleaned up"
 
 
