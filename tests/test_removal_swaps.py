@@ -18,6 +18,7 @@ from loader.cli import main
 from loader.errors import NotOursError
 from loader.repository import manifest
 from loader.repository.prune import prune
+from tests.at_step import AtStep
 from tests.runs import forged_key, published, run_argv
 
 MARKER = fs.MARKER_PREFIX + "staging"
@@ -42,6 +43,12 @@ def _loader_tree(parent: Path, *, recorded: bool) -> Path:
     return tree
 
 
+def _renamed_in(tree: Path) -> None:
+    """The loader's tree moved away and a directory of the user's made at its name."""
+    tree.rename(tree.with_name("tree.moved"))
+    tree.mkdir()
+
+
 def _calls(parent: Path, recorded: bool) -> int:
     _loader_tree(parent, recorded=recorded)
     seen: list[str] = []
@@ -59,20 +66,14 @@ def test_a_users_directory_renamed_to_the_trees_name_at_any_step_stays_whole(
     for step in range(1, steps + 1):
         parent = tmp_path / f"at-{step}"
         tree = _loader_tree(parent, recorded=recorded)
-        calls: list[int] = []
 
-        def swap(
-            op: str, path: str, tree: Path = tree, calls: list[int] = calls, step: int = step
-        ) -> None:
-            calls.append(1)
-            if len(calls) == step:
-                tree.rename(tree.with_name("tree.moved"))
-                tree.mkdir()
-                (tree / "notes.txt").write_text("mine")
-                (tree / "sub").mkdir()
-                (tree / "sub" / "data.csv").write_text("1,2\n")
+        def swap(tree: Path) -> None:
+            _renamed_in(tree)
+            (tree / "notes.txt").write_text("mine")
+            (tree / "sub").mkdir()
+            (tree / "sub" / "data.csv").write_text("1,2\n")
 
-        with fs.Dir.open(parent) as p, fs.inject(swap):
+        with fs.Dir.open(parent) as p, fs.inject(AtStep(step, lambda op, path, t=tree: t, swap)):
             p.remove_tree("tree", marks=(MARKER,))
         assert (tree / "notes.txt").read_text() == "mine", step
         assert (tree / "sub" / "data.csv").read_text() == "1,2\n", step
@@ -90,17 +91,11 @@ def test_a_users_empty_directory_renamed_to_the_trees_name_at_any_step_stays(
     for step in range(1, steps - 1):
         parent = tmp_path / f"at-{step}"
         tree = _loader_tree(parent, recorded=recorded)
-        calls: list[int] = []
 
-        def swap(
-            op: str, path: str, tree: Path = tree, calls: list[int] = calls, step: int = step
-        ) -> None:
-            calls.append(1)
-            if len(calls) == step:
-                tree.rename(tree.with_name("tree.moved"))
-                tree.mkdir()
-
-        with fs.Dir.open(parent) as p, fs.inject(swap):
+        with (
+            fs.Dir.open(parent) as p,
+            fs.inject(AtStep(step, lambda op, path, t=tree: t, _renamed_in)),
+        ):
             p.remove_tree("tree", marks=(MARKER,))
         assert tree.is_dir(), step
 
