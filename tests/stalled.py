@@ -113,18 +113,30 @@ def stopped_while_stalled(
             env={**gcs_env(server), **(env or {})},
             **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
         )  # fmt: skip
-        try:
-            assert asked.wait(120), "no download was asked for"
-            time.sleep(0.5)  # the main thread is in its wait for the downloads
-            send(proc)
-            start = time.monotonic()
-            out, err = proc.communicate(timeout=60)
-            took = time.monotonic() - start
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        return sent_once_asked(proc, asked, send, "no download was asked for")
     finally:
         release.set()
         server.shutdown()
+
+
+def sent_once_asked(
+    proc: subprocess.Popen,
+    asked: threading.Event,
+    send: Callable[[subprocess.Popen], None],
+    never: str,
+) -> Stopped:
+    """Once a stalled server was ``asked`` (else the test fails with ``never``) and the
+    command's main thread waits for its answer, ``send(proc)``; what the command did then
+    (killed, if it had not ended, whatever failed meanwhile)."""
+    try:
+        assert asked.wait(120), never
+        time.sleep(0.5)  # the main thread is in its wait for the answer
+        send(proc)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     return Stopped(proc.returncode, out or "", err or "", took)

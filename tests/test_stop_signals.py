@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from loader.cli import main
 from tests import procs
 from tests.stalled import (
     as_a_shell_starts,
+    sent_once_asked,
     stopped_while_stalled,
 )
 
@@ -184,21 +184,13 @@ def test_sigterm_a_grpc_thread_got_stops_a_streamed_completion_at_once():
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
-        try:
-            assert asked.wait(120), "no request came"
-            time.sleep(0.5)
-            to_another_thread(proc.pid, signal.SIGTERM)
-            start = time.monotonic()
-            _, err = proc.communicate(timeout=60)
-            took = time.monotonic() - start
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        code, _, err, took = sent_once_asked(
+            proc, asked, lambda p: to_another_thread(p.pid, signal.SIGTERM), "no request came"
+        )
     finally:
         release.set()
         server.stop(0)
-    assert proc.returncode == 143, err
+    assert code == 143, err
     assert took < 15, f"{took:.0f} s after SIGTERM"
 
 
