@@ -1,12 +1,14 @@
 """``completions-service``: the command line (each flag also from ``COMPLETIONS_<FLAG>``).
 
-Exit codes: 0 after a clean shutdown, 2 for a bad flag, keys file or token file (the message
-says which).
+Exit codes: 0 after a clean shutdown, 2 for a bad flag, keys file or token file, or an address
+it cannot listen on (the message says which), 3 when the server did not start.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import logging
 import os
 import socket
@@ -165,6 +167,37 @@ def settings_of(args: argparse.Namespace) -> Settings:
     )
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (the first address ``host`` stands for), before the server
+    starts: an address that is not the machine's, a port taken or one below 1024 without the
+    right is the user's to change, said as such (uvicorn logged the errno and exited 3)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _listen_error(listen: tuple[str, int], exc: OSError) -> str:
+    host, port = listen
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        what = "another process listens on that port; stop it or give another port"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        what = "that is no address of this machine; give one of its addresses, or 0.0.0.0"
+    elif exc.errno == errno.EACCES:
+        what = "a port below 1024 needs the right to bind it; give a port from 1024 up"
+    else:
+        what = "give another --listen address"
+    return f"cannot listen on {where} ({exc.strerror or exc}): {what}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)  # argparse applies `type` to string defaults from the environment
@@ -196,14 +229,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from completions_service.app import create_app
 
     settings = settings_of(args)
-    app = create_app(settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
+    try:
+        sock = listening_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"completions-service: error: {_listen_error(args.listen, exc)}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(
+        create_app(settings),
         log_level=args.log_level,
         access_log=False,
         server_header=False,
         timeout_graceful_shutdown=10,
     )
-    return 0
+    server = uvicorn.Server(config)
+    # Ctrl-C: the server shuts down, then passes the signal on (a KeyboardInterrupt here).
+    with sock, contextlib.suppress(KeyboardInterrupt):
+        logging.getLogger("completions_service").info("listening on %s:%d", *sock.getsockname()[:2])
+        server.run(sockets=[sock])
+    return 0 if server.started else 3

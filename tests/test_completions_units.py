@@ -386,3 +386,22 @@ def test_a_max_model_len_in_digits_other_than_ascii_is_the_models_error():
     config = {"parameters": {"max_model_len": {"string_value": "\u00b2"}}}
     with pytest.raises(BackendError, match="max_model_len"):
         model_info(config, "llm")
+
+
+@pytest.mark.parametrize("where", ["taken", "foreign"])
+def test_an_address_it_cannot_listen_on_is_refused_with_exit_2_naming_it(capsys, where):
+    """A --listen port another process holds, or an address that is not the machine's
+    (192.0.2.1, TEST-NET-1), ended in uvicorn's logged errno and exit 3 after the app was
+    made; each is exit 2 saying what to change, before anything starts."""
+    import socket
+
+    from completions_service.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = f"127.0.0.1:{held.getsockname()[1]}" if where == "taken" else "192.0.2.1:8080"
+        assert main(["--triton-url", "127.0.0.1:1", "--listen", listen]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on {listen}" in err, err
+    assert ("another process listens" if where == "taken" else "no address of this machine") in err
