@@ -789,7 +789,8 @@ def test_a_failed_run_discards_its_staging_directory_only_while_it_is_the_loader
 def test_only_a_complete_replaced_copy_is_put_back_under_its_key(tmp_path):
     """``recover`` (a replacement stopped between its two renames): a copy in ``.trash`` goes
     back under the absent key only if it verifies complete; an incomplete one stays where it
-    is, and the key stays absent (the run publishes it again)."""
+    is, and the key stays absent (the run publishes it again), without a directory made for
+    it (an empty ``m@r`` was left)."""
     from loader.repository import publish
 
     publish.publish(_staged(tmp_path, KEY, b"w"), tmp_path, KEY)
@@ -797,9 +798,10 @@ def test_only_a_complete_replaced_copy_is_put_back_under_its_key(tmp_path):
     trash.mkdir()
     copy = trash / f"{key_filename(KEY)}.0123456789ab"
     (tmp_path / KEY).rename(copy)
+    (tmp_path / KEY).parent.rmdir()
     (copy / "m" / "weights.bin").unlink()  # incomplete: a file the manifest lists is missing
     assert publish.recover(tmp_path, KEY) is None
-    assert not (tmp_path / KEY).exists() and copy.is_dir()
+    assert not (tmp_path / KEY).parent.exists() and copy.is_dir()
     (copy / "m" / "weights.bin").write_bytes(b"w")
     assert publish.recover(tmp_path, KEY) == tmp_path / KEY
     assert (tmp_path / KEY / "m" / "weights.bin").read_bytes() == b"w"
