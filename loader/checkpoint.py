@@ -84,6 +84,11 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 _MAX_HEADER = 100 * 2**20
+#: The largest safetensors header the loader reads (the format allows 100 MB). A header lists
+#: a tensor in about 100 bytes (a 6B GPT-J's: about 30 kB); parsed, it takes up to about 28
+#: times its size (an empty list every 3 bytes): 100 MB held about 2.8 GB and most of a minute
+#: of CPU, each time a run opened the file.
+MAX_READ_HEADER = 16 * 2**20
 
 
 def safetensors_header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str) -> bytes:
@@ -214,7 +219,9 @@ class SafetensorsFile:
 
     The header gets the checks the ``safetensors`` library itself makes before it hands out a
     tensor (``safetensors/src/tensor.rs``: ``SafeTensors::read_metadata`` and
-    ``Metadata::validate``): a header length within the file and at most 100 MB, a JSON object,
+    ``Metadata::validate``): a header length within the file and at most 100 MB (the loader
+    reads one of at most :data:`MAX_READ_HEADER`), a JSON object, a ``__metadata__`` (if any)
+    of text values,
     every entry's byte span as long as its dtype and shape say, and the spans, in offset order,
     one after the other from 0 to the end of the file: no gap, no overlap (two tensors viewing
     the same bytes), nothing beyond the file, nothing after the last tensor.
@@ -233,6 +240,15 @@ class SafetensorsFile:
                 (header_len,) = struct.unpack("<Q", prefix)
                 if header_len > min(size - 8, _MAX_HEADER):
                     raise _corrupt(path, f"header length {header_len} exceeds the file size {size}")
+                if header_len > MAX_READ_HEADER:
+                    raise FileContentError(
+                        path,
+                        f"has a header of {header_len} bytes, larger than the "
+                        f"{MAX_READ_HEADER // 2**20} MiB the loader reads (a checkpoint's lists "
+                        "its tensors in about 100 bytes each)",
+                        "Save the weights again without padding or bulky metadata "
+                        "(safetensors.torch.save_file(model.state_dict(), ...)).",
+                    )
                 raw = fh.read(header_len)
                 st = os.fstat(fh.fileno())
                 # Kept open, and mapped from it on the first read: the tensors are read from
@@ -265,6 +281,11 @@ class SafetensorsFile:
         spans: list[tuple[int, int, str]] = []
         for name, entry in header.items():
             if name == "__metadata__":
+                # text to text, as the safetensors library reads it (it refuses anything else)
+                if entry is not None and not (
+                    isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+                ):
+                    raise _corrupt(path, "its __metadata__ is not an object of text values")
                 continue
             try:
                 dtype = _SAFETENSORS_DTYPES[entry["dtype"]]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loader.checkpoint import open_checkpoint, read_hf_config
-from loader.errors import CheckpointError, DtypeError
+from loader.errors import CheckpointError, CorruptFileError, DtypeError, FileContentError
 from tests.tinymodels import make_tiny_checkpoint, read_state_dict
 
 LAYOUTS = [
@@ -318,6 +318,51 @@ def test_an_unsupported_safetensors_dtype_is_a_dtype_error(tmp_path):
     )
     with pytest.raises(DtypeError, match="F8_E4M3"):
         open_checkpoint(tmp_path)
+
+
+def _safetensors_dir(path: Path, header: dict, data: bytes, *, padding: int = 0) -> Path:
+    """A checkpoint directory whose one weight file has ``header`` (then ``padding`` spaces,
+    as the format allows) and ``data``."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gptj"}))
+    raw = json.dumps(header).encode() + b" " * padding
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+_ONE_TENSOR = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+def test_a_safetensors_header_larger_than_a_checkpoints_is_refused_before_it_is_parsed(
+    tmp_path,
+):
+    """Parsed, a header takes up to about 28 times its size: one padded to near the format's
+    100 MB held GBs and most of a minute each time the file was opened."""
+    from loader.checkpoint import MAX_READ_HEADER
+
+    path = _safetensors_dir(tmp_path / "ck", _ONE_TENSOR, bytes(8), padding=MAX_READ_HEADER + 1)
+    with pytest.raises(FileContentError, match=r"model\.safetensors has a header of \d+ bytes"):
+        open_checkpoint(path)
+    within = _safetensors_dir(tmp_path / "ok", _ONE_TENSOR, bytes(8), padding=2**20)
+    with open_checkpoint(within) as ckpt:
+        assert ckpt.names() == ["x"]
+
+
+@pytest.mark.parametrize("metadata", [[], {"a": []}, {"a": 1}, "text", {"a": {"b": "c"}}])
+def test_safetensors_metadata_of_anything_but_text_values_is_refused(tmp_path, metadata):
+    """The safetensors library reads ``__metadata__`` as text to text and refuses the file
+    otherwise."""
+    header = {"__metadata__": metadata, **_ONE_TENSOR}
+    path = _safetensors_dir(tmp_path / "ck", header, bytes(8))
+    with pytest.raises(CorruptFileError, match="__metadata__ is not an object of text values"):
+        open_checkpoint(path)
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"format": "pt", "": ""}])
+def test_safetensors_metadata_of_text_values_is_read_past(tmp_path, metadata):
+    path = _safetensors_dir(tmp_path / "ck", {"__metadata__": metadata, **_ONE_TENSOR}, bytes(8))
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.names() == ["x"]
 
 
 def test_iter_tensors_yields_every_tensor_once(checkpoints):
