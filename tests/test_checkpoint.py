@@ -287,6 +287,21 @@ def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
         open_checkpoint(path)
 
 
+def test_an_index_larger_than_a_large_models_is_refused_before_it_is_parsed(checkpoints, tmp_path):
+    """Parsed, an index takes up to about 25 times its size, and a run reads it twice: one
+    padded with empty lists to 64 MiB held about 1.7 GB and 35 s of CPU each time."""
+    from loader.formats.jsondoc import MAX_CONFIG_BYTES
+
+    path = _copy(checkpoints[("safetensors", True)], tmp_path / "ck")
+    index = path / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    padded = json.dumps(document) + " " * MAX_CONFIG_BYTES
+    index.write_text(padded)
+    assert len(padded) <= 64 * 2**20  # within the limit there was
+    with pytest.raises(FileContentError, match=r"index\.json is larger than 16 MiB: not an index"):
+        open_checkpoint(path)
+
+
 def test_an_index_naming_a_tensor_its_shard_lacks_is_an_error(checkpoints, tmp_path):
     path = _copy(checkpoints[("safetensors", True)], tmp_path / "ck")
     index_path = path / "model.safetensors.index.json"
