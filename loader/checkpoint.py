@@ -53,6 +53,7 @@ from loader.errors import (
     CheckpointError,
     CorruptFileError,
     FileContentError,
+    ResourceExhaustedError,
     SourceShrankError,
     TensorDtypeError,
     shown,
@@ -393,6 +394,7 @@ class TorchFile:
                 )
             except Exception as exc:
                 _unless_shrunk(path, self.size, exc)
+                _unless_out_of_memory(path, exc)
                 raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
@@ -691,6 +693,18 @@ def _unless_shrunk(path: Path, size: int, exc: BaseException) -> None:
         return
     if now < size:
         raise SourceShrankError([(path, size, now)]) from exc
+
+
+def _unless_out_of_memory(path: Path, exc: BaseException) -> None:
+    """``torch.load`` maps the whole file: a process without the memory or address space for
+    it (``ulimit -v``, the container's limit) fails with a ``RuntimeError`` saying so (it
+    could not ``mmap``: ENOMEM), or a ``MemoryError``: the machine's trouble, transient, not
+    the file's (it was called corrupt, to be downloaded again)."""
+    if isinstance(exc, MemoryError) or os.strerror(errno.ENOMEM) in str(exc):
+        raise ResourceExhaustedError(
+            f"The loader ran out of memory mapping {shown(path)} "
+            f"({type(exc).__name__}: {str(exc)[:200]})."
+        ) from exc
 
 
 def _not_plain(torch: Any, tensor: Any) -> str | None:
