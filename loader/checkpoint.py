@@ -38,6 +38,7 @@ import math
 import mmap
 import os
 import pickle
+import re
 import struct
 import threading
 import zipfile
@@ -699,8 +700,14 @@ def _unless_out_of_memory(path: Path, exc: BaseException) -> None:
     """``torch.load`` maps the whole file: a process without the memory or address space for
     it (``ulimit -v``, the container's limit) fails with a ``RuntimeError`` saying so (it
     could not ``mmap``: ENOMEM), or a ``MemoryError``: the machine's trouble, transient, not
-    the file's (it was called corrupt, to be downloaded again)."""
-    if isinstance(exc, MemoryError) or os.strerror(errno.ENOMEM) in str(exc):
+    the file's (it was called corrupt, to be downloaded again). Only torch's own words for a
+    failed map are taken: a message quoting the file (a class a pickle names) says anything."""
+    failed_map = isinstance(exc, RuntimeError) and re.fullmatch(
+        rf"unable to mmap \d+ bytes from file <[^>]*>: {re.escape(os.strerror(errno.ENOMEM))} "
+        rf"\({errno.ENOMEM}\)",
+        str(exc),
+    )
+    if isinstance(exc, MemoryError) or failed_map:
         raise ResourceExhaustedError(
             f"The loader ran out of memory mapping {shown(path)} "
             f"({type(exc).__name__}: {str(exc)[:200]})."

@@ -435,6 +435,22 @@ def test_a_zip_archive_torch_load_would_not_read_is_left_to_it(tmp_path, records
     _check_records(_archive(tmp_path / "pytorch_model.bin", records, _0=1000))
 
 
+def test_a_bin_naming_a_class_in_the_words_of_a_failed_map_is_corrupt_not_transient(tmp_path):
+    """torch.load failing to map a file for want of memory is transient; its message quoting
+    a class the pickle names (here in the words of that failure) is the file's fault."""
+    import zipfile
+
+    from loader.checkpoint import TorchFile
+
+    path = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02cCannot allocate memory (12)\nx\n)\x81.")
+        archive.writestr("archive/version", b"3\n")
+    with pytest.raises(CorruptFileError, match=r"torch\.load failed") as info:
+        TorchFile(path)
+    assert info.value.exit_code == 2
+
+
 def _loadable(path: Path, records: list[tuple[str, bytes | None]], pid: tuple, **kw) -> Path:
     """An archive ``torch.load`` opens (it holds a ``version`` record): ``records`` (name,
     bytes; None: the pickle) in that order, the pickle a state dict of one float tensor
