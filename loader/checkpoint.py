@@ -38,6 +38,7 @@ import math
 import mmap
 import os
 import pickle
+import re
 import struct
 import threading
 import zipfile
@@ -53,6 +54,7 @@ from loader.errors import (
     CheckpointError,
     CorruptFileError,
     FileContentError,
+    ResourceExhaustedError,
     SourceShrankError,
     TensorDtypeError,
     shown,
@@ -84,6 +86,11 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 _MAX_HEADER = 100 * 2**20
+#: The largest safetensors header the loader reads (the format allows 100 MB). A header lists
+#: a tensor in about 100 bytes (a 6B GPT-J's: about 30 kB); parsed, it takes up to about 28
+#: times its size (an empty list every 3 bytes): 100 MB held about 2.8 GB and most of a minute
+#: of CPU, each time a run opened the file.
+MAX_READ_HEADER = 16 * 2**20
 
 
 def safetensors_header(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str) -> bytes:
@@ -214,7 +221,9 @@ class SafetensorsFile:
 
     The header gets the checks the ``safetensors`` library itself makes before it hands out a
     tensor (``safetensors/src/tensor.rs``: ``SafeTensors::read_metadata`` and
-    ``Metadata::validate``): a header length within the file and at most 100 MB, a JSON object,
+    ``Metadata::validate``): a header length within the file and at most 100 MB (the loader
+    reads one of at most :data:`MAX_READ_HEADER`), a JSON object, a ``__metadata__`` (if any)
+    of text values,
     every entry's byte span as long as its dtype and shape say, and the spans, in offset order,
     one after the other from 0 to the end of the file: no gap, no overlap (two tensors viewing
     the same bytes), nothing beyond the file, nothing after the last tensor.
@@ -233,6 +242,15 @@ class SafetensorsFile:
                 (header_len,) = struct.unpack("<Q", prefix)
                 if header_len > min(size - 8, _MAX_HEADER):
                     raise _corrupt(path, f"header length {header_len} exceeds the file size {size}")
+                if header_len > MAX_READ_HEADER:
+                    raise FileContentError(
+                        path,
+                        f"has a header of {header_len} bytes, larger than the "
+                        f"{MAX_READ_HEADER // 2**20} MiB the loader reads (a checkpoint's lists "
+                        "its tensors in about 100 bytes each)",
+                        "Save the weights again without padding or bulky metadata "
+                        "(safetensors.torch.save_file(model.state_dict(), ...)).",
+                    )
                 raw = fh.read(header_len)
                 st = os.fstat(fh.fileno())
                 # Kept open, and mapped from it on the first read: the tensors are read from
@@ -265,6 +283,11 @@ class SafetensorsFile:
         spans: list[tuple[int, int, str]] = []
         for name, entry in header.items():
             if name == "__metadata__":
+                # text to text, as the safetensors library reads it (it refuses anything else)
+                if entry is not None and not (
+                    isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+                ):
+                    raise _corrupt(path, "its __metadata__ is not an object of text values")
                 continue
             try:
                 dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
@@ -372,6 +395,7 @@ class TorchFile:
                 )
             except Exception as exc:
                 _unless_shrunk(path, self.size, exc)
+                _unless_out_of_memory(path, exc)
                 raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
@@ -670,6 +694,24 @@ def _unless_shrunk(path: Path, size: int, exc: BaseException) -> None:
         return
     if now < size:
         raise SourceShrankError([(path, size, now)]) from exc
+
+
+def _unless_out_of_memory(path: Path, exc: BaseException) -> None:
+    """``torch.load`` maps the whole file: a process without the memory or address space for
+    it (``ulimit -v``, the container's limit) fails with a ``RuntimeError`` saying so (it
+    could not ``mmap``: ENOMEM), or a ``MemoryError``: the machine's trouble, transient, not
+    the file's (it was called corrupt, to be downloaded again). Only torch's own words for a
+    failed map are taken: a message quoting the file (a class a pickle names) says anything."""
+    failed_map = isinstance(exc, RuntimeError) and re.fullmatch(
+        rf"unable to mmap \d+ bytes from file <[^>]*>: {re.escape(os.strerror(errno.ENOMEM))} "
+        rf"\({errno.ENOMEM}\)",
+        str(exc),
+    )
+    if isinstance(exc, MemoryError) or failed_map:
+        raise ResourceExhaustedError(
+            f"The loader ran out of memory mapping {shown(path)} "
+            f"({type(exc).__name__}: {str(exc)[:200]})."
+        ) from exc
 
 
 def _not_plain(torch: Any, tensor: Any) -> str | None:

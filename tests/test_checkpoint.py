@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loader.checkpoint import open_checkpoint, read_hf_config
-from loader.errors import CheckpointError, DtypeError
+from loader.errors import CheckpointError, CorruptFileError, DtypeError, FileContentError
 from tests.tinymodels import make_tiny_checkpoint, read_state_dict
 
 LAYOUTS = [
@@ -287,6 +287,21 @@ def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
         open_checkpoint(path)
 
 
+def test_an_index_larger_than_a_large_models_is_refused_before_it_is_parsed(checkpoints, tmp_path):
+    """Parsed, an index takes up to about 25 times its size, and a run reads it twice: one
+    padded with empty lists to 64 MiB held about 1.7 GB and 35 s of CPU each time."""
+    from loader.formats.jsondoc import MAX_CONFIG_BYTES
+
+    path = _copy(checkpoints[("safetensors", True)], tmp_path / "ck")
+    index = path / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    padded = json.dumps(document) + " " * MAX_CONFIG_BYTES
+    index.write_text(padded)
+    assert len(padded) <= 64 * 2**20  # within the limit there was
+    with pytest.raises(FileContentError, match=r"index\.json is larger than 16 MiB: not an index"):
+        open_checkpoint(path)
+
+
 def test_an_index_naming_a_tensor_its_shard_lacks_is_an_error(checkpoints, tmp_path):
     path = _copy(checkpoints[("safetensors", True)], tmp_path / "ck")
     index_path = path / "model.safetensors.index.json"
@@ -318,6 +333,51 @@ def test_an_unsupported_safetensors_dtype_is_a_dtype_error(tmp_path):
     )
     with pytest.raises(DtypeError, match="F8_E4M3"):
         open_checkpoint(tmp_path)
+
+
+def _safetensors_dir(path: Path, header: dict, data: bytes, *, padding: int = 0) -> Path:
+    """A checkpoint directory whose one weight file has ``header`` (then ``padding`` spaces,
+    as the format allows) and ``data``."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gptj"}))
+    raw = json.dumps(header).encode() + b" " * padding
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+_ONE_TENSOR = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+def test_a_safetensors_header_larger_than_a_checkpoints_is_refused_before_it_is_parsed(
+    tmp_path,
+):
+    """Parsed, a header takes up to about 28 times its size: one padded to near the format's
+    100 MB held GBs and most of a minute each time the file was opened."""
+    from loader.checkpoint import MAX_READ_HEADER
+
+    path = _safetensors_dir(tmp_path / "ck", _ONE_TENSOR, bytes(8), padding=MAX_READ_HEADER + 1)
+    with pytest.raises(FileContentError, match=r"model\.safetensors has a header of \d+ bytes"):
+        open_checkpoint(path)
+    within = _safetensors_dir(tmp_path / "ok", _ONE_TENSOR, bytes(8), padding=2**20)
+    with open_checkpoint(within) as ckpt:
+        assert ckpt.names() == ["x"]
+
+
+@pytest.mark.parametrize("metadata", [[], {"a": []}, {"a": 1}, "text", {"a": {"b": "c"}}])
+def test_safetensors_metadata_of_anything_but_text_values_is_refused(tmp_path, metadata):
+    """The safetensors library reads ``__metadata__`` as text to text and refuses the file
+    otherwise."""
+    header = {"__metadata__": metadata, **_ONE_TENSOR}
+    path = _safetensors_dir(tmp_path / "ck", header, bytes(8))
+    with pytest.raises(CorruptFileError, match="__metadata__ is not an object of text values"):
+        open_checkpoint(path)
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"format": "pt", "": ""}])
+def test_safetensors_metadata_of_text_values_is_read_past(tmp_path, metadata):
+    path = _safetensors_dir(tmp_path / "ck", {"__metadata__": metadata, **_ONE_TENSOR}, bytes(8))
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.names() == ["x"]
 
 
 def test_iter_tensors_yields_every_tensor_once(checkpoints):
@@ -373,6 +433,22 @@ def test_a_zip_archive_torch_load_would_not_read_is_left_to_it(tmp_path, records
     from loader.checkpoint import _check_records
 
     _check_records(_archive(tmp_path / "pytorch_model.bin", records, _0=1000))
+
+
+def test_a_bin_naming_a_class_in_the_words_of_a_failed_map_is_corrupt_not_transient(tmp_path):
+    """torch.load failing to map a file for want of memory is transient; its message quoting
+    a class the pickle names (here in the words of that failure) is the file's fault."""
+    import zipfile
+
+    from loader.checkpoint import TorchFile
+
+    path = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02cCannot allocate memory (12)\nx\n)\x81.")
+        archive.writestr("archive/version", b"3\n")
+    with pytest.raises(CorruptFileError, match=r"torch\.load failed") as info:
+        TorchFile(path)
+    assert info.value.exit_code == 2
 
 
 def _loadable(path: Path, records: list[tuple[str, bytes | None]], pid: tuple, **kw) -> Path:

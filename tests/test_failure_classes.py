@@ -3,13 +3,19 @@ name that does not resolve is not (2, in seconds, with a hint), never a tracebac
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from loader import fs
 from loader.sources.failures import is_transient, name_resolution_failure
 from tests.runs import cli, run_argv
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -486,3 +492,40 @@ def test_a_failed_import_while_memory_is_short_is_transient(monkeypatch):
         typed = errors.resource_exhaustion(exc)
         assert typed is not None and typed.exit_code == errors.EXIT_TRANSIENT
         assert len(typed.message) < 400
+
+
+_MAP_A_BIN_WITHOUT_ROOM = """
+import re, resource, sys
+import torch
+from loader.checkpoint import TorchFile, _check_records
+from loader.errors import LoaderError
+path = sys.argv[1]
+torch.save({"w": torch.zeros(50 * 2**20)}, path)
+_check_records(path)  # what the check imports and builds, before the limit
+status = open("/proc/self/status").read()
+size = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + 120 * 2**20, resource.RLIM_INFINITY))
+try:
+    TorchFile(path)
+except LoaderError as exc:
+    print(exc.exit_code, exc.message)
+"""
+
+
+@pytest.mark.slow  # a process of its own, under a limit of its own
+def test_a_bin_the_process_has_no_address_space_to_map_is_transient(tmp_path):
+    """``torch.load(mmap=True)`` maps the whole file: under ``ulimit -v`` (or a container's
+    limit) that leaves no room for it, it fails with "Cannot allocate memory". That was
+    called a truncated or corrupt file, to be downloaded again (2); it is memory running out
+    (75), and the same file maps where there is room."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MAP_A_BIN_WITHOUT_ROOM, str(tmp_path / "pytorch_model.bin")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("75 The loader ran out of memory mapping"), done.stdout
+    assert "corrupt" not in done.stdout, done.stdout
+    from loader.checkpoint import TorchFile
+
+    assert TorchFile(tmp_path / "pytorch_model.bin").infos()["w"].shape == (50 * 2**20,)

@@ -357,3 +357,42 @@ def test_the_stored_login_is_looked_at_before_the_hub_library_opens_it(tmp_path,
     assert str(stored) in info.value.message and info.value.exit_code == 2
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", True)
     assert resolve_token(FetchOptions()) is None  # the library never looks
+
+
+def test_a_local_source_changed_and_changed_back_while_converting_is_not_published(
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys
+):
+    """The weights file is rewritten in place (same inode) once the conversion writes its first
+    output, and its first bytes are written back before the repository is built: the source
+    holds what it held at the run's first look, but the conversion read other bytes. Its
+    ctime moved while it was read: nothing is published under the fingerprint of bytes the
+    conversion may not have read."""
+    source = _copy(tiny_checkpoint_with_tokenizer, tmp_path / "ckpt")
+    path = source / "model.safetensors"
+    size = path.stat().st_size
+    first = path.read_bytes()[size - 8 :]
+    other = bytes(8) if first != bytes(8) else b"\x01" * 8
+    steps = []
+
+    def rewrite(data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, size - 8)
+        finally:
+            os.close(fd)
+
+    def change_and_change_back(op: str, where: str) -> None:
+        if not steps and op == "open" and "/fastertransformer/1/" in where:
+            rewrite(other)  # the user's edit lands meanwhile
+            steps.append(where)
+        elif len(steps) == 1 and op == "open" and where.endswith("/preprocessing/1/tokenizer"):
+            rewrite(first)  # and is undone
+            steps.append(where)
+
+    root = tmp_path / "root"
+    with fs.inject(change_and_change_back):
+        code, _, err = cli(capsys, *run_argv(source, root))
+    assert len(steps) == 2, steps
+    assert path.read_bytes()[size - 8 :] == first
+    _refused_as_changed(code, err, root)
+    _rerun_publishes_the_source_as_it_is(capsys, source, root, tmp_path / "out")

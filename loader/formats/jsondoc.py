@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-#: The largest index (``*.index.json``) the loader reads: an index of a large model is a few MB.
-MAX_CONFIG_BYTES = 64 * 2**20
+#: The largest index (``*.index.json``) the loader reads: an index of a large model is a few MB
+#: (about 80 bytes a tensor). A run reads it twice: at 64 MiB, one padded with empty lists held
+#: about 1.7 GB and 35 s of CPU for each read, and converted.
+MAX_CONFIG_BYTES = 16 * 2**20
 #: The largest ``config.json`` the loader reads: real ones are a few kB. Parsed, a document
 #: takes up to about 25 times its size (an empty list or object every 3 bytes), and a run
-#: parses config.json more than once: at the index's 64 MiB, a padded config.json held about
-#: 1.6 GB and 30 s of CPU for each read, and converted.
+#: parses config.json more than once: at the index's 64 MiB (as it was), a padded config.json
+#: held about 1.6 GB and 30 s of CPU for each read, and converted.
 MAX_CONFIG_JSON_BYTES = 2**20
 
 

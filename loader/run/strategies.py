@@ -172,9 +172,10 @@ def _unchanged(source: str, first: FetchResult, fetched: FetchResult) -> None:
 
 
 def unchanged(source: str, before: Fingerprint, after: Fingerprint) -> None:
-    """The source must hold after it was read what it held before (a
+    """The source must hold after it was read what it held before, and no local file of it
+    may have been written to meanwhile (its bytes while it was read may have been others: a
     :class:`~loader.errors.TransientSourceError` otherwise: nothing is published)."""
-    changes = before.changes(after)
+    changes = before.changes(after) + before.written(after)
     if changes:
         raise TransientSourceError(
             f"The source {source} changed while it was loading "

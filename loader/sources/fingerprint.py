@@ -21,7 +21,9 @@ scheme      fingerprint
 ==========  ===================================================================================
 
 :meth:`Fingerprint.changes` lists the differences in words; the stat stamps of local files are
-a cache, never compared.
+a cache, never compared between runs. Within a run they are (:meth:`Fingerprint.written`): a
+file written to between the run's first look and its last may have been read while it held
+other bytes, even if it holds the first ones again.
 """
 
 from __future__ import annotations
@@ -92,6 +94,20 @@ class Fingerprint:
         found += [f"{shown(rel)} was removed" for rel in removed]
         found += [f"{shown(rel)} was added" for rel in added]
         return found
+
+    def written(self, current: Fingerprint) -> list[str]:
+        """The local files of both whose stat stamps moved from these to ``current``'s (ctime
+        or inode: written to, or replaced), in words: compared within one run, where what a
+        file holds at its end says nothing of what it held while it was read (changed and
+        changed back)."""
+        return [
+            f"{shown(rel)} was written to"
+            for rel in sorted(set(self.stamps) & set(current.stamps))
+            if rel in self.files
+            and rel in current.files
+            and self.files[rel] == current.files[rel]
+            and self.stamps[rel] != current.stamps[rel]
+        ]
 
 
 def describe_changes(changes: list[str]) -> str:
