@@ -1609,7 +1609,8 @@ class Dir:
     # -- changing --------------------------------------------------------------------------
 
     def rename_back(self, name: str, to: Dir, to_name: str) -> None:
-        """Put ``name`` back at the absent ``to/to_name`` (``noreplace``); where the file
+        """Put ``name`` back at (or aside to) the absent ``to/to_name`` (``noreplace``: what
+        stands there by then is never replaced, a ``FileExistsError``); where the file
         system lacks ``renameat2`` (:data:`NO_RENAMEAT2`), with ``rename(2)`` after a look that
         finds nothing there: a put-back that only ``renameat2`` could do failed on such a file
         system every time, leaving what it moved where it had gone."""
@@ -1664,10 +1665,12 @@ class Dir:
         """Rename ``name`` to ``to/to_name`` in a marked tree, replacing only what the look
         found there (``there``: nothing, or the loader's own file): ``rename(2)`` would replace
         whatever stands there by then (a user's file renamed to ``to_name`` after the look).
-        Where nothing was, nothing is replaced (something there since is refused, unless it is
-        the loader's own again); the loader's file is swapped out in one exchange and removed
-        only while it is that very file (anything else is swapped back and refused). A
-        directory, and a file system without ``renameat2``, are renamed as before."""
+        Where nothing was, nothing is replaced, a directory moved neither (something there since
+        is refused, unless it is the loader's own again); the loader's file is swapped out in
+        one exchange and removed only while it is that very file (anything else is swapped back
+        and refused); a name that changes at every look is refused. The loader's directory
+        there (rename(2) replaces only an empty one), and a file system without ``renameat2``,
+        are renamed as before."""
         src, dst = self.path / name, to.path / to_name
         for _ in range(3):  # (another loader's file may come and go meanwhile)
             whole = stat.S_ISREG(moved.st_mode) and (there is None or stat.S_ISREG(there.st_mode))
@@ -1789,33 +1792,47 @@ class Dir:
             raise _named(exc, self.path / name) from None
 
     def _unlink_same(
-        self, name: str, found: os.stat_result, *, recorded: bool = True
+        self,
+        name: str,
+        judged: os.stat_result | tuple[int, int],
+        *,
+        aside: str | None = None,
+        recorded: bool = True,
     ) -> bool | None:
-        """Remove the regular file ``name`` only while it is the very file ``found`` (its
-        ``lstat`` when the loader judged it its own) names: a removal by name would take
+        """Remove the regular file ``name`` only while it is the very file ``judged`` (its
+        ``lstat`` when the loader judged it its own, or its device and inode as
+        :meth:`read_judged` or ``fstat`` told them) names: a removal by name would take
         whatever stands there by then (a user's file renamed to ``name`` after the look). It
-        is moved to a fresh name of this directory in one rename and removed there only if what
-        moved is that file; anything else goes back to ``name`` untouched (left at the fresh
-        name, with a warning, when something new is at ``name`` by then). In a marked tree (with
-        ``recorded``) the fresh name is recorded as the loader's file before the rename, and
-        ``name`` as gone: a loader stopped in between leaves a file the next one removes.
+        is moved to ``aside`` (by default a fresh name of this directory) in one rename that
+        replaces nothing, and removed there only if what moved is that file; anything else
+        goes back to ``name`` untouched (left at ``aside``, with a warning, when something new
+        is at ``name`` by then). Something at ``aside`` already is never replaced: it is a
+        :class:`NameTakenError`, and nothing moved. In a marked tree (with ``recorded``, and
+        ``judged`` an ``lstat``) ``aside`` is recorded as the loader's file before the rename,
+        and ``name`` as gone: a loader stopped in between leaves a file the next one removes.
         True when the file was removed; False when something else was at ``name``; None when
         nothing was."""
-        aside = f".{MARKER_PREFIX[1:]}gone.{owner()}.{secrets.token_hex(6)}"
-        if recorded:
-            self._record(aside, found)
-            self._record(name, found, gone=True)
+        if isinstance(judged, os.stat_result):
+            identity = (judged.st_dev, judged.st_ino)
+        else:
+            identity, judged = (judged[0], judged[1]), None
+        aside = aside or f".{MARKER_PREFIX[1:]}gone.{owner()}.{secrets.token_hex(6)}"
+        if recorded and judged is not None:
+            self._record(aside, judged)
+            self._record(name, judged, gone=True)
         try:
             self._rename_fresh(name, aside)
         except FileNotFoundError as exc:
             if isinstance(exc, DirectoryRemovedError):
                 raise
             return None  # removed meanwhile: nothing left to remove
+        except FileExistsError:
+            raise NameTakenError(self.path / aside, self._found(aside)) from None
         now = self.lstat(aside)
         if now is None:
             return None
-        if (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino) and stat.S_ISREG(now.st_mode):
-            if recorded:
+        if (now.st_dev, now.st_ino) == identity and stat.S_ISREG(now.st_mode):
+            if recorded and judged is not None:
                 self._record(aside, now, gone=True)
             self._unlink_own(aside)
             return True
@@ -1844,28 +1861,9 @@ class Dir:
 
     def unlink_judged(self, name: str, expected: tuple[int, int], aside: str) -> bool:
         """Remove the file ``name`` only while it is the very file ``expected`` (its device and
-        inode, as :meth:`read_judged` or ``fstat`` told them) names: it is moved to ``aside`` (a
-        fresh name in this directory) in one rename first, and removed only if what moved is
-        that file. Whatever else was renamed to ``name`` since it was judged (a user's file,
-        link or directory) goes back to ``name``, untouched (left at ``aside`` with a warning
-        when something new is at ``name`` by then). True when the file was removed."""
-        try:
-            self.rename(name, self, aside, how="replace")
-        except FileNotFoundError:
-            return False  # removed meanwhile: nothing left to remove
-        found = self.lstat(aside)
-        if found is None:
-            return False
-        if (found.st_dev, found.st_ino) == tuple(expected) and stat.S_ISREG(found.st_mode):
-            self.unlink(aside, missing_ok=True)
-            return True
-        try:
-            self.rename_back(aside, self, name)
-        except OSError as exc:
-            log.warning("%s was replaced after the loader looked at it, and could not be put "
-                        "back (%s): left at %s", self.path / name, exc.strerror or exc,
-                        self.path / aside)  # fmt: skip
-        return False
+        inode, as :meth:`read_judged` or ``fstat`` told them) names, moved to ``aside`` (a fresh
+        name in this directory) first: :meth:`_unlink_same`. True when the file was removed."""
+        return self._unlink_same(name, expected, aside=aside) is True
 
     def rmdir(self, name: str) -> None:
         """Remove the empty directory ``name``; in a marked tree only one its record names

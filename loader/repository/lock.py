@@ -48,7 +48,13 @@ import time
 from pathlib import Path
 
 from loader import ledger
-from loader.errors import LockLostError, LockTimeoutError, NotOursError, PublishError
+from loader.errors import (
+    LockLostError,
+    LockTimeoutError,
+    NameTakenError,
+    NotOursError,
+    PublishError,
+)
 from loader.formats import jsondoc
 from loader.fs import Dir, TooLargeError, fsync_fd, pid_alive, pid_space, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
@@ -259,10 +265,12 @@ class PublishLock:
         assert self._dir is not None
         locks, name = self._dir, self.path.name
         moved = f"{name}.stale-{self.token}"
-        try:
-            locks.rename(name, locks, moved, how="replace")
+        try:  # replacing nothing: whatever stands at the fresh name is someone else's
+            locks.rename_back(name, locks, moved)
         except FileNotFoundError:
             return  # someone else removed it first
+        except FileExistsError:
+            raise NameTakenError(locks.path / moved, locks._found(moved)) from None
         try:
             content = locks.read(moved, limit=64 * 1024)
         except (NotOursError, TooLargeError):
