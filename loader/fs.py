@@ -1675,11 +1675,11 @@ class Dir:
         for _ in range(3):  # (another loader's file may come and go meanwhile)
             whole = stat.S_ISREG(moved.st_mode) and (there is None or stat.S_ISREG(there.st_mode))
             try:
-                if not whole:
-                    break
-                if there is None:
+                if there is None:  # a directory too: rename(2) replaced an empty one put there
                     self._rename(name, to, to_name, "noreplace", src, dst)
                     return
+                if not whole:
+                    break
                 if self.made is not None:  # what comes back to ``name`` is the loader's there
                     self._record(name, there)
                 self._rename(name, to, to_name, "exchange", src, dst)
@@ -1700,6 +1700,8 @@ class Dir:
                 return
             self._rename(name, to, to_name, "exchange", src, dst)  # the other's goes back
             raise NameTakenError(dst, "a file put there after the loader looked")
+        else:  # changed at every look: rename(2) would replace whatever stands there by then
+            raise NameTakenError(dst, f"{to._found(to_name)}, changing while the loader looked")
         self._rename(name, to, to_name, "replace", src, dst)
 
     def _record_moved(
