@@ -1237,13 +1237,13 @@ class Dir:
             if found is None or not stat.S_ISREG(found.st_mode) or found.st_size > 4096:
                 continue
             try:
-                data = self.read(name, limit=4096)
+                read = self.read_judged(name, limit=4096)
             except (NotOursError, OSError):
                 continue
             whole = made_header(marker) + made_line((MADE,), found)
-            if data is not None and whole.startswith(data):
+            if read is not None and whole.startswith(read[0]):
                 log.info("removing %s: a loader stopped while it marked this directory", name)
-                self._unlink_own(name)
+                self._unlink_same(name, read[1])  # only the very file read (not by name)
 
     def unfinished_marked(
         self, prefix: str, marker: str, owner_line: str, *, idle_s: float
@@ -1266,12 +1266,13 @@ class Dir:
             if tag is None or tag == owner():  # this process's own, in the making
                 continue
             if not self.marked(name, marker, owner_line):
-                if self._half_made(name, marker, owner_line) and self._abandoned(name, tag, idle_s):
+                half = self._half_made(name, marker, owner_line)
+                if half is not None and self._abandoned(name, tag, idle_s):
                     log.info("removing %s: a loader stopped while it made it", self.path / name)
                     with self.sub(name) as d:
-                        for entry in (marker, MADE):
-                            if d.regular_size(entry) is not None:
-                                d._unlink_own(entry)
+                        for entry in (marker, MADE):  # only the very files read
+                            if entry in half:
+                                d._unlink_same(entry, half[entry], recorded=False)
                     try:
                         self.rmdir(name)
                     except OSError as exc:  # something put into it meanwhile: someone's
@@ -1296,25 +1297,31 @@ class Dir:
         changed = max(entry.st_mtime for entry in stamps if entry is not None)
         return time.time() - changed >= idle_s
 
-    def _half_made(self, name: str, marker: str, owner_line: str) -> bool:
+    def _half_made(
+        self, name: str, marker: str, owner_line: str
+    ) -> dict[str, tuple[int, int]] | None:
         """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
         its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
-        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files."""
+        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files. If so,
+        the device and inode of each file read (None: not so)."""
         try:
             with self.sub(name) as d:
                 names = d.names()
                 if not set(names) <= {MADE, marker}:
-                    return False
-                made = d.read(MADE, limit=4096) if MADE in names else b""
-                mark = d.read(marker, limit=4096) if marker in names else b""
+                    return None
+                read = {entry: d.read_judged(entry, limit=4096) for entry in names}
         except (NotOursError, OSError):
-            return False
-        if made is None or mark is None:
-            return False
+            return None
+        if None in read.values():
+            return None
+        made = read[MADE][0] if MADE in read else b""
+        mark = read[marker][0] if marker in read else b""
         header = made.split(b"\n", 1)[0]
-        return (not made or parse_made(header)[0] == marker) and (
+        if (not made or parse_made(header)[0] == marker) and (
             f"{owner_line}\n".encode().startswith(mark) and mark != f"{owner_line}\n".encode()
-        )
+        ):
+            return {entry: found[1] for entry, found in read.items() if found is not None}
+        return None
 
     # -- looking ---------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import pytest
 from loader import fs
 from loader.cli import main
 from loader.sources.transfer import PARTIAL_DIR
+from tests.at_step import AtStep, picked_calls
 
 #: A pid no process of this host has (above the kernel's largest), tagged with this host: the
 #: owner tag a stopped fetch of this host left in its partial names.
@@ -203,6 +204,40 @@ def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_r
     _same_files(tiny_checkpoint_with_tokenizer, dest)
     assert [p.name for p in dest.glob(f"{fs.MADE}.*")] == [users.name]
     assert users.read_text() == "a user's\n"
+
+
+def test_a_users_file_renamed_to_a_stopped_markings_temporary_record_at_any_step_stays(
+    tmp_path,
+):
+    """A fetch stopped while it marked DEST left a temporary record, which the next one judges
+    by its content and removes: a user's file renamed to that name at any step after the read
+    (the removal went by name) stays whole."""
+    from loader.sources.transfer import FETCH_MARKER
+
+    def left(dest: Path) -> Path:
+        dest.mkdir()
+        tmp = dest / f"{fs.MADE}.{GONE}.0badcafe.tmp"
+        tmp.write_bytes(b"")
+        tmp.write_bytes(fs.made_header(FETCH_MARKER) + fs.made_line((fs.MADE,), tmp.stat()))
+        return tmp
+
+    def mark(dest: Path) -> None:
+        with fs.confined(dest), fs.Dir.open(dest) as d:
+            d.mark_in_place(FETCH_MARKER, "model-loader fetch")
+
+    counted = tmp_path / "count"
+    tmp = left(counted)
+    steps, _ = picked_calls(lambda op, path: path, lambda: mark(counted))
+    assert not tmp.exists()
+    judged = steps.index(f"read {tmp}") + 1
+    for step in range(judged + 1, len(steps) + 1):
+        tmp = left(tmp_path / f"at-{step}")
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("a user's\n")
+        hook = AtStep(step, lambda op, path: path, lambda _, t=tmp, o=theirs: os.rename(o, t))
+        with fs.inject(hook):
+            mark(tmp.parent)
+        assert tmp.read_text() == "a user's\n", (step, steps[step - 1])
 
 
 def test_a_partial_directory_another_fetch_removes_before_the_file_is_made_is_made_again(

@@ -693,6 +693,53 @@ def test_a_half_made_directory_someone_fills_meanwhile_is_kept(tmp_path):
     assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
 
 
+def _half_made(staging: Path, stop) -> str:
+    """A temporary directory ``make_marked`` left in ``staging`` when stopped at ``stop``, named
+    as one of a process that is gone."""
+    with fs.Dir.open(staging, create=True) as parent:
+        with fs.inject(stop), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+    dead = tmp.replace(f".{fs.owner()}.", ".999999999-" + fs.host_digest() + ".")
+    os.rename(staging / tmp, staging / dead)
+    _fresh_process()
+    return dead
+
+
+@pytest.mark.parametrize("entry", [MARKER, fs.MADE])
+def test_a_users_file_renamed_into_a_half_made_directory_at_any_step_is_kept(tmp_path, entry):
+    """A loader stopped while it wrote a new tree's marker left a half-made temporary directory;
+    the next one judges it by what its record and marker hold, and removes them: a user's file
+    renamed to either name at any step after that look (the removal went by name) stays whole,
+    and so does the directory holding it."""
+
+    def unfinished(staging: Path) -> list[str]:
+        with fs.Dir.open(staging) as parent:
+            return parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600)
+
+    counted = tmp_path / "count"
+    dead = _half_made(counted, _stop_at("write", MARKER))
+    steps, found = picked_calls(lambda op, path: path, lambda: unfinished(counted))
+    assert found == [] and not (counted / dead).exists()
+    judged = next(i for i, call in enumerate(steps, 1) if call == f"read {counted / dead / entry}")
+    for step in range(judged + 1, len(steps) + 1):
+        staging = tmp_path / f"at-{step}"
+        dead = _half_made(staging, _stop_at("write", MARKER))
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("mine\n")
+
+        def plant(_: str, at: Path = staging / dead / entry, theirs: Path = theirs) -> None:
+            if at.parent.is_dir():
+                os.rename(theirs, at)
+
+        hook = AtStep(step, lambda op, path: path, plant)
+        with fs.inject(hook):
+            unfinished(staging)
+        if theirs.exists():  # the directory was gone already: nothing was put into it
+            continue
+        assert (staging / dead / entry).read_text() == "mine\n", (step, steps[step - 1])
+
+
 @pytest.mark.parametrize("where", ["top", "below"])
 def test_a_file_put_into_a_directory_while_it_is_removed_stays(tmp_path, where):
     """Someone puts a file into a directory of the tree just before the loader removes the
