@@ -124,7 +124,7 @@ def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_
     other: list[PublishLock] = []
 
     def race(op: str, where: str) -> None:
-        if op == "rename" and where.startswith(f"{path} -> ") and theirs.exists():
+        if op.startswith("rename") and where.startswith(f"{path} -> ") and theirs.exists():
             os.rename(theirs, path)
         elif op == "open" and ".stale-" in where and not other and not theirs.exists():
             other.append(PublishLock(tmp_path, KEY, expiry_s=60, timeout_s=0).acquire())

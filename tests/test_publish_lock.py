@@ -286,8 +286,8 @@ def test_a_take_over_whose_moved_lock_prune_removed_meanwhile_goes_on(tmp_path: 
     steps: list[str] = []
 
     def race(op: str, where: str) -> None:
-        if op == "rename" and where.startswith(f"{path} -> ") and not steps:
-            steps.append(op)
+        if op.startswith("rename") and where.startswith(f"{path} -> ") and not steps:
+            steps.append("rename")
             path.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "beats": 1}))
         elif op == "link" and steps == ["rename"]:
             steps.append(op)
