@@ -1170,13 +1170,16 @@ class Dir:
         self.fsync()
         return True
 
-    def _new_record(self, name: str, marker: str) -> None:
+    def _new_record(self, name: str, marker: str) -> os.stat_result:
         """Create the file ``name`` (``O_EXCL``) holding a new tree's record: its first line
-        naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced."""
+        naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced; its
+        ``fstat``."""
         fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            write_fd(fd, made_header(marker) + made_line((MADE,), os.fstat(fd)), self.path / name)
+            made = os.fstat(fd)
+            write_fd(fd, made_header(marker) + made_line((MADE,), made), self.path / name)
             fsync_fd(fd, self.path / name)
+            return made
         except BaseException:
             os.close(fd)
             fd = -1
@@ -1204,12 +1207,12 @@ class Dir:
             # Written whole under a name of this process's, then linked into place: another
             # loader marking the same directory at once finds a whole record or none.
             tmp = f"{MADE}.{owner()}.{secrets.token_hex(4)}.tmp"
-            self._new_record(tmp, marker)  # (a failure removes what it made: see below)
+            made = self._new_record(tmp, marker)  # (a failure removes what it made: see below)
             try:
                 with contextlib.suppress(FileExistsError):  # another loader's came first
                     self.link(tmp, MADE)
             finally:
-                self.unlink(tmp, missing_ok=True)
+                self._unlink_same(tmp, made)  # only the very file made (not by name)
             self.fsync()
         try:
             head = self.read(MADE, limit=SMALL_FILE_BYTES) or b""

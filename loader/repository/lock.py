@@ -220,8 +220,13 @@ class PublishLock:
             self._write()
         except BaseException:
             self._fd = None
-            with contextlib.suppress(OSError):
-                self._dir.unlink(self.path.name, missing_ok=True)
+            with contextlib.suppress(OSError):  # only the very file made (not by name)
+                made = os.fstat(fd)
+                self._dir.unlink_judged(
+                    self.path.name,
+                    (made.st_dev, made.st_ino),
+                    f"{self.path.name}.stale-{secrets.token_hex(8)}",
+                )
             os.close(fd)
             raise
         return True
