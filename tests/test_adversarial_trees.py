@@ -214,6 +214,9 @@ def test_a_users_entry_at_the_name_a_lock_is_moved_aside_to_is_never_replaced(tm
         b"{}",
         b'{"key"}',
         b'{"pid": 1, "host": "gone", "notes": "mine"}',
+        # ... nor one whose first field is a key, as a record's is (judged by that alone before)
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01", "notes": "mine"}',
+        b'{"key": "my-setting", "value": [1, 2]}\n',
     ],
 )
 def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
@@ -242,7 +245,14 @@ def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path)
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"\x00" * 64, b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}', b'{"ke'],
+    [
+        b"",
+        b"\x00" * 64,
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}',
+        b'{"ke',
+        # a rewrite stopped before its truncation: the tail of a longer record after it
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}"beats": 10}',
+    ],
 )
 def test_what_a_stopped_loader_may_leave_at_its_locks_name_is_still_taken_over(tmp_path, content):
     """Nothing written yet, zeros (a crash before the write reached the disk), a record cut
