@@ -501,6 +501,9 @@ MAX_NAME_LEVELS = 32
 #: The temporary name of a record :meth:`Dir.mark_in_place` writes whole before it links it
 #: into place: ``<MADE>.<owner>.<8 hex digits>.tmp``.
 _MARKING_TMP = re.compile(re.escape(MADE) + r"\.(\d+-[0-9a-f]{8})\.[0-9a-f]{8}\.tmp")
+#: The fresh name a file judged the loader's is moved to before it is removed
+#: (:meth:`Dir._unlink_same`): ``.model-loader-gone.<owner>.<12 hex digits>``.
+_GONE = re.compile(re.escape(MARKER_PREFIX) + r"gone\.(\d+-[0-9a-f]{8})\.[0-9a-f]{12}")
 
 
 def _marker_name(name: str) -> bool:
@@ -1228,12 +1231,13 @@ class Dir:
             raise self.not_ours(marker, "the loader's marker file")
 
     def _clear_stopped_marking(self, marker: str) -> None:
-        """Remove the temporary records (``<MADE>.<owner>.<hex>.tmp``) that loaders of this
-        host, gone now, left here when they were stopped inside :meth:`mark_in_place`: each
-        told by its content, a beginning of the very record that loader wrote into that file
-        (it names the file's own inode). Any other file of such a name is someone else's."""
+        """Remove the temporary records (``<MADE>.<owner>.<hex>.tmp``, or moved aside to be
+        removed: :data:`_GONE`) that loaders of this host, gone now, left here when they were
+        stopped inside :meth:`mark_in_place`: each told by its content, a beginning of the very
+        record that loader wrote into that file (it names the file's own inode). Any other file
+        of such a name is someone else's."""
         for name in self.names():
-            match = _MARKING_TMP.fullmatch(name)
+            match = _MARKING_TMP.fullmatch(name) or _GONE.fullmatch(name)
             if match is None or not owner_gone(match[1]):
                 continue
             found = self.lstat(name)

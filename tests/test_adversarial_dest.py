@@ -176,9 +176,18 @@ with fs.inject(hook):
 """
 
 
-@pytest.mark.parametrize("op", ["write", "fsync", "link", "unlink"])
+@pytest.mark.parametrize(
+    ("op", "part"),
+    [
+        ("write", f"{fs.MADE}."),
+        ("fsync", f"{fs.MADE}."),
+        ("link", f"{fs.MADE}."),
+        ("rename-noreplace", f"{fs.MADE}."),  # moved aside to be removed
+        ("unlink", f"{fs.MARKER_PREFIX}gone."),  # removed there
+    ],
+)
 def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_rerun(
-    tiny_checkpoint_with_tokenizer, tmp_path, capsys, op
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, op, part
 ):
     """Before: a fetch killed between writing its record under a temporary name and removing
     that name left ``DEST/.model-loader-made.<owner>.<hex>.tmp`` for good (no rerun removed
@@ -189,13 +198,13 @@ def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_r
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     args = ["fetch", "--copy", str(tiny_checkpoint_with_tokenizer), str(dest)]
     killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_AT, op, f"{fs.MADE}.", *args],
+        [sys.executable, "-c", _KILLED_AT, op, part, *args],
         env=env,
         capture_output=True,
         timeout=120,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert list(dest.glob(f"{fs.MADE}.*.tmp"))  # it left one
+    assert list(dest.glob(f"{fs.MADE}.*.tmp")) or list(dest.glob(part + "*"))  # it left one
     users = dest / f"{fs.MADE}.{GONE}.0badcafe.tmp"
     users.write_text("a user's\n")
 
@@ -203,6 +212,7 @@ def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_r
     assert code == 0, err
     _same_files(tiny_checkpoint_with_tokenizer, dest)
     assert [p.name for p in dest.glob(f"{fs.MADE}.*")] == [users.name]
+    assert not list(dest.glob(f"{fs.MARKER_PREFIX}gone.*"))
     assert users.read_text() == "a user's\n"
 
 
