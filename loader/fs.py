@@ -1277,9 +1277,8 @@ class Dir:
                 if half is not None and self._abandoned(name, tag, idle_s):
                     log.info("removing %s: a loader stopped while it made it", self.path / name)
                     with self.sub(name) as d:
-                        for entry in (marker, MADE):  # only the very files read
-                            if entry in half:
-                                d._unlink_same(entry, half[entry], recorded=False)
+                        for entry in sorted(half, key=lambda n: n == MADE):  # record last
+                            d._unlink_same(entry, half[entry], recorded=False)  # (that file)
                     try:
                         self.rmdir(name)
                     except OSError as exc:  # something put into it meanwhile: someone's
@@ -1309,26 +1308,29 @@ class Dir:
     ) -> dict[str, tuple[int, int]] | None:
         """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
         its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
-        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files. If so,
-        the device and inode of each file read (None: not so)."""
+        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files, either
+        perhaps moved aside to be removed (:data:`_GONE`: a removal of them stopped there). If
+        so, the device and inode of each file read (None: not so)."""
         try:
             with self.sub(name) as d:
                 names = d.names()
-                if not set(names) <= {MADE, marker}:
+                if any(n not in (MADE, marker) and not _GONE.fullmatch(n) for n in names):
                     return None
                 read = {entry: d.read_judged(entry, limit=4096) for entry in names}
         except (NotOursError, OSError):
             return None
-        if None in read.values():
-            return None
-        made = read[MADE][0] if MADE in read else b""
-        mark = read[marker][0] if marker in read else b""
-        header = made.split(b"\n", 1)[0]
-        if (not made or parse_made(header)[0] == marker) and (
-            f"{owner_line}\n".encode().startswith(mark) and mark != f"{owner_line}\n".encode()
-        ):
-            return {entry: found[1] for entry, found in read.items() if found is not None}
-        return None
+        whole = f"{owner_line}\n".encode()
+        judged = {}
+        for entry, found in read.items():
+            if found is None:
+                return None
+            data = found[0]
+            record = not data or parse_made(data.split(b"\n", 1)[0])[0] == marker
+            mark = whole.startswith(data) and data != whole
+            if not (record if entry == MADE else mark if entry == marker else record or mark):
+                return None
+            judged[entry] = found[1]
+        return judged
 
     # -- looking ---------------------------------------------------------------------------
 

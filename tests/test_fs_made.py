@@ -740,6 +740,23 @@ def test_a_users_file_renamed_into_a_half_made_directory_at_any_step_is_kept(tmp
         assert (staging / dead / entry).read_text() == "mine\n", (step, steps[step - 1])
 
 
+@pytest.mark.parametrize("entry", [MARKER, fs.MADE])
+def test_a_half_made_directory_whose_removal_was_stopped_is_removed_by_the_next_loader(
+    tmp_path, entry
+):
+    """A loader removing a half-made temporary directory was stopped after it moved the marker
+    or the record aside to be removed: the next loader still removes the directory whole."""
+    staging = tmp_path / "staging"
+    dead = _half_made(staging, _stop_at("write", MARKER))
+    with fs.Dir.open(staging) as parent:
+        with fs.inject(_stop_moving(f"/{entry} -> ", after=True)), pytest.raises(Stopped):
+            parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600)
+        assert any(n.startswith(f"{fs.MARKER_PREFIX}gone.") for n in os.listdir(staging / dead))
+        _fresh_process()
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+    assert os.listdir(staging) == []
+
+
 @pytest.mark.parametrize("where", ["top", "below"])
 def test_a_file_put_into_a_directory_while_it_is_removed_stays(tmp_path, where):
     """Someone puts a file into a directory of the tree just before the loader removes the
