@@ -501,6 +501,9 @@ MAX_NAME_LEVELS = 32
 #: The temporary name of a record :meth:`Dir.mark_in_place` writes whole before it links it
 #: into place: ``<MADE>.<owner>.<8 hex digits>.tmp``.
 _MARKING_TMP = re.compile(re.escape(MADE) + r"\.(\d+-[0-9a-f]{8})\.[0-9a-f]{8}\.tmp")
+#: The fresh name a file judged the loader's is moved to before it is removed
+#: (:meth:`Dir._unlink_same`): ``.model-loader-gone.<owner>.<12 hex digits>``.
+_GONE = re.compile(re.escape(MARKER_PREFIX) + r"gone\.(\d+-[0-9a-f]{8})\.[0-9a-f]{12}")
 
 
 def _marker_name(name: str) -> bool:
@@ -1170,13 +1173,16 @@ class Dir:
         self.fsync()
         return True
 
-    def _new_record(self, name: str, marker: str) -> None:
+    def _new_record(self, name: str, marker: str) -> os.stat_result:
         """Create the file ``name`` (``O_EXCL``) holding a new tree's record: its first line
-        naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced."""
+        naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced; its
+        ``fstat``."""
         fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            write_fd(fd, made_header(marker) + made_line((MADE,), os.fstat(fd)), self.path / name)
+            made = os.fstat(fd)
+            write_fd(fd, made_header(marker) + made_line((MADE,), made), self.path / name)
             fsync_fd(fd, self.path / name)
+            return made
         except BaseException:
             os.close(fd)
             fd = -1
@@ -1204,12 +1210,12 @@ class Dir:
             # Written whole under a name of this process's, then linked into place: another
             # loader marking the same directory at once finds a whole record or none.
             tmp = f"{MADE}.{owner()}.{secrets.token_hex(4)}.tmp"
-            self._new_record(tmp, marker)  # (a failure removes what it made: see below)
+            made = self._new_record(tmp, marker)  # (a failure removes what it made: see below)
             try:
                 with contextlib.suppress(FileExistsError):  # another loader's came first
                     self.link(tmp, MADE)
             finally:
-                self.unlink(tmp, missing_ok=True)
+                self._unlink_same(tmp, made)  # only the very file made (not by name)
             self.fsync()
         try:
             head = self.read(MADE, limit=SMALL_FILE_BYTES) or b""
@@ -1225,25 +1231,26 @@ class Dir:
             raise self.not_ours(marker, "the loader's marker file")
 
     def _clear_stopped_marking(self, marker: str) -> None:
-        """Remove the temporary records (``<MADE>.<owner>.<hex>.tmp``) that loaders of this
-        host, gone now, left here when they were stopped inside :meth:`mark_in_place`: each
-        told by its content, a beginning of the very record that loader wrote into that file
-        (it names the file's own inode). Any other file of such a name is someone else's."""
+        """Remove the temporary records (``<MADE>.<owner>.<hex>.tmp``, or moved aside to be
+        removed: :data:`_GONE`) that loaders of this host, gone now, left here when they were
+        stopped inside :meth:`mark_in_place`: each told by its content, a beginning of the very
+        record that loader wrote into that file (it names the file's own inode). Any other file
+        of such a name is someone else's."""
         for name in self.names():
-            match = _MARKING_TMP.fullmatch(name)
+            match = _MARKING_TMP.fullmatch(name) or _GONE.fullmatch(name)
             if match is None or not owner_gone(match[1]):
                 continue
             found = self.lstat(name)
             if found is None or not stat.S_ISREG(found.st_mode) or found.st_size > 4096:
                 continue
             try:
-                data = self.read(name, limit=4096)
+                read = self.read_judged(name, limit=4096)
             except (NotOursError, OSError):
                 continue
             whole = made_header(marker) + made_line((MADE,), found)
-            if data is not None and whole.startswith(data):
+            if read is not None and whole.startswith(read[0]):
                 log.info("removing %s: a loader stopped while it marked this directory", name)
-                self._unlink_own(name)
+                self._unlink_same(name, read[1])  # only the very file read (not by name)
 
     def unfinished_marked(
         self, prefix: str, marker: str, owner_line: str, *, idle_s: float
@@ -1266,12 +1273,12 @@ class Dir:
             if tag is None or tag == owner():  # this process's own, in the making
                 continue
             if not self.marked(name, marker, owner_line):
-                if self._half_made(name, marker, owner_line) and self._abandoned(name, tag, idle_s):
+                half = self._half_made(name, marker, owner_line)
+                if half is not None and self._abandoned(name, tag, idle_s):
                     log.info("removing %s: a loader stopped while it made it", self.path / name)
                     with self.sub(name) as d:
-                        for entry in (marker, MADE):
-                            if d.regular_size(entry) is not None:
-                                d._unlink_own(entry)
+                        for entry in sorted(half, key=lambda n: n == MADE):  # record last
+                            d._unlink_same(entry, half[entry], recorded=False)  # (that file)
                     try:
                         self.rmdir(name)
                     except OSError as exc:  # something put into it meanwhile: someone's
@@ -1296,25 +1303,34 @@ class Dir:
         changed = max(entry.st_mtime for entry in stamps if entry is not None)
         return time.time() - changed >= idle_s
 
-    def _half_made(self, name: str, marker: str, owner_line: str) -> bool:
+    def _half_made(
+        self, name: str, marker: str, owner_line: str
+    ) -> dict[str, tuple[int, int]] | None:
         """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
         its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
-        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files."""
+        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files, either
+        perhaps moved aside to be removed (:data:`_GONE`: a removal of them stopped there). If
+        so, the device and inode of each file read (None: not so)."""
         try:
             with self.sub(name) as d:
                 names = d.names()
-                if not set(names) <= {MADE, marker}:
-                    return False
-                made = d.read(MADE, limit=4096) if MADE in names else b""
-                mark = d.read(marker, limit=4096) if marker in names else b""
+                if any(n not in (MADE, marker) and not _GONE.fullmatch(n) for n in names):
+                    return None
+                read = {entry: d.read_judged(entry, limit=4096) for entry in names}
         except (NotOursError, OSError):
-            return False
-        if made is None or mark is None:
-            return False
-        header = made.split(b"\n", 1)[0]
-        return (not made or parse_made(header)[0] == marker) and (
-            f"{owner_line}\n".encode().startswith(mark) and mark != f"{owner_line}\n".encode()
-        )
+            return None
+        whole = f"{owner_line}\n".encode()
+        judged = {}
+        for entry, found in read.items():
+            if found is None:
+                return None
+            data = found[0]
+            record = not data or parse_made(data.split(b"\n", 1)[0])[0] == marker
+            mark = whole.startswith(data) and data != whole
+            if not (record if entry == MADE else mark if entry == marker else record or mark):
+                return None
+            judged[entry] = found[1]
+        return judged
 
     # -- looking ---------------------------------------------------------------------------
 
@@ -1609,7 +1625,8 @@ class Dir:
     # -- changing --------------------------------------------------------------------------
 
     def rename_back(self, name: str, to: Dir, to_name: str) -> None:
-        """Put ``name`` back at the absent ``to/to_name`` (``noreplace``); where the file
+        """Put ``name`` back at (or aside to) the absent ``to/to_name`` (``noreplace``: what
+        stands there by then is never replaced, a ``FileExistsError``); where the file
         system lacks ``renameat2`` (:data:`NO_RENAMEAT2`), with ``rename(2)`` after a look that
         finds nothing there: a put-back that only ``renameat2`` could do failed on such a file
         system every time, leaving what it moved where it had gone."""
@@ -1664,19 +1681,21 @@ class Dir:
         """Rename ``name`` to ``to/to_name`` in a marked tree, replacing only what the look
         found there (``there``: nothing, or the loader's own file): ``rename(2)`` would replace
         whatever stands there by then (a user's file renamed to ``to_name`` after the look).
-        Where nothing was, nothing is replaced (something there since is refused, unless it is
-        the loader's own again); the loader's file is swapped out in one exchange and removed
-        only while it is that very file (anything else is swapped back and refused). A
-        directory, and a file system without ``renameat2``, are renamed as before."""
+        Where nothing was, nothing is replaced, a directory moved neither (something there since
+        is refused, unless it is the loader's own again); the loader's file is swapped out in
+        one exchange and removed only while it is that very file (anything else is swapped back
+        and refused); a name that changes at every look is refused. The loader's directory
+        there (rename(2) replaces only an empty one), and a file system without ``renameat2``,
+        are renamed as before."""
         src, dst = self.path / name, to.path / to_name
         for _ in range(3):  # (another loader's file may come and go meanwhile)
             whole = stat.S_ISREG(moved.st_mode) and (there is None or stat.S_ISREG(there.st_mode))
             try:
-                if not whole:
-                    break
-                if there is None:
+                if there is None:  # a directory too: rename(2) replaced an empty one put there
                     self._rename(name, to, to_name, "noreplace", src, dst)
                     return
+                if not whole:
+                    break
                 if self.made is not None:  # what comes back to ``name`` is the loader's there
                     self._record(name, there)
                 self._rename(name, to, to_name, "exchange", src, dst)
@@ -1697,6 +1716,8 @@ class Dir:
                 return
             self._rename(name, to, to_name, "exchange", src, dst)  # the other's goes back
             raise NameTakenError(dst, "a file put there after the loader looked")
+        else:  # changed at every look: rename(2) would replace whatever stands there by then
+            raise NameTakenError(dst, f"{to._found(to_name)}, changing while the loader looked")
         self._rename(name, to, to_name, "replace", src, dst)
 
     def _record_moved(
@@ -1789,33 +1810,47 @@ class Dir:
             raise _named(exc, self.path / name) from None
 
     def _unlink_same(
-        self, name: str, found: os.stat_result, *, recorded: bool = True
+        self,
+        name: str,
+        judged: os.stat_result | tuple[int, int],
+        *,
+        aside: str | None = None,
+        recorded: bool = True,
     ) -> bool | None:
-        """Remove the regular file ``name`` only while it is the very file ``found`` (its
-        ``lstat`` when the loader judged it its own) names: a removal by name would take
+        """Remove the regular file ``name`` only while it is the very file ``judged`` (its
+        ``lstat`` when the loader judged it its own, or its device and inode as
+        :meth:`read_judged` or ``fstat`` told them) names: a removal by name would take
         whatever stands there by then (a user's file renamed to ``name`` after the look). It
-        is moved to a fresh name of this directory in one rename and removed there only if what
-        moved is that file; anything else goes back to ``name`` untouched (left at the fresh
-        name, with a warning, when something new is at ``name`` by then). In a marked tree (with
-        ``recorded``) the fresh name is recorded as the loader's file before the rename, and
-        ``name`` as gone: a loader stopped in between leaves a file the next one removes.
+        is moved to ``aside`` (by default a fresh name of this directory) in one rename that
+        replaces nothing, and removed there only if what moved is that file; anything else
+        goes back to ``name`` untouched (left at ``aside``, with a warning, when something new
+        is at ``name`` by then). Something at ``aside`` already is never replaced: it is a
+        :class:`NameTakenError`, and nothing moved. In a marked tree (with ``recorded``, and
+        ``judged`` an ``lstat``) ``aside`` is recorded as the loader's file before the rename,
+        and ``name`` as gone: a loader stopped in between leaves a file the next one removes.
         True when the file was removed; False when something else was at ``name``; None when
         nothing was."""
-        aside = f".{MARKER_PREFIX[1:]}gone.{owner()}.{secrets.token_hex(6)}"
-        if recorded:
-            self._record(aside, found)
-            self._record(name, found, gone=True)
+        if isinstance(judged, os.stat_result):
+            identity = (judged.st_dev, judged.st_ino)
+        else:
+            identity, judged = (judged[0], judged[1]), None
+        aside = aside or f".{MARKER_PREFIX[1:]}gone.{owner()}.{secrets.token_hex(6)}"
+        if recorded and judged is not None:
+            self._record(aside, judged)
+            self._record(name, judged, gone=True)
         try:
             self._rename_fresh(name, aside)
         except FileNotFoundError as exc:
             if isinstance(exc, DirectoryRemovedError):
                 raise
             return None  # removed meanwhile: nothing left to remove
+        except FileExistsError:
+            raise NameTakenError(self.path / aside, self._found(aside)) from None
         now = self.lstat(aside)
         if now is None:
             return None
-        if (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino) and stat.S_ISREG(now.st_mode):
-            if recorded:
+        if (now.st_dev, now.st_ino) == identity and stat.S_ISREG(now.st_mode):
+            if recorded and judged is not None:
                 self._record(aside, now, gone=True)
             self._unlink_own(aside)
             return True
@@ -1844,28 +1879,9 @@ class Dir:
 
     def unlink_judged(self, name: str, expected: tuple[int, int], aside: str) -> bool:
         """Remove the file ``name`` only while it is the very file ``expected`` (its device and
-        inode, as :meth:`read_judged` or ``fstat`` told them) names: it is moved to ``aside`` (a
-        fresh name in this directory) in one rename first, and removed only if what moved is
-        that file. Whatever else was renamed to ``name`` since it was judged (a user's file,
-        link or directory) goes back to ``name``, untouched (left at ``aside`` with a warning
-        when something new is at ``name`` by then). True when the file was removed."""
-        try:
-            self.rename(name, self, aside, how="replace")
-        except FileNotFoundError:
-            return False  # removed meanwhile: nothing left to remove
-        found = self.lstat(aside)
-        if found is None:
-            return False
-        if (found.st_dev, found.st_ino) == tuple(expected) and stat.S_ISREG(found.st_mode):
-            self.unlink(aside, missing_ok=True)
-            return True
-        try:
-            self.rename_back(aside, self, name)
-        except OSError as exc:
-            log.warning("%s was replaced after the loader looked at it, and could not be put "
-                        "back (%s): left at %s", self.path / name, exc.strerror or exc,
-                        self.path / aside)  # fmt: skip
-        return False
+        inode, as :meth:`read_judged` or ``fstat`` told them) names, moved to ``aside`` (a fresh
+        name in this directory) first: :meth:`_unlink_same`. True when the file was removed."""
+        return self._unlink_same(name, expected, aside=aside) is True
 
     def rmdir(self, name: str) -> None:
         """Remove the empty directory ``name``; in a marked tree only one its record names

@@ -18,6 +18,7 @@ import pytest
 from loader import fs
 from loader.cli import main
 from loader.sources.transfer import PARTIAL_DIR
+from tests.at_step import AtStep, picked_calls
 
 #: A pid no process of this host has (above the kernel's largest), tagged with this host: the
 #: owner tag a stopped fetch of this host left in its partial names.
@@ -175,9 +176,18 @@ with fs.inject(hook):
 """
 
 
-@pytest.mark.parametrize("op", ["write", "fsync", "link", "unlink"])
+@pytest.mark.parametrize(
+    ("op", "part"),
+    [
+        ("write", f"{fs.MADE}."),
+        ("fsync", f"{fs.MADE}."),
+        ("link", f"{fs.MADE}."),
+        ("rename-noreplace", f"{fs.MADE}."),  # moved aside to be removed
+        ("unlink", f"{fs.MARKER_PREFIX}gone."),  # removed there
+    ],
+)
 def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_rerun(
-    tiny_checkpoint_with_tokenizer, tmp_path, capsys, op
+    tiny_checkpoint_with_tokenizer, tmp_path, capsys, op, part
 ):
     """Before: a fetch killed between writing its record under a temporary name and removing
     that name left ``DEST/.model-loader-made.<owner>.<hex>.tmp`` for good (no rerun removed
@@ -188,13 +198,13 @@ def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_r
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     args = ["fetch", "--copy", str(tiny_checkpoint_with_tokenizer), str(dest)]
     killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_AT, op, f"{fs.MADE}.", *args],
+        [sys.executable, "-c", _KILLED_AT, op, part, *args],
         env=env,
         capture_output=True,
         timeout=120,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert list(dest.glob(f"{fs.MADE}.*.tmp"))  # it left one
+    assert list(dest.glob(f"{fs.MADE}.*.tmp")) or list(dest.glob(part + "*"))  # it left one
     users = dest / f"{fs.MADE}.{GONE}.0badcafe.tmp"
     users.write_text("a user's\n")
 
@@ -202,7 +212,42 @@ def test_a_fetch_killed_while_it_marks_dest_leaves_no_temporary_record_after_a_r
     assert code == 0, err
     _same_files(tiny_checkpoint_with_tokenizer, dest)
     assert [p.name for p in dest.glob(f"{fs.MADE}.*")] == [users.name]
+    assert not list(dest.glob(f"{fs.MARKER_PREFIX}gone.*"))
     assert users.read_text() == "a user's\n"
+
+
+def test_a_users_file_renamed_to_a_stopped_markings_temporary_record_at_any_step_stays(
+    tmp_path,
+):
+    """A fetch stopped while it marked DEST left a temporary record, which the next one judges
+    by its content and removes: a user's file renamed to that name at any step after the read
+    (the removal went by name) stays whole."""
+    from loader.sources.transfer import FETCH_MARKER
+
+    def left(dest: Path) -> Path:
+        dest.mkdir()
+        tmp = dest / f"{fs.MADE}.{GONE}.0badcafe.tmp"
+        tmp.write_bytes(b"")
+        tmp.write_bytes(fs.made_header(FETCH_MARKER) + fs.made_line((fs.MADE,), tmp.stat()))
+        return tmp
+
+    def mark(dest: Path) -> None:
+        with fs.confined(dest), fs.Dir.open(dest) as d:
+            d.mark_in_place(FETCH_MARKER, "model-loader fetch")
+
+    counted = tmp_path / "count"
+    tmp = left(counted)
+    steps, _ = picked_calls(lambda op, path: path, lambda: mark(counted))
+    assert not tmp.exists()
+    judged = steps.index(f"read {tmp}") + 1
+    for step in range(judged + 1, len(steps) + 1):
+        tmp = left(tmp_path / f"at-{step}")
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("a user's\n")
+        hook = AtStep(step, lambda op, path: path, lambda _, t=tmp, o=theirs: os.rename(o, t))
+        with fs.inject(hook):
+            mark(tmp.parent)
+        assert tmp.read_text() == "a user's\n", (step, steps[step - 1])
 
 
 def test_a_partial_directory_another_fetch_removes_before_the_file_is_made_is_made_again(

@@ -14,7 +14,7 @@ import pytest
 
 from loader import fs
 from loader.cli import main
-from loader.errors import NotOursError
+from loader.errors import NotOursError, RepositoryError
 from loader.repository.key import key_filename
 from loader.repository.lock import (
     LOCKS_DIR,
@@ -124,7 +124,7 @@ def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_
     other: list[PublishLock] = []
 
     def race(op: str, where: str) -> None:
-        if op == "rename" and where.startswith(f"{path} -> ") and theirs.exists():
+        if op.startswith("rename") and where.startswith(f"{path} -> ") and theirs.exists():
             os.rename(theirs, path)
         elif op == "open" and ".stale-" in where and not other and not theirs.exists():
             other.append(PublishLock(tmp_path, KEY, expiry_s=60, timeout_s=0).acquire())
@@ -143,6 +143,66 @@ def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_
     assert left.read_text() == "a user's notes\n"
 
 
+def _moves_aside(root: Path) -> dict:
+    """What moves a lock file of ``root`` aside to a fresh ``.stale-`` name: prune removing a
+    moved-away lock, a holder's release, a waiter's take-over of a dead holder's lock."""
+    path = lock_path(root, KEY)
+    path.parent.mkdir(parents=True)
+    dead = {"key": KEY, "pid": 1, "host": "gone", "token": "x"}
+
+    def prune_it() -> None:
+        moved = path.with_name(f"{path.name}.stale-0123456789abcdef")
+        moved.write_text(json.dumps(dead))
+        prune(root, keep=1)
+
+    def release() -> None:
+        PublishLock(root, KEY, heartbeat_s=0.05).acquire().release()
+
+    def take_over() -> None:
+        path.write_text(json.dumps(dead))
+        _old(path)
+        PublishLock(root, KEY, expiry_s=0.2, timeout_s=0, judge_by_age=True).acquire().release()
+
+    return {"prune": prune_it, "release": release, "take-over": take_over}
+
+
+@pytest.mark.parametrize("who", ["prune", "release", "take-over"])
+@pytest.mark.parametrize("kind", ["file", "dir", "link"])
+def test_a_users_entry_at_the_name_a_lock_is_moved_aside_to_is_never_replaced(tmp_path, who, kind):
+    """A user's entry renamed to the fresh name a lock file is about to be moved aside to (after
+    the look, in the instant before the rename): it is never replaced (a rename over it lost a
+    user's file), nothing is moved there, and what stops is a typed error or nothing."""
+    done: list[Path] = []
+
+    def plant(op: str, where: str) -> None:
+        src, _, dst = where.partition(" -> ")
+        if done or not op.startswith("rename") or ".stale-" not in dst or src == dst:
+            return
+        done.append(Path(dst))
+        if kind == "file":
+            Path(dst).write_text("a user's notes\n")
+        elif kind == "dir":
+            Path(dst).mkdir()
+            (Path(dst) / "notes.txt").write_text("a user's notes\n")
+        else:
+            Path(dst).symlink_to("elsewhere")
+
+    stopped: list[OSError | RepositoryError] = []
+    try:
+        with fs.inject(plant):
+            _moves_aside(tmp_path)[who]()
+    except (RepositoryError, FileExistsError) as exc:  # (a NameTakenError is exit 2)
+        stopped.append(exc)
+    assert not stopped or who == "take-over", stopped  # prune and a release go on
+    (theirs,) = done
+    if kind == "file":
+        assert theirs.read_text() == "a user's notes\n"
+    elif kind == "dir":
+        assert os.listdir(theirs) == ["notes.txt"]
+    else:
+        assert os.readlink(theirs) == "elsewhere"
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -154,6 +214,9 @@ def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_
         b"{}",
         b'{"key"}',
         b'{"pid": 1, "host": "gone", "notes": "mine"}',
+        # ... nor one whose first field is a key, as a record's is (judged by that alone before)
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01", "notes": "mine"}',
+        b'{"key": "my-setting", "value": [1, 2]}\n',
     ],
 )
 def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
@@ -182,7 +245,14 @@ def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path)
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"\x00" * 64, b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}', b'{"ke'],
+    [
+        b"",
+        b"\x00" * 64,
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}',
+        b'{"ke',
+        # a rewrite stopped before its truncation: the tail of a longer record after it
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01", "pid": 1, "host": "gone"}"beats": 10}',
+    ],
 )
 def test_what_a_stopped_loader_may_leave_at_its_locks_name_is_still_taken_over(tmp_path, content):
     """Nothing written yet, zeros (a crash before the write reached the disk), a record cut

@@ -7,6 +7,7 @@ directory deep in a tree is entered from there one name at a time, and so knows 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from loader import fs
 from loader.errors import NotOursError
+from tests.at_step import AtStep, picked_calls
 from tests.fault_sweep import snapshot as _snapshot
 from tests.tiers import examples
 
@@ -172,6 +174,104 @@ def test_a_users_entry_is_never_moved_or_replaced_in_a_marked_tree(tmp_path):
         with pytest.raises(NotOursError):
             t.rename("partial", t, "notes.txt", how="replace")
     assert (tree / "notes.txt").read_text() == "mine\n" and (tree / "partial").exists()
+
+
+def _theirs(at: Path, kind: str) -> Path:
+    """A user's entry of ``kind`` at ``at``: a file, an empty directory (a mount point) or a
+    link."""
+    if kind == "file":
+        at.write_text("mine\n")
+    elif kind == "empty directory":
+        at.mkdir()
+    else:
+        at.symlink_to("elsewhere")
+    return at
+
+
+@pytest.mark.parametrize(
+    ("moved", "there"),
+    [("file", None), ("directory", None), ("file", "file")],
+    ids=["file-where-nothing-was", "directory-where-nothing-was", "file-over-its-own"],
+)
+@pytest.mark.parametrize("kind", ["file", "empty directory", "link"])
+def test_a_users_entry_renamed_to_the_target_of_a_replace_at_any_step_stays(
+    tmp_path, moved, there, kind
+):
+    """The loader renames its file or directory over a name of its tree (where nothing was, or
+    its own file was); a user's entry is renamed to that name at any call of the rename: it is
+    never replaced (rename(2) replaced a user's empty directory put where nothing was), and
+    stays whole, at that name or where the loader moved it back from."""
+
+    def setup(base: Path) -> Path:
+        tree = _tree(base)
+        with fs.Dir.open(tree) as t:
+            if moved == "file":
+                t.write("new", b"new")
+            else:
+                t.mkdir("new")
+            if there is not None:
+                t.write("target", b"old")
+        return tree
+
+    def replace(tree: Path) -> None:
+        with fs.Dir.open(tree) as t:
+            t.rename("new", t, "target", how="replace")
+
+    counted = setup(tmp_path / "count")
+    steps, _ = picked_calls(lambda op, path: path, lambda: replace(counted))
+    assert steps
+    for step in range(1, len(steps) + 1):
+        tree = setup(tmp_path / f"at-{step}")
+        planted: list[os.stat_result] = []
+
+        def plant(_: str, tree: Path = tree, step: int = step, planted=planted) -> None:
+            theirs = _theirs(tmp_path / f"theirs-{step}", kind)
+            planted.append(os.lstat(theirs))
+            try:
+                os.rename(theirs, tree / "target")
+            except OSError:  # the loader's entry there is of another kind: moved away first
+                os.rename(tree / "target", tmp_path / f"moved-{step}")
+                os.rename(theirs, tree / "target")
+
+        hook = AtStep(step, lambda op, path: path, plant)
+        with contextlib.suppress(FileExistsError, NotOursError), fs.inject(hook):
+            replace(tree)
+        assert hook.done, step
+        mine = [p for p in tree.iterdir() if os.lstat(p).st_ino == planted[0].st_ino]
+        assert len(mine) == 1, (step, steps[step - 1], os.listdir(tree))
+        assert kind != "file" or mine[0].read_text() == "mine\n"
+        assert kind != "empty directory" or os.listdir(mine[0]) == []
+
+
+def test_a_target_that_changes_at_every_look_is_refused_never_replaced(tmp_path):
+    """Another loader's file comes and goes at the name the loader renames its file over, at
+    every try: the rename is refused (exit 2) and replaces nothing (after its tries it fell
+    back to rename(2), which replaced whatever stood there by then: a user's file renamed there
+    in that instant)."""
+    tree = _tree(tmp_path)
+    target, theirs = tree / "target", tmp_path / "theirs"
+    theirs.write_text("mine\n")
+    tries: list[str] = []
+
+    def come_and_go(op: str, path: str) -> None:
+        if not path.endswith(f"/new -> {target}") or len(tries) > 3:
+            return
+        tries.append(op)
+        if len(tries) > 3 or op == "rename":  # the last: a user's file renamed there
+            os.rename(theirs, target)
+        elif target.exists():
+            target.unlink()
+        else:
+            with fs.inject(lambda op, path: None), fs.Dir.open(tree) as t:
+                t.write("target", b"another loader's")
+
+    with fs.Dir.open(tree) as t:
+        t.write("new", b"new")
+        with fs.inject(come_and_go), pytest.raises(FileExistsError):
+            t.rename("new", t, "target", how="replace")
+    assert tries == ["rename-noreplace", "rename-exchange", "rename-noreplace"]
+    assert target.read_bytes() == b"another loader's" and (tree / "new").read_bytes() == b"new"
+    assert theirs.read_text() == "mine\n"
 
 
 class Stopped(BaseException):
@@ -591,6 +691,70 @@ def test_a_half_made_directory_someone_fills_meanwhile_is_kept(tmp_path):
         with fs.inject(fill):
             assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
     assert (tmp_path / "staging" / dead / "notes.txt").read_text() == "mine\n"
+
+
+def _half_made(staging: Path, stop) -> str:
+    """A temporary directory ``make_marked`` left in ``staging`` when stopped at ``stop``, named
+    as one of a process that is gone."""
+    with fs.Dir.open(staging, create=True) as parent:
+        with fs.inject(stop), pytest.raises(Stopped):
+            parent.make_marked("t", MARKER, KEY)
+        (tmp,) = parent.names()
+    dead = tmp.replace(f".{fs.owner()}.", ".999999999-" + fs.host_digest() + ".")
+    os.rename(staging / tmp, staging / dead)
+    _fresh_process()
+    return dead
+
+
+@pytest.mark.parametrize("entry", [MARKER, fs.MADE])
+def test_a_users_file_renamed_into_a_half_made_directory_at_any_step_is_kept(tmp_path, entry):
+    """A loader stopped while it wrote a new tree's marker left a half-made temporary directory;
+    the next one judges it by what its record and marker hold, and removes them: a user's file
+    renamed to either name at any step after that look (the removal went by name) stays whole,
+    and so does the directory holding it."""
+
+    def unfinished(staging: Path) -> list[str]:
+        with fs.Dir.open(staging) as parent:
+            return parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600)
+
+    counted = tmp_path / "count"
+    dead = _half_made(counted, _stop_at("write", MARKER))
+    steps, found = picked_calls(lambda op, path: path, lambda: unfinished(counted))
+    assert found == [] and not (counted / dead).exists()
+    judged = next(i for i, call in enumerate(steps, 1) if call == f"read {counted / dead / entry}")
+    for step in range(judged + 1, len(steps) + 1):
+        staging = tmp_path / f"at-{step}"
+        dead = _half_made(staging, _stop_at("write", MARKER))
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("mine\n")
+
+        def plant(_: str, at: Path = staging / dead / entry, theirs: Path = theirs) -> None:
+            if at.parent.is_dir():
+                os.rename(theirs, at)
+
+        hook = AtStep(step, lambda op, path: path, plant)
+        with fs.inject(hook):
+            unfinished(staging)
+        if theirs.exists():  # the directory was gone already: nothing was put into it
+            continue
+        assert (staging / dead / entry).read_text() == "mine\n", (step, steps[step - 1])
+
+
+@pytest.mark.parametrize("entry", [MARKER, fs.MADE])
+def test_a_half_made_directory_whose_removal_was_stopped_is_removed_by_the_next_loader(
+    tmp_path, entry
+):
+    """A loader removing a half-made temporary directory was stopped after it moved the marker
+    or the record aside to be removed: the next loader still removes the directory whole."""
+    staging = tmp_path / "staging"
+    dead = _half_made(staging, _stop_at("write", MARKER))
+    with fs.Dir.open(staging) as parent:
+        with fs.inject(_stop_moving(f"/{entry} -> ", after=True)), pytest.raises(Stopped):
+            parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600)
+        assert any(n.startswith(f"{fs.MARKER_PREFIX}gone.") for n in os.listdir(staging / dead))
+        _fresh_process()
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+    assert os.listdir(staging) == []
 
 
 @pytest.mark.parametrize("where", ["top", "below"])

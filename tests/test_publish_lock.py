@@ -190,6 +190,49 @@ def test_a_lock_created_but_not_acquired_is_removed(tmp_path: Path, monkeypatch,
         pass
 
 
+def test_a_users_file_renamed_to_a_lock_whose_first_write_failed_at_any_step_stays(tmp_path):
+    """The lock file's first write fails (the volume is full): the file is removed, but only
+    while it is the very file this loader created (it was unlinked by name, so a user's file
+    renamed to the lock's path in between was removed); the error is the full volume's."""
+    import errno
+
+    from loader import fs
+    from tests.at_step import AtStep
+
+    def full(op: str, where: str) -> None:
+        if op == "write" and where.endswith(".lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+
+    def acquire(root: Path) -> None:
+        with pytest.raises(OSError, match="No space"):
+            PublishLock(root, KEY, timeout_s=0).acquire()
+
+    calls: list[str] = []
+
+    def counted(op: str, where: str) -> None:
+        calls.append(f"{op} {where}")
+        full(op, where)
+
+    with fs.inject(counted):
+        acquire(tmp_path / "count")
+    failed = next(i for i, call in enumerate(calls, 1) if call.startswith("write "))
+    for step in range(failed + 1, len(calls) + 1):
+        root = tmp_path / f"at-{step}"
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("a user's notes\n")
+        path = lock_path(root, KEY)
+        hook = AtStep(step, lambda op, where: where, lambda _, o=theirs, p=path: os.rename(o, p))
+
+        def both(op: str, where: str, hook: AtStep = hook) -> None:
+            hook(op, where)
+            full(op, where)
+
+        with fs.inject(both):
+            acquire(root)
+        assert hook.done and path.read_text() == "a user's notes\n", (step, calls[step - 1])
+        assert os.listdir(path.parent) == [path.name]
+
+
 def test_a_release_never_removes_the_lock_a_waiter_took_over_in_the_instant_before(tmp_path: Path):
     """The holder stalled past the expiry just as it released: a waiter moved its lock aside as
     stale and created its own; the release that then resumes removes nothing of the new
@@ -201,7 +244,7 @@ def test_a_release_never_removes_the_lock_a_waiter_took_over_in_the_instant_befo
     taken: list[PublishLock] = []
 
     def take_over(op: str, where: str) -> None:
-        if taken or not where.startswith(str(path)) or op not in ("unlink", "rename"):
+        if taken or not where.startswith(str(path)) or not op.startswith(("unlink", "rename")):
             return
         taken.append(None)  # type: ignore[arg-type]  (re-entered below: once)
         os.rename(path, tmp_path / "moved")  # what a waiter does with a lock it judged stale
@@ -286,8 +329,8 @@ def test_a_take_over_whose_moved_lock_prune_removed_meanwhile_goes_on(tmp_path: 
     steps: list[str] = []
 
     def race(op: str, where: str) -> None:
-        if op == "rename" and where.startswith(f"{path} -> ") and not steps:
-            steps.append(op)
+        if op.startswith("rename") and where.startswith(f"{path} -> ") and not steps:
+            steps.append("rename")
             path.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "beats": 1}))
         elif op == "link" and steps == ["rename"]:
             steps.append(op)

@@ -447,7 +447,7 @@ def test_a_take_over_never_removes_what_replaced_the_stale_lock_after_it_was_jud
     waiter.path.write_bytes(judged)
 
     def plant(op: str, path: str) -> None:
-        if op == "rename" and path.startswith(f"{waiter.path} -> "):
+        if op.startswith("rename") and path.startswith(f"{waiter.path} -> "):
             waiter.path.unlink()
             if kind == "link":
                 waiter.path.symlink_to(tmp_path / "outside")

@@ -48,7 +48,13 @@ import time
 from pathlib import Path
 
 from loader import ledger
-from loader.errors import LockLostError, LockTimeoutError, NotOursError, PublishError
+from loader.errors import (
+    LockLostError,
+    LockTimeoutError,
+    NameTakenError,
+    NotOursError,
+    PublishError,
+)
 from loader.formats import jsondoc
 from loader.fs import Dir, TooLargeError, fsync_fd, pid_alive, pid_space, rewrite_fd
 from loader.limits import LOCK_EXPIRY_S, LOCK_TIMEOUT_S
@@ -214,8 +220,13 @@ class PublishLock:
             self._write()
         except BaseException:
             self._fd = None
-            with contextlib.suppress(OSError):
-                self._dir.unlink(self.path.name, missing_ok=True)
+            with contextlib.suppress(OSError):  # only the very file made (not by name)
+                made = os.fstat(fd)
+                self._dir.unlink_judged(
+                    self.path.name,
+                    (made.st_dev, made.st_ino),
+                    f"{self.path.name}.stale-{secrets.token_hex(8)}",
+                )
             os.close(fd)
             raise
         return True
@@ -259,10 +270,12 @@ class PublishLock:
         assert self._dir is not None
         locks, name = self._dir, self.path.name
         moved = f"{name}.stale-{self.token}"
-        try:
-            locks.rename(name, locks, moved, how="replace")
+        try:  # replacing nothing: whatever stands at the fresh name is someone else's
+            locks.rename_back(name, locks, moved)
         except FileNotFoundError:
             return  # someone else removed it first
+        except FileExistsError:
+            raise NameTakenError(locks.path / moved, locks._found(moved)) from None
         try:
             content = locks.read(moved, limit=64 * 1024)
         except (NotOursError, TooLargeError):
@@ -406,16 +419,18 @@ def lock_like(content: bytes) -> bool:
     writes (perhaps with the tail of a longer earlier record, a rewrite stopped between its
     write and its truncation), nothing yet (stopped between the create and the first write),
     or zeros (a crash before the write reached the disk). Every record a loader writes begins
-    with its key (:data:`RECORD_START`): a record cut short is a beginning of that, a whole one
-    starts with it; a whole JSON object naming only fields of a record (:data:`RECORD_FIELDS`)
-    is one too, in any order. Anything else at a lock's name (any other JSON object among it: a
-    user's settings, notes) is someone else's file: never judged stale, moved or removed."""
+    with its key (:data:`RECORD_START`): a record cut short, or followed by such a tail, is no
+    whole JSON object and begins with that (or is a beginning of it); a whole JSON object is
+    one only if it names fields of a record alone (:data:`RECORD_FIELDS`), in any order.
+    Anything else at a lock's name (any other JSON object among it, one whose first field is
+    ``key`` too: a user's settings, notes) is someone else's file: never judged stale, moved
+    or removed."""
     if not content.strip(b"\0"):
         return True
-    if content.startswith(RECORD_START) or RECORD_START.startswith(content):
-        return True
     record = _parse(content)
-    return bool(record) and set(record) <= RECORD_FIELDS
+    if record is not None:  # a whole object: a record names only a record's fields
+        return bool(record) and set(record) <= RECORD_FIELDS
+    return content.startswith(RECORD_START) or RECORD_START.startswith(content)
 
 
 #: How every lock record begins (:meth:`PublishLock._content`: ``json.dumps`` of a dict whose

@@ -48,7 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader import fs
-from loader.errors import LockLostError, LockTimeoutError, NotOursError, RepositoryError, some_names
+from loader.errors import (
+    LockLostError,
+    LockTimeoutError,
+    NameTakenError,
+    NotOursError,
+    RepositoryError,
+    some_names,
+)
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.limits import LOCK_EXPIRY_S, PRUNE_KEEP
@@ -601,7 +608,12 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
                 # name after the read stays (moved aside to a name prune removes only once
                 # it holds a lock record, and put back when it is not the file read).
                 aside = f"{name.rsplit('.stale-', 1)[0]}.stale-{secrets.token_hex(8)}"
-                if not dry_run and not locks.unlink_judged(name, found[1], aside):
+                try:
+                    if not dry_run and not locks.unlink_judged(name, found[1], aside):
+                        continue
+                except NameTakenError as exc:  # something at the fresh name: never replaced
+                    log.warning("kept %s: %s is taken (%s)", locks.path / name, exc.filename,
+                                exc.found)  # fmt: skip
                     continue
                 removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))
                 log.info("%s %s", "would remove" if dry_run else "removed", locks.path / name)
