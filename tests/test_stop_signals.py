@@ -70,6 +70,22 @@ def test_a_hang_up_stops_the_command_cleanly(tmp_path, command):
 
 @pytest.mark.slow  # a command in a subprocess of its own
 @pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_stop_signal_the_parent_left_blocked_still_stops_the_command(tmp_path, command):
+    """A signal mask is inherited across ``exec``: started by a parent's thread that blocks
+    SIGTERM (a process manager, a Python program's worker thread), the command never took it,
+    and waited on a stalled download until SIGKILL (``run``'s child never took the SIGTERM its
+    supervisor passed on). Now it unwinds at once, as it does with the mask a shell gives."""
+    code, _, err, took = stopped_while_stalled(
+        tmp_path, command, lambda p: p.send_signal(signal.SIGTERM), blocked=(signal.SIGTERM,)
+    )
+    assert code == 143, err
+    assert err.rstrip().splitlines()[-1] == "terminated (SIGTERM); stopped cleanly", err
+    assert took < 15, f"{took:.0f} s after SIGTERM"
+    _nothing_left(tmp_path, command)
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
 def test_sigterm_a_download_thread_got_stops_the_command_at_once(tmp_path, command):
     """The kernel hands a process's SIGTERM to any of its threads that does not block it; one
     of the download pool's got it while the main thread waited for the downloads in one

@@ -715,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     atexit.register(_end_process)
     _hold_standard_descriptors()
+    _open_stop_signals()
     code = _main(None)
     _process_exit.append(code)
     if _left_running():
@@ -787,6 +788,18 @@ def _load_blas() -> None:
         return
     with _interrupts_told_apart():
         import numpy  # noqa: F401
+
+
+def _open_stop_signals() -> None:
+    """Take the stop signals (SIGINT, :data:`STOPPING`, :data:`ENDING`) again where the process
+    started with them blocked: a signal mask is inherited across ``exec``, and a parent that
+    started the loader from a thread blocking them (a process manager, a Python program's
+    worker thread) left each of them pending for good: ``kill`` (or Kubernetes' SIGTERM) never
+    stopped the command, which waited on a stalled download until SIGKILL; through the
+    supervisor, its child never took the SIGTERM passed on. An ignored signal stays ignored
+    (``nohup``); one already pending is taken now."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, *STOPPING, *ENDING))
 
 
 def _hold_standard_descriptors() -> None:
