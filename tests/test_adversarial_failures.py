@@ -295,6 +295,17 @@ def test_a_login_file_that_is_a_directory_is_skipped_as_requests_skips_it(tmp_pa
     assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
 
 
+def test_a_warning_python_is_told_to_raise_is_named_not_a_bug(tmp_path):
+    """``PYTHONWARNINGS=error``: google-api-core's ImportWarning at its import (grpcio-status
+    is not installed) became an exception, and ``fetch gs://`` ended with exit 1 and a
+    traceback ("this is a bug"). Now: 2, naming the setting."""
+    done = _fetch_gs(tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", PYTHONWARNINGS="error")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert "PYTHONWARNINGS" in done.stderr and "hint:" in done.stderr, done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
 # --- the Hugging Face token's settings ----------------------------------------------------
 
 

@@ -534,7 +534,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except Exception as exc:
         if _stopping:
             return _stopped(_stopping[0], exc)
-        typed = resource_exhaustion(exc) or _not_text(exc, args)
+        typed = resource_exhaustion(exc) or _not_text(exc, args) or _warning_raised(exc)
         if typed is not None:
             log.debug("typed failure", exc_info=True)
             return report(typed, args)
@@ -599,6 +599,20 @@ def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
                 "bytes; check the locale).",
             )
     return None
+
+
+def _warning_raised(exc: Exception) -> LoaderError | None:
+    """A library's warning raised as an error because Python was told to (``PYTHONWARNINGS=error``
+    or ``-W error``: ``sys.warnoptions``), not a bug: google-api-core's ImportWarning at its
+    import ended ``fetch gs://`` with exit 1 and a traceback. None for any other exception."""
+    if not isinstance(exc, Warning) or not sys.warnoptions:
+        return None
+    return LoaderError(
+        f"A library the command uses raised its warning as an error ({type(exc).__name__}: "
+        f"{exc}), as Python was told to (PYTHONWARNINGS or -W: {','.join(sys.warnoptions)}).",
+        "Unset PYTHONWARNINGS (and drop -W error): the loader's libraries warn of things that "
+        "do not stop it.",
+    )
 
 
 #: The attribute :func:`_marking_standard_output` sets on an error of standard output.
@@ -873,7 +887,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         return report(typed)
     except Exception as exc:  # memory ran out while importing
-        exhausted = resource_exhaustion(exc)
+        exhausted = resource_exhaustion(exc) or _warning_raised(exc)
         if exhausted is None:
             raise
         return report(exhausted)
