@@ -534,7 +534,12 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except Exception as exc:
         if _stopping:
             return _stopped(_stopping[0], exc)
-        typed = resource_exhaustion(exc) or _not_text(exc, args) or _warning_raised(exc)
+        typed = (
+            resource_exhaustion(exc)
+            or _stdout_unencodable(exc)
+            or _not_text(exc, args)
+            or _warning_raised(exc)
+        )
         if typed is not None:
             log.debug("typed failure", exc_info=True)
             return report(typed, args)
@@ -631,7 +636,7 @@ class _MarkedOutput:
     def _marked(self, call: Callable[..., object], *args: object) -> object:
         try:
             return call(*args)
-        except OSError as exc:
+        except (OSError, UnicodeEncodeError) as exc:
             setattr(exc, _STANDARD_OUTPUT, True)
             raise
 
@@ -678,6 +683,26 @@ def _stdout_failed(exc: OSError) -> LoaderError:
     if typed is not None:
         failed.exit_code = typed.exit_code
     return failed
+
+
+def _stdout_unencodable(exc: Exception) -> LoaderError | None:
+    """Standard output's encoding (``PYTHONIOENCODING``, else the locale's: ``ascii``) cannot
+    write a character the command printed (``run --repository /data/modèles``): the error said
+    the argument "holds bytes that are not UTF-8 text" with a hint to pass it as UTF-8, which it
+    was, once the key was published. None unless standard output raised it for characters
+    (a lone surrogate, from bytes that are not UTF-8, is :func:`_not_text`'s)."""
+    if not isinstance(exc, UnicodeEncodeError) or not getattr(exc, _STANDARD_OUTPUT, False):
+        return None
+    bad = exc.object[exc.start : exc.end]
+    if any("\ud800" <= c <= "\udfff" for c in bad):
+        return None
+    return LoaderError(
+        f"Standard output writes {exc.encoding} (PYTHONIOENCODING, else the locale), which "
+        f"cannot write {bad!r}: what the command printed is cut short; what it did before "
+        "stands (a published key stays published).",
+        "Set PYTHONIOENCODING=utf-8 or a UTF-8 locale (LC_ALL=C.UTF-8), then run again to see "
+        "the output (an already published key is verified, not rebuilt).",
+    )
 
 
 def _stdout_gone(exc: OSError) -> LoaderError | None:
