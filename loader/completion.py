@@ -289,15 +289,28 @@ def _served_error(exc: Any, url: str, model: str, protocol: str) -> EndpointErro
     return EndpointError(f"{protocol}://{url} model {model!r}: {message}")
 
 
-def served_models(url: str, *, protocol: str = "http", strict: bool = True) -> list[str]:
-    """The ready models at ``url`` that clients call (a repository's steps left out), sorted.
-    With ``strict`` false, an unreachable server gives an empty list instead of an error."""
+def waits_within(protocol: str, timeout_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """The keyword arguments of a Triton client (``protocol``'s) and of each of its calls that
+    end a wait for the server after ``timeout_s`` seconds: a gRPC call has no deadline of its
+    own, and one to a server that took it and never answered waited for good."""
+    if protocol == "http":
+        return {"connection_timeout": timeout_s, "network_timeout": timeout_s}, {}
+    return {}, {"client_timeout": timeout_s}
+
+
+def served_models(
+    url: str, *, protocol: str = "http", strict: bool = True, timeout_s: float = 120.0
+) -> list[str]:
+    """The ready models at ``url`` that clients call (a repository's steps left out), sorted,
+    waiting at most ``timeout_s`` for the answer. With ``strict`` false, an unreachable server
+    gives an empty list instead of an error."""
     module = importlib.import_module(CLIENTS[protocol][0])
     from tritonclient.utils import InferenceServerException
 
-    client = module.InferenceServerClient(url)
+    made, call = waits_within(protocol, timeout_s)
+    client = module.InferenceServerClient(url, **made)
     try:
-        index = client.get_model_repository_index()
+        index = client.get_model_repository_index(**call)
     except (InferenceServerException, OSError) as exc:
         if not strict:
             return []
@@ -319,10 +332,10 @@ def served_models(url: str, *, protocol: str = "http", strict: bool = True) -> l
     return sorted(ready - STEP_MODELS)
 
 
-def find_model(url: str, *, protocol: str = "http") -> str:
-    """The one model the server at ``url`` offers clients; a typed error naming them if there
-    is none or more than one."""
-    names = served_models(url, protocol=protocol)
+def find_model(url: str, *, protocol: str = "http", timeout_s: float = 120.0) -> str:
+    """The one model the server at ``url`` offers clients (asked for at most ``timeout_s``); a
+    typed error naming them if there is none or more than one."""
+    names = served_models(url, protocol=protocol, timeout_s=timeout_s)
     if len(names) == 1:
         return names[0]
     if not names:

@@ -25,19 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 #: script's background job SIGINT, and an ignored signal stays ignored across ``exec``); and a
 #: child killed by SIGSEGV dumps no core. A program of its own that then executes the command
 #: (same pid): no Python of the many-threaded test process runs in a forked child, where it
-#: could deadlock on a lock another thread held at the fork.
+#: could deadlock on a lock another thread held at the fork. ``sys.argv[1]``: the signals
+#: (comma-separated numbers) it starts the command with blocked, as a parent's thread that
+#: blocks them leaves them across ``exec``.
 _AS_A_SHELL = (
     "import os, resource, signal, sys\n"
     f"for sig in {[int(s) for s in FORWARDED]}:\n"
     "    signal.signal(sig, signal.SIG_DFL)\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, [int(s) for s in sys.argv[1].split(',') if s])\n"
     "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
-    "os.execv(sys.argv[1], sys.argv[1:])\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
 
 
-def as_a_shell_starts(argv: list[str]) -> list[str]:
-    """``argv`` started with the signal dispositions an interactive shell gives a command."""
-    return [sys.executable, "-c", _AS_A_SHELL, *argv]
+def as_a_shell_starts(argv: list[str], *, blocked: tuple[int, ...] = ()) -> list[str]:
+    """``argv`` started with the signal dispositions an interactive shell gives a command, and
+    the signals ``blocked`` blocked."""
+    return [sys.executable, "-c", _AS_A_SHELL, ",".join(str(int(s)) for s in blocked), *argv]
 
 
 def stalled_storage() -> tuple[ThreadingHTTPServer, threading.Event, threading.Event]:
@@ -101,15 +105,16 @@ def stopped_while_stalled(
     send: Callable[[subprocess.Popen], None],
     *,
     env: dict[str, str] | None = None,
+    blocked: tuple[int, ...] = (),
     **popen: object,
 ) -> Stopped:
-    """Start ``command`` on a storage whose downloads stall, call ``send(proc)`` once a download
-    was asked for and the main thread waits for it; what the command did (standard output and
-    error as far as they are piped)."""
+    """Start ``command`` (with the signals ``blocked`` blocked) on a storage whose downloads
+    stall, call ``send(proc)`` once a download was asked for and the main thread waits for it;
+    what the command did (standard output and error as far as they are piped)."""
     server, asked, release = stalled_storage()
     try:
         proc = subprocess.Popen(
-            as_a_shell_starts(stalled_argv(command, tmp_path)), text=True,
+            as_a_shell_starts(stalled_argv(command, tmp_path), blocked=blocked), text=True,
             env={**gcs_env(server), **(env or {})},
             **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen},
         )  # fmt: skip

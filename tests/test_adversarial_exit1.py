@@ -426,6 +426,24 @@ def test_standard_output_on_a_full_volume_is_named_and_what_was_done_stands(
         assert {p.name for p in source.iterdir()} <= {p.name for p in dest.iterdir()}
 
 
+@pytest.mark.slow  # a command in a subprocess of its own
+def test_standard_output_in_an_encoding_without_a_printed_character_names_it(source, tmp_path):
+    """``PYTHONIOENCODING=ascii model-loader run --repository /data/modèles``: the key was
+    published, then printing its path failed, reported as "The argument ... holds bytes that
+    are not UTF-8 text" with a hint to pass it as UTF-8, which it was. Now standard output's
+    encoding is named, and what the command did stands."""
+    root = tmp_path / "mod\u00e8les"
+    done = subprocess.run(
+        [sys.executable, "-m", "loader", *run_argv(source, root), "-q"], capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "ascii",
+             "LC_ALL": "C.UTF-8"},
+    )  # fmt: skip
+    _typed(done.returncode, done.stderr, "Standard output writes ascii", "PYTHONIOENCODING")
+    assert "not UTF-8" not in done.stderr, done.stderr
+    assert len(list(root.glob("tiny@*/*"))) == 1
+
+
 def _closing(*fds: int):
     """A ``preexec_fn`` that starts the command with the descriptors ``fds`` closed (``>&-``)."""
 

@@ -269,6 +269,43 @@ def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_
     assert "application_default_credentials.json" in done.stderr and "FIFO" in done.stderr
 
 
+@pytest.mark.parametrize("kind", ["FIFO", "link to a device", "huge file"])
+@pytest.mark.parametrize("where", ["NETRC", "home"])
+def test_a_login_file_that_is_no_file_fails_at_once_naming_it(tmp_path, kind, where):
+    """requests reads its login file (the one NETRC names, else ``~/.netrc``) whole, with no
+    timeout, before each request: a FIFO there held ``fetch gs://`` for good, past
+    ``--retry-deadline`` (a device until memory ran out). Now: 2 at once, naming it."""
+    (tmp_path / "home").mkdir()
+    planted = tmp_path / "home" / ".netrc"
+    _plant_entry(planted, kind)
+    env = {"NETRC": str(planted)} if where == "NETRC" else {"HOME": str(tmp_path / "home")}
+    done = _fetch_gs(tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", **env)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert str(planted) in done.stderr and "netrc" in done.stderr and "hint:" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_login_file_that_is_a_directory_is_skipped_as_requests_skips_it(tmp_path):
+    (tmp_path / "netrc").mkdir()
+    done = _fetch_gs(
+        tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", NETRC=str(tmp_path / "netrc")
+    )
+    assert "netrc" not in done.stderr, done.stderr
+    assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
+
+
+def test_a_warning_python_is_told_to_raise_is_named_not_a_bug(tmp_path):
+    """``PYTHONWARNINGS=error``: google-api-core's ImportWarning at its import (grpcio-status
+    is not installed) became an exception, and ``fetch gs://`` ended with exit 1 and a
+    traceback ("this is a bug"). Now: 2, naming the setting."""
+    done = _fetch_gs(tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", PYTHONWARNINGS="error")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
+    assert "PYTHONWARNINGS" in done.stderr and "hint:" in done.stderr, done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
 # --- the Hugging Face token's settings ----------------------------------------------------
 
 

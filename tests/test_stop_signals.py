@@ -70,6 +70,22 @@ def test_a_hang_up_stops_the_command_cleanly(tmp_path, command):
 
 @pytest.mark.slow  # a command in a subprocess of its own
 @pytest.mark.parametrize("command", ["fetch", "run"])
+def test_a_stop_signal_the_parent_left_blocked_still_stops_the_command(tmp_path, command):
+    """A signal mask is inherited across ``exec``: started by a parent's thread that blocks
+    SIGTERM (a process manager, a Python program's worker thread), the command never took it,
+    and waited on a stalled download until SIGKILL (``run``'s child never took the SIGTERM its
+    supervisor passed on). Now it unwinds at once, as it does with the mask a shell gives."""
+    code, _, err, took = stopped_while_stalled(
+        tmp_path, command, lambda p: p.send_signal(signal.SIGTERM), blocked=(signal.SIGTERM,)
+    )
+    assert code == 143, err
+    assert err.rstrip().splitlines()[-1] == "terminated (SIGTERM); stopped cleanly", err
+    assert took < 15, f"{took:.0f} s after SIGTERM"
+    _nothing_left(tmp_path, command)
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize("command", ["fetch", "run"])
 def test_sigterm_a_download_thread_got_stops_the_command_at_once(tmp_path, command):
     """The kernel hands a process's SIGTERM to any of its threads that does not block it; one
     of the download pool's got it while the main thread waited for the downloads in one
@@ -148,8 +164,9 @@ def test_a_signal_the_loader_gives_no_meaning_leaves_nothing_through_its_supervi
 
 
 def _silent_triton():
-    """A gRPC server of Triton's inference service whose streams take a request and never
-    answer; the event is set once a request came, ``release`` ends the stalled streams."""
+    """A gRPC server of Triton's inference service whose streams and readiness, model list
+    calls take a request and never answer; the event is set once a request came, ``release``
+    ends the stalled calls."""
     from concurrent import futures
 
     import grpc
@@ -157,7 +174,14 @@ def _silent_triton():
 
     asked, release = threading.Event(), threading.Event()
 
+    def stall(request, context):
+        asked.set()
+        release.wait(300)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
     class Silent(service_pb2_grpc.GRPCInferenceServiceServicer):
+        ServerReady = ModelReady = RepositoryIndex = staticmethod(stall)
+
         def ModelStreamInfer(self, request_iterator, context):
             for _ in request_iterator:
                 asked.set()
@@ -192,6 +216,32 @@ def test_sigterm_a_grpc_thread_got_stops_a_streamed_completion_at_once():
         server.stop(0)
     assert code == 143, err
     assert took < 15, f"{took:.0f} s after SIGTERM"
+
+
+@pytest.mark.slow  # a command in a subprocess of its own
+@pytest.mark.parametrize(
+    "argv", [["--model", "m", "--check-ready"], []], ids=["check-ready", "model-list"]
+)
+def test_a_server_that_never_answers_the_readiness_or_model_list_ends_at_the_timeout(argv):
+    """``complete --check-ready`` (the chart's ``helm test``), or without ``--model``, against a
+    server that took the call and never answered: the readiness checks and the model list had
+    no deadline over gRPC, and the command waited for good whatever ``--timeout`` said. Now
+    each ends at ``--timeout``: 2, saying so."""
+    server, port, asked, release = _silent_triton()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "loader", "complete", "hi", "--url", f"127.0.0.1:{port}",
+             "--timeout", "2", *argv],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    finally:
+        release.set()
+        server.stop(0)
+    assert asked.is_set()
+    assert done.returncode == 2, done.stderr
+    assert "Deadline Exceeded" in done.stderr and "hint:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # --- numbers in other scripts' digits ------------------------------------------------------

@@ -397,15 +397,15 @@ STOPPING: dict[int, str] = {
 
 
 #: The other signals whose default action ends the process, which the loader gives no meaning
-#: (SIGQUIT, SIGUSR1, SIGALRM, the timers' and CPU limit's, the real-time ones), but not a
-#: fault's (SIGSEGV, SIGBUS, ...: a handler for those would run the faulting instruction
+#: (SIGQUIT, SIGUSR1, SIGALRM, the timers' and CPU limit's, SIGSTKFLT, the real-time ones), but
+#: not a fault's (SIGSEGV, SIGBUS, ...: a handler for those would run the faulting instruction
 #: again for ever). Each killed a command at once, without its clean-up: ``serve``'s
 #: tritonserver, which leads a session of its own, went on serving its ports with its
 #: temporary directory left, ``prune`` left its lock, ``fetch`` its temporary files. Now they
 #: unwind the command like SIGTERM, then the process dies of the signal (the status it had).
 ENDING: tuple[int, ...] = (
     *(getattr(signal, name) for name in ("SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM",
-                                         "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR")
+                                         "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR", "SIGSTKFLT")
       if hasattr(signal, name)),
     *(range(signal.SIGRTMIN, signal.SIGRTMAX + 1) if hasattr(signal, "SIGRTMIN") else ()),
 )  # fmt: skip
@@ -534,7 +534,12 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     except Exception as exc:
         if _stopping:
             return _stopped(_stopping[0], exc)
-        typed = resource_exhaustion(exc) or _not_text(exc, args)
+        typed = (
+            resource_exhaustion(exc)
+            or _stdout_unencodable(exc)
+            or _not_text(exc, args)
+            or _warning_raised(exc)
+        )
         if typed is not None:
             log.debug("typed failure", exc_info=True)
             return report(typed, args)
@@ -601,6 +606,20 @@ def _not_text(exc: Exception, args: argparse.Namespace) -> LoaderError | None:
     return None
 
 
+def _warning_raised(exc: Exception) -> LoaderError | None:
+    """A library's warning raised as an error because Python was told to (``PYTHONWARNINGS=error``
+    or ``-W error``: ``sys.warnoptions``), not a bug: google-api-core's ImportWarning at its
+    import ended ``fetch gs://`` with exit 1 and a traceback. None for any other exception."""
+    if not isinstance(exc, Warning) or not sys.warnoptions:
+        return None
+    return LoaderError(
+        f"A library the command uses raised its warning as an error ({type(exc).__name__}: "
+        f"{exc}), as Python was told to (PYTHONWARNINGS or -W: {','.join(sys.warnoptions)}).",
+        "Unset PYTHONWARNINGS (and drop -W error): the loader's libraries warn of things that "
+        "do not stop it.",
+    )
+
+
 #: The attribute :func:`_marking_standard_output` sets on an error of standard output.
 _STANDARD_OUTPUT = "standard_output"
 
@@ -617,7 +636,7 @@ class _MarkedOutput:
     def _marked(self, call: Callable[..., object], *args: object) -> object:
         try:
             return call(*args)
-        except OSError as exc:
+        except (OSError, UnicodeEncodeError) as exc:
             setattr(exc, _STANDARD_OUTPUT, True)
             raise
 
@@ -664,6 +683,26 @@ def _stdout_failed(exc: OSError) -> LoaderError:
     if typed is not None:
         failed.exit_code = typed.exit_code
     return failed
+
+
+def _stdout_unencodable(exc: Exception) -> LoaderError | None:
+    """Standard output's encoding (``PYTHONIOENCODING``, else the locale's: ``ascii``) cannot
+    write a character the command printed (``run --repository /data/modèles``): the error said
+    the argument "holds bytes that are not UTF-8 text" with a hint to pass it as UTF-8, which it
+    was, once the key was published. None unless standard output raised it for characters
+    (a lone surrogate, from bytes that are not UTF-8, is :func:`_not_text`'s)."""
+    if not isinstance(exc, UnicodeEncodeError) or not getattr(exc, _STANDARD_OUTPUT, False):
+        return None
+    bad = exc.object[exc.start : exc.end]
+    if any("\ud800" <= c <= "\udfff" for c in bad):
+        return None
+    return LoaderError(
+        f"Standard output writes {exc.encoding} (PYTHONIOENCODING, else the locale), which "
+        f"cannot write {bad!r}: what the command printed is cut short; what it did before "
+        "stands (a published key stays published).",
+        "Set PYTHONIOENCODING=utf-8 or a UTF-8 locale (LC_ALL=C.UTF-8), then run again to see "
+        "the output (an already published key is verified, not rebuilt).",
+    )
 
 
 def _stdout_gone(exc: OSError) -> LoaderError | None:
@@ -715,6 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     atexit.register(_end_process)
     _hold_standard_descriptors()
+    _open_stop_signals()
     code = _main(None)
     _process_exit.append(code)
     if _left_running():
@@ -789,6 +829,18 @@ def _load_blas() -> None:
         import numpy  # noqa: F401
 
 
+def _open_stop_signals() -> None:
+    """Take the stop signals (SIGINT, :data:`STOPPING`, :data:`ENDING`) again where the process
+    started with them blocked: a signal mask is inherited across ``exec``, and a parent that
+    started the loader from a thread blocking them (a process manager, a Python program's
+    worker thread) left each of them pending for good: ``kill`` (or Kubernetes' SIGTERM) never
+    stopped the command, which waited on a stalled download until SIGKILL; through the
+    supervisor, its child never took the SIGTERM passed on. An ignored signal stays ignored
+    (``nohup``); one already pending is taken now."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, *STOPPING, *ENDING))
+
+
 def _hold_standard_descriptors() -> None:
     """Open ``/dev/null`` on each standard descriptor (0, 1, 2) the process started without
     (``>&-``, ``2>&-``): else the next file the loader opens takes that number, and what a
@@ -860,7 +912,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         return report(typed)
     except Exception as exc:  # memory ran out while importing
-        exhausted = resource_exhaustion(exc)
+        exhausted = resource_exhaustion(exc) or _warning_raised(exc)
         if exhausted is None:
             raise
         return report(exhausted)

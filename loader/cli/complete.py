@@ -85,7 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="first check that the server and the model are ready (what `helm test` runs)",
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds to wait for the answer (default 600)"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for each answer: the readiness checks', the model list's, the "
+        "completion's (default 600)",
     )
     p.set_defaults(func=run)
 
@@ -133,19 +137,23 @@ def build_request(args: argparse.Namespace) -> dict[str, list[Any]]:
     return request
 
 
-def check_ready(url: str, protocol: str, model: str) -> None:
-    """Print ``server ready`` and ``model NAME ready``; :class:`EndpointError` if either is not."""
+def check_ready(url: str, protocol: str, model: str, timeout_s: float) -> None:
+    """Print ``server ready`` and ``model NAME ready``; :class:`EndpointError` if either is not
+    (or its answer took more than ``timeout_s``)."""
     import importlib
 
     from tritonclient.utils import InferenceServerException
 
+    from loader.completion import waits_within
+
     module = importlib.import_module(f"tritonclient.{protocol}")
-    client = module.InferenceServerClient(url)
+    made, call = waits_within(protocol, timeout_s)
+    client = module.InferenceServerClient(url, **made)
     try:
-        if not client.is_server_ready():
+        if not client.is_server_ready(**call):
             raise EndpointError(f"Triton at {protocol}://{url} is not ready")
         print("server ready", flush=True)
-        if not client.is_model_ready(model):
+        if not client.is_model_ready(model, **call):
             raise EndpointError(
                 f"model {model} is not ready at {protocol}://{url}",
                 f"Check the model's name and that it loaded (curl <http url>/v2/models/{model}/ready; "
@@ -178,9 +186,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         from loader.completion import find_model
 
-        args.model = find_model(url, protocol=protocol)
+        args.model = find_model(url, protocol=protocol, timeout_s=args.timeout)
     if args.check_ready:
-        check_ready(url, protocol, args.model)
+        check_ready(url, protocol, args.model, args.timeout)
     if args.stream:
         from loader.streaming import stream_completion
 

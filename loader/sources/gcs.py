@@ -268,6 +268,7 @@ def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
 
     settings.trust_files(settings.STORAGE_TRUST)
     settings.proxies(settings.STORAGE_PROXIES)
+    settings.netrc_file()
     if settings.endpoint("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials
 

@@ -10,7 +10,8 @@ The Cloud Storage client reads its key file (``GOOGLE_APPLICATION_CREDENTIALS``,
 blocks it for good, a device such as ``/dev/zero`` until memory runs out; :func:`key_files`
 checks them first. The certificate authorities the HTTP libraries trust (``SSL_CERT_FILE``,
 ``REQUESTS_CA_BUNDLE``, ...) are read the same way, when a client is made or at each https
-request: :func:`trust_files` checks them first.
+request: :func:`trust_files` checks them first; and so is requests' login file (``NETRC``,
+``~/.netrc``), at each request: :func:`netrc_file`.
 """
 
 from __future__ import annotations
@@ -199,6 +200,45 @@ def _token_files(path: str, named_by: str) -> None:
             "GOOGLE_APPLICATION_CREDENTIALS to another credentials file.",
             kind="a token file",
         )
+
+
+#: The login files requests (``gs://``) reads for the credentials of each host it asks: the
+#: one ``NETRC`` names, else the first of these in the home directory that exists.
+NETRC_FILES = (".netrc", "_netrc")
+
+
+def netrc_file() -> None:
+    """Refuse the login file requests would read (:data:`NETRC_FILES`) unless it is a regular
+    file (through links) of at most :data:`MAX_KEY_FILE_BYTES`: requests reads it whole, with
+    no timeout, before each request. A FIFO there held ``fetch gs://`` for good, past
+    ``--retry-deadline`` (a device such as ``/dev/zero``: until memory ran out). A missing one,
+    or a directory, is skipped, as requests skips it."""
+    named = os.environ.get("NETRC")
+    if named is not None:
+        candidates = [(named, f"NETRC={named!r} names")]
+    else:
+        candidates = [(os.path.expanduser(f"~/{name}"), None) for name in NETRC_FILES]
+    for path, subject in candidates:
+        try:
+            found = os.stat(path)
+        except (OSError, ValueError):
+            continue  # missing, a dangling link: requests looks no further at it either
+        if stat.S_ISDIR(found.st_mode):
+            return  # requests fails to open it and goes on without
+        subject = subject or f"The login file {shown(path)} (read for gs:// sources) is"
+        fix = (
+            "Replace it with a netrc file (machine HOST login NAME password SECRET lines), "
+            "remove it, or set NETRC to the path of another one."
+        )
+        if not stat.S_ISREG(found.st_mode):
+            raise SourcePermissionError(f"{subject} {kind_of(found.st_mode)}, not a file.", fix)
+        if found.st_size > MAX_KEY_FILE_BYTES:
+            raise SourcePermissionError(
+                f"{subject} a file of {found.st_size} bytes, too large to be a netrc file "
+                f"(at most {MAX_KEY_FILE_BYTES} bytes).",
+                fix,
+            )
+        return  # requests reads the first one there
 
 
 #: The settings naming the certificate authorities an HTTP library trusts, in the order it
