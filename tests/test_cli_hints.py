@@ -236,3 +236,13 @@ def test_a_hint_names_where_this_command_writes_never_another_commands_option(
     assert hint and own in hint[-1] and foreign not in hint[-1], err
     assert list(elsewhere.iterdir()) == []  # nothing written through the link
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0", "1e9"])
+def test_serve_refuses_a_startup_timeout_that_never_ends_or_cannot_start(capsys, tmp_path, value):
+    """``serve --startup-timeout inf`` waited for ever for a server that would not be ready;
+    ``nan`` and ``-1`` failed at once with a readiness error that blamed the server. Each is
+    refused as the flag's error, before anything starts."""
+    code, err = _exit(capsys, "serve", str(tmp_path), "--startup-timeout", value)
+    assert code == 2, err
+    assert "--startup-timeout must be" in err and "hint: Set the startup timeout" in err, err

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loader.cli import nonempty_path, port
+from loader.cli import limit_argument, nonempty_path, port
+from loader.limits import STARTUP_TIMEOUT_S
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,8 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=port, help="HTTP port (default: a free one)")
     p.add_argument("--grpc-port", type=port, help="gRPC port (default: a free one)")
     p.add_argument("--metrics-port", type=port, help="metrics port (default: a free one)")
-    p.add_argument(
-        "--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness"
+    limit_argument(
+        p,
+        "--startup-timeout",
+        STARTUP_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds to wait for readiness",
     )
     p.add_argument("--triton-verbose", action="store_true", help="Triton's verbose log")
     p.add_argument(
@@ -55,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from loader.cli import require_extra
 
+    STARTUP_TIMEOUT_S.check(args.startup_timeout)  # inf waited for ever, nan and -1 failed at once
     require_extra("serve", "pytriton", "tokenizers")
     from loader.serving import TritonServer, rendered_pod_args, restricted_protocols
 
