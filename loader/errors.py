@@ -353,17 +353,29 @@ class KilledError(LoaderError):
         "with PYTHONFAULTHANDLER=1 and report it with the log.",
     }
 
-    def __init__(self, signum: int) -> None:
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
+    def __init__(self, signum: int, *, stopping: int | None = None) -> None:
+        name = _signal_name(signum)
+        hint = self.HINTS.get(signum, f"Find what sends {name} to the loader, then run it again.")
+        if stopping is not None and signum == signal.SIGKILL:
+            # Asked to stop, then killed while it unwound: whoever asked did not wait for it.
+            hint = (
+                f"It was stopping on {_signal_name(stopping)} (passed on to it) when SIGKILL "
+                "ended it: what stops it waited too little for it to remove what it had made "
+                "(a pod's terminationGracePeriodSeconds); give it longer, then run it again."
+            )
         super().__init__(
             f"The loader was killed by {name} before it finished; what it had written "
             "is not published.",
-            self.HINTS.get(signum, f"Find what sends {name} to the loader, then run it again."),
+            hint,
         )
         self.exit_code = 128 + signum
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class SourceNotFoundError(SourceError):

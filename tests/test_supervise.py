@@ -175,6 +175,29 @@ def test_a_converter_killed_by_a_signal_says_so_and_leaves_nothing(sig, medium, 
 
 
 @pytest.mark.slow
+def test_a_converter_killed_while_it_stops_is_not_blamed_on_memory(medium, tmp_path):
+    """A SIGTERM passed on to the converter, then SIGKILL before it had unwound (a pod's grace
+    period too short): the hint said "most often the OOM killer"; it says the stop did not wait
+    long enough. Stopped first, the child takes neither signal before SIGKILL; the supervisor
+    takes SIGTERM (15) before SIGCHLD (17), the lower pending signal first."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start(*_convert_argv(medium, out), "--dtype", "fp32")
+    child = _mapping_child(proc, medium / "model.safetensors")
+    _stop(child)
+    proc.send_signal(signal.SIGTERM)
+    os.kill(child, signal.SIGKILL)
+    stdout, err = proc.communicate(timeout=120)
+
+    assert proc.returncode == 137, err
+    assert "error: The loader was killed by SIGKILL before it finished" in err
+    hint = err.rstrip().splitlines()[-1]
+    assert hint.startswith("hint: It was stopping on SIGTERM (passed on to it)"), err
+    assert "OOM" not in hint
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_a_run_killed_while_converting_leaves_no_lock_and_no_staging(medium, tmp_path):
     root = tmp_path / "root"
     proc = _start(*_run_argv(medium, root))

@@ -116,7 +116,7 @@ def supervise() -> int | LoaderError | None:
         os.kill(os.getpid(), sig)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (sig,))  # dies here, unless it is PID 1
         return 128 + sig
-    return died(sig, ledger.entries(block), pid)
+    return died(sig, ledger.entries(block), pid, stopping=min(received, default=None))
 
 
 def _wait(pid: int) -> tuple[int, set[int]]:
@@ -149,12 +149,15 @@ def _child(parent: int, mask: set[signal.Signals]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def died(sig: int, recorded: ledger.Entries, pid: int) -> LoaderError:
-    """The error of a child ``pid`` killed by ``sig``, once what it left is removed."""
+def died(
+    sig: int, recorded: ledger.Entries, pid: int, *, stopping: int | None = None
+) -> LoaderError:
+    """The error of a child ``pid`` killed by ``sig``, once what it left is removed
+    (``stopping``: a signal this process passed on to it before)."""
     report_removed(clean_up(recorded, pid))
     if sig == signal.SIGBUS:
         return bus_error(recorded)
-    return KilledError(sig)
+    return KilledError(sig, stopping=stopping)
 
 
 def say(*lines: str) -> None:
