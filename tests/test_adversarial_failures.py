@@ -474,6 +474,7 @@ def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
     assert not list(root.glob("m@*"))
 
 
+@pytest.mark.slow  # a run in a subprocess of its own at each of nine limits
 def test_running_out_of_file_descriptors_leaves_no_empty_directory_in_staging(
     tiny_checkpoint_with_tokenizer, tmp_path
 ):

@@ -32,6 +32,7 @@ from loader.parallel import Parallelism
 from loader.repository import key as loader_key
 from tests import chart as rc
 from tests.chartkit import generated, render_helpers, render_values
+from tests.tiers import examples
 
 # Generated cases by the dozen, each rendering or running a command: in make test, not test-fast.
 pytestmark = pytest.mark.slow
@@ -298,7 +299,7 @@ def _values_of(case: dict) -> dict:
     return values
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=key_cases(), helm=st.sampled_from(HELMS))
 @example(  # sizes the schema refuses while dynamic batching is off (found by Hypothesis)
     case={

@@ -233,6 +233,7 @@ def names_of(release: str, *sets: str) -> set[tuple[str, str]]:
     return {(d["kind"], d["metadata"]["name"]) for d in docs}
 
 
+@pytest.mark.slow  # thirty renders: every length across the names' truncation
 def test_long_release_names_that_differ_late_never_share_a_resource_name():
     sets = ("metrics.serviceMonitor.enabled=true", "loader.hook.enabled=true")
     base = "a-very-long-release-name-for-the-codegen-model-"

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from loader import podspec
 from loader.serving import restricted_protocols
 from tests import chart as rc
+from tests.tiers import examples
 
 HELMS = ("helm3", "helm4")
 VALUES = (None, *sorted(p.name for p in rc.VALUES_DIR.glob("*.yaml")))
@@ -203,7 +204,7 @@ def test_an_existing_secret_replaces_the_generated_one():
         rc.triton_command(docs)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(
     # `--set` reads digits, true, false and null as non-strings: a leading letter keeps the name one.
     header=st.text(string.ascii_lowercase + string.digits + "-_.", max_size=30)
@@ -296,7 +297,7 @@ def test_turning_the_network_policies_off_is_said_in_notes():
 # --------------------------------------------------------------------------- undoing, refused
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     flag=st.sampled_from(OWNED_FLAGS),
     cut=st.integers(min_value=0, max_value=40),
@@ -537,7 +538,7 @@ def _cidr_texts(draw) -> str:
     return address + suffix
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(_cidr_texts())
 def test_an_excepted_range_the_schema_takes_is_one_the_api_server_takes(text):
     """Differential: networkPolicy.loader.exceptCIDRs' schema pattern against the API server's

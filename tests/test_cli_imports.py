@@ -8,6 +8,7 @@ Each command runs for real in a fresh interpreter, which then lists every module
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +30,17 @@ NEVER = (
 )
 
 
-def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``code`` run by a fresh interpreter in ``cwd``."""
+def _python(code: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter in ``cwd`` (with ``env`` added to the environment)."""
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
-def _imported(argv: list[str], cwd: Path) -> tuple[int, set[str]]:
+def _imported(
+    argv: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> tuple[int, set[str]]:
     """Run ``model-loader ARGV`` in a fresh interpreter; its exit code and sys.modules."""
     proc = _python(
         "import json, sys\n"
@@ -49,6 +53,7 @@ def _imported(argv: list[str], cwd: Path) -> tuple[int, set[str]]:
         "sys.stdout.flush()\n"
         "raise SystemExit(rc)\n",
         cwd,
+        env,
     )
     line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
     return proc.returncode, set(json.loads(line.removeprefix("MODULES=")))
@@ -109,6 +114,19 @@ def test_a_command_s_help_loads_none_of_the_heavy_libraries(argv, loaded, tmp_pa
     code, modules = _imported(argv, tmp_path)
     assert code == 0
     assert _offending(modules, (*NEVER, *loaded)) == []
+
+
+def test_fetch_refuses_a_credentials_setting_before_loading_the_storage_client(tmp_path):
+    """The Cloud Storage client's libraries take about a second to import: a key file setting
+    that names no file is refused before they are loaded."""
+    (tmp_path / "key.json").mkdir()
+    env = {"GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "key.json"),
+           "CLOUDSDK_CONFIG": str(tmp_path / "gcloud")}  # fmt: skip
+    argv = ["fetch", "gs://bucket/prefix", str(tmp_path / "dest"), "--retry-deadline", "5"]
+    code, modules = _imported(argv, tmp_path, env)
+    assert code == 2
+    assert "loader.sources.gcs" in modules  # the command got as far as its source
+    assert _offending(modules, ("google.cloud.storage",)) == []
 
 
 def test_the_config_classes_loaded_alone_are_the_triton_client_s_own(tmp_path):

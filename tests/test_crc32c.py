@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.sources.transfer import crc32c_combine, crc32c_of, crc32c_text, md5_of
+from tests.tiers import examples
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.binary(max_size=2000), min_size=1, max_size=8))
 def test_the_values_of_consecutive_pieces_combine_into_the_whole_s(pieces):
     combined = 0
@@ -24,7 +25,7 @@ def test_the_values_of_consecutive_pieces_combine_into_the_whole_s(pieces):
     assert combined == google_crc32c.value(b"".join(pieces))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=3, max_size=3),
     st.integers(min_value=0, max_value=2**50),

@@ -23,6 +23,7 @@ from loader.reference.generate import (
     generate,
     softmax,
 )
+from tests.tiers import examples
 
 V = 64
 #: An end_id the table model never produces (outside its vocabulary).
@@ -249,7 +250,7 @@ def test_word_checks_of_a_short_row_look_at_the_padding():
     assert generate(TableLM(table), [stop, wide], vocab_size=V)[0].num_generated == 1
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data())
 def test_sampling_from_the_sorted_prefix_equals_sampling_from_a_full_sort(data):
     """sample_tokens sorts only the most probable ids unless the walk needs more; for any rows

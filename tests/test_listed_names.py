@@ -15,6 +15,7 @@ from loader.sources import parse_uri
 from loader.sources.gcs import _PARTIAL_SUFFIX, _relpath
 from loader.sources.hf import INCOMPLETE, _names
 from loader.sources.names import NAME_MAX, listed_parts
+from tests.tiers import examples
 
 _LEVEL = st.one_of(
     st.sampled_from(["", ".", "..", ".partial", fs.MADE, "a", "model.safetensors", "x\ny", "x\0y"]),
@@ -32,7 +33,7 @@ def _refused(call) -> bool:
     return False
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rel=_NAME, suffix=st.sampled_from([len(INCOMPLETE), _PARTIAL_SUFFIX]))
 def test_a_name_taken_can_be_created_with_its_download_suffix_and_maps_back(
     rel, suffix, tmp_path_factory
@@ -55,7 +56,7 @@ def test_a_name_taken_can_be_created_with_its_download_suffix_and_maps_back(
         os.unlink(base / (part + "x" * suffix))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(rel=_NAME)
 def test_gcs_and_the_hub_refuse_the_same_names(rel):
     """Both sources apply one rule; they differ only in what a download adds to a name, so

@@ -27,31 +27,43 @@ from loader.repository.publish import (
 from tests.tiers import FAST_TIER
 
 
-def _publish(capsys, source: Path, root: Path, name: str, revision: str, created: str) -> Path:
+def _publish(source: Path, root: Path, name: str, revision: str, created: str) -> Path:
     argv = [
         "run", "--source", str(source), "--repository", str(root), "--model-name", name,
         "--revision", revision, "--tp-size", "1", "--pp-size", "1", "--instance-count", "1",
         "--backend", "python",
     ]  # fmt: skip
     assert main(argv) == 0
-    path = Path(capsys.readouterr().out.splitlines()[-1])
+    (path,) = (root / f"{name}@{revision}").iterdir()
     data = json.loads((path / manifest.MANIFEST).read_text())
     data["created_at"] = created
     (path / manifest.MANIFEST).write_text(json.dumps(data))
     return path
 
 
-@pytest.fixture
-def tree(tiny_checkpoint_with_tokenizer, tmp_path, capsys) -> SimpleNamespace:
-    """tiny@r1..r4 (r4 newest), other@r1, and every kind of leftover."""
-    root = tmp_path / "models"
-    t = SimpleNamespace(root=root)
+@pytest.fixture(scope="module")
+def published(tiny_checkpoint_with_tokenizer, tmp_path_factory) -> SimpleNamespace:
+    """tiny@r1..r4 (r4 newest) and other@r1, published once for the module: each test prunes
+    a copy of its own (:func:`tree`)."""
+    root = tmp_path_factory.mktemp("published") / "models"
     src = tiny_checkpoint_with_tokenizer
-    t.keys = {
-        rev: _publish(capsys, src, root, "tiny", rev, f"2026-01-0{i}T00:00:00Z")
+    keys = {
+        rev: _publish(src, root, "tiny", rev, f"2026-01-0{i}T00:00:00Z")
         for i, rev in enumerate(["r1", "r2", "r3", "r4"], start=1)
     }
-    t.other = _publish(capsys, src, root, "other", "r1", "2025-01-01T00:00:00Z")
+    other = _publish(src, root, "other", "r1", "2025-01-01T00:00:00Z")
+    return SimpleNamespace(root=root, keys=keys, other=other)
+
+
+@pytest.fixture
+def tree(published, tmp_path) -> SimpleNamespace:
+    """tiny@r1..r4 (r4 newest), other@r1 (a copy of :func:`published`), and every kind of
+    leftover."""
+    root = tmp_path / "models"
+    shutil.copytree(published.root, root, symlinks=True)
+    t = SimpleNamespace(root=root)
+    t.keys = {rev: root / path.relative_to(published.root) for rev, path in published.keys.items()}
+    t.other = root / published.other.relative_to(published.root)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     key = str(t.keys["r4"].relative_to(root))

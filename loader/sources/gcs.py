@@ -262,19 +262,23 @@ def _funnel(options: FetchOptions) -> Funnel:
 
 
 def make_client(*, pool_size: int = DEFAULT_WORKERS) -> Any:
-    """A storage client: anonymous against ``STORAGE_EMULATOR_HOST``, else ADC."""
-    from google.cloud import storage
-    from requests.adapters import HTTPAdapter
-
+    """A storage client: anonymous against ``STORAGE_EMULATOR_HOST``, else ADC. The settings
+    it reads are checked before the client's libraries are imported (about a second): a bad
+    one is refused at once."""
     settings.trust_files(settings.STORAGE_TRUST)
     settings.proxies(settings.STORAGE_PROXIES)
     settings.netrc_file()
-    if settings.endpoint("STORAGE_EMULATOR_HOST"):
+    emulated = settings.endpoint("STORAGE_EMULATOR_HOST")
+    if not emulated:
+        settings.key_files()
+    from google.cloud import storage
+    from requests.adapters import HTTPAdapter
+
+    if emulated:
         from google.auth.credentials import AnonymousCredentials
 
         client = storage.Client(credentials=AnonymousCredentials(), project="emulator")
     else:
-        settings.key_files()
         client = storage.Client()
     # The client has no public setting for its connection pool (10 connections), which the
     # download threads would otherwise outnumber.
