@@ -386,3 +386,15 @@ def test_an_ending_signal_the_command_was_started_ignoring_stays_ignored():
     finally:
         signal.signal(signal.SIGUSR1, before)
         cli._stopping.clear()
+
+
+def test_every_signal_a_command_takes_is_held_back_while_libraries_start_their_threads():
+    """The threads a library starts while it loads (OpenBLAS, as numpy is imported) keep the
+    mask they start with: a signal not held back then may be handed to one of them, which runs
+    no Python handler, for good (the slow test above looks at OpenBLAS's real threads)."""
+    from loader import cli
+
+    with cli._interrupts_told_apart():
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    left = {signal.SIGINT, *cli.STOPPING, *cli.ENDING} - held
+    assert not left, sorted(signal.Signals(s).name for s in left)
