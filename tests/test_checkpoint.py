@@ -747,3 +747,23 @@ def test_convert_copies_no_byte_of_a_file_put_where_the_checked_one_was(
     clean, out = tmp_path / "clean" / "1-gpu", tmp_path / "out" / "1-gpu"
     for name in sorted(p.name for p in clean.iterdir()):
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+
+
+def test_a_safetensors_file_cut_short_after_its_header_was_checked_is_transient(
+    checkpoints, tmp_path
+):
+    """Cut short between the header's check and the first read (another process rewriting
+    it): its tensors would be read past the end of the map (SIGBUS); it shrank meanwhile
+    (75, read again next run)."""
+    from loader.checkpoint import SafetensorsFile
+    from loader.errors import SourceShrankError
+
+    (path,) = _copy(checkpoints[("safetensors", False)], tmp_path / "ck").glob("*.safetensors")
+    shard = SafetensorsFile(path)
+    try:
+        with path.open("r+b") as fh:
+            fh.truncate(shard.size - 1)
+        with pytest.raises(SourceShrankError):
+            shard.get(next(iter(shard.infos())))
+    finally:
+        shard.close()
