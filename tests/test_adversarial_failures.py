@@ -407,6 +407,29 @@ def test_a_trust_setting_the_library_does_not_read_is_left_alone(tmp_path, monke
     assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
 
 
+@pytest.mark.parametrize("variable", ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE"])
+def test_a_trust_file_larger_than_any_bundle_is_refused_before_it_is_read(
+    tmp_path, monkeypatch, variable
+):
+    """A certificate file is read whole by the TLS library: one past 16 MiB (a sparse
+    file: nothing is written) is refused naming its size; one of 16 MiB is read (and
+    then refused for what it holds)."""
+    from loader.errors import SourceError
+    from loader.sources import settings
+
+    planted = tmp_path / "ca.pem"
+    _trusting(monkeypatch, planted, "missing")
+    monkeypatch.setenv(variable, str(planted))
+    which = settings.HUB_TRUST if variable == "SSL_CERT_FILE" else settings.STORAGE_TRUST
+    for size, said in ((16 * 2**20 + 1, "too large"),
+                       (16 * 2**20, "holds no certificate")):  # fmt: skip
+        with planted.open("wb") as fh:
+            fh.truncate(size)
+        with pytest.raises(SourceError) as info:
+            settings.trust_files(which)
+        assert said in info.value.message and variable in info.value.message
+
+
 # --- the proxy settings the HTTP libraries read ----------------------------------------------
 
 PROXIES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")

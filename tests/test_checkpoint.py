@@ -274,9 +274,34 @@ def test_a_tensor_list_naming_one_class_again_and_again_is_checked_in_little_mem
 
 
 def test_a_tensor_list_naming_more_classes_than_a_state_dict_is_refused(tmp_path):
-    listing = b"\x80\x02" + b"".join(b"cm\nn%d\n0" % i for i in range(300)) + b"}."
+    """256 classes are read; one more is refused (not a few more)."""
+    import warnings
+
+    from loader.checkpoint import _check_records
+
+    def naming(classes: int) -> Path:
+        listing = b"\x80\x02" + b"".join(b"cm\nn%d\n0" % i for i in range(classes)) + b"}."
+        return _archive(tmp_path / f"{classes}.bin", [("archive/data.pkl", listing)])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _check_records(naming(256))
+    assert "its tensor list names more than 256 classes" in _records_check(naming(257))
+
+
+def test_a_tensor_list_of_the_limits_size_is_read_one_byte_more_is_refused(tmp_path, monkeypatch):
+    import warnings
+
+    from loader import checkpoint
+
+    listing = b"\x80\x02}."  # an empty state dict
     path = _archive(tmp_path / "pytorch_model.bin", [("archive/data.pkl", listing)])
-    assert "its tensor list names more than 256 classes" in _records_check(path)
+    monkeypatch.setattr(checkpoint, "_MAX_PICKLE", len(listing))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoint._check_records(path)
+    monkeypatch.setattr(checkpoint, "_MAX_PICKLE", len(listing) - 1)
+    assert "its tensor list is larger than" in _records_check(path)
 
 
 def test_a_shard_missing_from_the_index_is_named(checkpoints, tmp_path):
@@ -798,3 +823,23 @@ def test_convert_copies_no_byte_of_a_file_put_where_the_checked_one_was(
     clean, out = tmp_path / "clean" / "1-gpu", tmp_path / "out" / "1-gpu"
     for name in sorted(p.name for p in clean.iterdir()):
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+
+
+def test_a_safetensors_file_cut_short_after_its_header_was_checked_is_transient(
+    checkpoints, tmp_path
+):
+    """Cut short between the header's check and the first read (another process rewriting
+    it): its tensors would be read past the end of the map (SIGBUS); it shrank meanwhile
+    (75, read again next run)."""
+    from loader.checkpoint import SafetensorsFile
+    from loader.errors import SourceShrankError
+
+    (path,) = _copy(checkpoints[("safetensors", False)], tmp_path / "ck").glob("*.safetensors")
+    shard = SafetensorsFile(path)
+    try:
+        with path.open("r+b") as fh:
+            fh.truncate(shard.size - 1)
+        with pytest.raises(SourceShrankError):
+            shard.get(next(iter(shard.infos())))
+    finally:
+        shard.close()

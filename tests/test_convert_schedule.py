@@ -333,3 +333,27 @@ def tiny_overlapped(tmp_path):
     )
     with conversion:
         yield conversion, [download / name for name in plan.inventory.files]
+
+
+@pytest.mark.parametrize("changed", ["convert/gptj.py", "checkpoint.py", "formats/jsondoc.py"])
+def test_the_converter_code_a_journal_records_changes_with_any_byte_of_it(
+    tmp_path, monkeypatch, changed
+):
+    """What a journal records as the converter's code takes in every file that decides what
+    an output holds, by its bytes: one byte changed in the converter, the checkpoint reader or
+    the formats' facts (the same size: a check's comparison flipped) is other code, and its
+    outputs are written again."""
+    import shutil
+
+    from loader.convert import overlapped
+
+    package = Path(overlapped.__file__).resolve().parent.parent
+    copy = tmp_path / "loader"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(overlapped, "__file__", str(copy / "convert" / "overlapped.py"))
+    digest_of = overlapped.converter_digest.__wrapped__
+    assert digest_of() == overlapped.converter_digest()  # the copy is the same code
+    data = bytearray((copy / changed).read_bytes())
+    data[len(data) // 2] ^= 1  # (a digit, a letter: one bit of one byte)
+    (copy / changed).write_bytes(bytes(data))
+    assert digest_of() != overlapped.converter_digest()

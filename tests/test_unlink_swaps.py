@@ -1,11 +1,14 @@
 """A file the loader judged its own in a marked tree is removed only while it is that very
 file: a user's file renamed to its name after the look (at any call up to the removal) stays,
-whatever else of the tree goes. (Not covered: the tree's last mark, removed by name right after
-a last look, and the fresh name a file is moved to.) A removal stopped after the file moved aside leaves a file the
-next loader still knows as its own."""
+whatever else of the tree goes; so does the mark of a tree that stays. (Not covered: the last
+mark of a tree removed whole, removed by name right after a last look, and the fresh name a
+file is moved to.) A user's file moved aside in the loader's place goes back without replacing
+anything. A removal stopped after the file moved aside, or a replace right after its exchange,
+leaves a file the next loader still knows as its own."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -162,3 +165,96 @@ def test_a_file_renamed_onto_the_loaders_own_replaces_it(tmp_path):
     assert {p.name for p in tree.iterdir()} == {"a", "top.bin", fs.MADE, MARKER}
     with fs.Dir.open(tree.parent) as parent:
         assert parent.remove_tree("t", marks=(MARKER,)) == []
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
+def test_a_users_file_moved_aside_in_the_loaders_place_never_replaces_a_newer_one(
+    tmp_path, fallback
+):
+    """A user's file renamed onto the loader's file's name as it is moved aside is what moved:
+    it goes back, without replacing anything (also where ``renameat2`` is missing). A second
+    file of the user's put at the name by then stays there, and the first is left at the fresh
+    name (with a warning): neither goes."""
+    tree = _tree(tmp_path)
+    (tmp_path / "second.txt").write_text("the user's second\n")
+
+    def hook(op: str, path: str) -> None:
+        src, _, dst = path.partition(" -> ")
+        if not op.startswith("rename"):
+            return
+        if src == str(tree / "top.bin") and (tmp_path / "users.txt").exists():
+            os.rename(tmp_path / "users.txt", tree / "top.bin")  # the user's goes aside
+        elif dst == str(tree / "top.bin") and (tmp_path / "second.txt").exists():
+            os.rename(tmp_path / "second.txt", tree / "top.bin")  # before it comes back
+        if fallback and op in ("rename-exchange", "rename-noreplace"):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+
+    with fs.Dir.open(tree) as t, fs.inject(hook):
+        t.unlink("top.bin")
+    assert not (tmp_path / "users.txt").exists() and not (tmp_path / "second.txt").exists()
+    assert (tree / "top.bin").read_text() == "the user's second\n"
+    assert _kept_anywhere(tmp_path), "the user's file moved aside was replaced"
+
+
+def test_a_replace_stopped_right_after_its_exchange_leaves_the_old_file_the_loaders(tmp_path):
+    """The loader's file a rename replaces in a marked tree is swapped out to the renamed
+    file's name in one exchange, then removed: a loader stopped between the two leaves it
+    there, recorded as its own, and the next loader removes it with the tree."""
+    tree = _tree(tmp_path)
+    swapped: list[str] = []
+
+    def hook(op: str, path: str) -> None:
+        if swapped:
+            raise Stopped(path)  # the exchange is done: nothing after it runs
+        if op == "rename-exchange" and path.endswith("/partial -> " + str(tree / "top.bin")):
+            swapped.append(path)
+
+    with fs.Dir.open(tree) as t:
+        t.write("partial", b"new")
+        with fs.inject(hook), pytest.raises(Stopped):
+            t.rename("partial", t, "top.bin", how="replace")
+    assert (tree / "top.bin").read_bytes() == b"new" and (tree / "partial").read_bytes() == b"top"
+    fs._made_trees.clear()  # the next loader reads the record anew
+    with fs.Dir.open(tree.parent) as parent:
+        assert parent.remove_tree("t", marks=(MARKER,)) == []
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("missing_ok", [True, False])
+def test_a_judged_file_removed_by_someone_else_before_it_moves_aside_is_missing(
+    tmp_path, missing_ok
+):
+    """The loader's file went (another's removal) between the look and its move aside: with
+    ``missing_ok`` nothing is said; without, it is missing (FileNotFoundError), as where
+    nothing was at the look."""
+    tree = _tree(tmp_path)
+
+    def hook(op: str, path: str) -> None:
+        if op.startswith("rename") and path.startswith(str(tree / "top.bin") + " -> "):
+            (tree / "top.bin").unlink(missing_ok=True)
+
+    with fs.Dir.open(tree) as t, fs.inject(hook):
+        if missing_ok:
+            t.unlink("top.bin", missing_ok=True)
+        else:
+            with pytest.raises(FileNotFoundError):
+                t.unlink("top.bin")
+    assert not (tree / "top.bin").exists()
+
+
+def test_a_users_file_renamed_onto_the_mark_of_a_tree_that_stays_is_kept(tmp_path):
+    """A tree holding a user's file stays (that file kept), and its mark goes first, removed
+    only while it is the very file judged: a user's file renamed onto the mark's name after
+    the last look stays. (Where nothing is kept, the mark goes last, by name: see fs.)"""
+    tree = _tree(tmp_path)
+    (tree / "notes.txt").write_text("the user's notes\n")
+
+    def hook(op: str, path: str) -> None:
+        at_mark = op != "stat" and path.split(" -> ")[0] == str(tree / MARKER)
+        if at_mark and (tmp_path / "users.txt").exists():
+            os.rename(tmp_path / "users.txt", tree / MARKER)
+
+    with fs.Dir.open(tree.parent) as parent, fs.inject(hook):
+        kept = parent.remove_tree("t", marks=(MARKER,))
+    assert tree / "notes.txt" in kept
+    assert (tree / MARKER).read_text() == MINE, "the user's file at the mark's name went"

@@ -397,15 +397,17 @@ STOPPING: dict[int, str] = {
 
 
 #: The other signals whose default action ends the process, which the loader gives no meaning
-#: (SIGQUIT, SIGUSR1, SIGALRM, the timers' and CPU limit's, SIGSTKFLT, the real-time ones), but
-#: not a fault's (SIGSEGV, SIGBUS, ...: a handler for those would run the faulting instruction
-#: again for ever). Each killed a command at once, without its clean-up: ``serve``'s
-#: tritonserver, which leads a session of its own, went on serving its ports with its
-#: temporary directory left, ``prune`` left its lock, ``fetch`` its temporary files. Now they
-#: unwind the command like SIGTERM, then the process dies of the signal (the status it had).
+#: (SIGQUIT, SIGUSR1, SIGALRM, the timers' and CPU limit's, the real-time ones, SIGSTKFLT,
+#: which no fault raises on Linux), but not a fault's (SIGSEGV, SIGBUS, ...: a handler for
+#: those would run the faulting instruction again for ever). Each killed a command at once,
+#: without its clean-up: ``serve``'s tritonserver, which leads a session of its own, went on
+#: serving its ports with its temporary directory left, ``prune`` left its lock, ``fetch``
+#: its temporary files. Now they unwind the command like SIGTERM, then the process dies of
+#: the signal (the status it had).
 ENDING: tuple[int, ...] = (
     *(getattr(signal, name) for name in ("SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM",
-                                         "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR", "SIGSTKFLT")
+                                         "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR",
+                                         "SIGSTKFLT")
       if hasattr(signal, name)),
     *(range(signal.SIGRTMIN, signal.SIGRTMAX + 1) if hasattr(signal, "SIGRTMIN") else ()),
 )  # fmt: skip
