@@ -54,6 +54,7 @@ from loader.errors import (
     CheckpointError,
     CorruptFileError,
     FileContentError,
+    ReplacedDownloadError,
     ResourceExhaustedError,
     SourceShrankError,
     TensorDtypeError,
@@ -173,6 +174,8 @@ class ShardFile(Protocol):
     path: Path
     #: The file's size when it was opened (its header checked).
     size: int
+    #: The file opened (:func:`loader.fs.stamp` of its descriptor when it was opened).
+    stamp: fs.Stamp
 
     def infos(self) -> dict[str, TensorInfo]: ...
 
@@ -235,7 +238,8 @@ class SafetensorsFile:
         self._lock = threading.Lock()
         try:
             with fs.open_read(path) as fh:
-                size = os.fstat(fh.fileno()).st_size
+                opened = os.fstat(fh.fileno())
+                size = opened.st_size
                 prefix = fh.read(8)
                 if len(prefix) < 8:
                     raise _corrupt(path, f"{size} bytes, shorter than the 8-byte header length")
@@ -267,6 +271,7 @@ class SafetensorsFile:
         self._fd: int | None = kept
         #: (device, inode) of the file read: what is at its path may be another file now
         self.identity = (st.st_dev, st.st_ino)
+        self.stamp = fs.stamp(opened)
 
     def _read_header(self, raw: bytes, header_len: int, size: int) -> None:
         path = self.path
@@ -378,7 +383,8 @@ class TorchFile:
         # this descriptor (it opened the path again: a FIFO put there meanwhile held it for
         # good, another archive was loaded unchecked).
         with fs.open_read(path) as fh:
-            self.size = os.fstat(fh.fileno()).st_size
+            opened = os.fstat(fh.fileno())
+            self.size, self.stamp = opened.st_size, fs.stamp(opened)
             try:
                 _check_records(path, fh)
             except CorruptFileError as exc:
@@ -774,8 +780,9 @@ class Inventory:
         """The weight files, by name (the order sources deliver them in)."""
         return sorted(set(self.placement.values()))
 
-    def open(self, name: str) -> ShardFile:
-        """Open (and check the header of) the weight file ``name``."""
+    def open(self, name: str, *, checked: fs.Stamp | None = None) -> ShardFile:
+        """Open (and check the header of) the weight file ``name``; ``checked``: the
+        :data:`~loader.fs.Stamp` of the file its download verified (:func:`opened_as_checked`)."""
         path = self.directory / name
         if not is_regular_file(path):
             raise self.missing([name])
@@ -789,6 +796,7 @@ class Inventory:
         if seen is not None and shard.size < seen:
             shard.close()
             raise SourceShrankError([(path, seen, shard.size)])
+        opened_as_checked(shard, checked)
         return shard
 
     def check_placement(
@@ -864,6 +872,17 @@ def read_inventory(
     raise CheckpointError(
         f"{directory} holds no weights: looked for {looked_for}; found {present or 'nothing'}."
     )
+
+
+def opened_as_checked(shard: ShardFile, checked: fs.Stamp | None) -> None:
+    """The weight file ``shard`` opened must be the one a download verified against its
+    checksum (``checked``: its :data:`~loader.fs.Stamp` then; None: no download verified it,
+    a local source's file): a file renamed over it, or written in place, since is another
+    process's, never converted (``shard`` is closed, a :class:`ReplacedDownloadError`)."""
+    if checked is None or shard.stamp == checked:
+        return
+    shard.close()
+    raise ReplacedDownloadError(shard.path)
 
 
 def _is_shard_name(name: str) -> bool:
