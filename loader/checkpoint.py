@@ -394,7 +394,7 @@ class TorchFile:
                 ledger.note_mapped(path, fh.fileno())
             try:
                 state = torch.load(
-                    _by_descriptor(path, fh.fileno()),
+                    fs.by_descriptor(path, fh.fileno()),
                     map_location="cpu",
                     mmap=True,
                     weights_only=True,
@@ -445,14 +445,6 @@ class TorchFile:
 
     def close(self) -> None:
         self._state = {}
-
-
-def _by_descriptor(path: Path, fd: int) -> str:
-    """A name that opens the file ``fd`` has open (``torch.load(mmap=True)`` takes a name, and
-    opens it more than once), whatever is at ``path`` now: ``/proc/self/fd/<fd>``; ``path``
-    itself where there is no ``/proc``."""
-    by_fd = f"/proc/self/fd/{fd}"
-    return by_fd if os.path.exists(by_fd) else str(path)
 
 
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.

@@ -2337,6 +2337,14 @@ def open_read(path: Path) -> BinaryIO:
     return open(_open_regular(path), "rb")
 
 
+def by_descriptor(path: Path, fd: int) -> str:
+    """A name that opens the file ``fd`` has open, for a library that takes a name and opens
+    it itself (``torch.load(mmap=True)``, the tokenizers library), whatever is at ``path``
+    now: ``/proc/self/fd/<fd>``; ``path`` itself where there is no ``/proc``."""
+    by_fd = f"/proc/self/fd/{fd}"
+    return by_fd if os.path.exists(by_fd) else str(path)
+
+
 def _open_regular(path: Path) -> int:
     """A descriptor of the regular file ``path``, opened without blocking on a FIFO: a FIFO,
     device or socket is never read (it may block forever or never end)."""
