@@ -619,6 +619,10 @@ def _check_records(path: Path, opened: BinaryIO | None = None) -> None:
                     f"its tensor list names more than {_MAX_CLASSES} classes (a state dict's "
                     "names a few, and torch.load takes none it does not know)",
                 ) from exc
+            except MemoryError as exc:  # within _MAX_PICKLE: the machine's, not the file's
+                raise ResourceExhaustedError(
+                    f"The loader ran out of memory reading the tensor list of {shown(path)}."
+                ) from exc
             except Exception as exc:  # any malformed pickle: nothing of it was run
                 raise _corrupt(
                     path, f"its tensor list does not read ({type(exc).__name__})"

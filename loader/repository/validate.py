@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from loader import fs
-from loader.errors import CheckpointError, RepositoryError
+from loader.errors import CheckpointError, RepositoryError, ResourceExhaustedError
 from loader.formats.fastertransformer import INT32_MAX, FTConfig
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
@@ -158,6 +158,10 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
             # panic of its Rust code (pyo3's PanicException, no Exception) on some hostile files
             if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
                 raise
+            if isinstance(exc, MemoryError):  # each file within its limit: the machine's
+                raise ResourceExhaustedError(
+                    f"The loader ran out of memory loading the tokenizer of {checkpoint}."
+                ) from exc
             names = ", ".join(p.name for p in files)
             raise CheckpointError(
                 f"The tokenizer of {checkpoint} ({names}) does not load: {str(exc)[:300]}.",
