@@ -54,6 +54,7 @@ from loader.errors import (
     CheckpointError,
     CorruptFileError,
     FileContentError,
+    ReplacedDownloadError,
     ResourceExhaustedError,
     SourceShrankError,
     TensorDtypeError,
@@ -173,6 +174,8 @@ class ShardFile(Protocol):
     path: Path
     #: The file's size when it was opened (its header checked).
     size: int
+    #: The file opened (:func:`loader.fs.stamp` of its descriptor when it was opened).
+    stamp: fs.Stamp
 
     def infos(self) -> dict[str, TensorInfo]: ...
 
@@ -235,7 +238,8 @@ class SafetensorsFile:
         self._lock = threading.Lock()
         try:
             with fs.open_read(path) as fh:
-                size = os.fstat(fh.fileno()).st_size
+                opened = os.fstat(fh.fileno())
+                size = opened.st_size
                 prefix = fh.read(8)
                 if len(prefix) < 8:
                     raise _corrupt(path, f"{size} bytes, shorter than the 8-byte header length")
@@ -267,6 +271,7 @@ class SafetensorsFile:
         self._fd: int | None = kept
         #: (device, inode) of the file read: what is at its path may be another file now
         self.identity = (st.st_dev, st.st_ino)
+        self.stamp = fs.stamp(opened)
 
     def _read_header(self, raw: bytes, header_len: int, size: int) -> None:
         path = self.path
@@ -378,7 +383,8 @@ class TorchFile:
         # this descriptor (it opened the path again: a FIFO put there meanwhile held it for
         # good, another archive was loaded unchecked).
         with fs.open_read(path) as fh:
-            self.size = os.fstat(fh.fileno()).st_size
+            opened = os.fstat(fh.fileno())
+            self.size, self.stamp = opened.st_size, fs.stamp(opened)
             try:
                 _check_records(path, fh)
             except CorruptFileError as exc:
@@ -388,7 +394,7 @@ class TorchFile:
                 ledger.note_mapped(path, fh.fileno())
             try:
                 state = torch.load(
-                    _by_descriptor(path, fh.fileno()),
+                    fs.by_descriptor(path, fh.fileno()),
                     map_location="cpu",
                     mmap=True,
                     weights_only=True,
@@ -439,14 +445,6 @@ class TorchFile:
 
     def close(self) -> None:
         self._state = {}
-
-
-def _by_descriptor(path: Path, fd: int) -> str:
-    """A name that opens the file ``fd`` has open (``torch.load(mmap=True)`` takes a name, and
-    opens it more than once), whatever is at ``path`` now: ``/proc/self/fd/<fd>``; ``path``
-    itself where there is no ``/proc``."""
-    by_fd = f"/proc/self/fd/{fd}"
-    return by_fd if os.path.exists(by_fd) else str(path)
 
 
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
@@ -621,6 +619,10 @@ def _check_records(path: Path, opened: BinaryIO | None = None) -> None:
                     f"its tensor list names more than {_MAX_CLASSES} classes (a state dict's "
                     "names a few, and torch.load takes none it does not know)",
                 ) from exc
+            except MemoryError as exc:  # within _MAX_PICKLE: the machine's, not the file's
+                raise ResourceExhaustedError(
+                    f"The loader ran out of memory reading the tensor list of {shown(path)}."
+                ) from exc
             except Exception as exc:  # any malformed pickle: nothing of it was run
                 raise _corrupt(
                     path, f"its tensor list does not read ({type(exc).__name__})"
@@ -774,8 +776,9 @@ class Inventory:
         """The weight files, by name (the order sources deliver them in)."""
         return sorted(set(self.placement.values()))
 
-    def open(self, name: str) -> ShardFile:
-        """Open (and check the header of) the weight file ``name``."""
+    def open(self, name: str, *, checked: fs.Stamp | None = None) -> ShardFile:
+        """Open (and check the header of) the weight file ``name``; ``checked``: the
+        :data:`~loader.fs.Stamp` of the file its download verified (:func:`opened_as_checked`)."""
         path = self.directory / name
         if not is_regular_file(path):
             raise self.missing([name])
@@ -789,6 +792,7 @@ class Inventory:
         if seen is not None and shard.size < seen:
             shard.close()
             raise SourceShrankError([(path, seen, shard.size)])
+        opened_as_checked(shard, checked)
         return shard
 
     def check_placement(
@@ -864,6 +868,17 @@ def read_inventory(
     raise CheckpointError(
         f"{directory} holds no weights: looked for {looked_for}; found {present or 'nothing'}."
     )
+
+
+def opened_as_checked(shard: ShardFile, checked: fs.Stamp | None) -> None:
+    """The weight file ``shard`` opened must be the one a download verified against its
+    checksum (``checked``: its :data:`~loader.fs.Stamp` then; None: no download verified it,
+    a local source's file): a file renamed over it, or written in place, since is another
+    process's, never converted (``shard`` is closed, a :class:`ReplacedDownloadError`)."""
+    if checked is None or shard.stamp == checked:
+        return
+    shard.close()
+    raise ReplacedDownloadError(shard.path)
 
 
 def _is_shard_name(name: str) -> bool:

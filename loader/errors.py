@@ -414,6 +414,21 @@ class TransientSourceError(SourceError):
     )
 
 
+class ReplacedDownloadError(TransientSourceError):
+    """A downloaded file was replaced (renamed over, or written in place) in the download
+    directory after it was verified against its checksum: another process wrote there. What is
+    there now was not converted; nothing was published."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(
+            f"{shown(path)} is not the file the loader downloaded and verified: another "
+            "process replaced it (or wrote to it) since; it was not converted and nothing was "
+            "published.",
+            "Let nothing but the loader write into its download directory (--work-dir, or "
+            "ROOT/.work), then run the loader again.",
+        )
+
+
 class SourceChangedError(SourceError):
     """The source no longer holds what an already published key was built from."""
 

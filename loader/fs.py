@@ -185,6 +185,17 @@ def owner_gone(tag: str) -> bool:
     return pid != os.getpid() and not pid_alive(pid)
 
 
+#: What a file's bytes were checked as: (device, inode, size, modification time in ns). A file
+#: opened later with the same stamp is the one checked, unwritten since (a file renamed over
+#: its name has another inode; one written in place another size or mtime).
+Stamp = tuple[int, int, int, int]
+
+
+def stamp(st: os.stat_result) -> Stamp:
+    """The :data:`Stamp` of ``st`` (an ``fstat`` of the descriptor read, or an ``lstat``)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 #: A hook of the seam: ``hook(operation, path)``; raising an ``OSError`` fails the call.
 Hook = Callable[[str, str], None]
 _hook: Hook | None = None
@@ -2340,6 +2351,14 @@ def open_read(path: Path) -> BinaryIO:
     """``path`` open for reading (a checkpoint file; links followed, below a :func:`confined`
     tree never). Anything but a regular file is refused (:func:`_regular`)."""
     return open(_open_regular(path), "rb")
+
+
+def by_descriptor(path: Path, fd: int) -> str:
+    """A name that opens the file ``fd`` has open, for a library that takes a name and opens
+    it itself (``torch.load(mmap=True)``, the tokenizers library), whatever is at ``path``
+    now: ``/proc/self/fd/<fd>``; ``path`` itself where there is no ``/proc``."""
+    by_fd = f"/proc/self/fd/{fd}"
+    return by_fd if os.path.exists(by_fd) else str(path)
 
 
 def _open_regular(path: Path) -> int:

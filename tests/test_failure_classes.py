@@ -529,3 +529,65 @@ def test_a_bin_the_process_has_no_address_space_to_map_is_transient(tmp_path):
     from loader.checkpoint import TorchFile
 
     assert TorchFile(tmp_path / "pytorch_model.bin").infos()["w"].shape == (50 * 2**20,)
+
+
+_SCAN_A_BIN_WITHOUT_ROOM = """
+import re, resource, sys
+import torch
+from loader.checkpoint import _check_records
+from loader.errors import LoaderError
+path, small = sys.argv[1], sys.argv[2]
+torch.save({"w": torch.zeros(1), "sets": [set() for _ in range(180000)]}, path)  # 3.6 MB
+torch.save({"w": torch.zeros(1)}, small)
+_check_records(small)  # what the check imports and builds, before the limit
+status = open("/proc/self/status").read()
+size = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + 16 * 2**20, resource.RLIM_INFINITY))
+try:
+    _check_records(path)
+except LoaderError as exc:
+    print(exc.exit_code, exc.message)
+"""
+
+
+@pytest.mark.slow  # a process of its own, under a limit of its own
+def test_a_bin_whose_tensor_list_the_process_has_no_memory_to_read_is_transient(tmp_path):
+    """The tensor list of a ``.bin`` within its size limits (a pickle under 4 MiB, read into
+    about 40 MB of objects) that the process has no memory left to read (``ulimit -v``, a
+    container's limit) is memory running out (75); it was called a corrupt file (2). The same
+    file reads where there is room."""
+    path = tmp_path / "pytorch_model.bin"
+    done = subprocess.run(
+        [sys.executable, "-c", _SCAN_A_BIN_WITHOUT_ROOM, str(path), str(tmp_path / "small.bin")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("75 The loader ran out of memory reading the tensor list"), (
+        done.stdout
+    )
+    from loader.checkpoint import _check_records
+
+    _check_records(path)
+
+
+def test_a_tokenizer_the_process_has_no_memory_to_load_is_transient(
+    tiny_checkpoint_with_tokenizer, monkeypatch
+):
+    """Memory running out while the tokenizer is checked (its files within their limits) is
+    the machine's (75), not the files' (2: "does not load"); the library's own refusal of a
+    file stays the file's."""
+    from loader.errors import CheckpointError, ResourceExhaustedError
+    from loader.repository import layout, validate
+
+    files = layout.tokenizer_files(tiny_checkpoint_with_tokenizer)
+
+    def no_memory(tokenizer):
+        raise MemoryError
+
+    monkeypatch.setattr(validate, "_ids", no_memory)
+    with pytest.raises(ResourceExhaustedError, match="ran out of memory loading the tokenizer"):
+        validate.check_tokenizer(tiny_checkpoint_with_tokenizer, files, 10**6)
+    monkeypatch.setattr(validate, "_ids", lambda tokenizer: 1 / 0)
+    with pytest.raises(CheckpointError, match="does not load"):
+        validate.check_tokenizer(tiny_checkpoint_with_tokenizer, files, 10**6)

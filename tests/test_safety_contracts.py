@@ -33,6 +33,7 @@ import pytest
 from loader import fs
 from loader.errors import NotOursError
 from loader.repository.key import key_filename
+from tests.at_step import AtStep
 from tests.races import when_locked
 
 # --- loader.fs --------------------------------------------------------------------------------
@@ -1177,6 +1178,45 @@ def test_a_tokenizer_file_beyond_its_limit_is_refused_before_it_is_read(
     os.truncate(checkpoint / "tokenizer.json", MAX_TOKENIZER_BYTES + 1)
     with pytest.raises(CheckpointError, match="more than a tokenizer file can"):
         check_tokenizer(checkpoint, layout.tokenizer_files(checkpoint), 10**6)
+
+
+def test_a_fifo_swapped_in_for_a_tokenizer_file_once_it_was_looked_at_is_never_read(
+    tiny_checkpoint_with_tokenizer, tmp_path
+):
+    """The tokenizer is loaded from the very files the check looked at: a FIFO renamed over
+    tokenizer.json at the check's first look is refused (exit 2, named), never read (a FIFO
+    no one writes would hold the run for good). A thread opens the FIFO for writing and
+    closes it at once, so that a reader of it ends, with nothing read: a tokenizer that does
+    not load, not the FIFO refused."""
+    import threading
+
+    from loader.errors import SpecialFileError
+    from loader.repository import layout
+    from loader.repository.validate import check_tokenizer
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for path in layout.tokenizer_files(tiny_checkpoint_with_tokenizer):
+        shutil.copyfile(path, checkpoint / path.name)
+    files = layout.tokenizer_files(checkpoint)
+    fifo, held = tmp_path / "fifo", tmp_path / "held"
+    os.mkfifo(fifo)
+    os.link(fifo, held)  # the writer's name for it, whatever is renamed
+    writer = threading.Thread(target=lambda: os.close(os.open(held, os.O_WRONLY)), daemon=True)
+    writer.start()  # its open waits for a reader
+    swap = AtStep(
+        1,
+        lambda op, path: path if path.endswith("/tokenizer.json") else None,
+        lambda path: os.rename(fifo, path),
+    )
+    try:
+        with fs.inject(swap), pytest.raises(SpecialFileError, match=r"tokenizer\.json is a FIFO"):
+            check_tokenizer(checkpoint, files, 10**6)
+    finally:
+        while writer.is_alive():  # a reader of the test's ends the writer's wait, once it waits
+            os.close(os.open(held, os.O_RDONLY | os.O_NONBLOCK))
+            writer.join(0.01)
+    assert swap.done
 
 
 @pytest.mark.parametrize("field", ["start_id", "end_id", "inter_size"])

@@ -17,6 +17,7 @@ from loader import fs
 from loader.errors import SourceError, SpecialFileError
 from loader.repository import manifest
 from loader.sources import parse_uri
+from tests.at_step import AtStep
 from tests.runs import cli, published, run_argv, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -396,3 +397,55 @@ def test_a_local_source_changed_and_changed_back_while_converting_is_not_publish
     assert path.read_bytes()[size - 8 :] == first
     _refused_as_changed(code, err, root)
     _rerun_publishes_the_source_as_it_is(capsys, source, root, tmp_path / "out")
+
+
+# --- a downloaded file is converted only as it was verified ----------------------------------
+
+BUCKET = "models"
+
+
+@pytest.fixture(scope="module")
+def gcs_sharded(tmp_path_factory):
+    """The GCS emulator serving a three-shard checkpoint at gs://models/org/sharded; yields
+    (the server, another checkpoint of the same layout and other weights)."""
+    from tests.servers import GcsServer
+    from tests.tinymodels import make_sharded_checkpoint
+
+    base = tmp_path_factory.mktemp("sharded")
+    served = make_sharded_checkpoint(base / "served", seed=5)
+    other = make_sharded_checkpoint(base / "other", seed=6)
+    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    server.upload_dir(BUCKET, "org/sharded", served)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STORAGE_EMULATOR_HOST", server.url)
+    yield server, other
+    mp.undo()
+    server.stop()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_a_shard_renamed_over_its_download_after_it_was_verified_is_not_converted(
+    gcs_sharded, tmp_path, capsys, overlap
+):
+    """Another process renames a file of the same layout over a verified shard in
+    WORK/<key>/source just before the conversion opens it: the run refuses it (75, the file
+    named), converts nothing of it and publishes nothing."""
+    _, other = gcs_sharded
+    (shard, *_) = sorted(p.name for p in other.glob("model-*.safetensors"))
+    planted = tmp_path / "planted.safetensors"
+    shutil.copy(other / shard, planted)
+
+    def downloaded_shard(op: str, path: str) -> str | None:
+        is_it = op == "open" and "/.work/" in path and path.endswith(f"/source/{shard}")
+        return path if is_it else None
+
+    swap = AtStep(1, downloaded_shard, lambda path: os.rename(planted, path))
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv, *([] if overlap else ["--no-overlap"]))
+    assert swap.done, "the conversion never opened the shard"
+    assert code == 75, err
+    assert "is not the file the loader downloaded and verified" in err and shard in err, err
+    assert not list(root.glob("tiny@*/*"))

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from loader import digest, stages
+from loader import digest, fs, stages
 from loader.checkpoint import Checkpoint, is_regular_file, read_hf_config, read_inventory
 from loader.errors import (
     InsufficientDiskSpaceError,
@@ -71,16 +72,20 @@ def _check_free_space(directory: Path, needed: int) -> None:
         )
 
 
-def open_planned(plan: ConversionPlan) -> tuple[ConversionPlan, Checkpoint]:
+def open_planned(
+    plan: ConversionPlan, checked: Mapping[str, fs.Stamp] | None = None
+) -> tuple[ConversionPlan, Checkpoint]:
     """Open every weight file of ``plan``'s checkpoint, in name order, each checked against the
     plan, then the files missing (as an overlapped conversion finds them: after the others);
-    returns the plan with its output dtype decided and the opened checkpoint."""
+    returns the plan with its output dtype decided and the opened checkpoint. ``checked``:
+    the stamps of the files a download verified (:attr:`loader.sources.FetchResult.stamps`),
+    each of which must be the file opened."""
     inventory = plan.inventory
     ckpt = Checkpoint(inventory.directory)
     try:
         present = [name for name in inventory.files if is_regular_file(inventory.directory / name)]
         for name in present:
-            shard = inventory.open(name)
+            shard = inventory.open(name, checked=(checked or {}).get(name))
             try:
                 plan.check_file(name, shard.infos())
                 ckpt.add(shard, only=plan.expected)  # what is not read may be anywhere
@@ -134,13 +139,14 @@ def convert_planned(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     reserve_bytes: int = 0,
     algorithm: str | None = None,
+    checked: Mapping[str, fs.Stamp] | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint ``plan`` was made for into ``output_dir/<T>-gpu/``.
 
     ``reserve_bytes``: what the caller will write beside the weights on the same disk, counted
     in the free-space check. ``algorithm``: the digest (:mod:`loader.digest`) to compute of
     every file while writing it (``model-loader run``'s manifest lists them); None computes
-    none.
+    none. ``checked``: see :func:`open_planned`.
     """
     started = time.monotonic()
     output_dir = Path(output_dir)
@@ -156,7 +162,7 @@ def convert_planned(
     if there is not None and not overwrite:
         raise OutputExistsError(f"{final} already exists.")
     with stages.stage("open + map + check headers"):
-        plan, ckpt = open_planned(plan)
+        plan, ckpt = open_planned(plan, checked)
     with ckpt:
         total = plan.total_bytes
         _check_free_space(output_dir, total + reserve_bytes)

@@ -27,20 +27,22 @@ traceback:
 The safetensors headers get the checks of the ``safetensors`` library where they are read
 (:class:`loader.checkpoint.SafetensorsFile`).
 
-This module only reads, and only the checkpoint: its tokenizer files are taken by path, as the
-tokenizer library takes them (the user's own directory, links followed as given; or the
-download area, which :mod:`loader.fs` walks from its anchor one name at a time). It writes
-nothing.
+This module only reads, and only the checkpoint: its tokenizer files are opened once by path
+(the user's own directory, links followed as given; or the download area, which
+:mod:`loader.fs` walks from its anchor one name at a time) and the tokenizer library reads
+them through those descriptors. It writes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from loader import fs
-from loader.errors import CheckpointError, RepositoryError
+from loader.errors import CheckpointError, RepositoryError, ResourceExhaustedError
 from loader.formats.fastertransformer import INT32_MAX, FTConfig
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
@@ -130,31 +132,42 @@ def _ids(tokenizer: Any) -> list[int]:
 def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> None:
     """Load the tokenizer the repository will hold, as its models will (see the module
     docstring); a :class:`CheckpointError` naming the file otherwise."""
-    for path in files:
-        size = fs.stat_path(path).st_size
-        if size > MAX_TOKENIZER_BYTES:
-            raise CheckpointError(
-                f"{path} holds {size} bytes, more than a tokenizer file can "
-                f"({MAX_TOKENIZER_BYTES // 2**20} MiB).",
-                "Use the checkpoint's own tokenizer files (as save_pretrained writes them).",
-            )
-    from loader.repository.models.tokenization import load_tokenizer
+    from loader.repository.models.tokenization import tokenizer_from
 
-    try:
-        # the files the repository will hold, never another file beside them (a download
-        # directory may still hold one an earlier listing put there)
-        tokenizer = load_tokenizer(checkpoint, {path.name for path in files})
-        largest = max(_ids(tokenizer), default=-1)
-    except BaseException as exc:  # the tokenizers library raises plain Exceptions, and a
-        # panic of its Rust code (pyo3's PanicException, no Exception) on some hostile files
-        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
-            raise
-        names = ", ".join(p.name for p in files)
-        raise CheckpointError(
-            f"The tokenizer of {checkpoint} ({names}) does not load: {str(exc)[:300]}.",
-            "Use the checkpoint's own tokenizer files (as save_pretrained writes them); the "
-            "preprocessing and postprocessing models load them the same way.",
-        ) from exc
+    with contextlib.ExitStack() as opened:
+        read: dict[str, str] = {}
+        for path in files:
+            # Opened once (anything but a regular file refused, never read), and loaded from
+            # this descriptor: the library opened the path again, and a FIFO put there
+            # meanwhile held the run for good, another file was loaded unchecked.
+            fh = opened.enter_context(fs.open_read(path))
+            size = os.fstat(fh.fileno()).st_size
+            if size > MAX_TOKENIZER_BYTES:
+                raise CheckpointError(
+                    f"{path} holds {size} bytes, more than a tokenizer file can "
+                    f"({MAX_TOKENIZER_BYTES // 2**20} MiB).",
+                    "Use the checkpoint's own tokenizer files (as save_pretrained writes them).",
+                )
+            read[path.name] = fs.by_descriptor(path, fh.fileno())
+        try:
+            # the files the repository will hold, never another file beside them (a download
+            # directory may still hold one an earlier listing put there)
+            tokenizer = tokenizer_from(read, checkpoint)
+            largest = max(_ids(tokenizer), default=-1)
+        except BaseException as exc:  # the tokenizers library raises plain Exceptions, and a
+            # panic of its Rust code (pyo3's PanicException, no Exception) on some hostile files
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise
+            if isinstance(exc, MemoryError):  # each file within its limit: the machine's
+                raise ResourceExhaustedError(
+                    f"The loader ran out of memory loading the tokenizer of {checkpoint}."
+                ) from exc
+            names = ", ".join(p.name for p in files)
+            raise CheckpointError(
+                f"The tokenizer of {checkpoint} ({names}) does not load: {str(exc)[:300]}.",
+                "Use the checkpoint's own tokenizer files (as save_pretrained writes them); the "
+                "preprocessing and postprocessing models load them the same way.",
+            ) from exc
     if largest >= vocab_size:
         raise CheckpointError(
             f"The tokenizer of {checkpoint} produces ids up to {largest}, beyond the model's "

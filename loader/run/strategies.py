@@ -69,16 +69,19 @@ class Sequential:
     def __init__(self, request: RunRequest, download: Path | None) -> None:
         self.request = request
         self.source = None if download is None else download / "source"
+        #: the last fetch's result: the files it verified are the ones converted
+        self._fetched: FetchResult | None = None
 
     def fetch(self, **options: object) -> FetchResult:
         request = self.request
-        return fetch(
+        self._fetched = fetch(
             request.source,
             self.source,
             workers=request.workers,
             retry_deadline_s=request.retry_deadline_s,
             **options,  # type: ignore[arg-type]
         )
+        return self._fetched
 
     def convert(self, verified: Verified, into: Path) -> ConvertResult:
         return convert_planned(
@@ -87,6 +90,7 @@ class Sequential:
             workers=self.request.workers,
             reserve_bytes=verified.besides_weights,
             algorithm=digest.DEFAULT,  # for the manifest
+            checked=self._fetched.stamps if self._fetched is not None else None,
         )
 
 

@@ -93,6 +93,10 @@ class FetchResult:
     #: lists, with the object it came from (``gs://bucket/name``, ``hf://repo@commit/file``):
     #: a file that matched it yet does not parse is corrupt at that source.
     origins: dict[str, str] = field(default_factory=dict)
+    #: Each file (relative to ``path``) a remote fetch verified, with its
+    #: :data:`~loader.fs.Stamp` then: a reader opening another (renamed over it, written
+    #: since) refuses it (:func:`loader.checkpoint.opened_as_checked`). Empty for local sources.
+    stamps: dict[str, fs.Stamp] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,10 @@ class ArrivalHooks:
 
     ``include(relpath)``: whether to fetch that file now (others are listed, fingerprinted and
     left alone). ``skip``: files not to download (their content is already used). ``arrived
-    (relpath, path)``: called from a download thread once a file is verified and in place
-    (also for files found already present); an exception it raises stops the fetch.
+    (relpath, path, stamp)``: called from a download thread once a file is verified and in place
+    (also for files found already present), with the :data:`~loader.fs.Stamp` of the file
+    verified (what is at ``path`` when it is opened may be another's); an exception it raises
+    stops the fetch.
     ``admit(relpath)``: called before a file's download starts; False means "not yet" and is
     asked again a moment later (an exception it raises stops the fetch). Small files are
     fetched first, then large ones in name order. ``transient``: the caller deletes the files
@@ -134,7 +140,7 @@ class ArrivalHooks:
 
     include: Callable[[str], bool] | None = None
     skip: frozenset[str] = frozenset()
-    arrived: Callable[[str, Path], None] | None = None
+    arrived: Callable[[str, Path, fs.Stamp], None] | None = None
     admit: Callable[[str], bool] | None = None
     transient: bool = False
     planned: str | None = None

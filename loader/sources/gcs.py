@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterable
@@ -130,6 +131,8 @@ class _Object:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: slice index -> CRC32C of the bytes this run received for it
     crcs: dict[int, int] = field(default_factory=dict)
+    #: the file verified, once moved into place (:data:`loader.fs.Stamp`)
+    stamp: fs.Stamp | None = None
 
     @property
     def name(self) -> str:
@@ -467,24 +470,24 @@ class _SliceWriter:
             )
 
 
-def _verified(top: Dir, rel: str, blob: Any) -> bool:
-    """True if ``rel`` below ``top`` holds exactly the object's bytes (size, then CRC32C or
-    MD5)."""
+def _verified(top: Dir, rel: str, blob: Any) -> fs.Stamp | None:
+    """The :data:`~loader.fs.Stamp` of the file read if ``rel`` below ``top`` holds exactly
+    the object's bytes (size, then CRC32C or MD5); None if it does not."""
     *parents, name = rel.split("/")
     try:
         d = top.enter(parents)
     except (FileNotFoundError, NotADirectoryError):
-        return False
+        return None
     with d:
-        if d.regular_size(name) != int(blob.size or 0):
-            return False
-        if blob.crc32c:
-            with d.open_read(name) as fh:
-                return crc32c_text(crc32c_of(fh)) == blob.crc32c
-        if blob.md5_hash:
-            with d.open_read(name) as fh:
-                return md5_of(fh) == blob.md5_hash
-    return False
+        if d.regular_size(name) != int(blob.size or 0) or not (blob.crc32c or blob.md5_hash):
+            return None
+        with d.open_read(name) as fh:
+            read = os.fstat(fh.fileno())
+            if blob.crc32c:
+                intact = crc32c_text(crc32c_of(fh)) == blob.crc32c
+            else:
+                intact = md5_of(fh) == blob.md5_hash
+            return fs.stamp(read) if intact and read.st_size == int(blob.size or 0) else None
 
 
 _SLICE_LINE = re.compile(r"(\d{1,20}) (\d{1,20})")
@@ -732,6 +735,9 @@ def _finish(obj: _Object, dest: Path, dirs: _Dirs, *, durable: bool = True) -> N
     safe_path(dest, obj.rel)  # its directories: real ones (a SourceError otherwise)
     if durable:
         d.fsync_file(obj.name)
+    verified = d.lstat(obj.name)  # a rename keeps the file's inode, size and mtime
+    assert verified is not None, "verified just now"
+    obj.stamp = fs.stamp(verified)
     d.rename(obj.name, dirs.get(obj.rel), obj.final.name, how="replace")
     d.unlink(obj.journal, missing_ok=True)
     log.debug("verified %s (%s)", obj.final, human_bytes(obj.size))
@@ -777,7 +783,7 @@ def _fetch_into(
 
     hooks = options.hooks or ArrivalHooks()
     objects: list[_Object] = []
-    present: list[tuple[str, Path]] = []
+    present: list[tuple[str, Path, fs.Stamp]] = []
     files = [_relpath(uri, blob.name) for blob in blobs]
     _check_layout(uri, files)
     kept = [(b, rel) for b, rel in zip(blobs, files, strict=True) if rel not in hooks.skip]
@@ -786,9 +792,10 @@ def _fetch_into(
     for blob, rel in zip(blobs, files, strict=True):
         if rel in hooks.skip or (hooks.include is not None and not hooks.include(rel)):
             continue
-        if _verified(dirs.top, rel, blob):
+        stamp = _verified(dirs.top, rel, blob)
+        if stamp is not None:
             log.debug("already present and verified: %s", dest / rel)
-            present.append((rel, dest / rel))
+            present.append((rel, dest / rel, stamp))
             continue
         todo.append((blob, rel))
     if todo:
@@ -821,8 +828,8 @@ def _fetch_into(
     )
 
     if hooks.arrived is not None:
-        for rel, final in present:
-            hooks.arrived(rel, final)
+        for rel, final, stamp in present:
+            hooks.arrived(rel, final, stamp)
     with byte_progress(f"gs://{uri.location}/{uri.path}", needed) as progress:
         _run(objects, funnel, progress, workers, dest, dirs, hooks, abandoned)
     remove_own_partials(dest)
@@ -839,6 +846,8 @@ def _fetch_into(
         origins={
             rel: f"gs://{uri.location}/{blob.name}" for blob, rel in zip(blobs, files, strict=True)
         },
+        stamps={rel: stamp for rel, _, stamp in present}
+        | {obj.rel: obj.stamp for obj in objects if obj.stamp is not None},
     )
 
 
@@ -875,7 +884,8 @@ def _run(
         if last:
             _finish(obj, dest, dirs, durable=not hooks.transient)
             if hooks.arrived is not None:
-                hooks.arrived(obj.rel, obj.final)
+                assert obj.stamp is not None, "verified"
+                hooks.arrived(obj.rel, obj.final, obj.stamp)
 
     def admitted(obj: _Object) -> bool:
         """Wait until ``hooks.admit`` lets ``obj`` start; False if a download failed meanwhile."""

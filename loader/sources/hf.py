@@ -513,23 +513,23 @@ def _level(d: Dir, parts: list[str], *, create: bool) -> Iterator[Dir | None]:
         yield sub
 
 
-def _intact(d: Dir, parts: list[str], remote: RemoteFile) -> bool:
-    """Whether the regular file ``parts`` below ``d`` is ``remote``'s (a link, or anything but
-    a regular file there, is not)."""
+def _intact(d: Dir, parts: list[str], remote: RemoteFile) -> fs.Stamp | None:
+    """The :data:`~loader.fs.Stamp` of the regular file ``parts`` below ``d`` if it is
+    ``remote``'s; None if it is not (a link, or anything but a regular file there, is not)."""
     with _level(d, parts, create=False) as parent:
         if parent is None:
-            return False
+            return None
         try:
             fd = parent.open_file(parts[-1], os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotOursError):
-            return False
+            return None
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode) or found.st_size != remote.size:
-                return False
+                return None
             digest = remote.hasher()
             _feed(digest, fd, remote.size, parent.path / parts[-1])
-            return remote.matches(found.st_size, digest)
+            return fs.stamp(found) if remote.matches(found.st_size, digest) else None
         finally:
             os.close(fd)
 
@@ -832,8 +832,13 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
     chosen = [
         f for f in wanted if f not in hooks.skip and (hooks.include is None or hooks.include(f))
     ]
+    #: each file verified (present, or downloaded by this call) -> its stamp then
+    stamps: dict[str, fs.Stamp] = {}
     with Dir.open(dest, create=True) as target:
-        present = [f for f in chosen if _intact(target, names[f], remote[f])]
+        for f in chosen:
+            if (stamp := _intact(target, names[f], remote[f])) is not None:
+                stamps[f] = stamp
+        present = [f for f in chosen if f in stamps]
         missing = [f for f in chosen if f not in present]
         total = sum(remote[f].size for f in wanted)
         needed = sum(remote[f].size for f in missing)
@@ -850,7 +855,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         )
         if hooks.arrived is not None:
             for rel in present:
-                hooks.arrived(rel, dest / rel)
+                hooks.arrived(rel, dest / rel, stamps[rel])
         if missing:
             mark_dest(target)  # before its first download: what it creates is recorded
             refuse_what_is_in_the_way(target, ["/".join(names[f]) for f in missing])
@@ -862,7 +867,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
                 adopt_in(partial, ours)
                 with partial.sub(ours, create=True) as staging:
                     _fetch_missing(
-                        uri, hub, remote, names, missing, staging, target, funnel, options
+                        uri, hub, remote, names, missing, staging, target, funnel, options, stamps
                     )
             remove_own_partials_in(target)
     if options.hooks is None:  # all of it fetched: what stopped runs left, nothing resumes now
@@ -876,6 +881,7 @@ def fetch_source(uri: SourceURI, dest: Path | None, options: FetchOptions) -> Fe
         fingerprint=Fingerprint(uri=uri.canonical, commit=commit),
         # every file fetched was compared with the listing's SHA-256 or git blob id
         origins={rel: f"hf://{uri.location}@{commit}/{rel}" for rel in wanted},
+        stamps=stamps,
     )
 
 
@@ -889,7 +895,9 @@ def _fetch_missing(
     target: Dir,
     funnel: Funnel,
     options: FetchOptions,
+    stamps: dict[str, fs.Stamp],
 ) -> None:
+    """Download ``missing``; the stamp of each file verified goes into ``stamps``."""
     hooks = options.hooks or ArrivalHooks()
     durable = not hooks.transient
     dest = target.path
@@ -924,11 +932,11 @@ def _fetch_missing(
                 )
                 parent.unlink(name)
                 size, digest = fetched()
-            _verify_and_place(
+            stamps[rel] = _verify_and_place(
                 uri, hub.commit, remote[rel], size, digest, parent, name, target, parts
             )
         if hooks.arrived is not None:
-            hooks.arrived(rel, dest / rel)
+            hooks.arrived(rel, dest / rel, stamps[rel])
 
     def download(files: list[str], progress: Progress) -> None:
         _in_parallel(files, lambda rel: one(rel, progress), hub.stop, options.workers)
@@ -999,9 +1007,10 @@ def _verify_and_place(
     name: str,
     target: Dir,
     parts: list[str],
-) -> None:
+) -> fs.Stamp:
     """Rename the downloaded ``name`` in ``parent`` to ``parts`` below ``target`` if its size
-    and hash are the Hub's; else discard it (:class:`ChecksumMismatchError`)."""
+    and hash are the Hub's (its :data:`~loader.fs.Stamp`, which the rename keeps); else
+    discard it (:class:`ChecksumMismatchError`)."""
     if not remote.matches(size, digest):
         parent.unlink(name, missing_ok=True)
         raise ChecksumMismatchError(
@@ -1010,6 +1019,9 @@ def _verify_and_place(
             "Run the loader again; if this repeats, the repository file or a mirror in between "
             "is corrupt.",
         )
+    verified = parent.lstat(name)
+    assert verified is not None, "downloaded just now"
     with _level(target, parts, create=True) as final:
         assert final is not None
         parent.rename(name, final, parts[-1], how="replace")
+    return fs.stamp(verified)
