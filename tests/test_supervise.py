@@ -194,6 +194,7 @@ def test_a_converter_killed_while_it_stops_is_not_blamed_on_memory(medium, tmp_p
     hint = err.rstrip().splitlines()[-1]
     assert hint.startswith("hint: It was stopping on SIGTERM (passed on to it)"), err
     assert "OOM" not in hint
+    assert stdout == ""
     assert list(out.iterdir()) == []
 
 
