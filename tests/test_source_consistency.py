@@ -536,3 +536,40 @@ def test_a_partial_download_changed_after_its_last_write_is_not_published(
         assert "the loader did not create it and leaves it alone" in err and shard in err, err
         left = [p for p in root.rglob(f"*{shard}*") if p.read_bytes() == planted_bytes]
         assert len(left) == 1 and partial in str(left[0]), left
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("name", "looked_at"),
+    [
+        ("config.json", ("open", "/source/config.json")),  # read again by verify
+        ("model.safetensors.index.json", ("open", "/source/model.safetensors.index.json")),
+        ("tokenizer.json", ("mkdir", "/1/tokenizer")),  # copied by the build
+    ],
+    ids=["config", "index", "tokenizer"],
+)
+def test_a_small_file_written_over_after_its_download_was_verified_is_not_published(
+    gcs_sharded, tmp_path, capsys, name, looked_at
+):
+    """Another process writes over a downloaded config.json, index or tokenizer.json in
+    WORK/<key>/source (in place, still valid JSON) after its download was verified, before
+    the run reads it again (verify) or copies it into the repository (the build): the run
+    refuses it (75, the file named) and publishes nothing."""
+    op, ending = looked_at
+
+    def the_moment(seen_op: str, path: str) -> str | None:
+        return path if seen_op == op and path.endswith(ending) else None
+
+    def written_over(_: str) -> None:  # still valid JSON, another file
+        target = next((tmp_path / "root" / ".work").glob(f"*/source/{name}"))
+        _written_in_place(target, target.read_bytes() + b" ")
+
+    swap = AtStep(1, the_moment, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv, "--no-overlap")
+    assert swap.done, "the moment never came"
+    assert code == 75, err
+    assert "is not the file the loader downloaded and verified" in err and name in err, err
+    assert not list(root.glob("tiny@*/*"))
