@@ -141,15 +141,18 @@ def is_regular_file(path: Path) -> bool:
         raise
 
 
-def read_hf_config(checkpoint_dir: Path | str) -> dict[str, Any]:
+def read_hf_config(
+    checkpoint_dir: Path | str, *, checked: fs.Stamp | None = None
+) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory as a dict (at most
     :data:`~loader.formats.jsondoc.MAX_CONFIG_JSON_BYTES`; deeper nesting than a parser takes is a
-    :class:`CheckpointError` like any malformed document)."""
+    :class:`CheckpointError` like any malformed document); ``checked``: the
+    :data:`~loader.fs.Stamp` of the file its download verified (:func:`loader.fs.as_checked`)."""
     path = Path(checkpoint_dir) / CONFIG_FILE
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError(f"{checkpoint_dir} is not a directory.")
     try:
-        data = fs.read_file(path, limit=jsondoc.MAX_CONFIG_JSON_BYTES)
+        data = fs.read_file(path, limit=jsondoc.MAX_CONFIG_JSON_BYTES, checked=checked)
         config = jsondoc.loads(data.decode("utf-8"))
     except FileNotFoundError as exc:
         raise CheckpointError(
@@ -833,17 +836,21 @@ def read_inventory(
     *,
     seen: Mapping[str, int] | None = None,
     listed: Collection[str] | None = None,
+    checked: Mapping[str, fs.Stamp] | None = None,
 ) -> Inventory:
     """The inventory of ``directory``, in the first layout of
     :data:`~loader.formats.huggingface.WEIGHT_FILES` it has an index or a single file of.
     ``seen``: the sizes an earlier inventory of it recorded (:attr:`Inventory.sizes`); a
     weight file shorter now was cut short meanwhile (:class:`SourceShrankError`). ``listed``:
     the files the source holds now (a download directory may still hold files an earlier
-    listing put there): only those are read, and an index naming another is refused."""
+    listing put there): only those are read, and an index naming another is refused.
+    ``checked``: the stamps of the files a download verified (the index read must be its)."""
     directory = Path(directory)
+    checked = checked or {}
     for layout in WEIGHT_FILES:
         if listed is not None and layout.index in listed:
-            inventory = Inventory(directory, layout, layout.index, _read_index(directory, layout))
+            placement = _read_index(directory, layout, checked.get(layout.index))
+            inventory = Inventory(directory, layout, layout.index, placement)
             unlisted = [name for name in inventory.files if name not in listed]
             if unlisted:
                 raise inventory.missing(unlisted)
@@ -890,13 +897,16 @@ def _is_shard_name(name: str) -> bool:
     return fs.is_file_name(name) and name.isprintable()
 
 
-def _read_index(directory: Path, layout: WeightFiles) -> dict[str, str]:
+def _read_index(
+    directory: Path, layout: WeightFiles, checked: fs.Stamp | None = None
+) -> dict[str, str]:
     """An index's weight map; every file it names must be a shard of ``layout`` inside
     ``directory`` (a name read from a checkpoint never reaches a path unchecked:
-    :func:`_is_shard_name`)."""
+    :func:`_is_shard_name`). ``checked``: see :func:`loader.fs.as_checked`."""
     path = directory / layout.index
     try:
-        document = fs.read_file(path, limit=jsondoc.MAX_CONFIG_BYTES).decode("utf-8")
+        limit = jsondoc.MAX_CONFIG_BYTES
+        document = fs.read_file(path, limit=limit, checked=checked).decode("utf-8")
         weight_map = dict(jsondoc.loads(document)["weight_map"])
     except fs.TooLargeError as exc:
         raise FileContentError(

@@ -82,6 +82,7 @@ from loader.errors import (
     NameTakenError,
     NotOursError,
     OutputPathError,
+    ReplacedDownloadError,
     SpecialFileError,
     shown,
 )
@@ -1570,19 +1571,21 @@ class Dir:
         file where a directory belongs is a :class:`NotOursError`)."""
         return self.enter(names, create=True)
 
-    def copy_in(self, name: str, source: Path) -> None:
+    def copy_in(self, name: str, source: Path, *, checked: Stamp | None = None) -> None:
         """Copy the file ``source`` (a path the user named, or the loader's own package file:
         read as given, :func:`open_read`) to the new file ``name`` (``O_EXCL``, never through
-        a link), in bounded chunks."""
+        a link), in bounded chunks; ``checked``: see :func:`as_checked`."""
         target = self.path / name
-        with open_read(source) as src, self.create(name) as dst:
-            while True:
-                _seam("read", source)
-                with _naming(source):
-                    chunk = src.read(_COPY_CHUNK)
-                if not chunk:
-                    break
-                write_fd(dst.fileno(), chunk, target)
+        with open_read(source) as src:
+            as_checked(src.fileno(), source, checked)
+            with self.create(name) as dst:
+                while True:
+                    _seam("read", source)
+                    with _naming(source):
+                        chunk = src.read(_COPY_CHUNK)
+                    if not chunk:
+                        break
+                    write_fd(dst.fileno(), chunk, target)
 
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file
@@ -2327,15 +2330,25 @@ def not_a_directory(path: Path) -> str:
     return "is a symbolic link, not a directory" if what == "is a symbolic link" else what
 
 
-def read_file(path: Path, *, limit: int) -> bytes:
+def read_file(path: Path, *, limit: int, checked: Stamp | None = None) -> bytes:
     """The content of the regular file at ``path`` (links followed: sources may use them;
     below a :func:`confined` tree never), at most ``limit`` bytes (:class:`TooLargeError`
-    beyond)."""
+    beyond); ``checked``: see :func:`as_checked`."""
     fd = _open_regular(path)
     try:
+        as_checked(fd, path, checked)
         return read_fd(fd, path, limit=limit)
     finally:
         os.close(fd)
+
+
+def as_checked(fd: int, path: object, checked: Stamp | None) -> None:
+    """The file ``fd`` has open (at ``path``) must be the one a download verified against its
+    checksum (``checked``: its :data:`Stamp` then; None: none did, a local source's file): one
+    renamed over it, or written in place, since is another process's, never read as the
+    source's (:class:`~loader.errors.ReplacedDownloadError`)."""
+    if checked is not None and stamp(os.fstat(fd)) != checked:
+        raise ReplacedDownloadError(path)
 
 
 def _regular(fd: int, path: object) -> None:

@@ -134,13 +134,13 @@ def record_arrivals(monkeypatch: pytest.MonkeyPatch, root: Path) -> Arrivals:
     arrivals = Arrivals(root)
     real = OverlappedConversion.arrived
 
-    def arrived(self, rel: str, path: Path) -> None:
+    def arrived(self, rel: str, path: Path, checked: object = None) -> None:
         arrivals.order.append(rel)
         if rel.endswith(".safetensors"):
             shards = path.parent.glob("model-*.safetensors")
             arrivals.shards_on_disk.append(sum(_size_if_present(p) for p in shards))
             arrivals.root_bytes.append(tree_bytes(root))
-        return real(self, rel, path)
+        return real(self, rel, path, checked)
 
     monkeypatch.setattr(OverlappedConversion, "arrived", arrived)
     return arrivals

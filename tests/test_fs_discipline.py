@@ -106,8 +106,9 @@ def test_run_force_prune_convert_and_fetch_change_files_only_through_loader_fs(
 #: tokenizer, a token or request file), or to name the trees that are confined or followed.
 READS_A_PATH = {"open_read", "read_file", "regular_size", "stat_path"}
 NAMES_A_TREE = {"confined", "confined_within", "followed", "pinned"}
-#: ... or to say, in a message, what stands where the user named a directory.
-DESCRIBES_A_PATH = {"not_a_directory", "what_stands_at"}
+#: ... or to say, in a message, what stands where the user named a directory, or to name the
+#: file a descriptor has open (for a library that opens a name itself).
+DESCRIBES_A_PATH = {"by_descriptor", "not_a_directory", "what_stands_at"}
 
 
 def test_loader_fs_writes_only_through_a_directory_and_one_name(tmp_path):

@@ -418,7 +418,7 @@ def gcs_sharded(tmp_path_factory):
     server.upload_dir(BUCKET, "org/sharded", served)
     mp = pytest.MonkeyPatch()
     mp.setenv("STORAGE_EMULATOR_HOST", server.url)
-    yield server, other
+    yield server, other, served
     mp.undo()
     server.stop()
 
@@ -431,7 +431,7 @@ def test_a_shard_renamed_over_its_download_after_it_was_verified_is_not_converte
     """Another process renames a file of the same layout over a verified shard in
     WORK/<key>/source just before the conversion opens it: the run refuses it (75, the file
     named), converts nothing of it and publishes nothing."""
-    _, other = gcs_sharded
+    _, other, _ = gcs_sharded
     (shard, *_) = sorted(p.name for p in other.glob("model-*.safetensors"))
     planted = tmp_path / "planted.safetensors"
     shutil.copy(other / shard, planted)
@@ -448,4 +448,128 @@ def test_a_shard_renamed_over_its_download_after_it_was_verified_is_not_converte
     assert swap.done, "the conversion never opened the shard"
     assert code == 75, err
     assert "is not the file the loader downloaded and verified" in err and shard in err, err
+    assert not list(root.glob("tiny@*/*"))
+
+
+@pytest.fixture(scope="module")
+def hf_sharded(tmp_path_factory):
+    """The olah Hub mirror serving a sharded checkpoint at hf://org/sharded; yields
+    (another checkpoint of the same layout and other weights, the one served)."""
+    from tests.runs import use_hub
+    from tests.servers import OlahServer
+    from tests.tinymodels import make_sharded_checkpoint
+
+    base = tmp_path_factory.mktemp("hf-sharded")
+    served = make_sharded_checkpoint(base / "served", seed=5)
+    other = make_sharded_checkpoint(base / "other", seed=6)
+    server = OlahServer(base / "olah")
+    server.make_repo("org/sharded", {p.name: p for p in served.iterdir() if p.is_file()})
+    server.start()
+    mp = pytest.MonkeyPatch()
+    use_hub(mp, server.url, base / "hf-home")
+    yield other, served
+    mp.undo()
+    server.stop()
+
+
+def _written_in_place(path: Path, data: bytes) -> None:
+    """``data`` written over the file at ``path`` (the same inode), its modification time moved
+    on as a write a moment later moves it."""
+    before = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.write(data)
+        fh.truncate(len(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("how", ["written", "renamed"])
+@pytest.mark.parametrize("scheme", ["gs", "hf"])
+def test_a_partial_download_changed_after_its_last_write_is_not_published(
+    request, tmp_path, capsys, scheme, how
+):
+    """Another process writes another shard of the same layout into a shard's partial download
+    (in place, or renamed over it) at the first look at it once all its bytes arrived, before
+    it is moved into place: the run refuses it, naming it, and publishes nothing (written in
+    place: 75, the file is not the one verified; renamed over: 2, the file is not the loader's,
+    left where it is, for the user to move away)."""
+    gs = scheme == "gs"
+    _, other, served = (
+        request.getfixturevalue("gcs_sharded")
+        if gs
+        else (None, *request.getfixturevalue("hf_sharded"))
+    )
+    (shard, *_) = sorted(p.name for p in other.glob("model-*.safetensors"))
+    planted = tmp_path / "planted.safetensors"
+    shutil.copy(other / shard, planted)
+    planted_bytes, served_bytes = planted.read_bytes(), (served / shard).read_bytes()
+    assert len(planted_bytes) == len(served_bytes) and planted_bytes != served_bytes
+    partial = "/.partial/" if gs else ".incomplete"
+
+    def arrived_partial(op: str, path: str) -> str | None:
+        """A look at the shard's partial download holding all of its bytes."""
+        if op != "stat" or partial not in path or f"/{shard}." not in path:
+            return None
+        if path.endswith(".slices") or not os.path.isfile(path):
+            return None
+        return path if Path(path).read_bytes() == served_bytes else None
+
+    deed = (
+        (lambda path: _written_in_place(Path(path), planted_bytes))
+        if how == "written"
+        else (lambda path: os.rename(planted, path))
+    )
+    swap = AtStep(1, arrived_partial, deed)
+    root = tmp_path / "root"
+    uri = f"gs://{BUCKET}/org/sharded" if gs else "hf://org/sharded"
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *run_argv(uri, root, "--retry-deadline", "10"))
+    assert swap.done, "the partial download was never looked at complete"
+    assert not list(root.glob("tiny@*/*")), err
+    if how == "written":
+        assert code == 75, err
+        assert "is not the file the loader downloaded and verified" in err and shard in err, err
+        code, _, err = cli(capsys, *run_argv(uri, root, "--retry-deadline", "10"))
+        assert code == 0, err  # run again, as the message says: the source published
+    else:
+        assert code == 2, err
+        assert "the loader did not create it and leaves it alone" in err and shard in err, err
+        left = [p for p in root.rglob(f"*{shard}*") if p.read_bytes() == planted_bytes]
+        assert len(left) == 1 and partial in str(left[0]), left
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("name", "looked_at"),
+    [
+        ("config.json", ("open", "/source/config.json")),  # read again by verify
+        ("model.safetensors.index.json", ("open", "/source/model.safetensors.index.json")),
+        ("tokenizer.json", ("mkdir", "/1/tokenizer")),  # copied by the build
+    ],
+    ids=["config", "index", "tokenizer"],
+)
+def test_a_small_file_written_over_after_its_download_was_verified_is_not_published(
+    gcs_sharded, tmp_path, capsys, name, looked_at
+):
+    """Another process writes over a downloaded config.json, index or tokenizer.json in
+    WORK/<key>/source (in place, still valid JSON) after its download was verified, before
+    the run reads it again (verify) or copies it into the repository (the build): the run
+    refuses it (75, the file named) and publishes nothing."""
+    op, ending = looked_at
+
+    def the_moment(seen_op: str, path: str) -> str | None:
+        return path if seen_op == op and path.endswith(ending) else None
+
+    def written_over(_: str) -> None:  # still valid JSON, another file
+        target = next((tmp_path / "root" / ".work").glob(f"*/source/{name}"))
+        _written_in_place(target, target.read_bytes() + b" ")
+
+    swap = AtStep(1, the_moment, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv, "--no-overlap")
+    assert swap.done, "the moment never came"
+    assert code == 75, err
+    assert "is not the file the loader downloaded and verified" in err and name in err, err
     assert not list(root.glob("tiny@*/*"))

@@ -24,7 +24,7 @@ name at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from loader import fs
@@ -76,11 +76,20 @@ def tokenizer_files(checkpoint_dir: Path, listed: Collection[str] | None = None)
     return present
 
 
-def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) -> list[Path]:
+def write_models(
+    staging: Path,
+    spec: RepositorySpec,
+    *,
+    tokenizer: list[Path],
+    checked: Mapping[str, fs.Stamp] | None = None,
+) -> list[Path]:
     """Write every model directory (configs last) into ``staging``; returns the written files.
+    ``checked``: the stamps of the tokenizer files a download verified, which those copied
+    must be (:func:`loader.fs.as_checked`).
     ``staging`` is opened once (below ROOT from ROOT, one name at a time); every directory and
     file below it is a descriptor and one name (:class:`loader.fs.Dir`), never a path."""
     written: list[Path] = []
+    stamps = checked or {}
     configs = build_all(spec)
     with Dir.open(staging) as base:
         for name, config in configs.items():
@@ -97,7 +106,7 @@ def write_models(staging: Path, spec: RepositorySpec, *, tokenizer: list[Path]) 
                 if name in TOKENIZING_MODELS:
                     with model_dir.makedirs((VERSION, TOKENIZER_DIR)) as d:
                         for source in tokenizer:
-                            d.copy_in(source.name, source)
+                            d.copy_in(source.name, source, checked=stamps.get(source.name))
                             written.append(d.path / source.name)
         for name, config in configs.items():
             with base.sub(name) as model_dir:

@@ -116,7 +116,9 @@ def _run(request: RunRequest) -> RunResult:
             with stages.stage("run: fetch (what verify needs)"):
                 fetched = fetched or strategy.fetch()
             with stages.stage("run: verify"):  # what the source holds now, nothing else
-                verified = verified or verify(request, fetched.path, listed=fetched.files)
+                verified = verified or verify(
+                    request, fetched.path, listed=fetched.files, checked=fetched.stamps
+                )
             with _staging(root, key) as (staging, made):
                 # Entered by its path only while it is the very directory made (fs.pinned):
                 # the converter and the build never write into one renamed to its name.

@@ -49,7 +49,7 @@ def build(
         max_model_len=converted.config.max_pos_seq_len,
         bounds=RequestBounds.for_model(converted.config, max_batch_size=settings.max_batch_size),
     )
-    layout.write_models(staging, spec, tokenizer=verified.tokenizer)
+    layout.write_models(staging, spec, tokenizer=verified.tokenizer, checked=verified.checked)
     weights = converted.output_path.relative_to(staging).as_posix()
     meta = {
         "key": key,

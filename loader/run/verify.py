@@ -13,8 +13,8 @@ given) or the download area, which :mod:`loader.fs` walks from its anchor one na
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader import fs
@@ -39,6 +39,9 @@ class Verified:
 
     plan: ConversionPlan
     tokenizer: list[Path]
+    #: the stamps of the files a download verified (:attr:`loader.sources.FetchResult.stamps`):
+    #: the tokenizer files copied into the repository must be those
+    checked: Mapping[str, fs.Stamp] = field(default_factory=dict)
 
     @property
     def besides_weights(self) -> int:
@@ -54,21 +57,25 @@ def verify(
     *,
     again: Verified | None = None,
     listed: Collection[str] | None = None,
+    checked: Mapping[str, fs.Stamp] | None = None,
 ) -> Verified:
     """Check the checkpoint in ``checkpoint`` (its weight files need not be there yet, when an
     index lists them) for ``request``; ``again``: what an earlier check of it found (a weight
     file shorter now was cut short meanwhile: a transient error, not a corrupt file);
     ``listed``: the files the source holds now, the only ones read (a download directory may
-    still hold files of an earlier listing)."""
+    still hold files of an earlier listing); ``checked``: the stamps of the files a download
+    verified, which those read (config.json, the index) and copied later (the tokenizer) must
+    be (:func:`loader.fs.as_checked`)."""
+    checked = dict(checked or {})
     if listed is not None and CONFIG_FILE not in listed:
         raise CheckpointError(
             f"{request.source} holds no {CONFIG_FILE}: not a Hugging Face checkpoint.",
             f"Upload the checkpoint with its {CONFIG_FILE} (as save_pretrained writes it), then "
             "run again.",
         )
-    config = read_hf_config(checkpoint)
+    config = read_hf_config(checkpoint, checked=checked.get(CONFIG_FILE))
     seen = again.plan.inventory.sizes if again is not None else None
-    inventory = read_inventory(checkpoint, seen=seen, listed=listed)
+    inventory = read_inventory(checkpoint, seen=seen, listed=listed, checked=checked)
     plan = plan_conversion(config, inventory, parallelism=request.parallelism, dtype=request.dtype)
     log.debug(
         "checked %s for %s: the conversion plan holds (heads, widths, layers, dtype)",
@@ -100,4 +107,4 @@ def verify(
     tokenizer = layout.tokenizer_files(checkpoint, listed)
     validate.check_ft_config(plan.config)
     validate.check_tokenizer(checkpoint, tokenizer, plan.config.vocab_size)
-    return Verified(plan, tokenizer)
+    return Verified(plan, tokenizer, checked)

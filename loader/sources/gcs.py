@@ -63,6 +63,7 @@ import google_crc32c
 from loader import fs, stages
 from loader.errors import (
     ChecksumMismatchError,
+    ReplacedDownloadError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
@@ -133,6 +134,9 @@ class _Object:
     crcs: dict[int, int] = field(default_factory=dict)
     #: the file verified, once moved into place (:data:`loader.fs.Stamp`)
     stamp: fs.Stamp | None = None
+    #: the :data:`~loader.fs.Stamp` of the descriptor each slice this run wrote was written
+    #: through, taken after its last write: what the verified file must be
+    written: list[fs.Stamp] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -605,13 +609,16 @@ def _download_slice(
             if durable:
                 with stages.stage("fetch: fsync slice", end - start + 1):
                     fs.fsync_fd(fh.fileno(), obj.partial)
+            written = fs.stamp(os.fstat(fh.fileno()))
         crc = writer.crc
     else:
-        crc = 0  # an empty object
+        crc, written = 0, None  # an empty object
     with obj.lock:
         obj.d.append(obj.journal, f"{start} {end}\n".encode())
         obj.done.add(index)
         obj.crcs[index] = crc
+        if written is not None:
+            obj.written.append(written)
 
 
 #: How much of a response body one read takes and one write hands to the file: a piece stays
@@ -713,6 +720,16 @@ def _arrived_intact(obj: _Object) -> bool:
     return False
 
 
+def _as_written(obj: _Object, found: fs.Stamp) -> bool:
+    """Whether ``found`` (the partial file's :data:`~loader.fs.Stamp` by its name) is the file
+    this run's slices were written through, unwritten since: its size the object's, its mtime
+    the latest they saw after their writes (the CRC32C checked is of the bytes received, not
+    read back: a file written in place after the last slice was written would pass it)."""
+    if not obj.written:
+        return True  # every slice an earlier run's: read back through a descriptor just now
+    return found[2] == obj.size and found[3] == max(w[3] for w in obj.written)
+
+
 def _finish(obj: _Object, dest: Path, dirs: _Dirs, *, durable: bool = True) -> None:
     """Verify the complete temporary file and move it into place (``durable``: fsynced)."""
     d = obj.d
@@ -736,7 +753,10 @@ def _finish(obj: _Object, dest: Path, dirs: _Dirs, *, durable: bool = True) -> N
     if durable:
         d.fsync_file(obj.name)
     verified = d.lstat(obj.name)  # a rename keeps the file's inode, size and mtime
-    assert verified is not None, "verified just now"
+    if verified is None or any(w[:2] != fs.stamp(verified)[:2] for w in obj.written):
+        raise d.not_ours(obj.name, "the file the loader downloaded")  # renamed over it
+    if not _as_written(obj, fs.stamp(verified)):
+        raise ReplacedDownloadError(obj.partial)
     obj.stamp = fs.stamp(verified)
     d.rename(obj.name, dirs.get(obj.rel), obj.final.name, how="replace")
     d.unlink(obj.journal, missing_ok=True)

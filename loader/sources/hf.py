@@ -63,6 +63,7 @@ from loader.errors import (
     CheckpointError,
     ChecksumMismatchError,
     NotOursError,
+    ReplacedDownloadError,
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
@@ -711,11 +712,12 @@ def _download(
     reported: list[int],
     *,
     durable: bool,
-) -> tuple[int, Any]:
+) -> tuple[int, Any, fs.Stamp]:
     """Download ``remote`` into ``name`` in ``parent`` (``<file>.incomplete`` in the staging
     directory), resuming what is there; its size and digest (:meth:`RemoteFile.hasher`),
-    computed as the bytes arrive. ``reported``: the bytes of this file told to ``progress``
-    so far (a retry does not count them again)."""
+    computed as the bytes arrive, and the :data:`~loader.fs.Stamp` of the descriptor they were
+    read and written through, after the last write. ``reported``: the bytes of this file told
+    to ``progress`` so far (a retry does not count them again)."""
     path = parent.path / name
     fd = _open_incomplete(parent, name)
     try:
@@ -732,9 +734,10 @@ def _download(
             reported[0] = size
         if durable:
             fs.fsync_fd(fd, path)
+        written = fs.stamp(os.fstat(fd))
     finally:
         os.close(fd)
-    return size, digest
+    return size, digest, written
 
 
 def _stream(
@@ -909,7 +912,7 @@ def _fetch_missing(
             assert parent is not None
             name = parts[-1] + INCOMPLETE
 
-            def fetched() -> tuple[int, Any]:
+            def fetched() -> tuple[int, Any, fs.Stamp]:
                 return funnel(
                     lambda: _download(
                         hub, remote[rel], parent, name, progress, reported, durable=durable
@@ -918,7 +921,7 @@ def _fetch_missing(
                 )
 
             left = parent.regular_size(name)  # what a stopped run wrote, resumed
-            size, digest = fetched()
+            size, digest, written = fetched()
             if left and not remote[rel].matches(size, digest):
                 # The stopped run's bytes may be another commit's file of that name (the
                 # branch moved since) or lost in a crash before they reached the disk: the
@@ -931,9 +934,9 @@ def _fetch_missing(
                     shown(rel),
                 )
                 parent.unlink(name)
-                size, digest = fetched()
+                size, digest, written = fetched()
             stamps[rel] = _verify_and_place(
-                uri, hub.commit, remote[rel], size, digest, parent, name, target, parts
+                uri, hub.commit, remote[rel], (size, digest, written), parent, name, target, parts
             )
         if hooks.arrived is not None:
             hooks.arrived(rel, dest / rel, stamps[rel])
@@ -1001,16 +1004,20 @@ def _verify_and_place(
     uri: SourceURI,
     commit: str,
     remote: RemoteFile,
-    size: int,
-    digest: Any,
+    downloaded: tuple[int, Any, fs.Stamp],
     parent: Dir,
     name: str,
     target: Dir,
     parts: list[str],
 ) -> fs.Stamp:
     """Rename the downloaded ``name`` in ``parent`` to ``parts`` below ``target`` if its size
-    and hash are the Hub's (its :data:`~loader.fs.Stamp`, which the rename keeps); else
-    discard it (:class:`ChecksumMismatchError`)."""
+    and hash (``downloaded``: as :func:`_download` returns them) are the Hub's (its
+    :data:`~loader.fs.Stamp`, which the rename keeps); else discard it
+    (:class:`ChecksumMismatchError`). The hash is of the bytes as they arrived: a file renamed
+    over ``name`` since the download's last write is refused as another's
+    (:class:`~loader.errors.NotOursError`), the file written in place since (its stamp by name
+    is not the descriptor's then) as replaced (:class:`ReplacedDownloadError`)."""
+    size, digest, written = downloaded
     if not remote.matches(size, digest):
         parent.unlink(name, missing_ok=True)
         raise ChecksumMismatchError(
@@ -1020,7 +1027,10 @@ def _verify_and_place(
             "is corrupt.",
         )
     verified = parent.lstat(name)
-    assert verified is not None, "downloaded just now"
+    if verified is None or fs.stamp(verified)[:2] != written[:2]:
+        raise parent.not_ours(name, "the file the loader downloaded")  # renamed over it
+    if fs.stamp(verified) != written:
+        raise ReplacedDownloadError(parent.path / name)  # written in place
     with _level(target, parts, create=True) as final:
         assert final is not None
         parent.rename(name, final, parts[-1], how="replace")
