@@ -37,12 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from loader import fs
-from loader.errors import CheckpointError, RepositoryError, ResourceExhaustedError
+from loader.errors import (
+    CheckpointError,
+    RepositoryError,
+    ResourceExhaustedError,
+    typed_os_error,
+)
 from loader.formats.fastertransformer import INT32_MAX, FTConfig
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
@@ -129,6 +136,19 @@ def _ids(tokenizer: Any) -> list[int]:
     return ids
 
 
+#: How the tokenizers library (Rust's std::io::Error) ends a message about a failed call.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error_code(exc: BaseException) -> int | None:
+    """The errno behind ``exc``: an OSError's, or the one a tokenizers message ends with
+    (``Too many open files (os error 24)``: the library raises a plain Exception)."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = _RUST_OS_ERROR.search(str(exc))
+    return int(found.group(1)) if found else None
+
+
 def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> None:
     """Load the tokenizer the repository will hold, as its models will (see the module
     docstring); a :class:`CheckpointError` naming the file otherwise."""
@@ -162,6 +182,9 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
                 raise ResourceExhaustedError(
                     f"The loader ran out of memory loading the tokenizer of {checkpoint}."
                 ) from exc
+            code = _os_error_code(exc)
+            if code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):  # the process's or machine's
+                raise typed_os_error(OSError(code, os.strerror(code), checkpoint)) from exc
             names = ", ".join(p.name for p in files)
             raise CheckpointError(
                 f"The tokenizer of {checkpoint} ({names}) does not load: {str(exc)[:300]}.",
