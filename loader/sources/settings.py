@@ -169,9 +169,15 @@ def _key_file(path: str, subject: str, fix: str, kind: str = "a key file") -> No
         found = os.stat(path)
     except (OSError, ValueError):
         return  # missing, a dangling link, a NUL: the client's own error names it
+    _small_file(found, subject, fix, kind, kind)
+
+
+def _small_file(found: os.stat_result, subject: str, fix: str, kind: str, not_kind: str) -> None:
+    """Refuse what ``found`` describes unless it is a regular file of at most
+    :data:`MAX_KEY_FILE_BYTES` (``subject``: "<the setting> names", ``not_kind``: what it
+    then is not, "a key file" or "a file")."""
     if not stat.S_ISREG(found.st_mode):
-        what = kind_of(found.st_mode)
-        raise SourcePermissionError(f"{subject} {what}, not {kind}.", fix)
+        raise SourcePermissionError(f"{subject} {kind_of(found.st_mode)}, not {not_kind}.", fix)
     if found.st_size > MAX_KEY_FILE_BYTES:
         raise SourcePermissionError(
             f"{subject} a file of {found.st_size} bytes, too large to be {kind} "
@@ -230,14 +236,7 @@ def netrc_file() -> None:
             "Replace it with a netrc file (machine HOST login NAME password SECRET lines), "
             "remove it, or set NETRC to the path of another one."
         )
-        if not stat.S_ISREG(found.st_mode):
-            raise SourcePermissionError(f"{subject} {kind_of(found.st_mode)}, not a file.", fix)
-        if found.st_size > MAX_KEY_FILE_BYTES:
-            raise SourcePermissionError(
-                f"{subject} a file of {found.st_size} bytes, too large to be a netrc file "
-                f"(at most {MAX_KEY_FILE_BYTES} bytes).",
-                fix,
-            )
+        _small_file(found, subject, fix, "a netrc file", "a file")
         return  # requests reads the first one there
 
 
