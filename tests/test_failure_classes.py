@@ -494,22 +494,33 @@ def test_a_failed_import_while_memory_is_short_is_transient(monkeypatch):
         assert len(typed.message) < 400
 
 
-_MAP_A_BIN_WITHOUT_ROOM = """
+#: The start of a script that limits its own address space to what it has mapped and
+#: ``room`` bytes more (``ulimit -v``, a container's limit), once what it tests is imported.
+_ROOM_ONLY = """
 import re, resource, sys
 import torch
 from loader.checkpoint import TorchFile, _check_records
 from loader.errors import LoaderError
+
+def leave_room(room):
+    status = open("/proc/self/status").read()
+    size = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + room, resource.RLIM_INFINITY))
+"""
+
+_MAP_A_BIN_WITHOUT_ROOM = (
+    _ROOM_ONLY
+    + """
 path = sys.argv[1]
 torch.save({"w": torch.zeros(50 * 2**20)}, path)
 _check_records(path)  # what the check imports and builds, before the limit
-status = open("/proc/self/status").read()
-size = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (size + 120 * 2**20, resource.RLIM_INFINITY))
+leave_room(120 * 2**20)
 try:
     TorchFile(path)
 except LoaderError as exc:
     print(exc.exit_code, exc.message)
 """
+)
 
 
 @pytest.mark.slow  # a process of its own, under a limit of its own
@@ -531,23 +542,20 @@ def test_a_bin_the_process_has_no_address_space_to_map_is_transient(tmp_path):
     assert TorchFile(tmp_path / "pytorch_model.bin").infos()["w"].shape == (50 * 2**20,)
 
 
-_SCAN_A_BIN_WITHOUT_ROOM = """
-import re, resource, sys
-import torch
-from loader.checkpoint import _check_records
-from loader.errors import LoaderError
+_SCAN_A_BIN_WITHOUT_ROOM = (
+    _ROOM_ONLY
+    + """
 path, small = sys.argv[1], sys.argv[2]
 torch.save({"w": torch.zeros(1), "sets": [set() for _ in range(180000)]}, path)  # 3.6 MB
 torch.save({"w": torch.zeros(1)}, small)
 _check_records(small)  # what the check imports and builds, before the limit
-status = open("/proc/self/status").read()
-size = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (size + 16 * 2**20, resource.RLIM_INFINITY))
+leave_room(16 * 2**20)
 try:
     _check_records(path)
 except LoaderError as exc:
     print(exc.exit_code, exc.message)
 """
+)
 
 
 @pytest.mark.slow  # a process of its own, under a limit of its own
