@@ -508,6 +508,19 @@ def leave_room(room):
     resource.setrlimit(resource.RLIMIT_AS, (size + room, resource.RLIM_INFINITY))
 """
 
+
+def _room_only(script: str, *args: Path) -> subprocess.CompletedProcess:
+    """``script`` (:data:`_ROOM_ONLY` and its own lines) run in a process of its own, which
+    must end well: what it prints is what it was told."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 _MAP_A_BIN_WITHOUT_ROOM = (
     _ROOM_ONLY
     + """
@@ -529,12 +542,7 @@ def test_a_bin_the_process_has_no_address_space_to_map_is_transient(tmp_path):
     limit) that leaves no room for it, it fails with "Cannot allocate memory". That was
     called a truncated or corrupt file, to be downloaded again (2); it is memory running out
     (75), and the same file maps where there is room."""
-    done = subprocess.run(
-        [sys.executable, "-c", _MAP_A_BIN_WITHOUT_ROOM, str(tmp_path / "pytorch_model.bin")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done = _room_only(_MAP_A_BIN_WITHOUT_ROOM, tmp_path / "pytorch_model.bin")
     assert done.stdout.startswith("75 The loader ran out of memory mapping"), done.stdout
     assert "corrupt" not in done.stdout, done.stdout
     from loader.checkpoint import TorchFile
@@ -565,12 +573,7 @@ def test_a_bin_whose_tensor_list_the_process_has_no_memory_to_read_is_transient(
     container's limit) is memory running out (75); it was called a corrupt file (2). The same
     file reads where there is room."""
     path = tmp_path / "pytorch_model.bin"
-    done = subprocess.run(
-        [sys.executable, "-c", _SCAN_A_BIN_WITHOUT_ROOM, str(path), str(tmp_path / "small.bin")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done = _room_only(_SCAN_A_BIN_WITHOUT_ROOM, path, tmp_path / "small.bin")
     assert done.stdout.startswith("75 The loader ran out of memory reading the tensor list"), (
         done.stdout
     )
