@@ -54,7 +54,6 @@ from loader.errors import (
     CheckpointError,
     CorruptFileError,
     FileContentError,
-    ReplacedDownloadError,
     ResourceExhaustedError,
     SourceShrankError,
     TensorDtypeError,
@@ -223,7 +222,9 @@ def _corrupt(path: Path, what: str) -> CorruptFileError:
 
 
 class SafetensorsFile:
-    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap.
+    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap
+    (``checked``: the :data:`~loader.fs.Stamp` of the file its download verified, which the one
+    opened must be: :func:`loader.fs.as_checked`).
 
     The header gets the checks the ``safetensors`` library itself makes before it hands out a
     tensor (``safetensors/src/tensor.rs``: ``SafeTensors::read_metadata`` and
@@ -235,12 +236,13 @@ class SafetensorsFile:
     the same bytes), nothing beyond the file, nothing after the last tensor.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checked: fs.Stamp | None = None) -> None:
         self.path = path
         self._mmap: mmap.mmap | None = None
         self._lock = threading.Lock()
         try:
             with fs.open_read(path) as fh:
+                fs.as_checked(fh.fileno(), path, checked)  # before a byte of it is read
                 opened = os.fstat(fh.fileno())
                 size = opened.st_size
                 prefix = fh.read(8)
@@ -368,9 +370,10 @@ class SafetensorsFile:
 
 
 class TorchFile:
-    """A PyTorch ``.bin`` (zip) file, memory-mapped by ``torch.load(mmap=True)``."""
+    """A PyTorch ``.bin`` (zip) file, memory-mapped by ``torch.load(mmap=True)`` (``checked``:
+    see :class:`SafetensorsFile`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checked: fs.Stamp | None = None) -> None:
         self.path = path
         if not is_regular_file(path):
             raise CheckpointError(f"{path} is missing.")
@@ -386,6 +389,7 @@ class TorchFile:
         # this descriptor (it opened the path again: a FIFO put there meanwhile held it for
         # good, another archive was loaded unchecked).
         with fs.open_read(path) as fh:
+            fs.as_checked(fh.fileno(), path, checked)  # before a byte of it is read
             opened = os.fstat(fh.fileno())
             self.size, self.stamp = opened.st_size, fs.stamp(opened)
             try:
@@ -744,8 +748,9 @@ def _torch_dtype_name(dtype: Any) -> str | None:
 # --- the directory layout registry -----------------------------------------------------------
 
 
-#: Weight format name (``loader.formats.huggingface.WEIGHT_FILES``) -> its shard reader.
-OPENERS: dict[str, Callable[[Path], ShardFile]] = {
+#: Weight format name (``loader.formats.huggingface.WEIGHT_FILES``) -> its shard reader
+#: (``opener(path, checked)``: see :class:`SafetensorsFile`).
+OPENERS: dict[str, Callable[[Path, fs.Stamp | None], ShardFile]] = {
     "safetensors": SafetensorsFile,
     "pytorch": TorchFile,
 }
@@ -781,13 +786,13 @@ class Inventory:
 
     def open(self, name: str, *, checked: fs.Stamp | None = None) -> ShardFile:
         """Open (and check the header of) the weight file ``name``; ``checked``: the
-        :data:`~loader.fs.Stamp` of the file its download verified (:func:`opened_as_checked`)."""
+        :data:`~loader.fs.Stamp` of the file its download verified (:func:`loader.fs.as_checked`)."""
         path = self.directory / name
         if not is_regular_file(path):
             raise self.missing([name])
         seen = self.sizes.get(name)
         try:
-            shard = OPENERS[self.layout.name](path)
+            shard = OPENERS[self.layout.name](path, checked)
         except CheckpointError as exc:
             if seen is not None:
                 _unless_shrunk(path, seen, exc)
@@ -795,7 +800,6 @@ class Inventory:
         if seen is not None and shard.size < seen:
             shard.close()
             raise SourceShrankError([(path, seen, shard.size)])
-        opened_as_checked(shard, checked)
         return shard
 
     def check_placement(
@@ -875,17 +879,6 @@ def read_inventory(
     raise CheckpointError(
         f"{directory} holds no weights: looked for {looked_for}; found {present or 'nothing'}."
     )
-
-
-def opened_as_checked(shard: ShardFile, checked: fs.Stamp | None) -> None:
-    """The weight file ``shard`` opened must be the one a download verified against its
-    checksum (``checked``: its :data:`~loader.fs.Stamp` then; None: no download verified it,
-    a local source's file): a file renamed over it, or written in place, since is another
-    process's, never converted (``shard`` is closed, a :class:`ReplacedDownloadError`)."""
-    if checked is None or shard.stamp == checked:
-        return
-    shard.close()
-    raise ReplacedDownloadError(shard.path)
 
 
 def _is_shard_name(name: str) -> bool:

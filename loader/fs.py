@@ -2346,7 +2346,11 @@ def as_checked(fd: int, path: object, checked: Stamp | None) -> None:
     """The file ``fd`` has open (at ``path``) must be the one a download verified against its
     checksum (``checked``: its :data:`Stamp` then; None: none did, a local source's file): one
     renamed over it, or written in place, since is another process's, never read as the
-    source's (:class:`~loader.errors.ReplacedDownloadError`)."""
+    source's (:class:`~loader.errors.ReplacedDownloadError`). The one comparison of every
+    reader of a download (:func:`read_file`, :meth:`Dir.copy_in`, the weight files'
+    openers: :data:`loader.checkpoint.OPENERS`), made before a byte is read: a file that is
+    not the one verified is never judged by its content (corrupt, not JSON), nor blamed on
+    the source."""
     if checked is not None and stamp(os.fstat(fd)) != checked:
         raise ReplacedDownloadError(path)
 

@@ -424,23 +424,28 @@ def gcs_sharded(tmp_path_factory):
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("planted", ["a shard", "no safetensors file"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
 def test_a_shard_renamed_over_its_download_after_it_was_verified_is_not_converted(
-    gcs_sharded, tmp_path, capsys, overlap
+    gcs_sharded, tmp_path, capsys, overlap, planted
 ):
-    """Another process renames a file of the same layout over a verified shard in
-    WORK/<key>/source just before the conversion opens it: the run refuses it (75, the file
-    named), converts nothing of it and publishes nothing."""
+    """Another process renames a file (of the same layout, or one that is no safetensors file
+    at all) over a verified shard in WORK/<key>/source just before the conversion opens it: the
+    run refuses it as not the file verified (75, the file named; never as a corrupt file at
+    the source, 2), reads nothing of it and publishes nothing."""
     _, other, _ = gcs_sharded
     (shard, *_) = sorted(p.name for p in other.glob("model-*.safetensors"))
-    planted = tmp_path / "planted.safetensors"
-    shutil.copy(other / shard, planted)
+    planted_at = tmp_path / "planted.safetensors"
+    if planted == "a shard":
+        shutil.copy(other / shard, planted_at)
+    else:
+        planted_at.write_bytes(b"\xff" * 64)
 
     def downloaded_shard(op: str, path: str) -> str | None:
         is_it = op == "open" and "/.work/" in path and path.endswith(f"/source/{shard}")
         return path if is_it else None
 
-    swap = AtStep(1, downloaded_shard, lambda path: os.rename(planted, path))
+    swap = AtStep(1, downloaded_shard, lambda path: os.rename(planted_at, path))
     root = tmp_path / "root"
     argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
     with fs.inject(swap):

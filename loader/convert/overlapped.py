@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs, stages
-from loader.checkpoint import OPENERS, Checkpoint, opened_as_checked
+from loader.checkpoint import OPENERS, Checkpoint
 from loader.fs import Dir
 from loader.progress import Progress
 from loader.waits import WAIT_STEP_S
@@ -335,15 +335,14 @@ class OverlappedConversion:
 
     def arrived(self, rel: str, path: Path, checked: fs.Stamp | None = None) -> None:
         """``rel`` arrived at ``path``, verified (``checked``: the file verified, which the
-        one opened must be: :func:`~loader.checkpoint.opened_as_checked`): check it, write
+        one opened must be: :func:`loader.fs.as_checked`): check it, write
         what it completes."""
         if not self.schedule.reads(rel):
             return
         with stages.stage("open + map + check shard"):
             where = Dir.open(Path(path).parent)  # below the download area: no link followed
             try:
-                shard = OPENERS[self.plan.inventory.layout.name](path)
-                opened_as_checked(shard, checked)
+                shard = OPENERS[self.plan.inventory.layout.name](path, checked)
             except BaseException:
                 where.close()
                 raise
