@@ -185,6 +185,8 @@ class ShardFile(Protocol):
 
     def data_offset(self, name: str) -> int | None: ...
 
+    def as_checked(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -273,7 +275,10 @@ class SafetensorsFile:
         except BaseException:
             os.close(kept)
             raise
+        #: the descriptor the tensors are mapped from, kept open until :meth:`close` (the
+        #: file read is looked at through it: :meth:`as_checked`)
         self._fd: int | None = kept
+        self._checked = checked
         #: (device, inode) of the file read: what is at its path may be another file now
         self.identity = (st.st_dev, st.st_ino)
         self.stamp = fs.stamp(opened)
@@ -352,13 +357,19 @@ class SafetensorsFile:
                 raise SourceShrankError([(self.path, self.size, size)])
             ledger.note_mapped(self.path, self._fd)
             self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-            os.close(self._fd)  # the map holds the file
-            self._fd = None
             return self._mmap
 
     def data_offset(self, name: str) -> int | None:
         """Byte offset of the tensor's data in the file (it is stored contiguously)."""
         return self._data_start + self._offsets[name]
+
+    def as_checked(self) -> None:
+        """The file read must still be the one its download verified (:func:`fs.as_checked`,
+        asked once its tensors were read): bytes written in place since it was opened may
+        have been read as the source's."""
+        with self._lock:
+            if self._fd is not None:
+                fs.as_checked(self._fd, self.path, self._checked)
 
     def close(self) -> None:
         # Arrays handed out keep the mapping alive; dropping our reference lets it go with them.
@@ -392,6 +403,7 @@ class TorchFile:
             fs.as_checked(fh.fileno(), path, checked)  # before a byte of it is read
             opened = os.fstat(fh.fileno())
             self.size, self.stamp = opened.st_size, fs.stamp(opened)
+            self._checked = checked
             try:
                 _check_records(path, fh)
             except CorruptFileError as exc:
@@ -410,6 +422,15 @@ class TorchFile:
                 _unless_shrunk(path, self.size, exc)
                 _unless_out_of_memory(path, exc)
                 raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
+            #: the file mapped, kept open until :meth:`close` (:meth:`as_checked`)
+            self._held: int | None = os.dup(fh.fileno())
+        try:
+            self._read_state(path, torch, state)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_state(self, path: Path, torch: Any, state: object) -> None:
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
         # detached: a parameter saved as one (requires_grad) is read like any tensor
@@ -450,8 +471,16 @@ class TorchFile:
     def data_offset(self, name: str) -> int | None:
         return None  # inside a zip member; read it through the memory map instead
 
+    def as_checked(self) -> None:
+        """See :meth:`SafetensorsFile.as_checked`."""
+        if self._held is not None:
+            fs.as_checked(self._held, self.path, self._checked)
+
     def close(self) -> None:
         self._state = {}
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
 
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
@@ -1023,6 +1052,13 @@ class Checkpoint:
             if now < shard.size:
                 found.append((shard.path, shard.size, now))
         return found
+
+    def as_checked(self) -> None:
+        """Every weight file read must still be the one its download verified
+        (:meth:`SafetensorsFile.as_checked`): asked once the outputs read from them are
+        written, before they are kept."""
+        for shard in list(self.shards.values()):
+            shard.as_checked()
 
     def close(self) -> None:
         for shard in self.shards.values():

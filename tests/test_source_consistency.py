@@ -578,3 +578,46 @@ def test_a_small_file_written_over_after_its_download_was_verified_is_not_publis
     assert code == 75, err
     assert "is not the file the loader downloaded and verified" in err and name in err, err
     assert not list(root.glob("tiny@*/*"))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_a_shard_written_over_after_it_was_opened_and_checked_is_not_published(
+    gcs_sharded, tmp_path, capsys, overlap
+):
+    """Another process writes another checkpoint's bytes (same layout, same sizes) in place
+    over the verified shards in WORK/<key>/source once the conversion opened them and found
+    them the files verified, as it starts writing its first output from them: the run refuses
+    them (75, a shard named), keeps no output made of them (overlapped: none journaled) and
+    publishes nothing; the next run publishes the source as it is."""
+    _, other, served = gcs_sharded
+
+    def first_output(op: str, path: str) -> str | None:
+        name = Path(path).name
+        is_it = op == "open" and "/source/" not in path and name.startswith("model.")
+        return path if is_it and name.endswith(".bin") else None
+
+    def written_over(_: str) -> None:
+        for shard in (tmp_path / "root" / ".work").glob("*/source/model-*.safetensors"):
+            _written_in_place(shard, (other / shard.name).read_bytes())
+
+    swap = AtStep(1, first_output, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    argv += [] if overlap else ["--no-overlap"]
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv)
+    assert swap.done, "the conversion never wrote an output"
+    assert code == 75, err
+    assert "is not the file the loader downloaded and verified" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    repo = published(root)
+    assert manifest.verify(repo) == []
+    as_downloaded = _copy(served, tmp_path / "source")  # config.ini names the directory
+    code, lines, err = cli(
+        capsys, "convert", str(as_downloaded), str(tmp_path / "out"), "--tp-size", "1"
+    )
+    assert code == 0, err
+    assert weights(repo) == {p.name: p.read_bytes() for p in sorted(Path(lines[-1]).iterdir())}

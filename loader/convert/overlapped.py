@@ -388,6 +388,9 @@ class OverlappedConversion:
             with stages.stage("start writeback (fadvise)"):
                 _start_writeback(self._out, out.name)
             with self._cond:
+                # the shards it was read from (held until it is written) are the files
+                # verified: only then is it journaled, for a later run to keep
+                self._shards.as_checked()
                 self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
                 self._follow(self.schedule.written(out.name))

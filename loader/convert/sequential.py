@@ -184,6 +184,7 @@ def convert_planned(
                     workers=default_workers(workers), chunk_bytes=chunk_bytes,
                     algorithm=algorithm,
                 )  # fmt: skip
+            ckpt.as_checked()  # what was read is what was verified: only then kept
             digests[CONFIG_INI] = (len(ini), algorithm and digest.of_bytes(ini, algorithm))
     result = ConvertResult.since(started, final, plan, digests)
     log.info(
