@@ -4,6 +4,7 @@ refused; a FIFO, device or socket is never read; a link loop is a typed error.""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from loader import fs
-from loader.errors import SourceError, SpecialFileError
+from loader.errors import ReplacedDownloadError, SourceError, SpecialFileError
 from loader.repository import manifest
-from loader.sources import parse_uri
+from loader.sources import fetch, parse_uri
 from tests.at_step import AtStep
 from tests.runs import cli, published, run_argv, weights
 
@@ -621,3 +622,47 @@ def test_a_shard_written_over_after_it_was_opened_and_checked_is_not_published(
     )
     assert code == 0, err
     assert weights(repo) == {p.name: p.read_bytes() for p in sorted(Path(lines[-1]).iterdir())}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("scheme", ["gs", "hf"])
+def test_a_resumed_download_written_over_after_it_was_read_back_is_not_verified(
+    request, tmp_path, scheme
+):
+    """A stopped fetch left a shard's partial download complete (gs://: every slice
+    journaled); the next fetch reads its bytes back for the checksum, which matches, and
+    another process then writes another shard's bytes (same size) in place over it, before
+    it is moved into place: the fetch refuses it (75, the file named) and puts nothing of it
+    in place as verified."""
+    gs = scheme == "gs"
+    _, other, served = (
+        request.getfixturevalue("gcs_sharded")
+        if gs
+        else (None, *request.getfixturevalue("hf_sharded"))
+    )
+    shard = sorted(p.name for p in served.glob("model-*.safetensors"))[0]
+    dest = tmp_path / "dest"
+    uri = f"gs://{BUCKET}/org/sharded" if gs else "hf://org/sharded"
+
+    def synced(op: str, path: str) -> str | None:
+        """An fsync of the shard's partial download."""
+        ours = f"/.partial/{shard}." in path if gs else path.endswith(f"/{shard}.incomplete")
+        return path if op == "fsync" and ours and not path.endswith(".slices") else None
+
+    def stopped(path: str) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    # gs://: the whole file's fsync once its checksum matched (its last slice's is the first);
+    # hf://: the one once all its bytes arrived; just before it is moved into place
+    stop = AtStep(2 if gs else 1, synced, stopped)
+    with fs.inject(stop), pytest.raises(OSError):
+        fetch(uri, dest, workers=1, retry_deadline_s=2)
+    assert stop.seen == stop.step and not (dest / shard).exists()
+
+    planted = (other / shard).read_bytes()
+    swap = AtStep(1, synced, lambda path: _written_in_place(Path(path), planted))
+    with fs.inject(swap), pytest.raises(ReplacedDownloadError) as refused:
+        fetch(uri, dest, workers=1, retry_deadline_s=2)
+    assert swap.done, "the partial download was never read back"
+    assert shard in str(refused.value)
+    assert not (dest / shard).exists()
