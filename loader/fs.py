@@ -1586,6 +1586,7 @@ class Dir:
                     if not chunk:
                         break
                     write_fd(dst.fileno(), chunk, target)
+            as_checked(src.fileno(), source, checked)  # and unwritten while it was copied
 
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file
@@ -2337,7 +2338,9 @@ def read_file(path: Path, *, limit: int, checked: Stamp | None = None) -> bytes:
     fd = _open_regular(path)
     try:
         as_checked(fd, path, checked)
-        return read_fd(fd, path, limit=limit)
+        data = read_fd(fd, path, limit=limit)
+        as_checked(fd, path, checked)  # and unwritten while it was read
+        return data
     finally:
         os.close(fd)
 
@@ -2348,9 +2351,10 @@ def as_checked(fd: int, path: object, checked: Stamp | None) -> None:
     renamed over it, or written in place, since is another process's, never read as the
     source's (:class:`~loader.errors.ReplacedDownloadError`). The one comparison of every
     reader of a download (:func:`read_file`, :meth:`Dir.copy_in`, the weight files'
-    openers: :data:`loader.checkpoint.OPENERS`), made before a byte is read: a file that is
-    not the one verified is never judged by its content (corrupt, not JSON), nor blamed on
-    the source."""
+    openers: :data:`loader.checkpoint.OPENERS`, the tokenizer check), made before a byte is
+    read (a file that is not the one verified is never judged by its content, corrupt or
+    not JSON, nor blamed on the source) and again once what is kept of it was read (bytes
+    written in place meanwhile move its modification time)."""
     if checked is not None and stamp(os.fstat(fd)) != checked:
         raise ReplacedDownloadError(path)
 

@@ -546,31 +546,49 @@ def test_a_partial_download_changed_after_its_last_write_is_not_published(
 
 @pytest.mark.server
 @pytest.mark.parametrize(
-    ("name", "looked_at"),
+    ("name", "looked_at", "written"),
     [
-        ("config.json", ("open", "/source/config.json")),  # read again by verify
-        ("model.safetensors.index.json", ("open", "/source/model.safetensors.index.json")),
-        ("tokenizer.json", ("mkdir", "/1/tokenizer")),  # copied by the build
+        ("config.json", ("open", "/source/config.json"), "json"),  # read again by verify
+        ("model.safetensors.index.json", ("open", "/source/model.safetensors.index.json"), "json"),
+        ("tokenizer.json", ("mkdir", "/1/tokenizer"), "json"),  # copied by the build
+        # opened, found the file verified, then written over before its bytes are read
+        ("config.json", ("read", "/source/config.json"), "json"),
+        ("model.safetensors.index.json", ("read", "/source/model.safetensors.index.json"), "json"),
+        # (its last copy: each of the three tokenizing models holds one, read in two reads)
+        ("tokenizer.json", ("read", "/source/tokenizer.json", 5), "json"),
+        # the tokenizer check: a file that does not load is not the source's fault
+        ("tokenizer.json", ("open", "/source/tokenizer.json"), "no tokenizer"),
     ],
-    ids=["config", "index", "tokenizer"],
+    ids=[
+        "config",
+        "index",
+        "tokenizer",
+        "config-opened",
+        "index-opened",
+        "tokenizer-opened",
+        "tokenizer-checked",
+    ],
 )
 def test_a_small_file_written_over_after_its_download_was_verified_is_not_published(
-    gcs_sharded, tmp_path, capsys, name, looked_at
+    gcs_sharded, tmp_path, capsys, name, looked_at, written
 ):
     """Another process writes over a downloaded config.json, index or tokenizer.json in
-    WORK/<key>/source (in place, still valid JSON) after its download was verified, before
-    the run reads it again (verify) or copies it into the repository (the build): the run
-    refuses it (75, the file named) and publishes nothing."""
-    op, ending = looked_at
+    WORK/<key>/source (in place: still valid JSON, or no tokenizer at all) after its download
+    was verified, before the run reads it again (verify, the tokenizer check) or copies it
+    into the repository (the build), or once it opened it, before its bytes are read: the run
+    refuses it (75, the file named), never as a file of the source that does not load (2),
+    and publishes nothing."""
+    op, ending, *nth = looked_at
 
     def the_moment(seen_op: str, path: str) -> str | None:
         return path if seen_op == op and path.endswith(ending) else None
 
-    def written_over(_: str) -> None:  # still valid JSON, another file
+    def written_over(_: str) -> None:  # valid JSON and another file, or no tokenizer
         target = next((tmp_path / "root" / ".work").glob(f"*/source/{name}"))
-        _written_in_place(target, target.read_bytes() + b" ")
+        data = target.read_bytes() + b" " if written == "json" else b"{}" + b" " * 100
+        _written_in_place(target, data)
 
-    swap = AtStep(1, the_moment, written_over)
+    swap = AtStep(nth[0] if nth else 1, the_moment, written_over)
     root = tmp_path / "root"
     argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
     with fs.inject(swap):
