@@ -684,3 +684,34 @@ def test_a_resumed_download_written_over_after_it_was_read_back_is_not_verified(
     assert swap.done, "the partial download was never read back"
     assert shard in str(refused.value)
     assert not (dest / shard).exists()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_an_output_written_over_before_it_is_sealed_is_not_published(
+    gcs_sharded, tmp_path, capsys, overlap
+):
+    """Another process writes other bytes (same size) in place over a converted output (in
+    WORK/<key>/converted, or in the staging directory) once it was written and hashed, before
+    the build seals the repository: the run refuses it (75, the file named) and publishes no
+    key whose manifest lists a digest its file does not hold."""
+
+    def built(op: str, path: str) -> str | None:  # the build starts: the outputs are in place
+        return path if op == "mkdir" and path.endswith("/1/tokenizer") else None
+
+    def written_over(_: str) -> None:
+        (output, *_) = sorted((tmp_path / "root").rglob("model.final_layernorm.weight.bin"))
+        _written_in_place(output, bytes(len(output.read_bytes())))
+
+    swap = AtStep(1, built, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    argv += [] if overlap else ["--no-overlap"]
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv)
+    assert swap.done, "the build never started"
+    assert code == 0 or not list(root.glob("tiny@*/*")), err
+    if code == 0:
+        assert manifest.verify(published(root)) == []
+    assert code == 75, err
+    assert "model.final_layernorm.weight.bin" in err, err

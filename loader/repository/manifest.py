@@ -36,10 +36,12 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs
+from loader.errors import ReplacedOutputError
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.progress import byte_progress
@@ -134,6 +136,7 @@ def build_manifest(
     *,
     workers: int | None = None,
     known: dict[str, tuple[int, str | None]] | None = None,
+    written: Mapping[str, fs.Stamp] | None = None,
 ) -> dict:
     """List every file and directory under ``root`` (files with size, digest
     (:data:`loader.digest.DEFAULT`) and seal), in the current format; ``meta`` (key, source,
@@ -143,11 +146,15 @@ def build_manifest(
     ``known`` maps relative paths to the (size, digest) computed while they were written: those
     files are not read again (a size that differs from the disk's is an error). Every other
     file, and one known without its digest (None), is hashed. A link or special file in the
-    tree is an error: the loader writes none.
+    tree is an error: the loader writes none. ``written`` maps relative paths to the
+    :data:`~loader.fs.Stamp` of the file each known digest is of, after its last write: a
+    file there that is not it (written over, or renamed over it, since) is refused
+    (:class:`~loader.errors.ReplacedOutputError`), never sealed under a digest it does not
+    hold.
     """
     root = Path(root).absolute()
     with Dir.open(root) as d:
-        return _build_in(d, meta, workers=workers, known=known)
+        return _build_in(d, meta, workers=workers, known=known, written=written)
 
 
 def _build_in(
@@ -156,6 +163,7 @@ def _build_in(
     *,
     workers: int | None,
     known: dict[str, tuple[int, str | None]] | None,
+    written: Mapping[str, fs.Stamp] | None = None,
 ) -> dict:
     root = d.path
     tree = _Tree(d)
@@ -165,6 +173,9 @@ def _build_in(
     stats = tree.files
     rels = sorted(stats)
     known = dict(known or {})
+    for rel, stamp in (written or {}).items():
+        if rel in stats and fs.stamp(stats[rel]) != stamp:
+            raise ReplacedOutputError(root / rel)
     for rel, (size, _digest) in known.items():
         if rel in stats and stats[rel].st_size != size:
             raise OSError(

@@ -67,9 +67,13 @@ def build(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}
+    stamps = {f"{weights}/{name}": stamp for name, stamp in converted.stamps.items()}
     # modes final and data durable before the manifest takes the seals
     publish.seal(staging, expected)
     manifest.write_manifest(
-        staging, manifest.build_manifest(staging, meta, workers=request.workers, known=known)
+        staging,
+        manifest.build_manifest(
+            staging, meta, workers=request.workers, known=known, written=stamps
+        ),
     )
     manifest.write_ready(staging, key)
