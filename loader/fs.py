@@ -1473,19 +1473,21 @@ class Dir:
         finally:
             os.close(fd)
 
-    def write(self, name: str, data: bytes, *, exclusive: bool = True, sync: bool = True) -> None:
+    def write(self, name: str, data: bytes, *, exclusive: bool = True, sync: bool = True) -> Stamp:
         """Write the file ``name`` (created with ``O_EXCL`` unless ``exclusive`` is False:
         then an existing regular file is overwritten, anything else there is
-        :class:`NotOursError`); fsynced unless ``sync`` is False."""
-        self._write(name, data, os.O_EXCL if exclusive else os.O_TRUNC, sync=sync)
+        :class:`NotOursError`); fsynced unless ``sync`` is False. Returns the :data:`Stamp`
+        of the descriptor written through, after the write (the file that holds ``data``)."""
+        return self._write(name, data, os.O_EXCL if exclusive else os.O_TRUNC, sync=sync)
 
-    def _write(self, name: str, data: bytes, mode: int, *, sync: bool) -> None:
+    def _write(self, name: str, data: bytes, mode: int, *, sync: bool) -> Stamp:
         """``data`` into the regular file ``name``, opened with ``O_CREAT`` and ``mode``."""
         fd = self._open_regular(name, os.O_WRONLY | os.O_CREAT | mode, "a file the loader writes")
         try:
             write_fd(fd, data, self.path / name)
             if sync:
                 fsync_fd(fd, self.path / name)
+            return stamp(os.fstat(fd))
         finally:
             os.close(fd)
 

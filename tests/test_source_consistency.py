@@ -687,9 +687,10 @@ def test_a_resumed_download_written_over_after_it_was_read_back_is_not_verified(
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("output", ["model.final_layernorm.weight.bin", "config.ini"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
 def test_an_output_written_over_before_it_is_sealed_is_not_published(
-    gcs_sharded, tmp_path, capsys, overlap
+    gcs_sharded, tmp_path, capsys, overlap, output
 ):
     """Another process writes other bytes (same size) in place over a converted output (in
     WORK/<key>/converted, or in the staging directory) once it was written and hashed, before
@@ -700,8 +701,8 @@ def test_an_output_written_over_before_it_is_sealed_is_not_published(
         return path if op == "mkdir" and path.endswith("/1/tokenizer") else None
 
     def written_over(_: str) -> None:
-        (output, *_) = sorted((tmp_path / "root").rglob("model.final_layernorm.weight.bin"))
-        _written_in_place(output, bytes(len(output.read_bytes())))
+        (written, *_) = sorted((tmp_path / "root").rglob(f"*-gpu/{output}"))
+        _written_in_place(written, bytes(len(written.read_bytes())))
 
     swap = AtStep(1, built, written_over)
     root = tmp_path / "root"
@@ -714,4 +715,4 @@ def test_an_output_written_over_before_it_is_sealed_is_not_published(
     if code == 0:
         assert manifest.verify(published(root)) == []
     assert code == 75, err
-    assert "model.final_layernorm.weight.bin" in err, err
+    assert output in err, err

@@ -447,7 +447,7 @@ class OverlappedConversion:
             self._raise_if_failed()
         ini = self.plan.config_ini()
         with stages.stage("config.ini"):
-            self._out.write(CONFIG_INI, ini, exclusive=False, sync=True)
+            self.stamps[CONFIG_INI] = self._out.write(CONFIG_INI, ini, exclusive=False, sync=True)
         digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
         return ConvertResult.since(self.started, self.out_dir, self.plan, digests, self.stamps)
 

@@ -175,7 +175,7 @@ def convert_planned(
         )  # fmt: skip
         with atomic_directory(final, overwrite=overwrite) as tmp:
             ini = plan.config_ini()
-            tmp.write(CONFIG_INI, ini, sync=False)
+            stamps[CONFIG_INI] = tmp.write(CONFIG_INI, ini, sync=False)
             with (
                 byte_progress(f"convert {final.name}", total) as progress,
                 stages.stage("write outputs (all writers, wall of the pool)"),
