@@ -571,14 +571,15 @@ class TransientFileSystemError(FileSystemError):
 
 
 class ReplacedOutputError(TransientFileSystemError):
-    """A converted weight file was written over (or another file renamed over it) after the
-    loader wrote it and computed its digest, before the repository was sealed: another process
-    wrote into the loader's directory. Nothing was published."""
+    """A file of a repository being built (converted weights, a config, a tokenizer copy) was
+    written over (or another file renamed over it) after the loader wrote it, before the
+    repository was sealed: another process wrote into the loader's directory. Nothing was
+    published."""
 
     def __init__(self, path: object) -> None:
         super().__init__(
             f"{shown(path)} is not the file the loader wrote: another process wrote to it (or "
-            "replaced it) after it was written and hashed; nothing was published.",
+            "replaced it) since; nothing was published.",
             "Let nothing but the loader write into its directories (ROOT/.staging, and "
             "--work-dir or ROOT/.work), then run the loader again.",
         )

@@ -1573,10 +1573,11 @@ class Dir:
         file where a directory belongs is a :class:`NotOursError`)."""
         return self.enter(names, create=True)
 
-    def copy_in(self, name: str, source: Path, *, checked: Stamp | None = None) -> None:
+    def copy_in(self, name: str, source: Path, *, checked: Stamp | None = None) -> Stamp:
         """Copy the file ``source`` (a path the user named, or the loader's own package file:
         read as given, :func:`open_read`) to the new file ``name`` (``O_EXCL``, never through
-        a link), in bounded chunks; ``checked``: see :func:`as_checked`."""
+        a link), in bounded chunks; ``checked``: see :func:`as_checked`. Returns the
+        :data:`Stamp` of the copy's descriptor after its last write (the file written)."""
         target = self.path / name
         with open_read(source) as src:
             as_checked(src.fileno(), source, checked)
@@ -1588,7 +1589,9 @@ class Dir:
                     if not chunk:
                         break
                     write_fd(dst.fileno(), chunk, target)
+                copied = stamp(os.fstat(dst.fileno()))
             as_checked(src.fileno(), source, checked)  # and unwritten while it was copied
+        return copied
 
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file

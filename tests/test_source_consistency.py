@@ -716,3 +716,32 @@ def test_an_output_written_over_before_it_is_sealed_is_not_published(
         assert manifest.verify(published(root)) == []
     assert code == 75, err
     assert output in err, err
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    "written", ["fastertransformer/config.pbtxt", "preprocessing/1/tokenizer/tokenizer.json"]
+)
+def test_a_file_of_the_build_written_over_before_it_is_sealed_is_not_published(
+    gcs_sharded, tmp_path, capsys, written
+):
+    """Another process writes over a file the build wrote into the staging directory (a
+    model's config.pbtxt, a tokenizer copy) before the repository is sealed: the run refuses
+    it (75, the file named) and publishes nothing the loader did not write."""
+
+    def sealed(op: str, path: str) -> str | None:  # the build wrote every file: sealing starts
+        return path if op == "chmod" and "/.staging/" in path else None
+
+    def written_over(_: str) -> None:
+        (there, *_) = sorted((tmp_path / "root" / ".staging").glob(f"*/{written}"))
+        _written_in_place(there, there.read_bytes() + b"\n")
+
+    swap = AtStep(1, sealed, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10", "--no-overlap")
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv)
+    assert swap.done, "the repository was never sealed"
+    assert code == 75, err
+    assert written.rsplit("/", 1)[-1] in err, err
+    assert not list(root.glob("tiny@*/*"))

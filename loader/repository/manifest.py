@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs
-from loader.errors import ReplacedOutputError
+from loader.errors import NotOursError, ReplacedOutputError
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.progress import byte_progress
@@ -113,6 +113,17 @@ def _hash_all(
             pool, lambda rel: digest.of_file_in(d, rel, algorithm, progress=progress.update), rels
         )
         return dict(zip(rels, digests, strict=True))
+
+
+def _lstat_in(d: Dir, rel: str) -> os.stat_result | None:
+    """The ``lstat`` of ``rel`` (``a/b/c``) below ``d``, entered one name at a time, never
+    through a link (None: nothing there, or no directory on the way)."""
+    *levels, name = rel.split("/")
+    try:
+        with d.enter(levels) as where:
+            return where.lstat(name)
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return None
 
 
 def file_seal(stat_result: os.stat_result) -> list[int]:
@@ -189,6 +200,10 @@ def _build_in(
     }
     todo = {rel: stats[rel] for rel in rels if rel not in digests}
     digests.update(_hash_all(d, todo, "hashing repository", workers, algorithm))
+    for rel in set(todo) & set(written or {}):  # and the file hashed, unwritten meanwhile
+        found = _lstat_in(d, rel)
+        if found is None or fs.stamp(found) != (written or {})[rel]:
+            raise ReplacedOutputError(root / rel)
     files = [
         {
             "path": rel,
