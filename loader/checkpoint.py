@@ -54,7 +54,6 @@ from loader.errors import (
     CheckpointError,
     CorruptFileError,
     FileContentError,
-    ReplacedDownloadError,
     ResourceExhaustedError,
     SourceShrankError,
     TensorDtypeError,
@@ -186,6 +185,8 @@ class ShardFile(Protocol):
 
     def data_offset(self, name: str) -> int | None: ...
 
+    def as_checked(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -223,7 +224,9 @@ def _corrupt(path: Path, what: str) -> CorruptFileError:
 
 
 class SafetensorsFile:
-    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap.
+    """A ``.safetensors`` file: header parsed and checked at open, tensors viewed via mmap
+    (``checked``: the :data:`~loader.fs.Stamp` of the file its download verified, which the one
+    opened must be: :func:`loader.fs.as_checked`).
 
     The header gets the checks the ``safetensors`` library itself makes before it hands out a
     tensor (``safetensors/src/tensor.rs``: ``SafeTensors::read_metadata`` and
@@ -235,12 +238,13 @@ class SafetensorsFile:
     the same bytes), nothing beyond the file, nothing after the last tensor.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checked: fs.Stamp | None = None) -> None:
         self.path = path
         self._mmap: mmap.mmap | None = None
         self._lock = threading.Lock()
         try:
             with fs.open_read(path) as fh:
+                fs.as_checked(fh.fileno(), path, checked)  # before a byte of it is read
                 opened = os.fstat(fh.fileno())
                 size = opened.st_size
                 prefix = fh.read(8)
@@ -271,7 +275,10 @@ class SafetensorsFile:
         except BaseException:
             os.close(kept)
             raise
+        #: the descriptor the tensors are mapped from, kept open until :meth:`close` (the
+        #: file read is looked at through it: :meth:`as_checked`)
         self._fd: int | None = kept
+        self._checked = checked
         #: (device, inode) of the file read: what is at its path may be another file now
         self.identity = (st.st_dev, st.st_ino)
         self.stamp = fs.stamp(opened)
@@ -350,13 +357,19 @@ class SafetensorsFile:
                 raise SourceShrankError([(self.path, self.size, size)])
             ledger.note_mapped(self.path, self._fd)
             self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-            os.close(self._fd)  # the map holds the file
-            self._fd = None
             return self._mmap
 
     def data_offset(self, name: str) -> int | None:
         """Byte offset of the tensor's data in the file (it is stored contiguously)."""
         return self._data_start + self._offsets[name]
+
+    def as_checked(self) -> None:
+        """The file read must still be the one its download verified (:func:`fs.as_checked`,
+        asked once its tensors were read): bytes written in place since it was opened may
+        have been read as the source's."""
+        with self._lock:
+            if self._fd is not None:
+                fs.as_checked(self._fd, self.path, self._checked)
 
     def close(self) -> None:
         # Arrays handed out keep the mapping alive; dropping our reference lets it go with them.
@@ -368,9 +381,10 @@ class SafetensorsFile:
 
 
 class TorchFile:
-    """A PyTorch ``.bin`` (zip) file, memory-mapped by ``torch.load(mmap=True)``."""
+    """A PyTorch ``.bin`` (zip) file, memory-mapped by ``torch.load(mmap=True)`` (``checked``:
+    see :class:`SafetensorsFile`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checked: fs.Stamp | None = None) -> None:
         self.path = path
         if not is_regular_file(path):
             raise CheckpointError(f"{path} is missing.")
@@ -386,8 +400,10 @@ class TorchFile:
         # this descriptor (it opened the path again: a FIFO put there meanwhile held it for
         # good, another archive was loaded unchecked).
         with fs.open_read(path) as fh:
+            fs.as_checked(fh.fileno(), path, checked)  # before a byte of it is read
             opened = os.fstat(fh.fileno())
             self.size, self.stamp = opened.st_size, fs.stamp(opened)
+            self._checked = checked
             try:
                 _check_records(path, fh)
             except CorruptFileError as exc:
@@ -406,6 +422,15 @@ class TorchFile:
                 _unless_shrunk(path, self.size, exc)
                 _unless_out_of_memory(path, exc)
                 raise _corrupt(path, f"torch.load failed ({type(exc).__name__}: {exc})") from exc
+            #: the file mapped, kept open until :meth:`close` (:meth:`as_checked`)
+            self._held: int | None = os.dup(fh.fileno())
+        try:
+            self._read_state(path, torch, state)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_state(self, path: Path, torch: Any, state: object) -> None:
         if not isinstance(state, dict):
             raise _corrupt(path, "it does not hold a state dict")
         # detached: a parameter saved as one (requires_grad) is read like any tensor
@@ -446,8 +471,16 @@ class TorchFile:
     def data_offset(self, name: str) -> int | None:
         return None  # inside a zip member; read it through the memory map instead
 
+    def as_checked(self) -> None:
+        """See :meth:`SafetensorsFile.as_checked`."""
+        if self._held is not None:
+            fs.as_checked(self._held, self.path, self._checked)
+
     def close(self) -> None:
         self._state = {}
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
 
 #: How a zip archive starts: the only files ``torch.load(mmap=True)`` opens.
@@ -744,8 +777,9 @@ def _torch_dtype_name(dtype: Any) -> str | None:
 # --- the directory layout registry -----------------------------------------------------------
 
 
-#: Weight format name (``loader.formats.huggingface.WEIGHT_FILES``) -> its shard reader.
-OPENERS: dict[str, Callable[[Path], ShardFile]] = {
+#: Weight format name (``loader.formats.huggingface.WEIGHT_FILES``) -> its shard reader
+#: (``opener(path, checked)``: see :class:`SafetensorsFile`).
+OPENERS: dict[str, Callable[[Path, fs.Stamp | None], ShardFile]] = {
     "safetensors": SafetensorsFile,
     "pytorch": TorchFile,
 }
@@ -781,13 +815,13 @@ class Inventory:
 
     def open(self, name: str, *, checked: fs.Stamp | None = None) -> ShardFile:
         """Open (and check the header of) the weight file ``name``; ``checked``: the
-        :data:`~loader.fs.Stamp` of the file its download verified (:func:`opened_as_checked`)."""
+        :data:`~loader.fs.Stamp` of the file its download verified (:func:`loader.fs.as_checked`)."""
         path = self.directory / name
         if not is_regular_file(path):
             raise self.missing([name])
         seen = self.sizes.get(name)
         try:
-            shard = OPENERS[self.layout.name](path)
+            shard = OPENERS[self.layout.name](path, checked)
         except CheckpointError as exc:
             if seen is not None:
                 _unless_shrunk(path, seen, exc)
@@ -795,7 +829,6 @@ class Inventory:
         if seen is not None and shard.size < seen:
             shard.close()
             raise SourceShrankError([(path, seen, shard.size)])
-        opened_as_checked(shard, checked)
         return shard
 
     def check_placement(
@@ -875,17 +908,6 @@ def read_inventory(
     raise CheckpointError(
         f"{directory} holds no weights: looked for {looked_for}; found {present or 'nothing'}."
     )
-
-
-def opened_as_checked(shard: ShardFile, checked: fs.Stamp | None) -> None:
-    """The weight file ``shard`` opened must be the one a download verified against its
-    checksum (``checked``: its :data:`~loader.fs.Stamp` then; None: no download verified it,
-    a local source's file): a file renamed over it, or written in place, since is another
-    process's, never converted (``shard`` is closed, a :class:`ReplacedDownloadError`)."""
-    if checked is None or shard.stamp == checked:
-        return
-    shard.close()
-    raise ReplacedDownloadError(shard.path)
 
 
 def _is_shard_name(name: str) -> bool:
@@ -1030,6 +1052,13 @@ class Checkpoint:
             if now < shard.size:
                 found.append((shard.path, shard.size, now))
         return found
+
+    def as_checked(self) -> None:
+        """Every weight file read must still be the one its download verified
+        (:meth:`SafetensorsFile.as_checked`): asked once the outputs read from them are
+        written, before they are kept."""
+        for shard in list(self.shards.values()):
+            shard.as_checked()
 
     def close(self) -> None:
         for shard in self.shards.values():

@@ -570,6 +570,21 @@ class TransientFileSystemError(FileSystemError):
     exit_code = EXIT_TRANSIENT
 
 
+class ReplacedOutputError(TransientFileSystemError):
+    """A file of a repository being built (converted weights, a config, a tokenizer copy) was
+    written over (or another file renamed over it) after the loader wrote it, before the
+    repository was sealed: another process wrote into the loader's directory. Nothing was
+    published."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(
+            f"{shown(path)} is not the file the loader wrote: another process wrote to it (or "
+            "replaced it) since; nothing was published.",
+            "Let nothing but the loader write into its directories (ROOT/.staging, and "
+            "--work-dir or ROOT/.work), then run the loader again.",
+        )
+
+
 class DirectoryRemovedError(FileNotFoundError):
     """A call relative to a directory the loader had open failed with ``ENOENT`` because the
     directory itself was removed (or replaced) meanwhile, by another process: not a name the

@@ -1473,19 +1473,21 @@ class Dir:
         finally:
             os.close(fd)
 
-    def write(self, name: str, data: bytes, *, exclusive: bool = True, sync: bool = True) -> None:
+    def write(self, name: str, data: bytes, *, exclusive: bool = True, sync: bool = True) -> Stamp:
         """Write the file ``name`` (created with ``O_EXCL`` unless ``exclusive`` is False:
         then an existing regular file is overwritten, anything else there is
-        :class:`NotOursError`); fsynced unless ``sync`` is False."""
-        self._write(name, data, os.O_EXCL if exclusive else os.O_TRUNC, sync=sync)
+        :class:`NotOursError`); fsynced unless ``sync`` is False. Returns the :data:`Stamp`
+        of the descriptor written through, after the write (the file that holds ``data``)."""
+        return self._write(name, data, os.O_EXCL if exclusive else os.O_TRUNC, sync=sync)
 
-    def _write(self, name: str, data: bytes, mode: int, *, sync: bool) -> None:
+    def _write(self, name: str, data: bytes, mode: int, *, sync: bool) -> Stamp:
         """``data`` into the regular file ``name``, opened with ``O_CREAT`` and ``mode``."""
         fd = self._open_regular(name, os.O_WRONLY | os.O_CREAT | mode, "a file the loader writes")
         try:
             write_fd(fd, data, self.path / name)
             if sync:
                 fsync_fd(fd, self.path / name)
+            return stamp(os.fstat(fd))
         finally:
             os.close(fd)
 
@@ -1571,10 +1573,11 @@ class Dir:
         file where a directory belongs is a :class:`NotOursError`)."""
         return self.enter(names, create=True)
 
-    def copy_in(self, name: str, source: Path, *, checked: Stamp | None = None) -> None:
+    def copy_in(self, name: str, source: Path, *, checked: Stamp | None = None) -> Stamp:
         """Copy the file ``source`` (a path the user named, or the loader's own package file:
         read as given, :func:`open_read`) to the new file ``name`` (``O_EXCL``, never through
-        a link), in bounded chunks; ``checked``: see :func:`as_checked`."""
+        a link), in bounded chunks; ``checked``: see :func:`as_checked`. Returns the
+        :data:`Stamp` of the copy's descriptor after its last write (the file written)."""
         target = self.path / name
         with open_read(source) as src:
             as_checked(src.fileno(), source, checked)
@@ -1586,6 +1589,9 @@ class Dir:
                     if not chunk:
                         break
                     write_fd(dst.fileno(), chunk, target)
+                copied = stamp(os.fstat(dst.fileno()))
+            as_checked(src.fileno(), source, checked)  # and unwritten while it was copied
+        return copied
 
     def marked(self, name: str, marker: str, owner: str) -> bool:
         """Whether the directory ``name`` is a real directory holding the regular file
@@ -2337,7 +2343,9 @@ def read_file(path: Path, *, limit: int, checked: Stamp | None = None) -> bytes:
     fd = _open_regular(path)
     try:
         as_checked(fd, path, checked)
-        return read_fd(fd, path, limit=limit)
+        data = read_fd(fd, path, limit=limit)
+        as_checked(fd, path, checked)  # and unwritten while it was read
+        return data
     finally:
         os.close(fd)
 
@@ -2346,7 +2354,12 @@ def as_checked(fd: int, path: object, checked: Stamp | None) -> None:
     """The file ``fd`` has open (at ``path``) must be the one a download verified against its
     checksum (``checked``: its :data:`Stamp` then; None: none did, a local source's file): one
     renamed over it, or written in place, since is another process's, never read as the
-    source's (:class:`~loader.errors.ReplacedDownloadError`)."""
+    source's (:class:`~loader.errors.ReplacedDownloadError`). The one comparison of every
+    reader of a download (:func:`read_file`, :meth:`Dir.copy_in`, the weight files'
+    openers: :data:`loader.checkpoint.OPENERS`, the tokenizer check), made before a byte is
+    read (a file that is not the one verified is never judged by its content, corrupt or
+    not JSON, nor blamed on the source) and again once what is kept of it was read (bytes
+    written in place meanwhile move its modification time)."""
     if checked is not None and stamp(os.fstat(fd)) != checked:
         raise ReplacedDownloadError(path)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -843,3 +844,33 @@ def test_a_safetensors_file_cut_short_after_its_header_was_checked_is_transient(
             shard.get(next(iter(shard.infos())))
     finally:
         shard.close()
+
+
+@pytest.mark.parametrize(("fmt", "opener"), [("safetensors", "safetensors"), ("bin", "pytorch")])
+def test_a_weight_file_is_compared_with_the_file_its_download_verified(
+    checkpoints, tmp_path, fmt, opener
+):
+    """Opened with the stamp of the file a download verified: one that is not it is refused
+    before a byte of it is read (not judged corrupt), and one written in place after it was
+    opened is found not to be it once its tensors were read (both 75, naming it)."""
+    from loader import fs
+    from loader.checkpoint import OPENERS
+    from loader.errors import ReplacedDownloadError
+
+    (path,) = _copy(checkpoints[(fmt, False)], tmp_path / "ck").glob(f"*.{fmt}")
+    verified = fs.stamp(path.stat())
+    shard = OPENERS[opener](path, verified)
+    shard.as_checked()  # still the file verified
+    before = path.stat()
+    with path.open("r+b") as fh:  # written in place, its size kept
+        fh.seek(before.st_size - 8)
+        fh.write(bytes(8))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    try:
+        with pytest.raises(ReplacedDownloadError, match=path.name):
+            shard.as_checked()
+    finally:
+        shard.close()
+    path.write_bytes(b"\xff" * 64)  # no weight file at all: never parsed
+    with pytest.raises(ReplacedDownloadError, match=path.name):
+        OPENERS[opener](path, verified)

@@ -4,6 +4,7 @@ refused; a FIFO, device or socket is never read; a link loop is a typed error.""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from loader import fs
-from loader.errors import SourceError, SpecialFileError
+from loader.errors import ReplacedDownloadError, SourceError, SpecialFileError
 from loader.repository import manifest
-from loader.sources import parse_uri
+from loader.sources import fetch, parse_uri
 from tests.at_step import AtStep
 from tests.runs import cli, published, run_argv, weights
 
@@ -424,23 +425,28 @@ def gcs_sharded(tmp_path_factory):
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("planted", ["a shard", "no safetensors file"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
 def test_a_shard_renamed_over_its_download_after_it_was_verified_is_not_converted(
-    gcs_sharded, tmp_path, capsys, overlap
+    gcs_sharded, tmp_path, capsys, overlap, planted
 ):
-    """Another process renames a file of the same layout over a verified shard in
-    WORK/<key>/source just before the conversion opens it: the run refuses it (75, the file
-    named), converts nothing of it and publishes nothing."""
+    """Another process renames a file (of the same layout, or one that is no safetensors file
+    at all) over a verified shard in WORK/<key>/source just before the conversion opens it: the
+    run refuses it as not the file verified (75, the file named; never as a corrupt file at
+    the source, 2), reads nothing of it and publishes nothing."""
     _, other, _ = gcs_sharded
     (shard, *_) = sorted(p.name for p in other.glob("model-*.safetensors"))
-    planted = tmp_path / "planted.safetensors"
-    shutil.copy(other / shard, planted)
+    planted_at = tmp_path / "planted.safetensors"
+    if planted == "a shard":
+        shutil.copy(other / shard, planted_at)
+    else:
+        planted_at.write_bytes(b"\xff" * 64)
 
     def downloaded_shard(op: str, path: str) -> str | None:
         is_it = op == "open" and "/.work/" in path and path.endswith(f"/source/{shard}")
         return path if is_it else None
 
-    swap = AtStep(1, downloaded_shard, lambda path: os.rename(planted, path))
+    swap = AtStep(1, downloaded_shard, lambda path: os.rename(planted_at, path))
     root = tmp_path / "root"
     argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
     with fs.inject(swap):
@@ -540,31 +546,49 @@ def test_a_partial_download_changed_after_its_last_write_is_not_published(
 
 @pytest.mark.server
 @pytest.mark.parametrize(
-    ("name", "looked_at"),
+    ("name", "looked_at", "written"),
     [
-        ("config.json", ("open", "/source/config.json")),  # read again by verify
-        ("model.safetensors.index.json", ("open", "/source/model.safetensors.index.json")),
-        ("tokenizer.json", ("mkdir", "/1/tokenizer")),  # copied by the build
+        ("config.json", ("open", "/source/config.json"), "json"),  # read again by verify
+        ("model.safetensors.index.json", ("open", "/source/model.safetensors.index.json"), "json"),
+        ("tokenizer.json", ("mkdir", "/1/tokenizer"), "json"),  # copied by the build
+        # opened, found the file verified, then written over before its bytes are read
+        ("config.json", ("read", "/source/config.json"), "json"),
+        ("model.safetensors.index.json", ("read", "/source/model.safetensors.index.json"), "json"),
+        # (its last copy: each of the three tokenizing models holds one, read in two reads)
+        ("tokenizer.json", ("read", "/source/tokenizer.json", 5), "json"),
+        # the tokenizer check: a file that does not load is not the source's fault
+        ("tokenizer.json", ("open", "/source/tokenizer.json"), "no tokenizer"),
     ],
-    ids=["config", "index", "tokenizer"],
+    ids=[
+        "config",
+        "index",
+        "tokenizer",
+        "config-opened",
+        "index-opened",
+        "tokenizer-opened",
+        "tokenizer-checked",
+    ],
 )
 def test_a_small_file_written_over_after_its_download_was_verified_is_not_published(
-    gcs_sharded, tmp_path, capsys, name, looked_at
+    gcs_sharded, tmp_path, capsys, name, looked_at, written
 ):
     """Another process writes over a downloaded config.json, index or tokenizer.json in
-    WORK/<key>/source (in place, still valid JSON) after its download was verified, before
-    the run reads it again (verify) or copies it into the repository (the build): the run
-    refuses it (75, the file named) and publishes nothing."""
-    op, ending = looked_at
+    WORK/<key>/source (in place: still valid JSON, or no tokenizer at all) after its download
+    was verified, before the run reads it again (verify, the tokenizer check) or copies it
+    into the repository (the build), or once it opened it, before its bytes are read: the run
+    refuses it (75, the file named), never as a file of the source that does not load (2),
+    and publishes nothing."""
+    op, ending, *nth = looked_at
 
     def the_moment(seen_op: str, path: str) -> str | None:
         return path if seen_op == op and path.endswith(ending) else None
 
-    def written_over(_: str) -> None:  # still valid JSON, another file
+    def written_over(_: str) -> None:  # valid JSON and another file, or no tokenizer
         target = next((tmp_path / "root" / ".work").glob(f"*/source/{name}"))
-        _written_in_place(target, target.read_bytes() + b" ")
+        data = target.read_bytes() + b" " if written == "json" else b"{}" + b" " * 100
+        _written_in_place(target, data)
 
-    swap = AtStep(1, the_moment, written_over)
+    swap = AtStep(nth[0] if nth else 1, the_moment, written_over)
     root = tmp_path / "root"
     argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
     with fs.inject(swap):
@@ -572,4 +596,152 @@ def test_a_small_file_written_over_after_its_download_was_verified_is_not_publis
     assert swap.done, "the moment never came"
     assert code == 75, err
     assert "is not the file the loader downloaded and verified" in err and name in err, err
+    assert not list(root.glob("tiny@*/*"))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_a_shard_written_over_after_it_was_opened_and_checked_is_not_published(
+    gcs_sharded, tmp_path, capsys, overlap
+):
+    """Another process writes another checkpoint's bytes (same layout, same sizes) in place
+    over the verified shards in WORK/<key>/source once the conversion opened them and found
+    them the files verified, as it starts writing its first output from them: the run refuses
+    them (75, a shard named), keeps no output made of them (overlapped: none journaled) and
+    publishes nothing; the next run publishes the source as it is."""
+    _, other, served = gcs_sharded
+
+    def first_output(op: str, path: str) -> str | None:
+        name = Path(path).name
+        is_it = op == "open" and "/source/" not in path and name.startswith("model.")
+        return path if is_it and name.endswith(".bin") else None
+
+    def written_over(_: str) -> None:
+        for shard in (tmp_path / "root" / ".work").glob("*/source/model-*.safetensors"):
+            _written_in_place(shard, (other / shard.name).read_bytes())
+
+    swap = AtStep(1, first_output, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    argv += [] if overlap else ["--no-overlap"]
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv)
+    assert swap.done, "the conversion never wrote an output"
+    assert code == 75, err
+    assert "is not the file the loader downloaded and verified" in err, err
+    assert not list(root.glob("tiny@*/*"))
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    repo = published(root)
+    assert manifest.verify(repo) == []
+    as_downloaded = _copy(served, tmp_path / "source")  # config.ini names the directory
+    code, lines, err = cli(
+        capsys, "convert", str(as_downloaded), str(tmp_path / "out"), "--tp-size", "1"
+    )
+    assert code == 0, err
+    assert weights(repo) == {p.name: p.read_bytes() for p in sorted(Path(lines[-1]).iterdir())}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("scheme", ["gs", "hf"])
+def test_a_resumed_download_written_over_after_it_was_read_back_is_not_verified(
+    request, tmp_path, scheme
+):
+    """A stopped fetch left a shard's partial download complete (gs://: every slice
+    journaled); the next fetch reads its bytes back for the checksum, which matches, and
+    another process then writes another shard's bytes (same size) in place over it, before
+    it is moved into place: the fetch refuses it (75, the file named) and puts nothing of it
+    in place as verified."""
+    gs = scheme == "gs"
+    _, other, served = (
+        request.getfixturevalue("gcs_sharded")
+        if gs
+        else (None, *request.getfixturevalue("hf_sharded"))
+    )
+    shard = sorted(p.name for p in served.glob("model-*.safetensors"))[0]
+    dest = tmp_path / "dest"
+    uri = f"gs://{BUCKET}/org/sharded" if gs else "hf://org/sharded"
+
+    def synced(op: str, path: str) -> str | None:
+        """An fsync of the shard's partial download."""
+        ours = f"/.partial/{shard}." in path if gs else path.endswith(f"/{shard}.incomplete")
+        return path if op == "fsync" and ours and not path.endswith(".slices") else None
+
+    def stopped(path: str) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    # gs://: the whole file's fsync once its checksum matched (its last slice's is the first);
+    # hf://: the one once all its bytes arrived; just before it is moved into place
+    stop = AtStep(2 if gs else 1, synced, stopped)
+    with fs.inject(stop), pytest.raises(OSError):
+        fetch(uri, dest, workers=1, retry_deadline_s=2)
+    assert stop.seen == stop.step and not (dest / shard).exists()
+
+    planted = (other / shard).read_bytes()
+    swap = AtStep(1, synced, lambda path: _written_in_place(Path(path), planted))
+    with fs.inject(swap), pytest.raises(ReplacedDownloadError) as refused:
+        fetch(uri, dest, workers=1, retry_deadline_s=2)
+    assert swap.done, "the partial download was never read back"
+    assert shard in str(refused.value)
+    assert not (dest / shard).exists()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("output", ["model.final_layernorm.weight.bin", "config.ini"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "sequential"])
+def test_an_output_written_over_before_it_is_sealed_is_not_published(
+    gcs_sharded, tmp_path, capsys, overlap, output
+):
+    """Another process writes other bytes (same size) in place over a converted output (in
+    WORK/<key>/converted, or in the staging directory) once it was written and hashed, before
+    the build seals the repository: the run refuses it (75, the file named) and publishes no
+    key whose manifest lists a digest its file does not hold."""
+
+    def built(op: str, path: str) -> str | None:  # the build starts: the outputs are in place
+        return path if op == "mkdir" and path.endswith("/1/tokenizer") else None
+
+    def written_over(_: str) -> None:
+        (written, *_) = sorted((tmp_path / "root").rglob(f"*-gpu/{output}"))
+        _written_in_place(written, bytes(len(written.read_bytes())))
+
+    swap = AtStep(1, built, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10")
+    argv += [] if overlap else ["--no-overlap"]
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv)
+    assert swap.done, "the build never started"
+    assert code == 0 or not list(root.glob("tiny@*/*")), err
+    if code == 0:
+        assert manifest.verify(published(root)) == []
+    assert code == 75, err
+    assert output in err, err
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    "written", ["fastertransformer/config.pbtxt", "preprocessing/1/tokenizer/tokenizer.json"]
+)
+def test_a_file_of_the_build_written_over_before_it_is_sealed_is_not_published(
+    gcs_sharded, tmp_path, capsys, written
+):
+    """Another process writes over a file the build wrote into the staging directory (a
+    model's config.pbtxt, a tokenizer copy) before the repository is sealed: the run refuses
+    it (75, the file named) and publishes nothing the loader did not write."""
+
+    def sealed(op: str, path: str) -> str | None:  # the build wrote every file: sealing starts
+        return path if op == "chmod" and "/.staging/" in path else None
+
+    def written_over(_: str) -> None:
+        (there, *_) = sorted((tmp_path / "root" / ".staging").glob(f"*/{written}"))
+        _written_in_place(there, there.read_bytes() + b"\n")
+
+    swap = AtStep(1, sealed, written_over)
+    root = tmp_path / "root"
+    argv = run_argv(f"gs://{BUCKET}/org/sharded", root, "--retry-deadline", "10", "--no-overlap")
+    with fs.inject(swap):
+        code, _, err = cli(capsys, *argv)
+    assert swap.done, "the repository was never sealed"
+    assert code == 75, err
+    assert written.rsplit("/", 1)[-1] in err, err
     assert not list(root.glob("tiny@*/*"))

@@ -358,3 +358,27 @@ def test_the_disk_space_probe_never_follows_a_link_below_a_confined_tree(tmp_pat
     (root / ".work").mkdir()
     with fs.confined(root):
         ensure_disk_space(root / ".work" / "key" / "source", 1, what="a download")
+
+
+def test_a_local_file_written_to_while_it_is_copied_is_a_changed_source(local_ckpt, tmp_path):
+    """A source file written to between its copy and the comparison of the copy with it: the
+    source changed while it was copied (75, run again), not a disk that copied wrongly (2);
+    the copy is not put in place."""
+    from tests.at_step import AtStep
+
+    source = local_ckpt / "model.safetensors"
+
+    def compared(op: str, path: str) -> str | None:  # the source opened again, to compare
+        return path if op == "open" and path == str(source) else None
+
+    def written(_: str) -> None:
+        before = source.stat()
+        source.write_bytes(b"\2" * before.st_size)
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+
+    dest = tmp_path / "copy"
+    swap = AtStep(2, compared, written)
+    with fs.inject(swap), pytest.raises(TransientSourceError, match="changed") as info:
+        fetch(str(local_ckpt), dest, copy=True)
+    assert swap.done and "model.safetensors" in str(info.value)
+    assert not (dest / "model.safetensors").exists()

@@ -25,6 +25,7 @@ The outputs are written into a directory of the download area, never where Trito
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -38,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs, stages
-from loader.checkpoint import OPENERS, Checkpoint, opened_as_checked
+from loader.checkpoint import OPENERS, Checkpoint
 from loader.fs import Dir
 from loader.progress import Progress
 from loader.waits import WAIT_STEP_S
@@ -146,6 +147,9 @@ class Journal:
         self._given = parent
         self._parent: Dir | None = parent
         self._outputs: Dir | None = None
+        #: output name -> the :data:`~loader.fs.Stamp` of each output :meth:`resume` kept, as
+        #: it found it before reading it again (:attr:`ConvertResult.stamps`)
+        self.stamps: dict[str, fs.Stamp] = {}
 
     def parent(self, *, create: bool = False) -> Dir:
         """The directory holding the outputs' directory and the journal, open."""
@@ -225,6 +229,7 @@ class Journal:
                 log.warning("%s no longer holds what was written; writing it again", d.path / name)
                 continue
             kept[name] = (int(size), recorded)
+            self.stamps[name] = fs.stamp(found)
         return kept
 
     def record(self, name: str, size: int, digest: str) -> None:
@@ -291,6 +296,8 @@ class OverlappedConversion:
         except BaseException:
             self._journal.close()
             raise
+        #: output name -> the stamp of the file its digest is of (:attr:`ConvertResult.stamps`)
+        self.stamps: dict[str, fs.Stamp] = dict(self._journal.stamps)
         #: the outputs' directory, open: every output is a name in it
         self._out = self._journal.outputs()
         #: shard name -> its directory, open (a shard is deleted as a name in it)
@@ -335,15 +342,14 @@ class OverlappedConversion:
 
     def arrived(self, rel: str, path: Path, checked: fs.Stamp | None = None) -> None:
         """``rel`` arrived at ``path``, verified (``checked``: the file verified, which the
-        one opened must be: :func:`~loader.checkpoint.opened_as_checked`): check it, write
+        one opened must be: :func:`loader.fs.as_checked`): check it, write
         what it completes."""
         if not self.schedule.reads(rel):
             return
         with stages.stage("open + map + check shard"):
             where = Dir.open(Path(path).parent)  # below the download area: no link followed
             try:
-                shard = OPENERS[self.plan.inventory.layout.name](path)
-                opened_as_checked(shard, checked)
+                shard = OPENERS[self.plan.inventory.layout.name](path, checked)
             except BaseException:
                 where.close()
                 raise
@@ -383,12 +389,15 @@ class OverlappedConversion:
             size, hexdigest = write_file(
                 out, self._shards, self._out, dtype=self.plan.np_dtype,
                 progress=self._progress, chunk_bytes=self._chunk_bytes, stop=self._stop,
-                algorithm=digest.DEFAULT,
+                algorithm=digest.DEFAULT, stamps=self.stamps,
             )  # fmt: skip
             assert hexdigest is not None
             with stages.stage("start writeback (fadvise)"):
                 _start_writeback(self._out, out.name)
             with self._cond:
+                # the shards it was read from (held until it is written) are the files
+                # verified: only then is it journaled, for a later run to keep
+                self._shards.as_checked()
                 self.written[out.name] = (size, hexdigest)
                 self._syncing += 1
                 self._follow(self.schedule.written(out.name))
@@ -438,9 +447,9 @@ class OverlappedConversion:
             self._raise_if_failed()
         ini = self.plan.config_ini()
         with stages.stage("config.ini"):
-            self._out.write(CONFIG_INI, ini, exclusive=False, sync=True)
+            self.stamps[CONFIG_INI] = self._out.write(CONFIG_INI, ini, exclusive=False, sync=True)
         digests = {**self.written, CONFIG_INI: (len(ini), digest.of_bytes(ini))}
-        return ConvertResult.since(self.started, self.out_dir, self.plan, digests)
+        return ConvertResult.since(self.started, self.out_dir, self.plan, digests, self.stamps)
 
     def move_into(self, result: ConvertResult, directory: Path) -> ConvertResult:
         """Move the finished outputs to ``directory/<T>-gpu``; the journal beside them records
@@ -454,7 +463,7 @@ class OverlappedConversion:
                 self._journal.record_move(staging)
             with stages.stage("move into staging"):
                 _move_new(self._journal.parent(), self.out_dir.name, to, final.name)
-        return ConvertResult(final, result.plan, result.digests, result.seconds)
+        return dataclasses.replace(result, output_path=final)
 
     def close(self) -> None:
         """Stop the writers (waiting for the chunks in flight) and unmap the shards."""

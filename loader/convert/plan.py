@@ -240,6 +240,9 @@ class ConvertResult:
     #: the conversion was asked for none: :mod:`loader.digest`)
     digests: dict[str, tuple[int, str | None]]
     seconds: float
+    #: file name inside output_path -> the :data:`~loader.fs.Stamp` of the file its digest is
+    #: of, after its last write: one written over since holds other bytes (a rename keeps it)
+    stamps: Mapping[str, tuple[int, int, int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -266,6 +269,11 @@ class ConvertResult:
 
     @classmethod
     def since(
-        cls, started: float, output_path: Path, plan: ConversionPlan, digests: dict
+        cls,
+        started: float,
+        output_path: Path,
+        plan: ConversionPlan,
+        digests: dict,
+        stamps: Mapping[str, tuple[int, int, int, int]] | None = None,
     ) -> ConvertResult:
-        return cls(output_path, plan, digests, time.monotonic() - started)
+        return cls(output_path, plan, digests, time.monotonic() - started, dict(stamps or {}))

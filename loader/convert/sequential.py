@@ -163,6 +163,7 @@ def convert_planned(
         raise OutputExistsError(f"{final} already exists.")
     with stages.stage("open + map + check headers"):
         plan, ckpt = open_planned(plan, checked)
+    stamps: dict[str, fs.Stamp] = {}
     with ckpt:
         total = plan.total_bytes
         _check_free_space(output_dir, total + reserve_bytes)
@@ -174,7 +175,7 @@ def convert_planned(
         )  # fmt: skip
         with atomic_directory(final, overwrite=overwrite) as tmp:
             ini = plan.config_ini()
-            tmp.write(CONFIG_INI, ini, sync=False)
+            stamps[CONFIG_INI] = tmp.write(CONFIG_INI, ini, sync=False)
             with (
                 byte_progress(f"convert {final.name}", total) as progress,
                 stages.stage("write outputs (all writers, wall of the pool)"),
@@ -182,10 +183,11 @@ def convert_planned(
                 digests = write_outputs(
                     plan.outputs, ckpt, tmp, dtype=plan.np_dtype, progress=progress,
                     workers=default_workers(workers), chunk_bytes=chunk_bytes,
-                    algorithm=algorithm,
+                    algorithm=algorithm, stamps=stamps,
                 )  # fmt: skip
+            ckpt.as_checked()  # what was read is what was verified: only then kept
             digests[CONFIG_INI] = (len(ini), algorithm and digest.of_bytes(ini, algorithm))
-    result = ConvertResult.since(started, final, plan, digests)
+    result = ConvertResult.since(started, final, plan, digests, stamps)
     log.info(
         "wrote %d files, %s in %.1f s (%.0f MB/s) to %s",
         len(result.files), human_bytes(result.bytes_written), result.seconds, result.mb_per_s,

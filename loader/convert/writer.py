@@ -201,9 +201,12 @@ def write_file(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stop: threading.Event | None = None,
     algorithm: str | None = None,
+    stamps: dict[str, fs.Stamp] | None = None,
 ) -> tuple[int, str | None]:
     """Write one output file in row chunks; returns the bytes written and, with an
-    ``algorithm`` (:data:`loader.digest.ALGORITHMS`), their digest (None without)."""
+    ``algorithm`` (:data:`loader.digest.ALGORITHMS`), their digest (None without).
+    ``stamps`` gets the :data:`~loader.fs.Stamp` of the descriptor written through, after
+    the last write: the file the digest is of (one written over since is not)."""
     tensors = {name: ckpt.get(name) for name in out.sources}
     source_dtypes = [ckpt.tensors[p.source].dtype for p in out.parts]
     row_bytes = max(out.row_elements * dtype.itemsize, 1)
@@ -229,6 +232,8 @@ def write_file(
             step=chunk_bytes,
             stop=stop,
         ):
+            if stamps is not None:
+                stamps[out.name] = fs.stamp(os.fstat(fh.fileno()))
             return out.nbytes(dtype.itemsize), None
         for start in range(0, out.rows, step):
             if stop is not None and stop.is_set():
@@ -264,6 +269,8 @@ def write_file(
             written += data.nbytes
             progress.update(data.nbytes)
             del data, blocks, direct
+        if stamps is not None:
+            stamps[out.name] = fs.stamp(os.fstat(fh.fileno()))
     return written, None if digest is None else digest.hexdigest()
 
 
@@ -455,16 +462,18 @@ def write_outputs(
     workers: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     algorithm: str | None = None,
+    stamps: dict[str, fs.Stamp] | None = None,
 ) -> dict[str, tuple[int, str | None]]:
     """Write every output file, ``workers`` at a time, largest first; returns each file's name
-    -> (bytes written, its digest with ``algorithm``, else None)."""
+    -> (bytes written, its digest with ``algorithm``, else None); ``stamps``: see
+    :func:`write_file`."""
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
         ordered = _largest_first(outputs)
         futures = [
             pool.submit(
                 write_file, out, ckpt, directory, dtype=dtype, progress=progress,
-                chunk_bytes=chunk_bytes, stop=stop, algorithm=algorithm,
+                chunk_bytes=chunk_bytes, stop=stop, algorithm=algorithm, stamps=stamps,
             )
             for out in ordered
         ]  # fmt: skip

@@ -42,6 +42,7 @@ from types import ModuleType
 
 from google.protobuf import text_format
 
+from loader import fs
 from loader.fs import Dir
 from loader.parallel import Parallelism
 from loader.repository import tensors
@@ -330,14 +331,20 @@ def to_text(config: mc.ModelConfig) -> str:
     return text_format.MessageToString(config)
 
 
-def write_config(config: mc.ModelConfig, model_dir: Path | Dir) -> Path:
+def write_config(
+    config: mc.ModelConfig, model_dir: Path | Dir, stamps: dict[Path, fs.Stamp] | None = None
+) -> Path:
     """Write ``model_dir/config.pbtxt``: a name in the directory open as ``model_dir``, or in
-    the directory at that path (created if absent, :meth:`loader.fs.Dir.open`)."""
+    the directory at that path (created if absent, :meth:`loader.fs.Dir.open`). ``stamps``
+    gets the file's :data:`~loader.fs.Stamp` as written (:meth:`loader.fs.Dir.write`)."""
     if isinstance(model_dir, Dir):
-        model_dir.write(CONFIG_FILE, to_text(config).encode("utf-8"), exclusive=False, sync=False)
+        data = to_text(config).encode("utf-8")
+        written = model_dir.write(CONFIG_FILE, data, exclusive=False, sync=False)
+        if stamps is not None:
+            stamps[model_dir.path / CONFIG_FILE] = written
         return model_dir.path / CONFIG_FILE
     with Dir.open(model_dir, create=True) as d:
-        return write_config(config, d)
+        return write_config(config, d, stamps)
 
 
 def read_config(path: Path) -> mc.ModelConfig:

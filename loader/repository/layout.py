@@ -82,14 +82,17 @@ def write_models(
     *,
     tokenizer: list[Path],
     checked: Mapping[str, fs.Stamp] | None = None,
+    written_as: dict[Path, fs.Stamp] | None = None,
 ) -> list[Path]:
     """Write every model directory (configs last) into ``staging``; returns the written files.
     ``checked``: the stamps of the tokenizer files a download verified, which those copied
-    must be (:func:`loader.fs.as_checked`).
+    must be (:func:`loader.fs.as_checked`). ``written_as`` gets each written file's
+    :data:`~loader.fs.Stamp` after its last write (the manifest seals only those files).
     ``staging`` is opened once (below ROOT from ROOT, one name at a time); every directory and
     file below it is a descriptor and one name (:class:`loader.fs.Dir`), never a path."""
     written: list[Path] = []
     stamps = checked or {}
+    made = written_as if written_as is not None else {}
     configs = build_all(spec)
     with Dir.open(staging) as base:
         for name, config in configs.items():
@@ -101,15 +104,16 @@ def write_models(
                     for source, relative in model_files(role):
                         *levels, file_name = relative.split("/")
                         with model_dir.makedirs(levels) as d:
-                            d.copy_in(file_name, source)
+                            made[d.path / file_name] = d.copy_in(file_name, source)
                             written.append(d.path / file_name)
                 if name in TOKENIZING_MODELS:
                     with model_dir.makedirs((VERSION, TOKENIZER_DIR)) as d:
                         for source in tokenizer:
-                            d.copy_in(source.name, source, checked=stamps.get(source.name))
+                            copied = d.copy_in(source.name, source, checked=stamps.get(source.name))
+                            made[d.path / source.name] = copied
                             written.append(d.path / source.name)
         for name, config in configs.items():
             with base.sub(name) as model_dir:
-                written.append(write_config(config, model_dir))
+                written.append(write_config(config, model_dir, made))
         log.info("wrote %d model directories into %s", len(configs), base.path)
     return written

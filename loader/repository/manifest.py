@@ -36,10 +36,12 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loader import digest, fs
+from loader.errors import NotOursError, ReplacedOutputError
 from loader.formats import jsondoc
 from loader.fs import Dir
 from loader.progress import byte_progress
@@ -113,6 +115,17 @@ def _hash_all(
         return dict(zip(rels, digests, strict=True))
 
 
+def _lstat_in(d: Dir, rel: str) -> os.stat_result | None:
+    """The ``lstat`` of ``rel`` (``a/b/c``) below ``d``, entered one name at a time, never
+    through a link (None: nothing there, or no directory on the way)."""
+    *levels, name = rel.split("/")
+    try:
+        with d.enter(levels) as where:
+            return where.lstat(name)
+    except (FileNotFoundError, NotADirectoryError, NotOursError):
+        return None
+
+
 def file_seal(stat_result: os.stat_result) -> list[int]:
     """What a quick verification compares with the disk: inode, modification time and change
     time (ns)."""
@@ -134,6 +147,7 @@ def build_manifest(
     *,
     workers: int | None = None,
     known: dict[str, tuple[int, str | None]] | None = None,
+    written: Mapping[str, fs.Stamp] | None = None,
 ) -> dict:
     """List every file and directory under ``root`` (files with size, digest
     (:data:`loader.digest.DEFAULT`) and seal), in the current format; ``meta`` (key, source,
@@ -143,11 +157,15 @@ def build_manifest(
     ``known`` maps relative paths to the (size, digest) computed while they were written: those
     files are not read again (a size that differs from the disk's is an error). Every other
     file, and one known without its digest (None), is hashed. A link or special file in the
-    tree is an error: the loader writes none.
+    tree is an error: the loader writes none. ``written`` maps relative paths to the
+    :data:`~loader.fs.Stamp` of the file each known digest is of, after its last write: a
+    file there that is not it (written over, or renamed over it, since) is refused
+    (:class:`~loader.errors.ReplacedOutputError`), never sealed under a digest it does not
+    hold.
     """
     root = Path(root).absolute()
     with Dir.open(root) as d:
-        return _build_in(d, meta, workers=workers, known=known)
+        return _build_in(d, meta, workers=workers, known=known, written=written)
 
 
 def _build_in(
@@ -156,6 +174,7 @@ def _build_in(
     *,
     workers: int | None,
     known: dict[str, tuple[int, str | None]] | None,
+    written: Mapping[str, fs.Stamp] | None = None,
 ) -> dict:
     root = d.path
     tree = _Tree(d)
@@ -165,6 +184,9 @@ def _build_in(
     stats = tree.files
     rels = sorted(stats)
     known = dict(known or {})
+    for rel, stamp in (written or {}).items():
+        if rel in stats and fs.stamp(stats[rel]) != stamp:
+            raise ReplacedOutputError(root / rel)
     for rel, (size, _digest) in known.items():
         if rel in stats and stats[rel].st_size != size:
             raise OSError(
@@ -178,6 +200,10 @@ def _build_in(
     }
     todo = {rel: stats[rel] for rel in rels if rel not in digests}
     digests.update(_hash_all(d, todo, "hashing repository", workers, algorithm))
+    for rel in set(todo) & set(written or {}):  # and the file hashed, unwritten meanwhile
+        found = _lstat_in(d, rel)
+        if found is None or fs.stamp(found) != (written or {})[rel]:
+            raise ReplacedOutputError(root / rel)
     files = [
         {
             "path": rel,

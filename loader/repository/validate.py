@@ -40,6 +40,7 @@ import dataclasses
 import errno
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,18 +150,34 @@ def _os_error_code(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> None:
+def check_tokenizer(
+    checkpoint: Path,
+    files: list[Path],
+    vocab_size: int,
+    checked: Mapping[str, fs.Stamp] | None = None,
+) -> None:
     """Load the tokenizer the repository will hold, as its models will (see the module
-    docstring); a :class:`CheckpointError` naming the file otherwise."""
+    docstring); a :class:`CheckpointError` naming the file otherwise. ``checked``: the stamps
+    of the files a download verified, which those loaded must be (:func:`loader.fs.as_checked`:
+    another file put there is not the source's, whether it loads or not)."""
     from loader.repository.models.tokenization import tokenizer_from
 
+    stamps = checked or {}
     with contextlib.ExitStack() as opened:
         read: dict[str, str] = {}
+        held: list[tuple[int, Path]] = []
+
+        def as_checked() -> None:  # each file still the one verified: it was loaded
+            for fd, path in held:
+                fs.as_checked(fd, path, stamps.get(path.name))
+
         for path in files:
             # Opened once (anything but a regular file refused, never read), and loaded from
             # this descriptor: the library opened the path again, and a FIFO put there
             # meanwhile held the run for good, another file was loaded unchecked.
             fh = opened.enter_context(fs.open_read(path))
+            held.append((fh.fileno(), path))
+            fs.as_checked(fh.fileno(), path, stamps.get(path.name))
             size = os.fstat(fh.fileno()).st_size
             if size > MAX_TOKENIZER_BYTES:
                 raise CheckpointError(
@@ -178,6 +195,7 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
             # panic of its Rust code (pyo3's PanicException, no Exception) on some hostile files
             if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
                 raise
+            as_checked()  # written over while it was loaded: not the source's fault
             if isinstance(exc, MemoryError):  # each file within its limit: the machine's
                 raise ResourceExhaustedError(
                     f"The loader ran out of memory loading the tokenizer of {checkpoint}."
@@ -191,6 +209,7 @@ def check_tokenizer(checkpoint: Path, files: list[Path], vocab_size: int) -> Non
                 "Use the checkpoint's own tokenizer files (as save_pretrained writes them); the "
                 "preprocessing and postprocessing models load them the same way.",
             ) from exc
+        as_checked()
     if largest >= vocab_size:
         raise CheckpointError(
             f"The tokenizer of {checkpoint} produces ids up to {largest}, beyond the model's "

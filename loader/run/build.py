@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from loader import __version__
+from loader import __version__, fs
 from loader.convert.plan import ConvertResult
 from loader.repository import layout, manifest, models, publish
 from loader.repository.bounds import RequestBounds
@@ -49,7 +49,10 @@ def build(
         max_model_len=converted.config.max_pos_seq_len,
         bounds=RequestBounds.for_model(converted.config, max_batch_size=settings.max_batch_size),
     )
-    layout.write_models(staging, spec, tokenizer=verified.tokenizer, checked=verified.checked)
+    made: dict[Path, fs.Stamp] = {}
+    layout.write_models(
+        staging, spec, tokenizer=verified.tokenizer, checked=verified.checked, written_as=made
+    )
     weights = converted.output_path.relative_to(staging).as_posix()
     meta = {
         "key": key,
@@ -67,9 +70,14 @@ def build(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     known = {f"{weights}/{name}": sized for name, sized in converted.digests.items()}
+    stamps = {f"{weights}/{name}": stamp for name, stamp in converted.stamps.items()}
+    stamps.update((path.relative_to(staging).as_posix(), stamp) for path, stamp in made.items())
     # modes final and data durable before the manifest takes the seals
     publish.seal(staging, expected)
     manifest.write_manifest(
-        staging, manifest.build_manifest(staging, meta, workers=request.workers, known=known)
+        staging,
+        manifest.build_manifest(
+            staging, meta, workers=request.workers, known=known, written=stamps
+        ),
     )
     manifest.write_ready(staging, key)

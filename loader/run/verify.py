@@ -106,5 +106,5 @@ def verify(
         )
     tokenizer = layout.tokenizer_files(checkpoint, listed)
     validate.check_ft_config(plan.config)
-    validate.check_tokenizer(checkpoint, tokenizer, plan.config.vocab_size)
+    validate.check_tokenizer(checkpoint, tokenizer, plan.config.vocab_size, checked)
     return Verified(plan, tokenizer, checked)

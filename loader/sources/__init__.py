@@ -95,7 +95,7 @@ class FetchResult:
     origins: dict[str, str] = field(default_factory=dict)
     #: Each file (relative to ``path``) a remote fetch verified, with its
     #: :data:`~loader.fs.Stamp` then: a reader opening another (renamed over it, written
-    #: since) refuses it (:func:`loader.checkpoint.opened_as_checked`). Empty for local sources.
+    #: since) refuses it (:func:`loader.fs.as_checked`). Empty for local sources.
     stamps: dict[str, fs.Stamp] = field(default_factory=dict)
 
 

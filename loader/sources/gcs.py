@@ -137,6 +137,10 @@ class _Object:
     #: the :data:`~loader.fs.Stamp` of the descriptor each slice this run wrote was written
     #: through, taken after its last write: what the verified file must be
     written: list[fs.Stamp] = field(default_factory=list)
+    #: the :data:`~loader.fs.Stamp` of the descriptor the bytes an earlier run wrote were read
+    #: back through (for the checksum), taken before they were read: what the verified file
+    #: must still be
+    read_back: fs.Stamp | None = None
 
     @property
     def name(self) -> str:
@@ -701,7 +705,7 @@ def _received_crc32c(obj: _Object) -> int:
             length = end - start + 1
             part = obj.crcs.get(index)
             if part is None:
-                fh = fh or stack.enter_context(obj.d.open_read(obj.name))
+                fh = fh or _read_back(obj, stack)
                 part = crc32c_of(fh, start, length)
             crc = crc32c_combine(crc, part, length)
     return crc
@@ -715,18 +719,30 @@ def _arrived_intact(obj: _Object) -> bool:
     if obj.blob.crc32c:
         return crc32c_text(_received_crc32c(obj)) == obj.blob.crc32c
     if obj.blob.md5_hash:
-        with obj.d.open_read(obj.name) as fh:
-            return md5_of(fh) == obj.blob.md5_hash
+        with contextlib.ExitStack() as stack:
+            return md5_of(_read_back(obj, stack)) == obj.blob.md5_hash
     return False
+
+
+def _read_back(obj: _Object, stack: contextlib.ExitStack) -> Any:
+    """The partial file open for reading its bytes back (kept open by ``stack``), its
+    :data:`~loader.fs.Stamp` taken first (:attr:`_Object.read_back`)."""
+    fh = stack.enter_context(obj.d.open_read(obj.name))
+    obj.read_back = fs.stamp(os.fstat(fh.fileno()))
+    return fh
 
 
 def _as_written(obj: _Object, found: fs.Stamp) -> bool:
     """Whether ``found`` (the partial file's :data:`~loader.fs.Stamp` by its name) is the file
     this run's slices were written through, unwritten since: its size the object's, its mtime
     the latest they saw after their writes (the CRC32C checked is of the bytes received, not
-    read back: a file written in place after the last slice was written would pass it)."""
+    read back: a file written in place after the last slice was written would pass it); and
+    the file an earlier run's slices were read back from, unwritten since it was opened for
+    that (bytes written in place after they were read were stamped as verified)."""
+    if obj.read_back is not None and found != obj.read_back:
+        return False
     if not obj.written:
-        return True  # every slice an earlier run's: read back through a descriptor just now
+        return found[2] == obj.size  # every slice an earlier run's (or an empty object)
     return found[2] == obj.size and found[3] == max(w[3] for w in obj.written)
 
 

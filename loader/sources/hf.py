@@ -716,7 +716,8 @@ def _download(
     """Download ``remote`` into ``name`` in ``parent`` (``<file>.incomplete`` in the staging
     directory), resuming what is there; its size and digest (:meth:`RemoteFile.hasher`),
     computed as the bytes arrive, and the :data:`~loader.fs.Stamp` of the descriptor they were
-    read and written through, after the last write. ``reported``: the bytes of this file told
+    read and written through, after the last write (a file an earlier run wrote whole: before
+    its bytes were read back). ``reported``: the bytes of this file told
     to ``progress`` so far (a retry does not count them again)."""
     path = parent.path / name
     fd = _open_incomplete(parent, name)
@@ -726,15 +727,20 @@ def _download(
             fs.truncate(fd, 0, path)
             size = 0
         digest = remote.hasher()
+        # taken before what an earlier run wrote is read back: bytes written in place over
+        # them once they were hashed must not be stamped as the ones verified
+        written = fs.stamp(os.fstat(fd))
         _feed(digest, fd, size, path)
-        if size < remote.size:
+        streamed = size < remote.size
+        if streamed:
             size, digest = _stream(hub, remote, fd, path, size, digest, progress, reported)
         if size > reported[0]:
             progress.update(size - reported[0])
             reported[0] = size
         if durable:
             fs.fsync_fd(fd, path)
-        written = fs.stamp(os.fstat(fd))
+        if streamed:
+            written = fs.stamp(os.fstat(fd))
     finally:
         os.close(fd)
     return size, digest, written

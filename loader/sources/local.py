@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loader import digest, fs
-from loader.errors import NotOursError, SourceError, SourceNotFoundError, SpecialFileError, shown
+from loader.errors import (
+    NotOursError,
+    SourceError,
+    SourceNotFoundError,
+    SpecialFileError,
+    TransientSourceError,
+    shown,
+)
 from loader.fs import Dir
 from loader.progress import byte_progress
 from loader.sources import FetchOptions, FetchResult, SourceURI
@@ -243,11 +250,18 @@ def _copy(
 
 def _copy_one(root: Path, dest: Path, rel: str) -> int:
     """Copy ``root/rel`` to ``dest/rel`` through a partial file, verified; its size."""
+    before = fs.stamp(fs.stat_path(root / rel))
     with temporary_download(dest, rel) as tmp:
         with enter_parent(dest, tmp) as d:
             d.copy_in(tmp.name, root / rel)
             with fs.open_read(root / rel) as src, d.open_read(tmp.name) as copy:
                 size = _equal(src, copy)
+                changed = fs.stamp(os.fstat(src.fileno())) != before
+        if size is None and changed:  # written to (or replaced) meanwhile: not the disks
+            raise TransientSourceError(
+                f"{shown(root / rel)} changed while it was copied (the copy was discarded).",
+                "Run the loader again once nothing writes to the source.",
+            )
         if size is None:
             raise SourceError(
                 f"Copy of {root / rel} differs from its source.",
