@@ -1188,7 +1188,8 @@ class Dir:
     def _new_record(self, name: str, marker: str) -> os.stat_result:
         """Create the file ``name`` (``O_EXCL``) holding a new tree's record: its first line
         naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced; its
-        ``fstat``."""
+        ``fstat``. A failure removes the file only while it is the very file created
+        (:meth:`_unlink_same`): a user's file renamed to ``name`` meanwhile stays."""
         fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             made = os.fstat(fd)
@@ -1196,10 +1197,11 @@ class Dir:
             fsync_fd(fd, self.path / name)
             return made
         except BaseException:
+            with contextlib.suppress(OSError):  # only the very file made (not by name)
+                found = os.fstat(fd)
+                self._unlink_same(name, (found.st_dev, found.st_ino))
             os.close(fd)
             fd = -1
-            with contextlib.suppress(OSError):
-                self.unlink(name, missing_ok=True)  # made by this call (O_EXCL): ours
             raise
         finally:
             if fd >= 0:
