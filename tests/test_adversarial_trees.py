@@ -217,6 +217,14 @@ def test_a_users_entry_at_the_name_a_lock_is_moved_aside_to_is_never_replaced(tm
         # ... nor one whose first field is a key, as a record's is (judged by that alone before)
         b'{"key": "m@r/tp1-pp1-i1-abcdef01", "notes": "mine"}',
         b'{"key": "my-setting", "value": [1, 2]}\n',
+        # ... nor what is no whole object but begins as a record does: JSON lines, an object
+        # followed by notes, a record's beginning in another encoding, one cut short naming
+        # another field (each judged by its beginning alone before)
+        b'{"key": "my-setting", "value": 1}\n{"key": "other", "value": 2}\n',
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01"} my notes on this key\n',
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01"}{"notes": "mine"}',
+        '{"key": "caf\u00e9", "pid": 1'.encode("latin-1"),
+        b'{"key": "my-setting", "value": [1, ',
     ],
 )
 def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
@@ -239,8 +247,17 @@ def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
 def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path):
     with PublishLock(tmp_path, KEY, expiry_s=5) as lock:
         record = lock.path.read_bytes()
+        written = []  # records of every length, as beats and times go by
+        for lock._beats in (0, 9, 10**3, 10**6, 10**9):
+            written.append(lock._content())
+            lock.expiry_s /= 7
     assert record.startswith(RECORD_START) and set(json.loads(record)) == RECORD_FIELDS
     assert all(lock_like(record[:n]) for n in range(len(record) + 1))
+    # a rewrite stopped before its truncation (an older, longer record's tail after the new
+    # one), and zeros a crash left after a record
+    torn = [new + old[len(new) :] for new in written for old in written if len(old) > len(new)]
+    assert torn and all(lock_like(content) for content in torn)
+    assert lock_like(record + b"\0" * 100)
 
 
 @pytest.mark.parametrize(

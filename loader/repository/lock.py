@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -424,13 +425,33 @@ def lock_like(content: bytes) -> bool:
     one only if it names fields of a record alone (:data:`RECORD_FIELDS`), in any order.
     Anything else at a lock's name (any other JSON object among it, one whose first field is
     ``key`` too: a user's settings, notes) is someone else's file: never judged stale, moved
-    or removed."""
+    or removed.
+
+    A record is one line of ASCII (``json.dumps``): content that is no whole object is a
+    record's only if it is one line of ASCII (zeros after it: a crash), every field it names
+    is a record's, and what follows a whole first object (an earlier record's tail) ends as
+    a record does. A user's JSON lines, an object followed by notes, or text in another
+    encoding, each beginning as a record does, are someone else's."""
     if not content.strip(b"\0"):
         return True
     record = _parse(content)
     if record is not None:  # a whole object: a record names only a record's fields
         return bool(record) and set(record) <= RECORD_FIELDS
-    return content.startswith(RECORD_START) or RECORD_START.startswith(content)
+    if not (content.startswith(RECORD_START) or RECORD_START.startswith(content)):
+        return False
+    text = content.rstrip(b"\0")
+    if not text.isascii() or b"\n" in text:
+        return False
+    try:
+        first, end = json.JSONDecoder().raw_decode(text.decode())
+    except ValueError:  # cut short: the fields it names so far
+        return {f.decode() for f in _FIELD.findall(text)} <= RECORD_FIELDS
+    # An older record's tail: a piece of a field, then whole fields (from the first ', "'),
+    # and its end.
+    tail = text[end:]
+    cut = tail.find(b', "')
+    fields = set(first) | {f.decode() for f in _FIELD.findall(tail[cut:] if cut >= 0 else b"")}
+    return fields <= RECORD_FIELDS and (not tail or (tail.endswith(b"}") and b"{" not in tail))
 
 
 #: How every lock record begins (:meth:`PublishLock._content`: ``json.dumps`` of a dict whose
@@ -440,6 +461,10 @@ RECORD_START = b'{"key": '
 RECORD_FIELDS = frozenset(
     {"key", "pid", "host", "pid_space", "token", "beats", "heartbeat_at", "expiry_s"}
 )
+
+
+#: A field's name in a record's JSON text (``"name":``; a record's values hold no quote).
+_FIELD = re.compile(rb'"([^"\\]*)"\s*:')
 
 
 def _parse(content: bytes | None) -> dict | None:
