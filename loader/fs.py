@@ -1699,8 +1699,9 @@ class Dir:
         whatever stands there by then (a user's file renamed to ``to_name`` after the look).
         Where nothing was, nothing is replaced, a directory moved neither (something there since
         is refused, unless it is the loader's own again); the loader's file is swapped out in
-        one exchange and removed only while it is that very file (anything else is swapped back
-        and refused); a name that changes at every look is refused. The loader's directory
+        one exchange and removed only while it is that very file (anything else is swapped back,
+        and refused unless it is the loader's own: another loader placing the same file); a
+        name that changes at every look is refused. The loader's directory
         there (rename(2) replaces only an empty one), and a file system without ``renameat2``,
         are renamed as before."""
         src, dst = self.path / name, to.path / to_name
@@ -1731,7 +1732,9 @@ class Dir:
                     log.warning("kept %s: put there after the loader looked", src)
                 return
             self._rename(name, to, to_name, "exchange", src, dst)  # the other's goes back
-            raise NameTakenError(dst, "a file put there after the loader looked")
+            there = to.lstat(to_name)  # another loader's own (placing the same file): again
+            if there is not None and not to._made_by_loader(to_name, there):
+                raise NameTakenError(dst, "a file put there after the loader looked")
         else:  # changed at every look: rename(2) would replace whatever stands there by then
             raise NameTakenError(dst, f"{to._found(to_name)}, changing while the loader looked")
         self._rename(name, to, to_name, "replace", src, dst)
