@@ -278,11 +278,12 @@ class PublishLock:
         except FileExistsError:
             raise NameTakenError(locks.path / moved, locks._found(moved)) from None
         try:
-            content = locks.read(moved, limit=64 * 1024)
+            found = locks.read_judged(moved, limit=64 * 1024)
         except (NotOursError, TooLargeError):
-            content = b"not a lock"
-        if content is None:
+            found = (b"not a lock", (-1, -1))  # (put back below, never removed)
+        if found is None:
             return  # someone else removed what we moved
+        content, judged = found
         if not lock_like(content):
             # Not a lock file (a link, a FIFO, a directory, a user's file put at the lock's
             # path after we judged it): never removed; back where it was, and refused.
@@ -299,8 +300,8 @@ class PublishLock:
                 # lock file to it: nothing is left to put back, and its holder stops)
                 with contextlib.suppress(FileExistsError, FileNotFoundError):
                     locks.link(moved, name)
-        finally:
-            locks.unlink(moved, missing_ok=True)
+        finally:  # only the very file read (a user's renamed to that name since stays)
+            locks.unlink_judged(moved, judged, f"{name}.stale-{secrets.token_hex(8)}")
 
     def _start_heartbeat(self) -> None:
         self._stop.clear()
