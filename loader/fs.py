@@ -585,6 +585,26 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
     return marker, records
 
 
+def _half_made_record(data: bytes, marker: str) -> bool:
+    """Whether ``data`` may be the record of a new tree :meth:`Dir.make_marked` left before
+    its marker was whole (or a removal of that tree left): nothing, a beginning of its header
+    naming ``marker``, or that header and lines naming only the record itself and ``marker``
+    (by any inode: a tree copied file by file keeps none, :func:`_copied`), the last perhaps
+    cut short (a crash). A copy of another tree's record (naming other entries) is someone
+    else's."""
+    header = made_header(marker)
+    if not data.startswith(header):
+        return header.startswith(data)
+    shapes = [
+        shape % json.dumps(name).encode()
+        for name in (MADE, marker)
+        for shape in (b'[0, "f", %s]', b'[0, "-", %s]', b'[0, "-", %s, 0]')
+    ]
+    # (inode numbers and change times as 0)
+    *lines, last = re.sub(rb"\d+", b"0", data[len(header) :]).split(b"\n")
+    return all(line in shapes for line in lines) and any(s.startswith(last) for s in shapes)
+
+
 def _apply_line(records: Records, item: object) -> None:
     """Apply one line of a record (parsed JSON) to ``records``; one that is not a line the
     loader writes is skipped."""
@@ -1321,8 +1341,8 @@ class Dir:
         self, name: str, marker: str, owner_line: str
     ) -> dict[str, tuple[int, int]] | None:
         """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
-        its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
-        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files, either
+        its marker is whole: nothing, its record (:func:`_half_made_record`) and ``marker``
+        (empty, or a beginning of ``owner_line``), both regular files, either
         perhaps moved aside to be removed (:data:`_GONE`: a removal of them stopped there). If
         so, the device and inode of each file read (None: not so)."""
         try:
@@ -1339,7 +1359,7 @@ class Dir:
             if found is None:
                 return None
             data = found[0]
-            record = not data or parse_made(data.split(b"\n", 1)[0])[0] == marker
+            record = _half_made_record(data, marker)
             mark = whole.startswith(data) and data != whole
             if not (record if entry == MADE else mark if entry == marker else record or mark):
                 return None
