@@ -585,6 +585,26 @@ def parse_made(data: bytes) -> tuple[str | None, Records]:
     return marker, records
 
 
+def _half_made_record(data: bytes, marker: str) -> bool:
+    """Whether ``data`` may be the record of a new tree :meth:`Dir.make_marked` left before
+    its marker was whole (or a removal of that tree left): nothing, a beginning of its header
+    naming ``marker``, or that header and lines naming only the record itself and ``marker``
+    (by any inode: a tree copied file by file keeps none, :func:`_copied`), the last perhaps
+    cut short (a crash). A copy of another tree's record (naming other entries) is someone
+    else's."""
+    header = made_header(marker)
+    if not data.startswith(header):
+        return header.startswith(data)
+    shapes = [
+        shape % json.dumps(name).encode()
+        for name in (MADE, marker)
+        for shape in (b'[0, "f", %s]', b'[0, "-", %s]', b'[0, "-", %s, 0]')
+    ]
+    # (inode numbers and change times as 0)
+    *lines, last = re.sub(rb"\d+", b"0", data[len(header) :]).split(b"\n")
+    return all(line in shapes for line in lines) and any(s.startswith(last) for s in shapes)
+
+
 def _apply_line(records: Records, item: object) -> None:
     """Apply one line of a record (parsed JSON) to ``records``; one that is not a line the
     loader writes is skipped."""
@@ -1188,7 +1208,8 @@ class Dir:
     def _new_record(self, name: str, marker: str) -> os.stat_result:
         """Create the file ``name`` (``O_EXCL``) holding a new tree's record: its first line
         naming ``marker`` and its own entry (what becomes :data:`MADE`), fsynced; its
-        ``fstat``."""
+        ``fstat``. A failure removes the file only while it is the very file created
+        (:meth:`_unlink_same`): a user's file renamed to ``name`` meanwhile stays."""
         fd = self.open_file(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             made = os.fstat(fd)
@@ -1196,10 +1217,11 @@ class Dir:
             fsync_fd(fd, self.path / name)
             return made
         except BaseException:
+            with contextlib.suppress(OSError):  # only the very file made (not by name)
+                found = os.fstat(fd)
+                self._unlink_same(name, (found.st_dev, found.st_ino))
             os.close(fd)
             fd = -1
-            with contextlib.suppress(OSError):
-                self.unlink(name, missing_ok=True)  # made by this call (O_EXCL): ours
             raise
         finally:
             if fd >= 0:
@@ -1319,8 +1341,8 @@ class Dir:
         self, name: str, marker: str, owner_line: str
     ) -> dict[str, tuple[int, int]] | None:
         """Whether the directory ``name`` holds only what :meth:`make_marked` writes before
-        its marker is whole: nothing, its record (empty, or its first line naming ``marker``)
-        and ``marker`` (empty, or a beginning of ``owner_line``), both regular files, either
+        its marker is whole: nothing, its record (:func:`_half_made_record`) and ``marker``
+        (empty, or a beginning of ``owner_line``), both regular files, either
         perhaps moved aside to be removed (:data:`_GONE`: a removal of them stopped there). If
         so, the device and inode of each file read (None: not so)."""
         try:
@@ -1337,7 +1359,7 @@ class Dir:
             if found is None:
                 return None
             data = found[0]
-            record = not data or parse_made(data.split(b"\n", 1)[0])[0] == marker
+            record = _half_made_record(data, marker)
             mark = whole.startswith(data) and data != whole
             if not (record if entry == MADE else mark if entry == marker else record or mark):
                 return None
@@ -1703,8 +1725,9 @@ class Dir:
         whatever stands there by then (a user's file renamed to ``to_name`` after the look).
         Where nothing was, nothing is replaced, a directory moved neither (something there since
         is refused, unless it is the loader's own again); the loader's file is swapped out in
-        one exchange and removed only while it is that very file (anything else is swapped back
-        and refused); a name that changes at every look is refused. The loader's directory
+        one exchange and removed only while it is that very file (anything else is swapped back,
+        and refused unless it is the loader's own: another loader placing the same file); a
+        name that changes at every look is refused. The loader's directory
         there (rename(2) replaces only an empty one), and a file system without ``renameat2``,
         are renamed as before."""
         src, dst = self.path / name, to.path / to_name
@@ -1735,7 +1758,9 @@ class Dir:
                     log.warning("kept %s: put there after the loader looked", src)
                 return
             self._rename(name, to, to_name, "exchange", src, dst)  # the other's goes back
-            raise NameTakenError(dst, "a file put there after the loader looked")
+            there = to.lstat(to_name)  # another loader's own (placing the same file): again
+            if there is not None and not to._made_by_loader(to_name, there):
+                raise NameTakenError(dst, "a file put there after the loader looked")
         else:  # changed at every look: rename(2) would replace whatever stands there by then
             raise NameTakenError(dst, f"{to._found(to_name)}, changing while the loader looked")
         self._rename(name, to, to_name, "replace", src, dst)

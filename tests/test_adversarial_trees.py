@@ -3,6 +3,7 @@ each stays exactly as it was, and what the loader says about it is a typed error
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -108,6 +109,53 @@ def test_prune_never_removes_a_users_file_renamed_over_a_moved_lock_at_any_step(
         assert (now.st_ino, now.st_mode) == (seen.st_ino, seen.st_mode), (step, calls[step - 1])
         assert moved.read_text() == "a user's notes\n"
         assert os.listdir(root / LOCKS_DIR) == [name], step
+
+
+def test_a_take_over_never_removes_a_users_file_renamed_over_the_lock_it_moved_at_any_step(
+    tmp_path,
+):
+    """A take-over moves the stale lock aside, reads it and removes it: a user's file renamed
+    to the name it moved the lock to, at any call the take-over makes on that name after the
+    move, is kept whole in ``.locks`` (it was removed by name after the read)."""
+    record = json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"})
+
+    def take_over(root: Path, hook) -> None:
+        path = lock_path(root, KEY)
+        path.parent.mkdir(parents=True)
+        path.write_text(record)
+        _old(path)
+        lock = PublishLock(root, KEY, expiry_s=0.2, timeout_s=5, poll_s=0.05)
+        lock.token = "0123456789abcdef"  # the name the lock is moved to
+        with fs.inject(hook), contextlib.suppress(NotOursError), lock:
+            pass
+
+    moved = f"{key_filename(KEY)}.lock.stale-0123456789abcdef"
+
+    def on_moved(path: str) -> bool:  # a call on the name moved to (not the move itself)
+        return path.split(" -> ")[0].endswith(f"/{moved}")
+
+    calls: list[str] = []
+    take_over(tmp_path / "count", lambda op, path: calls.append(op) if on_moved(path) else 0)
+    assert calls
+    for step in range(1, len(calls) + 1):
+        root = tmp_path / f"at-{step}"
+        theirs = tmp_path / f"theirs-{step}"
+        theirs.write_text("a user's notes\n")
+        seen = os.stat(theirs)
+        seen_calls: list[str] = []
+
+        def swap(op: str, path: str, root=root, theirs=theirs, seen_calls=seen_calls):
+            if not on_moved(path) or not theirs.exists():
+                return
+            seen_calls.append(op)
+            if len(seen_calls) == step:  # noqa: B023 (called while this step runs)
+                os.rename(theirs, root / LOCKS_DIR / moved)
+
+        take_over(root, swap)
+        assert not theirs.exists(), step
+        kept = [p for p in (root / LOCKS_DIR).iterdir() if os.lstat(p).st_ino == seen.st_ino]
+        assert kept, (step, calls[step - 1])
+        assert kept[0].read_text() == "a user's notes\n"
 
 
 def test_a_take_over_never_removes_a_users_file_put_at_the_locks_name_after_its_look(tmp_path):
@@ -217,6 +265,14 @@ def test_a_users_entry_at_the_name_a_lock_is_moved_aside_to_is_never_replaced(tm
         # ... nor one whose first field is a key, as a record's is (judged by that alone before)
         b'{"key": "m@r/tp1-pp1-i1-abcdef01", "notes": "mine"}',
         b'{"key": "my-setting", "value": [1, 2]}\n',
+        # ... nor what is no whole object but begins as a record does: JSON lines, an object
+        # followed by notes, a record's beginning in another encoding, one cut short naming
+        # another field (each judged by its beginning alone before)
+        b'{"key": "my-setting", "value": 1}\n{"key": "other", "value": 2}\n',
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01"} my notes on this key\n',
+        b'{"key": "m@r/tp1-pp1-i1-abcdef01"}{"notes": "mine"}',
+        '{"key": "caf\u00e9", "pid": 1'.encode("latin-1"),
+        b'{"key": "my-setting", "value": [1, ',
     ],
 )
 def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
@@ -239,8 +295,17 @@ def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
 def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path):
     with PublishLock(tmp_path, KEY, expiry_s=5) as lock:
         record = lock.path.read_bytes()
+        written = []  # records of every length, as beats and times go by
+        for lock._beats in (0, 9, 10**3, 10**6, 10**9):
+            written.append(lock._content())
+            lock.expiry_s /= 7
     assert record.startswith(RECORD_START) and set(json.loads(record)) == RECORD_FIELDS
     assert all(lock_like(record[:n]) for n in range(len(record) + 1))
+    # a rewrite stopped before its truncation (an older, longer record's tail after the new
+    # one), and zeros a crash left after a record
+    torn = [new + old[len(new) :] for new in written for old in written if len(old) > len(new)]
+    assert torn and all(lock_like(content) for content in torn)
+    assert lock_like(record + b"\0" * 100)
 
 
 @pytest.mark.parametrize(

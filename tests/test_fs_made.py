@@ -8,6 +8,7 @@ directory deep in a tree is entered from there one name at a time, and so knows 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -738,6 +739,53 @@ def test_a_users_file_renamed_into_a_half_made_directory_at_any_step_is_kept(tmp
         if theirs.exists():  # the directory was gone already: nothing was put into it
             continue
         assert (staging / dead / entry).read_text() == "mine\n", (step, steps[step - 1])
+
+
+@pytest.mark.parametrize("at", [fs.MADE, f"{fs.MARKER_PREFIX}gone.999999999-0badcafe.0123456789ab"])
+def test_a_users_copy_of_a_record_in_a_half_made_directory_keeps_it(tmp_path, at):
+    """A half-made temporary directory is removed only if each file in it is what the loader
+    writes there: its record naming itself (by its own inode) and the marker alone. A user's
+    copy of another tree's record (its header, other inodes, other names) at the record's name
+    or at a removal's fresh name keeps the directory whole (it was judged by its header and
+    removed)."""
+    staging = tmp_path / "staging"
+    dead = _half_made(staging, _stop_at("write", MARKER))
+    copy = fs.made_header(MARKER) + b'[123, "f", ".model-loader-made"]\n[456, "f", "notes.txt"]\n'
+    (staging / dead / at).unlink(missing_ok=True)
+    (staging / dead / at).write_bytes(copy)
+    before = sorted(os.listdir(staging / dead))
+    with fs.Dir.open(staging) as parent:
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+    assert sorted(os.listdir(staging / dead)) == before
+    assert (staging / dead / at).read_bytes() == copy
+
+
+@pytest.mark.parametrize("how", ["make_marked", "mark_in_place"])
+def test_a_users_file_renamed_over_a_new_record_whose_write_fails_is_kept(tmp_path, how):
+    """A new tree's record (``make_marked``'s, or ``mark_in_place``'s temporary one in a
+    fetch's DEST) whose write fails (the disk full) is removed again: only while it is the very
+    file created. A user's file renamed to its name after the create stays whole (it was
+    removed by name)."""
+    top = tmp_path / "top"
+    top.mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.write_text("mine\n")
+    at: list[str] = []
+
+    def full(op: str, path: str) -> None:
+        name = Path(path).name
+        if op == "write" and (name == fs.MADE or name.startswith(f"{fs.MADE}.")) and not at:
+            at.append(path)
+            os.rename(theirs, path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    with fs.Dir.open(top) as d, fs.inject(full), pytest.raises(OSError) as info:
+        if how == "make_marked":
+            d.make_marked("t", MARKER, KEY)
+        else:
+            d.mark_in_place(MARKER, KEY)
+    assert info.value.errno == errno.ENOSPC and at
+    assert Path(at[0]).read_text() == "mine\n"
 
 
 @pytest.mark.parametrize("entry", [MARKER, fs.MADE])

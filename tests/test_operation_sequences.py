@@ -1,8 +1,10 @@
 """Generated sequences of what an operator of a shared model volume sees happen to one ROOT:
 runs of two revisions (plain, ``--force``), ``prune --keep N``, a run SIGKILLed at its k-th
 file-system call, a user planting a file, directory, link or FIFO at a name inside the loader's
-directories (a name of the user's or one the loader would use), a user changing a byte of a
-published weight, and the local source changing between operations.
+directories (a name of the user's, one the loader would use, or one a loader gone now would
+have moved its own file to before removing it), a user's text at a lock's name beginning as a
+lock record does, a user changing a byte of a published weight, and the local source changing
+between operations.
 
 After every step:
 
@@ -52,6 +54,9 @@ REVISIONS = ("r1", "r2")
 PLACES = (".staging", ".work", ".trash", ".locks", "tiny@r1", "tiny@r2")
 KINDS = ("file", "dir", "link", "fifo")
 KILLED = -signal.SIGKILL
+#: A user's text at a lock's name that begins as a lock record does, and is none.
+LOCK_TEXTS = ('{"key": "my-setting", "value": 1}\n{"key": "other", "value": 2}\n',
+              '{"key": "tiny"} notes on this key\n')  # fmt: skip
 
 
 def forked(argv: list[str], hook: Callable[[str, str], None] | None = None) -> tuple[int, str, str]:
@@ -240,6 +245,28 @@ class Volume:
         self.planted.append(Planted.make(path, kind, target))
         self.log.append(f"plant {kind} {name}{f' -> {target}' if kind == 'link' else ''}")
 
+    def plant_gone(self, place: str, kind: str) -> None:
+        """An entry of the user's at the name a loader, gone now, would have moved a file of
+        its own to before removing it (``.model-loader-gone.<owner>.<hex>``)."""
+        folder = self.root / place
+        if not folder.is_dir() or folder.is_symlink():
+            return
+        owner = f"{fs.PID_MAX + 1}-{fs.host_digest()}"  # no process has that pid: gone
+        path = folder / f"{fs.MARKER_PREFIX}gone.{owner}.{len(self.planted):012x}"
+        self.planted.append(Planted.make(path, kind, self.outside / "file"))
+        self.log.append(f"plant {kind} {path.relative_to(self.root)}")
+
+    def plant_lock_text(self, revision: str, which: int) -> None:
+        """A file of the user's at the key's lock name, unchanged for a day, beginning as a
+        lock record does but none (JSON lines, an object followed by notes)."""
+        path = self.root / ".locks" / f"{key_filename(self.keys[revision])}.lock"
+        if not path.parent.is_dir() or os.path.lexists(path):
+            return
+        path.write_text(LOCK_TEXTS[which])
+        os.utime(path, (path.stat().st_atime - 86400, path.stat().st_mtime - 86400))
+        self.planted.append(Planted(path, "file", path.stat().st_ino, LOCK_TEXTS[which]))
+        self.log.append(f"plant lock text {which} {path.relative_to(self.root)}")
+
     def plant_in_key(self, revision: str, kind: str, deep: bool) -> None:
         key = self.root / self.keys[revision]
         if not (key / manifest.READY).exists():
@@ -387,6 +414,8 @@ STEPS = st.one_of(
         st.sampled_from(["staging", "key"]),
     ),
     st.tuples(st.just("change_source")),
+    st.tuples(st.just("plant_gone"), st.sampled_from(PLACES), st.sampled_from(KINDS)),
+    st.tuples(st.just("plant_lock_text"), _revision, st.integers(0, 1)),
 )
 
 

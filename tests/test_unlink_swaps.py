@@ -167,6 +167,31 @@ def test_a_file_renamed_onto_the_loaders_own_replaces_it(tmp_path):
         assert parent.remove_tree("t", marks=(MARKER,)) == []
 
 
+def test_another_loaders_file_placed_at_the_name_after_the_look_is_replaced_in_turn(tmp_path):
+    """Two loaders place the same file (fetches into one DEST): the other's, renamed onto the
+    name between this one's look and its exchange, is the loader's too. This one's file
+    replaces it in turn (it was swapped back and refused as a user's, exit 2); the other's
+    goes, nothing else does."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        for name, data in (("partial", b"this one's"), ("others", b"the other's")):
+            t.write(name, data)
+    placed: list[str] = []
+
+    def hook(op: str, path: str) -> None:
+        exchange = op == "rename-exchange" and path.endswith(f"/partial -> {tree / 'top.bin'}")
+        if exchange and not placed:
+            placed.append(path)
+            with fs.Dir.open(tree) as other:
+                other.rename("others", other, "top.bin", how="replace")
+
+    with fs.Dir.open(tree) as t, fs.inject(hook):
+        t.rename("partial", t, "top.bin", how="replace")
+    assert placed and (tree / "top.bin").read_bytes() == b"this one's"
+    assert {p.name for p in tree.iterdir()} == {"a", "top.bin", fs.MADE, MARKER}
+    assert (tmp_path / "users.txt").read_text() == MINE
+
+
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "no-renameat2"])
 def test_a_users_file_moved_aside_in_the_loaders_place_never_replaces_a_newer_one(
     tmp_path, fallback

@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -277,11 +278,12 @@ class PublishLock:
         except FileExistsError:
             raise NameTakenError(locks.path / moved, locks._found(moved)) from None
         try:
-            content = locks.read(moved, limit=64 * 1024)
+            found = locks.read_judged(moved, limit=64 * 1024)
         except (NotOursError, TooLargeError):
-            content = b"not a lock"
-        if content is None:
+            found = (b"not a lock", (-1, -1))  # (put back below, never removed)
+        if found is None:
             return  # someone else removed what we moved
+        content, judged = found
         if not lock_like(content):
             # Not a lock file (a link, a FIFO, a directory, a user's file put at the lock's
             # path after we judged it): never removed; back where it was, and refused.
@@ -298,8 +300,8 @@ class PublishLock:
                 # lock file to it: nothing is left to put back, and its holder stops)
                 with contextlib.suppress(FileExistsError, FileNotFoundError):
                     locks.link(moved, name)
-        finally:
-            locks.unlink(moved, missing_ok=True)
+        finally:  # only the very file read (a user's renamed to that name since stays)
+            locks.unlink_judged(moved, judged, f"{name}.stale-{secrets.token_hex(8)}")
 
     def _start_heartbeat(self) -> None:
         self._stop.clear()
@@ -424,13 +426,33 @@ def lock_like(content: bytes) -> bool:
     one only if it names fields of a record alone (:data:`RECORD_FIELDS`), in any order.
     Anything else at a lock's name (any other JSON object among it, one whose first field is
     ``key`` too: a user's settings, notes) is someone else's file: never judged stale, moved
-    or removed."""
+    or removed.
+
+    A record is one line of ASCII (``json.dumps``): content that is no whole object is a
+    record's only if it is one line of ASCII (zeros after it: a crash), every field it names
+    is a record's, and what follows a whole first object (an earlier record's tail) ends as
+    a record does. A user's JSON lines, an object followed by notes, or text in another
+    encoding, each beginning as a record does, are someone else's."""
     if not content.strip(b"\0"):
         return True
     record = _parse(content)
     if record is not None:  # a whole object: a record names only a record's fields
         return bool(record) and set(record) <= RECORD_FIELDS
-    return content.startswith(RECORD_START) or RECORD_START.startswith(content)
+    if not (content.startswith(RECORD_START) or RECORD_START.startswith(content)):
+        return False
+    text = content.rstrip(b"\0")
+    if not text.isascii() or b"\n" in text:
+        return False
+    try:
+        first, end = json.JSONDecoder().raw_decode(text.decode())
+    except ValueError:  # cut short: the fields it names so far
+        return {f.decode() for f in _FIELD.findall(text)} <= RECORD_FIELDS
+    # An older record's tail: a piece of a field, then whole fields (from the first ', "'),
+    # and its end.
+    tail = text[end:]
+    cut = tail.find(b', "')
+    fields = set(first) | {f.decode() for f in _FIELD.findall(tail[cut:] if cut >= 0 else b"")}
+    return fields <= RECORD_FIELDS and (not tail or (tail.endswith(b"}") and b"{" not in tail))
 
 
 #: How every lock record begins (:meth:`PublishLock._content`: ``json.dumps`` of a dict whose
@@ -440,6 +462,10 @@ RECORD_START = b'{"key": '
 RECORD_FIELDS = frozenset(
     {"key", "pid", "host", "pid_space", "token", "beats", "heartbeat_at", "expiry_s"}
 )
+
+
+#: A field's name in a record's JSON text (``"name":``; a record's values hold no quote).
+_FIELD = re.compile(rb'"([^"\\]*)"\s*:')
 
 
 def _parse(content: bytes | None) -> dict | None:
