@@ -20,6 +20,8 @@ from loader.convert.gptj import GptJArchitecture
 from loader.errors import CheckpointError, LoaderError, ParallelismError, PlacementError
 from loader.formats.fastertransformer import (
     INT32_MAX,
+    LAYERNORM_EPS,
+    LAYERNORM_EPS_MOST,
     SUPPORTED_HEAD_SIZES,
     FTConfig,
     UnloadableConfigError,
@@ -82,6 +84,47 @@ def test_a_model_of_no_positions_is_refused_and_an_absent_count_is_gptjs_own(pos
             ft_config(hf)
     else:
         assert ft_config(hf).max_pos_seq_len == 2048
+
+
+# -- LayerNorm epsilon ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("epsilon", [0, 1e-12, 1e-6, 1e-5, LAYERNORM_EPS_MOST, None, "absent"])
+def test_a_layer_norm_epsilon_fastertransformers_fixed_one_stands_in_for_passes(epsilon):
+    hf = {**GPTJ_6B, "layer_norm_epsilon": epsilon}
+    if epsilon == "absent":
+        del hf["layer_norm_epsilon"]
+    ft_config(hf)
+
+
+@pytest.mark.parametrize("epsilon", [LAYERNORM_EPS_MOST * 1.01, 1e-2, 1.0, math.inf])
+def test_a_layer_norm_epsilon_fastertransformer_would_replace_by_its_own_is_refused(epsilon):
+    """FasterTransformer's GPT-J normalises with 1e-6 whatever the checkpoint's epsilon; one it
+    does not stand in for was published and served as another model."""
+    with pytest.raises(UnloadableConfigError, match="layer_norm_epsilon") as caught:
+        ft_config({**GPTJ_6B, "layer_norm_epsilon": epsilon})
+    assert caught.value.remediation
+
+
+@pytest.mark.parametrize("epsilon", ["1e-5", -1e-5, math.nan, True, [1e-5]])
+def test_a_layer_norm_epsilon_that_is_no_epsilon_is_refused(epsilon):
+    with pytest.raises(CheckpointError, match="layer_norm_epsilon must be a number"):
+        ft_config({**GPTJ_6B, "layer_norm_epsilon": epsilon})
+
+
+def test_within_the_epsilon_bound_a_normalised_value_moves_less_than_fp16_resolves():
+    """The bound's reason: a unit-variance row normalised with the largest epsilon accepted or
+    with FasterTransformer's differs by about a tenth of fp16's rounding error (2**-11); at
+    twenty times the bound, by more than that rounding error."""
+    x = np.random.default_rng(0).standard_normal(4096)
+    x = (x - x.mean()) / x.std()
+
+    def moved(epsilon: float) -> float:
+        ours, theirs = (x / np.sqrt(x.var() + e) for e in (epsilon, LAYERNORM_EPS))
+        return float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
+
+    assert moved(LAYERNORM_EPS_MOST) < 2**-11 / 8
+    assert moved(LAYERNORM_EPS_MOST * 20) > 2**-11
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

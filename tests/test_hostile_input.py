@@ -131,11 +131,13 @@ def test_a_config_json_padded_past_a_real_ones_size_is_refused_before_it_is_pars
     assert not (tmp_path / "root").exists()
 
 
-def test_a_non_numeric_layer_norm_epsilon_is_no_crash(source, tmp_path, capsys):
-    """FasterTransformer's GPT-J uses a fixed epsilon: config.json's is not read at all."""
+def test_a_non_numeric_layer_norm_epsilon_is_a_user_error(source, tmp_path, capsys):
+    """FasterTransformer's GPT-J uses a fixed epsilon, which stands in only for a number up to
+    1e-4: config.json's is checked, not ignored."""
     _edit_config(source, layer_norm_epsilon="tiny")
     code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
-    assert code == 0, err
+    _user_error(code, err, "layer_norm_epsilon must be a number of at least 0, got 'tiny'")
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_into_a_file_or_under_a_file_is_a_user_error(source, tmp_path, capsys):

@@ -11,6 +11,9 @@ from typing import Any
 
 from loader.errors import CheckpointError
 from loader.formats.fastertransformer import (
+    HF_LAYERNORM_EPS,
+    LAYERNORM_EPS,
+    LAYERNORM_EPS_MOST,
     FTConfig,
     UnloadableConfigError,
     check_head_size,
@@ -59,6 +62,30 @@ def _required(hf: dict[str, Any], key: str) -> int:
     return value
 
 
+def _check_epsilon(hf: dict[str, Any]) -> None:
+    """config.json's ``layer_norm_epsilon`` is one FasterTransformer's fixed epsilon computes the
+    same model with (``src/fastertransformer/models/gptj/GptJ.h``: ``layernorm_eps_ = 1e-6f``,
+    in every LayerNorm; config.ini has no key for it)."""
+    value = hf.get("layer_norm_epsilon")
+    if value is None:  # absent or null: Hugging Face's own 1e-5
+        value = HF_LAYERNORM_EPS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise CheckpointError(
+            f"config.json layer_norm_epsilon must be a number of at least 0, got {value!r}.",
+            "Use the checkpoint's original config.json (GPT-J's and CodeGen's is 1e-05).",
+        )
+    if value > LAYERNORM_EPS_MOST:
+        raise UnloadableConfigError(
+            f"config.json layer_norm_epsilon {value!r} is not what FasterTransformer's GPT-J "
+            f"normalises with: it always adds {LAYERNORM_EPS:g} (GptJ.h, layernorm_eps_), "
+            f"which computes the same model only for an epsilon up to {LAYERNORM_EPS_MOST:g}; "
+            "served, every LayerNorm of the model would give other values than it was "
+            "trained with.",
+            "Such a model cannot be served by FasterTransformer's GPT-J; use the checkpoint's "
+            "original config.json (GPT-J's and CodeGen's layer_norm_epsilon is 1e-05).",
+        )
+
+
 class GptJArchitecture:
     """Maps a GPT-J checkpoint onto the FT GPT-J layout."""
 
@@ -102,6 +129,7 @@ class GptJArchitecture:
                 f"FasterTransformer's GPT-J (it uses {SUPPORTED_ACTIVATIONS[0]}).",
                 "Only GPT-J/CodeGen checkpoints with a tanh-approximated GELU can be served.",
             )
+        _check_epsilon(hf)
         self.check_heads(heads, hidden)
         parallelism.split(heads, "The attention head count")
         parallelism.split(inter, "The MLP width (n_inner)")

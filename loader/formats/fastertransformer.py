@@ -35,6 +35,16 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = (32, 48, 64, 80, 96, 112, 128, 144, 160,
 #: ``config.ini`` and not the checkpoint's ``layer_norm_epsilon`` (1e-5 for GPT-J and CodeGen).
 LAYERNORM_EPS = 1e-6
 
+#: The largest checkpoint ``layer_norm_epsilon`` FasterTransformer's fixed one stands in for. A
+#: LayerNorm divides by ``sqrt(variance + epsilon)``: with 1e-6 in place of an epsilon up to
+#: 1e-4 a normalised value of unit variance changes by less than 5e-5 of itself, about a tenth
+#: of fp16's rounding error (2**-11); a larger epsilon is another model (1e-2 changes it by
+#: 0.5 %, in every LayerNorm of every layer).
+LAYERNORM_EPS_MOST = 1e-4
+
+#: Hugging Face's GPT-J and CodeGen ``layer_norm_epsilon`` when config.json has none.
+HF_LAYERNORM_EPS = 1e-5
+
 
 class UnsupportedHeadSizeError(CheckpointError):
     """The model's attention head size has no FasterTransformer generation kernel."""
