@@ -438,6 +438,27 @@ def test_a_number_outside_the_32_bit_range_fastertransformer_reads_is_refused(tm
         FTConfig.from_ini(write_ini(tmp_path, tiny(320), start_id="-1"))
 
 
+@pytest.mark.parametrize(
+    ("ids", "fragment"),
+    [
+        ({"eos_token_id": 50400}, "eos_token_id gives end_id = 50400"),
+        ({"eos_token_id": [50400, 0]}, "eos_token_id gives end_id = 50400"),
+        ({"bos_token_id": 2**31 - 1}, "bos_token_id gives start_id = 2147483647"),
+        ({"eos_token_id": None, "bos_token_id": 50400}, "bos_token_id gives start_id = 50400"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_is_refused_by_the_conversion(ids, fragment):
+    """``convert`` wrote it into config.ini (only ``run`` refused it): FasterTransformer looks
+    a finished row's end_id up in the embedding table, past its end."""
+    with pytest.raises(CheckpointError, match=fragment):
+        ft_config({**GPTJ_6B, **ids})
+
+
+def test_the_last_token_of_the_vocabulary_is_an_id_the_conversion_takes():
+    config = ft_config({**GPTJ_6B, "bos_token_id": 50399, "eos_token_id": 50399})
+    assert (config.start_id, config.end_id) == (50399, 50399)
+
+
 @pytest.mark.parametrize("key", ["tensor_para_size", "head_num", "num_layer", "vocab_size"])
 def test_a_config_ini_size_of_0_is_a_typed_error(tmp_path, key):
     """Not a division by zero in the checks themselves."""

@@ -140,6 +140,13 @@ def test_a_non_numeric_layer_norm_epsilon_is_a_user_error(source, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_of_an_end_id_outside_the_vocabulary_is_a_user_error(source, tmp_path, capsys):
+    _edit_config(source, eos_token_id=320)  # the tiny vocabulary is 320 ids
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, "eos_token_id gives end_id = 320, not a token")
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_into_a_file_or_under_a_file_is_a_user_error(source, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -18,6 +18,7 @@ from loader.formats.fastertransformer import (
     UnloadableConfigError,
     check_head_size,
     check_loadable,
+    check_token_ids,
 )
 from loader.parallel import Parallelism
 
@@ -159,6 +160,7 @@ class GptJArchitecture:
             max_pos_seq_len=2048 if positions is None else positions,
         )
         check_loadable(config, where="config.json", tp=parallelism.tp)
+        check_token_ids(config)
         return config
 
     def check_heads(self, heads: int, hidden: int) -> None:

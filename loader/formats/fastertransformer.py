@@ -226,6 +226,26 @@ def check_loadable(config: FTConfig, *, where: str, tp: int | None = None) -> No
         )
 
 
+def check_token_ids(config: FTConfig) -> None:
+    """``start_id`` and ``end_id`` (config.json's ``bos_token_id`` and ``eos_token_id``) are
+    tokens of the vocabulary: FasterTransformer's GPT-J takes config.ini's ``end_id`` for a
+    request that sends none (``models/gptj/GptJ.cc``, ``forward``: ``handleOptArg``) and looks
+    each step's ids up in its embedding table, a finished row's ``end_id`` too
+    (``invokeEmbeddingLookupPosEncodingPadCount``), which an id beyond it reads past. Not a
+    check of :func:`check_loadable`: the CPU reference emulates such an id where it reads
+    ``config.ini``."""
+    for name in ("start_id", "end_id"):
+        value = getattr(config, name)
+        if value >= config.vocab_size:
+            source = "eos_token_id" if name == "end_id" else "bos_token_id"
+            raise CheckpointError(
+                f"config.json's {source} gives {name} = {value}, not a token of the model's "
+                f"vocabulary (vocab_size {config.vocab_size}).",
+                f"Fix {source} in config.json (an id below vocab_size), or use the "
+                "checkpoint's original config.json.",
+            )
+
+
 #: Keys FasterTransformer itself requires (it exits when one is missing).
 REQUIRED_KEYS = (
     "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "rotary_embedding",
