@@ -86,6 +86,22 @@ def test_a_model_of_no_positions_is_refused_and_an_absent_count_is_gptjs_own(pos
         assert ft_config(hf).max_pos_seq_len == 2048
 
 
+@pytest.mark.parametrize("inner", [0, None, "absent", 16384])
+def test_an_mlp_of_no_width_is_refused_and_an_absent_one_is_four_times_the_hidden_size(inner):
+    """``n_inner: 0`` was taken as 4 x n_embd (``or``), as if absent, and the 4 x n_embd weights
+    converted (Hugging Face builds a layer 0 wide and refuses them): refused now."""
+    hf = dict(GPTJ_6B)
+    if inner == "absent":
+        del hf["n_inner"]
+    else:
+        hf["n_inner"] = inner
+    if inner == 0:
+        with pytest.raises(CheckpointError, match="n_inner is 0"):
+            ft_config(hf)
+    else:
+        assert ft_config(hf).inter_size == 16384
+
+
 # -- LayerNorm epsilon ------------------------------------------------------------------------
 
 

@@ -106,7 +106,16 @@ class GptJArchitecture:
             raise CheckpointError(
                 f"config.json n_embd {hidden} is not divisible by n_head {heads}."
             )
-        inter = _int(hf, "n_inner") or 4 * hidden
+        inter = _int(hf, "n_inner")
+        if inter == 0:  # absent or null: 4 x n_embd, Hugging Face's own default
+            raise CheckpointError(
+                "config.json n_inner is 0: the model would have no MLP (Hugging Face builds "
+                "its layers 0 wide and does not load these weights).",
+                "Use the checkpoint's original config.json (n_inner is the MLP width, e.g. "
+                "16384 for GPT-J 6B), or leave it null for 4 x n_embd.",
+            )
+        if inter is None:
+            inter = 4 * hidden
         head_dim = hidden // heads
         check_head_size(head_dim, where=f"config.json (n_embd {hidden} / n_head {heads})")
         rotary = _int(hf, "rotary_dim")
