@@ -7,6 +7,7 @@ differs only in where Q, K and V come from.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from loader.errors import CheckpointError
@@ -38,6 +39,12 @@ SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 
 #: Non-persistent buffers some checkpoints carry; they are not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attn.causal_mask")
+
+#: The input embedding, and the output one, which a checkpoint that ties the two
+#: (``tie_word_embeddings``) may leave out: Hugging Face then uses the input one in its place
+#: (``save_pretrained`` writes a tied tensor once).
+INPUT_EMBEDDING = "transformer.wte.weight"
+OUTPUT_EMBEDDING = "lm_head.weight"
 
 
 def _int(hf: dict[str, Any], key: str) -> int | None:
@@ -190,16 +197,25 @@ class GptJArchitecture:
         p = f"transformer.h.{layer}.attn."
         return RowsOf(p + "q_proj.weight"), RowsOf(p + "k_proj.weight"), RowsOf(p + "v_proj.weight")
 
-    def expected_tensors(self, cfg: FTConfig) -> dict[str, tuple[int, ...]]:
-        """Every tensor the checkpoint must hold, with its shape."""
+    def ties_embeddings(self, hf: dict[str, Any], names: Collection[str]) -> bool:
+        """Whether the output embedding is the input one: config.json ties them and the
+        checkpoint holds no output embedding of its own (one it holds is used, as Hugging Face
+        does when the two differ)."""
+        return hf.get("tie_word_embeddings") is True and OUTPUT_EMBEDDING not in names
+
+    def expected_tensors(self, cfg: FTConfig, *, tied: bool = False) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its shape (``tied``: the output
+        embedding is the input one, :meth:`ties_embeddings`)."""
         h, inter, vocab = cfg.hidden_size, cfg.inter_size, cfg.vocab_size
         expected: dict[str, tuple[int, ...]] = {
-            "transformer.wte.weight": (vocab, h),
+            INPUT_EMBEDDING: (vocab, h),
             "transformer.ln_f.weight": (h,),
             "transformer.ln_f.bias": (h,),
-            "lm_head.weight": (vocab, h),
+            OUTPUT_EMBEDDING: (vocab, h),
             "lm_head.bias": (vocab,),
         }
+        if tied:
+            del expected[OUTPUT_EMBEDDING]
         for layer in range(cfg.num_layer):
             p = f"transformer.h.{layer}."
             expected.update(
@@ -222,11 +238,12 @@ class GptJArchitecture:
 
     # -- output files ----------------------------------------------------------------------
 
-    def outputs(self, cfg: FTConfig, *, tp: int) -> list[OutputFile]:
-        """Every FT file, in the order they are written (source order, layer by layer)."""
+    def outputs(self, cfg: FTConfig, *, tp: int, tied: bool = False) -> list[OutputFile]:
+        """Every FT file, in the order they are written (source order, layer by layer);
+        ``tied``: ``model.lm_head.weight`` is the input embedding."""
         h, inter, vocab = cfg.hidden_size, cfg.inter_size, cfg.vocab_size
         files = [
-            replicated("model.wte", "transformer.wte.weight", (vocab, h)),
+            replicated("model.wte", INPUT_EMBEDDING, (vocab, h)),
         ]
         for layer in range(cfg.num_layer):
             src, dst = f"transformer.h.{layer}.", f"model.layers.{layer}."
@@ -261,7 +278,9 @@ class GptJArchitecture:
         files += [
             replicated("model.final_layernorm.weight", "transformer.ln_f.weight", (h,)),
             replicated("model.final_layernorm.bias", "transformer.ln_f.bias", (h,)),
-            replicated("model.lm_head.weight", "lm_head.weight", (vocab, h)),
+            replicated(
+                "model.lm_head.weight", INPUT_EMBEDDING if tied else OUTPUT_EMBEDDING, (vocab, h)
+            ),
             replicated("model.lm_head.bias", "lm_head.bias", (vocab,)),
         ]
         return files
