@@ -445,6 +445,8 @@ def is_file_name(name: str) -> bool:
 #: The mode of every directory the loader creates: Triton runs as another uid and must enter
 #: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
 DIR_MODE = 0o755
+#: The mode of every file Triton (another uid) reads: a repository's, a conversion's output.
+FILE_MODE = 0o644
 #: How the files marking a tree as the loader's are named (the staging and download markers):
 #: :meth:`Dir.remove_tree` removes them last.
 MARKER_PREFIX = ".model-loader-"

@@ -449,15 +449,32 @@ def test_fetch_copy_names_what_stands_where_a_directory_of_the_source_goes(sourc
     assert (dest / "extras").is_fifo() == (kind != "file")
 
 
-def _published_under_a_strict_umask(source: Path, root: Path) -> Path:
-    """``model-loader run`` of ``source`` into ``root`` with umask 077; the published path."""
+def _under_a_strict_umask(*argv: str) -> str:
+    """``model-loader`` with ``argv`` and umask 077; its output."""
     proc = subprocess.run(
         [sys.executable, "-c", "import os, sys; os.umask(0o077); from loader.cli import main; "
-         "sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
+         "sys.exit(main(sys.argv[1:]))", *argv],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(proc.stdout.splitlines()[-1])
+    return proc.stdout
+
+
+def _published_under_a_strict_umask(source: Path, root: Path) -> Path:
+    """``model-loader run`` of ``source`` into ``root`` with umask 077; the published path."""
+    return Path(_under_a_strict_umask(*_run_args(source, root)).splitlines()[-1])
+
+
+def test_converted_files_are_0644_under_a_strict_umask(source, tmp_path):
+    """FasterTransformer may run as another uid: a weight file it cannot open it only warns
+    about, and serves the buffer unfilled. The directories were 0755, the files 0600."""
+    _under_a_strict_umask("convert", str(source), str(tmp_path / "out"), "--tp-size", "2")
+    converted = tmp_path / "out" / "2-gpu"
+    assert stat.S_IMODE(converted.stat().st_mode) == 0o755
+    files = list(converted.iterdir())
+    assert len(files) > 2 and "config.ini" in {p.name for p in files}
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, (path, oct(path.stat().st_mode))
 
 
 def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(source, tmp_path):
