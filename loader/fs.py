@@ -984,8 +984,16 @@ class Dir:
             except (FileExistsError, NotADirectoryError):  # a level is no directory
                 cls._deepest_given(path)[0].close()  # raises, naming it and what it is
                 raise
-            for made in reversed(missing):  # Triton (another uid) reads them, whatever the umask
-                _give_mode(made, DIR_MODE)
+            try:  # Triton (another uid) reads them, whatever the umask
+                for made in reversed(missing):
+                    _give_mode(made, DIR_MODE)
+            except PermissionError:
+                # A umask that leaves the owner no access (0777) made them unopenable: each is
+                # empty and this call's, removed (innermost first) rather than left unusable.
+                for made in missing:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(made)
+                raise
         _seam("open", path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -508,6 +508,31 @@ def test_every_level_the_loader_creates_is_entered_by_another_uid_under_a_strict
     assert stat.S_IMODE(given.stat().st_mode) == 0o750
 
 
+#: Root keeps its access to a file of mode 0 (CAP_DAC_OVERRIDE): run without it, as any user.
+_AS_AN_OWNER = (
+    ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+)
+
+
+@pytest.mark.skipif(
+    bool(_AS_AN_OWNER) and shutil.which("setpriv") is None, reason="needs setpriv as root"
+)
+def test_a_root_made_under_a_umask_that_leaves_its_owner_no_access_is_not_left_behind(
+    source, tmp_path
+):
+    """Under umask 0777 the loader cannot open the ROOT it has just made (mode 0): refused (2),
+    and the ROOT removed; it was left there with mode 0, and refused every later run, whatever
+    its umask, until someone changed its mode."""
+    root = tmp_path / "root"
+    proc = subprocess.run(
+        [*_AS_AN_OWNER, sys.executable, "-c", "import os, sys; os.umask(0o777); "
+         "from loader.cli import main; sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    _user_error(proc.returncode, proc.stderr, str(root), "Permission denied")
+    assert not os.path.lexists(root)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of a chosen size (root only: mount needs it); yields a function making one."""
