@@ -445,6 +445,8 @@ def is_file_name(name: str) -> bool:
 #: The mode of every directory the loader creates: Triton runs as another uid and must enter
 #: ROOT, ``<name>@<revision>`` and a key whatever the loader's umask.
 DIR_MODE = 0o755
+#: The mode of every file Triton (another uid) reads: a repository's, a conversion's output.
+FILE_MODE = 0o644
 #: How the files marking a tree as the loader's are named (the staging and download markers):
 #: :meth:`Dir.remove_tree` removes them last.
 MARKER_PREFIX = ".model-loader-"
@@ -1002,8 +1004,16 @@ class Dir:
             except (FileExistsError, NotADirectoryError):  # a level is no directory
                 cls._deepest_given(path)[0].close()  # raises, naming it and what it is
                 raise
-            for made in reversed(missing):  # Triton (another uid) reads them, whatever the umask
-                _give_mode(made, DIR_MODE)
+            try:  # Triton (another uid) reads them, whatever the umask
+                for made in reversed(missing):
+                    _give_mode(made, DIR_MODE)
+            except PermissionError:
+                # A umask that leaves the owner no access (0777) made them unopenable: each is
+                # empty and this call's, removed (innermost first) rather than left unusable.
+                for made in missing:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(made)
+                raise
         _seam("open", path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -158,6 +158,22 @@ def test_sharded_pytorch_checkpoints_give_the_same_bytes_both_ways(
     assert first == second
 
 
+@pytest.mark.parametrize("arch", ["gptj", "codegen"])
+def test_a_tied_checkpoint_gives_the_same_bytes_both_ways_its_output_embedding_the_input_one(
+    tmp_path, arch
+):
+    """save_pretrained writes the tied embedding once (no lm_head.weight): the overlapped
+    conversion keeps the input embedding's shard until model.lm_head.weight is written too."""
+    model = build_tiny_model(arch=arch, seed=7, tie_word_embeddings=True).half()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size=total // 4)
+    first, second = both(tmp_path / "ckpt", tp=2)
+    assert first[0] == "files", first
+    assert first == second
+    files = first[1]
+    assert files["model.lm_head.weight.bin"] == files["model.wte.bin"]
+
+
 def test_fp32_weights_under_a_config_declaring_float16_are_written_in_fp16_by_both(bases, tmp_path):
     """config.json's declared dtype decides, as transformers' torch_dtype="auto" reads it."""
     source = shutil.copytree(bases[("gptj", "fp32")], tmp_path / "ckpt")

@@ -20,6 +20,8 @@ from loader.convert.gptj import GptJArchitecture
 from loader.errors import CheckpointError, LoaderError, ParallelismError, PlacementError
 from loader.formats.fastertransformer import (
     INT32_MAX,
+    LAYERNORM_EPS,
+    LAYERNORM_EPS_MOST,
     SUPPORTED_HEAD_SIZES,
     FTConfig,
     UnloadableConfigError,
@@ -82,6 +84,63 @@ def test_a_model_of_no_positions_is_refused_and_an_absent_count_is_gptjs_own(pos
             ft_config(hf)
     else:
         assert ft_config(hf).max_pos_seq_len == 2048
+
+
+@pytest.mark.parametrize("inner", [0, None, "absent", 16384])
+def test_an_mlp_of_no_width_is_refused_and_an_absent_one_is_four_times_the_hidden_size(inner):
+    """``n_inner: 0`` was taken as 4 x n_embd (``or``), as if absent, and the 4 x n_embd weights
+    converted (Hugging Face builds a layer 0 wide and refuses them): refused now."""
+    hf = dict(GPTJ_6B)
+    if inner == "absent":
+        del hf["n_inner"]
+    else:
+        hf["n_inner"] = inner
+    if inner == 0:
+        with pytest.raises(CheckpointError, match="n_inner is 0"):
+            ft_config(hf)
+    else:
+        assert ft_config(hf).inter_size == 16384
+
+
+# -- LayerNorm epsilon ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("epsilon", [0, 1e-12, 1e-6, 1e-5, LAYERNORM_EPS_MOST, None, "absent"])
+def test_a_layer_norm_epsilon_fastertransformers_fixed_one_stands_in_for_passes(epsilon):
+    hf = {**GPTJ_6B, "layer_norm_epsilon": epsilon}
+    if epsilon == "absent":
+        del hf["layer_norm_epsilon"]
+    ft_config(hf)
+
+
+@pytest.mark.parametrize("epsilon", [LAYERNORM_EPS_MOST * 1.01, 1e-2, 1.0, math.inf])
+def test_a_layer_norm_epsilon_fastertransformer_would_replace_by_its_own_is_refused(epsilon):
+    """FasterTransformer's GPT-J normalises with 1e-6 whatever the checkpoint's epsilon; one it
+    does not stand in for was published and served as another model."""
+    with pytest.raises(UnloadableConfigError, match="layer_norm_epsilon") as caught:
+        ft_config({**GPTJ_6B, "layer_norm_epsilon": epsilon})
+    assert caught.value.remediation
+
+
+@pytest.mark.parametrize("epsilon", ["1e-5", -1e-5, math.nan, True, [1e-5]])
+def test_a_layer_norm_epsilon_that_is_no_epsilon_is_refused(epsilon):
+    with pytest.raises(CheckpointError, match="layer_norm_epsilon must be a number"):
+        ft_config({**GPTJ_6B, "layer_norm_epsilon": epsilon})
+
+
+def test_within_the_epsilon_bound_a_normalised_value_moves_less_than_fp16_resolves():
+    """The bound's reason: a unit-variance row normalised with the largest epsilon accepted or
+    with FasterTransformer's differs by about a tenth of fp16's rounding error (2**-11); at
+    twenty times the bound, by more than that rounding error."""
+    x = np.random.default_rng(0).standard_normal(4096)
+    x = (x - x.mean()) / x.std()
+
+    def moved(epsilon: float) -> float:
+        ours, theirs = (x / np.sqrt(x.var() + e) for e in (epsilon, LAYERNORM_EPS))
+        return float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
+
+    assert moved(LAYERNORM_EPS_MOST) < 2**-11 / 8
+    assert moved(LAYERNORM_EPS_MOST * 20) > 2**-11
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -393,6 +452,27 @@ def test_a_number_outside_the_32_bit_range_fastertransformer_reads_is_refused(tm
         ft_config({**GPTJ_6B, "eos_token_id": 2**40})  # written by convert before
     with pytest.raises(UnloadableConfigError, match="start_id = -1 is outside"):
         FTConfig.from_ini(write_ini(tmp_path, tiny(320), start_id="-1"))
+
+
+@pytest.mark.parametrize(
+    ("ids", "fragment"),
+    [
+        ({"eos_token_id": 50400}, "eos_token_id gives end_id = 50400"),
+        ({"eos_token_id": [50400, 0]}, "eos_token_id gives end_id = 50400"),
+        ({"bos_token_id": 2**31 - 1}, "bos_token_id gives start_id = 2147483647"),
+        ({"eos_token_id": None, "bos_token_id": 50400}, "bos_token_id gives start_id = 50400"),
+    ],
+)
+def test_a_token_id_outside_the_vocabulary_is_refused_by_the_conversion(ids, fragment):
+    """``convert`` wrote it into config.ini (only ``run`` refused it): FasterTransformer looks
+    a finished row's end_id up in the embedding table, past its end."""
+    with pytest.raises(CheckpointError, match=fragment):
+        ft_config({**GPTJ_6B, **ids})
+
+
+def test_the_last_token_of_the_vocabulary_is_an_id_the_conversion_takes():
+    config = ft_config({**GPTJ_6B, "bos_token_id": 50399, "eos_token_id": 50399})
+    assert (config.start_id, config.end_id) == (50399, 50399)
 
 
 @pytest.mark.parametrize("key", ["tensor_para_size", "head_num", "num_layer", "vocab_size"])

@@ -131,11 +131,20 @@ def test_a_config_json_padded_past_a_real_ones_size_is_refused_before_it_is_pars
     assert not (tmp_path / "root").exists()
 
 
-def test_a_non_numeric_layer_norm_epsilon_is_no_crash(source, tmp_path, capsys):
-    """FasterTransformer's GPT-J uses a fixed epsilon: config.json's is not read at all."""
+def test_a_non_numeric_layer_norm_epsilon_is_a_user_error(source, tmp_path, capsys):
+    """FasterTransformer's GPT-J uses a fixed epsilon, which stands in only for a number up to
+    1e-4: config.json's is checked, not ignored."""
     _edit_config(source, layer_norm_epsilon="tiny")
     code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
-    assert code == 0, err
+    _user_error(code, err, "layer_norm_epsilon must be a number of at least 0, got 'tiny'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_of_an_end_id_outside_the_vocabulary_is_a_user_error(source, tmp_path, capsys):
+    _edit_config(source, eos_token_id=320)  # the tiny vocabulary is 320 ids
+    code, _, err = cli(capsys, "convert", str(source), str(tmp_path / "out"), "--tp-size", "1")
+    _user_error(code, err, "eos_token_id gives end_id = 320, not a token")
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_into_a_file_or_under_a_file_is_a_user_error(source, tmp_path, capsys):
@@ -440,15 +449,32 @@ def test_fetch_copy_names_what_stands_where_a_directory_of_the_source_goes(sourc
     assert (dest / "extras").is_fifo() == (kind != "file")
 
 
-def _published_under_a_strict_umask(source: Path, root: Path) -> Path:
-    """``model-loader run`` of ``source`` into ``root`` with umask 077; the published path."""
+def _under_a_strict_umask(*argv: str) -> str:
+    """``model-loader`` with ``argv`` and umask 077; its output."""
     proc = subprocess.run(
         [sys.executable, "-c", "import os, sys; os.umask(0o077); from loader.cli import main; "
-         "sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
+         "sys.exit(main(sys.argv[1:]))", *argv],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(proc.stdout.splitlines()[-1])
+    return proc.stdout
+
+
+def _published_under_a_strict_umask(source: Path, root: Path) -> Path:
+    """``model-loader run`` of ``source`` into ``root`` with umask 077; the published path."""
+    return Path(_under_a_strict_umask(*_run_args(source, root)).splitlines()[-1])
+
+
+def test_converted_files_are_0644_under_a_strict_umask(source, tmp_path):
+    """FasterTransformer may run as another uid: a weight file it cannot open it only warns
+    about, and serves the buffer unfilled. The directories were 0755, the files 0600."""
+    _under_a_strict_umask("convert", str(source), str(tmp_path / "out"), "--tp-size", "2")
+    converted = tmp_path / "out" / "2-gpu"
+    assert stat.S_IMODE(converted.stat().st_mode) == 0o755
+    files = list(converted.iterdir())
+    assert len(files) > 2 and "config.ini" in {p.name for p in files}
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, (path, oct(path.stat().st_mode))
 
 
 def test_published_files_are_0644_and_directories_0755_under_a_strict_umask(source, tmp_path):
@@ -480,6 +506,31 @@ def test_every_level_the_loader_creates_is_entered_by_another_uid_under_a_strict
             assert stat.S_IMODE(level.stat().st_mode) == 0o755, (level, oct(level.stat().st_mode))
     assert stat.S_IMODE(made.stat().st_mode) == 0o755
     assert stat.S_IMODE(given.stat().st_mode) == 0o750
+
+
+#: Root keeps its access to a file of mode 0 (CAP_DAC_OVERRIDE): run without it, as any user.
+_AS_AN_OWNER = (
+    ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+)
+
+
+@pytest.mark.skipif(
+    bool(_AS_AN_OWNER) and shutil.which("setpriv") is None, reason="needs setpriv as root"
+)
+def test_a_root_made_under_a_umask_that_leaves_its_owner_no_access_is_not_left_behind(
+    source, tmp_path
+):
+    """Under umask 0777 the loader cannot open the ROOT it has just made (mode 0): refused (2),
+    and the ROOT removed; it was left there with mode 0, and refused every later run, whatever
+    its umask, until someone changed its mode."""
+    root = tmp_path / "root"
+    proc = subprocess.run(
+        [*_AS_AN_OWNER, sys.executable, "-c", "import os, sys; os.umask(0o777); "
+         "from loader.cli import main; sys.exit(main(sys.argv[1:]))", *_run_args(source, root)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    _user_error(proc.returncode, proc.stderr, str(root), "Permission denied")
+    assert not os.path.lexists(root)
 
 
 @pytest.fixture

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from loader.convert import convert_checkpoint
 from loader.errors import CheckpointError
-from loader.formats.fastertransformer import LAYERNORM_EPS
+from loader.formats.fastertransformer import LAYERNORM_EPS, UnloadableConfigError
 from loader.reference import FTConfig, GptJ, load_ft_checkpoint
-from tests.tinymodels import load_hf_model, make_tiny_checkpoint
+from tests.tinymodels import load_hf_model, make_tiny_checkpoint, read_state_dict
 
 pytestmark = (
     pytest.mark.slow
@@ -70,6 +73,41 @@ def test_logits_match_hugging_face(models, tmp_path, key, tp):
     assert np.abs(want).max() > 1.0  # the comparison is not between near-zero numbers
     assert len(cache) == 3 and len(cache[0]) == tp
     assert cache[0][0][0].shape == (2, 8 // tp, 8, 32)
+
+
+@pytest.mark.parametrize("arch", ["gptj", "codegen"])
+def test_a_checkpoint_whose_output_embedding_is_its_input_one_matches_hugging_face(tmp_path, arch):
+    """``tie_word_embeddings``: ``save_pretrained`` writes the tied embedding once, without
+    ``lm_head.weight``; such a checkpoint was refused as incomplete. FasterTransformer's
+    ``model.lm_head.weight`` is then the input embedding."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, tie_word_embeddings=True, seed=7)
+    assert "lm_head.weight" not in read_state_dict(path)
+    result = convert_checkpoint(path, tmp_path / "out", tp_size=2)
+    ckpt = load_ft_checkpoint(result.output_path)
+    logits, _ = GptJ(ckpt).forward(IDS, position_ids=POSITIONS, attention_mask=MASK)
+    want = hf_logits(load_hf_model(path))
+    real = MASK.astype(bool)
+    assert np.abs(logits - want)[real].max() <= TOLERANCE
+    assert np.abs(want).max() > 1.0
+    files = result.output_path
+    assert (files / "model.lm_head.weight.bin").read_bytes() == (
+        files / "model.wte.bin"
+    ).read_bytes()
+
+
+def test_an_output_embedding_a_tied_checkpoint_holds_is_its_own(models, tmp_path):
+    """One that ties its embeddings but holds an lm_head.weight of other values: Hugging Face
+    then unties them and uses it, and so does the conversion."""
+    path, _ = models[("gptj", "fp32")]
+    source = tmp_path / "src"
+    shutil.copytree(path, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    files = convert_checkpoint(source, tmp_path / "out", tp_size=1).output_path
+    held = read_state_dict(source)["lm_head.weight"].numpy()
+    assert not np.array_equal(held, read_state_dict(source)["transformer.wte.weight"].numpy())
+    written = np.fromfile(files / "model.lm_head.weight.bin", dtype=np.float32)
+    assert np.array_equal(written, held.reshape(-1))
 
 
 def test_the_comparison_detects_a_wrong_rotary(models, tmp_path):
@@ -172,12 +210,18 @@ def test_a_config_ini_without_required_keys_is_a_checkpoint_error(tmp_path):
 
 def test_layernorm_epsilon_is_fastertransformers_constant_not_the_checkpoints(tmp_path):
     """FT's GPT-J ignores the checkpoint's layer_norm_epsilon (GptJ.h: 1e-6); so does the
-    reference: it matches Hugging Face run with 1e-6, not with what the checkpoint says."""
+    reference: it matches Hugging Face run with 1e-6, not with what the checkpoint says. (The
+    converter refuses an epsilon as far from FT's as this one; the weights are converted under
+    one it accepts.)"""
     path = make_tiny_checkpoint(tmp_path / "eps", layer_norm_epsilon=0.5, seed=5)
+    as_trained = hf_logits(load_hf_model(path))
+    with pytest.raises(UnloadableConfigError, match=r"layer_norm_epsilon 0\.5"):
+        convert_checkpoint(path, tmp_path, tp_size=1)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-5}))
     ckpt = load_ft_checkpoint(convert_checkpoint(path, tmp_path, tp_size=1).output_path)
     logits, _ = GptJ(ckpt).forward(IDS, position_ids=POSITIONS, attention_mask=MASK)
     real = MASK.astype(bool)
-    as_trained = hf_logits(load_hf_model(path))
     as_ft = load_hf_model(path)
     for module in as_ft.modules():
         if isinstance(module, torch.nn.LayerNorm):

@@ -184,7 +184,9 @@ def read_state_dict(path: Path | str) -> dict[str, torch.Tensor]:
 
 
 def load_hf_model(path: Path | str) -> torch.nn.Module:
-    """The ``transformers`` model of a checkpoint directory, in fp32 eval mode."""
+    """The ``transformers`` model of a checkpoint directory, in fp32 eval mode. A parameter
+    tied to one the checkpoint holds (``tie_word_embeddings``: ``lm_head.weight`` is the input
+    embedding, which ``save_pretrained`` writes once) is not missing."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     config_cls, model_cls = _classes(config["model_type"])
@@ -195,7 +197,11 @@ def load_hf_model(path: Path | str) -> torch.nn.Module:
     if unexpected:
         raise ValueError(f"unexpected tensors in {path}: {unexpected}")
     persistent = set(model.state_dict())
-    really_missing = [k for k in missing if k in persistent]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    really_missing = [
+        k for k in missing if k in persistent and not (k in params and id(params[k]) in loaded)
+    ]
     if really_missing:
         raise ValueError(f"tensors missing from {path}: {really_missing}")
     return model.eval()

@@ -7,14 +7,19 @@ differs only in where Q, K and V come from.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from loader.errors import CheckpointError
 from loader.formats.fastertransformer import (
+    HF_LAYERNORM_EPS,
+    LAYERNORM_EPS,
+    LAYERNORM_EPS_MOST,
     FTConfig,
     UnloadableConfigError,
     check_head_size,
     check_loadable,
+    check_token_ids,
 )
 from loader.parallel import Parallelism
 
@@ -34,6 +39,12 @@ SUPPORTED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 
 #: Non-persistent buffers some checkpoints carry; they are not weights.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attn.causal_mask")
+
+#: The input embedding, and the output one, which a checkpoint that ties the two
+#: (``tie_word_embeddings``) may leave out: Hugging Face then uses the input one in its place
+#: (``save_pretrained`` writes a tied tensor once).
+INPUT_EMBEDDING = "transformer.wte.weight"
+OUTPUT_EMBEDDING = "lm_head.weight"
 
 
 def _int(hf: dict[str, Any], key: str) -> int | None:
@@ -59,6 +70,30 @@ def _required(hf: dict[str, Any], key: str) -> int:
     return value
 
 
+def _check_epsilon(hf: dict[str, Any]) -> None:
+    """config.json's ``layer_norm_epsilon`` is one FasterTransformer's fixed epsilon computes the
+    same model with (``src/fastertransformer/models/gptj/GptJ.h``: ``layernorm_eps_ = 1e-6f``,
+    in every LayerNorm; config.ini has no key for it)."""
+    value = hf.get("layer_norm_epsilon")
+    if value is None:  # absent or null: Hugging Face's own 1e-5
+        value = HF_LAYERNORM_EPS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise CheckpointError(
+            f"config.json layer_norm_epsilon must be a number of at least 0, got {value!r}.",
+            "Use the checkpoint's original config.json (GPT-J's and CodeGen's is 1e-05).",
+        )
+    if value > LAYERNORM_EPS_MOST:
+        raise UnloadableConfigError(
+            f"config.json layer_norm_epsilon {value!r} is not what FasterTransformer's GPT-J "
+            f"normalises with: it always adds {LAYERNORM_EPS:g} (GptJ.h, layernorm_eps_), "
+            f"which computes the same model only for an epsilon up to {LAYERNORM_EPS_MOST:g}; "
+            "served, every LayerNorm of the model would give other values than it was "
+            "trained with.",
+            "Such a model cannot be served by FasterTransformer's GPT-J; use the checkpoint's "
+            "original config.json (GPT-J's and CodeGen's layer_norm_epsilon is 1e-05).",
+        )
+
+
 class GptJArchitecture:
     """Maps a GPT-J checkpoint onto the FT GPT-J layout."""
 
@@ -78,7 +113,16 @@ class GptJArchitecture:
             raise CheckpointError(
                 f"config.json n_embd {hidden} is not divisible by n_head {heads}."
             )
-        inter = _int(hf, "n_inner") or 4 * hidden
+        inter = _int(hf, "n_inner")
+        if inter == 0:  # absent or null: 4 x n_embd, Hugging Face's own default
+            raise CheckpointError(
+                "config.json n_inner is 0: the model would have no MLP (Hugging Face builds "
+                "its layers 0 wide and does not load these weights).",
+                "Use the checkpoint's original config.json (n_inner is the MLP width, e.g. "
+                "16384 for GPT-J 6B), or leave it null for 4 x n_embd.",
+            )
+        if inter is None:
+            inter = 4 * hidden
         head_dim = hidden // heads
         check_head_size(head_dim, where=f"config.json (n_embd {hidden} / n_head {heads})")
         rotary = _int(hf, "rotary_dim")
@@ -102,6 +146,7 @@ class GptJArchitecture:
                 f"FasterTransformer's GPT-J (it uses {SUPPORTED_ACTIVATIONS[0]}).",
                 "Only GPT-J/CodeGen checkpoints with a tanh-approximated GELU can be served.",
             )
+        _check_epsilon(hf)
         self.check_heads(heads, hidden)
         parallelism.split(heads, "The attention head count")
         parallelism.split(inter, "The MLP width (n_inner)")
@@ -131,6 +176,7 @@ class GptJArchitecture:
             max_pos_seq_len=2048 if positions is None else positions,
         )
         check_loadable(config, where="config.json", tp=parallelism.tp)
+        check_token_ids(config)
         return config
 
     def check_heads(self, heads: int, hidden: int) -> None:
@@ -151,16 +197,25 @@ class GptJArchitecture:
         p = f"transformer.h.{layer}.attn."
         return RowsOf(p + "q_proj.weight"), RowsOf(p + "k_proj.weight"), RowsOf(p + "v_proj.weight")
 
-    def expected_tensors(self, cfg: FTConfig) -> dict[str, tuple[int, ...]]:
-        """Every tensor the checkpoint must hold, with its shape."""
+    def ties_embeddings(self, hf: dict[str, Any], names: Collection[str]) -> bool:
+        """Whether the output embedding is the input one: config.json ties them and the
+        checkpoint holds no output embedding of its own (one it holds is used, as Hugging Face
+        does when the two differ)."""
+        return hf.get("tie_word_embeddings") is True and OUTPUT_EMBEDDING not in names
+
+    def expected_tensors(self, cfg: FTConfig, *, tied: bool = False) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its shape (``tied``: the output
+        embedding is the input one, :meth:`ties_embeddings`)."""
         h, inter, vocab = cfg.hidden_size, cfg.inter_size, cfg.vocab_size
         expected: dict[str, tuple[int, ...]] = {
-            "transformer.wte.weight": (vocab, h),
+            INPUT_EMBEDDING: (vocab, h),
             "transformer.ln_f.weight": (h,),
             "transformer.ln_f.bias": (h,),
-            "lm_head.weight": (vocab, h),
+            OUTPUT_EMBEDDING: (vocab, h),
             "lm_head.bias": (vocab,),
         }
+        if tied:
+            del expected[OUTPUT_EMBEDDING]
         for layer in range(cfg.num_layer):
             p = f"transformer.h.{layer}."
             expected.update(
@@ -183,11 +238,12 @@ class GptJArchitecture:
 
     # -- output files ----------------------------------------------------------------------
 
-    def outputs(self, cfg: FTConfig, *, tp: int) -> list[OutputFile]:
-        """Every FT file, in the order they are written (source order, layer by layer)."""
+    def outputs(self, cfg: FTConfig, *, tp: int, tied: bool = False) -> list[OutputFile]:
+        """Every FT file, in the order they are written (source order, layer by layer);
+        ``tied``: ``model.lm_head.weight`` is the input embedding."""
         h, inter, vocab = cfg.hidden_size, cfg.inter_size, cfg.vocab_size
         files = [
-            replicated("model.wte", "transformer.wte.weight", (vocab, h)),
+            replicated("model.wte", INPUT_EMBEDDING, (vocab, h)),
         ]
         for layer in range(cfg.num_layer):
             src, dst = f"transformer.h.{layer}.", f"model.layers.{layer}."
@@ -222,7 +278,9 @@ class GptJArchitecture:
         files += [
             replicated("model.final_layernorm.weight", "transformer.ln_f.weight", (h,)),
             replicated("model.final_layernorm.bias", "transformer.ln_f.bias", (h,)),
-            replicated("model.lm_head.weight", "lm_head.weight", (vocab, h)),
+            replicated(
+                "model.lm_head.weight", INPUT_EMBEDDING if tied else OUTPUT_EMBEDDING, (vocab, h)
+            ),
             replicated("model.lm_head.bias", "lm_head.bias", (vocab,)),
         ]
         return files

@@ -196,7 +196,8 @@ def plan_conversion(
             f"{where} lists.",
             _USE_ITS_OWN_CONFIG,
         )
-    expected = arch.expected_tensors(cfg)
+    tied = arch.ties_embeddings(dict(config), placement)
+    expected = arch.expected_tensors(cfg, tied=tied)
     missing = [name for name in expected if name not in placement]
     if missing:
         raise CheckpointError(
@@ -219,7 +220,7 @@ def plan_conversion(
     )
     if out_dtype is not None:
         cfg = dataclasses.replace(cfg, weight_data_type=out_dtype)
-    outputs = tuple(arch.outputs(cfg, tp=parallelism.tp))
+    outputs = tuple(arch.outputs(cfg, tp=parallelism.tp, tied=tied))
     needs = {out.name: frozenset(placement[s] for s in out.sources) for out in outputs}
     return ConversionPlan(
         arch, cfg, parallelism, inventory, expected, outputs, out_dtype, source_dtype, needs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from loader.errors import UnsupportedArchitectureError
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 @runtime_checkable
 class Architecture(Protocol):
     """What a conversion plan needs from an architecture (see :mod:`loader.convert.gptj`):
-    the hyper-parameters, the tensors a checkpoint must hold, which others it may carry, and
-    the output files with the split rules that fill them."""
+    the hyper-parameters, the tensors a checkpoint must hold (whether its output embedding is
+    its input one), which others it may carry, and the output files with the split rules that
+    fill them."""
 
     model_type: str
 
@@ -26,11 +27,15 @@ class Architecture(Protocol):
         self, hf: dict[str, Any], *, parallelism: Parallelism, model_name: str
     ) -> FTConfig: ...
 
-    def expected_tensors(self, cfg: FTConfig) -> dict[str, tuple[int, ...]]: ...
+    def ties_embeddings(self, hf: dict[str, Any], names: Collection[str]) -> bool: ...
+
+    def expected_tensors(
+        self, cfg: FTConfig, *, tied: bool = False
+    ) -> dict[str, tuple[int, ...]]: ...
 
     def is_ignored(self, name: str) -> bool: ...
 
-    def outputs(self, cfg: FTConfig, *, tp: int) -> list[OutputFile]: ...
+    def outputs(self, cfg: FTConfig, *, tp: int, tied: bool = False) -> list[OutputFile]: ...
 
 
 A = TypeVar("A")

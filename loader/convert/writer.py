@@ -145,7 +145,8 @@ def _put_in_place(parent: Dir, tmp: str, final: Path, token: str, *, overwrite: 
 @contextmanager
 def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Dir]:
     """Yield a fresh temp dir beside ``final``, open (every output is a name in it); rename it
-    to ``final`` when the block succeeds. ``final``'s parent is opened once (below a
+    to ``final`` when the block succeeds, every file in it given :data:`loader.fs.FILE_MODE`
+    whatever the umask (its directory has :data:`loader.fs.DIR_MODE`). ``final``'s parent is opened once (below a
     :func:`~loader.fs.confined` tree one name at a time, never through a link) and every step
     after is that descriptor and one name; which of its levels are missing is looked up the same
     way (:meth:`~loader.fs.Dir.deepest`), and those this run created are removed on failure. A failure to create or fill it is the file system's
@@ -165,6 +166,8 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Dir]:
             ledger.note_temporary(d.path / tmp)  # a supervisor removes it should this be killed
             with d.sub(tmp) as out:
                 yield out
+                for name in out.names():  # FasterTransformer may run as another uid
+                    out.chmod(name, fs.FILE_MODE)
             with stages.stage("rename into place"):
                 _put_in_place(d, tmp, final, token, overwrite=overwrite)
         except BaseException:

@@ -35,6 +35,16 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = (32, 48, 64, 80, 96, 112, 128, 144, 160,
 #: ``config.ini`` and not the checkpoint's ``layer_norm_epsilon`` (1e-5 for GPT-J and CodeGen).
 LAYERNORM_EPS = 1e-6
 
+#: The largest checkpoint ``layer_norm_epsilon`` FasterTransformer's fixed one stands in for. A
+#: LayerNorm divides by ``sqrt(variance + epsilon)``: with 1e-6 in place of an epsilon up to
+#: 1e-4 a normalised value of unit variance changes by less than 5e-5 of itself, about a tenth
+#: of fp16's rounding error (2**-11); a larger epsilon is another model (1e-2 changes it by
+#: 0.5 %, in every LayerNorm of every layer).
+LAYERNORM_EPS_MOST = 1e-4
+
+#: Hugging Face's GPT-J and CodeGen ``layer_norm_epsilon`` when config.json has none.
+HF_LAYERNORM_EPS = 1e-5
+
 
 class UnsupportedHeadSizeError(CheckpointError):
     """The model's attention head size has no FasterTransformer generation kernel."""
@@ -214,6 +224,26 @@ def check_loadable(config: FTConfig, *, where: str, tp: int | None = None) -> No
             f"number, at least {MIN_INTER_PER_RANK}.",
             f"Choose a smaller --tp-size: {', '.join(map(str, fits))}.",
         )
+
+
+def check_token_ids(config: FTConfig) -> None:
+    """``start_id`` and ``end_id`` (config.json's ``bos_token_id`` and ``eos_token_id``) are
+    tokens of the vocabulary: FasterTransformer's GPT-J takes config.ini's ``end_id`` for a
+    request that sends none (``models/gptj/GptJ.cc``, ``forward``: ``handleOptArg``) and looks
+    each step's ids up in its embedding table, a finished row's ``end_id`` too
+    (``invokeEmbeddingLookupPosEncodingPadCount``), which an id beyond it reads past. Not a
+    check of :func:`check_loadable`: the CPU reference emulates such an id where it reads
+    ``config.ini``."""
+    for name in ("start_id", "end_id"):
+        value = getattr(config, name)
+        if value >= config.vocab_size:
+            source = "eos_token_id" if name == "end_id" else "bos_token_id"
+            raise CheckpointError(
+                f"config.json's {source} gives {name} = {value}, not a token of the model's "
+                f"vocabulary (vocab_size {config.vocab_size}).",
+                f"Fix {source} in config.json (an id below vocab_size), or use the "
+                "checkpoint's original config.json.",
+            )
 
 
 #: Keys FasterTransformer itself requires (it exits when one is missing).

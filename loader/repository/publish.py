@@ -66,7 +66,7 @@ DOWNLOAD_MARKER = fs.MARKER_PREFIX + "download"
 #: The file marking a staging directory (and so a repository it published) as the loader's:
 #: its first line is the key.
 STAGING_MARKER = manifest.STAGING_MARKER
-FILE_MODE = 0o644
+FILE_MODE = fs.FILE_MODE
 DIR_MODE = fs.DIR_MODE
 #: What marks a staging directory, or a published copy, of a loader that kept no record of what
 #: it made (:meth:`loader.fs.Dir.remove_tree`'s ``marks``): a directory without a record and

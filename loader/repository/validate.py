@@ -51,7 +51,7 @@ from loader.errors import (
     ResourceExhaustedError,
     typed_os_error,
 )
-from loader.formats.fastertransformer import INT32_MAX, FTConfig
+from loader.formats.fastertransformer import INT32_MAX, FTConfig, check_token_ids
 from loader.parallel import Parallelism
 from loader.repository.config import RepositorySpec, build_all
 from loader.repository.key import ServingSettings, check_model_name
@@ -104,16 +104,7 @@ def check_ft_config(config: FTConfig) -> None:
                 "FasterTransformer reads it into.",
                 "Use the checkpoint's original config.json.",
             )
-    for name in ("start_id", "end_id"):
-        value = getattr(config, name)
-        if value >= config.vocab_size:
-            source = "eos_token_id" if name == "end_id" else "bos_token_id"
-            raise CheckpointError(
-                f"config.json's {source} gives {name} = {value}, not a token of the model's "
-                f"vocabulary (vocab_size {config.vocab_size}).",
-                f"Fix {source} in config.json (an id below vocab_size), or use the "
-                "checkpoint's original config.json.",
-            )
+    check_token_ids(config)
 
 
 #: Texts encoded to see the ids a tokenizer adds to every encoding (a post-processor's
