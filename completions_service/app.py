@@ -193,6 +193,11 @@ class Service:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise InvalidRequest(
+                "the request body nests arrays or objects deeper than JSON is read here; send "
+                "a completion request (an object of OpenAI's fields)"
+            ) from None
 
     async def _model(self) -> ModelInfo:
         return await self.triton.info()
@@ -333,6 +338,9 @@ class Service:
             self.metrics.cancelled.inc()
             self.metrics.requests.labels(route, "499").inc()
             return Response(status_code=499)
+        except BaseException:
+            await release()  # its slot, else taken for good: the service ends up refusing all
+            raise
 
         ident = completion_id()
         stops = StopMatcher(parsed.stop)

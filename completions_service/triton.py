@@ -200,7 +200,15 @@ def _text(result, name: str) -> str:
 
 def _count(result, name: str) -> int | None:
     array = result.as_numpy(name)
-    return None if array is None or array.size == 0 else int(array.reshape(-1)[0])
+    if array is None or array.size == 0:
+        return None
+    value = array.reshape(-1)[0]
+    if not isinstance(value, np.integer) or value < 0:
+        raise BackendError(
+            f"the model answered {name} {value!r}, not a count of tokens; serve a repository "
+            "the loader published with the llm model"
+        )
+    return int(value)
 
 
 def piece_of(result) -> Piece:

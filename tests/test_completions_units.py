@@ -7,11 +7,15 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import json
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
 from completions_service.admission import Admission
+from completions_service.app import create_app
 from completions_service.auth import ApiKeys, KeyFileError
 from completions_service.cli import env_name, parser, settings_of, triton_address
 from completions_service.errors import (
@@ -24,8 +28,16 @@ from completions_service.errors import (
 from completions_service.infill import infill_prompt
 from completions_service.protocol import parse_request
 from completions_service.sampling import sampling_of
+from completions_service.settings import Settings
 from completions_service.stops import StopMatcher
-from completions_service.triton import model_error, model_info
+from completions_service.triton import (
+    ModelInfo,
+    Piece,
+    Triton,
+    model_error,
+    model_info,
+    piece_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"model": "m", "prompt": "def f("}
@@ -96,6 +108,18 @@ def test_a_wrong_field_is_refused_naming_it(change, param):
 
 def test_the_logprobs_refusal_says_why():
     assert "no per-token log-probabilities" in refused({**GOOD, "logprobs": 2}).message
+
+
+@pytest.mark.parametrize("change", [{"prompt": "a\ud800"}, {"prompt": ["\udfff"]},
+                                    {"stop": ["x", "\ud83d"]}, {"suffix": "\udc00 }"}])  # fmt: skip
+def test_text_with_a_lone_surrogate_is_refused_naming_its_field(change):
+    """JSON's ``"\\ud800"`` decodes to a string no encoding writes: the prompt, a stop or a
+    suffix holding one failed to encode for Triton, a 500 whose streamed form kept its slot in
+    the queue for good."""
+    (param,) = change
+    error = refused({**GOOD, **change})
+    assert error.param == param and "lone surrogate" in error.message
+    error.message.encode()  # the answer itself can be sent
 
 
 def test_the_engine_path_names_the_model():
@@ -197,6 +221,30 @@ def test_other_model_errors_are_server_errors():
     assert isinstance(model_error("CUDA out of memory", "llm"), BackendError)
 
 
+class Answer:
+    """A response of the model as ``tritonclient`` gives it: its outputs by name."""
+
+    def __init__(self, **outputs: np.ndarray) -> None:
+        self.outputs = outputs
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.outputs.get(name)
+
+
+@pytest.mark.parametrize("count", [np.array([b"7"], dtype=np.object_), np.array([-1], np.int32)])
+def test_a_token_count_that_is_no_count_is_the_models_error(count):
+    """A model that answers ``num_input_tokens`` as text or below 0 is not the ``llm`` model:
+    a 500 in OpenAI's shape naming the output (it was a ValueError, Starlette's bare 500)."""
+    text = np.array([b"x"], dtype=np.object_)
+    answer = Answer(text_output=text, finish_reason=np.array([b"length"], dtype=np.object_),
+                    num_input_tokens=count)  # fmt: skip
+    with pytest.raises(BackendError, match="num_input_tokens"):
+        piece_of(answer)
+    assert piece_of(Answer(text_output=text, num_input_tokens=np.array([3], np.int32))) == Piece(
+        "x", None, 3, None
+    )
+
+
 def test_the_model_config_gives_name_context_and_batching():
     config = {
         "config": {
@@ -270,6 +318,56 @@ def test_the_queue_is_bounded_and_a_released_slot_goes_to_the_first_waiter():
         assert (admission.in_flight, admission.waiting) == (1, 0)
 
     asyncio.run(scenario())
+
+
+# --- the application ---------------------------------------------------------------------------
+
+
+class Described(Triton):
+    """Triton's ``llm`` model with a known configuration; ``failure``: what its responses
+    raise (nothing listens at the address, so an unfailing request gets a 503)."""
+
+    failure: BaseException | None = None
+
+    async def info(self) -> ModelInfo:
+        return ModelInfo(name="m", max_model_len=64, batched=False, infill_template=None)
+
+    async def generate(self, generation, info):
+        if self.failure is not None:
+            raise self.failure
+        async for piece in super().generate(generation, info):
+            yield piece
+
+
+def posted(triton: Described, *bodies: bytes) -> list[httpx.Response]:
+    """The answers of the service (one slot, no queue) to ``bodies`` posted in turn."""
+    settings = Settings(triton_url="127.0.0.1:1", max_concurrency=1, max_queue=0)
+    app = create_app(settings, triton)
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            return [await client.post("/v1/completions", content=body) for body in bodies]
+
+    return asyncio.run(scenario())
+
+
+def test_a_body_nested_too_deeply_is_a_400_in_openais_shape():
+    """``[[[[...]]]]`` ran json.loads out of recursion: a bare 500 with a traceback logged."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (answer,) = posted(Described("127.0.0.1:1", "llm", 5), deep)
+    assert answer.status_code == 400, answer.text
+    assert "nests" in answer.json()["error"]["message"]
+
+
+def test_a_stream_that_fails_unforeseen_gives_its_slot_back():
+    """A streamed request whose first response raised something other than an API error
+    (a bug; a lone surrogate did) kept its slot: with one slot, every later request was 429."""
+    triton = Described("127.0.0.1:1", "llm", 5)
+    triton.failure = RuntimeError("unforeseen")
+    body = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    first, second = posted(triton, body, body)
+    assert (first.status_code, second.status_code) == (500, 500), second.text
 
 
 # --- the command line -------------------------------------------------------------------------
