@@ -1,6 +1,7 @@
 """``completions-service``: the command line (each flag also from ``COMPLETIONS_<FLAG>``).
 
-Exit codes: 0 after a clean shutdown, 2 for a bad flag, keys file or token file, or an address
+Exit codes: 0 after a clean shutdown (Ctrl-C; SIGTERM and SIGHUP end the process by that
+signal once it shut down cleanly), 2 for a bad flag, keys file or token file, or an address
 it cannot listen on (the message says which), 3 when the server did not start.
 """
 
@@ -11,10 +12,14 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from completions_service.auth import KeyFileError, read_keys, read_secret_file
 from completions_service.settings import (
@@ -26,6 +31,9 @@ from completions_service.settings import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Settings,
 )
+
+if TYPE_CHECKING:
+    import uvicorn
 
 ENV_PREFIX = "COMPLETIONS_"
 #: The longest --request-timeout-s: the chart's bound for ``openai.requestTimeoutSeconds``.
@@ -198,7 +206,42 @@ def _listen_error(listen: tuple[str, int], exc: OSError) -> str:
     return f"cannot listen on {where} ({exc.strerror or exc}): {what}"
 
 
+#: The signals that stop the service (uvicorn shuts down on SIGINT and SIGTERM; SIGHUP too).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def hang_up_stops(server: uvicorn.Server) -> Iterator[None]:
+    """While the block runs, SIGHUP (a closed terminal, a process manager's stop) shuts the
+    server down as SIGTERM does, its requests in flight answered; then the process ends by
+    SIGHUP. uvicorn handles SIGINT and SIGTERM only: SIGHUP killed the service at once, each
+    request in flight cut off. An ignored SIGHUP (``nohup``) stays ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(
+        signal.SIGHUP
+    ) in (signal.SIG_IGN, None):
+        yield
+        return
+    taken: list[int] = []
+
+    def hang_up(signum: int, frame: FrameType | None) -> None:
+        taken.append(signum)
+        server.should_exit = True
+
+    previous = signal.signal(signal.SIGHUP, hang_up)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    if taken:
+        signal.raise_signal(signal.SIGHUP)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        # A signal mask is inherited across exec: started by a parent's thread that blocked
+        # them, the service never took SIGTERM (a pod's stop) or Ctrl-C, and served on until
+        # SIGKILL. The threads started later (gRPC's, the event loop's) inherit this one's.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     p = parser()
     args = p.parse_args(argv)  # argparse applies `type` to string defaults from the environment
     if not args.triton_url:
@@ -243,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     server = uvicorn.Server(config)
     # Ctrl-C: the server shuts down, then passes the signal on (a KeyboardInterrupt here).
-    with sock, contextlib.suppress(KeyboardInterrupt):
+    with sock, contextlib.suppress(KeyboardInterrupt), hang_up_stops(server):
         logging.getLogger("completions_service").info("listening on %s:%d", *sock.getsockname()[:2])
         server.run(sockets=[sock])
     return 0 if server.started else 3
