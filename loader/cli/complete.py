@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loader.cli import limit_argument
 from loader.errors import EndpointError, InvalidRequestError
+from loader.limits import COMPLETION_TIMEOUT_S
 
 #: Flag -> request field.
 OPTION_FIELDS: dict[str, str] = {
@@ -84,12 +86,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="first check that the server and the model are ready (what `helm test` runs)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--timeout",
-        type=float,
-        default=600.0,
+        COMPLETION_TIMEOUT_S,
+        metavar="SECONDS",
         help="seconds to wait for each answer: the readiness checks', the model list's, the "
-        "completion's (default 600)",
+        "completion's",
     )
     p.set_defaults(func=run)
 
@@ -174,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
     from loader.completion import warn_if_greedy_despite_temperature
     from loader.endpoint import parse_endpoint
 
+    # gRPC took inf, nan, 0 and -1 for a deadline already past: each failed at once, blaming
+    # the server ("Deadline Exceeded", check that it is up)
+    COMPLETION_TIMEOUT_S.check(args.timeout)
     endpoint = parse_endpoint(args.url, protocol=args.protocol)
     url, protocol = endpoint.address, endpoint.protocol
     if args.stream and protocol != "grpc":
