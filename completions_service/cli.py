@@ -1,8 +1,9 @@
 """``completions-service``: the command line (each flag also from ``COMPLETIONS_<FLAG>``).
 
 Exit codes: 0 after a clean shutdown (Ctrl-C; SIGTERM and SIGHUP end the process by that
-signal once it shut down cleanly), 2 for a bad flag, keys file or token file, or an address
-it cannot listen on (the message says which), 3 when the server did not start.
+signal once it shut down cleanly), 2 for a bad flag, keys file or token file, an address it
+cannot listen on or an open-file limit too low (the message says which), 3 when the server did
+not start.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -206,6 +208,24 @@ def _listen_error(listen: tuple[str, int], exc: OSError) -> str:
     return f"cannot listen on {where} ({exc.strerror or exc}): {what}"
 
 
+#: The least open-file limit the service starts with: its socket, the clients' connections and
+#: gRPC's own descriptors. Below about 16, gRPC could not open what it starts with (its event
+#: descriptors, /dev/urandom) at the first call to Triton and killed the process (SIGSEGV or
+#: SIGABRT), the requests in flight with it.
+MIN_OPEN_FILES = 64
+
+
+def open_files_problem() -> str | None:
+    """Why the process's open-file limit is too low for the service, or None."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= MIN_OPEN_FILES:
+        return None
+    return (
+        f"the open-file limit is {soft} (ulimit -n); the service needs at least "
+        f"{MIN_OPEN_FILES} (its socket, one per client, gRPC's to Triton): raise it"
+    )
+
+
 #: The signals that stop the service (uvicorn shuts down on SIGINT and SIGTERM; SIGHUP too).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -248,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--triton-url is required (or {env_name('--triton-url')})")
     if (args.triton_protocol_header is None) != (args.triton_protocol_token_file is None):
         p.error("--triton-protocol-header and --triton-protocol-token-file go together")
+    too_few = open_files_problem()
+    if too_few is not None:
+        print(f"completions-service: error: {too_few}", file=sys.stderr)
+        return 2
     if args.api_keys_file is not None:
         try:
             read_keys(args.api_keys_file)

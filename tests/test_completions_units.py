@@ -8,6 +8,8 @@ import argparse
 import ast
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -484,6 +486,22 @@ def test_a_max_model_len_in_digits_other_than_ascii_is_the_models_error():
     config = {"parameters": {"max_model_len": {"string_value": "\u00b2"}}}
     with pytest.raises(BackendError, match="max_model_len"):
         model_info(config, "llm")
+
+
+def test_an_open_file_limit_too_low_for_grpc_is_refused_at_start():
+    """Under ``ulimit -n 12`` the service started, then gRPC could not open its descriptors
+    at the first call to Triton and killed the process (SIGSEGV or SIGABRT): now exit 2 at
+    start, naming the limit."""
+    start = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12)); "
+        "from completions_service.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", start, "--triton-url", "127.0.0.1:1", "--listen", "127.0.0.1:0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "open-file limit is 12 (ulimit -n)" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("where", ["taken", "foreign"])
