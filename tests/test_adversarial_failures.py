@@ -501,6 +501,26 @@ def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
     assert not list(root.glob("m@*"))
 
 
+@pytest.mark.parametrize("limit", [6, 7])
+def test_complete_with_too_few_file_descriptors_for_grpc_names_the_limit(limit):
+    """``complete`` under ``ulimit -n 6``: gRPC could not open its own descriptors and killed
+    the process (SIGABRT); under 7 its connection's socket failed, "Too many open files", told
+    as a server that is not up (2). Each is the process's limit: 75, naming it, before any
+    call."""
+    code = (
+        "import resource, sys; from loader.cli import main; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "complete", "hi", "--url", "127.0.0.1:1", "--model", "m",
+         "--timeout", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert f"open files ({limit}: ulimit -n)" in done.stderr and "hint:" in done.stderr
+
+
 @pytest.mark.slow  # a run in a subprocess of its own at each of nine limits
 def test_running_out_of_file_descriptors_leaves_no_empty_directory_in_staging(
     tiny_checkpoint_with_tokenizer, tmp_path
