@@ -13,6 +13,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import resource
 import signal
 import socket
@@ -23,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from completions_service.auth import KeyFileError, read_keys, read_secret_file
+from completions_service.auth import KeyFileError, read_header_value, read_keys
 from completions_service.settings import (
     DEFAULT_LISTEN,
     DEFAULT_MAX_BODY_BYTES,
@@ -75,6 +76,22 @@ def triton_address(value: str) -> str:
     if not host or not _digits(port) or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r}: expected grpc://HOST:PORT")
     return address
+
+
+def header_name(value: str) -> str:
+    """A gRPC header's name the service can send with a text value: lowercase letters, digits,
+    ``-``, ``_`` and ``.``, not a reserved one (``grpc-``), not a binary one (``-bin``). gRPC
+    failed each call to Triton with another name, the request a bare 500."""
+    if (
+        not re.fullmatch(r"[0-9a-z_.-]+", value)
+        or value.startswith("grpc-")
+        or value.endswith("-bin")
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is no gRPC header name the service can send: lowercase letters, "
+            "digits, '-', '_' and '.', e.g. triton-grpc-protocol-admin-key"
+        )
+    return value
 
 
 def listen_address(value: str) -> tuple[str, int]:
@@ -153,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})", default=DEFAULT_REQUEST_TIMEOUT_S,
         type=_seconds)  # fmt: skip
     add("--triton-protocol-header", "the gRPC header that admits to Triton's restricted "
-        "protocols, e.g. triton-grpc-protocol-admin-key (the service reads model-config)")  # fmt: skip
+        "protocols, e.g. triton-grpc-protocol-admin-key (the service reads model-config)",
+        type=header_name)  # fmt: skip
     add("--triton-protocol-token-file", "a file holding that header's value", type=Path)
     add("--log-level", "debug, info, warning or error (default info)", default="info",
         choices=["debug", "info", "warning", "error"])  # fmt: skip
@@ -280,8 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if args.triton_protocol_token_file is not None:
         try:
-            read_secret_file(args.triton_protocol_token_file)
-        except (OSError, UnicodeDecodeError) as exc:
+            read_header_value(args.triton_protocol_token_file)
+        except (OSError, ValueError) as exc:
             print(
                 "completions-service: error: cannot read the Triton protocol token file "
                 f"{args.triton_protocol_token_file}: {exc}",

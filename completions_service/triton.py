@@ -35,7 +35,7 @@ from tritonclient.grpc import InferInput
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
-from completions_service.auth import read_secret_file
+from completions_service.auth import read_header_value
 from completions_service.errors import (
     ApiError,
     BackendError,
@@ -260,8 +260,8 @@ class Triton:
         if self.protocol_header is None or self.protocol_token_file is None:
             return None
         try:
-            token = read_secret_file(self.protocol_token_file).strip()
-        except (OSError, UnicodeDecodeError) as exc:
+            token = read_header_value(self.protocol_token_file)
+        except (OSError, ValueError) as exc:
             raise Unavailable(
                 f"cannot read the Triton protocol token file {self.protocol_token_file}: {exc}"
             ) from exc

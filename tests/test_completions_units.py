@@ -426,6 +426,39 @@ def test_a_secret_file_that_is_no_small_regular_file_is_refused_at_start_never_r
     assert "cannot read the" in err and str(path) in err, err
 
 
+@pytest.mark.parametrize("header", ["Triton-Key", "admin key", ":authority", "x-admin-key-bin",
+                                    "grpc-timeout"])  # fmt: skip
+def test_a_header_name_grpc_cannot_send_is_refused_as_a_flag(header, capsys):
+    """gRPC refuses such a header's name at each call (uppercase, a space, a pseudo-header, a
+    binary or reserved one): every request the service made to Triton was a bare 500."""
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["--triton-url", "h:8001", "--triton-protocol-header", header])
+    assert exited.value.code == 2
+    assert "no gRPC header name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("token", ["two\nlines", "t\u00f6ken", "tab\there"])
+def test_a_token_grpc_cannot_send_is_refused_at_start_and_once_rotated(tmp_path, token):
+    """A token holding a line break, a tab or a character beyond ASCII, which gRPC refuses as
+    a header's value: the service started, and each request to Triton was a bare 500. Now 2 at
+    start, and a Secret rotated to one is a 503 naming the file."""
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    started = subprocess.run(
+        [sys.executable, "-m", "completions_service", "--triton-url", "127.0.0.1:1",
+         "--listen", "127.0.0.1:0", "--triton-protocol-header", "triton-grpc-protocol-admin-key",
+         "--triton-protocol-token-file", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert "a gRPC header cannot carry" in started.stderr, started.stderr
+    triton = Triton("127.0.0.1:1", "llm", 5, protocol_header="triton-grpc-protocol-admin-key",
+                    protocol_token_file=path)  # fmt: skip
+    with pytest.raises(Unavailable, match="a gRPC header cannot carry") as caught:
+        asyncio.run(triton.info())
+    assert str(path) in caught.value.message
+
+
 def test_a_listen_host_with_no_address_or_a_timeout_past_a_day_is_refused_as_a_flag():
     """An unresolvable --listen host ended in the server's own start-up error (exit 3); a
     request timeout of 1e308 s was taken."""
