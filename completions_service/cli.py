@@ -244,6 +244,30 @@ def open_files_problem() -> str | None:
     )
 
 
+def hold_standard_descriptors() -> None:
+    """Open ``/dev/null`` on each standard descriptor (0, 1, 2) the process started without
+    (``>&-``), and make a missing standard stream one on it: uvicorn's logging asks whether
+    standard output is a terminal, and failed on the missing stream (exit 1, a traceback);
+    and the listening socket or a client's connection took the free number, so that what a
+    library wrote to its standard output or error went to that socket. A closed standard
+    output or error writes nowhere."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError):
+                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
+
+
 #: The signals that stop the service (uvicorn shuts down on SIGINT and SIGTERM; SIGHUP too).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -275,6 +299,7 @@ def hang_up_stops(server: uvicorn.Server) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    hold_standard_descriptors()
     if threading.current_thread() is threading.main_thread():
         # A signal mask is inherited across exec: started by a parent's thread that blocked
         # them, the service never took SIGTERM (a pod's stop) or Ctrl-C, and served on until

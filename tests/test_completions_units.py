@@ -537,6 +537,38 @@ def test_an_open_file_limit_too_low_for_grpc_is_refused_at_start():
     assert "open-file limit is 12 (ulimit -n)" in done.stderr, done.stderr
 
 
+def test_a_service_started_with_its_standard_streams_closed_serves(tmp_path):
+    """``completions-service >&- 2>&-``: uvicorn's logging asked the missing standard output
+    whether it was a terminal, and the service ended at start (exit 1, a traceback); the
+    listening socket took the free descriptor 1. Each closed stream is /dev/null now."""
+    import os
+    import time
+    import urllib.request
+
+    from tests.servers import free_port
+
+    port = free_port()
+    closing = "import os, sys; os.close(1); os.close(2); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", closing, sys.executable, "-m", "completions_service",
+         "--triton-url", "127.0.0.1:1", "--listen", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/live", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        assert proc.poll() is None, f"the service ended with {proc.returncode}"
+        assert [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in (1, 2)] == [os.devnull] * 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 @pytest.mark.parametrize("where", ["taken", "foreign"])
 def test_an_address_it_cannot_listen_on_is_refused_with_exit_2_naming_it(capsys, where):
     """A --listen port another process holds, or an address that is not the machine's
