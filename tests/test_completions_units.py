@@ -362,6 +362,29 @@ def test_a_body_nested_too_deeply_is_a_400_in_openais_shape():
     assert "nests" in answer.json()["error"]["message"]
 
 
+def test_a_client_leaving_while_it_sends_its_body_is_no_error():
+    """A client that closed its connection halfway through its body: Starlette's
+    ClientDisconnect went up through the application, a traceback in the log ("Exception in
+    ASGI application") and a 500 sent to no one. Now it is a client that left (499)."""
+    app = create_app(Settings(triton_url="127.0.0.1:1"), Described("127.0.0.1:1", "llm", 5))
+    arriving = [{"type": "http.request", "body": b'{"model": "m", "pro', "more_body": True}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 499
+
+
 def test_a_stream_that_fails_unforeseen_gives_its_slot_back():
     """A streamed request whose first response raised something other than an API error
     (a bug; a lone surrogate did) kept its slot: with one slot, every later request was 429."""
