@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -185,14 +185,22 @@ class Service:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise Disconnected from None
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise InvalidRequest(
+                "the request body nests arrays or objects deeper than JSON is read here; send "
+                "a completion request (an object of OpenAI's fields)"
+            ) from None
 
     async def _model(self) -> ModelInfo:
         return await self.triton.info()
@@ -223,6 +231,10 @@ class Service:
             await admission.acquire()
         except ApiError as exc:
             return self.error(exc, route)
+        except Disconnected:  # while it sent its body: no one to answer
+            self.metrics.cancelled.inc()
+            self.metrics.requests.labels(route, "499").inc()
+            return Response(status_code=499)
         self._gauges()
         if parsed.stream:
             return await self._stream(request, parsed, generation, info, route, arrived)
@@ -333,6 +345,9 @@ class Service:
             self.metrics.cancelled.inc()
             self.metrics.requests.labels(route, "499").inc()
             return Response(status_code=499)
+        except BaseException:
+            await release()  # its slot, else taken for good: the service ends up refusing all
+            raise
 
         ident = completion_id()
         stops = StopMatcher(parsed.stop)

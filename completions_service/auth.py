@@ -46,6 +46,21 @@ def read_secret_file(path: Path) -> str:
     return data.decode("utf-8")
 
 
+def read_header_value(path: Path) -> str:
+    """The value of a gRPC header held in the file ``path`` (:func:`read_secret_file`), white
+    space around it dropped. gRPC sends only printable ASCII as a header's value: a token
+    holding a line break or another character is refused here (``ValueError``, naming what
+    it holds), where gRPC failed each call to Triton with an internal error."""
+    value = read_secret_file(path).strip()
+    wrong = next((c for c in value if not " " <= c <= "~"), None)
+    if wrong is not None:
+        raise ValueError(
+            f"it holds {wrong!r}, which a gRPC header cannot carry (printable ASCII only): put "
+            "the token alone in the file"
+        )
+    return value
+
+
 def read_keys(path: Path) -> tuple[str, ...]:
     try:
         text = read_secret_file(path)

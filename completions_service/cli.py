@@ -1,7 +1,9 @@
 """``completions-service``: the command line (each flag also from ``COMPLETIONS_<FLAG>``).
 
-Exit codes: 0 after a clean shutdown, 2 for a bad flag, keys file or token file, or an address
-it cannot listen on (the message says which), 3 when the server did not start.
+Exit codes: 0 after a clean shutdown (Ctrl-C; SIGTERM and SIGHUP end the process by that
+signal once it shut down cleanly), 2 for a bad flag, keys file or token file, an address it
+cannot listen on or an open-file limit too low (the message says which), 3 when the server did
+not start.
 """
 
 from __future__ import annotations
@@ -11,12 +13,18 @@ import contextlib
 import errno
 import logging
 import os
+import re
+import resource
+import signal
 import socket
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
-from completions_service.auth import KeyFileError, read_keys, read_secret_file
+from completions_service.auth import KeyFileError, read_header_value, read_keys
 from completions_service.settings import (
     DEFAULT_LISTEN,
     DEFAULT_MAX_BODY_BYTES,
@@ -26,6 +34,9 @@ from completions_service.settings import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Settings,
 )
+
+if TYPE_CHECKING:
+    import uvicorn
 
 ENV_PREFIX = "COMPLETIONS_"
 #: The longest --request-timeout-s: the chart's bound for ``openai.requestTimeoutSeconds``.
@@ -65,6 +76,22 @@ def triton_address(value: str) -> str:
     if not host or not _digits(port) or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r}: expected grpc://HOST:PORT")
     return address
+
+
+def header_name(value: str) -> str:
+    """A gRPC header's name the service can send with a text value: lowercase letters, digits,
+    ``-``, ``_`` and ``.``, not a reserved one (``grpc-``), not a binary one (``-bin``). gRPC
+    failed each call to Triton with another name, the request a bare 500."""
+    if (
+        not re.fullmatch(r"[0-9a-z_.-]+", value)
+        or value.startswith("grpc-")
+        or value.endswith("-bin")
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is no gRPC header name the service can send: lowercase letters, "
+            "digits, '-', '_' and '.', e.g. triton-grpc-protocol-admin-key"
+        )
+    return value
 
 
 def listen_address(value: str) -> tuple[str, int]:
@@ -143,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})", default=DEFAULT_REQUEST_TIMEOUT_S,
         type=_seconds)  # fmt: skip
     add("--triton-protocol-header", "the gRPC header that admits to Triton's restricted "
-        "protocols, e.g. triton-grpc-protocol-admin-key (the service reads model-config)")  # fmt: skip
+        "protocols, e.g. triton-grpc-protocol-admin-key (the service reads model-config)",
+        type=header_name)  # fmt: skip
     add("--triton-protocol-token-file", "a file holding that header's value", type=Path)
     add("--log-level", "debug, info, warning or error (default info)", default="info",
         choices=["debug", "info", "warning", "error"])  # fmt: skip
@@ -198,13 +226,95 @@ def _listen_error(listen: tuple[str, int], exc: OSError) -> str:
     return f"cannot listen on {where} ({exc.strerror or exc}): {what}"
 
 
+#: The least open-file limit the service starts with: its socket, the clients' connections and
+#: gRPC's own descriptors. Below about 16, gRPC could not open what it starts with (its event
+#: descriptors, /dev/urandom) at the first call to Triton and killed the process (SIGSEGV or
+#: SIGABRT), the requests in flight with it.
+MIN_OPEN_FILES = 64
+
+
+def open_files_problem() -> str | None:
+    """Why the process's open-file limit is too low for the service, or None."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= MIN_OPEN_FILES:
+        return None
+    return (
+        f"the open-file limit is {soft} (ulimit -n); the service needs at least "
+        f"{MIN_OPEN_FILES} (its socket, one per client, gRPC's to Triton): raise it"
+    )
+
+
+def hold_standard_descriptors() -> None:
+    """Open ``/dev/null`` on each standard descriptor (0, 1, 2) the process started without
+    (``>&-``), and make a missing standard stream one on it: uvicorn's logging asks whether
+    standard output is a terminal, and failed on the missing stream (exit 1, a traceback);
+    and the listening socket or a client's connection took the free number, so that what a
+    library wrote to its standard output or error went to that socket. A closed standard
+    output or error writes nowhere."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:
+            with contextlib.suppress(OSError):
+                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
+
+
+#: The signals that stop the service (uvicorn shuts down on SIGINT and SIGTERM; SIGHUP too).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def hang_up_stops(server: uvicorn.Server) -> Iterator[None]:
+    """While the block runs, SIGHUP (a closed terminal, a process manager's stop) shuts the
+    server down as SIGTERM does, its requests in flight answered; then the process ends by
+    SIGHUP. uvicorn handles SIGINT and SIGTERM only: SIGHUP killed the service at once, each
+    request in flight cut off. An ignored SIGHUP (``nohup``) stays ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(
+        signal.SIGHUP
+    ) in (signal.SIG_IGN, None):
+        yield
+        return
+    taken: list[int] = []
+
+    def hang_up(signum: int, frame: FrameType | None) -> None:
+        taken.append(signum)
+        server.should_exit = True
+
+    previous = signal.signal(signal.SIGHUP, hang_up)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    if taken:
+        signal.raise_signal(signal.SIGHUP)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    hold_standard_descriptors()
+    if threading.current_thread() is threading.main_thread():
+        # A signal mask is inherited across exec: started by a parent's thread that blocked
+        # them, the service never took SIGTERM (a pod's stop) or Ctrl-C, and served on until
+        # SIGKILL. The threads started later (gRPC's, the event loop's) inherit this one's.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     p = parser()
     args = p.parse_args(argv)  # argparse applies `type` to string defaults from the environment
     if not args.triton_url:
         p.error(f"--triton-url is required (or {env_name('--triton-url')})")
     if (args.triton_protocol_header is None) != (args.triton_protocol_token_file is None):
         p.error("--triton-protocol-header and --triton-protocol-token-file go together")
+    too_few = open_files_problem()
+    if too_few is not None:
+        print(f"completions-service: error: {too_few}", file=sys.stderr)
+        return 2
     if args.api_keys_file is not None:
         try:
             read_keys(args.api_keys_file)
@@ -213,8 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if args.triton_protocol_token_file is not None:
         try:
-            read_secret_file(args.triton_protocol_token_file)
-        except (OSError, UnicodeDecodeError) as exc:
+            read_header_value(args.triton_protocol_token_file)
+        except (OSError, ValueError) as exc:
             print(
                 "completions-service: error: cannot read the Triton protocol token file "
                 f"{args.triton_protocol_token_file}: {exc}",
@@ -243,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     server = uvicorn.Server(config)
     # Ctrl-C: the server shuts down, then passes the signal on (a KeyboardInterrupt here).
-    with sock, contextlib.suppress(KeyboardInterrupt):
+    with sock, contextlib.suppress(KeyboardInterrupt), hang_up_stops(server):
         logging.getLogger("completions_service").info("listening on %s:%d", *sock.getsockname()[:2])
         server.run(sockets=[sock])
     return 0 if server.started else 3

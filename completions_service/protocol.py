@@ -79,6 +79,21 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
+def _text(value: str, name: str) -> str:
+    """``value`` if it is Unicode text the model can be sent (UTF-8): JSON's escapes let a
+    string hold a lone surrogate (``"\\ud800"``), which no encoding writes."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{name}: holds {exc.object[exc.start : exc.end]!r} at {exc.start}, a lone "
+            "surrogate (a \\ud800-\\udfff escape with no pair), which is no text; send "
+            "the text as UTF-8",
+            param=name,
+        ) from None
+    return value
+
+
 def _prompt(body: dict) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list):
@@ -99,7 +114,7 @@ def _prompt(body: dict) -> str:
         )
     if not prompt:
         raise InvalidRequest("prompt: must not be empty", param="prompt")
-    return prompt
+    return _text(prompt, "prompt")
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -115,7 +130,7 @@ def _stops(body: dict) -> tuple[str, ...]:
         )
     if any(not s for s in stops):
         raise InvalidRequest("stop: a stop sequence must not be empty", param="stop")
-    return tuple(dict.fromkeys(stops))
+    return tuple(dict.fromkeys(_text(s, "stop") for s in stops))
 
 
 def _unsupported(body: dict) -> None:
@@ -188,6 +203,8 @@ def parse_request(body: Any, *, model: str | None = None) -> CompletionRequest:
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest("suffix: must be a string", param="suffix")
+    if suffix:
+        _text(suffix, "suffix")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("user: must be a string", param="user")

@@ -35,7 +35,7 @@ from tritonclient.grpc import InferInput
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
-from completions_service.auth import read_secret_file
+from completions_service.auth import read_header_value
 from completions_service.errors import (
     ApiError,
     BackendError,
@@ -200,7 +200,15 @@ def _text(result, name: str) -> str:
 
 def _count(result, name: str) -> int | None:
     array = result.as_numpy(name)
-    return None if array is None or array.size == 0 else int(array.reshape(-1)[0])
+    if array is None or array.size == 0:
+        return None
+    value = array.reshape(-1)[0]
+    if not isinstance(value, np.integer) or value < 0:
+        raise BackendError(
+            f"the model answered {name} {value!r}, not a count of tokens; serve a repository "
+            "the loader published with the llm model"
+        )
+    return int(value)
 
 
 def piece_of(result) -> Piece:
@@ -252,8 +260,8 @@ class Triton:
         if self.protocol_header is None or self.protocol_token_file is None:
             return None
         try:
-            token = read_secret_file(self.protocol_token_file).strip()
-        except (OSError, UnicodeDecodeError) as exc:
+            token = read_header_value(self.protocol_token_file)
+        except (OSError, ValueError) as exc:
             raise Unavailable(
                 f"cannot read the Triton protocol token file {self.protocol_token_file}: {exc}"
             ) from exc

@@ -108,6 +108,11 @@ LOCK_EXPIRY_S = Limit(
 LOCK_TIMEOUT_S = Limit("the publish lock timeout", 6 * 3600.0, 0.0, " s", most=WEEK_S)
 #: How long ``serve`` waits for the local tritonserver to be ready.
 STARTUP_TIMEOUT_S = Limit("the startup timeout", 120.0, 0.0, " s", exclusive=True, most=WEEK_S)
+#: How long ``complete`` waits for each answer (the readiness checks', the model list's, the
+#: completion's).
+COMPLETION_TIMEOUT_S = Limit(
+    "the completion timeout", 600.0, 0.0, " s", exclusive=True, most=WEEK_S
+)
 #: Published keys kept per model name by pruning.
 PRUNE_KEEP = Limit("the number of keys kept per model name", 2, 1)
 #: Parallel download and conversion workers (None: chosen per source).

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -445,6 +446,21 @@ def waiting_for(log_text: str) -> str:
     return said + (f"; never unloaded: {', '.join(live)}" if live else "")
 
 
+#: What tritonserver's process runs before tritonserver itself (the same process, then
+#: ``exec``): it asks the kernel for SIGTERM when the thread that started it ends
+#: (``PR_SET_PDEATHSIG``; the main thread, so the process), then runs ``sys.argv[2:]``. It
+#: leads a session of its own, where a terminal's signals never reach it: a ``serve`` killed
+#: by SIGKILL (``kill -9``, the OOM killer) left it serving its ports and holding its memory
+#: with no one to stop it. Its starter already gone (``sys.argv[1]``, its pid): it never starts.
+_STOPPED_WITH_ITS_STARTER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
 class TritonServer:
     """A ``tritonserver`` process serving ``repository`` with the arguments a pod of the chart
     runs (``pod_args``: :func:`rendered_pod_args` by default), the pod's address played by ``host``;
@@ -634,6 +650,8 @@ class TritonServer:
     def _launch(self, install: TritonInstall, backend_dir: Path) -> None:
         self._log_file = _open_log(self._log_path)
         cmd = self.command(backend_dir)
+        if threading.current_thread() is threading.main_thread():
+            cmd = [sys.executable, "-c", _STOPPED_WITH_ITS_STARTER, str(os.getpid()), *cmd]
         log.info(
             "starting tritonserver on %s (HTTP %s, gRPC %s, metrics %s) for %s",
             self.host,

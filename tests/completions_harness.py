@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loader.serving import TritonServer, restricted_protocols
 from tests.servers import free_port
+from tests.stalled import as_a_shell_starts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,10 +36,16 @@ class CompletionsService:
     """``with CompletionsService(triton, log=path, extra=[...]) as svc: svc.url``
 
     ``triton``: a started :class:`TritonServer` (the service gets its gRPC address and the
-    access the chart gives it, :func:`triton_access`), or a bare gRPC address (no header)."""
+    access the chart gives it, :func:`triton_access`), or a bare gRPC address (no header).
+    ``blocked``: signals the service starts with blocked (:func:`tests.stalled.as_a_shell_starts`)."""
 
     def __init__(
-        self, triton: TritonServer | str, *, log: Path, extra: list[str] | None = None
+        self,
+        triton: TritonServer | str,
+        *,
+        log: Path,
+        extra: list[str] | None = None,
+        blocked: tuple[int, ...] = (),
     ) -> None:
         access: list[str] = []
         if isinstance(triton, TritonServer):
@@ -47,6 +54,7 @@ class CompletionsService:
         self.triton_grpc = triton
         self.log = log
         self.extra = [*access, *(extra or [])]
+        self.blocked = blocked
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -60,6 +68,8 @@ class CompletionsService:
             "--triton-url", f"grpc://{self.triton_grpc}",
             "--listen", f"127.0.0.1:{self.port}", "--log-level", "warning", *self.extra,
         ]  # fmt: skip
+        if self.blocked:
+            cmd = as_a_shell_starts(cmd, blocked=self.blocked)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)

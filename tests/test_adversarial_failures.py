@@ -270,15 +270,19 @@ def test_a_fifo_where_gcloud_keeps_its_default_credentials_fails_at_once_naming_
 
 
 @pytest.mark.parametrize("kind", ["FIFO", "link to a device", "huge file"])
-@pytest.mark.parametrize("where", ["NETRC", "home"])
+@pytest.mark.parametrize("where", ["NETRC", "home", "NETRC=~/"])
 def test_a_login_file_that_is_no_file_fails_at_once_naming_it(tmp_path, kind, where):
     """requests reads its login file (the one NETRC names, else ``~/.netrc``) whole, with no
     timeout, before each request: a FIFO there held ``fetch gs://`` for good, past
-    ``--retry-deadline`` (a device until memory ran out). Now: 2 at once, naming it."""
+    ``--retry-deadline`` (a device until memory ran out). Now: 2 at once, naming it.
+    ``NETRC=~/.netrc`` is the file in the home directory (requests expands the ``~``): it
+    was looked for under a directory named ``~``, and a FIFO there still held the command."""
     (tmp_path / "home").mkdir()
     planted = tmp_path / "home" / ".netrc"
     _plant_entry(planted, kind)
     env = {"NETRC": str(planted)} if where == "NETRC" else {"HOME": str(tmp_path / "home")}
+    if where == "NETRC=~/":
+        env["NETRC"] = "~/.netrc"
     done = _fetch_gs(tmp_path, STORAGE_EMULATOR_HOST="http://127.0.0.1:1", **env)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr
@@ -495,6 +499,26 @@ def test_running_out_of_file_descriptors_says_so_and_names_the_limit(
     assert "(8)" in done.stderr
     assert "NFS" not in done.stderr
     assert not list(root.glob("m@*"))
+
+
+@pytest.mark.parametrize("limit", [6, 7])
+def test_complete_with_too_few_file_descriptors_for_grpc_names_the_limit(limit):
+    """``complete`` under ``ulimit -n 6``: gRPC could not open its own descriptors and killed
+    the process (SIGABRT); under 7 its connection's socket failed, "Too many open files", told
+    as a server that is not up (2). Each is the process's limit: 75, naming it, before any
+    call."""
+    code = (
+        "import resource, sys; from loader.cli import main; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "complete", "hi", "--url", "127.0.0.1:1", "--model", "m",
+         "--timeout", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert f"open files ({limit}: ulimit -n)" in done.stderr and "hint:" in done.stderr
 
 
 @pytest.mark.slow  # a run in a subprocess of its own at each of nine limits

@@ -246,3 +246,14 @@ def test_serve_refuses_a_startup_timeout_that_never_ends_or_cannot_start(capsys,
     code, err = _exit(capsys, "serve", str(tmp_path), "--startup-timeout", value)
     assert code == 2, err
     assert "--startup-timeout must be" in err and "hint: Set the startup timeout" in err, err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0", "1e9"])
+def test_complete_refuses_a_timeout_that_never_ends_or_cannot_start(capsys, value):
+    """gRPC took ``complete --timeout inf`` (and nan, 0, -1) for a deadline already past: the
+    readiness check, the model list or the completion failed at once with "Deadline
+    Exceeded" and a hint to check that the server is up. Each is the flag's error, before any
+    call."""
+    code, err = _exit(capsys, "complete", "hi", "--url", "127.0.0.1:1", "--timeout", value)
+    assert code == 2, err
+    assert "--timeout must be" in err and "hint: Set the completion timeout" in err, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from loader.serving import TritonServer
 from tests.completions_harness import CompletionsService
 from tests.completions_standin import activity, make_standin_repository
+from tests.procs import signal_masks
 from tests.servers import free_port
 
 pytestmark = pytest.mark.server  # starts real servers (see markers in pyproject.toml)
@@ -470,3 +472,35 @@ def test_a_finished_completion_closes_its_triton_stream_without_cancelling_it(
             while not cancellations() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert cancellations() == 1
+
+
+# --- stopping -----------------------------------------------------------------------------------
+
+
+def test_the_stop_signals_a_parent_left_blocked_are_taken(tmp_path):
+    """A signal mask is inherited across exec: started by a parent's thread that blocked them,
+    the service never took SIGTERM (a pod's stop) or Ctrl-C and served on until SIGKILL. Each
+    of its threads takes them now, and SIGTERM stops it."""
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    triton = f"127.0.0.1:{free_port()}"
+    with CompletionsService(triton, log=tmp_path / "svc.log", blocked=stops) as svc:
+        masks = signal_masks(svc.proc.pid)
+        assert masks and not any(mask & (1 << (s - 1)) for mask in masks.values() for s in stops)
+        svc.proc.send_signal(signal.SIGTERM)
+        assert svc.proc.wait(timeout=60) == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_lets_a_stream_in_flight_finish_then_ends_the_service(
+    triton, tmp_path, signum
+):
+    """SIGTERM and SIGHUP shut the service down with its requests in flight answered, then it
+    dies of the signal. uvicorn handles SIGTERM only: SIGHUP (a closed terminal, a process
+    manager's stop) killed it at once, each stream in flight cut off."""
+    with CompletionsService(triton, log=tmp_path / "svc.log") as svc:
+        stream = iter(client(svc).completions.create(model=MODEL, prompt="stop", max_tokens=40,
+                                                     stream=True, temperature=0))  # fmt: skip
+        next(stream)
+        svc.proc.send_signal(signum)
+        assert [*stream][-1].choices[0].finish_reason == "length"
+        assert svc.proc.wait(timeout=60) == -signum

@@ -7,11 +7,17 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
 from completions_service.admission import Admission
+from completions_service.app import create_app
 from completions_service.auth import ApiKeys, KeyFileError
 from completions_service.cli import env_name, parser, settings_of, triton_address
 from completions_service.errors import (
@@ -24,8 +30,16 @@ from completions_service.errors import (
 from completions_service.infill import infill_prompt
 from completions_service.protocol import parse_request
 from completions_service.sampling import sampling_of
+from completions_service.settings import Settings
 from completions_service.stops import StopMatcher
-from completions_service.triton import model_error, model_info
+from completions_service.triton import (
+    ModelInfo,
+    Piece,
+    Triton,
+    model_error,
+    model_info,
+    piece_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"model": "m", "prompt": "def f("}
@@ -96,6 +110,18 @@ def test_a_wrong_field_is_refused_naming_it(change, param):
 
 def test_the_logprobs_refusal_says_why():
     assert "no per-token log-probabilities" in refused({**GOOD, "logprobs": 2}).message
+
+
+@pytest.mark.parametrize("change", [{"prompt": "a\ud800"}, {"prompt": ["\udfff"]},
+                                    {"stop": ["x", "\ud83d"]}, {"suffix": "\udc00 }"}])  # fmt: skip
+def test_text_with_a_lone_surrogate_is_refused_naming_its_field(change):
+    """JSON's ``"\\ud800"`` decodes to a string no encoding writes: the prompt, a stop or a
+    suffix holding one failed to encode for Triton, a 500 whose streamed form kept its slot in
+    the queue for good."""
+    (param,) = change
+    error = refused({**GOOD, **change})
+    assert error.param == param and "lone surrogate" in error.message
+    error.message.encode()  # the answer itself can be sent
 
 
 def test_the_engine_path_names_the_model():
@@ -197,6 +223,30 @@ def test_other_model_errors_are_server_errors():
     assert isinstance(model_error("CUDA out of memory", "llm"), BackendError)
 
 
+class Answer:
+    """A response of the model as ``tritonclient`` gives it: its outputs by name."""
+
+    def __init__(self, **outputs: np.ndarray) -> None:
+        self.outputs = outputs
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.outputs.get(name)
+
+
+@pytest.mark.parametrize("count", [np.array([b"7"], dtype=np.object_), np.array([-1], np.int32)])
+def test_a_token_count_that_is_no_count_is_the_models_error(count):
+    """A model that answers ``num_input_tokens`` as text or below 0 is not the ``llm`` model:
+    a 500 in OpenAI's shape naming the output (it was a ValueError, Starlette's bare 500)."""
+    text = np.array([b"x"], dtype=np.object_)
+    answer = Answer(text_output=text, finish_reason=np.array([b"length"], dtype=np.object_),
+                    num_input_tokens=count)  # fmt: skip
+    with pytest.raises(BackendError, match="num_input_tokens"):
+        piece_of(answer)
+    assert piece_of(Answer(text_output=text, num_input_tokens=np.array([3], np.int32))) == Piece(
+        "x", None, 3, None
+    )
+
+
 def test_the_model_config_gives_name_context_and_batching():
     config = {
         "config": {
@@ -272,6 +322,79 @@ def test_the_queue_is_bounded_and_a_released_slot_goes_to_the_first_waiter():
     asyncio.run(scenario())
 
 
+# --- the application ---------------------------------------------------------------------------
+
+
+class Described(Triton):
+    """Triton's ``llm`` model with a known configuration; ``failure``: what its responses
+    raise (nothing listens at the address, so an unfailing request gets a 503)."""
+
+    failure: BaseException | None = None
+
+    async def info(self) -> ModelInfo:
+        return ModelInfo(name="m", max_model_len=64, batched=False, infill_template=None)
+
+    async def generate(self, generation, info):
+        if self.failure is not None:
+            raise self.failure
+        async for piece in super().generate(generation, info):
+            yield piece
+
+
+def posted(triton: Described, *bodies: bytes) -> list[httpx.Response]:
+    """The answers of the service (one slot, no queue) to ``bodies`` posted in turn."""
+    settings = Settings(triton_url="127.0.0.1:1", max_concurrency=1, max_queue=0)
+    app = create_app(settings, triton)
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            return [await client.post("/v1/completions", content=body) for body in bodies]
+
+    return asyncio.run(scenario())
+
+
+def test_a_body_nested_too_deeply_is_a_400_in_openais_shape():
+    """``[[[[...]]]]`` ran json.loads out of recursion: a bare 500 with a traceback logged."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (answer,) = posted(Described("127.0.0.1:1", "llm", 5), deep)
+    assert answer.status_code == 400, answer.text
+    assert "nests" in answer.json()["error"]["message"]
+
+
+def test_a_client_leaving_while_it_sends_its_body_is_no_error():
+    """A client that closed its connection halfway through its body: Starlette's
+    ClientDisconnect went up through the application, a traceback in the log ("Exception in
+    ASGI application") and a 500 sent to no one. Now it is a client that left (499)."""
+    app = create_app(Settings(triton_url="127.0.0.1:1"), Described("127.0.0.1:1", "llm", 5))
+    arriving = [{"type": "http.request", "body": b'{"model": "m", "pro', "more_body": True}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 499
+
+
+def test_a_stream_that_fails_unforeseen_gives_its_slot_back():
+    """A streamed request whose first response raised something other than an API error
+    (a bug; a lone surrogate did) kept its slot: with one slot, every later request was 429."""
+    triton = Described("127.0.0.1:1", "llm", 5)
+    triton.failure = RuntimeError("unforeseen")
+    body = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    first, second = posted(triton, body, body)
+    assert (first.status_code, second.status_code) == (500, 500), second.text
+
+
 # --- the command line -------------------------------------------------------------------------
 
 
@@ -324,6 +447,39 @@ def test_a_secret_file_that_is_no_small_regular_file_is_refused_at_start_never_r
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "cannot read the" in err and str(path) in err, err
+
+
+@pytest.mark.parametrize("header", ["Triton-Key", "admin key", ":authority", "x-admin-key-bin",
+                                    "grpc-timeout"])  # fmt: skip
+def test_a_header_name_grpc_cannot_send_is_refused_as_a_flag(header, capsys):
+    """gRPC refuses such a header's name at each call (uppercase, a space, a pseudo-header, a
+    binary or reserved one): every request the service made to Triton was a bare 500."""
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["--triton-url", "h:8001", "--triton-protocol-header", header])
+    assert exited.value.code == 2
+    assert "no gRPC header name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("token", ["two\nlines", "t\u00f6ken", "tab\there"])
+def test_a_token_grpc_cannot_send_is_refused_at_start_and_once_rotated(tmp_path, token):
+    """A token holding a line break, a tab or a character beyond ASCII, which gRPC refuses as
+    a header's value: the service started, and each request to Triton was a bare 500. Now 2 at
+    start, and a Secret rotated to one is a 503 naming the file."""
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    started = subprocess.run(
+        [sys.executable, "-m", "completions_service", "--triton-url", "127.0.0.1:1",
+         "--listen", "127.0.0.1:0", "--triton-protocol-header", "triton-grpc-protocol-admin-key",
+         "--triton-protocol-token-file", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert "a gRPC header cannot carry" in started.stderr, started.stderr
+    triton = Triton("127.0.0.1:1", "llm", 5, protocol_header="triton-grpc-protocol-admin-key",
+                    protocol_token_file=path)  # fmt: skip
+    with pytest.raises(Unavailable, match="a gRPC header cannot carry") as caught:
+        asyncio.run(triton.info())
+    assert str(path) in caught.value.message
 
 
 def test_a_listen_host_with_no_address_or_a_timeout_past_a_day_is_refused_as_a_flag():
@@ -386,6 +542,54 @@ def test_a_max_model_len_in_digits_other_than_ascii_is_the_models_error():
     config = {"parameters": {"max_model_len": {"string_value": "\u00b2"}}}
     with pytest.raises(BackendError, match="max_model_len"):
         model_info(config, "llm")
+
+
+def test_an_open_file_limit_too_low_for_grpc_is_refused_at_start():
+    """Under ``ulimit -n 12`` the service started, then gRPC could not open its descriptors
+    at the first call to Triton and killed the process (SIGSEGV or SIGABRT): now exit 2 at
+    start, naming the limit."""
+    start = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12)); "
+        "from completions_service.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", start, "--triton-url", "127.0.0.1:1", "--listen", "127.0.0.1:0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "open-file limit is 12 (ulimit -n)" in done.stderr, done.stderr
+
+
+def test_a_service_started_with_its_standard_streams_closed_serves(tmp_path):
+    """``completions-service >&- 2>&-``: uvicorn's logging asked the missing standard output
+    whether it was a terminal, and the service ended at start (exit 1, a traceback); the
+    listening socket took the free descriptor 1. Each closed stream is /dev/null now."""
+    import os
+    import time
+    import urllib.request
+
+    from tests.servers import free_port
+
+    port = free_port()
+    closing = "import os, sys; os.close(1); os.close(2); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", closing, sys.executable, "-m", "completions_service",
+         "--triton-url", "127.0.0.1:1", "--listen", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/live", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        assert proc.poll() is None, f"the service ended with {proc.returncode}"
+        assert [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in (1, 2)] == [os.devnull] * 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("where", ["taken", "foreign"])

@@ -274,8 +274,8 @@ def _children(proc) -> list[int]:
 
 def _kill_with_its_server(proc, servers: list[int] | None = None) -> None:
     """SIGKILL a serve that did not stop, and the tritonserver it started (``servers``, else
-    its children now), which runs in a session of its own: serve stops it, a killed serve
-    cannot; no server outlives the test."""
+    its children now), which runs in a session of its own: serve stops it, a killed serve only
+    has it sent SIGTERM, which it may take its time over; no server outlives the test."""
     import signal
 
     if servers is None:
@@ -381,6 +381,43 @@ def _serve_signalled(repository: Path, sig: int) -> tuple[int, bool, str, Path |
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(server, signal.SIGKILL)
     return code, left, proc.stderr.read(), log
+
+
+def test_a_serve_killed_outright_takes_its_server_with_it(repository):
+    """``kill -9`` of ``serve`` (or the OOM killer): its tritonserver, which leads a session of
+    its own, went on serving its ports and holding its memory with no one to stop it. Now the
+    kernel sends it SIGTERM as serve ends (``PR_SET_PDEATHSIG``), and it stops."""
+    import signal
+    import subprocess
+    import time
+
+    from tests import procs
+    from tests.stalled import as_a_shell_starts
+
+    proc = subprocess.Popen(
+        as_a_shell_starts([sys.executable, "-m", "loader", "serve", str(repository)]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    server = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("serving"):
+                break
+        (server,) = procs.children(proc.pid)  # tritonserver
+        proc.kill()
+        proc.wait()
+        # its own stop's bound: the chart's --exit-timeout-secs (40), and more on a busy machine
+        deadline = time.monotonic() + 90
+        while procs.running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not procs.running(server), "tritonserver was left running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(server, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("name", ["SIGUSR1", "SIGALRM", "SIGQUIT", "SIGSTKFLT"])

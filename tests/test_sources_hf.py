@@ -236,6 +236,23 @@ def test_token_sources_in_order_and_a_missing_file_named_with_its_variable(tmp_p
     assert "unmounted" in info.value.message and "HF_TOKEN_PATH" in info.value.remediation
 
 
+def test_a_token_path_under_home_or_a_variable_is_read_where_the_library_reads_it(
+    tmp_path, monkeypatch
+):
+    """huggingface_hub expands ``~`` and ``$NAME`` in HF_TOKEN_PATH (``~/.hf-token`` works with
+    the library alone); the loader opened the name as it was: 2, "no such file"."""
+    from loader.sources import FetchOptions
+    from loader.sources.hf import resolve_token
+
+    (tmp_path / "path-token").write_text("hf_path\n")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TOKENS", str(tmp_path))
+    for value in ("~/path-token", "$TOKENS/path-token"):
+        monkeypatch.setenv("HF_TOKEN_PATH", value)
+        assert resolve_token(FetchOptions()) == "hf_path"
+
+
 def test_missing_token_file_is_a_permission_error_naming_it(hub, tmp_path):
     with pytest.raises(SourcePermissionError, match="no-such-token"):
         fetch(

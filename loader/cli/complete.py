@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loader.errors import EndpointError, InvalidRequestError
+from loader.cli import limit_argument
+from loader.errors import EndpointError, InvalidRequestError, ResourceExhaustedError
+from loader.limits import COMPLETION_TIMEOUT_S
 
 #: Flag -> request field.
 OPTION_FIELDS: dict[str, str] = {
@@ -84,12 +86,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="first check that the server and the model are ready (what `helm test` runs)",
     )
-    p.add_argument(
+    limit_argument(
+        p,
         "--timeout",
-        type=float,
-        default=600.0,
+        COMPLETION_TIMEOUT_S,
+        metavar="SECONDS",
         help="seconds to wait for each answer: the readiness checks', the model list's, the "
-        "completion's (default 600)",
+        "completion's",
     )
     p.set_defaults(func=run)
 
@@ -137,6 +140,26 @@ def build_request(args: argparse.Namespace) -> dict[str, list[Any]]:
     return request
 
 
+#: The least open-file limit ``complete`` runs with: below 7, gRPC could not open its own
+#: descriptors and killed the process (SIGABRT); below about 8, its connection's socket failed
+#: ("Too many open files"), reported as a server that is not up.
+MIN_OPEN_FILES = 16
+
+
+def check_open_files() -> None:
+    """A :class:`ResourceExhaustedError` when the open-file limit leaves gRPC too few."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        raise ResourceExhaustedError(
+            f"The limit on open files ({soft}: ulimit -n) leaves the Triton client too few "
+            f"(it needs {MIN_OPEN_FILES}: its connection and its own).",
+            "Raise the limit on open files (ulimit -n, the container runtime's nofile limit), "
+            "then run again.",
+        )
+
+
 def check_ready(url: str, protocol: str, model: str, timeout_s: float) -> None:
     """Print ``server ready`` and ``model NAME ready``; :class:`EndpointError` if either is not
     (or its answer took more than ``timeout_s``)."""
@@ -174,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
     from loader.completion import warn_if_greedy_despite_temperature
     from loader.endpoint import parse_endpoint
 
+    # gRPC took inf, nan, 0 and -1 for a deadline already past: each failed at once, blaming
+    # the server ("Deadline Exceeded", check that it is up)
+    COMPLETION_TIMEOUT_S.check(args.timeout)
+    check_open_files()
     endpoint = parse_endpoint(args.url, protocol=args.protocol)
     url, protocol = endpoint.address, endpoint.protocol
     if args.stream and protocol != "grpc":

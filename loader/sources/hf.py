@@ -163,6 +163,8 @@ def resolve_token(options: FetchOptions) -> str | None:
     if not token_file:
         source = next((v for v in TOKEN_FILE_VARIABLES if os.environ.get(v)), "")
         token_file = os.environ.get(source) if source else None
+        if token_file and source == "HF_TOKEN_PATH":  # as the library reads it: ~ and $NAME
+            token_file = os.path.expandvars(os.path.expanduser(token_file))
     if not token_file:
         _stored_login_is_a_file()
         return None

@@ -218,10 +218,13 @@ def netrc_file() -> None:
     file (through links) of at most :data:`MAX_KEY_FILE_BYTES`: requests reads it whole, with
     no timeout, before each request. A FIFO there held ``fetch gs://`` for good, past
     ``--retry-deadline`` (a device such as ``/dev/zero``: until memory ran out). A missing one,
-    or a directory, is skipped, as requests skips it."""
+    or a directory, is skipped, as requests skips it. ``NETRC=~/...`` is the file in the home
+    directory, as requests reads it (it was looked for under a directory named ``~``)."""
     named = os.environ.get("NETRC")
-    if named is not None:
-        candidates = [(named, f"NETRC={named!r} names")]
+    if named is not None:  # requests expands a leading ~ of it too
+        path = os.path.expanduser(named)
+        subject = f"NETRC={named!r}" + ("" if path == named else f" ({shown(path)})")
+        candidates = [(path, f"{subject} names")]
     else:
         candidates = [(os.path.expanduser(f"~/{name}"), None) for name in NETRC_FILES]
     for path, subject in candidates:
