@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from loader import fs
-from loader.errors import NotOursError
+from loader.errors import NameTakenError, NotOursError
 from tests.races import when_locked
 from tests.runs import forged_key
 
@@ -325,6 +325,45 @@ def test_chmod_never_follows_a_link_swapped_in_after_its_look(tmp_path):
             t.chmod("ours.bin", 0o644)
     assert theirs.stat().st_mode & 0o777 == 0o600
     assert (tree / "ours.bin").is_symlink()
+
+
+def test_a_judged_removal_whose_fresh_name_is_taken_is_refused_and_moves_nothing(tmp_path):
+    """``Dir.unlink_judged`` of the loader's file to a fresh name something already stands at
+    (a user's file put there, as prune's ``<lock>.stale-<hex>``): a :class:`NameTakenError`
+    naming it (what prune keeps the lock for), and nothing moved or replaced: the loader's
+    file is still at its name, the other one untouched at the fresh one."""
+    (tmp_path / "k.lock").write_text("the loader's\n")
+    (tmp_path / "k.lock.stale-0").write_text("the user's\n")
+    found = os.lstat(tmp_path / "k.lock")
+    with fs.Dir.open(tmp_path) as d, pytest.raises(NameTakenError, match="stale-0"):
+        d.unlink_judged("k.lock", (found.st_dev, found.st_ino), "k.lock.stale-0")
+    assert (tmp_path / "k.lock").read_text() == "the loader's\n"
+    assert (tmp_path / "k.lock.stale-0").read_text() == "the user's\n"
+
+
+def test_a_file_at_a_removals_fresh_name_changed_after_it_stopped_is_not_the_loaders(tmp_path):
+    """A removal in a marked tree stopped right before the unlink of the file moved to its
+    fresh name (``.model-loader-gone.*``): the record says by then that the loader is about to
+    remove it, with its change time. An entry at that name with the same inode number but
+    another change time (what a freed inode number given again to someone's file looks like)
+    is someone else's: the next loader removing the tree keeps it (the record naming the fresh
+    name only as made, not as gone, took any such entry for the loader's)."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("x.bin", b"x")
+
+    def stop(called: str, path: str) -> None:
+        if called == "unlink" and ".model-loader-gone." in path:
+            raise Stopped(path)
+
+    with fs.Dir.open(tree) as t, fs.inject(stop), pytest.raises(Stopped):
+        t.unlink("x.bin")
+    (aside,) = [p for p in tree.iterdir() if ".model-loader-gone." in p.name]
+    os.chmod(aside, 0o600)  # its change time moves: another entry, as far as a record tells
+    fs._made_trees.clear()  # the next loader, reading the record anew
+    with fs.Dir.open(tree.parent) as parent:
+        kept = parent.remove_tree(tree.name)
+    assert kept == [aside] and aside.read_bytes() == b"x"
 
 
 # --- the publish lock ------------------------------------------------------------------------
