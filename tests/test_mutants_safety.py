@@ -533,6 +533,29 @@ def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(t
     assert [r.path for r in report.removed] == [moved] and not moved.exists()
 
 
+def test_prune_keeps_a_moved_lock_whose_fresh_name_is_taken_and_goes_on(tmp_path, monkeypatch):
+    """A moved-away lock prune removes goes to a fresh name first; something standing at that
+    name already (a user's file) is never replaced: the lock stays, with a warning, the user's
+    file is untouched, and prune goes on (it failed with the name taken)."""
+    import types
+
+    from loader.repository import prune as prune_module
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    moved = locks / "m@r1~v.lock.stale-fedcba9876543210"
+    moved.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16}))
+    theirs = locks / "m@r1~v.lock.stale-aaaaaaaaaaaaaaaa"
+    theirs.write_text("a user's notes\n")
+    monkeypatch.setattr(
+        prune_module, "secrets", types.SimpleNamespace(token_hex=lambda n: "a" * 2 * n)
+    )
+    report = prune_module.prune(root)
+    assert report.removed == [] and theirs.read_text() == "a user's notes\n"
+    assert json.loads(moved.read_text())["host"] == "elsewhere"
+
+
 def test_prune_leaves_a_users_copy_of_a_lock_record_not_named_as_a_take_over_names_it(tmp_path):
     """A take-over names the lock it moves aside ``<lock>.stale-<16 hex digits>``: a user's
     copy of a lock record in ``.locks`` under another name of that kind (a word, a suffix
