@@ -482,6 +482,46 @@ def _written_in_place(path: Path, data: bytes) -> None:
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
 
 
+@pytest.mark.parametrize("how", ["written in place", "renamed over"])
+@pytest.mark.parametrize("reader", ["read_file", "copy_in"])
+def test_a_file_changed_since_its_download_was_verified_is_never_read_as_that_file(
+    tmp_path, how, reader
+):
+    """``fs.read_file`` (config.json, the index) and ``Dir.copy_in`` (the tokenizer files)
+    given the stamp of the file a download verified: the very file, unchanged, is read; one
+    written in place since (the same inode and size, its modification time moved on) or
+    renamed over it (another inode, the same size and time) is refused, a
+    :class:`ReplacedDownloadError`, and nothing is copied."""
+    from loader.errors import ReplacedDownloadError
+
+    path = tmp_path / "source" / "config.json"
+    path.parent.mkdir()
+    path.write_bytes(b'{"n_layer": 1}')
+    checked = fs.stamp(os.lstat(path))
+
+    def read() -> bytes:
+        if reader == "read_file":
+            return fs.read_file(path, limit=1024, checked=checked)
+        with fs.Dir.open(tmp_path / "repo", create=True) as d:
+            d.copy_in("config.json", path, checked=checked)
+        copied = tmp_path / "repo" / "config.json"
+        data = copied.read_bytes()
+        copied.unlink()
+        return data
+
+    assert read() == b'{"n_layer": 1}'
+    if how == "written in place":
+        _written_in_place(path, b'{"n_layer": 9}')
+    else:
+        other = tmp_path / "other.json"
+        other.write_bytes(b'{"n_layer": 9}')
+        os.utime(other, ns=(checked[3], checked[3]))
+        os.rename(other, path)
+    with pytest.raises(ReplacedDownloadError, match=r"config\.json"):
+        read()
+    assert not (tmp_path / "repo" / "config.json").exists()
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("how", ["written", "renamed"])
 @pytest.mark.parametrize("scheme", ["gs", "hf"])
