@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -843,3 +844,34 @@ def test_a_safetensors_file_cut_short_after_its_header_was_checked_is_transient(
             shard.get(next(iter(shard.infos())))
     finally:
         shard.close()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_an_index_or_shard_changed_since_its_download_was_verified_is_never_read(
+    checkpoints, tmp_path, fmt
+):
+    """The index and each shard of a download are read only while each is the file its
+    download verified (its stamp then): the very files, unchanged, read; an index written in
+    place since (its modification time moved on), or a shard whose modification time moved
+    (the same inode and size: written in place), is a :class:`ReplacedDownloadError`."""
+    from loader import fs
+    from loader.checkpoint import read_inventory
+    from loader.errors import ReplacedDownloadError
+
+    directory = _copy(checkpoints[(fmt, True)], tmp_path / "source")
+    (index,) = directory.glob("*.index.json")
+    checked = {p.name: fs.stamp(p.lstat()) for p in directory.iterdir()}
+    inventory = read_inventory(directory, listed=set(checked), checked=checked)
+    shard = inventory.files[0]
+    inventory.open(shard, checked=checked[shard]).close()
+
+    def moved_on(path: Path) -> None:
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    moved_on(directory / shard)
+    with pytest.raises(ReplacedDownloadError, match=shard):
+        inventory.open(shard, checked=checked[shard])
+    moved_on(index)
+    with pytest.raises(ReplacedDownloadError, match=index.name.replace(".", r"\.")):
+        read_inventory(directory, listed=set(checked), checked=checked)
