@@ -556,6 +556,26 @@ def test_prune_keeps_a_moved_lock_whose_fresh_name_is_taken_and_goes_on(tmp_path
     assert json.loads(moved.read_text())["host"] == "elsewhere"
 
 
+def test_prune_reports_no_removal_of_a_moved_lock_someone_else_removed_first(tmp_path):
+    """A moved-away lock another process removes between prune's read and its move aside:
+    nothing was removed by prune, and its report says so (it listed the lock as removed)."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    moved = locks / "m@r1~v.lock.stale-fedcba9876543210"
+    moved.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16}))
+
+    def removed_first(op: str, path: str) -> None:
+        if op.startswith("rename") and path.startswith(f"{moved} -> ") and moved.exists():
+            moved.unlink()
+
+    with fs.inject(removed_first):
+        report = prune(root)
+    assert report.removed == [] and not moved.exists()
+
+
 def test_prune_leaves_a_users_copy_of_a_lock_record_not_named_as_a_take_over_names_it(tmp_path):
     """A take-over names the lock it moves aside ``<lock>.stale-<16 hex digits>``: a user's
     copy of a lock record in ``.locks`` under another name of that kind (a word, a suffix
