@@ -853,7 +853,8 @@ def test_an_index_or_shard_changed_since_its_download_was_verified_is_never_read
     """The index and each shard of a download are read only while each is the file its
     download verified (its stamp then): the very files, unchanged, read; an index written in
     place since (its modification time moved on), or a shard whose modification time moved
-    (the same inode and size: written in place), is a :class:`ReplacedDownloadError`."""
+    (the same inode and size: written in place), is a :class:`ReplacedDownloadError` (the
+    shard refused closed)."""
     from loader import fs
     from loader.checkpoint import read_inventory
     from loader.errors import ReplacedDownloadError
@@ -870,8 +871,10 @@ def test_an_index_or_shard_changed_since_its_download_was_verified_is_never_read
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
 
     moved_on(directory / shard)
+    opened = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ReplacedDownloadError, match=shard):
         inventory.open(shard, checked=checked[shard])
+    assert len(os.listdir("/proc/self/fd")) == opened  # the file refused is closed
     moved_on(index)
     with pytest.raises(ReplacedDownloadError, match=index.name.replace(".", r"\.")):
         read_inventory(directory, listed=set(checked), checked=checked)
