@@ -516,6 +516,40 @@ def test_prune_puts_a_replaced_copy_back_under_its_absent_key_never_removes_it(t
     assert manifest.verify(root / OLD, key=OLD) == []
 
 
+def test_a_put_back_without_renameat2_leaves_the_copy_when_a_directory_came_at_the_key(
+    tmp_path,
+):
+    """Without ``renameat2`` a replaced copy goes back under its key by ``rename(2)`` after a
+    look: a directory with something in it put at the key after that look makes the rename
+    fail (ENOTEMPTY); the copy stays in ``.trash`` with a warning, what came at the key stays,
+    and the run goes on (the error escaped, an OSError that is no user's or machine's)."""
+    import errno
+
+    from loader.repository import manifest, publish
+    from loader.repository.key import key_filename
+
+    root = tmp_path / "models"
+    (root / OLD.split("/")[0]).mkdir(parents=True)
+    copy = root / ".trash" / f"{key_filename(OLD)}.0123456789ab"
+    (copy / "m").mkdir(parents=True)
+    (copy / "m" / "weights.bin").write_bytes(b"weights")
+    meta = {"key": OLD, "created_at": "2026-01-01T00:00:00Z"}
+    manifest.write_manifest(copy, manifest.build_manifest(copy, meta))
+    manifest.write_ready(copy, OLD)
+
+    def no_renameat2(op: str, path: str) -> None:
+        if op == "rename-noreplace":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if op == "rename" and path.endswith(f" -> {root / OLD}"):
+            (root / OLD).mkdir()
+            (root / OLD / "theirs.txt").write_text("mine\n")
+
+    with fs.inject(no_renameat2):
+        assert publish.recover(root, OLD) is None
+    assert (copy / "m" / "weights.bin").read_bytes() == b"weights"
+    assert (root / OLD / "theirs.txt").read_text() == "mine\n"
+
+
 def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(tmp_path):
     """A file in ``.locks`` named like a lock a take-over moved aside, holding no lock record,
     is someone else's: prune leaves it."""
