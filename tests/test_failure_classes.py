@@ -583,6 +583,50 @@ def test_a_bin_whose_tensor_list_the_process_has_no_memory_to_read_is_transient(
     _check_records(path)
 
 
+@pytest.mark.parametrize(
+    ("failure", "transient"),
+    [
+        (f"unable to mmap 64 bytes from file </proc/self/fd/5>: {os.strerror(errno.ENOMEM)} "
+         f"({errno.ENOMEM})", True),
+        (f"unable to mmap 64 bytes from file </proc/self/fd/5>: {os.strerror(errno.EACCES)} "
+         f"({errno.EACCES})", False),
+        ("MemoryError", True),
+    ],
+    ids=["ENOMEM", "EACCES", "MemoryError"],
+)  # fmt: skip
+def test_a_bin_torch_could_not_map_for_memory_is_transient_for_another_reason_not(
+    tmp_path, monkeypatch, failure, transient
+):
+    """``torch.load(mmap=True)`` failing with torch's own words for a map refused for memory
+    (ENOMEM), or a MemoryError, is the machine's (75); refused for another reason it stays
+    the file's (2). A tensor list the process has no memory to read is 75 too (the slow tests
+    do both under a real address-space limit)."""
+    import torch
+
+    from loader import checkpoint
+    from loader.errors import CheckpointError, ResourceExhaustedError
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.zeros(4)}, path)
+
+    def load(*args, **kwargs):
+        raise MemoryError if failure == "MemoryError" else RuntimeError(failure)
+
+    monkeypatch.setattr(torch, "load", load)
+    expected = ResourceExhaustedError if transient else CheckpointError
+    with pytest.raises(expected) as raised:
+        checkpoint.TorchFile(path)
+    assert transient or not isinstance(raised.value, ResourceExhaustedError)
+    monkeypatch.undo()
+
+    def no_memory(self):
+        raise MemoryError
+
+    monkeypatch.setattr(checkpoint._Storages, "load", no_memory)
+    with pytest.raises(ResourceExhaustedError, match="ran out of memory reading the tensor list"):
+        checkpoint.TorchFile(path)
+
+
 def test_a_tokenizer_the_process_has_no_memory_to_load_is_transient(
     tiny_checkpoint_with_tokenizer, monkeypatch
 ):
