@@ -389,6 +389,18 @@ def test_a_safetensors_header_larger_than_a_checkpoints_is_refused_before_it_is_
         assert ckpt.names() == ["x"]
 
 
+def test_a_safetensors_header_of_16_mib_is_read_and_one_byte_more_refused(tmp_path):
+    """The header the loader reads is at most 16 MiB (a checkpoint's lists its tensors in
+    about 100 bytes each): one of exactly that is read, one byte more is refused."""
+    bare = len(json.dumps(_ONE_TENSOR))
+    at = _safetensors_dir(tmp_path / "at", _ONE_TENSOR, bytes(8), padding=16 * 2**20 - bare)
+    with open_checkpoint(at) as ckpt:
+        assert ckpt.names() == ["x"]
+    past = _safetensors_dir(tmp_path / "past", _ONE_TENSOR, bytes(8), padding=16 * 2**20 - bare + 1)
+    with pytest.raises(FileContentError, match=f"has a header of {16 * 2**20 + 1} bytes"):
+        open_checkpoint(past)
+
+
 @pytest.mark.parametrize("metadata", [[], {"a": []}, {"a": 1}, "text", {"a": {"b": "c"}}])
 def test_safetensors_metadata_of_anything_but_text_values_is_refused(tmp_path, metadata):
     """The safetensors library reads ``__metadata__`` as text to text and refuses the file
