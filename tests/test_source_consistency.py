@@ -522,6 +522,21 @@ def test_a_file_changed_since_its_download_was_verified_is_never_read_as_that_fi
     assert not (tmp_path / "repo" / "config.json").exists()
 
 
+def test_a_gs_partial_file_is_the_one_written_only_at_its_size_and_last_slices_time():
+    """A gs:// partial file is taken as the file this run's slices were written through only
+    while its size is the object's and its modification time the latest the slices saw after
+    their writes: bytes appended or cut in place in the same clock tick as the last write
+    (the time unchanged), or a time an earlier slice saw, are another file's."""
+    import types
+
+    from loader.sources.gcs import _as_written
+
+    obj = types.SimpleNamespace(size=10, written=[(1, 2, 10, 7), (1, 2, 4, 5)])
+    assert _as_written(obj, (1, 2, 10, 7))
+    assert not _as_written(obj, (1, 2, 11, 7)) and not _as_written(obj, (1, 2, 9, 7))
+    assert not _as_written(obj, (1, 2, 10, 5)) and not _as_written(obj, (1, 2, 10, 8))
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("how", ["written", "renamed"])
 @pytest.mark.parametrize("scheme", ["gs", "hf"])
