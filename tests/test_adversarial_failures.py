@@ -316,6 +316,26 @@ def test_a_login_file_at_dev_null_is_no_logins_as_requests_reads_it(tmp_path, mo
         source_settings.netrc_file()
 
 
+def test_the_login_file_read_is_the_first_of_netrc_and_underscore_netrc_there(
+    tmp_path, monkeypatch
+):
+    """Without NETRC, requests reads ``~/.netrc``, else ``~/_netrc``: a FIFO at ``_netrc``
+    alone is refused at once, naming it; behind a regular ``.netrc`` it is never read, and
+    nothing is refused."""
+    from loader.errors import SourcePermissionError
+    from loader.sources import settings as source_settings
+
+    home = tmp_path / "home"
+    home.mkdir()
+    os.mkfifo(home / "_netrc")
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(SourcePermissionError, match="_netrc"):
+        source_settings.netrc_file()
+    (home / ".netrc").write_text("machine example.com login a password b\n")
+    source_settings.netrc_file()
+
+
 def test_a_warning_python_is_told_to_raise_is_named_not_a_bug(tmp_path):
     """``PYTHONWARNINGS=error``: google-api-core's ImportWarning at its import (grpcio-status
     is not installed) became an exception, and ``fetch gs://`` ended with exit 1 and a
