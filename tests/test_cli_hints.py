@@ -246,3 +246,20 @@ def test_serve_refuses_a_startup_timeout_that_never_ends_or_cannot_start(capsys,
     code, err = _exit(capsys, "serve", str(tmp_path), "--startup-timeout", value)
     assert code == 2, err
     assert "--startup-timeout must be" in err and "hint: Set the startup timeout" in err, err
+
+
+@pytest.mark.parametrize("sig", ["SIGSEGV", "SIGABRT", "SIGUSR1"])
+def test_a_child_ended_by_another_signal_while_it_stopped_keeps_that_signals_hint(sig):
+    """Only SIGKILL while the supervised child stopped is a stop that did not wait for it;
+    another signal that ended it then (a crash, a signal it gives no meaning) keeps its own
+    hint, never the grace period's."""
+    import signal
+
+    from loader.errors import KilledError
+
+    signum = getattr(signal, sig)
+    while_stopping = KilledError(signum, stopping=signal.SIGTERM)
+    assert while_stopping.remediation == KilledError(signum).remediation
+    assert "stopping on" not in while_stopping.remediation
+    killed = KilledError(signal.SIGKILL, stopping=signal.SIGTERM).remediation
+    assert killed.startswith("It was stopping on SIGTERM")
