@@ -10,6 +10,8 @@ itself, no server, nothing slow).
   a link or FIFO outside a marked tree either; a marked directory's record is durable before
   the directory gets its name; a user's file at the record's name of DEST is never taken as
   the record; a user's empty directory in a marked tree is never removed by ``rmdir``, nor with the tree; nor is a user's file's mode changed (``chmod``, as sealing does);
+  a judged removal to a fresh name something stands at is refused and moves nothing; a file
+  at a stopped removal's fresh name whose change time moved is not the loader's;
 * the publish lock: a holder that saw its lock taken over stays lost; a user's file at a
   lock's path is never judged stale and removed;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
@@ -19,7 +21,9 @@ itself, no server, nothing slow).
   lock that holds no lock record stays; a download directory's marker is the loader's only
   at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a leftover it removes is
   judged the key's once more as it is removed; a user's file at a
-  key's lock path keeps the key and stops nothing;
+  key's lock path keeps the key and stops nothing; a moved lock whose fresh name is taken
+  stays, and one removed by someone else first is not reported removed; a put-back without
+  ``renameat2`` that finds a directory come at the key leaves the copy in ``.trash``;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
   fits without its download suffix among them; a path below DEST with a ``..`` or a file on
   the way is a typed error; a link left at a gone owner's partial name is never adopted;
