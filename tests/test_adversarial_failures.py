@@ -299,6 +299,47 @@ def test_a_login_file_that_is_a_directory_is_skipped_as_requests_skips_it(tmp_pa
     assert done.returncode == 75, done.stderr  # the refused connection, to the deadline
 
 
+@pytest.mark.parametrize("where", ["NETRC", "home"])
+def test_a_login_file_at_dev_null_is_no_logins_as_requests_reads_it(tmp_path, monkeypatch, where):
+    """``NETRC=/dev/null`` (or ``~/.netrc`` a link to it), the usual way to turn the login file
+    off: requests reads it as holding no logins; the check refused it as a device (2), and
+    ``fetch gs://`` never started."""
+    from loader.errors import SourcePermissionError
+    from loader.sources import settings as source_settings
+
+    (tmp_path / "home").mkdir()
+    if where == "NETRC":
+        monkeypatch.setenv("NETRC", os.devnull)
+    else:
+        monkeypatch.delenv("NETRC", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        (tmp_path / "home" / ".netrc").symlink_to(os.devnull)
+    source_settings.netrc_file()
+    monkeypatch.setenv("NETRC", "/dev/zero")  # another device still fails at once
+    with pytest.raises(SourcePermissionError, match="a device"):
+        source_settings.netrc_file()
+
+
+def test_the_login_file_read_is_the_first_of_netrc_and_underscore_netrc_there(
+    tmp_path, monkeypatch
+):
+    """Without NETRC, requests reads ``~/.netrc``, else ``~/_netrc``: a FIFO at ``_netrc``
+    alone is refused at once, naming it; behind a regular ``.netrc`` it is never read, and
+    nothing is refused."""
+    from loader.errors import SourcePermissionError
+    from loader.sources import settings as source_settings
+
+    home = tmp_path / "home"
+    home.mkdir()
+    os.mkfifo(home / "_netrc")
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(SourcePermissionError, match="_netrc"):
+        source_settings.netrc_file()
+    (home / ".netrc").write_text("machine example.com login a password b\n")
+    source_settings.netrc_file()
+
+
 def test_a_warning_python_is_told_to_raise_is_named_not_a_bug(tmp_path):
     """``PYTHONWARNINGS=error``: google-api-core's ImportWarning at its import (grpcio-status
     is not installed) became an exception, and ``fetch gs://`` ended with exit 1 and a

@@ -389,6 +389,18 @@ def test_a_safetensors_header_larger_than_a_checkpoints_is_refused_before_it_is_
         assert ckpt.names() == ["x"]
 
 
+def test_a_safetensors_header_of_16_mib_is_read_and_one_byte_more_refused(tmp_path):
+    """The header the loader reads is at most 16 MiB (a checkpoint's lists its tensors in
+    about 100 bytes each): one of exactly that is read, one byte more is refused."""
+    bare = len(json.dumps(_ONE_TENSOR))
+    at = _safetensors_dir(tmp_path / "at", _ONE_TENSOR, bytes(8), padding=16 * 2**20 - bare)
+    with open_checkpoint(at) as ckpt:
+        assert ckpt.names() == ["x"]
+    past = _safetensors_dir(tmp_path / "past", _ONE_TENSOR, bytes(8), padding=16 * 2**20 - bare + 1)
+    with pytest.raises(FileContentError, match=f"has a header of {16 * 2**20 + 1} bytes"):
+        open_checkpoint(past)
+
+
 @pytest.mark.parametrize("metadata", [[], {"a": []}, {"a": 1}, "text", {"a": {"b": "c"}}])
 def test_safetensors_metadata_of_anything_but_text_values_is_refused(tmp_path, metadata):
     """The safetensors library reads ``__metadata__`` as text to text and refuses the file
@@ -874,3 +886,37 @@ def test_a_weight_file_is_compared_with_the_file_its_download_verified(
     path.write_bytes(b"\xff" * 64)  # no weight file at all: never parsed
     with pytest.raises(ReplacedDownloadError, match=path.name):
         OPENERS[opener](path, verified)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_an_index_or_shard_changed_since_its_download_was_verified_is_never_read(
+    checkpoints, tmp_path, fmt
+):
+    """The index and each shard of a download are read only while each is the file its
+    download verified (its stamp then): the very files, unchanged, read; an index written in
+    place since (its modification time moved on), or a shard whose modification time moved
+    (the same inode and size: written in place), is a :class:`ReplacedDownloadError` (the
+    shard refused closed)."""
+    from loader import fs
+    from loader.checkpoint import read_inventory
+    from loader.errors import ReplacedDownloadError
+
+    directory = _copy(checkpoints[(fmt, True)], tmp_path / "source")
+    (index,) = directory.glob("*.index.json")
+    checked = {p.name: fs.stamp(p.lstat()) for p in directory.iterdir()}
+    inventory = read_inventory(directory, listed=set(checked), checked=checked)
+    shard = inventory.files[0]
+    inventory.open(shard, checked=checked[shard]).close()
+
+    def moved_on(path: Path) -> None:
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    moved_on(directory / shard)
+    opened = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ReplacedDownloadError, match=shard):
+        inventory.open(shard, checked=checked[shard])
+    assert len(os.listdir("/proc/self/fd")) == opened  # the file refused is closed
+    moved_on(index)
+    with pytest.raises(ReplacedDownloadError, match=index.name.replace(".", r"\.")):
+        read_inventory(directory, listed=set(checked), checked=checked)

@@ -257,3 +257,59 @@ def test_complete_refuses_a_timeout_that_never_ends_or_cannot_start(capsys, valu
     code, err = _exit(capsys, "complete", "hi", "--url", "127.0.0.1:1", "--timeout", value)
     assert code == 2, err
     assert "--timeout must be" in err and "hint: Set the completion timeout" in err, err
+
+
+@pytest.mark.parametrize("sig", ["SIGSEGV", "SIGABRT", "SIGUSR1"])
+def test_a_child_ended_by_another_signal_while_it_stopped_keeps_that_signals_hint(sig):
+    """Only SIGKILL while the supervised child stopped is a stop that did not wait for it;
+    another signal that ended it then (a crash, a signal it gives no meaning) keeps its own
+    hint, never the grace period's."""
+    import signal
+
+    from loader.errors import KilledError
+
+    signum = getattr(signal, sig)
+    while_stopping = KilledError(signum, stopping=signal.SIGTERM)
+    assert while_stopping.remediation == KilledError(signum).remediation
+    assert "stopping on" not in while_stopping.remediation
+    killed = KilledError(signal.SIGKILL, stopping=signal.SIGTERM).remediation
+    assert killed.startswith("It was stopping on SIGTERM")
+
+
+def test_standard_output_that_cannot_write_a_character_is_named_a_lone_surrogate_not():
+    """Standard output in an encoding without a character the command prints (``ascii``,
+    ``modèles``): the error is marked as standard output's and names its encoding and
+    PYTHONIOENCODING. A lone surrogate (bytes of an argument that are not UTF-8) is not the
+    encoding's fault: left to the check of the arguments (the slow test runs a whole command
+    under PYTHONIOENCODING=ascii)."""
+    import io
+
+    from loader import cli
+
+    out = cli._MarkedOutput(io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    for text, named in (("/data/modèles", True), ("/data/mod\udce8les", False)):
+        with pytest.raises(UnicodeEncodeError) as raised:
+            out.write(text)
+        assert getattr(raised.value, cli._STANDARD_OUTPUT, False)
+        typed = cli._stdout_unencodable(raised.value)
+        if named:
+            assert typed is not None and "ascii" in typed.message, typed
+            assert "PYTHONIOENCODING" in typed.remediation
+        else:
+            assert typed is None
+
+
+def test_a_warning_raised_as_an_error_is_named_only_when_python_was_told_to(monkeypatch):
+    """A Warning raised as an exception is Python told to (``-W error``, PYTHONWARNINGS:
+    ``sys.warnoptions``) only when it was; without such an option it is no setting of the
+    user's to name (a library raising a Warning class itself)."""
+    import sys
+
+    from loader import cli
+
+    monkeypatch.setattr(sys, "warnoptions", [])
+    assert cli._warning_raised(ImportWarning("from a library")) is None
+    monkeypatch.setattr(sys, "warnoptions", ["error"])
+    typed = cli._warning_raised(ImportWarning("from a library"))
+    assert typed is not None and "PYTHONWARNINGS" in typed.message
+    assert cli._warning_raised(ValueError("no warning")) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,56 @@ def test_a_request_file_is_read_only_when_it_is_a_small_regular_file(tmp_path, k
     with pytest.raises(LoaderError) as info:
         load_request(path)
     assert info.value.exit_code == 2 and str(path) in info.value.message
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_every_wait_of_the_complete_command_for_the_server_ends_at_its_timeout(
+    protocol, monkeypatch, capsys
+):
+    """``complete --check-ready`` without ``--model``: the model list and the readiness checks
+    wait for the server at most ``--timeout`` each, over HTTP (the client's connection and
+    network timeouts) and gRPC (each call's deadline: a call has none of its own, and one a
+    server took and never answered waited for good)."""
+    import types
+
+    from tritonclient.utils import InferenceServerException
+
+    from loader.cli import main
+
+    made, calls = [], []
+
+    class Client:
+        def __init__(self, url, **kwargs):
+            made.append(kwargs)
+
+        def get_model_repository_index(self, **kwargs):
+            calls.append(("index", kwargs))
+            return [{"name": "codegen", "state": "READY"}]
+
+        def is_server_ready(self, **kwargs):
+            calls.append(("server", kwargs))
+            return True
+
+        def is_model_ready(self, model, **kwargs):
+            calls.append(("model", kwargs))
+            return True
+
+        def infer(self, *args, **kwargs):
+            raise InferenceServerException("refused")
+
+        def close(self):
+            pass
+
+    real = httpclient if protocol == "http" else grpcclient
+    fake = types.ModuleType(real.__name__)
+    fake.__dict__.update(vars(real), InferenceServerClient=Client)
+    monkeypatch.setitem(sys.modules, real.__name__, fake)
+    code = main(["complete", "--url", f"{protocol}://127.0.0.1:1", "--timeout", "7",
+                 "--check-ready", "x"])  # fmt: skip
+    assert code == 2, capsys.readouterr().err
+    assert [what for what, _ in calls] == ["index", "server", "model"]
+    if protocol == "http":
+        waits = {"connection_timeout": 7.0, "network_timeout": 7.0}
+        assert made[:2] == [waits, waits] and all(kwargs == {} for _, kwargs in calls)
+    else:
+        assert all(kwargs == {"client_timeout": 7.0} for _, kwargs in calls), calls

@@ -3,6 +3,7 @@ name that does not resolve is not (2, in seconds, with a hint), never a tracebac
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -582,6 +583,50 @@ def test_a_bin_whose_tensor_list_the_process_has_no_memory_to_read_is_transient(
     _check_records(path)
 
 
+@pytest.mark.parametrize(
+    ("failure", "transient"),
+    [
+        (f"unable to mmap 64 bytes from file </proc/self/fd/5>: {os.strerror(errno.ENOMEM)} "
+         f"({errno.ENOMEM})", True),
+        (f"unable to mmap 64 bytes from file </proc/self/fd/5>: {os.strerror(errno.EACCES)} "
+         f"({errno.EACCES})", False),
+        ("MemoryError", True),
+    ],
+    ids=["ENOMEM", "EACCES", "MemoryError"],
+)  # fmt: skip
+def test_a_bin_torch_could_not_map_for_memory_is_transient_for_another_reason_not(
+    tmp_path, monkeypatch, failure, transient
+):
+    """``torch.load(mmap=True)`` failing with torch's own words for a map refused for memory
+    (ENOMEM), or a MemoryError, is the machine's (75); refused for another reason it stays
+    the file's (2). A tensor list the process has no memory to read is 75 too (the slow tests
+    do both under a real address-space limit)."""
+    import torch
+
+    from loader import checkpoint
+    from loader.errors import CheckpointError, ResourceExhaustedError
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.zeros(4)}, path)
+
+    def load(*args, **kwargs):
+        raise MemoryError if failure == "MemoryError" else RuntimeError(failure)
+
+    monkeypatch.setattr(torch, "load", load)
+    expected = ResourceExhaustedError if transient else CheckpointError
+    with pytest.raises(expected) as raised:
+        checkpoint.TorchFile(path)
+    assert transient or not isinstance(raised.value, ResourceExhaustedError)
+    monkeypatch.undo()
+
+    def no_memory(self):
+        raise MemoryError
+
+    monkeypatch.setattr(checkpoint._Storages, "load", no_memory)
+    with pytest.raises(ResourceExhaustedError, match="ran out of memory reading the tensor list"):
+        checkpoint.TorchFile(path)
+
+
 def test_a_tokenizer_the_process_has_no_memory_to_load_is_transient(
     tiny_checkpoint_with_tokenizer, monkeypatch
 ):
@@ -600,5 +645,37 @@ def test_a_tokenizer_the_process_has_no_memory_to_load_is_transient(
     with pytest.raises(ResourceExhaustedError, match="ran out of memory loading the tokenizer"):
         validate.check_tokenizer(tiny_checkpoint_with_tokenizer, files, 10**6)
     monkeypatch.setattr(validate, "_ids", lambda tokenizer: 1 / 0)
+    with pytest.raises(CheckpointError, match="does not load"):
+        validate.check_tokenizer(tiny_checkpoint_with_tokenizer, files, 10**6)
+
+
+@pytest.mark.parametrize(
+    "code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM], ids=["EMFILE", "ENFILE", "ENOMEM"]
+)
+def test_a_tokenizer_the_library_has_no_descriptor_or_memory_to_open_is_transient(
+    tiny_checkpoint_with_tokenizer, monkeypatch, code
+):
+    """The tokenizers library out of descriptors or memory raises a plain Exception whose
+    message ends with the errno (``Too many open files (os error 24)``): the process's or the
+    machine's limit (75, naming it), not a tokenizer that does not load (2). Another errno in
+    such a message stays the file's."""
+    from loader.errors import CheckpointError, LoaderError
+    from loader.repository import layout, validate
+
+    files = layout.tokenizer_files(tiny_checkpoint_with_tokenizer)
+
+    def failing(errno_: int):
+        def tokenizer_from(paths, directory):
+            raise Exception(f"{os.strerror(errno_)} (os error {errno_})")  # as the library's
+
+        return tokenizer_from
+
+    from loader.repository.models import tokenization
+
+    monkeypatch.setattr(tokenization, "tokenizer_from", failing(code))
+    with pytest.raises(LoaderError) as raised:
+        validate.check_tokenizer(tiny_checkpoint_with_tokenizer, files, 10**6)
+    assert raised.value.exit_code == 75 and os.strerror(code) in raised.value.message
+    monkeypatch.setattr(tokenization, "tokenizer_from", failing(errno.EACCES))
     with pytest.raises(CheckpointError, match="does not load"):
         validate.check_tokenizer(tiny_checkpoint_with_tokenizer, files, 10**6)

@@ -805,6 +805,20 @@ def test_a_half_made_directory_whose_removal_was_stopped_is_removed_by_the_next_
     assert os.listdir(staging) == []
 
 
+def test_a_users_file_at_a_moved_aside_name_in_a_half_made_directory_keeps_it(tmp_path):
+    """A half-made temporary directory holding, besides what a stopped ``make_marked`` wrote, a
+    file at a name the loader moves its files aside to (``.model-loader-gone.*``) that holds
+    neither a beginning of the record nor of the marker (a user's file of that name): it is
+    not what a stopped removal leaves, and the directory stays whole with it."""
+    staging = tmp_path / "staging"
+    dead = _half_made(staging, _stop_at("write", MARKER))
+    theirs = staging / dead / f"{fs.MARKER_PREFIX}gone.999999999-{fs.host_digest()}.{'0' * 12}"
+    theirs.write_text("mine\n")
+    with fs.Dir.open(staging) as parent:
+        assert parent.unfinished_marked("t.", MARKER, KEY, idle_s=3600) == []
+    assert theirs.read_text() == "mine\n"
+
+
 @pytest.mark.parametrize("where", ["top", "below"])
 def test_a_file_put_into_a_directory_while_it_is_removed_stays(tmp_path, where):
     """Someone puts a file into a directory of the tree just before the loader removes the

@@ -10,6 +10,8 @@ itself, no server, nothing slow).
   a link or FIFO outside a marked tree either; a marked directory's record is durable before
   the directory gets its name; a user's file at the record's name of DEST is never taken as
   the record; a user's empty directory in a marked tree is never removed by ``rmdir``, nor with the tree; nor is a user's file's mode changed (``chmod``, as sealing does);
+  a judged removal to a fresh name something stands at is refused and moves nothing; a file
+  at a stopped removal's fresh name whose change time moved is not the loader's;
 * the publish lock: a holder that saw its lock taken over stays lost; a user's file at a
   lock's path is never judged stale and removed;
 * prune: the newest keys it keeps are the newest by their manifests' ``created_at``, not by
@@ -19,7 +21,9 @@ itself, no server, nothing slow).
   lock that holds no lock record stays; a download directory's marker is the loader's only
   at its key's name, a copy's in ``.trash`` only under its key's name; a live holder's lock keeps its key in a dry run too; a leftover it removes is
   judged the key's once more as it is removed; a user's file at a
-  key's lock path keeps the key and stops nothing;
+  key's lock path keeps the key and stops nothing; a moved lock whose fresh name is taken
+  stays, and one removed by someone else first is not reported removed; a put-back without
+  ``renameat2`` that finds a directory come at the key leaves the copy in ``.trash``;
 * a remote listing's names: each kind of name the rule refuses is refused, a name that only
   fits without its download suffix among them; a path below DEST with a ``..`` or a file on
   the way is a typed error; a link left at a gone owner's partial name is never adopted;
@@ -38,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from loader import fs
-from loader.errors import NotOursError
+from loader.errors import NameTakenError, NotOursError
 from tests.races import when_locked
 from tests.runs import forged_key
 
@@ -327,6 +331,45 @@ def test_chmod_never_follows_a_link_swapped_in_after_its_look(tmp_path):
     assert (tree / "ours.bin").is_symlink()
 
 
+def test_a_judged_removal_whose_fresh_name_is_taken_is_refused_and_moves_nothing(tmp_path):
+    """``Dir.unlink_judged`` of the loader's file to a fresh name something already stands at
+    (a user's file put there, as prune's ``<lock>.stale-<hex>``): a :class:`NameTakenError`
+    naming it (what prune keeps the lock for), and nothing moved or replaced: the loader's
+    file is still at its name, the other one untouched at the fresh one."""
+    (tmp_path / "k.lock").write_text("the loader's\n")
+    (tmp_path / "k.lock.stale-0").write_text("the user's\n")
+    found = os.lstat(tmp_path / "k.lock")
+    with fs.Dir.open(tmp_path) as d, pytest.raises(NameTakenError, match="stale-0"):
+        d.unlink_judged("k.lock", (found.st_dev, found.st_ino), "k.lock.stale-0")
+    assert (tmp_path / "k.lock").read_text() == "the loader's\n"
+    assert (tmp_path / "k.lock.stale-0").read_text() == "the user's\n"
+
+
+def test_a_file_at_a_removals_fresh_name_changed_after_it_stopped_is_not_the_loaders(tmp_path):
+    """A removal in a marked tree stopped right before the unlink of the file moved to its
+    fresh name (``.model-loader-gone.*``): the record says by then that the loader is about to
+    remove it, with its change time. An entry at that name with the same inode number but
+    another change time (what a freed inode number given again to someone's file looks like)
+    is someone else's: the next loader removing the tree keeps it (the record naming the fresh
+    name only as made, not as gone, took any such entry for the loader's)."""
+    tree = _tree(tmp_path)
+    with fs.Dir.open(tree) as t:
+        t.write("x.bin", b"x")
+
+    def stop(called: str, path: str) -> None:
+        if called == "unlink" and ".model-loader-gone." in path:
+            raise Stopped(path)
+
+    with fs.Dir.open(tree) as t, fs.inject(stop), pytest.raises(Stopped):
+        t.unlink("x.bin")
+    (aside,) = [p for p in tree.iterdir() if ".model-loader-gone." in p.name]
+    os.chmod(aside, 0o600)  # its change time moves: another entry, as far as a record tells
+    fs._made_trees.clear()  # the next loader, reading the record anew
+    with fs.Dir.open(tree.parent) as parent:
+        kept = parent.remove_tree(tree.name)
+    assert kept == [aside] and aside.read_bytes() == b"x"
+
+
 # --- the publish lock ------------------------------------------------------------------------
 
 
@@ -477,6 +520,40 @@ def test_prune_puts_a_replaced_copy_back_under_its_absent_key_never_removes_it(t
     assert manifest.verify(root / OLD, key=OLD) == []
 
 
+def test_a_put_back_without_renameat2_leaves_the_copy_when_a_directory_came_at_the_key(
+    tmp_path,
+):
+    """Without ``renameat2`` a replaced copy goes back under its key by ``rename(2)`` after a
+    look: a directory with something in it put at the key after that look makes the rename
+    fail (ENOTEMPTY); the copy stays in ``.trash`` with a warning, what came at the key stays,
+    and the run goes on (the error escaped, an OSError that is no user's or machine's)."""
+    import errno
+
+    from loader.repository import manifest, publish
+    from loader.repository.key import key_filename
+
+    root = tmp_path / "models"
+    (root / OLD.split("/")[0]).mkdir(parents=True)
+    copy = root / ".trash" / f"{key_filename(OLD)}.0123456789ab"
+    (copy / "m").mkdir(parents=True)
+    (copy / "m" / "weights.bin").write_bytes(b"weights")
+    meta = {"key": OLD, "created_at": "2026-01-01T00:00:00Z"}
+    manifest.write_manifest(copy, manifest.build_manifest(copy, meta))
+    manifest.write_ready(copy, OLD)
+
+    def no_renameat2(op: str, path: str) -> None:
+        if op == "rename-noreplace":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        if op == "rename" and path.endswith(f" -> {root / OLD}"):
+            (root / OLD).mkdir()
+            (root / OLD / "theirs.txt").write_text("mine\n")
+
+    with fs.inject(no_renameat2):
+        assert publish.recover(root, OLD) is None
+    assert (copy / "m" / "weights.bin").read_bytes() == b"weights"
+    assert (root / OLD / "theirs.txt").read_text() == "mine\n"
+
+
 def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(tmp_path):
     """A file in ``.locks`` named like a lock a take-over moved aside, holding no lock record,
     is someone else's: prune leaves it."""
@@ -492,6 +569,49 @@ def test_prune_leaves_a_file_named_like_a_moved_lock_that_holds_no_lock_record(t
     report = prune(root)
     assert theirs.read_text() == "a user's notes\n"
     assert [r.path for r in report.removed] == [moved] and not moved.exists()
+
+
+def test_prune_keeps_a_moved_lock_whose_fresh_name_is_taken_and_goes_on(tmp_path, monkeypatch):
+    """A moved-away lock prune removes goes to a fresh name first; something standing at that
+    name already (a user's file) is never replaced: the lock stays, with a warning, the user's
+    file is untouched, and prune goes on (it failed with the name taken)."""
+    import types
+
+    from loader.repository import prune as prune_module
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    moved = locks / "m@r1~v.lock.stale-fedcba9876543210"
+    moved.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16}))
+    theirs = locks / "m@r1~v.lock.stale-aaaaaaaaaaaaaaaa"
+    theirs.write_text("a user's notes\n")
+    monkeypatch.setattr(
+        prune_module, "secrets", types.SimpleNamespace(token_hex=lambda n: "a" * 2 * n)
+    )
+    report = prune_module.prune(root)
+    assert report.removed == [] and theirs.read_text() == "a user's notes\n"
+    assert json.loads(moved.read_text())["host"] == "elsewhere"
+
+
+def test_prune_reports_no_removal_of_a_moved_lock_someone_else_removed_first(tmp_path):
+    """A moved-away lock another process removes between prune's read and its move aside:
+    nothing was removed by prune, and its report says so (it listed the lock as removed)."""
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    locks = root / ".locks"
+    locks.mkdir(parents=True)
+    moved = locks / "m@r1~v.lock.stale-fedcba9876543210"
+    moved.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "0" * 16}))
+
+    def removed_first(op: str, path: str) -> None:
+        if op.startswith("rename") and path.startswith(f"{moved} -> ") and moved.exists():
+            moved.unlink()
+
+    with fs.inject(removed_first):
+        report = prune(root)
+    assert report.removed == [] and not moved.exists()
 
 
 def test_prune_leaves_a_users_copy_of_a_lock_record_not_named_as_a_take_over_names_it(tmp_path):

@@ -62,6 +62,26 @@ def test_a_waiter_takes_over_at_once_when_the_holder_pid_on_this_host_is_gone(tm
     assert time.monotonic() - started < 5
 
 
+def test_a_take_over_whose_fresh_name_is_taken_is_refused_and_moves_nothing(tmp_path: Path):
+    """A take-over moves the stale lock to ``<lock>.stale-<its token>`` first, replacing
+    nothing there: a file already at that name (a user's) is refused, the lock's path named
+    taken (2, not the bare EEXIST of the rename), and both files stay as they were."""
+    from loader.errors import NameTakenError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    stale = json.dumps({"pid": dead.pid, "host": os.uname().nodename, "token": "x", "beats": 3})
+    path.write_text(stale)
+    lock = PublishLock(tmp_path, KEY, expiry_s=30, timeout_s=0, poll_s=0.05)
+    theirs = path.with_name(f"{path.name}.stale-{lock.token}")
+    theirs.write_text("a user's notes\n")
+    with pytest.raises(NameTakenError, match=theirs.name):
+        lock.acquire()
+    assert path.read_text() == stale and theirs.read_text() == "a user's notes\n"
+
+
 def _zombie() -> subprocess.Popen:
     """A child that has exited and not been reaped yet: what a loader killed with its process
     group (SIGKILL) is for a moment, until its reaper waits for it, or for good under a PID 1

@@ -1219,6 +1219,34 @@ def test_a_fifo_swapped_in_for_a_tokenizer_file_once_it_was_looked_at_is_never_r
     assert swap.done
 
 
+def test_a_tokenizer_file_renamed_over_after_the_check_opened_it_is_never_loaded(
+    tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch
+):
+    """The tokenizers library loads the very files the check opened (through their
+    descriptors): a file renamed over tokenizer.json after the check opened it, before the
+    library reads it, is never what is loaded (by path, the library read the other file)."""
+    from loader.repository import layout
+    from loader.repository.models import tokenization
+    from loader.repository.validate import check_tokenizer
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for path in layout.tokenizer_files(tiny_checkpoint_with_tokenizer):
+        shutil.copyfile(path, checkpoint / path.name)
+    files = layout.tokenizer_files(checkpoint)
+    loaded = tokenization.tokenizer_from
+
+    def renamed_over_first(paths, directory):
+        other = tmp_path / "other.json"
+        other.write_text("not a tokenizer\n")
+        os.rename(other, checkpoint / "tokenizer.json")
+        return loaded(paths, directory)
+
+    monkeypatch.setattr(tokenization, "tokenizer_from", renamed_over_first)
+    check_tokenizer(checkpoint, files, 10**6)
+    assert (checkpoint / "tokenizer.json").read_text() == "not a tokenizer\n"
+
+
 @pytest.mark.parametrize("field", ["start_id", "end_id", "inter_size"])
 def test_a_negative_number_of_config_ini_is_refused(field):
     """FasterTransformer reads each number of ``[gptj]`` as a C ``int`` that is a size or a

@@ -488,6 +488,61 @@ def _written_in_place(path: Path, data: bytes) -> None:
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
 
 
+@pytest.mark.parametrize("how", ["written in place", "renamed over"])
+@pytest.mark.parametrize("reader", ["read_file", "copy_in"])
+def test_a_file_changed_since_its_download_was_verified_is_never_read_as_that_file(
+    tmp_path, how, reader
+):
+    """``fs.read_file`` (config.json, the index) and ``Dir.copy_in`` (the tokenizer files)
+    given the stamp of the file a download verified: the very file, unchanged, is read; one
+    written in place since (the same inode and size, its modification time moved on) or
+    renamed over it (another inode, the same size and time) is refused, a
+    :class:`ReplacedDownloadError`, and nothing is copied."""
+    from loader.errors import ReplacedDownloadError
+
+    path = tmp_path / "source" / "config.json"
+    path.parent.mkdir()
+    path.write_bytes(b'{"n_layer": 1}')
+    checked = fs.stamp(os.lstat(path))
+
+    def read() -> bytes:
+        if reader == "read_file":
+            return fs.read_file(path, limit=1024, checked=checked)
+        with fs.Dir.open(tmp_path / "repo", create=True) as d:
+            d.copy_in("config.json", path, checked=checked)
+        copied = tmp_path / "repo" / "config.json"
+        data = copied.read_bytes()
+        copied.unlink()
+        return data
+
+    assert read() == b'{"n_layer": 1}'
+    if how == "written in place":
+        _written_in_place(path, b'{"n_layer": 9}')
+    else:
+        other = tmp_path / "other.json"
+        other.write_bytes(b'{"n_layer": 9}')
+        os.utime(other, ns=(checked[3], checked[3]))
+        os.rename(other, path)
+    with pytest.raises(ReplacedDownloadError, match=r"config\.json"):
+        read()
+    assert not (tmp_path / "repo" / "config.json").exists()
+
+
+def test_a_gs_partial_file_is_the_one_written_only_at_its_size_and_last_slices_time():
+    """A gs:// partial file is taken as the file this run's slices were written through only
+    while its size is the object's and its modification time the latest the slices saw after
+    their writes: bytes appended or cut in place in the same clock tick as the last write
+    (the time unchanged), or a time an earlier slice saw, are another file's."""
+    import types
+
+    from loader.sources.gcs import _as_written
+
+    obj = types.SimpleNamespace(size=10, written=[(1, 2, 10, 7), (1, 2, 4, 5)])
+    assert _as_written(obj, (1, 2, 10, 7))
+    assert not _as_written(obj, (1, 2, 11, 7)) and not _as_written(obj, (1, 2, 9, 7))
+    assert not _as_written(obj, (1, 2, 10, 5)) and not _as_written(obj, (1, 2, 10, 8))
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("how", ["written", "renamed"])
 @pytest.mark.parametrize("scheme", ["gs", "hf"])

@@ -454,3 +454,23 @@ def test_every_signal_a_command_takes_is_held_back_while_libraries_start_their_t
         held = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     left = {signal.SIGINT, *cli.STOPPING, *cli.ENDING} - held
     assert not left, sorted(signal.Signals(s).name for s in left)
+
+
+def test_every_signal_a_command_takes_is_unblocked_when_its_parent_left_it_blocked():
+    """A signal mask is inherited across ``exec``: a command started from a thread blocking
+    signals never took them. Each signal that stops the command, or that would end it (the
+    slow tests send SIGTERM alone), is taken again as the command starts; a fault's (and
+    SIGPIPE and SIGXFSZ, which Python ignores) stays as it was."""
+    from loader import cli
+
+    faults = {getattr(signal, n) for n in _FAULTS if hasattr(signal, n)}
+    taken = _ending() - faults - {signal.SIGKILL, signal.SIGPIPE, signal.SIGXFSZ}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, taken | {signal.SIGBUS})
+    try:
+        cli._open_stop_signals()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    still = held & taken
+    assert not still, sorted(signal.Signals(s).name for s in still)
+    assert signal.SIGBUS in held

@@ -211,6 +211,9 @@ def _token_files(path: str, named_by: str) -> None:
 #: The login files requests (``gs://``) reads for the credentials of each host it asks: the
 #: one ``NETRC`` names, else the first of these in the home directory that exists.
 NETRC_FILES = (".netrc", "_netrc")
+#: The device number of ``/dev/null``: a login file there reads empty (the usual way to turn
+#: the login file off).
+_DEV_NULL = os.makedev(1, 3)
 
 
 def netrc_file() -> None:
@@ -218,8 +221,9 @@ def netrc_file() -> None:
     file (through links) of at most :data:`MAX_KEY_FILE_BYTES`: requests reads it whole, with
     no timeout, before each request. A FIFO there held ``fetch gs://`` for good, past
     ``--retry-deadline`` (a device such as ``/dev/zero``: until memory ran out). A missing one,
-    or a directory, is skipped, as requests skips it. ``NETRC=~/...`` is the file in the home
-    directory, as requests reads it (it was looked for under a directory named ``~``)."""
+    or a directory, is skipped, as requests skips it; ``/dev/null`` holds no logins, as requests
+    reads it. ``NETRC=~/...`` is the file in the home directory, as requests reads it (it was
+    looked for under a directory named ``~``)."""
     named = os.environ.get("NETRC")
     if named is not None:  # requests expands a leading ~ of it too
         path = os.path.expanduser(named)
@@ -234,6 +238,8 @@ def netrc_file() -> None:
             continue  # missing, a dangling link: requests looks no further at it either
         if stat.S_ISDIR(found.st_mode):
             return  # requests fails to open it and goes on without
+        if stat.S_ISCHR(found.st_mode) and found.st_rdev == _DEV_NULL:
+            return  # NETRC=/dev/null (or a link to it): no logins, as requests reads it
         subject = subject or f"The login file {shown(path)} (read for gs:// sources) is"
         fix = (
             "Replace it with a netrc file (machine HOST login NAME password SECRET lines), "
