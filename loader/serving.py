@@ -452,8 +452,12 @@ def waiting_for(log_text: str) -> str:
 #: leads a session of its own, where a terminal's signals never reach it: a ``serve`` killed
 #: by SIGKILL (``kill -9``, the OOM killer) left it serving its ports and holding its memory
 #: with no one to stop it. Its starter already gone (``sys.argv[1]``, its pid): it never starts.
+#: Python ignores SIGPIPE and SIGXFSZ as it starts, and an ignored signal stays ignored across
+#: ``exec``: both are set back to their default first, so tritonserver starts as in a pod.
 _STOPPED_WITH_ITS_STARTER = (
     "import ctypes, os, signal, sys\n"
+    "for s in (signal.SIGPIPE, signal.SIGXFSZ):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(1)\n"

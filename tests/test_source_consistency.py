@@ -537,7 +537,7 @@ def test_a_gs_partial_file_is_the_one_written_only_at_its_size_and_last_slices_t
 
     from loader.sources.gcs import _as_written
 
-    obj = types.SimpleNamespace(size=10, written=[(1, 2, 10, 7), (1, 2, 4, 5)])
+    obj = types.SimpleNamespace(size=10, written=[(1, 2, 10, 7), (1, 2, 4, 5)], read_back=None)
     assert _as_written(obj, (1, 2, 10, 7))
     assert not _as_written(obj, (1, 2, 11, 7)) and not _as_written(obj, (1, 2, 9, 7))
     assert not _as_written(obj, (1, 2, 10, 5)) and not _as_written(obj, (1, 2, 10, 8))
