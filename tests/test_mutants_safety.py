@@ -499,15 +499,12 @@ def test_prune_keeps_a_staging_directory_its_loader_wrote_to_after_prune_looked(
     assert (OLD, f"{publish.STAGING_DIR}/{staging.name} is in use again") in report.kept
 
 
-def test_prune_puts_a_replaced_copy_back_under_its_absent_key_never_removes_it(tmp_path):
-    """A complete copy in ``.trash`` whose key is absent (a loader stopped between the two
-    renames of a replacement without ``renameat2``) is the key's only copy: prune puts it
-    back under the key, never removes it as a leftover."""
+def _complete_copy_in_trash(root: Path) -> Path:
+    """A complete copy of ``OLD`` in ``root``'s ``.trash`` (manifest and ``.ready``), its key
+    absent, as a loader stopped between the two renames of a replacement leaves it."""
     from loader.repository import manifest
     from loader.repository.key import key_filename
-    from loader.repository.prune import prune
 
-    root = tmp_path / "models"
     (root / OLD.split("/")[0]).mkdir(parents=True)
     copy = root / ".trash" / f"{key_filename(OLD)}.0123456789ab"
     (copy / "m").mkdir(parents=True)
@@ -515,6 +512,18 @@ def test_prune_puts_a_replaced_copy_back_under_its_absent_key_never_removes_it(t
     meta = {"key": OLD, "created_at": "2026-01-01T00:00:00Z"}
     manifest.write_manifest(copy, manifest.build_manifest(copy, meta))
     manifest.write_ready(copy, OLD)
+    return copy
+
+
+def test_prune_puts_a_replaced_copy_back_under_its_absent_key_never_removes_it(tmp_path):
+    """A complete copy in ``.trash`` whose key is absent (a loader stopped between the two
+    renames of a replacement without ``renameat2``) is the key's only copy: prune puts it
+    back under the key, never removes it as a leftover."""
+    from loader.repository import manifest
+    from loader.repository.prune import prune
+
+    root = tmp_path / "models"
+    _complete_copy_in_trash(root)
     prune(root, keep=1)
     assert (root / OLD / "m" / "weights.bin").read_bytes() == b"weights"
     assert manifest.verify(root / OLD, key=OLD) == []
@@ -529,17 +538,10 @@ def test_a_put_back_without_renameat2_leaves_the_copy_when_a_directory_came_at_t
     and the run goes on (the error escaped, an OSError that is no user's or machine's)."""
     import errno
 
-    from loader.repository import manifest, publish
-    from loader.repository.key import key_filename
+    from loader.repository import publish
 
     root = tmp_path / "models"
-    (root / OLD.split("/")[0]).mkdir(parents=True)
-    copy = root / ".trash" / f"{key_filename(OLD)}.0123456789ab"
-    (copy / "m").mkdir(parents=True)
-    (copy / "m" / "weights.bin").write_bytes(b"weights")
-    meta = {"key": OLD, "created_at": "2026-01-01T00:00:00Z"}
-    manifest.write_manifest(copy, manifest.build_manifest(copy, meta))
-    manifest.write_ready(copy, OLD)
+    copy = _complete_copy_in_trash(root)
 
     def no_renameat2(op: str, path: str) -> None:
         if op == "rename-noreplace":

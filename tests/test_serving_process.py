@@ -355,7 +355,6 @@ def test_a_hang_up_stops_serve_and_its_server(repository):
 def _serve_signalled(repository: Path, sig: int) -> tuple[int, bool, str, Path | None]:
     """``serve repository`` started as a shell starts it, sent ``sig`` once it serves: its exit
     status, whether its tritonserver still runs, its standard error, and its log's path."""
-    import signal
     import subprocess
 
     from tests import procs
@@ -377,12 +376,7 @@ def _serve_signalled(repository: Path, sig: int) -> tuple[int, bool, str, Path |
         code = proc.wait(timeout=90)  # stop's own bound: --exit-timeout-secs and 10 s, then more
         left = procs.running(server)  # stopped (killed at worst), whether reaped or not
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if server is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(server, signal.SIGKILL)
+        _kill_with_its_server(proc, [] if server is None else [server])
     return code, left, proc.stderr.read(), log
 
 
@@ -421,12 +415,7 @@ def test_a_serve_killed_outright_takes_its_server_with_it(repository):
             time.sleep(0.1)
         assert not procs.running(server), "tritonserver was left running"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if server is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(server, signal.SIGKILL)
+        _kill_with_its_server(proc, [] if server is None else [server])
 
 
 @pytest.mark.parametrize("name", ["SIGUSR1", "SIGALRM", "SIGQUIT", "SIGSTKFLT"])
