@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group = parser.add_argument_group("TTFT / TPOT (--ttft, streaming models)")
     limit_argument(
-        group,  # type: ignore[arg-type]
+        group,
         "--requests-per-level",
         REQUESTS_PER_LEVEL,
         type=int,
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests sent per concurrency level",
     )
     limit_argument(
-        group,  # type: ignore[arg-type]
+        group,
         "--max-seconds-per-level",
         SECONDS_PER_LEVEL,
         default=DEFAULT_MAX_SECONDS,

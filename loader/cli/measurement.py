@@ -82,7 +82,7 @@ def add_measurement_arguments(
         help="requests per count window (perf_analyzer default 50)",
     )
     limit_argument(
-        group,  # type: ignore[arg-type]
+        group,
         "--stability-percentage",
         STABILITY_PERCENTAGE,
         metavar="PCT",
