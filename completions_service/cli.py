@@ -142,6 +142,18 @@ def _seconds(value: str) -> float:
     return number
 
 
+def _file(value: str) -> Path:
+    """A file's path; an empty one is refused, never taken as the current directory
+    (``Path("")`` is ``.``)."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty: name the file, or leave the flag out")
+    return Path(value)
+
+
+#: The flags that name a file: set but empty in the environment, each is an error of its own.
+FILE_FLAGS = ("--api-keys-file", "--triton-protocol-token-file")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="completions-service",
@@ -159,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
     add("--listen", f"HOST:PORT to serve HTTP on (default {DEFAULT_LISTEN})",
         default=DEFAULT_LISTEN, type=listen_address)  # fmt: skip
     add("--api-keys-file", "a file of API keys, one per line (default: no key needed)",
-        type=Path)  # fmt: skip
+        type=_file)  # fmt: skip
     add("--max-concurrency", f"requests in flight to Triton (default {DEFAULT_MAX_CONCURRENCY})",
         default=DEFAULT_MAX_CONCURRENCY, type=_within(1, MAX_COUNT))  # fmt: skip
     add("--max-queue", f"requests waiting beyond that before a 429 (default {DEFAULT_MAX_QUEUE})",
@@ -172,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
     add("--triton-protocol-header", "the gRPC header that admits to Triton's restricted "
         "protocols, e.g. triton-grpc-protocol-admin-key (the service reads model-config)",
         type=header_name)  # fmt: skip
-    add("--triton-protocol-token-file", "a file holding that header's value", type=Path)
+    add("--triton-protocol-token-file", "a file holding that header's value", type=_file)
     add("--log-level", "debug, info, warning or error (default info)", default="info",
         choices=["debug", "info", "warning", "error"])  # fmt: skip
     return p
@@ -306,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGKILL. The threads started later (gRPC's, the event loop's) inherit this one's.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     p = parser()
+    for name in map(env_name, FILE_FLAGS):
+        if os.environ.get(name) == "":
+            p.error(f"{name} is set but empty: unset it, or set it to the file's path")
     args = p.parse_args(argv)  # argparse applies `type` to string defaults from the environment
     if not args.triton_url:
         p.error(f"--triton-url is required (or {env_name('--triton-url')})")

@@ -113,6 +113,17 @@ STARTUP_TIMEOUT_S = Limit("the startup timeout", 120.0, 0.0, " s", exclusive=Tru
 COMPLETION_TIMEOUT_S = Limit(
     "the completion timeout", 600.0, 0.0, " s", exclusive=True, most=WEEK_S
 )
+#: How far perf_analyzer's windows of a level may differ and still count as stable, in percent
+#: of their mean (None: perf_analyzer's own, 10).
+STABILITY_PERCENTAGE = Limit("the stability percentage", None, 0.0, "%", exclusive=True)
+#: Requests ``bench --ttft`` sends per concurrency level (its default:
+#: :data:`loader.bench.stream.DEFAULT_REQUESTS`).
+REQUESTS_PER_LEVEL = Limit("the number of requests per level", None, 1)
+#: How long ``bench --ttft`` goes on sending new requests at one concurrency level (its default:
+#: :data:`loader.bench.stream.DEFAULT_MAX_SECONDS`).
+SECONDS_PER_LEVEL = Limit(
+    "the time per concurrency level", None, 0.0, " s", exclusive=True, most=WEEK_S
+)
 #: Published keys kept per model name by pruning.
 PRUNE_KEEP = Limit("the number of keys kept per model name", 2, 1)
 #: Parallel download and conversion workers (None: chosen per source).

@@ -199,13 +199,22 @@ def test_concurrency_ranges_include_the_end_like_perf_analyzer(text, levels):
         (["--input-data", "{fifo}"], "is a FIFO"),  # it was said not to exist
         (["--input-data", "{dir}"], "is a directory"),
         (["--concurrency-range", "1:5000"], "asks for 5000 levels"),
+        # The stability test compared every window against NaN or a negative spread.
+        (["--stability-percentage", "nan"], "--stability-percentage must be a finite number"),
+        (["--stability-percentage", "0"], "--stability-percentage must be more than 0"),
+        # --ttft's own waits went to the load generator as they were.
+        (["--ttft", "--max-seconds-per-level", "nan"], "--max-seconds-per-level must be a fin"),
+        (["--ttft", "--max-seconds-per-level", "inf"], "--max-seconds-per-level must be a fin"),
+        (["--ttft", "--max-seconds-per-level", "-1"], "--max-seconds-per-level must be more"),
+        (["--ttft", "--requests-per-level", "0"], "--requests-per-level must be at least 1"),
     ],
 )
 def test_scripts_bench_refuses_a_bad_setting_before_measuring(tmp_path, argv, needle):
     os.mkfifo(tmp_path / "fifo")
     argv = [a.format(fifo=tmp_path / "fifo", dir=tmp_path) for a in argv]
+    mode, argv = (argv[0], argv[1:]) if argv[0] == "--ttft" else ("--url", argv)
     done = subprocess.run(
-        [*BENCH, "--url", "127.0.0.1:1", "--model", "codegen", *argv],
+        [*BENCH, mode, "127.0.0.1:1", "--model", "codegen", *argv],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and needle in done.stderr, done.stderr

@@ -420,6 +420,25 @@ def test_an_http_address_for_triton_is_refused_with_the_grpc_form():
 
 
 @pytest.mark.parametrize("flag", ["--api-keys-file", "--triton-protocol-token-file"])
+def test_a_file_setting_set_but_empty_says_so_and_what_to_do(monkeypatch, capsys, flag):
+    """COMPLETIONS_API_KEYS_FILE="" (an unset variable in a manifest) was refused as the file
+    ".", a directory: the error named a path nobody gave."""
+    from completions_service.cli import main
+
+    monkeypatch.setenv(env_name(flag), "")
+    with pytest.raises(SystemExit) as exc:
+        main(["--triton-url", "127.0.0.1:1", "--triton-protocol-header", "x-key"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{env_name(flag)} is set but empty" in err, err
+    assert "unset it" in err and " .:" not in err
+    monkeypatch.delenv(env_name(flag))
+    with pytest.raises(SystemExit) as exc:
+        main(["--triton-url", "127.0.0.1:1", flag, ""])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{flag}: empty" in err and " .:" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--api-keys-file", "--triton-protocol-token-file"])
 @pytest.mark.parametrize("kind", ["FIFO", "directory", "link to a FIFO", "huge file"])
 def test_a_secret_file_that_is_no_small_regular_file_is_refused_at_start_never_read(
     tmp_path, capsys, flag, kind

@@ -273,6 +273,32 @@ def test_published_files_are_0644_and_directories_0755_whatever_the_umask(tmp_pa
         assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
 
 
+@pytest.mark.parametrize("mode", [0o700, 0o750, 0o755], ids=oct)
+@pytest.mark.parametrize("which", ["ROOT", "<name>@<rev>"])
+def test_a_directory_others_cannot_enter_is_published_into_with_a_warning(
+    tmp_path: Path, caplog, which, mode
+):
+    """A ROOT or ``<name>@<rev>`` the user made 0700 was published into without a word, though
+    a Triton running as another uid cannot enter it: a warning names it, its mode and what to
+    do (not an error: the chart runs both as one uid)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    staging = _stage(root)
+    denied = root if which == "ROOT" else root / KEY.split("/")[0]
+    denied.mkdir(exist_ok=True)
+    denied.chmod(mode)
+    with caplog.at_level("WARNING", logger="loader"):
+        publish.publish(staging, root, KEY)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if mode == 0o755:
+        assert warned == []
+    else:
+        [message] = warned
+        assert str(denied) in message and f"{mode:04o}" in message, message
+        assert "chmod a+rx" in message and "same uid" in message
+    assert manifest.verify(root / KEY, key=KEY) == []
+
+
 def test_a_new_name_at_revision_directory_is_made_durable_before_a_key_moves_into_it(
     tmp_path: Path,
 ):

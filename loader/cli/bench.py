@@ -44,6 +44,7 @@ from loader.cli import (
     add_log_options,
     configure_logging,
     directory_path,
+    limit_argument,
     report,
     require_extra,
     run_command,
@@ -56,6 +57,7 @@ from loader.cli.measurement import (
 )
 from loader.endpoint import parse_endpoint
 from loader.errors import LoaderError
+from loader.limits import REQUESTS_PER_LEVEL, SECONDS_PER_LEVEL
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
         default_minutes=f"no cap; {experiment.MAX_MINUTES:g} for --serving-experiment",
     )
     group = parser.add_argument_group("TTFT / TPOT (--ttft, streaming models)")
-    group.add_argument(
+    limit_argument(
+        group,
         "--requests-per-level",
+        REQUESTS_PER_LEVEL,
         type=int,
         default=DEFAULT_REQUESTS,
         metavar="N",
-        help=f"requests sent per concurrency level (default {DEFAULT_REQUESTS})",
+        help="requests sent per concurrency level",
     )
-    group.add_argument(
+    limit_argument(
+        group,
         "--max-seconds-per-level",
-        type=float,
+        SECONDS_PER_LEVEL,
         default=DEFAULT_MAX_SECONDS,
         metavar="S",
-        help="stop sending new requests at a level after this long "
-        f"(default {DEFAULT_MAX_SECONDS:g})",
+        help="stop sending new requests at a level after this long",
     )
     return parser
 
@@ -274,6 +278,8 @@ def run_ttft(args: argparse.Namespace, extra: tuple[str, ...], out: Path) -> Rep
             "--ttft does not run perf_analyzer, so it takes no arguments after --",
             "Drop the arguments after --.",
         )
+    REQUESTS_PER_LEVEL.check(args.requests_per_level)
+    SECONDS_PER_LEVEL.check(args.max_seconds_per_level)
     targets = [parse_target(t, protocol=args.protocol or "grpc") for t in args.ttft]
     if len(targets) == 1 and args.label:
         targets = [dataclasses.replace(targets[0], label=args.label)]

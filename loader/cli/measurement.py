@@ -22,7 +22,9 @@ from loader.bench.settings import (
     workloads_from_paths,
 )
 from loader.bench.sweep import parse_concurrency_range
+from loader.cli import limit_argument
 from loader.errors import LoaderError
+from loader.limits import STABILITY_PERCENTAGE
 
 DEFAULT_CONCURRENCY_RANGE = "1:16:5"
 
@@ -79,10 +81,10 @@ def add_measurement_arguments(
         metavar="N",
         help="requests per count window (perf_analyzer default 50)",
     )
-    group.add_argument(
+    limit_argument(
+        group,
         "--stability-percentage",
-        type=float,
-        default=None,
+        STABILITY_PERCENTAGE,
         metavar="PCT",
         help="how far the 3 windows of a level may differ to count as stable, in percent of "
         "their mean (default 10, perf_analyzer's)",
@@ -174,6 +176,7 @@ def options_from_args(
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             raise LoaderError(f"{flag} must be at least 1, got {value}", f"Pass {flag} 1 or more.")
+    STABILITY_PERCENTAGE.check(args.stability_percentage)
     if args.widenings is not None and args.widenings < 0:
         raise LoaderError(
             f"--widenings must be 0 or more, got {args.widenings}", "Pass --widenings 0, 1 or 2."

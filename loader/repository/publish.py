@@ -556,6 +556,8 @@ def _publish(
         if r.mkdir(parent_name, exist_ok=True, what="key directory"):
             r.fsync()  # the new <name>@<revision> directory is durable before a key is in it
         with r.sub(STAGING_DIR) as base, r.sub(parent_name, what="key directory") as parent:
+            _warn_unless_others_enter(r)
+            _warn_unless_others_enter(parent)
             if staging.parent != base.path:
                 raise ValueError(f"{staging} is not a directory of {base.path}")
             _check_at(base, staging.name, expected)
@@ -575,6 +577,19 @@ def _publish(
                 _rename_new(base, staging.name, parent, variant, target)
                 _moved_back_unless(base, staging.name, parent, variant, expected, "noreplace")
             parent.fsync()
+
+
+def _warn_unless_others_enter(d: Dir) -> None:
+    """Warn when others may not search and read ``d`` (a ROOT or ``<name>@<rev>`` the user made
+    0700): a Triton running as another uid could not load what is published in it. Not an
+    error: the chart runs both as one uid."""
+    mode = stat.S_IMODE(d.stat().st_mode)
+    if mode & 0o005 != 0o005:
+        log.warning(
+            "%s has mode %04o: a Triton running as another uid cannot enter it to load the "
+            "model; chmod a+rx %s, or run Triton as the same uid as the loader",
+            d.path, mode, d.path,
+        )  # fmt: skip
 
 
 def _appeared(target: Path, exc: OSError) -> PublishError:
