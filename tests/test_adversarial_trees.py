@@ -69,6 +69,28 @@ def test_prune_still_removes_a_lock_a_take_over_moved_away(tmp_path):
     assert [r.path for r in report.removed] == [moved]
 
 
+def test_prune_says_what_to_do_with_a_name_taken_where_it_moves_a_stale_lock(tmp_path, caplog):
+    """A user's file is put at the fresh name prune moves a moved-away lock to before removing
+    it: both stay, and the warning says which name holds what and what to do about it."""
+    (tmp_path / LOCKS_DIR).mkdir()
+    moved = tmp_path / LOCKS_DIR / f"{key_filename(KEY)}.lock.stale-0123456789abcdef"
+    moved.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"}))
+    taken: list[str] = []
+
+    def plant(op: str, path: str) -> None:
+        if op == "rename-noreplace" and path.startswith(f"{moved} -> ") and not taken:
+            taken.append(path.split(" -> ")[1])
+            Path(taken[0]).write_text("a user's notes\n")
+
+    with fs.inject(plant), caplog.at_level("WARNING"):
+        report = prune(tmp_path, keep=1)
+    assert taken and Path(taken[0]).read_text() == "a user's notes\n"
+    assert moved.exists() and moved not in [r.path for r in report.removed]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert taken[0] in said and "holds a file" in said, said
+    assert "move" in said and "away" in said and "prune again" in said, said
+
+
 def test_prune_never_removes_a_users_file_renamed_over_a_moved_lock_at_any_step(tmp_path):
     """A lock a take-over moved aside, judged by its content: a user's file renamed to its
     name at any call prune makes on that name after it looked (before the removal too) is
