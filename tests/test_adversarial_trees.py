@@ -314,6 +314,26 @@ def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
     assert lock_live(tmp_path, key_filename(KEY), expiry_s=0.2)
 
 
+def test_a_lock_record_of_a_newer_loader_is_never_to_be_moved_away(tmp_path):
+    """A record of this key with a field this loader does not know (a newer loader's, which may
+    be live): refused, and the remediation says to upgrade or wait, never to move the lock away
+    (the lock stays as it is)."""
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    record = {"key": KEY, "pid": 1, "host": "another-node", "token": "t", "lease_id": "x"}
+    content = json.dumps(record).encode()
+    path.write_bytes(content)
+    lock = PublishLock(tmp_path, KEY, expiry_s=0.2, timeout_s=2, poll_s=0.05)
+    with pytest.raises(RepositoryError) as info:
+        lock.acquire()
+    assert info.value.exit_code == 2
+    assert str(path) in info.value.message and "newer loader" in info.value.message
+    hint = info.value.remediation
+    assert "upgrade" in hint.lower() and "wait" in hint.lower(), hint
+    assert "move" not in hint.lower() or "never move" in hint.lower(), hint
+    assert path.read_bytes() == content and sorted(os.listdir(path.parent)) == [path.name]
+
+
 def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path):
     with PublishLock(tmp_path, KEY, expiry_s=5) as lock:
         record = lock.path.read_bytes()
