@@ -1961,6 +1961,21 @@ class Dir:
                 self._still_there(name, found)
             raise
 
+    def rmdir_made(self, name: str, made: tuple[int, int]) -> bool:
+        """Remove the empty directory ``name`` only while it is that very directory ``made``
+        (its device and inode, as this process made it): anything else at ``name``, or
+        anything put into it meanwhile, stays. True when it was removed."""
+        found = self.lstat(name)
+        if found is None or (found.st_dev, found.st_ino) != tuple(made):
+            return False
+        if not stat.S_ISDIR(found.st_mode):
+            return False
+        with self.sub(name) as d:
+            now = d.stat()
+            if (now.st_dev, now.st_ino) != tuple(made) or d.names():
+                return False
+            return not self._rmdir_opened(name, d)
+
     def _still_there(self, name: str, found: os.stat_result) -> None:
         """Record again the directory ``name`` (``found``: its ``lstat`` before) whose removal,
         recorded as about to happen, failed (another process put something into it): it is
