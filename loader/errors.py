@@ -613,6 +613,16 @@ class NameTakenError(FileExistsError):
         self.found = found
 
 
+class NameContendedError(FileExistsError):
+    """A name of the loader's own tree held another file of the loader's at every look of a
+    rename over it (other loaders placing the same file there): contention, not a user's entry
+    in the way. Raised by :mod:`loader.fs`; :func:`typed_os_error` makes it a
+    :class:`TransientFileSystemError`."""
+
+    def __init__(self, path: Path | str) -> None:
+        super().__init__(errno.EEXIST, "another loader keeps replacing it", str(path))
+
+
 #: errno -> (what happened, what to do with ``{path}``) for failures of the environment
 #: (exit 2). ENOSPC and EDQUOT are :class:`InsufficientDiskSpaceError`.
 _ENVIRONMENT: dict[int, tuple[str, str]] = {
@@ -747,6 +757,12 @@ def typed_os_error(exc: OSError) -> LoaderError | None:
         return None
     if isinstance(exc, NameTakenError):
         return NotOursError(exc.filename, exc.found, "a new file the loader creates there")
+    if isinstance(exc, NameContendedError):
+        return TransientFileSystemError(
+            f"{shown(exc.filename)} was replaced by another loader at every look while this "
+            "loader renamed its file there; nothing was replaced.",
+            "Another loader keeps replacing it: run again (or once that loader is done).",
+        )
     if isinstance(exc, DirectoryRemovedError):
         directory = shown(exc.directory)
         return TransientFileSystemError(

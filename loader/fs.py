@@ -79,6 +79,7 @@ from typing import BinaryIO
 
 from loader.errors import (
     DirectoryRemovedError,
+    NameContendedError,
     NameTakenError,
     NotOursError,
     OutputPathError,
@@ -1737,7 +1738,8 @@ class Dir:
         is refused, unless it is the loader's own again); the loader's file is swapped out in
         one exchange and removed only while it is that very file (anything else is swapped back,
         and refused unless it is the loader's own: another loader placing the same file); a
-        name that changes at every look is refused. The loader's directory
+        name another loader's file holds at every look is refused as
+        contention (:class:`NameContendedError`). The loader's directory
         there (rename(2) replaces only an empty one), and a file system without ``renameat2``,
         are renamed as before."""
         src, dst = self.path / name, to.path / to_name
@@ -1771,8 +1773,8 @@ class Dir:
             there = to.lstat(to_name)  # another loader's own (placing the same file): again
             if there is not None and not to._made_by_loader(to_name, there):
                 raise NameTakenError(dst, "a file put there after the loader looked")
-        else:  # changed at every look: rename(2) would replace whatever stands there by then
-            raise NameTakenError(dst, f"{to._found(to_name)}, changing while the loader looked")
+        else:  # the loader's own at every look (a user's was refused): other loaders contend
+            raise NameContendedError(dst)  # (rename(2) would replace what stands there by then)
         self._rename(name, to, to_name, "replace", src, dst)
 
     def _record_moved(
@@ -1958,6 +1960,21 @@ class Dir:
             if found is not None:
                 self._still_there(name, found)
             raise
+
+    def rmdir_made(self, name: str, made: tuple[int, int]) -> bool:
+        """Remove the empty directory ``name`` only while it is that very directory ``made``
+        (its device and inode, as this process made it): anything else at ``name``, or
+        anything put into it meanwhile, stays. True when it was removed."""
+        found = self.lstat(name)
+        if found is None or (found.st_dev, found.st_ino) != tuple(made):
+            return False
+        if not stat.S_ISDIR(found.st_mode):
+            return False
+        with self.sub(name) as d:
+            now = d.stat()
+            if (now.st_dev, now.st_ino) != tuple(made) or d.names():
+                return False
+            return not self._rmdir_opened(name, d)
 
     def _still_there(self, name: str, found: os.stat_result) -> None:
         """Record again the directory ``name`` (``found``: its ``lstat`` before) whose removal,

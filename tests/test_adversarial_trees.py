@@ -69,6 +69,28 @@ def test_prune_still_removes_a_lock_a_take_over_moved_away(tmp_path):
     assert [r.path for r in report.removed] == [moved]
 
 
+def test_prune_says_what_to_do_with_a_name_taken_where_it_moves_a_stale_lock(tmp_path, caplog):
+    """A user's file is put at the fresh name prune moves a moved-away lock to before removing
+    it: both stay, and the warning says which name holds what and what to do about it."""
+    (tmp_path / LOCKS_DIR).mkdir()
+    moved = tmp_path / LOCKS_DIR / f"{key_filename(KEY)}.lock.stale-0123456789abcdef"
+    moved.write_text(json.dumps({"key": KEY, "pid": 1, "host": "gone", "token": "x"}))
+    taken: list[str] = []
+
+    def plant(op: str, path: str) -> None:
+        if op == "rename-noreplace" and path.startswith(f"{moved} -> ") and not taken:
+            taken.append(path.split(" -> ")[1])
+            Path(taken[0]).write_text("a user's notes\n")
+
+    with fs.inject(plant), caplog.at_level("WARNING"):
+        report = prune(tmp_path, keep=1)
+    assert taken and Path(taken[0]).read_text() == "a user's notes\n"
+    assert moved.exists() and moved not in [r.path for r in report.removed]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert taken[0] in said and "holds a file" in said, said
+    assert "move" in said and "away" in said and "prune again" in said, said
+
+
 def test_prune_never_removes_a_users_file_renamed_over_a_moved_lock_at_any_step(tmp_path):
     """A lock a take-over moved aside, judged by its content: a user's file renamed to its
     name at any call prune makes on that name after it looked (before the removal too) is
@@ -290,6 +312,26 @@ def test_a_users_file_at_a_locks_name_is_never_taken_over(tmp_path, content):
     assert sorted(os.listdir(path.parent)) == [path.name]
     # prune leaves the key alone: what holds its lock's name is not a lock it may judge
     assert lock_live(tmp_path, key_filename(KEY), expiry_s=0.2)
+
+
+def test_a_lock_record_of_a_newer_loader_is_never_to_be_moved_away(tmp_path):
+    """A record of this key with a field this loader does not know (a newer loader's, which may
+    be live): refused, and the remediation says to upgrade or wait, never to move the lock away
+    (the lock stays as it is)."""
+    path = lock_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    record = {"key": KEY, "pid": 1, "host": "another-node", "token": "t", "lease_id": "x"}
+    content = json.dumps(record).encode()
+    path.write_bytes(content)
+    lock = PublishLock(tmp_path, KEY, expiry_s=0.2, timeout_s=2, poll_s=0.05)
+    with pytest.raises(RepositoryError) as info:
+        lock.acquire()
+    assert info.value.exit_code == 2
+    assert str(path) in info.value.message and "newer loader" in info.value.message
+    hint = info.value.remediation
+    assert "upgrade" in hint.lower() and "wait" in hint.lower(), hint
+    assert "move" not in hint.lower() or "never move" in hint.lower(), hint
+    assert path.read_bytes() == content and sorted(os.listdir(path.parent)) == [path.name]
 
 
 def test_the_record_a_loader_writes_is_told_as_one_whole_and_cut_short(tmp_path):

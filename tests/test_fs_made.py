@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader import fs
-from loader.errors import NotOursError
+from loader.errors import EXIT_TRANSIENT, NotOursError, typed_os_error
 from tests.at_step import AtStep, picked_calls
 from tests.fault_sweep import snapshot as _snapshot
 from tests.tiers import examples
@@ -273,6 +273,39 @@ def test_a_target_that_changes_at_every_look_is_refused_never_replaced(tmp_path)
     assert tries == ["rename-noreplace", "rename-exchange", "rename-noreplace"]
     assert target.read_bytes() == b"another loader's" and (tree / "new").read_bytes() == b"new"
     assert theirs.read_text() == "mine\n"
+
+
+def test_a_target_other_loaders_keep_replacing_is_transient(tmp_path):
+    """Another loader's file is at the name at every look (other loaders contending for the
+    same name): the rename replaces nothing and fails as contention, worth running again (exit
+    75), not as a user's entry in the way (exit 2)."""
+    tree = _tree(tmp_path)
+    target = tree / "target"
+    tries: list[str] = []
+    exchanges: list[str] = []
+
+    def come_and_go(op: str, path: str) -> None:
+        if not path.endswith(f"/new -> {target}"):
+            return
+        if op == "rename-exchange":
+            exchanges.append(path)
+            if len(exchanges) % 2 == 0:
+                return  # (the exchange back of the other's file swapped in)
+        tries.append(op)
+        with fs.inject(lambda op, path: None), fs.Dir.open(tree) as t:
+            t.rename("target", t, f"target.{len(tries)}")  # (kept: no inode used again)
+            t.write("target", f"loader {len(tries)}".encode())
+
+    with fs.Dir.open(tree) as t:
+        t.write("new", b"new")
+        t.write("target", b"loader 0")
+        with fs.inject(come_and_go), pytest.raises(FileExistsError) as raised:
+            t.rename("new", t, "target", how="replace")
+    assert len(tries) == 3
+    assert target.read_bytes() == b"loader 3" and (tree / "new").read_bytes() == b"new"
+    typed = typed_os_error(raised.value)
+    assert typed is not None and typed.exit_code == EXIT_TRANSIENT, typed
+    assert "another loader" in str(typed) and "run" in typed.remediation.lower()
 
 
 class Stopped(BaseException):

@@ -169,3 +169,33 @@ def test_a_copy_removed_by_someone_else_after_it_was_checked_is_only_gone(
     assert removed
     assert code == 0, err
     assert manifest.verify(key) == []
+
+
+@pytest.mark.parametrize("case", ["made-by-recover", "there-before", "users-file-put-into-it"])
+def test_a_put_back_that_fails_leaves_no_key_directory_it_made(
+    tiny_checkpoint_with_tokenizer: Path, tmp_path: Path, case: str
+):
+    """The put-back of a replaced copy fails (an I/O error): the key's directory recover made
+    for it is removed again (an empty ``<name>@<rev>`` was left behind); one that was there
+    before stays, and so does one a user put a file into meanwhile; the copy stays in
+    ``.trash``."""
+    from loader.repository.publish import recover
+
+    root = tmp_path / "models"
+    key, previous = _replaced_copy_waiting(tiny_checkpoint_with_tokenizer, root)
+    if case != "there-before":
+        key.parent.rmdir()
+
+    def fail(op: str, path: str) -> None:
+        if path.startswith(f"{previous} -> "):
+            if case == "users-file-put-into-it":
+                (key.parent / "notes.txt").write_text("mine")
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    with fs.inject(fail), pytest.raises(OSError) as raised:
+        recover(root, key.relative_to(root).as_posix())
+    assert raised.value.errno == errno.EIO
+    assert key.parent.is_dir() == (case != "made-by-recover")
+    if case == "users-file-put-into-it":
+        assert os.listdir(key.parent) == ["notes.txt"]
+    assert manifest.verify(previous) == []

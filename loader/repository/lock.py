@@ -185,6 +185,16 @@ class PublishLock:
             now = time.monotonic()
             content = self._read()
             if content is not None and not lock_like(content):
+                if self._newer_record(content):
+                    raise PublishError(
+                        f"The publish lock {self.path} holds a record of this key with fields "
+                        f"this loader does not know: a newer loader's lock ({_describe(content)}"
+                        "), which may be live; this loader cannot judge it and leaves it alone.",
+                        "Upgrade this loader to the version of the loaders sharing this "
+                        "repository, or wait for that loader to finish (or its lock to expire, "
+                        "as a newer loader judges it), then run again; never move a lock file "
+                        "away while its loader may run.",
+                    )
                 raise NotOursError(
                     self.path, "a file holding no loader's lock record", "a publish lock file"
                 )
@@ -207,6 +217,19 @@ class PublishLock:
                     f"{_describe(content)}."
                 )
             time.sleep(self.poll_s)
+
+    def _newer_record(self, content: bytes) -> bool:
+        """Whether ``content`` is a record of this key a newer loader wrote: a whole object
+        beginning as a record does, naming this key and a record's pid, host and token, with
+        fields besides a record's (this loader's records name no others)."""
+        record = _parse(content)
+        return (
+            content.startswith(RECORD_START)
+            and record is not None
+            and record.get("key") == self.key
+            and {"pid", "host", "token"} <= set(record)
+            and not set(record) <= RECORD_FIELDS
+        )
 
     def _create(self) -> bool:
         """Create the lock file (``O_EXCL``) and write our record; False if it exists. A write

@@ -612,8 +612,12 @@ def _stale_lock_files(root: Path, dry_run: bool) -> list[Removal]:
                     if not dry_run and not locks.unlink_judged(name, found[1], aside):
                         continue
                 except NameTakenError as exc:  # something at the fresh name: never replaced
-                    log.warning("kept %s: %s is taken (%s)", locks.path / name, exc.filename,
-                                exc.found)  # fmt: skip
+                    log.warning(
+                        "kept the moved-away stale lock file %s: the name %s it is moved to "
+                        "before its removal holds %s the loader did not put there; move %s "
+                        "away (it stays as it is), then prune again to remove the stale lock",
+                        locks.path / name, exc.filename, exc.found, exc.filename,
+                    )  # fmt: skip
                     continue
                 removed.append(Removal(locks.path / name, "moved-away stale lock file", 0))
                 log.info("%s %s", "would remove" if dry_run else "removed", locks.path / name)

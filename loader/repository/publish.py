@@ -342,47 +342,80 @@ def recover(root: Path, key: str) -> Path | None:
                 with r.sub(parent_name) as parent:
                     if parent.lstat(variant) is not None:
                         return None
-            for name in candidates:
-                if not trash.is_dir(name):  # a file or link of someone else's: no copy
-                    continue
-                try:
-                    with trash.sub(name) as copy:
-                        judged = copy.stat()
-                        complete = not manifest.verify_in(copy, key=key, checksums=False)
-                except NotOursError:  # a link in it, swapped for it: someone else's
-                    continue
-                if not complete:
-                    continue
-                # The key's directory is made only for a copy to put back (an empty one was
-                # left when no copy in .trash was complete).
-                r.mkdir(parent_name, exist_ok=True, what="key directory")
-                with r.sub(parent_name) as parent:
-                    if parent.lstat(variant) is not None:
-                        return None
-                    try:  # never over what was put at the key while the copy was checked
-                        trash.rename_back(name, parent, variant)
-                    except FileNotFoundError:
-                        continue  # removed by someone else since it was checked
-                    except OSError as exc:
-                        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                            raise
-                        log.warning("left the previous copy of %s at %s: %s appeared "
-                                    "meanwhile", key, trash.path / name,
-                                    parent.path / variant)  # fmt: skip
-                        return None
-                    if not _same(parent.lstat(variant), (judged.st_dev, judged.st_ino)):
-                        # Something renamed to the copy's name after it was checked (a
-                        # directory or link of the user's) went to the key: back, untouched.
-                        _put_back_unchecked(parent, variant, trash, name)
-                        continue
-                    parent.fsync()
-                    log.warning(
-                        "put the previous copy of %s back from %s (a loader was stopped "
-                        "while replacing it)",
-                        key,
-                        trash.path / name,
-                    )
-                    return parent.path / variant
+            made: list[tuple[int, int]] = []  # the key's directory, when made here
+            try:
+                put = _recover_from(r, trash, candidates, key, parent_name, variant, made)
+            except BaseException:
+                _unmake_key_directory(r, parent_name, made)
+                raise
+            if put is None:
+                _unmake_key_directory(r, parent_name, made)
+            return put
+
+
+def _unmake_key_directory(r: Dir, parent_name: str, made: list[tuple[int, int]]) -> None:
+    """Remove the key's directory :func:`recover` made for a put-back that did not happen,
+    only while it is that very directory, still empty (an empty ``<name>@<rev>`` stayed)."""
+    if made:
+        with contextlib.suppress(OSError):
+            r.rmdir_made(parent_name, made[0])
+
+
+def _recover_from(
+    r: Dir,
+    trash: Dir,
+    candidates: list[str],
+    key: str,
+    parent_name: str,
+    variant: str,
+    made: list[tuple[int, int]],
+) -> Path | None:
+    """:func:`recover`'s put-back of the first complete copy among ``candidates``; the key's
+    directory, when made here, is appended to ``made``."""
+    for name in candidates:
+        if not trash.is_dir(name):  # a file or link of someone else's: no copy
+            continue
+        try:
+            with trash.sub(name) as copy:
+                judged = copy.stat()
+                complete = not manifest.verify_in(copy, key=key, checksums=False)
+        except NotOursError:  # a link in it, swapped for it: someone else's
+            continue
+        if not complete:
+            continue
+        # The key's directory is made only for a copy to put back (an empty one was
+        # left when no copy in .trash was complete).
+        if r.mkdir(parent_name, exist_ok=True, what="key directory"):
+            found = r.lstat(parent_name)
+            if found is not None:
+                made.append((found.st_dev, found.st_ino))
+        with r.sub(parent_name) as parent:
+            if parent.lstat(variant) is not None:
+                return None
+            try:  # never over what was put at the key while the copy was checked
+                trash.rename_back(name, parent, variant)
+            except FileNotFoundError:
+                continue  # removed by someone else since it was checked
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                log.warning("left the previous copy of %s at %s: %s appeared "
+                            "meanwhile", key, trash.path / name,
+                            parent.path / variant)  # fmt: skip
+                return None
+            if not _same(parent.lstat(variant), (judged.st_dev, judged.st_ino)):
+                # Something renamed to the copy's name after it was checked (a
+                # directory or link of the user's) went to the key: back, untouched.
+                _put_back_unchecked(parent, variant, trash, name)
+                continue
+            parent.fsync()
+            log.warning(
+                "put the previous copy of %s back from %s (a loader was stopped "
+                "while replacing it)",
+                key,
+                trash.path / name,
+            )
+            return parent.path / variant
     return None
 
 
