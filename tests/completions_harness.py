@@ -37,7 +37,9 @@ class CompletionsService:
 
     ``triton``: a started :class:`TritonServer` (the service gets its gRPC address and the
     access the chart gives it, :func:`triton_access`), or a bare gRPC address (no header).
-    ``blocked``: signals the service starts with blocked (:func:`tests.stalled.as_a_shell_starts`)."""
+    ``blocked``: signals the service starts with blocked (:func:`tests.stalled.as_a_shell_starts`);
+    ``as_a_shell``: started with the dispositions a shell gives it (also with ``blocked``), not
+    those the test process inherited (``nohup``); ``env``: set in its environment."""
 
     def __init__(
         self,
@@ -46,6 +48,8 @@ class CompletionsService:
         log: Path,
         extra: list[str] | None = None,
         blocked: tuple[int, ...] = (),
+        env: dict[str, str] | None = None,
+        as_a_shell: bool = False,
     ) -> None:
         access: list[str] = []
         if isinstance(triton, TritonServer):
@@ -55,6 +59,8 @@ class CompletionsService:
         self.log = log
         self.extra = [*access, *(extra or [])]
         self.blocked = blocked
+        self.env = env or {}
+        self.as_a_shell = as_a_shell or bool(blocked)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -68,9 +74,9 @@ class CompletionsService:
             "--triton-url", f"grpc://{self.triton_grpc}",
             "--listen", f"127.0.0.1:{self.port}", "--log-level", "warning", *self.extra,
         ]  # fmt: skip
-        if self.blocked:
+        if self.as_a_shell:
             cmd = as_a_shell_starts(cmd, blocked=self.blocked)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
         deadline = time.monotonic() + timeout
